@@ -1,0 +1,238 @@
+"""Command lines: ``greend`` (the daemon) and ``greenctl`` (show and steer it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from . import __version__
+from .client import Client, RequestRefused
+from .config import Config, apply_overrides, default_socket_path, load_config
+from .errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
+
+__all__ = ["ctl_app", "ctl_main", "daemon_app", "daemon_main"]
+
+log = logging.getLogger("greend")
+
+daemon_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="greend: the per-node energy controller daemon.")
+ctl_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                      help="greenctl: show and steer the greend daemon on this node.")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# greend ----------------------------------------------------------------------------
+
+
+@daemon_app.callback()
+def _daemon_root() -> None:
+    """greend: the per-node energy controller daemon."""
+
+
+@daemon_app.command("run")
+def daemon_run(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/greend/greend.toml if present)"),
+    sim: Optional[int] = typer.Option(None, "--sim", help="run on N simulated GPUs instead of NVML"),
+    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="where simulated devices keep their state"),
+    sysfs_root: Optional[Path] = typer.Option(None, "--sysfs-root", help="root of sysfs (a fixture tree in tests)"),
+    socket: Optional[Path] = typer.Option(None, "--socket", help="Unix socket path"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="saved settings, sim devices, default store"),
+    store: Optional[list[str]] = typer.Option(None, "--store", help="store URL (repeatable)"),
+    hz: Optional[float] = typer.Option(None, "--hz", help="sampling rate"),
+    dry_run: Optional[bool] = typer.Option(None, "--dry-run/--no-dry-run", help="record settings, touch nothing"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error"),
+) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from .daemon import Daemon
+
+    try:
+        cfg = load_config(config)
+        cfg = apply_overrides(cfg, sim=sim, sim_dir=sim_dir, sysfs_root=sysfs_root, socket=socket,
+                              state_dir=state_dir, store=store, hz=hz, dry_run=dry_run)
+        if log_level is not None:
+            cfg.daemon.log_level = log_level
+            from .config import validate
+
+            validate(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+        return
+    setup_logging(cfg.daemon.log_level)
+    daemon = Daemon(cfg)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except (ConfigError, StateError, StoreError) as e:
+        daemon.close()
+        _fail(str(e))
+    except OSError as e:
+        daemon.close()
+        _fail(f"cannot start: {e}")
+    log.info("greend %s running: %d probes, %d stores, socket %s",
+             __version__, len(daemon.probes), len(daemon.sinks), cfg.daemon.socket)
+    try:
+        daemon.run()
+    finally:
+        daemon.close()
+    log.info("stopped")
+
+
+def daemon_main() -> None:
+    daemon_app()
+
+
+# greenctl --------------------------------------------------------------------------
+
+_state: dict[str, Any] = {}
+
+
+@ctl_app.callback()
+def _ctl_root(
+    socket: Optional[Path] = typer.Option(None, "--socket", help="daemon socket (default $GREEND_SOCKET or /run/greend/greend.sock)"),
+    timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon"),
+) -> None:
+    _state["socket"] = socket or default_socket_path()
+    _state["timeout"] = timeout
+
+
+def _request(op: str, **fields: Any) -> Any:
+    try:
+        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
+            return c.request(op, **fields)
+    except DaemonUnavailable as e:
+        _fail(str(e), code=3)
+    except RequestRefused as e:
+        _fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def render_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    for r in cells:
+        lines.append("  ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths)))
+    return "\n".join(lines)
+
+
+def _numeric(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return s == "-"
+
+
+def render_status(st: dict[str, Any]) -> str:
+    out = [
+        f"greend {st['version']} on {st['host']}  pid {st['pid']}  up {st['uptime_s']:.1f} s  "
+        f"{st['hz']:g} Hz  ticks {st['ticks']} (skipped {st['ticks_skipped']})"
+        + ("  DRY RUN" if st.get("dry_run") else ""),
+        "",
+    ]
+    if st["gpus"]:
+        out.append(render_table(
+            ["GPU", "NAME", "SOURCE", "POWER_W", "ENERGY_J", "SM_MHZ", "CAP_MHZ", "LIMIT_W", "METHOD"],
+            [[g["index"], g["name"], g["source"], g["power_w"], g["energy_j"], g["sm_clock_mhz"],
+              g["clock_cap_mhz"], g["power_limit_w"], g.get("energy_method")] for g in st["gpus"]],
+        ))
+    else:
+        out.append("no GPUs (see: greenctl probes)")
+    out.append("")
+    if st["cpus"]:
+        out.append(render_table(
+            ["ZONE", "PATH", "SOURCE", "POWER_W", "ENERGY_J", "COUNTED"],
+            [[c["zone"], c["path"], c["source"], c["power_w"], c["energy_j"],
+              "yes" if c["counted"] else f"no (in {c['parent'] or 'platform'})"] for c in st["cpus"]],
+        ))
+    else:
+        out.append("no CPU energy zones (see: greenctl probes)")
+    t = st["totals"]
+    out += ["", f"energy since start: GPUs {t['gpu_energy_j']:.1f} J, CPU {t['cpu_energy_j']:.1f} J"]
+    pol = st.get("policy") or {}
+    out.append(f"policy: {pol.get('name', 'none')}   jobs: {len(st.get('jobs') or [])}")
+    for s in st.get("stores", []):
+        state = "ok" if s.get("ok") else f"FAILING: {s.get('last_error')}"
+        out.append(f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"
+                   f" dropped {s.get('dropped', 0)})")
+    return "\n".join(out)
+
+
+@ctl_app.command("status")
+def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+    """GPUs, CPU zones, jobs and policy, live."""
+    st = _request("status")
+    typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
+
+
+@ctl_app.command("probes")
+def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+    """What was detected, what is missing and why."""
+    res = _request("probes")
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+        return
+    for p in res["probes"]:
+        mark = "ok  " if p["open"] else "--  "
+        typer.echo(f"{mark}{p['name']:6} {p.get('detail') or p.get('last_error') or ''}")
+        for d in p.get("devices") or []:
+            typer.echo(f"        {d}")
+        if not p["open"] and p.get("fix"):
+            typer.echo(f"        fix: {p['fix']}")
+        if p["open"] and not p["success"] and p.get("last_error"):
+            typer.echo(f"        failing: {p['last_error']}")
+
+
+@ctl_app.command("doctor")
+def ctl_doctor(
+    config: Optional[Path] = typer.Option(None, "--config", help="config file to check"),
+    sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
+) -> None:
+    """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
+    from .doctor import run_checks
+
+    checks = run_checks(config=config, socket=_state["socket"], sysfs_root=sysfs_root,
+                        timeout_s=_state["timeout"])
+    worst = 0
+    for c in checks:
+        typer.echo(f"[{c.level:4}] {c.name}: {c.detail}")
+        if c.fix:
+            typer.echo(f"       fix: {c.fix}")
+        worst = max(worst, {"ok": 0, "info": 0, "warn": 1, "fail": 2}[c.level])
+    raise typer.Exit(worst)
+
+
+def ctl_main() -> None:
+    ctl_app()

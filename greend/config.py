@@ -1,0 +1,297 @@
+"""Configuration: a TOML file, then command-line flags on top.
+
+The file (``/etc/greend/greend.toml`` unless ``--config`` names another) has one
+table per concern; every key has a default, so an empty file is valid::
+
+    [daemon]
+    hz = 10.0                          # probe sampling rate
+    socket = "/run/greend/greend.sock"
+    socket_group = "greend"            # members may read status and register jobs
+    socket_mode = "0660"
+    state_dir = "/var/lib/greend"      # saved settings, sim devices, spool, default store
+    dry_run = false                    # record what would be set, touch nothing
+    heartbeat_timeout_s = 15.0
+    admin_group = "greend-admin"       # besides root: may set caps and policy
+    log_level = "info"
+
+    [probes]
+    enabled = ["nvml", "rapl", "host"] # any of: nvml, rapl, host, sim
+    sysfs_root = "/sys"
+    cpu_tdp_w = 0.0                    # >0: estimate CPU power where RAPL is absent
+    nvml_fake_dir = ""                 # development: drive the NVML probe with the fake
+
+    [sim]
+    gpus = 0                           # >0 replaces nvml with N simulated GPUs
+    dir = ""                           # default <state_dir>/sim
+    load = 0.0                         # background load 0..1 when no job runs
+    mem_share = 0.3                    # memory-bound share of a simulated step
+
+    [store]
+    urls = []                          # default ["sqlite:///<state_dir>/greend.db"]
+    interval_s = 1.0                   # how often samples go to the stores
+    retention_days = 30.0
+
+Unknown keys and bad values are refused at start with a message that names the
+key, the value and what is allowed; nothing is silently defaulted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config",
+    "DEFAULT_CONFIG_PATH",
+    "DaemonConfig",
+    "ProbesConfig",
+    "SimConfig",
+    "StoreConfig",
+    "load_config",
+    "default_socket_path",
+]
+
+DEFAULT_CONFIG_PATH = Path("/etc/greend/greend.toml")
+KNOWN_PROBES = ("nvml", "rapl", "host", "sim")
+
+
+def default_socket_path() -> Path:
+    """``$GREEND_SOCKET``, else the system path the systemd unit uses."""
+    env = os.environ.get("GREEND_SOCKET")
+    return Path(env) if env else Path("/run/greend/greend.sock")
+
+
+@dataclass
+class DaemonConfig:
+    hz: float = 10.0
+    socket: Path = field(default_factory=default_socket_path)
+    socket_group: str = "greend"
+    socket_mode: str = "0660"
+    state_dir: Path = Path("/var/lib/greend")
+    dry_run: bool = False
+    heartbeat_timeout_s: float = 15.0
+    admin_group: str = "greend-admin"
+    log_level: str = "info"
+
+
+@dataclass
+class ProbesConfig:
+    enabled: list[str] = field(default_factory=lambda: ["nvml", "rapl", "host"])
+    sysfs_root: Path = Path("/sys")
+    cpu_tdp_w: float = 0.0
+    nvml_fake_dir: str = ""
+
+
+@dataclass
+class SimConfig:
+    gpus: int = 0
+    dir: str = ""
+    load: float = 0.0
+    mem_share: float = 0.3
+
+
+@dataclass
+class StoreConfig:
+    urls: list[str] = field(default_factory=list)
+    interval_s: float = 1.0
+    retention_days: float = 30.0
+
+
+@dataclass
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    source: str = "defaults"  # where it came from, for greenctl doctor and logs
+
+    # Derived views -----------------------------------------------------------------
+    @property
+    def sim_dir(self) -> Path:
+        return Path(self.sim.dir) if self.sim.dir else self.daemon.state_dir / "sim"
+
+    @property
+    def store_urls(self) -> list[str]:
+        if self.store.urls:
+            return list(self.store.urls)
+        return [f"sqlite:///{self.daemon.state_dir / 'greend.db'}"]
+
+    @property
+    def enabled_probes(self) -> list[str]:
+        """With simulated GPUs the sim probe stands in for NVML."""
+        names = list(self.probes.enabled)
+        if self.sim.gpus > 0:
+            names = [n for n in names if n != "nvml"]
+            if "sim" not in names:
+                names.insert(0, "sim")
+        return names
+
+    def to_json(self) -> dict[str, Any]:
+        def conv(v: Any) -> Any:
+            if isinstance(v, Path):
+                return str(v)
+            if isinstance(v, list):
+                return [conv(x) for x in v]
+            return v
+
+        return {
+            sec: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, sec)).items()}
+            for sec in ("daemon", "probes", "sim", "store")
+        }
+
+
+# Validation ------------------------------------------------------------------------
+
+
+def _check(section: str, key: str, value: Any, expect: type | tuple[type, ...], allowed: str) -> None:
+    types = expect if isinstance(expect, tuple) else (expect,)
+    # bool is an int in Python: refuse `true` where a number is wanted.
+    wrong_bool = isinstance(value, bool) and bool not in types
+    if wrong_bool or not isinstance(value, types):
+        raise ConfigError(f"[{section}] {key} = {value!r}: expected {allowed}")
+
+
+def _positive(section: str, key: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(
+            f"[{section}] {key} = {value!r}: must be {'>= 0' if zero_ok else '> 0'}"
+        )
+
+
+def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"[{section}] unknown key {key!r}; allowed keys: {', '.join(sorted(fields))}"
+            )
+        current = getattr(obj, key)
+        if isinstance(current, bool):
+            _check(section, key, value, bool, "true or false")
+        elif isinstance(current, float):
+            _check(section, key, value, (int, float), "a number")
+            value = float(value)
+        elif isinstance(current, int):
+            _check(section, key, value, int, "a whole number")
+        elif isinstance(current, Path):
+            _check(section, key, value, str, "a path string")
+            value = Path(value)
+        elif isinstance(current, list):
+            _check(section, key, value, list, "a list of strings")
+            for item in value:
+                _check(section, key, item, str, "a list of strings")
+            value = list(value)
+        else:
+            _check(section, key, value, str, "a string")
+        setattr(obj, key, value)
+
+
+def validate(cfg: Config) -> Config:
+    d, p, s, st = cfg.daemon, cfg.probes, cfg.sim, cfg.store
+    _positive("daemon", "hz", d.hz)
+    if d.hz > 1000:
+        raise ConfigError(f"[daemon] hz = {d.hz!r}: at most 1000 (NVML power updates every 20-100 ms)")
+    _positive("daemon", "heartbeat_timeout_s", d.heartbeat_timeout_s)
+    try:
+        mode = int(d.socket_mode, 8)
+    except ValueError:
+        raise ConfigError(
+            f"[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like \"0660\""
+        ) from None
+    if mode & ~0o777:
+        raise ConfigError(f"[daemon] socket_mode = {d.socket_mode!r}: permission bits only (0000-0777)")
+    if d.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(
+            f"[daemon] log_level = {d.log_level!r}: expected one of debug, info, warning, error"
+        )
+    for name in p.enabled:
+        if name not in KNOWN_PROBES:
+            raise ConfigError(
+                f"[probes] enabled contains {name!r}: known probes are {', '.join(KNOWN_PROBES)}"
+            )
+    _positive("probes", "cpu_tdp_w", p.cpu_tdp_w, zero_ok=True)
+    if s.gpus < 0 or s.gpus > 64:
+        raise ConfigError(f"[sim] gpus = {s.gpus!r}: expected 0 (off) to 64")
+    if not 0.0 <= s.load <= 1.0:
+        raise ConfigError(f"[sim] load = {s.load!r}: expected a fraction from 0.0 to 1.0")
+    if not 0.0 <= s.mem_share <= 0.95:
+        raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
+    _positive("store", "interval_s", st.interval_s)
+    _positive("store", "retention_days", st.retention_days, zero_ok=True)
+    from .sinks import check_url  # late: sinks import config types
+
+    for url in st.urls:
+        check_url(url)
+    return cfg
+
+
+def load_config(path: Path | None, *, required: bool | None = None) -> Config:
+    """Read ``path`` (default: the system file, if it exists) into a validated Config.
+
+    ``required``: whether a missing file is an error; by default it is when the
+    path was given explicitly and not when falling back to the system file.
+    """
+    explicit = path is not None
+    path = path or DEFAULT_CONFIG_PATH
+    if required is None:
+        required = explicit
+    cfg = Config()
+    if not path.exists():
+        if required:
+            raise ConfigError(f"config file {path} does not exist (give an existing file to --config)")
+        return validate(cfg)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
+    sections = {"daemon": cfg.daemon, "probes": cfg.probes, "sim": cfg.sim, "store": cfg.store}
+    for key, value in raw.items():
+        if key not in sections:
+            raise ConfigError(
+                f"{path}: unknown table [{key}]; allowed tables: {', '.join(sections)}"
+            )
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: {key!r} must be a table ([{key}]), not a {type(value).__name__}")
+        try:
+            _apply_section(key, sections[key], value)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    cfg.source = str(path)
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def apply_overrides(cfg: Config, **flags: Any) -> Config:
+    """Command-line flags win over the file. ``None`` means "not given"."""
+    mapping = {
+        "sim": ("sim", "gpus"),
+        "sim_dir": ("sim", "dir"),
+        "sysfs_root": ("probes", "sysfs_root"),
+        "socket": ("daemon", "socket"),
+        "state_dir": ("daemon", "state_dir"),
+        "hz": ("daemon", "hz"),
+        "dry_run": ("daemon", "dry_run"),
+        "store": ("store", "urls"),
+    }
+    for flag, value in flags.items():
+        if value is None or (flag == "store" and not value):
+            continue
+        section, key = mapping[flag]
+        obj = getattr(cfg, section)
+        current = getattr(obj, key)
+        if isinstance(current, Path):
+            value = Path(value)
+        elif key == "dir":
+            value = str(value)
+        setattr(obj, key, value)
+    return validate(cfg)

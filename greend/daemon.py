@@ -1,0 +1,414 @@
+"""The daemon: probes -> ledger -> snapshot -> sinks, and the socket that serves it.
+
+One tick (default every 100 ms) samples every open probe, each timed and
+isolated: a probe that raises is marked failed for that tick and the others go on.
+Readings update the :class:`~greend.ledger.Ledger` and the snapshot that
+``greenctl status`` reads. Every ``store.interval_s`` the latest readings become
+points for the sinks, which queue them and write from threads of their own.
+
+The schedule is drift-free: tick *k* is due at ``start + k * period`` on the
+monotonic clock; a tick that overruns skips the ticks it missed (counted in
+``ticks_skipped``) instead of bunching them up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import probes as probe_registry
+from probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, ProbeInfo
+
+from . import __version__
+from .config import Config
+from .errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
+from .ipc import Connection, Field, IpcServer, Peer
+from .ledger import Ledger
+from .sinks import Point, Sink, open_sink
+
+__all__ = ["Daemon", "ProbeStats"]
+
+log = logging.getLogger(__name__)
+
+PROBE_RETRY_S = 30.0
+
+
+@dataclass
+class ProbeStats:
+    """Per-probe self-metrics, in the style of node_scrape_collector_*."""
+
+    name: str
+    open: bool = False
+    success: bool = False
+    duration_s: float = 0.0
+    samples: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    info: ProbeInfo | None = None
+    next_open_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "open": self.open,
+            "success": self.success,
+            "duration_s": self.duration_s,
+            "samples": self.samples,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+        if self.info is not None:
+            d.update({k: v for k, v in self.info.to_json().items() if k != "name"})
+        return d
+
+
+@dataclass
+class Snapshot:
+    """The latest tick, as the status op and the sinks see it."""
+
+    t_s: float = 0.0
+    wall_s: float = 0.0
+    gpus: list[GpuReading] = field(default_factory=list)
+    cpus: list[CpuReading] = field(default_factory=list)
+    host: HostReading | None = None
+
+
+class Daemon:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        hostname: str | None = None,
+        nvml_module: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.monotonic = monotonic
+        self.wall = wall
+        self.hostname = hostname or socket.gethostname()
+        self.ledger = Ledger(history_s=3600.0, hz=cfg.daemon.hz)
+        self.stop_event = threading.Event()
+        self.started_wall_s = wall()
+        self.started_s = monotonic()
+        self.ticks = 0
+        self.ticks_skipped = 0
+        self.tick_duration_s = 0.0
+        self.snapshot = Snapshot()
+        self._snap_lock = threading.Lock()
+        self._last_store_s = -math.inf
+        self.probes: list[Probe] = []
+        self.stats: dict[str, ProbeStats] = {}
+        self.sinks: list[Sink] = []
+        self.sink_errors: dict[str, str] = {}
+        self._nvml_module = nvml_module
+        self.server: IpcServer | None = None
+
+    # Set-up --------------------------------------------------------------------------
+    def probe_context(self) -> ProbeContext:
+        cfg = self.cfg
+        nvml_module = self._nvml_module
+        if nvml_module is None and cfg.probes.nvml_fake_dir:
+            from probes.fake_nvml import FakeNvml
+
+            nvml_module = FakeNvml(Path(cfg.probes.nvml_fake_dir))
+        return ProbeContext(
+            sysfs_root=cfg.probes.sysfs_root,
+            sim_gpus=cfg.sim.gpus,
+            sim_dir=cfg.sim_dir,
+            sim_params={"load": cfg.sim.load, "mem_share": cfg.sim.mem_share},
+            cpu_tdp_w=cfg.probes.cpu_tdp_w,
+            nvml_module=nvml_module,
+            job_pids=self.job_pids,
+            rapl_present=lambda: bool(self.stats.get("rapl") and self.stats["rapl"].open),
+        )
+
+    def job_pids(self) -> list[int]:
+        return []
+
+    def open_probes(self) -> None:
+        try:
+            self.probes = probe_registry.build(self.cfg.enabled_probes, self.probe_context())
+        except KeyError as e:
+            raise ConfigError(f"[probes] enabled: unknown probe {e}") from None
+        for p in self.probes:
+            self.stats[p.name] = ProbeStats(p.name)
+            self._try_open(p, first=True)
+
+    def _try_open(self, p: Probe, *, first: bool) -> None:
+        st = self.stats[p.name]
+        try:
+            p.open()
+        except NoData as e:
+            st.open, st.last_error = False, str(e)
+            (log.info if first else log.debug)("probe %s: %s", p.name, e)
+        except ProbeError as e:
+            st.open, st.last_error = False, str(e)
+            (log.warning if first else log.debug)("probe %s: %s", p.name, e)
+        except Exception as e:  # noqa: BLE001 - one broken probe never stops the daemon
+            st.open, st.last_error = False, f"{type(e).__name__}: {e}"
+            log.exception("probe %s failed to open", p.name)
+        else:
+            st.open, st.last_error = True, None
+            log.info("probe %s: open", p.name)
+        st.next_open_s = self.monotonic() + PROBE_RETRY_S
+        try:
+            st.info = p.info()
+        except Exception as e:  # noqa: BLE001
+            st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
+
+    def open_sinks(self) -> None:
+        for url in self.cfg.store_urls:
+            try:
+                self.sinks.append(
+                    open_sink(
+                        url,
+                        state_dir=self.cfg.daemon.state_dir,
+                        host=self.hostname,
+                        retention_days=self.cfg.store.retention_days,
+                    )
+                )
+            except StoreError as e:
+                self.sink_errors[url] = str(e)
+                log.error("store %s: %s", url, e)
+
+    def start_server(self) -> None:
+        d = self.cfg.daemon
+        self.server = IpcServer(
+            d.socket,
+            mode=int(d.socket_mode, 8),
+            group=d.socket_group or None,
+            is_admin=self.is_admin,
+        )
+        self.server.route("ping", lambda m, c: {"pong": True, "version": __version__})
+        self.server.route("status", lambda m, c: self.status())
+        self.server.route("probes", lambda m, c: {"probes": [s.to_json() for s in self.stats.values()]})
+        self.server.route(
+            "energy", self._op_energy,
+            {"key": Field((str,), required=True, max_len=128),
+             "t0_s": Field((float,), required=True), "t1_s": Field((float,), required=True)},
+        )
+        self.server.start()
+
+    def is_admin(self, peer: Peer) -> bool:
+        if peer.uid == 0:
+            return True
+        group = self.cfg.daemon.admin_group
+        if not group:
+            return False
+        import grp
+        import pwd
+
+        try:
+            g = grp.getgrnam(group)
+        except KeyError:
+            return False
+        if peer.gid == g.gr_gid:
+            return True
+        try:
+            user = pwd.getpwuid(peer.uid).pw_name
+        except KeyError:
+            return False
+        return user in g.gr_mem
+
+    def start(self) -> None:
+        self.cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        self.open_probes()
+        self.open_sinks()
+        self.start_server()
+
+    # The loop ------------------------------------------------------------------------
+    def run(self, max_ticks: int | None = None, on_tick: Callable[[], None] | None = None) -> None:
+        period = 1.0 / self.cfg.daemon.hz
+        t0 = self.monotonic()
+        k = 0
+        while not self.stop_event.is_set():
+            due = t0 + k * period
+            now = self.monotonic()
+            if now < due:
+                if self.stop_event.wait(due - now):
+                    break
+            started = self.monotonic()
+            self.tick(started)
+            self.tick_duration_s = self.monotonic() - started
+            if on_tick is not None:
+                on_tick()
+            self.ticks += 1
+            if max_ticks is not None and self.ticks >= max_ticks:
+                break
+            # Next due tick strictly after now; count the ones an overrun skipped.
+            next_k = max(k + 1, math.floor((self.monotonic() - t0) / period) + 1)
+            self.ticks_skipped += next_k - k - 1
+            k = next_k
+
+    def tick(self, now_s: float) -> None:
+        snap = Snapshot(t_s=now_s, wall_s=self.wall())
+        for p in self.probes:
+            st = self.stats[p.name]
+            if not st.open:
+                if now_s >= st.next_open_s:
+                    self._try_open(p, first=False)
+                if not st.open:
+                    st.success = False
+                    continue
+            t = time.perf_counter()
+            try:
+                r = p.sample(now_s)
+            except Exception as e:  # noqa: BLE001 - isolate every probe
+                st.success = False
+                st.failures += 1
+                msg = f"{type(e).__name__}: {e}" if not isinstance(e, ProbeError) else str(e)
+                if msg != st.last_error:
+                    log.error("probe %s failed: %s", p.name, msg)
+                st.last_error = msg
+                if isinstance(e, (NoData, NoPermission)):
+                    st.open = False
+                    st.next_open_s = now_s + PROBE_RETRY_S
+            else:
+                st.success = True
+                st.samples += 1
+                snap.gpus.extend(r.gpus)
+                snap.cpus.extend(r.cpus)
+                if r.host is not None:
+                    snap.host = r.host
+            st.duration_s = time.perf_counter() - t
+        for g in snap.gpus:
+            self.ledger.record(g.key, now_s, g.energy_j)
+        for c in snap.cpus:
+            self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
+        with self._snap_lock:
+            self.snapshot = snap
+        if now_s - self._last_store_s >= self.cfg.store.interval_s - 1e-9:
+            self._last_store_s = now_s
+            self.emit(self.sample_points(snap))
+
+    def emit(self, points: list[Point]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.write(points)
+            except Exception as e:  # noqa: BLE001 - one sink never takes the loop down
+                log.error("store %s: write failed: %s", sink.url, e)
+
+    # Views ---------------------------------------------------------------------------
+    def sample_points(self, snap: Snapshot) -> list[Point]:
+        ts = int(snap.wall_s * 1e9)
+        host = self.hostname
+        pts: list[Point] = []
+        for g in snap.gpus:
+            fields: dict[str, float | int | str | bool] = {"energy_j": self.ledger.total_j(g.key)}
+            for name in ("power_w", "sm_clock_mhz", "mem_clock_mhz", "util_gpu_pct", "util_mem_pct",
+                         "temperature_c", "clock_cap_mhz", "power_limit_w"):
+                v = getattr(g, name)
+                if v is not None:
+                    fields[name] = float(v)
+            pts.append(Point("greend_gpu", {"host": host, "gpu": str(g.index), "source": g.source,
+                                            "method": g.energy_method}, fields, ts))
+        for c in snap.cpus:
+            fields = {"energy_j": self.ledger.total_j(c.key), "counted": int(c.counted)}
+            if c.power_w is not None:
+                fields["power_w"] = float(c.power_w)
+            pts.append(Point("greend_cpu", {"host": host, "zone": c.zone, "path": c.path,
+                                            "source": c.source}, fields, ts))
+        if snap.host is not None:
+            h = snap.host
+            pts.append(Point("greend_host", {"host": host}, {
+                "cpu_util_pct": float(h.cpu_util_pct), "mem_used_bytes": int(h.mem_used_bytes),
+                "mem_total_bytes": int(h.mem_total_bytes), "load_1m": float(h.load_1m)}, ts))
+        for st in self.stats.values():
+            pts.append(Point("greend_probe", {"host": host, "probe": st.name},
+                             {"success": int(st.success), "duration_s": float(st.duration_s)}, ts))
+        return pts
+
+    def gpu_row(self, g: GpuReading) -> dict[str, Any]:
+        return {
+            "index": g.index,
+            "name": g.name,
+            "uuid": g.uuid,
+            "source": g.source,
+            "power_w": g.power_w,
+            "energy_j": self.ledger.total_j(g.key),
+            "energy_method": g.energy_method,
+            "sm_clock_mhz": g.sm_clock_mhz,
+            "mem_clock_mhz": g.mem_clock_mhz,
+            "util_gpu_pct": g.util_gpu_pct,
+            "temperature_c": g.temperature_c,
+            "clock_cap_mhz": g.clock_cap_mhz,
+            "power_limit_w": g.power_limit_w,
+            "power_limit_range_w": [g.power_limit_min_w, g.power_limit_max_w],
+            "sm_clock_max_mhz": g.sm_clock_max_mhz,
+        }
+
+    def cpu_row(self, c: CpuReading) -> dict[str, Any]:
+        power = c.power_w if c.power_w is not None else self.ledger.power_w(c.key)
+        return {
+            "zone": c.zone,
+            "path": c.path,
+            "source": c.source,
+            "power_w": power,
+            "energy_j": self.ledger.total_j(c.key),
+            "counted": c.counted,
+            "parent": c.parent,
+            "power_limit_w": c.power_limit_w,
+        }
+
+    def status(self) -> dict[str, Any]:
+        with self._snap_lock:
+            snap = self.snapshot
+        h = snap.host
+        return {
+            "version": __version__,
+            "host": self.hostname,
+            "pid": os.getpid(),
+            "uptime_s": self.monotonic() - self.started_s,
+            "started_at": self.started_wall_s,
+            "hz": self.cfg.daemon.hz,
+            "dry_run": self.cfg.daemon.dry_run,
+            "ticks": self.ticks,
+            "ticks_skipped": self.ticks_skipped,
+            "tick_duration_s": self.tick_duration_s,
+            "gpus": [self.gpu_row(g) for g in snap.gpus],
+            "cpus": [self.cpu_row(c) for c in snap.cpus],
+            "host_load": None if h is None else {
+                "cpu_util_pct": h.cpu_util_pct, "cpu_count": h.cpu_count,
+                "mem_used_bytes": h.mem_used_bytes, "mem_total_bytes": h.mem_total_bytes,
+                "load_1m": h.load_1m,
+            },
+            "totals": {
+                "gpu_energy_j": self.ledger.totals("gpu"),
+                "cpu_energy_j": self.ledger.totals("cpu:"),
+            },
+            "jobs": [],
+            "policy": {"name": "none", "params": {}},
+            "probes": [s.to_json() for s in self.stats.values()],
+            "stores": [s.status().to_json() for s in self.sinks]
+            + [{"url": u, "ok": False, "last_error": e} for u, e in self.sink_errors.items()],
+            "config": self.cfg.source,
+        }
+
+    def _op_energy(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        return {"energy_j": self.ledger.energy_between(msg["key"], msg["t0_s"], msg["t1_s"])}
+
+    # Shut-down -----------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        for sink in self.sinks:
+            try:
+                sink.close(timeout_s=5.0)
+            except Exception as e:  # noqa: BLE001
+                log.error("store %s: close failed: %s", sink.url, e)
+        for p in self.probes:
+            try:
+                p.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("probe %s: close failed: %s", p.name, e)

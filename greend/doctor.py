@@ -1,0 +1,163 @@
+"""``greenctl doctor``: what is missing on this node, and the exact fix.
+
+Each check runs on its own (a failing one never hides the next) and says
+``ok``, ``info``, ``warn`` or ``fail`` with a one-line fix.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .client import Client
+from .config import Config, load_config
+from .errors import ConfigError, GreendError, NoData, NoPermission
+
+__all__ = ["Check", "run_checks"]
+
+
+@dataclass
+class Check:
+    name: str
+    level: str  # ok | info | warn | fail
+    detail: str
+    fix: str | None = None
+
+
+def _config(path: Path | None) -> tuple[Config | None, Check]:
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        return None, Check("config", "fail", str(e), "correct the key named above, or remove it")
+    return cfg, Check("config", "ok", f"valid ({cfg.source})")
+
+
+def _nvml(nvml_module: object | None = None) -> Check:
+    from probes.nvml import NvmlProbe
+
+    probe = NvmlProbe(nvml=nvml_module)
+    try:
+        probe.open()
+    except NoData as e:
+        return Check("nvml", "warn", str(e),
+                     "install the NVIDIA driver (nvidia-smi must work) and nvidia-ml-py; "
+                     "on a machine without GPUs use greend run --sim N")
+    except NoPermission as e:
+        return Check("nvml", "fail", str(e), "run greend as root (the systemd unit does)")
+    except GreendError as e:
+        return Check("nvml", "fail", str(e))
+    try:
+        info = probe.info()
+        return Check("nvml", "ok", info.detail)
+    finally:
+        probe.close()
+
+
+def _rapl(sysfs_root: Path) -> Check:
+    from probes.rapl import RaplProbe
+
+    probe = RaplProbe(sysfs_root)
+    try:
+        probe.open()
+        probe.sample(0.0)
+    except NoData as e:
+        return Check("rapl", "warn", str(e),
+                     "no CPU energy counters here (a VM or container?): set [probes] cpu_tdp_w "
+                     "for a labelled estimate, or run on bare metal with the intel_rapl_common module loaded")
+    except NoPermission as e:
+        return Check("rapl", "fail", str(e),
+                     "run greend as root, or give it CAP_DAC_READ_SEARCH (the systemd unit does)")
+    except GreendError as e:
+        return Check("rapl", "fail", str(e))
+    finally:
+        probe.close()
+    return Check("rapl", "ok", probe.info().detail)
+
+
+def _socket(path: Path, timeout_s: float) -> list[Check]:
+    out: list[Check] = []
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return [Check("socket", "fail", f"no socket at {path}: the daemon is not running there",
+                      "systemctl start greend (or greend run --socket PATH), or point greenctl at it "
+                      "with --socket / $GREEND_SOCKET")]
+    except PermissionError:
+        return [Check("socket", "fail", f"cannot reach {path}: permission denied on a parent directory",
+                      "join the greend group: usermod -aG greend $USER")]
+    if not stat.S_ISSOCK(st.st_mode):
+        return [Check("socket", "fail", f"{path} is not a socket", f"remove it and restart greend")]
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007:
+        out.append(Check("socket", "warn", f"{path} is world-accessible (mode {mode:o})",
+                         "set [daemon] socket_mode = \"0660\""))
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    try:
+        with Client(path, timeout_s=timeout_s) as c:
+            status = c.request("status")
+    except GreendError as e:
+        out.append(Check("socket", "fail", str(e)))
+        return out
+    out.append(Check("socket", "ok", f"{path} (mode {mode:o}, group {group}): greend {status['version']}, "
+                     f"{len(status['gpus'])} GPUs, {len(status['cpus'])} CPU zones"))
+    for s in status.get("stores", []):
+        if s.get("ok"):
+            out.append(Check("store", "ok", f"{s['url']}: {s.get('written', 0)} points written"))
+        else:
+            out.append(Check("store", "fail", f"{s['url']}: {s.get('last_error')}",
+                             "check the URL, that the server is up, and the token in GREEND_INFLUX_TOKEN"))
+    for p in status.get("probes", []):
+        if p.get("open") and not p.get("success"):
+            out.append(Check(f"probe {p['name']}", "warn", f"failing: {p.get('last_error')}"))
+    return out
+
+
+def _state_dir(cfg: Config) -> Check:
+    d = cfg.daemon.state_dir
+    if not d.exists():
+        return Check("state dir", "info", f"{d} does not exist yet (greend creates it at start)")
+    if not os.access(d, os.W_OK):
+        return Check("state dir", "warn", f"{d} is not writable by this user",
+                     "fine for greenctl; the daemon (root) must be able to write it")
+    return Check("state dir", "ok", f"{d} writable")
+
+
+def _groups(cfg: Config) -> Check:
+    name = cfg.daemon.socket_group
+    if not name:
+        return Check("group", "info", "no socket group configured: only root can use the socket")
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return Check("group", "warn", f"group {name!r} does not exist: only root can use the socket",
+                     f"groupadd --system {name} (systemd-sysusers does it from systemd/greend.sysusers)")
+    return Check("group", "ok", f"group {name!r} exists")
+
+
+def run_checks(
+    *, config: Path | None, socket: Path, sysfs_root: Path, timeout_s: float = 5.0,
+    nvml_module: object | None = None,
+) -> list[Check]:
+    cfg, c = _config(config)
+    checks = [c]
+    steps: list[Callable[[], list[Check] | Check]] = [
+        lambda: _nvml(nvml_module),
+        lambda: _rapl(sysfs_root if cfg is None or sysfs_root != Path("/sys") else cfg.probes.sysfs_root),
+        lambda: _socket(socket, timeout_s),
+    ]
+    if cfg is not None:
+        steps += [lambda: _state_dir(cfg), lambda: _groups(cfg)]
+    for step in steps:
+        try:
+            r = step()
+        except Exception as e:  # noqa: BLE001 - a broken check never hides the next
+            r = Check("doctor", "fail", f"check crashed: {type(e).__name__}: {e}")
+        checks.extend(r if isinstance(r, list) else [r])
+    return checks

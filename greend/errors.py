@@ -1,0 +1,91 @@
+"""greend's error tree.
+
+Every boundary (NVML, sysfs, sqlite, sockets, config files) translates foreign
+errors into one of these, raised ``from`` the original, so callers catch greend
+errors and never a vendor's::
+
+    GreendError
+    ├── ConfigError            bad config file, flag or value (names key, value, what is allowed)
+    ├── ProbeError             a source of readings failed
+    │   ├── NoData             hardware or interface absent on this node (quiet, expected)
+    │   ├── NoPermission       present but not readable/writable by this process
+    │   ├── NotSupported       this device does not implement the call
+    │   └── DeviceLost         the device vanished mid-run (GPU fell off the bus)
+    ├── ActuatorError          a setting could not be applied or restored
+    ├── StateError             the saved-state file is corrupt or unreadable
+    ├── StoreError             a time-series sink failed (the point is spooled, not lost)
+    ├── ProtocolError          a malformed IPC message (names the field and the problem)
+    └── DaemonUnavailable      greenctl/callback cannot reach the daemon's socket
+
+``NoData`` is the node_exporter ``ErrNoData`` idea: "no RAPL in this VM" is not
+an error worth a log line above debug; ``NoPermission`` and ``DeviceLost`` are.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActuatorError",
+    "ConfigError",
+    "DaemonUnavailable",
+    "DeviceLost",
+    "GreendError",
+    "NoData",
+    "NoPermission",
+    "NotSupported",
+    "ProbeError",
+    "ProtocolError",
+    "StateError",
+    "StoreError",
+]
+
+
+class GreendError(Exception):
+    """Base of every error greend raises on purpose."""
+
+
+class ConfigError(GreendError):
+    """A config key, flag or value is wrong; the message says which and what is allowed."""
+
+
+class ProbeError(GreendError):
+    """A probe could not read its source."""
+
+
+class NoData(ProbeError):
+    """The source does not exist on this node (no driver, no powercap, a VM)."""
+
+
+class NoPermission(ProbeError):
+    """The source exists but this process may not read or write it."""
+
+
+class NotSupported(ProbeError):
+    """The device does not implement this call (e.g. no energy counter before Volta)."""
+
+
+class DeviceLost(ProbeError):
+    """The device disappeared while greend was using it."""
+
+
+class ActuatorError(GreendError):
+    """Applying or restoring a device setting failed."""
+
+
+class StateError(GreendError):
+    """The saved-settings file cannot be trusted; greend refuses to guess."""
+
+
+class StoreError(GreendError):
+    """A sink could not store points."""
+
+
+class ProtocolError(GreendError):
+    """An IPC message is malformed. ``field`` names the offending field, if any."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class DaemonUnavailable(GreendError):
+    """The daemon's socket is absent, refuses, or does not answer in time."""

@@ -1,0 +1,441 @@
+"""The daemon's local API: JSON lines over a Unix stream socket.
+
+Protocol version 1
+------------------
+Every message is one JSON object on one line (UTF-8, ``\\n``-terminated), at most
+``MAX_MESSAGE_BYTES`` long including the newline.
+
+Request (client -> daemon)::
+
+    {"v": 1, "id": 7, "op": "status", ...op-specific fields...}
+
+``v`` is the protocol version (the daemon answers ``unsupported_version`` to any
+other), ``id`` an optional integer or string echoed in the reply, ``op`` the
+operation. Reply (daemon -> client)::
+
+    {"v": 1, "id": 7, "ok": true, "result": {...}}
+    {"v": 1, "id": 7, "ok": false, "error": {"code": "bad_request", "field": "op", "message": "..."}}
+
+Error codes: ``bad_json``, ``too_large``, ``bad_request`` (``field`` names the
+field), ``unknown_op``, ``unsupported_version``, ``forbidden`` (the message says
+what is needed), ``unavailable``, ``internal``. The daemon may also push events
+that are not replies, e.g. ``{"v": 1, "event": "directive", ...}``; a client
+tells them apart by the ``event`` key.
+
+A bad message never closes the connection (except an oversized line, after which
+the stream resynchronises at the next newline) and never affects other clients.
+The peer's pid, uid and gid come from ``SO_PEERCRED``, never from the message.
+
+Operations are registered by the daemon (``server.route(...)``) with a small
+schema; see :mod:`greend.daemon` for the list.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ProtocolError
+
+__all__ = [
+    "Connection",
+    "Field",
+    "IpcServer",
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "Peer",
+    "Route",
+    "encode",
+    "validate",
+]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_CONNECTIONS = 256
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+# Schemas -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a message: its type(s), whether required, and bounds."""
+
+    types: tuple[type, ...]
+    required: bool = False
+    min: float | None = None
+    max: float | None = None
+    max_len: int | None = None  # strings and lists
+    item_types: tuple[type, ...] | None = None  # for lists
+    choices: tuple[Any, ...] | None = None
+
+    def describe(self) -> str:
+        names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
+        return " or ".join(names.get(t, t.__name__) for t in self.types)
+
+
+def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool = False) -> dict[str, Any]:
+    """Check ``msg`` against ``schema``; raise ProtocolError naming the field."""
+    base = {"v", "id", "op"}
+    for name, spec in schema.items():
+        if name not in msg or msg[name] is None:
+            if spec.required:
+                raise ProtocolError(f"missing required field {name!r} ({spec.describe()})", field=name)
+            continue
+        value = msg[name]
+        ok_types = spec.types
+        # JSON has one number type: an integer is a fine float; a bool is not a number.
+        if isinstance(value, bool) and bool not in ok_types:
+            raise ProtocolError(f"{name!r} must be {spec.describe()}, not a boolean", field=name)
+        if float in ok_types and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value) if int not in ok_types else value
+        if not isinstance(value, ok_types):
+            raise ProtocolError(
+                f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
+            )
+        if isinstance(value, float) and value != value:
+            raise ProtocolError(f"{name!r} must be a finite number", field=name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if spec.min is not None and value < spec.min:
+                raise ProtocolError(f"{name!r} = {value!r} is below the minimum {spec.min}", field=name)
+            if spec.max is not None and value > spec.max:
+                raise ProtocolError(f"{name!r} = {value!r} is above the maximum {spec.max}", field=name)
+        if isinstance(value, (str, list)) and spec.max_len is not None and len(value) > spec.max_len:
+            raise ProtocolError(f"{name!r} is longer than {spec.max_len}", field=name)
+        if isinstance(value, list) and spec.item_types is not None:
+            for i, item in enumerate(value):
+                if isinstance(item, bool) and bool not in spec.item_types or not isinstance(item, spec.item_types):
+                    raise ProtocolError(f"{name}[{i}] has the wrong type {type(item).__name__}", field=name)
+        if spec.choices is not None and value not in spec.choices:
+            raise ProtocolError(
+                f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name
+            )
+        msg[name] = value
+    if not allow_extra:
+        extra = set(msg) - set(schema) - base
+        if extra:
+            first = sorted(extra)[0]
+            raise ProtocolError(
+                f"unknown field {first!r}; this op takes {', '.join(sorted(schema)) or 'no fields'}",
+                field=first,
+            )
+    return msg
+
+
+# Peers and connections -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end, from the kernel (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, sock: socket.socket) -> Peer:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", raw)
+        return cls(pid, uid, gid)
+
+
+@dataclass
+class Connection:
+    sock: socket.socket
+    peer: Peer
+    id: int
+    state: dict[str, Any] = field(default_factory=dict)  # per-connection data for handlers
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
+        """Send one message; False (and the connection marked closed) if the peer is gone or stuck."""
+        data = encode(obj)
+        with self._send_lock:
+            if self.closed:
+                return False
+            try:
+                self.sock.settimeout(timeout_s)
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                self.closed = True
+                return False
+            finally:
+                try:
+                    self.sock.settimeout(None)
+                except OSError:
+                    pass
+
+
+Handler = Callable[[dict[str, Any], Connection], Any]
+
+
+@dataclass(frozen=True)
+class Route:
+    handler: Handler
+    schema: dict[str, Field]
+    admin: bool = False
+    allow_extra: bool = False
+
+
+# The server ----------------------------------------------------------------------
+
+
+class IpcServer:
+    """A threaded Unix-socket server. One thread accepts; one thread per client."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        mode: int = 0o660,
+        group: str | None = None,
+        is_admin: Callable[[Peer], bool] = lambda p: p.uid == 0,
+        on_disconnect: Callable[[Connection], None] | None = None,
+    ) -> None:
+        self.path = path
+        self.mode = mode
+        self.group = group
+        self.is_admin = is_admin
+        self.on_disconnect = on_disconnect
+        self.routes: dict[str, Route] = {}
+        self._sock: socket.socket | None = None
+        self._conns: dict[int, Connection] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors_sent = 0
+        self.requests = 0
+
+    def route(
+        self, op: str, handler: Handler, schema: dict[str, Field] | None = None, *, admin: bool = False,
+        allow_extra: bool = False,
+    ) -> None:
+        self.routes[op] = Route(handler, schema or {}, admin, allow_extra)
+
+    # Lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, self.mode)
+        if self.group:
+            try:
+                gid = grp.getgrnam(self.group).gr_gid
+                os.chown(self.path, -1, gid)
+            except KeyError:
+                log.warning(
+                    "socket group %r does not exist: only root can use %s "
+                    "(create it: groupadd --system %s)", self.group, self.path, self.group,
+                )
+            except PermissionError:
+                log.warning("cannot give %s to group %r (not root)", self.path, self.group)
+        sock.listen(64)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, name="ipc-accept", daemon=True)
+        self._thread.start()
+        log.info("listening on %s (mode %o)", self.path, self.mode)
+
+    def _remove_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(f"{self.path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(str(self.path))
+        except OSError:
+            os.unlink(self.path)  # nobody listens: a leftover of a crashed daemon
+            return
+        finally:
+            probe.close()
+        raise OSError(f"another greend is already listening on {self.path}")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread:
+            self._thread.join(2.0)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def connections(self) -> list[Connection]:
+        with self._lock:
+            return list(self._conns.values())
+
+    # Loops ---------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stopping.is_set():
+            try:
+                s, _ = self._sock.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                continue
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    full = True
+                else:
+                    full = False
+                    self._next_id += 1
+                    try:
+                        conn = Connection(s, Peer.of(s), self._next_id)
+                    except OSError:
+                        s.close()
+                        continue
+                    self._conns[conn.id] = conn
+            if full:
+                try:
+                    s.sendall(encode(_error(None, "unavailable", f"too many clients (limit {MAX_CONNECTIONS})")))
+                except OSError:
+                    pass
+                s.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name=f"ipc-{conn.id}", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        buf = b""
+        discarding = False
+        try:
+            while not self._stopping.is_set() and not conn.closed:
+                try:
+                    chunk = conn.sock.recv(65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                buf += chunk
+                while True:
+                    nl = buf.find(b"\n")
+                    if nl < 0:
+                        if len(buf) > MAX_MESSAGE_BYTES:
+                            if not discarding:
+                                self._reply(conn, _error(None, "too_large",
+                                                         f"message longer than {MAX_MESSAGE_BYTES} bytes"))
+                            discarding = True
+                            buf = b""
+                        break
+                    line, buf = buf[:nl], buf[nl + 1:]
+                    if discarding:
+                        discarding = False  # the tail of an oversized message
+                        continue
+                    if len(line) + 1 > MAX_MESSAGE_BYTES:
+                        self._reply(conn, _error(None, "too_large", f"message longer than {MAX_MESSAGE_BYTES} bytes"))
+                        continue
+                    if line.strip():
+                        self._reply(conn, self.dispatch(line, conn))
+        finally:
+            with self._lock:
+                self._conns.pop(conn.id, None)
+            conn.closed = True
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+            if self.on_disconnect:
+                try:
+                    self.on_disconnect(conn)
+                except Exception:  # noqa: BLE001 - a handler bug must not leak the thread's error
+                    log.exception("on_disconnect handler failed")
+
+    def _reply(self, conn: Connection, reply: dict[str, Any] | None) -> None:
+        if reply is None:
+            return
+        if not reply.get("ok", True):
+            self.errors_sent += 1
+        conn.send(reply, timeout_s=2.0)
+
+    def dispatch(self, line: bytes, conn: Connection) -> dict[str, Any] | None:
+        """Parse, validate and run one request; always returns a reply, never raises."""
+        self.requests += 1
+        try:
+            msg = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return _error(None, "bad_json", f"not a JSON object on one line: {e}")
+        if not isinstance(msg, dict):
+            return _error(None, "bad_json", f"expected a JSON object, got {type(msg).__name__}")
+        mid = msg.get("id")
+        if mid is not None and (isinstance(mid, bool) or not isinstance(mid, (int, str))):
+            return _error(None, "bad_request", "'id' must be an integer or a string", field="id")
+        if isinstance(mid, str) and len(mid) > 128:
+            return _error(None, "bad_request", "'id' is longer than 128", field="id")
+        v = msg.get("v")
+        if v != PROTOCOL_VERSION:
+            return _error(mid, "unsupported_version",
+                          f"'v' = {v!r}: this daemon speaks protocol version {PROTOCOL_VERSION}", field="v")
+        op = msg.get("op")
+        if not isinstance(op, str):
+            return _error(mid, "bad_request", "missing 'op' (a string)", field="op")
+        route = self.routes.get(op)
+        if route is None:
+            return _error(mid, "unknown_op",
+                          f"unknown op {op[:64]!r}; known: {', '.join(sorted(self.routes))}", field="op")
+        if route.admin and not self.is_admin(conn.peer):
+            return _error(mid, "forbidden",
+                          f"{op!r} changes the node's settings: it needs root or the greend admin group "
+                          f"(your uid is {conn.peer.uid})")
+        try:
+            validate(msg, route.schema, allow_extra=route.allow_extra)
+            result = route.handler(msg, conn)
+        except ProtocolError as e:
+            return _error(mid, "bad_request", str(e), field=e.field)
+        except PermissionError as e:
+            return _error(mid, "forbidden", str(e))
+        except Exception as e:  # noqa: BLE001 - the daemon answers, it does not die
+            log.exception("handler for %r failed", op)
+            return _error(mid, "internal", f"{type(e).__name__}: {e}")
+        if result is _NO_REPLY:
+            return None
+        return {"v": PROTOCOL_VERSION, "id": mid, "ok": True, "result": result}
+
+
+_NO_REPLY = object()
+NO_REPLY: Any = _NO_REPLY  # a handler returns this for fire-and-forget messages
+
+
+def _error(mid: Any, code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        err["field"] = field
+    return {"v": PROTOCOL_VERSION, "id": mid, "ok": False, "error": err}

@@ -1,0 +1,141 @@
+"""Energy accounting: joules per GPU and per CPU zone since the daemon started.
+
+Probes hand over cumulative, monotonic energy per key (``gpu0``,
+``cpu:intel-rapl:0``). The ledger keeps, per key, the first reading (the origin
+of "since start"), the latest, and a bounded history of ``(t_s, energy_j)`` so
+that any recent window can be priced: a job's step from ``t0`` to ``t1`` costs
+``energy_between(key, t0, t1)``, interpolated linearly between ticks.
+
+If a probe is reopened (a lost GPU comes back, a probe restarts) its counter
+starts again from zero; the ledger sees the fall and carries the earlier total
+forward, so "since start" never goes backwards.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["Ledger", "LedgerEntry"]
+
+
+@dataclass
+class LedgerEntry:
+    key: str
+    counted: bool = True
+    offset_j: float = 0.0  # carried over probe restarts
+    first_j: float | None = None
+    last_raw_j: float = 0.0
+    last_t_s: float = 0.0
+    times: deque[float] = field(default_factory=deque)
+    energies: deque[float] = field(default_factory=deque)  # ledger-adjusted cumulative J
+
+    @property
+    def total_j(self) -> float:
+        """Energy since the first reading of this key."""
+        if not self.energies or self.first_j is None:
+            return 0.0
+        return self.energies[-1] - self.first_j
+
+
+class Ledger:
+    """Thread-safe: the tick loop writes, IPC handlers and sinks read."""
+
+    def __init__(self, history_s: float = 3600.0, hz: float = 10.0) -> None:
+        self._maxlen = max(16, int(history_s * hz) + 1)
+        self._entries: dict[str, LedgerEntry] = {}
+        self._lock = threading.Lock()
+
+    def record(self, key: str, t_s: float, energy_j: float, *, counted: bool = True) -> None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                e = LedgerEntry(
+                    key,
+                    counted=counted,
+                    times=deque(maxlen=self._maxlen),
+                    energies=deque(maxlen=self._maxlen),
+                )
+                self._entries[key] = e
+            e.counted = counted
+            if e.energies and energy_j < e.last_raw_j:
+                # The probe's counter restarted: keep what was counted so far.
+                e.offset_j += e.last_raw_j
+            e.last_raw_j = energy_j
+            adjusted = e.offset_j + energy_j
+            if e.first_j is None:
+                e.first_j = adjusted
+            if e.times and t_s <= e.times[-1]:
+                e.energies[-1] = adjusted  # same tick seen twice: keep the latest value
+            else:
+                e.times.append(t_s)
+                e.energies.append(adjusted)
+            e.last_t_s = t_s
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def total_j(self, key: str) -> float:
+        with self._lock:
+            e = self._entries.get(key)
+            return e.total_j if e else 0.0
+
+    def totals(self, prefix: str = "", counted_only: bool = True) -> float:
+        with self._lock:
+            return sum(
+                e.total_j
+                for k, e in self._entries.items()
+                if k.startswith(prefix) and (e.counted or not counted_only)
+            )
+
+    def cumulative_at(self, key: str, t_s: float) -> float | None:
+        """Ledger energy of ``key`` at time ``t_s`` (interpolated), relative to its origin.
+
+        Before the history starts: None. After the latest tick: the latest value
+        (energy is not extrapolated).
+        """
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or not e.times or e.first_j is None:
+                return None
+            times, energies = e.times, e.energies
+            if t_s < times[0]:
+                return None
+            if t_s >= times[-1]:
+                return energies[-1] - e.first_j
+            i = bisect.bisect_right(times, t_s)
+            t0, t1 = times[i - 1], times[i]
+            e0, e1 = energies[i - 1], energies[i]
+            frac = (t_s - t0) / (t1 - t0) if t1 > t0 else 0.0
+            return e0 + frac * (e1 - e0) - e.first_j
+
+    def energy_between(self, key: str, t0_s: float, t1_s: float) -> float | None:
+        """Joules of ``key`` from ``t0_s`` to ``t1_s`` (monotonic seconds)."""
+        a = self.cumulative_at(key, t0_s)
+        b = self.cumulative_at(key, t1_s)
+        if a is None or b is None:
+            return None
+        return max(0.0, b - a)
+
+    def power_w(self, key: str, window_s: float = 1.0) -> float | None:
+        """Average power over the last ``window_s`` of history."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or len(e.times) < 2:
+                return None
+            t1 = e.times[-1]
+            t0 = t1 - window_s
+        earlier = self.cumulative_at(key, max(t0, e.times[0]))
+        latest = self.cumulative_at(key, t1)
+        span = t1 - max(t0, e.times[0])
+        if earlier is None or latest is None or span <= 0:
+            return None
+        return (latest - earlier) / span
+
+    def last_time(self, key: str) -> float | None:
+        with self._lock:
+            e = self._entries.get(key)
+            return e.last_t_s if e and e.times else None

@@ -1,0 +1,249 @@
+"""The embedded store: one SQLite file, a table per measurement.
+
+Each measurement (``greend_gpu``, ``greend_cpu``, ...) becomes a table with a
+``ts_ns`` column (Unix time, nanoseconds), one TEXT column per tag and one column
+per field; columns appear as new tags or fields do. The file is in WAL mode so
+``greenctl`` and ``sqlite3`` can read while the daemon writes.
+
+Writes are batched off the tick path: ``write()`` only appends to a queue; a
+writer thread commits one transaction per batch (every ``batch_s`` or when the
+queue holds ``batch_max`` points) and prunes rows older than the retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import StoreError
+from . import Point, SinkStatus
+
+__all__ = ["SqliteSink", "read_rows", "connect_readonly"]
+
+log = logging.getLogger(__name__)
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def _ident(name: str) -> str:
+    if not _IDENT.match(name):
+        raise StoreError(f"not a valid column or table name: {name!r}")
+    return f'"{name}"'
+
+
+def _sql_type(value: Any) -> str:
+    if isinstance(value, bool) or isinstance(value, int):
+        return "INTEGER"
+    if isinstance(value, float):
+        return "REAL"
+    return "TEXT"
+
+
+class SqliteSink:
+    name = "sqlite"
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        url: str | None = None,
+        retention_days: float = 30.0,
+        batch_s: float = 0.5,
+        batch_max: int = 5000,
+        queue_max: int = 200_000,
+    ) -> None:
+        self.path = path
+        self.url = url or f"sqlite:///{path}"
+        self.retention_days = retention_days
+        self._batch_s = batch_s
+        self._batch_max = batch_max
+        self._queue: queue.Queue[Point | None] = queue.Queue(maxsize=queue_max)
+        self._columns: dict[str, set[str]] = {}
+        self._written = 0
+        self._dropped = 0
+        self._last_error: str | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._load_schema()
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(
+                f"cannot open the SQLite store {path}: {e} "
+                "(check that the state dir exists and is writable by greend)"
+            ) from e
+        self._last_prune = 0.0
+        self._thread = threading.Thread(target=self._run, name="sink-sqlite", daemon=True)
+        self._thread.start()
+
+    # Public API ----------------------------------------------------------------------
+    def write(self, points: list[Point]) -> None:
+        for p in points:
+            try:
+                self._queue.put_nowait(p)
+                self._idle.clear()
+            except queue.Full:
+                self._dropped += 1
+        if self._dropped and self._dropped % 10_000 == 1:
+            log.error("sqlite store queue full: %d points dropped so far", self._dropped)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued point is committed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.empty() and self._idle.is_set():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.flush(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        try:
+            self._db.close()
+        except sqlite3.Error:
+            pass
+
+    def status(self) -> SinkStatus:
+        return SinkStatus(
+            name=self.name,
+            url=self.url,
+            ok=self._last_error is None,
+            written=self._written,
+            pending=self._queue.qsize(),
+            dropped=self._dropped,
+            last_error=self._last_error,
+            extra={"path": str(self.path)},
+        )
+
+    # Writer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch: list[Point] = []
+            try:
+                first = self._queue.get(timeout=self._batch_s)
+            except queue.Empty:
+                self._idle.set()
+                self._maybe_prune()
+                continue
+            if first is None:
+                return
+            batch.append(first)
+            deadline = time.monotonic() + self._batch_s
+            stop = False
+            while len(batch) < self._batch_max:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    p = self._queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if p is None:
+                    stop = True
+                    break
+                batch.append(p)
+            self._commit(batch)
+            if self._queue.empty():
+                self._idle.set()
+            self._maybe_prune()
+            if stop:
+                return
+
+    def _commit(self, batch: list[Point]) -> None:
+        try:
+            by_table: dict[str, list[Point]] = {}
+            for p in batch:
+                by_table.setdefault(p.measurement, []).append(p)
+            self._db.execute("BEGIN")
+            for table, pts in by_table.items():
+                self._ensure_columns(table, pts)
+                cols = sorted({c for p in pts for c in (*p.tags, *p.fields)})
+                sql = (
+                    f"INSERT INTO {_ident(table)} (ts_ns, {', '.join(_ident(c) for c in cols)}) "
+                    f"VALUES (?, {', '.join('?' for _ in cols)})"
+                )
+                rows = []
+                for p in pts:
+                    merged: dict[str, Any] = {**p.tags, **p.fields}
+                    rows.append((p.ts_ns, *(merged.get(c) for c in cols)))
+                self._db.executemany(sql, rows)
+            self._db.execute("COMMIT")
+            self._written += len(batch)
+            self._last_error = None
+        except (sqlite3.Error, StoreError) as e:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self._dropped += len(batch)
+            self._last_error = str(e)
+            log.error("sqlite store: a batch of %d points failed: %s", len(batch), e)
+
+    def _load_schema(self) -> None:
+        tables = [r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        for t in tables:
+            self._columns[t] = {r[1] for r in self._db.execute(f"PRAGMA table_info({_ident(t)})")}
+
+    def _ensure_columns(self, table: str, pts: list[Point]) -> None:
+        have = self._columns.get(table)
+        if have is None:
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS {_ident(table)} (ts_ns INTEGER NOT NULL)")
+            self._db.execute(
+                f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)"
+            )
+            have = self._columns[table] = {"ts_ns"}
+        for p in pts:
+            for name, value in (*((k, "") for k in p.tags), *p.fields.items()):
+                if name not in have:
+                    self._db.execute(
+                        f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(name)} {_sql_type(value)}"
+                    )
+                    have.add(name)
+
+    def _maybe_prune(self) -> None:
+        now = time.time()
+        if self.retention_days <= 0 or now - self._last_prune < 3600:
+            return
+        self._last_prune = now
+        cutoff_ns = int((now - self.retention_days * 86400) * 1e9)
+        try:
+            for table in list(self._columns):
+                self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+        except sqlite3.Error as e:
+            log.warning("sqlite store: retention prune failed: %s", e)
+
+
+def connect_readonly(path: Path) -> sqlite3.Connection:
+    """Open the store for reading (greenctl report, tests) without blocking the writer."""
+    if not path.exists():
+        raise StoreError(f"no SQLite store at {path}")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    return db
+
+
+def read_rows(path: Path, measurement: str, where: str = "", params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    db = connect_readonly(path)
+    try:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if measurement not in tables:
+            return []
+        sql = f"SELECT * FROM {_ident(measurement)}"
+        if where:
+            sql += f" WHERE {where}"
+        sql += " ORDER BY ts_ns"
+        return [dict(r) for r in db.execute(sql, params)]
+    finally:
+        db.close()
