@@ -1,0 +1,501 @@
+"""A faithful fake of the ``pynvml`` module, backed by simulated GPUs.
+
+:class:`FakeNvml` has the function names, arguments, return types and units of
+``pynvml`` (power in mW, energy in mJ, clocks in MHz, handles from
+``nvmlDeviceGetHandleByIndex``), re-exports the real module's constants
+(``NVML_CLOCK_SM``, ``NVML_ERROR_*``, ``nvmlClocksEventReason*``...) and raises the
+*real* ``pynvml.NVMLError(code)``, so it resolves to the driver's subclasses
+(``NVMLError_GpuIsLost``...). Code written against ``pynvml`` runs on it unchanged::
+
+    nvml = FakeNvml(tmp_path, n=2)          # or: import pynvml as nvml
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    nvml.nvmlDeviceGetPowerUsage(h)         # -> 70000 (mW)
+
+Importing ``pynvml`` loads no library (only ``nvmlInit`` does), so the fake works on
+machines without a driver.
+
+Faults
+------
+
+Faults live in ``<state_dir>/faults.json`` (re-read whenever its mtime changes), so
+a test can inject one into a daemon running as another process::
+
+    FakeNvml(sim_dir).inject(1, lost=True)      # every call on gpu1: GPU_IS_LOST
+
+Per GPU: ``lost`` (every call on the handle -> ``GPU_IS_LOST``),
+``no_energy_counter`` (a pre-Volta GPU: ``GetTotalEnergyConsumption`` ->
+``NOT_SUPPORTED``, compute capability 6.0, instantaneous power) and
+``no_permission`` (setters -> ``NO_PERMISSION``, as for a non-root process).
+Node-wide: ``init_error`` (``nvmlInit`` raises that code, e.g. ``LIBRARY_NOT_FOUND``
+or ``DRIVER_NOT_LOADED``).
+
+Extensions the real module lacks all start with ``fake_`` or are plain methods
+(:meth:`FakeNvml.sim_gpu`, :meth:`FakeNvml.inject`); the NVML probe uses none of
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+import pynvml
+
+from .sim import (
+    H100,
+    SimGpu,
+    SimSpec,
+    discover_sim_gpus,
+    file_lock,
+    open_sim_gpus,
+    write_json_atomic,
+)
+
+__all__ = ["DRIVER_VERSION", "FakeHandle", "FakeNvml", "Faults", "GpuFaults", "read_faults", "write_faults"]
+
+log = logging.getLogger(__name__)
+
+DRIVER_VERSION = "550.54.15"
+FAULTS_FILE = "faults.json"
+PRE_VOLTA_COMPUTE_CAPABILITY = (6, 0)
+
+# Names copied from the real module onto every FakeNvml instance.
+_EXPORTED_PREFIXES = ("NVML_", "NVMLError", "nvmlClocksEventReason", "nvmlClocksThrottleReason")
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@dataclass
+class GpuFaults:
+    lost: bool = False
+    no_energy_counter: bool = False
+    no_permission: bool = False
+
+
+@dataclass
+class Faults:
+    """The contents of ``faults.json``."""
+
+    init_error: int | None = None  # an NVML_ERROR_* code nvmlInit raises
+    gpus: dict[int, GpuFaults] = field(default_factory=dict)
+
+    def gpu(self, index: int) -> GpuFaults:
+        return self.gpus.get(index, GpuFaults())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "init_error": self.init_error,
+            "gpus": {str(i): vars(g).copy() for i, g in sorted(self.gpus.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Faults:
+        return cls(
+            init_error=None if d.get("init_error") is None else int(d["init_error"]),
+            gpus={int(i): GpuFaults(**g) for i, g in (d.get("gpus") or {}).items()},
+        )
+
+
+def _error_code(code: int | str) -> int:
+    """``12``, ``"LIBRARY_NOT_FOUND"`` or ``"NVML_ERROR_LIBRARY_NOT_FOUND"`` -> 12."""
+    if isinstance(code, int):
+        return code
+    name = code if code.startswith("NVML_ERROR_") else f"NVML_ERROR_{code.upper()}"
+    value = getattr(pynvml, name, None)
+    if not isinstance(value, int):
+        raise ValueError(f"unknown NVML error {code!r}")
+    return value
+
+
+def read_faults(state_dir: Path | str) -> Faults:
+    path = Path(state_dir) / FAULTS_FILE
+    try:
+        return Faults.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return Faults()
+
+
+def write_faults(state_dir: Path | str, faults: Faults) -> None:
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(state_dir) / FAULTS_FILE, faults.to_json())
+
+
+# --------------------------------------------------------------------------- the fake
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    """What ``nvmlDeviceGetHandleByIndex`` returns (a ``c_nvmlDevice_t`` for real)."""
+
+    index: int
+    owner: int  # id() of the FakeNvml that issued it
+
+
+def _raise(code: int) -> NoReturn:
+    raise pynvml.NVMLError(code)
+
+
+class FakeNvml:
+    """The ``pynvml`` API over the simulated GPUs in ``state_dir``.
+
+    ``n``: how many GPUs (created where missing); None: the ``gpu<i>.json`` files
+    already there. Other keyword arguments are passed to
+    :func:`probes.sim.open_sim_gpus` (``background_load``, ``mem_share``,
+    ``speed_factor``: a scalar or one per GPU; ``spec``; ``clock``).
+    """
+
+    # The handful of constants code uses most, spelled out for readers and type
+    # checkers; __init__ copies all the others from the real module.
+    NVMLError = pynvml.NVMLError
+    NVML_CLOCK_GRAPHICS: int = pynvml.NVML_CLOCK_GRAPHICS
+    NVML_CLOCK_SM: int = pynvml.NVML_CLOCK_SM
+    NVML_CLOCK_MEM: int = pynvml.NVML_CLOCK_MEM
+    NVML_CLOCK_VIDEO: int = pynvml.NVML_CLOCK_VIDEO
+    NVML_TEMPERATURE_GPU: int = pynvml.NVML_TEMPERATURE_GPU
+    NVML_ERROR_UNINITIALIZED: int = pynvml.NVML_ERROR_UNINITIALIZED
+    NVML_ERROR_INVALID_ARGUMENT: int = pynvml.NVML_ERROR_INVALID_ARGUMENT
+    NVML_ERROR_NOT_SUPPORTED: int = pynvml.NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_NO_PERMISSION: int = pynvml.NVML_ERROR_NO_PERMISSION
+    NVML_ERROR_NOT_FOUND: int = pynvml.NVML_ERROR_NOT_FOUND
+    NVML_ERROR_GPU_IS_LOST: int = pynvml.NVML_ERROR_GPU_IS_LOST
+    NVML_ERROR_LIBRARY_NOT_FOUND: int = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    NVML_ERROR_DRIVER_NOT_LOADED: int = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    NVML_ERROR_FUNCTION_NOT_FOUND: int = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+
+    def __init__(
+        self,
+        state_dir: Path | str,
+        n: int | None = None,
+        *,
+        spec: SimSpec | str = H100,
+        clock: Callable[[], float] = time.time,
+        background_load: float | Sequence[float] | None = None,
+        mem_share: float | Sequence[float] | None = None,
+        speed_factor: float | Sequence[float] | None = None,
+        initial_energy_mj: float = 0.0,
+        refresh_s: float = 0.0,
+    ) -> None:
+        for name in dir(pynvml):
+            if name.startswith(_EXPORTED_PREFIXES) and not hasattr(type(self), name):
+                setattr(self, name, getattr(pynvml, name))
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        count = discover_sim_gpus(self.state_dir) if n is None else n
+        self._gpus: list[SimGpu] = open_sim_gpus(
+            self.state_dir,
+            count,
+            spec=spec,
+            clock=clock,
+            background_load=background_load,
+            mem_share=mem_share,
+            speed_factor=speed_factor,
+            initial_energy_mj=initial_energy_mj,
+            refresh_s=refresh_s,
+        )
+        self.refresh_s = refresh_s  # see SimGpu._read: how stale faults.json may be
+        self._handles = [FakeHandle(i, id(self)) for i in range(count)]
+        self._init_count = 0
+        self._faults = Faults()
+        self._faults_key: tuple[int, int, int] | None = None
+        self._faults_checked_s = -1e18
+
+    def __repr__(self) -> str:
+        return f"FakeNvml({str(self.state_dir)!r}, n={len(self._gpus)})"
+
+    def __getattr__(self, name: str) -> Any:
+        # A pynvml function the fake does not implement behaves like one the
+        # installed driver lacks: it raises FUNCTION_NOT_FOUND when called.
+        if name.startswith("nvml") and callable(getattr(pynvml, name, None)):
+            def missing(*args: Any, **kwargs: Any) -> NoReturn:
+                log.debug("FakeNvml does not implement %s", name)
+                _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+            return missing
+        raise AttributeError(name)
+
+    # ---- faults (extension)
+
+    def faults(self) -> Faults:
+        """Current faults, re-read from ``faults.json`` when it changed."""
+        now = time.monotonic()
+        if now - self._faults_checked_s < self.refresh_s:
+            return self._faults  # looked at the file a moment ago (see SimGpu._read)
+        self._faults_checked_s = now
+        path = self.state_dir / FAULTS_FILE
+        try:
+            s = os.stat(path)
+        except FileNotFoundError:
+            self._faults, self._faults_key = Faults(), None
+            return self._faults
+        key = (s.st_ino, s.st_mtime_ns, s.st_size)
+        if key != self._faults_key:
+            self._faults, self._faults_key = read_faults(self.state_dir), key
+        return self._faults
+
+    def _edit_faults(self, edit: Callable[[Faults], None]) -> None:
+        with file_lock(self.state_dir / ".faults.lock"):
+            f = read_faults(self.state_dir)
+            edit(f)
+            write_faults(self.state_dir, f)
+        self._faults_checked_s = -1e18  # this instance sees its own edit at once
+
+    def inject(
+        self,
+        index: int,
+        *,
+        lost: bool | None = None,
+        no_energy_counter: bool | None = None,
+        no_permission: bool | None = None,
+    ) -> None:
+        """Set (True) or clear (False) faults of GPU ``index``; None leaves one as is."""
+
+        def edit(f: Faults) -> None:
+            g = f.gpus.setdefault(index, GpuFaults())
+            if lost is not None:
+                g.lost = lost
+            if no_energy_counter is not None:
+                g.no_energy_counter = no_energy_counter
+            if no_permission is not None:
+                g.no_permission = no_permission
+
+        self._edit_faults(edit)
+
+    def set_init_error(self, code: int | str | None) -> None:
+        """Make ``nvmlInit`` raise ``code`` (an NVML_ERROR_* value or name); None clears."""
+        value = None if code is None else _error_code(code)
+
+        def edit(f: Faults) -> None:
+            f.init_error = value
+
+        self._edit_faults(edit)
+
+    def clear_faults(self) -> None:
+        def edit(f: Faults) -> None:
+            f.gpus.clear()
+            f.init_error = None
+
+        self._edit_faults(edit)
+
+    # ---- simulator access (extension)
+
+    def sim_gpu(self, index: int) -> SimGpu:
+        """The simulated device behind GPU ``index`` (to run steps on it)."""
+        return self._gpus[index]
+
+    @property
+    def sim_gpus(self) -> list[SimGpu]:
+        return list(self._gpus)
+
+    def fake_get_locked_clocks(self, handle: FakeHandle) -> tuple[int, int] | None:
+        """The locked (min, max) SM clocks, MHz, or None. NVML has no such getter."""
+        return self._gpu(handle).locked_clocks_mhz()
+
+    # ---- plumbing
+
+    def _check_init(self) -> None:
+        if self._init_count <= 0:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+
+    def _gpu(self, handle: Any) -> SimGpu:
+        self._check_init()
+        if not isinstance(handle, FakeHandle) or handle.owner != id(self) or not (
+            0 <= handle.index < len(self._gpus)
+        ):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.faults().gpu(handle.index).lost:
+            _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._gpus[handle.index]
+
+    def _gpu_faults(self, handle: FakeHandle) -> GpuFaults:
+        return self.faults().gpu(handle.index)
+
+    def _setter_gpu(self, handle: Any) -> SimGpu:
+        gpu = self._gpu(handle)
+        if self._gpu_faults(handle).no_permission:
+            _raise(pynvml.NVML_ERROR_NO_PERMISSION)
+        return gpu
+
+    # ---- init
+
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        err = self.faults().init_error
+        if err is not None:
+            _raise(err)
+        self._init_count += 1  # NVML reference-counts init/shutdown
+
+    def nvmlShutdown(self) -> None:
+        self._check_init()
+        self._init_count -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check_init()
+        return DRIVER_VERSION
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        self._check_init()
+        return "12." + DRIVER_VERSION
+
+    # ---- enumeration and static facts
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check_init()
+        return len(self._gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+        self._check_init()
+        if not isinstance(index, int) or not 0 <= index < len(self._handles):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        handle = self._handles[index]
+        self._gpu(handle)  # a lost GPU fails here too
+        return handle
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
+        self._check_init()
+        want = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for h in self._handles:
+            if self._gpus[h.index].uuid == want:
+                self._gpu(h)
+                return h
+        _raise(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
+        self._gpu(handle)
+        return handle.index
+
+    def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
+        return self._gpu(handle).spec.name
+
+    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeHandle) -> tuple[int, int]:
+        gpu = self._gpu(handle)
+        if self._gpu_faults(handle).no_energy_counter:
+            return PRE_VOLTA_COMPUTE_CAPABILITY
+        return gpu.spec.compute_capability
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, handle: FakeHandle) -> list[int]:
+        return [self._gpu(handle).spec.mem_clock_mhz]
+
+    def nvmlDeviceGetSupportedGraphicsClocks(self, handle: FakeHandle, memoryClockMHz: int) -> list[int]:
+        gpu = self._gpu(handle)
+        if memoryClockMHz != gpu.spec.mem_clock_mhz:
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return list(gpu.spec.supported_sm_clocks_mhz)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: FakeHandle, type: int) -> int:
+        gpu = self._gpu(handle)
+        if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return gpu.spec.sm_clock_max_mhz
+        if type == pynvml.NVML_CLOCK_MEM:
+            return gpu.spec.mem_clock_mhz
+        if type == pynvml.NVML_CLOCK_VIDEO:
+            return 1545
+        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle: FakeHandle) -> list[int]:
+        s = self._gpu(handle).spec
+        return [int(round(s.power_limit_min_w * 1000)), int(round(s.power_limit_max_w * 1000))]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: FakeHandle) -> int:
+        return int(round(self._gpu(handle).spec.power_limit_default_w * 1000))
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle) -> Any:
+        total = self._gpu(handle).spec.memory_total_mib * 1024 * 1024
+        info = pynvml.c_nvmlMemory_t()
+        info.total, info.free, info.used = total, total, 0
+        return info
+
+    # ---- live readings
+
+    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
+        """mW; a ~1 s average as on Ampere+, instantaneous on a pre-Volta fault."""
+        gpu = self._gpu(handle)
+        if self._gpu_faults(handle).no_energy_counter:
+            return int(round(gpu.instant_power_w() * 1000))
+        return int(round(gpu.power_w() * 1000))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeHandle) -> int:
+        """mJ since the (simulated) driver loaded."""
+        gpu = self._gpu(handle)
+        if self._gpu_faults(handle).no_energy_counter:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.energy_mj()
+
+    def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
+        gpu = self._gpu(handle)
+        if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return gpu.sm_clock_mhz()
+        if type == pynvml.NVML_CLOCK_MEM:
+            return gpu.mem_clock_mhz()
+        if type == pynvml.NVML_CLOCK_VIDEO:
+            return int(gpu.sm_clock_mhz() * 0.78)
+        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> Any:
+        gpu_pct, mem_pct = self._gpu(handle).utilization_pct()
+        return pynvml.c_nvmlUtilization_t(gpu=int(round(gpu_pct)), memory=int(round(mem_pct)))
+
+    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
+        gpu = self._gpu(handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(round(gpu.temperature_c()))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeHandle) -> int:
+        return int(round(self._gpu(handle).power_limit_w() * 1000))
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: FakeHandle) -> int:
+        return int(round(self._gpu(handle).power_limit_w() * 1000))
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
+        reasons = self._gpu(handle).throttle_reasons()
+        bits = pynvml.nvmlClocksEventReasonNone
+        if "idle" in reasons:
+            bits |= pynvml.nvmlClocksEventReasonGpuIdle
+        if "clock_lock" in reasons:
+            bits |= pynvml.nvmlClocksEventReasonApplicationsClocksSetting
+        if "power_cap" in reasons:
+            bits |= pynvml.nvmlClocksEventReasonSwPowerCap
+        return bits
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
+        return self.nvmlDeviceGetCurrentClocksEventReasons(handle)  # the older name
+
+    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: FakeHandle) -> int:
+        self._gpu(handle)
+        return (
+            pynvml.nvmlClocksEventReasonGpuIdle
+            | pynvml.nvmlClocksEventReasonApplicationsClocksSetting
+            | pynvml.nvmlClocksEventReasonSwPowerCap
+        )
+
+    # ---- setters (root-only on real nodes)
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle: FakeHandle, minGpuClockMHz: int, maxGpuClockMHz: int) -> None:
+        gpu = self._setter_gpu(handle)
+        try:
+            gpu.set_locked_clocks(minGpuClockMHz, maxGpuClockMHz)
+        except ValueError:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle: FakeHandle) -> None:
+        self._setter_gpu(handle).reset_locked_clocks()
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle: FakeHandle, limit: int) -> None:
+        """``limit`` in mW, within the constraints, else INVALID_ARGUMENT."""
+        gpu = self._setter_gpu(handle)
+        try:
+            gpu.set_power_limit_w(int(limit) / 1000.0)
+        except ValueError:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)

@@ -1,0 +1,455 @@
+"""The NVML probe: NVIDIA GPUs through ``pynvml`` (or the simulator's fake of it).
+
+``NvmlProbe`` is the only probe that imports ``pynvml``, and only inside
+``open()``, so nodes without the package still start. The module is injectable
+(``nvml=``): the ``sim`` probe passes a :class:`probes.fake_nvml.FakeNvml`, so
+simulated GPUs run this very code.
+
+What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
+
+- Energy from deltas of ``nvmlDeviceGetTotalEnergyConsumption`` (Volta+),
+  cumulative since ``open()``; ``energy_method="counter"``. Where the counter is
+  ``NOT_SUPPORTED`` (pre-Volta), power samples are integrated with the trapezoid
+  rule over the ``now_s`` the tick loop passes; ``energy_method="power_integration"``.
+  NVML power on Ampere+ is a ~1 s average, so the counter is always preferred.
+- Power, SM/memory clocks, utilisation, temperature, power limits. An optional
+  field a GPU does not support reads ``None``; the rest of the reading stands.
+- ``clock_cap_mhz``: NVML has no getter for locked clocks, so the actuator layer
+  (which set them) answers through the injected ``cap_lookup(index)``.
+
+Failure isolation: a GPU that answers ``GPU_IS_LOST`` is logged once as an error,
+marked lost and left out of later readings while the others carry on.
+
+Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
+by :func:`translate_nvml_error`) into :mod:`greend.errors`, raised ``from`` the
+original.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from greend.errors import DeviceLost, NoData, NoPermission, NotSupported, ProbeError
+from greend.units import mj_to_j, mw_to_w, w_to_mw
+
+from . import ProbeContext, register
+from .base import GpuReading, Probe, ProbeInfo, Readings
+
+__all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
+
+log = logging.getLogger(__name__)
+
+# NVML return codes (nvml.h; a stable C ABI, the same numbers as pynvml's
+# NVML_ERROR_* constants) -> the greend error they mean. Anything else: ProbeError.
+NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
+    3: ("NVML_ERROR_NOT_SUPPORTED", NotSupported),
+    13: ("NVML_ERROR_FUNCTION_NOT_FOUND", NotSupported),  # driver too old for the call
+    4: ("NVML_ERROR_NO_PERMISSION", NoPermission),
+    15: ("NVML_ERROR_GPU_IS_LOST", DeviceLost),
+    12: ("NVML_ERROR_LIBRARY_NOT_FOUND", NoData),
+    9: ("NVML_ERROR_DRIVER_NOT_LOADED", NoData),
+}
+
+# Clocks, utilisation, temperature and power limit are re-read at most this often.
+SLOW_FIELDS_EVERY_S = 1.0
+
+NO_NVML_FIX = (
+    "install the NVIDIA driver (it provides libnvidia-ml.so) and the nvidia-ml-py "
+    "package, or run `greend run --sim N` for simulated GPUs"
+)
+
+
+def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:
+    """The greend error for an NVML error (``exc.value`` is the NVML code).
+
+    ``what`` names the call and device (``"gpu1 nvmlDeviceGetPowerUsage"``). The
+    caller raises the result ``from exc``.
+    """
+    code = getattr(exc, "value", None)
+    entry = NVML_ERROR_MAP.get(code) if isinstance(code, int) else None
+    cls: type[ProbeError] = entry[1] if entry else ProbeError
+    return cls(f"{what}: {exc} (NVML code {code})")
+
+
+@dataclass
+class _Gpu:
+    """One device as the probe tracks it: static facts read once, plus counters."""
+
+    index: int
+    handle: Any
+    name: str
+    uuid: str
+    energy_method: str  # "counter" or "power_integration"
+    supported_sm_clocks_mhz: tuple[int, ...] = ()
+    sm_clock_max_mhz: float | None = None
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+    compute_capability: tuple[int, int] | None = None
+    energy_j: float = 0.0  # cumulative since open
+    last_counter_mj: int | None = None
+    last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
+    lost: bool = False
+    errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
+    slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
+    slow_at_s: float = float("-inf")
+
+
+class NvmlProbe:
+    """GPUs through NVML. See the module docstring for what and how.
+
+    ``nvml``: the module to use (default: ``import pynvml`` in ``open()``);
+    ``source``: the label on every reading (``"nvml"``, or ``"sim"``);
+    ``cap_lookup(index)``: the locked max SM clock in MHz the actuators applied,
+    or None for uncapped/unknown.
+    """
+
+    def __init__(
+        self,
+        nvml: Any | None = None,
+        source: str = "nvml",
+        cap_lookup: Callable[[int], float | None] | None = None,
+    ) -> None:
+        self.name = source
+        self.source = source
+        self.cap_lookup = cap_lookup
+        self._nvml: Any | None = nvml
+        self._opened = False
+        self._gpus: list[_Gpu] = []
+        self._lost: dict[int, str] = {}  # index -> why
+        self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
+        self._driver_version: str | None = None
+        self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
+
+    def __repr__(self) -> str:
+        return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
+
+    # ---- calls through the one error table
+
+    @property
+    def nvml(self) -> Any | None:
+        """The NVML module in use (None before ``open()`` when defaulted)."""
+        return self._nvml
+
+    def _call(self, what: str, fn: str, *args: Any) -> Any:
+        nvml = self._nvml
+        assert nvml is not None
+        try:
+            return getattr(nvml, fn)(*args)
+        except nvml.NVMLError as e:
+            raise translate_nvml_error(e, f"{what} {fn}") from e
+
+    def _optional(self, gpu: _Gpu, fn: str, *args: Any) -> Any | None:
+        """A call whose failure costs one field: None on NOT_SUPPORTED and on other
+        errors (recorded and logged once); a lost GPU still raises."""
+        try:
+            return self._call(f"gpu{gpu.index}", fn, *args)
+        except DeviceLost:
+            raise
+        except NotSupported:
+            return None
+        except ProbeError as e:
+            if fn not in gpu.errors:
+                log.warning("%s", e)
+            gpu.errors[fn] = str(e)
+            return None
+
+    # ---- Probe protocol
+
+    def open(self) -> None:
+        if self._opened:
+            return
+        if self._nvml is None:
+            try:
+                import pynvml
+            except ImportError as e:
+                self._no_nvml("the nvidia-ml-py package (module pynvml) is not installed")
+                raise NoData(f"no NVML on this node: {e} (fix: pip install nvidia-ml-py)") from e
+            self._nvml = pynvml
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as e:
+            err = translate_nvml_error(e, "nvmlInit")
+            if isinstance(err, NoData):
+                self._no_nvml(str(e))
+                raise NoData(f"no NVML on this node: {e} (fix: {NO_NVML_FIX})") from e
+            self._unavailable = (str(err), None)
+            raise err from e
+        self._opened = True
+        try:
+            self._enumerate()
+        except BaseException:
+            self.close()
+            raise
+        if not self._gpus and not self._lost:
+            self.close()
+            self._unavailable = ("NVML found no GPUs on this node", None)
+            raise NoData("NVML found no GPUs on this node")
+
+    def _no_nvml(self, reason: str) -> None:
+        if self._unavailable is None:  # said once, quietly (NoData is expected)
+            log.debug("no NVML on this node: %s", reason)
+        self._unavailable = (f"no NVML on this node: {reason}", NO_NVML_FIX)
+
+    def _enumerate(self) -> None:
+        try:
+            self._driver_version = _text(self._call("node", "nvmlSystemGetDriverVersion"))
+        except ProbeError:
+            self._driver_version = None
+        count = int(self._call("node", "nvmlDeviceGetCount"))
+        self._gpus, self._lost, self._open_errors = [], {}, {}
+        for i in range(count):
+            try:
+                self._gpus.append(self._open_gpu(i))
+            except DeviceLost as e:
+                self._mark_lost(i, str(e))
+            except ProbeError as e:
+                log.error("gpu%d left out: %s", i, e)
+                self._open_errors[i] = str(e)
+
+    def _open_gpu(self, i: int) -> _Gpu:
+        what = f"gpu{i}"
+        handle = self._call(what, "nvmlDeviceGetHandleByIndex", i)
+        gpu = _Gpu(
+            index=i,
+            handle=handle,
+            name=_text(self._call(what, "nvmlDeviceGetName", handle)),
+            uuid=_text(self._call(what, "nvmlDeviceGetUUID", handle)),
+            energy_method="counter",
+        )
+        nvml = self._nvml
+        mem_clocks = self._optional(gpu, "nvmlDeviceGetSupportedMemoryClocks", handle)
+        if mem_clocks:
+            sm = self._optional(gpu, "nvmlDeviceGetSupportedGraphicsClocks", handle, max(mem_clocks))
+            gpu.supported_sm_clocks_mhz = tuple(sorted((int(f) for f in sm or ()), reverse=True))
+        fmax = self._optional(gpu, "nvmlDeviceGetMaxClockInfo", handle, nvml.NVML_CLOCK_SM)
+        if fmax is None and gpu.supported_sm_clocks_mhz:
+            fmax = gpu.supported_sm_clocks_mhz[0]
+        gpu.sm_clock_max_mhz = None if fmax is None else float(fmax)
+        lim = self._optional(gpu, "nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        if lim:
+            gpu.power_limit_min_w, gpu.power_limit_max_w = mw_to_w(lim[0]), mw_to_w(lim[1])
+        default = self._optional(gpu, "nvmlDeviceGetPowerManagementDefaultLimit", handle)
+        gpu.power_limit_default_w = None if default is None else mw_to_w(default)
+        cc = self._optional(gpu, "nvmlDeviceGetCudaComputeCapability", handle)
+        gpu.compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
+        try:
+            gpu.last_counter_mj = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", handle))
+        except NotSupported:
+            gpu.energy_method = "power_integration"
+            log.info("gpu%d (%s) has no energy counter: integrating power samples", i, gpu.name)
+        return gpu
+
+    def _mark_lost(self, index: int, why: str) -> None:
+        if index not in self._lost:
+            log.error("gpu%d is lost and left out of readings: %s", index, why)
+        self._lost[index] = why
+        for g in self._gpus:
+            if g.index == index:
+                g.lost = True
+
+    def sample(self, now_s: float) -> Readings:
+        if not self._opened:
+            raise ProbeError(f"probe {self.name!r} sampled before open()")
+        out = Readings()
+        failures: list[ProbeError] = []
+        live = [g for g in self._gpus if not g.lost]
+        for gpu in live:
+            try:
+                out.gpus.append(self._sample_gpu(gpu, now_s))
+            except DeviceLost as e:
+                self._mark_lost(gpu.index, str(e))
+            except ProbeError as e:
+                key = "sample"
+                if gpu.errors.get(key) != str(e):
+                    log.error("gpu%d not sampled: %s", gpu.index, e)
+                gpu.errors[key] = str(e)
+                failures.append(e)
+        if failures and not out.gpus:
+            raise failures[0]  # every live GPU failed: the probe failed this tick
+        return out
+
+    def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
+        nvml, h, what = self._nvml, gpu.handle, f"gpu{gpu.index}"
+        power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
+        power_w = None if power_mw is None else mw_to_w(power_mw)
+        self._account_energy(gpu, what, power_w, now_s)
+        if now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S:
+            # Energy and power are read every tick (they price the steps); clocks,
+            # utilisation, temperature and the limit once a second: two NVML calls
+            # per GPU per tick instead of eight, which is most of the daemon's CPU.
+            util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)
+            sm = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
+            mem = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_MEM)
+            temp = self._optional(gpu, "nvmlDeviceGetTemperature", h, nvml.NVML_TEMPERATURE_GPU)
+            limit = self._optional(gpu, "nvmlDeviceGetEnforcedPowerLimit", h)
+            if limit is None:
+                limit = self._optional(gpu, "nvmlDeviceGetPowerManagementLimit", h)
+            gpu.slow, gpu.slow_at_s = (util, sm, mem, temp, limit), now_s
+        util, sm, mem, temp, limit = gpu.slow
+        return GpuReading(
+            index=gpu.index,
+            name=gpu.name,
+            uuid=gpu.uuid,
+            source=self.source,
+            energy_j=gpu.energy_j,
+            energy_method=gpu.energy_method,
+            power_w=power_w,
+            sm_clock_mhz=None if sm is None else float(sm),
+            mem_clock_mhz=None if mem is None else float(mem),
+            util_gpu_pct=None if util is None else float(util.gpu),
+            util_mem_pct=None if util is None else float(util.memory),
+            temperature_c=None if temp is None else float(temp),
+            clock_cap_mhz=self._clock_cap(gpu.index),
+            power_limit_w=None if limit is None else mw_to_w(limit),
+            power_limit_min_w=gpu.power_limit_min_w,
+            power_limit_max_w=gpu.power_limit_max_w,
+            power_limit_default_w=gpu.power_limit_default_w,
+            sm_clock_max_mhz=gpu.sm_clock_max_mhz,
+            supported_sm_clocks_mhz=gpu.supported_sm_clocks_mhz,
+            compute_capability=gpu.compute_capability,
+        )
+
+    def _account_energy(self, gpu: _Gpu, what: str, power_w: float | None, now_s: float) -> None:
+        if gpu.energy_method == "counter":
+            try:
+                raw = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
+            except NotSupported:
+                log.warning("%s: energy counter stopped working; integrating power instead", what)
+                gpu.energy_method = "power_integration"
+            else:
+                last = gpu.last_counter_mj
+                if last is None:
+                    pass  # first good read: the baseline
+                elif raw >= last:
+                    gpu.energy_j += mj_to_j(raw - last)
+                else:  # the counter restarted (driver reload): it counts from 0 again
+                    log.warning("%s: energy counter went back (%d -> %d mJ)", what, last, raw)
+                    gpu.energy_j += mj_to_j(raw)
+                gpu.last_counter_mj = raw
+                return
+        # Trapezoid rule over the tick times; a tick without power leaves a gap
+        # that the next two known points bridge.
+        if power_w is None:
+            return
+        if gpu.last_power is not None:
+            t0, p0 = gpu.last_power
+            if now_s > t0:
+                gpu.energy_j += 0.5 * (p0 + power_w) * (now_s - t0)
+            else:
+                return  # same or earlier tick time: nothing to integrate
+        gpu.last_power = (now_s, power_w)
+
+    def _clock_cap(self, index: int) -> float | None:
+        if self.cap_lookup is None:
+            return None
+        try:
+            cap = self.cap_lookup(index)
+        except Exception as e:  # the actuator layer must not break sampling
+            log.warning("cap_lookup(%d) failed: %s", index, e)
+            return None
+        return None if cap is None else float(cap)
+
+    def info(self) -> ProbeInfo:
+        if not self._opened:
+            detail, fix = self._unavailable or ("not opened", None)
+            return ProbeInfo(self.name, available=False, detail=detail, fix=fix)
+        devices = [
+            f"gpu{g.index}: {g.name} ({g.uuid}), energy by {g.energy_method}"
+            + (f"; errors: {'; '.join(g.errors.values())}" if g.errors else "")
+            for g in self._gpus
+            if not g.lost
+        ]
+        devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(self._lost.items())]
+        devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
+        live = sum(not g.lost for g in self._gpus)
+        parts = [f"{live} GPU(s) via NVML"]
+        if self._driver_version:
+            parts.append(f"driver {self._driver_version}")
+        if self._lost:
+            parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(self._lost))}")
+        if self._open_errors:
+            parts.append(f"not opened: {', '.join(f'gpu{i}' for i in sorted(self._open_errors))}")
+        return ProbeInfo(self.name, available=live > 0, detail=", ".join(parts), devices=devices)
+
+    def close(self) -> None:
+        if not self._opened:
+            return
+        self._opened = False
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception as e:  # closing must not fail the daemon's shutdown
+            log.debug("nvmlShutdown: %s", e)
+
+    # ---- for the daemon and the actuator layer
+
+    @property
+    def lost_gpus(self) -> dict[int, str]:
+        """Index -> why, for GPUs that fell off the bus."""
+        return dict(self._lost)
+
+    @property
+    def device_errors(self) -> dict[int, dict[str, str]]:
+        """Index -> {call: message} for per-device errors seen so far."""
+        out = {g.index: dict(g.errors) for g in self._gpus if g.errors}
+        for i, why in self._open_errors.items():
+            out.setdefault(i, {})["open"] = why
+        return out
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return [g.index for g in self._gpus if not g.lost]
+
+    def handle(self, index: int) -> Any:
+        """The NVML handle of GPU ``index`` (KeyError if unknown, DeviceLost if lost)."""
+        for g in self._gpus:
+            if g.index == index:
+                if g.lost:
+                    raise DeviceLost(f"gpu{index} is lost: {self._lost.get(index, '')}")
+                return g.handle
+        raise KeyError(f"no gpu{index} in probe {self.name!r}")
+
+    def _setter(self, index: int, fn: str, *args: Any) -> None:
+        h = self.handle(index)
+        try:
+            self._call(f"gpu{index}", fn, h, *args)
+        except DeviceLost as e:
+            self._mark_lost(index, str(e))
+            raise
+        finally:
+            for g in self._gpus:
+                if g.index == index:
+                    g.slow_at_s = float("-inf")  # a setting changed: read it again next tick
+
+    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
+        """``nvmlDeviceSetGpuLockedClocks``; NVML errors arrive as greend errors."""
+        self._setter(index, "nvmlDeviceSetGpuLockedClocks", int(min_mhz), int(max_mhz))
+
+    def reset_locked_clocks(self, index: int) -> None:
+        self._setter(index, "nvmlDeviceResetGpuLockedClocks")
+
+    def set_power_limit_w(self, index: int, power_w: float) -> None:
+        """``nvmlDeviceSetPowerManagementLimit`` (W here, mW to NVML)."""
+        self._setter(index, "nvmlDeviceSetPowerManagementLimit", w_to_mw(power_w))
+
+    def sim_gpu(self, index: int) -> Any | None:
+        """The simulator's device behind GPU ``index`` when source is "sim", else None."""
+        if self.source != "sim" or self._nvml is None or not hasattr(type(self._nvml), "sim_gpu"):
+            return None
+        return self._nvml.sim_gpu(index)
+
+
+def _text(value: Any) -> str:
+    """Old pynvml versions return bytes for names and UUIDs."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+@register(
+    "nvml",
+    default=True,
+    help="NVIDIA GPUs through NVML (energy counter, power, clocks, limits)",
+)
+def _nvml_probe(ctx: ProbeContext) -> Probe:
+    return NvmlProbe(nvml=ctx.nvml_module, source="nvml")

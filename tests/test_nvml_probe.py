@@ -1,0 +1,271 @@
+"""The NVML probe, on the fake NVML (simulated GPUs) and against the real pynvml."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+from greend.errors import DeviceLost, NoData, NoPermission, NotSupported, ProbeError
+from probes import REGISTRY, ProbeContext
+from probes.base import Probe
+from probes.fake_nvml import FakeNvml
+from probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
+from probes.sim import H100
+
+
+class ManualClock:
+    def __init__(self, t: float = 10_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt_s: float) -> None:
+        self.t += dt_s
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def fake(tmp_path: Path, clock: ManualClock) -> FakeNvml:
+    return FakeNvml(tmp_path, n=2, clock=clock, initial_energy_mj=123_456_789)
+
+
+@pytest.fixture
+def probe(fake: FakeNvml) -> NvmlProbe:
+    p = NvmlProbe(nvml=fake, source="sim")
+    p.open()
+    return p
+
+
+def by_index(probe: NvmlProbe, now_s: float) -> dict[int, Any]:
+    return {g.index: g for g in probe.sample(now_s).gpus}
+
+
+def test_is_a_probe_and_reads_static_facts(probe: NvmlProbe) -> None:
+    assert isinstance(probe, Probe)
+    gpus = by_index(probe, 0.0)
+    assert sorted(gpus) == [0, 1]
+    g = gpus[0]
+    assert g.source == "sim" and g.name == H100.name and g.uuid.startswith("GPU-")
+    assert g.energy_j == 0.0 and g.energy_method == "counter"  # counted from open()
+    assert g.power_w == pytest.approx(70.0)
+    assert g.sm_clock_max_mhz == 1980 and g.supported_sm_clocks_mhz[0] == 1980
+    assert (g.power_limit_min_w, g.power_limit_max_w, g.power_limit_default_w) == (200, 700, 700)
+    assert g.power_limit_w == 700
+    assert g.compute_capability == (9, 0)
+    assert g.util_gpu_pct == 0.0 and g.temperature_c is not None
+    assert g.clock_cap_mhz is None  # no cap_lookup given
+    info = probe.info()
+    assert info.available and len(info.devices) == 2
+
+
+def test_counter_energy_matches_the_simulator(probe: NvmlProbe, fake: FakeNvml, clock: ManualClock) -> None:
+    truth0 = {i: fake.sim_gpu(i).energy_j() for i in (0, 1)}
+    now = 0.0
+    probe.sample(now)
+    for k in range(20):
+        fake.sim_gpu(0).run_step(3e14, 0.1 * (k % 5), "bf16")
+        if k % 2:
+            fake.sim_gpu(1).run_step(1e14, 0.6, "bf16")
+        clock.advance(0.5)
+        now += 0.5
+        probe.sample(now)
+    gpus = by_index(probe, now)
+    for i in (0, 1):
+        truth = fake.sim_gpu(i).energy_j() - truth0[i]
+        assert gpus[i].energy_j == pytest.approx(truth, rel=1e-3)
+        assert gpus[i].energy_method == "counter"
+    assert gpus[0].energy_j > gpus[1].energy_j > 0
+
+
+def test_pre_volta_gpu_integrates_power(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=2, clock=clock, background_load=[0.5, 0.0])
+    fake.inject(0, no_energy_counter=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    assert power > 2 * H100.idle_w
+    now = 100.0
+    for _ in range(10):
+        probe.sample(now)
+        clock.advance(0.25)
+        now += 0.25
+    g = by_index(probe, now)
+    assert g[0].energy_method == "power_integration"
+    assert g[0].compute_capability == (6, 0)
+    assert g[0].energy_j == pytest.approx(power * 2.5, rel=1e-3)  # 10 intervals of 0.25 s
+    assert g[1].energy_method == "counter"
+    assert g[1].energy_j == pytest.approx(H100.idle_w * 2.5, rel=1e-3)
+
+
+def test_trapezoid_bridges_a_ramp(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=1, clock=clock)
+    fake.inject(0, no_energy_counter=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    probe.sample(0.0)  # 70 W
+    fake.sim_gpu(0).set_background_load(1.0)  # 680 W from here on
+    clock.advance(2.0)
+    g = probe.sample(2.0).gpus[0]
+    assert g.energy_j == pytest.approx(0.5 * (70.0 + 680.0) * 2.0, rel=1e-6)
+
+
+def test_lost_gpu_is_dropped_and_the_other_goes_on(
+    probe: NvmlProbe, fake: FakeNvml, clock: ManualClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert sorted(by_index(probe, 0.0)) == [0, 1]
+    FakeNvml(tmp_path).inject(1, lost=True)  # from "another process"
+    with caplog.at_level(logging.ERROR, logger="probes.nvml"):
+        for t in (1.0, 2.0, 3.0):
+            clock.advance(1.0)
+            gpus = by_index(probe, t)
+            assert sorted(gpus) == [0]
+    assert gpus[0].energy_j == pytest.approx(3 * 70.0, rel=1e-3)
+    lost_lines = [r for r in caplog.records if "gpu1 is lost" in r.getMessage()]
+    assert len(lost_lines) == 1 and lost_lines[0].levelno == logging.ERROR
+    assert list(probe.lost_gpus) == [1]
+    info = probe.info()
+    assert info.available and "lost: gpu1" in info.detail
+    assert any("gpu1: LOST" in d for d in info.devices)
+    with pytest.raises(DeviceLost):
+        probe.set_power_limit_w(1, 300)
+
+
+def test_all_gpus_lost_gives_empty_readings(probe: NvmlProbe, fake: FakeNvml) -> None:
+    fake.inject(0, lost=True)
+    fake.inject(1, lost=True)
+    assert probe.sample(1.0).gpus == []
+    assert not probe.info().available
+
+
+def test_a_gpu_lost_before_open_is_reported(fake: FakeNvml) -> None:
+    fake.inject(0, lost=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    assert [g.index for g in probe.sample(0.0).gpus] == [1]
+    assert probe.lost_gpus.keys() == {0}
+
+
+class _NoTemperature(FakeNvml):
+    """A GPU model without a temperature sensor reading."""
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+
+def test_unsupported_optional_fields_read_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    probe = NvmlProbe(nvml=_NoTemperature(tmp_path, n=1), source="sim")
+    probe.open()
+    with caplog.at_level(logging.WARNING, logger="probes.nvml"):
+        for t in (0.0, 1.0):
+            g = probe.sample(t).gpus[0]
+    assert g.temperature_c is None  # NOT_SUPPORTED: quietly None
+    assert g.util_gpu_pct is None and g.util_mem_pct is None  # an error: None, logged once
+    assert g.power_w is not None and g.sm_clock_mhz is not None
+    assert len([r for r in caplog.records if "Utilization" in r.getMessage()]) == 1
+    assert "nvmlDeviceGetUtilizationRates" in probe.device_errors[0]
+
+
+def test_setters_map_errors(probe: NvmlProbe, fake: FakeNvml) -> None:
+    probe.set_locked_clocks_mhz(0, 345, 1500)
+    assert fake.fake_get_locked_clocks(fake.nvmlDeviceGetHandleByIndex(0)) == (345, 1500)
+    probe.reset_locked_clocks(0)
+    probe.set_power_limit_w(1, 400.0)
+    assert by_index(probe, 0.0)[1].power_limit_w == 400.0
+    fake.inject(0, no_permission=True)
+    with pytest.raises(NoPermission) as e:
+        probe.set_locked_clocks_mhz(0, 345, 1200)
+    assert isinstance(e.value.__cause__, pynvml.NVMLError_NoPermission)
+    with pytest.raises(NoPermission):
+        probe.set_power_limit_w(0, 300.0)
+    with pytest.raises(ProbeError):  # INVALID_ARGUMENT: a plain ProbeError
+        probe.set_power_limit_w(1, 50.0)
+
+
+def test_cap_lookup_fills_clock_cap(fake: FakeNvml) -> None:
+    caps = {0: 1410.0}
+    probe = NvmlProbe(nvml=fake, source="sim", cap_lookup=caps.get)
+    probe.open()
+    gpus = by_index(probe, 0.0)
+    assert gpus[0].clock_cap_mhz == 1410.0 and gpus[1].clock_cap_mhz is None
+
+
+def test_init_failure_is_no_data_with_a_clear_message(fake: FakeNvml) -> None:
+    fake.set_init_error("DRIVER_NOT_LOADED")
+    probe = NvmlProbe(nvml=fake)
+    with pytest.raises(NoData, match="no NVML on this node: Driver Not Loaded") as e:
+        probe.open()
+    assert "install the NVIDIA driver" in str(e.value)
+    assert isinstance(e.value.__cause__, pynvml.NVMLError_DriverNotLoaded)
+    info = probe.info()
+    assert not info.available and "Driver Not Loaded" in info.detail
+    assert info.fix and "nvidia-ml-py" in info.fix
+
+
+def test_real_pynvml_without_a_driver_is_no_data() -> None:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has an NVIDIA driver")
+    probe = NvmlProbe()  # imports the real pynvml
+    with pytest.raises(NoData, match="no NVML on this node"):
+        probe.open()
+    assert not probe.info().available
+
+
+def test_one_error_table() -> None:
+    for code, (name, _cls) in NVML_ERROR_MAP.items():
+        assert getattr(pynvml, name) == code
+    cases = {
+        pynvml.NVML_ERROR_NOT_SUPPORTED: NotSupported,
+        pynvml.NVML_ERROR_NO_PERMISSION: NoPermission,
+        pynvml.NVML_ERROR_GPU_IS_LOST: DeviceLost,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: NoData,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED: NoData,
+    }
+    for code, cls in cases.items():
+        err = translate_nvml_error(pynvml.NVMLError(code), "gpu0 call")
+        assert type(err) is cls and "gpu0 call" in str(err)
+    assert type(translate_nvml_error(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "x")) is ProbeError
+
+
+def test_sample_before_open_and_close_twice(fake: FakeNvml) -> None:
+    probe = NvmlProbe(nvml=fake, source="sim")
+    with pytest.raises(ProbeError, match="before open"):
+        probe.sample(0.0)
+    probe.open()
+    probe.close()
+    probe.close()
+
+
+def test_registered_sim_probe_drives_the_nvml_path(tmp_path: Path) -> None:
+    import probes.nvml  # noqa: F401  (registers "nvml")
+    import probes.sim  # noqa: F401  (registers "sim")
+
+    ctx = ProbeContext(sim_gpus=2, sim_dir=tmp_path, sim_params={"background_load": 0.25})
+    sim_probe = REGISTRY["sim"].factory(ctx)
+    assert isinstance(sim_probe, NvmlProbe) and sim_probe.name == "sim"
+    sim_probe.open()
+    gpus = sim_probe.sample(0.0).gpus
+    assert [g.source for g in gpus] == ["sim", "sim"]
+    assert gpus[0].power_w is not None and gpus[0].power_w > H100.idle_w
+    gpu = sim_probe.sim_gpu(1)
+    assert gpu is not None and gpu.index == 1
+    assert REGISTRY["sim"].default is False and REGISTRY["nvml"].default is True
+
+    real = REGISTRY["nvml"].factory(ProbeContext(nvml_module=FakeNvml(tmp_path)))
+    assert isinstance(real, NvmlProbe) and real.sim_gpu(0) is None
