@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import probes as probe_registry
-from probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, ProbeInfo
+from probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, ProbeInfo, Readings
 
 from . import __version__
 from .config import Config
 from .errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
-from .ipc import Connection, Field, IpcServer, Peer
+from .ipc import NO_REPLY, Connection, Field, IpcServer, Peer
+from .jobs import REGISTER_SCHEMA, JobRegistry
 from .ledger import Ledger
 from .sinks import Point, Sink, open_sink
 
@@ -53,6 +54,8 @@ class ProbeStats:
     last_error: str | None = None
     info: ProbeInfo | None = None
     next_open_s: float = 0.0
+    next_due_s: float = float("-inf")
+    last: Readings | None = None  # carried into ticks where the probe is not due
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -110,6 +113,15 @@ class Daemon:
         self.sink_errors: dict[str, str] = {}
         self._nvml_module = nvml_module
         self.server: IpcServer | None = None
+        self.jobs = JobRegistry(
+            self.ledger,
+            hostname=self.hostname,
+            monotonic=monotonic,
+            wall=wall,
+            heartbeat_timeout_s=cfg.daemon.heartbeat_timeout_s,
+            sim_gpu=self.sim_gpu,
+            emit=self.emit,
+        )
 
     # Set-up --------------------------------------------------------------------------
     def probe_context(self) -> ProbeContext:
@@ -123,7 +135,7 @@ class Daemon:
             sysfs_root=cfg.probes.sysfs_root,
             sim_gpus=cfg.sim.gpus,
             sim_dir=cfg.sim_dir,
-            sim_params={"load": cfg.sim.load, "mem_share": cfg.sim.mem_share},
+            sim_params={"background_load": cfg.sim.load, "mem_share": cfg.sim.mem_share},
             cpu_tdp_w=cfg.probes.cpu_tdp_w,
             nvml_module=nvml_module,
             job_pids=self.job_pids,
@@ -131,7 +143,18 @@ class Daemon:
         )
 
     def job_pids(self) -> list[int]:
-        return []
+        return self.jobs.job_pids()
+
+    def sim_gpu(self, index: int) -> Any | None:
+        """The simulated device behind GPU ``index``, or None on real hardware."""
+        for p in self.probes:
+            lookup = getattr(p, "sim_gpu", None)
+            if lookup is not None and self.stats.get(p.name) and self.stats[p.name].open:
+                try:
+                    return lookup(index)
+                except (IndexError, KeyError, ValueError):
+                    return None
+        return None
 
     def open_probes(self) -> None:
         try:
@@ -186,6 +209,7 @@ class Daemon:
             mode=int(d.socket_mode, 8),
             group=d.socket_group or None,
             is_admin=self.is_admin,
+            on_disconnect=self.jobs.disconnected,
         )
         self.server.route("ping", lambda m, c: {"pong": True, "version": __version__})
         self.server.route("status", lambda m, c: self.status())
@@ -195,7 +219,29 @@ class Daemon:
             {"key": Field((str,), required=True, max_len=128),
              "t0_s": Field((float,), required=True), "t1_s": Field((float,), required=True)},
         )
+        jobs = self.jobs
+        self.server.route("register", jobs.register, REGISTER_SCHEMA)
+        self.server.route("steps", self._op_steps, {"steps": Field((list,), required=True)})
+        self.server.route("heartbeat", jobs.heartbeat)
+        self.server.route("end", jobs.end, {"reason": Field((str,), max_len=256)})
+        self.server.route("jobs", lambda m, c: {"jobs": jobs.list_jobs()})
+        self.server.route("report", self._op_report, {"job": Field((str,), required=True, max_len=128)})
         self.server.start()
+
+    def _op_steps(self, msg: dict[str, Any], conn: Connection) -> Any:
+        self.jobs.report_steps(msg, conn)
+        return NO_REPLY
+
+    def _op_report(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        from .errors import ProtocolError
+
+        job = self.jobs.jobs.get(msg["job"])
+        if job is None:
+            known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
+            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
+        report = self.jobs.report(job)
+        report["series"] = list(job.series)
+        return report
 
     def is_admin(self, peer: Peer) -> bool:
         if peer.uid == 0:
@@ -258,6 +304,13 @@ class Daemon:
                 if not st.open:
                     st.success = False
                     continue
+            if now_s < st.next_due_s:
+                # A probe may ask to be sampled less often than the tick (``interval_s``):
+                # its last readings stand in until it is due.
+                if st.last is not None and st.success:
+                    self._merge(snap, st.last)
+                continue
+            st.next_due_s = now_s + getattr(p, "interval_s", 0.0) - 1e-6
             t = time.perf_counter()
             try:
                 r = p.sample(now_s)
@@ -274,10 +327,8 @@ class Daemon:
             else:
                 st.success = True
                 st.samples += 1
-                snap.gpus.extend(r.gpus)
-                snap.cpus.extend(r.cpus)
-                if r.host is not None:
-                    snap.host = r.host
+                st.last = r
+                self._merge(snap, r)
             st.duration_s = time.perf_counter() - t
         for g in snap.gpus:
             self.ledger.record(g.key, now_s, g.energy_j)
@@ -285,9 +336,19 @@ class Daemon:
             self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
         with self._snap_lock:
             self.snapshot = snap
+        ended = self.jobs.tick(now_s, snap.host)
+        if ended:
+            self.emit(ended)
         if now_s - self._last_store_s >= self.cfg.store.interval_s - 1e-9:
             self._last_store_s = now_s
-            self.emit(self.sample_points(snap))
+            self.emit(self.sample_points(snap) + self.jobs.efficiency_points(now_s))
+
+    @staticmethod
+    def _merge(snap: Snapshot, r: Readings) -> None:
+        snap.gpus.extend(r.gpus)
+        snap.cpus.extend(r.cpus)
+        if r.host is not None:
+            snap.host = r.host
 
     def emit(self, points: list[Point]) -> None:
         for sink in self.sinks:
@@ -384,7 +445,7 @@ class Daemon:
                 "gpu_energy_j": self.ledger.totals("gpu"),
                 "cpu_energy_j": self.ledger.totals("cpu:"),
             },
-            "jobs": [],
+            "jobs": self.jobs.list_jobs(),
             "policy": {"name": "none", "params": {}},
             "probes": [s.to_json() for s in self.stats.values()],
             "stores": [s.status().to_json() for s in self.sinks]

@@ -43,9 +43,7 @@ def _nvml(nvml_module: object | None = None) -> Check:
     try:
         probe.open()
     except NoData as e:
-        return Check("nvml", "warn", str(e),
-                     "install the NVIDIA driver (nvidia-smi must work) and nvidia-ml-py; "
-                     "on a machine without GPUs use greend run --sim N")
+        return Check("nvml", "warn", str(e))  # the probe's message carries the fix
     except NoPermission as e:
         return Check("nvml", "fail", str(e), "run greend as root (the systemd unit does)")
     except GreendError as e:
@@ -64,6 +62,7 @@ def _rapl(sysfs_root: Path) -> Check:
     try:
         probe.open()
         probe.sample(0.0)
+        detail = probe.info().detail
     except NoData as e:
         return Check("rapl", "warn", str(e),
                      "no CPU energy counters here (a VM or container?): set [probes] cpu_tdp_w "
@@ -75,7 +74,7 @@ def _rapl(sysfs_root: Path) -> Check:
         return Check("rapl", "fail", str(e))
     finally:
         probe.close()
-    return Check("rapl", "ok", probe.info().detail)
+    return Check("rapl", "ok", detail)
 
 
 def _socket(path: Path, timeout_s: float) -> list[Check]:

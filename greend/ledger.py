@@ -74,9 +74,10 @@ class Ledger:
                 e.energies.append(adjusted)
             e.last_t_s = t_s
 
-    def keys(self) -> list[str]:
+    def keys(self, prefix: str = "", counted_only: bool = False) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return [k for k, e in self._entries.items()
+                    if k.startswith(prefix) and (e.counted or not counted_only)]
 
     def total_j(self, key: str) -> float:
         with self._lock:

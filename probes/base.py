@@ -123,7 +123,9 @@ class Probe(Protocol):
     """A source of readings.
 
     ``open()`` detects the source and raises :class:`greend.errors.NoData` when it is
-    absent (or ``NoPermission``); it is called once. ``sample(now_s)`` returns this
+    absent (or ``NoPermission``); it is called once. A probe may set a class
+    attribute ``interval_s`` to be sampled less often than every tick; the tick loop
+    carries its last readings in between. ``sample(now_s)`` returns this
     tick's readings; ``now_s`` is the tick's monotonic time in seconds. ``info()``
     describes what was found. ``close()`` releases handles.
     """

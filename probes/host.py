@@ -55,6 +55,9 @@ class HostProbe:
     """
 
     name = "host"
+    # Load, memory and per-process CPU time move slowly: the tick loop samples this
+    # probe once a second and carries the reading in between (see Daemon.tick).
+    interval_s = 1.0
 
     def __init__(
         self,

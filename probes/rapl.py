@@ -71,6 +71,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# A zone's power limit is re-read at most this often (energy is read every tick).
+LIMIT_EVERY_S = 5.0
+
 ReadText = Callable[[Path], str]
 WriteText = Callable[[Path, str], None]
 
@@ -366,6 +369,7 @@ class RaplProbe:
         self._skipped: list[str] = []
         self._error: NoData | NoPermission | None = None
         self._opened = False
+        self._limits: dict[str, tuple[float, float | None]] = {}  # zone id -> (read at, W)
 
     @property
     def zones(self) -> list[RaplZone]:
@@ -403,14 +407,25 @@ class RaplProbe:
     def _read_energy_uj(self, zone: RaplZone) -> int:
         return int(self._read(zone.dir / "energy_uj").strip())
 
-    def _power_limit_w(self, zone: RaplZone) -> float | None:
+    def _power_limit_w(self, zone: RaplZone, now_s: float) -> float | None:
+        """The long-term limit in W, re-read at most every LIMIT_EVERY_S (it changes
+        only when someone writes it; call :meth:`refresh_limits` after a write)."""
         if zone.long_term_index is None:
             return None
+        cached = self._limits.get(zone.id)
+        if cached is not None and now_s - cached[0] < LIMIT_EVERY_S:
+            return cached[1]
         try:
             limit_uw = read_power_limit_uw(zone.dir, zone.long_term_index, read=self._read)
         except (NoPermission, NotSupported):
-            return None
-        return uw_to_w(limit_uw) if limit_uw > 0 else None  # 0: no limit set (PP0, DRAM)
+            value = None
+        else:
+            value = uw_to_w(limit_uw) if limit_uw > 0 else None  # 0: no limit set (PP0, DRAM)
+        self._limits[zone.id] = (now_s, value)
+        return value
+
+    def refresh_limits(self) -> None:
+        self._limits.clear()
 
     def sample(self, now_s: float) -> Readings:
         out: list[CpuReading] = []
@@ -452,7 +467,7 @@ class RaplProbe:
                     power_w=zone.power_w,
                     counted=zone.counted,
                     parent=zone.parent,
-                    power_limit_w=self._power_limit_w(zone),
+                    power_limit_w=self._power_limit_w(zone, now_s),
                 )
             )
         if self._zones and len(failed) == len(self._zones):

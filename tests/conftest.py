@@ -1,0 +1,106 @@
+"""Shared test helpers: a real greend daemon in a subprocess, on temp paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    state_dir: Path
+    db: Path
+    log: Path
+    args: list[str] = field(default_factory=list)
+
+    def ctl(self, *args: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            [sys.executable, "-m", "greend.ctl", "--socket", str(self.socket), *args],
+            capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(),
+        )
+        if check and r.returncode != 0:
+            raise AssertionError(f"greenctl {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+                                 f"\n--- daemon log ---\n{self.log_text()}")
+        return r
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.ctl("status", "--json").stdout)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text()
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("GREEND_SOCKET", None)
+    return env
+
+
+def start_daemon(tmp: Path, *extra: str, state_dir: Path | None = None, wait: bool = True,
+                 name: str = "d") -> DaemonProc:
+    state = state_dir or tmp / f"{name}-state"
+    sock = tmp / f"{name}.sock"
+    db = state / "greend.db"
+    log = tmp / f"{name}.log"
+    args = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(tmp / "none.toml"),
+            "--socket", str(sock), "--state-dir", str(state), *extra]
+    (tmp / "none.toml").write_text("[daemon]\nsocket_group = \"\"\n")
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+    d = DaemonProc(proc, sock, state, db, log, args)
+    if wait:
+        wait_for_socket(d)
+    return d
+
+
+def wait_for_socket(d: DaemonProc, timeout: float = 20.0) -> None:
+    from greend.client import Client
+    from greend.errors import DaemonUnavailable
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise AssertionError(f"greend exited with {d.proc.returncode}:\n{d.log_text()}")
+        try:
+            with Client(d.socket, timeout_s=2.0) as c:
+                if c.request("status")["ticks"] > 0:
+                    return
+        except DaemonUnavailable:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"greend did not come up in {timeout} s:\n{d.log_text()}")
+
+
+@pytest.fixture()
+def daemons(tmp_path: Path) -> Iterator[list[DaemonProc]]:
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.stop(signal.SIGKILL if d.proc.poll() is None else signal.SIGTERM)

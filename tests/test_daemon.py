@@ -1,0 +1,131 @@
+"""The tick loop in-process: isolation of failing probes, the schedule, the ledger."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from greend.config import Config
+from greend.daemon import Daemon, ProbeStats
+from greend.errors import ProbeError
+from probes import CpuReading, ProbeInfo, Readings
+
+
+class CountingProbe:
+    """A probe whose zone burns exactly ``watts`` on the tick clock."""
+
+    def __init__(self, name: str, watts: float) -> None:
+        self.name = name
+        self.watts = watts
+        self.t0: float | None = None
+
+    def open(self) -> None:
+        pass
+
+    def sample(self, now_s: float) -> Readings:
+        if self.t0 is None:
+            self.t0 = now_s
+        e = (now_s - self.t0) * self.watts
+        return Readings(cpus=[CpuReading(zone="package-0", path=self.name, source="test", energy_j=e)])
+
+    def info(self) -> ProbeInfo:
+        return ProbeInfo(self.name, True, "test")
+
+    def close(self) -> None:
+        pass
+
+
+class BrokenProbe(CountingProbe):
+    def sample(self, now_s: float) -> Readings:
+        raise ProbeError("sensor on fire")
+
+
+class ExplodingProbe(CountingProbe):
+    def sample(self, now_s: float) -> Readings:
+        raise ZeroDivisionError("bug in a probe")
+
+
+@pytest.fixture()
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    cfg = Config()
+    cfg.daemon.state_dir = tmp_path / "state"
+    cfg.daemon.socket = tmp_path / "g.sock"
+    cfg.daemon.socket_group = ""
+    cfg.daemon.hz = 50.0
+    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
+    cfg.probes.enabled = []
+    d = Daemon(cfg)
+    d.start()
+    yield d
+    d.close()
+
+
+def test_failing_probes_never_stop_a_tick(daemon: Daemon) -> None:
+    good = CountingProbe("good", 100.0)
+    daemon.probes = [BrokenProbe("broken", 0), ExplodingProbe("exploding", 0), good]
+    for p in daemon.probes:
+        daemon.stats[p.name] = ProbeStats(p.name)
+        daemon._try_open(p, first=True)
+    daemon.run(max_ticks=20)
+    st = daemon.status()
+    by_name = {p["name"]: p for p in st["probes"]}
+    assert by_name["good"]["success"] and by_name["good"]["samples"] == 20
+    assert not by_name["broken"]["success"] and by_name["broken"]["failures"] == 20
+    assert by_name["broken"]["last_error"] == "sensor on fire"
+    assert "ZeroDivisionError" in by_name["exploding"]["last_error"]
+    # 19 periods of 20 ms at 100 W.
+    cpu = st["cpus"][0]
+    assert cpu["energy_j"] == pytest.approx(100.0 * (daemon.snapshot.t_s - good.t0), rel=1e-9)
+
+
+def test_schedule_is_drift_free_and_skips_overruns(daemon: Daemon) -> None:
+    slow_once = {"done": False}
+
+    class SlowProbe(CountingProbe):
+        def sample(self, now_s: float) -> Readings:
+            if not slow_once["done"] and daemon.ticks == 5:
+                slow_once["done"] = True
+                time.sleep(0.1)  # five periods of 20 ms
+            return super().sample(now_s)
+
+    p = SlowProbe("slow", 1.0)
+    daemon.probes = [p]
+    daemon.stats["slow"] = ProbeStats("slow")
+    daemon._try_open(p, first=True)
+    t0 = time.monotonic()
+    daemon.run(max_ticks=30)
+    elapsed = time.monotonic() - t0
+    assert daemon.ticks_skipped >= 4
+    # 30 ticks + the skipped ones, at 20 ms each; no accumulated drift.
+    expected = (daemon.ticks + daemon.ticks_skipped - 1) * 0.02
+    assert elapsed == pytest.approx(expected, abs=0.03)
+
+
+def test_stop_event_ends_the_loop_promptly(daemon: Daemon) -> None:
+    import threading
+
+    daemon.cfg.daemon.hz = 1.0
+    threading.Timer(0.2, daemon.stop).start()
+    t0 = time.monotonic()
+    daemon.run()
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
+    from greend.sinks.sqlite import read_rows
+
+    p = CountingProbe("zone", 10.0)
+    daemon.probes = [p]
+    daemon.stats["zone"] = ProbeStats("zone")
+    daemon._try_open(p, first=True)
+    daemon.cfg.store.interval_s = 0.05
+    daemon.run(max_ticks=15)
+    for s in daemon.sinks:
+        assert s.flush(5.0)
+    rows = read_rows(tmp_path / "g.db", "greend_cpu")
+    assert len(rows) >= 4
+    assert rows[-1]["energy_j"] > rows[0]["energy_j"]
+    assert {r["probe"] for r in read_rows(tmp_path / "g.db", "greend_probe")} == {"zone"}
