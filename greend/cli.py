@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from . import __version__
+from . import __version__, sdnotify
 from .client import Client, RequestRefused
 from .config import Config, apply_overrides, default_socket_path, load_config
 from .errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
@@ -81,7 +82,10 @@ def daemon_run(
 
     def on_signal(signum: int, _frame: Any) -> None:
         log.info("signal %s: stopping", signal.Signals(signum).name)
+        sdnotify.stopping()
         daemon.stop()
+
+    faulthandler.enable()  # a watchdog SIGABRT puts the Python traceback in the journal
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -95,6 +99,8 @@ def daemon_run(
         _fail(f"cannot start: {e}")
     log.info("greend %s running: %d probes, %d stores, socket %s",
              __version__, len(daemon.probes), len(daemon.sinks), cfg.daemon.socket)
+    sdnotify.ready()  # probes are open and the socket listens
+    sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.sinks)} stores, socket {cfg.daemon.socket}")
     try:
         daemon.run()
     finally:
@@ -232,6 +238,30 @@ def ctl_doctor(
             typer.echo(f"       fix: {c.fix}")
         worst = max(worst, {"ok": 0, "info": 0, "warn": 1, "fail": 2}[c.level])
     raise typer.Exit(worst)
+
+
+@ctl_app.command("install-systemd")
+def ctl_install_systemd(
+    prefix: Path = typer.Option(Path("/"), "--prefix", help="root of the OS tree to install into"),
+    enable: bool = typer.Option(False, "--enable", help="also run systemctl enable --now greend"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be done, touch nothing"),
+    greend_bin: Optional[str] = typer.Option(None, "--greend-bin",
+                                             help="greend for ExecStart= (default: beside this Python, else PATH)"),
+) -> None:
+    """Install greend.service, its sysusers/tmpfiles snippets, /etc/default/greend and an example config."""
+    from .install import default_greend_bin, install_systemd
+
+    binary = greend_bin or default_greend_bin()
+    if binary is None:
+        _fail("cannot find the greend executable: give --greend-bin /path/to/greend")
+        return
+    try:
+        actions = install_systemd(prefix, greend_bin=binary, enable=enable, dry_run=dry_run)
+    except GreendError as e:
+        _fail(str(e))
+        return
+    for a in actions:
+        typer.echo(("would " if dry_run and not a.startswith(("skip", "keep")) else "") + a)
 
 
 def ctl_main() -> None:

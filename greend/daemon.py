@@ -32,6 +32,7 @@ from .errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
 from .ipc import NO_REPLY, Connection, Field, IpcServer, Peer
 from .jobs import REGISTER_SCHEMA, JobRegistry
 from .ledger import Ledger
+from .sdnotify import WatchdogPinger
 from .sinks import Point, Sink, open_sink
 
 __all__ = ["Daemon", "ProbeStats"]
@@ -113,6 +114,9 @@ class Daemon:
         self.sink_errors: dict[str, str] = {}
         self._nvml_module = nvml_module
         self.server: IpcServer | None = None
+        # systemd's WatchdogSec=: pinged from the tick loop itself, so that a tick stuck
+        # in a driver call stops the pings and systemd restarts the daemon.
+        self.watchdog = WatchdogPinger()
         self.jobs = JobRegistry(
             self.ledger,
             hostname=self.hostname,
@@ -279,10 +283,18 @@ class Daemon:
             due = t0 + k * period
             now = self.monotonic()
             if now < due:
-                if self.stop_event.wait(due - now):
+                wait_s = due - now
+                if self.watchdog.enabled:
+                    # A slow --hz must not starve the watchdog: wait in slices.
+                    wait_s = min(wait_s, (self.watchdog.interval_s or wait_s) / 4)
+                if self.stop_event.wait(wait_s):
                     break
+                self.watchdog.tick()
+                if self.monotonic() < due:
+                    continue
             started = self.monotonic()
             self.tick(started)
+            self.watchdog.tick()
             self.tick_duration_s = self.monotonic() - started
             if on_tick is not None:
                 on_tick()

@@ -100,3 +100,33 @@ def test_greenctl_without_daemon_says_what_to_do(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=30, cwd=REPO, env=_env())
     assert r.returncode == 3
     assert "is the daemon running" in r.stderr
+
+
+def test_daemon_notifies_systemd_ready_and_feeds_the_watchdog(tmp_path: Path, daemons: list[DaemonProc],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket as socketlib
+
+    ns = tmp_path / "notify.sock"
+    rx = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    rx.bind(str(ns))
+    rx.settimeout(10)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(ns))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # 0.4 s: pings every 0.2 s
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "2", wait=False)
+    daemons.append(d)
+    got: list[str] = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and got.count("WATCHDOG=1") < 3:
+        got.extend(rx.recv(4096).decode().splitlines())
+    assert "READY=1" in got
+    # At 2 Hz the tick alone would ping twice a second; the slices keep 0.2 s.
+    assert got.count("WATCHDOG=1") >= 3
+    assert d.stop() == 0
+    rest = []
+    rx.settimeout(0.5)
+    try:
+        while True:
+            rest.extend(rx.recv(4096).decode().splitlines())
+    except TimeoutError:
+        pass
+    assert "STOPPING=1" in rest

@@ -1,0 +1,242 @@
+"""Install greend as a systemd service: ``greenctl install-systemd``.
+
+Copies the files of the repository's ``systemd/`` folder into an OS tree
+(``prefix``, ``/`` for the running system, a staging directory for an image)::
+
+    systemd/greend.service   -> etc/systemd/system/greend.service   (ExecStart= rewritten)
+    systemd/greend.sysusers  -> etc/sysusers.d/greend.conf
+    systemd/greend.tmpfiles  -> etc/tmpfiles.d/greend.conf
+    systemd/greend.default   -> etc/default/greend                  (0600; never overwritten)
+    systemd/greend.toml      -> etc/greend/greend.toml              (never overwritten)
+
+The unit names ``/usr/bin/greend``; its ``ExecStart=`` and ``ExecStopPost=`` are
+rewritten to the greend that is really installed (a venv's, ``/usr/local/bin``'s).
+The unit, sysusers and tmpfiles snippets are ours and are replaced on every
+install (an upgrade); the environment file and the config are the operator's
+and are kept when present.
+
+On the running system (``prefix`` is ``/``) it then applies them:
+``systemd-sysusers``, ``systemd-tmpfiles --create``, ``systemctl daemon-reload``
+and, with ``enable``, ``systemctl enable --now greend.service``. The systemctl
+steps need a booted systemd (``/run/systemd/system`` exists, as in
+``sd_booted(3)``) and are skipped with the reason otherwise.
+
+``dry_run`` returns the same list of actions and touches nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import ConfigError, GreendError
+
+__all__ = ["UNIT_BIN", "default_greend_bin", "find_systemd_dir", "install_systemd", "render_unit"]
+
+log = logging.getLogger(__name__)
+
+UNIT_BIN = "/usr/bin/greend"  # what the shipped unit names; rewritten on install
+UNIT_NAME = "greend.service"
+
+Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class _File:
+    source: str  # name in systemd/
+    target: str  # path under prefix
+    mode: int
+    keep_existing: bool
+
+
+_FILES = (
+    _File("greend.service", "etc/systemd/system/greend.service", 0o644, False),
+    _File("greend.sysusers", "etc/sysusers.d/greend.conf", 0o644, False),
+    _File("greend.tmpfiles", "etc/tmpfiles.d/greend.conf", 0o644, False),
+    # May hold GREEND_INFLUX_TOKEN: root only.
+    _File("greend.default", "etc/default/greend", 0o600, True),
+    _File("greend.toml", "etc/greend/greend.toml", 0o644, True),
+)
+
+
+def find_systemd_dir(explicit: Path | None = None) -> Path:
+    """Where the shipped unit files are.
+
+    In order: ``explicit``; ``$GREEND_SYSTEMD_DIR``; the ``systemd/`` folder of the
+    source tree this module runs from (a checkout or an editable install);
+    ``<sys.prefix>/share/greend/systemd`` (where a wheel's data files land).
+    """
+    if explicit is not None:
+        if (explicit / "greend.service").is_file():
+            return explicit
+        raise ConfigError(f"{explicit}: no greend.service there (give the repository's systemd/ folder)")
+    candidates: list[Path] = []
+    env = os.environ.get("GREEND_SYSTEMD_DIR")
+    if env:
+        candidates.append(Path(env))
+    candidates.append(Path(__file__).resolve().parent.parent / "systemd")
+    candidates.append(Path(sys.prefix) / "share" / "greend" / "systemd")
+    for c in candidates:
+        if (c / "greend.service").is_file():
+            return c
+    raise ConfigError(
+        "cannot find greend's systemd files (looked in: "
+        + ", ".join(str(c) for c in candidates)
+        + "); set GREEND_SYSTEMD_DIR to the repository's systemd/ folder"
+    )
+
+
+def default_greend_bin() -> str | None:
+    """The greend to name in ExecStart=: the one installed beside this Python
+    (a venv's ``bin/``, ``/usr/bin``), else the first on ``$PATH``; absolute."""
+    beside = Path(sys.executable).parent / "greend"  # not resolved: keep the venv's path
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside.absolute())
+    found = shutil.which("greend")
+    return str(Path(found).absolute()) if found else None
+
+
+_EXEC_RE = re.compile(r"^(Exec(?:Start|StartPre|StartPost|Stop|StopPost|Reload)=[-@:+!]*)" + re.escape(UNIT_BIN) + r"(?=\s|$)",
+                      re.MULTILINE)
+
+
+def render_unit(text: str, greend_bin: str) -> str:
+    """The unit with every ``Exec*=/usr/bin/greend`` pointing at ``greend_bin``."""
+    if not greend_bin.startswith("/"):
+        raise ConfigError(f"greend binary {greend_bin!r}: systemd needs an absolute path")
+    if any(ch.isspace() for ch in greend_bin) or "%" in greend_bin or "$" in greend_bin:
+        raise ConfigError(
+            f"greend binary {greend_bin!r}: no whitespace, % or $ (systemd would split or expand it);"
+            " install greend under a plain path or link it there"
+        )
+    out, n = _EXEC_RE.subn(lambda m: m.group(1) + greend_bin, text)
+    if n == 0:
+        raise ConfigError(f"the unit has no Exec line naming {UNIT_BIN}: nothing to rewrite")
+    return out
+
+
+def _write_atomic(path: Path, data: str, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _default_runner(argv: Sequence[str]) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(list(argv), capture_output=True, text=True, check=False)
+
+
+def _booted(root: Path) -> bool:
+    """sd_booted(3): a running systemd is PID 1 (not a container without it)."""
+    return (root / "run" / "systemd" / "system").is_dir()
+
+
+def _is_live(prefix: Path) -> bool:
+    """Whether ``prefix`` is this machine's own root (so the tools may be run)."""
+    try:
+        return prefix.resolve() == Path("/").resolve()
+    except OSError:
+        return False
+
+
+def install_systemd(
+    prefix: Path = Path("/"),
+    *,
+    greend_bin: str,
+    enable: bool = False,
+    dry_run: bool = False,
+    source_dir: Path | None = None,
+    runner: Runner | None = None,
+) -> list[str]:
+    """Install the unit and its companions under ``prefix``; the actions, in order.
+
+    Each action is one line: ``write PATH``, ``keep PATH (exists)``,
+    ``run CMD ...`` or ``skip CMD ...: why``. With ``dry_run`` nothing is written
+    or run and the lines say what would be done. Raises :class:`ConfigError` for
+    bad arguments and :class:`GreendError` when a file cannot be written or a
+    command fails (the message says which, and what it printed).
+    """
+    src = find_systemd_dir(source_dir)
+    unit = render_unit((src / "greend.service").read_text(), greend_bin)
+    run = runner or _default_runner
+    prefix = Path(prefix)
+    actions: list[str] = []
+
+    for f in _FILES:
+        target = prefix / f.target
+        if f.keep_existing and (target.exists() or target.is_symlink()):
+            actions.append(f"keep {target} (exists)")
+            continue
+        data = unit if f.source == "greend.service" else (src / f.source).read_text()
+        actions.append(f"write {target}")
+        if dry_run:
+            continue
+        try:
+            _write_atomic(target, data, f.mode)
+        except OSError as e:
+            hint = " (run as root)" if isinstance(e, PermissionError) else ""
+            raise GreendError(f"cannot write {target}: {e.strerror or e}{hint}") from e
+
+    live = _is_live(prefix)
+    commands: list[tuple[list[str], str | None]] = []
+    sysusers = "/" + _FILES[1].target
+    tmpfiles = "/" + _FILES[2].target
+    if not live:
+        why = f"prefix {prefix} is not /"
+        commands += [
+            (["systemd-sysusers", sysusers], why),
+            (["systemd-tmpfiles", "--create", tmpfiles], why),
+            (["systemctl", "daemon-reload"], why),
+        ]
+        if enable:
+            commands.append((["systemctl", "enable", "--now", UNIT_NAME], why))
+    else:
+        for argv in (["systemd-sysusers", sysusers], ["systemd-tmpfiles", "--create", tmpfiles]):
+            commands.append((argv, None if shutil.which(argv[0]) else f"{argv[0]} not found"))
+        if shutil.which("systemctl") is None:
+            ctl_why: str | None = "systemctl not found"
+        elif not _booted(prefix):
+            ctl_why = "systemd is not running here (no /run/systemd/system)"
+        else:
+            ctl_why = None
+        commands.append((["systemctl", "daemon-reload"], ctl_why))
+        if enable:
+            commands.append((["systemctl", "enable", "--now", UNIT_NAME], ctl_why))
+
+    for argv, why in commands:
+        cmd = " ".join(argv)
+        if why is not None:
+            actions.append(f"skip {cmd}: {why}")
+            continue
+        actions.append(f"run {cmd}")
+        if dry_run:
+            continue
+        try:
+            res = run(argv)
+        except OSError as e:
+            raise GreendError(f"{cmd}: {e.strerror or e}") from e
+        if res.returncode != 0:
+            out = ((res.stderr or "") + (res.stdout or "")).strip()
+            raise GreendError(f"{cmd} failed (exit {res.returncode}){': ' + out if out else ''}")
+    for a in actions:
+        log.info("install-systemd: %s%s", "(dry run) " if dry_run else "", a)
+    return actions
