@@ -194,14 +194,16 @@ class Daemon:
     def open_sinks(self) -> None:
         for url in self.cfg.store_urls:
             try:
-                self.sinks.append(
-                    open_sink(
-                        url,
-                        state_dir=self.cfg.daemon.state_dir,
-                        host=self.hostname,
-                        retention_days=self.cfg.store.retention_days,
-                    )
+                sink = open_sink(
+                    url,
+                    state_dir=self.cfg.daemon.state_dir,
+                    host=self.hostname,
+                    retention_days=self.cfg.store.retention_days,
                 )
+                attach = getattr(sink, "attach", None)
+                if attach is not None:
+                    attach(self.status)  # Prometheus scrapes the latest status, not points
+                self.sinks.append(sink)
             except StoreError as e:
                 self.sink_errors[url] = str(e)
                 log.error("store %s: %s", url, e)

@@ -109,9 +109,9 @@ def open_sink(url: str, *, state_dir: Path, host: str, retention_days: float = 3
 
         return SqliteSink(Path(urlsplit(url).path), url=url, retention_days=retention_days)
     if scheme == "influx":
-        from .influx import InfluxSink  # type: ignore[import-not-found]
+        from .influx import InfluxSink
 
         return InfluxSink(url, state_dir=state_dir, host=host)
-    from .prometheus import PrometheusSink  # type: ignore[import-not-found]
+    from .prometheus import PrometheusSink
 
     return PrometheusSink(url)

@@ -1,0 +1,551 @@
+"""The InfluxDB sink: line protocol over the v2 write API, through a disk spool.
+
+URL: ``influx://HOST:PORT?org=ORG&bucket=BUCKET`` with optional ``&tls=1``
+(https), ``&ca=/path/ca.pem`` (a private CA), ``&verify=0`` (no certificate
+check) and ``&precision=s|ms|us|ns`` (default ns). The token comes from the
+``token=`` argument or ``$GREEND_INFLUX_TOKEN``; it never appears in a URL.
+Works against InfluxDB 2.x/3.x and anything that speaks ``/api/v2/write``
+(victoria-metrics; see FACTS.md for its quirks).
+
+How a point travels (and why, FACTS.md "Time-series store")::
+
+    write(points) --encode--> Spool.append  (tick thread: one os.write, no network)
+                                   |
+    sender thread: oldest sealed segment --> write_api.write(SYNCHRONOUS, gzip)
+                                   |-- 2xx           -> delete the segment
+                                   |-- 429, 5xx, no connection -> back off (Retry-After), retry
+                                   |-- 400, 422      -> move to rejected/, count, go on
+                                   |-- 401, 403, 404 -> alert "token/org/bucket wrong", keep spooling
+                                   `-- 413           -> send it in halves
+
+influxdb-client's own batching ``WriteApi`` is not used: it drops a batch after
+an error, keeps its buffer in memory without bound, and ``flush()`` does nothing.
+
+Points: tags are escaped, a ``host`` tag is added when missing, empty tag values
+are left out; fields are float, int (``i`` suffix) or bool. String fields,
+NaN and infinities are left out (victoria-metrics stores strings as 0), counted
+in ``status().extra["fields_skipped"]``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import os
+import random
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+from ..errors import ConfigError, StoreError
+from . import Point, SinkStatus, check_url
+from .spool import Segment, Spool
+
+__all__ = ["InfluxSink", "encode_points", "parse_influx_url"]
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "GREEND_INFLUX_TOKEN"
+PRECISIONS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
+_INT64 = (-(2**63), 2**63 - 1)
+_SLOW = object()  # template marker: this shape of point needs the checking encoder
+
+# Line protocol escaping ------------------------------------------------------------
+_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": " ", "\r": " "})
+_KEY_ESC = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": " ", "\r": " "})
+_NEEDS_ESC = re.compile(r"[,= \n\r\\]")
+
+
+def _esc_key(s: str) -> str:
+    if not _NEEDS_ESC.search(s):
+        return s
+    s = s.translate(_KEY_ESC)
+    # A trailing backslash would escape the separator that follows.
+    return s.rstrip("\\") or "_"
+
+
+class _Encoder:
+    """Point -> one line of line protocol, with caches for the repeating parts.
+
+    Tag sets repeat on every tick (the same GPUs, zones, probes), so the escaped
+    ``measurement,tag=v,...`` prefix is computed once per tag set.
+    """
+
+    def __init__(self, host: str, divisor: int) -> None:
+        self.host = host
+        self.divisor = divisor
+        self._prefix: dict[tuple[Any, ...], str] = {}
+        self._fkey: dict[str, str] = {}
+        self._tpl: dict[tuple[Any, ...], Any] = {}
+        self.fields_skipped = 0
+        self.points_skipped = 0
+        self._warned: set[str] = set()
+
+    def prefix(self, p: Point) -> str:
+        key = (p.measurement, *p.tags.items())
+        pre = self._prefix.get(key)
+        if pre is None:
+            tags = dict(p.tags)
+            tags.setdefault("host", self.host)
+            parts = [p.measurement.translate(_MEAS_ESC)]
+            for k in sorted(tags):
+                v = tags[k]
+                if v is None or str(v) == "":
+                    continue
+                parts.append(f"{_esc_key(str(k))}={_esc_key(str(v))}")
+            pre = ",".join(parts)
+            if len(self._prefix) > 8192:
+                self._prefix.clear()
+            self._prefix[key] = pre
+        return pre
+
+    def fkey(self, k: str) -> str:
+        e = self._fkey.get(k)
+        if e is None:
+            e = self._fkey[k] = _esc_key(k)
+        return e
+
+    def line(self, p: Point) -> str | None:
+        """The fast path: a ``str.format`` template per (tag set, field names, field types).
+
+        Valid when every field is an exact float, int or bool, all finite and ints
+        within int64; anything else goes through :meth:`slow_line`.
+        """
+        vals = tuple(p.fields.values())
+        key = (p.measurement, *p.tags.items(), "\x00", *p.fields, *map(type, vals))
+        tpl = self._tpl.get(key)
+        if tpl is None:
+            tpl = self._template(p, vals)
+            if len(self._tpl) > 8192:
+                self._tpl.clear()
+            self._tpl[key] = tpl
+        if tpl is _SLOW:
+            return self.slow_line(p)
+        fmt, int_idx = tpl
+        try:
+            total = sum(vals)
+        except OverflowError:
+            return self.slow_line(p)
+        if not math.isfinite(total):
+            return self.slow_line(p)
+        for i in int_idx:
+            if not _INT64[0] <= vals[i] <= _INT64[1]:
+                return self.slow_line(p)
+        return fmt.format(*vals, p.ts_ns // self.divisor)
+
+    def _template(self, p: Point, vals: tuple[Any, ...]) -> "tuple[str, tuple[int, ...]] | object":
+        if not vals:
+            return _SLOW
+        parts, int_idx = [], []
+        for i, (k, v) in enumerate(zip(p.fields, vals)):
+            t = type(v)
+            k2 = self.fkey(k).replace("{", "{{").replace("}", "}}")
+            if t is float:
+                parts.append(f"{k2}={{!r}}")
+            elif t is bool:
+                parts.append(f"{k2}={{}}")  # True/False are valid line-protocol booleans
+            elif t is int:
+                parts.append(f"{k2}={{}}i")
+                int_idx.append(i)
+            else:
+                return _SLOW
+        pre = self.prefix(p).replace("{", "{{").replace("}", "}}")
+        return f"{pre} {','.join(parts)} {{}}\n", tuple(int_idx)
+
+    def slow_line(self, p: Point) -> str | None:
+        """Any field values: checks each, leaves out what line protocol cannot carry."""
+        out = []
+        for k, v in p.fields.items():
+            if isinstance(v, bool):
+                out.append(f"{self.fkey(k)}={'true' if v else 'false'}")
+                continue
+            if isinstance(v, int):
+                iv = int(v)
+                if _INT64[0] <= iv <= _INT64[1]:
+                    out.append(f"{self.fkey(k)}={iv}i")
+                else:
+                    out.append(f"{self.fkey(k)}={float(iv)!r}")
+                continue
+            if isinstance(v, float) and math.isfinite(v):
+                out.append(f"{self.fkey(k)}={float(v)!r}")
+                continue
+            self.fields_skipped += 1
+            if k not in self._warned:
+                self._warned.add(k)
+                log.warning(
+                    "influx: field %s.%s = %r left out (only finite float, int and bool fields are sent)",
+                    p.measurement, k, v,
+                )
+        if not out:
+            self.points_skipped += 1
+            return None
+        return f"{self.prefix(p)} {','.join(out)} {p.ts_ns // self.divisor}\n"
+
+    def encode(self, points: list[Point]) -> tuple[bytes, int]:
+        lines = [ln for ln in map(self.line, points) if ln is not None]
+        return "".join(lines).encode(), len(lines)
+
+
+def encode_points(points: list[Point], host: str = "", precision: str = "ns") -> bytes:
+    """Line protocol for ``points`` (one line each, ``\\n``-terminated); for tests and tools."""
+    return _Encoder(host, PRECISIONS[precision]).encode(points)[0]
+
+
+# The URL ---------------------------------------------------------------------------
+def parse_influx_url(url: str) -> dict[str, Any]:
+    """``influx://H:P?org=O&bucket=B[&tls=1][&ca=F][&verify=0][&precision=P]`` -> settings."""
+    check_url(url)
+    parts = urlsplit(url)
+    q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    precision = q.get("precision", "ns")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"store URL {url!r}: precision={precision!r}; expected one of s, ms, us, ns")
+    tls = q.get("tls", "0").lower() in ("1", "true", "yes", "on")
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return {
+        "http_url": f"{'https' if tls else 'http'}://{host}:{parts.port}",
+        "org": q["org"],
+        "bucket": q["bucket"],
+        "precision": precision,
+        "ca": q.get("ca"),
+        "verify": q.get("verify", "1").lower() not in ("0", "false", "no", "off"),
+    }
+
+
+def _spool_name(cfg: dict[str, Any]) -> str:
+    raw = f"influx-{urlsplit(cfg['http_url']).netloc}-{cfg['org']}-{cfg['bucket']}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw)
+
+
+def _retry_after_s(value: Any) -> float | None:
+    """Retry-After as seconds: ``"120"`` or an HTTP date."""
+    if value is None:
+        return None
+    s = str(value).strip()
+    try:
+        return max(0.0, float(s))
+    except ValueError:
+        pass
+    try:
+        dt = email.utils.parsedate_to_datetime(s)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, dt.timestamp() - time.time())
+
+
+# The outcome of one request --------------------------------------------------------
+OK, RETRY, REJECT, AUTH, TOO_LARGE = "ok", "retry", "reject", "auth", "too_large"
+
+
+class InfluxSink:
+    """Spooled, ordered, at-least-once writes to an InfluxDB v2 write endpoint.
+
+    ``state_dir``: the spool goes to ``<state_dir>/spool/<influx-host_port-org-bucket>``
+    (or ``spool_dir``). ``host``: the ``host`` tag added to points that lack one.
+    ``post``: inject the transport (``post(body, precision) -> None`` raising like
+    influxdb-client's write) for tests; by default influxdb-client's SYNCHRONOUS
+    ``write_api`` with gzip.
+    """
+
+    name = "influx"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        state_dir: Path,
+        host: str,
+        token: str | None = None,
+        spool_dir: Path | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        segment_bytes: int = 1024 * 1024,
+        segment_age_s: float = 1.0,
+        max_body_bytes: int = 8 * 1024 * 1024,
+        timeout_s: float = 10.0,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 60.0,
+        retry_after_max_s: float = 300.0,
+        gzip: bool = True,
+        post: Callable[[bytes, str], None] | None = None,
+    ) -> None:
+        self.url = url
+        self.cfg = parse_influx_url(url)
+        self.host = host
+        self.precision: str = self.cfg["precision"]
+        self.spool_dir = Path(spool_dir) if spool_dir else Path(state_dir) / "spool" / _spool_name(self.cfg)
+        self._spool = Spool(
+            self.spool_dir, tag=self.precision, max_bytes=spool_max_bytes,
+            segment_bytes=segment_bytes, segment_age_s=segment_age_s,
+        )
+        self._enc = _Encoder(host, PRECISIONS[self.precision])
+        self._enc_lock = threading.Lock()
+        self._max_body = max_body_bytes
+        self._timeout_s = timeout_s
+        self._backoff_min_s = backoff_min_s
+        self._backoff_max_s = backoff_max_s
+        self._retry_after_max_s = retry_after_max_s
+        self._attempts = 0
+        self._next_try = 0.0
+        self._written = 0
+        self._requests = 0
+        self._last_error: str | None = None
+        self._alert: str | None = None
+        self._last_rejected: str | None = None
+        self._ok = True
+        self._client: Any = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._sending = threading.Event()  # set while a segment is being sent
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        if post is None:
+            post = self._make_client_post(token, gzip)
+        self._post = post
+        self._thread = threading.Thread(target=self._run, name=f"sink-{_spool_name(self.cfg)}", daemon=True)
+        self._thread.start()
+
+    def _make_client_post(self, token: str, gzip: bool) -> Callable[[bytes, str], None]:
+        try:
+            from influxdb_client import InfluxDBClient
+            from influxdb_client.client.write_api import SYNCHRONOUS
+        except ImportError as e:  # pragma: no cover - a dependency of the package
+            raise StoreError("influx store: the influxdb-client package is not installed") from e
+        self._client = InfluxDBClient(
+            url=self.cfg["http_url"], token=token, org=self.cfg["org"],
+            timeout=int(self._timeout_s * 1000), enable_gzip=gzip,
+            verify_ssl=self.cfg["verify"], ssl_ca_cert=self.cfg["ca"],
+            retries=False,  # back-off is ours, over the spool
+        )
+        if gzip:
+            self._fast_gzip(self._client)
+        write_api = self._client.write_api(write_options=SYNCHRONOUS)
+        bucket, org = self.cfg["bucket"], self.cfg["org"]
+
+        def post(body: bytes, precision: str) -> None:
+            write_api.write(bucket=bucket, org=org, record=body, write_precision=precision)
+
+        return post
+
+    @staticmethod
+    def _fast_gzip(client: Any, level: int = 1) -> None:
+        """Make the client gzip writes at ``level`` 1 instead of 9.
+
+        influxdb-client compresses with ``gzip.compress`` at its default level 9
+        (about 30 MB/s here, the slowest step of a replay); level 1 runs ~280 MB/s
+        and line protocol still shrinks about 10x. The hook is the client's own
+        per-request body hook; if a future client lacks it, level 9 stays.
+        """
+        import gzip as _gzip
+
+        conf = getattr(client, "conf", None)
+        base = getattr(type(conf), "update_request_body", None)
+        if conf is None or base is None:
+            return
+
+        def update_request_body(path: str, body: Any) -> Any:
+            if path == "/api/v2/write" and isinstance(body, (bytes, str)):
+                raw = body.encode() if isinstance(body, str) else body
+                return _gzip.compress(raw, compresslevel=level)
+            return base(conf, path, body)
+
+        conf.update_request_body = update_request_body
+
+    # Public API ----------------------------------------------------------------------
+    def write(self, points: list[Point]) -> None:
+        """Append ``points`` to the spool; never touches the network, never raises."""
+        if not points:
+            return
+        try:
+            with self._enc_lock:
+                data, _ = self._enc.encode(points)
+        except Exception as e:  # noqa: BLE001 - a bad point never reaches the tick loop
+            self._enc.points_skipped += len(points)
+            self._last_error = f"cannot encode points: {type(e).__name__}: {e}"
+            log.error("influx: %s", self._last_error)
+            return
+        before = self._spool.sealed_count
+        self._spool.append(data)
+        if self._spool.sealed_count != before:
+            self._wake.set()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Seal what is buffered and wait until the spool is empty (True) or ``timeout_s``."""
+        self._spool.seal()
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._spool.empty() and not self._sending.is_set():
+                return True
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return self._spool.empty()
+            time.sleep(0.005)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Seal, try briefly to drain while the store answers, then stop the sender.
+
+        Unsent segments stay on disk and are replayed by the next InfluxSink on
+        the same spool directory.
+        """
+        self._spool.seal()
+        if self._ok and self._alert is None and time.monotonic() >= self._next_try:
+            self.flush(timeout_s)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._spool.close()
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def status(self) -> SinkStatus:
+        retry_in = max(0.0, self._next_try - time.monotonic())
+        last_error = self._alert or self._last_error or self._spool.last_error
+        return SinkStatus(
+            name=self.name,
+            url=self.url,
+            ok=self._ok and self._alert is None,
+            written=self._written,
+            pending=self._spool.pending_points,
+            dropped=self._spool.dropped + self._enc.points_skipped,
+            last_error=last_error,
+            extra={
+                "spool_dir": str(self.spool_dir),
+                "spool_bytes": self._spool.pending_bytes,
+                "rejected": self._spool.rejected,
+                "last_rejected": self._last_rejected,
+                "recovered": self._spool.recovered,
+                "fields_skipped": self._enc.fields_skipped,
+                "requests": self._requests,
+                "retry_in_s": round(retry_in, 3),
+            },
+        )
+
+    # Sender thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._spool.maintain()
+                now = time.monotonic()
+                if now < self._next_try:
+                    self._stop.wait(min(self._next_try - now, 0.25))
+                    continue
+                seg = self._spool.oldest()
+                if seg is None:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._sending.set()
+                try:
+                    self._send_segment(seg)
+                finally:
+                    self._sending.clear()
+            except Exception as e:  # noqa: BLE001 - the sender thread must not die
+                self._last_error = f"sender: {type(e).__name__}: {e}"
+                log.exception("influx sender")
+                self._backoff(None)
+                self._spool.release()
+
+    def _send_segment(self, seg: Segment) -> None:
+        data = self._spool.read(seg)
+        while data and not self._stop.is_set():
+            chunk = data
+            if len(chunk) > self._max_body:
+                cut = data.rfind(b"\n", 0, self._max_body) + 1
+                if cut <= 0:
+                    cut = data.find(b"\n") + 1 or len(data)
+                chunk = data[:cut]
+            outcome, detail, retry_after = self._request(chunk, seg.tag)
+            if outcome == OK:
+                n = chunk.count(b"\n")
+                self._written += n
+                if len(chunk) >= len(data):
+                    self._spool.ack(seg)
+                else:
+                    self._spool.advance(seg, len(chunk), n)
+                data = data[len(chunk):]
+                self._attempts = 0
+                self._ok, self._alert, self._last_error = True, None, None
+                continue
+            if outcome == TOO_LARGE:
+                if chunk.count(b"\n") <= 1:
+                    n = self._spool.reject(seg, f"413 for a single line: {detail}", chunk)
+                    log.error("influx: a %d-byte line is too large for the server; set aside", len(chunk))
+                    data = data[len(chunk):]
+                    continue
+                self._max_body = max(len(chunk) // 2, 1)
+                log.warning("influx: 413 Request Entity Too Large; sending at most %d bytes a request now",
+                            self._max_body)
+                continue
+            if outcome == REJECT:
+                n = self._spool.reject(seg, detail)
+                self._last_error = self._last_rejected = (
+                    f"{detail} ({n} points set aside in {self._spool.rejected_dir})")
+                log.error("influx: the server refused a segment of %d points as malformed: %s; "
+                          "set aside in %s", n, detail, self._spool.rejected_dir)
+                return
+            # RETRY or AUTH: keep everything, try again later.
+            self._ok = False
+            if outcome == AUTH:
+                msg = (f"{detail}: token/org/bucket wrong (check ${TOKEN_ENV} and "
+                       f"org={self.cfg['org']!r} bucket={self.cfg['bucket']!r}); points keep spooling")
+                if msg != self._alert:
+                    log.error("influx %s: %s", self.cfg["http_url"], msg)
+                self._alert = msg
+            else:
+                if detail != self._last_error:
+                    log.warning("influx %s: %s; points keep spooling, retrying", self.cfg["http_url"], detail)
+                self._last_error = detail
+            self._backoff(retry_after)
+            self._spool.release()
+            return
+        if not data:
+            self._spool.ack(seg)  # fully delivered (e.g. the last piece was set aside)
+        else:
+            self._spool.release()
+
+    def _request(self, body: bytes, precision: str) -> tuple[str, str, float | None]:
+        """POST one body; sort the result into OK, RETRY, REJECT, AUTH or TOO_LARGE."""
+        self._requests += 1
+        try:
+            self._post(body, precision)
+            return OK, "", None
+        except Exception as e:  # noqa: BLE001 - sorted below
+            status = getattr(e, "status", None)
+            if not isinstance(status, int):
+                return RETRY, f"cannot reach the store: {type(e).__name__}: {_short(e)}", None
+            headers = getattr(e, "headers", None) or {}
+            retry_after = getattr(e, "retry_after", None)
+            if retry_after is None and hasattr(headers, "get"):
+                retry_after = headers.get("Retry-After")
+            reason = getattr(e, "message", None) or getattr(e, "reason", None) or ""
+            detail = f"HTTP {status} {_short(reason)}".strip()
+            if status in (400, 422):
+                return REJECT, detail, None
+            if status in (401, 403, 404):
+                return AUTH, detail, None
+            if status == 413:
+                return TOO_LARGE, detail, None
+            if 200 <= status < 300:
+                return OK, "", None
+            return RETRY, detail, _retry_after_s(retry_after)
+
+    def _backoff(self, retry_after: float | None) -> None:
+        delay = min(self._backoff_max_s, self._backoff_min_s * (2 ** self._attempts))
+        delay *= random.uniform(0.8, 1.0)
+        self._attempts = min(self._attempts + 1, 30)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self._retry_after_max_s))
+        self._next_try = time.monotonic() + delay
+
+
+def _short(x: Any, n: int = 200) -> str:
+    s = x.decode(errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 3] + "..."

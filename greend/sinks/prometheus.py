@@ -1,0 +1,264 @@
+"""The Prometheus sink: serves ``/metrics`` for a Prometheus server to scrape.
+
+URL: ``prometheus://HOST:PORT`` (port 0 picks a free one; see :attr:`PrometheusSink.port`).
+
+Nothing is pushed: at every scrape a custom collector reads the daemon's current
+status (``sink.attach(daemon.status)``, the same dict ``greenctl status --json``
+shows) and turns it into metrics, node_exporter / dcgm-exporter style, in base
+units (joules, watts, hertz, seconds, ratios 0..1)::
+
+    greend_up                                  1 if the status could be read
+    greend_gpu_energy_joules_total{gpu,name,uuid,source}   counter, since the daemon started
+    greend_gpu_power_watts{...}  greend_gpu_sm_clock_hertz{...}  greend_gpu_clock_cap_hertz{...}
+    greend_gpu_power_limit_watts{...}  greend_gpu_temperature_celsius{...}
+    greend_gpu_utilization_ratio{...}  greend_gpu_memory_clock_hertz{...}
+    greend_cpu_energy_joules_total{zone,path,source}  greend_cpu_power_watts{...}
+    greend_probe_success{probe}  greend_probe_duration_seconds{probe}
+    greend_job_gflops_per_watt{job}  greend_job_energy_joules_total{job}  greend_job_flops_total{job}
+    greend_store_points_*{url}  greend_ticks_total  greend_ticks_skipped_total ...
+
+The full list, with label names, is ``tests/golden/prometheus_names.txt``.
+A status function that raises gives a valid scrape holding ``greend_up 0``.
+``write()`` is a no-op: the scrape always shows the latest state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Iterable, Iterator
+from urllib.parse import urlsplit
+
+from ..errors import StoreError
+from . import Point, SinkStatus, check_url
+
+__all__ = ["GreendCollector", "PrometheusSink"]
+
+log = logging.getLogger(__name__)
+
+StatusFn = Callable[[], dict[str, Any]]
+
+MHZ = 1e6
+GPU_LABELS = ("gpu", "name", "uuid", "source")
+CPU_LABELS = ("zone", "path", "source")
+
+# (status key, metric suffix, help, scale) for GPU gauges.
+_GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
+    ("power_w", "power_watts", "GPU board power draw in watts.", 1.0),
+    ("sm_clock_mhz", "sm_clock_hertz", "Current SM clock in hertz.", MHZ),
+    ("mem_clock_mhz", "memory_clock_hertz", "Current memory clock in hertz.", MHZ),
+    ("clock_cap_mhz", "clock_cap_hertz", "Locked SM clock ceiling set by greend in hertz (absent: no cap).", MHZ),
+    ("sm_clock_max_mhz", "sm_clock_max_hertz", "Highest supported SM clock in hertz.", MHZ),
+    ("power_limit_w", "power_limit_watts", "Power limit in force in watts.", 1.0),
+    ("temperature_c", "temperature_celsius", "GPU temperature in degrees Celsius.", 1.0),
+    ("util_gpu_pct", "utilization_ratio", "GPU utilisation, 0 to 1.", 0.01),
+)
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def _s(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+class GreendCollector:
+    """A prometheus-client collector over ``status_fn()``; collects at scrape time."""
+
+    def __init__(self, status_fn: StatusFn | None = None) -> None:
+        self.status_fn = status_fn
+        self.errors = 0
+
+    def describe(self) -> Iterable[Any]:
+        return []  # unchecked collector: families vary with the hardware found
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        status: dict[str, Any] | None = None
+        if self.status_fn is not None:
+            try:
+                status = self.status_fn()
+            except Exception as e:  # noqa: BLE001 - a scrape never fails on a bad status
+                self.errors += 1
+                log.warning("prometheus: status() failed: %s: %s", type(e).__name__, e)
+                status = None
+        up = GaugeMetricFamily("greend_up", "1 if greend's status could be read at this scrape, else 0.")
+        up.add_metric([], 1.0 if isinstance(status, dict) else 0.0)
+        yield up
+        if not isinstance(status, dict):
+            return
+        try:
+            yield from self._families(status)
+        except Exception as e:  # noqa: BLE001 - a malformed status gives a partial scrape
+            self.errors += 1
+            log.warning("prometheus: status dict not understood: %s: %s", type(e).__name__, e)
+
+    def _families(self, st: dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return GaugeMetricFamily(name, doc, labels=list(labels))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return CounterMetricFamily(name, doc, labels=list(labels))  # "_total" added by the client
+
+        info = gauge("greend_build_info", "greend version; always 1.", ("version",))
+        info.add_metric([_s(st.get("version"))], 1.0)
+        yield info
+        for key, name, doc in (
+            ("started_at", "greend_start_time_seconds", "Unix time the daemon started."),
+            ("uptime_s", "greend_uptime_seconds", "Seconds since the daemon started."),
+            ("tick_duration_s", "greend_tick_duration_seconds", "Duration of the last tick in seconds."),
+            ("hz", "greend_tick_rate_hertz", "Configured ticks per second."),
+        ):
+            v = _num(st.get(key))
+            if v is not None:
+                g = gauge(name, doc)
+                g.add_metric([], v)
+                yield g
+        for key, name, doc in (
+            ("ticks", "greend_ticks", "Ticks run since the daemon started."),
+            ("ticks_skipped", "greend_ticks_skipped", "Ticks skipped because a tick overran its period."),
+        ):
+            v = _num(st.get(key))
+            if v is not None:
+                c = counter(name, doc)
+                c.add_metric([], v)
+                yield c
+
+        # GPUs
+        gpus = [g for g in st.get("gpus") or [] if isinstance(g, dict)]
+        energy = counter("greend_gpu_energy_joules", "GPU energy in joules since the daemon started.", GPU_LABELS)
+        gauges = {k: gauge(f"greend_gpu_{suffix}", doc, GPU_LABELS) for k, suffix, doc, _ in _GPU_GAUGES}
+        for g in gpus:
+            labels = [_s(g.get("index")), _s(g.get("name")), _s(g.get("uuid")), _s(g.get("source"))]
+            v = _num(g.get("energy_j"))
+            if v is not None:
+                energy.add_metric(labels, v)
+            for key, _suffix, _doc, scale in _GPU_GAUGES:
+                v = _num(g.get(key))
+                if v is not None:
+                    gauges[key].add_metric(labels, v * scale)
+        if gpus:
+            yield energy
+            yield from (f for f in gauges.values() if f.samples)
+
+        # CPU / DRAM zones
+        cpus = [c for c in st.get("cpus") or [] if isinstance(c, dict)]
+        cenergy = counter("greend_cpu_energy_joules", "CPU/DRAM zone energy in joules since the daemon started.",
+                          CPU_LABELS)
+        cpower = gauge("greend_cpu_power_watts", "CPU/DRAM zone power in watts.", CPU_LABELS)
+        climit = gauge("greend_cpu_power_limit_watts", "RAPL power limit of the zone in watts.", CPU_LABELS)
+        for c in cpus:
+            labels = [_s(c.get("zone")), _s(c.get("path")), _s(c.get("source"))]
+            for fam, key in ((cenergy, "energy_j"), (cpower, "power_w"), (climit, "power_limit_w")):
+                v = _num(c.get(key))
+                if v is not None:
+                    fam.add_metric(labels, v)
+        yield from (f for f in (cenergy, cpower, climit) if f.samples)
+
+        # Probes (node_scrape_collector_* style)
+        ok = gauge("greend_probe_success", "1 if the probe's last sample succeeded, else 0.", ("probe",))
+        dur = gauge("greend_probe_duration_seconds", "Duration of the probe's last sample in seconds.", ("probe",))
+        for p in st.get("probes") or []:
+            if not isinstance(p, dict):
+                continue
+            name = _s(p.get("name"))
+            ok.add_metric([name], 1.0 if p.get("success") else 0.0)
+            v = _num(p.get("duration_s"))
+            if v is not None:
+                dur.add_metric([name], v)
+        yield from (f for f in (ok, dur) if f.samples)
+
+        # Jobs
+        jgf = gauge("greend_job_gflops_per_watt", "Job efficiency: GFLOP per joule over the job so far.", ("job",))
+        jen = counter("greend_job_energy_joules", "Energy attributed to the job in joules.", ("job",))
+        jfl = counter("greend_job_flops", "Floating-point operations the job reported.", ("job",))
+        for j in st.get("jobs") or []:
+            if not isinstance(j, dict):
+                continue
+            name = _s(j.get("job"))
+            for fam, key in ((jgf, "gflops_per_w"), (jen, "energy_j"), (jfl, "flops")):
+                v = _num(j.get(key))
+                if v is not None:
+                    fam.add_metric([name], v)
+        yield from (f for f in (jgf, jen, jfl) if f.samples)
+
+        # Stores (sinks)
+        sup = gauge("greend_store_up", "1 if the store accepts points, else 0.", ("url",))
+        swr = counter("greend_store_points_written", "Points the store accepted.", ("url",))
+        sdr = counter("greend_store_points_dropped", "Points lost for good (spool bound, malformed).", ("url",))
+        spe = gauge("greend_store_points_pending", "Points waiting in the queue or spool.", ("url",))
+        for s in st.get("stores") or []:
+            if not isinstance(s, dict):
+                continue
+            url = _s(s.get("url"))
+            sup.add_metric([url], 1.0 if s.get("ok") else 0.0)
+            for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending")):
+                v = _num(s.get(key))
+                if v is not None:
+                    fam.add_metric([url], v)
+        yield from (f for f in (sup, swr, sdr, spe) if f.samples)
+
+
+class PrometheusSink:
+    """Serves ``/metrics`` from a thread of prometheus-client's own, on its own registry."""
+
+    name = "prometheus"
+
+    def __init__(self, url: str, status_fn: StatusFn | None = None) -> None:
+        check_url(url)
+        parts = urlsplit(url)
+        self.url = url
+        self.addr = parts.hostname or "127.0.0.1"
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.collector = GreendCollector(status_fn)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)  # type: ignore[arg-type]
+        try:
+            self._server, self._thread = start_http_server(parts.port or 0, addr=self.addr, registry=self.registry)
+        except OSError as e:
+            raise StoreError(
+                f"prometheus store: cannot listen on {self.addr}:{parts.port}: {e} "
+                "(is another exporter on that port?)"
+            ) from e
+        self.port: int = self._server.server_address[1]
+        self._lock = threading.Lock()
+        self._last_points = 0
+        log.info("prometheus: serving /metrics on http://%s:%d/metrics", self.addr, self.port)
+
+    def attach(self, status_fn: StatusFn) -> None:
+        """Give the sink the function it reads at every scrape (``Daemon.status``)."""
+        self.collector.status_fn = status_fn
+
+    def write(self, points: list[Point]) -> None:
+        """No-op apart from a count: a scrape reads the latest status itself."""
+        with self._lock:
+            self._last_points = len(points)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        try:
+            self._server.shutdown()
+            self._server.server_close()
+        except Exception as e:  # noqa: BLE001
+            log.warning("prometheus: close failed: %s", e)
+        self._thread.join(timeout_s)
+
+    def status(self) -> SinkStatus:
+        return SinkStatus(
+            name=self.name,
+            url=self.url,
+            ok=self.collector.status_fn is not None,
+            last_error=None if self.collector.status_fn is not None else "not attached to the daemon",
+            extra={"listen": f"http://{self.addr}:{self.port}/metrics", "scrape_errors": self.collector.errors},
+        )
