@@ -221,6 +221,56 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
             typer.echo(f"        failing: {p['last_error']}")
 
 
+@ctl_app.command("jobs")
+def ctl_jobs(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+    """Jobs on this node: running, and recently ended."""
+    from .report import render_jobs
+
+    res = _request("jobs")
+    typer.echo(json.dumps(res, indent=2) if as_json else render_jobs(res["jobs"]))
+
+
+@ctl_app.command("report")
+def ctl_report(
+    job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
+) -> None:
+    """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule and CO2."""
+    from .report import plot_report, render_report
+
+    r = _request("report", job=job)
+    if as_json:
+        out = dict(r)
+        out.pop("series", None)
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        typer.echo(render_report(r))
+    if plot is not None:
+        try:
+            plot_report(r, plot)
+        except RuntimeError as e:
+            _fail(str(e))
+        typer.echo(f"plot written to {plot}", err=True)
+
+
+@ctl_app.command("demo")
+def ctl_demo(
+    seconds: float = typer.Option(30.0, "--seconds", help="how long to train"),
+    gpus: str = typer.Option("auto", "--gpus", help="sim, real, or auto (real GPUs if NVML and CUDA work)"),
+    keep: Optional[Path] = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
+) -> None:
+    """Start a daemon on simulated GPUs, train a small real torch model with the callback, print the report."""
+    from .demo import run_demo
+
+    try:
+        code = run_demo(seconds=seconds, gpus=gpus, keep=keep)
+    except GreendError as e:
+        _fail(str(e))
+        return
+    raise typer.Exit(code)
+
+
 @ctl_app.command("doctor")
 def ctl_doctor(
     config: Optional[Path] = typer.Option(None, "--config", help="config file to check"),

@@ -511,6 +511,7 @@ class JobRegistry:
             "flop_per_s": job.flops / duration if duration > 0 else None,
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
             "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy else None,
+            "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
             "samples_per_j": job.samples / energy if energy else None,
             "tokens_per_j": job.tokens / energy if energy else None,
             "co2_g": co2,

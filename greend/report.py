@@ -1,0 +1,88 @@
+"""Rendering a job's report: the readable text of ``greenctl report`` and its plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_report", "render_jobs", "render_report"]
+
+
+def _num(v: Any, fmt: str = ".3g", unit: str = "") -> str:
+    if v is None:
+        return "-"
+    return f"{v:{fmt}}{(' ' + unit) if unit else ''}"
+
+
+def render_report(r: dict[str, Any]) -> str:
+    sim = r.get("gpu_source") == "sim"
+    label = " (sim)" if sim else ""
+    lines = [
+        f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
+        f"host {r.get('host')}  GPUs {r.get('gpus')}{label}",
+        f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
+        f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))",
+        f"  duration         {_num(r['duration_s'], '.1f', 's')}",
+        f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
+        f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
+        f"avg {_num(r.get('avg_gpu_power_w'), '.1f', 'W')}",
+        f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})",
+        f"  total energy     {_num(r['energy_j'], '.1f', 'J')} = {_num(r['energy_kwh'], '.6f', 'kWh')}   "
+        f"avg {_num(r.get('avg_power_w'), '.1f', 'W')}",
+        f"  GFLOPS/W{label:8} {_num(r.get('gflops_per_w'), '.3f')}   "
+        f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})",
+    ]
+    if r.get("gflops_per_w_busy") is not None:
+        lines.append(f"  GFLOPS/W busy    {_num(r['gflops_per_w_busy'], '.1f')}   (sim: only the simulated "
+                     "steps' own energy, without the idle time between them)")
+    if r.get("samples"):
+        lines.append(f"  samples          {r['samples']}   ({_num(r.get('samples_per_j'), '.3g')} per J)")
+    if r.get("tokens"):
+        lines.append(f"  tokens           {r['tokens']}   ({_num(r.get('tokens_per_j'), '.3g')} per J)")
+    lines.append(f"  CO2              {_num(r.get('co2_g'), '.3g', 'g')}   ({r.get('co2_method')})")
+    lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
+    for ev in r.get("precision_log") or []:
+        lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
+    for ev in r.get("decisions") or []:
+        lines.append(f"    cap: {ev.get('setting')}  ({ev.get('reason')})")
+    return "\n".join(lines)
+
+
+def render_jobs(jobs: list[dict[str, Any]]) -> str:
+    from .cli import render_table
+
+    if not jobs:
+        return "no jobs yet"
+    return render_table(
+        ["JOB", "STATE", "RANKS", "GPUS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "PRECISION"],
+        [[j["job"], j["state"], j["ranks"], ",".join(map(str, j["gpus"])) or "-", j["steps"],
+          j["duration_s"], j["gpu_energy_j"], j["gflops_per_w"], j["precision"]] for j in jobs],
+    )
+
+
+def plot_report(r: dict[str, Any], path: Path) -> None:
+    """Power and GFLOPS/W over the job's life (its 1 s efficiency windows)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'greend[plot]'") from e
+    series = r.get("series") or []
+    if not series:
+        raise RuntimeError(f"job {r['job']} has no efficiency samples yet (they come once a second)")
+    t = [p["t_s"] for p in series]
+    fig, ax1 = plt.subplots(figsize=(8, 4))
+    label = " (sim)" if r.get("gpu_source") == "sim" else ""
+    ax1.plot(t, [p["power_w"] for p in series], color="tab:red", label=f"GPU power{label}")
+    ax1.set_xlabel("time since the first step (s)")
+    ax1.set_ylabel("GPU power (W)", color="tab:red")
+    ax2 = ax1.twinx()
+    ax2.plot(t, [p["gflops_per_w"] for p in series], color="tab:green", label="GFLOPS/W")
+    ax2.set_ylabel(f"GFLOPS/W{label} (sliding window)", color="tab:green")
+    ax1.set_title(f"greend job {r['job']}: {r['gpu_energy_j']:.0f} J GPU, "
+                  f"{(r.get('gflops_per_w') or 0):.2f} GFLOPS/W over its life")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
