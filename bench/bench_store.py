@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 from greend.sinks import Point  # noqa: E402
 from greend.sinks.influx import InfluxSink  # noqa: E402
 
-import vmserver  # noqa: E402
+from tests import vmserver  # noqa: E402
 
 
 def make_points(n: int, t0_ms: int, run: str) -> list[Point]:

@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["GreenCallback", "__version__"]
+__all__ = ["GreenCallback", "GreendWarning", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -20,8 +20,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 def __getattr__(name: str) -> Any:
     # The callback pulls in the training side lazily, so the daemon and greenctl
     # never import torch.
-    if name == "GreenCallback":
-        from .callback import GreenCallback
+    if name in ("GreenCallback", "GreendWarning"):
+        from . import callback
 
-        return GreenCallback
+        return getattr(callback, name)
     raise AttributeError(f"module 'greend' has no attribute {name!r}")

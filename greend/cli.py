@@ -5,7 +5,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-import os
+
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +15,7 @@ import typer
 
 from . import __version__, sdnotify
 from .client import Client, RequestRefused
-from .config import Config, apply_overrides, default_socket_path, load_config
+from .config import apply_overrides, default_socket_path, load_config
 from .errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
 
 __all__ = ["ctl_app", "ctl_main", "daemon_app", "daemon_main"]

@@ -89,7 +89,7 @@ def _socket(path: Path, timeout_s: float) -> list[Check]:
         return [Check("socket", "fail", f"cannot reach {path}: permission denied on a parent directory",
                       "join the greend group: usermod -aG greend $USER")]
     if not stat.S_ISSOCK(st.st_mode):
-        return [Check("socket", "fail", f"{path} is not a socket", f"remove it and restart greend")]
+        return [Check("socket", "fail", f"{path} is not a socket", "remove it and restart greend")]
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o007:
         out.append(Check("socket", "warn", f"{path} is world-accessible (mode {mode:o})",

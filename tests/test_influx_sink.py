@@ -27,8 +27,7 @@ import pytest
 from greend.sinks import Point
 from greend.sinks.influx import InfluxSink, encode_points
 
-sys.path.insert(0, str(Path(__file__).parent))
-import vmserver  # noqa: E402
+from . import vmserver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"backoff_min_s": 0.05, "backoff_max_s": 0.3, "segment_age_s": 0.1}

@@ -1,0 +1,197 @@
+"""FLOP counting for the training side.
+
+greend prices energy per FLOP, so the training process reports how many
+floating-point operations each step performed. There are three ways to get
+the number, cheapest last:
+
+1. **Count** one real step with :class:`torch.utils.flop_counter.FlopCounterMode`
+   (forward *and* backward matmuls, convolutions and attention; not the optimizer
+   or elementwise ops). Counting costs 10-370% of a step, so the callback counts
+   once per input shape and caches the result (:class:`FlopCounter`).
+2. **Estimate** a transformer as ``6 * params * tokens`` (:func:`transformer_flops`,
+   the usual forward+backward rule; attention's own ``S^2`` term is left out).
+3. **Be told**: the user passes ``flops_per_step=``.
+
+On the CPU, ``torch.nn.functional.scaled_dot_product_attention`` runs as
+``aten._scaled_dot_product_flash_attention_for_cpu``, which torch's counter
+does not know (it counts 0 FLOPs for it). Importing this module registers a
+formula for that op and its backward, the same formulas torch uses for the CUDA
+flash/efficient kernels: forward ``4*B*H*S_q*S_k*D`` (two batched matmuls),
+backward 2.5x that (five). :func:`register_cpu_attention_formulas` is
+idempotent and does nothing if a future torch ships its own formula.
+
+Example::
+
+    from greend.flops import count_flops
+    n = count_flops(lambda: model(x).sum().backward())
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch.utils import flop_counter as _fc
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = [
+    "FlopCounter",
+    "batch_signature",
+    "count_flops",
+    "model_params",
+    "register_cpu_attention_formulas",
+    "transformer_flops",
+]
+
+log = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+
+
+def _cpu_sdpa_forward(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                      out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu`` (q@k^T and p@v)."""
+    try:
+        return int(_fc.sdpa_flop_count(query_shape, key_shape, value_shape))
+    except Exception:  # noqa: BLE001 - a counting problem must never break a training step
+        log.debug("cannot count CPU attention for shapes %s %s %s", query_shape, key_shape, value_shape)
+        return 0
+
+
+def _cpu_sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
+                       *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu_backward`` (5 matmuls)."""
+    try:
+        return int(_fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+    except Exception:  # noqa: BLE001
+        log.debug("cannot count CPU attention backward for shapes %s %s", grad_out_shape, query_shape)
+        return 0
+
+
+def register_cpu_attention_formulas() -> list[str]:
+    """Teach FlopCounterMode the CPU flash-attention ops; return the names newly registered.
+
+    Safe to call many times: an op already in torch's registry (registered by us
+    earlier, or by a newer torch) is left alone.
+    """
+    added: list[str] = []
+    pairs: list[tuple[str, Callable[..., int]]] = [
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa_forward),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward),
+    ]
+    for name, formula in pairs:
+        op = getattr(_aten, name, None)
+        if op is None:  # an older or newer torch without this op
+            continue
+        if op in _fc.flop_registry:
+            continue
+        try:
+            _fc.register_flop_formula(op)(formula)
+        except (RuntimeError, ValueError) as e:  # duplicate or an unexpected op type
+            log.debug("not registering a FLOP formula for %s: %s", name, e)
+            continue
+        added.append(name)
+    return added
+
+
+register_cpu_attention_formulas()
+
+
+class FlopCounter:
+    """Count the FLOPs of whatever torch runs between :meth:`start` and :meth:`stop`.
+
+    A thin wrapper over FlopCounterMode that never prints and never raises:
+    if counting cannot start, :meth:`stop` returns ``None``.
+    """
+
+    def __init__(self) -> None:
+        self._mode: FlopCounterMode | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> bool:
+        if self._mode is not None:
+            return True
+        try:
+            mode = FlopCounterMode(display=False)
+            mode.__enter__()
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot count FLOPs (FlopCounterMode failed to start: %s)", e)
+            return False
+        self._mode = mode
+        return True
+
+    def stop(self) -> int | None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return None
+        try:
+            mode.__exit__(None, None, None)
+            return int(mode.get_total_flops())
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot count FLOPs (FlopCounterMode failed: %s)", e)
+            return None
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Run ``fn()`` once under FlopCounterMode and return the FLOPs it performed."""
+    with FlopCounterMode(display=False) as mode:
+        fn()
+    return int(mode.get_total_flops())
+
+
+def model_params(model: torch.nn.Module, *, trainable_only: bool = True) -> int:
+    """Number of parameters of ``model`` (each shared Parameter once)."""
+    seen: set[int] = set()
+    n = 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def transformer_flops(params: int, tokens: int) -> float:
+    """The ``6 * N * T`` rule: forward (2 N T) plus backward (4 N T) FLOPs for T tokens."""
+    return 6.0 * float(params) * float(tokens)
+
+
+def _leaf_signature(x: Any) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return type(x).__name__  # values do not change a step's FLOPs
+    shape = getattr(x, "shape", None)  # numpy arrays and friends
+    if shape is not None:
+        try:
+            return (tuple(shape), str(getattr(x, "dtype", "")))
+        except TypeError:
+            pass
+    return type(x).__name__
+
+
+def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
+    """A cheap, hashable signature of a batch's tensor shapes and dtypes.
+
+    Looks one level into tuples, lists and mappings (at most ``max_items``
+    entries; HF ``BatchEncoding`` is a mapping), so it costs about a microsecond
+    per tensor. Two batches with the same signature are assumed to cost the
+    same FLOPs; pass ``shape_key=`` to :meth:`GreenCallback.step` when that is
+    not true (e.g. the sequence length hides inside a nested structure).
+    """
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), batch.dtype)
+    if isinstance(batch, (tuple, list)):
+        return tuple(_leaf_signature(x) for x in batch[:max_items])
+    keys = getattr(batch, "keys", None)
+    if keys is not None and hasattr(batch, "__getitem__"):
+        try:
+            return tuple((k, _leaf_signature(batch[k])) for k in list(keys())[:max_items])
+        except Exception:  # noqa: BLE001 - a strange mapping: fall back to its type
+            return type(batch).__name__
+    return _leaf_signature(batch)

@@ -1,0 +1,171 @@
+"""PyTorch Lightning adapter: :class:`GreenLightningCallback`.
+
+Usage::
+
+    from greend.integrations.lightning import GreenLightningCallback
+
+    class Module(L.LightningModule):
+        def training_step(self, batch, batch_idx):
+            with self.trainer.greend.autocast():     # the level greend asked for
+                loss = self.net(batch).loss
+            return loss
+
+    trainer = L.Trainer(callbacks=[GreenLightningCallback(job="run-7", gpus=[0])])
+
+How it maps onto Lightning
+--------------------------
+* ``on_train_batch_start`` opens a :class:`greend.callback.Step`,
+  ``on_train_batch_end`` closes it with the loss from ``outputs`` (a tensor, or
+  the ``"loss"`` of a dict). Lightning runs forward, backward and the optimizer
+  step between these two hooks, so the first batch's FLOPs are counted exactly
+  (and re-counted when the batch's shapes change, as in GreenCallback).
+* **Precision**: Lightning's precision plugin owns autocast, so a callback
+  cannot switch it. The adapter exposes the level for the module to act on:
+  ``trainer.greend_precision`` and ``pl_module.greend_precision`` (a string,
+  updated at each batch start), and ``trainer.greend`` (this callback), whose
+  :meth:`GreenLightningCallback.autocast` returns the matching context. With
+  ``Trainer(precision="bf16-mixed")`` (or any non-32 setting) Lightning
+  already runs mixed precision: the adapter then only reports that level and
+  never switches.
+* ``on_train_end`` (and ``on_exception``) close the callback (``end``).
+
+Works with ``lightning`` (``lightning.pytorch``) or the older
+``pytorch_lightning`` package; when both are installed, ``lightning.pytorch``
+is used (a Trainer only accepts callbacks of its own package).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ContextManager
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "greend.integrations.lightning needs PyTorch Lightning: pip install lightning"
+        ) from e
+
+import torch
+
+from ..callback import GreenCallback, Step
+
+__all__ = ["GreenLightningCallback"]
+
+log = logging.getLogger(__name__)
+
+# Lightning precision settings -> greend levels (anything else runs as fp32).
+_LIGHTNING_LEVELS = {
+    "bf16-mixed": "bf16", "bf16": "bf16", "bf16-true": "bf16",
+    "16-mixed": "fp16", "16": "fp16", "16-true": "fp16",
+    "transformer-engine": "fp8", "transformer-engine-float16": "fp8",
+}
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return None
+
+
+class GreenLightningCallback(pl.Callback):
+    """A Lightning ``Callback`` that reports each training batch to greend.
+
+    Args:
+        job: the job id (see :class:`greend.GreenCallback`).
+        **kwargs: passed to :class:`greend.GreenCallback` (``socket=``, ``gpus=``,
+            ``flops_per_step=``, ...). The model is the LightningModule.
+    """
+
+    def __init__(self, job: str | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        if "model" in kwargs:
+            raise ValueError("GreenLightningCallback takes its model from the Trainer: do not pass model=")
+        self.job = job
+        self.kwargs = kwargs
+        self.cb: GreenCallback | None = None
+        self._step: Step | None = None
+
+    # Public ----------------------------------------------------------------------
+    @property
+    def precision(self) -> str:
+        """The level greend asks this rank to run (fp32 before training starts)."""
+        return self.cb.precision if self.cb is not None else "fp32"
+
+    def autocast(self) -> ContextManager[Any]:
+        """The autocast context for the current level; use it in ``training_step``."""
+        if self._step is not None:
+            return self._step.autocast()
+        if self.cb is not None:
+            return self.cb.autocast()
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    # Hooks -----------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.cb is None:
+            kwargs = dict(self.kwargs)
+            level = _LIGHTNING_LEVELS.get(str(getattr(trainer, "precision", "32-true")))
+            if level is not None and "manage_precision" not in kwargs:
+                kwargs.update(manage_precision=False, initial_precision=level,
+                              precision_owner=f"Lightning runs precision={trainer.precision!r}")
+            self.cb = GreenCallback(job=self.job, model=pl_module, **kwargs)
+        trainer.greend = self
+        self._publish(trainer, pl_module, self.cb.precision)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.cb is None:
+            return
+        if self._step is not None:  # the previous batch never ended (skipped by Lightning)
+            self._close_step(None)
+        step = self.cb.step(samples=_batch_size(batch), batch=batch)
+        step.__enter__()
+        self._step = step
+        self._publish(trainer, pl_module, step.precision)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs
+        if isinstance(outputs, dict):
+            loss = outputs.get("loss")
+        self._close_step(loss)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            try:
+                step.__exit__(type(exception), exception, exception.__traceback__)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.cb is not None:
+            self.cb.close("error")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close_step(None)
+        if self.cb is not None:
+            self.cb.close("finished")
+
+    # Helpers ---------------------------------------------------------------------
+    def _close_step(self, loss: Any) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if loss is not None:
+            step.loss(loss)
+        step.__exit__(None, None, None)
+
+    @staticmethod
+    def _publish(trainer: Any, pl_module: Any, level: str) -> None:
+        for obj in (trainer, pl_module):
+            try:
+                obj.greend_precision = level
+            except Exception:  # noqa: BLE001 - a read-only object: the property is still there
+                log.debug("cannot set greend_precision on %s", type(obj).__name__)

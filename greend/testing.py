@@ -1,0 +1,137 @@
+"""Test doubles that ship with greend, for its own tests and for users' tests.
+
+:class:`FakeDaemon` speaks docs/protocol.md on a real Unix socket (built on
+:class:`greend.ipc.IpcServer`: register / steps / heartbeat / end), records what
+it receives and can push directives, so training code that uses
+:class:`greend.GreenCallback` can be tested without a greend daemon.
+:class:`SilentDaemon` accepts connections and never reads, like a hung daemon.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from .ipc import NO_REPLY, Connection, Field, IpcServer
+
+__all__ = ["FakeDaemon", "SilentDaemon"]
+
+
+class FakeDaemon:
+    """A tiny greend: a real IpcServer with the job routes, recording everything it gets."""
+
+    def __init__(self, path: Path, *, heartbeat_s: float = 0.2, initial_precision: str = "fp32") -> None:
+        self.path = path
+        self.heartbeat_s = heartbeat_s
+        self.initial_precision = initial_precision
+        self.lock = threading.Lock()
+        self.registers: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self.heartbeats = 0
+        self.ends: list[dict[str, Any]] = []
+        self.step_messages = 0
+        self.hang = threading.Event()  # set: the steps handler blocks, so nothing more is read
+        self.unhang = threading.Event()
+        self.server = IpcServer(path, mode=0o600)
+        self.server.route("register", self._register, {
+            "job": Field((str,), required=True, max_len=128),
+            "rank": Field((int,), min=0), "local_rank": Field((int,), min=0),
+            "world_size": Field((int,), min=1), "gpus": Field((list,), item_types=(int,)),
+            "host": Field((str,)), "precisions": Field((list,), item_types=(str,)),
+            "mem_share": Field((float,), min=0, max=0.95), "flops_per_step": Field((float,), min=0),
+        })
+        self.server.route("steps", self._steps, {"steps": Field((list,), required=True, max_len=1024)})
+        self.server.route("heartbeat", self._heartbeat)
+        self.server.route("end", self._end, {"reason": Field((str,))})
+
+    def start(self) -> FakeDaemon:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.unhang.set()
+        self.server.stop()
+
+    def _register(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self.lock:
+            self.registers.append(dict(msg))
+        conn.state["job"] = msg["job"]
+        return {"job": msg["job"], "session": conn.id, "heartbeat_s": self.heartbeat_s,
+                "directive": {"precision": self.initial_precision}}
+
+    def _steps(self, msg: dict[str, Any], conn: Connection) -> Any:
+        from greend.errors import ProtocolError
+
+        if self.hang.is_set():
+            self.unhang.wait(30)
+        if "job" not in conn.state:
+            raise ProtocolError("register first", field="op")
+        for s in msg["steps"]:
+            if not isinstance(s, dict) or s["t1_s"] < s["t0_s"] or s["flops"] < 0:
+                raise ProtocolError("bad step", field="steps")
+        with self.lock:
+            self.steps.extend(msg["steps"])
+            self.step_messages += 1
+        return NO_REPLY
+
+    def _heartbeat(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self.lock:
+            self.heartbeats += 1
+        return {"ok": True}
+
+    def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self.lock:
+            self.ends.append(dict(msg))
+            n = len(self.steps)
+        return {"job": conn.state.get("job"), "steps": n}
+
+    def push(self, **event: Any) -> int:
+        """Send an event to every registered connection; return how many got it."""
+        n = 0
+        for c in self.server.connections():
+            if "job" in c.state and c.send({"v": 1, **event}):
+                n += 1
+        return n
+
+    def push_raw(self, data: bytes) -> None:
+        for c in self.server.connections():
+            if "job" in c.state:
+                c.sock.sendall(data)
+
+    def directive(self, precision: str, reason: str = "test") -> int:
+        return self.push(event="directive", job="", precision=precision, reason=reason)
+
+
+class SilentDaemon:
+    """Accepts connections and never reads or answers: a hung daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.conns: list[socket.socket] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+
+    def stop(self) -> None:
+        self._stop = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,85 @@
+"""greend.flops: CPU attention FLOP formulas, signatures and the 6ND rule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from greend import flops as gf
+
+aten = torch.ops.aten
+B, H, S, D = 2, 4, 16, 8
+
+
+class TinyAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, H, D).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, H * D)
+
+
+def _per_op(run: object) -> dict[object, int]:
+    with FlopCounterMode(display=False) as m:
+        run()  # type: ignore[operator]
+    return dict(m.get_flop_counts()["Global"])
+
+
+def test_cpu_attention_forward_and_backward_are_counted() -> None:
+    torch.manual_seed(0)
+    layer = TinyAttention()
+    x = torch.randn(B, S, H * D)
+    with FlopCounterMode(display=False) as fwd:
+        out = layer(x)
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    f = dict(fwd.get_flop_counts()["Global"])
+    b = dict(bwd.get_flop_counts()["Global"])
+    attn_fwd = f[aten._scaled_dot_product_flash_attention_for_cpu]
+    attn_bwd = b[aten._scaled_dot_product_flash_attention_for_cpu_backward]
+    assert attn_fwd == 4 * B * H * S * S * D
+    assert attn_bwd == 2.5 * attn_fwd  # five matmuls to the forward's two, as torch counts sdpa on CUDA
+    # The projection is counted too, so the total is the sum of both.
+    assert fwd.get_total_flops() == attn_fwd + 2 * B * S * (H * D) * (3 * H * D)
+
+
+def test_registration_is_idempotent() -> None:
+    assert gf.register_cpu_attention_formulas() == []
+    assert aten._scaled_dot_product_flash_attention_for_cpu in torch.utils.flop_counter.flop_registry
+
+
+def test_count_flops_and_flop_counter() -> None:
+    lin = nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    assert gf.count_flops(lambda: lin(x)) == 2 * 4 * 16 * 8
+    c = gf.FlopCounter()
+    assert c.start() and c.active
+    lin(x)
+    assert c.stop() == 2 * 4 * 16 * 8
+    assert c.stop() is None and not c.active
+
+
+def test_model_params_and_six_n_d() -> None:
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied weights count once
+    model = nn.Sequential(emb, head)
+    assert gf.model_params(model) == 40
+    frozen = nn.Linear(3, 3)
+    frozen.requires_grad_(False)
+    assert gf.model_params(frozen) == 0 and gf.model_params(frozen, trainable_only=False) == 12
+    assert gf.transformer_flops(1000, 50) == 300_000
+
+
+def test_batch_signature() -> None:
+    a, b = torch.zeros(8, 3), torch.zeros(16, 3)
+    assert gf.batch_signature(a) == gf.batch_signature(torch.ones(8, 3))
+    assert gf.batch_signature(a) != gf.batch_signature(b)
+    assert gf.batch_signature(a) != gf.batch_signature(a.half())
+    assert gf.batch_signature((a, 3)) == gf.batch_signature((torch.ones(8, 3), 5))
+    assert gf.batch_signature({"input_ids": a}) != gf.batch_signature({"input_ids": b})
+    hash(gf.batch_signature({"x": [1, 2], "y": a}))
