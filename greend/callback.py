@@ -379,6 +379,8 @@ class GreenCallback:
         max_flop_counts: distinct shape keys counted with FlopCounterMode.
         heartbeat_s, flush_interval_s, connect_timeout_s, reply_timeout_s,
         stall_timeout_s, reconnect_min_s, reconnect_max_s, close_timeout_s: timings (seconds).
+        sync_every: every this many steps, ranks of a distributed job agree on its pace
+            (the slowest node's uncapped step time) with one all-reduce (see ``_sync_pace``).
     """
 
     def __init__(
@@ -406,6 +408,7 @@ class GreenCallback:
         reconnect_min_s: float = 2.0,
         reconnect_max_s: float = 5.0,
         close_timeout_s: float = 2.0,
+        sync_every: int = 100,
     ) -> None:
         for name, value in (("heartbeat_s", heartbeat_s), ("flush_interval_s", flush_interval_s),
                             ("connect_timeout_s", connect_timeout_s), ("reply_timeout_s", reply_timeout_s),
@@ -424,6 +427,8 @@ class GreenCallback:
             raise ValueError("model_flops=True counts the model's parameters: pass model=")
         if mem_share is not None and not (0.0 <= mem_share <= 0.95):
             raise ValueError(f"mem_share={mem_share!r}: must be between 0 and 0.95")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r}: must be a whole number of steps >= 1")
         if max_pending < 1 or max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
         allowed = None if precisions is None else list(precisions)
@@ -470,6 +475,13 @@ class GreenCallback:
         self._flop_cache: dict[Hashable, int] = {}
         self._max_flop_counts = max_flop_counts
         self._counter = _flops.FlopCounter()
+
+        # Pace agreement across nodes (see _sync_pace): the daemon's local figure, written
+        # by the sender; the agreed one, written by the training thread for the sender.
+        self.sync_every = sync_every
+        self._local_pace_s: float | None = None
+        self._agreed_pace_s: float | None = None
+        self.agreed_pace_s: float | None = None  # the last figure all ranks agreed on
 
         # Hot-path state.
         self._queue: deque[tuple[Any, ...]] = deque(maxlen=max_pending)
@@ -580,6 +592,37 @@ class GreenCallback:
         q.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens,
                   step._loss, step._nonfinite, step.precision))
         self.stats.recorded += 1
+        if self.world_size > 1 and (index + 1) % self.sync_every == 0:
+            self._sync_pace()
+
+    def _sync_pace(self) -> None:
+        """Agree on the job's pace with the other ranks, at a decision point.
+
+        Each node's daemon measures this rank's uncapped step time and pushes it
+        (event ``local_pace``). Every ``sync_every`` steps all ranks take the MAX over
+        the job's own process group: the slowest node sets a synchronous job's pace,
+        so a faster node's daemon may cap its GPUs down to that pace (plus its bound)
+        without making any node the straggler. One all-reduce per ``sync_every`` steps,
+        never per step; every rank calls it at the same step index. A failure here
+        (no process group, a broken collective) is logged once and never raised.
+        """
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            device = torch.device("cpu")
+            if dist.get_backend() == "nccl" and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            t = torch.tensor([self._local_pace_s or 0.0], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            agreed = float(t.item())
+        except Exception as e:  # noqa: BLE001 - fail-open, as everywhere in the callback
+            self._warn_once("pace", f"greend could not agree the job's pace across ranks: {e}")
+            return
+        if agreed > 0:
+            self.agreed_pace_s = agreed
+            self._agreed_pace_s = agreed  # the sender sends it as op "pace"
 
     def _plan_flops(self, step: Step) -> None:
         key = step._key
@@ -776,6 +819,10 @@ class _Sender:
         """One round: queue steps, maybe a heartbeat, then wait for I/O up to flush_interval_s."""
         now = _monotonic()
         self._queue_steps()
+        pace = self.cb._agreed_pace_s
+        if pace is not None:
+            self.cb._agreed_pace_s = None
+            self._queue_request("pace", {"step_s": pace})
         if not self._out and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
         for mid, (op, sent) in self._pending.items():
@@ -1068,6 +1115,12 @@ class _Sender:
         if msg.get("event") == "directive":
             if "precision" in msg:
                 self._on_directive(msg.get("precision"), msg.get("reason"))
+        elif msg.get("event") == "local_pace":
+            step_s = msg.get("step_s")
+            if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and step_s > 0:
+                self.cb._local_pace_s = float(step_s)
+            else:
+                self._malformed(f"a local_pace event with step_s={step_s!r}")
         else:
             log.debug("greend: ignoring event %r", msg.get("event"))
 
