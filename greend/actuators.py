@@ -1,0 +1,1071 @@
+"""Actuators: the knobs greend turns, saved before the first write and restored.
+
+Knobs (DESIGN.md, "Control rules"): a GPU's locked SM clocks
+(``nvmlDeviceSetGpuLockedClocks`` / ``nvmlDeviceResetGpuLockedClocks``), a GPU's
+power limit (within ``nvmlDeviceGetPowerManagementLimitConstraints``) and a RAPL
+zone's power limit (``constraint_N_power_limit_uw``, long and short term).
+
+Layers::
+
+    Controller   what the daemon, the policies and greenctl call: snapping and
+      |          clamping, read-before-write, save-before-first-write, owners,
+      |          restore (per GPU, per owner, everything), dry-run
+      +-- GpuBackend     (protocol) NvmlGpuBackend over an NvmlProbe: real NVML,
+      |                  or the simulator's FakeNvml (source "sim")
+      +-- RaplBackend    powercap sysfs under an injected root
+      +-- StateFile      <state_dir>/saved-settings.json (greend.state)
+
+Rules the Controller keeps:
+
+- The original of every device knob is saved to the state file (atomically)
+  BEFORE greend's first write of that knob; a failing save means no write.
+- Setters read before they write: an identical request makes no setter call.
+- Clock caps snap to the highest supported clock <= the request (never below the
+  lowest); power limits clamp to the GPU's constraints; RAPL limits to each
+  constraint's ``max_power_uw``.
+- A :class:`~policies.base.Setting` field of None restores that knob to its
+  original. Locked clocks have no NVML getter, so their original is "unlocked".
+- Restore puts each device in its own ``try``: one lost GPU or a missing
+  permission is reported and never stops the others; entries that failed stay
+  in the state file (a later ``greend restore`` retries), the restored ones are
+  dropped, and the file is removed once empty.
+- Dry-run logs "would set ..." and records the intended setting in memory (for
+  ``greenctl status``) but touches no device and writes no state file.
+
+Every NVML or sysfs error arrives as a :class:`KnobError` (an
+:class:`~greend.errors.ActuatorError`) raised ``from`` the greend probe error
+(``NoPermission``, ``DeviceLost``, ``NotSupported``...) and naming the device,
+the knob and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
+
+from policies.base import UNCAPPED, Setting
+from probes.nvml import NvmlProbe, translate_nvml_error
+from probes.rapl import ReadText, WriteText, read_power_limit_uw, read_text, write_power_limit_uw, write_text
+
+from .errors import (
+    ActuatorError,
+    DeviceLost,
+    GreendError,
+    NoData,
+    NoPermission,
+    NotSupported,
+    ProbeError,
+    StateError,
+)
+from .state import (
+    CLOCK_KNOB,
+    GPU_KNOBS,
+    POWER_KNOB,
+    CpuConstraintState,
+    CpuEntry,
+    GpuEntry,
+    KnobState,
+    SavedState,
+    StateFile,
+    backend_key,
+)
+from .units import mw_to_w, uw_to_w, w_to_mw, w_to_uw
+
+__all__ = [
+    "Controller",
+    "GpuBackend",
+    "KnobError",
+    "NvmlGpuBackend",
+    "RaplBackend",
+    "RaplConstraint",
+    "RaplZoneRef",
+    "RestoreFailure",
+    "RestoreReport",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+NODE_OWNER = "node"
+RAPL_LIMIT_CONSTRAINTS: tuple[str, ...] = ("long_term", "short_term")
+_NVML_NOT_FOUND = 6
+
+NO_PERMISSION_FIX = "run greend as root or with CAP_SYS_ADMIN (its systemd unit does)"
+LOST_FIX = (
+    "the GPU fell off the bus or the driver reset: check `nvidia-smi` and `dmesg` for Xid "
+    "errors; its original setting stays in the saved-settings file and "
+    "`greend restore --state-dir DIR` retries"
+)
+NOT_SUPPORTED_FIX = "this GPU or driver does not support the knob; leave it to the other knobs"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class KnobError(ActuatorError):
+    """A knob could not be read, set or restored.
+
+    ``device`` ("gpu1 (GPU-...)", "package-0 (intel-rapl:0)"), ``knob``
+    ("clock_cap_mhz", "power_limit_w"), ``reason``: ``no_permission``, ``lost``,
+    ``not_supported``, ``invalid`` or ``failed``. ``__cause__`` is the greend
+    probe error (``NoPermission``, ``DeviceLost``...).
+    """
+
+    def __init__(self, message: str, *, device: str, knob: str, reason: str) -> None:
+        super().__init__(message)
+        self.device = device
+        self.knob = knob
+        self.reason = reason
+
+
+def _knob_error(device: str, knob: str, action: str, exc: BaseException) -> KnobError:
+    if isinstance(exc, KnobError):
+        return exc
+    if isinstance(exc, NoPermission):
+        reason, fix = "no_permission", NO_PERMISSION_FIX
+    elif isinstance(exc, DeviceLost):
+        reason, fix = "lost", LOST_FIX
+    elif isinstance(exc, NotSupported):
+        reason, fix = "not_supported", NOT_SUPPORTED_FIX
+    elif isinstance(exc, ActuatorError):  # probes.rapl write errors carry their own fix
+        return KnobError(f"{device} {knob}: cannot {action}: {exc}", device=device, knob=knob,
+                         reason="no_permission" if "permission" in str(exc) else "failed")
+    elif "(NVML code 2)" in str(exc):  # NVML_ERROR_INVALID_ARGUMENT
+        reason, fix = "invalid", "the value is outside what this GPU accepts"
+    else:
+        reason, fix = "failed", "see the error; `greenctl doctor` checks NVML and RAPL access"
+    return KnobError(f"{device} {knob}: cannot {action}: {exc}; fix: {fix}",
+                     device=device, knob=knob, reason=reason)
+
+
+def _guard(device: str, knob: str, action: str, fn: Callable[[], T]) -> T:
+    """Run ``fn``; any greend probe/actuator error becomes a :class:`KnobError`."""
+    try:
+        return fn()
+    except (ProbeError, ActuatorError) as e:
+        raise _knob_error(device, knob, action, e) from e
+    except OSError as e:
+        raise _knob_error(device, knob, action, ProbeError(str(e))) from e
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass
+class RestoreFailure:
+    """A knob that could not be restored (it stays in the saved-settings file)."""
+
+    device: str
+    knob: str
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"device": self.device, "knob": self.knob, "message": self.message}
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did. ``exit_code``: 0 nothing to do or all restored, 1 some
+    device failed (listed in ``failed``), 2 the state file is corrupt (``state_error``)."""
+
+    restored: list[str] = field(default_factory=list)
+    failed: list[RestoreFailure] = field(default_factory=list)
+    state_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.state_error is None
+
+    @property
+    def exit_code(self) -> int:
+        if self.state_error is not None:
+            return 2
+        return 1 if self.failed else 0
+
+    def extend(self, other: RestoreReport) -> None:
+        self.restored += other.restored
+        self.failed += other.failed
+        self.notes += other.notes
+        if other.state_error and not self.state_error:
+            self.state_error = other.state_error
+
+    def lines(self) -> list[str]:
+        """Human-readable lines (what ``greend restore`` prints)."""
+        if self.state_error:
+            return [f"error: {self.state_error}"]
+        verb = "would restore" if self.dry_run else "restored"
+        out = [f"{verb} {r}" for r in self.restored]
+        out += [f"FAILED {f.device} {f.knob}: {f.message}" for f in self.failed]
+        out += self.notes
+        if not self.restored and not self.failed:
+            out.append("nothing to restore")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "restored": list(self.restored),
+            "failed": [f.to_json() for f in self.failed],
+            "state_error": self.state_error,
+            "notes": list(self.notes),
+            "dry_run": self.dry_run,
+            "exit_code": self.exit_code,
+        }
+
+
+# --------------------------------------------------------------------------- GPU backend
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """The GPU knobs, in SI units. Errors are greend probe errors (``NoPermission``,
+    ``DeviceLost``, ``NotSupported``, ``ProbeError``); the Controller names knob and fix.
+
+    ``kind``: ``"nvml"`` or ``"sim"``; ``sim_dir``: the simulator's directory (sim only).
+    """
+
+    kind: str
+    sim_dir: str | None
+
+    def indices(self) -> list[int]: ...
+
+    def uuid(self, index: int) -> str: ...
+
+    def index_of_uuid(self, uuid: str) -> int | None: ...
+
+    def power_limit_w(self, index: int) -> float: ...
+
+    def default_power_limit_w(self, index: int) -> float: ...
+
+    def power_limit_constraints_w(self, index: int) -> tuple[float, float]: ...
+
+    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]: ...
+
+    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None: ...
+
+    def reset_locked_clocks(self, index: int) -> None: ...
+
+    def set_power_limit_w(self, index: int, power_w: float) -> None: ...
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class NvmlGpuBackend:
+    """:class:`GpuBackend` over an opened :class:`~probes.nvml.NvmlProbe`.
+
+    The daemon passes the probe it samples with (so setters reset the probe's cached
+    clocks and limit); a standalone restore opens one with :meth:`open_nvml` or
+    :meth:`open_sim`. The sim is the fake NVML, so the same code drives it.
+    """
+
+    def __init__(self, probe: NvmlProbe, *, owns_probe: bool = False) -> None:
+        self.probe = probe
+        self.kind = "sim" if probe.source == "sim" else "nvml"
+        sim_dir = getattr(probe.nvml, "state_dir", None) if self.kind == "sim" else None
+        self.sim_dir: str | None = str(Path(sim_dir).resolve()) if sim_dir is not None else None
+        self._owns_probe = owns_probe
+        self._clocks: dict[int, tuple[int, ...]] = {}
+        self._constraints: dict[int, tuple[float, float]] = {}
+
+    def __repr__(self) -> str:
+        return f"NvmlGpuBackend(kind={self.kind!r}, sim_dir={self.sim_dir!r})"
+
+    @classmethod
+    def open_nvml(cls, nvml_module: Any | None = None) -> NvmlGpuBackend:
+        """Open NVML (``import pynvml`` unless a module is given). Raises ``NoData``
+        when there is no driver, and other probe errors as the probe does."""
+        probe = NvmlProbe(nvml=nvml_module, source="nvml")
+        probe.open()
+        return cls(probe, owns_probe=True)
+
+    @classmethod
+    def open_sim(cls, sim_dir: Path | str) -> NvmlGpuBackend:
+        """Open the simulated GPUs already in ``sim_dir`` (creates none)."""
+        from probes.fake_nvml import FakeNvml
+
+        d = Path(sim_dir)
+        if not d.is_dir():
+            raise NoData(f"the simulated GPUs' directory {d} does not exist")
+        probe = NvmlProbe(nvml=FakeNvml(d), source="sim")
+        probe.open()
+        return cls(probe, owns_probe=True)
+
+    def close(self) -> None:
+        """Close the probe if this backend opened it."""
+        if self._owns_probe:
+            self.probe.close()
+
+    @property
+    def key(self) -> str:
+        return backend_key(self.kind, self.sim_dir)
+
+    # ---- plumbing
+
+    def _handle(self, index: int) -> Any:
+        lost = self.probe.lost_gpus
+        if index in lost:
+            raise DeviceLost(f"gpu{index} is lost: {lost[index]}")
+        try:
+            return self.probe.handle(index)
+        except KeyError:
+            raise NoData(
+                f"there is no gpu{index} on this node (NVML lists "
+                f"{', '.join(f'gpu{i}' for i in self.indices()) or 'none'})"
+            ) from None
+
+    def _call(self, index: int, fn: str, *args: Any) -> Any:
+        nvml = self.probe.nvml
+        assert nvml is not None, "the NVML probe is not open"
+        handle = self._handle(index)
+        try:
+            return getattr(nvml, fn)(handle, *args)
+        except nvml.NVMLError as e:
+            raise translate_nvml_error(e, f"gpu{index} {fn}") from e
+
+    # ---- GpuBackend
+
+    def indices(self) -> list[int]:
+        return self.probe.gpu_indices
+
+    def uuid(self, index: int) -> str:
+        return _text(self._call(index, "nvmlDeviceGetUUID"))
+
+    def index_of_uuid(self, uuid: str) -> int | None:
+        nvml = self.probe.nvml
+        assert nvml is not None, "the NVML probe is not open"
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            return int(nvml.nvmlDeviceGetIndex(handle))
+        except nvml.NVMLError as e:
+            if getattr(e, "value", None) == _NVML_NOT_FOUND:
+                return None
+            raise translate_nvml_error(e, f"GPU {uuid} nvmlDeviceGetHandleByUUID") from e
+
+    def power_limit_w(self, index: int) -> float:
+        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementLimit"))
+
+    def default_power_limit_w(self, index: int) -> float:
+        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementDefaultLimit"))
+
+    def power_limit_constraints_w(self, index: int) -> tuple[float, float]:
+        if index not in self._constraints:
+            lo, hi = self._call(index, "nvmlDeviceGetPowerManagementLimitConstraints")
+            self._constraints[index] = (mw_to_w(lo), mw_to_w(hi))
+        return self._constraints[index]
+
+    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]:
+        """Descending, as NVML lists them (at the highest memory clock)."""
+        if index not in self._clocks:
+            mem = self._call(index, "nvmlDeviceGetSupportedMemoryClocks")
+            sm = self._call(index, "nvmlDeviceGetSupportedGraphicsClocks", max(mem)) if mem else []
+            self._clocks[index] = tuple(sorted({int(f) for f in sm}, reverse=True))
+        return self._clocks[index]
+
+    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
+        self._handle(index)
+        self.probe.set_locked_clocks_mhz(index, min_mhz, max_mhz)
+
+    def reset_locked_clocks(self, index: int) -> None:
+        self._handle(index)
+        self.probe.reset_locked_clocks(index)
+
+    def set_power_limit_w(self, index: int, power_w: float) -> None:
+        self._handle(index)
+        self.probe.set_power_limit_w(index, power_w)
+
+
+# --------------------------------------------------------------------------- RAPL backend
+
+
+@dataclass(frozen=True)
+class RaplZoneRef:
+    """A powercap zone: ``zone_id`` ("intel-rapl:0"), the kernel ``name``
+    ("package-0"), its directory and its path relative to the sysfs root."""
+
+    zone_id: str
+    name: str
+    dir: Path
+    rel_path: str
+
+    @property
+    def device(self) -> str:
+        return f"{self.name} ({self.zone_id})"
+
+
+@dataclass(frozen=True)
+class RaplConstraint:
+    index: int
+    name: str
+    max_uw: int  # 0: the kernel gives no maximum
+
+
+class RaplBackend:
+    """RAPL power limits under ``<sysfs_root>/class/powercap`` (root injected).
+
+    ``read``/``write`` are injectable like the RAPL probe's, for failure tests.
+    """
+
+    def __init__(self, sysfs_root: Path | str, *, read: ReadText = read_text,
+                 write: WriteText = write_text) -> None:
+        self.sysfs_root = Path(sysfs_root).resolve()
+        self._read = read
+        self._write = write
+
+    def __repr__(self) -> str:
+        return f"RaplBackend({str(self.sysfs_root)!r})"
+
+    @property
+    def key(self) -> str:
+        return str(self.sysfs_root)
+
+    def resolve(self, zone: str | Path) -> RaplZoneRef:
+        """``"intel-rapl:0"``, ``"class/powercap/intel-rapl:0"`` (relative to the root)
+        or an absolute path under the root. Raises ``NoData`` for an absent zone."""
+        text = str(zone)
+        if Path(text).is_absolute():
+            try:
+                rel = str(Path(text).relative_to(self.sysfs_root))
+            except ValueError:
+                raise NoData(f"RAPL zone {text} is not under the sysfs root {self.sysfs_root}") from None
+        elif "/" in text:
+            rel = text.strip("/")
+        else:
+            rel = f"class/powercap/{text}"
+        zdir = self.sysfs_root / rel
+        if not zdir.is_dir():
+            raise NoData(f"no RAPL zone {text!r} under {self.sysfs_root} ({zdir} does not exist)")
+        try:
+            name = self._read(zdir / "name").strip()
+        except OSError:
+            name = Path(rel).name
+        return RaplZoneRef(zone_id=Path(rel).name, name=name, dir=zdir, rel_path=rel)
+
+    def constraints(self, ref: RaplZoneRef) -> list[RaplConstraint]:
+        """The zone's long_term and short_term constraints, in index order."""
+        out: list[RaplConstraint] = []
+        for n in range(17):
+            try:
+                cname = self._read(ref.dir / f"constraint_{n}_name").strip()
+            except OSError:
+                break
+            if cname not in RAPL_LIMIT_CONSTRAINTS:
+                continue
+            try:
+                max_uw = int(self._read(ref.dir / f"constraint_{n}_max_power_uw").strip())
+            except (OSError, ValueError):
+                max_uw = 0
+            out.append(RaplConstraint(n, cname, max_uw))
+        return out
+
+    def read_limit_uw(self, ref: RaplZoneRef, n: int) -> int:
+        return read_power_limit_uw(ref.dir, n, read=self._read)
+
+    def write_limit_uw(self, ref: RaplZoneRef, n: int, uw: int) -> int:
+        """Clamped to the constraint's max, idempotent; returns the µW in force."""
+        return write_power_limit_uw(ref.dir, n, uw, read=self._read, write=self._write)
+
+    def restore_limit_uw(self, ref: RaplZoneRef, n: int, uw: int) -> bool:
+        """Write exactly ``uw`` (no clamping: it is the original); False if already so."""
+        if self.read_limit_uw(ref, n) == uw:
+            return False
+        path = ref.dir / f"constraint_{n}_power_limit_uw"
+        try:
+            self._write(path, str(int(uw)))
+        except PermissionError as e:
+            raise NoPermission(f"cannot write {path}: permission denied; run greend as root") from e
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise ActuatorError(
+                    f"cannot write {path}: /sys is read-only (systemd ProtectKernelTunables=yes); "
+                    "add ReadWritePaths=/sys/devices/virtual/powercap to the unit"
+                ) from e
+            raise ActuatorError(f"cannot write {path}: {e}") from e
+        return True
+
+
+# --------------------------------------------------------------------------- controller
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "unlocked" if unit == "MHz" else "original"
+    return f"{value:g} {unit}"
+
+
+class Controller:
+    """Applies and restores settings; see the module docstring for the rules.
+
+    ``state_dir``: where ``saved-settings.json`` lives; an existing file is loaded
+    (strictly: :class:`~greend.errors.StateError` if corrupt) and its entries are
+    kept, so originals saved by an earlier run are never overwritten.
+    ``gpu_backend`` / ``rapl_backend``: the devices (None: no such knobs).
+    Thread-safe (one lock): the tick loop and IPC handlers may call it.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path | str,
+        gpu_backend: GpuBackend | None = None,
+        rapl_backend: RaplBackend | None = None,
+        dry_run: bool = False,
+    ) -> None:
+        self.state_file = StateFile(state_dir)
+        self.dry_run = dry_run
+        self._lock = threading.RLock()
+        self._state: SavedState = self.state_file.load()
+        self.gpu_backend = gpu_backend
+        self.rapl_backend = rapl_backend
+        self._gpu_backends: dict[str, GpuBackend] = {}
+        self._gpu_unavailable: dict[str, str] = {}
+        self._rapl_backends: dict[str, RaplBackend] = {}
+        self._rapl_unavailable: dict[str, str] = {}
+        if gpu_backend is not None:
+            self.add_gpu_backend(gpu_backend)
+        if rapl_backend is not None:
+            self.add_rapl_backend(rapl_backend)
+        # dry-run: the intended settings, in memory only
+        self._dry_gpu: dict[int, Setting] = {}
+        self._dry_gpu_owner: dict[int, str] = {}
+        self._dry_cpu: dict[str, tuple[float, str]] = {}  # zone rel path -> (W, owner)
+        if self._state.gpus or self._state.cpus:
+            log.info("saved settings from an earlier run in %s: %d GPU(s), %d RAPL zone(s)",
+                     self.state_file.path, len(self._state.gpus), len(self._state.cpus))
+
+    def __repr__(self) -> str:
+        return f"Controller({str(self.state_file.state_dir)!r}, dry_run={self.dry_run})"
+
+    @property
+    def state_path(self) -> Path:
+        return self.state_file.path
+
+    # ---- backends (restore.py adds one per kind recorded in the file)
+
+    def add_gpu_backend(self, backend: GpuBackend) -> None:
+        self._gpu_backends[backend_key(backend.kind, backend.sim_dir)] = backend
+
+    def gpu_backend_unavailable(self, key: str, why: str) -> None:
+        """Record why the backend for ``key`` could not be opened (restore reports it)."""
+        self._gpu_unavailable[key] = why
+
+    def add_rapl_backend(self, backend: RaplBackend) -> None:
+        self._rapl_backends[backend.key] = backend
+
+    def rapl_backend_unavailable(self, sysfs_root: str, why: str) -> None:
+        self._rapl_unavailable[str(Path(sysfs_root).resolve())] = why
+
+    def _primary_gpu(self) -> GpuBackend:
+        if self.gpu_backend is None:
+            raise ActuatorError("no GPU backend: this greend has no NVML and no --sim GPUs")
+        return self.gpu_backend
+
+    def _primary_rapl(self) -> RaplBackend:
+        if self.rapl_backend is None:
+            raise ActuatorError("no RAPL backend: this greend has no powercap sysfs to write")
+        return self.rapl_backend
+
+    # ---- state
+
+    def _save(self) -> None:
+        if not self.dry_run:
+            self.state_file.save(self._state)
+
+    def _gpu_entry(self, index: int) -> GpuEntry | None:
+        if self.gpu_backend is None:
+            return None
+        key = backend_key(self.gpu_backend.kind, self.gpu_backend.sim_dir)
+        for e in self._state.gpus:
+            if e.backend_key == key and e.index == index:
+                return e
+        return None
+
+    def _cpu_entry(self, rapl: RaplBackend, rel_path: str) -> CpuEntry | None:
+        for e in self._state.cpus:
+            if str(Path(e.sysfs_root).resolve()) == rapl.key and e.zone_path == rel_path:
+                return e
+        return None
+
+    def _drop_empty(self) -> None:
+        self._state.gpus = [g for g in self._state.gpus if g.knobs]
+        self._state.cpus = [c for c in self._state.cpus if c.constraints]
+
+    # ---- GPUs
+
+    def _snap_clock(self, backend: GpuBackend, index: int, mhz: int) -> tuple[int, int | None]:
+        """(clock to lock at, lowest supported clock or None if unknown)."""
+        try:
+            clocks = backend.supported_sm_clocks_mhz(index)
+        except ProbeError as e:
+            log.debug("gpu%d: supported clocks unknown (%s); using %d MHz as asked", index, e, mhz)
+            return int(mhz), None
+        if not clocks:
+            return int(mhz), None
+        below = [f for f in clocks if f <= mhz]
+        snapped = max(below) if below else min(clocks)
+        if snapped != mhz:
+            log.debug("gpu%d: clock cap %d MHz snapped to %d MHz", index, mhz, snapped)
+        return snapped, min(clocks)
+
+    def _clamp_power(self, backend: GpuBackend, index: int, power_w: float) -> float:
+        try:
+            lo, hi = backend.power_limit_constraints_w(index)
+        except ProbeError as e:
+            log.debug("gpu%d: power limit constraints unknown (%s)", index, e)
+            return float(power_w)
+        clamped = min(max(float(power_w), lo), hi)
+        if clamped != power_w:
+            log.info("gpu%d: power limit %g W clamped to %g W (allowed %g..%g W)",
+                     index, power_w, clamped, lo, hi)
+        return clamped
+
+    def apply_gpu(self, index: int, setting: Setting, owner: str) -> Setting:
+        """Put ``setting`` in force on GPU ``index`` for ``owner`` (a job id or "node").
+
+        Returns the setting in force (snapped clock, clamped limit). A None field
+        restores that knob to its original. Raises :class:`KnobError` (after trying
+        both knobs) when a knob could not be set, ``StateError`` when the original
+        could not be saved (nothing is written then).
+        """
+        if setting.clock_cap_mhz is not None and setting.clock_cap_mhz <= 0:
+            raise KnobError(f"gpu{index} {CLOCK_KNOB}: {setting.clock_cap_mhz} MHz is not a clock",
+                            device=f"gpu{index}", knob=CLOCK_KNOB, reason="invalid")
+        if setting.power_limit_w is not None and not (
+            math.isfinite(setting.power_limit_w) and setting.power_limit_w > 0
+        ):
+            raise KnobError(f"gpu{index} {POWER_KNOB}: {setting.power_limit_w} W is not a power limit",
+                            device=f"gpu{index}", knob=POWER_KNOB, reason="invalid")
+        with self._lock:
+            backend = self._primary_gpu()
+            lowest: int | None = None
+            clock: int | None = None
+            if setting.clock_cap_mhz is not None:
+                clock, lowest = self._snap_clock(backend, index, int(setting.clock_cap_mhz))
+            power = None
+            if setting.power_limit_w is not None:
+                power = self._clamp_power(backend, index, float(setting.power_limit_w))
+            target = Setting(clock_cap_mhz=clock, power_limit_w=power)
+            if self.dry_run:
+                prev = self._dry_gpu.get(index, UNCAPPED)
+                if prev != target or self._dry_gpu_owner.get(index) != owner:
+                    log.info("dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
+                             index, _fmt(clock, "MHz"), _fmt(power, "W"), owner)
+                if target.uncapped:
+                    self._dry_gpu.pop(index, None)
+                    self._dry_gpu_owner.pop(index, None)
+                else:
+                    self._dry_gpu[index] = target
+                    self._dry_gpu_owner[index] = owner
+                return target
+            errors: list[GreendError] = []
+            for knob, value in ((CLOCK_KNOB, clock), (POWER_KNOB, power)):
+                try:
+                    self._apply_gpu_knob(backend, index, knob, value, owner, lowest)
+                except (ActuatorError, StateError) as e:
+                    errors.append(e)
+            if errors:
+                for extra in errors[1:]:
+                    log.error("%s", extra)
+                raise errors[0]
+            return self.current(index)
+
+    def _apply_gpu_knob(self, backend: GpuBackend, index: int, knob: str, value: float | None,
+                        owner: str, lowest: int | None) -> None:
+        entry = self._gpu_entry(index)
+        ks = entry.knobs.get(knob) if entry is not None else None
+        dev = entry.device if entry is not None else f"gpu{index}"
+        if value is None:
+            if entry is None or ks is None:
+                return  # greend never set it: nothing to restore
+            self._restore_gpu_knob(backend, index, entry, knob, ks)
+            del entry.knobs[knob]
+            self._drop_empty()
+            self._save()
+            return
+        current: float | None = None
+        if knob == POWER_KNOB:
+            current = _guard(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+        if ks is None:
+            if entry is None:
+                uuid = _guard(dev, knob, "read the UUID", lambda: backend.uuid(index))
+                entry = GpuEntry(backend=backend.kind, sim_dir=backend.sim_dir, uuid=uuid, index=index)
+                self._state.gpus.append(entry)
+                dev = entry.device
+            ks = KnobState(original=current if knob == POWER_KNOB else None, set=None, owner=owner,
+                           updated_at=time.time())
+            entry.knobs[knob] = ks
+            try:
+                self._save()  # the original is on disk BEFORE the first write
+            except StateError:
+                del entry.knobs[knob]
+                self._drop_empty()
+                raise
+            log.info("%s %s: saved original %s before the first write", dev, knob,
+                     _fmt(ks.original, "MHz" if knob == CLOCK_KNOB else "W"))
+        if knob == CLOCK_KNOB:
+            in_force = ks.set == value
+        else:
+            assert current is not None
+            in_force = w_to_mw(current) == w_to_mw(float(value))
+        if in_force:
+            if ks.set != value or ks.owner != owner:
+                ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+                self._save()
+            return
+        if knob == CLOCK_KNOB:
+            lo = lowest if lowest is not None else int(value)
+            _guard(dev, knob, f"lock the SM clock to {lo}..{int(value)} MHz",
+                   lambda: backend.set_locked_clocks_mhz(index, lo, int(value)))
+            log.info("%s: SM clock locked to %d..%d MHz (owner %s)", dev, lo, int(value), owner)
+        else:
+            _guard(dev, knob, f"set the power limit to {value:g} W",
+                   lambda: backend.set_power_limit_w(index, float(value)))
+            log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
+        ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+        self._save()
+
+    def _restore_gpu_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str,
+                          ks: KnobState) -> str:
+        """Put one knob back to its original; returns a line for the report."""
+        dev = f"gpu{index} ({entry.uuid})"
+        if knob == CLOCK_KNOB:
+            _guard(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
+            log.info("%s: locked clocks reset (unlocked, as before greend)", dev)
+            return f"{dev} {knob}: unlocked"
+        original = ks.original
+        assert original is not None
+        current = _guard(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+        if w_to_mw(current) != w_to_mw(original):
+            _guard(dev, knob, f"restore the power limit to {original:g} W",
+                   lambda: backend.set_power_limit_w(index, original))
+            log.info("%s: power limit %g -> %g W (restored)", dev, current, original)
+        return f"{dev} {knob}: {original:g} W"
+
+    def _restore_gpu_entry(self, entry: GpuEntry, knobs: Iterable[str], report: RestoreReport) -> None:
+        """Restore the named knobs of one entry; failures go to ``report`` and stay."""
+        wanted = set(knobs)
+        knobs = [k for k in GPU_KNOBS if k in wanted and k in entry.knobs]
+        if not knobs:
+            return
+        backend = self._gpu_backends.get(entry.backend_key)
+        if backend is None:
+            why = self._gpu_unavailable.get(entry.backend_key) or (
+                f"it was set through the {entry.backend} backend"
+                + (f" (sim dir {entry.sim_dir})" if entry.sim_dir else "")
+                + ", which this greend does not drive; run "
+                f"`greend restore --state-dir {self.state_file.state_dir}`"
+            )
+            for k in knobs:
+                report.failed.append(RestoreFailure(entry.device, k, f"cannot restore: {why}"))
+            return
+        try:
+            index = backend.index_of_uuid(entry.uuid)
+        except (ProbeError, ActuatorError) as e:
+            err = _knob_error(entry.device, "/".join(knobs), "find the GPU by UUID", e)
+            for k in knobs:
+                report.failed.append(RestoreFailure(entry.device, k, str(err)))
+            return
+        if index is None:
+            for k in knobs:
+                report.failed.append(RestoreFailure(
+                    entry.device, k,
+                    f"no GPU with UUID {entry.uuid} on this node now (removed, or another node's "
+                    f"or sim dir's state?); its original stays in {self.state_file.path}",
+                ))
+            return
+        if index != entry.index:
+            log.info("%s is gpu%d now", entry.device, index)
+            entry.index = index
+        for k in knobs:
+            try:
+                line = self._restore_gpu_knob(backend, index, entry, k, entry.knobs[k])
+            except GreendError as e:
+                log.error("restore: %s", e)
+                report.failed.append(RestoreFailure(entry.device, k, str(e)))
+            else:
+                del entry.knobs[k]
+                report.restored.append(line)
+
+    def restore_gpu(self, index: int) -> RestoreReport:
+        """Both knobs of GPU ``index`` back to their originals."""
+        with self._lock:
+            report = RestoreReport(dry_run=self.dry_run)
+            if self.dry_run:
+                if self._dry_gpu.pop(index, None) is not None:
+                    self._dry_gpu_owner.pop(index, None)
+                    report.restored.append(f"gpu{index}")
+                    log.info("dry-run: would restore gpu%d", index)
+                return report
+            entry = self._gpu_entry(index)
+            if entry is not None:
+                self._restore_gpu_entry(entry, GPU_KNOBS, report)
+            self._finish(report)
+            return report
+
+    # ---- RAPL
+
+    def apply_cpu_limit(self, zone_path: str | Path, watts: float | None, owner: str) -> float | None:
+        """Limit a RAPL zone ("intel-rapl:0", or a path under the sysfs root) to ``watts``.
+
+        Long term is set to ``watts`` and short term to ``min(watts, its original)``,
+        each within its ``max_power_uw``. None restores the zone's originals.
+        Returns the long-term limit now in force (W), None when restored.
+        """
+        if watts is not None and not (math.isfinite(watts) and watts > 0):
+            raise KnobError(f"{zone_path} {POWER_KNOB}: {watts} W is not a power limit",
+                            device=str(zone_path), knob=POWER_KNOB, reason="invalid")
+        with self._lock:
+            rapl = self._primary_rapl()
+            ref = _guard(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
+            dev = ref.device
+            if self.dry_run:
+                if watts is None:
+                    if self._dry_cpu.pop(ref.rel_path, None) is not None:
+                        log.info("dry-run: would restore %s", dev)
+                    return None
+                if self._dry_cpu.get(ref.rel_path) != (watts, owner):
+                    log.info("dry-run: would set %s power limit %g W (owner %s)", dev, watts, owner)
+                self._dry_cpu[ref.rel_path] = (float(watts), owner)
+                return float(watts)
+            entry = self._cpu_entry(rapl, ref.rel_path)
+            if watts is None:
+                if entry is not None:
+                    report = RestoreReport()
+                    self._restore_cpu_entry(entry, report)
+                    self._finish(report)
+                    if report.failed:
+                        raise KnobError(report.failed[0].message, device=dev, knob=POWER_KNOB,
+                                        reason="failed")
+                return None
+            cons = _guard(dev, POWER_KNOB, "list the constraints", lambda: rapl.constraints(ref))
+            if not cons:
+                raise KnobError(f"{dev} {POWER_KNOB}: the zone has no long_term or short_term "
+                                "constraint to limit", device=dev, knob=POWER_KNOB,
+                                reason="not_supported")
+            if entry is None:
+                saved = [
+                    CpuConstraintState(c.index, c.name, _guard(
+                        dev, POWER_KNOB, f"read constraint {c.index}",
+                        lambda c=c: rapl.read_limit_uw(ref, c.index)))  # type: ignore[misc]
+                    for c in cons
+                ]
+                entry = CpuEntry(sysfs_root=str(rapl.sysfs_root), zone_path=ref.rel_path,
+                                 zone_id=ref.zone_id, name=ref.name, owner=owner,
+                                 updated_at=time.time(), constraints=saved)
+                self._state.cpus.append(entry)
+                try:
+                    self._save()  # originals on disk BEFORE the first write
+                except StateError:
+                    self._state.cpus.remove(entry)
+                    raise
+                log.info("%s: saved original limits %s uW before the first write", dev,
+                         ", ".join(f"{c.name}={c.original_uw}" for c in saved))
+            by_index = {c.index: c for c in entry.constraints}
+            long_w: float | None = None
+            for c in cons:
+                st = by_index.get(c.index)
+                if st is None:  # a constraint the first write did not see
+                    orig = _guard(dev, POWER_KNOB, f"read constraint {c.index}",
+                                  lambda c=c: rapl.read_limit_uw(ref, c.index))  # type: ignore[misc]
+                    st = CpuConstraintState(c.index, c.name, orig)
+                    entry.constraints.append(st)
+                    self._save()
+                target = w_to_uw(watts)
+                if c.name == "short_term" and st.original_uw > 0:
+                    target = min(target, st.original_uw)
+                in_force = _guard(dev, POWER_KNOB, f"set constraint {c.index} ({c.name})",
+                                  lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t))  # type: ignore[misc]
+                st.set_uw = in_force
+                if c.name == "long_term" or long_w is None:
+                    long_w = uw_to_w(in_force)
+            entry.set_w, entry.owner, entry.updated_at = long_w, owner, time.time()
+            self._save()
+            return long_w
+
+    def _restore_cpu_entry(self, entry: CpuEntry, report: RestoreReport) -> None:
+        key = str(Path(entry.sysfs_root).resolve())
+        rapl = self._rapl_backends.get(key)
+        if rapl is None:
+            why = self._rapl_unavailable.get(key) or (
+                f"it was set under the sysfs root {entry.sysfs_root}, which this greend does "
+                f"not drive; run `greend restore --state-dir {self.state_file.state_dir}`")
+            report.failed.append(RestoreFailure(entry.device, POWER_KNOB, f"cannot restore: {why}"))
+            return
+        try:
+            ref = rapl.resolve(entry.zone_path)
+        except GreendError as e:
+            report.failed.append(RestoreFailure(entry.device, POWER_KNOB, f"cannot restore: {e}"))
+            return
+        left: list[CpuConstraintState] = []
+        for c in entry.constraints:
+            try:
+                _guard(entry.device, POWER_KNOB, f"restore constraint {c.index} to {c.original_uw} uW",
+                       lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw))  # type: ignore[misc]
+            except GreendError as e:
+                log.error("restore: %s", e)
+                report.failed.append(RestoreFailure(entry.device, f"constraint_{c.index}", str(e)))
+                left.append(c)
+            else:
+                report.restored.append(
+                    f"{entry.device} constraint_{c.index} ({c.name}): {c.original_uw} uW")
+        entry.constraints = left
+
+    # ---- restore everything / by owner
+
+    def _finish(self, report: RestoreReport) -> None:
+        self._drop_empty()
+        try:
+            self._save()
+        except StateError as e:
+            report.failed.append(RestoreFailure(str(self.state_file.path), "state", str(e)))
+
+    def restore_owner(self, owner: str) -> RestoreReport:
+        """Everything ``owner`` set (a job that ended, a client that stopped answering)."""
+        with self._lock:
+            report = RestoreReport(dry_run=self.dry_run)
+            if self.dry_run:
+                for i in [i for i, o in self._dry_gpu_owner.items() if o == owner]:
+                    self._dry_gpu.pop(i, None)
+                    self._dry_gpu_owner.pop(i, None)
+                    report.restored.append(f"gpu{i}")
+                for z in [z for z, (_, o) in self._dry_cpu.items() if o == owner]:
+                    del self._dry_cpu[z]
+                    report.restored.append(z)
+                if report.restored:
+                    log.info("dry-run: would restore %s for %s", ", ".join(report.restored), owner)
+                return report
+            for entry in list(self._state.gpus):
+                mine = [k for k, ks in entry.knobs.items() if ks.owner == owner]
+                self._restore_gpu_entry(entry, mine, report)
+            for cpu in list(self._state.cpus):
+                if cpu.owner == owner:
+                    self._restore_cpu_entry(cpu, report)
+            self._finish(report)
+            return report
+
+    def restore_all(self) -> RestoreReport:
+        """Every saved device back to its original, each on its own: a failing device
+        is reported and kept in the state file; the file is removed once empty."""
+        with self._lock:
+            report = RestoreReport(dry_run=self.dry_run)
+            if self.dry_run:
+                report.restored += [f"gpu{i}" for i in sorted(self._dry_gpu)] + sorted(self._dry_cpu)
+                if report.restored:
+                    log.info("dry-run: would restore %s", ", ".join(report.restored))
+                self._dry_gpu.clear()
+                self._dry_gpu_owner.clear()
+                self._dry_cpu.clear()
+                return report
+            for entry in list(self._state.gpus):
+                try:
+                    self._restore_gpu_entry(entry, GPU_KNOBS, report)
+                except Exception as e:  # noqa: BLE001 - one device never stops the others
+                    log.exception("restore of %s failed", entry.device)
+                    report.failed += [RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}")
+                                      for k in entry.knobs]
+            for cpu in list(self._state.cpus):
+                try:
+                    self._restore_cpu_entry(cpu, report)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("restore of %s failed", cpu.device)
+                    report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
+            self._finish(report)
+            if report.failed:
+                log.error("restore: %d knob(s) could not be restored and stay in %s",
+                          len(report.failed), self.state_file.path)
+            return report
+
+    # ---- what is in force
+
+    def current(self, index: int) -> Setting:
+        """What greend has in force on GPU ``index`` (intended, under dry-run);
+        None fields: greend has not changed that knob."""
+        with self._lock:
+            if self.dry_run:
+                return self._dry_gpu.get(index, UNCAPPED)
+            entry = self._gpu_entry(index)
+            if entry is None:
+                return UNCAPPED
+            clock = entry.knobs.get(CLOCK_KNOB)
+            power = entry.knobs.get(POWER_KNOB)
+            return Setting(
+                clock_cap_mhz=None if clock is None or clock.set is None else int(clock.set),
+                power_limit_w=None if power is None or power.set is None else float(power.set),
+            )
+
+    def clock_cap_mhz(self, index: int) -> int | None:
+        """For ``NvmlProbe(cap_lookup=...)``: the locked max clock greend set."""
+        return self.current(index).clock_cap_mhz
+
+    def current_cpu_limit_w(self, zone_path: str | Path) -> float | None:
+        """The long-term RAPL limit greend has in force on a zone, or None."""
+        with self._lock:
+            rapl = self._primary_rapl()
+            rel = rapl.resolve(zone_path).rel_path
+            if self.dry_run:
+                entry_w = self._dry_cpu.get(rel)
+                return None if entry_w is None else entry_w[0]
+            entry = self._cpu_entry(rapl, rel)
+            return None if entry is None else entry.set_w
+
+    def owners(self) -> dict[str, list[str]]:
+        """Owner -> the knobs it holds ("gpu0.clock_cap_mhz", "package-0 (intel-rapl:0)")."""
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            if self.dry_run:
+                for i, o in self._dry_gpu_owner.items():
+                    s = self._dry_gpu[i]
+                    if s.clock_cap_mhz is not None:
+                        out.setdefault(o, []).append(f"gpu{i}.{CLOCK_KNOB}")
+                    if s.power_limit_w is not None:
+                        out.setdefault(o, []).append(f"gpu{i}.{POWER_KNOB}")
+                for z, (_, o) in self._dry_cpu.items():
+                    out.setdefault(o, []).append(z)
+            else:
+                for g in self._state.gpus:
+                    for k, ks in g.knobs.items():
+                        out.setdefault(ks.owner, []).append(f"gpu{g.index}.{k}")
+                for c in self._state.cpus:
+                    out.setdefault(c.owner, []).append(c.device)
+            return {o: sorted(v) for o, v in sorted(out.items())}
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON for ``greenctl status``: what greend holds (or would hold, dry-run)."""
+        with self._lock:
+            gpus: dict[str, Any] = {}
+            if self.dry_run:
+                for i, s in sorted(self._dry_gpu.items()):
+                    gpus[str(i)] = {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w,
+                                    "owner": self._dry_gpu_owner.get(i)}
+                cpus = {z: {"power_limit_w": w, "owner": o} for z, (w, o) in sorted(self._dry_cpu.items())}
+            else:
+                for g in self._state.gpus:
+                    gpus[str(g.index)] = {
+                        "uuid": g.uuid,
+                        **{k: ks.set for k, ks in g.knobs.items()},
+                        "original": {k: ks.original for k, ks in g.knobs.items()},
+                        "owners": {k: ks.owner for k, ks in g.knobs.items()},
+                    }
+                cpus = {c.zone_id: {"name": c.name, "power_limit_w": c.set_w, "owner": c.owner,
+                                    "original_uw": {str(x.index): x.original_uw for x in c.constraints}}
+                        for c in self._state.cpus}
+            return {"dry_run": self.dry_run, "state_file": str(self.state_file.path),
+                    "gpus": gpus, "cpus": cpus, "owners": self.owners()}
+
+    def close(self) -> None:
+        """Close backends that opened their own probes (restore's)."""
+        for b in self._gpu_backends.values():
+            close = getattr(b, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 - closing never fails a restore
+                    log.debug("closing %r: %s", b, e)

@@ -1,0 +1,171 @@
+"""``greend restore --state-dir DIR``: put back every setting greend saved.
+
+Run by systemd's ``ExecStopPost`` (after the daemon exited, however it exited)
+and by the daemon at start when an earlier run left settings behind (a crash,
+a SIGKILL). It needs nothing from the daemon process: the saved-settings file
+(:mod:`greend.state`) records which backend wrote each device (real NVML, or
+the simulator and its directory), each GPU's UUID and each RAPL zone's path
+under its sysfs root, and the originals.
+
+Exit codes: 0 nothing to restore or everything restored; 1 some device failed
+(each listed; those entries stay in the file for the next try); 2 the state
+file is corrupt or unreadable (the message says what to do; the file is left in
+place unless ``--force-defaults`` is given, which moves it aside as
+``.corrupt-<timestamp>`` and resets every GPU to its default clocks and power
+limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .actuators import Controller, NvmlGpuBackend, RaplBackend, RestoreFailure, RestoreReport
+from .errors import GreendError, NoData, StateError
+from .state import StateFile
+
+__all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = Path("/var/lib/greend")
+
+
+def _open_gpu_backend(kind: str, sim_dir: str | None, nvml_module: Any | None) -> NvmlGpuBackend:
+    if kind == "sim":
+        assert sim_dir is not None
+        return NvmlGpuBackend.open_sim(sim_dir)
+    return NvmlGpuBackend.open_nvml(nvml_module)
+
+
+def restore_from_state_dir(
+    state_dir: Path | str,
+    *,
+    nvml_module: Any | None = None,
+    force_defaults: bool = False,
+    sim_dir: Path | str | None = None,
+) -> RestoreReport:
+    """Restore everything ``<state_dir>/saved-settings.json`` holds; never raises
+    for a device or a corrupt file: the report says (see the module docstring).
+
+    ``nvml_module``: the NVML module for entries written through real NVML
+    (default ``import pynvml``; tests pass a ``FakeNvml``). ``force_defaults``:
+    only for a corrupt file, move it aside and reset the GPUs (of ``sim_dir``
+    when given, else of NVML) to their defaults; with a good file the saved
+    originals are restored as usual (they are better than defaults).
+    """
+    sf = StateFile(state_dir)
+    try:
+        state = sf.load()
+    except StateError as e:
+        if not force_defaults:
+            log.error("%s", e)
+            return RestoreReport(state_error=str(e))
+        moved = sf.move_aside()
+        report = _reset_defaults(nvml_module=nvml_module, sim_dir=sim_dir)
+        report.notes.insert(0, f"moved the unreadable saved-settings file to {moved}")
+        report.notes.append(
+            "RAPL limits greend may have set are not reset (there is no kernel default): "
+            "check /sys/class/powercap/*/constraint_*_power_limit_uw")
+        return report
+    if state.empty:
+        return RestoreReport()
+
+    ctrl = Controller(state_dir)
+    try:
+        seen: set[str] = set()
+        for g in state.gpus:
+            key = g.backend_key
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                ctrl.add_gpu_backend(_open_gpu_backend(g.backend, g.sim_dir, nvml_module))
+            except GreendError as e:
+                what = "NVML" if g.backend == "nvml" else f"the simulated GPUs in {g.sim_dir}"
+                ctrl.gpu_backend_unavailable(key, f"cannot open {what}: {e}")
+        for root in {c.sysfs_root for c in state.cpus}:
+            if Path(root).is_dir():
+                ctrl.add_rapl_backend(RaplBackend(root))
+            else:
+                ctrl.rapl_backend_unavailable(root, f"the sysfs root {root} does not exist")
+        return ctrl.restore_all()
+    finally:
+        ctrl.close()
+
+
+def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:
+    """Unlock the clocks and set the default power limit of every GPU of ``backend``,
+    each on its own (``--force-defaults``, when the saved originals are lost)."""
+    from .actuators import _guard  # the same error naming as the Controller's
+
+    report = RestoreReport()
+    for i in backend.indices():
+        dev = f"gpu{i}"
+        try:
+            _guard(dev, "clock_cap_mhz", "reset the locked clocks", lambda: backend.reset_locked_clocks(i))
+            report.restored.append(f"{dev} clock_cap_mhz: unlocked (default)")
+        except GreendError as e:
+            report.failed.append(RestoreFailure(dev, "clock_cap_mhz", str(e)))
+        try:
+            default = _guard(dev, "power_limit_w", "read the default power limit",
+                             lambda: backend.default_power_limit_w(i))
+            current = _guard(dev, "power_limit_w", "read the power limit", lambda: backend.power_limit_w(i))
+            if round(current * 1000) != round(default * 1000):
+                _guard(dev, "power_limit_w", f"set the default power limit {default:g} W",
+                       lambda: backend.set_power_limit_w(i, default))
+            report.restored.append(f"{dev} power_limit_w: {default:g} W (default)")
+        except GreendError as e:
+            report.failed.append(RestoreFailure(dev, "power_limit_w", str(e)))
+    return report
+
+
+def _reset_defaults(*, nvml_module: Any | None, sim_dir: Path | str | None) -> RestoreReport:
+    try:
+        backend = (NvmlGpuBackend.open_sim(sim_dir) if sim_dir is not None
+                   else NvmlGpuBackend.open_nvml(nvml_module))
+    except NoData as e:
+        return RestoreReport(notes=[f"no GPUs to reset: {e}"])
+    except GreendError as e:
+        return RestoreReport(failed=[RestoreFailure("gpus", "all", f"cannot open the GPUs: {e}")])
+    try:
+        return reset_gpus_to_defaults(backend)
+    finally:
+        backend.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``greend restore``; returns the exit code (0, 1 or 2, see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="greend restore",
+        description="Restore every GPU clock, GPU power limit and RAPL limit greend saved.",
+    )
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                        help=f"where saved-settings.json is (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--force-defaults", action="store_true",
+                        help="if the saved file is corrupt: move it aside and reset every GPU "
+                             "to its default clocks and power limit")
+    parser.add_argument("--sim-dir", type=Path, default=None,
+                        help="with --force-defaults: reset these simulated GPUs instead of NVML's")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                            format="greend restore: %(levelname)s %(message)s")
+    report = restore_from_state_dir(args.state_dir, force_defaults=args.force_defaults,
+                                    sim_dir=args.sim_dir)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        stream = sys.stdout if report.ok else sys.stderr
+        for line in report.lines():
+            print(line, file=stream)
+    return report.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

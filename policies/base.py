@@ -1,0 +1,143 @@
+"""What a policy sees and what it decides.
+
+A policy is pure: ``decide(snapshot, state) -> Decision``. The daemon builds the
+:class:`Snapshot` each decision period (default 1 s) from its ledger, probes and
+jobs, passes the policy's own ``state`` object back every call (the policy keeps
+its search there), and applies the :class:`Decision` through the actuators.
+Policies never touch devices, files, clocks or sockets, so they are tested by
+replaying traces or by driving the simulator directly (see ``policies/harness.py``).
+
+Settings are per job, not per GPU: all ranks of a job on a node get the same cap,
+since the slowest GPU sets the pace of a synchronous job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+__all__ = [
+    "Decision",
+    "GpuView",
+    "JobMeasure",
+    "JobView",
+    "Policy",
+    "Setting",
+    "Snapshot",
+]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A GPU setting: a locked max SM clock and/or a power limit. None = default/uncapped."""
+
+    clock_cap_mhz: int | None = None
+    power_limit_w: float | None = None
+
+    @property
+    def uncapped(self) -> bool:
+        return self.clock_cap_mhz is None and self.power_limit_w is None
+
+
+UNCAPPED = Setting()
+
+
+@dataclass(frozen=True)
+class GpuView:
+    index: int
+    source: str  # "nvml" | "sim"
+    power_w: float | None
+    sm_clock_mhz: float | None
+    clock_cap_mhz: int | None  # in force now (None = uncapped)
+    power_limit_w: float | None  # in force now
+    supported_sm_clocks_mhz: tuple[int, ...]  # descending, as NVML lists them
+    power_limit_min_w: float | None
+    power_limit_max_w: float | None
+    power_limit_default_w: float | None
+
+
+@dataclass(frozen=True)
+class JobMeasure:
+    """What the job's steps showed at one setting, since that setting took effect.
+
+    ``time_per_flop_s`` and ``energy_per_flop_j`` are normalised by FLOPs so that
+    steps of different sizes compare; ``steps`` says how much evidence there is.
+    On real GPUs time is the measured step time and energy the ledger's over the
+    steps' windows; on simulated GPUs both come from the simulator's model.
+    """
+
+    setting: Setting
+    steps: int
+    flops: float
+    time_s: float  # sum of step times
+    energy_j: float  # GPU energy of those steps (all the job's GPUs on this node)
+    power_w: float | None = None  # mean GPU power over the steps
+    # Optional noise evidence: sums of squared per-step time and energy. With them
+    # a policy knows how noisy the steps are (None: unknown, the policy assumes).
+    time_sq_s2: float | None = None
+    energy_sq_j2: float | None = None
+
+    @property
+    def time_per_flop_s(self) -> float:
+        return self.time_s / self.flops if self.flops > 0 else float("inf")
+
+    @property
+    def energy_per_flop_j(self) -> float:
+        return self.energy_j / self.flops if self.flops > 0 else float("inf")
+
+    @property
+    def flop_per_s(self) -> float:
+        return self.flops / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class JobView:
+    job: str
+    gpus: tuple[int, ...]
+    state: str  # running | ending | ended
+    steps: int
+    precision: str
+    precisions: tuple[str, ...]  # levels the job can run
+    measure: JobMeasure | None  # steps at the setting now in force, since it took effect
+    setting: Setting  # the setting now in force for this job's GPUs
+    pace_s: float | None = None  # the job's agreed uncapped step time across nodes, if any
+    loss_recent: tuple[float, ...] = ()  # recent losses (for the precision policy)
+    nonfinite_recent: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    t_s: float  # monotonic seconds
+    gpus: tuple[GpuView, ...]
+    jobs: tuple[JobView, ...]
+    cpu_power_w: float | None = None  # counted CPU zones (packages + dram), now
+    cpu_zones: Mapping[str, float] = field(default_factory=dict)  # zone path -> power W
+
+
+@dataclass
+class Decision:
+    """What to set. Jobs or GPUs not named keep their current setting.
+
+    ``settings``: job id -> Setting for all that job's GPUs on this node.
+    ``gpu_settings``: GPU index -> Setting, for node-level policies (static, budget)
+    that act on GPUs regardless of jobs. ``cpu_power_limit_w``: RAPL zone path -> W
+    (None: restore the zone's original limit). ``precision``: job -> level.
+    ``reason``: one line a human can read in ``greenctl status``.
+    """
+
+    settings: dict[str, Setting] = field(default_factory=dict)
+    gpu_settings: dict[int, Setting] = field(default_factory=dict)
+    cpu_power_limit_w: dict[str, float | None] = field(default_factory=dict)
+    precision: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    name: str
+
+    def params(self) -> dict[str, Any]: ...
+
+    def new_state(self) -> Any: ...
+
+    def decide(self, snap: Snapshot, state: Any) -> Decision: ...
