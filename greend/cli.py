@@ -108,6 +108,31 @@ def daemon_run(
     log.info("stopped")
 
 
+@daemon_app.command("restore")
+def daemon_restore(
+    state_dir: Path = typer.Option(Path("/var/lib/greend"), "--state-dir", help="where saved-settings.json lives"),
+    force_defaults: bool = typer.Option(False, "--force-defaults",
+                                        help="state file unreadable: reset every GPU to its default clocks and limit"),
+    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+) -> None:
+    """Put back every setting greend changed (systemd runs this as ExecStopPost).
+
+    Exit 0: nothing to restore, or all restored; 1: some device failed (kept in the
+    file for the next try); 2: the state file is corrupt (see the message).
+    """
+    from .restore import main as restore_main
+
+    argv = ["--state-dir", str(state_dir)]
+    if force_defaults:
+        argv.append("--force-defaults")
+    if sim_dir is not None:
+        argv += ["--sim-dir", str(sim_dir)]
+    if as_json:
+        argv.append("--json")
+    raise typer.Exit(restore_main(argv))
+
+
 def daemon_main() -> None:
     daemon_app()
 
@@ -269,6 +294,85 @@ def ctl_demo(
         _fail(str(e))
         return
     raise typer.Exit(code)
+
+
+cap_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU clock caps and power limits (admin).")
+policy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The control policy.")
+ctl_app.add_typer(cap_app, name="cap")
+ctl_app.add_typer(policy_app, name="policy")
+
+
+@cap_app.command("set")
+def ctl_cap_set(
+    gpu: int = typer.Option(..., "--gpu", help="GPU index"),
+    max_clock: Optional[int] = typer.Option(None, "--max-clock", help="lock the SM clock at most this (MHz)"),
+    power_limit: Optional[float] = typer.Option(None, "--power-limit", help="power limit (W)"),
+) -> None:
+    """Cap one GPU (snapped to a supported clock, clamped to the limit range). Needs root or the admin group."""
+    if (max_clock is None) == (power_limit is None):
+        _fail("give exactly one of --max-clock MHZ and --power-limit W")
+    fields: dict[str, Any] = {"gpu": gpu}
+    if max_clock is not None:
+        fields["max_clock_mhz"] = max_clock
+    if power_limit is not None:
+        fields["power_limit_w"] = power_limit
+    r = _request("cap_set", **fields)
+    f = r["in_force"]
+    typer.echo(f"gpu{r['gpu']}: clock cap {_fmt(f['clock_cap_mhz'])} MHz, power limit "
+               f"{_fmt(f['power_limit_w'])} W{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}")
+
+
+@cap_app.command("reset")
+def ctl_cap_reset(gpu: Optional[int] = typer.Option(None, "--gpu", help="one GPU (default: every device)")) -> None:
+    """Put the saved originals back. Needs root or the admin group."""
+    r = _request("cap_reset", **({} if gpu is None else {"gpu": gpu}))
+    for line in r["lines"]:
+        typer.echo(line)
+    if r.get("failed"):
+        raise typer.Exit(1)
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        _fail(f"--param {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    return key.strip(), value
+
+
+@policy_app.command("show")
+def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+    """The policy in force, its parameters and its last decision."""
+    r = _request("policy_show")
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+        return
+    typer.echo(f"policy {r['name']}  {json.dumps(r['params'])}  every {r['period_s']:g} s"
+               + ("  DRY RUN" if r.get("dry_run") else ""))
+    typer.echo(f"available: {', '.join(r['available'])}")
+    if r.get("disabled"):
+        typer.echo(f"control is off: {r['disabled']}")
+    d = r.get("last_decision")
+    if d:
+        typer.echo(f"last decision: {d['reason'] or '(no change)'}")
+    if r.get("last_error"):
+        typer.echo(f"policy failing: {r['last_error']}")
+    for owner, knobs in (r.get("owners") or {}).items():
+        typer.echo(f"  {owner}: {', '.join(knobs)}")
+
+
+@policy_app.command("set")
+def ctl_policy_set(
+    name: str = typer.Argument(..., help="none, static, efficient, budget"),
+    param: Optional[list[str]] = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
+) -> None:
+    """Switch the policy (what the old one set for jobs is restored). Needs root or the admin group."""
+    params = dict(_parse_param(p) for p in (param or []))
+    r = _request("policy_set", name=name, params=params)
+    typer.echo(f"policy {r['name']} {json.dumps(r['params'])}")
 
 
 @ctl_app.command("doctor")

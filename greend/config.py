@@ -31,6 +31,16 @@ table per concern; every key has a default, so an empty file is valid::
     interval_s = 1.0                   # how often samples go to the stores
     retention_days = 30.0
 
+    [policy]
+    name = "none"                      # none, static, efficient, budget (greenctl policy show)
+    period_s = 1.0                     # how often the policy decides
+    settle_s = 0.5                     # steps this soon after a change are not measured
+    [policy.params]                    # the policy's own parameters, e.g. max_slowdown = 0.05
+
+    [report]
+    grid_gco2_per_kwh = 400.0          # grid carbon intensity for the CO2 estimate
+    window_s = 10.0                    # the sliding window of job efficiency figures
+
 Unknown keys and bad values are refused at start with a message that names the
 key, the value and what is allowed; nothing is silently defaulted.
 """
@@ -58,6 +68,7 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG_PATH = Path("/etc/greend/greend.toml")
+SECTIONS = ("daemon", "probes", "sim", "store", "policy", "report")
 KNOWN_PROBES = ("nvml", "rapl", "host", "sim")
 
 
@@ -104,11 +115,27 @@ class StoreConfig:
 
 
 @dataclass
+class PolicyConfig:
+    name: str = "none"
+    period_s: float = 1.0
+    settle_s: float = 0.5
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReportConfig:
+    grid_gco2_per_kwh: float = 400.0
+    window_s: float = 10.0
+
+
+@dataclass
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     probes: ProbesConfig = field(default_factory=ProbesConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     source: str = "defaults"  # where it came from, for greenctl doctor and logs
 
     # Derived views -----------------------------------------------------------------
@@ -142,7 +169,7 @@ class Config:
 
         return {
             sec: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, sec)).items()}
-            for sec in ("daemon", "probes", "sim", "store")
+            for sec in SECTIONS
         }
 
 
@@ -182,6 +209,11 @@ def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
         elif isinstance(current, Path):
             _check(section, key, value, str, "a path string")
             value = Path(value)
+        elif isinstance(current, dict):
+            _check(section, key, value, dict, f"a table ([{section}.{key}])")
+            for k, v in value.items():
+                _check(section, f"{key}.{k}", v, (int, float, str, bool, list), "a number, string, boolean or list")
+            value = dict(value)
         elif isinstance(current, list):
             _check(section, key, value, list, "a list of strings")
             for item in value:
@@ -224,6 +256,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
     _positive("store", "interval_s", st.interval_s)
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
+    _positive("policy", "period_s", cfg.policy.period_s)
+    _positive("policy", "settle_s", cfg.policy.settle_s, zero_ok=True)
+    _positive("report", "grid_gco2_per_kwh", cfg.report.grid_gco2_per_kwh, zero_ok=True)
+    _positive("report", "window_s", cfg.report.window_s)
     from .sinks import check_url  # late: sinks import config types
 
     for url in st.urls:
@@ -252,7 +288,7 @@ def load_config(path: Path | None, *, required: bool | None = None) -> Config:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
-    sections = {"daemon": cfg.daemon, "probes": cfg.probes, "sim": cfg.sim, "store": cfg.store}
+    sections = {name: getattr(cfg, name) for name in SECTIONS}
     for key, value in raw.items():
         if key not in sections:
             raise ConfigError(

@@ -28,9 +28,10 @@ from probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, Pro
 
 from . import __version__
 from .config import Config
+from .control import ControlLoop
 from .errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
 from .ipc import NO_REPLY, Connection, Field, IpcServer, Peer
-from .jobs import REGISTER_SCHEMA, JobRegistry
+from .jobs import PRECISION_EVENT_SCHEMA, REGISTER_SCHEMA, JobRegistry
 from .ledger import Ledger
 from .sdnotify import WatchdogPinger
 from .sinks import Point, Sink, open_sink
@@ -117,6 +118,7 @@ class Daemon:
         # systemd's WatchdogSec=: pinged from the tick loop itself, so that a tick stuck
         # in a driver call stops the pings and systemd restarts the daemon.
         self.watchdog = WatchdogPinger()
+        self.control = ControlLoop(self)
         self.jobs = JobRegistry(
             self.ledger,
             hostname=self.hostname,
@@ -125,7 +127,10 @@ class Daemon:
             heartbeat_timeout_s=cfg.daemon.heartbeat_timeout_s,
             sim_gpu=self.sim_gpu,
             emit=self.emit,
+            grid_gco2_per_kwh=cfg.report.grid_gco2_per_kwh,
+            window_s=cfg.report.window_s,
         )
+        self.jobs.on_job_end.append(self.control.job_ended)
 
     # Set-up --------------------------------------------------------------------------
     def probe_context(self) -> ProbeContext:
@@ -232,6 +237,10 @@ class Daemon:
         self.server.route("end", jobs.end, {"reason": Field((str,), max_len=256)})
         self.server.route("jobs", lambda m, c: {"jobs": jobs.list_jobs()})
         self.server.route("report", self._op_report, {"job": Field((str,), required=True, max_len=128)})
+        self.server.route("pace", jobs.pace, {"step_s": Field((float,), required=True, min=1e-9, max=1e6)})
+        self.server.route("precision_event", jobs.precision_event, PRECISION_EVENT_SCHEMA)
+        for op, handler, schema, admin in self.control.routes():
+            self.server.route(op, handler, schema, admin=admin)
         self.server.start()
 
     def _op_steps(self, msg: dict[str, Any], conn: Connection) -> Any:
@@ -272,7 +281,9 @@ class Daemon:
 
     def start(self) -> None:
         self.cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        self.control.restore_leftovers()  # a crashed predecessor's caps go back first
         self.open_probes()
+        self.control.open()
         self.open_sinks()
         self.start_server()
 
@@ -353,6 +364,7 @@ class Daemon:
         ended = self.jobs.tick(now_s, snap.host)
         if ended:
             self.emit(ended)
+        self.control.step(now_s)
         if now_s - self._last_store_s >= self.cfg.store.interval_s - 1e-9:
             self._last_store_s = now_s
             self.emit(self.sample_points(snap) + self.jobs.efficiency_points(now_s))
@@ -460,12 +472,43 @@ class Daemon:
                 "cpu_energy_j": self.ledger.totals("cpu:"),
             },
             "jobs": self.jobs.list_jobs(),
-            "policy": {"name": "none", "params": {}},
+            "policy": self.policy_status(),
             "probes": [s.to_json() for s in self.stats.values()],
             "stores": [s.status().to_json() for s in self.sinks]
             + [{"url": u, "ok": False, "last_error": e} for u, e in self.sink_errors.items()],
             "config": self.cfg.source,
         }
+
+    def policy_status(self) -> dict[str, Any]:
+        c = self.control
+        return {
+            "name": getattr(c.policy, "name", "none"),
+            "params": c.policy.params() if c.policy is not None else {},
+            "last_decision": c.last_decision,
+            "last_error": c.last_error,
+            "disabled": c.disabled,
+            "owners": c.ctrl.owners() if c.ctrl is not None else {},
+        }
+
+    def set_precision(self, job_id: str, level: str, reason: str) -> bool:
+        """Ask a job's ranks to run at ``level`` from their next step (a pushed directive)."""
+        job = self.jobs.jobs.get(job_id)
+        if job is None or job.state != "running" or job.precision == level:
+            return False
+        entry = {"t": self.wall(), "kind": "switch", "from": job.precision, "to": level, "reason": reason,
+                 "step": job.steps, "loss": job.last_loss}
+        job.precision = level
+        job.precision_log.append(entry)
+        self.jobs.push(job_id, {"event": "directive", "precision": level, "reason": reason})
+        fields: dict[str, float | int | str | bool] = {"step": job.steps}
+        if job.last_loss is not None:
+            fields["loss"] = job.last_loss
+        self.emit([Point("greend_decision", {"host": self.hostname, "job": job_id, "gpu": "",
+                                             "kind": "precision", "precision": level,
+                                             "policy": getattr(self.control.policy, "name", "none")},
+                         fields, int(self.wall() * 1e9))])
+        log.info("job %s: precision -> %s (%s)", job_id, level, reason)
+        return True
 
     def _op_energy(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         return {"energy_j": self.ledger.energy_between(msg["key"], msg["t0_s"], msg["t1_s"])}
@@ -477,6 +520,7 @@ class Daemon:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+        self.control.close()  # every setting greend made goes back to its original
         for sink in self.sinks:
             try:
                 sink.close(timeout_s=5.0)

@@ -39,7 +39,8 @@ from .ledger import Ledger
 from .sinks import Point
 from .units import j_to_kwh
 
-__all__ = ["Job", "JobRegistry", "RankSession", "PRECISIONS", "REGISTER_SCHEMA", "STEP_FIELDS"]
+__all__ = ["Job", "JobRegistry", "RankSession", "PRECISIONS", "PRECISION_EVENT_SCHEMA", "REGISTER_SCHEMA",
+           "STEP_FIELDS"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,16 @@ REGISTER_SCHEMA: dict[str, Field] = {
     "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
     "mem_share": Field((float,), min=0.0, max=0.95),
     "flops_per_step": Field((float,), min=0.0),
+}
+
+PRECISION_EVENT_SCHEMA: dict[str, Field] = {
+    "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
+    "from": Field((str,), choices=PRECISIONS),
+    "to": Field((str,), choices=PRECISIONS),
+    "reason": Field((str,), max_len=512),
+    "step": Field((int,), min=0),
+    "loss": Field((float,)),
+    "trend": Field((float,)),
 }
 
 STEP_FIELDS: dict[str, Field] = {
@@ -129,6 +140,20 @@ class Job:
     precision_log: list[dict[str, Any]] = field(default_factory=list)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
     series: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=7200))
+    # Steps since the setting now in force took effect (policies.base.JobMeasure):
+    measure_since_s: float = 0.0
+    m_steps: int = 0
+    m_flops: float = 0.0
+    m_time_s: float = 0.0
+    m_sim_energy_j: float = 0.0
+    m_time_sq_s2: float = 0.0  # sums of squares per step: the policy's noise estimate
+    m_energy_sq_j2: float = 0.0  # (simulated GPUs only: real per-step energy is not known)
+    m_t0_s: float | None = None
+    m_t1_s: float | None = None
+    pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
+    decisions: list[dict[str, Any]] = field(default_factory=list)
     cpu_job_s: float = 0.0  # job processes' CPU seconds over the life, from the host probe
     cpu_busy0_s: float | None = None  # the node's busy CPU seconds when the job's CPU accounting began
     summary: dict[str, Any] | None = None
@@ -292,8 +317,23 @@ class JobRegistry:
         job.step_time_s += duration
         if s.get("nonfinite"):
             job.nonfinite_steps += 1
+            job.nonfinite_recent.append(s["step"])
         elif s.get("loss") is not None:
             job.last_loss = float(s["loss"])
+            job.losses.append(job.last_loss)
+        if s["t0_s"] >= job.measure_since_s:
+            # Evidence for the setting now in force (steps that began before it settled
+            # are left out). On simulated GPUs the model's time and energy, else the
+            # measured step time and, at decision time, the ledger's joules.
+            job.m_steps += 1
+            job.m_flops += flops
+            step_time = sim_duration if sim_duration is not None else duration
+            job.m_time_s += step_time
+            job.m_time_sq_s2 += step_time * step_time
+            job.m_sim_energy_j += sim_energy
+            job.m_energy_sq_j2 += sim_energy * sim_energy
+            job.m_t0_s = s["t0_s"] if job.m_t0_s is None else min(job.m_t0_s, s["t0_s"])
+            job.m_t1_s = s["t1_s"] if job.m_t1_s is None else max(job.m_t1_s, s["t1_s"])
         job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, int(s.get("samples") or 0),
                                      int(s.get("tokens") or 0), sim_duration))
         fields: dict[str, float | int | str | bool] = {
@@ -310,6 +350,78 @@ class JobRegistry:
         return Point("greend_job_step", {"host": self.hostname, "job": job.job, "rank": str(rs.rank),
                                          "precision": precision}, fields,
                      int((self.wall() - (self.monotonic() - s["t1_s"])) * 1e9))
+
+    def reset_measure(self, job_id: str, since_s: float) -> None:
+        """A new setting took effect: measure afresh from ``since_s``."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None:
+                return
+            job.measure_since_s = since_s
+            job.m_steps, job.m_flops, job.m_time_s, job.m_sim_energy_j = 0, 0.0, 0.0, 0.0
+            job.m_time_sq_s2 = job.m_energy_sq_j2 = 0.0
+            job.m_t0_s = job.m_t1_s = None
+
+    def measure(self, job: Job, setting: Any) -> Any:
+        """The job's :class:`policies.base.JobMeasure` since its setting took effect, or None."""
+        from policies.base import JobMeasure
+
+        if job.m_steps == 0:
+            return None
+        sim = any(self.sim_gpu(g) is not None for g in job.gpus)
+        if sim:
+            energy: float | None = job.m_sim_energy_j
+        elif job.m_t0_s is not None and job.m_t1_s is not None:
+            energy = self._gpu_energy(job, job.m_t0_s, job.m_t1_s)
+        else:
+            energy = None
+        if energy is None:
+            return None
+        return JobMeasure(setting=setting, steps=job.m_steps, flops=job.m_flops, time_s=job.m_time_s,
+                          energy_j=energy, power_w=energy / job.m_time_s if job.m_time_s > 0 else None,
+                          time_sq_s2=job.m_time_sq_s2, energy_sq_j2=job.m_energy_sq_j2 if sim else None)
+
+    def pace(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time)."""
+        with self._lock:
+            rs = self._session(conn)
+            job = self.jobs[rs.job]
+            job.pace_s = float(msg["step_s"])
+            rs.last_seen_s = self.monotonic()
+        return {"ok": True}
+
+    def precision_event(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """The callback changed or refused a level on its own (e.g. rolled back after a
+        non-finite loss): record it with its reason and loss figures."""
+        with self._lock:
+            rs = self._session(conn)
+            job = self.jobs[rs.job]
+            rs.last_seen_s = self.monotonic()
+            entry = {"t": self.wall(), "kind": msg["kind"], "from": msg.get("from"), "to": msg.get("to"),
+                     "reason": msg.get("reason") or "", "step": msg.get("step"), "loss": msg.get("loss"),
+                     "trend": msg.get("trend"), "rank": rs.rank}
+            job.precision_log.append(entry)
+            if msg["kind"] == "rollback" and msg.get("to"):
+                job.precision = msg["to"]
+        fields: dict[str, float | int | str | bool] = {}
+        for k in ("step", "loss", "trend"):
+            if isinstance(msg.get(k), (int, float)) and not isinstance(msg.get(k), bool):
+                fields[k] = msg[k]
+        fields.setdefault("step", int(msg.get("step") or 0))
+        self.emit([Point("greend_decision", {"host": self.hostname, "job": job.job, "gpu": "", "kind": msg["kind"],
+                                             "precision": str(msg.get("to") or ""), "policy": "callback"},
+                         fields, int(self.wall() * 1e9))])
+        log.info("job %s rank %d: precision %s %s -> %s (%s)", job.job, rs.rank, msg["kind"], msg.get("from"),
+                 msg.get("to"), msg.get("reason"))
+        return {"ok": True}
+
+    def push(self, job_id: str, event: dict[str, Any]) -> int:
+        """Send an event to every rank of a job; returns how many got it."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            conns = [rs.conn for rs in job.ranks.values() if rs.conn is not None] if job else []
+        msg = {"v": 1, "job": job_id, **event}
+        return sum(1 for c in conns if c.send(msg, timeout_s=0.2))
 
     def heartbeat(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self._lock:
@@ -523,6 +635,8 @@ class JobRegistry:
             "sim_energy_j": job.sim_energy_j if job.sim_energy_j else None,
             "precision": job.precision,
             "precision_log": list(job.precision_log),
+            "pace_s": job.pace_s,
+            "decisions": list(job.decisions[-50:]),
         }
 
     def summary_point(self, job: Job) -> Point:

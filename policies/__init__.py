@@ -1,9 +1,230 @@
 """Policies: pure strategies that turn a snapshot of measurements into a decision.
 
 No I/O, no clocks, no sockets: a policy is ``decide(snapshot, state) -> Decision``
-and is tested by replaying traces or the simulator.
+(see :mod:`policies.base`) and is tested by replaying traces or the simulator
+(:mod:`policies.harness`).
+
+The registry
+------------
+
+:data:`POLICIES` maps each policy's name to a :class:`PolicyInfo`: its class, a
+one-line help and its parameters (:class:`Param`: type, default, allowed values,
+help). :func:`get_policy` builds one from a name and keyword parameters, which
+may be strings (``greenctl policy set efficient --param max_slowdown=0.1``)::
+
+    >>> from policies import get_policy
+    >>> p = get_policy("efficient", max_slowdown="0.1", knob="clock")
+    >>> p.params()["max_slowdown"]
+    0.1
+
+Unknown names, unknown parameters and bad values raise :class:`PolicyError` (a
+``ConfigError`` and a ``ValueError``) naming the key and what is allowed. To add
+a policy, copy ``none.py``, give the class ``name``, ``help`` and ``PARAMS``, and
+list it in ``_CLASSES`` below.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from greend.errors import ConfigError
+
+__all__ = [
+    "POLICIES",
+    "Param",
+    "PolicyError",
+    "PolicyInfo",
+    "describe_policies",
+    "get_policy",
+    "validate_params",
+]
+
+DEFAULT_POLICY = "none"
+
+
+class PolicyError(ConfigError, ValueError):
+    """A policy name, parameter or value is wrong; the message says which and what is allowed."""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One policy parameter: its type, default, allowed range and help.
+
+    ``kind``: ``float``, ``int``, ``bool``, ``str``, ``int_list`` (``"0,1"`` or a
+    list). ``default`` None with ``required=False`` means "not set".
+    ``lo``/``hi`` bound numbers (``lo_open``/``hi_open``: excluded); ``choices``
+    lists the allowed strings.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    required: bool = False
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple[str, ...] | None = None
+
+    def allowed(self) -> str:
+        """What values are allowed, in words (for error messages and help)."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.kind in ("float", "int"):
+            parts = []
+            if self.lo is not None:
+                parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+            if self.hi is not None:
+                parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
+            what = "a number" if self.kind == "float" else "an integer"
+            return what + (" " + " and ".join(parts) if parts else "")
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "int_list":
+            return "a list of integers >= 0 (e.g. 0,1)"
+        return "a string"
+
+    def coerce(self, policy: str, value: Any) -> Any:
+        """``value`` (possibly a string from the command line) as this param's type."""
+
+        def bad(why: str = "") -> PolicyError:
+            extra = f" ({why})" if why else ""
+            return PolicyError(
+                f"policy {policy!r}: bad value {value!r} for {self.name!r}{extra}; allowed: {self.allowed()}"
+            )
+
+        if value is None:
+            if self.required:
+                raise PolicyError(f"policy {policy!r}: parameter {self.name!r} is required; allowed: {self.allowed()}")
+            return None
+        if self.kind in ("float", "int"):
+            if isinstance(value, bool):
+                raise bad()
+            try:
+                v: Any = float(value) if self.kind == "float" else _to_int(value)
+            except (TypeError, ValueError):
+                raise bad() from None
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad("not finite")
+            if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+                raise bad()
+            if self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)):
+                raise bad()
+            return v
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise bad()
+        if self.kind == "str":
+            s = str(value).strip()
+            if self.choices and s not in self.choices:
+                raise bad()
+            return s
+        if self.kind == "int_list":
+            items: Sequence[Any]
+            if isinstance(value, str):
+                items = [x for x in value.replace(" ", "").strip("[]").split(",") if x]
+            elif isinstance(value, (list, tuple)):
+                items = value
+            elif isinstance(value, int) and not isinstance(value, bool):
+                items = [value]
+            else:
+                raise bad()
+            try:
+                out = tuple(_to_int(x) for x in items)
+            except (TypeError, ValueError):
+                raise bad() from None
+            if not out or any(x < 0 for x in out):
+                raise bad()
+            return tuple(sorted(set(out)))
+        raise AssertionError(f"unknown param kind {self.kind!r}")  # pragma: no cover
+
+
+def _to_int(x: Any) -> int:
+    if isinstance(x, bool):
+        raise ValueError("bool is not an int")
+    if isinstance(x, float):
+        if not x.is_integer():
+            raise ValueError("not an integer")
+        return int(x)
+    return int(str(x).strip())
+
+
+def validate_params(policy: str, specs: Sequence[Param], given: Mapping[str, Any]) -> dict[str, Any]:
+    """All of ``specs`` with ``given`` values coerced and checked, defaults filled in.
+
+    Raises :class:`PolicyError` for an unknown key or a bad value.
+    """
+    known = {p.name: p for p in specs}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        allowed = ", ".join(sorted(known)) or "(none)"
+        raise PolicyError(f"policy {policy!r}: unknown parameter(s) {', '.join(unknown)}; allowed: {allowed}")
+    return {name: p.coerce(policy, given.get(name, p.default)) for name, p in known.items()}
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """A registry entry: what ``greenctl policy show`` lists."""
+
+    name: str
+    cls: type
+    help: str
+    params: tuple[Param, ...]
+
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params}
+
+
+# Imported after Param/validate_params exist: the policy modules use them.
+from .budget import BudgetPolicy  # noqa: E402
+from .efficient import EfficientPolicy  # noqa: E402
+from .none import NonePolicy  # noqa: E402
+from .static import StaticPolicy  # noqa: E402
+
+_CLASSES: tuple[type, ...] = (NonePolicy, StaticPolicy, EfficientPolicy, BudgetPolicy)
+
+POLICIES: dict[str, PolicyInfo] = {
+    c.name: PolicyInfo(name=c.name, cls=c, help=c.help, params=tuple(c.PARAMS))  # type: ignore[attr-defined]
+    for c in _CLASSES
+}
+
+
+def get_policy(name: str, **params: Any) -> Any:
+    """Build the policy ``name`` with ``params`` (validated; strings are coerced).
+
+    Raises :class:`PolicyError` for an unknown policy, an unknown parameter or a
+    bad value; the message names the key and what is allowed.
+    """
+    info = POLICIES.get(name)
+    if info is None:
+        raise PolicyError(f"unknown policy {name!r}; allowed: {', '.join(sorted(POLICIES))}")
+    return info.cls(**params)
+
+
+def describe_policies() -> list[dict[str, Any]]:
+    """The registry as plain data (for ``greenctl policy show --json``)."""
+    return [
+        {
+            "name": info.name,
+            "help": info.help,
+            "params": [
+                {"name": p.name, "type": p.kind, "default": p.default, "required": p.required,
+                 "allowed": p.allowed(), "help": p.help}
+                for p in info.params
+            ],
+        }
+        for info in POLICIES.values()
+    ]

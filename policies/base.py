@@ -101,8 +101,12 @@ class JobView:
     measure: JobMeasure | None  # steps at the setting now in force, since it took effect
     setting: Setting  # the setting now in force for this job's GPUs
     pace_s: float | None = None  # the job's agreed uncapped step time across nodes, if any
-    loss_recent: tuple[float, ...] = ()  # recent losses (for the precision policy)
-    nonfinite_recent: int = 0
+    loss_recent: tuple[float, ...] = ()  # recent losses, oldest first (for the precision policy)
+    nonfinite_recent: int = 0  # non-finite steps among the recent ones
+    # Precision switches and rollbacks so far, oldest first: dicts with kind ("switch",
+    # "rollback", "refused"), from, to, reason, step, loss. A rollback the callback made
+    # on its own (a non-finite loss or gradient) shows up here.
+    precision_events: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -64,14 +64,15 @@ def _env() -> dict[str, str]:
 
 
 def start_daemon(tmp: Path, *extra: str, state_dir: Path | None = None, wait: bool = True,
-                 name: str = "d") -> DaemonProc:
+                 name: str = "d", config: str = "", socket: Path | None = None) -> DaemonProc:
     state = state_dir or tmp / f"{name}-state"
-    sock = tmp / f"{name}.sock"
+    sock = socket or tmp / f"{name}.sock"
     db = state / "greend.db"
     log = tmp / f"{name}.log"
-    args = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(tmp / "none.toml"),
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(config or "[daemon]\nsocket_group = \"\"\n")
+    args = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(cfg),
             "--socket", str(sock), "--state-dir", str(state), *extra]
-    (tmp / "none.toml").write_text("[daemon]\nsocket_group = \"\"\n")
     with open(log, "ab") as fh:
         proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
     d = DaemonProc(proc, sock, state, db, log, args)

@@ -253,7 +253,7 @@ def docstring_block() -> list[str]:
 def uncommented_example() -> str:
     out = []
     for ln in (SYSTEMD / "greend.toml").read_text().splitlines():
-        if ln.startswith("# ") and re.match(r"# [a-z_]+ = ", ln):
+        if ln.startswith("# ") and re.match(r"# [a-z0-9_]+ = ", ln):
             out.append(ln[2:])
         elif ln.startswith("#"):
             continue

@@ -1,0 +1,386 @@
+"""Drive a policy against simulated GPUs, the way the daemon does, without a daemon.
+
+:func:`run_policy` is the daemon's decision loop in miniature, on a fake clock:
+
+1. every iteration each active job runs one step on each of its GPUs with
+   :meth:`probes.sim.SimGpu.run_step` at the setting in force; the fake clock
+   advances by the slowest step (jobs on disjoint GPUs run side by side);
+2. the job's :class:`~policies.base.JobMeasure` accumulates those steps (sim
+   durations and energies, times optional multiplicative noise, as a real
+   measurement would carry), skipping ``settle_steps`` after each change;
+3. every ``decision_every_steps`` iterations (or every ``decision_period_s``
+   simulated seconds) it builds a :class:`~policies.base.Snapshot`, calls
+   ``policy.decide(snap, state)`` and applies the decision with
+   ``set_locked_clocks`` / ``reset_locked_clocks`` / ``set_power_limit_w``;
+   a job whose GPUs' setting changed gets a fresh measure.
+
+Phase changes (a job's FLOPs or memory share switching at a step) and jobs that
+arrive later are described by :class:`SimJob`. The result holds a per-step
+trace, totals, and per job the steps its search took (until the policy first
+said ``settled``) and the final setting. Everything is ``source="sim"``.
+
+Use :func:`make_sim_gpus` for GPUs on a :class:`FakeClock` in a temporary
+directory (on ``/dev/shm`` when there is one: each step writes the device file).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from probes.sim import H100, SimGpu, SimSpec
+
+from .base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+
+__all__ = ["FakeClock", "HarnessResult", "JobResult", "SimJob", "StepRecord", "make_sim_gpus", "run_policy"]
+
+
+class FakeClock:
+    """A clock the harness advances by simulated step durations."""
+
+    def __init__(self, t0_s: float = 1000.0) -> None:
+        self.t_s = t0_s
+
+    def __call__(self) -> float:
+        return self.t_s
+
+    def advance(self, dt_s: float) -> None:
+        self.t_s += max(0.0, dt_s)
+
+
+def make_sim_gpus(n: int, clock: FakeClock | None = None, *, spec: SimSpec = H100,
+                  state_dir: Path | str | None = None) -> tuple[list[SimGpu], FakeClock]:
+    """``n`` fresh simulated GPUs at default settings on a fake clock."""
+    clock = clock or FakeClock()
+    if state_dir is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        state_dir = tempfile.mkdtemp(prefix="greend-harness-", dir=base)
+    return [SimGpu(state_dir, i, spec, clock) for i in range(n)], clock
+
+
+@dataclass(frozen=True)
+class Phase:
+    at_step: int  # the job's own step count at which this phase begins
+    flops_per_step: float
+    mem_share: float
+
+
+@dataclass
+class SimJob:
+    """A simulated training job: where it runs, what its steps are, when it runs."""
+
+    job: str
+    gpus: tuple[int, ...]
+    flops_per_step: float  # per GPU per step
+    mem_share: float
+    precision: str = "fp32"
+    start_iter: int = 0  # harness iteration at which it arrives
+    steps: int | None = None  # how many steps it runs (None: to the end)
+    phases: tuple[Phase, ...] = ()  # later phases (at the job's own step count)
+    pace_s: float | None = None
+
+    def workload(self, step: int) -> tuple[float, float]:
+        flops, m = self.flops_per_step, self.mem_share
+        for p in sorted(self.phases, key=lambda p: p.at_step):
+            if step >= p.at_step:
+                flops, m = p.flops_per_step, p.mem_share
+        return flops, m
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    iteration: int
+    job: str
+    job_step: int
+    setting: Setting
+    duration_s: float  # true (model) duration of the step
+    energy_j: float  # true energy of the step, all the job's GPUs
+    measured_duration_s: float  # what the measure saw (with noise)
+    measured_energy_j: float
+    flops: float  # all the job's GPUs
+    mem_share: float
+    sm_clock_mhz: int
+    phase: str  # the policy's phase for this job when the step ran ("" if none)
+    counted: bool  # False during settle steps
+
+
+@dataclass
+class JobResult:
+    job: str
+    steps: int = 0
+    energy_j: float = 0.0
+    time_s: float = 0.0
+    flops: float = 0.0
+    search_steps: int | None = None  # steps before the policy first said settled
+    final_setting: Setting = field(default_factory=Setting)
+    settings_applied: int = 0
+
+
+@dataclass
+class HarnessResult:
+    trace: list[StepRecord]
+    jobs: dict[str, JobResult]
+    decisions: list[tuple[float, Decision]]
+    total_energy_j: float
+    total_time_s: float
+    source: str = "sim"
+
+    @property
+    def search_steps(self) -> int | None:
+        """The first job's search steps (the single-job case)."""
+        return next(iter(self.jobs.values())).search_steps if self.jobs else None
+
+    @property
+    def final_setting(self) -> Setting:
+        return next(iter(self.jobs.values())).final_setting if self.jobs else Setting()
+
+    def settled_steps(self, job: str | None = None) -> list[StepRecord]:
+        """Steps that ran while the policy said the job was settled."""
+        return [r for r in self.trace if r.phase == "settled" and (job is None or r.job == job)]
+
+
+@dataclass
+class _Acc:
+    setting: Setting
+    steps: int = 0
+    flops: float = 0.0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    time_sq: float = 0.0
+    energy_sq: float = 0.0
+    skip: int = 0
+
+    def measure(self) -> JobMeasure | None:
+        if self.steps == 0:
+            return None
+        return JobMeasure(
+            setting=self.setting, steps=self.steps, flops=self.flops, time_s=self.time_s,
+            energy_j=self.energy_j, power_w=self.energy_j / self.time_s if self.time_s > 0 else None,
+            time_sq_s2=self.time_sq, energy_sq_j2=self.energy_sq,
+        )
+
+
+def _in_force(g: SimGpu) -> Setting:
+    lc = g.locked_clocks_mhz()
+    pl = g.power_limit_w()
+    return Setting(
+        clock_cap_mhz=lc[1] if lc else None,
+        power_limit_w=None if abs(pl - g.spec.power_limit_default_w) < 0.5 else pl,
+    )
+
+
+def _apply(g: SimGpu, s: Setting) -> None:
+    """Apply a Setting like the daemon's actuators: idempotent, clamped."""
+    cur = _in_force(g)
+    if s.clock_cap_mhz != cur.clock_cap_mhz:
+        if s.clock_cap_mhz is None:
+            g.reset_locked_clocks()
+        else:
+            g.set_locked_clocks(g.spec.sm_clock_min_mhz, int(s.clock_cap_mhz))
+    want_pl = g.spec.power_limit_default_w if s.power_limit_w is None else s.power_limit_w
+    want_pl = min(max(want_pl, g.spec.power_limit_min_w), g.spec.power_limit_max_w)
+    if abs(want_pl - g.power_limit_w()) >= 0.001:
+        g.set_power_limit_w(want_pl)
+
+
+def run_policy(
+    policy: Any,
+    gpus: Sequence[SimGpu],
+    flops_per_step: float = 1e12,
+    mem_share: float = 0.0,
+    precision: str = "fp32",
+    *,
+    steps: int = 1000,
+    decision_every_steps: int | None = 1,
+    decision_period_s: float | None = None,
+    settle_steps: int = 1,
+    noise: float = 0.0,
+    seed: int = 0,
+    phase_change_at: int | None = None,
+    phase_flops_per_step: float | None = None,
+    phase_mem_share: float | None = None,
+    pace_s: float | None = None,
+    jobs: Sequence[SimJob] | None = None,
+    cpu_power_w: float | None = None,
+    clock: FakeClock | None = None,
+) -> HarnessResult:
+    """Run ``steps`` iterations of simulated training under ``policy``.
+
+    Without ``jobs``: one job ``job0`` on all ``gpus`` with ``flops_per_step``
+    (per GPU), ``mem_share`` and, optionally, a phase change at step
+    ``phase_change_at``. ``noise``: relative standard deviation of the
+    multiplicative noise on each measured step time and energy (seeded).
+    Decisions every ``decision_every_steps`` iterations, or every
+    ``decision_period_s`` simulated seconds when that is given.
+    """
+    if jobs is None:
+        phases: tuple[Phase, ...] = ()
+        if phase_change_at is not None:
+            phases = (Phase(phase_change_at, phase_flops_per_step or flops_per_step,
+                            mem_share if phase_mem_share is None else phase_mem_share),)
+        jobs = [SimJob("job0", tuple(range(len(gpus))), flops_per_step, mem_share, precision,
+                       phases=phases, pace_s=pace_s)]
+    if decision_period_s is None and (decision_every_steps is None or decision_every_steps < 1):
+        raise ValueError("give decision_every_steps >= 1 or decision_period_s > 0")
+    by_index = {g.index: g for g in gpus}
+    for sj in jobs:
+        missing = [i for i in sj.gpus if i not in by_index]
+        if missing:
+            raise ValueError(f"job {sj.job}: GPU(s) {missing} not among the harness GPUs")
+    clk = clock if clock is not None else _find_clock(gpus)
+    rng = random.Random(seed)
+    state = policy.new_state()
+    trace: list[StepRecord] = []
+    decisions: list[tuple[float, Decision]] = []
+    results = {sj.job: JobResult(sj.job) for sj in jobs}
+    accs: dict[str, _Acc] = {}
+    job_steps = {sj.job: 0 for sj in jobs}
+    phase_of: dict[str, str] = {}
+    period_energy = {g.index: 0.0 for g in gpus}
+    period_busy = {g.index: 0.0 for g in gpus}
+    period_time = 0.0
+    last_clock = {g.index: 0 for g in gpus}
+    t_start = clk() if clk is not None else 0.0
+    sim_t = 0.0
+    next_decision_s = decision_period_s or 0.0
+    total_energy = 0.0
+
+    def active(sj: SimJob, it: int) -> bool:
+        return it >= sj.start_iter and (sj.steps is None or job_steps[sj.job] < sj.steps)
+
+    def job_setting(sj: SimJob) -> Setting:
+        return _in_force(by_index[sj.gpus[0]])
+
+    for it in range(steps):
+        # ---- run one step of every active job
+        dt_iter = 0.0
+        for sj in jobs:
+            if not active(sj, it):
+                continue
+            flops, m = sj.workload(job_steps[sj.job])
+            setting = job_setting(sj)
+            acc = accs.get(sj.job)
+            if acc is None:
+                acc = accs[sj.job] = _Acc(setting, skip=0)
+            dur, en, clk_mhz = 0.0, 0.0, 0
+            for i in sj.gpus:
+                c = by_index[i].run_step(flops, m, sj.precision)
+                dur = max(dur, c.duration_s)
+                en += c.energy_j
+                period_energy[i] += c.energy_j
+                period_busy[i] += c.duration_s
+                last_clock[i] = c.sm_clock_mhz
+                clk_mhz = c.sm_clock_mhz
+            n_dur = dur * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else dur
+            n_en = en * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else en
+            counted = acc.skip <= 0
+            if counted:
+                acc.steps += 1
+                acc.flops += flops * len(sj.gpus)
+                acc.time_s += n_dur
+                acc.energy_j += n_en
+                acc.time_sq += n_dur * n_dur
+                acc.energy_sq += n_en * n_en
+            else:
+                acc.skip -= 1
+            job_steps[sj.job] += 1
+            r = results[sj.job]
+            r.steps += 1
+            r.energy_j += en
+            r.time_s += dur
+            r.flops += flops * len(sj.gpus)
+            total_energy += en
+            trace.append(StepRecord(it, sj.job, job_steps[sj.job], setting, dur, en, n_dur, n_en,
+                                    flops * len(sj.gpus), m, clk_mhz, phase_of.get(sj.job, ""), counted))
+            dt_iter = max(dt_iter, dur)
+        if dt_iter == 0.0:
+            dt_iter = 0.01  # nothing running: time still passes
+        sim_t += dt_iter
+        period_time += dt_iter
+        if clk is not None:
+            clk.advance(dt_iter)
+        # ---- decide?
+        if decision_period_s is not None:
+            if sim_t < next_decision_s:
+                continue
+            next_decision_s = sim_t + decision_period_s
+        elif (it + 1) % int(decision_every_steps or 1) != 0:
+            continue
+        snap = _snapshot(t_start + sim_t, gpus, jobs, accs, job_steps, it, active, period_energy,
+                         period_busy, last_clock, cpu_power_w)
+        period_energy = {g.index: 0.0 for g in gpus}
+        period_busy = {g.index: 0.0 for g in gpus}
+        period_time = 0.0
+        decision = policy.decide(snap, state)
+        decisions.append((snap.t_s, decision))
+        jd = decision.details.get("jobs", {}) if isinstance(decision.details, dict) else {}
+        # ---- apply
+        before = {sj.job: job_setting(sj) for sj in jobs}
+        for job, s in decision.settings.items():
+            sj = next((x for x in jobs if x.job == job), None)
+            if sj is None:
+                continue
+            for i in sj.gpus:
+                _apply(by_index[i], s)
+        for i, s in decision.gpu_settings.items():
+            if i in by_index:
+                _apply(by_index[i], s)
+        for sj in jobs:
+            now = job_setting(sj)
+            if now != before[sj.job]:
+                accs[sj.job] = _Acc(now, skip=settle_steps)
+                results[sj.job].settings_applied += 1
+            info = jd.get(sj.job) if isinstance(jd, dict) else None
+            ph = info.get("phase", "") if isinstance(info, dict) else ""
+            phase_of[sj.job] = ph
+            r = results[sj.job]
+            if ph == "settled" and r.search_steps is None:
+                r.search_steps = job_steps[sj.job]
+    for sj in jobs:
+        results[sj.job].final_setting = job_setting(sj)
+    return HarnessResult(trace=trace, jobs=results, decisions=decisions,
+                         total_energy_j=total_energy, total_time_s=sim_t)
+
+
+def _find_clock(gpus: Sequence[SimGpu]) -> FakeClock | None:
+    for g in gpus:
+        c = getattr(g, "_clock", None)
+        if isinstance(c, FakeClock):
+            return c
+    return None
+
+
+def _snapshot(t_s: float, gpus: Sequence[SimGpu], jobs: Sequence[SimJob], accs: dict[str, _Acc],
+              job_steps: dict[str, int], it: int, active: Any, period_energy: dict[int, float],
+              period_busy: dict[int, float], last_clock: dict[int, int], cpu_power_w: float | None) -> Snapshot:
+    views = []
+    for g in gpus:
+        s = _in_force(g)
+        # Jobs run back to back on their GPUs (the harness's lockstep is only
+        # bookkeeping): a busy GPU shows its power while busy, an idle one idle_w.
+        busy = period_busy[g.index]
+        power = period_energy[g.index] / busy if busy > 0 else g.spec.idle_w
+        views.append(GpuView(
+            index=g.index, source="sim", power_w=power, sm_clock_mhz=float(last_clock[g.index] or 0) or None,
+            clock_cap_mhz=s.clock_cap_mhz, power_limit_w=g.power_limit_w(),
+            supported_sm_clocks_mhz=g.spec.supported_sm_clocks_mhz,
+            power_limit_min_w=g.spec.power_limit_min_w, power_limit_max_w=g.spec.power_limit_max_w,
+            power_limit_default_w=g.spec.power_limit_default_w,
+        ))
+    jvs = []
+    for sj in jobs:
+        if not active(sj, it + 1) and job_steps[sj.job] == 0:
+            continue
+        running = sj.steps is None or job_steps[sj.job] < sj.steps
+        acc = accs.get(sj.job)
+        first = next(g for g in gpus if g.index == sj.gpus[0])
+        jvs.append(JobView(
+            job=sj.job, gpus=tuple(sj.gpus), state="running" if running else "ended",
+            steps=job_steps[sj.job], precision=sj.precision, precisions=(sj.precision,),
+            measure=acc.measure() if acc is not None else None, setting=_in_force(first), pace_s=sj.pace_s,
+        ))
+    return Snapshot(t_s=t_s, gpus=tuple(views), jobs=tuple(jvs), cpu_power_w=cpu_power_w)

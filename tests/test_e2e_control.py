@@ -1,0 +1,207 @@
+"""Control end to end: caps through the real daemon on simulated GPUs, and every way
+they must come back (SIGTERM, SIGKILL + restart, greend restore, a client that dies,
+cap reset), plus the refusal of a non-admin client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from probes.sim import SimGpu
+
+from .conftest import REPO, DaemonProc, _env, start_daemon
+
+pytestmark = pytest.mark.e2e
+
+
+def sim(state: Path, i: int) -> SimGpu:
+    return SimGpu(state / "sim", i)
+
+
+def original(state: Path, i: int) -> tuple[object, float]:
+    g = sim(state, i)
+    return g.locked_clocks_mhz(), g.power_limit_w()
+
+
+def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "2")
+    daemons.append(d)
+    before = [original(d.state_dir, i) for i in range(2)]
+    assert before[0] == (None, 700.0)
+    out = d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1400").stdout
+    assert "clock cap 1395 MHz" in out  # snapped to the highest supported clock <= 1400
+    d.ctl("cap", "set", "--gpu", "1", "--power-limit", "450")
+    g0, g1 = sim(d.state_dir, 0), sim(d.state_dir, 1)
+    assert g0.locked_clocks_mhz() == (345, 1395)
+    assert g1.power_limit_w() == pytest.approx(450.0)
+    time.sleep(0.3)
+    st = d.status()
+    assert st["gpus"][0]["clock_cap_mhz"] == 1395
+    assert st["gpus"][1]["power_limit_w"] == pytest.approx(450.0)
+    assert st["policy"]["owners"] == {"node": ["gpu0.clock_cap_mhz", "gpu1.power_limit_w"]}
+    # Out of range is clamped to the constraints, not refused.
+    assert "power limit 200.0 W" in d.ctl("cap", "set", "--gpu", "1", "--power-limit", "50").stdout
+    assert d.stop(signal.SIGTERM) == 0
+    assert [original(d.state_dir, i) for i in range(2)] == before
+    assert not (d.state_dir / "saved-settings.json").exists()
+
+
+def test_sigkill_then_restart_restores_everything(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "2")
+    daemons.append(d)
+    before = [original(d.state_dir, i) for i in range(2)]
+    d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1005")
+    d.ctl("cap", "set", "--gpu", "1", "--power-limit", "300")
+    d.stop(signal.SIGKILL)
+    # The hardware outlives the daemon: still capped.
+    assert sim(d.state_dir, 0).locked_clocks_mhz() == (345, 1005)
+    assert sim(d.state_dir, 1).power_limit_w() == pytest.approx(300.0)
+    d2 = start_daemon(tmp_path, "--sim", "2", state_dir=d.state_dir, name="d2")
+    daemons.append(d2)
+    assert [original(d.state_dir, i) for i in range(2)] == before
+    assert "restore at start" in d2.log_text()
+
+
+def test_greend_restore_command_after_sigkill(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    d.ctl("cap", "set", "--gpu", "0", "--power-limit", "250")
+    d.stop(signal.SIGKILL)
+    r = subprocess.run([sys.executable, "-m", "greend.daemon_main", "restore", "--state-dir", str(d.state_dir)],
+                       capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+    assert r.returncode == 0, r.stderr
+    assert "restored" in r.stdout
+    assert original(d.state_dir, 0) == (None, 700.0)
+    # Nothing left: a second run says so and exits 0 (as ExecStopPost after a clean stop).
+    r2 = subprocess.run([sys.executable, "-m", "greend.daemon_main", "restore", "--state-dir", str(d.state_dir)],
+                        capture_output=True, text=True, timeout=60, cwd=REPO, env=_env())
+    assert r2.returncode == 0 and "nothing to restore" in r2.stdout
+
+
+def test_corrupt_state_file_refuses_control_and_keeps_the_file(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "saved-settings.json").write_text('{"format": "greend-saved-settings", "version": 1, "gp')
+    d = start_daemon(tmp_path, "--sim", "1", state_dir=state)
+    daemons.append(d)
+    r = d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1200", check=False)
+    assert r.returncode != 0
+    assert "saved-settings.json" in r.stderr
+    assert (state / "saved-settings.json").read_text().endswith('"gp')  # not replaced by a default
+    assert sim(state, 0).locked_clocks_mhz() is None
+
+
+def test_cap_reset(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "2")
+    daemons.append(d)
+    d.ctl("cap", "set", "--gpu", "0", "--max-clock", "900")
+    d.ctl("cap", "set", "--gpu", "1", "--max-clock", "900")
+    out = d.ctl("cap", "reset", "--gpu", "1").stdout
+    assert "gpu1" in out
+    assert sim(d.state_dir, 1).locked_clocks_mhz() is None
+    assert sim(d.state_dir, 0).locked_clocks_mhz() == (345, 900)
+    d.ctl("cap", "reset")
+    assert sim(d.state_dir, 0).locked_clocks_mhz() is None
+
+
+@pytest.fixture()
+def open_dir() -> Iterator[Path]:
+    """A directory any user may enter (pytest's tmp is 0700: nobody could not reach a socket there)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="greend-open-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_non_admin_is_refused_clearly(tmp_path: Path, open_dir: Path, daemons: list[DaemonProc]) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to start a client as another uid")
+    d = start_daemon(tmp_path, "--sim", "1", socket=open_dir / "g.sock",
+                     config='[daemon]\nsocket_group = ""\nsocket_mode = "0666"\nadmin_group = ""\n')
+    daemons.append(d)
+    # Import everything first, then become uid 65534 (nobody) and connect as nobody:
+    # SO_PEERCRED gives the daemon the uid of the process that connected.
+    code = """
+import json, os, pathlib, sys
+sys.path.insert(0, sys.argv[1])
+from greend.client import Client, RequestRefused
+os.setgid(65534); os.setuid(65534)
+c = Client(pathlib.Path(sys.argv[2]))
+out = {"read": len(c.request("status")["gpus"])}
+for op, fields in (("cap_set", {"gpu": 0, "max_clock_mhz": 1000}), ("policy_set", {"name": "static"}),
+                   ("cap_reset", {})):
+    try:
+        c.request(op, **fields)
+        out[op] = "allowed"
+    except RequestRefused as e:
+        out[op] = e.code
+        out["msg"] = str(e)
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(REPO), str(d.socket)], capture_output=True, text=True,
+                       timeout=60, env=_env())
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["read"] == 1  # any client may read
+    assert out["cap_set"] == out["policy_set"] == out["cap_reset"] == "forbidden"
+    assert "root or the greend admin group" in out["msg"] and "65534" in out["msg"]
+    assert sim(d.state_dir, 0).locked_clocks_mhz() is None
+
+
+EFFICIENT = """[daemon]
+socket_group = ""
+[policy]
+name = "efficient"
+period_s = 0.2
+settle_s = 0.05
+[policy.params]
+max_slowdown = 0.05
+min_steps = 6
+"""
+
+
+def test_efficient_policy_caps_a_running_job_and_lifts_the_cap_when_it_dies(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    from .test_e2e_jobs import trainer, wait_ended
+
+    d = start_daemon(tmp_path, "--sim", "1", config=EFFICIENT)
+    daemons.append(d)
+    ready = tmp_path / "ready"
+    p = trainer(d.socket, "tuned", "--steps", "100000", "--step-sleep", "0.005", "--ready-file", str(ready))
+    try:
+        deadline = time.monotonic() + 90
+        capped = None
+        while time.monotonic() < deadline:
+            st = d.status()
+            dec = (st["policy"].get("last_decision") or {}).get("details", {}).get("jobs", {}).get("tuned", {})
+            if dec.get("phase") == "settled":
+                capped = st["gpus"][0]["clock_cap_mhz"]
+                break
+            time.sleep(0.2)
+        assert capped is not None, f"the search did not settle: {d.status()['policy']}"
+        # A mixed workload (mem_share 0.3): the efficient clock is below the maximum (sim).
+        assert 345 < capped < 1980
+        assert sim(d.state_dir, 0).locked_clocks_mhz() == (345, capped)
+        rep = json.loads(d.ctl("report", "tuned", "--json").stdout)
+        assert rep["decisions"] and "tuned" in rep["decisions"][-1]["reason"]
+    finally:
+        p.kill()  # the client dies without a word
+        p.wait(10)
+    rep = wait_ended(d, "tuned")
+    assert rep["end_reason"] == "client disconnected"
+    deadline = time.monotonic() + 5
+    while sim(d.state_dir, 0).locked_clocks_mhz() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sim(d.state_dir, 0).locked_clocks_mhz() is None, "the dead job's cap was lifted"
+    assert "restore (job tuned ended" in d.log_text()
