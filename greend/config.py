@@ -35,7 +35,9 @@ table per concern; every key has a default, so an empty file is valid::
     name = "none"                      # none, static, efficient, budget (greenctl policy show)
     period_s = 1.0                     # how often the policy decides
     settle_s = 0.5                     # steps this soon after a change are not measured
+    precision = "none"                 # beside it: "precision" downgrades jobs' precision
     [policy.params]                    # the policy's own parameters, e.g. max_slowdown = 0.05
+    [policy.precision_params]          # the precision policy's, e.g. tolerance = 0.05
 
     [report]
     grid_gco2_per_kwh = 400.0          # grid carbon intensity for the CO2 estimate
@@ -119,7 +121,9 @@ class PolicyConfig:
     name: str = "none"
     period_s: float = 1.0
     settle_s: float = 0.5
+    precision: str = "none"
     params: dict[str, Any] = field(default_factory=dict)
+    precision_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

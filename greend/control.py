@@ -45,6 +45,10 @@ class ControlLoop:
         self.ctrl: Controller | None = None
         self.policy: Any = None
         self.policy_state: Any = None
+        # Beside the clock/power policy, an optional precision policy (its Decision
+        # carries only ``precision``); both decide every period.
+        self.precision_policy: Any = None
+        self.precision_state: Any = None
         self.last_decision: dict[str, Any] | None = None
         self.last_error: str | None = None
         self.disabled: str | None = None  # why control is off (no GPUs, a corrupt state file)
@@ -86,6 +90,21 @@ class ControlLoop:
         if gpu_probe is not None:
             gpu_probe.cap_lookup = self.ctrl.clock_cap_mhz  # type: ignore[attr-defined]
         self.set_policy(self.d.cfg.policy.name, dict(self.d.cfg.policy.params))
+        self.set_precision_policy(self.d.cfg.policy.precision, dict(self.d.cfg.policy.precision_params))
+
+    def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
+        from policies import get_policy
+
+        if name in ("", "none"):
+            self.precision_policy = self.precision_state = None
+            return
+        try:
+            policy = get_policy(name, **params)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"[policy] precision {name!r}: {e}") from e
+        with self._lock:
+            self.precision_policy, self.precision_state = policy, policy.new_state()
+        log.info("precision policy %s %s", name, policy.params())
 
     def set_policy(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         from policies import get_policy
@@ -121,6 +140,13 @@ class ControlLoop:
             snap = self.snapshot(now_s)
             with self._lock:
                 decision = self.policy.decide(snap, self.policy_state)
+                if self.precision_policy is not None:
+                    extra = self.precision_policy.decide(snap, self.precision_state)
+                    decision.precision.update(extra.precision)
+                    if extra.reason:
+                        decision.reason = "; ".join(r for r in (decision.reason, extra.reason) if r)
+                    if extra.details:
+                        decision.details = {**decision.details, "precision": extra.details}
         except Exception as e:  # noqa: BLE001 - a policy bug never stops the daemon
             msg = f"{type(e).__name__}: {e}"
             if msg != self.last_error:
@@ -354,9 +380,11 @@ class ControlLoop:
         from policies import POLICIES
 
         p = self.policy
+        pp = self.precision_policy
         return {
             "name": getattr(p, "name", "none"),
             "params": p.params() if p is not None else {},
+            "precision": {"name": pp.name, "params": pp.params()} if pp is not None else None,
             "period_s": self.d.cfg.policy.period_s,
             "available": sorted(POLICIES),
             "last_decision": self.last_decision,

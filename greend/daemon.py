@@ -484,6 +484,8 @@ class Daemon:
         return {
             "name": getattr(c.policy, "name", "none"),
             "params": c.policy.params() if c.policy is not None else {},
+            "precision": {"name": c.precision_policy.name, "params": c.precision_policy.params()}
+            if c.precision_policy is not None else None,
             "last_decision": c.last_decision,
             "last_error": c.last_error,
             "disabled": c.disabled,
