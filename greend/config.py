@@ -25,6 +25,7 @@ table per concern; every key has a default, so an empty file is valid::
     dir = ""                           # default <state_dir>/sim
     load = 0.0                         # background load 0..1 when no job runs
     mem_share = 0.3                    # memory-bound share of a simulated step
+    speed_factor = 1.0                 # > 1: slower GPUs (a straggler node, in tests)
 
     [store]
     urls = []                          # default ["sqlite:///<state_dir>/greend.db"]
@@ -107,6 +108,7 @@ class SimConfig:
     dir: str = ""
     load: float = 0.0
     mem_share: float = 0.3
+    speed_factor: float = 1.0
 
 
 @dataclass
@@ -256,6 +258,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"[sim] gpus = {s.gpus!r}: expected 0 (off) to 64")
     if not 0.0 <= s.load <= 1.0:
         raise ConfigError(f"[sim] load = {s.load!r}: expected a fraction from 0.0 to 1.0")
+    if not 0.1 <= s.speed_factor <= 10.0:
+        raise ConfigError(f"[sim] speed_factor = {s.speed_factor!r}: expected 0.1 to 10 (1 = an H100)")
     if not 0.0 <= s.mem_share <= 0.95:
         raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
     _positive("store", "interval_s", st.interval_s)

@@ -1,0 +1,73 @@
+"""One rank of a two-process gloo job on the CPU, reporting to its own node's daemon.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
+        python tests/scripts/dist_trainer.py --socket S --job J --seconds 25
+
+Each rank stands for a node: rank r talks to the daemon at its own socket. The
+model is wrapped in DistributedDataParallel, so every step all-reduces gradients
+over gloo, and GreenCallback agrees the job's pace every --sync-every steps.
+Prints one JSON line: rank, steps, the agreed pace, the final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--sync-every", type=int, default=10)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank + 1)
+    lossf = nn.CrossEntropyLoss()
+
+    from greend import GreenCallback
+
+    cb = GreenCallback(job=args.job, model=model, socket=args.socket, gpus=[0], mem_share=0.3,
+                       sync_every=args.sync_every, heartbeat_s=0.5)
+    t_end = time.monotonic() + args.seconds
+    steps = 0
+    loss = torch.tensor(0.0)
+    while True:
+        # Every rank runs the same number of steps: agree on stopping, as real jobs do.
+        flag = torch.tensor([1.0 if time.monotonic() < t_end else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == 0.0:
+            break
+        x = torch.randn(32, 64, generator=gen)
+        y = torch.randint(0, 8, (32,), generator=gen)
+        with cb.step(samples=32, batch=x) as st:
+            loss = lossf(model(x), y)
+            st.loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        steps += 1
+        time.sleep(0.01)
+    cb.close()
+    print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": cb.agreed_pace_s,
+                      "final_loss": float(loss.detach())}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
