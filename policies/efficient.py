@@ -666,4 +666,7 @@ class EfficientPolicy:
             "search_steps": js.settled_job_steps,
             "retunes": js.retunes,
             "last_event": js.last_event,
+            # This node's uncapped time per FLOP: the daemon turns it into the job's local
+            # step time and the ranks agree the job's pace from it (docs/protocol.md).
+            "baseline_time_per_flop_s": base.tpf if base is not None and base.steps > 0 else None,
         }
