@@ -225,7 +225,7 @@ class Daemon:
         )
         self.server.route("ping", lambda m, c: {"pong": True, "version": __version__})
         self.server.route("status", lambda m, c: self.status())
-        self.server.route("probes", lambda m, c: {"probes": [s.to_json() for s in self.stats.values()]})
+        self.server.route("probes", lambda m, c: {"probes": self.probe_rows()})
         self.server.route(
             "energy", self._op_energy,
             {"key": Field((str,), required=True, max_len=128),
@@ -474,11 +474,23 @@ class Daemon:
             },
             "jobs": self.jobs.list_jobs(),
             "policy": self.policy_status(),
-            "probes": [s.to_json() for s in self.stats.values()],
+            "probes": self.probe_rows(),
             "stores": [s.status().to_json() for s in self.sinks]
             + [{"url": u, "ok": False, "last_error": e} for u, e in self.sink_errors.items()],
             "config": self.cfg.source,
         }
+
+    def probe_rows(self) -> list[dict[str, Any]]:
+        """Per-probe self-metrics with what each probe says of itself now (a GPU lost
+        mid-run shows up here)."""
+        for p in self.probes:
+            st = self.stats[p.name]
+            if st.open:
+                try:
+                    st.info = p.info()
+                except Exception as e:  # noqa: BLE001
+                    st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
+        return [s.to_json() for s in self.stats.values()]
 
     def policy_status(self) -> dict[str, Any]:
         c = self.control
