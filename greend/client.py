@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,22 @@ class RequestRefused(GreendError):
         super().__init__(message)
         self.code = code
         self.field = field
+
+
+def _connect_retrying(s: socket.socket, path: str, timeout_s: float) -> None:
+    """connect(), retrying EAGAIN: a Unix socket whose backlog is full refuses at once
+    instead of queueing, which a burst of clients can cause."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            s.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(0.1, delay * 2)
 
 
 class Client:
@@ -42,7 +59,7 @@ class Client:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         try:
-            s.connect(str(self.path))
+            _connect_retrying(s, str(self.path), self.timeout_s)
         except FileNotFoundError:
             s.close()
             raise DaemonUnavailable(

@@ -253,7 +253,7 @@ class IpcServer:
                 )
             except PermissionError:
                 log.warning("cannot give %s to group %r (not root)", self.path, self.group)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a burst of clients queues instead of getting EAGAIN
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="ipc-accept", daemon=True)
         self._thread.start()
