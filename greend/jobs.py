@@ -287,21 +287,28 @@ class JobRegistry:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = now
-            for s in checked:
-                points.append(self._account_step(job, rs, s))
+            sim = self._run_on_sims(job, rs, checked)
+            for i, s in enumerate(checked):
+                points.append(self._account_step(job, rs, s, *(sim[i] if sim else (None, 0.0))))
         self.emit(points)
 
-    def _account_step(self, job: Job, rs: RankSession, s: dict[str, Any]) -> Point:
+    def _run_on_sims(self, job: Job, rs: RankSession, steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        """Execute the steps on the rank's simulated GPUs (each GPU's share of the
+        FLOPs), one device update per GPU for the whole message: per step, the
+        slowest GPU's duration and the GPUs' summed energy. Empty on real GPUs."""
+        sims = [g for g in (self.sim_gpu(i) for i in rs.gpus) if g is not None]
+        if not sims:
+            return []
+        work = [(float(s["flops"]) / len(sims), rs.mem_share, s.get("precision") or job.precision) for s in steps]
+        per_gpu = [g.run_steps(work) for g in sims]
+        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu))
+                for i in range(len(steps))]
+
+    def _account_step(self, job: Job, rs: RankSession, s: dict[str, Any], sim_duration: float | None,
+                      sim_energy: float) -> Point:
         flops = float(s["flops"])
         precision = s.get("precision") or job.precision
-        sim_duration = None
-        sim_energy = 0.0
-        sims = [g for g in (self.sim_gpu(i) for i in rs.gpus) if g is not None]
-        if sims:
-            share = flops / len(sims)
-            costs = [g.run_step(share, rs.mem_share, precision) for g in sims]
-            sim_duration = max(c.duration_s for c in costs)
-            sim_energy = sum(c.energy_j for c in costs)
+        if sim_duration is not None:
             job.sim_time_s += sim_duration
             job.sim_energy_j += sim_energy
         if job.t_start_s is None or s["t0_s"] < job.t_start_s:

@@ -384,12 +384,14 @@ SPECS: dict[str, SimSpec] = {"H100": H100}
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so a reader sees the old file or the new one, never a torn one."""
+    """Write JSON so a reader sees the old file or the new one, never a torn one.
+
+    No fsync: the simulated device must outlive a crashed *process* (the page cache
+    does), not a power cut, and a step executed on the simulator writes this file.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+        json.dump(data, f, separators=(",", ":"), sort_keys=True)
     os.replace(tmp, path)
 
 
@@ -794,18 +796,26 @@ class SimGpu:
     def run_step(self, flops: float, mem_share: float | None = None, precision: str = "fp32") -> StepCost:
         """Execute one step: add its energy to the counter and book its duration
         as busy credit (see the module docstring). ``mem_share`` None: the GPU's."""
+        return self.run_steps([(flops, mem_share, precision)])[0]
+
+    def run_steps(self, steps: Sequence[tuple[float, float | None, str]]) -> list[StepCost]:
+        """Execute several steps, ``(flops, mem_share, precision)`` each, in one update
+        of the device file (what a batch of step reports from the daemon needs)."""
+        costs: list[StepCost] = []
         with self._mutate() as st:
-            cost = self._cost(st, flops, mem_share, precision)
-            m = st.mem_share if mem_share is None else mem_share
-            total = st.busy_credit_s + cost.duration_s
-            if total > 0:  # the power/clock shown while busy: credit-weighted
-                w = cost.duration_s / total
-                st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
-                st.busy_mem_share = (1 - w) * st.busy_mem_share + w * m
-            st.busy_clock_mhz = cost.sm_clock_mhz
-            st.energy_mj += cost.energy_j * 1000.0
-            st.busy_credit_s = total
-        return cost
+            for flops, mem_share, precision in steps:
+                cost = self._cost(st, flops, mem_share, precision)
+                m = st.mem_share if mem_share is None else mem_share
+                total = st.busy_credit_s + cost.duration_s
+                if total > 0:  # the power/clock shown while busy: credit-weighted
+                    w = cost.duration_s / total
+                    st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
+                    st.busy_mem_share = (1 - w) * st.busy_mem_share + w * m
+                st.busy_clock_mhz = cost.sm_clock_mhz
+                st.energy_mj += cost.energy_j * 1000.0
+                st.busy_credit_s = total
+                costs.append(cost)
+        return costs
 
     # ---- ground truth
 
