@@ -40,7 +40,6 @@ the knob and the fix.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import threading
@@ -51,7 +50,15 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
 from policies.base import UNCAPPED, Setting
 from probes.nvml import NvmlProbe, translate_nvml_error
-from probes.rapl import ReadText, WriteText, read_power_limit_uw, read_text, write_power_limit_uw, write_text
+from probes.rapl import (
+    ReadText,
+    WriteText,
+    read_power_limit_uw,
+    read_text,
+    write_limit_file,
+    write_power_limit_uw,
+    write_text,
+)
 
 from .errors import (
     ActuatorError,
@@ -478,18 +485,7 @@ class RaplBackend:
         """Write exactly ``uw`` (no clamping: it is the original); False if already so."""
         if self.read_limit_uw(ref, n) == uw:
             return False
-        path = ref.dir / f"constraint_{n}_power_limit_uw"
-        try:
-            self._write(path, str(int(uw)))
-        except PermissionError as e:
-            raise NoPermission(f"cannot write {path}: permission denied; run greend as root") from e
-        except OSError as e:
-            if e.errno == errno.EROFS:
-                raise ActuatorError(
-                    f"cannot write {path}: /sys is read-only (systemd ProtectKernelTunables=yes); "
-                    "add ReadWritePaths=/sys/devices/virtual/powercap to the unit"
-                ) from e
-            raise ActuatorError(f"cannot write {path}: {e}") from e
+        write_limit_file(ref.dir / f"constraint_{n}_power_limit_uw", uw, write=self._write)
         return True
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import StateError
+from .fsutil import fsync_dir
 
 __all__ = [
     "CLOCK_KNOB",
@@ -399,7 +400,7 @@ class StateFile:
             finally:
                 os.close(fd)
             os.replace(tmp, self.path)
-            self._fsync_dir()
+            fsync_dir(self.state_dir)
         except OSError as e:
             try:
                 tmp.unlink()
@@ -419,7 +420,7 @@ class StateFile:
             return
         except OSError as e:
             raise StateError(f"cannot remove the saved-settings file {self.path}: {e}") from e
-        self._fsync_dir()
+        fsync_dir(self.state_dir)
 
     def move_aside(self) -> Path | None:
         """Rename the file to ``<name>.corrupt-<timestamp>`` (only on the user's
@@ -433,18 +434,6 @@ class StateFile:
             dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
             n += 1
         os.replace(self.path, dest)
-        self._fsync_dir()
+        fsync_dir(self.state_dir)
         log.warning("moved the saved-settings file %s aside to %s", self.path, dest)
         return dest
-
-    def _fsync_dir(self) -> None:
-        try:
-            fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)

@@ -334,9 +334,16 @@ def write_power_limit_uw(
     current = read_power_limit_uw(zone_path, n, read=read)
     if current == target:
         return current
-    path = zone_path / f"constraint_{n}_power_limit_uw"
+    write_limit_file(zone_path / f"constraint_{n}_power_limit_uw", target, write=write)
+    log.info("%s constraint %d: power limit %d -> %d uW", zone_path.name, n, current, target)
+    return target
+
+
+def write_limit_file(path: Path, uw: int, *, write: WriteText = write_text) -> None:
+    """Write ``uw`` to a ``constraint_N_power_limit_uw`` file as it is (no clamping);
+    every failure is an :class:`ActuatorError` that says the fix."""
     try:
-        write(path, str(target))
+        write(path, str(int(uw)))
     except PermissionError as e:
         raise ActuatorError(f"cannot write {path}: permission denied; run greend as root") from e
     except OSError as e:
@@ -346,8 +353,6 @@ def write_power_limit_uw(
                 "add ReadWritePaths=/sys/devices/virtual/powercap to the unit"
             ) from e
         raise ActuatorError(f"cannot write {path}: {e}") from e
-    log.info("%s constraint %d: power limit %d -> %d uW", zone_path.name, n, current, target)
-    return target
 
 
 class RaplProbe:

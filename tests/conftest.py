@@ -17,6 +17,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+class ManualClock:
+    """A wall clock that only moves when told to (and may be stepped back, as NTP can)."""
+
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt_s: float) -> None:
+        self.t += dt_s
+
+
 @dataclass
 class DaemonProc:
     proc: subprocess.Popen[bytes]

@@ -11,21 +11,12 @@ import pytest
 from probes.fake_nvml import FakeHandle, FakeNvml, read_faults
 from probes.sim import H100
 
-
-class ManualClock:
-    def __init__(self, t: float = 5_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt_s: float) -> None:
-        self.t += dt_s
+from .conftest import ManualClock
 
 
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(5_000.0)
 
 
 @pytest.fixture

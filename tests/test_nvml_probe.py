@@ -16,21 +16,12 @@ from probes.fake_nvml import FakeNvml
 from probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
 from probes.sim import H100
 
-
-class ManualClock:
-    def __init__(self, t: float = 10_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt_s: float) -> None:
-        self.t += dt_s
+from .conftest import ManualClock
 
 
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(10_000.0)
 
 
 @pytest.fixture

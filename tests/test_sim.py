@@ -15,26 +15,15 @@ import pytest
 from greend.errors import StateError
 from probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
 
+from .conftest import ManualClock
+
 REPO = Path(__file__).resolve().parents[1]
 BF16_STEP_FLOPS = 1e15  # ~2 s on a simulated H100 at 1980 MHz, bf16, compute bound
 
 
-class ManualClock:
-    """A wall clock that only moves when told to."""
-
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt_s: float) -> None:
-        self.t += dt_s
-
-
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(1_000.0)
 
 
 @pytest.fixture

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import StoreError
+from ..fsutil import fsync_dir
 
 __all__ = ["Segment", "Spool"]
 
@@ -80,17 +81,6 @@ class Segment:
         return self.size_bytes - self.done_bytes
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Spool:
@@ -182,7 +172,7 @@ class Spool:
                 continue
             self._sealed.append(Segment(seq, tag, path, len(good), points, done))
             self.recovered += points
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         if self.recovered:
             log.info(
                 "spool %s: %d points in %d segments left from an earlier run; replaying them first",
@@ -313,7 +303,7 @@ class Spool:
             self.last_error = f"spool seal failed: {e}"
             log.error("spool %s: seal failed: %s", path, e)
             return
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._sealed.append(Segment(self._open_seq, self.tag, sealed, self._open_bytes, self._open_points))
         self._open_bytes = self._open_points = 0
         self._dirty = False
