@@ -55,12 +55,25 @@ def main() -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(15)
+        # The daemon's own per-probe timings (wall time inside sample(), once a second in
+        # the store): what the simulator and its fake NVML cost, apart from greend itself.
+        import sqlite3
+
+        con = sqlite3.connect(tmp / "state" / "greend.db")
+        per_probe = dict(con.execute("SELECT probe, AVG(duration_s) FROM greend_probe GROUP BY probe"))
+        con.close()
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         pct = 100.0 * cpu / wall
         print(f"daemon CPU while sampling {args.gpus} simulated GPUs + 4 RAPL zones at {args.hz:g} Hz "
               f"(SQLite store, 1 s store interval):")
         print(f"  {cpu:.3f} CPU s over {wall:.1f} wall s = {pct:.2f}% of one core "
               f"({1000 * cpu / (wall * args.hz):.2f} ms CPU per tick)   target < 1%")
+        for name, dur in sorted(per_probe.items()):
+            rate = 1.0 if name == "host" else args.hz  # the host probe asks for interval_s = 1
+            note = {"sim": "  <- the simulator and its fake NVML, not real NVML calls",
+                    "host": "  (sampled once a second)"}.get(name, "")
+            print(f"  probe {name:5s} {1000 * dur:6.3f} ms per sample (wall), {rate:g}/s = "
+                  f"{100.0 * dur * rate:.2f}% of one core{note}")
 
 
 if __name__ == "__main__":
