@@ -1,0 +1,45 @@
+"""The public surface: every name in a package's __all__ exists, and the training
+side stays out of the daemon's imports."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO, _env
+
+
+@pytest.mark.parametrize("module", [
+    "greend", "greend.errors", "greend.config", "greend.ipc", "greend.client", "greend.ledger", "greend.jobs",
+    "greend.daemon", "greend.control", "greend.actuators", "greend.state", "greend.sinks", "greend.testing",
+    "probes", "probes.base", "probes.nvml", "probes.rapl", "probes.host", "probes.sim", "probes.fake_nvml",
+    "probes.fake_sysfs", "policies", "policies.base",
+])
+def test_all_names_exist_and_are_unique(module: str) -> None:
+    mod = importlib.import_module(module)
+    names = list(getattr(mod, "__all__", []))
+    assert names, f"{module} has no __all__"
+    assert len(names) == len(set(names))
+    for name in names:
+        assert hasattr(mod, name), f"{module}.__all__ names {name!r}, which does not exist"
+
+
+def test_the_daemon_and_greenctl_never_import_torch() -> None:
+    code = ("import sys; import greend.cli, greend.daemon, greend.control, greend.doctor; "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_error_tree() -> None:
+    from greend import errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.GreendError)
+        assert name in (errors.__doc__ or ""), f"{name} is missing from the tree in the docstring"
