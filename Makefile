@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: a bare `torch` requirement pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[train,test,plot,lightning,hf]' "$(TORCH)"
+	$(PY) -m pip install -q -e '.[train,test,plot,lightning,hf,fp8]' "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -54,16 +54,36 @@ Chosen in this order:
 
 Precision
 ---------
-``cb.precision`` is the level steps run at (``fp32`` at start).
-``step.autocast()`` returns the matching context: ``fp32`` a null context with
-TF32 off, ``tf32`` a null context with ``torch.backends.cuda.matmul.allow_tf32``
-and ``torch.backends.cudnn.allow_tf32`` on, ``bf16``/``fp16``
-``torch.autocast(device_type, dtype)``. A directive from the daemon is applied at
-the next step boundary; a level this process cannot run
-(:meth:`GreenCallback.supported_precisions` says why) is never applied: the
-callback logs the reason once and keeps reporting the level it really ran. fp8
-conversion (torchao / Transformer Engine), GradScaler and the accuracy guard are
-left to a later extension: this version reports them as not implemented.
+``cb.precision`` is the level steps run at (``fp32`` at start; levels and their
+rules are in :mod:`greend.precision`). ``step.autocast()`` returns the matching
+context: ``fp32`` a null context with TF32 off, ``tf32`` a null context with
+TF32 matmuls on, ``bf16``/``fp16`` ``torch.autocast(device_type, dtype)``, ``fp8``
+and ``fp8-emulated`` bf16 autocast around a model whose large linears were
+converted to torchao ``Float8Linear`` (same Parameter objects: the optimizer
+and its state carry on). A directive from the daemon is applied at the next step
+boundary; a level this process cannot run
+(:meth:`GreenCallback.supported_precisions` says why), a level barred after a
+rollback, or fp16 without loss scaling is never applied: the callback keeps the
+level it runs, reports a ``refused`` precision event with the reason, and logs it.
+
+fp16 needs loss scaling. Let the step do the backward pass and the optimizer
+step, and every level works (the scaler is used only when the level needs it)::
+
+    with cb.step(samples=n) as step:
+        with step.autocast():
+            loss = model(x).loss
+        step.backward(loss)          # scaler.scale(loss).backward() under fp16; reports the loss
+        step.optimizer_step(opt)     # scaler.step(opt) + update() under fp16
+        opt.zero_grad()
+
+(or use ``cb.scaler``: the :class:`torch.amp.GradScaler` while fp16 runs, else
+None). The accuracy guard: a non-finite loss (``step.loss``/``step.backward``), or
+a non-finite gradient seen by ``step.optimizer_step`` (which then skips the
+update, so the master weights stay clean), while running below a level the run
+came down from, rolls back to that level from the next step, bars the failed
+level for ``cooldown_steps`` steps and reports a ``rollback`` precision event with
+the reason and the loss figures. The daemon's ``precision`` policy adds the
+rule for finite losses that drift above their trend.
 
 Job identity
 ------------
@@ -104,15 +124,18 @@ from typing import Any, ContextManager
 import torch
 
 from . import flops as _flops
+from . import precision as _prec
 from .ipc import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
+from .precision import FP8_LEVELS, PRECISIONS, Guard, PrecisionEvent, precision_support
 
 __all__ = ["DEFAULT_SOCKET", "GreenCallback", "GreendWarning", "PRECISIONS", "SenderStats", "Step"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = Path("/run/greend/greend.sock")
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
-_AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
+_AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                            "fp8": torch.bfloat16, "fp8-emulated": torch.bfloat16}
 _JOB_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
 MAX_STEPS_PER_MESSAGE = 1024
 _OUTBUF_MAX_BYTES = 256 * 1024
@@ -220,56 +243,7 @@ def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
     return [index]
 
 
-# Precision support -----------------------------------------------------------------
-
-
-def precision_support(dev: torch.device, allowed: Iterable[str] | None = None) -> dict[str, str | None]:
-    """For each level, ``None`` if this process can run it, else the reason why not."""
-    out: dict[str, str | None] = {}
-    cuda = dev.type == "cuda"
-    cc: tuple[int, int] | None = None
-    if cuda:
-        try:
-            cc = torch.cuda.get_device_capability(dev)
-        except Exception as e:  # noqa: BLE001
-            cc = None
-            log.debug("cannot read the compute capability of %s: %s", dev, e)
-    have_torchao = importlib.util.find_spec("torchao") is not None
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    where = f"the model is on {dev.type}"
-    out["fp32"] = None
-    if not cuda:
-        out["tf32"] = f"TF32 is a CUDA tensor-core mode (compute capability >= 8.0); {where}"
-    elif cc is not None and cc < (8, 0):
-        out["tf32"] = f"TF32 needs compute capability >= 8.0; this GPU has {cc[0]}.{cc[1]}"
-    else:
-        out["tf32"] = None
-    if cuda:
-        try:
-            out["bf16"] = None if torch.cuda.is_bf16_supported() else "this GPU has no bf16 support"
-        except Exception:  # noqa: BLE001
-            out["bf16"] = None
-    else:
-        out["bf16"] = None if dev.type in ("cpu", "xpu", "mps") else f"no bf16 autocast on {dev.type}"
-    out["fp16"] = None if dev.type in ("cuda", "cpu", "xpu", "mps") else f"no fp16 autocast on {dev.type}"
-    if not cuda:
-        out["fp8"] = f"fp8 needs a CUDA GPU with compute capability >= 8.9 (CPU autocast refuses fp8); {where}"
-    elif cc is not None and cc < (8, 9):
-        out["fp8"] = f"fp8 needs compute capability >= 8.9; this GPU has {cc[0]}.{cc[1]}"
-    elif not (have_torchao or have_te):
-        out["fp8"] = "fp8 needs torchao or transformer_engine (pip install torchao)"
-    else:
-        out["fp8"] = "fp8 conversion is not implemented by this version of the callback"
-    if not have_torchao:
-        out["fp8-emulated"] = "emulated fp8 needs torchao (pip install torchao)"
-    else:
-        out["fp8-emulated"] = "fp8 conversion is not implemented by this version of the callback"
-    if allowed is not None:
-        allowed_set = set(allowed)
-        for level in PRECISIONS:
-            if level not in allowed_set and out.get(level) is None and level != "fp32":
-                out[level] = "not in the precisions= this callback was given"
-    return out
+# Precision support lives in greend.precision (precision_support is re-exported here).
 
 
 # The step ----------------------------------------------------------------------------
@@ -278,13 +252,15 @@ def precision_support(dev: torch.device, allowed: Iterable[str] | None = None) -
 class Step:
     """One training step: a context manager made by :meth:`GreenCallback.step`.
 
-    Inside it: :meth:`autocast` for the precision this step runs at, and
-    :meth:`loss` to report the loss. Attributes after the step: ``t0_s``,
-    ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
+    Inside it: :meth:`autocast` for the precision this step runs at, :meth:`loss`
+    to report the loss, and (recommended, needed for fp16) :meth:`backward` and
+    :meth:`optimizer_step`, which use loss scaling when the level needs it and
+    let the accuracy guard see the gradients. Attributes after the step:
+    ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
     """
 
     __slots__ = ("_cb", "index", "samples", "tokens", "flops", "_key", "_batch", "t0_s", "t1_s",
-                 "_loss", "_nonfinite", "_counting", "precision")
+                 "_loss", "_nonfinite", "_what", "_counting", "_scaled", "precision")
 
     def __init__(self, cb: GreenCallback, index: int | None, samples: int | None, tokens: int | None,
                  key: Hashable | None, batch: Any, flops: float | None) -> None:
@@ -299,7 +275,9 @@ class Step:
         self.t1_s = 0.0
         self._loss: float | None = None
         self._nonfinite = False
+        self._what = "loss"
         self._counting = False
+        self._scaled = False
         self.precision = "fp32"
 
     def __enter__(self) -> Step:
@@ -326,6 +304,8 @@ class Step:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
         cb._record(self)
+        if self._nonfinite and cb._guard.stack:
+            cb._roll_back(self)  # the next step runs at the level we came down from
         return False
 
     def autocast(self) -> ContextManager[Any]:
@@ -344,12 +324,60 @@ class Step:
             return
         if math.isfinite(value):
             self._loss, self._nonfinite = value, False
+            self._cb._guard.losses.append(value)
         else:
-            self._loss, self._nonfinite = None, True
+            self._loss, self._nonfinite, self._what = None, True, "loss"
 
-    def mark_nonfinite(self) -> None:
+    def mark_nonfinite(self, what: str = "gradient") -> None:
         """Flag this step as non-finite (e.g. a gradient was inf/NaN) without a loss value."""
+        if not self._nonfinite:
+            self._what = what  # the first cause is the one reported
         self._nonfinite = True
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, through the GradScaler when this step runs fp16.
+
+        Reports the loss too (as :meth:`loss`) if the step has not reported one.
+        """
+        cb = self._cb
+        cb._scaling_seen = True
+        if self._loss is None and not self._nonfinite:
+            self.loss(loss)
+        if self.precision == "fp16" and cb.manage_precision:
+            scaler = cb._get_scaler()
+            if scaler is not None:
+                scaler.scale(loss).backward(**kwargs)
+                self._scaled = True
+                return
+        loss.backward(**kwargs)
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        """``optimizer.step()``, through the GradScaler when :meth:`backward` scaled the loss.
+
+        While the accuracy guard is armed (the run is below a level it came down
+        from) the gradients are checked first (one fused norm, one sync): a
+        non-finite gradient skips the update, so the master weights stay clean,
+        and rolls the precision back after this step. Returns False when the
+        update was skipped here (a scaler may also skip one on its own, as it does
+        when it finds inf gradients and lowers its scale).
+        """
+        cb = self._cb
+        cb._scaling_seen = True
+        if self._scaled and cb._scaler is not None:
+            cb._scaler.step(optimizer)
+            cb._scaler.update()
+            return True
+        if cb._guard.stack and cb.manage_precision:
+            try:
+                finite = _prec.grads_finite(_prec.optimizer_params(optimizer))
+            except Exception as e:  # noqa: BLE001 - the guard never breaks the step
+                cb._warn_once("gradcheck", f"cannot check the gradients for inf/NaN: {e}")
+                finite = True
+            if not finite:
+                self.mark_nonfinite("gradient")
+                return False
+        optimizer.step()
+        return True
 
 
 # The callback ------------------------------------------------------------------------
@@ -368,12 +396,19 @@ class GreenCallback:
         device: the autocast device when there is no model (default: the model's, or cpu).
         flops_per_step: FLOPs of one step, if known: no counting.
         model_flops: estimate FLOPs as ``6 * params * tokens`` (``step(tokens=...)``).
-        precisions: levels the caller allows the daemon to choose (default: all that run here).
+        precisions: levels the caller allows the daemon to choose (default: all that run
+            here, except ``fp8-emulated``, which is offered only when listed here).
         manage_precision: False for adapters whose framework owns autocast: the
             callback then only reports ``initial_precision`` and changes no torch flag.
         initial_precision: the level at start (default fp32).
         precision_owner: with ``manage_precision=False``, who owns precision (for the
             reason a directive is refused).
+        loss_scaling: True: the loop runs ``step.backward``/``step.optimizer_step`` (or
+            ``cb.scaler``), so fp16 may run from step 0; False: fp16 is never applied;
+            None (default): fp16 is applied once the loop has used one of them.
+        fp8_min_features: linears narrower than this stay out of fp8 (default 1024).
+        guard_window: finite losses kept for the guard's trend (default 32).
+        cooldown_steps: steps a level stays barred after the guard rolled it back.
         mem_share: memory-bound share of a step, for simulated GPUs (0..0.95).
         max_pending: step records kept while the daemon is slow or gone.
         max_flop_counts: distinct shape keys counted with FlopCounterMode.
@@ -397,6 +432,10 @@ class GreenCallback:
         manage_precision: bool = True,
         initial_precision: str = "fp32",
         precision_owner: str | None = None,
+        loss_scaling: bool | None = None,
+        fp8_min_features: int = _prec.DEFAULT_FP8_MIN_FEATURES,
+        guard_window: int = 32,
+        cooldown_steps: int = 500,
         mem_share: float | None = None,
         max_pending: int = 10_000,
         max_flop_counts: int = 8,
@@ -431,6 +470,10 @@ class GreenCallback:
             raise ValueError(f"sync_every={sync_every!r}: must be a whole number of steps >= 1")
         if max_pending < 1 or max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
+        for name, ivalue in (("fp8_min_features", fp8_min_features), ("guard_window", guard_window),
+                             ("cooldown_steps", cooldown_steps)):
+            if not isinstance(ivalue, int) or isinstance(ivalue, bool) or ivalue < 1:
+                raise ValueError(f"{name}={ivalue!r}: must be a whole number >= 1")
         allowed = None if precisions is None else list(precisions)
         if allowed is not None:
             bad = [p for p in allowed if p not in PRECISIONS]
@@ -450,8 +493,26 @@ class GreenCallback:
         self._model = model
 
         # Precision state (written by the training thread only).
+        self._guard = Guard(window=guard_window, cooldown_steps=cooldown_steps)
+        self._events: deque[dict[str, Any]] = deque(maxlen=64)  # precision events for the sender
+        self._loss_scaling = loss_scaling
+        self._scaling_seen = bool(loss_scaling)
+        self._scaler: Any = None  # torch.amp.GradScaler, made on the first fp16 step
+        self._fp8: _prec.Fp8Converter | None = None
+        self._fp8_te = False  # fp8 through Transformer Engine's fp8_autocast (no conversion)
         if manage_precision:
-            self._support = precision_support(self.device, allowed)
+            self._support = precision_support(self.device, allowed, model=model,
+                                              fp8_min_features=fp8_min_features)
+            if loss_scaling is False and self._support.get("fp16") is None:
+                self._support["fp16"] = "loss_scaling=False: fp16 needs a GradScaler"
+            fp8_ok = [lvl for lvl in FP8_LEVELS if self._support.get(lvl) is None]
+            if fp8_ok and model is not None:
+                if "fp8" in fp8_ok and _prec._te_model(model):
+                    self._fp8_te = True
+                else:
+                    self._fp8 = _prec.Fp8Converter(model, _prec.fp8_targets(model, fp8_min_features),
+                                                   emulate=False)
+                    _prec.start_torchao_warm_up()
         else:
             owner = precision_owner or "the training framework owns autocast; see greend.integrations"
             self._support = {lvl: (None if lvl == initial_precision else f"not switched here: {owner}")
@@ -463,6 +524,7 @@ class GreenCallback:
         self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         self._precision = "fp32"
         self.refused: dict[str, str] = {}  # level -> why the callback did not apply it
+        self._event_log: deque[dict[str, Any]] = deque(maxlen=256)
         self._apply_level(initial_precision)
         # The sender writes _requested (a str); the training thread compares it to _seen_request.
         self._requested: str | None = None
@@ -541,6 +603,24 @@ class GreenCallback:
         """Every level -> ``None`` if it can run here, else the reason it cannot."""
         return dict(self._support)
 
+    @property
+    def scaler(self) -> Any:
+        """The :class:`torch.amp.GradScaler` while the current level needs one (fp16), else None.
+
+        For loops that do their own backward: ``cb.scaler.scale(loss).backward()``,
+        ``cb.scaler.step(opt)``, ``cb.scaler.update()`` when it is not None.
+        ``step.backward``/``step.optimizer_step`` do this for you.
+        """
+        self._scaling_seen = True
+        if self.precision != "fp16" or not self.manage_precision:
+            return None
+        return self._get_scaler()
+
+    @property
+    def precision_events(self) -> list[dict[str, Any]]:
+        """Rollbacks and refusals this callback made (as sent to the daemon), oldest first."""
+        return list(self._event_log)
+
     def autocast(self) -> ContextManager[Any]:
         """The context for the current precision (same as ``step.autocast()``)."""
         return self._autocast_for(self.precision)
@@ -564,6 +644,11 @@ class GreenCallback:
             log.debug("closing the sender failed: %s", e)
         if self.manage_precision:
             self._restore_tf32()
+            if self._fp8 is not None and self._fp8.active:
+                try:
+                    self._fp8.revert()  # the user gets back the model they gave us
+                except Exception as e:  # noqa: BLE001
+                    log.warning("greend: could not undo the fp8 conversion: %s", e)
 
     def __enter__(self) -> GreenCallback:
         return self
@@ -663,21 +748,79 @@ class GreenCallback:
         return counted
 
     def _take_request(self, level: str | None) -> None:
+        """Apply the daemon's latest directive at a step boundary, or refuse it with a reason."""
         self._seen_request = level
         if level is None or level == self._precision:
             return
+        step = self._next_index
         reason = self._support.get(level, f"unknown precision level {level!r}")
-        if reason is not None:
-            self.refused[level] = reason
-            self._warn_once(f"refuse:{level}",
-                            f"greend asked for precision {level}; staying at {self._precision}: {reason}",
-                            level=logging.WARNING)
+        if reason is None:
+            reason = self._guard.barred_reason(level, step)
+        if reason is None and level == "fp16" and self.manage_precision and not self._scaling_seen:
+            reason = ("fp16 needs loss scaling: run the step's backward and optimizer step through "
+                      "step.backward(loss) and step.optimizer_step(opt), or cb.scaler, or pass "
+                      "loss_scaling=True")
+        if reason is None:
+            old = self._precision
+            try:
+                self._apply_level(level)
+            except Exception as e:  # noqa: BLE001 - a failed conversion must not break training
+                reason = f"switching to {level} failed: {type(e).__name__}: {e}"
+                self._support[level] = reason  # never again in this process
+            else:
+                log.info("precision %s -> %s (greend directive)", old, level)
+                if self.manage_precision:
+                    self._guard.on_switch(old, level, step)
+                return
+        self.refused[level] = reason
+        self._warn_once(f"refuse:{level}",
+                        f"greend asked for precision {level}; staying at {self._precision}: {reason}",
+                        level=logging.WARNING)
+        self._send_event(PrecisionEvent("refused", self._precision, level, reason, step=step,
+                                        loss=self._guard.losses[-1] if self._guard.losses else None,
+                                        trend=self._guard.trend()))
+
+    def _roll_back(self, step: Step) -> None:
+        """The guard's fast rule: a non-finite step below a level we came down from."""
+        index = step.index if step.index is not None else self._next_index - 1
+        ev = self._guard.rollback(self._precision, index, step._what, step._loss)
+        if ev is None:
             return
-        log.info("precision %s -> %s (greend directive)", self._precision, level)
-        self._apply_level(level)
+        try:
+            self._apply_level(ev.to_level)
+        except Exception as e:  # noqa: BLE001 - going up never needs a conversion, but be safe
+            log.error("greend: rolling back to %s failed: %s", ev.to_level, e)
+            return
+        self._guard.on_switch(ev.from_level, ev.to_level, index + 1)
+        log.warning("greend: precision rollback %s -> %s: %s", ev.from_level, ev.to_level, ev.reason)
+        self._send_event(ev)
+
+    def _send_event(self, ev: PrecisionEvent) -> None:
+        fields = ev.fields()
+        self._event_log.append(fields)
+        self._events.append(fields)  # the sender thread sends it as op "precision_event"
+
+    def _get_scaler(self) -> Any:
+        if self._scaler is None:
+            try:
+                self._scaler = torch.amp.GradScaler(self._autocast_device)
+            except Exception as e:  # noqa: BLE001
+                self._warn_once("scaler", f"cannot make a GradScaler for {self._autocast_device}: {e}")
+                return None
+        return self._scaler
 
     def _apply_level(self, level: str) -> None:
         if self.manage_precision:
+            fp8 = self._fp8
+            if level in FP8_LEVELS and fp8 is not None:
+                emulate = level == "fp8-emulated"
+                if fp8.active and fp8.emulate != emulate:
+                    fp8.revert()
+                fp8.emulate = emulate
+                n = fp8.convert()  # raises (model unchanged) if torchao cannot
+                log.info("greend: %d linear layer(s) run in %s", n, level)
+            elif fp8 is not None and fp8.active:
+                fp8.revert()
             if level == "tf32":
                 torch.backends.cuda.matmul.allow_tf32 = True
                 torch.backends.cudnn.allow_tf32 = True
@@ -697,7 +840,10 @@ class GreenCallback:
         dtype = _AUTOCAST_DTYPES.get(level)
         if dtype is None:
             return _NULL
-        return torch.autocast(self._autocast_device, dtype=dtype)
+        ctx = torch.autocast(self._autocast_device, dtype=dtype)
+        if self._fp8_te and level == "fp8":
+            return _te_fp8_context(ctx)
+        return ctx
 
     # Warnings ------------------------------------------------------------------------
     def _warn_once(self, key: str, message: str, *, level: int = logging.WARNING) -> None:
@@ -713,6 +859,15 @@ class GreenCallback:
         log.log(level, "greend: %s", message)
         if first:
             warnings.warn(f"greend: {message} (training continues unchanged)", GreendWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def _te_fp8_context(autocast: ContextManager[Any]) -> Any:
+    """bf16 autocast plus Transformer Engine's fp8_autocast (models built from TE modules)."""
+    import transformer_engine.pytorch as te  # only reached when TE was found
+
+    with autocast, te.fp8_autocast(enabled=True):
+        yield
 
 
 def _warm_up_flop_counter() -> None:
@@ -819,6 +974,13 @@ class _Sender:
         """One round: queue steps, maybe a heartbeat, then wait for I/O up to flush_interval_s."""
         now = _monotonic()
         self._queue_steps()
+        events = self.cb._events
+        while events:
+            try:
+                ev = events.popleft()
+            except IndexError:
+                break
+            self._queue_request("precision_event", ev)
         pace = self.cb._agreed_pace_s
         if pace is not None:
             self.cb._agreed_pace_s = None

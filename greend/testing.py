@@ -2,7 +2,7 @@
 
 :class:`FakeDaemon` speaks docs/protocol.md on a real Unix socket (built on
 :class:`greend.ipc.IpcServer`: register / steps / heartbeat / end), records what
-it receives and can push directives, so training code that uses
+it receives (``precision_events`` too) and can push directives, so training code that uses
 :class:`greend.GreenCallback` can be tested without a greend daemon.
 :class:`SilentDaemon` accepts connections and never reads, like a hung daemon.
 """
@@ -31,6 +31,7 @@ class FakeDaemon:
         self.steps: list[dict[str, Any]] = []
         self.heartbeats = 0
         self.ends: list[dict[str, Any]] = []
+        self.precision_events: list[dict[str, Any]] = []
         self.step_messages = 0
         self.hang = threading.Event()  # set: the steps handler blocks, so nothing more is read
         self.unhang = threading.Event()
@@ -45,6 +46,13 @@ class FakeDaemon:
         self.server.route("steps", self._steps, {"steps": Field((list,), required=True, max_len=1024)})
         self.server.route("heartbeat", self._heartbeat)
         self.server.route("end", self._end, {"reason": Field((str,))})
+        levels = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
+        self.server.route("precision_event", self._precision_event, {
+            "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
+            "from": Field((str,), choices=levels), "to": Field((str,), choices=levels),
+            "reason": Field((str,), max_len=512), "step": Field((int,), min=0),
+            "loss": Field((float,)), "trend": Field((float,)),
+        })
 
     def start(self) -> FakeDaemon:
         self.server.start()
@@ -79,6 +87,11 @@ class FakeDaemon:
     def _heartbeat(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
             self.heartbeats += 1
+        return {"ok": True}
+
+    def _precision_event(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self.lock:
+            self.precision_events.append({k: v for k, v in msg.items() if k not in ("v", "id", "op")})
         return {"ok": True}
 
     def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:

@@ -192,9 +192,12 @@ class PolicyInfo:
 from .budget import BudgetPolicy  # noqa: E402
 from .efficient import EfficientPolicy  # noqa: E402
 from .none import NonePolicy  # noqa: E402
+from .precision import PrecisionPolicy  # noqa: E402
 from .static import StaticPolicy  # noqa: E402
 
-_CLASSES: tuple[type, ...] = (NonePolicy, StaticPolicy, EfficientPolicy, BudgetPolicy)
+# PrecisionPolicy only decides precision: the daemon runs it beside one of the others
+# ([policy] precision = "precision").
+_CLASSES: tuple[type, ...] = (NonePolicy, StaticPolicy, EfficientPolicy, BudgetPolicy, PrecisionPolicy)
 
 POLICIES: dict[str, PolicyInfo] = {
     c.name: PolicyInfo(name=c.name, cls=c, help=c.help, params=tuple(c.PARAMS))  # type: ignore[attr-defined]

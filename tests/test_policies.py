@@ -33,7 +33,7 @@ def test_all_matches_namespace() -> None:
 
 
 def test_registry_lists_policies_with_params() -> None:
-    assert set(POLICIES) == {"none", "static", "efficient", "budget"}
+    assert set(POLICIES) == {"none", "static", "efficient", "budget", "precision"}
     eff = POLICIES["efficient"]
     names = {p.name: p for p in eff.params}
     assert names["max_slowdown"].default == 0.05

@@ -1,0 +1,135 @@
+"""Step time and energy per step at every precision level this machine runs, side by side.
+
+Run:  python bench/bench_precision.py [--steps 10] [--width 512] [--batch 128]
+
+One MLP (width -> 2*width -> width -> 16), trained through GreenCallback against
+a fake daemon that switches the level between steps (the real switch path:
+autocast dtypes, the fp8 conversion, the GradScaler). Per level it prints:
+
+* ``step ms``: median wall time of a training step here (measured);
+* ``sim J/step``: the simulated H100's energy for a step of the counted FLOPs
+  at that level (``probes.sim``: the model the daemon prices steps with on
+  ``--sim`` GPUs), labelled sim; fp8-emulated runs at bf16's rate there;
+* ``cpu J/step``: the CPU package energy per step from RAPL, where readable
+  (``/sys/class/powercap``; root-only since Linux 5.10), else n/a.
+
+Levels this machine cannot run are listed with the reason. fp8-emulated is
+offered because this benchmark lists it (never on a real run by default).
+
+On CPUs without native bf16 (no AVX512-BF16/AMX) bf16 and fp16 autocast are far
+slower than fp32 (on the 2-core build VM: ~50x for a 1024-wide MLP); the sim
+column is what the same step costs on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from greend.callback import GreenCallback  # noqa: E402
+from greend.precision import PRECISIONS, warm_up_torchao  # noqa: E402
+from greend.testing import FakeDaemon  # noqa: E402
+from probes.sim import H100  # noqa: E402
+
+MEM_SHARE = 0.3
+
+
+def rapl_uj() -> int | None:
+    p = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+    try:
+        return int(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=128)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    w = args.width
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = nn.Sequential(nn.Linear(w, 2 * w), nn.ReLU(), nn.Linear(2 * w, w), nn.ReLU(), nn.Linear(w, 16)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, w, device=device)
+    y = torch.randn(args.batch, 16, device=device)
+    with FlopCounterMode(display=False) as fc:
+        nn.functional.mse_loss(model(x), y).backward()
+    opt.zero_grad(set_to_none=True)
+    flops = float(fc.get_total_flops())
+    warm_up_torchao()  # import it now, not in a thread competing with the fp32 timings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = Path(tmp) / "greend.sock"
+        daemon = FakeDaemon(sock).start()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cb = GreenCallback(job="bench-precision", model=model, socket=sock, precisions=list(PRECISIONS),
+                                   loss_scaling=True, fp8_min_features=min(1024, w), flops_per_step=flops,
+                                   flush_interval_s=0.02)
+            support = cb.supported_precisions()
+            levels = [lvl for lvl in PRECISIONS if support[lvl] is None]
+            rows = []
+            for level in levels:
+                daemon.directive(level)
+                deadline = time.monotonic() + 5
+                while cb.requested_precision != level and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                times: list[float] = []
+                e0 = rapl_uj()
+                for i in range(args.warmup + args.steps):
+                    if i == args.warmup:
+                        e0 = rapl_uj()
+                    t = time.perf_counter()
+                    with cb.step(samples=args.batch) as st:
+                        with st.autocast():
+                            out = model(x)
+                        st.backward(nn.functional.mse_loss(out.float(), y))
+                        st.optimizer_step(opt)
+                        opt.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t)
+                e1 = rapl_uj()
+                ran = st.precision
+                cpu_j = (e1 - e0) / 1e6 / args.steps if e0 is not None and e1 is not None and e1 >= e0 else None
+                sim = H100.step_cost(flops, MEM_SHARE, ran)
+                rows.append((level, ran, statistics.median(times) * 1e3, sim.energy_j, cpu_j))
+            cb.close()
+        finally:
+            daemon.stop()
+
+    print(f"MLP {w}-{2 * w}-{w}-16, batch {args.batch}, {flops / 1e9:.2f} GFLOP per step (fwd+bwd), "
+          f"on {device.type} ({torch.get_num_threads()} threads), median of {args.steps} steps")
+    print(f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}{'cpu J/step':>12}")
+    base_t, base_e = rows[0][2], rows[0][3]
+    for level, ran, ms, ej, cpu in rows:
+        cpu_txt = f"{cpu:.3f}" if cpu is not None else "n/a"
+        print(f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x{cpu_txt:>12}")
+    if rapl_uj() is None:
+        print("cpu J/step: n/a (RAPL energy_uj not readable here: no /sys/class/powercap, or not root)")
+    print("sim J/step: the simulated H100 (probes.sim, mem_share 0.3) at each level; source=sim")
+    for lvl in PRECISIONS:
+        if support[lvl] is not None:
+            print(f"not here: {lvl}: {support[lvl]}")
+
+
+if __name__ == "__main__":
+    main()

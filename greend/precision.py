@@ -1,0 +1,425 @@
+"""Precision levels on the training side: what runs here, how to switch, and the guard.
+
+:class:`greend.GreenCallback` uses this module; it is separate so that a newcomer
+finds every precision rule in one place and so that the pieces can be tested alone.
+
+Levels
+------
+========== =====================================================================
+``fp32``   true FP32 (TF32 off: torch's default)
+``tf32``   FP32 with TF32 tensor-core matmuls (CUDA, compute capability >= 8.0)
+``bf16``   ``torch.autocast(device, torch.bfloat16)``
+``fp16``   ``torch.autocast(device, torch.float16)`` plus loss scaling
+           (:class:`torch.amp.GradScaler`): the step must go through
+           ``step.backward(loss)`` and ``step.optimizer_step(opt)`` (or
+           ``cb.scaler``), else the level is refused
+``fp8``    torchao float8 training (``convert_to_float8_training``) on a GPU of
+           compute capability >= 8.9, the rest of the model under bf16 autocast;
+           or NVIDIA Transformer Engine (``te.fp8_autocast``) for a model built
+           from ``transformer_engine.pytorch`` modules
+``fp8-emulated`` torchao's ``Float8LinearConfig(emulate=True)``: FP8 numerics on
+           the CPU, for tests only. Offered only when listed explicitly in
+           ``GreenCallback(precisions=[...])``; never on a real run by default.
+========== =====================================================================
+
+:func:`precision_support` says, for each level, ``None`` (runs here) or the
+reason it cannot run.
+
+Switching
+---------
+All switches happen between steps and are reversible. bf16/fp16 are an autocast
+dtype. fp8 converts the model's eligible ``nn.Linear`` layers
+(:func:`fp8_targets`: dims multiples of 16, at least ``min_features`` wide, not
+the output head) to torchao ``Float8Linear`` in place; the Float8Linear shares
+the original layer's ``weight`` and ``bias`` Parameter objects (the master
+weights, in full precision), so the optimizer's state survives. Leaving fp8 puts
+the original ``nn.Linear`` modules back (:class:`Fp8Converter`): same module
+objects, same Parameters, hooks intact. Embeddings and norms are never
+converted (they are not ``nn.Linear``), nor are small linears and the head
+(FACTS.md: FP8 loses to bf16 there).
+
+The guard (local rules)
+-----------------------
+:class:`Guard` remembers the levels the run came down from. A non-finite loss
+(or gradient, when the step's ``backward``/``optimizer_step`` let the callback
+see them) while running below a level it came down from rolls back to that
+level from the very next step, bars the failed level for ``cooldown_steps``
+steps, and yields a ``rollback`` precision event with the reason and the loss
+figures (``trend``: the mean loss over the window before the downgrade). The
+daemon's precision policy adds the slower rule (a finite loss worse than the
+trend by more than a tolerance over the probation window).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BITS",
+    "PRECISIONS",
+    "Fp8Converter",
+    "Guard",
+    "PrecisionEvent",
+    "fp8_targets",
+    "grads_finite",
+    "is_downgrade",
+    "precision_support",
+    "warm_up_torchao",
+]
+
+log = logging.getLogger(__name__)
+
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
+# Mantissa-ish "bits" of each level: a switch to fewer bits is a downgrade.
+BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
+FP8_LEVELS = ("fp8", "fp8-emulated")
+# Layer names that are an output head: kept out of fp8 (FACTS.md).
+_HEAD_NAMES = {"lm_head", "head", "output", "classifier", "score", "fc_out", "decoder"}
+DEFAULT_FP8_MIN_FEATURES = 1024
+
+
+def is_downgrade(old: str, new: str) -> bool:
+    """True when ``new`` keeps fewer bits than ``old`` (fp32 -> bf16, bf16 -> fp8, ...)."""
+    return BITS.get(new, 32) < BITS.get(old, 32)
+
+
+# Support detection -------------------------------------------------------------------
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _te_model(model: nn.Module | None) -> bool:
+    """Does the model contain Transformer Engine modules (the TE fp8 path)?"""
+    if model is None:
+        return False
+    return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
+
+
+def fp8_targets(model: nn.Module | None, min_features: int = DEFAULT_FP8_MIN_FEATURES) -> list[str]:
+    """Qualified names of the ``nn.Linear`` layers fp8 would convert.
+
+    Eligible: both dims multiples of 16 (torchao's requirement), both at least
+    ``min_features``, not named like an output head (``lm_head``, ``head``,
+    ``classifier``, ...) and not the model's last Linear (the head of a plain
+    ``nn.Sequential``). Embeddings and norms are not ``nn.Linear`` and stay as they are.
+    """
+    if model is None:
+        return []
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and name]
+    if not linears:
+        return []
+    last = linears[-1][0]
+    out = []
+    for name, m in linears:
+        if name == last or name.rsplit(".", 1)[-1] in _HEAD_NAMES:
+            continue
+        if m.in_features % 16 or m.out_features % 16:
+            continue
+        if min(m.in_features, m.out_features) < min_features:
+            continue
+        out.append(name)
+    return out
+
+
+def precision_support(
+    dev: torch.device,
+    allowed: Iterable[str] | None = None,
+    *,
+    model: nn.Module | None = None,
+    fp8_min_features: int = DEFAULT_FP8_MIN_FEATURES,
+) -> dict[str, str | None]:
+    """For each level, ``None`` if this process can run it, else the reason why not.
+
+    ``allowed``: the levels the user lets greend choose (``precisions=``); None:
+    every level that runs here except ``fp8-emulated``, which must be listed.
+    ``model``: fp8 needs one, with at least one eligible linear (:func:`fp8_targets`).
+    """
+    out: dict[str, str | None] = {}
+    cuda = dev.type == "cuda"
+    cc: tuple[int, int] | None = None
+    if cuda:
+        try:
+            cc = torch.cuda.get_device_capability(dev)
+        except Exception as e:  # noqa: BLE001
+            cc = None
+            log.debug("cannot read the compute capability of %s: %s", dev, e)
+    have_torchao = _has_module("torchao")
+    have_te = _has_module("transformer_engine")
+    where = f"the model is on {dev.type}"
+    out["fp32"] = None
+    if not cuda:
+        out["tf32"] = f"TF32 is a CUDA tensor-core mode (compute capability >= 8.0); {where}"
+    elif cc is not None and cc < (8, 0):
+        out["tf32"] = f"TF32 needs compute capability >= 8.0; this GPU has {cc[0]}.{cc[1]}"
+    else:
+        out["tf32"] = None
+    if cuda:
+        try:
+            out["bf16"] = None if torch.cuda.is_bf16_supported() else "this GPU has no bf16 support"
+        except Exception:  # noqa: BLE001
+            out["bf16"] = None
+    else:
+        out["bf16"] = None if dev.type in ("cpu", "xpu", "mps") else f"no bf16 autocast on {dev.type}"
+    out["fp16"] = None if dev.type in ("cuda", "cpu", "xpu", "mps") else f"no fp16 autocast on {dev.type}"
+
+    targets = fp8_targets(model, fp8_min_features)
+    no_targets = (f"no linear layer of the model is eligible for fp8 (dims multiples of 16, at least "
+                  f"{fp8_min_features} wide, not the output head; fp8_min_features= sets the width)")
+    if not cuda:
+        out["fp8"] = f"fp8 needs a CUDA GPU with compute capability >= 8.9 (CPU autocast refuses fp8); {where}"
+    elif cc is not None and cc < (8, 9):
+        out["fp8"] = f"fp8 needs compute capability >= 8.9; this GPU has {cc[0]}.{cc[1]}"
+    elif have_te and _te_model(model):
+        out["fp8"] = None  # Transformer Engine: te.fp8_autocast around the forward
+    elif not have_torchao:
+        out["fp8"] = "fp8 needs torchao (pip install 'greend[fp8]') or a Transformer Engine model"
+    elif model is None:
+        out["fp8"] = "fp8 converts the model's linear layers: pass model= to GreenCallback"
+    elif not targets:
+        out["fp8"] = no_targets
+    else:
+        out["fp8"] = None
+    listed = allowed is not None and "fp8-emulated" in set(allowed)
+    if not listed:
+        out["fp8-emulated"] = ("emulated fp8 is for CPU tests only: list it in "
+                               "GreenCallback(precisions=[...]) to offer it")
+    elif not have_torchao:
+        out["fp8-emulated"] = "emulated fp8 needs torchao (pip install 'greend[fp8]')"
+    elif model is None:
+        out["fp8-emulated"] = "fp8 converts the model's linear layers: pass model= to GreenCallback"
+    elif not targets:
+        out["fp8-emulated"] = no_targets
+    else:
+        out["fp8-emulated"] = None
+    if allowed is not None:
+        allowed_set = set(allowed)
+        for level in PRECISIONS:
+            if level not in allowed_set and out.get(level) is None and level != "fp32":
+                out[level] = "not in the precisions= this callback was given"
+    return out
+
+
+def warm_up_torchao() -> None:
+    """Import torchao's float8 module (about 3 s on a small CPU) off the training thread."""
+    try:
+        importlib.import_module("torchao.float8")
+    except Exception as e:  # noqa: BLE001 - the first fp8 switch imports it (or refuses) itself
+        log.debug("warming up torchao.float8 failed: %s", e)
+
+
+def start_torchao_warm_up() -> None:
+    threading.Thread(target=warm_up_torchao, name="greend-torchao-warmup", daemon=True).start()
+
+
+# fp8 conversion ----------------------------------------------------------------------
+
+
+class Fp8Converter:
+    """Converts a model's eligible linears to torchao Float8Linear and back, in place.
+
+    ``convert()`` keeps the original ``nn.Linear`` module objects; ``revert()`` puts
+    them back. Both keep every Parameter object (checked: a conversion that would
+    replace one is undone and raises), so an optimizer built before the switch
+    keeps working, state included.
+    """
+
+    def __init__(self, model: nn.Module, targets: list[str], *, emulate: bool) -> None:
+        self.model = model
+        self.targets = list(targets)
+        self.emulate = emulate
+        self._originals: dict[str, nn.Linear] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._originals)
+
+    def convert(self) -> int:
+        """Convert; returns the number of layers converted. Raises on failure (model unchanged)."""
+        if self.active:
+            return len(self._originals)
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear
+
+        config = Float8LinearConfig(emulate=self.emulate)
+        params_before = [id(p) for p in self.model.parameters()]
+        done: dict[str, nn.Linear] = {}
+        try:
+            for name in self.targets:
+                parent, attr = self._parent(name)
+                orig = getattr(parent, attr)
+                if type(orig) is not nn.Linear:
+                    continue
+                new = Float8Linear.from_float(orig, config=config)
+                if new.weight is not orig.weight or new.bias is not orig.bias:
+                    raise RuntimeError(f"torchao replaced the parameters of {name}: the optimizer would lose them")
+                setattr(parent, attr, new)
+                done[name] = orig
+        except Exception:
+            self._originals = done
+            self.revert()
+            raise
+        self._originals = done
+        if [id(p) for p in self.model.parameters()] != params_before:  # pragma: no cover - defensive
+            self.revert()
+            raise RuntimeError("fp8 conversion changed the model's Parameter objects")
+        return len(done)
+
+    def revert(self) -> None:
+        """Put the original nn.Linear modules back (same Parameters, same hooks)."""
+        for name, orig in self._originals.items():
+            parent, attr = self._parent(name)
+            cur = getattr(parent, attr)
+            if cur is not orig:
+                # The Float8Linear shares the Parameters; re-point the original should
+                # someone have re-assigned them in the meantime.
+                if getattr(cur, "weight", None) is not None and cur.weight is not orig.weight:
+                    orig.weight = cur.weight
+                if getattr(cur, "bias", None) is not orig.bias:
+                    orig.bias = cur.bias
+                orig.train(cur.training)
+                setattr(parent, attr, orig)
+        self._originals = {}
+
+    def _parent(self, name: str) -> tuple[nn.Module, str]:
+        if "." in name:
+            path, attr = name.rsplit(".", 1)
+            return self.model.get_submodule(path), attr
+        return self.model, name
+
+
+# Gradients ---------------------------------------------------------------------------
+
+
+def grads_finite(params: Iterable[torch.Tensor]) -> bool:
+    """True if every gradient is finite: one fused norm per device and dtype, one sync."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if g is not None:
+            groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    for grads in groups.values():
+        norms = torch._foreach_norm(grads)
+        if not bool(torch.stack([n.float() for n in norms]).sum().isfinite()):
+            return False
+    return True
+
+
+def optimizer_params(opt: Any) -> list[torch.Tensor]:
+    return [p for group in getattr(opt, "param_groups", ()) for p in group.get("params", ())]
+
+
+# The guard ---------------------------------------------------------------------------
+
+
+@dataclass
+class PrecisionEvent:
+    """What the callback tells the daemon (op ``precision_event``, docs/protocol.md)."""
+
+    kind: str  # rollback | refused | switch
+    from_level: str
+    to_level: str
+    reason: str
+    step: int | None = None
+    loss: float | None = None
+    trend: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "from": self.from_level, "to": self.to_level,
+                             "reason": self.reason[:512]}
+        if self.step is not None:
+            d["step"] = int(self.step)
+        if self.loss is not None and math.isfinite(self.loss):
+            d["loss"] = float(self.loss)
+        if self.trend is not None and math.isfinite(self.trend):
+            d["trend"] = float(self.trend)
+        return d
+
+
+@dataclass
+class _Downgrade:
+    from_level: str
+    to_level: str
+    step: int  # the first step run at to_level
+    trend: float | None  # mean finite loss over the window before the switch
+
+
+@dataclass
+class Guard:
+    """The callback's accuracy guard: fast, local rules (the policy has the slow ones).
+
+    ``window``: recent finite losses kept for the trend. ``cooldown_steps``: how
+    long a level that failed stays barred.
+    """
+
+    window: int = 32
+    cooldown_steps: int = 500
+    losses: deque[float] = field(default_factory=deque)
+    stack: list[_Downgrade] = field(default_factory=list)  # downgrades still in force, oldest first
+    barred: dict[str, tuple[int, str]] = field(default_factory=dict)  # level -> (until step, why)
+    rollbacks: int = 0
+
+    def __post_init__(self) -> None:
+        self.losses = deque(self.losses, maxlen=self.window)
+
+    @property
+    def armed(self) -> bool:
+        """True while the run is below a level it came down from: a non-finite step rolls back."""
+        return bool(self.stack)
+
+    def trend(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
+
+    def on_switch(self, old: str, new: str, step: int) -> None:
+        """Record a level change (a directive, or a rollback) taking effect at ``step``."""
+        if is_downgrade(old, new):
+            self.stack.append(_Downgrade(old, new, step, self.trend()))
+        else:
+            bits = BITS.get(new, 32)
+            self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
+        self.losses.clear()  # the trend of the new level starts afresh
+
+    def barred_reason(self, level: str, step: int) -> str | None:
+        entry = self.barred.get(level)
+        if entry is None:
+            return None
+        until, why = entry
+        if step >= until:
+            del self.barred[level]
+            return None
+        return f"{level} is barred until step {until} after a rollback ({why})"
+
+    def rollback(self, level: str, step: int, what: str, loss: float | None) -> PrecisionEvent | None:
+        """A non-finite ``what`` ("loss" or "gradient") at ``step`` running ``level``.
+
+        Returns the rollback to make (the event to report), or None when the run is
+        not below a level it came down from (then it is the user's own problem).
+        """
+        if not self.stack:
+            return None
+        d = self.stack.pop()
+        after = step - d.step
+        why = (f"non-finite {what} at step {step}, {after} step{'s' if after != 1 else ''} after "
+               f"the switch {d.from_level} -> {level}")
+        if d.trend is not None:
+            why += f"; loss trend before the switch {d.trend:.6g}"
+        self.barred[level] = (step + 1 + self.cooldown_steps, f"non-finite {what} at step {step}")
+        self.rollbacks += 1
+        self.losses.clear()
+        return PrecisionEvent("rollback", level, d.from_level, why + f"; {level} barred for "
+                              f"{self.cooldown_steps} steps", step=step, loss=loss, trend=d.trend)

@@ -1,0 +1,458 @@
+"""``precision``: step a job down in precision while the loss allows and the joules say it pays.
+
+The daemon runs this policy beside its clock/power policy (``[policy] precision =
+"precision"``, parameters in ``[policy.precision_params]``). It only fills
+:attr:`Decision.precision` (job -> level), with a reason a human can read and,
+in ``details["jobs"][job]["event"]``, the switch or rollback with its loss figures.
+
+How it decides (a newcomer's tour)
+----------------------------------
+
+*The ladder.* ``ladder`` (default ``fp32,bf16,fp8``) lists the rungs, highest
+first. Per job it keeps the rungs the job registered (``JobView.precisions``):
+``bf16`` stands in as ``tf32`` on a GPU without bf16, ``fp8`` as ``fp8-emulated``
+when only that one was offered (CPU tests list it explicitly). A level a job does
+not run is never asked for. On the CPU tf32 does not exist, so nothing is spent
+on a rung that buys nothing.
+
+*Evidence.* Each decision the policy takes the job's measure (``JobView.measure``:
+steps, FLOPs, time and energy since the GPU setting took effect) and books the
+increment since its previous look to the level in force. The first interval
+after a switch is skipped (steps still in flight at the old level), as is any
+interval in which the level or the GPU setting moved. So each level gets its own
+energy per FLOP.
+
+*Stepping down.* One rung at a time, when all hold: the job has run
+``min_steps`` measured steps and ``window`` losses at the current level; the loss
+is stable over the last ``window`` losses (the least-squares slope across the
+window is at most ``max_slope`` of the mean, the residual spread at most
+``max_noise``); no non-finite step since the level began; the next rung is not
+barred; and it has not been seen to save less than ``min_saving`` before.
+
+*Probation.* A new level is held for ``probation_steps`` steps. Meanwhile the
+loss after the switch (skipping ``grace_steps``) is compared with the trend
+before it (the fitted loss at the switch): worse by more than ``tolerance``
+(relative) over at least ``min(probation_steps, window)`` losses, or any
+non-finite step, rolls back to the previous level at once and bars the failed
+one for ``cooldown_s``. At the end of probation the energy per FLOP of the two
+levels is compared: a saving below ``min_saving`` goes back up too (and bars
+the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
+accepted and the policy may step further.
+
+*The callback's own rollbacks.* The callback rolls back at once on a
+non-finite loss or gradient and reports it (``precision_events``, kind
+``rollback``); a level it refused comes back as kind ``refused``. The policy
+reads these, bars the level for ``cooldown_s`` and follows the job's level.
+
+The policy is pure: no I/O, no clocks (``snap.t_s`` only); all memory lives in
+the state object from :meth:`PrecisionPolicy.new_state`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import Param, PolicyError, validate_params
+from .base import Decision, JobMeasure, JobView, Setting, Snapshot
+
+__all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]
+
+KNOWN = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
+# A rung that the job does not run may be stood in for by these (in order).
+STAND_INS: dict[str, tuple[str, ...]] = {"bf16": ("tf32",), "fp8": ("fp8-emulated",)}
+_SEEN_KEEP = 256
+
+
+@dataclass
+class _Evidence:
+    steps: int = 0
+    flops: float = 0.0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+
+    @property
+    def epf(self) -> float:
+        return self.energy_j / self.flops if self.flops > 0 else math.inf
+
+
+@dataclass
+class _Probation:
+    from_level: str
+    to_level: str
+    start_steps: int  # job steps when the switch was made
+    start_losses: int  # how many losses the job had shown when the switch was made
+    trend: float  # the fitted loss at the switch
+    noise: float  # residual spread before the switch (absolute)
+
+
+@dataclass
+class _Job:
+    level: str
+    level_since_steps: int
+    losses_seen: int = 0  # losses counted so far (from JobView.steps deltas)
+    last_steps: int = 0
+    last_nonfinite: int = 0
+    last_measure: JobMeasure | None = None
+    last_setting: Setting | None = None
+    skip: int = 1  # decision intervals still to skip before booking evidence
+    level_losses: list[float] = field(default_factory=list)  # losses at the current level
+    nonfinite_at_start: int = 0
+    evidence: dict[tuple[str, Setting], _Evidence] = field(default_factory=dict)
+    probation: _Probation | None = None
+    barred: dict[str, tuple[float, str]] = field(default_factory=dict)  # level -> (until t_s, why)
+    no_gain: dict[str, float] = field(default_factory=dict)  # level -> until t_s
+    seen_events: list[tuple[Any, ...]] = field(default_factory=list)
+    last_event: str = ""
+
+
+@dataclass
+class PrecisionState:
+    jobs: dict[str, _Job] = field(default_factory=dict)
+
+
+def loss_trend(losses: list[float]) -> tuple[float, float, float, float]:
+    """Least-squares line through ``losses``: (mean, slope per step, fitted value at the
+    last point, residual standard deviation)."""
+    n = len(losses)
+    if n == 0:
+        return (math.nan, 0.0, math.nan, 0.0)
+    mean = sum(losses) / n
+    if n < 2:
+        return (mean, 0.0, mean, 0.0)
+    xm = (n - 1) / 2.0
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    slope = sum((i - xm) * (v - mean) for i, v in enumerate(losses)) / sxx
+    resid = [v - (mean + slope * (i - xm)) for i, v in enumerate(losses)]
+    sd = math.sqrt(sum(r * r for r in resid) / max(1, n - 2))
+    return (mean, slope, mean + slope * (n - 1 - xm), sd)
+
+
+class PrecisionPolicy:
+    """Steps running jobs down the precision ladder under an accuracy guard."""
+
+    name = "precision"
+    help = ("precision downgrades per job (fp32 -> bf16 -> fp8) when the loss is stable and the "
+            "measured energy per FLOP drops; rolls back on a loss worse than its trend")
+    PARAMS: tuple[Param, ...] = (
+        Param("ladder", "str", "fp32,bf16,fp8", "levels to walk down, highest first (comma separated)"),
+        Param("window", "int", 32, "losses over which the loss must be stable (and the trend is fitted)",
+              lo=4, hi=100000),
+        Param("max_slope", "float", 0.05, "stable: fitted loss change across the window, relative to its mean",
+              lo=0, hi=10),
+        Param("max_noise", "float", 0.15, "stable: residual spread of the loss, relative to its mean", lo=0, hi=10),
+        Param("min_steps", "int", 8, "measured steps a level needs before its energy counts", lo=1, hi=100000),
+        Param("min_saving", "float", 0.05, "energy per FLOP a step down must save (fraction) to be kept",
+              lo=0, hi=1),
+        Param("probation_steps", "int", 100, "steps a new level is held and watched before the next step",
+              lo=1, hi=10_000_000),
+        Param("grace_steps", "int", 2, "losses right after a switch left out of the trend check", lo=0, hi=10000),
+        Param("tolerance", "float", 0.05, "roll back when the loss after a switch exceeds the trend "
+              "before it by more than this fraction", lo=0, lo_open=True, hi=10),
+        Param("cooldown_s", "float", 600.0, "a level that failed (or bought nothing) is not tried again "
+              "for this long", lo=0),
+    )
+
+    def __init__(self, **params: Any) -> None:
+        p = validate_params(self.name, self.PARAMS, params)
+        ladder = tuple(x.strip() for x in str(p["ladder"]).split(",") if x.strip())
+        bad = [x for x in ladder if x not in KNOWN]
+        if not ladder or bad or len(set(ladder)) != len(ladder):
+            raise PolicyError(f"policy {self.name!r}: bad value {p['ladder']!r} for 'ladder'; allowed: "
+                              f"distinct levels from {', '.join(KNOWN)}, highest first")
+        self._p = p
+        self.ladder = ladder
+        self.window: int = p["window"]
+        self.max_slope: float = p["max_slope"]
+        self.max_noise: float = p["max_noise"]
+        self.min_steps: int = p["min_steps"]
+        self.min_saving: float = p["min_saving"]
+        self.probation_steps: int = p["probation_steps"]
+        self.grace_steps: int = p["grace_steps"]
+        self.tolerance: float = p["tolerance"]
+        self.cooldown_s: float = p["cooldown_s"]
+
+    def params(self) -> dict[str, Any]:
+        return dict(self._p)
+
+    def new_state(self) -> PrecisionState:
+        return PrecisionState()
+
+    # ------------------------------------------------------------------ decide
+
+    def decide(self, snap: Snapshot, state: PrecisionState) -> Decision:
+        d = Decision()
+        running = [j for j in snap.jobs if j.state == "running"]
+        names = {j.job for j in running}
+        for name in list(state.jobs):
+            if name not in names:
+                del state.jobs[name]
+        reasons: list[str] = []
+        details: dict[str, Any] = {}
+        for j in running:
+            js = state.jobs.get(j.job)
+            if js is None:
+                js = state.jobs[j.job] = _Job(level=j.precision, level_since_steps=j.steps, last_steps=j.steps,
+                                              last_nonfinite=j.nonfinite_recent,
+                                              nonfinite_at_start=j.nonfinite_recent)
+            reason, target, event = self._step_job(snap, j, js)
+            if target is not None and target != j.precision:
+                if target not in j.precisions:  # never ask what the job cannot run
+                    reason = f"job {j.job}: {target} is not a level it runs; holding {j.precision}"
+                else:
+                    d.precision[j.job] = target
+            reasons.append(reason)
+            details[j.job] = self._details(j, js, event)
+        d.reason = "; ".join(reasons) if reasons else "precision: no running job"
+        d.details = {"policy": self.name, "jobs": details,
+                     "reasons": {name: info["reason"] for name, info in details.items()}}
+        return d
+
+    # ------------------------------------------------------------------ per job
+
+    def _rungs(self, j: JobView) -> list[str]:
+        """The ladder as this job can walk it (stand-ins substituted, the rest dropped)."""
+        out: list[str] = []
+        for rung in self.ladder:
+            for level in (rung, *STAND_INS.get(rung, ())):
+                if level in j.precisions:
+                    if level not in out:
+                        out.append(level)
+                    break
+        return out
+
+    def _step_job(self, snap: Snapshot, j: JobView, js: _Job) -> tuple[str, str | None, dict[str, Any] | None]:
+        """One decision for one job: (reason, level to ask or None, event details or None)."""
+        t = snap.t_s
+        self._expire(js, t)
+        self._read_events(j, js, t)
+        new_losses = self._take_losses(j, js)
+        if j.precision != js.level:
+            # Someone else moved the level (the callback rolled back, an operator): follow it.
+            self._enter_level(js, j, j.precision)
+            js.probation = None
+            return (f"job {j.job}: now at {j.precision} ({js.last_event or 'changed outside the policy'})",
+                    None, None)
+        js.level_losses.extend(new_losses)
+        del js.level_losses[:-max(self.window, self.probation_steps) * 4]
+        self._book(j, js)
+
+        pb = js.probation
+        if pb is not None:
+            return self._watch(snap, j, js, pb)
+        return self._maybe_step_down(snap, j, js)
+
+    def _watch(self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation) -> tuple[str, str | None, dict | None]:
+        steps_in = j.steps - pb.start_steps
+        if pb.to_level in js.barred:  # the job refused the level (its event came in)
+            why = js.barred[pb.to_level][1]
+            js.last_event = f"back to {pb.from_level}: {why}"
+            self._enter_level(js, j, pb.from_level)
+            js.probation = None
+            return (f"job {j.job}: {js.last_event}", pb.from_level, None)
+        if j.nonfinite_recent > js.nonfinite_at_start:
+            why = (f"non-finite step during probation at {pb.to_level} ({j.nonfinite_recent - js.nonfinite_at_start} "
+                   f"since the switch)")
+            return self._roll_back(snap, j, js, pb, why, None)
+        after = js.level_losses[self.grace_steps:]
+        need = min(self.probation_steps, self.window)
+        if len(after) >= need:
+            mean_after = sum(after) / len(after)
+            worse = (mean_after - pb.trend) / max(abs(pb.trend), 1e-12)
+            if worse > self.tolerance:
+                why = (f"loss after the switch {mean_after:.6g} is {worse:+.1%} over the trend before it "
+                       f"{pb.trend:.6g} (tolerance {self.tolerance:.0%}, {len(after)} steps)")
+                return self._roll_back(snap, j, js, pb, why, mean_after)
+        if steps_in < self.probation_steps:
+            return (f"job {j.job}: probation at {pb.to_level} ({steps_in}/{self.probation_steps} steps)", None, None)
+        new = self._ev(js, pb.to_level, j.setting)
+        old = self._ev(js, pb.from_level, j.setting)
+        if new is None or new.steps < self.min_steps:
+            return (f"job {j.job}: probation at {pb.to_level} done, measuring its energy "
+                    f"({new.steps if new else 0}/{self.min_steps} steps)", None, None)
+        if old is not None and old.steps >= self.min_steps and math.isfinite(old.epf) and old.epf > 0:
+            saving = 1.0 - new.epf / old.epf
+            if saving < self.min_saving:
+                js.no_gain[pb.to_level] = snap.t_s + self.cooldown_s
+                why = (f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} "
+                       f"(needs {self.min_saving:.0%}): going back")
+                js.last_event = why
+                self._enter_level(js, j, pb.from_level)
+                js.probation = None
+                event = {"kind": "switch", "from": pb.to_level, "to": pb.from_level, "reason": why}
+                return (f"job {j.job}: {why}", pb.from_level, event)
+            verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
+        else:
+            verdict = f"no {pb.from_level} figure at this GPU setting to compare with"
+        after_txt = f"{sum(after) / len(after):.6g}" if after else "n/a"
+        js.last_event = (f"{pb.to_level} accepted after {steps_in} steps: loss {after_txt} vs trend "
+                         f"{pb.trend:.6g}; {verdict}")
+        js.probation = None
+        js.level_losses = js.level_losses[-self.window:]
+        return (f"job {j.job}: {js.last_event}", None, None)
+
+    def _maybe_step_down(self, snap: Snapshot, j: JobView, js: _Job) -> tuple[str, str | None, dict | None]:
+        rungs = self._rungs(j)
+        if j.precision not in rungs:
+            return (f"job {j.job}: runs {j.precision}, not on the ladder {','.join(rungs) or '-'}; holding",
+                    None, None)
+        i = rungs.index(j.precision)
+        if i + 1 >= len(rungs):
+            return (f"job {j.job}: at {j.precision}, the lowest level it runs on the ladder", None, None)
+        nxt = rungs[i + 1]
+        if nxt in js.barred:
+            until, why = js.barred[nxt]
+            return (f"job {j.job}: holding {j.precision}; {nxt} barred for {until - snap.t_s:.0f} s ({why})",
+                    None, None)
+        if nxt in js.no_gain:
+            return (f"job {j.job}: holding {j.precision}; {nxt} bought too little here", None, None)
+        if j.measure is None:
+            return (f"job {j.job}: holding {j.precision}; no energy measure for its steps yet", None, None)
+        ev = self._ev(js, j.precision, j.setting)
+        have = ev.steps if ev else 0
+        if have < self.min_steps:
+            return (f"job {j.job}: measuring {j.precision} ({have}/{self.min_steps} steps)", None, None)
+        if j.nonfinite_recent > js.nonfinite_at_start:
+            return (f"job {j.job}: holding {j.precision}; non-finite steps at this level", None, None)
+        recent = js.level_losses[-self.window:]
+        if len(recent) < self.window:
+            return (f"job {j.job}: watching the loss at {j.precision} ({len(recent)}/{self.window} steps)",
+                    None, None)
+        mean, slope, fitted, sd = loss_trend(recent)
+        scale = max(abs(mean), 1e-12)
+        rel_slope = abs(slope) * (len(recent) - 1) / scale
+        rel_noise = sd / scale
+        if rel_slope > self.max_slope or rel_noise > self.max_noise:
+            return (f"job {j.job}: loss not stable at {j.precision} (change {rel_slope:.1%} across "
+                    f"{len(recent)} steps, spread {rel_noise:.1%}; limits {self.max_slope:.0%}, "
+                    f"{self.max_noise:.0%})", None, None)
+        why = (f"loss stable at {fitted:.6g} (change {rel_slope:.1%}, spread {rel_noise:.1%} over "
+               f"{len(recent)} steps): trying {nxt}, probation {self.probation_steps} steps")
+        js.last_event = why
+        pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, fitted, sd)
+        self._enter_level(js, j, nxt)
+        js.probation = pb
+        event = {"kind": "switch", "from": j.precision, "to": nxt, "reason": why, "loss": recent[-1],
+                 "trend": fitted}
+        return (f"job {j.job}: {why}", nxt, event)
+
+    def _roll_back(self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, why: str,
+                   loss: float | None) -> tuple[str, str, dict[str, Any]]:
+        js.barred[pb.to_level] = (snap.t_s + self.cooldown_s, why)
+        text = f"rollback {pb.to_level} -> {pb.from_level}: {why}; {pb.to_level} barred for {self.cooldown_s:g} s"
+        js.last_event = text
+        self._enter_level(js, j, pb.from_level)
+        js.probation = None
+        event = {"kind": "rollback", "from": pb.to_level, "to": pb.from_level, "reason": text,
+                 "loss": loss, "trend": pb.trend}
+        return (f"job {j.job}: {text}", pb.from_level, event)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _enter_level(self, js: _Job, j: JobView, level: str) -> None:
+        js.level = level
+        js.level_since_steps = j.steps
+        js.level_losses = []
+        js.skip = 1
+        js.nonfinite_at_start = j.nonfinite_recent
+
+    def _expire(self, js: _Job, t: float) -> None:
+        for table in (js.barred, js.no_gain):
+            for level in [lv for lv, v in table.items() if (v[0] if isinstance(v, tuple) else v) <= t]:
+                del table[level]
+
+    def _read_events(self, j: JobView, js: _Job, t: float) -> None:
+        """Rollbacks and refusals the callback made on its own bar the level."""
+        for ev in j.precision_events:
+            key = (ev.get("t"), ev.get("kind"), ev.get("from"), ev.get("to"), ev.get("step"))
+            if key in js.seen_events:
+                continue
+            js.seen_events.append(key)
+            del js.seen_events[:-_SEEN_KEEP]
+            kind, why = ev.get("kind"), ev.get("reason") or "?"
+            if kind == "rollback" and ev.get("from"):
+                level = str(ev["from"])
+                if level not in js.barred:  # our own rollbacks are barred already
+                    js.barred[level] = (t + self.cooldown_s, f"the job rolled back: {why}")
+                    js.last_event = f"the job rolled {level} back to {ev.get('to')}: {why}"
+            elif kind == "refused" and ev.get("to"):
+                level = str(ev["to"])
+                js.barred[level] = (t + self.cooldown_s, f"the job refused it: {why}")
+                js.last_event = f"the job refused {level}: {why}"
+
+    def _take_losses(self, j: JobView, js: _Job) -> list[float]:
+        """The losses reported since the previous look (the tail of ``loss_recent``).
+
+        Steps minus non-finite steps since the last look (non-finite steps carry no
+        loss). With several ranks per job this is approximate: their losses interleave.
+        """
+        nonfinite = max(0, j.nonfinite_recent - js.last_nonfinite)
+        js.last_nonfinite = j.nonfinite_recent
+        new = max(0, j.steps - js.last_steps - nonfinite)
+        js.last_steps = j.steps
+        if new == 0 or not j.loss_recent:
+            return []
+        got = list(j.loss_recent[-min(new, len(j.loss_recent)):])
+        js.losses_seen += len(got)
+        return got
+
+    def _book(self, j: JobView, js: _Job) -> None:
+        """Book the measure's increment since the last look to the level in force."""
+        m = j.measure
+        prev, prev_setting = js.last_measure, js.last_setting
+        js.last_measure, js.last_setting = m, j.setting
+        if m is None:
+            return
+        if prev is None or prev_setting != j.setting or m.steps < prev.steps:
+            delta = _Evidence(m.steps, m.flops, m.time_s, m.energy_j)  # a fresh measure
+            if prev is not None and prev_setting != j.setting:
+                js.skip = max(js.skip, 1)
+        else:
+            delta = _Evidence(m.steps - prev.steps, m.flops - prev.flops, m.time_s - prev.time_s,
+                              m.energy_j - prev.energy_j)
+        if js.skip > 0:
+            js.skip -= 1
+            return
+        if delta.steps <= 0:
+            return
+        key = (js.level, j.setting)
+        e = js.evidence.setdefault(key, _Evidence())
+        e.steps += delta.steps
+        e.flops += delta.flops
+        e.time_s += delta.time_s
+        e.energy_j += delta.energy_j
+
+    def _ev(self, js: _Job, level: str, setting: Setting) -> _Evidence | None:
+        """The level's evidence at this GPU setting, else at the setting with the most steps."""
+        here = js.evidence.get((level, setting))
+        if here is not None and here.steps >= self.min_steps:
+            return here
+        others = [e for (lv, _), e in js.evidence.items() if lv == level]
+        return max(others, key=lambda e: e.steps) if others else here
+
+    def _details(self, j: JobView, js: _Job, event: dict[str, Any] | None) -> dict[str, Any]:
+        levels: dict[str, dict[str, Any]] = {}
+        for (level, _), e in js.evidence.items():
+            agg = levels.setdefault(level, {"steps": 0, "flops": 0.0, "energy_j": 0.0})
+            agg["steps"] += e.steps
+            agg["flops"] += e.flops
+            agg["energy_j"] += e.energy_j
+        for agg in levels.values():
+            agg["energy_per_flop_j"] = agg["energy_j"] / agg["flops"] if agg["flops"] > 0 else None
+        out: dict[str, Any] = {
+            "level": js.level,
+            "probation": None if js.probation is None else {
+                "from": js.probation.from_level, "to": js.probation.to_level,
+                "steps": j.steps - js.probation.start_steps, "of": self.probation_steps,
+                "trend": js.probation.trend},
+            "barred": {lv: why for lv, (_, why) in js.barred.items()},
+            "no_gain": sorted(js.no_gain),
+            "levels": levels,
+            "last_event": js.last_event,
+            "reason": js.last_event,
+        }
+        if event is not None:
+            out["event"] = event
+            out["reason"] = event["reason"]
+        return out
