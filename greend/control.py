@@ -236,8 +236,14 @@ class ControlLoop:
                 self.ctrl.apply_cpu_limit(zone, watts, NODE)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
+        prec = decision.details.get("precision") if isinstance(decision.details, dict) else None
+        prec = prec if isinstance(prec, dict) else {}
         for job_id, level in decision.precision.items():
-            self.d.set_precision(job_id, level, decision.reason)
+            # The precision policy's own line for this job, not the joined reasons.
+            reason = (prec.get("reasons") or {}).get(job_id) or decision.reason
+            event = ((prec.get("jobs") or {}).get(job_id) or {}).get("event") or {}
+            kind = "rollback" if event.get("kind") == "rollback" else "switch"
+            self.d.set_precision(job_id, level, reason, kind=kind, trend=event.get("trend"))
         self._push_paces(decision)
         if points:
             d.emit(points)

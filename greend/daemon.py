@@ -505,21 +505,30 @@ class Daemon:
             "owners": c.ctrl.owners() if c.ctrl is not None else {},
         }
 
-    def set_precision(self, job_id: str, level: str, reason: str) -> bool:
-        """Ask a job's ranks to run at ``level`` from their next step (a pushed directive)."""
+    def set_precision(self, job_id: str, level: str, reason: str, *, kind: str = "switch",
+                      trend: float | None = None) -> bool:
+        """Ask a job's ranks to run at ``level`` from their next step (a pushed directive).
+
+        ``kind`` is "switch" or "rollback" (the policy found the loss worse than its
+        pre-switch ``trend``). The job's measure starts afresh: evidence at one level
+        must not be booked to the next.
+        """
         job = self.jobs.jobs.get(job_id)
         if job is None or job.state != "running" or job.precision == level:
             return False
-        entry = {"t": self.wall(), "kind": "switch", "from": job.precision, "to": level, "reason": reason,
-                 "step": job.steps, "loss": job.last_loss}
+        entry = {"t": self.wall(), "kind": kind, "from": job.precision, "to": level, "reason": reason,
+                 "step": job.steps, "loss": job.last_loss, "trend": trend}
         job.precision = level
         job.precision_log.append(entry)
+        self.jobs.reset_measure(job_id, self.monotonic() + self.cfg.policy.settle_s)
         self.jobs.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields: dict[str, float | int | str | bool] = {"step": job.steps}
         if job.last_loss is not None:
             fields["loss"] = job.last_loss
+        if trend is not None:
+            fields["trend"] = float(trend)
         self.emit([Point("greend_decision", {"host": self.hostname, "job": job_id, "gpu": "",
-                                             "kind": "precision", "precision": level,
+                                             "kind": kind, "precision": level,
                                              "policy": getattr(self.control.policy, "name", "none")},
                          fields, int(self.wall() * 1e9))])
         log.info("job %s: precision -> %s (%s)", job_id, level, reason)

@@ -410,6 +410,9 @@ class JobRegistry:
             job.precision_log.append(entry)
             if msg["kind"] == "rollback" and msg.get("to"):
                 job.precision = msg["to"]
+                self.reset_measure(job.job, self.monotonic())
+            elif msg["kind"] == "refused" and msg.get("from"):
+                job.precision = msg["from"]  # the rank kept running at its old level
         fields: dict[str, float | int | str | bool] = {}
         for k in ("step", "loss", "trend"):
             if isinstance(msg.get(k), (int, float)) and not isinstance(msg.get(k), bool):

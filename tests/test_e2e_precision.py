@@ -108,7 +108,7 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path,
     import sqlite3
 
     con = sqlite3.connect(d.db)
-    rows = con.execute("SELECT precision FROM greend_decision WHERE job = 'walk' AND kind = 'precision'").fetchall()
+    rows = con.execute("SELECT precision FROM greend_decision WHERE job = 'walk' AND kind = 'switch'").fetchall()
     con.close()
     assert rows == [("bf16",)]
 
