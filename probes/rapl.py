@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +100,16 @@ ENERGY_PERMISSION_FIX = (
 
 
 def read_text(path: Path) -> str:
-    """Default reader: the whole file as text (sysfs files are small)."""
-    with open(path, encoding="ascii") as f:
-        return f.read()
+    """Default reader: the whole file as text (sysfs attributes are one small value).
+
+    Plain ``os.open``/``os.read``: three times cheaper than ``open()`` (27 -> 9 µs
+    here), and the RAPL probe reads every zone's counter on every tick.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096).decode("ascii")
+    finally:
+        os.close(fd)
 
 
 def write_text(path: Path, text: str) -> None:
