@@ -10,9 +10,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from greend.testing import FakeDaemon
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,3 +121,26 @@ def daemons(tmp_path: Path) -> Iterator[list[DaemonProc]]:
     yield started
     for d in started:
         d.stop(signal.SIGKILL if d.proc.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture()
+def sock_path(tmp_path: Path) -> Path:
+    return tmp_path / "greend.sock"
+
+
+@pytest.fixture()
+def daemon(sock_path: Path) -> Iterator["FakeDaemon"]:
+    """greend.testing.FakeDaemon on a socket of the test's own (callback-side tests)."""
+    from greend.testing import FakeDaemon
+
+    d = FakeDaemon(sock_path).start()
+    yield d
+    d.stop()
+
+
+def wait_ready(path: Path, timeout_s: float = 60.0) -> None:
+    """Wait for a trainer's --ready-file (its callback is set up and steps run)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout_s} s"
+        time.sleep(0.05)

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +39,6 @@ FAST = dict(flush_interval_s=0.02, heartbeat_s=0.2, reconnect_min_s=0.1, reconne
             reply_timeout_s=1.0, stall_timeout_s=1.0, close_timeout_s=2.0, connect_timeout_s=1.0)
 
 
-@pytest.fixture()
-def sock_path(tmp_path: Path) -> Path:
-    return tmp_path / "greend.sock"
-
-
-@pytest.fixture()
-def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
-    d = FakeDaemon(sock_path).start()
-    yield d
-    d.stop()
 
 
 # A tiny real training ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from greend.client import Client
 
-from .conftest import REPO, DaemonProc, _env, start_daemon
+from .conftest import REPO, DaemonProc, _env, start_daemon, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -113,9 +113,7 @@ def test_training_survives_the_daemon_being_killed(tmp_path: Path, daemons: list
     daemons.append(d)
     ready = tmp_path / "ready"
     p = trainer(d.socket, "victim", "--steps", "80", "--step-sleep", "0.02", "--ready-file", str(ready))
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_ready(ready)
     time.sleep(0.5)
     d.stop(signal.SIGKILL)
     r = finish(p)
@@ -127,9 +125,7 @@ def test_killed_client_ends_its_job(tmp_path: Path, daemons: list[DaemonProc]) -
     daemons.append(d)
     ready = tmp_path / "ready"
     p = trainer(d.socket, "doomed", "--steps", "100000", "--step-sleep", "0.01", "--ready-file", str(ready))
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_ready(ready)
     time.sleep(1.0)
     p.kill()
     p.wait(10)

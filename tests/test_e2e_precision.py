@@ -13,15 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from greend.client import Client
-
 from .conftest import REPO, DaemonProc, _env, start_daemon
+from .test_e2e_jobs import wait_ended
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -57,16 +55,6 @@ def run_trainer(sock: Path, job: str, *args: str, timeout: float = 120) -> dict[
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def wait_ended(d: DaemonProc, job: str, timeout: float = 15) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    r: dict[str, Any] = {}
-    with Client(d.socket) as c:
-        while time.monotonic() < deadline:
-            r = c.request("report", job=job)
-            if r["state"] == "ended":
-                return r
-            time.sleep(0.05)
-    raise AssertionError(f"job {job} did not end: {r}")
 
 
 def start(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:

@@ -17,7 +17,7 @@ from greend.client import Client
 from probes.fake_nvml import FakeNvml
 from probes.sim import SimGpu
 
-from .conftest import DaemonProc, start_daemon
+from .conftest import DaemonProc, start_daemon, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +65,7 @@ clock_cap_mhz = 1500
     ready = tmp_path / "ready"
     p = trainer(d.socket, "hangs", "--steps", "100000", "--step-sleep", "0.01", "--ready-file", str(ready))
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_ready(ready)
         assert SimGpu(d.state_dir / "sim", 0).locked_clocks_mhz() == (345, 1500)  # the static node cap
         d.ctl("report", "hangs")
         os.kill(p.pid, signal.SIGSTOP)  # the process hangs: its socket stays open, it says nothing

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,16 +20,6 @@ from greend.testing import FakeDaemon
 from .test_callback import BATCH, FAST, expected_mlp_flops, make_data, make_model, wait_for
 
 
-@pytest.fixture()
-def sock_path(tmp_path: Path) -> Path:
-    return tmp_path / "greend.sock"
-
-
-@pytest.fixture()
-def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
-    d = FakeDaemon(sock_path).start()
-    yield d
-    d.stop()
 
 
 def test_importing_integrations_imports_no_framework() -> None:

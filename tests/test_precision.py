@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,16 +38,6 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return cond()
 
 
-@pytest.fixture()
-def sock_path(tmp_path: Path) -> Path:
-    return tmp_path / "greend.sock"
-
-
-@pytest.fixture()
-def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
-    d = FakeDaemon(sock_path).start()
-    yield d
-    d.stop()
 
 
 def make_model(seed: int = 0) -> nn.Module:
