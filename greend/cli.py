@@ -213,7 +213,16 @@ def render_status(st: dict[str, Any]) -> str:
     t = st["totals"]
     out += ["", f"energy since start: GPUs {t['gpu_energy_j']:.1f} J, CPU {t['cpu_energy_j']:.1f} J"]
     pol = st.get("policy") or {}
-    out.append(f"policy: {pol.get('name', 'none')}   jobs: {len(st.get('jobs') or [])}")
+    prec = (pol.get("precision") or {}).get("name")
+    out.append(f"policy: {pol.get('name', 'none')}" + (f" + {prec}" if prec else "")
+               + f"   jobs: {len(st.get('jobs') or [])}")
+    last = pol.get("last_decision") or {}
+    if last.get("reason"):
+        out.append(f"  last decision: {last['reason']}")
+    if pol.get("disabled"):
+        out.append(f"  {pol['disabled']}")
+    for owner, knobs in (pol.get("owners") or {}).items():
+        out.append(f"  set by {owner}: {', '.join(knobs)}")
     for s in st.get("stores", []):
         state = "ok" if s.get("ok") else f"FAILING: {s.get('last_error')}"
         out.append(f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"

@@ -47,6 +47,7 @@ def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[Daemon
     assert st["gpus"][0]["clock_cap_mhz"] == 1395
     assert st["gpus"][1]["power_limit_w"] == pytest.approx(450.0)
     assert st["policy"]["owners"] == {"node": ["gpu0.clock_cap_mhz", "gpu1.power_limit_w"]}
+    assert "set by node: gpu0.clock_cap_mhz, gpu1.power_limit_w" in d.ctl("status").stdout
     # Out of range is clamped to the constraints, not refused.
     assert "power limit 200.0 W" in d.ctl("cap", "set", "--gpu", "1", "--power-limit", "50").stdout
     assert d.stop(signal.SIGTERM) == 0
