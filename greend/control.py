@@ -236,8 +236,7 @@ class ControlLoop:
                 self.ctrl.apply_cpu_limit(zone, watts, NODE)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
-        prec = decision.details.get("precision") if isinstance(decision.details, dict) else None
-        prec = prec if isinstance(prec, dict) else {}
+        prec = decision.details.get("precision") or {}
         for job_id, level in decision.precision.items():
             # The precision policy's own line for this job, not the joined reasons.
             reason = (prec.get("reasons") or {}).get(job_id) or decision.reason
@@ -286,9 +285,8 @@ class ControlLoop:
     def _push_paces(self, decision: Decision) -> None:
         """Tell each job's ranks this node's uncapped step time, for the cross-node pace."""
         reg = self.d.jobs
-        for job_id, det in (decision.details.get("jobs") or {}).items() if isinstance(decision.details, dict) \
-                else ():
-            tpf = det.get("baseline_time_per_flop_s") if isinstance(det, dict) else None
+        for job_id, det in (decision.details.get("jobs") or {}).items():
+            tpf = det.get("baseline_time_per_flop_s")
             job = reg.jobs.get(job_id)
             if not tpf or job is None or job.steps == 0 or job.step_reports == 0:
                 continue

@@ -306,7 +306,6 @@ class EfficientPolicy:
     def _build_grid(self, js: _Job, g: GpuView, base: Evidence) -> None:
         if self.knob == "clock":
             clocks = sorted(set(g.supported_sm_clocks_mhz))
-            fmax = clocks[-1]
             js.grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
             js.levels = tuple(float(f) for f in clocks)
         else:

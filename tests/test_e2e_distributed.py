@@ -18,28 +18,15 @@ from probes.sim import H100
 
 from . import vmserver
 from .conftest import REPO, DaemonProc, _env, start_daemon
+from .test_e2e_control import EFFICIENT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 pytest.importorskip("torch")
 
-POLICY = """[daemon]
-socket_group = ""
-[sim]
-speed_factor = {speed}
-[policy]
-name = "efficient"
-period_s = 0.2
-settle_s = 0.05
-[policy.params]
-max_slowdown = 0.05
-min_steps = 6
-"""
-
-
 def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
         tmp_path: Path, daemons: list[DaemonProc]) -> None:
-    fast = start_daemon(tmp_path, "--sim", "1", name="fast", config=POLICY.format(speed=1.0))
-    slow = start_daemon(tmp_path, "--sim", "1", name="slow", config=POLICY.format(speed=1.3))
+    fast = start_daemon(tmp_path, "--sim", "1", name="fast", config=EFFICIENT + "[sim]\nspeed_factor = 1.0\n")
+    slow = start_daemon(tmp_path, "--sim", "1", name="slow", config=EFFICIENT + "[sim]\nspeed_factor = 1.3\n")
     daemons += [fast, slow]
     port = vmserver.free_port()
     procs = []
