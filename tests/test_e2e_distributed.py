@@ -51,10 +51,14 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
                     continue
             det = ((st["policy"].get("last_decision") or {}).get("details", {}).get("jobs", {}) or {}).get("ddp")
             if det and rep.get("pace_s"):
-                seen[name] = {"pace_s": rep["pace_s"], "phase": det.get("phase"),
-                              "cap": st["gpus"][0]["clock_cap_mhz"], "details": det}
-        if all(seen.get(n, {}).get("phase") == "settled" for n in ("fast", "slow")) and \
-                seen["fast"]["pace_s"] == seen["slow"]["pace_s"]:
+                # The cap the policy chose, and the one the GPU reports in force: the GPU
+                # is sampled on the tick, so right after a decision it may still show the
+                # setting before it (a baseline re-check runs uncapped).
+                chosen = ((det.get("best") or {}).get("setting") or {}).get("clock_cap_mhz")
+                seen[name] = {"pace_s": rep["pace_s"], "phase": det.get("phase"), "cap": chosen,
+                              "in_force": st["gpus"][0]["clock_cap_mhz"], "details": det}
+        if all(seen.get(n, {}).get("phase") == "settled" and seen[n]["cap"] == seen[n]["in_force"]
+               for n in ("fast", "slow")) and seen["fast"]["pace_s"] == seen["slow"]["pace_s"]:
             break
         time.sleep(0.3)
     outs = []
@@ -68,6 +72,7 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     assert outs[0]["agreed_pace_s"] == pytest.approx(outs[1]["agreed_pace_s"])
     assert fa["pace_s"] == pytest.approx(sl["pace_s"], rel=0.05)
     assert fa["phase"] == "settled", fa
+    assert fa["cap"] == fa["in_force"], f"the settled cap is not in force on the fast node's GPU: {fa}"
     # The fast node's allowed slowdown over its own baseline exceeds the bound by the
     # slow node's extra time (sim: speed_factor 1.3): it may cap deeper ...
     assert fa["details"]["allowed_slowdown"] > 0.05 + 0.2
