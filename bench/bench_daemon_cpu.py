@@ -47,34 +47,39 @@ def main() -> None:
         try:
             time.sleep(3.0)  # imports, probe open, first store batch
             p = psutil.Process(proc.pid)
+            probes0 = _probes(tmp / "g.sock")
             c0 = p.cpu_times()
             t0 = time.monotonic()
             time.sleep(args.seconds)
             c1 = p.cpu_times()
             wall = time.monotonic() - t0
+            probes1 = _probes(tmp / "g.sock")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(15)
-        # The daemon's own per-probe timings (wall time inside sample(), once a second in
-        # the store): what the simulator and its fake NVML cost, apart from greend itself.
-        import sqlite3
-
-        con = sqlite3.connect(tmp / "state" / "greend.db")
-        per_probe = dict(con.execute("SELECT probe, AVG(duration_s) FROM greend_probe GROUP BY probe"))
-        con.close()
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         pct = 100.0 * cpu / wall
         print(f"daemon CPU while sampling {args.gpus} simulated GPUs + 4 RAPL zones at {args.hz:g} Hz "
               f"(SQLite store, 1 s store interval):")
         print(f"  {cpu:.3f} CPU s over {wall:.1f} wall s = {pct:.2f}% of one core "
               f"({1000 * cpu / (wall * args.hz):.2f} ms CPU per tick)   target < 1%")
-        for name, dur in sorted(per_probe.items()):
-            rate = 1.0 if name == "host" else args.hz  # the host probe asks for interval_s = 1
-            note = {"sim": "  <- the simulator and its fake NVML, not real NVML calls",
-                    "host": "  (sampled once a second)"}.get(name, "")
-            print(f"  probe {name:5s} {1000 * dur:6.3f} ms per sample (wall), {rate:g}/s = "
-                  f"{100.0 * dur * rate:.2f}% of one core{note}")
+        # The daemon's own per-probe totals (wall time inside sample(), from `probes`):
+        # what the simulator and its fake NVML cost, apart from greend itself.
+        for name in sorted(probes1):
+            n = probes1[name]["samples"] - probes0[name]["samples"]
+            busy = probes1[name]["duration_total_s"] - probes0[name]["duration_total_s"]
+            if n <= 0:
+                continue
+            note = {"sim": "  <- the simulator and its fake NVML, not real NVML calls"}.get(name, "")
+            print(f"  probe {name:5s} {1e6 * busy / n:7.1f} us per sample (wall), {n / wall:4.1f}/s = "
+                  f"{100.0 * busy / wall:.2f}% of one core{note}")
 
+
+def _probes(sock: Path) -> dict[str, dict]:
+    from greend.client import Client
+
+    with Client(sock) as c:
+        return {p["name"]: p for p in c.request("probes")["probes"]}
 
 if __name__ == "__main__":
     main()

@@ -50,7 +50,8 @@ class ProbeStats:
     name: str
     open: bool = False
     success: bool = False
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # the last sample's wall time
+    duration_total_s: float = 0.0  # wall time inside sample() since start
     samples: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -65,6 +66,7 @@ class ProbeStats:
             "open": self.open,
             "success": self.success,
             "duration_s": self.duration_s,
+            "duration_total_s": self.duration_total_s,
             "samples": self.samples,
             "failures": self.failures,
             "last_error": self.last_error,
@@ -356,6 +358,7 @@ class Daemon:
                 st.last = r
                 self._merge(snap, r)
             st.duration_s = time.perf_counter() - t
+            st.duration_total_s += st.duration_s
         for g in snap.gpus:
             self.ledger.record(g.key, now_s, g.energy_j)
         for c in snap.cpus:

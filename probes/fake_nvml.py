@@ -79,6 +79,9 @@ class GpuFaults:
     no_permission: bool = False
 
 
+_NO_FAULTS = GpuFaults()  # shared by every GPU without faults; never mutated
+
+
 @dataclass
 class Faults:
     """The contents of ``faults.json``."""
@@ -87,7 +90,8 @@ class Faults:
     gpus: dict[int, GpuFaults] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GpuFaults:
-        return self.gpus.get(index, GpuFaults())
+        """The faults of GPU ``index`` (read-only: change faults with ``FakeNvml.inject``)."""
+        return self.gpus.get(index) or _NO_FAULTS
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,10 @@ What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
   NVML power on Ampere+ is a ~1 s average, so the counter is always preferred.
 - Power, SM/memory clocks, utilisation, temperature, power limits. An optional
   field a GPU does not support reads ``None``; the rest of the reading stands.
+  The counter is read every tick; the other fields at most every
+  ``SLOW_FIELDS_EVERY_S`` (1 s), power included while the counter works: NVML's
+  power is itself a ~1 s average, and the energy (what prices the steps) comes
+  from the counter. A GPU that integrates power reads it every tick.
 - ``clock_cap_mhz``: NVML has no getter for locked clocks, so the actuator layer
   (which set them) answers through the injected ``cap_lookup(index)``.
 
@@ -52,7 +56,8 @@ NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
     9: ("NVML_ERROR_DRIVER_NOT_LOADED", NoData),
 }
 
-# Clocks, utilisation, temperature and power limit are re-read at most this often.
+# Clocks, utilisation, temperature, power limit (and power, where the energy
+# counter works) are re-read at most this often.
 SLOW_FIELDS_EVERY_S = 1.0
 
 NO_NVML_FIX = (
@@ -95,6 +100,8 @@ class _Gpu:
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
+    power_w: float | None = None  # the last power read
+    power_at_s: float = float("-inf")
 
 
 class NvmlProbe:
@@ -273,13 +280,19 @@ class NvmlProbe:
 
     def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
         nvml, h, what = self._nvml, gpu.handle, f"gpu{gpu.index}"
-        power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
-        power_w = None if power_mw is None else mw_to_w(power_mw)
-        self._account_energy(gpu, what, power_w, now_s)
-        if now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S:
-            # Energy and power are read every tick (they price the steps); clocks,
-            # utilisation, temperature and the limit once a second: two NVML calls
-            # per GPU per tick instead of eight, which is most of the daemon's CPU.
+        # Energy is read every tick (it prices the steps); the rest once a second:
+        # one NVML call per GPU per tick instead of eight, which is most of the
+        # daemon's CPU. Power too, unless it is what the energy is integrated from.
+        slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S
+        if gpu.energy_method == "counter":
+            self._account_energy(gpu, what, None, now_s)
+        if gpu.energy_method != "counter" or slow or gpu.power_at_s == float("-inf"):
+            power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
+            gpu.power_w, gpu.power_at_s = (None if power_mw is None else mw_to_w(power_mw)), now_s
+            if gpu.energy_method != "counter":  # no counter, or it just stopped working
+                self._account_energy(gpu, what, gpu.power_w, now_s)
+        power_w = gpu.power_w
+        if slow:
             util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)
             sm = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
             mem = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_MEM)

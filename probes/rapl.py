@@ -44,7 +44,7 @@ import errno
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -173,6 +173,10 @@ class RaplZone:
     power_w: float | None = None
     error: str | None = None
     permission_denied: bool = False
+    energy_path: Path = field(init=False, repr=False, compare=False)  # dir/energy_uj, read every tick
+
+    def __post_init__(self) -> None:
+        self.energy_path = self.dir / "energy_uj"
 
     @property
     def energy_j(self) -> float:
@@ -418,7 +422,7 @@ class RaplProbe:
         log.debug("rapl: %d zones: %s", len(zones), ", ".join(z.describe() for z in zones))
 
     def _read_energy_uj(self, zone: RaplZone) -> int:
-        return int(self._read(zone.dir / "energy_uj").strip())
+        return int(self._read(zone.energy_path).strip())
 
     def _power_limit_w(self, zone: RaplZone, now_s: float) -> float | None:
         """The long-term limit in W, re-read at most every LIMIT_EVERY_S (it changes

@@ -654,14 +654,14 @@ class SimGpu:
         # The newest point at least a window old; else the oldest point we have.
         ref: tuple[float, float] | None = None
         with self._mem_lock:
-            history = list(self._history)
-        for t, e in history:
-            if t <= v.now_s - POWER_WINDOW_S:
-                ref = (t, e)
+            h = self._history
+            for point in reversed(h):  # newest first: the window's start is near the end
+                if point[0] <= v.now_s - POWER_WINDOW_S:
+                    ref = point
+                    break
             else:
-                if ref is None and t < v.now_s:
-                    ref = (t, e)
-                break
+                if h and h[0][0] < v.now_s:
+                    ref = h[0]
         if ref is None:
             return st.busy_power_w if v.busy else self._background_power_w(st)
         return (v.energy_mj - ref[1]) / 1000.0 / (v.now_s - ref[0])

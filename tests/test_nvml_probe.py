@@ -109,6 +109,67 @@ def test_trapezoid_bridges_a_ramp(tmp_path: Path, clock: ManualClock) -> None:
     assert g.energy_j == pytest.approx(0.5 * (70.0 + 680.0) * 2.0, rel=1e-6)
 
 
+class CallCounter:
+    """The fake NVML with a count of every call the probe makes, by name."""
+
+    def __init__(self, nvml: FakeNvml) -> None:
+        self._nvml = nvml
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._nvml, name)
+        if not (name.startswith("nvml") and callable(attr)):
+            return attr
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args)
+
+        return counted
+
+
+def test_power_is_read_with_the_slow_fields_while_the_counter_works_and_every_tick_when_integrated(
+        tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=2, clock=clock, background_load=0.5)
+    fake.inject(1, no_energy_counter=True)
+    nvml = CallCounter(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    nvml.calls.clear()
+    now = 0.0
+    for _ in range(20):  # 2 s at 10 Hz
+        probe.sample(now)
+        clock.advance(0.1)
+        now += 0.1
+    # gpu0 (counter): energy every tick, power with the slow fields (t = 0 s, 1 s);
+    # gpu1 (integrating): its counter is NOT_SUPPORTED, so power every tick.
+    assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 20
+    assert nvml.calls["nvmlDeviceGetPowerUsage"] == 2 + 20
+    assert nvml.calls["nvmlDeviceGetTemperature"] == 2 * 2
+    g = by_index(probe, now)
+    assert g[0].power_w == pytest.approx(fake.sim_gpu(0).power_w(), rel=0.02)  # the last read stands
+    assert g[1].energy_j == pytest.approx(fake.sim_gpu(1).instant_power_w() * 2.0, rel=1e-3)
+
+
+def test_a_counter_that_stops_mid_run_hands_over_to_power_at_once(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=1, clock=clock, background_load=0.5)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    probe.sample(0.0)
+    clock.advance(0.3)
+    probe.sample(0.3)  # between two power reads (they come once a second)
+    counted = probe.sample(0.3).gpus[0].energy_j
+    fake.inject(0, no_energy_counter=True)
+    for k in range(1, 6):  # 0.4 .. 0.8 s: the first tick without the counter reads power
+        clock.advance(0.1)
+        probe.sample(0.3 + 0.1 * k)
+    g = probe.sample(0.8).gpus[0]
+    assert g.energy_method == "power_integration"
+    # Integrated from the first tick without the counter (0.4 s) to 0.8 s.
+    assert g.energy_j - counted == pytest.approx(power * 0.4, rel=1e-3)
+
+
 def test_lost_gpu_is_dropped_and_the_other_goes_on(
     probe: NvmlProbe, fake: FakeNvml, clock: ManualClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
