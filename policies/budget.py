@@ -15,6 +15,10 @@ The watts go where they buy the most FLOP/s. How:
   budget goes in small chunks to the GPU whose next watt buys the most FLOP/s,
   up to its demand. Watts left when every GPU has what it can use raise the
   limits back towards default (a limit at default is "uncapped").
+* **Fairness** (``fair_share``, default 0): before water-filling, every GPU
+  with a job gets that fraction of an equal share of the watts above the
+  minimum limits (up to its demand), so a memory-bound job is not starved to
+  the minimum limit when the watts buy more elsewhere.
 * **Stability**: a new allocation is applied only when every GPU's job has
   fresh evidence at the limit in force, and a limit moves by at least
   ``hysteresis_w`` (at most ``max_move_w`` per decision when raising); when the
@@ -84,6 +88,8 @@ class BudgetPolicy:
         Param("hysteresis_w", "float", 25.0, "move a limit only by at least this much, W", lo=0),
         Param("max_move_w", "float", 100.0, "largest raise of one limit per decision, W", lo=1),
         Param("min_steps", "int", 8, "steps at a limit before its FLOP/s counts", lo=1, hi=10000),
+        Param("fair_share", "float", 0.0, "every busy GPU first gets this fraction of an equal share "
+              "of the watts above the minimum limits (0: all by FLOP/s per W)", lo=0, hi=1),
     )
 
     def __init__(self, **params: Any) -> None:
@@ -94,6 +100,7 @@ class BudgetPolicy:
         self.hysteresis_w: float = p["hysteresis_w"]
         self.max_move_w: float = p["max_move_w"]
         self.min_steps: int = p["min_steps"]
+        self.fair_share: float = p["fair_share"]
 
     def params(self) -> dict[str, Any]:
         return dict(self._p)
@@ -195,6 +202,14 @@ class BudgetPolicy:
                    for i in busy}
         unknown = [i for i in busy if not curves[i].points]
         known = [i for i in busy if curves[i].points]
+        if self.fair_share > 0 and busy:
+            # A floor for every job (up to what its GPU can use), so that one that buys
+            # few FLOP/s per watt (memory-bound) is not starved to its minimum limit.
+            floor = self.fair_share * left / len(busy)
+            for i in busy:
+                add = max(0.0, min(floor, ceiling[i] - alloc[i]))
+                alloc[i] += add
+                left -= add
         if unknown:  # no evidence: an equal share of what is left
             share = left / len(busy)
             for i in unknown:

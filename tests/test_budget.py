@@ -18,10 +18,10 @@ def node_power_after(r: HarnessResult, skip: int) -> list[float]:
     return out
 
 
-def two_jobs(budget: float, steps: int = 500) -> tuple[HarnessResult, list]:
+def two_jobs(budget: float, steps: int = 500, **params: float) -> tuple[HarnessResult, list]:
     gpus, _ = make_sim_gpus(2)
     jobs = [SimJob("compute", (0,), FLOPS, 0.05), SimJob("memory", (1,), FLOPS, 0.8)]
-    p = get_policy("budget", node_budget_w=budget)
+    p = get_policy("budget", node_budget_w=budget, **params)
     return run_policy(p, gpus, jobs=jobs, steps=steps, cpu_power_w=CPU_W), gpus
 
 
@@ -35,6 +35,20 @@ def test_holds_the_node_under_budget_and_favours_the_gpu_that_gains_more() -> No
     assert "budget 1000 W" in d.reason and d.details["over_budget"] is False
     # settled: the last decisions change nothing
     assert all(not dd.gpu_settings for _, dd in r.decisions[-20:])
+
+
+def test_fair_share_keeps_the_memory_bound_job_off_its_minimum_limit() -> None:
+    r0, g0 = two_jobs(1000.0)
+    r1, g1 = two_jobs(1000.0, fair_share=0.5)
+    # By FLOP/s per W alone the memory-bound GPU gets the minimum limit ...
+    assert g0[1].power_limit_w() == H100.power_limit_min_w
+    # ... with a floor of half an equal share of the watts above the minimums it gets
+    # at least that, the compute-bound GPU the rest, and the node stays under budget.
+    gpu_budget = 1000.0 * (1 - 0.03) - CPU_W
+    floor = H100.power_limit_min_w + 0.5 * (gpu_budget - 2 * H100.power_limit_min_w) / 2
+    assert g1[1].power_limit_w() >= floor - 5.0  # limits move in 5 W chunks
+    assert g1[0].power_limit_w() > g1[1].power_limit_w()
+    assert max(node_power_after(r1, len(r1.decisions) // 3)) <= 1000.0
 
 
 def test_gives_watts_back_when_there_is_headroom() -> None:
