@@ -555,16 +555,18 @@ class JobRegistry:
                 known = True
         return total if known else None
 
-    def _cpu_energy(self, t0: float, t1: float) -> float | None:
-        """The node's counted CPU energy (packages and dram; never core, uncore or psys)."""
+    def _cpu_energy(self, t0: float, t1: float) -> tuple[float | None, bool]:
+        """The node's counted CPU energy (packages and dram; never core, uncore or psys),
+        and whether any of it is the host probe's estimate rather than RAPL."""
         total = 0.0
-        known = False
+        known = estimated = False
         for key in self.ledger.keys(prefix="cpu:", counted_only=True):
             e = self.ledger.energy_between(key, t0, t1)
             if e is not None:
                 total += e
                 known = True
-        return total if known else None
+                estimated |= key == "cpu:estimate"
+        return (total if known else None), estimated
 
     def window(self, job: Job, now_s: float) -> dict[str, Any]:
         t1 = now_s
@@ -594,13 +596,17 @@ class JobRegistry:
                 t1 = job.last_step_t1_s
         duration = (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
         gpu_e = self._gpu_energy(job, t0, t1) if t0 is not None and t1 is not None and job.gpus else None
-        node_cpu_e = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else None
-        cpu_e, cpu_method = node_cpu_e, "node"
+        node_cpu_e, estimated = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else (None, False)
+        # "unmeasured": no RAPL zone was readable and no cpu_tdp_w estimate is configured,
+        # so the 0 J beside it is not a measurement.
+        cpu_e, cpu_method = node_cpu_e, "node" if node_cpu_e is not None else "unmeasured"
         if node_cpu_e is not None and job.cpu_busy0_s is not None:
             node_busy = self._node_cpu_busy_s - job.cpu_busy0_s
             if node_busy > 0:
                 cpu_e = node_cpu_e * min(1.0, job.cpu_job_s / node_busy)
                 cpu_method = "process_share"
+        if estimated:
+            cpu_method += ", estimate"
         energy = (gpu_e or 0.0) + (cpu_e or 0.0)
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
         sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})

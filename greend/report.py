@@ -26,7 +26,10 @@ def render_report(r: dict[str, Any]) -> str:
         f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
         f"avg {_num(r.get('avg_gpu_power_w'), '.1f', 'W')}",
-        f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})",
+        (f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})"
+         if r.get("cpu_energy_method") != "unmeasured" else
+         "  CPU energy       not measured (no readable RAPL zone, no [probes] cpu_tdp_w estimate: "
+         "see greenctl doctor)"),
         f"  total energy     {_num(r['energy_j'], '.1f', 'J')} = {_num(r['energy_kwh'], '.6f', 'kWh')}   "
         f"avg {_num(r.get('avg_power_w'), '.1f', 'W')}",
         f"  GFLOPS/W{label:8} {_num(r.get('gflops_per_w'), '.3f')}   "

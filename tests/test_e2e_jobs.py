@@ -149,3 +149,38 @@ def test_greenctl_demo_runs_end_to_end(tmp_path: Path) -> None:
     con.close()
     assert job.startswith("demo-") and flops > 0
     assert not (keep / "greend.sock").exists(), "the demo's daemon was stopped"
+
+
+def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """RAPL (the job's share of it), the host probe's estimate, or nothing: a 0 J that
+    nothing measured is called unmeasured, never passed off as a figure."""
+    from probes.fake_sysfs import FakePowercap
+
+    sys_root = tmp_path / "sys"
+    FakePowercap(sys_root).add_package(0, dram=True)
+    no_rapl = str(tmp_path / "no-sys")
+    cases = {
+        "rapl": ("--sysfs-root", str(sys_root)),
+        "estimate": ("--sysfs-root", no_rapl),
+        "none": ("--sysfs-root", no_rapl),
+    }
+    procs = {}
+    for name, extra in cases.items():
+        cfg = '[daemon]\nsocket_group = ""\n' + ("[probes]\ncpu_tdp_w = 100\n" if name == "estimate" else "")
+        d = start_daemon(tmp_path, "--sim", "1", *extra, name=name, config=cfg)
+        daemons.append(d)
+        procs[name] = (d, trainer(d.socket, f"cpu-{name}", "--steps", "30", "--step-sleep", "0.02"))
+    reps = {}
+    for name, (d, p) in procs.items():
+        finish(p)
+        reps[name] = wait_ended(d, f"cpu-{name}")
+        reps[name]["text"] = d.ctl("report", f"cpu-{name}").stdout
+    # The fake package ticks only when the test advances it: 0 J, but measured (RAPL).
+    # (A job this short may see its processes' CPU time once only, at 1 Hz: the node
+    # figure is the one to check.)
+    assert reps["rapl"]["cpu_energy_method"] in ("node", "process_share")
+    assert reps["estimate"]["cpu_energy_method"] in ("node, estimate", "process_share, estimate")
+    assert reps["estimate"]["node_cpu_energy_j"] > 0, reps["estimate"]  # 100 W TDP: its idle share at least
+    assert reps["none"]["cpu_energy_method"] == "unmeasured" and reps["none"]["cpu_energy_j"] == 0.0
+    assert "CPU energy       not measured" in reps["none"]["text"]
+    assert "estimate)" in reps["estimate"]["text"] and "not measured" not in reps["estimate"]["text"]
