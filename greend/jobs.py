@@ -638,7 +638,7 @@ class JobRegistry:
             "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
             "flop_per_s": job.flops / duration if duration > 0 else None,
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
-            "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy else None,
+            "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
             "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
             "samples_per_j": job.samples / energy if energy else None,
             "tokens_per_j": job.tokens / energy if energy else None,

@@ -17,6 +17,7 @@ def _num(v: Any, fmt: str = ".3g", unit: str = "") -> str:
 def render_report(r: dict[str, Any]) -> str:
     sim = r.get("gpu_source") == "sim"
     label = " (sim)" if sim else ""
+    no_cpu = r.get("cpu_energy_method") == "unmeasured"
     lines = [
         f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
         f"host {r.get('host')}  GPUs {r.get('gpus')}{label}",
@@ -27,13 +28,14 @@ def render_report(r: dict[str, Any]) -> str:
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
         f"avg {_num(r.get('avg_gpu_power_w'), '.1f', 'W')}",
         (f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})"
-         if r.get("cpu_energy_method") != "unmeasured" else
+         if not no_cpu else
          "  CPU energy       not measured (no readable RAPL zone, no [probes] cpu_tdp_w estimate: "
          "see greenctl doctor)"),
         f"  total energy     {_num(r['energy_j'], '.1f', 'J')} = {_num(r['energy_kwh'], '.6f', 'kWh')}   "
-        f"avg {_num(r.get('avg_power_w'), '.1f', 'W')}",
+        f"avg {_num(r.get('avg_power_w'), '.1f', 'W')}{'   (GPU only)' if no_cpu else ''}",
         f"  GFLOPS/W{label:8} {_num(r.get('gflops_per_w'), '.3f')}   "
-        f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})",
+        + ("(with CPU: n/a, CPU not measured)" if no_cpu else
+           f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})"),
     ]
     if r.get("gflops_per_w_busy") is not None:
         lines.append(f"  GFLOPS/W busy    {_num(r['gflops_per_w_busy'], '.1f')}   (sim: only the simulated "

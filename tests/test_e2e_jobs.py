@@ -182,5 +182,7 @@ def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: lis
     assert reps["estimate"]["cpu_energy_method"] in ("node, estimate", "process_share, estimate")
     assert reps["estimate"]["node_cpu_energy_j"] > 0, reps["estimate"]  # 100 W TDP: its idle share at least
     assert reps["none"]["cpu_energy_method"] == "unmeasured" and reps["none"]["cpu_energy_j"] == 0.0
+    assert reps["none"]["gflops_per_w_with_cpu"] is None and reps["none"]["gflops_per_w"] > 0
     assert "CPU energy       not measured" in reps["none"]["text"]
+    assert "(with CPU: n/a, CPU not measured)" in reps["none"]["text"] and "(GPU only)" in reps["none"]["text"]
     assert "estimate)" in reps["estimate"]["text"] and "not measured" not in reps["estimate"]["text"]
