@@ -131,6 +131,7 @@ class Daemon:
             emit=self.emit,
             grid_gco2_per_kwh=cfg.report.grid_gco2_per_kwh,
             window_s=cfg.report.window_s,
+            process_cpu=self.process_cpu_s,
         )
         self.jobs.on_job_end.append(self.control.job_ended)
 
@@ -156,6 +157,15 @@ class Daemon:
 
     def job_pids(self) -> list[int]:
         return self.jobs.job_pids()
+
+    def process_cpu_s(self, pid: int) -> float | None:
+        """A job process's CPU seconds (descendants included) through the host probe,
+        or None where it is off or not open."""
+        for p in self.probes:
+            st = self.stats.get(p.name)
+            if p.name == "host" and st is not None and st.open:
+                return p.process_cpu_s([pid]).get(pid)
+        return None
 
     def sim_gpu(self, index: int) -> Any | None:
         """The simulated device behind GPU ``index``, or None on real hardware."""

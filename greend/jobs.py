@@ -175,8 +175,13 @@ class JobRegistry:
         emit: Callable[[list[Point]], None] = lambda pts: None,
         grid_gco2_per_kwh: float = 400.0,
         keep_ended: int = 200,
+        process_cpu: Callable[[int], float | None] = lambda pid: None,
     ) -> None:
         self.ledger = ledger
+        # A rank's process CPU seconds now (None: unknown). Read when a rank registers
+        # and when it leaves, so a job's CPU share does not hang on the host probe's
+        # once-a-second samples (a job of a few seconds would otherwise show none).
+        self.process_cpu = process_cpu
         self.hostname = hostname
         self.monotonic = monotonic
         self.wall = wall
@@ -215,6 +220,7 @@ class JobRegistry:
             raise ProtocolError("this connection already registered a rank; open another connection",
                                 field="op")
         now = self.monotonic()
+        cpu0 = self._process_cpu(conn.peer.pid)
         with self._lock:
             job = self.jobs.get(job_id)
             if job is not None and job.state != "running":
@@ -234,8 +240,10 @@ class JobRegistry:
                 session=conn.id, job=job_id, rank=msg.get("rank") or 0, local_rank=msg.get("local_rank") or 0,
                 world_size=msg.get("world_size") or 1, gpus=gpus, pid=conn.peer.pid, uid=conn.peer.uid,
                 host=msg.get("host") or self.hostname, precisions=list(precisions),
-                mem_share=msg.get("mem_share"), conn=conn, last_seen_s=now,
+                mem_share=msg.get("mem_share"), conn=conn, last_seen_s=now, cpu_last_s=cpu0,
             )
+            if cpu0 is not None and job.cpu_busy0_s is None:
+                job.cpu_busy0_s = self._node_cpu_busy_s
             job.ranks[conn.id] = rs
             job.gpus.update(gpus)
             self.sessions[conn.id] = rs
@@ -439,10 +447,28 @@ class JobRegistry:
             rs.last_seen_s = self.monotonic()
         return {"ok": True}
 
+    def _process_cpu(self, pid: int) -> float | None:
+        if pid <= 0:
+            return None
+        try:
+            return self.process_cpu(pid)
+        except Exception as e:  # noqa: BLE001 - CPU accounting never fails a request
+            log.debug("process CPU time of pid %d: %s", pid, e)
+            return None
+
+    def _final_cpu(self, rs: RankSession) -> None:
+        """Book the rank's CPU time since the host probe last saw it (it is leaving)."""
+        cpu = self._process_cpu(rs.pid)
+        job = self.jobs.get(rs.job)
+        if cpu is not None and rs.cpu_last_s is not None and job is not None:
+            job.cpu_job_s += max(0.0, cpu - rs.cpu_last_s)
+            rs.cpu_last_s = cpu
+
     def end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self._lock:
             rs = self._session(conn)
             job = self.jobs[rs.job]
+            self._final_cpu(rs)  # the client is still there: its last CPU seconds count
             self._leave(rs, msg.get("reason") or "finished")
             conn.state.pop("session", None)
             return self.report(job)
@@ -452,6 +478,7 @@ class JobRegistry:
             sid = conn.state.get("session")
             rs = self.sessions.get(sid) if sid is not None else None
             if rs is not None:
+                self._final_cpu(rs)  # None if the process is gone already
                 self._leave(rs, "client disconnected")
 
     def _leave(self, rs: RankSession, reason: str) -> None:
