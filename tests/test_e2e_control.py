@@ -42,8 +42,12 @@ def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[Daemon
     g0, g1 = sim(d.state_dir, 0), sim(d.state_dir, 1)
     assert g0.locked_clocks_mhz() == (345, 1395)
     assert g1.power_limit_w() == pytest.approx(450.0)
-    time.sleep(0.3)
+    # Status shows the GPUs as the last tick sampled them: wait for a tick after the set.
+    deadline = time.monotonic() + 10
     st = d.status()
+    while st["gpus"][0]["clock_cap_mhz"] != 1395 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = d.status()
     assert st["gpus"][0]["clock_cap_mhz"] == 1395
     assert st["gpus"][1]["power_limit_w"] == pytest.approx(450.0)
     assert st["policy"]["owners"] == {"node": ["gpu0.clock_cap_mhz", "gpu1.power_limit_w"]}
