@@ -334,6 +334,7 @@ class Daemon:
 
     def tick(self, now_s: float) -> None:
         snap = Snapshot(t_s=now_s, wall_s=self.wall())
+        fresh: list[Readings] = []  # sampled this tick (the ledger books only these)
         for p in self.probes:
             st = self.stats[p.name]
             if not st.open:
@@ -367,12 +368,18 @@ class Daemon:
                 st.samples += 1
                 st.last = r
                 self._merge(snap, r)
+                fresh.append(r)
             st.duration_s = time.perf_counter() - t
             st.duration_total_s += st.duration_s
-        for g in snap.gpus:
-            self.ledger.record(g.key, now_s, g.energy_j)
-        for c in snap.cpus:
-            self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
+        # A probe that was not due this tick (the host probe's estimate, once a second)
+        # stands in the snapshot with its last readings, but its energy is booked only at
+        # the time it was read: booked again now, the ledger would see no energy flow
+        # between its samples, then a jump.
+        for r in fresh:
+            for g in r.gpus:
+                self.ledger.record(g.key, now_s, g.energy_j)
+            for c in r.cpus:
+                self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
         with self._snap_lock:
             self.snapshot = snap
         ended = self.jobs.tick(now_s, snap.host)

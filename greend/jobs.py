@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
 JOB_ID = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
 MAX_STEPS_PER_MESSAGE = 1024
+# An ended job waits at most this long past its end for every CPU zone's next reading
+# (the host probe's estimate comes once a second) before its summary is made.
+CPU_END_WAIT_S = 1.5
 
 REGISTER_SCHEMA: dict[str, Field] = {
     "job": Field((str,), required=True, max_len=128),
@@ -513,8 +516,10 @@ class JobRegistry:
             for job in self.jobs.values():
                 if host is not None and job.state == "running":
                     self._account_cpu(job, host)
-                if job.state == "ending" and job.t_end_s is not None and now_s >= job.t_end_s:
-                    # The ledger now holds a tick at or after the end: the window is complete.
+                if job.state == "ending" and job.t_end_s is not None and now_s >= job.t_end_s and (
+                        self._cpu_booked_until(job.t_end_s) or now_s >= job.t_end_s + CPU_END_WAIT_S):
+                    # The ledger now holds a tick at or after the end (and the CPU zones a
+                    # reading, the estimate's once a second): the window is complete.
                     job.state = "ended"
                     job.summary = self.report(job)
                     ended.append(job)
@@ -527,6 +532,14 @@ class JobRegistry:
                 except Exception:  # noqa: BLE001
                     log.exception("job-end hook failed")
         return points
+
+    def _cpu_booked_until(self, t_s: float) -> bool:
+        """Every counted CPU zone has a ledger point at or after ``t_s``."""
+        for key in self.ledger.keys(prefix="cpu:", counted_only=True):
+            last = self.ledger.last_time(key)
+            if last is None or last < t_s:
+                return False
+        return True
 
     def _account_cpu(self, job: Job, host: Any) -> None:
         seen = False
