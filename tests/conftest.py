@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 
@@ -136,6 +136,16 @@ def daemon(sock_path: Path) -> Iterator["FakeDaemon"]:
     d = FakeDaemon(sock_path).start()
     yield d
     d.stop()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout_s`` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
 
 
 def wait_ready(path: Path, timeout_s: float = 60.0) -> None:

@@ -25,14 +25,7 @@ from greend.callback import GreenCallback, GreendWarning, resolve_gpus, resolve_
 
 from greend.testing import FakeDaemon, SilentDaemon
 
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+from .conftest import wait_for
 
 
 FAST = dict(flush_interval_s=0.02, heartbeat_s=0.2, reconnect_min_s=0.1, reconnect_max_s=0.2,

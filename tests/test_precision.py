@@ -21,21 +21,14 @@ from greend.callback import GreenCallback, GreendWarning
 from greend.precision import Fp8Converter, Guard, fp8_targets, grads_finite, is_downgrade, precision_support
 from greend.testing import FakeDaemon
 
+from .conftest import wait_for
+
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="fp8-emulated needs torchao (pip install 'greend[fp8]')")
 
 FAST = dict(flush_interval_s=0.02, heartbeat_s=0.2, reconnect_min_s=0.1, reconnect_max_s=0.2,
             reply_timeout_s=1.0, stall_timeout_s=1.0, close_timeout_s=2.0, connect_timeout_s=1.0)
 IN, HID, OUT, BATCH = 32, 64, 16, 16
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 
