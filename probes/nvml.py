@@ -100,8 +100,7 @@ class _Gpu:
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
-    power_w: float | None = None  # the last power read
-    power_at_s: float = float("-inf")
+    power_w: float | None = None  # the last power read (with the slow fields, or every tick)
 
 
 class NvmlProbe:
@@ -286,9 +285,9 @@ class NvmlProbe:
         slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S
         if gpu.energy_method == "counter":
             self._account_energy(gpu, what, None, now_s)
-        if gpu.energy_method != "counter" or slow or gpu.power_at_s == float("-inf"):
+        if gpu.energy_method != "counter" or slow:
             power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
-            gpu.power_w, gpu.power_at_s = (None if power_mw is None else mw_to_w(power_mw)), now_s
+            gpu.power_w = None if power_mw is None else mw_to_w(power_mw)
             if gpu.energy_method != "counter":  # no counter, or it just stopped working
                 self._account_energy(gpu, what, gpu.power_w, now_s)
         power_w = gpu.power_w
