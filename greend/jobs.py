@@ -463,9 +463,15 @@ class JobRegistry:
         """Book the rank's CPU time since the host probe last saw it (it is leaving)."""
         cpu = self._process_cpu(rs.pid)
         job = self.jobs.get(rs.job)
-        if cpu is not None and rs.cpu_last_s is not None and job is not None:
-            job.cpu_job_s += max(0.0, cpu - rs.cpu_last_s)
-            rs.cpu_last_s = cpu
+        if cpu is not None and job is not None:
+            self._book_cpu(job, rs, cpu)
+
+    @staticmethod
+    def _book_cpu(job: Job, rs: RankSession, cpu_s: float) -> None:
+        """The rank's process is at ``cpu_s`` CPU seconds: add what it used since last seen."""
+        if rs.cpu_last_s is not None:
+            job.cpu_job_s += max(0.0, cpu_s - rs.cpu_last_s)
+        rs.cpu_last_s = cpu_s
 
     def end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self._lock:
@@ -548,9 +554,7 @@ class JobRegistry:
             if cpu is None:
                 continue
             seen = True
-            if rs.cpu_last_s is not None:
-                job.cpu_job_s += max(0.0, cpu - rs.cpu_last_s)
-            rs.cpu_last_s = cpu
+            self._book_cpu(job, rs, cpu)
         if seen and job.cpu_busy0_s is None:
             job.cpu_busy0_s = self._node_cpu_busy_s
 
