@@ -298,6 +298,9 @@ class InfluxSink:
         self._alert: str | None = None
         self._last_rejected: str | None = None
         self._ok = True
+        # ok, alert and the last error change together on the sender thread and are read
+        # together by status(): one lock, so a reader never sees "not ok" without its reason.
+        self._health = threading.Lock()
         self._client: Any = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -365,7 +368,8 @@ class InfluxSink:
                 data, _ = self._enc.encode(points)
         except Exception as e:  # noqa: BLE001 - a bad point never reaches the tick loop
             self._enc.points_skipped += len(points)
-            self._last_error = f"cannot encode points: {type(e).__name__}: {e}"
+            with self._health:
+                self._last_error = f"cannot encode points: {type(e).__name__}: {e}"
             log.error("influx: %s", self._last_error)
             return
         before = self._spool.sealed_count
@@ -406,11 +410,14 @@ class InfluxSink:
 
     def status(self) -> SinkStatus:
         retry_in = max(0.0, self._next_try - time.monotonic())
-        last_error = self._alert or self._last_error or self._spool.last_error
+        with self._health:
+            ok = self._ok and self._alert is None
+            last_error = self._alert or self._last_error or self._spool.last_error
+            last_rejected = self._last_rejected
         return SinkStatus(
             name=self.name,
             url=self.url,
-            ok=self._ok and self._alert is None,
+            ok=ok,
             written=self._written,
             pending=self._spool.pending_points,
             dropped=self._spool.dropped + self._enc.points_skipped,
@@ -419,7 +426,7 @@ class InfluxSink:
                 "spool_dir": str(self.spool_dir),
                 "spool_bytes": self._spool.pending_bytes,
                 "rejected": self._spool.rejected,
-                "last_rejected": self._last_rejected,
+                "last_rejected": last_rejected,
                 "recovered": self._spool.recovered,
                 "fields_skipped": self._enc.fields_skipped,
                 "requests": self._requests,
@@ -447,7 +454,8 @@ class InfluxSink:
                 finally:
                     self._sending.clear()
             except Exception as e:  # noqa: BLE001 - the sender thread must not die
-                self._last_error = f"sender: {type(e).__name__}: {e}"
+                with self._health:
+                    self._last_error = f"sender: {type(e).__name__}: {e}"
                 log.exception("influx sender")
                 self._backoff(None)
                 self._spool.release()
@@ -471,7 +479,8 @@ class InfluxSink:
                     self._spool.advance(seg, len(chunk), n)
                 data = data[len(chunk):]
                 self._attempts = 0
-                self._ok, self._alert, self._last_error = True, None, None
+                with self._health:
+                    self._ok, self._alert, self._last_error = True, None, None
                 continue
             if outcome == TOO_LARGE:
                 if chunk.count(b"\n") <= 1:
@@ -485,23 +494,25 @@ class InfluxSink:
                 continue
             if outcome == REJECT:
                 n = self._spool.reject(seg, detail)
-                self._last_error = self._last_rejected = (
-                    f"{detail} ({n} points set aside in {self._spool.rejected_dir})")
+                with self._health:
+                    self._last_error = self._last_rejected = (
+                        f"{detail} ({n} points set aside in {self._spool.rejected_dir})")
                 log.error("influx: the server refused a segment of %d points as malformed: %s; "
                           "set aside in %s", n, detail, self._spool.rejected_dir)
                 return
             # RETRY or AUTH: keep everything, try again later.
-            self._ok = False
             if outcome == AUTH:
                 msg = (f"{detail}: token/org/bucket wrong (check ${TOKEN_ENV} and "
                        f"org={self.cfg['org']!r} bucket={self.cfg['bucket']!r}); points keep spooling")
                 if msg != self._alert:
                     log.error("influx %s: %s", self.cfg["http_url"], msg)
-                self._alert = msg
+                with self._health:
+                    self._ok, self._alert = False, msg
             else:
                 if detail != self._last_error:
                     log.warning("influx %s: %s; points keep spooling, retrying", self.cfg["http_url"], detail)
-                self._last_error = detail
+                with self._health:
+                    self._ok, self._last_error = False, detail
             self._backoff(retry_after)
             self._spool.release()
             return

@@ -116,14 +116,15 @@ class SqliteSink:
             pass
 
     def status(self) -> SinkStatus:
+        last_error = self._last_error  # read once: the writer thread may change it meanwhile
         return SinkStatus(
             name=self.name,
             url=self.url,
-            ok=self._last_error is None,
+            ok=last_error is None,
             written=self._written,
             pending=self._queue.qsize(),
             dropped=self._dropped,
-            last_error=self._last_error,
+            last_error=last_error,
             extra={"path": str(self.path)},
         )
 
