@@ -48,8 +48,9 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
 JOB_ID = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
 MAX_STEPS_PER_MESSAGE = 1024
 # An ended job waits at most this long past its end for every CPU zone's next reading
-# (the host probe's estimate comes once a second) before its summary is made.
-CPU_END_WAIT_S = 1.5
+# (the host probe's estimate comes once a second; a loaded node may tick late) before its
+# summary is made. Only a zone that stopped reading makes a job wait this long.
+CPU_END_WAIT_S = 3.0
 
 REGISTER_SCHEMA: dict[str, Field] = {
     "job": Field((str,), required=True, max_len=128),

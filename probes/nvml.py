@@ -32,6 +32,7 @@ original.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,6 +101,7 @@ class _Gpu:
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
+    settings_changed: int = 0  # bumped by every setter; a slow read that saw it change is redone
     power_w: float | None = None  # the last power read (with the slow fields, or every tick)
 
 
@@ -128,6 +130,9 @@ class NvmlProbe:
         self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
         self._driver_version: str | None = None
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
+        # Setters run on the IPC thread, sampling on the tick thread: this lock keeps a
+        # setter's "read the settings again" from being overwritten by a read it overtook.
+        self._settings_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -292,6 +297,7 @@ class NvmlProbe:
                 self._account_energy(gpu, what, gpu.power_w, now_s)
         power_w = gpu.power_w
         if slow:
+            changed = gpu.settings_changed
             util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)
             sm = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
             mem = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_MEM)
@@ -299,7 +305,10 @@ class NvmlProbe:
             limit = self._optional(gpu, "nvmlDeviceGetEnforcedPowerLimit", h)
             if limit is None:
                 limit = self._optional(gpu, "nvmlDeviceGetPowerManagementLimit", h)
-            gpu.slow, gpu.slow_at_s = (util, sm, mem, temp, limit), now_s
+            gpu.slow = (util, sm, mem, temp, limit)
+            with self._settings_lock:
+                if gpu.settings_changed == changed:  # else a setter ran meanwhile: read again next tick
+                    gpu.slow_at_s = now_s
         util, sm, mem, temp, limit = gpu.slow
         return GpuReading(
             index=gpu.index,
@@ -433,7 +442,9 @@ class NvmlProbe:
         finally:
             for g in self._gpus:
                 if g.index == index:
-                    g.slow_at_s = float("-inf")  # a setting changed: read it again next tick
+                    with self._settings_lock:  # a setting changed: read it again next tick
+                        g.settings_changed += 1
+                        g.slow_at_s = float("-inf")
 
     def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
         """``nvmlDeviceSetGpuLockedClocks``; NVML errors arrive as greend errors."""

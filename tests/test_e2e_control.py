@@ -17,7 +17,7 @@ import pytest
 
 from probes.sim import SimGpu
 
-from .conftest import REPO, DaemonProc, _env, start_daemon
+from .conftest import REPO, DaemonProc, _env, start_daemon, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -42,10 +42,13 @@ def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[Daemon
     g0, g1 = sim(d.state_dir, 0), sim(d.state_dir, 1)
     assert g0.locked_clocks_mhz() == (345, 1395)
     assert g1.power_limit_w() == pytest.approx(450.0)
-    # Status shows the GPUs as the last tick sampled them: wait for a tick after the set.
+    # Status shows the GPUs as the last tick sampled them: wait for a tick after both sets.
+    def both_shown(st: dict) -> bool:
+        return st["gpus"][0]["clock_cap_mhz"] == 1395 and st["gpus"][1]["power_limit_w"] == pytest.approx(450.0)
+
     deadline = time.monotonic() + 10
     st = d.status()
-    while st["gpus"][0]["clock_cap_mhz"] != 1395 and time.monotonic() < deadline:
+    while not both_shown(st) and time.monotonic() < deadline:
         time.sleep(0.05)
         st = d.status()
     assert st["gpus"][0]["clock_cap_mhz"] == 1395
@@ -207,8 +210,8 @@ def test_efficient_policy_caps_a_running_job_and_lifts_the_cap_when_it_dies(
         p.wait(10)
     rep = wait_ended(d, "tuned")
     assert rep["end_reason"] == "client disconnected"
-    deadline = time.monotonic() + 5
-    while sim(d.state_dir, 0).locked_clocks_mhz() is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The restore resets the device first and logs it after: wait for both.
+    wait_for(lambda: sim(d.state_dir, 0).locked_clocks_mhz() is None and "restore (job tuned ended" in d.log_text(),
+             10)
     assert sim(d.state_dir, 0).locked_clocks_mhz() is None, "the dead job's cap was lifted"
     assert "restore (job tuned ended" in d.log_text()

@@ -169,7 +169,7 @@ def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: lis
         cfg = '[daemon]\nsocket_group = ""\n' + ("[probes]\ncpu_tdp_w = 100\n" if name == "estimate" else "")
         d = start_daemon(tmp_path, "--sim", "1", *extra, name=name, config=cfg)
         daemons.append(d)
-        procs[name] = (d, trainer(d.socket, f"cpu-{name}", "--steps", "30", "--step-sleep", "0.01"))
+        procs[name] = (d, trainer(d.socket, f"cpu-{name}", "--steps", "60", "--step-sleep", "0.01"))
     reps = {}
     for name, (d, p) in procs.items():
         finish(p)

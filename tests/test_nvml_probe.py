@@ -245,6 +245,40 @@ def test_setters_map_errors(probe: NvmlProbe, fake: FakeNvml) -> None:
         probe.set_power_limit_w(1, 50.0)
 
 
+class SetsDuringTheRead(CallCounter):
+    """A setter (the IPC thread, in the daemon) runs while the tick reads the limit."""
+
+    def __init__(self, nvml: FakeNvml) -> None:
+        super().__init__(nvml)
+        self.during_read: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = super().__getattr__(name)
+        if name != "nvmlDeviceGetEnforcedPowerLimit" or self.during_read is None:
+            return attr
+
+        def read_then_set(*args: Any) -> Any:
+            value = attr(*args)  # the old limit is in hand ...
+            setter, self.during_read = self.during_read, None
+            setter()  # ... when the new one is set
+            return value
+
+        return read_then_set
+
+
+def test_a_setting_changed_during_the_slow_read_is_read_again_next_tick(
+        tmp_path: Path, clock: ManualClock) -> None:
+    nvml = SetsDuringTheRead(FakeNvml(tmp_path, n=1, clock=clock))
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    assert by_index(probe, 0.0)[0].power_limit_w == 700
+    nvml.during_read = lambda: probe.set_power_limit_w(0, 450.0)
+    probe.set_locked_clocks_mhz(0, 345, 1500)  # makes the slow fields due at once
+    assert by_index(probe, 0.1)[0].power_limit_w == 700  # read before the set landed
+    # Not a second later: the very next tick reads it again.
+    assert by_index(probe, 0.2)[0].power_limit_w == 450
+
+
 def test_cap_lookup_fills_clock_cap(fake: FakeNvml) -> None:
     caps = {0: 1410.0}
     probe = NvmlProbe(nvml=fake, source="sim", cap_lookup=caps.get)
