@@ -50,3 +50,17 @@ def test_reopening_keeps_the_schema_and_appends(tmp_path: Path) -> None:
         assert sink.flush()
         sink.close()
     assert [r["energy_j"] for r in read_rows(db, "greend_cpu")] == [0.0, 1.0]
+
+
+def test_flush_returns_only_once_every_point_is_committed(tmp_path: Path) -> None:
+    # One point at a time, each flushed: flush's True means committed, every time
+    # (with a 1 ms batch the writer is often mid-batch when the next write lands).
+    db = tmp_path / "f.db"
+    sink = SqliteSink(db, batch_s=0.001)
+    t0 = time.time_ns()
+    for i in range(300):
+        sink.write([Point("greend_host", {"host": "h"}, {"n": float(i)}, t0 + i)])
+        assert sink.flush(5.0)
+        assert sink.status().written == i + 1, f"flush returned with point {i} not yet committed"
+    assert len(read_rows(db, "greend_host")) == 300
+    sink.close()

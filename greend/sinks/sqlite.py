@@ -68,8 +68,6 @@ class SqliteSink:
         self._written = 0
         self._dropped = 0
         self._last_error: str | None = None
-        self._idle = threading.Event()
-        self._idle.set()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -91,20 +89,24 @@ class SqliteSink:
         for p in points:
             try:
                 self._queue.put_nowait(p)
-                self._idle.clear()
             except queue.Full:
                 self._dropped += 1
         if self._dropped and self._dropped % 10_000 == 1:
             log.error("sqlite store queue full: %d points dropped so far", self._dropped)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued point is committed."""
+        """Wait until every queued point is committed (or has failed and been counted)."""
+        # The writer marks each point done only after its batch's COMMIT: unlike an
+        # "empty queue and idle writer" check, this cannot pass while a batch is in hand.
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.empty() and self._idle.is_set():
-                return True
-            time.sleep(0.01)
-        return False
+        q = self._queue
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(left)
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.flush(timeout_s)
@@ -135,10 +137,10 @@ class SqliteSink:
             try:
                 first = self._queue.get(timeout=self._batch_s)
             except queue.Empty:
-                self._idle.set()
                 self._maybe_prune()
                 continue
             if first is None:
+                self._queue.task_done()
                 return
             batch.append(first)
             deadline = time.monotonic() + self._batch_s
@@ -153,11 +155,14 @@ class SqliteSink:
                     break
                 if p is None:
                     stop = True
+                    self._queue.task_done()
                     break
                 batch.append(p)
-            self._commit(batch)
-            if self._queue.empty():
-                self._idle.set()
+            try:
+                self._commit(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
             self._maybe_prune()
             if stop:
                 return
