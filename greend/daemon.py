@@ -267,9 +267,7 @@ class Daemon:
         if job is None:
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
             raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
-        report = self.jobs.report(job)
-        report["series"] = list(job.series)
-        return report
+        return self.jobs.report_with_series(job)
 
     def is_admin(self, peer: Peer) -> bool:
         if peer.uid == 0:

@@ -711,6 +711,14 @@ class JobRegistry:
         return Point("greend_job", {"host": self.hostname, "job": job.job, "precision": job.precision,
                                     "end_reason": job.end_reason or ""}, fields, int(self.wall() * 1e9))
 
+    def report_with_series(self, job: Job) -> dict[str, Any]:
+        """``report(job)`` plus its time series: a copy made under the lock, so the tick
+        thread can neither end the job half-way through nor change what is being sent."""
+        with self._lock:
+            report = dict(self.report(job))
+            report["series"] = list(job.series)
+            return report
+
     def list_jobs(self) -> list[dict[str, Any]]:
         with self._lock:
             out = []
