@@ -1120,8 +1120,8 @@ class _Sender:
         dropped = sum(n for _, n in self._out)
         cb.stats.dropped += dropped
         self._close_sock()
+        cb.stats.last_error = message  # before "not connected": a reader of both sees why
         cb.stats.connected = False
-        cb.stats.last_error = message
         self._failures = 1
         if not cb._first_warning_done:
             cb._warn_once("lost", f"lost the daemon: {message}; training continues, reconnecting")
