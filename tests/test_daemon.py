@@ -83,9 +83,11 @@ def test_failing_probes_never_stop_a_tick(daemon: Daemon) -> None:
 
 def test_schedule_is_drift_free_and_skips_overruns(daemon: Daemon) -> None:
     slow_once = {"done": False}
+    starts: list[tuple[int, float]] = []  # (the tick's slot on the 20 ms grid, when it ran)
 
     class SlowProbe(CountingProbe):
         def sample(self, now_s: float) -> Readings:
+            starts.append((daemon.ticks + daemon.ticks_skipped, now_s))
             if not slow_once["done"] and daemon.ticks == 5:
                 slow_once["done"] = True
                 time.sleep(0.1)  # five periods of 20 ms
@@ -95,13 +97,17 @@ def test_schedule_is_drift_free_and_skips_overruns(daemon: Daemon) -> None:
     daemon.probes = [p]
     daemon.stats["slow"] = ProbeStats("slow")
     daemon._try_open(p, first=True)
-    t0 = time.monotonic()
     daemon.run(max_ticks=30)
-    elapsed = time.monotonic() - t0
     assert daemon.ticks_skipped >= 4
-    # 30 ticks + the skipped ones, at 20 ms each; no accumulated drift.
-    expected = (daemon.ticks + daemon.ticks_skipped - 1) * 0.02
-    assert elapsed == pytest.approx(expected, abs=0.03)
+    assert len(starts) == 30
+    # Every tick runs on its slot of the grid laid at the start (never early), late only
+    # by its own wake-up: no drift accumulates, so the late ticks are as close to their
+    # slots as the early ones. One slow wake-up on a loaded machine is not drift: ask
+    # that some of the last ten ticks ran within 10 ms of their slots.
+    slot0, t_first = starts[0]
+    late = [t - t_first - (slot - slot0) * 0.02 for slot, t in starts]
+    assert min(late) > -0.002, late
+    assert min(late[-10:]) < 0.01, late
 
 
 def test_stop_event_ends_the_loop_promptly(daemon: Daemon) -> None:

@@ -28,8 +28,15 @@ def test_sim_gpus_and_rapl_fixture_end_to_end(tmp_path: Path, daemons: list[Daem
     pkg0 = next(c for c in first["cpus"] if c["zone"] == "package-0")
     before = pkg0["energy_j"]
     tree.advance(pkg0["path"], 50.0)
-    time.sleep(0.5)
+
+    def pkg0_energy(st: dict) -> float:
+        return next(c for c in st["cpus"] if c["path"] == pkg0["path"])["energy_j"]
+
+    deadline = time.monotonic() + 10  # a tick that read the zone after the advance
     st = d.status()
+    while pkg0_energy(st) - before < 50.0 - 0.05 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        st = d.status()
 
     assert [g["index"] for g in st["gpus"]] == [0, 1]
     for g in st["gpus"]:

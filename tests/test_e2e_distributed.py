@@ -29,18 +29,19 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     slow = start_daemon(tmp_path, "--sim", "1", name="slow", config=EFFICIENT + "[sim]\nspeed_factor = 1.3\n")
     daemons += [fast, slow]
     port = vmserver.free_port()
+    stop = tmp_path / "stop"  # the ranks train until the test has seen what it waits for
     procs = []
     for rank, d in enumerate((fast, slow)):
         env = _env() | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests/scripts/dist_trainer.py"), "--socket", str(d.socket),
-             "--job", "ddp", "--seconds", "30"],
+             "--job", "ddp", "--seconds", "120", "--stop-file", str(stop)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env))
     # While the job runs, both daemons must have the same agreed pace and the fast
     # node must settle within the bound over that pace.
     seen: dict[str, dict] = {}
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 100
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         for name, d in (("fast", fast), ("slow", slow)):
             with Client(d.socket) as c:
@@ -61,6 +62,7 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
                for n in ("fast", "slow")) and seen["fast"]["pace_s"] == seen["slow"]["pace_s"]:
             break
         time.sleep(0.3)
+    stop.touch()
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=90)

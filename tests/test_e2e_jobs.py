@@ -14,7 +14,7 @@ import pytest
 
 from greend.client import Client
 
-from .conftest import REPO, DaemonProc, _env, start_daemon, wait_ready
+from .conftest import REPO, DaemonProc, _env, start_daemon, wait_for, wait_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 torch = pytest.importorskip("torch")
@@ -126,7 +126,12 @@ def test_killed_client_ends_its_job(tmp_path: Path, daemons: list[DaemonProc]) -
     ready = tmp_path / "ready"
     p = trainer(d.socket, "doomed", "--steps", "100000", "--step-sleep", "0.01", "--ready-file", str(ready))
     wait_ready(ready)
-    time.sleep(1.0)
+
+    def booked() -> bool:  # steps and their energy have reached the daemon
+        rep = json.loads(d.ctl("report", "doomed", "--json", check=False).stdout or "{}")
+        return rep.get("steps", 0) > 0 and rep.get("gpu_energy_j", 0) > 0
+
+    assert wait_for(booked, 20)
     p.kill()
     p.wait(10)
     rep = wait_ended(d, "doomed")

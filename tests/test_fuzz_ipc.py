@@ -19,6 +19,8 @@ from greend.client import Client, _connect_retrying
 from greend.config import Config
 from greend.daemon import Daemon
 
+from .conftest import wait_for
+
 OPS = ["ping", "status", "probes", "jobs", "report", "register", "steps", "heartbeat", "end", "pace",
        "precision_event", "energy", "cap_set", "cap_reset", "policy_show", "policy_set", "nope", ""]
 VALID = [
@@ -139,7 +141,8 @@ def test_no_leak_and_other_clients_unaffected(daemon: Daemon) -> None:
     watcher = Client(daemon.cfg.daemon.socket)
     watcher.connect()
     time.sleep(0.2)
-    before = _fds()
+    before = max(_fds() for _ in range(5))  # a file a probe opens for a moment is not a leak
+    requests_before = daemon.server.requests if daemon.server is not None else 0
     for i in range(500):
         c = Conn(daemon.cfg.daemon.socket)
         base = dict(rng.choice(VALID))
@@ -149,10 +152,15 @@ def test_no_leak_and_other_clients_unaffected(daemon: Daemon) -> None:
         c.s.close()
         if i % 50 == 0:
             assert watcher.request("ping")["pong"] is True
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _fds() > before:
-        time.sleep(0.1)
-    assert _fds() <= before, "file descriptors leaked"
+    now = [0]
+
+    def closed() -> bool:
+        now[0] = _fds()
+        return now[0] <= before
+
+    assert wait_for(closed, 10), f"file descriptors leaked: {now[0]} open, {before} before"
     assert watcher.request("status")["ticks"] > 0
     watcher.close()
-    assert daemon.server is not None and daemon.server.requests > 1000
+    # Every connection that sent a whole line was answered (about 70% of 500), and the
+    # watcher's pings: counted from this test's start, whatever ran before it.
+    assert daemon.server is not None and daemon.server.requests - requests_before > 300

@@ -28,6 +28,7 @@ from greend.sinks import Point
 from greend.sinks.influx import InfluxSink, encode_points
 
 from . import vmserver  # noqa: E402
+from .conftest import wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"backoff_min_s": 0.05, "backoff_max_s": 0.3, "segment_age_s": 0.1}
@@ -96,7 +97,7 @@ def test_outage_loses_nothing_and_duplicates_nothing(vm: vmserver.VmServer, tmp_
     for i in range(1000, 2000, 20):
         sink.write(pts(run, i, i + 20, t0))
         time.sleep(0.002)
-    time.sleep(0.5)
+    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
     st = sink.status()
     assert not st.ok and st.pending > 0 and "cannot reach" in (st.last_error or "")
     vm.start()  # same port, same data dir
@@ -316,8 +317,9 @@ def test_no_server_spools_and_reports(tmp_path: Path) -> None:
     sink = InfluxSink(url, state_dir=tmp_path, host="h", **FAST)
     t = time.perf_counter()
     sink.write(pts("r", 0, 100, 0))
-    assert time.perf_counter() - t < 0.1  # never blocks on the network
+    assert time.perf_counter() - t < 0.5  # never blocks on the network (nor waits for a connect)
     assert not sink.flush(0.5)
+    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
     st = sink.status()
     assert not st.ok and st.pending == 100 and "cannot reach" in (st.last_error or "")
     assert st.extra["spool_bytes"] > 0

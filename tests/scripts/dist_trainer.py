@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     ap.add_argument("--job", required=True)
-    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--seconds", type=float, default=25.0, help="train at most this long")
+    ap.add_argument("--stop-file", help="stop early once this file exists (every rank agrees)")
     ap.add_argument("--sync-every", type=int, default=10)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -49,7 +51,8 @@ def main() -> None:
     loss = torch.tensor(0.0)
     while True:
         # Every rank runs the same number of steps: agree on stopping, as real jobs do.
-        flag = torch.tensor([1.0 if time.monotonic() < t_end else 0.0])
+        go = time.monotonic() < t_end and not (args.stop_file and os.path.exists(args.stop_file))
+        flag = torch.tensor([1.0 if go else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item() == 0.0:
             break
