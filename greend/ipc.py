@@ -35,6 +35,7 @@ from __future__ import annotations
 import grp
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -108,8 +109,10 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
             raise ProtocolError(
                 f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
             )
-        if isinstance(value, float) and value != value:
-            raise ProtocolError(f"{name!r} must be a finite number", field=name)
+        # Python's json reads NaN, Infinity and -Infinity; replies are written with
+        # allow_nan=False, so one such value kept would break every later report.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"{name!r} must be a finite number, not {value!r}", field=name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if spec.min is not None and value < spec.min:
                 raise ProtocolError(f"{name!r} = {value!r} is below the minimum {spec.min}", field=name)
@@ -224,6 +227,7 @@ class IpcServer:
         self._thread: threading.Thread | None = None
         self.errors_sent = 0
         self.requests = 0
+        self.refused_full = 0  # connections turned away at MAX_CONNECTIONS
 
     def route(
         self, op: str, handler: Handler, schema: dict[str, Field] | None = None, *, admin: bool = False,
@@ -326,6 +330,7 @@ class IpcServer:
                         continue
                     self._conns[conn.id] = conn
             if full:
+                self.refused_full += 1
                 try:
                     s.sendall(encode(_error(None, "unavailable", f"too many clients (limit {MAX_CONNECTIONS})")))
                 except OSError:
