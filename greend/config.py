@@ -51,6 +51,7 @@ key, the value and what is allowed; nothing is silently defaulted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -210,6 +211,8 @@ def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
         elif isinstance(current, float):
             _check(section, key, value, (int, float), "a number")
             value = float(value)
+            if not math.isfinite(value):  # TOML has nan and inf; no key here means either
+                raise ConfigError(f"[{section}] {key} = {value!r}: expected a finite number")
         elif isinstance(current, int):
             _check(section, key, value, int, "a whole number")
         elif isinstance(current, Path):
