@@ -6,6 +6,15 @@ of "since start"), the latest, and a bounded history of ``(t_s, energy_j)`` so
 that any recent window can be priced: a job's step from ``t0`` to ``t1`` costs
 ``energy_between(key, t0, t1)``, interpolated linearly between ticks.
 
+History has two tiers. The fine one holds every tick of the last ``history_s``
+(an hour by default). The coarse one holds one point per ``coarse_step_s`` from the
+key's first reading on, for as long as the daemon runs: when it reaches
+``COARSE_MAX`` points it keeps every other one and doubles its step, so its memory
+is bounded and its resolution is always about ``age / (COARSE_MAX / 2)``. A window
+that starts before the fine tier (a training job of days) is priced from the coarse
+tier at its start and the fine tier at its end: the error is at most the
+interpolation over one coarse step at the start, a few seconds in a day.
+
 If a probe is reopened (a lost GPU comes back, a probe restarts) its counter
 starts again from zero; the ledger sees the fall and carries the earlier total
 forward, so "since start" never goes backwards.
@@ -16,9 +25,12 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Ledger", "LedgerEntry"]
+__all__ = ["COARSE_MAX", "Ledger", "LedgerEntry"]
+
+COARSE_MAX = 8192  # points in a key's coarse history (then it halves them)
 
 
 @dataclass
@@ -31,6 +43,9 @@ class LedgerEntry:
     last_t_s: float = 0.0
     times: deque[float] = field(default_factory=deque)
     energies: deque[float] = field(default_factory=deque)  # ledger-adjusted cumulative J
+    coarse_step_s: float = 1.0
+    coarse_times: list[float] = field(default_factory=list)
+    coarse_energies: list[float] = field(default_factory=list)
 
     @property
     def total_j(self) -> float:
@@ -43,8 +58,9 @@ class LedgerEntry:
 class Ledger:
     """Thread-safe: the tick loop writes, IPC handlers and sinks read."""
 
-    def __init__(self, history_s: float = 3600.0, hz: float = 10.0) -> None:
+    def __init__(self, history_s: float = 3600.0, hz: float = 10.0, coarse_step_s: float = 1.0) -> None:
         self._maxlen = max(16, int(history_s * hz) + 1)
+        self._coarse_step_s = coarse_step_s
         self._entries: dict[str, LedgerEntry] = {}
         self._lock = threading.Lock()
 
@@ -57,6 +73,7 @@ class Ledger:
                     counted=counted,
                     times=deque(maxlen=self._maxlen),
                     energies=deque(maxlen=self._maxlen),
+                    coarse_step_s=self._coarse_step_s,
                 )
                 self._entries[key] = e
             e.counted = counted
@@ -69,9 +86,18 @@ class Ledger:
                 e.first_j = adjusted
             if e.times and t_s <= e.times[-1]:
                 e.energies[-1] = adjusted  # same tick seen twice: keep the latest value
+                if e.coarse_times[-1] == e.times[-1]:
+                    e.coarse_energies[-1] = adjusted
             else:
                 e.times.append(t_s)
                 e.energies.append(adjusted)
+                if not e.coarse_times or t_s >= e.coarse_times[-1] + e.coarse_step_s:
+                    e.coarse_times.append(t_s)
+                    e.coarse_energies.append(adjusted)
+                    if len(e.coarse_times) > COARSE_MAX:
+                        # Keep the first point (the origin) and every other one after it.
+                        del e.coarse_times[1::2], e.coarse_energies[1::2]
+                        e.coarse_step_s *= 2.0
             e.last_t_s = t_s
 
     def keys(self, prefix: str = "", counted_only: bool = False) -> list[str]:
@@ -95,26 +121,42 @@ class Ledger:
     def cumulative_at(self, key: str, t_s: float) -> float | None:
         """Ledger energy of ``key`` at time ``t_s`` (interpolated), relative to its origin.
 
-        Before the history starts: None. After the latest tick: the latest value
-        (energy is not extrapolated).
+        Before the first reading: None. After the latest tick: the latest value
+        (energy is not extrapolated). Older than the fine history: from the coarse one.
         """
         with self._lock:
             e = self._entries.get(key)
             if e is None or not e.times or e.first_j is None:
                 return None
-            times, energies = e.times, e.energies
+            if t_s >= e.times[-1]:
+                return e.energies[-1] - e.first_j
+            times: Sequence[float] = e.times
+            energies: Sequence[float] = e.energies
             if t_s < times[0]:
-                return None
-            if t_s >= times[-1]:
-                return energies[-1] - e.first_j
+                times, energies = e.coarse_times, e.coarse_energies
+                if t_s < times[0]:
+                    return None
             i = bisect.bisect_right(times, t_s)
-            t0, t1 = times[i - 1], times[i]
-            e0, e1 = energies[i - 1], energies[i]
+            t0, e0 = times[i - 1], energies[i - 1]
+            if i < len(times):
+                t1, e1 = times[i], energies[i]
+            else:  # past the last coarse point (a step longer than the fine history)
+                t1, e1 = e.times[0], e.energies[0]
             frac = (t_s - t0) / (t1 - t0) if t1 > t0 else 0.0
             return e0 + frac * (e1 - e0) - e.first_j
 
-    def energy_between(self, key: str, t0_s: float, t1_s: float) -> float | None:
-        """Joules of ``key`` from ``t0_s`` to ``t1_s`` (monotonic seconds)."""
+    def energy_between(self, key: str, t0_s: float, t1_s: float, *, clamp: bool = False) -> float | None:
+        """Joules of ``key`` from ``t0_s`` to ``t1_s`` (monotonic seconds).
+
+        A window that starts before the key's first reading is unknown (None), unless
+        ``clamp``: then it is priced from the first reading on (a job whose first steps
+        ran before the daemon started, or before its first tick, gets what was measured).
+        """
+        if clamp:
+            with self._lock:
+                e = self._entries.get(key)
+                if e is not None and e.coarse_times:
+                    t0_s = max(t0_s, e.coarse_times[0])
         a = self.cumulative_at(key, t0_s)
         b = self.cumulative_at(key, t1_s)
         if a is None or b is None:

@@ -38,5 +38,50 @@ def test_history_is_bounded() -> None:
     for i in range(1000):
         led.record("k", float(i), float(i))
     assert led.total_j("k") == pytest.approx(999.0)
-    assert led.cumulative_at("k", 10.0) is None  # fell out of the window
+    assert len(led._entries["k"].times) == 16  # the fine history keeps its bound
+    assert led.cumulative_at("k", 10.0) == pytest.approx(10.0)  # older: from the coarse one
     assert led.energy_between("k", 990.0, 995.0) == pytest.approx(5.0)
+
+
+def test_windows_older_than_the_fine_history_come_from_the_coarse_one() -> None:
+    # A training job of days: its window starts long before the fine history (here 60 s).
+    # 10 Hz for 30 simulated hours at a power that changes every hour (200 W, 300 W, ...).
+    led = Ledger(history_s=60, hz=10)
+    hz, hours = 10, 30
+    energy = 0.0
+    truth_at: dict[int, float] = {}
+    for i in range(hours * 3600 * hz + 1):
+        t = i / hz
+        if i % (3600 * hz) == 0:
+            truth_at[i // (3600 * hz)] = energy
+        led.record("gpu0", t, 1e6 + energy)  # a counter origin that is not 0
+        energy += (200.0 + 100.0 * ((i // (3600 * hz)) % 3)) / hz
+    e = led._entries["gpu0"]
+    assert len(e.times) == 60 * hz + 1 and len(e.coarse_times) <= 8192  # both tiers bounded
+    assert e.coarse_times[0] == 0.0  # the origin is never dropped
+    for h0, h1 in ((0, 30), (0, 1), (5, 29), (29, 30)):
+        got = led.energy_between("gpu0", h0 * 3600.0, h1 * 3600.0)
+        assert got == pytest.approx(truth_at[h1] - truth_at[h0], rel=1e-3), (h0, h1)
+    # Mid-hour, between coarse points: interpolated, within one coarse step's energy.
+    got = led.energy_between("gpu0", 1800.0, 30 * 3600.0)
+    assert got == pytest.approx(truth_at[30] - 1800.0 * 200.0, rel=1e-3)
+    assert led.energy_between("gpu0", -1.0, 10.0) is None  # before the first reading
+
+
+def test_a_coarse_step_longer_than_the_fine_history_still_prices_windows() -> None:
+    led = Ledger(history_s=1, hz=10, coarse_step_s=5.0)
+    for i in range(201):  # 100 W, 20 s
+        led.record("k", i / 10, 10.0 * i)
+    # 3.0 s lies after the coarse point at 0 s and before the next one at 5 s, which the
+    # fine history (the last second) no longer holds.
+    assert led.energy_between("k", 3.0, 20.0) == pytest.approx(1700.0)
+    assert led.energy_between("k", 7.5, 19.5) == pytest.approx(1200.0)
+
+
+def test_clamp_prices_a_window_from_the_first_reading() -> None:
+    led = Ledger()
+    for i in range(11):  # 100 W from t = 5 s
+        led.record("gpu0", 5.0 + i * 0.1, 10.0 * i)
+    assert led.energy_between("gpu0", 4.0, 6.0) is None
+    assert led.energy_between("gpu0", 4.0, 6.0, clamp=True) == pytest.approx(100.0)
+    assert led.energy_between("gpu0", 1.0, 2.0, clamp=True) is None  # wholly before it
