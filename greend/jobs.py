@@ -138,6 +138,7 @@ class Job:
     last_loss: float | None = None
     nonfinite_steps: int = 0
     step_time_s: float = 0.0  # measured, summed over reports
+    gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
     sim_time_s: float = 0.0
     sim_energy_j: float = 0.0
     precision: str = "fp32"
@@ -330,6 +331,8 @@ class JobRegistry:
         job.steps = max(job.steps, max(r.steps for r in job.ranks.values()))
         job.step_reports += 1
         job.flops += flops
+        for g in rs.gpus:
+            job.gpu_flops[g] = job.gpu_flops.get(g, 0.0) + flops / len(rs.gpus)
         job.samples += int(s.get("samples") or 0)
         job.tokens += int(s.get("tokens") or 0)
         duration = s["t1_s"] - s["t0_s"]
@@ -594,7 +597,7 @@ class JobRegistry:
         total = 0.0
         known = False
         for g in sorted(job.gpus):
-            e = self.ledger.energy_between(f"gpu{g}", t0, t1)
+            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True)
             if e is not None:
                 total += e
                 known = True
@@ -606,12 +609,29 @@ class JobRegistry:
         total = 0.0
         known = estimated = False
         for key in self.ledger.keys(prefix="cpu:", counted_only=True):
-            e = self.ledger.energy_between(key, t0, t1)
+            e = self.ledger.energy_between(key, t0, t1, clamp=True)
             if e is not None:
                 total += e
                 known = True
                 estimated |= key == "cpu:estimate"
         return (total if known else None), estimated
+
+    def _per_gpu(self, job: Job, t0: float | None, t1: float | None, duration: float) -> list[dict[str, Any]]:
+        """Each of the job's GPUs: its share of the FLOPs (a step's FLOPs split evenly over
+        its rank's GPUs), its joules over the job's window, and what they make."""
+        out = []
+        for g in sorted(job.gpus):
+            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True) if t0 is not None and t1 is not None else None
+            flops = job.gpu_flops.get(g, 0.0)
+            out.append({
+                "gpu": g,
+                "flops": flops,
+                "energy_j": e,
+                "avg_power_w": e / duration if e is not None and duration > 0 else None,
+                "flop_per_s": flops / duration if duration > 0 else None,
+                "gflops_per_w": flops / e / 1e9 if e else None,
+            })
+        return out
 
     def window(self, job: Job, now_s: float) -> dict[str, Any]:
         t1 = now_s
@@ -685,6 +705,10 @@ class JobRegistry:
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
             "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
             "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
+            "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
+            "per_gpu": self._per_gpu(job, t0, t1, duration),
+            # The last [report] window_s of a running job (its last window once it ended).
+            "recent": self.window(job, t1) if t1 is not None else None,
             "samples_per_j": job.samples / energy if energy else None,
             "tokens_per_j": job.tokens / energy if energy else None,
             "co2_g": co2,

@@ -37,6 +37,19 @@ def render_report(r: dict[str, Any]) -> str:
         + ("(with CPU: n/a, CPU not measured)" if no_cpu else
            f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})"),
     ]
+    if r.get("gpu_energy_per_step_j") is not None:
+        mean_step_s = (r.get("step_time_s") or 0.0) / max(1, r.get("step_reports") or 1)
+        lines.append(f"  per step         {_num(r['gpu_energy_per_step_j'], '.4g', 'J')} of GPU energy, "
+                     f"{_num(mean_step_s, '.4g', 's')} on average")
+    if len(r.get("per_gpu") or []) > 1:
+        for g in r["per_gpu"]:
+            lines.append(f"    gpu{g['gpu']:<3}         {_num(g.get('energy_j'), '.1f', 'J')}   "
+                         f"avg {_num(g.get('avg_power_w'), '.1f', 'W')}   {_num(g.get('flops'), '.4g', 'FLOP')}   "
+                         f"{_num(g.get('gflops_per_w'), '.3f')} GFLOPS/W")
+    rec = r.get("recent")
+    if rec and r.get("state") == "running":
+        lines.append(f"  last {_num(rec.get('window_s'), '.0f', 's'):<11} {_num(rec.get('flop_per_s'), '.3g', 'FLOP/s')}   "
+                     f"GPU avg {_num(rec.get('gpu_power_w'), '.1f', 'W')}   {_num(rec.get('gflops_per_w'), '.3f')} GFLOPS/W")
     if r.get("gflops_per_w_busy") is not None:
         lines.append(f"  GFLOPS/W busy    {_num(r['gflops_per_w_busy'], '.1f')}   (sim: only the simulated "
                      "steps' own energy, without the idle time between them)")

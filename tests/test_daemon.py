@@ -13,6 +13,8 @@ from greend.daemon import Daemon, ProbeStats
 from greend.errors import ProbeError
 from probes import CpuReading, ProbeInfo, Readings
 
+from .conftest import wait_for
+
 
 class CountingProbe:
     """A probe whose zone burns exactly ``watts`` on the tick clock."""
@@ -135,3 +137,57 @@ def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
     assert len(rows) >= 4
     assert rows[-1]["energy_j"] > rows[0]["energy_j"]
     assert {r["probe"] for r in read_rows(tmp_path / "g.db", "greend_probe")} == {"zone"}
+
+
+def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
+    # One rank on GPUs 0 and 1, another job's rank on GPU 2: each GPU's joules and
+    # its share of the FLOPs, summing to the job's figures.
+    import threading
+
+    from greend.client import Client
+    from greend.ipc import encode
+
+    def send_steps(c: Client, step: int, flops: float) -> None:  # steps get no reply
+        now = time.monotonic()
+        assert c._sock is not None
+        c._sock.sendall(encode({"v": 1, "op": "steps",
+                                "steps": [{"step": step, "t0_s": now - 0.01, "t1_s": now, "flops": flops}]}))
+
+    cfg = Config()
+    cfg.daemon.state_dir = tmp_path / "state"
+    cfg.daemon.socket = tmp_path / "g.sock"
+    cfg.daemon.socket_group = ""
+    cfg.daemon.hz = 20.0
+    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
+    cfg.sim.gpus = 3
+    cfg.probes.enabled = []
+    d = Daemon(cfg)
+    d.start()
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: d.ledger.last_time("gpu2") is not None, 5)  # the GPUs' first tick
+        with Client(cfg.daemon.socket) as a, Client(cfg.daemon.socket) as b:
+            a.request("register", job="two", gpus=[0, 1])
+            b.request("register", job="other", gpus=[2])
+            t0 = time.monotonic()
+            for i in range(20):
+                send_steps(a, i, 4e12)
+                send_steps(b, i, 1e12)
+                time.sleep(0.05)
+            assert time.monotonic() - t0 > 0.5
+            time.sleep(0.2)  # a tick after the last step
+            rep = a.request("report", job="two")
+        per = {g["gpu"]: g for g in rep["per_gpu"]}
+        assert sorted(per) == [0, 1]
+        assert per[0]["flops"] == per[1]["flops"] == pytest.approx(20 * 2e12)
+        assert per[0]["energy_j"] + per[1]["energy_j"] == pytest.approx(rep["gpu_energy_j"], rel=1e-9)
+        for g in (0, 1):
+            e = d.ledger.energy_between(f"gpu{g}", rep["window"]["t0_s"], rep["window"]["t1_s"], clamp=True)
+            assert per[g]["energy_j"] == pytest.approx(e, rel=1e-9)
+            assert per[g]["gflops_per_w"] == pytest.approx(per[g]["flops"] / e / 1e9, rel=1e-9)
+        assert rep["gpu_energy_per_step_j"] == pytest.approx(rep["gpu_energy_j"] / 20, rel=1e-9)
+    finally:
+        d.stop()
+        t.join(5)
+        d.close()

@@ -74,6 +74,13 @@ def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[D
         assert joules >= 0.95 * 70.0 * (w["t1_s"] - w["t0_s"])
         assert rep["gpu_source"] == "sim"
         assert rep["end_reason"] == "finished"
+        # Per GPU (one each here) and per step: the same joules, split.
+        assert [g["gpu"] for g in rep["per_gpu"]] == [gpu]
+        assert rep["per_gpu"][0]["energy_j"] == pytest.approx(joules, rel=1e-9)
+        assert rep["per_gpu"][0]["flops"] == pytest.approx(rep["flops"], rel=1e-12)
+        assert rep["gpu_energy_per_step_j"] == pytest.approx(joules / rep["steps"], rel=1e-9)
+        # The sliding window ends where the job did, and holds its last steps' FLOPs.
+        assert rep["recent"]["flops"] > 0 and rep["recent"]["window_s"] <= 10.0 + 1e-9
     # Apart: gpu1 burnt real energy during job-a's window too (idle at least), and none
     # of it is in job-a's figure, which equals gpu0's alone (checked above).
     other = ledger_energy(d, 1, rep_a["window"]["t0_s"], rep_a["window"]["t1_s"])
@@ -85,7 +92,7 @@ def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[D
     jobs = json.loads(d.ctl("jobs", "--json").stdout)["jobs"]
     assert {j["job"] for j in jobs} == {"job-a", "job-b"}
     text = d.ctl("report", "job-a").stdout
-    assert "GFLOPS/W (sim)" in text and "kWh" in text and "CO2" in text
+    assert "GFLOPS/W (sim)" in text and "kWh" in text and "CO2" in text and "per step" in text
     rep_json = json.loads(d.ctl("report", "job-a", "--json").stdout)
     for key in ("job", "steps", "flops", "duration_s", "gpu_energy_j", "cpu_energy_j", "energy_j",
                 "gflops_per_w", "avg_power_w", "precision"):
