@@ -233,6 +233,8 @@ class Daemon:
             mode=int(d.socket_mode, 8),
             group=d.socket_group or None,
             is_admin=self.is_admin,
+            admin_needs=(f"root or a member of the group {d.admin_group!r} ([daemon] admin_group)"
+                         if d.admin_group else "root (no [daemon] admin_group is set)"),
             on_disconnect=self.jobs.disconnected,
         )
         self.server.route("ping", lambda m, c: {"pong": True, "version": __version__})

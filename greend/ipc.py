@@ -211,12 +211,14 @@ class IpcServer:
         mode: int = 0o660,
         group: str | None = None,
         is_admin: Callable[[Peer], bool] = lambda p: p.uid == 0,
+        admin_needs: str = "root",
         on_disconnect: Callable[[Connection], None] | None = None,
     ) -> None:
         self.path = path
         self.mode = mode
         self.group = group
         self.is_admin = is_admin
+        self.admin_needs = admin_needs  # who passes is_admin, said in every refusal
         self.on_disconnect = on_disconnect
         self.routes: dict[str, Route] = {}
         self._sock: socket.socket | None = None
@@ -418,7 +420,7 @@ class IpcServer:
                           f"unknown op {op[:64]!r}; known: {', '.join(sorted(self.routes))}", field="op")
         if route.admin and not self.is_admin(conn.peer):
             return _error(mid, "forbidden",
-                          f"{op!r} changes the node's settings: it needs root or the greend admin group "
+                          f"{op!r} changes the node's settings: it needs {self.admin_needs} "
                           f"(your uid is {conn.peer.uid})")
         try:
             validate(msg, route.schema, allow_extra=route.allow_extra)

@@ -236,6 +236,17 @@ class JobRegistry:
                     f"job {job_id!r} belongs to uid {job.uid}; a process of uid {conn.peer.uid} "
                     "cannot join it (use another job id)"
                 )
+            if conn.peer.uid != 0:
+                # A job's client steers its own GPUs only: GPUs that a running job of
+                # another user holds cannot be claimed (caps would follow the claim).
+                for other in self.jobs.values():
+                    held = sorted(other.gpus.intersection(gpus))
+                    if other.state == "running" and other.uid != conn.peer.uid and held:
+                        raise PermissionError(
+                            f"GPU(s) {held} are in use by job {other.job!r} of uid {other.uid}; a "
+                            f"process of uid {conn.peer.uid} cannot register them (check "
+                            "CUDA_VISIBLE_DEVICES, or ask an admin)"
+                        )
             if job is None:
                 job = Job(job_id, conn.peer.uid, now, self.wall())
                 self.jobs[job_id] = job

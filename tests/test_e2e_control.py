@@ -15,6 +15,7 @@ from typing import Iterator
 
 import pytest
 
+from greend.client import Client
 from probes.sim import SimGpu
 
 from .conftest import REPO, DaemonProc, _env, start_daemon, wait_for
@@ -132,39 +133,71 @@ def open_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_non_admin_is_refused_clearly(tmp_path: Path, open_dir: Path, daemons: list[DaemonProc]) -> None:
-    if os.getuid() != 0:
-        pytest.skip("needs root to start a client as another uid")
-    d = start_daemon(tmp_path, "--sim", "1", socket=open_dir / "g.sock",
-                     config='[daemon]\nsocket_group = ""\nsocket_mode = "0666"\nadmin_group = ""\n')
-    daemons.append(d)
-    # Import everything first, then become uid 65534 (nobody) and connect as nobody:
-    # SO_PEERCRED gives the daemon the uid of the process that connected.
-    code = """
+# Run as uid 65534 (nobody, group nogroup): everything is imported first, then the
+# process drops to nobody and connects: SO_PEERCRED gives the daemon that uid.
+AS_NOBODY = """
 import json, os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
 from greend.client import Client, RequestRefused
-os.setgid(65534); os.setuid(65534)
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
 c = Client(pathlib.Path(sys.argv[2]))
 out = {"read": len(c.request("status")["gpus"])}
-for op, fields in (("cap_set", {"gpu": 0, "max_clock_mhz": 1000}), ("policy_set", {"name": "static"}),
-                   ("cap_reset", {})):
+for op, fields in json.loads(sys.argv[3]):
     try:
         c.request(op, **fields)
         out[op] = "allowed"
     except RequestRefused as e:
         out[op] = e.code
-        out["msg"] = str(e)
+        out[op + ":msg"] = str(e)
 print(json.dumps(out))
 """
-    r = subprocess.run([sys.executable, "-c", code, str(REPO), str(d.socket)], capture_output=True, text=True,
-                       timeout=60, env=_env())
+
+
+def as_nobody(d: DaemonProc, requests: list) -> dict:
+    r = subprocess.run([sys.executable, "-c", AS_NOBODY, str(REPO), str(d.socket), json.dumps(requests)],
+                       capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["read"] == 1  # any client may read
-    assert out["cap_set"] == out["policy_set"] == out["cap_reset"] == "forbidden"
-    assert "root or the greend admin group" in out["msg"] and "65534" in out["msg"]
-    assert sim(d.state_dir, 0).locked_clocks_mhz() is None
+    return json.loads(r.stdout)
+
+
+def test_non_admin_is_refused_clearly(tmp_path: Path, open_dir: Path, daemons: list[DaemonProc]) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to start a client as another uid")
+    d = start_daemon(tmp_path, "--sim", "2", socket=open_dir / "g.sock",
+                     config='[daemon]\nsocket_group = ""\nsocket_mode = "0666"\nadmin_group = ""\n')
+    daemons.append(d)
+    with Client(d.socket) as root_job:  # root's training job holds GPU 0
+        root_job.request("register", job="roots", gpus=[0])
+        out = as_nobody(d, [["cap_set", {"gpu": 0, "max_clock_mhz": 1000}], ["policy_set", {"name": "static"}],
+                            ["cap_reset", {}]])
+        assert out["read"] == 2  # any client may read
+        assert out["cap_set"] == out["policy_set"] == out["cap_reset"] == "forbidden"
+        msg = out["cap_set:msg"]
+        assert "needs root (no [daemon] admin_group is set)" in msg and "65534" in msg
+        assert sim(d.state_dir, 0).locked_clocks_mhz() is None
+        # A job's client steers only its own GPUs: nobody can neither claim root's GPU
+        # under a job of its own nor join root's job; a free GPU is fine.
+        out = as_nobody(d, [["register", {"job": "mine", "gpus": [0]}]])
+        assert out["register"] == "forbidden"
+        assert "GPU(s) [0] are in use by job 'roots' of uid 0" in out["register:msg"]
+        out = as_nobody(d, [["register", {"job": "roots", "gpus": [1]}]])
+        assert out["register"] == "forbidden" and "belongs to uid 0" in out["register:msg"]
+        assert as_nobody(d, [["register", {"job": "mine", "gpus": [1]}]])["register"] == "allowed"
+
+
+def test_a_member_of_the_admin_group_may_steer(tmp_path: Path, open_dir: Path,
+                                               daemons: list[DaemonProc]) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to start a client as another uid")
+    d = start_daemon(tmp_path, "--sim", "1", socket=open_dir / "g.sock",
+                     config='[daemon]\nsocket_group = ""\nsocket_mode = "0666"\nadmin_group = "nogroup"\n')
+    daemons.append(d)
+    out = as_nobody(d, [["cap_set", {"gpu": 0, "max_clock_mhz": 1005}]])  # snapped to 1005 or below
+    assert out["cap_set"] == "allowed", out
+    assert wait_for(lambda: sim(d.state_dir, 0).locked_clocks_mhz() is not None, 10)
+    assert sim(d.state_dir, 0).locked_clocks_mhz()[1] <= 1005
+    assert as_nobody(d, [["cap_reset", {}]])["cap_reset"] == "allowed"
+    assert wait_for(lambda: sim(d.state_dir, 0).locked_clocks_mhz() is None, 10)
 
 
 EFFICIENT = """[daemon]
