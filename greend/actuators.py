@@ -938,14 +938,31 @@ class Controller:
                 if report.restored:
                     log.info("dry-run: would restore %s for %s", ", ".join(report.restored), owner)
                 return report
-            for entry in list(self._state.gpus):
-                mine = [k for k, ks in entry.knobs.items() if ks.owner == owner]
-                self._restore_gpu_entry(entry, mine, report)
-            for cpu in list(self._state.cpus):
-                if cpu.owner == owner:
-                    self._restore_cpu_entry(cpu, report)
+            self._restore_each(report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner],
+                               lambda cpu: cpu.owner == owner)
             self._finish(report)
             return report
+
+    def _restore_each(self, report: RestoreReport, gpu_knobs: Callable[[Any], list[str]],
+                      cpu_wanted: Callable[[Any], bool]) -> None:
+        """Restore the chosen knobs of every saved device, each on its own: an
+        unexpected error on one device is reported and never stops the others."""
+        for entry in list(self._state.gpus):
+            knobs = gpu_knobs(entry)
+            try:
+                self._restore_gpu_entry(entry, knobs, report)
+            except Exception as e:  # noqa: BLE001 - one device never stops the others
+                log.exception("restore of %s failed", entry.device)
+                report.failed += [RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}")
+                                  for k in knobs if k in entry.knobs]
+        for cpu in list(self._state.cpus):
+            if not cpu_wanted(cpu):
+                continue
+            try:
+                self._restore_cpu_entry(cpu, report)
+            except Exception as e:  # noqa: BLE001
+                log.exception("restore of %s failed", cpu.device)
+                report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
 
     def restore_all(self) -> RestoreReport:
         """Every saved device back to its original, each on its own: a failing device
@@ -960,19 +977,7 @@ class Controller:
                 self._dry_gpu_owner.clear()
                 self._dry_cpu.clear()
                 return report
-            for entry in list(self._state.gpus):
-                try:
-                    self._restore_gpu_entry(entry, GPU_KNOBS, report)
-                except Exception as e:  # noqa: BLE001 - one device never stops the others
-                    log.exception("restore of %s failed", entry.device)
-                    report.failed += [RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}")
-                                      for k in entry.knobs]
-            for cpu in list(self._state.cpus):
-                try:
-                    self._restore_cpu_entry(cpu, report)
-                except Exception as e:  # noqa: BLE001
-                    log.exception("restore of %s failed", cpu.device)
-                    report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
+            self._restore_each(report, lambda e: list(GPU_KNOBS), lambda cpu: True)
             self._finish(report)
             if report.failed:
                 log.error("restore: %d knob(s) could not be restored and stay in %s",

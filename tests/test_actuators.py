@@ -322,3 +322,27 @@ def test_rapl_none_restores_and_failed_write_keeps_originals(tmp_path: Path) -> 
     assert not (state / STATE_FILE).exists()
     with pytest.raises(KnobError, match="no RAPL zone"):
         ok.apply_cpu_limit("intel-rapl:7", 100.0, "node")
+
+
+def test_restore_owner_survives_an_unexpected_error_on_one_gpu(tmp_path: Path, sim: Any) -> None:
+    # A job's GPUs go back when it ends; a bug or driver surprise on one must not keep
+    # the others capped (the same per-device isolation as restore_all).
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    for i in range(3):
+        ctl.apply_gpu(i, Setting(1500, 450.0), "job")
+    real = ctl._restore_gpu_entry
+
+    def flaky(entry: Any, knobs: list[str], report: Any) -> None:
+        if entry.index == 1:
+            raise RuntimeError("driver surprise")
+        real(entry, knobs, report)
+
+    ctl._restore_gpu_entry = flaky  # type: ignore[method-assign]
+    report = ctl.restore_owner("job")
+    assert {f.device.split()[0] for f in report.failed} == {"gpu1"}
+    assert "RuntimeError: driver surprise" in report.failed[0].message
+    for i in (0, 2):
+        assert fake.sim_gpu(i).locked_clocks_mhz() is None and fake.sim_gpu(i).power_limit_w() == 700.0
+    assert fake.sim_gpu(1).locked_clocks_mhz() is not None  # kept, and kept saved for the next try
+    assert [g["index"] for g in state_json(tmp_path / "state")["gpus"]] == [1]
