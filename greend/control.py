@@ -273,7 +273,7 @@ class ControlLoop:
             return None
 
     def _decision_point(self, ts: int, gpu: int, job: str, s: Setting, reason: str) -> Point:
-        fields: dict[str, float | int | str | bool] = {"capped": int(not s.uncapped)}
+        fields: dict[str, float | int | str | bool] = {"capped": int(not s.uncapped), "reason": reason}
         if s.clock_cap_mhz is not None:
             fields["clock_cap_mhz"] = float(s.clock_cap_mhz)
         if s.power_limit_w is not None:

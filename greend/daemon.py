@@ -416,6 +416,11 @@ class Daemon:
                 v = getattr(g, name)
                 if v is not None:
                     fields[name] = float(v)
+            # A bound is always in force: unlocked, the SM clock's is the device's maximum.
+            # Writing it every time keeps "the last value" queries true once a cap is lifted.
+            fields["clock_locked"] = int(g.clock_cap_mhz is not None)
+            if g.clock_cap_mhz is None and g.sm_clock_max_mhz is not None:
+                fields["clock_cap_mhz"] = float(g.sm_clock_max_mhz)
             pts.append(Point("greend_gpu", {"host": host, "gpu": str(g.index), "source": g.source,
                                             "method": g.energy_method}, fields, ts))
         for c in snap.cpus:
@@ -542,7 +547,7 @@ class Daemon:
         job.precision_log.append(entry)
         self.jobs.reset_measure(job_id, self.monotonic() + self.cfg.policy.settle_s)
         self.jobs.push(job_id, {"event": "directive", "precision": level, "reason": reason})
-        fields: dict[str, float | int | str | bool] = {"step": job.steps}
+        fields: dict[str, float | int | str | bool] = {"step": job.steps, "reason": reason}
         if job.last_loss is not None:
             fields["loss"] = job.last_loss
         if trend is not None:

@@ -444,6 +444,7 @@ class JobRegistry:
             if isinstance(msg.get(k), (int, float)) and not isinstance(msg.get(k), bool):
                 fields[k] = msg[k]
         fields.setdefault("step", int(msg.get("step") or 0))
+        fields["reason"] = str(msg.get("reason") or "")
         self.emit([Point("greend_decision", {"host": self.hostname, "job": job.job, "gpu": "", "kind": msg["kind"],
                                              "precision": str(msg.get("to") or ""), "policy": "callback"},
                          fields, int(self.wall() * 1e9))])

@@ -61,6 +61,14 @@ def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[Daemon
     assert d.stop(signal.SIGTERM) == 0
     assert [original(d.state_dir, i) for i in range(2)] == before
     assert not (d.state_dir / "saved-settings.json").exists()
+    # The store has the bound in force on every sample: the lock while it held, the
+    # device's maximum clock before and after (so "the last value" is never stale).
+    import sqlite3
+
+    con = sqlite3.connect(d.db)
+    rows = set(con.execute("SELECT clock_locked, clock_cap_mhz FROM greend_gpu WHERE gpu = '0'").fetchall())
+    con.close()
+    assert rows <= {(0, 1980.0), (1, 1395.0)} and (1, 1395.0) in rows, rows
 
 
 def test_sigkill_then_restart_restores_everything(tmp_path: Path, daemons: list[DaemonProc]) -> None:

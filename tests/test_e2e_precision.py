@@ -96,9 +96,11 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path,
     import sqlite3
 
     con = sqlite3.connect(d.db)
-    rows = con.execute("SELECT precision FROM greend_decision WHERE job = 'walk' AND kind = 'switch'").fetchall()
+    rows = con.execute("SELECT precision, reason FROM greend_decision WHERE job = 'walk' AND kind = 'switch'"
+                       ).fetchall()
     con.close()
-    assert rows == [("bf16",)]
+    assert [r[0] for r in rows] == ["bf16"]
+    assert rows[0][1] == switch[0]["reason"]  # the reason is stored with the decision
 
 
 def test_an_inf_after_the_switch_is_rolled_back_within_one_step(tmp_path: Path,

@@ -174,6 +174,8 @@ class _Encoder:
                 out.append(f"{self.fkey(k)}={float(v)!r}")
                 continue
             self.fields_skipped += 1
+            if isinstance(v, str):
+                continue  # by design (docs/stores.md): text, a decision's reason, stays in SQLite
             if k not in self._warned:
                 self._warned.add(k)
                 log.warning(
