@@ -19,6 +19,26 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Figures that tests measure and the run should show (pytest hides a passing test's
+# output): a test takes the ``figure`` fixture and calls it; the lines are printed in
+# a "figures" section at the end of the run, passed or failed.
+_FIGURES: list[str] = []
+
+
+@pytest.fixture()
+def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    def add(text: str) -> None:
+        _FIGURES.append(f"{request.node.nodeid}: {text}")
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FIGURES:
+        terminalreporter.section("figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
 
 class ManualClock:
     """A wall clock that only moves when told to (and may be stepped back, as NTP can)."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 pytest.importorskip("torch")
 
 def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
-        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+        tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None]) -> None:
     fast = start_daemon(tmp_path, "--sim", "1", name="fast", config=EFFICIENT + "[sim]\nspeed_factor = 1.0\n")
     slow = start_daemon(tmp_path, "--sim", "1", name="slow", config=EFFICIENT + "[sim]\nspeed_factor = 1.3\n")
     daemons += [fast, slow]
@@ -82,9 +83,9 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     # simulator's optimum under a 5% bound over its own uncapped time).
     flops = 1e9  # the clocks and time ratios below do not depend on the step's size
     alone = H100.optimum(flops, 0.3, "fp32", 0.05)
-    print(f"\n(sim) agreed pace {fa['pace_s'] * 1e6:.2f} us/step; fast node settled at {fa['cap']} MHz "
-          f"(alone it would pick {alone.clock_mhz} MHz), allowed {fa['details']['allowed_slowdown']:+.1%} "
-          f"over its own baseline; slow node at {sl['cap']} MHz")
+    figure(f"(sim) agreed pace {fa['pace_s'] * 1e6:.2f} us/step; fast node settled at {fa['cap']} MHz "
+           f"(alone it would pick {alone.clock_mhz} MHz), allowed {fa['details']['allowed_slowdown']:+.1%} "
+           f"over its own baseline; slow node at {sl['cap']} MHz")
     assert fa["cap"] is not None and fa["cap"] < alone.clock_mhz
     # Not the straggler: at its cap the fast node's step is no slower than the pace x bound.
     t_fast = H100.step_cost(flops, 0.3, "fp32", locked_clocks_mhz=(345, int(fa["cap"]))).duration_s
