@@ -53,33 +53,34 @@ def test_gpu_lost_mid_run_the_others_go_on(tmp_path: Path, daemons: list[DaemonP
 
 
 def test_hung_client_loses_its_caps_within_the_heartbeat_timeout(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    from .test_e2e_control import EFFICIENT
     from .test_e2e_jobs import trainer, wait_ended
 
-    cfg = """[daemon]
-socket_group = ""
-heartbeat_timeout_s = 2.0
-[policy]
-name = "static"
-period_s = 0.2
-[policy.params]
-clock_cap_mhz = 1500
-"""
+    # The efficient policy caps the job's GPU on the job's behalf (a job-owned cap, not
+    # a node cap): a client that hangs must lose it within the heartbeat timeout.
+    cfg = EFFICIENT.replace('socket_group = ""\n', 'socket_group = ""\nheartbeat_timeout_s = 2.0\n')
     d = start_daemon(tmp_path, "--sim", "1", config=cfg)
     daemons.append(d)
+    g = SimGpu(d.state_dir / "sim", 0)
     ready = tmp_path / "ready"
-    p = trainer(d.socket, "hangs", "--steps", "100000", "--step-sleep", "0.01", "--ready-file", str(ready))
+    p = trainer(d.socket, "hangs", "--steps", "100000", "--step-sleep", "0.005", "--ready-file", str(ready))
     try:
         wait_ready(ready)
-        assert SimGpu(d.state_dir / "sim", 0).locked_clocks_mhz() == (345, 1500)  # the static node cap
-        d.ctl("report", "hangs")
+        assert wait_for(lambda: g.locked_clocks_mhz() is not None
+                        and d.status()["policy"]["owners"] == {"hangs": ["gpu0.clock_cap_mhz"]}, 60), \
+            "the policy never capped the job"
         os.kill(p.pid, signal.SIGSTOP)  # the process hangs: its socket stays open, it says nothing
         t_stop = time.monotonic()
         with Client(d.socket) as c:  # left: "ending" at once, "ended" once its energy is booked
             assert wait_for(lambda: c.request("report", job="hangs")["state"] != "running", 10)
         took = time.monotonic() - t_stop
+        assert wait_for(lambda: g.locked_clocks_mhz() is None, 5), "the hung job's cap was not lifted"
+        lifted = time.monotonic() - t_stop
         rep = wait_ended(d, "hangs", timeout=10)
         assert rep["end_reason"].startswith("no heartbeat")
         assert took < 2.0 + 2.0, f"left {took:.1f} s after the client hung (timeout 2 s)"
+        assert lifted < 2.0 + 2.0, f"cap lifted {lifted:.1f} s after the client hung (timeout 2 s)"
+        assert not d.status()["policy"]["owners"]
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
