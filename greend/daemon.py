@@ -110,7 +110,7 @@ class Daemon:
         self.tick_duration_s = 0.0
         self.snapshot = Snapshot()
         self._snap_lock = threading.Lock()
-        self._last_store_s = -math.inf
+        self._store_due_s = -math.inf
         self.probes: list[Probe] = []
         self.stats: dict[str, ProbeStats] = {}
         self.sinks: list[Sink] = []
@@ -386,8 +386,13 @@ class Daemon:
         if ended:
             self.emit(ended)
         self.control.step(now_s)
-        if now_s - self._last_store_s >= self.cfg.store.interval_s - 1e-9:
-            self._last_store_s = now_s
+        # Store points on a schedule of their own, due every interval_s from the first:
+        # the tick nearest each due time (half a tick of slack) writes them, so a 1 s
+        # interval averages 1 s, whatever the wake-ups' jitter (not 1.1 s at 10 Hz).
+        if now_s >= self._store_due_s - 0.5 / self.cfg.daemon.hz:
+            self._store_due_s += self.cfg.store.interval_s
+            if self._store_due_s < now_s:  # first time, or the loop stalled: start afresh
+                self._store_due_s = now_s + self.cfg.store.interval_s
             self.emit(self.sample_points(snap) + self.jobs.efficiency_points(now_s))
 
     @staticmethod

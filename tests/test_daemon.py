@@ -139,6 +139,29 @@ def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
     assert {r["probe"] for r in read_rows(tmp_path / "g.db", "greend_probe")} == {"zone"}
 
 
+@pytest.mark.parametrize("hz, interval_s", [(10.0, 1.0), (50.0, 0.05), (10.0, 0.25)])
+def test_store_points_keep_their_interval_whatever_the_jitter(daemon: Daemon, hz: float,
+                                                              interval_s: float) -> None:
+    # Ticks wake up late by up to 40% of a period, at random: the store still gets one
+    # batch per interval on average, never two within half an interval.
+    import random
+
+    rng = random.Random(3)
+    daemon.cfg.daemon.hz, daemon.cfg.store.interval_s = hz, interval_s
+    emitted: list[float] = []
+    daemon.emit = lambda points: emitted.append(now) if any(  # type: ignore[method-assign]
+        p.measurement == "greend_probe" for p in points) else None
+    daemon.probes = [CountingProbe("zone", 1.0)]
+    daemon.stats["zone"] = ProbeStats("zone")
+    span_s = 200 * interval_s
+    for k in range(int(span_s * hz)):
+        now = k / hz + rng.uniform(0.0, 0.4) / hz
+        daemon.tick(now)
+    assert len(emitted) == pytest.approx(span_s / interval_s, abs=1)
+    gaps = [b - a for a, b in zip(emitted, emitted[1:])]
+    assert min(gaps) > interval_s / 2
+
+
 def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
     # One rank on GPUs 0 and 1, another job's rank on GPU 2: each GPU's joules and
     # its share of the FLOPs, summing to the job's figures.

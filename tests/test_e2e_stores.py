@@ -58,22 +58,36 @@ def test_three_stores_at_once_and_one_failing_alone(tmp_path: Path, daemons: lis
     con.close()
 
 
+OUTAGE_S = 70.0  # "the store unreachable for minutes": longer than a minute, many back-offs
+
+
+def sqlite_gpu0_ts_ms(db: Path) -> list[int]:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    rows = [r[0] // 1_000_000 for r in con.execute("SELECT ts_ns FROM greend_gpu WHERE gpu = '0' ORDER BY ts_ns")]
+    con.close()
+    return rows
+
+
 def test_outage_and_daemon_sigkill_lose_nothing(tmp_path: Path, daemons: list[DaemonProc],
                                                 vm: vmserver.VmServer) -> None:
+    # Each daemon also writes an SQLite store, which never goes down: it is the record
+    # of what was sampled, against which the InfluxDB-protocol store is checked.
     state = tmp_path / "state"
-    d = start_daemon(tmp_path, "--sim", "1", "--hz", "10", "--store", vm.influx_url, state_dir=state)
+    db1, db2 = tmp_path / "one.db", tmp_path / "two.db"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "10", "--store", vm.influx_url,
+                     "--store", f"sqlite:///{db1}", state_dir=state)
     daemons.append(d)
     vm.wait_samples("greend_gpu_energy_j", 2, gpu="0")
     vm.stop()  # the store goes away ...
     outage_ms = time.time() * 1000
-    time.sleep(4.0)  # ... while the daemon samples on (1 point per second per series)
+    time.sleep(OUTAGE_S)  # ... for over a minute, while the daemon samples on (1 point/s/series)
     during = d.status()["stores"][0]
-    assert during["pending"] > 0
+    assert during["pending"] >= OUTAGE_S - 5 and not during["ok"], during
     d.stop(signal.SIGKILL)  # ... and the daemon is killed during the outage
     killed_ms = time.time() * 1000
     vm.start()
-    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "10", "--store", vm.influx_url, state_dir=state,
-                      name="d2")
+    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "10", "--store", vm.influx_url,
+                      "--store", f"sqlite:///{db2}", state_dir=state, name="d2")
     daemons.append(d2)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -83,14 +97,16 @@ def test_outage_and_daemon_sigkill_lose_nothing(tmp_path: Path, daemons: list[Da
         time.sleep(0.2)
     time.sleep(1.0)
     d2.stop()
-    samples = gpu0_samples(vm)
-    ts = [t for t, _ in samples]
-    assert ts == sorted(ts), "replayed in order"
+    ts = [t for t, _ in gpu0_samples(vm)]
     assert len(ts) == len(set(ts)), "no duplicates"
-    # Nothing lost: one point a second from the first daemon's start to the second's stop,
-    # with no gap longer than the restart took.
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
-    assert max(gaps) < 15_000, f"a gap of {max(gaps)} ms: points were lost"
-    # The points sampled during the outage, all of them, from the killed daemon's spool.
+    # Nothing lost: every sample either daemon committed to SQLite is in the store. (The
+    # store may hold a few more: the killed daemon's last points, spooled to disk but
+    # not yet committed to its SQLite batch.) The order in which they were sent is
+    # asserted in test_influx_sink, where arrivals can be watched; a query sorts them.
+    truth = sqlite_gpu0_ts_ms(db1) + sqlite_gpu0_ts_ms(db2)
+    missing = sorted(set(truth) - set(ts))
+    assert not missing, f"{len(missing)} of {len(truth)} points lost, first {missing[:5]}"
+    extra = [t for t in set(ts) - set(truth) if not killed_ms - 3000 <= t <= killed_ms]
+    assert not extra, f"points in the store that no daemon sampled: {sorted(extra)[:5]}"
     during_outage = [t for t in ts if outage_ms <= t <= killed_ms]
-    assert len(during_outage) >= int((killed_ms - outage_ms) / 1000) - 1 >= 3
+    assert len(during_outage) >= int((killed_ms - outage_ms) / 1000) - 1 >= OUTAGE_S - 1
