@@ -808,6 +808,23 @@ class Controller:
 
     # ---- RAPL
 
+    def restore_cpu(self, zone_path: str | Path) -> RestoreReport:
+        """One RAPL zone's saved constraints back, whoever set them."""
+        with self._lock:
+            report = RestoreReport(dry_run=self.dry_run)
+            rapl = self._primary_rapl()
+            ref = _guard(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
+            if self.dry_run:
+                if self._dry_cpu.pop(ref.rel_path, None) is not None:
+                    report.restored.append(ref.rel_path)
+                    log.info("dry-run: would restore %s", ref.device)
+                return report
+            entry = self._cpu_entry(rapl, ref.rel_path)
+            if entry is not None:
+                self._restore_cpu_entry(entry, report)
+            self._finish(report)
+            return report
+
     def apply_cpu_limit(self, zone_path: str | Path, watts: float | None, owner: str) -> float | None:
         """Limit a RAPL zone ("intel-rapl:0", or a path under the sysfs root) to ``watts``.
 

@@ -313,11 +313,23 @@ ctl_app.add_typer(policy_app, name="policy")
 
 @cap_app.command("set")
 def ctl_cap_set(
-    gpu: int = typer.Option(..., "--gpu", help="GPU index"),
+    gpu: Optional[int] = typer.Option(None, "--gpu", help="GPU index"),
+    cpu: Optional[str] = typer.Option(None, "--cpu", help="RAPL zone: package-0 or intel-rapl:0 (power limit only)"),
     max_clock: Optional[int] = typer.Option(None, "--max-clock", help="lock the SM clock at most this (MHz)"),
     power_limit: Optional[float] = typer.Option(None, "--power-limit", help="power limit (W)"),
 ) -> None:
-    """Cap one GPU (snapped to a supported clock, clamped to the limit range). Needs root or the admin group."""
+    """Cap one GPU (snapped to a supported clock, clamped to the limit range) or one CPU
+    package (RAPL long- and short-term limits, within the zone's maximum). Needs root or
+    the admin group."""
+    if (gpu is None) == (cpu is None):
+        _fail("give exactly one of --gpu I and --cpu ZONE")
+    if cpu is not None:
+        if max_clock is not None or power_limit is None:
+            _fail("a CPU zone takes --power-limit W only")
+        r = _request("cap_set", cpu_zone=cpu, power_limit_w=power_limit)
+        typer.echo(f"{r['cpu_zone']} ({r['path']}): power limit {_fmt(r['in_force']['power_limit_w'])} W"
+                   f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}")
+        return
     if (max_clock is None) == (power_limit is None):
         _fail("give exactly one of --max-clock MHZ and --power-limit W")
     fields: dict[str, Any] = {"gpu": gpu}
@@ -332,9 +344,14 @@ def ctl_cap_set(
 
 
 @cap_app.command("reset")
-def ctl_cap_reset(gpu: Optional[int] = typer.Option(None, "--gpu", help="one GPU (default: every device)")) -> None:
+def ctl_cap_reset(gpu: Optional[int] = typer.Option(None, "--gpu", help="one GPU (default: every device)"),
+                  cpu: Optional[str] = typer.Option(None, "--cpu", help="one RAPL zone (package-0 or intel-rapl:0)")
+                  ) -> None:
     """Put the saved originals back. Needs root or the admin group."""
-    r = _request("cap_reset", **({} if gpu is None else {"gpu": gpu}))
+    if gpu is not None and cpu is not None:
+        _fail("give at most one of --gpu I and --cpu ZONE")
+    fields: dict[str, Any] = {"gpu": gpu} if gpu is not None else {"cpu_zone": cpu} if cpu is not None else {}
+    r = _request("cap_reset", **fields)
     for line in r["lines"]:
         typer.echo(line)
     if r.get("failed"):

@@ -326,11 +326,13 @@ class ControlLoop:
     def routes(self) -> list[tuple[str, Any, dict[str, Field], bool]]:
         return [
             ("cap_set", self.op_cap_set, {
-                "gpu": Field((int,), required=True, min=0, max=1023),
+                "gpu": Field((int,), min=0, max=1023),
+                "cpu_zone": Field((str,), max_len=128),
                 "max_clock_mhz": Field((int,), min=1, max=100_000),
                 "power_limit_w": Field((float,), min=1.0, max=100_000.0),
             }, True),
-            ("cap_reset", self.op_cap_reset, {"gpu": Field((int,), min=0, max=1023)}, True),
+            ("cap_reset", self.op_cap_reset, {"gpu": Field((int,), min=0, max=1023),
+                                              "cpu_zone": Field((str,), max_len=128)}, True),
             ("policy_show", lambda m, c: self.show(), {}, False),
             ("policy_set", self.op_policy_set, {
                 "name": Field((str,), required=True, max_len=64),
@@ -343,9 +345,23 @@ class ControlLoop:
             raise ProtocolError(self.disabled or "no devices to control on this node (see greenctl probes)")
         return self.ctrl
 
+    def _cpu_zone(self, name: str) -> Any:
+        """The RAPL zone a user names: its kernel name (``package-0``) or id (``intel-rapl:0``)."""
+        zones = [c for c in self.d.snapshot.cpus if c.source == "rapl"]
+        found = [c for c in zones if name in (c.zone, c.path)]
+        if len(found) != 1:
+            known = ", ".join(f"{c.zone} ({c.path})" for c in zones) or "none: no readable RAPL zone here"
+            what = "is ambiguous" if found else "is not a RAPL zone on this node"
+            raise ProtocolError(f"cpu_zone {name!r} {what}; zones: {known}", field="cpu_zone")
+        return found[0]
+
     def op_cap_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         ctrl = self._need_ctrl()
         clock, power = msg.get("max_clock_mhz"), msg.get("power_limit_w")
+        if (msg.get("gpu") is None) == (msg.get("cpu_zone") is None):
+            raise ProtocolError("give exactly one of gpu and cpu_zone", field="gpu")
+        if msg.get("cpu_zone") is not None:
+            return self._cap_set_cpu(ctrl, msg["cpu_zone"], clock, power, conn)
         if (clock is None) == (power is None):
             raise ProtocolError("give exactly one of max_clock_mhz and power_limit_w", field="max_clock_mhz")
         gpu = msg["gpu"]
@@ -366,9 +382,34 @@ class ControlLoop:
         log.info("gpu%d: cap set by uid %d: %s", gpu, conn.peer.uid, _setting_json(in_force))
         return {"gpu": gpu, "in_force": _setting_json(in_force), "dry_run": ctrl.dry_run}
 
+    def _cap_set_cpu(self, ctrl: Controller, name: str, clock: int | None, power: float | None,
+                     conn: Connection) -> dict[str, Any]:
+        if clock is not None or power is None:
+            raise ProtocolError("a CPU zone takes a power limit (power_limit_w) only", field="power_limit_w")
+        zone = self._cpu_zone(name)
+        try:
+            in_force = ctrl.apply_cpu_limit(zone.path, power, NODE)
+        except (ActuatorError, StateError) as e:
+            raise GreendError(str(e)) from e
+        self.d.emit([Point("greend_decision", {"host": self.d.hostname, "gpu": "", "zone": zone.zone,
+                                               "path": zone.path, "job": "", "kind": "cap",
+                                               "policy": getattr(self.policy, "name", "none")},
+                           {"capped": 1, "power_limit_w": float(in_force or power),
+                            "reason": f"greenctl cap set (uid {conn.peer.uid})"}, int(self.d.wall() * 1e9))])
+        log.info("%s (%s): power limit set by uid %d: %s W", zone.zone, zone.path, conn.peer.uid, in_force)
+        return {"cpu_zone": zone.zone, "path": zone.path, "in_force": {"power_limit_w": in_force},
+                "dry_run": ctrl.dry_run}
+
     def op_cap_reset(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         ctrl = self._need_ctrl()
         gpu = msg.get("gpu")
+        if gpu is not None and msg.get("cpu_zone") is not None:
+            raise ProtocolError("give at most one of gpu and cpu_zone", field="gpu")
+        if msg.get("cpu_zone") is not None:
+            zone = self._cpu_zone(msg["cpu_zone"])
+            rep = ctrl.restore_cpu(zone.path)
+            self._report(rep, f"greenctl cap reset by uid {conn.peer.uid}")
+            return {**rep.to_json(), "lines": rep.lines()}
         rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)
         self._report(rep, f"greenctl cap reset by uid {conn.peer.uid}")
         return {**rep.to_json(), "lines": rep.lines()}

@@ -256,3 +256,47 @@ def test_efficient_policy_caps_a_running_job_and_lifts_the_cap_when_it_dies(
              10)
     assert sim(d.state_dir, 0).locked_clocks_mhz() is None, "the dead job's cap was lifted"
     assert "restore (job tuned ended" in d.log_text()
+
+
+def test_cpu_package_limit_set_reset_and_restored_after_sigkill_and_sigterm(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    from probes.fake_sysfs import make_standard_tree
+
+    tree = make_standard_tree(tmp_path / "sys")
+    pkg0 = tree.dir_of("intel-rapl:0")
+
+    def limits() -> tuple[int, int]:
+        return tuple(int((pkg0 / f"constraint_{n}_power_limit_uw").read_text()) for n in (0, 1))  # type: ignore
+
+    before = limits()
+    state = tmp_path / "state"
+    args = ("--sim", "1", "--sysfs-root", str(tmp_path / "sys"))
+    d = start_daemon(tmp_path, *args, state_dir=state)
+    daemons.append(d)
+    # By the kernel's name or the zone id; long and short term both at most the limit.
+    assert "package-0 (intel-rapl:0): power limit 120.0 W" in d.ctl("cap", "set", "--cpu", "package-0",
+                                                                     "--power-limit", "120").stdout
+    assert limits() == (120_000_000, min(120_000_000, before[1]))
+    assert d.status()["policy"]["owners"] == {"node": ["package-0 (intel-rapl:0)"]}
+    d.ctl("cap", "reset", "--cpu", "intel-rapl:0")
+    assert limits() == before
+    # A zone that is not there, or a clock for a CPU: refused, naming what exists.
+    r = d.ctl("cap", "set", "--cpu", "package-7", "--power-limit", "100", check=False)
+    assert r.returncode != 0 and "package-7" in r.stderr and "package-1 (intel-rapl:1)" in r.stderr
+    r = d.ctl("cap", "set", "--cpu", "package-0", "--max-clock", "1000", check=False)
+    assert r.returncode != 0 and "--power-limit W only" in r.stderr
+    # Above the zone's maximum: clamped to it, never written beyond.
+    d.ctl("cap", "set", "--cpu", "package-0", "--power-limit", "100000")
+    assert limits()[0] <= 205_000_000
+    # SIGKILL leaves the limit in force (as hardware keeps it); the next start restores it.
+    d.ctl("cap", "set", "--cpu", "package-0", "--power-limit", "90")
+    d.stop(signal.SIGKILL)
+    assert limits()[0] == 90_000_000
+    d2 = start_daemon(tmp_path, *args, state_dir=state, name="d2")
+    daemons.append(d2)
+    assert limits() == before
+    # And SIGTERM restores what was set since.
+    d2.ctl("cap", "set", "--cpu", "package-0", "--power-limit", "60")
+    assert limits()[0] == 60_000_000
+    assert d2.stop(signal.SIGTERM) == 0
+    assert limits() == before

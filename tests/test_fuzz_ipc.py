@@ -29,6 +29,7 @@ VALID = [
     {"v": 1, "op": "heartbeat"},
     {"v": 1, "op": "report", "job": "fuzz"},
     {"v": 1, "op": "cap_set", "gpu": 0, "max_clock_mhz": 1200},
+    {"v": 1, "op": "cap_set", "cpu_zone": "package-0", "power_limit_w": 100.0},
     {"v": 1, "op": "policy_set", "name": "static", "params": {"clock_cap_mhz": 1500}},
     {"v": 1, "op": "energy", "key": "gpu0", "t0_s": 0.0, "t1_s": 1.0},
     {"v": 1, "op": "precision_event", "kind": "rollback", "from": "bf16", "to": "fp32", "step": 3},
