@@ -82,8 +82,10 @@ a non-finite gradient seen by ``step.optimizer_step`` (which then skips the
 update, so the master weights stay clean), while running below a level the run
 came down from, rolls back to that level from the next step, bars the failed
 level for ``cooldown_steps`` steps and reports a ``rollback`` precision event with
-the reason and the loss figures. The daemon's ``precision`` policy adds the
-rule for finite losses that drift above their trend.
+the reason and the loss figures. So does a finite loss spike: a loss more than
+``spike_tolerance`` (50 %) above the trend before the downgrade. The daemon's
+``precision`` policy adds the rule for finite losses that drift above their trend
+by a few percent over many steps.
 
 Job identity
 ------------
@@ -304,8 +306,10 @@ class Step:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
         cb._record(self)
-        if self._nonfinite and cb._guard.stack:
-            cb._roll_back(self)  # the next step runs at the level we came down from
+        if cb._guard.stack:
+            spike = None if self._nonfinite or self._loss is None else cb._guard.spike(self._loss)
+            if self._nonfinite or spike:
+                cb._roll_back(self, spike)  # the next step runs at the level we came down from
         return False
 
     def autocast(self) -> ContextManager[Any]:
@@ -324,7 +328,9 @@ class Step:
             return
         if math.isfinite(value):
             self._loss, self._nonfinite = value, False
-            self._cb._guard.losses.append(value)
+            guard = self._cb._guard
+            if guard.spike(value) is None:  # a spike is not the new level's trend
+                guard.losses.append(value)
         else:
             self._loss, self._nonfinite, self._what = None, True, "loss"
 
@@ -409,6 +415,8 @@ class GreenCallback:
         fp8_min_features: linears narrower than this stay out of fp8 (default 1024).
         guard_window: finite losses kept for the guard's trend (default 32).
         cooldown_steps: steps a level stays barred after the guard rolled it back.
+        spike_tolerance: after a downgrade, a loss this fraction above the trend before
+            it rolls back at once (default 0.5; None: only non-finite steps do).
         mem_share: memory-bound share of a step, for simulated GPUs (0..0.95).
         max_pending: step records kept while the daemon is slow or gone.
         max_flop_counts: distinct shape keys counted with FlopCounterMode.
@@ -436,6 +444,7 @@ class GreenCallback:
         fp8_min_features: int = _prec.DEFAULT_FP8_MIN_FEATURES,
         guard_window: int = 32,
         cooldown_steps: int = 500,
+        spike_tolerance: float | None = 0.5,
         mem_share: float | None = None,
         max_pending: int = 10_000,
         max_flop_counts: int = 8,
@@ -474,6 +483,9 @@ class GreenCallback:
                              ("cooldown_steps", cooldown_steps)):
             if not isinstance(ivalue, int) or isinstance(ivalue, bool) or ivalue < 1:
                 raise ValueError(f"{name}={ivalue!r}: must be a whole number >= 1")
+        if spike_tolerance is not None and not (isinstance(spike_tolerance, (int, float))
+                                                and math.isfinite(spike_tolerance) and spike_tolerance > 0):
+            raise ValueError(f"spike_tolerance={spike_tolerance!r}: must be a number > 0 (a fraction), or None")
         allowed = None if precisions is None else list(precisions)
         if allowed is not None:
             bad = [p for p in allowed if p not in PRECISIONS]
@@ -493,7 +505,7 @@ class GreenCallback:
         self._model = model
 
         # Precision state (written by the training thread only).
-        self._guard = Guard(window=guard_window, cooldown_steps=cooldown_steps)
+        self._guard = Guard(window=guard_window, cooldown_steps=cooldown_steps, spike_tolerance=spike_tolerance)
         self._events: deque[dict[str, Any]] = deque(maxlen=64)  # precision events for the sender
         self._loss_scaling = loss_scaling
         self._scaling_seen = bool(loss_scaling)
@@ -780,10 +792,11 @@ class GreenCallback:
                                         loss=self._guard.losses[-1] if self._guard.losses else None,
                                         trend=self._guard.trend()))
 
-    def _roll_back(self, step: Step) -> None:
-        """The guard's fast rule: a non-finite step below a level we came down from."""
+    def _roll_back(self, step: Step, spike: str | None = None) -> None:
+        """The guard's fast rules: a non-finite step, or a loss spike, below a level we
+        came down from."""
         index = step.index if step.index is not None else self._next_index - 1
-        ev = self._guard.rollback(self._precision, index, step._what, step._loss)
+        ev = self._guard.rollback(self._precision, index, step._what, step._loss, spike)
         if ev is None:
             return
         try:

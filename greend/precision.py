@@ -364,11 +364,16 @@ class Guard:
     """The callback's accuracy guard: fast, local rules (the policy has the slow ones).
 
     ``window``: recent finite losses kept for the trend. ``cooldown_steps``: how
-    long a level that failed stays barred.
+    long a level that failed stays barred. ``spike_tolerance``: a finite loss after
+    a downgrade that exceeds the trend before it by more than this fraction of the
+    trend (default 0.5: 50 % worse) is a spike and rolls back at once, like a
+    non-finite one; None turns the rule off. (Slower drifts, a few percent over many
+    steps, are the daemon's ``precision`` policy's to judge: one step is too noisy.)
     """
 
     window: int = 32
     cooldown_steps: int = 500
+    spike_tolerance: float | None = 0.5
     losses: deque[float] = field(default_factory=deque)
     stack: list[_Downgrade] = field(default_factory=list)  # downgrades still in force, oldest first
     barred: dict[str, tuple[int, str]] = field(default_factory=dict)  # level -> (until step, why)
@@ -394,6 +399,19 @@ class Guard:
             self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
         self.losses.clear()  # the trend of the new level starts afresh
 
+    def spike(self, loss: float) -> str | None:
+        """Why ``loss`` (finite, this step's) is a spike after the latest downgrade, or None."""
+        if self.spike_tolerance is None or not self.stack:
+            return None
+        trend = self.stack[-1].trend
+        if trend is None or not math.isfinite(trend):
+            return None
+        over = loss - trend
+        if over > self.spike_tolerance * max(abs(trend), 1e-12):
+            return (f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
+                    f"switch (tolerance {self.spike_tolerance:.0%})")
+        return None
+
     def barred_reason(self, level: str, step: int) -> str | None:
         entry = self.barred.get(level)
         if entry is None:
@@ -404,8 +422,10 @@ class Guard:
             return None
         return f"{level} is barred until step {until} after a rollback ({why})"
 
-    def rollback(self, level: str, step: int, what: str, loss: float | None) -> PrecisionEvent | None:
-        """A non-finite ``what`` ("loss" or "gradient") at ``step`` running ``level``.
+    def rollback(self, level: str, step: int, what: str, loss: float | None,
+                 spike: str | None = None) -> PrecisionEvent | None:
+        """A non-finite ``what`` ("loss" or "gradient") at ``step`` running ``level``,
+        or, with ``spike`` (the reason :meth:`spike` gave), a finite loss spike.
 
         Returns the rollback to make (the event to report), or None when the run is
         not below a level it came down from (then it is the user's own problem).
@@ -414,11 +434,12 @@ class Guard:
             return None
         d = self.stack.pop()
         after = step - d.step
-        why = (f"non-finite {what} at step {step}, {after} step{'s' if after != 1 else ''} after "
-               f"the switch {d.from_level} -> {level}")
-        if d.trend is not None:
+        cause = f"loss spike at step {step}: {spike}" if spike else f"non-finite {what} at step {step}"
+        why = f"{cause}, {after} step{'s' if after != 1 else ''} after the switch {d.from_level} -> {level}"
+        if d.trend is not None and not spike:
             why += f"; loss trend before the switch {d.trend:.6g}"
-        self.barred[level] = (step + 1 + self.cooldown_steps, f"non-finite {what} at step {step}")
+        self.barred[level] = (step + 1 + self.cooldown_steps,
+                              f"loss spike at step {step}" if spike else f"non-finite {what} at step {step}")
         self.rollbacks += 1
         self.losses.clear()
         return PrecisionEvent("rollback", level, d.from_level, why + f"; {level} barred for "

@@ -103,11 +103,15 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path,
     assert rows[0][1] == switch[0]["reason"]  # the reason is stored with the decision
 
 
-def test_an_inf_after_the_switch_is_rolled_back_within_one_step(tmp_path: Path,
-                                                                 daemons: list[DaemonProc]) -> None:
+@pytest.mark.parametrize("kind, cause", [("inf", "non-finite loss"), ("spike", "loss spike")])
+def test_an_instability_after_the_switch_is_rolled_back_within_one_step(tmp_path: Path,
+                                                                        daemons: list[DaemonProc],
+                                                                        kind: str, cause: str) -> None:
+    # An inf, or a finite loss 10x the trend (gradients 10x too), three steps after
+    # the policy switched to bf16.
     d = start(tmp_path, daemons)
     r = run_trainer(d.socket, "unstable", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16",
-                    "--inject-inf-after-switch", "3")
+                    f"--inject-{kind}-after-switch", "3")
     rep = wait_ended(d, "unstable")
 
     levels, bad = r["levels"], r["poisoned"]
@@ -122,7 +126,7 @@ def test_an_inf_after_the_switch_is_rolled_back_within_one_step(tmp_path: Path,
     kinds = [(e["kind"], e["from"], e["to"]) for e in log]
     assert kinds == [("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")], log
     rb = log[1]
-    assert "non-finite loss" in rb["reason"] and rb["step"] == bad and isinstance(rb["trend"], float)
+    assert cause in rb["reason"] and rb["step"] == bad and isinstance(rb["trend"], float)
     assert rep["precision"] == "fp32"
     text = d.ctl("report", "unstable").stdout
     assert "rollback" in text

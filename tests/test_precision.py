@@ -294,3 +294,20 @@ def test_grads_finite() -> None:
     model[2].weight.grad[0, 0] = float("nan")
     assert not grads_finite(model.parameters())
     assert grads_finite([])
+
+
+def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
+    from greend.precision import Guard
+
+    g = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
+    for v in (1.0, 1.1, 0.9, 1.0):
+        g.losses.append(v)
+    assert g.spike(5.0) is None  # no downgrade in force: not the guard's business
+    g.on_switch("fp32", "bf16", step=4)  # trend before the switch: 1.0
+    assert g.spike(1.4) is None  # worse, within the tolerance
+    why = g.spike(1.6)
+    assert why is not None and "60% above the trend" in why
+    ev = g.rollback("bf16", 6, "loss", 1.6, why)
+    assert ev is not None and ev.to_level == "fp32" and "loss spike at step 6" in ev.reason
+    assert g.barred_reason("bf16", 7) is not None and g.spike(9.0) is None  # back at fp32
+    assert Guard(spike_tolerance=None).spike(1e9) is None

@@ -1,14 +1,16 @@
 """A small real regression training whose precision greend may switch, for the e2e tests.
 
     python tests/scripts/precision_trainer.py --socket S --job J [--steps 400] [--no-greend]
-        [--precisions fp32,bf16] [--inject-inf-after-switch K] [--step-sleep 0.01]
+        [--precisions fp32,bf16] [--inject-inf-after-switch K | --inject-spike-after-switch K]
+        [--step-sleep 0.01]
 
 An MLP (32 -> 128 -> 128 -> 8) learns a fixed random linear map plus noise, on
 data this script makes from ``--seed``. Every step goes through
 ``step.autocast()``, ``step.backward(loss)`` and ``step.optimizer_step(opt)``, so
 any level (fp16 with its GradScaler included) runs and the guard sees the
 gradients. ``--inject-inf-after-switch K``: K steps after the first step that ran
-below fp32, that step's loss is multiplied by inf (once).
+below fp32, that step's loss is multiplied by inf (once); ``--inject-spike-after-switch
+K``: by 10 instead (a finite spike, gradients 10x too).
 
 Prints one JSON line: job, steps, final_loss (the mean training loss over the
 last 20 steps), eval_loss (on a held-out set, in fp32, after training), levels
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--precisions", default="")
     ap.add_argument("--inject-inf-after-switch", type=int, default=-1)
+    ap.add_argument("--inject-spike-after-switch", type=int, default=-1)
     ap.add_argument("--no-greend", action="store_true")
     args = ap.parse_args()
 
@@ -90,10 +93,11 @@ def main() -> None:
                 with st.autocast():
                     out = model(x)
                 loss = nn.functional.mse_loss(out.float(), y)
-                if (args.inject_inf_after_switch >= 0 and first_low is not None and poisoned is None
-                        and i == first_low + args.inject_inf_after_switch):
-                    loss = loss * float("inf")
-                    poisoned = i
+                for after, factor in ((args.inject_inf_after_switch, float("inf")),
+                                      (args.inject_spike_after_switch, 10.0)):
+                    if after >= 0 and first_low is not None and poisoned is None and i == first_low + after:
+                        loss = loss * factor
+                        poisoned = i
                 st.backward(loss)
                 st.optimizer_step(opt)
                 opt.zero_grad(set_to_none=True)
