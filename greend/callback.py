@@ -46,8 +46,11 @@ Chosen in this order:
    (:mod:`greend.flops`). The count is cached per **shape key**: the
    ``shape_key=`` you pass to :meth:`GreenCallback.step` (any hashable, e.g. the
    sequence-length bucket), else a cheap signature of ``batch=`` (tensor shapes
-   and dtypes, one level deep, :func:`greend.flops.batch_signature`), else one
-   key for the whole run. A new key is counted once, up to ``max_flop_counts``
+   and dtypes, one level deep, :func:`greend.flops.batch_signature`), else, with
+   ``model=``, the same signature of the model's inputs, which a forward pre-hook
+   sees during the step (a new shape's first step keeps the previous count, and
+   its next step is counted), else one key for the whole run. A new key is
+   counted once, up to ``max_flop_counts``
    distinct keys; beyond that new keys reuse the mean of the known counts. The
    counted step runs slower (FlopCounterMode costs 10-370% of a step); its
    timing is reported as measured.
@@ -262,7 +265,8 @@ class Step:
     """
 
     __slots__ = ("_cb", "index", "samples", "tokens", "flops", "_key", "_batch", "t0_s", "t1_s",
-                 "_loss", "_nonfinite", "_what", "_counting", "_scaled", "precision")
+                 "_loss", "_nonfinite", "_what", "_counting", "_scaled", "precision", "_predicted",
+                 "_fwd_sig")
 
     def __init__(self, cb: GreenCallback, index: int | None, samples: int | None, tokens: int | None,
                  key: Hashable | None, batch: Any, flops: float | None) -> None:
@@ -281,6 +285,8 @@ class Step:
         self._counting = False
         self._scaled = False
         self.precision = "fp32"
+        self._predicted = False  # the shape key is the model hook's guess (see _plan_flops)
+        self._fwd_sig: Hashable | None = None  # what the model hook saw this step
 
     def __enter__(self) -> Step:
         cb = self._cb
@@ -290,12 +296,23 @@ class Step:
         self.precision = cb._precision
         if self.flops is None:
             cb._plan_flops(self)
+        cb._current = self
         self.t0_s = _monotonic()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         t1 = _monotonic()
         cb = self._cb
+        cb._current = None
+        if self._predicted and self._fwd_sig is not None:
+            # The model's inputs say which shape this step really had.
+            if self._fwd_sig != self._key and not self._counting:
+                cached = cb._flop_cache.get(self._fwd_sig)
+                if cached is not None:
+                    self.flops = cached
+                # else: a new shape, counted on the next step that has it (this one keeps
+                # the estimate it started with)
+            self._key = cb._last_sig = self._fwd_sig
         if self._counting:
             self._counting = False
             counted = cb._counter.stop()
@@ -549,6 +566,17 @@ class GreenCallback:
         self._flop_cache: dict[Hashable, int] = {}
         self._max_flop_counts = max_flop_counts
         self._counter = _flops.FlopCounter()
+        # With a model and counted FLOPs, a forward pre-hook sees each step's input shapes,
+        # so a shape change is re-counted even when step() is given no batch= (it costs a
+        # microsecond or two per forward call).
+        self._current: Step | None = None
+        self._last_sig: Hashable | None = None
+        self._fwd_hook: Any = None
+        if model is not None and self._fixed_flops is None and not model_flops:
+            try:
+                self._fwd_hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+            except Exception as e:  # noqa: BLE001 - fail-open: batch=/shape_key= still work
+                log.debug("no forward pre-hook on the model: %s", e)
 
         # Pace agreement across nodes (see _sync_pace): the daemon's local figure, written
         # by the sender; the agreed one, written by the training thread for the sender.
@@ -654,6 +682,9 @@ class GreenCallback:
             self._sender.stop(reason, self._close_timeout_s)
         except Exception as e:  # noqa: BLE001 - closing never raises into training
             log.debug("closing the sender failed: %s", e)
+        if self._fwd_hook is not None:
+            self._fwd_hook.remove()
+            self._fwd_hook = None
         if self.manage_precision:
             self._restore_tf32()
             if self._fp8 is not None and self._fp8.active:
@@ -734,6 +765,11 @@ class GreenCallback:
             except Exception:  # noqa: BLE001
                 key = None
             step._key = key
+        elif self._fwd_hook is not None:
+            # Neither batch= nor shape_key=: the model's forward pre-hook tells the shape,
+            # but only once the step runs. Guess the last step's; the step's end corrects it.
+            key = step._key = self._last_sig
+            step._predicted = True
         cached = self._flop_cache.get(key)
         if cached is not None:
             step.flops = cached
@@ -751,6 +787,15 @@ class GreenCallback:
         step._counting = self._counter.start()
         if not step._counting:
             step.flops = 0
+
+    def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """The model's forward pre-hook: the signature of the step's first forward inputs."""
+        step = self._current
+        if step is not None and step._predicted and step._fwd_sig is None:
+            try:
+                step._fwd_sig = _flops.batch_signature((*args, *kwargs.values()))
+            except Exception:  # noqa: BLE001 - never break the forward pass
+                pass
 
     def _store_count(self, key: Hashable | None, counted: int | None) -> int:
         if counted is None:

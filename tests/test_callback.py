@@ -417,3 +417,21 @@ def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path)
     validate(dict(daemon.registers[0]), REGISTER_SCHEMA)
     for s in daemon.steps:
         validate(dict(s), STEP_FIELDS)
+
+
+def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemon, sock_path: Path) -> None:
+    # DESIGN.md's loop passes no batch=: the model's forward pre-hook sees the shapes. A
+    # new shape's first step keeps the estimate it started with; from its second step
+    # on the count is exact, and a shape seen before is priced at once.
+    model = make_model()
+    data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
+    with GreenCallback(job="mlp-nobatch", model=model, socket=sock_path, **FAST) as cb:
+        for x, y in data:
+            with cb.step(samples=len(x)):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+        assert len(cb._flop_cache) == 2
+    assert wait_for(lambda: len(daemon.steps) == 8)
+    f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
+    assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
+    assert cb._fwd_hook is None and not model._forward_pre_hooks  # close() takes the hook off
