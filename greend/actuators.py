@@ -623,11 +623,12 @@ class Controller:
                      index, power_w, clamped, lo, hi)
         return clamped
 
-    def apply_gpu(self, index: int, setting: Setting, owner: str) -> Setting:
+    def apply_gpu(self, index: int, setting: Setting, owner: str, keep: Iterable[str] = ()) -> Setting:
         """Put ``setting`` in force on GPU ``index`` for ``owner`` (a job id or "node").
 
         Returns the setting in force (snapped clock, clamped limit). A None field
-        restores that knob to its original. Raises :class:`KnobError` (after trying
+        restores that knob to its original, unless the knob is in ``keep``: then it is
+        left as it is, with its owner (an admin's cap under a policy's other knob). Raises :class:`KnobError` (after trying
         both knobs) when a knob could not be set, ``StateError`` when the original
         could not be saved (nothing is written then).
         """
@@ -648,9 +649,11 @@ class Controller:
             power = None
             if setting.power_limit_w is not None:
                 power = self._clamp_power(backend, index, float(setting.power_limit_w))
-            target = Setting(clock_cap_mhz=clock, power_limit_w=power)
+            keep = frozenset(keep)
             if self.dry_run:
                 prev = self._dry_gpu.get(index, UNCAPPED)
+                target = Setting(prev.clock_cap_mhz if CLOCK_KNOB in keep else clock,
+                                 prev.power_limit_w if POWER_KNOB in keep else power)
                 if prev != target or self._dry_gpu_owner.get(index) != owner:
                     log.info("dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
                              index, _fmt(clock, "MHz"), _fmt(power, "W"), owner)
@@ -663,6 +666,8 @@ class Controller:
                 return target
             errors: list[GreendError] = []
             for knob, value in ((CLOCK_KNOB, clock), (POWER_KNOB, power)):
+                if knob in keep:
+                    continue
                 try:
                     self._apply_gpu_knob(backend, index, knob, value, owner, lowest)
                 except (ActuatorError, StateError) as e:

@@ -36,7 +36,8 @@ __all__ = ["ControlLoop"]
 
 log = logging.getLogger(__name__)
 
-NODE = "node"  # the owner of settings made by an admin or a node-level policy
+NODE = "node"  # the owner of settings an admin made (greenctl cap set): they outlive policies
+POLICY = "policy"  # the owner of a node-level policy's settings (static, budget): lifted on a switch
 
 
 class ControlLoop:
@@ -120,7 +121,7 @@ class ControlLoop:
             self.last_decision = None
             self._pushed_pace.clear()
         if old is not None and self.ctrl is not None:
-            # What the old policy set for jobs goes back; an admin's node caps stay.
+            # What the old policy set (for jobs, or node-wide) goes back; an admin's caps stay.
             for owner in list(self.ctrl.owners()):
                 if owner != NODE:
                     self._report(self.ctrl.restore_owner(owner), f"policy changed to {name}")
@@ -213,7 +214,7 @@ class ControlLoop:
             moved = False
             for gpu in sorted(job.gpus):
                 before = self.ctrl.current(gpu)
-                in_force = self._apply_gpu(gpu, self._merge(gpu, setting), owner=job_id)
+                in_force = self._apply_gpu(gpu, setting, owner=job_id)
                 if in_force is not None and in_force != before:
                     moved = True
                     points.append(self._decision_point(ts, gpu, job_id, in_force, decision.reason))
@@ -225,7 +226,7 @@ class ControlLoop:
                 changed.append(job_id)
         for gpu, setting in decision.gpu_settings.items():
             before = self.ctrl.current(gpu)
-            in_force = self._apply_gpu(gpu, setting, owner=NODE)
+            in_force = self._apply_gpu(gpu, setting, owner=POLICY)
             if in_force is not None and in_force != before:
                 points.append(self._decision_point(ts, gpu, "", in_force, decision.reason))
                 for job in reg.jobs.values():
@@ -233,7 +234,7 @@ class ControlLoop:
                         reg.reset_measure(job.job, now_s + d.cfg.policy.settle_s)
         for zone, watts in decision.cpu_power_limit_w.items():
             try:
-                self.ctrl.apply_cpu_limit(zone, watts, NODE)
+                self.ctrl.apply_cpu_limit(zone, watts, POLICY)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
         prec = decision.details.get("precision") or {}
@@ -251,23 +252,16 @@ class ControlLoop:
         self.last_decision = {"t": d.wall(), "reason": decision.reason, "details": _jsonable(decision.details),
                               "changed_jobs": changed}
 
-    def _merge(self, gpu: int, setting: Setting) -> Setting:
-        """A job's setting leaves an admin's node cap on the other knob alone."""
-        assert self.ctrl is not None
-        cur = self.ctrl.current(gpu)
-        owners = self.ctrl.owners().get(NODE, [])
-        clock = setting.clock_cap_mhz
-        power = setting.power_limit_w
-        if clock is None and f"gpu{gpu}.clock_cap_mhz" in owners:
-            clock = cur.clock_cap_mhz
-        if power is None and f"gpu{gpu}.power_limit_w" in owners:
-            power = cur.power_limit_w
-        return Setting(clock, power)
-
     def _apply_gpu(self, gpu: int, setting: Setting, owner: str) -> Setting | None:
+        """Apply a policy's setting for ``owner``; a knob the setting leaves at None that an
+        admin capped (``greenctl cap set``) is left alone, in force and still the admin's."""
         assert self.ctrl is not None
+        admin = self.ctrl.owners().get(NODE, [])
+        keep = tuple(knob for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz),
+                                              ("power_limit_w", setting.power_limit_w))
+                     if value is None and f"gpu{gpu}.{knob}" in admin)
         try:
-            return self.ctrl.apply_gpu(gpu, setting, owner)
+            return self.ctrl.apply_gpu(gpu, setting, owner, keep=keep)
         except (ActuatorError, StateError) as e:
             log.error("gpu%d: cannot apply %s for %s: %s", gpu, _setting_json(setting), owner, e)
             return None

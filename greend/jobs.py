@@ -64,6 +64,9 @@ REGISTER_SCHEMA: dict[str, Field] = {
     "flops_per_step": Field((float,), min=0.0),
 }
 
+# Owners of saved settings that are not jobs (greend.control.NODE and POLICY).
+RESERVED_OWNERS = ("node", "policy")
+
 PRECISION_EVENT_SCHEMA: dict[str, Field] = {
     "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
     "from": Field((str,), choices=PRECISIONS),
@@ -212,6 +215,9 @@ class JobRegistry:
             raise ProtocolError(
                 "'job' must be 1-128 characters of letters, digits and . _ : @ / -", field="job"
             )
+        if job_id in RESERVED_OWNERS:
+            raise ProtocolError(f"job id {job_id!r} is reserved (greend's own settings go by "
+                                f"{' and '.join(map(repr, RESERVED_OWNERS))}): use another", field="job")
         precisions = msg.get("precisions") or ["fp32"]
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad:

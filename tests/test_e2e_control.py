@@ -58,16 +58,24 @@ def test_cap_set_status_and_sigterm_restore(tmp_path: Path, daemons: list[Daemon
     assert "set by node: gpu0.clock_cap_mhz, gpu1.power_limit_w" in d.ctl("status").stdout
     # Out of range is clamped to the constraints, not refused.
     assert "power limit 200.0 W" in d.ctl("cap", "set", "--gpu", "1", "--power-limit", "50").stdout
+    import sqlite3
+
+    def stored_rows() -> set:
+        con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+        try:
+            return set(con.execute("SELECT clock_locked, clock_cap_mhz FROM greend_gpu WHERE gpu = '0'"))
+        except sqlite3.OperationalError:  # the table is not there yet
+            return set()
+        finally:
+            con.close()
+
+    assert wait_for(lambda: (1, 1395.0) in stored_rows(), 10)  # a store sample while the cap held
     assert d.stop(signal.SIGTERM) == 0
     assert [original(d.state_dir, i) for i in range(2)] == before
     assert not (d.state_dir / "saved-settings.json").exists()
     # The store has the bound in force on every sample: the lock while it held, the
     # device's maximum clock before and after (so "the last value" is never stale).
-    import sqlite3
-
-    con = sqlite3.connect(d.db)
-    rows = set(con.execute("SELECT clock_locked, clock_cap_mhz FROM greend_gpu WHERE gpu = '0'").fetchall())
-    con.close()
+    rows = stored_rows()
     assert rows <= {(0, 1980.0), (1, 1395.0)} and (1, 1395.0) in rows, rows
 
 
@@ -300,3 +308,33 @@ def test_cpu_package_limit_set_reset_and_restored_after_sigkill_and_sigterm(
     assert limits()[0] == 60_000_000
     assert d2.stop(signal.SIGTERM) == 0
     assert limits() == before
+
+
+def test_policy_set_and_show_and_a_switch_lifts_the_old_policys_caps(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "2",
+                     config='[daemon]\nsocket_group = ""\n[policy]\nperiod_s = 0.2\n')
+    daemons.append(d)
+    assert "policy none" in d.ctl("policy", "show").stdout
+    # An admin's own cap on gpu1, then a static policy on both GPUs' power.
+    d.ctl("cap", "set", "--gpu", "1", "--max-clock", "1200")
+    out = d.ctl("policy", "set", "static", "--param", "power_limit_w=450", "--param", "gpus=[0,1]").stdout
+    assert 'policy static {' in out and '"power_limit_w": 450' in out
+    shown = json.loads(d.ctl("policy", "show", "--json").stdout)
+    assert shown["name"] == "static" and shown["params"]["power_limit_w"] == 450
+    assert wait_for(lambda: [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [450.0, 450.0], 10)
+    owners = d.status()["policy"]["owners"]
+    assert owners == {"node": ["gpu1.clock_cap_mhz"], "policy": ["gpu0.power_limit_w", "gpu1.power_limit_w"]}
+    # Bad parameters are refused, naming the parameter; the policy in force stays.
+    r = d.ctl("policy", "set", "static", "--param", "power_limit_w=-5", check=False)
+    assert r.returncode != 0 and "power_limit_w" in r.stderr
+    assert json.loads(d.ctl("policy", "show", "--json").stdout)["name"] == "static"
+    # Switching away lifts what the old policy set; the admin's cap stays until reset.
+    d.ctl("policy", "set", "none")
+    assert [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [700.0, 700.0]
+    assert sim(d.state_dir, 1).locked_clocks_mhz() == (345, 1200)
+    assert d.status()["policy"]["owners"] == {"node": ["gpu1.clock_cap_mhz"]}
+    # The owners' names are no job's: a job cannot take them.
+    with Client(d.socket) as c:
+        with pytest.raises(Exception, match="reserved"):
+            c.request("register", job="policy", gpus=[0])
