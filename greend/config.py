@@ -31,6 +31,7 @@ table per concern; every key has a default, so an empty file is valid::
     urls = []                          # default ["sqlite:///<state_dir>/greend.db"]
     interval_s = 1.0                   # how often samples go to the stores
     retention_days = 30.0
+    retry_s = 30.0                     # how often a store that failed to open is tried again
 
     [policy]
     name = "none"                      # none, static, efficient, budget (greenctl policy show)
@@ -117,6 +118,7 @@ class StoreConfig:
     urls: list[str] = field(default_factory=list)
     interval_s: float = 1.0
     retention_days: float = 30.0
+    retry_s: float = 30.0
 
 
 @dataclass
@@ -267,6 +269,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
     _positive("store", "interval_s", st.interval_s)
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
+    if not 0.1 <= st.retry_s <= 86400.0:
+        raise ConfigError(f"[store] retry_s = {st.retry_s!r}: expected 0.1 to 86400 seconds")
     _positive("policy", "period_s", cfg.policy.period_s)
     _positive("policy", "settle_s", cfg.policy.settle_s, zero_ok=True)
     _positive("report", "grid_gco2_per_kwh", cfg.report.grid_gco2_per_kwh, zero_ok=True)

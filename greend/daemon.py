@@ -113,8 +113,17 @@ class Daemon:
         self._store_due_s = -math.inf
         self.probes: list[Probe] = []
         self.stats: dict[str, ProbeStats] = {}
+        # Stores: the open ones (replaced, never mutated, so that emit() on the tick
+        # thread may iterate while a retry adds one), and the ones that failed to open,
+        # retried every store_retry_s off the tick thread (see _retry_sinks).
         self.sinks: list[Sink] = []
         self.sink_errors: dict[str, str] = {}
+        self.store_retry_s: float = cfg.store.retry_s
+        self._sink_retry_due: dict[str, float] = {}
+        self._sink_attempts: dict[str, int] = {}
+        self._sink_lock = threading.Lock()
+        self._sink_thread: threading.Thread | None = None
+        self._closing = False
         self._nvml_module = nvml_module
         self.server: IpcServer | None = None
         # systemd's WatchdogSec=: pinged from the tick loop itself, so that a tick stuck
@@ -211,20 +220,96 @@ class Daemon:
 
     def open_sinks(self) -> None:
         for url in self.cfg.store_urls:
+            self._open_sink(url, first=True)
+
+    def _open_sink(self, url: str, *, first: bool) -> bool:
+        """Open one store; on failure note why and when it is tried again.
+
+        At start only a StoreError is survived (anything else is a bug that should
+        stop the daemon, as before); a retry, on a thread of its own, survives anything.
+        """
+        try:
+            sink = open_sink(
+                url,
+                state_dir=self.cfg.daemon.state_dir,
+                host=self.hostname,
+                retention_days=self.cfg.store.retention_days,
+            )
+            attach = getattr(sink, "attach", None)
+            if attach is not None:
+                attach(self.status)  # Prometheus scrapes the latest status, not points
+        except Exception as e:  # noqa: BLE001 - one store never takes the daemon down
+            if first and not isinstance(e, StoreError):
+                raise
+            msg = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            with self._sink_lock:
+                self._sink_attempts[url] = self._sink_attempts.get(url, 0) + 1
+                same = self.sink_errors.get(url) == msg
+                self.sink_errors[url] = msg
+                self._sink_retry_due[url] = self.monotonic() + self.store_retry_s
+            (log.error if first else log.debug if same else log.warning)(
+                "store %s: %s (retrying every %g s)", url, msg, self.store_retry_s)
+            return False
+        attempts = 0
+        with self._sink_lock:
+            closing = self._closing
+            if not closing:
+                self.sinks = [*self.sinks, sink]
+                self.sink_errors.pop(url, None)
+                self._sink_retry_due.pop(url, None)
+                attempts = self._sink_attempts.pop(url, 0)
+        if closing:  # the daemon shut down while this retry ran
             try:
-                sink = open_sink(
-                    url,
-                    state_dir=self.cfg.daemon.state_dir,
-                    host=self.hostname,
-                    retention_days=self.cfg.store.retention_days,
-                )
-                attach = getattr(sink, "attach", None)
-                if attach is not None:
-                    attach(self.status)  # Prometheus scrapes the latest status, not points
-                self.sinks.append(sink)
-            except StoreError as e:
-                self.sink_errors[url] = str(e)
-                log.error("store %s: %s", url, e)
+                sink.close(timeout_s=1.0)
+            except Exception as e:  # noqa: BLE001
+                log.warning("store %s: close failed: %s", url, e)
+            return False
+        if attempts:
+            log.info("store %s: open after %d failed attempt%s", url, attempts, "s" * (attempts > 1))
+        return True
+
+    def _retry_sinks(self, now_s: float) -> None:
+        """Reopen the stores whose retry is due, like probes' ``next_open_s``, but on
+        a thread: a constructor may touch a slow disk (spool recovery, SQLite locks),
+        and the tick never waits for one."""
+        t = self._sink_thread
+        if t is not None and t.is_alive():
+            return
+        with self._sink_lock:
+            if self._closing:
+                return
+            due = [u for u, at in self._sink_retry_due.items() if now_s >= at]
+        if not due:
+            return
+
+        def reopen() -> None:
+            for url in due:
+                self._open_sink(url, first=False)
+
+        self._sink_thread = threading.Thread(target=reopen, name="greend-store-retry", daemon=True)
+        self._sink_thread.start()
+
+    def store_rows(self) -> list[dict[str, Any]]:
+        """Every configured store, in config order: the open ones' own status, and the
+        ones that failed to open with why and when they are tried again."""
+        with self._sink_lock:
+            sinks = list(self.sinks)
+            failed = [(u, e, self._sink_retry_due.get(u, 0.0), self._sink_attempts.get(u, 0))
+                      for u, e in self.sink_errors.items()]
+        now = self.monotonic()
+        rows = [s.status().to_json() for s in sinks]
+        for url, err, due, attempts in failed:
+            retry_in = max(0.0, due - now)
+            rows.append({
+                "name": url.split(":", 1)[0], "url": url, "ok": False,
+                "written": 0, "pending": 0, "dropped": 0,
+                "last_error": f"failed to open: {err}; retrying every {self.store_retry_s:g} s "
+                              f"(attempt {attempts} failed, next in {retry_in:.0f} s)",
+                "open_attempts": attempts, "retry_in_s": retry_in,
+            })
+        order = {u: i for i, u in enumerate(self.cfg.store_urls)}
+        rows.sort(key=lambda r: order.get(r.get("url", ""), len(order)))
+        return rows
 
     def start_server(self) -> None:
         d = self.cfg.daemon
@@ -386,6 +471,8 @@ class Daemon:
         if ended:
             self.emit(ended)
         self.control.step(now_s)
+        if self._sink_retry_due:
+            self._retry_sinks(now_s)
         # Store points on a schedule of their own, due every interval_s from the first:
         # the tick nearest each due time (half a tick of slack) writes them, so a 1 s
         # interval averages 1 s, whatever the wake-ups' jitter (not 1.1 s at 10 Hz).
@@ -505,8 +592,7 @@ class Daemon:
             "jobs": self.jobs.list_jobs(),
             "policy": self.policy_status(),
             "probes": self.probe_rows(),
-            "stores": [s.status().to_json() for s in self.sinks]
-            + [{"url": u, "ok": False, "last_error": e} for u, e in self.sink_errors.items()],
+            "stores": self.store_rows(),
             "config": self.cfg.source,
         }
 
@@ -575,7 +661,10 @@ class Daemon:
         if self.server is not None:
             self.server.stop()
         self.control.close()  # every setting greend made goes back to its original
-        for sink in self.sinks:
+        with self._sink_lock:
+            self._closing = True  # a retry that opens a store from now on closes it again
+            sinks = list(self.sinks)
+        for sink in sinks:
             try:
                 sink.close(timeout_s=5.0)
             except Exception as e:  # noqa: BLE001

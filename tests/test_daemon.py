@@ -214,3 +214,59 @@ def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
         d.stop()
         t.join(5)
         d.close()
+
+
+def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first open fails; the retry, due store_retry_s later, blocks (a slow disk):
+    # the ticks go on meanwhile, and the store joins the others once it opens.
+    import threading
+
+    import greend.daemon as daemon_mod
+    from greend.errors import StoreError
+
+    real_open = daemon_mod.open_sink
+    calls: list[str] = []
+    release = threading.Event()
+
+    def flaky_open(url: str, **kw: object) -> object:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise StoreError("disk not there yet")
+        release.wait(10)
+        return real_open(url, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(daemon_mod, "open_sink", flaky_open)
+    url = f"sqlite:///{tmp_path / 'late.db'}"
+    cfg = Config()
+    cfg.daemon.state_dir = tmp_path / "state"
+    cfg.daemon.socket = tmp_path / "g.sock"
+    cfg.daemon.socket_group = ""
+    cfg.store.urls = [url]
+    cfg.store.retry_s = 0.2
+    cfg.probes.enabled = []
+    d = Daemon(cfg)
+    d.open_sinks()
+    try:
+        assert d.sinks == []
+        row, = d.status()["stores"]
+        assert row["url"] == url and not row["ok"] and row["open_attempts"] == 1
+        assert "disk not there yet" in row["last_error"] and "retrying every 0.2 s" in row["last_error"]
+        d.tick(d.monotonic())  # not due yet
+        assert len(calls) == 1
+        time.sleep(0.25)
+        t = time.monotonic()
+        for _ in range(5):
+            d.tick(d.monotonic())
+        assert time.monotonic() - t < 1.0, "a tick waited for a store to open"
+        assert wait_for(lambda: len(calls) == 2, 2)
+        assert calls[1] == "greend-store-retry" and d.sinks == []
+        release.set()
+        assert wait_for(lambda: len(d.sinks) == 1, 5)
+        row, = d.status()["stores"]
+        assert row["ok"] and row["name"] == "sqlite" and "open_attempts" not in row
+        d.tick(d.monotonic())
+        assert len(calls) == 2, "an open store is not opened again"
+    finally:
+        release.set()
+        d.close()
