@@ -270,3 +270,64 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Pa
     finally:
         release.set()
         d.close()
+
+
+def test_a_hung_tick_starves_the_watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # systemd restarts a daemon whose WATCHDOG=1 pings stop: they must come from the tick
+    # loop itself, so a probe stuck in a driver call stops them (no helper thread pings).
+    import socket as socketlib
+    import threading
+
+    ns = tmp_path / "notify.sock"
+    rx = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    rx.bind(str(ns))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(ns))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # pings every 0.2 s
+    stuck = threading.Event()
+    release = threading.Event()
+
+    class StuckProbe(CountingProbe):
+        def sample(self, now_s: float) -> Readings:
+            if stuck.is_set():
+                release.wait(10)  # a driver call that does not come back
+            return super().sample(now_s)
+
+    cfg = Config()
+    cfg.daemon.state_dir = tmp_path / "state"
+    cfg.daemon.socket = tmp_path / "g.sock"
+    cfg.daemon.hz = 20.0
+    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
+    cfg.probes.enabled = []
+    d = Daemon(cfg)
+    assert d.watchdog.enabled
+    p = StuckProbe("zone", 1.0)
+    d.probes = [p]
+    d.stats["zone"] = ProbeStats("zone")
+    d._try_open(p, first=True)
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+
+    def pings(seconds: float) -> int:
+        rx.settimeout(0.05)
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                n += rx.recv(4096).decode().splitlines().count("WATCHDOG=1")
+            except TimeoutError:
+                pass
+        return n
+
+    try:
+        assert pings(1.0) >= 3  # a healthy loop pings
+        stuck.set()
+        pings(0.2)  # what was sent before the probe got stuck
+        assert pings(1.5) == 0, "pings went on while the tick loop was stuck"
+        stuck.clear()
+        release.set()
+        assert pings(1.0) >= 3  # and resume when it comes back
+    finally:
+        release.set()
+        d.stop()
+        t.join(5)
+        d.close()
+        rx.close()

@@ -122,10 +122,17 @@ def test_daemon_notifies_systemd_ready_and_feeds_the_watchdog(tmp_path: Path, da
     d = start_daemon(tmp_path, "--sim", "1", "--hz", "2", wait=False)
     daemons.append(d)
     got: list[str] = []
+    listening_at_ready = None
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and got.count("WATCHDOG=1") < 3:
-        got.extend(rx.recv(4096).decode().splitlines())
-    assert "READY=1" in got
+        lines = rx.recv(4096).decode().splitlines()
+        if "READY=1" in lines:  # systemd starts dependants now: the socket must answer
+            from greend.client import Client
+
+            with Client(d.socket, timeout_s=2.0) as c:
+                listening_at_ready = c.request("ping")["pong"]
+        got.extend(lines)
+    assert "READY=1" in got and listening_at_ready is True
     # At 2 Hz the tick alone would ping twice a second; the slices keep 0.2 s.
     assert got.count("WATCHDOG=1") >= 3
     assert d.stop() == 0
