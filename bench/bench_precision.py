@@ -10,6 +10,9 @@ autocast dtypes, the fp8 conversion, the GradScaler). Per level it prints:
 * ``sim J/step``: the simulated H100's energy for a step of the counted FLOPs
   at that level (``probes.sim``: the model the daemon prices steps with on
   ``--sim`` GPUs), labelled sim; fp8-emulated runs at bf16's rate there;
+* ``gpu J/step``: on a CUDA GPU, measured: the NVML total-energy counter's
+  delta over the timed steps (mJ, Volta and newer; run enough ``--steps`` to
+  span a second or more, the counter updates every 20-100 ms), else n/a;
 * ``cpu J/step``: the CPU package energy per step from RAPL, where readable
   (``/sys/class/powercap``; root-only since Linux 5.10), else n/a.
 
@@ -54,6 +57,37 @@ def rapl_uj() -> int | None:
         return None
 
 
+class NvmlEnergy:
+    """The GPU's NVML total-energy counter (mJ) for the CUDA device the model is on, or
+    nothing where there is no GPU, no driver, or no counter (read-only: sets nothing)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.handle = None
+        self.why = "no CUDA device"
+        if device.type != "cuda":
+            return
+        try:
+            import os
+
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible:  # torch's index is into the visible list; NVML's is the node's
+                index = int(visible.split(",")[index])
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # NOT_SUPPORTED before Volta
+            self.handle, self.nvml = handle, pynvml
+        except Exception as e:  # noqa: BLE001 - the column is then n/a, with the reason
+            self.why = f"NVML energy counter unavailable: {e}"
+
+    def mj(self) -> int | None:
+        if self.handle is None:
+            return None
+        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -73,6 +107,7 @@ def main() -> None:
     opt.zero_grad(set_to_none=True)
     flops = float(fc.get_total_flops())
     warm_up_torchao()  # import it now, not in a thread competing with the fp32 timings
+    gpu_energy = NvmlEnergy(device)
 
     with tempfile.TemporaryDirectory() as tmp:
         sock = Path(tmp) / "greend.sock"
@@ -92,10 +127,12 @@ def main() -> None:
                 while cb.requested_precision != level and time.monotonic() < deadline:
                     time.sleep(0.005)
                 times: list[float] = []
-                e0 = rapl_uj()
+                e0, g0 = rapl_uj(), gpu_energy.mj()
                 for i in range(args.warmup + args.steps):
                     if i == args.warmup:
-                        e0 = rapl_uj()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        e0, g0 = rapl_uj(), gpu_energy.mj()
                     t = time.perf_counter()
                     with cb.step(samples=args.batch) as st:
                         with st.autocast():
@@ -107,22 +144,28 @@ def main() -> None:
                         torch.cuda.synchronize()
                     if i >= args.warmup:
                         times.append(time.perf_counter() - t)
-                e1 = rapl_uj()
+                e1, g1 = rapl_uj(), gpu_energy.mj()
                 ran = st.precision
                 cpu_j = (e1 - e0) / 1e6 / args.steps if e0 is not None and e1 is not None and e1 >= e0 else None
+                gpu_j = (g1 - g0) / 1e3 / args.steps if g0 is not None and g1 is not None else None
                 sim = H100.step_cost(flops, MEM_SHARE, ran)
-                rows.append((level, ran, statistics.median(times) * 1e3, sim.energy_j, cpu_j))
+                rows.append((level, ran, statistics.median(times) * 1e3, sim.energy_j, gpu_j, cpu_j))
             cb.close()
         finally:
             daemon.stop()
 
     print(f"MLP {w}-{2 * w}-{w}-16, batch {args.batch}, {flops / 1e9:.2f} GFLOP per step (fwd+bwd), "
           f"on {device.type} ({torch.get_num_threads()} threads), median of {args.steps} steps")
-    print(f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}{'cpu J/step':>12}")
+    print(f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}"
+          f"{'gpu J/step':>12}{'cpu J/step':>12}")
     base_t, base_e = rows[0][2], rows[0][3]
-    for level, ran, ms, ej, cpu in rows:
+    for level, ran, ms, ej, gpu, cpu in rows:
+        gpu_txt = f"{gpu:.3f}" if gpu is not None else "n/a"
         cpu_txt = f"{cpu:.3f}" if cpu is not None else "n/a"
-        print(f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x{cpu_txt:>12}")
+        print(f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x"
+              f"{gpu_txt:>12}{cpu_txt:>12}")
+    if gpu_energy.handle is None:
+        print(f"gpu J/step: n/a ({gpu_energy.why})")
     if rapl_uj() is None:
         print("cpu J/step: n/a (RAPL energy_uj not readable here: no /sys/class/powercap, or not root)")
     print("sim J/step: the simulated H100 (probes.sim, mem_share 0.3) at each level; source=sim")

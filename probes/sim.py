@@ -34,6 +34,13 @@ and the memory part does not::
 
 Energy of a step is ``P(f, m) * T(f)``.
 
+``m`` is a workload's share *at fp32* (what ``mem_share`` sets). At another
+precision the compute part shrinks by the peak FLOP/s ratio and the memory part
+only by the bytes per element (4 for fp32 and tf32, 2 for bf16 and fp16, 1 for
+fp8), so a lower precision makes a step more memory bound
+(:meth:`SimSpec.mem_share_at`: a 0.3 fp32 workload is 0.76 memory bound in bf16
+on the H100), and power and the power limit's clock follow that share.
+
 Device state and the energy counter
 -----------------------------------
 
@@ -102,6 +109,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 # Levels that run at another level's speed on a GPU: FP8 numerics emulated by
 # torchao (``emulate=True``) still run bf16 matmuls.
 PRECISION_ALIASES: dict[str, str] = {"fp8-emulated": "bf16"}
+# Bytes per element moved by a step at each level: the memory-bound part scales with these.
+BYTES_PER_ELEMENT: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 MAX_MEM_SHARE = 0.95
 STATE_VERSION = 1
 POWER_WINDOW_S = 1.0  # NVML power on Ampere+ is a ~1 s average
@@ -272,8 +281,24 @@ class SimSpec:
         precision: str = "fp32",
         speed_factor: float = 1.0,
     ) -> float:
-        """``T(f)`` above: seconds for a step of ``flops`` at ``clock_mhz``."""
+        """``T(f)`` above: seconds for a step of ``flops`` at ``clock_mhz`` (``mem_share``
+        as at fp32, see :meth:`mem_share_at`)."""
+        return self._time_at(flops, clock_mhz, self.mem_share_at(mem_share, precision), precision, speed_factor)
+
+    def mem_share_at(self, mem_share: float, precision: str = "fp32") -> float:
+        """The memory-bound share at ``precision`` of a workload whose share at fp32 is
+        ``mem_share``: compute time scales with the level's peak FLOP/s, memory time
+        with its bytes per element (capped at MAX_MEM_SHARE)."""
         m = _check_mem_share(mem_share)
+        peak = self.peak_flops.for_precision(precision)  # validates the level
+        if m == 0.0:
+            return 0.0
+        level = PRECISION_ALIASES.get(precision, precision)
+        compute = self.peak_flops.fp32 / peak  # relative to fp32's compute time
+        memory = m / (1.0 - m) * BYTES_PER_ELEMENT[level] / BYTES_PER_ELEMENT["fp32"]
+        return min(MAX_MEM_SHARE, memory / (compute + memory))
+
+    def _time_at(self, flops: float, clock_mhz: float, m: float, precision: str, speed_factor: float) -> float:
         if flops < 0:
             raise ValueError(f"flops must be >= 0, got {flops}")
         if clock_mhz <= 0:
@@ -292,9 +317,10 @@ class SimSpec:
         speed_factor: float = 1.0,
     ) -> StepCost:
         """Duration and energy of one step at the given settings (no side effects)."""
-        f = self.effective_clock_mhz(mem_share, power_limit_w, locked_clocks_mhz)
-        t = self.step_time_s(flops, f, mem_share, precision, speed_factor)
-        p = self.busy_power_w(f, mem_share)
+        m = self.mem_share_at(mem_share, precision)
+        f = self.effective_clock_mhz(m, power_limit_w, locked_clocks_mhz)
+        t = self._time_at(flops, f, m, precision, speed_factor)
+        p = self.busy_power_w(f, m)
         limit = self.power_limit_default_w if power_limit_w is None else power_limit_w
         if p > limit:  # even the lowest clock is over the limit: duty-cycle throttling
             t, p = t * p / limit, limit

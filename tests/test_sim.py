@@ -347,3 +347,24 @@ def test_concurrent_writers_lose_no_step(tmp_path: Path) -> None:
     delta = gpu.energy_j() - e0
     steps_j = 80 * step.energy_j
     assert steps_j <= delta <= steps_j + H100.idle_w * (time.time() - t0) + 1e-6
+
+
+def test_lower_precision_shrinks_compute_by_peak_rate_and_memory_by_bytes() -> None:
+    from probes.sim import H100
+
+    flops, m = 1e12, 0.3
+    fp32_compute = flops / (H100.peak_flops.fp32 * H100.mfu)
+    fp32_memory = fp32_compute * m / (1 - m)
+    assert H100.mem_share_at(m, "fp32") == m
+    t32 = H100.step_time_s(flops, H100.sm_clock_max_mhz, m, "fp32")
+    assert t32 == pytest.approx(fp32_compute + fp32_memory)
+    for level, bytes_ in (("bf16", 2), ("fp8", 1), ("fp8-emulated", 2)):
+        compute = flops / (H100.peak_flops.for_precision(level) * H100.mfu)
+        memory = fp32_memory * bytes_ / 4
+        t = H100.step_time_s(flops, H100.sm_clock_max_mhz, m, level)
+        assert t == pytest.approx(compute + memory), level
+        assert H100.mem_share_at(m, level) == pytest.approx(memory / (compute + memory))
+    # So bf16 buys less on a memory-bound step than its peak rate says (sim).
+    e = {lvl: H100.step_cost(flops, 0.8, lvl).energy_j for lvl in ("fp32", "bf16")}
+    assert 0.2 < e["bf16"] / e["fp32"] < 0.5
+    assert H100.mem_share_at(0.0, "bf16") == 0.0 and H100.mem_share_at(0.9, "fp8") == 0.95
