@@ -5,7 +5,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
-
+import os
 import signal
 import sys
 from pathlib import Path
@@ -148,6 +148,7 @@ def _ctl_root(
     timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon"),
 ) -> None:
     _state["socket"] = socket or default_socket_path()
+    _state["socket_named"] = socket is not None or bool(os.environ.get("GREEND_SOCKET"))
     _state["timeout"] = timeout
 
 
@@ -409,8 +410,9 @@ def ctl_doctor(
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
     from .doctor import run_checks
 
-    checks = run_checks(config=config, socket=_state["socket"], sysfs_root=sysfs_root,
-                        timeout_s=_state["timeout"])
+    # The socket the user named (--socket or $GREEND_SOCKET), else the config's.
+    named = _state["socket"] if _state.get("socket_named") else None
+    checks = run_checks(config=config, socket=named, sysfs_root=sysfs_root, timeout_s=_state["timeout"])
     worst = 0
     for c in checks:
         typer.echo(f"[{c.level:4}] {c.name}: {c.detail}")

@@ -118,6 +118,55 @@ def _socket(path: Path, timeout_s: float) -> list[Check]:
     return out
 
 
+def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
+    """The configured stores, checked from here while no daemon answers (a running one
+    reports its own stores in the socket check)."""
+    import socket as socketlib
+    from urllib.parse import urlsplit
+
+    out: list[Check] = []
+    for url in cfg.store_urls:
+        parts = urlsplit(url)
+        if parts.scheme == "sqlite":
+            path = Path(parts.path)
+            d = path.parent
+            while not d.exists() and d != d.parent:
+                d = d.parent  # the nearest existing parent: greend creates the rest
+            where = path if path.exists() else d
+            if os.access(where, os.W_OK):
+                out.append(Check("store", "ok", f"{url}: {where} is writable"))
+            else:
+                out.append(Check("store", "warn", f"{url}: {where} is not writable by this user",
+                                 "fine if greend runs as root; else choose a writable path"))
+            continue
+        host, port = parts.hostname or "127.0.0.1", parts.port
+        if parts.scheme == "influx":
+            try:
+                with socketlib.create_connection((host, port or 8086), timeout=min(timeout_s, 2.0)):
+                    pass
+            except OSError as e:
+                out.append(Check("store", "warn", f"{url}: cannot reach {host}:{port} ({e.strerror or e})",
+                                 "start the InfluxDB server, or fix HOST:PORT; greend spools points "
+                                 "meanwhile and loses none"))
+                continue
+            if not os.environ.get("GREEND_INFLUX_TOKEN"):
+                out.append(Check("store", "info", f"{url}: {host}:{port} answers; GREEND_INFLUX_TOKEN is not "
+                                 "set here", "set it in /etc/default/greend for the service"))
+            else:
+                out.append(Check("store", "ok", f"{url}: {host}:{port} answers"))
+        elif parts.scheme == "prometheus":
+            probe = socketlib.socket(socketlib.AF_INET6 if ":" in host else socketlib.AF_INET)
+            try:
+                probe.bind((host, port or 9464))
+                out.append(Check("store", "ok", f"{url}: {host}:{port} is free for greend's /metrics"))
+            except OSError as e:
+                out.append(Check("store", "warn", f"{url}: cannot listen on {host}:{port} ({e.strerror or e})",
+                                 "another process holds the port: choose another, or stop it"))
+            finally:
+                probe.close()
+    return out
+
+
 def _state_dir(cfg: Config) -> Check:
     d = cfg.daemon.state_dir
     if not d.exists():
@@ -141,18 +190,31 @@ def _groups(cfg: Config) -> Check:
 
 
 def run_checks(
-    *, config: Path | None, socket: Path, sysfs_root: Path, timeout_s: float = 5.0,
+    *, config: Path | None, socket: Path | None, sysfs_root: Path, timeout_s: float = 5.0,
     nvml_module: object | None = None,
 ) -> list[Check]:
+    """``socket``: the one the user named; None: the config's (else the default)."""
+    from .config import default_socket_path
+
     cfg, c = _config(config)
     checks = [c]
+    sock = socket if socket is not None else cfg.daemon.socket if cfg is not None else default_socket_path()
+    socket_checks: list[Check] = []
+
+    def check_socket() -> list[Check]:
+        socket_checks[:] = _socket(sock, timeout_s)
+        return socket_checks
+
     steps: list[Callable[[], list[Check] | Check]] = [
         lambda: _nvml(nvml_module),
         lambda: _rapl(sysfs_root if cfg is None or sysfs_root != Path("/sys") else cfg.probes.sysfs_root),
-        lambda: _socket(socket, timeout_s),
+        check_socket,
     ]
     if cfg is not None:
         steps += [lambda: _state_dir(cfg), lambda: _groups(cfg)]
+        # No daemon answering: check the stores from here instead.
+        steps.append(lambda: _stores_offline(cfg, timeout_s)
+                     if any(x.name == "socket" and x.level == "fail" for x in socket_checks) else [])
     for step in steps:
         try:
             r = step()

@@ -69,3 +69,38 @@ def test_a_bad_config_is_named(tmp_path: Path) -> None:
     cfg.write_text("[daemon]\nhz = -3\n")
     checks = by_name(run_checks(config=cfg, socket=tmp_path / "s", sysfs_root=tmp_path))
     assert checks["config"].level == "fail" and "hz = -3.0" in checks["config"].detail
+
+
+def test_the_configs_socket_and_its_stores_are_checked(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    import socket as socketlib
+
+    from . import vmserver
+
+    busy = socketlib.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    dead = vmserver.free_port()
+    sock = tmp_path / "from-config.sock"
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'[daemon]\nsocket = "{sock}"\nsocket_group = ""\n[store]\nurls = '
+                   f'["sqlite:///{tmp_path}/new/dir/g.db", "influx://127.0.0.1:{dead}?org=o&bucket=b", '
+                   f'"prometheus://127.0.0.1:{busy.getsockname()[1]}"]\n')
+    try:
+        # No daemon: the config's socket is the one reported missing, and each store is
+        # checked from here.
+        checks = run_checks(config=cfg, socket=None, sysfs_root=tmp_path)
+        sockets = [c for c in checks if c.name == "socket"]
+        assert sockets[0].level == "fail" and str(sock) in sockets[0].detail
+        stores = {c.detail.split(":", 1)[0]: c for c in checks if c.name == "store"}
+        assert stores["sqlite"].level == "ok" and str(tmp_path) in stores["sqlite"].detail
+        influx = next(c for c in checks if c.name == "store" and c.detail.startswith("influx"))
+        assert influx.level == "warn" and "cannot reach" in influx.detail and "spools" in (influx.fix or "")
+        prom = next(c for c in checks if c.name == "store" and c.detail.startswith("prometheus"))
+        assert prom.level == "warn" and "cannot listen" in prom.detail
+    finally:
+        busy.close()
+    # A daemon on the config's socket: found without --socket.
+    d = start_daemon(tmp_path, "--sim", "1", socket=sock)
+    daemons.append(d)
+    checks = by_name(run_checks(config=cfg, socket=None, sysfs_root=tmp_path))
+    assert checks["socket"].level == "ok" and str(sock) in checks["socket"].detail
