@@ -57,7 +57,8 @@ class Param:
     """One policy parameter: its type, default, allowed range and help.
 
     ``kind``: ``float``, ``int``, ``bool``, ``str``, ``int_list`` (``"0,1"`` or a
-    list). ``default`` None with ``required=False`` means "not set".
+    list), ``gpu_map`` (GPU index -> ``{"clock_cap_mhz": .., "power_limit_w": ..}``:
+    a mapping, a TOML inline table or a JSON object string). ``default`` None with ``required=False`` means "not set".
     ``lo``/``hi`` bound numbers (``lo_open``/``hi_open``: excluded); ``choices``
     lists the allowed strings.
     """
@@ -89,6 +90,9 @@ class Param:
             return "true or false"
         if self.kind == "int_list":
             return "a list of integers >= 0 (e.g. 0,1)"
+        if self.kind == "gpu_map":
+            return ('GPU index -> {"clock_cap_mhz": MHz, "power_limit_w": W} '
+                    '(e.g. {"0": {"clock_cap_mhz": 1400}, "1": {"power_limit_w": 450}})')
         return "a string"
 
     def coerce(self, policy: str, value: Any) -> Any:
@@ -149,7 +153,38 @@ class Param:
             if not out or any(x < 0 for x in out):
                 raise bad()
             return tuple(sorted(set(out)))
+        if self.kind == "gpu_map":
+            return self._gpu_map(value, bad)
         raise AssertionError(f"unknown param kind {self.kind!r}")  # pragma: no cover
+
+    def _gpu_map(self, value: Any, bad: Any) -> dict[int, dict[str, float | None]]:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad(f"not JSON: {e}") from None
+        if not isinstance(value, Mapping) or not value:
+            raise bad("expected a non-empty mapping")
+        out: dict[int, dict[str, float | None]] = {}
+        for k, caps in value.items():
+            try:
+                gpu = _to_int(k)
+            except (TypeError, ValueError):
+                raise bad(f"GPU index {k!r} is not an integer") from None
+            if gpu < 0 or not isinstance(caps, Mapping) or not caps:
+                raise bad(f"GPU {k!r}: expected an index >= 0 and a non-empty mapping")
+            extra = set(caps) - {"clock_cap_mhz", "power_limit_w"}
+            if extra:
+                raise bad(f"GPU {gpu}: unknown key(s) {', '.join(sorted(map(str, extra)))}")
+            entry: dict[str, float | None] = {"clock_cap_mhz": None, "power_limit_w": None}
+            for key, v in caps.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise bad(f"GPU {gpu}: {key} = {v!r} is not a positive number")
+                entry[key] = int(v) if key == "clock_cap_mhz" else float(v)
+            out[gpu] = entry
+        return out
 
 
 def _to_int(x: Any) -> int:

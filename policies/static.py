@@ -1,4 +1,5 @@
-"""Fixed caps: the same clock cap and/or power limit on chosen GPUs, always.
+"""Fixed caps: a clock cap and/or power limit on chosen GPUs (the same on each, or
+one per GPU with ``per_gpu``), always.
 
 The operator's "MIT Lincoln Lab" policy: a static power or clock cap saves up to
 ~15 % energy for a marginal slowdown on many training jobs, with no search.
@@ -63,26 +64,36 @@ class StaticPolicy:
     PARAMS: tuple[Param, ...] = (
         Param("clock_cap_mhz", "int", None, "max SM clock, MHz (snapped down to a supported clock)", lo=1),
         Param("power_limit_w", "float", None, "power limit, W (clamped to the GPU's range)", lo=0, lo_open=True),
-        Param("gpus", "int_list", None, "GPU indices to cap (default: every GPU)"),
+        Param("gpus", "int_list", None, "GPU indices to cap (default: every GPU, or per_gpu's)"),
+        Param("per_gpu", "gpu_map", None, "per GPU index, its own clock_cap_mhz and/or power_limit_w "
+              "(overrides the values above on that GPU)"),
     )
 
     def __init__(self, **params: Any) -> None:
         self._params = validate_params(self.name, self.PARAMS, params)
-        if self._params["clock_cap_mhz"] is None and self._params["power_limit_w"] is None:
+        p = self._params
+        if p["clock_cap_mhz"] is None and p["power_limit_w"] is None and not p["per_gpu"]:
             raise PolicyError(
-                "policy 'static': set clock_cap_mhz and/or power_limit_w (neither was given)"
+                "policy 'static': set clock_cap_mhz and/or power_limit_w, or per_gpu (none was given)"
             )
-
-    def params(self) -> dict[str, Any]:
-        return dict(self._params)
+        if p["per_gpu"] and p["gpus"] is None and p["clock_cap_mhz"] is None and p["power_limit_w"] is None:
+            p["gpus"] = tuple(sorted(p["per_gpu"]))  # only the GPUs it names
 
     def new_state(self) -> None:
         return None
 
+    def params(self) -> dict[str, Any]:
+        """The parameters, JSON-friendly (per_gpu's keys as strings)."""
+        out = dict(self._params)
+        if out["per_gpu"] is not None:
+            out["per_gpu"] = {str(k): v for k, v in out["per_gpu"].items()}
+        return out
+
     def target(self, gpu: GpuView) -> Setting:
         """What this policy holds on ``gpu``, fitted to its supported values."""
-        cap = self._params["clock_cap_mhz"]
-        pl = self._params["power_limit_w"]
+        own = (self._params["per_gpu"] or {}).get(gpu.index)
+        cap = own["clock_cap_mhz"] if own else self._params["clock_cap_mhz"]
+        pl = own["power_limit_w"] if own else self._params["power_limit_w"]
         return Setting(
             clock_cap_mhz=None if cap is None else snap_clock_mhz(cap, gpu.supported_sm_clocks_mhz),
             power_limit_w=None if pl is None else clamp_power_w(pl, gpu),
@@ -104,6 +115,8 @@ class StaticPolicy:
             t_str.append(f"clock <= {self._params['clock_cap_mhz']} MHz")
         if self._params["power_limit_w"] is not None:
             t_str.append(f"power <= {self._params['power_limit_w']:g} W")
+        for i, own in sorted((self._params["per_gpu"] or {}).items()):
+            t_str.append(f"gpu{i}: " + ", ".join(f"{k} {v:g}" for k, v in own.items() if v is not None))
         d.reason = f"static: {' and '.join(t_str)} on {', '.join(held) or 'no GPU'}"
         if missing:
             d.reason += f" (GPU(s) {', '.join(map(str, missing))} not present)"

@@ -62,6 +62,10 @@ def test_get_policy_coerces_strings() -> None:
         ("budget", {}, ["'node_budget_w' is required"]),
         ("budget", {"node_budget_w": 0}, ["'node_budget_w'", "> 0"]),
         ("static", {}, ["clock_cap_mhz and/or power_limit_w"]),
+        ("static", {"per_gpu": '{"0": {"clock_cap_mhz": -1}}'}, ["'per_gpu'", "not a positive number"]),
+        ("static", {"per_gpu": '{"x": {"power_limit_w": 300}}'}, ["'per_gpu'", "not an integer"]),
+        ("static", {"per_gpu": {"0": {"power": 300}}}, ["'per_gpu'", "unknown key(s) power"]),
+        ("static", {"per_gpu": "{nope"}, ["'per_gpu'", "not JSON"]),
         ("static", {"power_limit_w": "nan"}, ["'power_limit_w'", "not finite"]),
         ("static", {"clock_cap_mhz": 1500, "gpus": "a"}, ["'gpus'", "list of integers"]),
     ],
@@ -98,6 +102,20 @@ def test_static_snaps_and_clamps_and_targets_gpus() -> None:
     p = get_policy("static", power_limit_w=50)
     d = p.decide(snap(gpu_view(0), gpu_view(1)), p.new_state())
     assert d.gpu_settings == {0: Setting(power_limit_w=200.0), 1: Setting(power_limit_w=200.0)}
+
+
+def test_static_per_gpu_targets() -> None:
+    # One value per GPU (a JSON string from `greenctl policy set --param`, or a TOML
+    # table); a GPU not named gets the common value, if any.
+    p = get_policy("static", per_gpu='{"0": {"clock_cap_mhz": 1400}, "2": {"power_limit_w": 450}}')
+    d = p.decide(snap(gpu_view(0), gpu_view(1), gpu_view(2)), p.new_state())
+    assert d.gpu_settings == {0: Setting(clock_cap_mhz=1395), 2: Setting(power_limit_w=450.0)}
+    assert "gpu0: clock_cap_mhz 1400" in d.reason
+    assert p.params()["per_gpu"] == {"0": {"clock_cap_mhz": 1400, "power_limit_w": None},
+                                     "2": {"clock_cap_mhz": None, "power_limit_w": 450.0}}
+    p = get_policy("static", power_limit_w=500, per_gpu={1: {"clock_cap_mhz": 1200}})
+    d = p.decide(snap(gpu_view(0), gpu_view(1)), p.new_state())
+    assert d.gpu_settings == {0: Setting(power_limit_w=500.0), 1: Setting(clock_cap_mhz=1200)}
 
 
 def test_static_is_idempotent() -> None:
