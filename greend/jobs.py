@@ -90,6 +90,13 @@ STEP_FIELDS: dict[str, Field] = {
 }
 
 
+def _rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float | None, float | None, float | None]:
+    """Average power (W), FLOP/s and GFLOPS/W of ``flops`` run on ``energy_j`` over ``span_s``."""
+    power = energy_j / span_s if energy_j is not None and span_s > 0 else None
+    flop_per_s = flops / span_s if span_s > 0 else None
+    return power, flop_per_s, (flops / energy_j / 1e9 if energy_j else None)
+
+
 @dataclass
 class RankSession:
     session: int
@@ -641,14 +648,9 @@ class JobRegistry:
         for g in sorted(job.gpus):
             e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True) if t0 is not None and t1 is not None else None
             flops = job.gpu_flops.get(g, 0.0)
-            out.append({
-                "gpu": g,
-                "flops": flops,
-                "energy_j": e,
-                "avg_power_w": e / duration if e is not None and duration > 0 else None,
-                "flop_per_s": flops / duration if duration > 0 else None,
-                "gflops_per_w": flops / e / 1e9 if e else None,
-            })
+            power, flop_per_s, gflops_per_w = _rates(flops, e, duration)
+            out.append({"gpu": g, "flops": flops, "energy_j": e, "avg_power_w": power,
+                        "flop_per_s": flop_per_s, "gflops_per_w": gflops_per_w})
         return out
 
     def window(self, job: Job, now_s: float) -> dict[str, Any]:
@@ -657,14 +659,9 @@ class JobRegistry:
         flops = sum(r.flops for r in job.recent if r.t1_s > t0 and r.t1_s <= t1)
         energy = self._gpu_energy(job, t0, t1)
         span = t1 - t0
-        return {
-            "window_s": span,
-            "flops": flops,
-            "gpu_energy_j": energy,
-            "gpu_power_w": energy / span if energy is not None and span > 0 else None,
-            "flop_per_s": flops / span if span > 0 else None,
-            "gflops_per_w": flops / energy / 1e9 if energy else None,
-        }
+        power, flop_per_s, gflops_per_w = _rates(flops, energy, span)
+        return {"window_s": span, "flops": flops, "gpu_energy_j": energy, "gpu_power_w": power,
+                "flop_per_s": flop_per_s, "gflops_per_w": gflops_per_w}
 
     def report(self, job: Job) -> dict[str, Any]:
         """The job's figures over its life (so far, while it runs)."""

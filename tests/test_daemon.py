@@ -50,16 +50,23 @@ class ExplodingProbe(CountingProbe):
         raise ZeroDivisionError("bug in a probe")
 
 
-@pytest.fixture()
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
+def make_config(tmp_path: Path, *, hz: float = 50.0, sim_gpus: int = 0) -> Config:
+    """An in-process daemon's config: temp socket, state dir and SQLite store, no probes
+    but simulated GPUs when asked."""
     cfg = Config()
     cfg.daemon.state_dir = tmp_path / "state"
     cfg.daemon.socket = tmp_path / "g.sock"
     cfg.daemon.socket_group = ""
-    cfg.daemon.hz = 50.0
+    cfg.daemon.hz = hz
     cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
+    cfg.sim.gpus = sim_gpus
     cfg.probes.enabled = []
-    d = Daemon(cfg)
+    return cfg
+
+
+@pytest.fixture()
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(make_config(tmp_path))
     d.start()
     yield d
     d.close()
@@ -176,14 +183,7 @@ def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
         c._sock.sendall(encode({"v": 1, "op": "steps",
                                 "steps": [{"step": step, "t0_s": now - 0.01, "t1_s": now, "flops": flops}]}))
 
-    cfg = Config()
-    cfg.daemon.state_dir = tmp_path / "state"
-    cfg.daemon.socket = tmp_path / "g.sock"
-    cfg.daemon.socket_group = ""
-    cfg.daemon.hz = 20.0
-    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
-    cfg.sim.gpus = 3
-    cfg.probes.enabled = []
+    cfg = make_config(tmp_path, hz=20.0, sim_gpus=3)
     d = Daemon(cfg)
     d.start()
     t = threading.Thread(target=d.run, daemon=True)
@@ -238,13 +238,9 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Pa
 
     monkeypatch.setattr(daemon_mod, "open_sink", flaky_open)
     url = f"sqlite:///{tmp_path / 'late.db'}"
-    cfg = Config()
-    cfg.daemon.state_dir = tmp_path / "state"
-    cfg.daemon.socket = tmp_path / "g.sock"
-    cfg.daemon.socket_group = ""
+    cfg = make_config(tmp_path)
     cfg.store.urls = [url]
     cfg.store.retry_s = 0.2
-    cfg.probes.enabled = []
     d = Daemon(cfg)
     d.open_sinks()
     try:
@@ -292,13 +288,7 @@ def test_a_hung_tick_starves_the_watchdog(tmp_path: Path, monkeypatch: pytest.Mo
                 release.wait(10)  # a driver call that does not come back
             return super().sample(now_s)
 
-    cfg = Config()
-    cfg.daemon.state_dir = tmp_path / "state"
-    cfg.daemon.socket = tmp_path / "g.sock"
-    cfg.daemon.hz = 20.0
-    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
-    cfg.probes.enabled = []
-    d = Daemon(cfg)
+    d = Daemon(make_config(tmp_path, hz=20.0))
     assert d.watchdog.enabled
     p = StuckProbe("zone", 1.0)
     d.probes = [p]
