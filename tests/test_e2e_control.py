@@ -338,3 +338,39 @@ def test_policy_set_and_show_and_a_switch_lifts_the_old_policys_caps(
     with Client(d.socket) as c:
         with pytest.raises(Exception, match="reserved"):
             c.request("register", job="policy", gpus=[0])
+
+
+def test_all_gpus_of_a_job_get_the_same_cap(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    # One rank on GPUs 0 and 1 (a synchronous job: the slowest GPU sets the pace), and
+    # GPU 2 free: the efficient policy caps 0 and 1 alike and leaves 2 alone.
+    from greend.ipc import encode
+
+    d = start_daemon(tmp_path, "--sim", "3", config=EFFICIENT)
+    daemons.append(d)
+    gpus = [sim(d.state_dir, i) for i in range(3)]
+    with Client(d.socket) as c:
+        c.request("register", job="wide", gpus=[0, 1], mem_share=0.3)
+        deadline = time.monotonic() + 60
+        step = 0
+        locks: list = [None, None, None]
+        owners: dict = {}
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            assert c._sock is not None
+            c._sock.sendall(encode({"v": 1, "op": "steps", "steps": [
+                {"step": step, "t0_s": now - 0.004, "t1_s": now, "flops": 2e12}]}))
+            step += 1
+            time.sleep(0.005)
+            if step % 20 == 0:
+                # Settled, and the devices read the same twice (not mid-apply, nor in the
+                # one uncapped baseline re-check after settling).
+                pol = d.status()["policy"]
+                dec, owners = (pol.get("last_decision") or {}).get("details", {}), pol["owners"]
+                locks = [g.locked_clocks_mhz() for g in gpus]
+                if (dec.get("jobs", {}).get("wide", {}).get("phase") == "settled" and locks[0] is not None
+                        and locks == [g.locked_clocks_mhz() for g in gpus]):
+                    break
+        assert locks[0] is not None, "the policy never capped the job"
+        assert locks[0] == locks[1], f"GPUs of one job capped apart: {locks}"
+        assert locks[2] is None, "a GPU outside the job was capped"
+        assert owners == {"wide": ["gpu0.clock_cap_mhz", "gpu1.clock_cap_mhz"]}
