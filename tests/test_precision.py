@@ -311,3 +311,33 @@ def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
     assert ev is not None and ev.to_level == "fp32" and "loss spike at step 6" in ev.reason
     assert g.barred_reason("bf16", 7) is not None and g.spike(9.0) is None  # back at fp32
     assert Guard(spike_tolerance=None).spike(1e9) is None
+
+
+@needs_torchao
+@pytest.mark.filterwarnings("ignore::greend.callback.GreendWarning")
+def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
+        daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    params = [id(p) for p in model.parameters()]
+    with GreenCallback(job="fp8-rollback", model=model, socket=sock_path, fp8_min_features=16,
+                       precisions=["fp32", "bf16", "fp8-emulated"], cooldown_steps=1000, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(4)
+        switch(daemon, cb, "bf16")
+        loop.run(4)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(2)
+        assert loop.levels[-1] == "fp8-emulated" and loop.fp8_layers[-1] > 0
+        bad = loop.i
+        loop.run(4, poison=lambda i: "loss" if i == bad else None)
+        # Back one level, to the one it came down from, from the very next step: the
+        # fp8 conversion undone, the same Parameter objects, fp8 barred.
+        assert loop.levels[bad:bad + 2] == ["fp8-emulated", "bf16"]
+        assert loop.fp8_layers[bad + 1:] == [0, 0, 0]
+        assert [id(p) for p in model.parameters()] == params
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert "fp8-emulated" in cb._guard.barred
+        assert wait_for(lambda: any(e["kind"] == "rollback" for e in daemon.precision_events))
+    ev = next(e for e in daemon.precision_events if e["kind"] == "rollback")
+    assert ev["from"] == "fp8-emulated" and ev["to"] == "bf16" and ev["step"] == bad
