@@ -104,7 +104,12 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
         if isinstance(value, bool) and bool not in ok_types:
             raise ProtocolError(f"{name!r} must be {spec.describe()}, not a boolean", field=name)
         if float in ok_types and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value) if int not in ok_types else value
+            if int not in ok_types:
+                try:
+                    value = float(value)
+                except OverflowError:
+                    raise ProtocolError(f"{name!r} = an integer of {len(str(value))} digits is out of range "
+                                        "for a number", field=name) from None
         if not isinstance(value, ok_types):
             raise ProtocolError(
                 f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
@@ -400,6 +405,10 @@ class IpcServer:
             msg = json.loads(line.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             return _error(None, "bad_json", f"not a JSON object on one line: {e}")
+        except ValueError as e:  # an integer of more than 4300 digits (int_max_str_digits)
+            return _error(None, "bad_json", f"a number in the message is too long: {e}")
+        except RecursionError:
+            return _error(None, "bad_json", "the message is nested too deeply")
         if not isinstance(msg, dict):
             return _error(None, "bad_json", f"expected a JSON object, got {type(msg).__name__}")
         mid = msg.get("id")

@@ -75,6 +75,8 @@ def test_socket_mode_is_applied(server: IpcServer) -> None:
         (b'{"v":1,"op":"add","a":1,"id":[1]}\n', "bad_request", "id"),
         (b'{"v":1,"op":"admin_only"}\n', "forbidden", None),
         (b'\xff\xfe\n', "bad_json", None),
+        (b'{"v":1,"op":"add","a":' + b"9" * 5000 + b'}\n', "bad_json", None),  # > int_max_str_digits
+        (b"[" * 5000 + b"]" * 5000 + b"\n", "bad_json", None),  # deeper than the recursion limit
     ],
 )
 def test_bad_messages_get_error_replies_naming_the_field(server: IpcServer, payload: bytes, code: str,
