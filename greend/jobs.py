@@ -675,7 +675,9 @@ class JobRegistry:
             if t1 is None or t1 == 0.0:
                 t1 = job.last_step_t1_s
         duration = (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
-        gpu_e = self._gpu_energy(job, t0, t1) if t0 is not None and t1 is not None and job.gpus else None
+        per_gpu = self._per_gpu(job, t0, t1, duration)
+        known = [g["energy_j"] for g in per_gpu if g["energy_j"] is not None]
+        gpu_e = sum(known) if known else None  # the job's GPUs' joules, as _gpu_energy sums them
         node_cpu_e, estimated = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else (None, False)
         # "unmeasured": no RAPL zone was readable and no cpu_tdp_w estimate is configured,
         # so the 0 J beside it is not a measurement.
@@ -721,7 +723,7 @@ class JobRegistry:
             "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
             "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
             "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
-            "per_gpu": self._per_gpu(job, t0, t1, duration),
+            "per_gpu": per_gpu,
             # The last [report] window_s of a running job (its last window once it ended).
             "recent": self.window(job, t1) if t1 is not None else None,
             "samples_per_j": job.samples / energy if energy else None,
