@@ -266,7 +266,7 @@ class Step:
 
     __slots__ = ("_cb", "index", "samples", "tokens", "flops", "_key", "_batch", "t0_s", "t1_s",
                  "_loss", "_nonfinite", "_what", "_counting", "_scaled", "precision", "_predicted",
-                 "_fwd_sig")
+                 "_fwd_sig", "_spike")
 
     def __init__(self, cb: GreenCallback, index: int | None, samples: int | None, tokens: int | None,
                  key: Hashable | None, batch: Any, flops: float | None) -> None:
@@ -287,6 +287,7 @@ class Step:
         self.precision = "fp32"
         self._predicted = False  # the shape key is the model hook's guess (see _plan_flops)
         self._fwd_sig: Hashable | None = None  # what the model hook saw this step
+        self._spike: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
 
     def __enter__(self) -> Step:
         cb = self._cb
@@ -323,10 +324,8 @@ class Step:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
         cb._record(self)
-        if cb._guard.stack:
-            spike = None if self._nonfinite or self._loss is None else cb._guard.spike(self._loss)
-            if self._nonfinite or spike:
-                cb._roll_back(self, spike)  # the next step runs at the level we came down from
+        if self._nonfinite or self._spike:  # the next step runs at the level we came down from
+            cb._roll_back(self, None if self._nonfinite else self._spike)
         return False
 
     def autocast(self) -> ContextManager[Any]:
@@ -343,13 +342,14 @@ class Step:
         except Exception:  # noqa: BLE001 - a strange loss object is not worth a crash
             self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
             return
+        guard = self._cb._guard
         if math.isfinite(value):
             self._loss, self._nonfinite = value, False
-            guard = self._cb._guard
-            if guard.spike(value) is None:  # a spike is not the new level's trend
+            self._spike = guard.spike(value)
+            if self._spike is None:  # a spike is not the new level's trend
                 guard.losses.append(value)
         else:
-            self._loss, self._nonfinite, self._what = None, True, "loss"
+            self._loss, self._nonfinite, self._what, self._spike = None, True, "loss", None
 
     def mark_nonfinite(self, what: str = "gradient") -> None:
         """Flag this step as non-finite (e.g. a gradient was inf/NaN) without a loss value."""
