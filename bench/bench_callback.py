@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from greend.callback import GreenCallback  # noqa: E402
-from greend.testing import FakeDaemon  # noqa: E402
+from greend.training.callback import GreenCallback  # noqa: E402
+from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
 
 perf = time.perf_counter
 

@@ -24,7 +24,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from probes.fake_sysfs import FakePowercap  # noqa: E402
+from greend.probes.fake_sysfs import FakePowercap  # noqa: E402
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
 
 
 def _probes(sock: Path) -> dict[str, dict]:
-    from greend.client import Client
+    from greend.ipc.client import Client
 
     with Client(sock) as c:
         return {p["name"]: p for p in c.request("probes")["probes"]}

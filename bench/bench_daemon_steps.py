@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from greend.client import Client  # noqa: E402
-from greend.ipc import encode  # noqa: E402
+from greend.ipc.client import Client  # noqa: E402
+from greend.ipc.server import encode  # noqa: E402
 
 
 def client(sock: Path, job: str, gpu: int, steps: int, batch: int) -> None:

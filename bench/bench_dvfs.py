@@ -5,7 +5,7 @@ Run:  python bench/bench_dvfs.py [--steps 600] [--min-steps 8] [--noise 0.02] [-
 For a compute-bound (mem_share 0.05), a mixed (0.4) and a memory-bound (0.8)
 workload, with the clock knob and with the power knob (and, with ``--noise``,
 the clock knob again with that much multiplicative noise on every measured
-step), it drives the policy through :mod:`policies.harness` and prints:
+step), it drives the policy through :mod:`greend.testing.harness` and prints:
 
 * ``saved`` / ``slow``: energy per step saved and step time added at the
   setting it settled on, against running uncapped;
@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from policies import get_policy  # noqa: E402
-from policies.base import Setting  # noqa: E402
-from policies.harness import make_sim_gpus, run_policy  # noqa: E402
-from probes.sim import H100  # noqa: E402
+from greend.policies import get_policy  # noqa: E402
+from greend.policies.base import Setting  # noqa: E402
+from greend.testing.harness import make_sim_gpus, run_policy  # noqa: E402
+from greend.probes.sim import H100  # noqa: E402
 
 FLOPS = 1e12
 WORKLOADS = (("compute-bound", 0.05), ("mixed", 0.4), ("memory-bound", 0.8))

@@ -8,7 +8,7 @@ autocast dtypes, the fp8 conversion, the GradScaler). Per level it prints:
 
 * ``step ms``: median wall time of a training step here (measured);
 * ``sim J/step``: the simulated H100's energy for a step of the counted FLOPs
-  at that level (``probes.sim``: the model the daemon prices steps with on
+  at that level (``greend.probes.sim``: the model the daemon prices steps with on
   ``--sim`` GPUs), labelled sim; fp8-emulated runs at bf16's rate there;
 * ``gpu J/step``: on a CUDA GPU, measured: the NVML total-energy counter's
   delta over the timed steps (mJ, Volta and newer; run enough ``--steps`` to
@@ -41,10 +41,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from greend.callback import GreenCallback  # noqa: E402
-from greend.precision import PRECISIONS, warm_up_torchao  # noqa: E402
-from greend.testing import FakeDaemon  # noqa: E402
-from probes.sim import H100  # noqa: E402
+from greend.training.callback import GreenCallback  # noqa: E402
+from greend.training.mixed_precision import PRECISIONS, warm_up_torchao  # noqa: E402
+from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
+from greend.probes.sim import H100  # noqa: E402
 
 MEM_SHARE = 0.3
 
@@ -168,7 +168,7 @@ def main() -> None:
         print(f"gpu J/step: n/a ({gpu_energy.why})")
     if rapl_uj() is None:
         print("cpu J/step: n/a (RAPL energy_uj not readable here: no /sys/class/powercap, or not root)")
-    print("sim J/step: the simulated H100 (probes.sim, mem_share 0.3) at each level; source=sim")
+    print("sim J/step: the simulated H100 (greend.probes.sim, mem_share 0.3) at each level; source=sim")
     for lvl in PRECISIONS:
         if support[lvl] is not None:
             print(f"not here: {lvl}: {support[lvl]}")

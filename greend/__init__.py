@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
     # The callback pulls in the training side lazily, so the daemon and greenctl
     # never import torch.
     if name in ("GreenCallback", "GreendWarning"):
-        from . import callback
+        from greend.training import callback
 
         return getattr(callback, name)
     raise AttributeError(f"module 'greend' has no attribute {name!r}")

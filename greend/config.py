@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from greend.errors import ConfigError
 
 __all__ = [
     "Config",
@@ -275,7 +275,7 @@ def validate(cfg: Config) -> Config:
     _positive("policy", "settle_s", cfg.policy.settle_s, zero_ok=True)
     _positive("report", "grid_gco2_per_kwh", cfg.report.grid_gco2_per_kwh, zero_ok=True)
     _positive("report", "window_s", cfg.report.window_s)
-    from .sinks import check_url  # late: sinks import config types
+    from greend.sinks import check_url  # late: sinks import config types
 
     for url in st.urls:
         check_url(url)

@@ -1,8 +1,8 @@
 """Policies: pure strategies that turn a snapshot of measurements into a decision.
 
 No I/O, no clocks, no sockets: a policy is ``decide(snapshot, state) -> Decision``
-(see :mod:`policies.base`) and is tested by replaying traces or the simulator
-(:mod:`policies.harness`).
+(see :mod:`greend.policies.base`) and is tested by replaying traces or the simulator
+(:mod:`greend.testing.harness`).
 
 The registry
 ------------

@@ -1,7 +1,7 @@
 """Sources of readings, one module each, registered by name.
 
 Adding a probe: copy a neighbour (``host.py`` is the smallest), implement the
-:class:`~probes.base.Probe` protocol, and decorate its factory with
+:class:`~greend.probes.base.Probe` protocol, and decorate its factory with
 ``@register("name", default=True|False)``. The config's ``[probes] enabled``
 list and ``--sim N`` choose which run.
 """

@@ -151,7 +151,7 @@ class FakeNvml:
 
     ``n``: how many GPUs (created where missing); None: the ``gpu<i>.json`` files
     already there. Other keyword arguments are passed to
-    :func:`probes.sim.open_sim_gpus` (``background_load``, ``mem_share``,
+    :func:`greend.probes.sim.open_sim_gpus` (``background_load``, ``mem_share``,
     ``speed_factor``: a scalar or one per GPU; ``spec``; ``clock``).
     """
 

@@ -2,7 +2,7 @@
 
 ``NvmlProbe`` is the only probe that imports ``pynvml``, and only inside
 ``open()``, so nodes without the package still start. The module is injectable
-(``nvml=``): the ``sim`` probe passes a :class:`probes.fake_nvml.FakeNvml`, so
+(``nvml=``): the ``sim`` probe passes a :class:`greend.probes.fake_nvml.FakeNvml`, so
 simulated GPUs run this very code.
 
 What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):

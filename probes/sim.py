@@ -3,7 +3,7 @@
 Machines without GPUs run the whole daemon on ``greend run --sim N``. The simulator
 is a model, not a stub, so that policies see the slowdown and the savings a real
 GPU would show. It sits *behind* a fake of the ``pynvml`` module
-(:mod:`probes.fake_nvml`), so the daemon drives simulated GPUs through the very
+(:mod:`greend.probes.fake_nvml`), so the daemon drives simulated GPUs through the very
 same NVML code path as real ones.
 
 The model (all in :class:`SimSpec`)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from greend.testing import FakeDaemon
+    from greend.testing.fake_daemon import FakeDaemon
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def start_daemon(tmp: Path, *extra: str, state_dir: Path | None = None, wait: bo
 
 
 def wait_for_socket(d: DaemonProc, timeout: float = 20.0) -> None:
-    from greend.client import Client
+    from greend.ipc.client import Client
     from greend.errors import DaemonUnavailable
 
     deadline = time.monotonic() + timeout
@@ -151,7 +151,7 @@ def sock_path(tmp_path: Path) -> Path:
 @pytest.fixture()
 def daemon(sock_path: Path) -> Iterator["FakeDaemon"]:
     """greend.testing.FakeDaemon on a socket of the test's own (callback-side tests)."""
-    from greend.testing import FakeDaemon
+    from greend.testing.fake_daemon import FakeDaemon
 
     d = FakeDaemon(sock_path).start()
     yield d

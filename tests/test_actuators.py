@@ -9,13 +9,13 @@ from typing import Any, Callable
 
 import pytest
 
-from greend.actuators import Controller, KnobError, NvmlGpuBackend, RaplBackend
+from greend.actuators.controller import Controller, KnobError, NvmlGpuBackend, RaplBackend
 from greend.errors import ActuatorError, DeviceLost, NoPermission, StateError
-from greend.state import STATE_FILE
-from policies.base import UNCAPPED, Setting
-from probes.fake_nvml import FakeNvml
-from probes.fake_sysfs import make_standard_tree
-from probes.nvml import NvmlProbe
+from greend.actuators.state import STATE_FILE
+from greend.policies.base import UNCAPPED, Setting
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.fake_sysfs import make_standard_tree
+from greend.probes.nvml import NvmlProbe
 
 SETTERS = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks",
            "nvmlDeviceSetPowerManagementLimit")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from policies import get_policy
-from policies.base import GpuView, Setting, Snapshot
-from policies.harness import HarnessResult, SimJob, make_sim_gpus, run_policy
-from probes.sim import H100
+from greend.policies import get_policy
+from greend.policies.base import GpuView, Setting, Snapshot
+from greend.testing.harness import HarnessResult, SimJob, make_sim_gpus, run_policy
+from greend.probes.sim import H100
 
 FLOPS = 1e12
 CPU_W = 100.0
@@ -79,7 +79,7 @@ def test_equal_share_when_nothing_is_known() -> None:
                  power_limit_min_w=200.0, power_limit_max_w=700.0, power_limit_default_w=700.0)
          for i in range(2)]
     p = get_policy("budget", node_budget_w=1000, margin=0.0)
-    from policies.base import JobView
+    from greend.policies.base import JobView
     jobs = tuple(JobView(job=f"j{i}", gpus=(i,), state="running", steps=0, precision="fp32",
                          precisions=("fp32",), measure=None, setting=Setting()) for i in range(2))
     d = p.decide(Snapshot(t_s=0.0, gpus=tuple(v), jobs=jobs, cpu_power_w=100.0), p.new_state())

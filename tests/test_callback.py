@@ -1,8 +1,8 @@
 """GreenCallback against a real Unix-socket fake daemon, with real torch training on the CPU.
 
-The fake daemon (:class:`greend.testing.FakeDaemon`) speaks docs/protocol.md on a
+The fake daemon (:class:`greend.testing.fake_daemon.FakeDaemon`) speaks docs/protocol.md on a
 real socket, records what it receives, and can push directives;
-:class:`greend.testing.SilentDaemon` accepts connections and never reads.
+:class:`greend.testing.fake_daemon.SilentDaemon` accepts connections and never reads.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from greend.callback import GreenCallback, GreendWarning, resolve_gpus, resolve_job
+from greend.training.callback import GreenCallback, GreendWarning, resolve_gpus, resolve_job
 
-from greend.testing import FakeDaemon, SilentDaemon
+from greend.testing.fake_daemon import FakeDaemon, SilentDaemon
 
 from .conftest import wait_for
 
@@ -195,7 +195,7 @@ def test_unsupported_level_is_ignored_with_the_reason(daemon: FakeDaemon, sock_p
         assert "fp8" not in daemon.registers[0]["precisions"]
         daemon.directive("fp8")
         assert wait_for(lambda: cb.requested_precision == "fp8")
-        with caplog.at_level(logging.WARNING, logger="greend.callback"):
+        with caplog.at_level(logging.WARNING, logger="greend.training.callback"):
             with pytest.warns(GreendWarning, match="fp8"):
                 train(cb, 3, model=model)
         assert cb.precision == "fp32"
@@ -401,12 +401,12 @@ def _stop_reading_run(daemon: FakeDaemon, sock_path: Path) -> None:
 
 
 def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path) -> None:
-    """What the callback sends passes the real daemon's validators (greend.jobs), where present."""
+    """What the callback sends passes the real daemon's validators (greend.jobs.registry), where present."""
     try:
-        from greend.jobs import REGISTER_SCHEMA, STEP_FIELDS
+        from greend.jobs.registry import REGISTER_SCHEMA, STEP_FIELDS
     except ImportError:  # the daemon side is built elsewhere; the fake daemon checks the basics
-        pytest.skip("greend.jobs has no REGISTER_SCHEMA/STEP_FIELDS")
-    from greend.ipc import validate
+        pytest.skip("greend.jobs.registry has no REGISTER_SCHEMA/STEP_FIELDS")
+    from greend.ipc.server import validate
 
     with GreenCallback(job="schema", model=make_model(), socket=sock_path, gpus=[0], mem_share=0.3,
                        **FAST) as cb:

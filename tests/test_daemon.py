@@ -9,9 +9,9 @@ from typing import Iterator
 import pytest
 
 from greend.config import Config
-from greend.daemon import Daemon, ProbeStats
+from greend.daemon.core import Daemon, ProbeStats
 from greend.errors import ProbeError
-from probes import CpuReading, ProbeInfo, Readings
+from greend.probes import CpuReading, ProbeInfo, Readings
 
 from .conftest import wait_for
 
@@ -174,8 +174,8 @@ def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
     # its share of the FLOPs, summing to the job's figures.
     import threading
 
-    from greend.client import Client
-    from greend.ipc import encode
+    from greend.ipc.client import Client
+    from greend.ipc.server import encode
 
     def send_steps(c: Client, step: int, flops: float) -> None:  # steps get no reply
         now = time.monotonic()
@@ -222,7 +222,7 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Pa
     # the ticks go on meanwhile, and the store joins the others once it opens.
     import threading
 
-    import greend.daemon as daemon_mod
+    import greend.daemon.core as daemon_mod
     from greend.errors import StoreError
 
     real_open = daemon_mod.open_sink

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from greend.doctor import run_checks
-from probes.fake_nvml import FakeNvml
-from probes.fake_sysfs import make_standard_tree
+from greend.cli.doctor import run_checks
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.fake_sysfs import make_standard_tree
 
 from .conftest import DaemonProc, start_daemon
 
@@ -42,7 +42,7 @@ def test_unreadable_energy_counters_are_a_failure_with_the_fix(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from probes import rapl
+    from greend.probes import rapl
 
     sysfs = tmp_path / "sys"
     make_standard_tree(sysfs)

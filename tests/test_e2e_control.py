@@ -15,8 +15,8 @@ from typing import Iterator
 
 import pytest
 
-from greend.client import Client
-from probes.sim import SimGpu
+from greend.ipc.client import Client
+from greend.probes.sim import SimGpu
 
 from .conftest import REPO, DaemonProc, _env, start_daemon, wait_for
 
@@ -154,7 +154,7 @@ def open_dir() -> Iterator[Path]:
 AS_NOBODY = """
 import json, os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
-from greend.client import Client, RequestRefused
+from greend.ipc.client import Client, RequestRefused
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 c = Client(pathlib.Path(sys.argv[2]))
 out = {"read": len(c.request("status")["gpus"])}
@@ -268,7 +268,7 @@ def test_efficient_policy_caps_a_running_job_and_lifts_the_cap_when_it_dies(
 
 def test_cpu_package_limit_set_reset_and_restored_after_sigkill_and_sigterm(
         tmp_path: Path, daemons: list[DaemonProc]) -> None:
-    from probes.fake_sysfs import make_standard_tree
+    from greend.probes.fake_sysfs import make_standard_tree
 
     tree = make_standard_tree(tmp_path / "sys")
     pkg0 = tree.dir_of("intel-rapl:0")
@@ -343,7 +343,7 @@ def test_policy_set_and_show_and_a_switch_lifts_the_old_policys_caps(
 def test_all_gpus_of_a_job_get_the_same_cap(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     # One rank on GPUs 0 and 1 (a synchronous job: the slowest GPU sets the pace), and
     # GPU 2 free: the efficient policy caps 0 and 1 alike and leaves 2 alone.
-    from greend.ipc import encode
+    from greend.ipc.server import encode
 
     d = start_daemon(tmp_path, "--sim", "3", config=EFFICIENT)
     daemons.append(d)

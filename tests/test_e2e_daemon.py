@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.fake_sysfs import make_standard_tree
+from greend.probes.fake_sysfs import make_standard_tree
 
 from .conftest import DaemonProc, start_daemon
 
@@ -127,7 +127,7 @@ def test_daemon_notifies_systemd_ready_and_feeds_the_watchdog(tmp_path: Path, da
     while time.monotonic() < deadline and got.count("WATCHDOG=1") < 3:
         lines = rx.recv(4096).decode().splitlines()
         if "READY=1" in lines:  # systemd starts dependants now: the socket must answer
-            from greend.client import Client
+            from greend.ipc.client import Client
 
             with Client(d.socket, timeout_s=2.0) as c:
                 listening_at_ready = c.request("ping")["pong"]

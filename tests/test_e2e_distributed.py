@@ -14,8 +14,8 @@ from typing import Callable
 
 import pytest
 
-from greend.client import Client
-from probes.sim import H100
+from greend.ipc.client import Client
+from greend.probes.sim import H100
 
 from . import vmserver
 from .conftest import REPO, DaemonProc, _env, start_daemon

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from greend.client import Client
+from greend.ipc.client import Client
 
 from .conftest import REPO, DaemonProc, _env, start_daemon, wait_for, wait_ready
 
@@ -166,7 +166,7 @@ def test_greenctl_demo_runs_end_to_end(tmp_path: Path) -> None:
 def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """RAPL (the job's share of it), the host probe's estimate, or nothing: a 0 J that
     nothing measured is called unmeasured, never passed off as a figure."""
-    from probes.fake_sysfs import FakePowercap
+    from greend.probes.fake_sysfs import FakePowercap
 
     sys_root = tmp_path / "sys"
     FakePowercap(sys_root).add_package(0, dram=True)

@@ -182,9 +182,9 @@ def test_a_live_daemon_scrape_passes_promtool_and_the_golden_names(tmp_path: Pat
                                                                    daemons: list[DaemonProc]) -> None:
     # The golden file and promtool, on what a real daemon serves rather than a
     # hand-written status: simulated GPUs (one capped), a RAPL fixture tree, a job.
-    from greend.client import Client
-    from greend.ipc import encode
-    from probes.fake_sysfs import make_standard_tree
+    from greend.ipc.client import Client
+    from greend.ipc.server import encode
+    from greend.probes.fake_sysfs import make_standard_tree
 
     from .test_prometheus_sink import GOLDEN, PROMTOOL, names_and_labels, value
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from policies import get_policy
-from policies.base import Setting
-from policies.harness import HarnessResult, SimJob, make_sim_gpus, run_policy
-from probes.sim import H100
+from greend.policies import get_policy
+from greend.policies.base import Setting
+from greend.testing.harness import HarnessResult, SimJob, make_sim_gpus, run_policy
+from greend.probes.sim import H100
 
 FLOPS = 1e12
 BOUND = 0.05

@@ -8,8 +8,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from probes.fake_nvml import FakeHandle, FakeNvml, read_faults
-from probes.sim import H100
+from greend.probes.fake_nvml import FakeHandle, FakeNvml, read_faults
+from greend.probes.sim import H100
 
 from .conftest import ManualClock
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from greend.client import Client
+from greend.ipc.client import Client
 from greend.errors import DaemonUnavailable
-from probes.fake_nvml import FakeNvml
-from probes.sim import SimGpu
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.sim import SimGpu
 
 from .conftest import DaemonProc, start_daemon, wait_for, wait_ready
 

@@ -1,4 +1,4 @@
-"""greend.flops: CPU attention FLOP formulas, signatures and the 6ND rule."""
+"""greend.training.flops: CPU attention FLOP formulas, signatures and the 6ND rule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from greend import flops as gf
+from greend.training import flops as gf
 
 aten = torch.ops.aten
 B, H, S, D = 2, 4, 16, 8

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from greend.client import Client, _connect_retrying
+from greend.ipc.client import Client, _connect_retrying
 from greend.config import Config
-from greend.daemon import Daemon
-from greend.ipc import MAX_MESSAGE_BYTES
+from greend.daemon.core import Daemon
+from greend.ipc.server import MAX_MESSAGE_BYTES
 
 from .conftest import DaemonProc, start_daemon, wait_for
 

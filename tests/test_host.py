@@ -12,9 +12,9 @@ from typing import Any
 import psutil
 import pytest
 
-from probes import ProbeContext
-from probes.base import Probe
-from probes.host import IDLE_FRACTION, HostProbe, estimate_cpu_power_w
+from greend.probes import ProbeContext
+from greend.probes.base import Probe
+from greend.probes.host import IDLE_FRACTION, HostProbe, estimate_cpu_power_w
 
 
 def busy(seconds: float) -> None:
@@ -195,7 +195,7 @@ def test_negative_tdp_refused() -> None:
 
 
 def test_registered_factory_uses_context() -> None:
-    from probes import REGISTRY
+    from greend.probes import REGISTRY
 
     reg = REGISTRY["host"]
     assert reg.default is True

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from greend.callback import GreendWarning
+from greend.training.callback import GreendWarning
 
-from greend.testing import FakeDaemon
+from greend.testing.fake_daemon import FakeDaemon
 
 from .test_callback import BATCH, FAST, expected_mlp_flops, make_data, make_model, wait_for
 

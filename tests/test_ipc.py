@@ -8,9 +8,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from greend.client import Client, RequestRefused
+from greend.ipc.client import Client, RequestRefused
 from greend.errors import DaemonUnavailable
-from greend.ipc import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
+from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
 
 
 @pytest.fixture()

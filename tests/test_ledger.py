@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from greend.ledger import Ledger
+from greend.jobs.ledger import Ledger
 
 
 def test_totals_since_first_reading_and_windows() -> None:

@@ -10,11 +10,11 @@ import pynvml
 import pytest
 
 from greend.errors import DeviceLost, NoData, NoPermission, NotSupported, ProbeError
-from probes import REGISTRY, ProbeContext
-from probes.base import Probe
-from probes.fake_nvml import FakeNvml
-from probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
-from probes.sim import H100
+from greend.probes import REGISTRY, ProbeContext
+from greend.probes.base import Probe
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
+from greend.probes.sim import H100
 
 from .conftest import ManualClock
 
@@ -175,7 +175,7 @@ def test_lost_gpu_is_dropped_and_the_other_goes_on(
 ) -> None:
     assert sorted(by_index(probe, 0.0)) == [0, 1]
     FakeNvml(tmp_path).inject(1, lost=True)  # from "another process"
-    with caplog.at_level(logging.ERROR, logger="probes.nvml"):
+    with caplog.at_level(logging.ERROR, logger="greend.probes.nvml"):
         for t in (1.0, 2.0, 3.0):
             clock.advance(1.0)
             gpus = by_index(probe, t)
@@ -219,7 +219,7 @@ class _NoTemperature(FakeNvml):
 def test_unsupported_optional_fields_read_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     probe = NvmlProbe(nvml=_NoTemperature(tmp_path, n=1), source="sim")
     probe.open()
-    with caplog.at_level(logging.WARNING, logger="probes.nvml"):
+    with caplog.at_level(logging.WARNING, logger="greend.probes.nvml"):
         for t in (0.0, 1.0):
             g = probe.sample(t).gpus[0]
     assert g.temperature_c is None  # NOT_SUPPORTED: quietly None
@@ -339,8 +339,8 @@ def test_sample_before_open_and_close_twice(fake: FakeNvml) -> None:
 
 
 def test_registered_sim_probe_drives_the_nvml_path(tmp_path: Path) -> None:
-    import probes.nvml  # noqa: F401  (registers "nvml")
-    import probes.sim  # noqa: F401  (registers "sim")
+    import greend.probes.nvml  # noqa: F401  (registers "nvml")
+    import greend.probes.sim  # noqa: F401  (registers "sim")
 
     ctx = ProbeContext(sim_gpus=2, sim_dir=tmp_path, sim_params={"background_load": 0.25})
     sim_probe = REGISTRY["sim"].factory(ctx)

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 
-import policies
-from policies import POLICIES, PolicyError, describe_policies, get_policy
-from policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
-from policies.harness import SimJob, make_sim_gpus, run_policy
-from policies.static import snap_clock_mhz
-from probes.sim import H100
+from greend import policies
+from greend.policies import POLICIES, PolicyError, describe_policies, get_policy
+from greend.policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+from greend.testing.harness import SimJob, make_sim_gpus, run_policy
+from greend.policies.static import snap_clock_mhz
+from greend.probes.sim import H100
 
 
 def gpu_view(i: int = 0, cap: int | None = None, limit: float = 700.0) -> GpuView:

@@ -1,6 +1,6 @@
 """Precision levels in GreenCallback: switching, refusing, and the accuracy guard's fast rule.
 
-Real torch training on the CPU against :class:`greend.testing.FakeDaemon` (a real
+Real torch training on the CPU against :class:`greend.testing.fake_daemon.FakeDaemon` (a real
 Unix socket that speaks docs/protocol.md and records the ``precision_event``
 messages the callback sends).
 """
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from greend.callback import GreenCallback, GreendWarning
-from greend.precision import Fp8Converter, Guard, fp8_targets, grads_finite, is_downgrade, precision_support
-from greend.testing import FakeDaemon
+from greend.training.callback import GreenCallback, GreendWarning
+from greend.training.mixed_precision import Fp8Converter, Guard, fp8_targets, grads_finite, is_downgrade, precision_support
+from greend.testing.fake_daemon import FakeDaemon
 
 from .conftest import wait_for
 
@@ -220,7 +220,7 @@ def test_fp16_without_loss_scaling_is_refused(daemon: FakeDaemon, sock_path: Pat
 # The guard ----------------------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore::greend.callback.GreendWarning")  # the barred retry warns once
+@pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")  # the barred retry warns once
 @pytest.mark.parametrize("what", ["loss", "grad"])
 def test_nonfinite_right_after_a_switch_rolls_back_within_one_step(daemon: FakeDaemon, sock_path: Path,
                                                                   what: str) -> None:
@@ -297,7 +297,7 @@ def test_grads_finite() -> None:
 
 
 def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
-    from greend.precision import Guard
+    from greend.training.mixed_precision import Guard
 
     g = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
     for v in (1.0, 1.1, 0.9, 1.0):
@@ -314,7 +314,7 @@ def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
 
 
 @needs_torchao
-@pytest.mark.filterwarnings("ignore::greend.callback.GreendWarning")
+@pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")
 def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
         daemon: FakeDaemon, sock_path: Path) -> None:
     model = make_model()

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from policies import PolicyError, get_policy
-from policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
-from policies.precision import PrecisionPolicy, loss_trend
+from greend.policies import PolicyError, get_policy
+from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
+from greend.policies.precision import PrecisionPolicy, loss_trend
 
 EPF = {"fp32": 15e-12, "tf32": 2e-12, "bf16": 1e-12, "fp16": 1e-12, "fp8": 0.6e-12, "fp8-emulated": 1e-12}
 FLOPS = 1e12

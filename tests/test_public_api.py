@@ -13,10 +13,13 @@ from .conftest import REPO, _env
 
 
 @pytest.mark.parametrize("module", [
-    "greend", "greend.errors", "greend.config", "greend.ipc", "greend.client", "greend.ledger", "greend.jobs",
-    "greend.daemon", "greend.control", "greend.actuators", "greend.state", "greend.sinks", "greend.testing",
-    "probes", "probes.base", "probes.nvml", "probes.rapl", "probes.host", "probes.sim", "probes.fake_nvml",
-    "probes.fake_sysfs", "policies", "policies.base",
+    "greend", "greend.errors", "greend.config", "greend.ipc", "greend.ipc.client", "greend.ipc.server",
+    "greend.jobs", "greend.jobs.ledger", "greend.jobs.registry", "greend.daemon", "greend.daemon.core",
+    "greend.control", "greend.control.loop", "greend.actuators", "greend.actuators.controller",
+    "greend.actuators.state", "greend.sinks", "greend.testing", "greend.testing.harness", "greend.cli",
+    "greend.probes", "greend.probes.base", "greend.probes.nvml", "greend.probes.rapl", "greend.probes.host",
+    "greend.probes.sim", "greend.probes.fake_nvml", "greend.probes.fake_sysfs", "greend.policies",
+    "greend.policies.base",
 ])
 def test_all_names_exist_and_are_unique(module: str) -> None:
     mod = importlib.import_module(module)
@@ -28,7 +31,7 @@ def test_all_names_exist_and_are_unique(module: str) -> None:
 
 
 def test_the_daemon_and_greenctl_never_import_torch() -> None:
-    code = ("import sys; import greend.cli, greend.daemon, greend.control, greend.doctor; "
+    code = ("import sys; import greend.cli, greend.daemon, greend.control, greend.cli.doctor, greend.cli.demo; "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
                        env=_env())

@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from greend.errors import ActuatorError, DeviceLost, NoData, NoPermission, NotSupported
-from probes import ProbeContext
-from probes.base import Probe
-from probes.fake_sysfs import DEFAULT_MAX_ENERGY_RANGE_UJ, FakePowercap, make_standard_tree
-from probes.rapl import (
+from greend.probes import ProbeContext
+from greend.probes.base import Probe
+from greend.probes.fake_sysfs import DEFAULT_MAX_ENERGY_RANGE_UJ, FakePowercap, make_standard_tree
+from greend.probes.rapl import (
     ENERGY_PERMISSION_FIX,
     RaplProbe,
     read_power_limit_uw,
@@ -394,7 +394,7 @@ def test_info_before_open() -> None:
 
 
 def test_registered_factory_uses_sysfs_root() -> None:
-    from probes import REGISTRY
+    from greend.probes import REGISTRY
 
     reg = REGISTRY["rapl"]
     assert reg.default is True and "RAPL" in reg.help

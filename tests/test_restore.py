@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from greend.actuators import Controller, NvmlGpuBackend, RaplBackend
-from greend.restore import main, restore_from_state_dir
-from greend.state import STATE_FILE
-from policies.base import Setting
-from probes.fake_nvml import FakeNvml
-from probes.fake_sysfs import make_standard_tree
-from probes.nvml import NvmlProbe
+from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+from greend.actuators.restore import main, restore_from_state_dir
+from greend.actuators.state import STATE_FILE
+from greend.policies.base import Setting
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.fake_sysfs import make_standard_tree
+from greend.probes.nvml import NvmlProbe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 APPLY_AND_HANG = """
 import sys, time
 from pathlib import Path
-from greend.actuators import Controller, NvmlGpuBackend, RaplBackend
-from policies.base import Setting
-from probes.fake_nvml import FakeNvml
-from probes.nvml import NvmlProbe
+from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+from greend.policies.base import Setting
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.nvml import NvmlProbe
 
 sim, state, sysfs = map(Path, sys.argv[1:4])
 probe = NvmlProbe(nvml=FakeNvml(sim), source="sim")

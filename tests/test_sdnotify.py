@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from greend import sdnotify
+from greend.daemon import sdnotify
 
 
 def _recv_all(sock: socket.socket) -> list[str]:

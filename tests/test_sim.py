@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from greend.errors import StateError
-from probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
+from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
 
 from .conftest import ManualClock
 
@@ -255,7 +255,7 @@ def test_second_instance_sees_the_same_device(tmp_path: Path, clock: ManualClock
 def test_caps_survive_a_killed_process(tmp_path: Path) -> None:
     code = (
         "import os, signal\n"
-        "from probes.sim import SimGpu\n"
+        "from greend.probes.sim import SimGpu\n"
         f"g = SimGpu({str(tmp_path)!r}, 1)\n"
         "g.set_locked_clocks(900, 1200)\n"
         "g.set_power_limit_w(333)\n"
@@ -336,7 +336,7 @@ def test_concurrent_writers_lose_no_step(tmp_path: Path) -> None:
     step = gpu.step_cost(1e12, 0.0, "bf16")
     e0, t0 = gpu.energy_j(), time.time()
     code = (
-        "from probes.sim import SimGpu\n"
+        "from greend.probes.sim import SimGpu\n"
         f"g = SimGpu({str(tmp_path)!r}, 0)\n"
         "for _ in range(40):\n"
         "    g.run_step(1e12, 0.0, 'bf16')\n"
@@ -350,7 +350,7 @@ def test_concurrent_writers_lose_no_step(tmp_path: Path) -> None:
 
 
 def test_lower_precision_shrinks_compute_by_peak_rate_and_memory_by_bytes() -> None:
-    from probes.sim import H100
+    from greend.probes.sim import H100
 
     flops, m = 1e12, 0.3
     fp32_compute = flops / (H100.peak_flops.fp32 * H100.mfu)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from greend.actuators import Controller
+from greend.actuators.controller import Controller
 from greend.errors import StateError
-from greend.state import (
+from greend.actuators.state import (
     STATE_FILE,
     STATE_VERSION,
     CpuConstraintState,

@@ -23,7 +23,7 @@ import pytest
 import greend.config
 from greend.config import load_config
 from greend.errors import ConfigError
-from greend.install import default_greend_bin, find_systemd_dir, install_systemd, render_unit
+from greend.cli.install import default_greend_bin, find_systemd_dir, install_systemd, render_unit
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
@@ -339,7 +339,7 @@ def test_install_dry_run_touches_nothing(tmp_path: Path) -> None:
 
 def test_install_on_the_live_system_runs_the_tools(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """prefix "/" with a dry run: which commands would run, in order, and nothing written."""
-    import greend.install as inst
+    import greend.cli.install as inst
 
     monkeypatch.setattr(inst.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(inst, "_booted", lambda root: True)
@@ -356,7 +356,7 @@ def test_install_on_the_live_system_runs_the_tools(monkeypatch: pytest.MonkeyPat
 
 
 def test_install_runs_commands_and_reports_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import greend.install as inst
+    import greend.cli.install as inst
     from greend.errors import GreendError
 
     # tmp_path plays the live root: the tools "exist", systemd "runs".
@@ -383,7 +383,7 @@ def test_install_runs_commands_and_reports_failures(monkeypatch: pytest.MonkeyPa
 
 def test_install_skips_systemctl_without_a_running_systemd(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path: Path) -> None:
-    import greend.install as inst
+    import greend.cli.install as inst
 
     monkeypatch.setattr(inst.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(inst, "_is_live", lambda prefix: True)

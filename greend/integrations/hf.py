@@ -9,7 +9,7 @@ Usage::
 
 How it maps onto the Trainer
 ----------------------------
-* ``on_step_begin`` opens a :class:`greend.callback.Step`, ``on_step_end``
+* ``on_step_begin`` opens a :class:`greend.training.callback.Step`, ``on_step_end``
   closes it: one optimizer step, including every micro-batch of gradient
   accumulation, forward, backward and the optimizer. The first step's FLOPs are
   counted with FlopCounterMode (the callback never sees the batch, so the count
@@ -42,7 +42,7 @@ except ImportError as e:
         "greend.integrations.hf needs Hugging Face transformers: pip install transformers"
     ) from e
 
-from ..callback import GreenCallback, Step
+from greend.training.callback import GreenCallback, Step
 
 __all__ = ["GreenHFCallback"]
 

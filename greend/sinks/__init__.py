@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import ConfigError
+from greend.errors import ConfigError
 
 __all__ = ["Point", "Sink", "check_url", "open_sink"]
 
@@ -105,13 +105,13 @@ def open_sink(url: str, *, state_dir: Path, host: str, retention_days: float = 3
     check_url(url)
     scheme = urlsplit(url).scheme
     if scheme == "sqlite":
-        from .sqlite import SqliteSink
+        from greend.sinks.sqlite import SqliteSink
 
         return SqliteSink(Path(urlsplit(url).path), url=url, retention_days=retention_days)
     if scheme == "influx":
-        from .influx import InfluxSink
+        from greend.sinks.influx import InfluxSink
 
         return InfluxSink(url, state_dir=state_dir, host=host)
-    from .prometheus import PrometheusSink
+    from greend.sinks.prometheus import PrometheusSink
 
     return PrometheusSink(url)

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import ConfigError, StoreError
-from . import Point, SinkStatus, check_url
-from .spool import Segment, Spool
+from greend.errors import ConfigError, StoreError
+from greend.sinks import Point, SinkStatus, check_url
+from greend.sinks.spool import Segment, Spool
 
 __all__ = ["InfluxSink", "encode_points", "parse_influx_url"]
 

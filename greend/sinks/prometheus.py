@@ -29,8 +29,8 @@ import threading
 from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from ..errors import StoreError
-from . import Point, SinkStatus, check_url
+from greend.errors import StoreError
+from greend.sinks import Point, SinkStatus, check_url
 
 __all__ = ["GreendCollector", "PrometheusSink"]
 

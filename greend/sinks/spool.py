@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import StoreError
-from ..fsutil import fsync_dir
+from greend.errors import StoreError
+from greend.fsutil import fsync_dir
 
 __all__ = ["Segment", "Spool"]
 

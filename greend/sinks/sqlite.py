@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError
-from . import Point, SinkStatus
+from greend.errors import StoreError
+from greend.sinks import Point, SinkStatus
 
 __all__ = ["SqliteSink", "read_rows", "connect_readonly"]
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import ConfigError, GreendError
+from greend.errors import ConfigError, GreendError
 
 __all__ = ["UNIT_BIN", "default_greend_bin", "find_systemd_dir", "install_systemd", "render_unit"]
 
@@ -82,7 +82,7 @@ def find_systemd_dir(explicit: Path | None = None) -> Path:
     env = os.environ.get("GREEND_SYSTEMD_DIR")
     if env:
         candidates.append(Path(env))
-    candidates.append(Path(__file__).resolve().parent.parent / "systemd")
+    candidates.append(Path(__file__).resolve().parents[2] / "systemd")
     candidates.append(Path(sys.prefix) / "share" / "greend" / "systemd")
     for c in candidates:
         if (c / "greend.service").is_file():

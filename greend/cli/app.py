@@ -13,10 +13,11 @@ from typing import Any, Optional
 
 import typer
 
-from . import __version__, sdnotify
-from .client import Client, RequestRefused
-from .config import apply_overrides, default_socket_path, load_config
-from .errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
+from greend import __version__
+from greend.daemon import sdnotify
+from greend.ipc.client import Client, RequestRefused
+from greend.config import apply_overrides, default_socket_path, load_config
+from greend.errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
 
 __all__ = ["ctl_app", "ctl_main", "daemon_app", "daemon_main"]
 
@@ -63,7 +64,7 @@ def daemon_run(
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error"),
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    from .daemon import Daemon
+    from greend.daemon.core import Daemon
 
     try:
         cfg = load_config(config)
@@ -71,7 +72,7 @@ def daemon_run(
                               state_dir=state_dir, store=store, hz=hz, dry_run=dry_run)
         if log_level is not None:
             cfg.daemon.log_level = log_level
-            from .config import validate
+            from greend.config import validate
 
             validate(cfg)
     except ConfigError as e:
@@ -121,7 +122,7 @@ def daemon_restore(
     Exit 0: nothing to restore, or all restored; 1: some device failed (kept in the
     file for the next try); 2: the state file is corrupt (see the message).
     """
-    from .restore import main as restore_main
+    from greend.actuators.restore import main as restore_main
 
     argv = ["--state-dir", str(state_dir)]
     if force_defaults:
@@ -259,7 +260,7 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
 @ctl_app.command("jobs")
 def ctl_jobs(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """Jobs on this node: running, and recently ended."""
-    from .report import render_jobs
+    from greend.cli.report import render_jobs
 
     res = _request("jobs")
     typer.echo(json.dumps(res, indent=2) if as_json else render_jobs(res["jobs"]))
@@ -272,7 +273,7 @@ def ctl_report(
     plot: Optional[Path] = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule and CO2."""
-    from .report import plot_report, render_report
+    from greend.cli.report import plot_report, render_report
 
     r = _request("report", job=job)
     if as_json:
@@ -296,7 +297,7 @@ def ctl_demo(
     keep: Optional[Path] = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
 ) -> None:
     """Start a daemon on simulated GPUs, train a small real torch model with the callback, print the report."""
-    from .demo import run_demo
+    from greend.cli.demo import run_demo
 
     try:
         code = run_demo(seconds=seconds, gpus=gpus, keep=keep)
@@ -408,7 +409,7 @@ def ctl_doctor(
     sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
 ) -> None:
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
-    from .doctor import run_checks
+    from greend.cli.doctor import run_checks
 
     # The socket the user named (--socket or $GREEND_SOCKET), else the config's.
     named = _state["socket"] if _state.get("socket_named") else None
@@ -431,7 +432,7 @@ def ctl_install_systemd(
                                              help="greend for ExecStart= (default: beside this Python, else PATH)"),
 ) -> None:
     """Install greend.service, its sysusers/tmpfiles snippets, /etc/default/greend and an example config."""
-    from .install import default_greend_bin, install_systemd
+    from greend.cli.install import default_greend_bin, install_systemd
 
     binary = greend_bin or default_greend_bin()
     if binary is None:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import DaemonUnavailable, GreendError
-from .ipc import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
+from greend.errors import DaemonUnavailable, GreendError
+from greend.ipc.server import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
 
 __all__ = ["Client", "RequestRefused"]
 

@@ -67,7 +67,7 @@ def render_report(r: dict[str, Any]) -> str:
 
 
 def render_jobs(jobs: list[dict[str, Any]]) -> str:
-    from .cli import render_table
+    from greend.cli.app import render_table
 
     if not jobs:
         return "no jobs yet"

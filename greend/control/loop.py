@@ -1,9 +1,9 @@
 """The control loop: snapshot -> policy -> decision -> actuators, and its socket ops.
 
 Every ``policy.period_s`` the tick loop calls :meth:`ControlLoop.step`: it builds a
-:class:`policies.base.Snapshot` from the daemon's readings, the controller's
+:class:`greend.policies.base.Snapshot` from the daemon's readings, the controller's
 settings and each job's steps since its current setting took effect, asks the
-policy, and applies the :class:`~policies.base.Decision` through the
+policy, and applies the :class:`~greend.policies.base.Decision` through the
 :class:`~greend.actuators.Controller` (which saves every original before its first
 write). A decision's reason is logged, stored (``greend_decision``), kept in the
 job's report and shown by ``greenctl status``.
@@ -21,16 +21,16 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from policies.base import Decision, GpuView, JobView, Setting, Snapshot
+from greend.policies.base import Decision, GpuView, JobView, Setting, Snapshot
 
-from .errors import ActuatorError, ConfigError, GreendError, ProtocolError, StateError
-from .ipc import Connection, Field
-from .sinks import Point
+from greend.errors import ActuatorError, ConfigError, GreendError, ProtocolError, StateError
+from greend.ipc.server import Connection, Field
+from greend.sinks import Point
 
 if TYPE_CHECKING:
-    from .actuators import Controller
-    from .daemon import Daemon
-    from .jobs import Job
+    from greend.actuators.controller import Controller
+    from greend.daemon.core import Daemon
+    from greend.jobs.registry import Job
 
 __all__ = ["ControlLoop"]
 
@@ -60,8 +60,8 @@ class ControlLoop:
     # Set-up --------------------------------------------------------------------------
     def restore_leftovers(self) -> None:
         """A previous daemon died without restoring: put its settings back first."""
-        from .restore import restore_from_state_dir
-        from .state import StateFile
+        from greend.actuators.restore import restore_from_state_dir
+        from greend.actuators.state import StateFile
 
         state_dir = self.d.cfg.daemon.state_dir
         if not StateFile(state_dir).path.exists():
@@ -71,7 +71,7 @@ class ControlLoop:
             (log.warning if not rep.ok else log.info)("restore at start: %s", line)
 
     def open(self) -> None:
-        from .actuators import Controller, NvmlGpuBackend, RaplBackend
+        from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
 
         gpu_probe = next((p for p in self.d.probes if p.name in ("nvml", "sim") and self.d.stats[p.name].open),
                          None)
@@ -94,7 +94,7 @@ class ControlLoop:
         self.set_precision_policy(self.d.cfg.policy.precision, dict(self.d.cfg.policy.precision_params))
 
     def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
-        from policies import get_policy
+        from greend.policies import get_policy
 
         if name in ("", "none"):
             self.precision_policy = self.precision_state = None
@@ -108,7 +108,7 @@ class ControlLoop:
         log.info("precision policy %s %s", name, policy.params())
 
     def set_policy(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        from policies import get_policy
+        from greend.policies import get_policy
 
         try:
             policy = get_policy(name, **params)
@@ -416,7 +416,7 @@ class ControlLoop:
             raise ProtocolError(str(e), field="params") from None
 
     def show(self) -> dict[str, Any]:
-        from policies import POLICIES
+        from greend.policies import POLICIES
 
         p = self.policy
         pp = self.precision_policy

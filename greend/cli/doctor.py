@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .client import Client
-from .config import Config, load_config
-from .errors import ConfigError, GreendError, NoData, NoPermission
+from greend.ipc.client import Client
+from greend.config import Config, load_config
+from greend.errors import ConfigError, GreendError, NoData, NoPermission
 
 __all__ = ["Check", "run_checks"]
 
@@ -37,7 +37,7 @@ def _config(path: Path | None) -> tuple[Config | None, Check]:
 
 
 def _nvml(nvml_module: object | None = None) -> Check:
-    from probes.nvml import NvmlProbe
+    from greend.probes.nvml import NvmlProbe
 
     probe = NvmlProbe(nvml=nvml_module)
     try:
@@ -56,7 +56,7 @@ def _nvml(nvml_module: object | None = None) -> Check:
 
 
 def _rapl(sysfs_root: Path) -> Check:
-    from probes.rapl import RaplProbe
+    from greend.probes.rapl import RaplProbe
 
     probe = RaplProbe(sysfs_root)
     try:
@@ -194,7 +194,7 @@ def run_checks(
     nvml_module: object | None = None,
 ) -> list[Check]:
     """``socket``: the one the user named; None: the config's (else the default)."""
-    from .config import default_socket_path
+    from greend.config import default_socket_path
 
     cfg, c = _config(config)
     checks = [c]

@@ -27,7 +27,7 @@ the stream resynchronises at the next newline) and never affects other clients.
 The peer's pid, uid and gid come from ``SO_PEERCRED``, never from the message.
 
 Operations are registered by the daemon (``server.route(...)``) with a small
-schema; see :mod:`greend.daemon` for the list.
+schema; see :mod:`greend.daemon.core` for the list.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ProtocolError
+from greend.errors import ProtocolError
 
 __all__ = [
     "Connection",

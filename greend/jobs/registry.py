@@ -34,10 +34,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .ipc import Connection, Field
-from .ledger import Ledger
-from .sinks import Point
-from .units import j_to_kwh
+from greend.ipc.server import Connection, Field
+from greend.jobs.ledger import Ledger
+from greend.sinks import Point
+from greend.units import j_to_kwh
 
 __all__ = ["Job", "JobRegistry", "RankSession", "PRECISIONS", "PRECISION_EVENT_SCHEMA", "REGISTER_SCHEMA",
            "STEP_FIELDS"]
@@ -155,7 +155,7 @@ class Job:
     precision_log: list[dict[str, Any]] = field(default_factory=list)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
     series: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=7200))
-    # Steps since the setting now in force took effect (policies.base.JobMeasure):
+    # Steps since the setting now in force took effect (greend.policies.base.JobMeasure):
     measure_since_s: float = 0.0
     m_steps: int = 0
     m_flops: float = 0.0
@@ -215,7 +215,7 @@ class JobRegistry:
 
     # Registration --------------------------------------------------------------------
     def register(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        from .errors import ProtocolError
+        from greend.errors import ProtocolError
 
         job_id = msg["job"]
         if not JOB_ID.match(job_id):
@@ -285,7 +285,7 @@ class JobRegistry:
             }
 
     def _session(self, conn: Connection) -> RankSession:
-        from .errors import ProtocolError
+        from greend.errors import ProtocolError
 
         sid = conn.state.get("session")
         rs = self.sessions.get(sid) if sid is not None else None
@@ -295,8 +295,8 @@ class JobRegistry:
 
     # Reports -------------------------------------------------------------------------
     def report_steps(self, msg: dict[str, Any], conn: Connection) -> None:
-        from .errors import ProtocolError
-        from .ipc import validate
+        from greend.errors import ProtocolError
+        from greend.ipc.server import validate
 
         steps = msg["steps"]
         if len(steps) > MAX_STEPS_PER_MESSAGE:
@@ -409,8 +409,8 @@ class JobRegistry:
             job.m_t0_s = job.m_t1_s = None
 
     def measure(self, job: Job, setting: Any) -> Any:
-        """The job's :class:`policies.base.JobMeasure` since its setting took effect, or None."""
-        from policies.base import JobMeasure
+        """The job's :class:`greend.policies.base.JobMeasure` since its setting took effect, or None."""
+        from greend.policies.base import JobMeasure
 
         if job.m_steps == 0:
             return None

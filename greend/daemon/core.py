@@ -2,7 +2,7 @@
 
 One tick (default every 100 ms) samples every open probe, each timed and
 isolated: a probe that raises is marked failed for that tick and the others go on.
-Readings update the :class:`~greend.ledger.Ledger` and the snapshot that
+Readings update the :class:`~greend.jobs.ledger.Ledger` and the snapshot that
 ``greenctl status`` reads. Every ``store.interval_s`` the latest readings become
 points for the sinks, which queue them and write from threads of their own.
 
@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import probes as probe_registry
-from probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, ProbeInfo, Readings
+import greend.probes as probe_registry
+from greend.probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, ProbeInfo, Readings
 
-from . import __version__
-from .config import Config
-from .control import ControlLoop
-from .errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
-from .ipc import NO_REPLY, Connection, Field, IpcServer, Peer
-from .jobs import PRECISION_EVENT_SCHEMA, REGISTER_SCHEMA, JobRegistry
-from .ledger import Ledger
-from .sdnotify import WatchdogPinger
-from .sinks import Point, Sink, open_sink
+from greend import __version__
+from greend.config import Config
+from greend.control.loop import ControlLoop
+from greend.errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
+from greend.ipc.server import NO_REPLY, Connection, Field, IpcServer, Peer
+from greend.jobs.registry import PRECISION_EVENT_SCHEMA, REGISTER_SCHEMA, JobRegistry
+from greend.jobs.ledger import Ledger
+from greend.daemon.sdnotify import WatchdogPinger
+from greend.sinks import Point, Sink, open_sink
 
 __all__ = ["Daemon", "ProbeStats"]
 
@@ -149,7 +149,7 @@ class Daemon:
         cfg = self.cfg
         nvml_module = self._nvml_module
         if nvml_module is None and cfg.probes.nvml_fake_dir:
-            from probes.fake_nvml import FakeNvml
+            from greend.probes.fake_nvml import FakeNvml
 
             nvml_module = FakeNvml(Path(cfg.probes.nvml_fake_dir))
         return ProbeContext(
@@ -348,7 +348,7 @@ class Daemon:
         return NO_REPLY
 
     def _op_report(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        from .errors import ProtocolError
+        from greend.errors import ProtocolError
 
         job = self.jobs.jobs.get(msg["job"])
         if job is None:

@@ -22,7 +22,7 @@ idempotent and does nothing if a future torch ships its own formula.
 
 Example::
 
-    from greend.flops import count_flops
+    from greend.training.flops import count_flops
     n = count_flops(lambda: model(x).sum().backward())
 """
 

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .ipc import NO_REPLY, Connection, Field, IpcServer
+from greend.ipc.server import NO_REPLY, Connection, Field, IpcServer
 
 __all__ = ["FakeDaemon", "SilentDaemon"]
 

@@ -43,10 +43,10 @@ Chosen in this order:
    :class:`torch.utils.flop_counter.FlopCounterMode`, entered in the step's
    ``__enter__`` and read in its ``__exit__``, so everything the ``with`` block
    runs (forward and backward) is measured exactly; CPU attention is counted too
-   (:mod:`greend.flops`). The count is cached per **shape key**: the
+   (:mod:`greend.training.flops`). The count is cached per **shape key**: the
    ``shape_key=`` you pass to :meth:`GreenCallback.step` (any hashable, e.g. the
    sequence-length bucket), else a cheap signature of ``batch=`` (tensor shapes
-   and dtypes, one level deep, :func:`greend.flops.batch_signature`), else, with
+   and dtypes, one level deep, :func:`greend.training.flops.batch_signature`), else, with
    ``model=``, the same signature of the model's inputs, which a forward pre-hook
    sees during the step (a new shape's first step keeps the previous count, and
    its next step is counted), else one key for the whole run. A new key is
@@ -58,7 +58,7 @@ Chosen in this order:
 Precision
 ---------
 ``cb.precision`` is the level steps run at (``fp32`` at start; levels and their
-rules are in :mod:`greend.precision`). ``step.autocast()`` returns the matching
+rules are in :mod:`greend.training.mixed_precision`). ``step.autocast()`` returns the matching
 context: ``fp32`` a null context with TF32 off, ``tf32`` a null context with
 TF32 matmuls on, ``bf16``/``fp16`` ``torch.autocast(device_type, dtype)``, ``fp8``
 and ``fp8-emulated`` bf16 autocast around a model whose large linears were
@@ -128,10 +128,10 @@ from typing import Any, ContextManager
 
 import torch
 
-from . import flops as _flops
-from . import precision as _prec
-from .ipc import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
-from .precision import FP8_LEVELS, PRECISIONS, Guard, PrecisionEvent, precision_support
+from greend.training import flops as _flops
+from greend.training import mixed_precision as _prec
+from greend.ipc.server import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
+from greend.training.mixed_precision import FP8_LEVELS, PRECISIONS, Guard, PrecisionEvent, precision_support
 
 __all__ = ["DEFAULT_SOCKET", "GreenCallback", "GreendWarning", "PRECISIONS", "SenderStats", "Step"]
 
@@ -248,7 +248,7 @@ def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
     return [index]
 
 
-# Precision support lives in greend.precision (precision_support is re-exported here).
+# Precision support lives in greend.training.mixed_precision (precision_support is re-exported here).
 
 
 # The step ----------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 :func:`run_policy` is the daemon's decision loop in miniature, on a fake clock:
 
 1. every iteration each active job runs one step on each of its GPUs with
-   :meth:`probes.sim.SimGpu.run_step` at the setting in force; the fake clock
+   :meth:`greend.probes.sim.SimGpu.run_step` at the setting in force; the fake clock
    advances by the slowest step (jobs on disjoint GPUs run side by side);
-2. the job's :class:`~policies.base.JobMeasure` accumulates those steps (sim
+2. the job's :class:`~greend.policies.base.JobMeasure` accumulates those steps (sim
    durations and energies, times optional multiplicative noise, as a real
    measurement would carry), skipping ``settle_steps`` after each change;
 3. every ``decision_every_steps`` iterations (or every ``decision_period_s``
-   simulated seconds) it builds a :class:`~policies.base.Snapshot`, calls
+   simulated seconds) it builds a :class:`~greend.policies.base.Snapshot`, calls
    ``policy.decide(snap, state)`` and applies the decision with
    ``set_locked_clocks`` / ``reset_locked_clocks`` / ``set_power_limit_w``;
    a job whose GPUs' setting changed gets a fresh measure.
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from probes.sim import H100, SimGpu, SimSpec
+from greend.probes.sim import H100, SimGpu, SimSpec
 
-from .base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+from greend.policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
 
 __all__ = ["FakeClock", "HarnessResult", "JobResult", "SimJob", "StepRecord", "make_sim_gpus", "run_policy"]
 

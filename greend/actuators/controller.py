@@ -13,7 +13,7 @@ Layers::
       +-- GpuBackend     (protocol) NvmlGpuBackend over an NvmlProbe: real NVML,
       |                  or the simulator's FakeNvml (source "sim")
       +-- RaplBackend    powercap sysfs under an injected root
-      +-- StateFile      <state_dir>/saved-settings.json (greend.state)
+      +-- StateFile      <state_dir>/saved-settings.json (greend.actuators.state)
 
 Rules the Controller keeps:
 
@@ -23,7 +23,7 @@ Rules the Controller keeps:
 - Clock caps snap to the highest supported clock <= the request (never below the
   lowest); power limits clamp to the GPU's constraints; RAPL limits to each
   constraint's ``max_power_uw``.
-- A :class:`~policies.base.Setting` field of None restores that knob to its
+- A :class:`~greend.policies.base.Setting` field of None restores that knob to its
   original. Locked clocks have no NVML getter, so their original is "unlocked".
 - Restore puts each device in its own ``try``: one lost GPU or a missing
   permission is reported and never stops the others; entries that failed stay
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
 
-from policies.base import UNCAPPED, Setting
-from probes.nvml import NvmlProbe, translate_nvml_error
-from probes.rapl import (
+from greend.policies.base import UNCAPPED, Setting
+from greend.probes.nvml import NvmlProbe, translate_nvml_error
+from greend.probes.rapl import (
     ReadText,
     WriteText,
     read_power_limit_uw,
@@ -60,7 +60,7 @@ from probes.rapl import (
     write_text,
 )
 
-from .errors import (
+from greend.errors import (
     ActuatorError,
     DeviceLost,
     GreendError,
@@ -70,7 +70,7 @@ from .errors import (
     ProbeError,
     StateError,
 )
-from .state import (
+from greend.actuators.state import (
     CLOCK_KNOB,
     GPU_KNOBS,
     POWER_KNOB,
@@ -82,7 +82,7 @@ from .state import (
     StateFile,
     backend_key,
 )
-from .units import mw_to_w, uw_to_w, w_to_mw, w_to_uw
+from greend.units import mw_to_w, uw_to_w, w_to_mw, w_to_uw
 
 __all__ = [
     "Controller",
@@ -141,7 +141,7 @@ def _knob_error(device: str, knob: str, action: str, exc: BaseException) -> Knob
         reason, fix = "lost", LOST_FIX
     elif isinstance(exc, NotSupported):
         reason, fix = "not_supported", NOT_SUPPORTED_FIX
-    elif isinstance(exc, ActuatorError):  # probes.rapl write errors carry their own fix
+    elif isinstance(exc, ActuatorError):  # greend.probes.rapl write errors carry their own fix
         return KnobError(f"{device} {knob}: cannot {action}: {exc}", device=device, knob=knob,
                          reason="no_permission" if "permission" in str(exc) else "failed")
     elif "(NVML code 2)" in str(exc):  # NVML_ERROR_INVALID_ARGUMENT
@@ -268,7 +268,7 @@ def _text(value: Any) -> str:
 
 
 class NvmlGpuBackend:
-    """:class:`GpuBackend` over an opened :class:`~probes.nvml.NvmlProbe`.
+    """:class:`GpuBackend` over an opened :class:`~greend.probes.nvml.NvmlProbe`.
 
     The daemon passes the probe it samples with (so setters reset the probe's cached
     clocks and limit); a standalone restore opens one with :meth:`open_nvml` or
@@ -298,7 +298,7 @@ class NvmlGpuBackend:
     @classmethod
     def open_sim(cls, sim_dir: Path | str) -> NvmlGpuBackend:
         """Open the simulated GPUs already in ``sim_dir`` (creates none)."""
-        from probes.fake_nvml import FakeNvml
+        from greend.probes.fake_nvml import FakeNvml
 
         d = Path(sim_dir)
         if not d.is_dir():

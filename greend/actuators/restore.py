@@ -3,7 +3,7 @@
 Run by systemd's ``ExecStopPost`` (after the daemon exited, however it exited)
 and by the daemon at start when an earlier run left settings behind (a crash,
 a SIGKILL). It needs nothing from the daemon process: the saved-settings file
-(:mod:`greend.state`) records which backend wrote each device (real NVML, or
+(:mod:`greend.actuators.state`) records which backend wrote each device (real NVML, or
 the simulator and its directory), each GPU's UUID and each RAPL zone's path
 under its sysfs root, and the originals.
 
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .actuators import Controller, NvmlGpuBackend, RaplBackend, RestoreFailure, RestoreReport
-from .errors import GreendError, NoData, StateError
-from .state import StateFile
+from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend, RestoreFailure, RestoreReport
+from greend.errors import GreendError, NoData, StateError
+from greend.actuators.state import StateFile
 
 __all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
 
@@ -101,7 +101,7 @@ def restore_from_state_dir(
 def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:
     """Unlock the clocks and set the default power limit of every GPU of ``backend``,
     each on its own (``--force-defaults``, when the saved originals are lost)."""
-    from .actuators import _guard  # the same error naming as the Controller's
+    from greend.actuators.controller import _guard  # the same error naming as the Controller's
 
     report = RestoreReport()
     for i in backend.indices():

@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import StateError
-from .fsutil import fsync_dir
+from greend.errors import StateError
+from greend.fsutil import fsync_dir
 
 __all__ = [
     "CLOCK_KNOB",

@@ -1,0 +1,10 @@
+"""The command line: ``greend`` (run the daemon, restore) and ``greenctl``
+(show and steer it), with ``doctor``, ``install-systemd``, ``demo`` and the
+report's rendering. The console scripts point at :func:`ctl_main` and
+:func:`daemon_main`."""
+
+from __future__ import annotations
+
+from greend.cli.app import ctl_main, daemon_main
+
+__all__ = ["ctl_main", "daemon_main"]

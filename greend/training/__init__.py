@@ -1,0 +1,10 @@
+"""The training side: :class:`GreenCallback` and what it needs inside a
+training process (FLOP counting, precision switching, the accuracy guard).
+It imports torch; the daemon and ``greenctl`` never import this package.
+Framework adapters are in :mod:`greend.integrations`."""
+
+from __future__ import annotations
+
+from greend.training.callback import GreenCallback, GreendWarning, Step
+
+__all__ = ["GreenCallback", "GreendWarning", "Step"]
