@@ -54,12 +54,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from greend.protocol import PRECISIONS
+
 from . import Param, PolicyError, validate_params
 from .base import Decision, JobMeasure, JobView, Setting, Snapshot
 
 __all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]
 
-KNOWN = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
 # A rung that the job does not run may be stood in for by these (in order).
 STAND_INS: dict[str, tuple[str, ...]] = {"bf16": ("tf32",), "fp8": ("fp8-emulated",)}
 _SEEN_KEEP = 256
@@ -157,10 +158,10 @@ class PrecisionPolicy:
     def __init__(self, **params: Any) -> None:
         p = validate_params(self.name, self.PARAMS, params)
         ladder = tuple(x.strip() for x in str(p["ladder"]).split(",") if x.strip())
-        bad = [x for x in ladder if x not in KNOWN]
+        bad = [x for x in ladder if x not in PRECISIONS]
         if not ladder or bad or len(set(ladder)) != len(ladder):
             raise PolicyError(f"policy {self.name!r}: bad value {p['ladder']!r} for 'ladder'; allowed: "
-                              f"distinct levels from {', '.join(KNOWN)}, highest first")
+                              f"distinct levels from {', '.join(PRECISIONS)}, highest first")
         self._p = p
         self.ladder = ladder
         self.window: int = p["window"]

@@ -403,10 +403,10 @@ def _stop_reading_run(daemon: FakeDaemon, sock_path: Path) -> None:
 def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path) -> None:
     """What the callback sends passes the real daemon's validators (greend.jobs.registry), where present."""
     try:
-        from greend.jobs.registry import REGISTER_SCHEMA, STEP_FIELDS
+        from greend.protocol import SCHEMAS, STEP_FIELDS
     except ImportError:  # the daemon side is built elsewhere; the fake daemon checks the basics
-        pytest.skip("greend.jobs.registry has no REGISTER_SCHEMA/STEP_FIELDS")
-    from greend.ipc.server import validate
+        pytest.skip("greend.protocol has no SCHEMAS/STEP_FIELDS")
+    from greend.protocol import validate
 
     with GreenCallback(job="schema", model=make_model(), socket=sock_path, gpus=[0], mem_share=0.3,
                        **FAST) as cb:
@@ -414,7 +414,7 @@ def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path)
             step.loss(float("inf"))
         train(cb, 2)
     assert wait_for(lambda: len(daemon.steps) == 3)
-    validate(dict(daemon.registers[0]), REGISTER_SCHEMA)
+    validate(dict(daemon.registers[0]), SCHEMAS["register"])
     for s in daemon.steps:
         validate(dict(s), STEP_FIELDS)
 

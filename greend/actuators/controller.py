@@ -100,7 +100,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-NODE_OWNER = "node"
 RAPL_LIMIT_CONSTRAINTS: tuple[str, ...] = ("long_term", "short_term")
 _NVML_NOT_FOUND = 6
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from greend.policies.base import Decision, GpuView, JobView, Setting, Snapshot
 
 from greend.errors import ActuatorError, ConfigError, GreendError, ProtocolError, StateError
-from greend.ipc.server import Connection, Field
+from greend.ipc.server import Connection, Handler
+from greend.protocol import NODE_OWNER, POLICY_OWNER
 from greend.sinks import Point
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ __all__ = ["ControlLoop"]
 
 log = logging.getLogger(__name__)
 
-NODE = "node"  # the owner of settings an admin made (greenctl cap set): they outlive policies
-POLICY = "policy"  # the owner of a node-level policy's settings (static, budget): lifted on a switch
 
 
 class ControlLoop:
@@ -123,7 +122,7 @@ class ControlLoop:
         if old is not None and self.ctrl is not None:
             # What the old policy set (for jobs, or node-wide) goes back; an admin's caps stay.
             for owner in list(self.ctrl.owners()):
-                if owner != NODE:
+                if owner != NODE_OWNER:
                     self._report(self.ctrl.restore_owner(owner), f"policy changed to {name}")
         log.info("policy %s %s", name, policy.params())
         return self.show()
@@ -226,7 +225,7 @@ class ControlLoop:
                 changed.append(job_id)
         for gpu, setting in decision.gpu_settings.items():
             before = self.ctrl.current(gpu)
-            in_force = self._apply_gpu(gpu, setting, owner=POLICY)
+            in_force = self._apply_gpu(gpu, setting, owner=POLICY_OWNER)
             if in_force is not None and in_force != before:
                 points.append(self._decision_point(ts, gpu, "", in_force, decision.reason))
                 for job in reg.jobs.values():
@@ -234,7 +233,7 @@ class ControlLoop:
                         reg.reset_measure(job.job, now_s + d.cfg.policy.settle_s)
         for zone, watts in decision.cpu_power_limit_w.items():
             try:
-                self.ctrl.apply_cpu_limit(zone, watts, POLICY)
+                self.ctrl.apply_cpu_limit(zone, watts, POLICY_OWNER)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
         prec = decision.details.get("precision") or {}
@@ -256,7 +255,7 @@ class ControlLoop:
         """Apply a policy's setting for ``owner``; a knob the setting leaves at None that an
         admin capped (``greenctl cap set``) is left alone, in force and still the admin's."""
         assert self.ctrl is not None
-        admin = self.ctrl.owners().get(NODE, [])
+        admin = self.ctrl.owners().get(NODE_OWNER, [])
         keep = tuple(knob for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz),
                                               ("power_limit_w", setting.power_limit_w))
                      if value is None and f"gpu{gpu}.{knob}" in admin)
@@ -317,22 +316,14 @@ class ControlLoop:
             self.ctrl.close()
 
     # Socket ops ----------------------------------------------------------------------
-    def routes(self) -> list[tuple[str, Any, dict[str, Field], bool]]:
-        return [
-            ("cap_set", self.op_cap_set, {
-                "gpu": Field((int,), min=0, max=1023),
-                "cpu_zone": Field((str,), max_len=128),
-                "max_clock_mhz": Field((int,), min=1, max=100_000),
-                "power_limit_w": Field((float,), min=1.0, max=100_000.0),
-            }, True),
-            ("cap_reset", self.op_cap_reset, {"gpu": Field((int,), min=0, max=1023),
-                                              "cpu_zone": Field((str,), max_len=128)}, True),
-            ("policy_show", lambda m, c: self.show(), {}, False),
-            ("policy_set", self.op_policy_set, {
-                "name": Field((str,), required=True, max_len=64),
-                "params": Field((dict,)),
-            }, True),
-        ]
+    def handlers(self) -> dict[str, Handler]:
+        """The socket ops this loop answers (their schemas are in greend.protocol)."""
+        return {
+            "cap_set": self.op_cap_set,
+            "cap_reset": self.op_cap_reset,
+            "policy_show": lambda m, c: self.show(),
+            "policy_set": self.op_policy_set,
+        }
 
     def _need_ctrl(self) -> Controller:
         if self.ctrl is None:
@@ -365,7 +356,7 @@ class ControlLoop:
         setting = Setting(clock if clock is not None else cur.clock_cap_mhz,
                           power if power is not None else cur.power_limit_w)
         try:
-            in_force = ctrl.apply_gpu(gpu, setting, NODE)
+            in_force = ctrl.apply_gpu(gpu, setting, NODE_OWNER)
         except (ActuatorError, StateError) as e:
             raise GreendError(str(e)) from e
         ts = int(self.d.wall() * 1e9)
@@ -382,7 +373,7 @@ class ControlLoop:
             raise ProtocolError("a CPU zone takes a power limit (power_limit_w) only", field="power_limit_w")
         zone = self._cpu_zone(name)
         try:
-            in_force = ctrl.apply_cpu_limit(zone.path, power, NODE)
+            in_force = ctrl.apply_cpu_limit(zone.path, power, NODE_OWNER)
         except (ActuatorError, StateError) as e:
             raise GreendError(str(e)) from e
         self.d.emit([Point("greend_decision", {"host": self.d.hostname, "gpu": "", "zone": zone.zone,

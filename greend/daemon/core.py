@@ -30,8 +30,8 @@ from greend import __version__
 from greend.config import Config
 from greend.control.loop import ControlLoop
 from greend.errors import ConfigError, NoData, NoPermission, ProbeError, StoreError
-from greend.ipc.server import NO_REPLY, Connection, Field, IpcServer, Peer
-from greend.jobs.registry import PRECISION_EVENT_SCHEMA, REGISTER_SCHEMA, JobRegistry
+from greend.ipc.server import NO_REPLY, Connection, Handler, IpcServer, Peer
+from greend.jobs.registry import JobRegistry
 from greend.jobs.ledger import Ledger
 from greend.daemon.sdnotify import WatchdogPinger
 from greend.sinks import Point, Sink, open_sink
@@ -322,25 +322,25 @@ class Daemon:
                          if d.admin_group else "root (no [daemon] admin_group is set)"),
             on_disconnect=self.jobs.disconnected,
         )
-        self.server.route("ping", lambda m, c: {"pong": True, "version": __version__})
-        self.server.route("status", lambda m, c: self.status())
-        self.server.route("probes", lambda m, c: {"probes": self.probe_rows()})
-        self.server.route(
-            "energy", self._op_energy,
-            {"key": Field((str,), required=True, max_len=128),
-             "t0_s": Field((float,), required=True), "t1_s": Field((float,), required=True)},
-        )
         jobs = self.jobs
-        self.server.route("register", jobs.register, REGISTER_SCHEMA)
-        self.server.route("steps", self._op_steps, {"steps": Field((list,), required=True)})
-        self.server.route("heartbeat", jobs.heartbeat)
-        self.server.route("end", jobs.end, {"reason": Field((str,), max_len=256)})
-        self.server.route("jobs", lambda m, c: {"jobs": jobs.list_jobs()})
-        self.server.route("report", self._op_report, {"job": Field((str,), required=True, max_len=128)})
-        self.server.route("pace", jobs.pace, {"step_s": Field((float,), required=True, min=1e-9, max=1e6)})
-        self.server.route("precision_event", jobs.precision_event, PRECISION_EVENT_SCHEMA)
-        for op, handler, schema, admin in self.control.routes():
-            self.server.route(op, handler, schema, admin=admin)
+        handlers: dict[str, Handler] = {
+            "ping": lambda m, c: {"pong": True, "version": __version__},
+            "status": lambda m, c: self.status(),
+            "probes": lambda m, c: {"probes": self.probe_rows()},
+            "energy": self._op_energy,
+            "register": jobs.register,
+            "steps": self._op_steps,
+            "heartbeat": jobs.heartbeat,
+            "end": jobs.end,
+            "jobs": lambda m, c: {"jobs": jobs.list_jobs()},
+            "report": self._op_report,
+            "pace": jobs.pace,
+            "precision_event": jobs.precision_event,
+            **self.control.handlers(),
+        }
+        # Each op's schema and whether it needs an admin come from greend.protocol.
+        for op, handler in handlers.items():
+            self.server.route(op, handler)
         self.server.start()
 
     def _op_steps(self, msg: dict[str, Any], conn: Connection) -> Any:

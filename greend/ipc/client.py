@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from greend.errors import DaemonUnavailable, GreendError
-from greend.ipc.server import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
+from greend.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
 
 __all__ = ["Client", "RequestRefused"]
 

@@ -46,104 +46,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 from greend.errors import ProtocolError
+from greend.protocol import (
+    ADMIN_OPS,
+    MAX_CONNECTIONS,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    SCHEMAS,
+    Field,
+    encode,
+    validate,
+)
 
-__all__ = [
-    "Connection",
-    "Field",
-    "IpcServer",
-    "MAX_MESSAGE_BYTES",
-    "PROTOCOL_VERSION",
-    "Peer",
-    "Route",
-    "encode",
-    "validate",
-]
+__all__ = ["Connection", "Handler", "IpcServer", "NO_REPLY", "Peer", "Route"]
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 1024
-MAX_CONNECTIONS = 256
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
-
-
-# Schemas -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Field:
-    """One field of a message: its type(s), whether required, and bounds."""
-
-    types: tuple[type, ...]
-    required: bool = False
-    min: float | None = None
-    max: float | None = None
-    max_len: int | None = None  # strings and lists
-    item_types: tuple[type, ...] | None = None  # for lists
-    choices: tuple[Any, ...] | None = None
-
-    def describe(self) -> str:
-        names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
-        return " or ".join(names.get(t, t.__name__) for t in self.types)
-
-
-def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool = False) -> dict[str, Any]:
-    """Check ``msg`` against ``schema``; raise ProtocolError naming the field."""
-    base = {"v", "id", "op"}
-    for name, spec in schema.items():
-        if name not in msg or msg[name] is None:
-            if spec.required:
-                raise ProtocolError(f"missing required field {name!r} ({spec.describe()})", field=name)
-            continue
-        value = msg[name]
-        ok_types = spec.types
-        # JSON has one number type: an integer is a fine float; a bool is not a number.
-        if isinstance(value, bool) and bool not in ok_types:
-            raise ProtocolError(f"{name!r} must be {spec.describe()}, not a boolean", field=name)
-        if float in ok_types and isinstance(value, int) and not isinstance(value, bool):
-            if int not in ok_types:
-                try:
-                    value = float(value)
-                except OverflowError:
-                    raise ProtocolError(f"{name!r} = an integer of {len(str(value))} digits is out of range "
-                                        "for a number", field=name) from None
-        if not isinstance(value, ok_types):
-            raise ProtocolError(
-                f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
-            )
-        # Python's json reads NaN, Infinity and -Infinity; replies are written with
-        # allow_nan=False, so one such value kept would break every later report.
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProtocolError(f"{name!r} must be a finite number, not {value!r}", field=name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if spec.min is not None and value < spec.min:
-                raise ProtocolError(f"{name!r} = {value!r} is below the minimum {spec.min}", field=name)
-            if spec.max is not None and value > spec.max:
-                raise ProtocolError(f"{name!r} = {value!r} is above the maximum {spec.max}", field=name)
-        if isinstance(value, (str, list)) and spec.max_len is not None and len(value) > spec.max_len:
-            raise ProtocolError(f"{name!r} is longer than {spec.max_len}", field=name)
-        if isinstance(value, list) and spec.item_types is not None:
-            for i, item in enumerate(value):
-                if isinstance(item, bool) and bool not in spec.item_types or not isinstance(item, spec.item_types):
-                    raise ProtocolError(f"{name}[{i}] has the wrong type {type(item).__name__}", field=name)
-        if spec.choices is not None and value not in spec.choices:
-            raise ProtocolError(
-                f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name
-            )
-        msg[name] = value
-    if not allow_extra:
-        extra = set(msg) - set(schema) - base
-        if extra:
-            first = sorted(extra)[0]
-            raise ProtocolError(
-                f"unknown field {first!r}; this op takes {', '.join(sorted(schema)) or 'no fields'}",
-                field=first,
-            )
-    return msg
-
 
 # Peers and connections -----------------------------------------------------------
 
@@ -237,10 +153,16 @@ class IpcServer:
         self.refused_full = 0  # connections turned away at MAX_CONNECTIONS
 
     def route(
-        self, op: str, handler: Handler, schema: dict[str, Field] | None = None, *, admin: bool = False,
+        self, op: str, handler: Handler, schema: dict[str, Field] | None = None, *, admin: bool | None = None,
         allow_extra: bool = False,
     ) -> None:
-        self.routes[op] = Route(handler, schema or {}, admin, allow_extra)
+        """Answer ``op`` with ``handler``. The schema and whether the op needs an admin
+        come from :mod:`greend.protocol` unless given (test doubles add ops of their own)."""
+        if schema is None:
+            schema = SCHEMAS.get(op, {})
+        if admin is None:
+            admin = op in ADMIN_OPS
+        self.routes[op] = Route(handler, schema, admin, allow_extra)
 
     # Lifecycle -----------------------------------------------------------------------
     def start(self) -> None:

@@ -34,60 +34,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from greend.ipc.server import Connection, Field
+from greend.ipc.server import Connection
+from greend.protocol import JOB_ID_RE, MAX_STEPS_PER_MESSAGE, PRECISIONS, RESERVED_OWNERS, STEP_FIELDS, validate
 from greend.jobs.ledger import Ledger
 from greend.sinks import Point
 from greend.units import j_to_kwh
 
-__all__ = ["Job", "JobRegistry", "RankSession", "PRECISIONS", "PRECISION_EVENT_SCHEMA", "REGISTER_SCHEMA",
-           "STEP_FIELDS"]
+__all__ = ["Job", "JobRegistry", "RankSession"]
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
-JOB_ID = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
-MAX_STEPS_PER_MESSAGE = 1024
 # An ended job waits at most this long past its end for every CPU zone's next reading
 # (the host probe's estimate comes once a second; a loaded node may tick late) before its
 # summary is made. Only a zone that stopped reading makes a job wait this long.
 CPU_END_WAIT_S = 3.0
-
-REGISTER_SCHEMA: dict[str, Field] = {
-    "job": Field((str,), required=True, max_len=128),
-    "rank": Field((int,), min=0, max=1 << 20),
-    "local_rank": Field((int,), min=0, max=1 << 16),
-    "world_size": Field((int,), min=1, max=1 << 20),
-    "gpus": Field((list,), max_len=64, item_types=(int,)),
-    "host": Field((str,), max_len=255),
-    "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
-    "mem_share": Field((float,), min=0.0, max=0.95),
-    "flops_per_step": Field((float,), min=0.0),
-}
-
-# Owners of saved settings that are not jobs (greend.control.NODE and POLICY).
-RESERVED_OWNERS = ("node", "policy")
-
-PRECISION_EVENT_SCHEMA: dict[str, Field] = {
-    "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
-    "from": Field((str,), choices=PRECISIONS),
-    "to": Field((str,), choices=PRECISIONS),
-    "reason": Field((str,), max_len=512),
-    "step": Field((int,), min=0),
-    "loss": Field((float,)),
-    "trend": Field((float,)),
-}
-
-STEP_FIELDS: dict[str, Field] = {
-    "step": Field((int,), required=True, min=0),
-    "t0_s": Field((float,), required=True, min=0.0),
-    "t1_s": Field((float,), required=True, min=0.0),
-    "flops": Field((float,), required=True, min=0.0, max=1e21),
-    "samples": Field((int,), min=0),
-    "tokens": Field((int,), min=0),
-    "loss": Field((float,)),
-    "nonfinite": Field((bool,)),
-    "precision": Field((str,), choices=PRECISIONS),
-}
 
 
 def _rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float | None, float | None, float | None]:
@@ -218,7 +178,7 @@ class JobRegistry:
         from greend.errors import ProtocolError
 
         job_id = msg["job"]
-        if not JOB_ID.match(job_id):
+        if not JOB_ID_RE.match(job_id):
             raise ProtocolError(
                 "'job' must be 1-128 characters of letters, digits and . _ : @ / -", field="job"
             )
@@ -296,7 +256,6 @@ class JobRegistry:
     # Reports -------------------------------------------------------------------------
     def report_steps(self, msg: dict[str, Any], conn: Connection) -> None:
         from greend.errors import ProtocolError
-        from greend.ipc.server import validate
 
         steps = msg["steps"]
         if len(steps) > MAX_STEPS_PER_MESSAGE:

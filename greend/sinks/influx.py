@@ -50,7 +50,7 @@ __all__ = ["InfluxSink", "encode_points", "parse_influx_url"]
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "GREEND_INFLUX_TOKEN"
-PRECISIONS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
+TIMESTAMP_UNITS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 _INT64 = (-(2**63), 2**63 - 1)
 _SLOW = object()  # template marker: this shape of point needs the checking encoder
 
@@ -194,7 +194,7 @@ class _Encoder:
 
 def encode_points(points: list[Point], host: str = "", precision: str = "ns") -> bytes:
     """Line protocol for ``points`` (one line each, ``\\n``-terminated); for tests and tools."""
-    return _Encoder(host, PRECISIONS[precision]).encode(points)[0]
+    return _Encoder(host, TIMESTAMP_UNITS[precision]).encode(points)[0]
 
 
 # The URL ---------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def parse_influx_url(url: str) -> dict[str, Any]:
     parts = urlsplit(url)
     q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     precision = q.get("precision", "ns")
-    if precision not in PRECISIONS:
+    if precision not in TIMESTAMP_UNITS:
         raise ConfigError(f"store URL {url!r}: precision={precision!r}; expected one of s, ms, us, ns")
     tls = q.get("tls", "0").lower() in ("1", "true", "yes", "on")
     host = parts.hostname or ""
@@ -285,7 +285,7 @@ class InfluxSink:
             self.spool_dir, tag=self.precision, max_bytes=spool_max_bytes,
             segment_bytes=segment_bytes, segment_age_s=segment_age_s,
         )
-        self._enc = _Encoder(host, PRECISIONS[self.precision])
+        self._enc = _Encoder(host, TIMESTAMP_UNITS[self.precision])
         self._enc_lock = threading.Lock()
         self._max_body = max_body_bytes
         self._timeout_s = timeout_s

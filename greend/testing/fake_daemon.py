@@ -14,7 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from greend.ipc.server import NO_REPLY, Connection, Field, IpcServer
+from greend.ipc.server import NO_REPLY, Connection, IpcServer
+from greend.protocol import MAX_STEPS_PER_MESSAGE, STEP_FIELDS, validate
 
 __all__ = ["FakeDaemon", "SilentDaemon"]
 
@@ -36,23 +37,12 @@ class FakeDaemon:
         self.hang = threading.Event()  # set: the steps handler blocks, so nothing more is read
         self.unhang = threading.Event()
         self.server = IpcServer(path, mode=0o600)
-        self.server.route("register", self._register, {
-            "job": Field((str,), required=True, max_len=128),
-            "rank": Field((int,), min=0), "local_rank": Field((int,), min=0),
-            "world_size": Field((int,), min=1), "gpus": Field((list,), item_types=(int,)),
-            "host": Field((str,)), "precisions": Field((list,), item_types=(str,)),
-            "mem_share": Field((float,), min=0, max=0.95), "flops_per_step": Field((float,), min=0),
-        })
-        self.server.route("steps", self._steps, {"steps": Field((list,), required=True, max_len=1024)})
+        # The same schemas as the real daemon's (greend.protocol).
+        self.server.route("register", self._register)
+        self.server.route("steps", self._steps)
         self.server.route("heartbeat", self._heartbeat)
-        self.server.route("end", self._end, {"reason": Field((str,))})
-        levels = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
-        self.server.route("precision_event", self._precision_event, {
-            "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
-            "from": Field((str,), choices=levels), "to": Field((str,), choices=levels),
-            "reason": Field((str,), max_len=512), "step": Field((int,), min=0),
-            "loss": Field((float,)), "trend": Field((float,)),
-        })
+        self.server.route("end", self._end)
+        self.server.route("precision_event", self._precision_event)
 
     def start(self) -> FakeDaemon:
         self.server.start()
@@ -76,8 +66,13 @@ class FakeDaemon:
             self.unhang.wait(30)
         if "job" not in conn.state:
             raise ProtocolError("register first", field="op")
+        if len(msg["steps"]) > MAX_STEPS_PER_MESSAGE:
+            raise ProtocolError(f"at most {MAX_STEPS_PER_MESSAGE} steps per message", field="steps")
         for s in msg["steps"]:
-            if not isinstance(s, dict) or s["t1_s"] < s["t0_s"] or s["flops"] < 0:
+            if not isinstance(s, dict):
+                raise ProtocolError("bad step", field="steps")
+            validate(s, STEP_FIELDS)
+            if s["t1_s"] < s["t0_s"]:
                 raise ProtocolError("bad step", field="steps")
         with self.lock:
             self.steps.extend(msg["steps"])

@@ -130,8 +130,8 @@ import torch
 
 from greend.training import flops as _flops
 from greend.training import mixed_precision as _prec
-from greend.ipc.server import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
-from greend.training.mixed_precision import FP8_LEVELS, PRECISIONS, Guard, PrecisionEvent, precision_support
+from greend.protocol import FP8_LEVELS, JOB_ID_RE, MAX_MESSAGE_BYTES, MAX_STEPS_PER_MESSAGE, PRECISIONS, PROTOCOL_VERSION, encode
+from greend.training.mixed_precision import Guard, PrecisionEvent, precision_support
 
 __all__ = ["DEFAULT_SOCKET", "GreenCallback", "GreendWarning", "PRECISIONS", "SenderStats", "Step"]
 
@@ -141,8 +141,6 @@ DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 # fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
 _AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
                                             "fp8": torch.bfloat16, "fp8-emulated": torch.bfloat16}
-_JOB_RE = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
-MAX_STEPS_PER_MESSAGE = 1024
 _OUTBUF_MAX_BYTES = 256 * 1024
 _NULL = contextlib.nullcontext()
 _FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True
@@ -178,7 +176,7 @@ def _sanitize_job(name: str) -> str:
 def resolve_job(job: str | None) -> str:
     """The job id: ``job``, else the environment, else ``<host>-<pid>-<time>``."""
     if job is not None:
-        if not isinstance(job, str) or not _JOB_RE.match(job):
+        if not isinstance(job, str) or not JOB_ID_RE.match(job):
             raise ValueError(
                 f"job={job!r}: a job id is 1-128 characters of letters, digits and ._:@/-"
             )

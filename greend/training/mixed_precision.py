@@ -65,9 +65,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from greend.protocol import FP8_LEVELS, PRECISIONS
+
 __all__ = [
     "BITS",
-    "PRECISIONS",
     "Fp8Converter",
     "Guard",
     "PrecisionEvent",
@@ -80,11 +81,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
 # Mantissa-ish "bits" of each level: a switch to fewer bits is a downgrade.
 BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
-FP8_LEVELS = ("fp8", "fp8-emulated")
-# Layer names that are an output head: kept out of fp8 (FACTS.md).
+# Layer names that are an output head: kept out of fp8 (torchao reports fp8 slower on
+# small and output layers; the head also carries the loss's precision).
 _HEAD_NAMES = {"lm_head", "head", "output", "classifier", "score", "fc_out", "decoder"}
 DEFAULT_FP8_MIN_FEATURES = 1024
 

@@ -1,0 +1,201 @@
+"""The socket protocol's constants and schemas, in one place both sides import.
+
+The daemon (:mod:`greend.ipc.server`, the routes in :mod:`greend.daemon.routes`)
+validates every request against :data:`SCHEMAS`; the clients
+(:mod:`greend.ipc.client`, the training callback's sender) frame their
+messages with :func:`encode` and stay within the same limits. The wire format
+is described in ``docs/protocol.md``.
+
+Nothing here does I/O, and nothing here imports the daemon or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from greend.errors import ProtocolError
+
+__all__ = [
+    "ADMIN_OPS",
+    "FP8_LEVELS",
+    "Field",
+    "JOB_ID_RE",
+    "MAX_CONNECTIONS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_STEPS_PER_MESSAGE",
+    "NODE_OWNER",
+    "POLICY_OWNER",
+    "PRECISIONS",
+    "PROTOCOL_VERSION",
+    "RESERVED_OWNERS",
+    "SCHEMAS",
+    "STEP_FIELDS",
+    "encode",
+    "validate",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024  # one JSON line, the newline included
+MAX_CONNECTIONS = 256
+MAX_STEPS_PER_MESSAGE = 1024
+
+# A job id: what `job=`, $GREEND_JOB or the scheduler gives, as the daemon accepts it.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
+
+# Owners of saved settings that are not jobs, so no job may take these ids:
+# NODE_OWNER holds what an admin set (greenctl cap set; outlives policies),
+# POLICY_OWNER what a node-level policy set (static, budget; lifted on a switch).
+NODE_OWNER = "node"
+POLICY_OWNER = "policy"
+RESERVED_OWNERS = (NODE_OWNER, POLICY_OWNER)
+
+# The precision levels a training job can run, highest first. "fp8-emulated" is
+# torchao's emulation of fp8 numerics for CPU tests; it stands in for "fp8".
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
+FP8_LEVELS: tuple[str, ...] = ("fp8", "fp8-emulated")
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """One message as it goes on the wire: compact JSON, no NaN/Infinity, a newline."""
+    return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a message: its type(s), whether required, and bounds."""
+
+    types: tuple[type, ...]
+    required: bool = False
+    min: float | None = None
+    max: float | None = None
+    max_len: int | None = None  # strings and lists
+    item_types: tuple[type, ...] | None = None  # for lists
+    choices: tuple[Any, ...] | None = None
+
+    def describe(self) -> str:
+        names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list", dict: "object"}
+        return " or ".join(names.get(t, t.__name__) for t in self.types)
+
+
+def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool = False) -> dict[str, Any]:
+    """Check ``msg`` against ``schema``; raise ProtocolError naming the field."""
+    base = {"v", "id", "op"}
+    for name, spec in schema.items():
+        if name not in msg or msg[name] is None:
+            if spec.required:
+                raise ProtocolError(f"missing required field {name!r} ({spec.describe()})", field=name)
+            continue
+        value = msg[name]
+        ok_types = spec.types
+        # JSON has one number type: an integer is a fine float; a bool is not a number.
+        if isinstance(value, bool) and bool not in ok_types:
+            raise ProtocolError(f"{name!r} must be {spec.describe()}, not a boolean", field=name)
+        if float in ok_types and isinstance(value, int) and not isinstance(value, bool):
+            if int not in ok_types:
+                try:
+                    value = float(value)
+                except OverflowError:
+                    raise ProtocolError(f"{name!r} = an integer of {len(str(value))} digits is out of range "
+                                        "for a number", field=name) from None
+        if not isinstance(value, ok_types):
+            raise ProtocolError(
+                f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
+            )
+        # Python's json reads NaN, Infinity and -Infinity; replies are written with
+        # allow_nan=False, so one such value kept would break every later report.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"{name!r} must be a finite number, not {value!r}", field=name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if spec.min is not None and value < spec.min:
+                raise ProtocolError(f"{name!r} = {value!r} is below the minimum {spec.min}", field=name)
+            if spec.max is not None and value > spec.max:
+                raise ProtocolError(f"{name!r} = {value!r} is above the maximum {spec.max}", field=name)
+        if isinstance(value, (str, list)) and spec.max_len is not None and len(value) > spec.max_len:
+            raise ProtocolError(f"{name!r} is longer than {spec.max_len}", field=name)
+        if isinstance(value, list) and spec.item_types is not None:
+            for i, item in enumerate(value):
+                if isinstance(item, bool) and bool not in spec.item_types or not isinstance(item, spec.item_types):
+                    raise ProtocolError(f"{name}[{i}] has the wrong type {type(item).__name__}", field=name)
+        if spec.choices is not None and value not in spec.choices:
+            raise ProtocolError(
+                f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name
+            )
+        msg[name] = value
+    if not allow_extra:
+        extra = set(msg) - set(schema) - base
+        if extra:
+            first = sorted(extra)[0]
+            raise ProtocolError(
+                f"unknown field {first!r}; this op takes {', '.join(sorted(schema)) or 'no fields'}",
+                field=first,
+            )
+    return msg
+
+
+# One entry of a "steps" message (validated entry by entry, so one bad step names its index).
+STEP_FIELDS: dict[str, Field] = {
+    "step": Field((int,), required=True, min=0),
+    "t0_s": Field((float,), required=True, min=0.0),
+    "t1_s": Field((float,), required=True, min=0.0),
+    "flops": Field((float,), required=True, min=0.0, max=1e21),
+    "samples": Field((int,), min=0),
+    "tokens": Field((int,), min=0),
+    "loss": Field((float,)),
+    "nonfinite": Field((bool,)),
+    "precision": Field((str,), choices=PRECISIONS),
+}
+
+_GPU_INDEX = Field((int,), min=0, max=1023)
+_CPU_ZONE = Field((str,), max_len=128)
+_JOB = Field((str,), required=True, max_len=128)
+
+# Every op the daemon answers, with the fields it takes (besides v, id, op).
+SCHEMAS: dict[str, dict[str, Field]] = {
+    "ping": {},
+    "status": {},
+    "probes": {},
+    "energy": {"key": Field((str,), required=True, max_len=128),
+               "t0_s": Field((float,), required=True), "t1_s": Field((float,), required=True)},
+    "register": {
+        "job": _JOB,
+        "rank": Field((int,), min=0, max=1 << 20),
+        "local_rank": Field((int,), min=0, max=1 << 16),
+        "world_size": Field((int,), min=1, max=1 << 20),
+        "gpus": Field((list,), max_len=64, item_types=(int,)),
+        "host": Field((str,), max_len=255),
+        "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
+        "mem_share": Field((float,), min=0.0, max=0.95),
+        "flops_per_step": Field((float,), min=0.0),
+    },
+    "steps": {"steps": Field((list,), required=True)},
+    "heartbeat": {},
+    "end": {"reason": Field((str,), max_len=256)},
+    "jobs": {},
+    "report": {"job": _JOB},
+    "pace": {"step_s": Field((float,), required=True, min=1e-9, max=1e6)},
+    "precision_event": {
+        "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
+        "from": Field((str,), choices=PRECISIONS),
+        "to": Field((str,), choices=PRECISIONS),
+        "reason": Field((str,), max_len=512),
+        "step": Field((int,), min=0),
+        "loss": Field((float,)),
+        "trend": Field((float,)),
+    },
+    "cap_set": {
+        "gpu": _GPU_INDEX,
+        "cpu_zone": _CPU_ZONE,
+        "max_clock_mhz": Field((int,), min=1, max=100_000),
+        "power_limit_w": Field((float,), min=1.0, max=100_000.0),
+    },
+    "cap_reset": {"gpu": _GPU_INDEX, "cpu_zone": _CPU_ZONE},
+    "policy_show": {},
+    "policy_set": {"name": Field((str,), required=True, max_len=64), "params": Field((dict,))},
+}
+
+# Ops that change the node's settings: root or the admin group only.
+ADMIN_OPS = frozenset({"cap_set", "cap_reset", "policy_set"})
