@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from greend.errors import GreendWarning
+
 __version__ = "0.1.0"
 
 __all__ = ["GreenCallback", "GreendWarning", "__version__"]
@@ -20,7 +22,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 def __getattr__(name: str) -> Any:
     # The callback pulls in the training side lazily, so the daemon and greenctl
     # never import torch.
-    if name in ("GreenCallback", "GreendWarning"):
+    if name == "GreenCallback":
         from greend.training import callback
 
         return getattr(callback, name)

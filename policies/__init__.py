@@ -29,12 +29,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from greend.errors import ConfigError
+from greend.errors import PolicyError
 
 __all__ = [
     "POLICIES",
     "Param",
-    "PolicyError",
     "PolicyInfo",
     "describe_policies",
     "get_policy",
@@ -42,10 +41,6 @@ __all__ = [
 ]
 
 DEFAULT_POLICY = "none"
-
-
-class PolicyError(ConfigError, ValueError):
-    """A policy name, parameter or value is wrong; the message says which and what is allowed."""
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -56,7 +56,8 @@ from typing import Any
 
 from greend.protocol import PRECISIONS
 
-from . import Param, PolicyError, validate_params
+from greend.errors import PolicyError
+from . import Param, validate_params
 from .base import Decision, JobMeasure, JobView, Setting, Snapshot
 
 __all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]

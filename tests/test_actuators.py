@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import pytest
 
-from greend.actuators.controller import Controller, KnobError, NvmlGpuBackend, RaplBackend
+from greend.errors import KnobError
+from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
 from greend.errors import ActuatorError, DeviceLost, NoPermission, StateError
 from greend.actuators.state import STATE_FILE
 from greend.policies.base import UNCAPPED, Setting

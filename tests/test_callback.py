@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from greend.training.callback import GreenCallback, GreendWarning, resolve_gpus, resolve_job
+from greend.errors import GreendWarning
+from greend.training.callback import GreenCallback, resolve_gpus, resolve_job
 
 from greend.testing.fake_daemon import FakeDaemon, SilentDaemon
 

@@ -154,7 +154,8 @@ def open_dir() -> Iterator[Path]:
 AS_NOBODY = """
 import json, os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
-from greend.ipc.client import Client, RequestRefused
+from greend.errors import RequestRefused
+from greend.ipc.client import Client
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 c = Client(pathlib.Path(sys.argv[2]))
 out = {"read": len(c.request("status")["gpus"])}

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from greend.training.callback import GreendWarning
+from greend.errors import GreendWarning
 
 from greend.testing.fake_daemon import FakeDaemon
 

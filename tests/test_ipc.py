@@ -8,7 +8,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from greend.ipc.client import Client, RequestRefused
+from greend.errors import RequestRefused
+from greend.ipc.client import Client
 from greend.errors import DaemonUnavailable
 from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
 

@@ -7,7 +7,8 @@ import copy
 import pytest
 
 from greend import policies
-from greend.policies import POLICIES, PolicyError, describe_policies, get_policy
+from greend.errors import PolicyError
+from greend.policies import POLICIES, describe_policies, get_policy
 from greend.policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
 from greend.testing.harness import SimJob, make_sim_gpus, run_policy
 from greend.policies.static import snap_clock_mhz

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from greend.training.callback import GreenCallback, GreendWarning
+from greend.errors import GreendWarning
+from greend.training.callback import GreenCallback
 from greend.training.mixed_precision import Fp8Converter, Guard, fp8_targets, grads_finite, is_downgrade, precision_support
 from greend.testing.fake_daemon import FakeDaemon
 

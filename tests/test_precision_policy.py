@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from greend.policies import PolicyError, get_policy
+from greend.errors import PolicyError
+from greend.policies import get_policy
 from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
 from greend.policies.precision import PrecisionPolicy, loss_trend
 

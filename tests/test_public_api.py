@@ -44,5 +44,15 @@ def test_error_tree() -> None:
 
     for name in errors.__all__:
         cls = getattr(errors, name)
-        assert issubclass(cls, errors.GreendError)
+        # Every error is a GreendError; the one warning (the callback's) is a UserWarning.
+        assert issubclass(cls, errors.GreendError) or issubclass(cls, UserWarning) and name == "GreendWarning"
         assert name in (errors.__doc__ or ""), f"{name} is missing from the tree in the docstring"
+
+
+def test_the_warning_class_comes_without_torch() -> None:
+    """``from greend import GreendWarning`` (to filter it) must not pay for torch's import."""
+    code = "import sys; from greend import GreendWarning; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

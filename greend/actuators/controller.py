@@ -61,6 +61,7 @@ from greend.probes.rapl import (
 )
 
 from greend.errors import (
+    KnobError,
     ActuatorError,
     DeviceLost,
     GreendError,
@@ -87,7 +88,6 @@ from greend.units import mw_to_w, uw_to_w, w_to_mw, w_to_uw
 __all__ = [
     "Controller",
     "GpuBackend",
-    "KnobError",
     "NvmlGpuBackend",
     "RaplBackend",
     "RaplConstraint",
@@ -113,22 +113,6 @@ NOT_SUPPORTED_FIX = "this GPU or driver does not support the knob; leave it to t
 
 
 # --------------------------------------------------------------------------- errors
-
-
-class KnobError(ActuatorError):
-    """A knob could not be read, set or restored.
-
-    ``device`` ("gpu1 (GPU-...)", "package-0 (intel-rapl:0)"), ``knob``
-    ("clock_cap_mhz", "power_limit_w"), ``reason``: ``no_permission``, ``lost``,
-    ``not_supported``, ``invalid`` or ``failed``. ``__cause__`` is the greend
-    probe error (``NoPermission``, ``DeviceLost``...).
-    """
-
-    def __init__(self, message: str, *, device: str, knob: str, reason: str) -> None:
-        super().__init__(message)
-        self.device = device
-        self.knob = knob
-        self.reason = reason
 
 
 def _knob_error(device: str, knob: str, action: str, exc: BaseException) -> KnobError:

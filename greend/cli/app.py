@@ -15,7 +15,8 @@ import typer
 
 from greend import __version__
 from greend.daemon import sdnotify
-from greend.ipc.client import Client, RequestRefused
+from greend.errors import RequestRefused
+from greend.ipc.client import Client
 from greend.config import apply_overrides, default_socket_path, load_config
 from greend.errors import ConfigError, DaemonUnavailable, GreendError, StateError, StoreError
 

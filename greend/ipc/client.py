@@ -9,19 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from greend.errors import DaemonUnavailable, GreendError
+from greend.errors import DaemonUnavailable, RequestRefused
 from greend.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
 
-__all__ = ["Client", "RequestRefused"]
-
-
-class RequestRefused(GreendError):
-    """The daemon answered with an error reply."""
-
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
+__all__ = ["Client"]
 
 
 def _connect_retrying(s: socket.socket, path: str, timeout_s: float) -> None:

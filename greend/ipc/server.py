@@ -35,7 +35,6 @@ from __future__ import annotations
 import grp
 import json
 import logging
-import math
 import os
 import socket
 import stat

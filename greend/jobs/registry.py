@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections import deque

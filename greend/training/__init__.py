@@ -5,6 +5,7 @@ Framework adapters are in :mod:`greend.integrations`."""
 
 from __future__ import annotations
 
-from greend.training.callback import GreenCallback, GreendWarning, Step
+from greend.errors import GreendWarning
+from greend.training.callback import GreenCallback, Step
 
 __all__ = ["GreenCallback", "GreendWarning", "Step"]

@@ -130,10 +130,11 @@ import torch
 
 from greend.training import flops as _flops
 from greend.training import mixed_precision as _prec
+from greend.errors import GreendWarning
 from greend.protocol import FP8_LEVELS, JOB_ID_RE, MAX_MESSAGE_BYTES, MAX_STEPS_PER_MESSAGE, PRECISIONS, PROTOCOL_VERSION, encode
 from greend.training.mixed_precision import Guard, PrecisionEvent, precision_support
 
-__all__ = ["DEFAULT_SOCKET", "GreenCallback", "GreendWarning", "PRECISIONS", "SenderStats", "Step"]
+__all__ = ["DEFAULT_SOCKET", "GreenCallback", "SenderStats", "Step"]
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,6 @@ _OUTBUF_MAX_BYTES = 256 * 1024
 _NULL = contextlib.nullcontext()
 _FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True
 _monotonic = time.monotonic
-
-
-class GreendWarning(UserWarning):
-    """greend could not do its job (no daemon, a lost daemon); training goes on unchanged."""
 
 
 @dataclass

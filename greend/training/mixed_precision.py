@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from greend.protocol import FP8_LEVELS, PRECISIONS
+from greend.protocol import PRECISIONS
 
 __all__ = [
     "BITS",
