@@ -1,19 +1,21 @@
 # The two commands a newcomer needs (see README):
 #   make demo   set up .venv and run the demo on simulated GPUs
 #   make test   set up .venv and run the test suite
+# and, before a commit:
+#   make check  lint (ruff), format check (ruff format) and type check (mypy)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: a bare `torch` requirement pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[train,test,plot,lightning,hf,fp8]' "$(TORCH)"
+	$(PY) -m pip install -q -e '.[train,test,plot,lightning,hf,fp8,dev]' "$(TORCH)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -23,6 +25,20 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# mypy cannot follow setuptools' editable finder, which maps greend.probes and
+# greend.policies onto the top-level folders; it checks a tree of symlinks in the
+# installed shape instead (build/typecheck/greend).
+TYPECHECK := build/typecheck
+
+check: venv
+	$(VENV)/bin/ruff check greend probes policies tests bench
+	$(VENV)/bin/ruff format --check greend probes policies tests bench
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/greend
+	for f in greend/*; do ln -s "$$PWD/$$f" $(TYPECHECK)/greend/; done
+	ln -s "$$PWD/probes" $(TYPECHECK)/greend/probes
+	ln -s "$$PWD/policies" $(TYPECHECK)/greend/policies
+	cd $(TYPECHECK) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p greend
 
 bench: venv
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
