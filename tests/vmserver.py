@@ -1,8 +1,8 @@
 """A real victoria-metrics for tests and benchmarks: own port, own data dir.
 
-victoria-metrics speaks InfluxDB's ``/api/v2/write`` (FACTS.md), so it stands in
-for InfluxDB here. Series come back named ``<measurement>_<field>`` with the
-tags as labels and millisecond timestamps.
+victoria-metrics accepts influxdb-client's ``/api/v2/write`` (Debian's package; it
+ignores org, bucket and token), so it stands in for InfluxDB here. Series come back
+named ``<measurement>_<field>`` with the tags as labels and millisecond timestamps.
 
     vm = VmServer(tmp_dir).start()
     ... write to vm.influx_url ...
