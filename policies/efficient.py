@@ -77,7 +77,7 @@ from .static import same_setting
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 
 Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons
-SKIP_MARGIN = 0.02  # predicted ratio this far over the budget: not worth measuring
+COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
 
@@ -116,14 +116,15 @@ class Evidence:
         )
 
     def minus(self, o: Evidence) -> Evidence:
-        return Evidence(self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None)
+        return Evidence(self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s,
+                        self.energy_j - o.energy_j, None, None)
 
     @property
-    def tpf(self) -> float:
+    def time_per_flop_s(self) -> float:
         return self.time_s / self.flops if self.flops > 0 else math.inf
 
     @property
-    def epf(self) -> float:
+    def energy_per_flop_j(self) -> float:
         return self.energy_j / self.flops if self.flops > 0 else math.inf
 
     @property
@@ -169,6 +170,13 @@ class _Job:
     need: int = 0  # steps the current candidate must have before the search moves on
     retunes: int = 0
     last_event: str = ""
+
+    @property
+    def settled_index(self) -> int | None:
+        """Where in the grid the setting we settled on is (None: not settled)."""
+        if self.settled is None:
+            return None
+        return next((i for i, s in enumerate(self.grid) if same_setting(s, self.settled)), None)
 
 
 @dataclass
@@ -216,7 +224,7 @@ class EfficientPolicy:
         self.power_step_w: float = p["power_step_w"]
         self.noise: float = p["noise"]
         self.baseline_steps = 4 * self.min_steps
-        self.max_steps = 8 * self.min_steps
+        self.max_steps = 4 * self.min_steps  # a setting still unsure after this many counts as over
 
     def params(self) -> dict[str, Any]:
         return dict(self._p)
@@ -236,23 +244,23 @@ class EfficientPolicy:
         # A new job sharing GPUs with a tuned one invalidates that one's evidence.
         for j in running:
             if j.job not in state.jobs:
-                for other_name, other in state.jobs.items():
+                for other in state.jobs.values():
                     if set(other.gpus) & set(j.gpus):
                         self._retune(other, f"job {j.job} arrived on its GPUs")
                 state.jobs[j.job] = _Job(gpus=tuple(j.gpus), start_steps=j.steps)
         reasons: list[str] = []
         details: dict[str, Any] = {}
         for j in running:
-            js = state.jobs[j.job]
+            job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
             if not views or not self._tunable(views[0]):
                 reasons.append(f"job {j.job}: not tunable ({self.knob} knob unsupported on its GPUs)")
                 continue
-            reason = self._step_job(snap, j, js, views[0])
-            if not same_setting(j.setting, js.current):
-                d.settings[j.job] = js.current
+            reason = self._step_job(snap, j, job, views[0])
+            if not same_setting(j.setting, job.current):
+                d.settings[j.job] = job.current
             reasons.append(reason)
-            details[j.job] = self._details(js, views[0])
+            details[j.job] = self._details(job, views[0])
         d.reason = "; ".join(reasons) if reasons else "efficient: no running job"
         d.details = {"policy": self.name, "knob": self.knob, "objective": self.objective, "jobs": details}
         return d
@@ -264,126 +272,130 @@ class EfficientPolicy:
             return len(g.supported_sm_clocks_mhz) > 1
         return g.power_limit_min_w is not None and g.power_limit_max_w is not None
 
-    def _retune(self, js: _Job, why: str, baseline: Evidence | None = None) -> None:
-        js.cache = {UNCAPPED: baseline} if baseline is not None else {}
-        js.grid, js.levels = (), ()
-        js.phase = "baseline" if baseline is None else "search"
-        js.current, js.live, js.recheck = UNCAPPED, None, None
-        js.settled, js.ref, js.samples = None, None, []
-        js.rechecked_once = False
-        js.next_recheck_s = math.inf
-        js.retunes += 1
-        js.last_event = f"re-tune: {why}"
+    def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
+        job.cache = {UNCAPPED: baseline} if baseline is not None else {}
+        job.grid, job.levels = (), ()
+        job.phase = "baseline" if baseline is None else "search"
+        job.current, job.live, job.recheck = UNCAPPED, None, None
+        job.settled, job.ref, job.samples = None, None, []
+        job.rechecked_once = False
+        job.next_recheck_s = math.inf
+        job.retunes += 1
+        job.last_event = f"re-tune: {why}"
 
-    def _switch(self, js: _Job, s: Setting) -> None:
+    def _switch(self, job: _Job, s: Setting) -> None:
         """Want ``s`` from now on; bank what the current visit measured."""
-        if same_setting(s, js.current):
+        if same_setting(s, job.current):
             return
-        if js.live is not None and js.phase != "recheck":
-            js.cache[js.current] = js.cache.get(js.current, Evidence()).plus(js.live)
-        js.live = None
-        js.current = s
+        if job.live is not None and job.phase != "recheck":
+            job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
+        job.live = None
+        job.current = s
 
-    def _sync_live(self, j: JobView, js: _Job) -> None:
+    def _sync_live(self, j: JobView, job: _Job) -> None:
         m = j.measure
-        if m is None or not same_setting(m.setting, js.current) or not same_setting(j.setting, js.current):
+        if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
         ev = Evidence.of(m)
-        if js.live is not None and ev.steps < js.live.steps:
+        if job.live is not None and ev.steps < job.live.steps:
             # The daemon started the measure again at the same setting: bank the old one.
-            if js.phase == "recheck":
-                js.recheck = (js.recheck or Evidence()).plus(js.live)
+            if job.phase == "recheck":
+                job.recheck = (job.recheck or Evidence()).plus(job.live)
             else:
-                js.cache[js.current] = js.cache.get(js.current, Evidence()).plus(js.live)
-        js.live = ev
+                job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
+        job.live = ev
 
-    def _evidence(self, js: _Job) -> dict[Setting, Evidence]:
-        ev = dict(js.cache)
-        if js.live is not None and js.phase != "recheck" and js.live.steps > 0:
-            ev[js.current] = ev.get(js.current, Evidence()).plus(js.live)
+    def _evidence(self, job: _Job) -> dict[Setting, Evidence]:
+        ev = dict(job.cache)
+        if job.live is not None and job.phase != "recheck" and job.live.steps > 0:
+            ev[job.current] = ev.get(job.current, Evidence()).plus(job.live)
         return ev
 
-    def _build_grid(self, js: _Job, g: GpuView, base: Evidence) -> None:
+    def _build_grid(self, job: _Job, g: GpuView, base: Evidence) -> None:
         if self.knob == "clock":
             clocks = sorted(set(g.supported_sm_clocks_mhz))
-            js.grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
-            js.levels = tuple(float(f) for f in clocks)
+            job.grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+            job.levels = tuple(float(f) for f in clocks)
         else:
-            n = max(1, len(js.gpus))
-            draw = base.power_w / n
-            lo = float(g.power_limit_min_w or 0.0)
-            hi = float(g.power_limit_default_w or g.power_limit_max_w or draw)
-            top = min(draw, hi)
+            # The whole range is a candidate: from the top limit down to the minimum.
+            # Limits above the job's draw can matter (they trim its power peaks).
+            low_w = float(g.power_limit_min_w or 0.0)
+            top_w = float(g.power_limit_default_w or g.power_limit_max_w or base.power_w / max(1, len(job.gpus)))
             levels: list[float] = []
-            x = lo
-            while x < top - 1e-9:
-                levels.append(round(x, 3))
-                x += self.power_step_w
-            js.grid = tuple(Setting(power_limit_w=x) for x in levels) + (UNCAPPED,)
-            js.levels = tuple(levels) + (max(top, lo),)
+            k = 1
+            while top_w - k * self.power_step_w >= low_w - 1e-9:
+                levels.append(round(top_w - k * self.power_step_w, 3))
+                k += 1
+            if low_w < top_w and (not levels or levels[-1] - low_w > 1e-9):
+                levels.append(round(low_w, 3))
+            levels.reverse()
+            job.grid = tuple(Setting(power_limit_w=x) for x in levels) + (UNCAPPED,)
+            job.levels = tuple(levels) + (top_w,)
 
-    def _step_job(self, snap: Snapshot, j: JobView, js: _Job, g: GpuView) -> str:
-        self._sync_live(j, js)
+    def _step_job(self, snap: Snapshot, j: JobView, job: _Job, g: GpuView) -> str:
+        self._sync_live(j, job)
         # ---- the baseline re-check
-        if js.phase == "recheck":
-            rc = (js.recheck or Evidence()).plus(js.live) if js.live is not None else (js.recheck or Evidence())
-            need = self._baseline_need(rc)
-            if rc.steps < need:
-                return f"job {j.job}: re-checking the uncapped baseline ({rc.steps}/{need} steps)"
-            self._finish_recheck(snap, js, rc)
-        ev = self._evidence(js)
+        if job.phase == "recheck":
+            recheck_ev = job.recheck or Evidence()
+            if job.live is not None:
+                recheck_ev = recheck_ev.plus(job.live)
+            need = self._baseline_need(recheck_ev)
+            if recheck_ev.steps < need:
+                return f"job {j.job}: re-checking the uncapped baseline ({recheck_ev.steps}/{need} steps)"
+            self._finish_recheck(snap, job, recheck_ev)
+        ev = self._evidence(job)
         base = ev.get(UNCAPPED)
         need = self._baseline_need(base)
         if base is None or base.steps < need:
-            js.phase = "baseline"
-            self._switch(js, UNCAPPED)
+            job.phase = "baseline"
+            self._switch(job, UNCAPPED)
             n = 0 if base is None else base.steps
             return f"job {j.job}: measuring the uncapped baseline ({n}/{need} steps)"
-        if not js.grid:
-            self._build_grid(js, g, base)
+        if not job.grid:
+            self._build_grid(job, g, base)
         # ---- drift while settled: a new phase of the job
-        if js.phase == "settled" and js.settled is not None and same_setting(js.current, js.settled):
-            drift = self._drift(js, ev)
+        if job.phase == "settled" and job.settled is not None and same_setting(job.current, job.settled):
+            drift = self._drift(job, ev)
             if drift is not None:
-                self._retune(js, drift)
+                self._retune(job, drift)
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
-        if js.phase == "search" and not js.current.uncapped:
-            have = ev.get(js.current, Evidence()).steps
-            if have < js.need:
-                return (f"job {j.job}: searching, measuring {self._label(js.current, js)} "
-                        f"({have}/{js.need} steps; {self._n_measured(ev)} candidates measured)")
-        action = self._plan(js, ev, g, j)
-        target = js.grid[action.index]
+        if job.phase == "search" and not job.current.uncapped:
+            have = ev.get(job.current, Evidence()).steps
+            if have < job.need:
+                return (f"job {j.job}: searching, measuring {self._label(job.current, job)} "
+                        f"({have}/{job.need} steps; {self._n_measured(ev)} candidates measured)")
+        action = self._plan(job, ev, g, j)
+        target = job.grid[action.index]
         if action.kind == "measure":
-            if js.phase == "settled":
-                js.last_event = "evidence changed: searching again"
-            js.phase = "search"
-            js.settled = None
-            self._switch(js, target)
-            js.need = action.steps
-            have = ev.get(target, Evidence()).steps if same_setting(target, js.current) else 0
-            return (f"job {j.job}: searching, measuring {self._label(target, js)} "
+            if job.phase == "settled":
+                job.last_event = "evidence changed: searching again"
+            job.phase = "search"
+            job.settled = None
+            self._switch(job, target)
+            job.need = action.steps
+            have = ev.get(target, Evidence()).steps if same_setting(target, job.current) else 0
+            return (f"job {j.job}: searching, measuring {self._label(target, job)} "
                     f"({have}/{action.steps} steps; {self._n_measured(ev)} candidates measured)")
         # settle
-        if js.phase != "settled" or js.settled is None or not same_setting(js.settled, target):
-            js.phase = "settled"
-            js.settled = target
-            js.ref, js.samples = None, []
-            if js.settled_job_steps is None:
-                js.settled_job_steps = j.steps - js.start_steps
-        self._switch(js, target)
-        here = self._evidence(js).get(target, Evidence())
-        if js.ref is None and js.live is not None and js.live.steps >= self.min_steps:
-            js.ref = here
-        if js.live is not None:
-            js.samples.append(js.live)
-            del js.samples[:-_SAMPLES_KEEP]
+        if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
+            job.phase = "settled"
+            job.settled = target
+            job.ref, job.samples = None, []
+            if job.settled_job_steps is None:
+                job.settled_job_steps = j.steps - job.start_steps
+        self._switch(job, target)
+        here = self._evidence(job).get(target, Evidence())
+        if job.ref is None and job.live is not None and job.live.steps >= self.min_steps:
+            job.ref = here
+        if job.live is not None:
+            job.samples.append(job.live)
+            del job.samples[:-_SAMPLES_KEEP]
         # ---- time to re-check the baseline?
-        if not target.uncapped and js.ref is not None and (not js.rechecked_once or snap.t_s >= js.next_recheck_s):
-            self._switch(js, UNCAPPED)
-            js.phase, js.recheck, js.live = "recheck", Evidence(), None
+        if not target.uncapped and job.ref is not None and (not job.rechecked_once or snap.t_s >= job.next_recheck_s):
+            self._switch(job, UNCAPPED)
+            job.phase, job.recheck, job.live = "recheck", Evidence(), None
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
-        return self._settled_line(j.job, js, ev, target)
+        return self._settled_line(j.job, job, ev, target)
 
     def _baseline_need(self, base: Evidence | None) -> int:
         """Steps the uncapped baseline needs: every comparison leans on it, so a
@@ -393,224 +405,160 @@ class EfficientPolicy:
             return short
         return self.baseline_steps
 
-    def _finish_recheck(self, snap: Snapshot, js: _Job, rc: Evidence) -> None:
-        base = js.cache.get(UNCAPPED, Evidence())
-        js.recheck, js.live = None, None
-        js.rechecked_once = True
-        js.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
-        js.phase = "search"
+    def _finish_recheck(self, snap: Snapshot, job: _Job, recheck_ev: Evidence) -> None:
+        base = job.cache.get(UNCAPPED, Evidence())
+        job.recheck, job.live = None, None
+        job.rechecked_once = True
+        job.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
+        job.phase = "search"
         if base.steps == 0:
-            js.cache[UNCAPPED] = rc
+            job.cache[UNCAPPED] = recheck_ev
             return
-        dt = rc.tpf / base.tpf - 1.0
-        dp = rc.power_w / base.power_w - 1.0 if base.power_w > 0 else 0.0
+        dt = recheck_ev.time_per_flop_s / base.time_per_flop_s - 1.0
+        dp = recheck_ev.power_w / base.power_w - 1.0 if base.power_w > 0 else 0.0
         if abs(dt) > self.retune_drift or abs(dp) > self.retune_drift:
-            self._retune(js, f"baseline moved ({dt:+.0%} time, {dp:+.0%} power)", baseline=rc)
-            js.rechecked_once = True
+            self._retune(job, f"baseline moved ({dt:+.0%} time, {dp:+.0%} power)", baseline=recheck_ev)
+            job.rechecked_once = True
             return
-        se = math.hypot(rc.se_time(self.noise), base.se_time(self.noise))
+        se = math.hypot(recheck_ev.se_time(self.noise), base.se_time(self.noise))
         if abs(dt) > max(0.02, 3.0 * se):  # clearly off (warm-up), not just noise
-            js.cache[UNCAPPED] = rc  # the first baseline was off (warm-up): trust the new one
-            js.last_event = f"baseline corrected by {dt:+.1%}"
+            job.cache[UNCAPPED] = recheck_ev  # the first baseline was off (warm-up): trust the new one
+            job.last_event = f"baseline corrected by {dt:+.1%}"
         else:
-            js.cache[UNCAPPED] = base.plus(rc)
-            js.last_event = "baseline confirmed"
+            job.cache[UNCAPPED] = base.plus(recheck_ev)
+            job.last_event = "baseline confirmed"
 
-    def _drift(self, js: _Job, ev: dict[Setting, Evidence]) -> str | None:
-        if js.ref is None or js.live is None or not js.samples:
+    def _drift(self, job: _Job, ev: dict[Setting, Evidence]) -> str | None:
+        if job.ref is None or job.live is None or not job.samples:
             return None
-        now = js.live
+        now = job.live
         window = None
-        for s in reversed(js.samples):
+        for s in reversed(job.samples):
             if now.steps - s.steps >= self.min_steps:
                 window = now.minus(s)
                 break
         if window is None or window.flops <= 0 or window.time_s <= 0:
             return None
-        dfps = js.ref.tpf / window.tpf - 1.0
-        dp = window.power_w / js.ref.power_w - 1.0 if js.ref.power_w > 0 else 0.0
+        dfps = job.ref.time_per_flop_s / window.time_per_flop_s - 1.0
+        dp = window.power_w / job.ref.power_w - 1.0 if job.ref.power_w > 0 else 0.0
         if abs(dfps) > self.retune_drift or abs(dp) > self.retune_drift:
             return f"phase change ({dfps:+.0%} FLOP/s, {dp:+.0%} power)"
         return None
 
     # ------------------------------------------------------------------ the search
 
-    def _plan(self, js: _Job, ev: dict[Setting, Evidence], g: GpuView, j: JobView) -> _Action:
+    def _plan(self, job: _Job, ev: dict[Setting, Evidence], g: GpuView, j: JobView) -> _Action:
         """Replay the search over the evidence: what to measure next, or where to settle."""
-        grid = js.grid
+        grid = job.grid
         top = len(grid) - 1
         base = ev[UNCAPPED]
-        E = [ev.get(s) for s in grid]
-        measured = [i for i in range(top) if E[i] is not None and E[i].steps > 0]  # type: ignore[union-attr]
-        model = self._fit(js, E)
-
-        if self.objective == "cost":
-            n = max(1, len(js.gpus))
-            pmax = float(g.power_limit_max_w or 0.0) * n
-
-            def obj(i: int) -> float:
-                e = E[i]
-                assert e is not None
-                return self.eta * e.epf + (1.0 - self.eta) * pmax * e.tpf
-
-            if not measured:
-                return _Action("measure", self._prior_index(js, base, 1.05), self.min_steps)
-            lo = -1
-            if model is not None:
-                for i in range(top - 1, -1, -1):
-                    if (1.0 - self.eta) * pmax * self._pred(model, js, i) > obj(top) * (1 + SKIP_MARGIN):
-                        lo = i
-                        break
-            return self._golden(lo, top, None, E, obj, candidates=range(max(lo, 0), top + 1))
-
-        # ---- slowdown mode: the boundary
-        allowed = self._allowed(base, j)
-        js.allowed = allowed
-        se_b = base.se_time(self.noise)
-
-        def status(i: int) -> str:
-            e = E[i]
-            assert e is not None
-            r = e.tpf / base.tpf
-            se = math.hypot(e.se_time(self.noise), se_b) * r
-            if r <= allowed * (1 + 1e-9) - Z * se:
-                return "ok"
-            if r > allowed + Z * se:
-                return "over"
-            return "unsure" if e.steps < self.max_steps else "over"
-
-        st = {i: status(i) for i in measured}
+        at: list[Evidence | None] = [ev.get(s) for s in grid]
+        at[top] = base
+        measured = [i for i in range(top + 1) if at[i] is not None and at[i].steps > 0]  # type: ignore[union-attr]
+        base_tpf_s = base.time_per_flop_s
+        se_base = base.se_time(self.noise)
+        ratio: dict[int, float] = {}
+        ratio_se: dict[int, float] = {}
         for i in measured:
-            if st[i] == "unsure":
-                return _Action("measure", i, min(self.max_steps, E[i].steps + self.min_steps))  # type: ignore[union-attr]
-        lo = max((i for i in measured if st[i] == "over"), default=-1)
-        hi = min((i for i in measured if st[i] == "ok" and i > lo), default=top)
-        lo_eff = lo
-        if model is not None:
-            for i in range(hi - 1, lo, -1):
-                if self._pred(model, js, i) / base.tpf > allowed * (1 + SKIP_MARGIN):
-                    lo_eff = i
-                    break
-        if hi - lo_eff > 1:
-            n_cap = len(measured)
-            if n_cap == 0:
-                probe = self._prior_index(js, base, allowed)
-            elif n_cap <= 2 and model is not None:
-                probe = next((i for i in range(lo_eff + 1, hi) if self._pred(model, js, i) / base.tpf <= allowed), hi)
-            else:
-                probe = (lo_eff + hi) // 2
-            probe = min(max(probe, lo_eff + 1), hi - 1)
-            return _Action("measure", probe, self.min_steps)
-        k = hi
-        if k >= top:
-            return _Action("settle", top)
-
-        # ---- the energy above the boundary
-        def epf(i: int) -> float:
-            e = E[i]
+            e = at[i]
             assert e is not None
-            return e.epf
+            ratio[i] = e.time_per_flop_s / base_tpf_s
+            ratio_se[i] = 0.0 if i == top else math.hypot(e.se_time(self.noise), se_base) * ratio[i]
+        fit, fit_se = _antitonic_fit(measured, ratio, ratio_se, {i: at[i].steps for i in measured})  # type: ignore[union-attr]
+        cost_mode = self.objective == "cost"
+        n_gpus = max(1, len(job.gpus))
+        pmax_w = float(g.power_limit_max_w or 0.0) * n_gpus
+
+        def objective(i: int) -> float:
+            e = at[i]
+            assert e is not None
+            if cost_mode:
+                return self.eta * e.energy_per_flop_j + (1.0 - self.eta) * pmax_w * e.time_per_flop_s
+            return e.energy_per_flop_j
+
+        def rel_se(i: int) -> float:
+            e = at[i]
+            assert e is not None
+            se_e = e.se_energy(self.noise)
+            return max(se_e, e.se_time(self.noise)) if cost_mode else se_e
 
         def tol(a: int, b: int) -> float:
-            ea, eb = E[a], E[b]
-            assert ea is not None and eb is not None
-            return max(MIN_ENERGY_TOL, Z * math.hypot(ea.se_energy(self.noise), eb.se_energy(self.noise)))
+            return max(MIN_ENERGY_TOL, Z * math.hypot(rel_se(a), rel_se(b)))
 
-        nxt = k + 1
-        if E[nxt] is None:
-            return _Action("measure", nxt, self.min_steps)
-        if epf(nxt) >= epf(k) * (1 - tol(k, nxt)):
-            return _Action("settle", k)
-        prev, cur, step = k, nxt, 2
-        while True:  # gallop upwards until energy rises again
-            nxt = min(cur + step, top)
-            if E[nxt] is None:
-                return _Action("measure", nxt, self.min_steps)
-            if epf(nxt) >= epf(cur):
-                return self._golden(prev, nxt, cur, E, epf, candidates=range(k, top + 1))
-            if nxt == top:
-                return _Action("settle", top)
-            prev, cur, step = cur, nxt, step * 2
+        # ---- what each measured setting shows on its own
+        if cost_mode:
+            allowed = math.inf
+            status = {i: "ok" for i in measured}
+        else:
+            allowed = self._allowed(base, j)
+            job.allowed = allowed
+            status = {}
+            for i in measured:
+                r, se = ratio[i], ratio_se[i]
+                if i == top or r <= allowed * (1 + 1e-9) - Z * se:
+                    status[i] = "ok"
+                elif r > allowed + Z * se or at[i].steps >= self.max_steps:  # type: ignore[union-attr]
+                    status[i] = "over"  # a point still unsure after max_steps: the safe side
+                else:
+                    status[i] = "unsure"
+        candidates = [i for i in measured if status[i] == "ok"]
+        best = self._best(candidates, objective, tol, job.settled_index)
 
-    def _golden(self, a: int, b: int, x: int | None, E: list[Evidence | None], obj: Any,
-                candidates: range) -> _Action:
-        """Discrete golden-section search for the minimum of ``obj`` strictly inside
-        (a, b), replayed over the measured points (a measured neighbour within one
-        grid step of a golden point stands in for it). ``x``: an interior point
-        already measured, kept as one of the two probes."""
-        while b - a > 3:
-            if x is None or not a < x < b:
-                x = a + max(1, round(0.382 * (b - a)))
-            y = a + b - x
-            if y == x:
-                y = x + 1 if x + 1 < b else x - 1
-            p, q = min(x, y), max(x, y)
-            p = self._near_measured(p, a, q, E)
-            q = self._near_measured(q, p, b, E)
-            if E[p] is None:
-                return _Action("measure", p, self.min_steps)
-            if E[q] is None:
-                return _Action("measure", q, self.min_steps)
-            if obj(p) <= obj(q):
-                b, x = q, p
-            else:
-                a, x = p, q
-        inside = [i for i in range(max(a, candidates.start), min(b, candidates.stop - 1) + 1) if E[i] is not None]
-        pool = inside or [i for i in candidates if E[i] is not None]
-        return _Action("settle", min(pool, key=lambda i: (obj(i), -i)))
+        def over(i: int) -> bool:
+            """Too slow for the bound (or, cost mode: its time cost alone is more than the
+            best cost found), by its own measurement and by the monotone fit."""
+            if cost_mode:
+                lower = (fit[i] - Z * fit_se[i]) * base_tpf_s * (1.0 - self.eta) * pmax_w
+                return lower > objective(best) * (1 + MIN_ENERGY_TOL)
+            return status[i] == "over" and fit[i] - Z * fit_se[i] > allowed
+
+        # ---- the floor: two neighbouring settings both over rule out everything below
+        floor = 0
+        for i in measured:
+            if i < top and over(i) and (i == 0 or (i - 1 in fit and over(i - 1))):
+                floor = max(floor, i + 1)
+        # ---- a setting too close to the bound to call, that might be the best: measure more
+        for i in measured:
+            if status[i] == "unsure" and i >= floor and objective(i) < objective(best):
+                return _Action("measure", i, min(self.max_steps, at[i].steps + self.min_steps))  # type: ignore[union-attr]
+        # ---- a coarse pass from the top down, stopping at the first setting over the bound
+        stride = max(1, math.ceil(top / COARSE_POINTS))
+        for c in range(top - stride, floor - 1, -stride):
+            if c not in fit:
+                return _Action("measure", c, self.min_steps)
+            if over(c) or status[c] == "over":
+                break
+        # ---- refine around the best: its neighbours on both sides must be measured
+        below = max((i for i in measured if floor <= i < best), default=floor - 1)
+        if best - below > 1:
+            return _Action("measure", best - (best - below) // 2, self.min_steps)
+        above = min(i for i in measured if i > best) if best < top else top
+        if above - best > 1:
+            return _Action("measure", best + (above - best) // 2, self.min_steps)
+        # ---- one slow setting rules nothing out alone: measure the setting below it
+        slow = max((i for i in measured if floor <= i < best and (over(i) or status[i] == "over")), default=None)
+        if slow is not None and slow - 1 >= floor and slow - 1 not in fit:
+            return _Action("measure", slow - 1, self.min_steps)
+        return _Action("settle", best)
 
     @staticmethod
-    def _near_measured(i: int, lo: int, hi: int, E: list[Evidence | None]) -> int:
-        if E[i] is not None:
-            return i
-        for j in (i - 1, i + 1):
-            if lo < j < hi and E[j] is not None:
-                return j
-        return i
+    def _best(candidates: list[int], objective: Any, tol: Any, incumbent: int | None) -> int:
+        """The candidate with the least objective; among those within the noise of it,
+        the one we hold (hysteresis), else the highest setting (the fastest)."""
+        least = min(candidates, key=objective)
+        close = [i for i in candidates if objective(i) <= objective(least) * (1 + tol(i, least))]
+        if incumbent is not None and incumbent in close:
+            return incumbent
+        return max(close)
 
     def _allowed(self, base: Evidence, j: JobView) -> float:
         """The allowed time ratio to the local uncapped baseline."""
         allowed = 1.0 + self.max_slowdown
         if j.pace_s is not None and j.pace_s > 0 and base.steps > 0 and base.flops > 0:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
-            if pace_tpf > base.tpf:
-                allowed *= pace_tpf / base.tpf
+            if pace_tpf > base.time_per_flop_s:
+                allowed *= pace_tpf / base.time_per_flop_s
         return allowed
-
-    def _u(self, js: _Job, i: int) -> float:
-        """The model's variable: 1/clock, or limit^-1/2 for the power knob."""
-        x = js.levels[i]
-        return 1.0 / x if self.knob == "clock" else x ** -0.5
-
-    def _fit(self, js: _Job, E: list[Evidence | None]) -> tuple[float, float] | None:
-        """Least squares ``tpf = a + b * u`` over the measured points, weighted by steps."""
-        pts = [(self._u(js, i), e.tpf, e.steps) for i, e in enumerate(E) if e is not None and e.steps > 0]
-        if len({round(u, 12) for u, _, _ in pts}) < 2:
-            return None
-        sw = sum(w for _, _, w in pts)
-        mu = sum(u * w for u, _, w in pts) / sw
-        mt = sum(t * w for _, t, w in pts) / sw
-        suu = sum(w * (u - mu) ** 2 for u, _, w in pts)
-        sut = sum(w * (u - mu) * (t - mt) for u, t, w in pts)
-        if suu <= 0:
-            return None
-        b = sut / suu
-        if b <= 0:
-            return None  # time not falling with the knob: no model
-        return (mt - b * mu, b)
-
-    def _pred(self, model: tuple[float, float], js: _Job, i: int) -> float:
-        a, b = model
-        return a + b * self._u(js, i)
-
-    def _prior_index(self, js: _Job, base: Evidence, allowed: float) -> int:
-        """Where a purely compute-bound job would reach the budget: safe for all jobs."""
-        top = len(js.grid) - 1
-        target = js.levels[top] / allowed if self.knob == "clock" else js.levels[top] / allowed**2
-        for i in range(top):
-            if js.levels[i] >= target - 1e-9:
-                return i
-        return max(0, top - 1)
 
     # ------------------------------------------------------------------ display
 
@@ -618,54 +566,80 @@ class EfficientPolicy:
     def _n_measured(ev: dict[Setting, Evidence]) -> int:
         return sum(1 for s, e in ev.items() if not s.uncapped and e.steps > 0)
 
-    def _label(self, s: Setting, js: _Job) -> str:
+    def _label(self, s: Setting, job: _Job) -> str:
         if s.uncapped:
             return "uncapped"
         if s.clock_cap_mhz is not None:
             return f"{s.clock_cap_mhz} MHz"
         return f"{s.power_limit_w:g} W"
 
-    def _bound_text(self, js: _Job | None = None) -> str:
+    def _bound_text(self, job: _Job | None = None) -> str:
         if self.objective == "cost":
             return f"cost eta={self.eta:g}"
-        if js is not None and js.allowed > 1.0 + self.max_slowdown + 1e-9:
-            return f"bound {self.max_slowdown:.0%} over the job's pace, {js.allowed - 1:+.1%} locally"
+        if job is not None and job.allowed > 1.0 + self.max_slowdown + 1e-9:
+            return f"bound {self.max_slowdown:.0%} over the job's pace, {job.allowed - 1:+.1%} locally"
         return f"bound {self.max_slowdown:.0%}"
 
-    def _settled_line(self, job: str, js: _Job, ev: dict[Setting, Evidence], s: Setting) -> str:
+    def _settled_line(self, name: str, job: _Job, ev: dict[Setting, Evidence], s: Setting) -> str:
         base, here = ev.get(UNCAPPED), ev.get(s)
         if s.uncapped or base is None or here is None or here.steps == 0:
-            return f"job {job} settled at {self._label(s, js)} ({self._bound_text(js)})"
-        de = here.epf / base.epf - 1.0
-        dt = here.tpf / base.tpf - 1.0
-        return (f"job {job} settled at {self._label(s, js)}: {de:+.0%} energy/FLOP, "
-                f"{dt:+.1%} time ({self._bound_text(js)})")
+            return f"job {name} settled at {self._label(s, job)} ({self._bound_text(job)})"
+        de = here.energy_per_flop_j / base.energy_per_flop_j - 1.0
+        dt = here.time_per_flop_s / base.time_per_flop_s - 1.0
+        return (f"job {name} settled at {self._label(s, job)}: {de:+.0%} energy/FLOP, "
+                f"{dt:+.1%} time ({self._bound_text(job)})")
 
-    def _details(self, js: _Job, g: GpuView) -> dict[str, Any]:
-        ev = self._evidence(js)
+    def _details(self, job: _Job, g: GpuView) -> dict[str, Any]:
+        ev = self._evidence(job)
         base = ev.get(UNCAPPED)
-        measured = {self._label(s, js): e.steps for s, e in ev.items() if e.steps > 0}
+        measured = {self._label(s, job): e.steps for s, e in ev.items() if e.steps > 0}
         best: dict[str, Any] | None = None
-        s = js.settled
+        s = job.settled
         if s is not None and base is not None and s in ev and ev[s].steps > 0 and base.steps > 0:
             best = {
                 "setting": {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w},
-                "label": self._label(s, js),
-                "energy_per_flop_change": ev[s].epf / base.epf - 1.0,
-                "time_per_flop_change": ev[s].tpf / base.tpf - 1.0,
+                "label": self._label(s, job),
+                "energy_per_flop_change": ev[s].energy_per_flop_j / base.energy_per_flop_j - 1.0,
+                "time_per_flop_change": ev[s].time_per_flop_s / base.time_per_flop_s - 1.0,
             }
         return {
-            "phase": js.phase,
-            "current": self._label(js.current, js),
+            "phase": job.phase,
+            "current": self._label(job.current, job),
             "candidates_measured": self._n_measured(ev),
             "measured_steps": measured,
             "best": best,
             "bound": None if self.objective == "cost" else self.max_slowdown,
-            "allowed_slowdown": None if self.objective == "cost" else js.allowed - 1.0,
-            "search_steps": js.settled_job_steps,
-            "retunes": js.retunes,
-            "last_event": js.last_event,
+            "allowed_slowdown": None if self.objective == "cost" else job.allowed - 1.0,
+            "search_steps": job.settled_job_steps,
+            "retunes": job.retunes,
+            "last_event": job.last_event,
             # This node's uncapped time per FLOP: the daemon turns it into the job's local
             # step time and the ranks agree the job's pace from it (docs/protocol.md).
-            "baseline_time_per_flop_s": base.tpf if base is not None and base.steps > 0 else None,
+            "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.steps > 0 else None,
         }
+
+
+def _antitonic_fit(idx: list[int], value: dict[int, float], se: dict[int, float],
+                   weight: dict[int, int]) -> tuple[dict[int, float], dict[int, float]]:
+    """The weighted least-squares fit of ``value`` that does not rise with the index
+    (pool adjacent violators): time can only fall as the clock or the limit rises,
+    so a measurement that breaks this is pooled with its neighbours, not trusted
+    alone. Returns the fitted value and its standard error per index."""
+    blocks: list[list[Any]] = []  # [sum w, sum w*v, sum (w*se)^2, members]
+    for i in sorted(idx):
+        w = float(max(1, weight[i]))
+        blocks.append([w, w * value[i], (w * se[i]) ** 2, [i]])
+        while len(blocks) >= 2 and blocks[-2][1] / blocks[-2][0] < blocks[-1][1] / blocks[-1][0]:
+            b = blocks.pop()
+            a = blocks[-1]
+            a[0] += b[0]
+            a[1] += b[1]
+            a[2] += b[2]
+            a[3] += b[3]
+    fit: dict[int, float] = {}
+    fit_se: dict[int, float] = {}
+    for w, wv, w2, members in blocks:
+        for i in members:
+            fit[i] = wv / w
+            fit_se[i] = math.sqrt(w2) / w
+    return fit, fit_se

@@ -123,7 +123,8 @@ def test_power_knob(m: float) -> None:
                key=lambda c: c.energy_j)
     assert r.final_setting.clock_cap_mhz is None and r.final_setting.power_limit_w is not None
     assert cost_at(r.final_setting, m).energy_j <= best.energy_j * 1.02
-    assert r.search_steps * 3 <= len(rows) * (MIN_STEPS + SETTLE)
+    # The whole range (200-700 W) is searched, not only the limits below the job's draw.
+    assert r.search_steps * 2 <= len(rows) * (MIN_STEPS + SETTLE)
     assert worst_settled_slowdown(r) <= BOUND + 1e-9
 
 
