@@ -26,6 +26,7 @@ table per concern; every key has a default, so an empty file is valid::
     load = 0.0                         # background load 0..1 when no job runs
     mem_share = 0.3                    # memory-bound share of a simulated step
     speed_factor = 1.0                 # > 1: slower GPUs (a straggler node, in tests)
+    trace = ""                         # a measured power-limit profile the GPUs follow (greend.probes.trace)
 
     [store]
     urls = []                          # default ["sqlite:///<state_dir>/greend.db"]
@@ -111,6 +112,7 @@ class SimConfig:
     load: float = 0.0
     mem_share: float = 0.3
     speed_factor: float = 1.0
+    trace: str = ""
 
 
 @dataclass
@@ -267,6 +269,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"[sim] speed_factor = {s.speed_factor!r}: expected 0.1 to 10 (1 = an H100)")
     if not 0.0 <= s.mem_share <= 0.95:
         raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
+    if s.trace:
+        from greend.probes.trace import bundled_trace, load_trace
+
+        try:
+            load_trace(bundled_trace(s.trace))
+        except ConfigError as e:
+            raise ConfigError(f"[sim] trace = {s.trace!r}: {e}") from None
     _positive("store", "interval_s", st.interval_s)
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
     if not 0.1 <= st.retry_s <= 86400.0:
@@ -327,6 +336,7 @@ def apply_overrides(cfg: Config, **flags: Any) -> Config:
     mapping = {
         "sim": ("sim", "gpus"),
         "sim_dir": ("sim", "dir"),
+        "sim_trace": ("sim", "trace"),
         "sysfs_root": ("probes", "sysfs_root"),
         "socket": ("daemon", "socket"),
         "state_dir": ("daemon", "state_dir"),
@@ -342,7 +352,7 @@ def apply_overrides(cfg: Config, **flags: Any) -> Config:
         current = getattr(obj, key)
         if isinstance(current, Path):
             value = Path(value)
-        elif key == "dir":
+        elif key in ("dir", "trace"):
             value = str(value)
         setattr(obj, key, value)
     return validate(cfg)

@@ -124,7 +124,7 @@ _HISTORY_MAX = 256
 # Workload parameters a caller may pass (``ctx.sim_params``); each is a scalar or
 # one value per GPU. They are environment, not hardware state, so an explicit value
 # overrides what the state file holds; caps and the counter are never reset.
-SIM_PARAMS: tuple[str, ...] = ("background_load", "mem_share", "speed_factor", "spec")
+SIM_PARAMS: tuple[str, ...] = ("background_load", "mem_share", "speed_factor", "spec", "trace")
 
 
 # --------------------------------------------------------------------------- model
@@ -951,10 +951,21 @@ def _sim_probe(ctx: ProbeContext) -> Probe:
     from .fake_nvml import FakeNvml
     from .nvml import NvmlProbe
 
+    from .trace import TRACE_FILE_NAME, install_trace, trace_spec
+
     state_dir = ctx.sim_dir
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(prefix="greend-sim-"))
         log.info("no --sim-dir given: simulated GPU state in %s", state_dir)
-    fake = FakeNvml(state_dir, n=ctx.sim_gpus or None, refresh_s=DAEMON_REFRESH_S,
-                    **sim_params_from_config(ctx.sim_params))
+    params = sim_params_from_config(ctx.sim_params)
+    trace = params.pop("trace", None)
+    if trace:
+        install_trace(state_dir, trace)
+    # A fleet that follows a measured profile keeps a copy in its state dir
+    # (greend run --sim-trace puts it there), like the model a device was made as.
+    trace_file = Path(state_dir) / TRACE_FILE_NAME
+    if trace_file.exists() and "spec" not in params:
+        params["spec"] = trace_spec(trace_file)
+        log.info("simulated GPUs follow the measured profile %s (source=sim)", trace_file)
+    fake = FakeNvml(state_dir, n=ctx.sim_gpus or None, refresh_s=DAEMON_REFRESH_S, **params)
     return NvmlProbe(nvml=fake, source="sim")

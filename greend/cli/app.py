@@ -56,6 +56,8 @@ def daemon_run(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/greend/greend.toml if present)"),
     sim: Optional[int] = typer.Option(None, "--sim", help="run on N simulated GPUs instead of NVML"),
     sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="where simulated devices keep their state"),
+    sim_trace: Optional[str] = typer.Option(
+        None, "--sim-trace", help="simulated GPUs follow this measured power-limit profile (a CSV, or a bundled name)"),
     sysfs_root: Optional[Path] = typer.Option(None, "--sysfs-root", help="root of sysfs (a fixture tree in tests)"),
     socket: Optional[Path] = typer.Option(None, "--socket", help="Unix socket path"),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="saved settings, sim devices, default store"),
@@ -70,7 +72,11 @@ def daemon_run(
     try:
         cfg = load_config(config)
         cfg = apply_overrides(cfg, sim=sim, sim_dir=sim_dir, sysfs_root=sysfs_root, socket=socket,
-                              state_dir=state_dir, store=store, hz=hz, dry_run=dry_run)
+                              state_dir=state_dir, store=store, hz=hz, dry_run=dry_run, sim_trace=sim_trace)
+        if cfg.sim.gpus > 0:
+            from greend.probes.trace import install_trace
+
+            install_trace(cfg.sim_dir, cfg.sim.trace or None)  # the sim probe reads <sim dir>/trace.csv
         if log_level is not None:
             cfg.daemon.log_level = log_level
             from greend.config import validate
