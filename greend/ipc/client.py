@@ -1,34 +1,38 @@
-"""A small synchronous client of the daemon's socket, used by ``greenctl``."""
+"""A small synchronous client of the daemon's socket, used by ``greenctl``.
+
+One request at a time: :meth:`Client.request` sends it and waits for its reply,
+skipping the events the daemon may push. Failures raise :class:`DaemonUnavailable`
+(no daemon, no permission, no answer) or :class:`RequestRefused` (an error reply).
+The wire itself (connecting, framing, reading lines) is :mod:`greend.ipc.wire`.
+"""
 
 from __future__ import annotations
 
 import itertools
-import json
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
 from greend.errors import DaemonUnavailable, RequestRefused
-from greend.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, encode
+from greend.ipc.wire import (
+    LineReader,
+    LineTooLong,
+    PeerClosed,
+    connect_retrying,
+    connect_unix,
+    decode,
+    frame_request,
+    is_event,
+    read_line_blocking,
+)
+from greend.protocol import MAX_MESSAGE_BYTES
 
 __all__ = ["Client"]
 
+# A reply (a status or a report) may be far longer than a request may be.
+REPLY_LIMIT_BYTES = 64 * MAX_MESSAGE_BYTES
 
-def _connect_retrying(s: socket.socket, path: str, timeout_s: float) -> None:
-    """connect(), retrying EAGAIN: a Unix socket whose backlog is full refuses at once
-    instead of queueing, which a burst of clients can cause."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        try:
-            s.connect(path)
-            return
-        except BlockingIOError:
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(0.1, delay * 2)
+_connect_retrying = connect_retrying  # the name tests/test_fuzz_ipc.py imports
 
 
 class Client:
@@ -36,7 +40,7 @@ class Client:
         self.path = path
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
-        self._buf = b""
+        self._reader = LineReader(REPLY_LIMIT_BYTES)
         self._ids = itertools.count(1)
 
     def __enter__(self) -> Client:
@@ -47,25 +51,20 @@ class Client:
         self.close()
 
     def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout_s)
         try:
-            _connect_retrying(s, str(self.path), self.timeout_s)
+            s = connect_unix(str(self.path), self.timeout_s, retry_busy=True)
         except FileNotFoundError:
-            s.close()
             raise DaemonUnavailable(
                 f"no greend socket at {self.path}: is the daemon running? "
                 "(systemctl status greend, or start one: greend run --sim 2 --socket PATH; "
                 "point greenctl at it with --socket or $GREEND_SOCKET)"
             ) from None
         except PermissionError:
-            s.close()
             raise DaemonUnavailable(
                 f"permission denied on {self.path}: join the socket's group "
                 "(usermod -aG greend $USER, then log in again) or use sudo"
             ) from None
         except OSError as e:
-            s.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror or e}") from None
         self._sock = s
 
@@ -79,15 +78,14 @@ class Client:
         if self._sock is None:
             self.connect()
         assert self._sock is not None
-        mid = next(self._ids)
-        msg = {"v": PROTOCOL_VERSION, "id": mid, "op": op, **fields}
+        request_id = next(self._ids)
         try:
-            self._sock.sendall(encode(msg))
+            self._sock.sendall(frame_request(request_id, op, fields))
             while True:
                 reply = self._read_message()
-                if "event" in reply:
+                if is_event(reply):
                     continue  # pushed events are not for a request/response client
-                if reply.get("id") not in (mid, None):
+                if reply.get("id") not in (request_id, None):
                     continue
                 break
         except (socket.timeout, TimeoutError):
@@ -101,12 +99,10 @@ class Client:
 
     def _read_message(self) -> dict[str, Any]:
         assert self._sock is not None
-        while b"\n" not in self._buf:
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                raise DaemonUnavailable(f"greend at {self.path} closed the connection")
-            self._buf += chunk
-            if len(self._buf) > 64 * MAX_MESSAGE_BYTES:
-                raise DaemonUnavailable("reply too large")
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            line = read_line_blocking(self._sock, self._reader)
+        except PeerClosed:
+            raise DaemonUnavailable(f"greend at {self.path} closed the connection") from None
+        except LineTooLong:
+            raise DaemonUnavailable("reply too large") from None
+        return decode(line)
