@@ -8,7 +8,15 @@ from typing import Any, Iterator
 
 import pytest
 
-from greend.errors import RequestRefused
+from greend.errors import (
+    ActuatorError,
+    ConfigError,
+    KnobError,
+    PolicyError,
+    ProtocolError,
+    RequestRefused,
+    StateError,
+)
 from greend.ipc.client import Client
 from greend.errors import DaemonUnavailable
 from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
@@ -118,6 +126,30 @@ def test_forbidden_reply_says_what_is_needed(server: IpcServer) -> None:
         c.request("admin_only")
     assert e.value.code == "forbidden"
     assert "needs root" in str(e.value)
+
+
+@pytest.mark.parametrize("error, code, field", [
+    (ProtocolError("no GPU 7 on this node", field="gpu"), "bad_request", "gpu"),
+    (ConfigError("[policy] name 'x': unknown"), "bad_request", None),
+    (PolicyError("policy 'x': no parameter 'y'"), "bad_request", None),
+    (ActuatorError("gpu0: the driver refused the clock"), "refused", None),
+    (KnobError("gpu0: no permission", device="gpu0", knob="clock_cap_mhz", reason="no_permission"),
+     "refused", None),
+    (StateError("saved-settings.json is corrupt"), "refused", None),
+    (ZeroDivisionError("a bug"), "internal", None),
+])
+def test_a_handlers_greend_error_reaches_the_client_with_its_code(server: IpcServer, error: Exception,
+                                                                  code: str, field: str | None) -> None:
+    def fail(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        raise error
+
+    server.route("fail", fail)
+    with Client(server.path) as c, pytest.raises(RequestRefused) as e:
+        c.request("fail")
+    assert e.value.code == code and e.value.field == field
+    assert str(error) in str(e.value)
+    with Client(server.path) as c:  # and the server goes on answering
+        assert c.request("add", a=1) == {"sum": 1}
 
 
 def test_stale_socket_of_a_crashed_daemon_is_replaced(tmp_path: Path) -> None:

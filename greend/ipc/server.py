@@ -18,7 +18,10 @@ operation. Reply (daemon -> client)::
 
 Error codes: ``bad_json``, ``too_large``, ``bad_request`` (``field`` names the
 field), ``unknown_op``, ``unsupported_version``, ``forbidden`` (the message says
-what is needed), ``unavailable``, ``internal``. The daemon may also push events
+what is needed), ``refused`` (a well-formed request the node could not carry out:
+a setting a device refused, an untrustworthy state file; the message says why),
+``unavailable``, ``internal``. A handler's greend error maps to its code in
+:func:`error_reply`. The daemon may also push events
 that are not replies, e.g. ``{"v": 1, "event": "directive", ...}``; a client
 tells them apart by the ``event`` key.
 
@@ -26,8 +29,8 @@ A bad message never closes the connection (except an oversized line, after which
 the stream resynchronises at the next newline) and never affects other clients.
 The peer's pid, uid and gid come from ``SO_PEERCRED``, never from the message.
 
-Operations are registered by the daemon (``server.route(...)``) with a small
-schema; see :mod:`greend.daemon.core` for the list.
+Operations are registered by the daemon (``server.route(...)``) with the schema
+:mod:`greend.protocol` gives each; see :mod:`greend.daemon.routes` for the list.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from greend.errors import ProtocolError
+from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
 from greend.protocol import (
     ADMIN_OPS,
     MAX_CONNECTIONS,
@@ -56,7 +59,7 @@ from greend.protocol import (
     validate,
 )
 
-__all__ = ["Connection", "Handler", "IpcServer", "NO_REPLY", "Peer", "Route"]
+__all__ = ["Connection", "Handler", "IpcServer", "NO_REPLY", "Peer", "Route", "error_reply"]
 
 log = logging.getLogger(__name__)
 
@@ -355,13 +358,8 @@ class IpcServer:
         try:
             validate(msg, route.schema, allow_extra=route.allow_extra)
             result = route.handler(msg, conn)
-        except ProtocolError as e:
-            return _error(mid, "bad_request", str(e), field=e.field)
-        except PermissionError as e:
-            return _error(mid, "forbidden", str(e))
         except Exception as e:  # noqa: BLE001 - the daemon answers, it does not die
-            log.exception("handler for %r failed", op)
-            return _error(mid, "internal", f"{type(e).__name__}: {e}")
+            return error_reply(mid, op, e)
         if result is _NO_REPLY:
             return None
         return {"v": PROTOCOL_VERSION, "id": mid, "ok": True, "result": result}
@@ -369,6 +367,22 @@ class IpcServer:
 
 _NO_REPLY = object()
 NO_REPLY: Any = _NO_REPLY  # a handler returns this for fire-and-forget messages
+
+
+def error_reply(mid: Any, op: str, e: Exception) -> dict[str, Any]:
+    """The error reply for what a handler raised: greend's errors map to the protocol's
+    codes with their message; anything else is a bug, logged and answered ``internal``."""
+    if isinstance(e, ProtocolError):
+        return _error(mid, "bad_request", str(e), field=e.field)
+    if isinstance(e, ConfigError):  # PolicyError included: a wrong name or parameter
+        return _error(mid, "bad_request", str(e))
+    if isinstance(e, (ActuatorError, StateError)):  # KnobError included
+        log.warning("%r refused: %s", op, e)
+        return _error(mid, "refused", str(e))
+    if isinstance(e, PermissionError):
+        return _error(mid, "forbidden", str(e))
+    log.exception("handler for %r failed", op, exc_info=e)
+    return _error(mid, "internal", f"{type(e).__name__}: {e}")
 
 
 def _error(mid: Any, code: str, message: str, field: str | None = None) -> dict[str, Any]:
