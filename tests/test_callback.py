@@ -435,4 +435,4 @@ def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemo
     assert wait_for(lambda: len(daemon.steps) == 8)
     f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
     assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
-    assert cb._fwd_hook is None and not model._forward_pre_hooks  # close() takes the hook off
+    assert cb._forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off

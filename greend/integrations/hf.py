@@ -9,7 +9,7 @@ Usage::
 
 How it maps onto the Trainer
 ----------------------------
-* ``on_step_begin`` opens a :class:`greend.training.callback.Step`, ``on_step_end``
+* ``on_step_begin`` opens a :class:`greend.training.step.Step`, ``on_step_end``
   closes it: one optimizer step, including every micro-batch of gradient
   accumulation, forward, backward and the optimizer. The first step's FLOPs are
   counted with FlopCounterMode (the callback never sees the batch, so the count
@@ -22,8 +22,8 @@ How it maps onto the Trainer
   newest ``loss`` in ``state.log_history`` once, on the step that follows its
   logging (the Trainer logs after ``on_step_end``). With ``logging_steps=1``
   every step after the first carries the previous step's loss.
-* **Precision**: Accelerate owns autocast and a TrainerCallback cannot change it
-  (FACTS.md). The adapter reports the level the Trainer runs (``bf16=True`` ->
+* **Precision**: Accelerate owns autocast and a TrainerCallback cannot change it.
+  The adapter reports the level the Trainer runs (``bf16=True`` ->
   bf16, ``fp16=True`` -> fp16, ``tf32=True`` -> tf32, else fp32) and refuses
   every directive, logging why. Switching needs a model wrapper whose forward
   uses ``GreenCallback.autocast()``, or a Trainer subclass.
@@ -42,7 +42,7 @@ except ImportError as e:
         "greend.integrations.hf needs Hugging Face transformers: pip install transformers"
     ) from e
 
-from greend.training.callback import GreenCallback, Step
+from greend.training import GreenCallback, Step
 
 __all__ = ["GreenHFCallback"]
 

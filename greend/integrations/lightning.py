@@ -14,7 +14,7 @@ Usage::
 
 How it maps onto Lightning
 --------------------------
-* ``on_train_batch_start`` opens a :class:`greend.training.callback.Step`,
+* ``on_train_batch_start`` opens a :class:`greend.training.step.Step`,
   ``on_train_batch_end`` closes it with the loss from ``outputs`` (a tensor, or
   the ``"loss"`` of a dict). Lightning runs forward, backward and the optimizer
   step between these two hooks, so the first batch's FLOPs are counted exactly
@@ -51,7 +51,7 @@ except ImportError:
 
 import torch
 
-from greend.training.callback import GreenCallback, Step
+from greend.training import GreenCallback, Step
 
 __all__ = ["GreenLightningCallback"]
 

@@ -6,6 +6,7 @@ Framework adapters are in :mod:`greend.integrations`."""
 from __future__ import annotations
 
 from greend.errors import GreendWarning
-from greend.training.callback import GreenCallback, Step
+from greend.training.callback import GreenCallback
+from greend.training.step import Step
 
 __all__ = ["GreenCallback", "GreendWarning", "Step"]

@@ -36,7 +36,8 @@ weights, in full precision), so the optimizer's state survives. Leaving fp8 puts
 the original ``nn.Linear`` modules back (:class:`Fp8Converter`): same module
 objects, same Parameters, hooks intact. Embeddings and norms are never
 converted (they are not ``nn.Linear``), nor are small linears and the head
-(FACTS.md: FP8 loses to bf16 there).
+(fp8 is slower than bf16 on small layers, and the head carries the loss's
+precision).
 
 The guard (local rules)
 -----------------------
@@ -72,6 +73,7 @@ __all__ = [
     "Fp8Converter",
     "Guard",
     "PrecisionEvent",
+    "PrecisionOptions",
     "fp8_targets",
     "grads_finite",
     "is_downgrade",
@@ -349,6 +351,36 @@ class PrecisionEvent:
         if self.trend is not None and math.isfinite(self.trend):
             d["trend"] = float(self.trend)
         return d
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """The callback's precision tunables (the ``GreenCallback`` arguments of the same names).
+
+    ``fp8_min_features``: linears narrower than this stay out of fp8.
+    ``guard_window``, ``cooldown_steps``, ``spike_tolerance``: the :class:`Guard`'s
+    ``window``, ``cooldown_steps`` and ``spike_tolerance``.
+    """
+
+    fp8_min_features: int = DEFAULT_FP8_MIN_FEATURES
+    guard_window: int = 32
+    cooldown_steps: int = 500
+    spike_tolerance: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("fp8_min_features", "guard_window", "cooldown_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
+        tolerance = self.spike_tolerance
+        if tolerance is not None and not (isinstance(tolerance, (int, float))
+                                          and math.isfinite(tolerance) and tolerance > 0):
+            raise ValueError(f"spike_tolerance={tolerance!r}: must be a number > 0 (a fraction), or None")
+
+    def guard(self) -> Guard:
+        """A fresh :class:`Guard` with these settings."""
+        return Guard(window=self.guard_window, cooldown_steps=self.cooldown_steps,
+                     spike_tolerance=self.spike_tolerance)
 
 
 @dataclass

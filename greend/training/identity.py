@@ -1,0 +1,134 @@
+"""Who a training process is, as it tells the daemon when it registers.
+
+* **Job id**: ``job=``, else ``$GREEND_JOB``, ``$TORCHELASTIC_RUN_ID``,
+  ``$SLURM_JOB_ID``, else ``<host>-<pid>-<unix time>`` (:func:`resolve_job`).
+* **Ranks**: rank and world size from ``torch.distributed`` if initialised, else
+  ``$RANK``/``$WORLD_SIZE``; ``$LOCAL_RANK`` for the local rank
+  (:func:`resolve_ranks`).
+* **GPUs**: ``gpus=`` if given, else the model's CUDA device (``cuda:N`` mapped
+  through ``$CUDA_VISIBLE_DEVICES`` to the node-local index). A model on the CPU
+  with ``gpus=None`` reports no GPUs (``[]``): pass ``gpus=[...]`` to attribute a
+  CPU run to (simulated) GPUs, as ``greenctl demo`` does with ``gpus=[0]``
+  (:func:`resolve_gpus`).
+* **Socket**: ``socket=``, else ``$GREEND_SOCKET``, else
+  ``/run/greend/greend.sock`` (:func:`resolve_socket`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from greend.protocol import JOB_ID_RE
+
+__all__ = ["DEFAULT_SOCKET", "model_device", "resolve_gpus", "resolve_job", "resolve_ranks", "resolve_socket",
+           "socket_hostname"]
+
+# The callback's log lines, wherever in greend.training they are made, go to one logger.
+log = logging.getLogger("greend.training.callback")
+
+DEFAULT_SOCKET = Path("/run/greend/greend.sock")
+
+_JOB_ENV_VARS = ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def _sanitize_job(name: str) -> str:
+    """``name`` made into a valid job id: other characters become '-', at most 128."""
+    cleaned = re.sub(r"[^A-Za-z0-9._:@/-]", "-", name)[:128]
+    return cleaned or "job"
+
+
+def resolve_job(job: str | None) -> str:
+    """The job id: ``job``, else the environment, else ``<host>-<pid>-<time>``."""
+    if job is not None:
+        if not isinstance(job, str) or not JOB_ID_RE.match(job):
+            raise ValueError(
+                f"job={job!r}: a job id is 1-128 characters of letters, digits and ._:@/-"
+            )
+        return job
+    for var in _JOB_ENV_VARS:
+        value = os.environ.get(var)
+        if value:
+            return _sanitize_job(value)
+    return _sanitize_job(f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def resolve_ranks() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torch.distributed or the launcher's env."""
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 - identity is best effort
+        pass
+    local = _env_int("LOCAL_RANK", 0)
+    return max(rank, 0), max(local, 0), max(world, 1)
+
+
+def model_device(model: torch.nn.Module | None, device: str | torch.device | None) -> torch.device:
+    """``device`` if given, else the device of the model's first parameter or buffer, else cpu."""
+    if device is not None:
+        return torch.device(device)
+    if model is not None:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
+    """Node-local GPU indices: ``gpus`` if given, else the CUDA device mapped through CUDA_VISIBLE_DEVICES."""
+    if gpus is not None:
+        out = [int(g) for g in gpus]
+        if any(g < 0 for g in out):
+            raise ValueError(f"gpus={out!r}: GPU indices are >= 0")
+        return out
+    if dev.type != "cuda":
+        return []
+    index = dev.index
+    if index is None:
+        try:
+            index = torch.cuda.current_device()
+        except Exception:  # noqa: BLE001
+            index = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return [index]
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index < len(entries) and entries[index].isdigit():
+        return [int(entries[index])]
+    log.warning(
+        "cannot map cuda:%d through CUDA_VISIBLE_DEVICES=%s to a node-local GPU index "
+        "(UUIDs or MIG ids); reporting %d: pass gpus=[...] to be exact", index, visible, index,
+    )
+    return [index]
+
+
+def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:
+    """The daemon's socket: ``socket_path``, else ``$GREEND_SOCKET``, else :data:`DEFAULT_SOCKET`."""
+    path = socket_path if socket_path is not None else os.environ.get("GREEND_SOCKET") or DEFAULT_SOCKET
+    return Path(path)
+
+
+def socket_hostname() -> str:
+    """This node's hostname (informational, in the registration)."""
+    try:
+        return socket.gethostname()
+    except OSError:
+        return "localhost"

@@ -1,0 +1,543 @@
+"""The callback's sender thread: the one owner of the daemon's socket in a training process.
+
+It registers the job (``docs/protocol.md``), batches the step records the
+training thread queued into ``steps`` messages every ``flush_interval_s``,
+sends ``heartbeat`` when no steps flow, sends the callback's precision events
+and the agreed pace, and reads the daemon's pushed ``directive`` and
+``local_pace`` events. The wire itself (connecting, framing, reading lines) is
+:mod:`greend.ipc.wire`, shared with ``greenctl``'s client.
+
+* **Non-blocking**: after registering, sends and reads go through ``select``
+  and never block the thread for longer than ``flush_interval_s``; the training
+  thread never waits for it at all (its records go to a bounded queue, whose
+  oldest records are dropped and counted in :class:`SenderStats` when the
+  daemon is slow or gone).
+* **Gone or stuck**: a daemon that does not read for ``stall_timeout_s``, or
+  does not answer a request within ``reply_timeout_s``, is treated as gone.
+  Then the thread reconnects every ``reconnect_min_s``-``reconnect_max_s``
+  (back-off with jitter) and registers again when the daemon is back.
+* **Fail-open**: nothing here raises into the training loop. The first problem
+  is one :class:`greend.GreendWarning` (and a log line); later outages are log
+  lines, never one per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from greend.ipc.wire import (
+    RECV_BYTES,
+    LineReader,
+    LineTooLong,
+    MalformedMessage,
+    PeerClosed,
+    connect_unix,
+    decode,
+    frame_message,
+    frame_request,
+    is_event,
+    read_line_blocking,
+)
+from greend.protocol import MAX_MESSAGE_BYTES, MAX_STEPS_PER_MESSAGE, PRECISIONS
+
+if TYPE_CHECKING:
+    from greend.training.callback import GreenCallback
+
+__all__ = ["Sender", "SenderOptions", "SenderStats"]
+
+# The callback's log lines, wherever in greend.training they are made, go to one logger.
+log = logging.getLogger("greend.training.callback")
+
+# Encoded messages waiting for the socket; step records stay in the callback's queue beyond this.
+OUTBOX_MAX_BYTES = 256 * 1024
+# A line from the daemon longer than this (without a newline) is dropped as malformed.
+LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
+
+_monotonic = time.monotonic
+
+
+@dataclass
+class SenderStats:
+    """Counters of the callback's reporting, for tests, benchmarks and curious users."""
+
+    recorded: int = 0  # steps recorded by the training thread
+    sent: int = 0  # step records handed to the socket
+    dropped: int = 0  # step records lost (queue full, or unsent when a connection died)
+    connects: int = 0  # successful registrations (1 + reconnects)
+    connected: bool = False
+    messages: int = 0  # messages written (steps, heartbeat, register, end)
+    malformed: int = 0  # unreadable lines from the daemon
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """The sender's timings, in seconds (the ``GreenCallback`` arguments of the same names).
+
+    ``heartbeat_s``: how often to heartbeat when no steps flow (the daemon's
+    register reply may ask for another figure). ``flush_interval_s``: how often
+    queued steps go out. ``connect_timeout_s``: for ``connect()``, and how long the
+    callback's constructor waits for the first registration. ``reply_timeout_s``:
+    for any reply. ``stall_timeout_s``: a daemon that reads nothing this long is
+    gone. ``reconnect_min_s``/``reconnect_max_s``: the back-off between attempts.
+    ``close_timeout_s``: how long closing may take to flush and say ``end``.
+    """
+
+    heartbeat_s: float = 5.0
+    flush_interval_s: float = 0.1
+    connect_timeout_s: float = 1.0
+    reply_timeout_s: float = 5.0
+    stall_timeout_s: float = 10.0
+    reconnect_min_s: float = 2.0
+    reconnect_max_s: float = 5.0
+    close_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "flush_interval_s", "connect_timeout_s", "reply_timeout_s",
+                     "stall_timeout_s", "reconnect_min_s", "reconnect_max_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r}: must be a number > 0 (seconds)")
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError(f"reconnect_max_s={self.reconnect_max_s} is below "
+                             f"reconnect_min_s={self.reconnect_min_s}")
+
+
+class _ConnectionLost(Exception):
+    """The connection is gone or stuck; the message says why."""
+
+
+class Sender:
+    """Owns the socket: registers, batches steps, heartbeats, reads directives, reconnects.
+
+    It reads the callback's outgoing queues (``_queue`` of step records, ``_events``
+    of precision events, ``_agreed_pace_s``) and writes what the daemon says into it
+    (``_requested``, ``_local_pace_s``, ``stats``); the callback is the only other
+    party to those fields.
+    """
+
+    def __init__(self, cb: GreenCallback, options: SenderOptions) -> None:
+        self.cb = cb
+        self.options = options
+        self.heartbeat_s = options.heartbeat_s  # the daemon's register reply may change it
+        self.first_attempt = threading.Event()
+        self.session: int | None = None
+        self.end_result: dict[str, Any] | None = None
+        self._wake = threading.Event()
+        self._stop_reason: str | None = None
+        self._stop_deadline = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"greend-sender-{cb.job}", daemon=True)
+        self._sock: socket.socket | None = None
+        self._reader = LineReader(LINE_LIMIT_BYTES)
+        self._outbox: deque[list[Any]] = deque()  # [bytes not yet written, step records in them]
+        self._outbox_bytes = 0
+        self._request_ids = itertools.count(1)
+        self._pending: dict[int, tuple[str, float]] = {}  # request id -> (op, sent at)
+        self._last_send_s = 0.0
+        self._last_progress_s = 0.0  # the last time the daemon took any bytes
+        self._failures = 0  # connection attempts failed in a row
+        self._ever_connected = False
+
+    # Control ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, reason: str, timeout_s: float) -> None:
+        self._stop_deadline = _monotonic() + timeout_s
+        self._stop_reason = reason
+        self._wake.set()
+        self._thread.join(timeout_s + 1.0)
+
+    # Main loop -------------------------------------------------------------------
+    def _run(self) -> None:
+        opts = self.options
+        next_connect = 0.0
+        try:
+            while True:
+                if self._stop_reason is not None:
+                    self._finish()
+                    return
+                if self._sock is None:
+                    now = _monotonic()
+                    if now >= next_connect:
+                        if self._connect():
+                            self._failures = 0
+                        else:
+                            self._failures += 1
+                            delay = min(opts.reconnect_max_s, opts.reconnect_min_s * (2 ** (self._failures - 1)))
+                            next_connect = _monotonic() + delay * random.uniform(0.8, 1.0)
+                        self.first_attempt.set()
+                        continue
+                    self._wake.wait(min(next_connect - now, 0.5))
+                    continue
+                try:
+                    self._run_once()
+                except _ConnectionLost as e:
+                    self._lost(str(e))
+                    next_connect = _monotonic() + opts.reconnect_min_s * random.uniform(0.8, 1.0)
+        except Exception as e:  # noqa: BLE001 - the sender must never take the process down
+            log.exception("greend sender thread failed; reporting stops (training is unaffected)")
+            self.cb.stats.last_error = f"{type(e).__name__}: {e}"
+        finally:
+            self._close_sock()
+            self.first_attempt.set()
+            self._done.set()
+
+    def _run_once(self) -> None:
+        """One round: queue steps, events, pace, maybe a heartbeat; then wait for I/O up to flush_interval_s."""
+        opts = self.options
+        now = _monotonic()
+        self._queue_steps()
+        events = self.cb._events
+        while events:
+            try:
+                event = events.popleft()
+            except IndexError:
+                break
+            self._queue_request("precision_event", event)
+        pace = self.cb._agreed_pace_s
+        if pace is not None:
+            self.cb._agreed_pace_s = None
+            self._queue_request("pace", {"step_s": pace})
+        if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
+            self._queue_request("heartbeat", {})
+        for request_id, (op, sent) in self._pending.items():
+            if now - sent > opts.reply_timeout_s:
+                raise _ConnectionLost(f"the daemon did not answer {op!r} within {opts.reply_timeout_s:g} s")
+        if self._outbox and now - self._last_progress_s > opts.stall_timeout_s:
+            raise _ConnectionLost(f"the daemon has not read anything for {opts.stall_timeout_s:g} s")
+        assert self._sock is not None
+        wlist = [self._sock] if self._outbox else []
+        try:
+            readable, writable, _ = select.select([self._sock], wlist, [], opts.flush_interval_s)
+        except (OSError, ValueError) as e:
+            raise _ConnectionLost(f"socket error: {e}") from None
+        if readable:
+            self._read_available()
+        if writable:
+            self._write_available()
+
+    # Connecting --------------------------------------------------------------------
+    def _connect(self) -> bool:
+        cb = self.cb
+        opts = self.options
+        path = str(cb.socket_path)
+        try:
+            s = connect_unix(path, opts.connect_timeout_s, retry_busy=False)
+        except FileNotFoundError:
+            self._fail(f"no greend socket at {path} (is the daemon running? set $GREEND_SOCKET "
+                       "or socket= to point at it)")
+            return False
+        except PermissionError:
+            self._fail(f"permission denied on {path} (join the socket's group: usermod -aG greend $USER)")
+            return False
+        except OSError as e:
+            self._fail(f"cannot connect to {path}: {e.strerror or e}")
+            return False
+        self._sock = s
+        self._reader.clear()
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        self._pending.clear()
+        request_id = next(self._request_ids)
+        try:
+            s.sendall(frame_request(request_id, "register", cb._register_fields()))
+            cb.stats.messages += 1
+            deadline = _monotonic() + opts.reply_timeout_s
+            while True:
+                remaining = deadline - _monotonic()
+                if remaining <= 0:
+                    raise _ConnectionLost(f"the daemon did not answer 'register' within {opts.reply_timeout_s:g} s")
+                s.settimeout(remaining)
+                reply = self._read_reply_blocking(s)
+                if reply is None:
+                    continue
+                if is_event(reply):
+                    self._on_event(reply)
+                    continue
+                if reply.get("id") != request_id:
+                    continue
+                break
+        except (OSError, _ConnectionLost) as e:
+            self._close_sock()
+            msg = str(e) if isinstance(e, _ConnectionLost) else f"lost {path} while registering: {e}"
+            if isinstance(e, (socket.timeout, TimeoutError)):
+                msg = f"the daemon at {path} did not answer 'register' within {opts.reply_timeout_s:g} s"
+            self._fail(msg)
+            return False
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            self._close_sock()
+            self._fail(f"the daemon refused to register job {cb.job!r}: "
+                       f"{err.get('code', 'error')}: {err.get('message', '?')}")
+            return False
+        result = reply.get("result") or {}
+        if isinstance(result, dict):
+            heartbeat_s = result.get("heartbeat_s")
+            if isinstance(heartbeat_s, (int, float)) and not isinstance(heartbeat_s, bool) and heartbeat_s > 0:
+                self.heartbeat_s = float(heartbeat_s)
+            session = result.get("session")
+            self.session = session if isinstance(session, int) else None
+            directive = result.get("directive")
+            if isinstance(directive, dict):
+                self._on_directive(directive.get("precision"))
+        s.setblocking(False)
+        now = _monotonic()
+        self._last_send_s = self._last_progress_s = now
+        cb.stats.connects += 1
+        cb.stats.connected = True
+        if self._ever_connected:
+            log.warning("greend: reconnected to %s; job %s registered again", path, cb.job)
+        else:
+            log.info("greend: job %s registered with %s (session %s)", cb.job, path, self.session)
+        self._ever_connected = True
+        return True
+
+    def _read_reply_blocking(self, s: socket.socket) -> dict[str, Any] | None:
+        """The next message while registering (None: a blank, malformed or overlong line)."""
+        try:
+            line = read_line_blocking(s, self._reader)
+        except PeerClosed as e:
+            raise _ConnectionLost(str(e)) from None
+        except LineTooLong:
+            self._reader.clear()
+            self._malformed("a reply line longer than the protocol allows")
+            return None
+        return self._parse(line)
+
+    def _fail(self, message: str) -> None:
+        cb = self.cb
+        cb.stats.last_error = message
+        cb.stats.connected = False
+        if self._failures == 0 and not self._ever_connected:
+            cb._warn_once("connect", f"{message}; steps are not reported, retrying every "
+                          f"{self.options.reconnect_min_s:g}-{self.options.reconnect_max_s:g} s")
+        else:
+            log.debug("greend: %s", message)
+
+    def _lost(self, message: str) -> None:
+        cb = self.cb
+        dropped = sum(n for _, n in self._outbox)
+        cb.stats.dropped += dropped
+        self._close_sock()
+        cb.stats.last_error = message  # before "not connected": a reader of both sees why
+        cb.stats.connected = False
+        self._failures = 1
+        if not cb._first_warning_done:
+            cb._warn_once("lost", f"lost the daemon: {message}; training continues, reconnecting")
+        else:
+            log.warning("greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
+                        message, self.options.reconnect_min_s, self.options.reconnect_max_s)
+
+    def _close_sock(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        self._pending.clear()
+
+    # Writing -----------------------------------------------------------------------
+    def _queue_steps(self) -> None:
+        queue = self.cb._queue
+        while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
+            batch: list[dict[str, Any]] = []
+            while queue and len(batch) < MAX_STEPS_PER_MESSAGE:
+                try:
+                    record = queue.popleft()
+                except IndexError:
+                    break
+                batch.append(step_fields(record))
+            if batch:
+                self._queue_steps_message(batch)
+
+    def _queue_steps_message(self, batch: list[dict[str, Any]]) -> None:
+        data = frame_message("steps", {"steps": batch})
+        if len(data) > MAX_MESSAGE_BYTES and len(batch) > 1:
+            half = len(batch) // 2
+            self._queue_steps_message(batch[:half])
+            self._queue_steps_message(batch[half:])
+            return
+        self._enqueue(data, len(batch))
+
+    def _queue_request(self, op: str, fields: dict[str, Any]) -> int:
+        request_id = next(self._request_ids)
+        self._enqueue(frame_request(request_id, op, fields), 0)
+        self._pending[request_id] = (op, _monotonic())
+        return request_id
+
+    def _has_pending(self, op: str) -> bool:
+        return any(o == op for o, _ in self._pending.values())
+
+    def _enqueue(self, data: bytes, records: int) -> None:
+        self._outbox.append([data, records])
+        self._outbox_bytes += len(data)
+
+    def _write_available(self) -> None:
+        assert self._sock is not None
+        while self._outbox:
+            item = self._outbox[0]
+            data: bytes = item[0]
+            try:
+                n = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                raise _ConnectionLost(f"cannot write to the daemon: {e.strerror or e}") from None
+            now = _monotonic()
+            self._last_progress_s = now
+            self._outbox_bytes -= n
+            if n < len(data):
+                item[0] = data[n:]
+                return
+            self._outbox.popleft()
+            self._last_send_s = now
+            self.cb.stats.messages += 1
+            self.cb.stats.sent += item[1]
+
+    def _flush_blocking(self, deadline: float) -> bool:
+        """Send everything queued (used when closing); False if the deadline passed."""
+        while self._outbox and self._sock is not None:
+            remaining = deadline - _monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                _, writable, _ = select.select([], [self._sock], [], remaining)
+            except (OSError, ValueError):
+                return False
+            if writable:
+                self._write_available()
+        return True
+
+    # Reading -----------------------------------------------------------------------
+    def _read_available(self) -> None:
+        assert self._sock is not None
+        try:
+            chunk = self._sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            raise _ConnectionLost(f"cannot read from the daemon: {e.strerror or e}") from None
+        if not chunk:
+            raise _ConnectionLost("the daemon closed the connection")
+        self._reader.feed(chunk)
+        while True:
+            line = self._reader.pop_line()
+            if line is None:
+                if self._reader.overflowing():
+                    self._reader.clear()
+                    self._malformed("a line longer than the protocol allows")
+                return
+            msg = self._parse(line)
+            if msg is not None:
+                self._on_message(msg)
+
+    def _parse(self, line: bytes) -> dict[str, Any] | None:
+        if not line.strip():
+            return None
+        try:
+            return decode(line)
+        except MalformedMessage as e:
+            self._malformed(str(e))
+            return None
+
+    def _malformed(self, what: str) -> None:
+        self.cb.stats.malformed += 1
+        self.cb._warn_once("malformed", f"ignoring a malformed message from the daemon ({what})")
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        if is_event(msg):
+            self._on_event(msg)
+            return
+        request_id = msg.get("id")
+        op = None
+        if isinstance(request_id, int) and request_id in self._pending:
+            op = self._pending.pop(request_id)[0]
+        if msg.get("ok") is False:
+            err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+            code, field = err.get("code"), err.get("field")
+            if code == "bad_request" and field == "op" and op in (None, "heartbeat"):
+                raise _ConnectionLost("the daemon no longer knows this session (it asks to register)")
+            self.cb._warn_once(f"refused:{code}:{field}",
+                               f"the daemon refused a message ({op or 'steps'}): {code}: "
+                               f"{err.get('message', '?')}")
+        elif op == "end":
+            result = msg.get("result")
+            self.end_result = result if isinstance(result, dict) else None
+
+    def _on_event(self, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "directive":
+            if "precision" in msg:
+                self._on_directive(msg.get("precision"), msg.get("reason"))
+        elif msg.get("event") == "local_pace":
+            step_s = msg.get("step_s")
+            if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and step_s > 0:
+                self.cb._local_pace_s = float(step_s)
+            else:
+                self._malformed(f"a local_pace event with step_s={step_s!r}")
+        else:
+            log.debug("greend: ignoring event %r", msg.get("event"))
+
+    def _on_directive(self, level: Any, reason: Any = None) -> None:
+        if not isinstance(level, str) or level not in PRECISIONS:
+            self._malformed(f"a directive with an unknown precision {level!r}")
+            return
+        if level != self.cb._requested:
+            log.info("greend: directive precision=%s (%s)", level, reason or "no reason given")
+        self.cb._requested = level
+
+    # Closing -----------------------------------------------------------------------
+    def _finish(self) -> None:
+        deadline = self._stop_deadline
+        reason = self._stop_reason or "finished"
+        if self._sock is None:
+            self.cb.stats.dropped += len(self.cb._queue)
+            return
+        try:
+            self._queue_steps()
+            while self.cb._queue and _monotonic() < deadline:
+                if not self._flush_blocking(deadline):
+                    break
+                self._queue_steps()
+            request_id = self._queue_request("end", {"reason": reason})
+            if not self._flush_blocking(deadline):
+                return
+            while request_id in self._pending and _monotonic() < deadline:
+                readable, _, _ = select.select([self._sock], [], [], max(0.0, deadline - _monotonic()))
+                if readable:
+                    self._read_available()
+        except (_ConnectionLost, OSError) as e:
+            log.debug("greend: closing: %s", e)
+        finally:
+            self.cb.stats.dropped += len(self.cb._queue) + sum(n for _, n in self._outbox)
+            self.cb.stats.connected = False
+
+
+def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
+    """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
+    index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
+    d: dict[str, Any] = {"step": index, "t0_s": t0, "t1_s": t1,
+                         "flops": float(flops) if flops is not None else 0.0, "precision": precision}
+    if samples is not None:
+        d["samples"] = int(samples)
+    if tokens is not None:
+        d["tokens"] = int(tokens)
+    if nonfinite:
+        d["loss"] = None
+        d["nonfinite"] = True
+    elif loss is not None:
+        d["loss"] = loss
+    return d

@@ -1,0 +1,194 @@
+"""One training step: :class:`Step`, the context manager :meth:`GreenCallback.step` returns.
+
+The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice
+and hands the callback one record for its bounded queue: a few microseconds, no
+locks, no syscalls (``bench/bench_callback.py``). A step whose FLOPs are being
+counted runs slower (FlopCounterMode costs 10-370% of a step); its timing is
+reported as measured.
+
+Inside the step: :meth:`Step.autocast` for the precision it runs at,
+:meth:`Step.loss` to report the loss, and (recommended, needed for fp16)
+:meth:`Step.backward` and :meth:`Step.optimizer_step`, which use loss scaling
+when the level needs it and let the accuracy guard see the loss and the
+gradients::
+
+    with cb.step(samples=n) as step:
+        with step.autocast():
+            loss = model(x).loss
+        step.backward(loss)          # scaler.scale(loss).backward() under fp16; reports the loss
+        step.optimizer_step(opt)     # scaler.step(opt) + update() under fp16
+        opt.zero_grad()
+
+A step whose loss or gradient is non-finite, or whose loss spikes, while the run
+is below a level it came down from, makes the callback roll back from the next
+step (:mod:`greend.training.mixed_precision`, the accuracy guard).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import torch
+
+from greend.training.mixed_precision import grads_finite, optimizer_params
+
+if TYPE_CHECKING:
+    from greend.training.callback import GreenCallback
+
+__all__ = ["Step"]
+
+_monotonic = time.monotonic
+
+
+class Step:
+    """One training step: a context manager made by :meth:`GreenCallback.step`.
+
+    Inside it: :meth:`autocast` for the precision this step runs at, :meth:`loss`
+    to report the loss, and (recommended, needed for fp16) :meth:`backward` and
+    :meth:`optimizer_step`, which use loss scaling when the level needs it and
+    let the accuracy guard see the gradients. Attributes after the step:
+    ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
+    """
+
+    __slots__ = ("_cb", "index", "samples", "tokens", "flops", "_shape_key", "_batch", "t0_s", "t1_s",
+                 "_loss", "_nonfinite", "_nonfinite_cause", "_counting", "_scaled", "precision",
+                 "_shape_guessed", "_forward_signature", "_spike_reason")
+
+    def __init__(self, cb: GreenCallback, index: int | None, samples: int | None, tokens: int | None,
+                 shape_key: Hashable | None, batch: Any, flops: float | None) -> None:
+        self._cb = cb
+        self.index = index
+        self.samples = samples
+        self.tokens = tokens
+        self._shape_key = shape_key
+        self._batch = batch
+        self.flops = flops
+        self.t0_s = 0.0
+        self.t1_s = 0.0
+        self._loss: float | None = None
+        self._nonfinite = False
+        self._nonfinite_cause = "loss"  # what was non-finite: "loss" or "gradient"
+        self._counting = False  # FlopCounterMode is counting this step
+        self._scaled = False  # backward() went through the GradScaler
+        self.precision = "fp32"
+        # The shape key is a guess (the last step's shape, see GreenCallback._plan_flops):
+        # the model's forward pre-hook records the real one in _forward_signature.
+        self._shape_guessed = False
+        self._forward_signature: Hashable | None = None
+        self._spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
+
+    def __enter__(self) -> Step:
+        cb = self._cb
+        requested = cb._requested
+        if requested is not cb._seen_request:
+            cb._take_request(requested)
+        self.precision = cb._precision
+        if self.flops is None:
+            cb._plan_flops(self)
+        cb._current = self
+        self.t0_s = _monotonic()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        t1 = _monotonic()
+        cb = self._cb
+        cb._current = None
+        if self._shape_guessed and self._forward_signature is not None:
+            # The model's inputs say which shape this step really had.
+            if self._forward_signature != self._shape_key and not self._counting:
+                cached = cb._flop_cache.get(self._forward_signature)
+                if cached is not None:
+                    self.flops = cached
+                # else: a new shape, counted on the next step that has it (this one keeps
+                # the estimate it started with)
+            self._shape_key = cb._last_forward_signature = self._forward_signature
+        if self._counting:
+            self._counting = False
+            counted = cb._counter.stop()
+            if exc_type is None:
+                self.flops = cb._store_count(self._shape_key, counted)
+        self._batch = None
+        if exc_type is not None:
+            return False  # the user's error: not ours to swallow, and no record
+        self.t1_s = t1
+        cb._record(self)
+        if self._nonfinite or self._spike_reason:  # the next step runs at the level we came down from
+            cb._roll_back(self, None if self._nonfinite else self._spike_reason)
+        return False
+
+    def autocast(self) -> ContextManager[Any]:
+        """The context for this step's precision (a null context for fp32/tf32)."""
+        return self._cb._autocast_for(self.precision)
+
+    def loss(self, loss: Any) -> None:
+        """Report this step's loss (a tensor or a number). On CUDA, float() syncs once."""
+        try:
+            if isinstance(loss, torch.Tensor):
+                value = float(loss.detach())
+            else:
+                value = float(loss)
+        except Exception:  # noqa: BLE001 - a strange loss object is not worth a crash
+            self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
+            return
+        guard = self._cb._guard
+        if math.isfinite(value):
+            self._loss, self._nonfinite = value, False
+            self._spike_reason = guard.spike(value)
+            if self._spike_reason is None:  # a spike is not the new level's trend
+                guard.losses.append(value)
+        else:
+            self._loss, self._nonfinite, self._nonfinite_cause, self._spike_reason = None, True, "loss", None
+
+    def mark_nonfinite(self, what: str = "gradient") -> None:
+        """Flag this step as non-finite (e.g. a gradient was inf/NaN) without a loss value."""
+        if not self._nonfinite:
+            self._nonfinite_cause = what  # the first cause is the one reported
+        self._nonfinite = True
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, through the GradScaler when this step runs fp16.
+
+        Reports the loss too (as :meth:`loss`) if the step has not reported one.
+        """
+        cb = self._cb
+        cb._scaling_seen = True
+        if self._loss is None and not self._nonfinite:
+            self.loss(loss)
+        if self.precision == "fp16" and cb.manage_precision:
+            scaler = cb._get_scaler()
+            if scaler is not None:
+                scaler.scale(loss).backward(**kwargs)
+                self._scaled = True
+                return
+        loss.backward(**kwargs)
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        """``optimizer.step()``, through the GradScaler when :meth:`backward` scaled the loss.
+
+        While the accuracy guard is armed (the run is below a level it came down
+        from) the gradients are checked first (one fused norm, one sync): a
+        non-finite gradient skips the update, so the master weights stay clean,
+        and rolls the precision back after this step. Returns False when the
+        update was skipped here (a scaler may also skip one on its own, as it does
+        when it finds inf gradients and lowers its scale).
+        """
+        cb = self._cb
+        cb._scaling_seen = True
+        if self._scaled and cb._scaler is not None:
+            cb._scaler.step(optimizer)
+            cb._scaler.update()
+            return True
+        if cb._guard.stack and cb.manage_precision:
+            try:
+                finite = grads_finite(optimizer_params(optimizer))
+            except Exception as e:  # noqa: BLE001 - the guard never breaks the step
+                cb._warn_once("gradcheck", f"cannot check the gradients for inf/NaN: {e}")
+                finite = True
+            if not finite:
+                self.mark_nonfinite("gradient")
+                return False
+        optimizer.step()
+        return True
