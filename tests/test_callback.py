@@ -421,9 +421,10 @@ def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path)
 
 
 def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemon, sock_path: Path) -> None:
-    # DESIGN.md's loop passes no batch=: the model's forward pre-hook sees the shapes. A
-    # new shape's first step keeps the estimate it started with; from its second step
-    # on the count is exact, and a shape seen before is priced at once.
+    # A loop that passes no batch= (as the README's precision example): the model's
+    # forward pre-hook sees the shapes. A new shape's first step keeps the estimate it
+    # started with; from its second step on the count is exact, and a shape seen before
+    # is priced at once.
     model = make_model()
     data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
     with GreenCallback(job="mlp-nobatch", model=model, socket=sock_path, **FAST) as cb:

@@ -43,7 +43,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
+        import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]
     except ImportError as e:
         raise ImportError(
             "greend.integrations.lightning needs PyTorch Lightning: pip install lightning"

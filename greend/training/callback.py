@@ -87,8 +87,8 @@ from greend.training.mixed_precision import (
     Fp8Converter,
     PrecisionEvent,
     PrecisionOptions,
-    _te_model,
     fp8_targets,
+    has_te_modules,
     precision_support,
     start_torchao_warm_up,
 )
@@ -250,7 +250,7 @@ class GreenCallback:
                 self._support["fp16"] = "loss_scaling=False: fp16 needs a GradScaler"
             fp8_ok = [level for level in FP8_LEVELS if self._support.get(level) is None]
             if fp8_ok and model is not None:
-                if "fp8" in fp8_ok and _te_model(model):
+                if "fp8" in fp8_ok and has_te_modules(model):
                     self._fp8_te = True
                 else:
                     self._fp8 = Fp8Converter(model, fp8_targets(model, options.fp8_min_features), emulate=False)

@@ -76,6 +76,7 @@ __all__ = [
     "PrecisionOptions",
     "fp8_targets",
     "grads_finite",
+    "has_te_modules",
     "is_downgrade",
     "precision_support",
     "warm_up_torchao",
@@ -106,7 +107,7 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def _te_model(model: nn.Module | None) -> bool:
+def has_te_modules(model: nn.Module | None) -> bool:
     """Does the model contain Transformer Engine modules (the TE fp8 path)?"""
     if model is None:
         return False
@@ -187,7 +188,7 @@ def precision_support(
         out["fp8"] = f"fp8 needs a CUDA GPU with compute capability >= 8.9 (CPU autocast refuses fp8); {where}"
     elif cc is not None and cc < (8, 9):
         out["fp8"] = f"fp8 needs compute capability >= 8.9; this GPU has {cc[0]}.{cc[1]}"
-    elif have_te and _te_model(model):
+    elif have_te and has_te_modules(model):
         out["fp8"] = None  # Transformer Engine: te.fp8_autocast around the forward
     elif not have_torchao:
         out["fp8"] = "fp8 needs torchao (pip install 'greend[fp8]') or a Transformer Engine model"

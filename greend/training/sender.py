@@ -467,7 +467,8 @@ class Sender:
         if isinstance(request_id, int) and request_id in self._pending:
             op = self._pending.pop(request_id)[0]
         if msg.get("ok") is False:
-            err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+            error = msg.get("error")
+            err: dict[str, Any] = error if isinstance(error, dict) else {}
             code, field = err.get("code"), err.get("field")
             if code == "bad_request" and field == "op" and op in (None, "heartbeat"):
                 raise _ConnectionLost("the daemon no longer knows this session (it asks to register)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager, Literal
 
 import torch
 
@@ -92,7 +92,7 @@ class Step:
         self.t0_s = _monotonic()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         t1 = _monotonic()
         cb = self._cb
         cb._current = None
