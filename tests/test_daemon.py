@@ -222,10 +222,10 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Pa
     # the ticks go on meanwhile, and the store joins the others once it opens.
     import threading
 
-    import greend.daemon.core as daemon_mod
+    import greend.daemon.stores as stores_mod
     from greend.errors import StoreError
 
-    real_open = daemon_mod.open_sink
+    real_open = stores_mod.open_sink
     calls: list[str] = []
     release = threading.Event()
 
@@ -236,7 +236,7 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(tmp_path: Pa
         release.wait(10)
         return real_open(url, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(daemon_mod, "open_sink", flaky_open)
+    monkeypatch.setattr(stores_mod, "open_sink", flaky_open)
     url = f"sqlite:///{tmp_path / 'late.db'}"
     cfg = make_config(tmp_path)
     cfg.store.urls = [url]

@@ -1,7 +1,7 @@
-"""The control loop: snapshot -> policy -> decision -> actuators, and its socket ops.
+"""The control loop: snapshot -> policy -> decision -> actuators.
 
 Every ``policy.period_s`` the tick loop calls :meth:`ControlLoop.step`: it builds a
-:class:`greend.policies.base.Snapshot` from the daemon's readings, the controller's
+:class:`greend.policies.base.Snapshot` from the node's latest readings, the controller's
 settings and each job's steps since its current setting took effect, asks the
 policy, and applies the :class:`~greend.policies.base.Decision` through the
 :class:`~greend.actuators.Controller` (which saves every original before its first
@@ -13,35 +13,65 @@ stopped heartbeating); everything is restored on SIGTERM, on ``greenctl cap rese
 and, after a crash, at the next start (and by systemd's ``ExecStopPost``).
 
 One failing device never stops a tick: every apply is caught and logged on its own.
+
+The loop knows the node through a :class:`ControlContext` (readings, jobs, stores,
+clocks, config), never through the daemon that runs it. Its socket ops are in
+:mod:`greend.control.ops`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from greend.policies.base import Decision, GpuView, JobView, Setting, Snapshot
-
-from greend.errors import ActuatorError, ConfigError, GreendError, ProtocolError, StateError
-from greend.ipc.server import Connection, Handler
+from greend.config import Config
+from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
+from greend.jobs.ledger import Ledger
+from greend.jobs.registry import JobRegistry
+from greend.points import cap_fields, decision_point, ts_ns
+from greend.policies.base import Decision, GpuView, Setting, Snapshot
 from greend.protocol import NODE_OWNER, POLICY_OWNER
 from greend.sinks import Point
 
 if TYPE_CHECKING:
     from greend.actuators.controller import Controller
-    from greend.daemon.core import Daemon
-    from greend.jobs.registry import Job
+    from greend.jobs.records import Job
+    from greend.probes import CpuReading, GpuReading, Probe
 
-__all__ = ["ControlLoop"]
+__all__ = ["ControlContext", "ControlLoop", "NodeReadings", "setting_json"]
 
 log = logging.getLogger(__name__)
 
 
+class NodeReadings(Protocol):
+    """The latest tick's readings: every GPU and CPU zone the probes read."""
+
+    @property
+    def gpus(self) -> Sequence[GpuReading]: ...
+
+    @property
+    def cpus(self) -> Sequence[CpuReading]: ...
+
+
+@dataclass(frozen=True)
+class ControlContext:
+    """What the control loop uses of the node, given explicitly by whoever runs it."""
+
+    cfg: Config
+    hostname: str
+    jobs: JobRegistry
+    ledger: Ledger
+    latest: Callable[[], NodeReadings]  # the latest tick's readings (a consistent copy)
+    emit: Callable[[list[Point]], None]  # to the stores
+    wall: Callable[[], float]
+    monotonic: Callable[[], float]
+
 
 class ControlLoop:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, ctx: ControlContext) -> None:
+        self.ctx = ctx
         self.ctrl: Controller | None = None
         self.policy: Any = None
         self.policy_state: Any = None
@@ -54,43 +84,49 @@ class ControlLoop:
         self.disabled: str | None = None  # why control is off (no GPUs, a corrupt state file)
         self._last_s = float("-inf")
         self._pushed_pace: dict[str, float] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the policies and their states: the tick and the socket ops
 
     # Set-up --------------------------------------------------------------------------
-    def restore_leftovers(self) -> None:
-        """A previous daemon died without restoring: put its settings back first."""
+    @property
+    def policy_name(self) -> str:
+        return getattr(self.policy, "name", "none")
+
+    def restore_leftovers(self, nvml_module: Callable[[], Any]) -> None:
+        """A previous daemon died without restoring: put its settings back first
+        (``nvml_module()``: the NVML the probes use, asked for only then)."""
         from greend.actuators.restore import restore_from_state_dir
         from greend.actuators.state import StateFile
 
-        state_dir = self.d.cfg.daemon.state_dir
+        state_dir = self.ctx.cfg.daemon.state_dir
         if not StateFile(state_dir).path.exists():
             return
-        rep = restore_from_state_dir(state_dir, nvml_module=self.d.probe_context().nvml_module)
+        rep = restore_from_state_dir(state_dir, nvml_module=nvml_module())
         for line in rep.lines():
             (log.warning if not rep.ok else log.info)("restore at start: %s", line)
 
-    def open(self) -> None:
-        from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+    def open(self, gpu_probe: Probe | None, rapl_open: bool) -> None:
+        """Take control of the GPUs ``gpu_probe`` reads (an open nvml or sim probe) and,
+        if RAPL is readable, of the CPU zones; then start the configured policies."""
+        from greend.actuators import Controller, NvmlGpuBackend, RaplBackend
+        from greend.probes.base import ShowsClockCaps
 
-        gpu_probe = next((p for p in self.d.probes if p.name in ("nvml", "sim") and self.d.stats[p.name].open),
-                         None)
-        rapl_open = bool(self.d.stats.get("rapl") and self.d.stats["rapl"].open)
+        cfg = self.ctx.cfg
         try:
             self.ctrl = Controller(
-                self.d.cfg.daemon.state_dir,
+                cfg.daemon.state_dir,
                 NvmlGpuBackend(gpu_probe) if gpu_probe is not None else None,  # type: ignore[arg-type]
-                RaplBackend(self.d.cfg.probes.sysfs_root) if rapl_open else None,
-                dry_run=self.d.cfg.daemon.dry_run,
+                RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
+                dry_run=cfg.daemon.dry_run,
             )
         except StateError as e:
             # Refuse to touch devices rather than lose the saved originals.
             self.disabled = f"control is off: {e}"
             log.error("%s", self.disabled)
             return
-        if gpu_probe is not None:
-            gpu_probe.cap_lookup = self.ctrl.clock_cap_mhz  # type: ignore[attr-defined]
-        self.set_policy(self.d.cfg.policy.name, dict(self.d.cfg.policy.params))
-        self.set_precision_policy(self.d.cfg.policy.precision, dict(self.d.cfg.policy.precision_params))
+        if isinstance(gpu_probe, ShowsClockCaps):
+            gpu_probe.use_cap_lookup(self.ctrl.clock_cap_mhz)
+        self.set_policy(cfg.policy.name, dict(cfg.policy.params))
+        self.set_precision_policy(cfg.policy.precision, dict(cfg.policy.precision_params))
 
     def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
         from greend.policies import get_policy
@@ -123,14 +159,14 @@ class ControlLoop:
             # What the old policy set (for jobs, or node-wide) goes back; an admin's caps stay.
             for owner in list(self.ctrl.owners()):
                 if owner != NODE_OWNER:
-                    self._report(self.ctrl.restore_owner(owner), f"policy changed to {name}")
+                    self.report_restore(self.ctrl.restore_owner(owner), f"policy changed to {name}")
         log.info("policy %s %s", name, policy.params())
         return self.show()
 
     # The decision step ---------------------------------------------------------------
     def due(self, now_s: float) -> bool:
         return self.ctrl is not None and self.policy is not None and \
-            now_s - self._last_s >= self.d.cfg.policy.period_s - 1e-9
+            now_s - self._last_s >= self.ctx.cfg.policy.period_s - 1e-9
 
     def step(self, now_s: float) -> None:
         if not self.due(now_s):
@@ -157,12 +193,13 @@ class ControlLoop:
         self.apply(decision, now_s)
 
     def snapshot(self, now_s: float) -> Snapshot:
+        """What the policies see: the GPUs with the settings in force, the running jobs
+        and the CPU zones' power."""
         assert self.ctrl is not None
-        d = self.d
-        with d._snap_lock:  # noqa: SLF001 - the daemon's own snapshot
-            snap = d.snapshot
+        ctrl = self.ctrl
+        readings = self.ctx.latest()
         gpus = []
-        for g in snap.gpus:
+        for g in readings.gpus:
             cur = self.ctrl.current(g.index)
             gpus.append(GpuView(
                 index=g.index, source=g.source, power_w=g.power_w, sm_clock_mhz=g.sm_clock_mhz,
@@ -172,26 +209,11 @@ class ControlLoop:
                 power_limit_min_w=g.power_limit_min_w, power_limit_max_w=g.power_limit_max_w,
                 power_limit_default_w=g.power_limit_default_w,
             ))
-        jobs = []
-        reg = d.jobs
-        with reg._lock:  # noqa: SLF001
-            for job in reg.jobs.values():
-                if job.state != "running" or not job.gpus:
-                    continue
-                setting = self.ctrl.current(min(job.gpus))
-                measure = reg.measure(job, setting)
-                precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
-                jobs.append(JobView(
-                    job=job.job, gpus=tuple(sorted(job.gpus)), state=job.state, steps=job.steps,
-                    precision=job.precision, precisions=tuple(precisions), measure=measure, setting=setting,
-                    pace_s=job.pace_s, loss_recent=tuple(job.losses),
-                    nonfinite_recent=len(job.nonfinite_recent),
-                    precision_events=tuple(job.precision_log[-32:]),
-                ))
+        jobs = self.ctx.jobs.views(ctrl.current)
         cpu_power = None
         zones: dict[str, float] = {}
-        for c in snap.cpus:
-            p = c.power_w if c.power_w is not None else d.ledger.power_w(c.key)
+        for c in readings.cpus:
+            p = c.power_w if c.power_w is not None else self.ctx.ledger.power_w(c.key)
             if p is None:
                 continue
             zones[c.path] = p
@@ -201,36 +223,36 @@ class ControlLoop:
 
     def apply(self, decision: Decision, now_s: float) -> None:
         assert self.ctrl is not None
-        d = self.d
-        reg = d.jobs
+        ctx = self.ctx
+        jobs = ctx.jobs
+        settle_s = ctx.cfg.policy.settle_s
         changed: list[str] = []
         points: list[Point] = []
-        ts = int(d.wall() * 1e9)
+        ts = ts_ns(ctx.wall())
         for job_id, setting in decision.settings.items():
-            job = reg.jobs.get(job_id)
-            if job is None or job.state != "running":
+            job = jobs.get(job_id)
+            if job is None or not job.running:
                 continue
+            job_gpus = sorted(job.gpus)
             moved = False
-            for gpu in sorted(job.gpus):
+            for gpu in job_gpus:
                 before = self.ctrl.current(gpu)
                 in_force = self._apply_gpu(gpu, setting, owner=job_id)
                 if in_force is not None and in_force != before:
                     moved = True
-                    points.append(self._decision_point(ts, gpu, job_id, in_force, decision.reason))
+                    points.append(self.cap_point(ts, in_force, decision.reason, gpu=gpu, job=job_id))
             if moved:
-                reg.reset_measure(job_id, now_s + d.cfg.policy.settle_s)
-                entry = {"t": d.wall(), "setting": _setting_json(self.ctrl.current(min(job.gpus))),
-                         "reason": decision.reason}
-                job.decisions.append(entry)
+                jobs.reset_measure(job_id, now_s + settle_s)
+                now_in_force = self.ctrl.current(job_gpus[0])
+                jobs.record_cap_change(job_id, clock_cap_mhz=now_in_force.clock_cap_mhz,
+                                       power_limit_w=now_in_force.power_limit_w, reason=decision.reason)
                 changed.append(job_id)
         for gpu, setting in decision.gpu_settings.items():
             before = self.ctrl.current(gpu)
             in_force = self._apply_gpu(gpu, setting, owner=POLICY_OWNER)
             if in_force is not None and in_force != before:
-                points.append(self._decision_point(ts, gpu, "", in_force, decision.reason))
-                for job in reg.jobs.values():
-                    if gpu in job.gpus and job.state == "running":
-                        reg.reset_measure(job.job, now_s + d.cfg.policy.settle_s)
+                points.append(self.cap_point(ts, in_force, decision.reason, gpu=gpu))
+                jobs.reset_measures_on_gpu(gpu, now_s + settle_s)
         for zone, watts in decision.cpu_power_limit_w.items():
             try:
                 self.ctrl.apply_cpu_limit(zone, watts, POLICY_OWNER)
@@ -242,13 +264,14 @@ class ControlLoop:
             reason = (prec.get("reasons") or {}).get(job_id) or decision.reason
             event = ((prec.get("jobs") or {}).get(job_id) or {}).get("event") or {}
             kind = "rollback" if event.get("kind") == "rollback" else "switch"
-            self.d.set_precision(job_id, level, reason, kind=kind, trend=event.get("trend"))
+            jobs.switch_precision(job_id, level, reason, kind=kind, trend=event.get("trend"),
+                                  settle_until_s=ctx.monotonic() + settle_s, policy=self.policy_name)
         self._push_paces(decision)
         if points:
-            d.emit(points)
+            ctx.emit(points)
         if changed or decision.gpu_settings or decision.precision:
             log.info("decision: %s", decision.reason)
-        self.last_decision = {"t": d.wall(), "reason": decision.reason, "details": _jsonable(decision.details),
+        self.last_decision = {"t": ctx.wall(), "reason": decision.reason, "details": _jsonable(decision.details),
                               "changed_jobs": changed}
 
     def _apply_gpu(self, gpu: int, setting: Setting, owner: str) -> Setting | None:
@@ -262,33 +285,29 @@ class ControlLoop:
         try:
             return self.ctrl.apply_gpu(gpu, setting, owner, keep=keep)
         except (ActuatorError, StateError) as e:
-            log.error("gpu%d: cannot apply %s for %s: %s", gpu, _setting_json(setting), owner, e)
+            log.error("gpu%d: cannot apply %s for %s: %s", gpu, setting_json(setting), owner, e)
             return None
 
-    def _decision_point(self, ts: int, gpu: int, job: str, s: Setting, reason: str) -> Point:
-        fields: dict[str, float | int | str | bool] = {"capped": int(not s.uncapped), "reason": reason}
-        if s.clock_cap_mhz is not None:
-            fields["clock_cap_mhz"] = float(s.clock_cap_mhz)
-        if s.power_limit_w is not None:
-            fields["power_limit_w"] = float(s.power_limit_w)
-        return Point("greend_decision", {"host": self.d.hostname, "gpu": str(gpu), "job": job,
-                                         "policy": getattr(self.policy, "name", "none"), "kind": "cap"},
-                     fields, ts)
+    def cap_point(self, ts: int, in_force: Setting, reason: str, *, gpu: int, job: str = "") -> Point:
+        """The ``greend_decision`` point of a GPU setting now in force (``job``: whose)."""
+        return decision_point(ts, self.ctx.hostname, kind="cap", reason=reason, policy=self.policy_name,
+                              job=job, gpu=gpu,
+                              fields=cap_fields(clock_cap_mhz=in_force.clock_cap_mhz,
+                                                power_limit_w=in_force.power_limit_w, capped=not in_force.uncapped))
 
     def _push_paces(self, decision: Decision) -> None:
         """Tell each job's ranks this node's uncapped step time, for the cross-node pace."""
-        reg = self.d.jobs
-        for job_id, det in (decision.details.get("jobs") or {}).items():
-            tpf = det.get("baseline_time_per_flop_s")
-            job = reg.jobs.get(job_id)
-            if not tpf or job is None or job.steps == 0 or job.step_reports == 0:
+        jobs = self.ctx.jobs
+        for job_id, details in (decision.details.get("jobs") or {}).items():
+            time_per_flop_s = details.get("baseline_time_per_flop_s")
+            flops_per_step = jobs.flops_per_step(job_id) if time_per_flop_s else None
+            if not time_per_flop_s or flops_per_step is None:
                 continue
-            flops_per_step = job.flops / job.step_reports
-            step_s = float(tpf) * flops_per_step
+            step_s = float(time_per_flop_s) * flops_per_step
             last = self._pushed_pace.get(job_id)
             if last is not None and abs(step_s - last) <= 0.01 * last:
                 continue
-            if reg.push(job_id, {"event": "local_pace", "step_s": step_s}):
+            if jobs.push(job_id, {"event": "local_pace", "step_s": step_s}):
                 self._pushed_pace[job_id] = step_s
 
     # Restores ------------------------------------------------------------------------
@@ -296,16 +315,17 @@ class ControlLoop:
         if self.ctrl is None:
             return
         self._pushed_pace.pop(job.job, None)
-        self._report(self.ctrl.restore_owner(job.job), f"job {job.job} ended ({job.end_reason})")
+        self.report_restore(self.ctrl.restore_owner(job.job), f"job {job.job} ended ({job.end_reason})")
 
     def restore_all(self, why: str) -> Any:
         if self.ctrl is None:
             return None
         rep = self.ctrl.restore_all()
-        self._report(rep, why)
+        self.report_restore(rep, why)
         return rep
 
-    def _report(self, rep: Any, why: str) -> None:
+    def report_restore(self, rep: Any, why: str) -> None:
+        """Log what a restore put back (or failed to)."""
         lines = rep.lines()
         for line in lines:
             (log.info if rep.ok else log.error)("restore (%s): %s", why, line)
@@ -315,118 +335,46 @@ class ControlLoop:
             self.restore_all("daemon stopping")
             self.ctrl.close()
 
-    # Socket ops ----------------------------------------------------------------------
-    def handlers(self) -> dict[str, Handler]:
-        """The socket ops this loop answers (their schemas are in greend.protocol)."""
-        return {
-            "cap_set": self.op_cap_set,
-            "cap_reset": self.op_cap_reset,
-            "policy_show": lambda m, c: self.show(),
-            "policy_set": self.op_policy_set,
-        }
-
-    def _need_ctrl(self) -> Controller:
+    def need_ctrl(self) -> Controller:
+        """The controller, or a refusal that says why there is none."""
         if self.ctrl is None:
             raise ProtocolError(self.disabled or "no devices to control on this node (see greenctl probes)")
         return self.ctrl
 
-    def _cpu_zone(self, name: str) -> Any:
-        """The RAPL zone a user names: its kernel name (``package-0``) or id (``intel-rapl:0``)."""
-        zones = [c for c in self.d.snapshot.cpus if c.source == "rapl"]
-        found = [c for c in zones if name in (c.zone, c.path)]
-        if len(found) != 1:
-            known = ", ".join(f"{c.zone} ({c.path})" for c in zones) or "none: no readable RAPL zone here"
-            what = "is ambiguous" if found else "is not a RAPL zone on this node"
-            raise ProtocolError(f"cpu_zone {name!r} {what}; zones: {known}", field="cpu_zone")
-        return found[0]
-
-    def op_cap_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        ctrl = self._need_ctrl()
-        clock, power = msg.get("max_clock_mhz"), msg.get("power_limit_w")
-        if (msg.get("gpu") is None) == (msg.get("cpu_zone") is None):
-            raise ProtocolError("give exactly one of gpu and cpu_zone", field="gpu")
-        if msg.get("cpu_zone") is not None:
-            return self._cap_set_cpu(ctrl, msg["cpu_zone"], clock, power, conn)
-        if (clock is None) == (power is None):
-            raise ProtocolError("give exactly one of max_clock_mhz and power_limit_w", field="max_clock_mhz")
-        gpu = msg["gpu"]
-        if gpu not in [g.index for g in self.d.snapshot.gpus]:
-            raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
-        cur = ctrl.current(gpu)
-        setting = Setting(clock if clock is not None else cur.clock_cap_mhz,
-                          power if power is not None else cur.power_limit_w)
-        try:
-            in_force = ctrl.apply_gpu(gpu, setting, NODE_OWNER)
-        except (ActuatorError, StateError) as e:
-            raise GreendError(str(e)) from e
-        ts = int(self.d.wall() * 1e9)
-        self.d.emit([self._decision_point(ts, gpu, "", in_force, f"greenctl cap set (uid {conn.peer.uid})")])
-        for job in self.d.jobs.jobs.values():
-            if gpu in job.gpus and job.state == "running":
-                self.d.jobs.reset_measure(job.job, self.d.monotonic() + self.d.cfg.policy.settle_s)
-        log.info("gpu%d: cap set by uid %d: %s", gpu, conn.peer.uid, _setting_json(in_force))
-        return {"gpu": gpu, "in_force": _setting_json(in_force), "dry_run": ctrl.dry_run}
-
-    def _cap_set_cpu(self, ctrl: Controller, name: str, clock: int | None, power: float | None,
-                     conn: Connection) -> dict[str, Any]:
-        if clock is not None or power is None:
-            raise ProtocolError("a CPU zone takes a power limit (power_limit_w) only", field="power_limit_w")
-        zone = self._cpu_zone(name)
-        try:
-            in_force = ctrl.apply_cpu_limit(zone.path, power, NODE_OWNER)
-        except (ActuatorError, StateError) as e:
-            raise GreendError(str(e)) from e
-        self.d.emit([Point("greend_decision", {"host": self.d.hostname, "gpu": "", "zone": zone.zone,
-                                               "path": zone.path, "job": "", "kind": "cap",
-                                               "policy": getattr(self.policy, "name", "none")},
-                           {"capped": 1, "power_limit_w": float(in_force or power),
-                            "reason": f"greenctl cap set (uid {conn.peer.uid})"}, int(self.d.wall() * 1e9))])
-        log.info("%s (%s): power limit set by uid %d: %s W", zone.zone, zone.path, conn.peer.uid, in_force)
-        return {"cpu_zone": zone.zone, "path": zone.path, "in_force": {"power_limit_w": in_force},
-                "dry_run": ctrl.dry_run}
-
-    def op_cap_reset(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        ctrl = self._need_ctrl()
-        gpu = msg.get("gpu")
-        if gpu is not None and msg.get("cpu_zone") is not None:
-            raise ProtocolError("give at most one of gpu and cpu_zone", field="gpu")
-        if msg.get("cpu_zone") is not None:
-            zone = self._cpu_zone(msg["cpu_zone"])
-            rep = ctrl.restore_cpu(zone.path)
-            self._report(rep, f"greenctl cap reset by uid {conn.peer.uid}")
-            return {**rep.to_json(), "lines": rep.lines()}
-        rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)
-        self._report(rep, f"greenctl cap reset by uid {conn.peer.uid}")
-        return {**rep.to_json(), "lines": rep.lines()}
-
-    def op_policy_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        self._need_ctrl()
-        try:
-            return self.set_policy(msg["name"], dict(msg.get("params") or {}))
-        except ConfigError as e:
-            raise ProtocolError(str(e), field="params") from None
-
     def show(self) -> dict[str, Any]:
+        """The ``policy_show`` document: the policies, the last decision and what is held."""
         from greend.policies import POLICIES
 
-        p = self.policy
-        pp = self.precision_policy
+        policy = self.policy
+        precision = self.precision_policy
         return {
-            "name": getattr(p, "name", "none"),
-            "params": p.params() if p is not None else {},
-            "precision": {"name": pp.name, "params": pp.params()} if pp is not None else None,
-            "period_s": self.d.cfg.policy.period_s,
+            "name": self.policy_name,
+            "params": policy.params() if policy is not None else {},
+            "precision": {"name": precision.name, "params": precision.params()} if precision is not None else None,
+            "period_s": self.ctx.cfg.policy.period_s,
             "available": sorted(POLICIES),
             "last_decision": self.last_decision,
             "last_error": self.last_error,
             "disabled": self.disabled,
-            "dry_run": self.d.cfg.daemon.dry_run,
+            "dry_run": self.ctx.cfg.daemon.dry_run,
             "settings": self.ctrl.snapshot() if self.ctrl is not None else {},
             "owners": self.ctrl.owners() if self.ctrl is not None else {},
         }
 
+    def status(self) -> dict[str, Any]:
+        """The ``policy`` part of the daemon's status."""
+        precision = self.precision_policy
+        return {
+            "name": self.policy_name,
+            "params": self.policy.params() if self.policy is not None else {},
+            "precision": {"name": precision.name, "params": precision.params()} if precision is not None else None,
+            "last_decision": self.last_decision,
+            "last_error": self.last_error,
+            "disabled": self.disabled,
+            "owners": self.ctrl.owners() if self.ctrl is not None else {},
+        }
 
-def _setting_json(s: Setting) -> dict[str, Any]:
+def setting_json(s: Setting) -> dict[str, Any]:
     return {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w}
 
 
@@ -436,7 +384,7 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     if isinstance(v, Setting):
-        return _setting_json(v)
+        return setting_json(v)
     if isinstance(v, float) and v != v:
         return None
     if isinstance(v, (str, int, float, bool)) or v is None:

@@ -26,18 +26,37 @@ FLOPs); the training itself runs for real on the CPU.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from greend.errors import ProtocolError
 from greend.ipc.server import Connection
-from greend.protocol import JOB_ID_RE, MAX_STEPS_PER_MESSAGE, PRECISIONS, RESERVED_OWNERS, STEP_FIELDS, validate
 from greend.jobs.ledger import Ledger
+from greend.jobs.records import (
+    CapChange,
+    EfficiencySample,
+    Job,
+    Measure,
+    PrecisionChange,
+    RankLeft,
+    RankSession,
+    StepRecord,
+)
+from greend.points import (
+    decision_point,
+    efficiency_point,
+    job_point,
+    job_step_point,
+    precision_fields,
+    ts_ns,
+)
+from greend.protocol import JOB_ID_RE, MAX_STEPS_PER_MESSAGE, PRECISIONS, RESERVED_OWNERS, STEP_FIELDS, validate
 from greend.sinks import Point
 from greend.units import j_to_kwh
+
+if TYPE_CHECKING:
+    from greend.policies.base import JobMeasure, JobView, Setting
 
 __all__ = ["Job", "JobRegistry", "RankSession"]
 
@@ -54,83 +73,6 @@ def _rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float |
     power = energy_j / span_s if energy_j is not None and span_s > 0 else None
     flop_per_s = flops / span_s if span_s > 0 else None
     return power, flop_per_s, (flops / energy_j / 1e9 if energy_j else None)
-
-
-@dataclass
-class RankSession:
-    session: int
-    job: str
-    rank: int
-    local_rank: int
-    world_size: int
-    gpus: list[int]
-    pid: int
-    uid: int
-    host: str
-    precisions: list[str]
-    mem_share: float | None
-    conn: Connection | None
-    last_seen_s: float
-    steps: int = 0
-    cpu_last_s: float | None = None  # the rank's process CPU time at the previous tick
-
-
-@dataclass
-class StepRecord:
-    t0_s: float
-    t1_s: float
-    flops: float
-    samples: int
-    tokens: int
-    sim_duration_s: float | None
-
-
-@dataclass
-class Job:
-    job: str
-    uid: int
-    registered_s: float
-    registered_wall_s: float
-    ranks: dict[int, RankSession] = field(default_factory=dict)
-    gone: list[dict[str, Any]] = field(default_factory=list)
-    gpus: set[int] = field(default_factory=set)
-    state: str = "running"  # running | ending | ended
-    end_reason: str | None = None
-    t_start_s: float | None = None
-    t_end_s: float | None = None
-    last_step_t1_s: float | None = None
-    steps: int = 0
-    step_reports: int = 0
-    flops: float = 0.0
-    samples: int = 0
-    tokens: int = 0
-    last_loss: float | None = None
-    nonfinite_steps: int = 0
-    step_time_s: float = 0.0  # measured, summed over reports
-    gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
-    sim_time_s: float = 0.0
-    sim_energy_j: float = 0.0
-    precision: str = "fp32"
-    precision_log: list[dict[str, Any]] = field(default_factory=list)
-    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
-    series: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=7200))
-    # Steps since the setting now in force took effect (greend.policies.base.JobMeasure):
-    measure_since_s: float = 0.0
-    m_steps: int = 0
-    m_flops: float = 0.0
-    m_time_s: float = 0.0
-    m_sim_energy_j: float = 0.0
-    m_time_sq_s2: float = 0.0  # sums of squares per step: the policy's noise estimate
-    m_energy_sq_j2: float = 0.0  # (simulated GPUs only: real per-step energy is not known)
-    m_t0_s: float | None = None
-    m_t1_s: float | None = None
-    pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
-    losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-    cpu_job_s: float = 0.0  # job processes' CPU seconds over the life, from the host probe
-    cpu_busy0_s: float | None = None  # the node's busy CPU seconds when the job's CPU accounting began
-    summary: dict[str, Any] | None = None
 
 
 class JobRegistry:
@@ -174,8 +116,6 @@ class JobRegistry:
 
     # Registration --------------------------------------------------------------------
     def register(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        from greend.errors import ProtocolError
-
         job_id = msg["job"]
         if not JOB_ID_RE.match(job_id):
             raise ProtocolError(
@@ -244,8 +184,6 @@ class JobRegistry:
             }
 
     def _session(self, conn: Connection) -> RankSession:
-        from greend.errors import ProtocolError
-
         sid = conn.state.get("session")
         rs = self.sessions.get(sid) if sid is not None else None
         if rs is None:
@@ -254,8 +192,6 @@ class JobRegistry:
 
     # Reports -------------------------------------------------------------------------
     def report_steps(self, msg: dict[str, Any], conn: Connection) -> None:
-        from greend.errors import ProtocolError
-
         steps = msg["steps"]
         if len(steps) > MAX_STEPS_PER_MESSAGE:
             raise ProtocolError(f"at most {MAX_STEPS_PER_MESSAGE} steps per message", field="steps")
@@ -325,65 +261,132 @@ class JobRegistry:
         elif s.get("loss") is not None:
             job.last_loss = float(s["loss"])
             job.losses.append(job.last_loss)
-        if s["t0_s"] >= job.measure_since_s:
+        m = job.measure
+        if s["t0_s"] >= m.since_s:
             # Evidence for the setting now in force (steps that began before it settled
             # are left out). On simulated GPUs the model's time and energy, else the
             # measured step time and, at decision time, the ledger's joules.
-            job.m_steps += 1
-            job.m_flops += flops
+            m.steps += 1
+            m.flops += flops
             step_time = sim_duration if sim_duration is not None else duration
-            job.m_time_s += step_time
-            job.m_time_sq_s2 += step_time * step_time
-            job.m_sim_energy_j += sim_energy
-            job.m_energy_sq_j2 += sim_energy * sim_energy
-            job.m_t0_s = s["t0_s"] if job.m_t0_s is None else min(job.m_t0_s, s["t0_s"])
-            job.m_t1_s = s["t1_s"] if job.m_t1_s is None else max(job.m_t1_s, s["t1_s"])
-        job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, int(s.get("samples") or 0),
-                                     int(s.get("tokens") or 0), sim_duration))
-        fields: dict[str, float | int | str | bool] = {
-            "step": int(s["step"]), "duration_s": duration, "flops": flops,
-            "samples": int(s.get("samples") or 0), "tokens": int(s.get("tokens") or 0),
-        }
-        if s.get("loss") is not None:
-            fields["loss"] = float(s["loss"])
-        if s.get("nonfinite"):
-            fields["nonfinite"] = 1
-        if sim_duration is not None:
-            fields["sim_duration_s"] = sim_duration
-            fields["sim_energy_j"] = sim_energy
-        return Point("greend_job_step", {"host": self.hostname, "job": job.job, "rank": str(rs.rank),
-                                         "precision": precision}, fields,
-                     int((self.wall() - (self.monotonic() - s["t1_s"])) * 1e9))
+            m.time_s += step_time
+            m.time_sq_s2 += step_time * step_time
+            m.sim_energy_j += sim_energy
+            m.energy_sq_j2 += sim_energy * sim_energy
+            m.t0_s = s["t0_s"] if m.t0_s is None else min(m.t0_s, s["t0_s"])
+            m.t1_s = s["t1_s"] if m.t1_s is None else max(m.t1_s, s["t1_s"])
+        samples, tokens = int(s.get("samples") or 0), int(s.get("tokens") or 0)
+        job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, samples, tokens, sim_duration))
+        # The step's end on the wall clock: its monotonic end, as far back from now.
+        ts = ts_ns(self.wall() - (self.monotonic() - s["t1_s"]))
+        return job_step_point(ts, self.hostname, job=job.job, rank=rs.rank, precision=precision,
+                              step=int(s["step"]), duration_s=duration, flops=flops, samples=samples, tokens=tokens,
+                              loss=s.get("loss"), nonfinite=bool(s.get("nonfinite")), sim_duration_s=sim_duration,
+                              sim_energy_j=sim_energy)
 
     def reset_measure(self, job_id: str, since_s: float) -> None:
         """A new setting took effect: measure afresh from ``since_s``."""
         with self._lock:
             job = self.jobs.get(job_id)
-            if job is None:
-                return
-            job.measure_since_s = since_s
-            job.m_steps, job.m_flops, job.m_time_s, job.m_sim_energy_j = 0, 0.0, 0.0, 0.0
-            job.m_time_sq_s2 = job.m_energy_sq_j2 = 0.0
-            job.m_t0_s = job.m_t1_s = None
+            if job is not None:
+                job.measure = Measure(since_s=since_s)
 
-    def measure(self, job: Job, setting: Any) -> Any:
+    def reset_measures_on_gpu(self, gpu: int, since_s: float) -> None:
+        """A setting of ``gpu`` changed: every running job on it measures afresh."""
+        with self._lock:
+            for job in self.jobs.values():
+                if gpu in job.gpus and job.running:
+                    job.measure = Measure(since_s=since_s)
+
+    def measure(self, job: Job, setting: Setting) -> JobMeasure | None:
         """The job's :class:`greend.policies.base.JobMeasure` since its setting took effect, or None."""
         from greend.policies.base import JobMeasure
 
-        if job.m_steps == 0:
+        m = job.measure
+        if m.steps == 0:
             return None
         sim = any(self.sim_gpu(g) is not None for g in job.gpus)
         if sim:
-            energy: float | None = job.m_sim_energy_j
-        elif job.m_t0_s is not None and job.m_t1_s is not None:
-            energy = self._gpu_energy(job, job.m_t0_s, job.m_t1_s)
+            energy: float | None = m.sim_energy_j
+        elif m.t0_s is not None and m.t1_s is not None:
+            energy = self._gpu_energy(job, m.t0_s, m.t1_s)
         else:
             energy = None
         if energy is None:
             return None
-        return JobMeasure(setting=setting, steps=job.m_steps, flops=job.m_flops, time_s=job.m_time_s,
-                          energy_j=energy, power_w=energy / job.m_time_s if job.m_time_s > 0 else None,
-                          time_sq_s2=job.m_time_sq_s2, energy_sq_j2=job.m_energy_sq_j2 if sim else None)
+        return JobMeasure(setting=setting, steps=m.steps, flops=m.flops, time_s=m.time_s,
+                          energy_j=energy, power_w=energy / m.time_s if m.time_s > 0 else None,
+                          time_sq_s2=m.time_sq_s2, energy_sq_j2=m.energy_sq_j2 if sim else None)
+
+    def views(self, setting_of: Callable[[int], Setting]) -> list[JobView]:
+        """What a policy sees of each running job with GPUs (``setting_of(gpu)``: the
+        setting in force on a GPU; a job's is its lowest GPU's), made under the lock."""
+        from greend.policies.base import JobView
+
+        out = []
+        with self._lock:
+            for job in self.jobs.values():
+                if not job.running or not job.gpus:
+                    continue
+                setting = setting_of(min(job.gpus))
+                precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
+                out.append(JobView(
+                    job=job.job, gpus=tuple(sorted(job.gpus)), state=job.state, steps=job.steps,
+                    precision=job.precision, precisions=tuple(precisions), measure=self.measure(job, setting),
+                    setting=setting, pace_s=job.pace_s, loss_recent=tuple(job.losses),
+                    nonfinite_recent=len(job.nonfinite_recent),
+                    precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
+                ))
+        return out
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def running_ids(self) -> list[str]:
+        with self._lock:
+            return [j.job for j in self.jobs.values() if j.running]
+
+    def flops_per_step(self, job_id: str) -> float | None:
+        """The job's mean FLOPs per reported step, or None before its first step."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.steps == 0 or job.step_reports == 0:
+                return None
+            return job.flops / job.step_reports
+
+    def record_cap_change(self, job_id: str, *, clock_cap_mhz: int | None, power_limit_w: float | None,
+                          reason: str) -> None:
+        """The policy moved the job's GPUs to this setting (kept for its report)."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.decisions.append(CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
+
+    def switch_precision(self, job_id: str, level: str, reason: str, *, kind: str = "switch",
+                         trend: float | None = None, settle_until_s: float, policy: str) -> bool:
+        """Ask a running job's ranks to run at ``level`` from their next step (a pushed
+        directive); False if the job is not running or already there.
+
+        ``kind`` is "switch" or "rollback" (the policy found the loss worse than its
+        pre-switch ``trend``). The job's measure starts afresh at ``settle_until_s``:
+        evidence at one level must not be booked to the next.
+        """
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or not job.running or job.precision == level:
+                return False
+            change = PrecisionChange(self.wall(), kind, job.precision, level, reason, job.steps, job.last_loss,
+                                     trend)
+            job.precision = level
+            job.precision_log.append(change)
+            job.measure = Measure(since_s=settle_until_s)
+            steps, last_loss = job.steps, job.last_loss
+        self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
+        fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
+        self.emit([decision_point(ts_ns(self.wall()), self.hostname, kind=kind, reason=reason, policy=policy,
+                                  job=job_id, precision=level, fields=fields)])
+        log.info("job %s: precision -> %s (%s)", job_id, level, reason)
+        return True
 
     def pace(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """The ranks agreed on the job's pace (the slowest node's uncapped step time)."""
@@ -401,24 +404,18 @@ class JobRegistry:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = self.monotonic()
-            entry = {"t": self.wall(), "kind": msg["kind"], "from": msg.get("from"), "to": msg.get("to"),
-                     "reason": msg.get("reason") or "", "step": msg.get("step"), "loss": msg.get("loss"),
-                     "trend": msg.get("trend"), "rank": rs.rank}
-            job.precision_log.append(entry)
+            job.precision_log.append(PrecisionChange(
+                self.wall(), msg["kind"], msg.get("from"), msg.get("to"), msg.get("reason") or "",
+                msg.get("step"), msg.get("loss"), msg.get("trend"), rank=rs.rank))
             if msg["kind"] == "rollback" and msg.get("to"):
                 job.precision = msg["to"]
-                self.reset_measure(job.job, self.monotonic())
+                job.measure = Measure(since_s=self.monotonic())
             elif msg["kind"] == "refused" and msg.get("from"):
                 job.precision = msg["from"]  # the rank kept running at its old level
-        fields: dict[str, float | int | str | bool] = {}
-        for k in ("step", "loss", "trend"):
-            if isinstance(msg.get(k), (int, float)) and not isinstance(msg.get(k), bool):
-                fields[k] = msg[k]
-        fields.setdefault("step", int(msg.get("step") or 0))
-        fields["reason"] = str(msg.get("reason") or "")
-        self.emit([Point("greend_decision", {"host": self.hostname, "job": job.job, "gpu": "", "kind": msg["kind"],
-                                             "precision": str(msg.get("to") or ""), "policy": "callback"},
-                         fields, int(self.wall() * 1e9))])
+        fields = precision_fields(step=msg.get("step") or 0, loss=msg.get("loss"), trend=msg.get("trend"))
+        self.emit([decision_point(ts_ns(self.wall()), self.hostname, kind=msg["kind"],
+                                  reason=str(msg.get("reason") or ""), policy="callback", job=job.job,
+                                  precision=str(msg.get("to") or ""), fields=fields)])
         log.info("job %s rank %d: precision %s %s -> %s (%s)", job.job, rs.rank, msg["kind"], msg.get("from"),
                  msg.get("to"), msg.get("reason"))
         return {"ok": True}
@@ -483,7 +480,7 @@ class JobRegistry:
         if job is None or rs.session not in job.ranks:
             return
         del job.ranks[rs.session]
-        job.gone.append({"rank": rs.rank, "pid": rs.pid, "reason": reason, "steps": rs.steps})
+        job.gone.append(RankLeft(rs.rank, rs.pid, reason, rs.steps))
         log.info("job %s: rank %d left (%s)", job.job, rs.rank, reason)
         if not job.ranks and job.state == "running":
             job.state = "ending"
@@ -552,27 +549,18 @@ class JobRegistry:
     def efficiency_points(self, now_s: float) -> list[Point]:
         """One ``greend_efficiency`` point per running job: the sliding window and the life."""
         pts = []
-        ts = int(self.wall() * 1e9)
+        ts = ts_ns(self.wall())
         with self._lock:
             for job in self.jobs.values():
                 if job.state != "running" or job.t_start_s is None:
                     continue
                 win = self.window(job, now_s)
                 life = self.report(job)
-                entry = {"t_s": now_s - (job.t_start_s or now_s), "power_w": win["gpu_power_w"] or 0.0,
-                         "gflops_per_w": win["gflops_per_w"] or 0.0, "flop_per_s": win["flop_per_s"] or 0.0}
-                job.series.append(entry)
-                fields: dict[str, float | int | str | bool] = {
-                    "window_s": win["window_s"], "window_flops": win["flops"],
-                    "window_gpu_energy_j": win["gpu_energy_j"] or 0.0,
-                    "window_gflops_per_w": win["gflops_per_w"] or 0.0,
-                    "window_flop_per_s": win["flop_per_s"] or 0.0,
-                    "gpu_power_w": win["gpu_power_w"] or 0.0,
-                    "flops": life["flops"], "gpu_energy_j": life["gpu_energy_j"],
-                    "gflops_per_w": life["gflops_per_w"] or 0.0, "steps": life["steps"],
-                }
-                pts.append(Point("greend_efficiency", {"host": self.hostname, "job": job.job,
-                                                       "precision": job.precision}, fields, ts))
+                job.series.append(EfficiencySample(
+                    t_s=now_s - (job.t_start_s or now_s), power_w=win["gpu_power_w"] or 0.0,
+                    gflops_per_w=win["gflops_per_w"] or 0.0, flop_per_s=win["flop_per_s"] or 0.0))
+                pts.append(efficiency_point(ts, self.hostname, job=job.job, precision=job.precision, window=win,
+                                            life=life))
         return pts
 
     # Figures -------------------------------------------------------------------------
@@ -658,7 +646,7 @@ class JobRegistry:
             "host": self.hostname,
             "started_at": job.registered_wall_s,
             "ranks": len(job.ranks),
-            "ranks_gone": list(job.gone),
+            "ranks_gone": [g.to_json() for g in job.gone],
             "gpus": sorted(job.gpus),
             "gpu_source": ",".join(sources) if sources else None,
             "steps": job.steps,
@@ -694,28 +682,21 @@ class JobRegistry:
             "sim_time_s": job.sim_time_s if job.sim_time_s else None,
             "sim_energy_j": job.sim_energy_j if job.sim_energy_j else None,
             "precision": job.precision,
-            "precision_log": list(job.precision_log),
+            "precision_log": [e.to_json() for e in job.precision_log],
             "pace_s": job.pace_s,
-            "decisions": list(job.decisions[-50:]),
+            "decisions": [d.to_json() for d in job.decisions[-50:]],
         }
 
     def summary_point(self, job: Job) -> Point:
-        s = job.summary or self.report(job)
-        fields: dict[str, float | int | str | bool] = {}
-        for k in ("steps", "flops", "samples", "tokens", "duration_s", "gpu_energy_j", "cpu_energy_j",
-                  "energy_j", "energy_kwh", "avg_power_w", "gflops_per_w", "co2_g", "last_loss"):
-            v = s.get(k)
-            if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
-                fields[k] = v
-        return Point("greend_job", {"host": self.hostname, "job": job.job, "precision": job.precision,
-                                    "end_reason": job.end_reason or ""}, fields, int(self.wall() * 1e9))
+        return job_point(ts_ns(self.wall()), self.hostname, job=job.job, precision=job.precision,
+                         end_reason=job.end_reason or "", summary=job.summary or self.report(job))
 
     def report_with_series(self, job: Job) -> dict[str, Any]:
         """``report(job)`` plus its time series: a copy made under the lock, so the tick
         thread can neither end the job half-way through nor change what is being sent."""
         with self._lock:
             report = dict(self.report(job))
-            report["series"] = list(job.series)
+            report["series"] = [e.to_json() for e in job.series]
             return report
 
     def list_jobs(self) -> list[dict[str, Any]]:

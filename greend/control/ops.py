@@ -1,0 +1,108 @@
+"""The control loop's socket ops: ``cap_set``, ``cap_reset`` (an admin's own caps),
+``policy_show`` and ``policy_set``. Their schemas, and which need an admin, are in
+:mod:`greend.protocol`; the daemon routes them (:mod:`greend.daemon.routes`).
+
+A device that refuses a setting raises :class:`~greend.errors.ActuatorError`, which the
+server answers ``refused`` with the device's message.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from greend.control.loop import ControlLoop, setting_json
+from greend.errors import ConfigError, ProtocolError
+from greend.ipc.server import Connection, Handler
+from greend.points import cap_fields, decision_point, ts_ns
+from greend.policies.base import Setting
+from greend.protocol import NODE_OWNER
+
+if TYPE_CHECKING:
+    from greend.actuators.controller import Controller
+    from greend.probes import CpuReading
+
+__all__ = ["ControlOps"]
+
+log = logging.getLogger(__name__)
+
+
+class ControlOps:
+    """The socket ops of one :class:`ControlLoop`."""
+
+    def __init__(self, loop: ControlLoop) -> None:
+        self.loop = loop
+        self.ctx = loop.ctx
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "cap_set": self.cap_set,
+            "cap_reset": self.cap_reset,
+            "policy_show": lambda msg, conn: self.loop.show(),
+            "policy_set": self.policy_set,
+        }
+
+    def _cpu_zone(self, name: str) -> CpuReading:
+        """The RAPL zone a user names: its kernel name (``package-0``) or id (``intel-rapl:0``)."""
+        zones = [c for c in self.ctx.latest().cpus if c.source == "rapl"]
+        found = [c for c in zones if name in (c.zone, c.path)]
+        if len(found) != 1:
+            known = ", ".join(f"{c.zone} ({c.path})" for c in zones) or "none: no readable RAPL zone here"
+            what = "is ambiguous" if found else "is not a RAPL zone on this node"
+            raise ProtocolError(f"cpu_zone {name!r} {what}; zones: {known}", field="cpu_zone")
+        return found[0]
+
+    def cap_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        ctrl = self.loop.need_ctrl()
+        clock, power = msg.get("max_clock_mhz"), msg.get("power_limit_w")
+        if (msg.get("gpu") is None) == (msg.get("cpu_zone") is None):
+            raise ProtocolError("give exactly one of gpu and cpu_zone", field="gpu")
+        if msg.get("cpu_zone") is not None:
+            return self._cap_set_cpu(ctrl, msg["cpu_zone"], clock, power, conn)
+        if (clock is None) == (power is None):
+            raise ProtocolError("give exactly one of max_clock_mhz and power_limit_w", field="max_clock_mhz")
+        gpu = msg["gpu"]
+        if gpu not in [g.index for g in self.ctx.latest().gpus]:
+            raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
+        current = ctrl.current(gpu)
+        setting = Setting(clock if clock is not None else current.clock_cap_mhz,
+                          power if power is not None else current.power_limit_w)
+        in_force = ctrl.apply_gpu(gpu, setting, NODE_OWNER)  # ActuatorError, StateError: "refused"
+        reason = f"greenctl cap set (uid {conn.peer.uid})"
+        self.ctx.emit([self.loop.cap_point(ts_ns(self.ctx.wall()), in_force, reason, gpu=gpu)])
+        self.ctx.jobs.reset_measures_on_gpu(gpu, self.ctx.monotonic() + self.ctx.cfg.policy.settle_s)
+        log.info("gpu%d: cap set by uid %d: %s", gpu, conn.peer.uid, setting_json(in_force))
+        return {"gpu": gpu, "in_force": setting_json(in_force), "dry_run": ctrl.dry_run}
+
+    def _cap_set_cpu(self, ctrl: Controller, name: str, clock: int | None, power: float | None,
+                     conn: Connection) -> dict[str, Any]:
+        if clock is not None or power is None:
+            raise ProtocolError("a CPU zone takes a power limit (power_limit_w) only", field="power_limit_w")
+        zone = self._cpu_zone(name)
+        in_force = ctrl.apply_cpu_limit(zone.path, power, NODE_OWNER)  # ActuatorError, StateError: "refused"
+        self.ctx.emit([decision_point(
+            ts_ns(self.ctx.wall()), self.ctx.hostname, kind="cap", reason=f"greenctl cap set (uid {conn.peer.uid})",
+            policy=self.loop.policy_name, zone=zone.zone, path=zone.path,
+            fields=cap_fields(clock_cap_mhz=None, power_limit_w=float(in_force or power), capped=True))])
+        log.info("%s (%s): power limit set by uid %d: %s W", zone.zone, zone.path, conn.peer.uid, in_force)
+        return {"cpu_zone": zone.zone, "path": zone.path, "in_force": {"power_limit_w": in_force},
+                "dry_run": ctrl.dry_run}
+
+    def cap_reset(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        ctrl = self.loop.need_ctrl()
+        gpu = msg.get("gpu")
+        if gpu is not None and msg.get("cpu_zone") is not None:
+            raise ProtocolError("give at most one of gpu and cpu_zone", field="gpu")
+        if msg.get("cpu_zone") is not None:
+            rep = ctrl.restore_cpu(self._cpu_zone(msg["cpu_zone"]).path)
+        else:
+            rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)
+        self.loop.report_restore(rep, f"greenctl cap reset by uid {conn.peer.uid}")
+        return {**rep.to_json(), "lines": rep.lines()}
+
+    def policy_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        self.loop.need_ctrl()
+        try:
+            return self.loop.set_policy(msg["name"], dict(msg.get("params") or {}))
+        except ConfigError as e:
+            raise ProtocolError(str(e), field="params") from None

@@ -1,0 +1,190 @@
+"""The probes of one daemon: opening them, sampling each when due, and their self-metrics.
+
+Each probe is timed and isolated: one that raises is marked failed for that tick and
+the others go on; one that is closed (absent hardware, no permission) is tried again
+every ``PROBE_RETRY_S``. A probe may ask to be sampled less often than the tick
+(``interval_s``): its last readings stand in until it is due.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import greend.probes as probe_registry
+from greend.errors import ConfigError, NoData, NoPermission, ProbeError
+from greend.probes import Probe, ProbeContext, ProbeInfo, Readings
+
+__all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
+
+log = logging.getLogger(__name__)
+
+PROBE_RETRY_S = 30.0
+
+
+@dataclass
+class ProbeStats:
+    """Per-probe self-metrics, in the style of node_scrape_collector_*."""
+
+    name: str
+    open: bool = False
+    success: bool = False
+    duration_s: float = 0.0  # the last sample's wall time
+    duration_total_s: float = 0.0  # wall time inside sample() since start
+    samples: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    info: ProbeInfo | None = None
+    next_open_s: float = 0.0
+    next_due_s: float = float("-inf")
+    last: Readings | None = None  # carried into ticks where the probe is not due
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "open": self.open,
+            "success": self.success,
+            "duration_s": self.duration_s,
+            "duration_total_s": self.duration_total_s,
+            "samples": self.samples,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+        if self.info is not None:
+            d.update({k: v for k, v in self.info.to_json().items() if k != "name"})
+        return d
+
+
+class ReadingsSink(Protocol):
+    """Where a tick's readings go (the daemon's snapshot)."""
+
+    def merge(self, r: Readings) -> None: ...
+
+
+class ProbeScheduler:
+    """The open-or-retry and sample-when-due schedule of a daemon's probes."""
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self.monotonic = monotonic
+        self.probes: list[Probe] = []
+        self.stats: dict[str, ProbeStats] = {}
+
+    def open_all(self, enabled: list[str], ctx: ProbeContext) -> None:
+        try:
+            self.probes = probe_registry.build(enabled, ctx)
+        except KeyError as e:
+            raise ConfigError(f"[probes] enabled: unknown probe {e}") from None
+        for p in self.probes:
+            self.stats[p.name] = ProbeStats(p.name)
+            self.try_open(p, first=True)
+
+    def try_open(self, p: Probe, *, first: bool) -> None:
+        st = self.stats[p.name]
+        try:
+            p.open()
+        except NoData as e:
+            st.open, st.last_error = False, str(e)
+            (log.info if first else log.debug)("probe %s: %s", p.name, e)
+        except ProbeError as e:
+            st.open, st.last_error = False, str(e)
+            (log.warning if first else log.debug)("probe %s: %s", p.name, e)
+        except Exception as e:  # noqa: BLE001 - one broken probe never stops the daemon
+            st.open, st.last_error = False, f"{type(e).__name__}: {e}"
+            log.exception("probe %s failed to open", p.name)
+        else:
+            st.open, st.last_error = True, None
+            log.info("probe %s: open", p.name)
+        st.next_open_s = self.monotonic() + PROBE_RETRY_S
+        try:
+            st.info = p.info()
+        except Exception as e:  # noqa: BLE001
+            st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
+
+    def is_open(self, name: str) -> bool:
+        st = self.stats.get(name)
+        return bool(st and st.open)
+
+    def sample(self, now_s: float, into: ReadingsSink) -> list[Readings]:
+        """Sample every open probe that is due into ``into`` (a probe not due this tick
+        adds its last readings); returns the readings sampled now (the ledger books
+        only these)."""
+        fresh: list[Readings] = []
+        for p in self.probes:
+            st = self.stats[p.name]
+            if not st.open:
+                if now_s >= st.next_open_s:
+                    self.try_open(p, first=False)
+                if not st.open:
+                    st.success = False
+                    continue
+            if now_s < st.next_due_s:
+                if st.last is not None and st.success:
+                    into.merge(st.last)
+                continue
+            st.next_due_s = now_s + getattr(p, "interval_s", 0.0) - 1e-6
+            t = time.perf_counter()
+            try:
+                r = p.sample(now_s)
+            except Exception as e:  # noqa: BLE001 - isolate every probe
+                st.success = False
+                st.failures += 1
+                msg = f"{type(e).__name__}: {e}" if not isinstance(e, ProbeError) else str(e)
+                if msg != st.last_error:
+                    log.error("probe %s failed: %s", p.name, msg)
+                st.last_error = msg
+                if isinstance(e, (NoData, NoPermission)):
+                    st.open = False
+                    st.next_open_s = now_s + PROBE_RETRY_S
+            else:
+                st.success = True
+                st.samples += 1
+                st.last = r
+                into.merge(r)
+                fresh.append(r)
+            st.duration_s = time.perf_counter() - t
+            st.duration_total_s += st.duration_s
+        return fresh
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per-probe self-metrics with what each probe says of itself now (a GPU lost
+        mid-run shows up here)."""
+        for p in self.probes:
+            st = self.stats[p.name]
+            if st.open:
+                try:
+                    st.info = p.info()
+                except Exception as e:  # noqa: BLE001
+                    st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
+        return [s.to_json() for s in self.stats.values()]
+
+    def gpu_probe(self) -> Probe | None:
+        """The open probe that reads the GPUs (nvml or sim), the one the controller drives."""
+        return next((p for p in self.probes if p.name in ("nvml", "sim") and self.is_open(p.name)), None)
+
+    def process_cpu_s(self, pid: int) -> float | None:
+        """A job process's CPU seconds (descendants included) through the host probe,
+        or None where it is off or not open."""
+        for p in self.probes:
+            if p.name == "host" and self.is_open(p.name):
+                return p.process_cpu_s([pid]).get(pid)  # type: ignore[attr-defined, no-any-return]
+        return None
+
+    def sim_gpu(self, index: int) -> Any | None:
+        """The simulated device behind GPU ``index``, or None on real hardware."""
+        for p in self.probes:
+            lookup = getattr(p, "sim_gpu", None)
+            if lookup is not None and self.is_open(p.name):
+                try:
+                    return lookup(index)
+                except (IndexError, KeyError, ValueError):
+                    return None
+        return None
+
+    def close(self) -> None:
+        for p in self.probes:
+            try:
+                p.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("probe %s: close failed: %s", p.name, e)

@@ -1,0 +1,155 @@
+"""The daemon's stores: opening each configured sink, retrying the ones that failed,
+writing points to all, and listing them for ``greenctl status``.
+
+Each store fails on its own. One that fails to open is tried again every
+``[store] retry_s`` on a thread of its own (a constructor may touch a slow disk: spool
+recovery, SQLite locks), so the tick never waits for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from greend.config import Config
+from greend.errors import StoreError
+from greend.sinks import Point, Sink, open_sink
+
+__all__ = ["Stores"]
+
+log = logging.getLogger(__name__)
+
+
+class Stores:
+    """Every store of one daemon, open or waiting for its next try."""
+
+    def __init__(self, cfg: Config, *, hostname: str, monotonic: Callable[[], float],
+                 status: Callable[[], dict[str, Any]]) -> None:
+        self.cfg = cfg
+        self.hostname = hostname
+        self.monotonic = monotonic
+        self.status = status  # the daemon's status document, which Prometheus scrapes
+        # The open ones (replaced, never mutated, so that write() on the tick thread may
+        # iterate while a retry adds one), and the ones that failed to open.
+        self.sinks: list[Sink] = []
+        self.open_errors: dict[str, str] = {}
+        self.retry_s: float = cfg.store.retry_s
+        self._retry_due_s: dict[str, float] = {}
+        self._attempts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._retry_thread: threading.Thread | None = None
+        self._closing = False
+
+    def open_all(self) -> None:
+        for url in self.cfg.store_urls:
+            self.open(url, first=True)
+
+    def open(self, url: str, *, first: bool) -> bool:
+        """Open one store; on failure note why and when it is tried again.
+
+        At start only a StoreError is survived (anything else is a bug that should
+        stop the daemon); a retry, on a thread of its own, survives anything.
+        """
+        try:
+            sink = open_sink(
+                url,
+                state_dir=self.cfg.daemon.state_dir,
+                host=self.hostname,
+                retention_days=self.cfg.store.retention_days,
+            )
+            attach = getattr(sink, "attach", None)
+            if attach is not None:
+                attach(self.status)  # Prometheus scrapes the latest status, not points
+        except Exception as e:  # noqa: BLE001 - one store never takes the daemon down
+            if first and not isinstance(e, StoreError):
+                raise
+            msg = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._attempts[url] = self._attempts.get(url, 0) + 1
+                same = self.open_errors.get(url) == msg
+                self.open_errors[url] = msg
+                self._retry_due_s[url] = self.monotonic() + self.retry_s
+            (log.error if first else log.debug if same else log.warning)(
+                "store %s: %s (retrying every %g s)", url, msg, self.retry_s)
+            return False
+        attempts = 0
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self.sinks = [*self.sinks, sink]
+                self.open_errors.pop(url, None)
+                self._retry_due_s.pop(url, None)
+                attempts = self._attempts.pop(url, 0)
+        if closing:  # the daemon shut down while this retry ran
+            try:
+                sink.close(timeout_s=1.0)
+            except Exception as e:  # noqa: BLE001
+                log.warning("store %s: close failed: %s", url, e)
+            return False
+        if attempts:
+            log.info("store %s: open after %d failed attempt%s", url, attempts, "s" * (attempts > 1))
+        return True
+
+    @property
+    def waiting(self) -> bool:
+        """Some store failed to open and waits for its next try."""
+        return bool(self._retry_due_s)
+
+    def retry_due(self, now_s: float) -> None:
+        """Reopen, on a thread, the stores whose next try is due (one thread at a time)."""
+        t = self._retry_thread
+        if t is not None and t.is_alive():
+            return
+        with self._lock:
+            if self._closing:
+                return
+            due = [u for u, at in self._retry_due_s.items() if now_s >= at]
+        if not due:
+            return
+
+        def reopen() -> None:
+            for url in due:
+                self.open(url, first=False)
+
+        self._retry_thread = threading.Thread(target=reopen, name="greend-store-retry", daemon=True)
+        self._retry_thread.start()
+
+    def write(self, points: list[Point]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.write(points)
+            except Exception as e:  # noqa: BLE001 - one sink never takes the loop down
+                log.error("store %s: write failed: %s", sink.url, e)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every configured store, in config order: the open ones' own status, and the
+        ones that failed to open with why and when they are tried again."""
+        with self._lock:
+            sinks = list(self.sinks)
+            failed = [(u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0))
+                      for u, e in self.open_errors.items()]
+        now = self.monotonic()
+        rows = [s.status().to_json() for s in sinks]
+        for url, err, due, attempts in failed:
+            retry_in = max(0.0, due - now)
+            rows.append({
+                "name": url.split(":", 1)[0], "url": url, "ok": False,
+                "written": 0, "pending": 0, "dropped": 0,
+                "last_error": f"failed to open: {err}; retrying every {self.retry_s:g} s "
+                              f"(attempt {attempts} failed, next in {retry_in:.0f} s)",
+                "open_attempts": attempts, "retry_in_s": retry_in,
+            })
+        order = {u: i for i, u in enumerate(self.cfg.store_urls)}
+        rows.sort(key=lambda r: order.get(r.get("url", ""), len(order)))
+        return rows
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True  # a retry that opens a store from now on closes it again
+            sinks = list(self.sinks)
+        for sink in sinks:
+            try:
+                sink.close(timeout_s=5.0)
+            except Exception as e:  # noqa: BLE001
+                log.error("store %s: close failed: %s", sink.url, e)

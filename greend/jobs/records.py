@@ -1,0 +1,183 @@
+"""What greend keeps of a job: typed records, units in their field names.
+
+They are changed by :class:`greend.jobs.registry.JobRegistry`'s methods only, under its
+lock; other modules read them (or the views the registry builds). ``to_json`` gives the
+form a job's report carries (``greenctl report --json``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from greend.ipc.server import Connection
+
+__all__ = ["CapChange", "EfficiencySample", "Job", "JobState", "Measure", "PrecisionChange", "RankLeft",
+           "RankSession", "StepRecord"]
+
+JobState = Literal["running", "ending", "ended"]
+
+
+@dataclass
+class RankSession:
+    """One rank (training process) of a job: its connection and what it reported."""
+
+    session: int
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    gpus: list[int]
+    pid: int
+    uid: int
+    host: str
+    precisions: list[str]
+    mem_share: float | None
+    conn: Connection | None
+    last_seen_s: float
+    steps: int = 0
+    cpu_last_s: float | None = None  # the rank's process CPU time when last booked
+
+
+@dataclass(frozen=True)
+class RankLeft:
+    """A rank that left the job, and why."""
+
+    rank: int
+    pid: int
+    reason: str
+    steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": self.pid, "reason": self.reason, "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One reported step, kept for the sliding window."""
+
+    t0_s: float
+    t1_s: float
+    flops: float
+    samples: int
+    tokens: int
+    sim_duration_s: float | None
+
+
+@dataclass(frozen=True)
+class EfficiencySample:
+    """The job's sliding window at one store interval (its report's ``series``)."""
+
+    t_s: float  # since the job's first step
+    power_w: float
+    gflops_per_w: float
+    flop_per_s: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"t_s": self.t_s, "power_w": self.power_w, "gflops_per_w": self.gflops_per_w,
+                "flop_per_s": self.flop_per_s}
+
+
+@dataclass(frozen=True)
+class PrecisionChange:
+    """A precision level changed (``switch``, ``rollback``) or was refused (``refused``).
+
+    ``rank`` is set for the events a rank's callback reported on its own; the daemon's
+    directives concern every rank and leave it out.
+    """
+
+    t_wall_s: float
+    kind: str
+    from_level: str | None
+    to_level: str | None
+    reason: str
+    step: int | None
+    loss: float | None
+    trend: float | None
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"t": self.t_wall_s, "kind": self.kind, "from": self.from_level, "to": self.to_level,
+                             "reason": self.reason, "step": self.step, "loss": self.loss, "trend": self.trend}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
+
+
+@dataclass(frozen=True)
+class CapChange:
+    """The policy moved the job's GPU setting: what is in force now, and why."""
+
+    t_wall_s: float
+    clock_cap_mhz: int | None
+    power_limit_w: float | None
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": self.t_wall_s,
+                "setting": {"clock_cap_mhz": self.clock_cap_mhz, "power_limit_w": self.power_limit_w},
+                "reason": self.reason}
+
+
+@dataclass
+class Measure:
+    """The job's steps since the setting in force took effect (the policy's evidence,
+    :class:`greend.policies.base.JobMeasure`); steps that began before ``since_s`` are
+    left out."""
+
+    since_s: float = 0.0
+    steps: int = 0
+    flops: float = 0.0
+    time_s: float = 0.0
+    sim_energy_j: float = 0.0
+    time_sq_s2: float = 0.0  # sums of squares per step: the policy's noise estimate
+    energy_sq_j2: float = 0.0  # (simulated GPUs only: real per-step energy is not known)
+    t0_s: float | None = None
+    t1_s: float | None = None
+
+
+@dataclass
+class Job:
+    """A job on this node: its ranks, its GPUs and its running totals."""
+
+    job: str
+    uid: int
+    registered_s: float
+    registered_wall_s: float
+    ranks: dict[int, RankSession] = field(default_factory=dict)
+    gone: list[RankLeft] = field(default_factory=list)
+    gpus: set[int] = field(default_factory=set)
+    state: JobState = "running"
+    end_reason: str | None = None
+    t_start_s: float | None = None
+    t_end_s: float | None = None
+    last_step_t1_s: float | None = None
+    steps: int = 0
+    step_reports: int = 0
+    flops: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    last_loss: float | None = None
+    nonfinite_steps: int = 0
+    step_time_s: float = 0.0  # measured, summed over reports
+    gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
+    sim_time_s: float = 0.0
+    sim_energy_j: float = 0.0
+    precision: str = "fp32"
+    precision_log: list[PrecisionChange] = field(default_factory=list)
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
+    series: deque[EfficiencySample] = field(default_factory=lambda: deque(maxlen=7200))
+    measure: Measure = field(default_factory=Measure)
+    pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
+    decisions: list[CapChange] = field(default_factory=list)
+    cpu_job_s: float = 0.0  # job processes' CPU seconds over the life, from the host probe
+    cpu_busy0_s: float | None = None  # the node's busy CPU seconds when the job's CPU accounting began
+    summary: dict[str, Any] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
