@@ -11,6 +11,7 @@ errors and never a vendor's::
     │   ├── NoData             hardware or interface absent on this node (quiet, expected)
     │   ├── NoPermission       present but not readable/writable by this process
     │   ├── NotSupported       this device does not implement the call
+    │   ├── InvalidArgument    the device refused a value (outside what it accepts)
     │   └── DeviceLost         the device vanished mid-run (GPU fell off the bus)
     ├── ActuatorError          a setting could not be applied or restored
     │   └── KnobError          one knob of one device; ``reason`` says why (no_permission, lost, ...)
@@ -36,6 +37,7 @@ __all__ = [
     "DeviceLost",
     "GreendError",
     "GreendWarning",
+    "InvalidArgument",
     "KnobError",
     "NoData",
     "NoPermission",
@@ -75,6 +77,10 @@ class NoPermission(ProbeError):
 
 class NotSupported(ProbeError):
     """The device does not implement this call (e.g. no energy counter before Volta)."""
+
+
+class InvalidArgument(ProbeError):
+    """The device refused a value it was given (e.g. a power limit outside its range)."""
 
 
 class DeviceLost(ProbeError):

@@ -13,17 +13,32 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from .base import CpuReading, GpuReading, HostReading, Probe, ProbeInfo, Readings
+from .base import (
+    CpuReading,
+    GpuReading,
+    HostReading,
+    MeasuresProcesses,
+    Probe,
+    ProbeInfo,
+    Readings,
+    SampledEvery,
+    ShowsClockCaps,
+    SimulatesGpus,
+)
 
 __all__ = [
     "CpuReading",
     "GpuReading",
     "HostReading",
+    "MeasuresProcesses",
     "Probe",
     "ProbeContext",
     "ProbeInfo",
     "REGISTRY",
     "Readings",
+    "SampledEvery",
+    "ShowsClockCaps",
+    "SimulatesGpus",
     "build",
     "register",
 ]

@@ -12,15 +12,19 @@ wraparound, so the ledger only ever subtracts two readings of the same key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 __all__ = [
     "CpuReading",
     "GpuReading",
     "HostReading",
+    "MeasuresProcesses",
     "Probe",
     "ProbeInfo",
     "Readings",
+    "SampledEvery",
+    "ShowsClockCaps",
+    "SimulatesGpus",
 ]
 
 
@@ -123,11 +127,12 @@ class Probe(Protocol):
     """A source of readings.
 
     ``open()`` detects the source and raises :class:`greend.errors.NoData` when it is
-    absent (or ``NoPermission``); it is called once. A probe may set a class
-    attribute ``interval_s`` to be sampled less often than every tick; the tick loop
-    carries its last readings in between. ``sample(now_s)`` returns this
+    absent (or ``NoPermission``); it is called once. ``sample(now_s)`` returns this
     tick's readings; ``now_s`` is the tick's monotonic time in seconds. ``info()``
     describes what was found. ``close()`` releases handles.
+
+    What a probe may do besides is one of the small protocols below; callers ask with
+    ``isinstance(probe, SampledEvery)`` and so on, never by looking for attributes.
     """
 
     name: str
@@ -139,3 +144,37 @@ class Probe(Protocol):
     def info(self) -> ProbeInfo: ...
 
     def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- optional abilities
+
+
+@runtime_checkable
+class SampledEvery(Protocol):
+    """A probe sampled less often than every tick: at most every ``interval_s``
+    seconds; the tick loop carries its last readings in between."""
+
+    interval_s: float
+
+
+@runtime_checkable
+class ShowsClockCaps(Protocol):
+    """A GPU probe whose readings carry ``clock_cap_mhz``, which the device cannot tell:
+    ``cap_lookup(index)`` (the actuators' record) answers the locked max SM clock."""
+
+    def use_cap_lookup(self, cap_lookup: Callable[[int], float | None] | None) -> None: ...
+
+
+@runtime_checkable
+class SimulatesGpus(Protocol):
+    """A GPU probe that may stand in front of simulated GPUs: ``sim_gpu(index)`` is the
+    simulator's device behind GPU ``index``, or None for a real one."""
+
+    def sim_gpu(self, index: int) -> Any | None: ...
+
+
+@runtime_checkable
+class MeasuresProcesses(Protocol):
+    """A probe that can tell the CPU seconds of processes (descendants included)."""
+
+    def process_cpu_s(self, pids: list[int]) -> dict[int, float]: ...

@@ -19,43 +19,38 @@ What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
   power is itself a ~1 s average, and the energy (what prices the steps) comes
   from the counter. A GPU that integrates power reads it every tick.
 - ``clock_cap_mhz``: NVML has no getter for locked clocks, so the actuator layer
-  (which set them) answers through the injected ``cap_lookup(index)``.
+  (which set them) answers through the ``cap_lookup(index)`` given to the constructor
+  or to :meth:`NvmlProbe.use_cap_lookup`.
+
+The probe only reads. Settings are written by the GPU actuator
+(:mod:`greend.actuators.gpu`) over the same :class:`~greend.probes.nvml_device.NvmlDevices`
+(:attr:`NvmlProbe.devices`): the module, the handles, the lost GPUs and the count of
+settings writes that tells the probe to read a GPU's settings again.
 
 Failure isolation: a GPU that answers ``GPU_IS_LOST`` is logged once as an error,
 marked lost and left out of later readings while the others carry on.
 
 Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
-by :func:`translate_nvml_error`) into :mod:`greend.errors`, raised ``from`` the
-original.
+by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
+:mod:`greend.errors`, raised ``from`` the original.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from greend.errors import DeviceLost, NoData, NoPermission, NotSupported, ProbeError
-from greend.units import mj_to_j, mw_to_w, w_to_mw
+from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
+from greend.units import mj_to_j, mw_to_w
 
 from . import ProbeContext, register
 from .base import GpuReading, Probe, ProbeInfo, Readings
+from .nvml_device import NVML_ERROR_MAP, NvmlDevices, translate_nvml_error
 
 __all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
 
 log = logging.getLogger(__name__)
-
-# NVML return codes (nvml.h; a stable C ABI, the same numbers as pynvml's
-# NVML_ERROR_* constants) -> the greend error they mean. Anything else: ProbeError.
-NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
-    3: ("NVML_ERROR_NOT_SUPPORTED", NotSupported),
-    13: ("NVML_ERROR_FUNCTION_NOT_FOUND", NotSupported),  # driver too old for the call
-    4: ("NVML_ERROR_NO_PERMISSION", NoPermission),
-    15: ("NVML_ERROR_GPU_IS_LOST", DeviceLost),
-    12: ("NVML_ERROR_LIBRARY_NOT_FOUND", NoData),
-    9: ("NVML_ERROR_DRIVER_NOT_LOADED", NoData),
-}
 
 # Clocks, utilisation, temperature, power limit (and power, where the energy
 # counter works) are re-read at most this often.
@@ -65,18 +60,6 @@ NO_NVML_FIX = (
     "install the NVIDIA driver (it provides libnvidia-ml.so) and the nvidia-ml-py "
     "package, or run `greend run --sim N` for simulated GPUs"
 )
-
-
-def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:
-    """The greend error for an NVML error (``exc.value`` is the NVML code).
-
-    ``what`` names the call and device (``"gpu1 nvmlDeviceGetPowerUsage"``). The
-    caller raises the result ``from exc``.
-    """
-    code = getattr(exc, "value", None)
-    entry = NVML_ERROR_MAP.get(code) if isinstance(code, int) else None
-    cls: type[ProbeError] = entry[1] if entry else ProbeError
-    return cls(f"{what}: {exc} (NVML code {code})")
 
 
 @dataclass
@@ -97,11 +80,10 @@ class _Gpu:
     energy_j: float = 0.0  # cumulative since open
     last_counter_mj: int | None = None
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
-    lost: bool = False
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
-    settings_changed: int = 0  # bumped by every setter; a slow read that saw it change is redone
+    slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
     power_w: float | None = None  # the last power read (with the slow fields, or every tick)
 
 
@@ -122,17 +104,13 @@ class NvmlProbe:
     ) -> None:
         self.name = source
         self.source = source
-        self.cap_lookup = cap_lookup
-        self._nvml: Any | None = nvml
+        self._cap_lookup = cap_lookup
+        self._devices = NvmlDevices(nvml)
         self._opened = False
         self._gpus: list[_Gpu] = []
-        self._lost: dict[int, str] = {}  # index -> why
         self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
         self._driver_version: str | None = None
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
-        # Setters run on the IPC thread, sampling on the tick thread: this lock keeps a
-        # setter's "read the settings again" from being overwritten by a read it overtook.
-        self._settings_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -142,15 +120,19 @@ class NvmlProbe:
     @property
     def nvml(self) -> Any | None:
         """The NVML module in use (None before ``open()`` when defaulted)."""
-        return self._nvml
+        return self._devices.nvml
+
+    @property
+    def devices(self) -> NvmlDevices:
+        """The device layer this probe reads through; the GPU actuator writes through it."""
+        return self._devices
+
+    def use_cap_lookup(self, cap_lookup: Callable[[int], float | None] | None) -> None:
+        """Where ``clock_cap_mhz`` comes from: the locked max SM clock the actuators applied."""
+        self._cap_lookup = cap_lookup
 
     def _call(self, what: str, fn: str, *args: Any) -> Any:
-        nvml = self._nvml
-        assert nvml is not None
-        try:
-            return getattr(nvml, fn)(*args)
-        except nvml.NVMLError as e:
-            raise translate_nvml_error(e, f"{what} {fn}") from e
+        return self._devices.call(what, fn, *args)
 
     def _optional(self, gpu: _Gpu, fn: str, *args: Any) -> Any | None:
         """A call whose failure costs one field: None on NOT_SUPPORTED and on other
@@ -172,16 +154,14 @@ class NvmlProbe:
     def open(self) -> None:
         if self._opened:
             return
-        if self._nvml is None:
-            try:
-                import pynvml
-            except ImportError as e:
-                self._no_nvml("the nvidia-ml-py package (module pynvml) is not installed")
-                raise NoData(f"no NVML on this node: {e} (fix: pip install nvidia-ml-py)") from e
-            self._nvml = pynvml
         try:
-            self._nvml.nvmlInit()
-        except self._nvml.NVMLError as e:
+            nvml = self._devices.import_module()
+        except ImportError as e:
+            self._no_nvml("the nvidia-ml-py package (module pynvml) is not installed")
+            raise NoData(f"no NVML on this node: {e} (fix: pip install nvidia-ml-py)") from e
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
             err = translate_nvml_error(e, "nvmlInit")
             if isinstance(err, NoData):
                 self._no_nvml(str(e))
@@ -194,7 +174,7 @@ class NvmlProbe:
         except BaseException:
             self.close()
             raise
-        if not self._gpus and not self._lost:
+        if not self._gpus and not self._devices.lost:
             self.close()
             self._unavailable = ("NVML found no GPUs on this node", None)
             raise NoData("NVML found no GPUs on this node")
@@ -210,15 +190,19 @@ class NvmlProbe:
         except ProbeError:
             self._driver_version = None
         count = int(self._call("node", "nvmlDeviceGetCount"))
-        self._gpus, self._lost, self._open_errors = [], {}, {}
+        self._gpus, self._open_errors = [], {}
+        self._devices.forget_all()
         for i in range(count):
             try:
-                self._gpus.append(self._open_gpu(i))
+                gpu = self._open_gpu(i)
             except DeviceLost as e:
-                self._mark_lost(i, str(e))
+                self._devices.mark_lost(i, str(e))
             except ProbeError as e:
                 log.error("gpu%d left out: %s", i, e)
                 self._open_errors[i] = str(e)
+            else:
+                self._gpus.append(gpu)
+                self._devices.add(i, gpu.handle)
 
     def _open_gpu(self, i: int) -> _Gpu:
         what = f"gpu{i}"
@@ -230,7 +214,7 @@ class NvmlProbe:
             uuid=_text(self._call(what, "nvmlDeviceGetUUID", handle)),
             energy_method="counter",
         )
-        nvml = self._nvml
+        nvml = self._devices.nvml
         mem_clocks = self._optional(gpu, "nvmlDeviceGetSupportedMemoryClocks", handle)
         if mem_clocks:
             sm = self._optional(gpu, "nvmlDeviceGetSupportedGraphicsClocks", handle, max(mem_clocks))
@@ -253,25 +237,17 @@ class NvmlProbe:
             log.info("gpu%d (%s) has no energy counter: integrating power samples", i, gpu.name)
         return gpu
 
-    def _mark_lost(self, index: int, why: str) -> None:
-        if index not in self._lost:
-            log.error("gpu%d is lost and left out of readings: %s", index, why)
-        self._lost[index] = why
-        for g in self._gpus:
-            if g.index == index:
-                g.lost = True
-
     def sample(self, now_s: float) -> Readings:
         if not self._opened:
             raise ProbeError(f"probe {self.name!r} sampled before open()")
         out = Readings()
         failures: list[ProbeError] = []
-        live = [g for g in self._gpus if not g.lost]
+        live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
         for gpu in live:
             try:
                 out.gpus.append(self._sample_gpu(gpu, now_s))
             except DeviceLost as e:
-                self._mark_lost(gpu.index, str(e))
+                self._devices.mark_lost(gpu.index, str(e))
             except ProbeError as e:
                 key = "sample"
                 if gpu.errors.get(key) != str(e):
@@ -283,11 +259,13 @@ class NvmlProbe:
         return out
 
     def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
-        nvml, h, what = self._nvml, gpu.handle, f"gpu{gpu.index}"
+        nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
         # Energy is read every tick (it prices the steps); the rest once a second:
         # one NVML call per GPU per tick instead of eight, which is most of the
         # daemon's CPU. Power too, unless it is what the energy is integrated from.
-        slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S
+        # A settings write since the last slow read makes them due at once.
+        writes = self._devices.settings_writes(gpu.index)
+        slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S or writes != gpu.slow_read_after_writes
         if gpu.energy_method == "counter":
             self._account_energy(gpu, what, None, now_s)
         if gpu.energy_method != "counter" or slow:
@@ -297,7 +275,6 @@ class NvmlProbe:
                 self._account_energy(gpu, what, gpu.power_w, now_s)
         power_w = gpu.power_w
         if slow:
-            changed = gpu.settings_changed
             util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)
             sm = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_SM)
             mem = self._optional(gpu, "nvmlDeviceGetClockInfo", h, nvml.NVML_CLOCK_MEM)
@@ -306,9 +283,9 @@ class NvmlProbe:
             if limit is None:
                 limit = self._optional(gpu, "nvmlDeviceGetPowerManagementLimit", h)
             gpu.slow = (util, sm, mem, temp, limit)
-            with self._settings_lock:
-                if gpu.settings_changed == changed:  # else a setter ran meanwhile: read again next tick
-                    gpu.slow_at_s = now_s
+            # A write that landed during these reads leaves them due: read again next tick.
+            if self._devices.settings_writes(gpu.index) == writes:
+                gpu.slow_at_s, gpu.slow_read_after_writes = now_s, writes
         util, sm, mem, temp, limit = gpu.slow
         return GpuReading(
             index=gpu.index,
@@ -364,10 +341,10 @@ class NvmlProbe:
         gpu.last_power = (now_s, power_w)
 
     def _clock_cap(self, index: int) -> float | None:
-        if self.cap_lookup is None:
+        if self._cap_lookup is None:
             return None
         try:
-            cap = self.cap_lookup(index)
+            cap = self._cap_lookup(index)
         except Exception as e:  # the actuator layer must not break sampling
             log.warning("cap_lookup(%d) failed: %s", index, e)
             return None
@@ -381,16 +358,17 @@ class NvmlProbe:
             f"gpu{g.index}: {g.name} ({g.uuid}), energy by {g.energy_method}"
             + (f"; errors: {'; '.join(g.errors.values())}" if g.errors else "")
             for g in self._gpus
-            if not g.lost
+            if not self._devices.is_lost(g.index)
         ]
-        devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(self._lost.items())]
+        lost = self._devices.lost
+        devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(lost.items())]
         devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
-        live = sum(not g.lost for g in self._gpus)
+        live = sum(not self._devices.is_lost(g.index) for g in self._gpus)
         parts = [f"{live} GPU(s) via NVML"]
         if self._driver_version:
             parts.append(f"driver {self._driver_version}")
-        if self._lost:
-            parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(self._lost))}")
+        if lost:
+            parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(lost))}")
         if self._open_errors:
             parts.append(f"not opened: {', '.join(f'gpu{i}' for i in sorted(self._open_errors))}")
         return ProbeInfo(self.name, available=live > 0, detail=", ".join(parts), devices=devices)
@@ -400,7 +378,7 @@ class NvmlProbe:
             return
         self._opened = False
         try:
-            self._nvml.nvmlShutdown()
+            self._call("node", "nvmlShutdown")
         except Exception as e:  # closing must not fail the daemon's shutdown
             log.debug("nvmlShutdown: %s", e)
 
@@ -409,7 +387,7 @@ class NvmlProbe:
     @property
     def lost_gpus(self) -> dict[int, str]:
         """Index -> why, for GPUs that fell off the bus."""
-        return dict(self._lost)
+        return self._devices.lost
 
     @property
     def device_errors(self) -> dict[int, dict[str, str]]:
@@ -421,47 +399,16 @@ class NvmlProbe:
 
     @property
     def gpu_indices(self) -> list[int]:
-        return [g.index for g in self._gpus if not g.lost]
-
-    def handle(self, index: int) -> Any:
-        """The NVML handle of GPU ``index`` (KeyError if unknown, DeviceLost if lost)."""
-        for g in self._gpus:
-            if g.index == index:
-                if g.lost:
-                    raise DeviceLost(f"gpu{index} is lost: {self._lost.get(index, '')}")
-                return g.handle
-        raise KeyError(f"no gpu{index} in probe {self.name!r}")
-
-    def _setter(self, index: int, fn: str, *args: Any) -> None:
-        h = self.handle(index)
-        try:
-            self._call(f"gpu{index}", fn, h, *args)
-        except DeviceLost as e:
-            self._mark_lost(index, str(e))
-            raise
-        finally:
-            for g in self._gpus:
-                if g.index == index:
-                    with self._settings_lock:  # a setting changed: read it again next tick
-                        g.settings_changed += 1
-                        g.slow_at_s = float("-inf")
-
-    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
-        """``nvmlDeviceSetGpuLockedClocks``; NVML errors arrive as greend errors."""
-        self._setter(index, "nvmlDeviceSetGpuLockedClocks", int(min_mhz), int(max_mhz))
-
-    def reset_locked_clocks(self, index: int) -> None:
-        self._setter(index, "nvmlDeviceResetGpuLockedClocks")
-
-    def set_power_limit_w(self, index: int, power_w: float) -> None:
-        """``nvmlDeviceSetPowerManagementLimit`` (W here, mW to NVML)."""
-        self._setter(index, "nvmlDeviceSetPowerManagementLimit", w_to_mw(power_w))
+        return [g.index for g in self._gpus if not self._devices.is_lost(g.index)]
 
     def sim_gpu(self, index: int) -> Any | None:
         """The simulator's device behind GPU ``index`` when source is "sim", else None."""
-        if self.source != "sim" or self._nvml is None or not hasattr(type(self._nvml), "sim_gpu"):
+        from .fake_nvml import FakeNvml  # imported here: fake_nvml imports the simulator
+
+        nvml = self._devices.nvml
+        if self.source != "sim" or not isinstance(nvml, FakeNvml):
             return None
-        return self._nvml.sim_gpu(index)
+        return nvml.sim_gpu(index)
 
 
 def _text(value: Any) -> str:

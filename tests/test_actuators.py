@@ -10,7 +10,9 @@ from typing import Any, Callable
 import pytest
 
 from greend.errors import KnobError
-from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.actuators.rapl import RaplBackend
 from greend.errors import ActuatorError, DeviceLost, NoPermission, StateError
 from greend.actuators.state import STATE_FILE
 from greend.policies.base import UNCAPPED, Setting

@@ -9,7 +9,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from greend.errors import DeviceLost, NoData, NoPermission, NotSupported, ProbeError
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, NotSupported, ProbeError
 from greend.probes import REGISTRY, ProbeContext
 from greend.probes.base import Probe
 from greend.probes.fake_nvml import FakeNvml
@@ -187,8 +188,8 @@ def test_lost_gpu_is_dropped_and_the_other_goes_on(
     info = probe.info()
     assert info.available and "lost: gpu1" in info.detail
     assert any("gpu1: LOST" in d for d in info.devices)
-    with pytest.raises(DeviceLost):
-        probe.set_power_limit_w(1, 300)
+    with pytest.raises(DeviceLost):  # the GPU back end writes through the probe's devices
+        NvmlGpuBackend(probe).set_power_limit_w(1, 300)
 
 
 def test_all_gpus_lost_gives_empty_readings(probe: NvmlProbe, fake: FakeNvml) -> None:
@@ -230,19 +231,23 @@ def test_unsupported_optional_fields_read_none(tmp_path: Path, caplog: pytest.Lo
 
 
 def test_setters_map_errors(probe: NvmlProbe, fake: FakeNvml) -> None:
-    probe.set_locked_clocks_mhz(0, 345, 1500)
+    """The probe only reads; the GPU back end writes over the same NVML devices."""
+    assert not any(hasattr(probe, n) for n in ("set_locked_clocks_mhz", "reset_locked_clocks",
+                                               "set_power_limit_w"))
+    gpus = NvmlGpuBackend(probe)
+    gpus.set_locked_clocks_mhz(0, 345, 1500)
     assert fake.fake_get_locked_clocks(fake.nvmlDeviceGetHandleByIndex(0)) == (345, 1500)
-    probe.reset_locked_clocks(0)
-    probe.set_power_limit_w(1, 400.0)
+    gpus.reset_locked_clocks(0)
+    gpus.set_power_limit_w(1, 400.0)
     assert by_index(probe, 0.0)[1].power_limit_w == 400.0
     fake.inject(0, no_permission=True)
     with pytest.raises(NoPermission) as e:
-        probe.set_locked_clocks_mhz(0, 345, 1200)
+        gpus.set_locked_clocks_mhz(0, 345, 1200)
     assert isinstance(e.value.__cause__, pynvml.NVMLError_NoPermission)
     with pytest.raises(NoPermission):
-        probe.set_power_limit_w(0, 300.0)
-    with pytest.raises(ProbeError):  # INVALID_ARGUMENT: a plain ProbeError
-        probe.set_power_limit_w(1, 50.0)
+        gpus.set_power_limit_w(0, 300.0)
+    with pytest.raises(InvalidArgument):  # INVALID_ARGUMENT: a ProbeError of its own type
+        gpus.set_power_limit_w(1, 50.0)
 
 
 class SetsDuringTheRead(CallCounter):
@@ -272,8 +277,9 @@ def test_a_setting_changed_during_the_slow_read_is_read_again_next_tick(
     probe = NvmlProbe(nvml=nvml, source="sim")
     probe.open()
     assert by_index(probe, 0.0)[0].power_limit_w == 700
-    nvml.during_read = lambda: probe.set_power_limit_w(0, 450.0)
-    probe.set_locked_clocks_mhz(0, 345, 1500)  # makes the slow fields due at once
+    gpus = NvmlGpuBackend(probe)
+    nvml.during_read = lambda: gpus.set_power_limit_w(0, 450.0)
+    gpus.set_locked_clocks_mhz(0, 345, 1500)  # makes the slow fields due at once
     assert by_index(probe, 0.1)[0].power_limit_w == 700  # read before the set landed
     # Not a second later: the very next tick reads it again.
     assert by_index(probe, 0.2)[0].power_limit_w == 450
@@ -317,6 +323,7 @@ def test_one_error_table() -> None:
     for code, (name, _cls) in NVML_ERROR_MAP.items():
         assert getattr(pynvml, name) == code
     cases = {
+        pynvml.NVML_ERROR_INVALID_ARGUMENT: InvalidArgument,
         pynvml.NVML_ERROR_NOT_SUPPORTED: NotSupported,
         pynvml.NVML_ERROR_NO_PERMISSION: NoPermission,
         pynvml.NVML_ERROR_GPU_IS_LOST: DeviceLost,

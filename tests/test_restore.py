@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.actuators.rapl import RaplBackend
 from greend.actuators.restore import main, restore_from_state_dir
 from greend.actuators.state import STATE_FILE
 from greend.policies.base import Setting
@@ -27,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 APPLY_AND_HANG = """
 import sys, time
 from pathlib import Path
-from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.actuators.rapl import RaplBackend
 from greend.policies.base import Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.nvml import NvmlProbe

@@ -1,17 +1,15 @@
-"""Actuators: the knobs greend turns, saved before the first write and restored.
+"""The Controller: the knobs greend turns, saved before the first write and restored.
 
-Knobs (DESIGN.md, "Control rules"): a GPU's locked SM clocks
-(``nvmlDeviceSetGpuLockedClocks`` / ``nvmlDeviceResetGpuLockedClocks``), a GPU's
-power limit (within ``nvmlDeviceGetPowerManagementLimitConstraints``) and a RAPL
-zone's power limit (``constraint_N_power_limit_uw``, long and short term).
+Knobs: a GPU's locked SM clocks and power limit (:mod:`greend.actuators.gpu`) and a
+RAPL zone's power limit, long and short term (:mod:`greend.actuators.rapl`).
 
 Layers::
 
     Controller   what the daemon, the policies and greenctl call: snapping and
       |          clamping, read-before-write, save-before-first-write, owners,
       |          restore (per GPU, per owner, everything), dry-run
-      +-- GpuBackend     (protocol) NvmlGpuBackend over an NvmlProbe: real NVML,
-      |                  or the simulator's FakeNvml (source "sim")
+      +-- GpuBackend     (protocol) NvmlGpuBackend over the NVML device layer it shares
+      |                  with the NVML probe: real NVML, or the simulator's FakeNvml
       +-- RaplBackend    powercap sysfs under an injected root
       +-- StateFile      <state_dir>/saved-settings.json (greend.actuators.state)
 
@@ -35,7 +33,7 @@ Rules the Controller keeps:
 Every NVML or sysfs error arrives as a :class:`KnobError` (an
 :class:`~greend.errors.ActuatorError`) raised ``from`` the greend probe error
 (``NoPermission``, ``DeviceLost``, ``NotSupported``...) and naming the device,
-the knob and the fix.
+the knob and the fix (:mod:`greend.actuators.knob_errors`).
 """
 
 from __future__ import annotations
@@ -44,33 +42,13 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from greend.policies.base import UNCAPPED, Setting
-from greend.probes.nvml import NvmlProbe, translate_nvml_error
-from greend.probes.rapl import (
-    ReadText,
-    WriteText,
-    read_power_limit_uw,
-    read_text,
-    write_limit_file,
-    write_power_limit_uw,
-    write_text,
-)
-
-from greend.errors import (
-    KnobError,
-    ActuatorError,
-    DeviceLost,
-    GreendError,
-    NoData,
-    NoPermission,
-    NotSupported,
-    ProbeError,
-    StateError,
-)
+from greend.actuators.gpu import GpuBackend
+from greend.actuators.knob_errors import guarded, knob_error
+from greend.actuators.rapl import RaplBackend
+from greend.actuators.report import RestoreFailure, RestoreReport
 from greend.actuators.state import (
     CLOCK_KNOB,
     GPU_KNOBS,
@@ -83,402 +61,30 @@ from greend.actuators.state import (
     StateFile,
     backend_key,
 )
-from greend.units import mw_to_w, uw_to_w, w_to_mw, w_to_uw
+from greend.errors import (
+    ActuatorError,
+    GreendError,
+    KnobError,
+    ProbeError,
+    StateError,
+)
+from greend.policies.base import UNCAPPED, Setting
+from greend.units import uw_to_w, w_to_mw, w_to_uw
 
-__all__ = [
-    "Controller",
-    "GpuBackend",
-    "NvmlGpuBackend",
-    "RaplBackend",
-    "RaplConstraint",
-    "RaplZoneRef",
-    "RestoreFailure",
-    "RestoreReport",
-]
+__all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
-RAPL_LIMIT_CONSTRAINTS: tuple[str, ...] = ("long_term", "short_term")
-_NVML_NOT_FOUND = 6
-
-NO_PERMISSION_FIX = "run greend as root or with CAP_SYS_ADMIN (its systemd unit does)"
-LOST_FIX = (
-    "the GPU fell off the bus or the driver reset: check `nvidia-smi` and `dmesg` for Xid "
-    "errors; its original setting stays in the saved-settings file and "
-    "`greend restore --state-dir DIR` retries"
-)
-NOT_SUPPORTED_FIX = "this GPU or driver does not support the knob; leave it to the other knobs"
-
-
-# --------------------------------------------------------------------------- errors
-
-
-def _knob_error(device: str, knob: str, action: str, exc: BaseException) -> KnobError:
-    if isinstance(exc, KnobError):
-        return exc
-    if isinstance(exc, NoPermission):
-        reason, fix = "no_permission", NO_PERMISSION_FIX
-    elif isinstance(exc, DeviceLost):
-        reason, fix = "lost", LOST_FIX
-    elif isinstance(exc, NotSupported):
-        reason, fix = "not_supported", NOT_SUPPORTED_FIX
-    elif isinstance(exc, ActuatorError):  # greend.probes.rapl write errors carry their own fix
-        return KnobError(f"{device} {knob}: cannot {action}: {exc}", device=device, knob=knob,
-                         reason="no_permission" if "permission" in str(exc) else "failed")
-    elif "(NVML code 2)" in str(exc):  # NVML_ERROR_INVALID_ARGUMENT
-        reason, fix = "invalid", "the value is outside what this GPU accepts"
-    else:
-        reason, fix = "failed", "see the error; `greenctl doctor` checks NVML and RAPL access"
-    return KnobError(f"{device} {knob}: cannot {action}: {exc}; fix: {fix}",
-                     device=device, knob=knob, reason=reason)
-
-
-def _guard(device: str, knob: str, action: str, fn: Callable[[], T]) -> T:
-    """Run ``fn``; any greend probe/actuator error becomes a :class:`KnobError`."""
-    try:
-        return fn()
-    except (ProbeError, ActuatorError) as e:
-        raise _knob_error(device, knob, action, e) from e
-    except OSError as e:
-        raise _knob_error(device, knob, action, ProbeError(str(e))) from e
-
-
-# --------------------------------------------------------------------------- reports
-
-
-@dataclass
-class RestoreFailure:
-    """A knob that could not be restored (it stays in the saved-settings file)."""
-
-    device: str
-    knob: str
-    message: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"device": self.device, "knob": self.knob, "message": self.message}
-
-
-@dataclass
-class RestoreReport:
-    """What a restore did. ``exit_code``: 0 nothing to do or all restored, 1 some
-    device failed (listed in ``failed``), 2 the state file is corrupt (``state_error``)."""
-
-    restored: list[str] = field(default_factory=list)
-    failed: list[RestoreFailure] = field(default_factory=list)
-    state_error: str | None = None
-    notes: list[str] = field(default_factory=list)
-    dry_run: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed and self.state_error is None
-
-    @property
-    def exit_code(self) -> int:
-        if self.state_error is not None:
-            return 2
-        return 1 if self.failed else 0
-
-    def extend(self, other: RestoreReport) -> None:
-        self.restored += other.restored
-        self.failed += other.failed
-        self.notes += other.notes
-        if other.state_error and not self.state_error:
-            self.state_error = other.state_error
-
-    def lines(self) -> list[str]:
-        """Human-readable lines (what ``greend restore`` prints)."""
-        if self.state_error:
-            return [f"error: {self.state_error}"]
-        verb = "would restore" if self.dry_run else "restored"
-        out = [f"{verb} {r}" for r in self.restored]
-        out += [f"FAILED {f.device} {f.knob}: {f.message}" for f in self.failed]
-        out += self.notes
-        if not self.restored and not self.failed:
-            out.append("nothing to restore")
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "restored": list(self.restored),
-            "failed": [f.to_json() for f in self.failed],
-            "state_error": self.state_error,
-            "notes": list(self.notes),
-            "dry_run": self.dry_run,
-            "exit_code": self.exit_code,
-        }
-
-
-# --------------------------------------------------------------------------- GPU backend
-
-
-@runtime_checkable
-class GpuBackend(Protocol):
-    """The GPU knobs, in SI units. Errors are greend probe errors (``NoPermission``,
-    ``DeviceLost``, ``NotSupported``, ``ProbeError``); the Controller names knob and fix.
-
-    ``kind``: ``"nvml"`` or ``"sim"``; ``sim_dir``: the simulator's directory (sim only).
-    """
-
-    kind: str
-    sim_dir: str | None
-
-    def indices(self) -> list[int]: ...
-
-    def uuid(self, index: int) -> str: ...
-
-    def index_of_uuid(self, uuid: str) -> int | None: ...
-
-    def power_limit_w(self, index: int) -> float: ...
-
-    def default_power_limit_w(self, index: int) -> float: ...
-
-    def power_limit_constraints_w(self, index: int) -> tuple[float, float]: ...
-
-    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]: ...
-
-    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None: ...
-
-    def reset_locked_clocks(self, index: int) -> None: ...
-
-    def set_power_limit_w(self, index: int, power_w: float) -> None: ...
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-class NvmlGpuBackend:
-    """:class:`GpuBackend` over an opened :class:`~greend.probes.nvml.NvmlProbe`.
-
-    The daemon passes the probe it samples with (so setters reset the probe's cached
-    clocks and limit); a standalone restore opens one with :meth:`open_nvml` or
-    :meth:`open_sim`. The sim is the fake NVML, so the same code drives it.
-    """
-
-    def __init__(self, probe: NvmlProbe, *, owns_probe: bool = False) -> None:
-        self.probe = probe
-        self.kind = "sim" if probe.source == "sim" else "nvml"
-        sim_dir = getattr(probe.nvml, "state_dir", None) if self.kind == "sim" else None
-        self.sim_dir: str | None = str(Path(sim_dir).resolve()) if sim_dir is not None else None
-        self._owns_probe = owns_probe
-        self._clocks: dict[int, tuple[int, ...]] = {}
-        self._constraints: dict[int, tuple[float, float]] = {}
-
-    def __repr__(self) -> str:
-        return f"NvmlGpuBackend(kind={self.kind!r}, sim_dir={self.sim_dir!r})"
-
-    @classmethod
-    def open_nvml(cls, nvml_module: Any | None = None) -> NvmlGpuBackend:
-        """Open NVML (``import pynvml`` unless a module is given). Raises ``NoData``
-        when there is no driver, and other probe errors as the probe does."""
-        probe = NvmlProbe(nvml=nvml_module, source="nvml")
-        probe.open()
-        return cls(probe, owns_probe=True)
-
-    @classmethod
-    def open_sim(cls, sim_dir: Path | str) -> NvmlGpuBackend:
-        """Open the simulated GPUs already in ``sim_dir`` (creates none)."""
-        from greend.probes.fake_nvml import FakeNvml
-
-        d = Path(sim_dir)
-        if not d.is_dir():
-            raise NoData(f"the simulated GPUs' directory {d} does not exist")
-        probe = NvmlProbe(nvml=FakeNvml(d), source="sim")
-        probe.open()
-        return cls(probe, owns_probe=True)
-
-    def close(self) -> None:
-        """Close the probe if this backend opened it."""
-        if self._owns_probe:
-            self.probe.close()
-
-    @property
-    def key(self) -> str:
-        return backend_key(self.kind, self.sim_dir)
-
-    # ---- plumbing
-
-    def _handle(self, index: int) -> Any:
-        lost = self.probe.lost_gpus
-        if index in lost:
-            raise DeviceLost(f"gpu{index} is lost: {lost[index]}")
-        try:
-            return self.probe.handle(index)
-        except KeyError:
-            raise NoData(
-                f"there is no gpu{index} on this node (NVML lists "
-                f"{', '.join(f'gpu{i}' for i in self.indices()) or 'none'})"
-            ) from None
-
-    def _call(self, index: int, fn: str, *args: Any) -> Any:
-        nvml = self.probe.nvml
-        assert nvml is not None, "the NVML probe is not open"
-        handle = self._handle(index)
-        try:
-            return getattr(nvml, fn)(handle, *args)
-        except nvml.NVMLError as e:
-            raise translate_nvml_error(e, f"gpu{index} {fn}") from e
-
-    # ---- GpuBackend
-
-    def indices(self) -> list[int]:
-        return self.probe.gpu_indices
-
-    def uuid(self, index: int) -> str:
-        return _text(self._call(index, "nvmlDeviceGetUUID"))
-
-    def index_of_uuid(self, uuid: str) -> int | None:
-        nvml = self.probe.nvml
-        assert nvml is not None, "the NVML probe is not open"
-        try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            return int(nvml.nvmlDeviceGetIndex(handle))
-        except nvml.NVMLError as e:
-            if getattr(e, "value", None) == _NVML_NOT_FOUND:
-                return None
-            raise translate_nvml_error(e, f"GPU {uuid} nvmlDeviceGetHandleByUUID") from e
-
-    def power_limit_w(self, index: int) -> float:
-        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementLimit"))
-
-    def default_power_limit_w(self, index: int) -> float:
-        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementDefaultLimit"))
-
-    def power_limit_constraints_w(self, index: int) -> tuple[float, float]:
-        if index not in self._constraints:
-            lo, hi = self._call(index, "nvmlDeviceGetPowerManagementLimitConstraints")
-            self._constraints[index] = (mw_to_w(lo), mw_to_w(hi))
-        return self._constraints[index]
-
-    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]:
-        """Descending, as NVML lists them (at the highest memory clock)."""
-        if index not in self._clocks:
-            mem = self._call(index, "nvmlDeviceGetSupportedMemoryClocks")
-            sm = self._call(index, "nvmlDeviceGetSupportedGraphicsClocks", max(mem)) if mem else []
-            self._clocks[index] = tuple(sorted({int(f) for f in sm}, reverse=True))
-        return self._clocks[index]
-
-    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
-        self._handle(index)
-        self.probe.set_locked_clocks_mhz(index, min_mhz, max_mhz)
-
-    def reset_locked_clocks(self, index: int) -> None:
-        self._handle(index)
-        self.probe.reset_locked_clocks(index)
-
-    def set_power_limit_w(self, index: int, power_w: float) -> None:
-        self._handle(index)
-        self.probe.set_power_limit_w(index, power_w)
-
-
-# --------------------------------------------------------------------------- RAPL backend
-
-
-@dataclass(frozen=True)
-class RaplZoneRef:
-    """A powercap zone: ``zone_id`` ("intel-rapl:0"), the kernel ``name``
-    ("package-0"), its directory and its path relative to the sysfs root."""
-
-    zone_id: str
-    name: str
-    dir: Path
-    rel_path: str
-
-    @property
-    def device(self) -> str:
-        return f"{self.name} ({self.zone_id})"
-
-
-@dataclass(frozen=True)
-class RaplConstraint:
-    index: int
-    name: str
-    max_uw: int  # 0: the kernel gives no maximum
-
-
-class RaplBackend:
-    """RAPL power limits under ``<sysfs_root>/class/powercap`` (root injected).
-
-    ``read``/``write`` are injectable like the RAPL probe's, for failure tests.
-    """
-
-    def __init__(self, sysfs_root: Path | str, *, read: ReadText = read_text,
-                 write: WriteText = write_text) -> None:
-        self.sysfs_root = Path(sysfs_root).resolve()
-        self._read = read
-        self._write = write
-
-    def __repr__(self) -> str:
-        return f"RaplBackend({str(self.sysfs_root)!r})"
-
-    @property
-    def key(self) -> str:
-        return str(self.sysfs_root)
-
-    def resolve(self, zone: str | Path) -> RaplZoneRef:
-        """``"intel-rapl:0"``, ``"class/powercap/intel-rapl:0"`` (relative to the root)
-        or an absolute path under the root. Raises ``NoData`` for an absent zone."""
-        text = str(zone)
-        if Path(text).is_absolute():
-            try:
-                rel = str(Path(text).relative_to(self.sysfs_root))
-            except ValueError:
-                raise NoData(f"RAPL zone {text} is not under the sysfs root {self.sysfs_root}") from None
-        elif "/" in text:
-            rel = text.strip("/")
-        else:
-            rel = f"class/powercap/{text}"
-        zdir = self.sysfs_root / rel
-        if not zdir.is_dir():
-            raise NoData(f"no RAPL zone {text!r} under {self.sysfs_root} ({zdir} does not exist)")
-        try:
-            name = self._read(zdir / "name").strip()
-        except OSError:
-            name = Path(rel).name
-        return RaplZoneRef(zone_id=Path(rel).name, name=name, dir=zdir, rel_path=rel)
-
-    def constraints(self, ref: RaplZoneRef) -> list[RaplConstraint]:
-        """The zone's long_term and short_term constraints, in index order."""
-        out: list[RaplConstraint] = []
-        for n in range(17):
-            try:
-                cname = self._read(ref.dir / f"constraint_{n}_name").strip()
-            except OSError:
-                break
-            if cname not in RAPL_LIMIT_CONSTRAINTS:
-                continue
-            try:
-                max_uw = int(self._read(ref.dir / f"constraint_{n}_max_power_uw").strip())
-            except (OSError, ValueError):
-                max_uw = 0
-            out.append(RaplConstraint(n, cname, max_uw))
-        return out
-
-    def read_limit_uw(self, ref: RaplZoneRef, n: int) -> int:
-        return read_power_limit_uw(ref.dir, n, read=self._read)
-
-    def write_limit_uw(self, ref: RaplZoneRef, n: int, uw: int) -> int:
-        """Clamped to the constraint's max, idempotent; returns the µW in force."""
-        return write_power_limit_uw(ref.dir, n, uw, read=self._read, write=self._write)
-
-    def restore_limit_uw(self, ref: RaplZoneRef, n: int, uw: int) -> bool:
-        """Write exactly ``uw`` (no clamping: it is the original); False if already so."""
-        if self.read_limit_uw(ref, n) == uw:
-            return False
-        write_limit_file(ref.dir / f"constraint_{n}_power_limit_uw", uw, write=self._write)
-        return True
-
-
-# --------------------------------------------------------------------------- controller
-
-
-def _fmt(value: float | None, unit: str) -> str:
+def _setting_text(value: float | None, unit: str) -> str:
     if value is None:
         return "unlocked" if unit == "MHz" else "original"
     return f"{value:g} {unit}"
+
+
+@runtime_checkable
+class _Closable(Protocol):
+    def close(self) -> None: ...
 
 
 class Controller:
@@ -639,7 +245,7 @@ class Controller:
                                  prev.power_limit_w if POWER_KNOB in keep else power)
                 if prev != target or self._dry_gpu_owner.get(index) != owner:
                     log.info("dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
-                             index, _fmt(clock, "MHz"), _fmt(power, "W"), owner)
+                             index, _setting_text(clock, "MHz"), _setting_text(power, "W"), owner)
                 if target.uncapped:
                     self._dry_gpu.pop(index, None)
                     self._dry_gpu_owner.pop(index, None)
@@ -676,10 +282,10 @@ class Controller:
             return
         current: float | None = None
         if knob == POWER_KNOB:
-            current = _guard(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+            current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
         if ks is None:
             if entry is None:
-                uuid = _guard(dev, knob, "read the UUID", lambda: backend.uuid(index))
+                uuid = guarded(dev, knob, "read the UUID", lambda: backend.uuid(index))
                 entry = GpuEntry(backend=backend.kind, sim_dir=backend.sim_dir, uuid=uuid, index=index)
                 self._state.gpus.append(entry)
                 dev = entry.device
@@ -693,7 +299,7 @@ class Controller:
                 self._drop_empty()
                 raise
             log.info("%s %s: saved original %s before the first write", dev, knob,
-                     _fmt(ks.original, "MHz" if knob == CLOCK_KNOB else "W"))
+                     _setting_text(ks.original, "MHz" if knob == CLOCK_KNOB else "W"))
         if knob == CLOCK_KNOB:
             in_force = ks.set == value
         else:
@@ -706,11 +312,11 @@ class Controller:
             return
         if knob == CLOCK_KNOB:
             lo = lowest if lowest is not None else int(value)
-            _guard(dev, knob, f"lock the SM clock to {lo}..{int(value)} MHz",
+            guarded(dev, knob, f"lock the SM clock to {lo}..{int(value)} MHz",
                    lambda: backend.set_locked_clocks_mhz(index, lo, int(value)))
             log.info("%s: SM clock locked to %d..%d MHz (owner %s)", dev, lo, int(value), owner)
         else:
-            _guard(dev, knob, f"set the power limit to {value:g} W",
+            guarded(dev, knob, f"set the power limit to {value:g} W",
                    lambda: backend.set_power_limit_w(index, float(value)))
             log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
         ks.set, ks.owner, ks.updated_at = value, owner, time.time()
@@ -721,14 +327,14 @@ class Controller:
         """Put one knob back to its original; returns a line for the report."""
         dev = f"gpu{index} ({entry.uuid})"
         if knob == CLOCK_KNOB:
-            _guard(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
+            guarded(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
             log.info("%s: locked clocks reset (unlocked, as before greend)", dev)
             return f"{dev} {knob}: unlocked"
         original = ks.original
         assert original is not None
-        current = _guard(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+        current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
         if w_to_mw(current) != w_to_mw(original):
-            _guard(dev, knob, f"restore the power limit to {original:g} W",
+            guarded(dev, knob, f"restore the power limit to {original:g} W",
                    lambda: backend.set_power_limit_w(index, original))
             log.info("%s: power limit %g -> %g W (restored)", dev, current, original)
         return f"{dev} {knob}: {original:g} W"
@@ -753,7 +359,7 @@ class Controller:
         try:
             index = backend.index_of_uuid(entry.uuid)
         except (ProbeError, ActuatorError) as e:
-            err = _knob_error(entry.device, "/".join(knobs), "find the GPU by UUID", e)
+            err = knob_error(entry.device, "/".join(knobs), "find the GPU by UUID", e)
             for k in knobs:
                 report.failed.append(RestoreFailure(entry.device, k, str(err)))
             return
@@ -801,7 +407,7 @@ class Controller:
         with self._lock:
             report = RestoreReport(dry_run=self.dry_run)
             rapl = self._primary_rapl()
-            ref = _guard(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
+            ref = guarded(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
             if self.dry_run:
                 if self._dry_cpu.pop(ref.rel_path, None) is not None:
                     report.restored.append(ref.rel_path)
@@ -825,7 +431,7 @@ class Controller:
                             device=str(zone_path), knob=POWER_KNOB, reason="invalid")
         with self._lock:
             rapl = self._primary_rapl()
-            ref = _guard(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
+            ref = guarded(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
             dev = ref.device
             if self.dry_run:
                 if watts is None:
@@ -846,14 +452,14 @@ class Controller:
                         raise KnobError(report.failed[0].message, device=dev, knob=POWER_KNOB,
                                         reason="failed")
                 return None
-            cons = _guard(dev, POWER_KNOB, "list the constraints", lambda: rapl.constraints(ref))
+            cons = guarded(dev, POWER_KNOB, "list the constraints", lambda: rapl.constraints(ref))
             if not cons:
                 raise KnobError(f"{dev} {POWER_KNOB}: the zone has no long_term or short_term "
                                 "constraint to limit", device=dev, knob=POWER_KNOB,
                                 reason="not_supported")
             if entry is None:
                 saved = [
-                    CpuConstraintState(c.index, c.name, _guard(
+                    CpuConstraintState(c.index, c.name, guarded(
                         dev, POWER_KNOB, f"read constraint {c.index}",
                         lambda c=c: rapl.read_limit_uw(ref, c.index)))  # type: ignore[misc]
                     for c in cons
@@ -874,7 +480,7 @@ class Controller:
             for c in cons:
                 st = by_index.get(c.index)
                 if st is None:  # a constraint the first write did not see
-                    orig = _guard(dev, POWER_KNOB, f"read constraint {c.index}",
+                    orig = guarded(dev, POWER_KNOB, f"read constraint {c.index}",
                                   lambda c=c: rapl.read_limit_uw(ref, c.index))  # type: ignore[misc]
                     st = CpuConstraintState(c.index, c.name, orig)
                     entry.constraints.append(st)
@@ -882,7 +488,7 @@ class Controller:
                 target = w_to_uw(watts)
                 if c.name == "short_term" and st.original_uw > 0:
                     target = min(target, st.original_uw)
-                in_force = _guard(dev, POWER_KNOB, f"set constraint {c.index} ({c.name})",
+                in_force = guarded(dev, POWER_KNOB, f"set constraint {c.index} ({c.name})",
                                   lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t))  # type: ignore[misc]
                 st.set_uw = in_force
                 if c.name == "long_term" or long_w is None:
@@ -908,7 +514,7 @@ class Controller:
         left: list[CpuConstraintState] = []
         for c in entry.constraints:
             try:
-                _guard(entry.device, POWER_KNOB, f"restore constraint {c.index} to {c.original_uw} uW",
+                guarded(entry.device, POWER_KNOB, f"restore constraint {c.index} to {c.original_uw} uW",
                        lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw))  # type: ignore[misc]
             except GreendError as e:
                 log.error("restore: %s", e)
@@ -1069,9 +675,8 @@ class Controller:
     def close(self) -> None:
         """Close backends that opened their own probes (restore's)."""
         for b in self._gpu_backends.values():
-            close = getattr(b, "close", None)
-            if callable(close):
+            if isinstance(b, _Closable):
                 try:
-                    close()
+                    b.close()
                 except Exception as e:  # noqa: BLE001 - closing never fails a restore
                     log.debug("closing %r: %s", b, e)

@@ -24,9 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from greend.actuators.controller import Controller, NvmlGpuBackend, RaplBackend, RestoreFailure, RestoreReport
-from greend.errors import GreendError, NoData, StateError
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.actuators.knob_errors import guarded
+from greend.actuators.rapl import RaplBackend
+from greend.actuators.report import RestoreFailure, RestoreReport
 from greend.actuators.state import StateFile
+from greend.errors import GreendError, NoData, StateError
 
 __all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
 
@@ -101,22 +105,20 @@ def restore_from_state_dir(
 def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:
     """Unlock the clocks and set the default power limit of every GPU of ``backend``,
     each on its own (``--force-defaults``, when the saved originals are lost)."""
-    from greend.actuators.controller import _guard  # the same error naming as the Controller's
-
     report = RestoreReport()
     for i in backend.indices():
         dev = f"gpu{i}"
         try:
-            _guard(dev, "clock_cap_mhz", "reset the locked clocks", lambda: backend.reset_locked_clocks(i))
+            guarded(dev, "clock_cap_mhz", "reset the locked clocks", lambda: backend.reset_locked_clocks(i))
             report.restored.append(f"{dev} clock_cap_mhz: unlocked (default)")
         except GreendError as e:
             report.failed.append(RestoreFailure(dev, "clock_cap_mhz", str(e)))
         try:
-            default = _guard(dev, "power_limit_w", "read the default power limit",
+            default = guarded(dev, "power_limit_w", "read the default power limit",
                              lambda: backend.default_power_limit_w(i))
-            current = _guard(dev, "power_limit_w", "read the power limit", lambda: backend.power_limit_w(i))
+            current = guarded(dev, "power_limit_w", "read the power limit", lambda: backend.power_limit_w(i))
             if round(current * 1000) != round(default * 1000):
-                _guard(dev, "power_limit_w", f"set the default power limit {default:g} W",
+                guarded(dev, "power_limit_w", f"set the default power limit {default:g} W",
                        lambda: backend.set_power_limit_w(i, default))
             report.restored.append(f"{dev} power_limit_w: {default:g} W (default)")
         except GreendError as e:

@@ -1,0 +1,174 @@
+"""The GPU knobs: locked SM clocks (``nvmlDeviceSetGpuLockedClocks`` /
+``nvmlDeviceResetGpuLockedClocks``) and the power limit
+(``nvmlDeviceSetPowerManagementLimit``, within
+``nvmlDeviceGetPowerManagementLimitConstraints``).
+
+:class:`GpuBackend` is what the :class:`~greend.actuators.controller.Controller`
+drives; :class:`NvmlGpuBackend` implements it over the NVML device layer
+(:class:`~greend.probes.nvml_device.NvmlDevices`) it shares with the NVML probe,
+which only reads. Real NVML and the simulator's fake of it run the same code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from greend.errors import NoData
+from greend.probes.nvml import NvmlProbe
+from greend.probes.nvml_device import SimulatedNvml
+from greend.units import mw_to_w, w_to_mw
+
+from greend.actuators.state import backend_key
+
+__all__ = ["GpuBackend", "NvmlGpuBackend"]
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """The GPU knobs, in SI units. Errors are greend probe errors (``NoPermission``,
+    ``DeviceLost``, ``NotSupported``, ``ProbeError``); the Controller names knob and fix.
+
+    ``kind``: ``"nvml"`` or ``"sim"``; ``sim_dir``: the simulator's directory (sim only).
+    """
+
+    kind: str
+    sim_dir: str | None
+
+    def indices(self) -> list[int]: ...
+
+    def uuid(self, index: int) -> str: ...
+
+    def index_of_uuid(self, uuid: str) -> int | None: ...
+
+    def power_limit_w(self, index: int) -> float: ...
+
+    def default_power_limit_w(self, index: int) -> float: ...
+
+    def power_limit_constraints_w(self, index: int) -> tuple[float, float]: ...
+
+    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]: ...
+
+    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None: ...
+
+    def reset_locked_clocks(self, index: int) -> None: ...
+
+    def set_power_limit_w(self, index: int, power_w: float) -> None: ...
+
+
+def _text(value: Any) -> str:
+    """Old pynvml versions return bytes for names and UUIDs."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class NvmlGpuBackend:
+    """:class:`GpuBackend` over an opened :class:`~greend.probes.nvml.NvmlProbe`.
+
+    The daemon passes the probe it samples with: the two share its device layer, so
+    the probe reads a GPU's clocks and limit again after a write here. A standalone
+    restore opens one with :meth:`open_nvml` or :meth:`open_sim`. The sim is the fake
+    NVML, so the same code drives it.
+    """
+
+    def __init__(self, probe: NvmlProbe, *, owns_probe: bool = False) -> None:
+        self.probe = probe
+        self.devices = probe.devices
+        self.kind = "sim" if probe.source == "sim" else "nvml"
+        nvml = self.devices.nvml
+        sim = self.kind == "sim" and isinstance(nvml, SimulatedNvml)
+        self.sim_dir: str | None = str(Path(nvml.state_dir).resolve()) if sim else None
+        self._owns_probe = owns_probe
+        self._clocks: dict[int, tuple[int, ...]] = {}
+        self._constraints: dict[int, tuple[float, float]] = {}
+
+    def __repr__(self) -> str:
+        return f"NvmlGpuBackend(kind={self.kind!r}, sim_dir={self.sim_dir!r})"
+
+    @classmethod
+    def open_nvml(cls, nvml_module: Any | None = None) -> NvmlGpuBackend:
+        """Open NVML (``import pynvml`` unless a module is given). Raises ``NoData``
+        when there is no driver, and other probe errors as the probe does."""
+        probe = NvmlProbe(nvml=nvml_module, source="nvml")
+        probe.open()
+        return cls(probe, owns_probe=True)
+
+    @classmethod
+    def open_sim(cls, sim_dir: Path | str) -> NvmlGpuBackend:
+        """Open the simulated GPUs already in ``sim_dir`` (creates none)."""
+        from greend.probes.fake_nvml import FakeNvml
+
+        d = Path(sim_dir)
+        if not d.is_dir():
+            raise NoData(f"the simulated GPUs' directory {d} does not exist")
+        probe = NvmlProbe(nvml=FakeNvml(d), source="sim")
+        probe.open()
+        return cls(probe, owns_probe=True)
+
+    def close(self) -> None:
+        """Close the probe if this backend opened it."""
+        if self._owns_probe:
+            self.probe.close()
+
+    @property
+    def key(self) -> str:
+        return backend_key(self.kind, self.sim_dir)
+
+    # ---- plumbing
+
+    def _handle(self, index: int) -> Any:
+        try:
+            return self.devices.handle(index)
+        except KeyError:
+            raise NoData(
+                f"there is no gpu{index} on this node (NVML lists "
+                f"{', '.join(f'gpu{i}' for i in self.indices()) or 'none'})"
+            ) from None
+
+    def _call(self, index: int, fn: str, *args: Any) -> Any:
+        return self.devices.call(f"gpu{index}", fn, self._handle(index), *args)
+
+    def _write(self, index: int, fn: str, *args: Any) -> None:
+        self._handle(index)
+        self.devices.write(index, fn, *args)
+
+    # ---- GpuBackend
+
+    def indices(self) -> list[int]:
+        return self.devices.indices()
+
+    def uuid(self, index: int) -> str:
+        return _text(self._call(index, "nvmlDeviceGetUUID"))
+
+    def index_of_uuid(self, uuid: str) -> int | None:
+        return self.devices.index_of_uuid(uuid)
+
+    def power_limit_w(self, index: int) -> float:
+        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementLimit"))
+
+    def default_power_limit_w(self, index: int) -> float:
+        return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementDefaultLimit"))
+
+    def power_limit_constraints_w(self, index: int) -> tuple[float, float]:
+        if index not in self._constraints:
+            lo, hi = self._call(index, "nvmlDeviceGetPowerManagementLimitConstraints")
+            self._constraints[index] = (mw_to_w(lo), mw_to_w(hi))
+        return self._constraints[index]
+
+    def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]:
+        """Descending, as NVML lists them (at the highest memory clock)."""
+        if index not in self._clocks:
+            mem = self._call(index, "nvmlDeviceGetSupportedMemoryClocks")
+            sm = self._call(index, "nvmlDeviceGetSupportedGraphicsClocks", max(mem)) if mem else []
+            self._clocks[index] = tuple(sorted({int(f) for f in sm}, reverse=True))
+        return self._clocks[index]
+
+    def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
+        """``nvmlDeviceSetGpuLockedClocks``; NVML errors arrive as greend errors."""
+        self._write(index, "nvmlDeviceSetGpuLockedClocks", int(min_mhz), int(max_mhz))
+
+    def reset_locked_clocks(self, index: int) -> None:
+        self._write(index, "nvmlDeviceResetGpuLockedClocks")
+
+    def set_power_limit_w(self, index: int, power_w: float) -> None:
+        """``nvmlDeviceSetPowerManagementLimit`` (W here, mW to NVML)."""
+        self._write(index, "nvmlDeviceSetPowerManagementLimit", w_to_mw(power_w))

@@ -1,0 +1,163 @@
+"""The NVML device layer shared by the NVML probe (which reads) and the GPU actuator
+(:mod:`greend.actuators.gpu`, which writes).
+
+It holds the NVML module in use (``pynvml``, or the simulator's
+:class:`~greend.probes.fake_nvml.FakeNvml`), the handle of every GPU the probe
+enumerated, which GPUs are lost, and a per-GPU count of settings written, so the
+probe knows to read a GPU's settings again after a write.
+
+Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
+by :func:`translate_nvml_error`) into :mod:`greend.errors`, raised ``from`` the
+original: callers classify errors by their greend type, never by their text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, NotSupported, ProbeError
+
+__all__ = ["NVML_ERROR_MAP", "NvmlDevices", "SimulatedNvml", "translate_nvml_error"]
+
+log = logging.getLogger(__name__)
+
+# NVML return codes (nvml.h; a stable C ABI, the same numbers as pynvml's
+# NVML_ERROR_* constants) -> the greend error they mean. Anything else: ProbeError.
+NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
+    2: ("NVML_ERROR_INVALID_ARGUMENT", InvalidArgument),
+    3: ("NVML_ERROR_NOT_SUPPORTED", NotSupported),
+    13: ("NVML_ERROR_FUNCTION_NOT_FOUND", NotSupported),  # driver too old for the call
+    4: ("NVML_ERROR_NO_PERMISSION", NoPermission),
+    15: ("NVML_ERROR_GPU_IS_LOST", DeviceLost),
+    12: ("NVML_ERROR_LIBRARY_NOT_FOUND", NoData),
+    9: ("NVML_ERROR_DRIVER_NOT_LOADED", NoData),
+}
+
+NVML_ERROR_NOT_FOUND = 6
+
+
+@runtime_checkable
+class SimulatedNvml(Protocol):
+    """An NVML module in front of simulated GPUs (the simulator's ``FakeNvml``):
+    ``state_dir`` is where their state lives."""
+
+    state_dir: Path
+
+
+def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:
+    """The greend error for an NVML error (``exc.value`` is the NVML code).
+
+    ``what`` names the call and device (``"gpu1 nvmlDeviceGetPowerUsage"``). The
+    caller raises the result ``from exc``.
+    """
+    code = getattr(exc, "value", None)
+    entry = NVML_ERROR_MAP.get(code) if isinstance(code, int) else None
+    cls: type[ProbeError] = entry[1] if entry else ProbeError
+    return cls(f"{what}: {exc} (NVML code {code})")
+
+
+class NvmlDevices:
+    """The NVML module, the GPUs' handles, the lost GPUs and the settings writes.
+
+    ``nvml``: the module (None: ``import pynvml`` in :meth:`import_module`).
+    Thread-safe for what the two threads share: the tick thread reads, the IPC
+    thread writes settings.
+    """
+
+    def __init__(self, nvml: Any | None = None) -> None:
+        self._nvml = nvml
+        self._handles: dict[int, Any] = {}
+        self._lost: dict[int, str] = {}  # index -> why
+        self._writes: dict[int, int] = {}  # index -> settings writes so far
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"NvmlDevices(gpus={sorted(self._handles)}, lost={sorted(self._lost)})"
+
+    @property
+    def nvml(self) -> Any | None:
+        """The NVML module in use (None until :meth:`import_module` when defaulted)."""
+        return self._nvml
+
+    def import_module(self) -> Any:
+        """The NVML module, importing ``pynvml`` if none was given (ImportError if absent)."""
+        if self._nvml is None:
+            import pynvml
+
+            self._nvml = pynvml
+        return self._nvml
+
+    def call(self, what: str, fn: str, *args: Any) -> Any:
+        """``nvml.<fn>(*args)``; an NVML error arrives as the greend error it means."""
+        nvml = self._nvml
+        assert nvml is not None, "NVML is not loaded"
+        try:
+            return getattr(nvml, fn)(*args)
+        except nvml.NVMLError as e:
+            raise translate_nvml_error(e, f"{what} {fn}") from e
+
+    # ---- the GPUs
+
+    def forget_all(self) -> None:
+        """Drop every handle and lost mark (before enumerating again)."""
+        self._handles, self._lost = {}, {}
+
+    def add(self, index: int, handle: Any) -> None:
+        self._handles[index] = handle
+
+    def indices(self) -> list[int]:
+        """The enumerated GPUs that are not lost, in index order."""
+        return [i for i in sorted(self._handles) if i not in self._lost]
+
+    def handle(self, index: int) -> Any:
+        """The handle of GPU ``index``: ``DeviceLost`` if lost, ``KeyError`` if unknown."""
+        if index in self._lost:
+            raise DeviceLost(f"gpu{index} is lost: {self._lost[index]}")
+        return self._handles[index]
+
+    @property
+    def lost(self) -> dict[int, str]:
+        """Index -> why, for GPUs that fell off the bus."""
+        return dict(self._lost)
+
+    def is_lost(self, index: int) -> bool:
+        return index in self._lost
+
+    def mark_lost(self, index: int, why: str) -> None:
+        if index not in self._lost:
+            log.error("gpu%d is lost and left out of readings: %s", index, why)
+        self._lost[index] = why
+
+    def index_of_uuid(self, uuid: str) -> int | None:
+        """The index NVML gives the GPU with ``uuid`` now, or None if there is none."""
+        nvml = self._nvml
+        assert nvml is not None, "NVML is not loaded"
+        try:
+            return int(nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(uuid)))
+        except nvml.NVMLError as e:
+            if getattr(e, "value", None) == NVML_ERROR_NOT_FOUND:
+                return None
+            raise translate_nvml_error(e, f"GPU {uuid} nvmlDeviceGetHandleByUUID") from e
+
+    # ---- settings
+
+    def settings_writes(self, index: int) -> int:
+        """How many settings writes GPU ``index`` has had: a reader that saw this
+        number change while it read knows its reading may be stale."""
+        return self._writes.get(index, 0)
+
+    def write(self, index: int, fn: str, *args: Any) -> None:
+        """A setter ``nvml.<fn>(handle, *args)`` on GPU ``index``; a GPU that answers
+        lost is marked lost. Errors arrive as greend errors."""
+        handle = self.handle(index)
+        try:
+            self.call(f"gpu{index}", fn, handle, *args)
+        except DeviceLost as e:
+            self.mark_lost(index, str(e))
+            raise
+        finally:
+            with self._lock:
+                self._writes[index] = self._writes.get(index, 0) + 1
