@@ -70,7 +70,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import Param, validate_params
+from .params import Param, validate_params
 from .base import UNCAPPED, Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
 from .static import same_setting
 
@@ -493,9 +493,12 @@ class EfficientPolicy:
             allowed = self._allowed(base, j)
             job.allowed = allowed
             status = {}
+            held = job.settled_index
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
-                if i == top or r <= allowed * (1 + 1e-9) - Z * se:
+                # The setting we hold was within the bound when we settled: it stays so
+                # until it is clearly over (no flapping at the edge of the bound).
+                if i == top or r <= allowed * (1 + 1e-9) - Z * se or (i == held and r <= allowed + Z * se):
                     status[i] = "ok"
                 elif r > allowed + Z * se or at[i].steps >= self.max_steps:  # type: ignore[union-attr]
                     status[i] = "over"  # a point still unsure after max_steps: the safe side
