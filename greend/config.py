@@ -75,7 +75,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = Path("/etc/greend/greend.toml")
 SECTIONS = ("daemon", "probes", "sim", "store", "policy", "report")
-KNOWN_PROBES = ("nvml", "rapl", "host", "sim")
 
 
 def default_socket_path() -> Path:
@@ -255,10 +254,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"[daemon] log_level = {d.log_level!r}: expected one of debug, info, warning, error"
         )
+    from greend.probes import available_names  # the probe registry: the one list of probes
+
+    known = available_names()
     for name in p.enabled:
-        if name not in KNOWN_PROBES:
+        if name not in known:
             raise ConfigError(
-                f"[probes] enabled contains {name!r}: known probes are {', '.join(KNOWN_PROBES)}"
+                f"[probes] enabled contains {name!r}: known probes are {', '.join(known)}"
             )
     _positive("probes", "cpu_tdp_w", p.cpu_tdp_w, zero_ok=True)
     if s.gpus < 0 or s.gpus > 64:

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import Param, validate_params
+from .params import Param, validate_params
 from .base import Decision, GpuView, Setting, Snapshot
 
 __all__ = ["BudgetPolicy", "BudgetState"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import Param, validate_params
+from .params import Param, validate_params
 from .base import Decision, Snapshot
 
 __all__ = ["NonePolicy"]

@@ -57,7 +57,7 @@ from typing import Any
 from greend.protocol import PRECISIONS
 
 from greend.errors import PolicyError
-from . import Param, validate_params
+from .params import Param, validate_params
 from .base import Decision, JobMeasure, JobView, Setting, Snapshot
 
 __all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from greend.errors import PolicyError
-from . import Param, validate_params
+from .params import Param, validate_params
 from .base import Decision, GpuView, Setting, Snapshot
 
 __all__ = ["StaticPolicy", "snap_clock_mhz", "clamp_power_w"]

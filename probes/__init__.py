@@ -1,13 +1,17 @@
 """Sources of readings, one module each, registered by name.
 
-Adding a probe: copy a neighbour (``host.py`` is the smallest), implement the
-:class:`~greend.probes.base.Probe` protocol, and decorate its factory with
-``@register("name", default=True|False)``. The config's ``[probes] enabled``
-list and ``--sim N`` choose which run.
+The registry (:data:`REGISTRY`) is the one list of the probes there are: the
+config checks ``[probes] enabled`` against it. Adding a probe: copy a neighbour
+(``host.py`` is the smallest), implement the :class:`~greend.probes.base.Probe`
+protocol (and any of the optional abilities beside it), decorate its factory with
+``@register("name", default=True|False)`` and put the module's name in
+``_BUILTIN_PROBE_MODULES``. The config's ``[probes] enabled`` list and ``--sim N``
+choose which run.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -82,9 +86,14 @@ def register(name: str, *, default: bool, help: str) -> Callable[[ProbeFactory],
     return deco
 
 
+# The modules of the probes greend ships, imported for their registrations. The
+# order is the sampling order (rapl before host: host asks whether RAPL is there).
+_BUILTIN_PROBE_MODULES = ("sim", "nvml", "rapl", "host")
+
+
 def _load_all() -> None:
-    # Import for the side effect of registration. Order is the sampling order.
-    from . import sim, nvml, rapl, host  # noqa: F401  (rapl before host: host asks if RAPL is there)
+    for module in _BUILTIN_PROBE_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def build(names: list[str], ctx: ProbeContext) -> list[Probe]:
@@ -97,6 +106,7 @@ def build(names: list[str], ctx: ProbeContext) -> list[Probe]:
 
 
 def available_names() -> list[str]:
+    """Every registered probe, in sampling order."""
     _load_all()
     return list(REGISTRY)
 

@@ -77,6 +77,25 @@ def test_bad_values_are_refused_with_the_key_and_what_is_allowed(tmp_path: Path,
     assert str(tmp_path / "greend.toml") in str(e.value)
 
 
+def test_probe_names_and_store_schemes_come_from_the_registries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from greend import probes, sinks
+
+    # A probe registered anywhere is a known probe: no second list to keep.
+    monkeypatch.setitem(probes.REGISTRY, "extra", probes.Registration("extra", lambda ctx: None, False, ""))  # type: ignore[arg-type, return-value]
+    assert load_config(write(tmp_path, "[probes]\nenabled = [\"extra\"]\n")).probes.enabled == ["extra"]
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[probes]\nenabled = [\"gpu\"]\n"))
+    for name in ("nvml", "rapl", "host", "sim", "extra"):
+        assert name in str(e.value).split("known probes are ")[1]
+    # An unknown store scheme's error lists every registered one.
+    assert sinks.registered_schemes() == ["sqlite", "influx", "prometheus"]
+    with pytest.raises(ConfigError) as e:
+        sinks.check_url("mysql://x")
+    for kind in sinks.REGISTRY.values():
+        assert kind.form in str(e.value)
+
+
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

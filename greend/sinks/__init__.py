@@ -10,22 +10,34 @@ URLs (``--store``, repeatable; each sink fails on its own):
 - ``influx://HOST:PORT?org=O&bucket=B``  InfluxDB v2 write API (token from ``GREEND_INFLUX_TOKEN``)
 - ``prometheus://HOST:PORT``  serves ``/metrics``
 
-Adding a sink: a module here with a class following :class:`Sink` and a branch
-in :func:`open_sink`.
+The scheme registry (:data:`REGISTRY`) is the one list of the sinks there are.
+Adding a sink: a module here with a class following :class:`Sink` and a factory
+decorated with ``@register_sink("scheme", form=..., check=...)``, and the module's
+name in ``_BUILTIN_SINK_MODULES``.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, Callable, Protocol
+from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError
 
-__all__ = ["Point", "Sink", "check_url", "open_sink"]
-
-SCHEMES = ("sqlite", "influx", "prometheus")
+__all__ = [
+    "REGISTRY",
+    "Point",
+    "Sink",
+    "SinkKind",
+    "SinkOptions",
+    "check_url",
+    "open_sink",
+    "register_sink",
+    "registered_schemes",
+    "require_host_port",
+]
 
 
 @dataclass(slots=True)
@@ -76,42 +88,80 @@ class Sink(Protocol):
     def status(self) -> SinkStatus: ...
 
 
-def check_url(url: str) -> None:
-    """Refuse a malformed store URL with a message that says the allowed forms."""
-    forms = (
-        "sqlite:///ABSOLUTE/PATH.db, influx://HOST:PORT?org=ORG&bucket=BUCKET, "
-        "prometheus://HOST:PORT"
-    )
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
-    if parts.scheme == "sqlite":
-        if parts.netloc or not parts.path.startswith("/"):
-            raise ConfigError(f"store URL {url!r}: expected sqlite:///ABSOLUTE/PATH.db (three slashes)")
-        return
+@dataclass(frozen=True)
+class SinkOptions:
+    """What a sink may need besides its URL."""
+
+    state_dir: Path
+    host: str
+    retention_days: float = 30.0
+
+
+SinkFactory = Callable[[str, SinkOptions], Sink]
+UrlCheck = Callable[[str, SplitResult], None]
+
+
+@dataclass(frozen=True)
+class SinkKind:
+    """One registered scheme: the URL ``form`` error messages show, the ``check``
+    that refuses a malformed URL (raises ConfigError) and the ``factory``."""
+
+    scheme: str
+    form: str
+    check: UrlCheck
+    factory: SinkFactory
+
+
+REGISTRY: dict[str, SinkKind] = {}
+
+
+def register_sink(scheme: str, *, form: str, check: UrlCheck) -> Callable[[SinkFactory], SinkFactory]:
+    """Register the factory of the sink for ``scheme://`` URLs."""
+
+    def deco(factory: SinkFactory) -> SinkFactory:
+        if scheme in REGISTRY:
+            raise ValueError(f"sink scheme {scheme!r} registered twice")
+        REGISTRY[scheme] = SinkKind(scheme, form, check, factory)
+        return factory
+
+    return deco
+
+
+# The modules of the sinks greend ships, imported for their registrations (in the
+# order messages list the schemes).
+_BUILTIN_SINK_MODULES = ("sqlite", "influx", "prometheus")
+
+
+def _load_builtin_sinks() -> None:
+    for name in _BUILTIN_SINK_MODULES:
+        importlib.import_module(f"greend.sinks.{name}")
+
+
+def registered_schemes() -> list[str]:
+    """Every registered scheme, the built-in sinks' loaded first."""
+    _load_builtin_sinks()
+    return list(REGISTRY)
+
+
+def require_host_port(url: str, parts: SplitResult) -> None:
+    """A URL check for sinks that connect to or serve on ``HOST:PORT``."""
     if not parts.hostname or parts.port is None:
         raise ConfigError(f"store URL {url!r}: expected HOST:PORT, e.g. {parts.scheme}://127.0.0.1:8086")
-    if parts.scheme == "influx":
-        q = parse_qs(parts.query)
-        missing = [k for k in ("org", "bucket") if not q.get(k)]
-        if missing:
-            raise ConfigError(
-                f"store URL {url!r}: missing {' and '.join(missing)}; "
-                "expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
-            )
+
+
+def check_url(url: str) -> None:
+    """Refuse a malformed store URL with a message that says the allowed forms."""
+    _load_builtin_sinks()
+    parts = urlsplit(url)
+    kind = REGISTRY.get(parts.scheme)
+    if kind is None:
+        forms = ", ".join(k.form for k in REGISTRY.values())
+        raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
+    kind.check(url, parts)
 
 
 def open_sink(url: str, *, state_dir: Path, host: str, retention_days: float = 30.0) -> Sink:
+    """The sink for ``url``, by its scheme's registered factory."""
     check_url(url)
-    scheme = urlsplit(url).scheme
-    if scheme == "sqlite":
-        from greend.sinks.sqlite import SqliteSink
-
-        return SqliteSink(Path(urlsplit(url).path), url=url, retention_days=retention_days)
-    if scheme == "influx":
-        from greend.sinks.influx import InfluxSink
-
-        return InfluxSink(url, state_dir=state_dir, host=host)
-    from greend.sinks.prometheus import PrometheusSink
-
-    return PrometheusSink(url)
+    options = SinkOptions(state_dir=Path(state_dir), host=host, retention_days=retention_days)
+    return REGISTRY[urlsplit(url).scheme].factory(url, options)

@@ -39,10 +39,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
-from greend.sinks import Point, SinkStatus, check_url
+from greend.sinks import Point, SinkOptions, SinkStatus, check_url, register_sink, require_host_port
 from greend.sinks.spool import Segment, Spool
 
 __all__ = ["InfluxSink", "encode_points", "parse_influx_url"]
@@ -562,3 +562,19 @@ def _short(x: Any, n: int = 200) -> str:
     s = x.decode(errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
     s = " ".join(s.split())
     return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _check_influx_url(url: str, parts: SplitResult) -> None:
+    require_host_port(url, parts)
+    q = parse_qs(parts.query)
+    missing = [k for k in ("org", "bucket") if not q.get(k)]
+    if missing:
+        raise ConfigError(
+            f"store URL {url!r}: missing {' and '.join(missing)}; "
+            "expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
+        )
+
+
+@register_sink("influx", form="influx://HOST:PORT?org=ORG&bucket=BUCKET", check=_check_influx_url)
+def _open_influx(url: str, options: SinkOptions) -> InfluxSink:
+    return InfluxSink(url, state_dir=options.state_dir, host=options.host)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
-from greend.sinks import Point, SinkStatus, check_url
+from greend.sinks import Point, SinkOptions, SinkStatus, check_url, register_sink, require_host_port
 
 __all__ = ["GreendCollector", "PrometheusSink"]
 
@@ -262,3 +262,8 @@ class PrometheusSink:
             last_error=None if self.collector.status_fn is not None else "not attached to the daemon",
             extra={"listen": f"http://{self.addr}:{self.port}/metrics", "scrape_errors": self.collector.errors},
         )
+
+
+@register_sink("prometheus", form="prometheus://HOST:PORT", check=require_host_port)
+def _open_prometheus(url: str, options: SinkOptions) -> PrometheusSink:
+    return PrometheusSink(url)

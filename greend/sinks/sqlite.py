@@ -20,9 +20,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
-from greend.errors import StoreError
-from greend.sinks import Point, SinkStatus
+from greend.errors import ConfigError, StoreError
+from greend.sinks import Point, SinkOptions, SinkStatus, register_sink
 
 __all__ = ["SqliteSink", "read_rows", "connect_readonly"]
 
@@ -253,3 +254,13 @@ def read_rows(path: Path, measurement: str, where: str = "", params: tuple[Any, 
         return [dict(r) for r in db.execute(sql, params)]
     finally:
         db.close()
+
+
+def _check_sqlite_url(url: str, parts: SplitResult) -> None:
+    if parts.netloc or not parts.path.startswith("/"):
+        raise ConfigError(f"store URL {url!r}: expected sqlite:///ABSOLUTE/PATH.db (three slashes)")
+
+
+@register_sink("sqlite", form="sqlite:///ABSOLUTE/PATH.db", check=_check_sqlite_url)
+def _open_sqlite(url: str, options: SinkOptions) -> SqliteSink:
+    return SqliteSink(Path(urlsplit(url).path), url=url, retention_days=options.retention_days)
