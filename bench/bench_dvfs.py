@@ -238,8 +238,11 @@ def traces_main(a: argparse.Namespace) -> None:
             for noise in noises:
                 for seed in (range(1, a.trace_seeds + 1) if noise > 0 else (1,)):
                     jobs.append((str(p), objective, x, noise, seed, a.trace_steps, a.min_steps))
-    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
-        results = dict(zip(jobs, ex.map(trace_run, jobs, chunksize=4)))
+    if __name__ == "__main__":  # run as a script: the runs go to worker processes
+        with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
+            results = dict(zip(jobs, ex.map(trace_run, jobs, chunksize=4)))
+    else:  # loaded as a module (tests): in this process
+        results = {job: trace_run(job) for job in jobs}
     print(f"\nefficient (knob=power) replayed on measured A40 profiles (greend.probes.trace; source=sim, "
           f"curves measured), {a.trace_steps} steps a run, seeds 1..{a.trace_seeds} for noisy rows; "
           f"sweep = every limit, {SWEEP_STEPS_PER_LIMIT} steps each, same noise")

@@ -20,7 +20,7 @@ def _bench():
 
 def test_prints_the_table_and_the_seed_summary(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
-    assert bench.main(["--steps", "300", "--seeds", "2"]) == 0
+    assert bench.main(["--steps", "300", "--seeds", "2", "--no-traces"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     for knob, noise in (("clock", "0%"), ("power", "0%"), ("clock", "2%")):
@@ -31,3 +31,15 @@ def test_prints_the_table_and_the_seed_summary(capsys: pytest.CaptureFixture[str
     for ln in summary[2:5]:  # how many of the 2 seeds met each target
         m = re.search(r"gap (\d+), x (\d+), bound (\d+)$", ln)
         assert m and all(0 <= int(n) <= 2 for n in m.groups()), ln
+
+
+def test_replays_a_measured_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    trace = str(REPO / "probes" / "traces" / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv")
+    assert bench.main(["--steps", "100", "--seeds", "1", "--noise", "0", "--trace", trace,
+                       "--trace-steps", "300", "--trace-seeds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for objective in (["bound", "5%"], ["bound", "10%"], ["cost", "eta=0.25"], ["cost", "eta=0.5"], ["cost", "eta=0.75"]):
+        for noise in ("0%", "1%", "2%"):
+            assert any(ln.split()[:4] == ["A40+resnet50+gpu0", *objective, noise] for ln in lines), (objective, noise)
+    assert sum(ln.startswith("summary (A40 profiles)") for ln in lines) == 4
