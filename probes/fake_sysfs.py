@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from greend.fsutil import write_atomic
+
 __all__ = [
     "DEFAULT_DRAM_MAX_ENERGY_RANGE_UJ",
     "DEFAULT_MAX_ENERGY_RANGE_UJ",
@@ -60,10 +62,8 @@ class FakeZone:
 
 
 def _write_atomic(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    # Not durable: the fake tree must outlive a crashed process, not a power cut.
+    write_atomic(path, text, mode=mode, exact_mode=True, durable=False)
 
 
 class FakePowercap:

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from greend.errors import StateError
-from greend.fsutil import fsync_dir
+from greend.fsutil import fsync_dir, write_atomic
 
 __all__ = [
     "CLOCK_KNOB",
@@ -390,22 +390,10 @@ class StateFile:
             self.remove()
             return
         text = json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n"
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, text.encode("utf-8"))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            fsync_dir(self.state_dir)
+            write_atomic(self.path, text, mode=0o644)
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             raise StateError(
                 f"cannot write the saved-settings file {self.path}: {e.strerror or e} "
                 "(greend does not change a device whose original it cannot save; "

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 from greend.errors import StoreError
-from greend.fsutil import fsync_dir
+from greend.fsutil import fsync_dir, write_atomic
 
 __all__ = ["Segment", "Spool"]
 
@@ -205,12 +205,7 @@ class Spool:
                     path.name, torn, bad,
                 )
             self.dropped += torn + bad
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(good)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, good)
         return good
 
     def _progress_path(self, seq: int, tag: str) -> Path:
@@ -380,13 +375,8 @@ class Spool:
             seg.done_bytes += nbytes
             seg.points -= npoints
             p = self._progress_path(seg.seq, seg.tag)
-            tmp = p.with_name(p.name + ".tmp")
             try:
-                with open(tmp, "w") as f:
-                    f.write(f"{seg.done_bytes}\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, p)
+                write_atomic(p, f"{seg.done_bytes}\n")
             except OSError as e:
                 log.warning("spool %s: cannot record progress: %s", p, e)
 
