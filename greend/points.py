@@ -10,7 +10,8 @@ SQLite and the log only (the influx sink leaves strings out).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from greend.sinks import Point
 

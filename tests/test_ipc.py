@@ -3,14 +3,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from greend.errors import (
     ActuatorError,
     ConfigError,
+    DaemonUnavailable,
     KnobError,
     PolicyError,
     ProtocolError,
@@ -18,7 +20,6 @@ from greend.errors import (
     StateError,
 )
 from greend.ipc.client import Client
-from greend.errors import DaemonUnavailable
 from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
 
 

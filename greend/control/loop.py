@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from greend.config import Config
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
@@ -70,6 +71,9 @@ class ControlContext:
 
 
 class ControlLoop:
+    """The clock/power policy and the precision policy of one node, the controller that
+    applies their decisions, and the restores when jobs end or the daemon stops."""
+
     def __init__(self, ctx: ControlContext) -> None:
         self.ctx = ctx
         self.ctrl: Controller | None = None
@@ -177,12 +181,12 @@ class ControlLoop:
             with self._lock:
                 decision = self.policy.decide(snap, self.policy_state)
                 if self.precision_policy is not None:
-                    extra = self.precision_policy.decide(snap, self.precision_state)
-                    decision.precision.update(extra.precision)
-                    if extra.reason:
-                        decision.reason = "; ".join(r for r in (decision.reason, extra.reason) if r)
-                    if extra.details:
-                        decision.details = {**decision.details, "precision": extra.details}
+                    by_precision = self.precision_policy.decide(snap, self.precision_state)
+                    decision.precision.update(by_precision.precision)
+                    if by_precision.reason:
+                        decision.reason = "; ".join(r for r in (decision.reason, by_precision.reason) if r)
+                    if by_precision.details:
+                        decision.details = {**decision.details, "precision": by_precision.details}
         except Exception as e:  # noqa: BLE001 - a policy bug never stops the daemon
             msg = f"{type(e).__name__}: {e}"
             if msg != self.last_error:
@@ -258,11 +262,11 @@ class ControlLoop:
                 self.ctrl.apply_cpu_limit(zone, watts, POLICY_OWNER)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
-        prec = decision.details.get("precision") or {}
+        precision_details = decision.details.get("precision") or {}
         for job_id, level in decision.precision.items():
             # The precision policy's own line for this job, not the joined reasons.
-            reason = (prec.get("reasons") or {}).get(job_id) or decision.reason
-            event = ((prec.get("jobs") or {}).get(job_id) or {}).get("event") or {}
+            reason = (precision_details.get("reasons") or {}).get(job_id) or decision.reason
+            event = ((precision_details.get("jobs") or {}).get(job_id) or {}).get("event") or {}
             kind = "rollback" if event.get("kind") == "rollback" else "switch"
             jobs.switch_precision(job_id, level, reason, kind=kind, trend=event.get("trend"),
                                   settle_until_s=ctx.monotonic() + settle_s, policy=self.policy_name)

@@ -20,9 +20,10 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from greend.config import Config
 from greend.control.loop import ControlContext, ControlLoop
@@ -166,13 +167,13 @@ class Daemon:
         self.stores.open_all()
 
     def start_server(self) -> None:
-        d = self.cfg.daemon
+        daemon_cfg = self.cfg.daemon
         self.server = IpcServer(
-            d.socket,
-            mode=int(d.socket_mode, 8),
-            group=d.socket_group or None,
-            is_admin=lambda peer: routes.is_admin(peer, d.admin_group),
-            admin_needs=routes.admin_needs(d.admin_group),
+            daemon_cfg.socket,
+            mode=int(daemon_cfg.socket_mode, 8),
+            group=daemon_cfg.socket_group or None,
+            is_admin=lambda peer: routes.is_admin(peer, daemon_cfg.admin_group),
+            admin_needs=routes.admin_needs(daemon_cfg.admin_group),
             on_disconnect=self.jobs.disconnected,
         )
         routes.route_all(self.server, self)

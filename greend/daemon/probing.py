@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import greend.probes as probe_registry
 from greend.errors import ConfigError, NoData, NoPermission, ProbeError
@@ -168,7 +169,7 @@ class ProbeScheduler:
         or None where it is off or not open."""
         for p in self.probes:
             if p.name == "host" and self.is_open(p.name):
-                return p.process_cpu_s([pid]).get(pid)  # type: ignore[attr-defined, no-any-return]
+                return p.process_cpu_s([pid]).get(pid)  # type: ignore[attr-defined]
         return None
 
     def sim_gpu(self, index: int) -> Any | None:

@@ -28,16 +28,16 @@ def is_admin(peer: Peer, admin_group: str) -> bool:
     if not admin_group:
         return False
     try:
-        g = grp.getgrnam(admin_group)
+        group = grp.getgrnam(admin_group)
     except KeyError:
         return False
-    if peer.gid == g.gr_gid:
+    if peer.gid == group.gr_gid:
         return True
     try:
         user = pwd.getpwuid(peer.uid).pw_name
     except KeyError:
         return False
-    return user in g.gr_mem
+    return user in group.gr_mem
 
 
 def admin_needs(admin_group: str) -> str:

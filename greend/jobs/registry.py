@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from greend.errors import ProtocolError
 from greend.ipc.server import Connection
@@ -137,7 +138,7 @@ class JobRegistry:
             raise ProtocolError("this connection already registered a rank; open another connection",
                                 field="op")
         now = self.monotonic()
-        cpu0 = self._process_cpu(conn.peer.pid)
+        cpu_now_s = self._process_cpu(conn.peer.pid)
         with self._lock:
             job = self.jobs.get(job_id)
             if job is not None and job.state != "running":
@@ -168,9 +169,9 @@ class JobRegistry:
                 session=conn.id, job=job_id, rank=msg.get("rank") or 0, local_rank=msg.get("local_rank") or 0,
                 world_size=msg.get("world_size") or 1, gpus=gpus, pid=conn.peer.pid, uid=conn.peer.uid,
                 host=msg.get("host") or self.hostname, precisions=list(precisions),
-                mem_share=msg.get("mem_share"), conn=conn, last_seen_s=now, cpu_last_s=cpu0,
+                mem_share=msg.get("mem_share"), conn=conn, last_seen_s=now, cpu_last_s=cpu_now_s,
             )
-            if cpu0 is not None and job.cpu_busy0_s is None:
+            if cpu_now_s is not None and job.cpu_busy0_s is None:
                 job.cpu_busy0_s = self._node_cpu_busy_s
             job.ranks[conn.id] = rs
             job.gpus.update(gpus)
@@ -514,7 +515,7 @@ class JobRegistry:
                     job.summary = self.report(job)
                     ended.append(job)
         for job in ended:
-            log.info("job %s ended (%s): %s", job.job, job.end_reason, _brief(job.summary or {}))
+            log.info("job %s ended (%s): %s", job.job, job.end_reason, _summary_line(job.summary or {}))
             points.append(self.summary_point(job))
             for cb in self.on_job_end:
                 try:
@@ -614,6 +615,7 @@ class JobRegistry:
         if job.summary is not None:
             return job.summary
         t0 = job.t_start_s
+        t1: float | None
         if job.t_end_s is not None:
             t1 = job.t_end_s
         else:
@@ -714,7 +716,7 @@ class JobRegistry:
             self.jobs.pop(j.job, None)
 
 
-def _brief(s: dict[str, Any]) -> str:
+def _summary_line(s: dict[str, Any]) -> str:
     g = s.get("gflops_per_w")
     return (f"{s.get('steps', 0)} steps, {s.get('flops', 0):.3g} FLOP, {s.get('gpu_energy_j', 0):.1f} J GPU, "
             f"{'-' if g is None else f'{g:.2f}'} GFLOPS/W")
