@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from greend.errors import GreendWarning
-from greend.training.callback import GreenCallback, resolve_gpus, resolve_job
+from greend.training.callback import GreenCallback
+from greend.training.identity import resolve_gpus, resolve_job
 
 from greend.testing.fake_daemon import FakeDaemon, SilentDaemon
 
