@@ -1,8 +1,8 @@
-"""The daemon side: the tick loop, its probes and stores, the socket's routes and
-the status views (``greend run``).
-
-Read :mod:`greend.daemon.core` first: it wires probes, the ledger, the job
-registry, the control loop, the IPC server and the stores together.
+"""The daemon side (``greend run``): :mod:`.core` wires probes, the ledger, the job
+registry, the control loop, the stores and the socket together and runs the tick loop;
+:mod:`.probing` opens and samples the probes, :mod:`.stores` opens, retries and lists
+the stores, :mod:`.routes` answers the socket's ops, :mod:`.status` builds the status
+document, :mod:`.sdnotify` talks to systemd.
 """
 
 from __future__ import annotations
