@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .params import Param, validate_params
 from .base import Decision, GpuView, Setting, Snapshot
+from .params import Param, validate_params
 
 __all__ = ["BudgetPolicy", "BudgetState"]
 

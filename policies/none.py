@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .params import Param, validate_params
 from .base import Decision, Snapshot
+from .params import Param, validate_params
 
 __all__ = ["NonePolicy"]
 

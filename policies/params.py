@@ -6,8 +6,9 @@ values and help; :func:`validate_params` coerces and checks what a policy is giv
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from greend.errors import PolicyError
 

@@ -54,11 +54,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from greend.errors import PolicyError
 from greend.protocol import PRECISIONS
 
-from greend.errors import PolicyError
-from .params import Param, validate_params
 from .base import Decision, JobMeasure, JobView, Setting, Snapshot
+from .params import Param, validate_params
 
 __all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]
 
@@ -268,8 +268,8 @@ class PrecisionPolicy:
                 return self._roll_back(snap, j, js, pb, why, mean_after)
         if steps_in < self.probation_steps:
             return (f"job {j.job}: probation at {pb.to_level} ({steps_in}/{self.probation_steps} steps)", None, None)
-        new = self._ev(js, pb.to_level, j.setting)
-        old = self._ev(js, pb.from_level, j.setting)
+        new = self._evidence(js, pb.to_level, j.setting)
+        old = self._evidence(js, pb.from_level, j.setting)
         if new is None or new.steps < self.min_steps:
             return (f"job {j.job}: probation at {pb.to_level} done, measuring its energy "
                     f"({new.steps if new else 0}/{self.min_steps} steps)", None, None)
@@ -311,7 +311,7 @@ class PrecisionPolicy:
             return (f"job {j.job}: holding {j.precision}; {nxt} bought too little here", None, None)
         if j.measure is None:
             return (f"job {j.job}: holding {j.precision}; no energy measure for its steps yet", None, None)
-        ev = self._ev(js, j.precision, j.setting)
+        ev = self._evidence(js, j.precision, j.setting)
         have = ev.steps if ev else 0
         if have < self.min_steps:
             return (f"job {j.job}: measuring {j.precision} ({have}/{self.min_steps} steps)", None, None)
@@ -425,7 +425,7 @@ class PrecisionPolicy:
         e.time_s += delta.time_s
         e.energy_j += delta.energy_j
 
-    def _ev(self, js: _Job, level: str, setting: Setting) -> _Evidence | None:
+    def _evidence(self, js: _Job, level: str, setting: Setting) -> _Evidence | None:
         """The level's evidence at this GPU setting, else at the setting with the most steps."""
         here = js.evidence.get((level, setting))
         if here is not None and here.steps >= self.min_steps:

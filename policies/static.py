@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from greend.errors import PolicyError
-from .params import Param, validate_params
+
 from .base import Decision, GpuView, Setting, Snapshot
+from .params import Param, validate_params
 
 __all__ = ["StaticPolicy", "snap_clock_mhz", "clamp_power_w"]
 

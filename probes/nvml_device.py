@@ -78,7 +78,7 @@ class NvmlDevices:
         return f"NvmlDevices(gpus={sorted(self._handles)}, lost={sorted(self._lost)})"
 
     @property
-    def nvml(self) -> Any | None:
+    def nvml(self) -> Any:
         """The NVML module in use (None until :meth:`import_module` when defaulted)."""
         return self._nvml
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from greend.errors import KnobError
 from greend.actuators.controller import Controller
 from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
-from greend.errors import ActuatorError, DeviceLost, NoPermission, StateError
 from greend.actuators.state import STATE_FILE
+from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, StateError
 from greend.policies.base import UNCAPPED, Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.fake_sysfs import make_standard_tree

@@ -1,6 +1,6 @@
 """InfluxSink against a real victoria-metrics, and against a scripted server for errors.
 
-victoria-metrics answers 204 even to malformed lines (FACTS.md), so the error
+victoria-metrics answers 204 even to malformed lines, so the error
 paths (400, 401, 404, 413, 429, 503) are tested against a small HTTP server of
 our own that answers what each test scripts.
 """

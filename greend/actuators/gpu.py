@@ -14,12 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from greend.actuators.state import backend_key
 from greend.errors import NoData
 from greend.probes.nvml import NvmlProbe
 from greend.probes.nvml_device import SimulatedNvml
 from greend.units import mw_to_w, w_to_mw
-
-from greend.actuators.state import backend_key
 
 __all__ = ["GpuBackend", "NvmlGpuBackend"]
 

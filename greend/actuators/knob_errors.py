@@ -7,7 +7,8 @@ Errors are classified by their type only, never by their text.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from greend.errors import (
     ActuatorError,

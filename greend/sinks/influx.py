@@ -5,9 +5,10 @@ URL: ``influx://HOST:PORT?org=ORG&bucket=BUCKET`` with optional ``&tls=1``
 check) and ``&precision=s|ms|us|ns`` (default ns). The token comes from the
 ``token=`` argument or ``$GREEND_INFLUX_TOKEN``; it never appears in a URL.
 Works against InfluxDB 2.x/3.x and anything that speaks ``/api/v2/write``
-(victoria-metrics; see FACTS.md for its quirks).
+(victoria-metrics, which answers 204 even to malformed lines and stores string
+fields as 0).
 
-How a point travels (and why, FACTS.md "Time-series store")::
+How a point travels::
 
     write(points) --encode--> Spool.append  (tick thread: one os.write, no network)
                                    |
@@ -55,15 +56,15 @@ _INT64 = (-(2**63), 2**63 - 1)
 _SLOW = object()  # template marker: this shape of point needs the checking encoder
 
 # Line protocol escaping ------------------------------------------------------------
-_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": " ", "\r": " "})
-_KEY_ESC = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": " ", "\r": " "})
-_NEEDS_ESC = re.compile(r"[,= \n\r\\]")
+_MEASUREMENT_ESCAPES = str.maketrans({",": r"\,", " ": r"\ ", "\n": " ", "\r": " "})
+_KEY_ESCAPES = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": " ", "\r": " "})
+_NEEDS_ESCAPING = re.compile(r"[,= \n\r\\]")
 
 
-def _esc_key(s: str) -> str:
-    if not _NEEDS_ESC.search(s):
+def _escape_key(s: str) -> str:
+    if not _NEEDS_ESCAPING.search(s):
         return s
-    s = s.translate(_KEY_ESC)
+    s = s.translate(_KEY_ESCAPES)
     # A trailing backslash would escape the separator that follows.
     return s.rstrip("\\") or "_"
 
@@ -91,12 +92,12 @@ class _Encoder:
         if pre is None:
             tags = dict(p.tags)
             tags.setdefault("host", self.host)
-            parts = [p.measurement.translate(_MEAS_ESC)]
+            parts = [p.measurement.translate(_MEASUREMENT_ESCAPES)]
             for k in sorted(tags):
                 v = tags[k]
                 if v is None or str(v) == "":
                     continue
-                parts.append(f"{_esc_key(str(k))}={_esc_key(str(v))}")
+                parts.append(f"{_escape_key(str(k))}={_escape_key(str(v))}")
             pre = ",".join(parts)
             if len(self._prefix) > 8192:
                 self._prefix.clear()
@@ -106,7 +107,7 @@ class _Encoder:
     def fkey(self, k: str) -> str:
         e = self._fkey.get(k)
         if e is None:
-            e = self._fkey[k] = _esc_key(k)
+            e = self._fkey[k] = _escape_key(k)
         return e
 
     def line(self, p: Point) -> str | None:

@@ -55,7 +55,7 @@ _GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
 )
 
 
-def _num(v: Any) -> float | None:
+def _as_float(v: Any) -> float | None:
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, (int, float)):
@@ -63,7 +63,7 @@ def _num(v: Any) -> float | None:
     return None
 
 
-def _s(v: Any) -> str:
+def _label_value(v: Any) -> str:
     return "" if v is None else str(v)
 
 
@@ -109,7 +109,7 @@ class GreendCollector:
             return CounterMetricFamily(name, doc, labels=list(labels))  # "_total" added by the client
 
         info = gauge("greend_build_info", "greend version; always 1.", ("version",))
-        info.add_metric([_s(st.get("version"))], 1.0)
+        info.add_metric([_label_value(st.get("version"))], 1.0)
         yield info
         for key, name, doc in (
             ("started_at", "greend_start_time_seconds", "Unix time the daemon started."),
@@ -117,7 +117,7 @@ class GreendCollector:
             ("tick_duration_s", "greend_tick_duration_seconds", "Duration of the last tick in seconds."),
             ("hz", "greend_tick_rate_hertz", "Configured ticks per second."),
         ):
-            v = _num(st.get(key))
+            v = _as_float(st.get(key))
             if v is not None:
                 g = gauge(name, doc)
                 g.add_metric([], v)
@@ -126,7 +126,7 @@ class GreendCollector:
             ("ticks", "greend_ticks", "Ticks run since the daemon started."),
             ("ticks_skipped", "greend_ticks_skipped", "Ticks skipped because a tick overran its period."),
         ):
-            v = _num(st.get(key))
+            v = _as_float(st.get(key))
             if v is not None:
                 c = counter(name, doc)
                 c.add_metric([], v)
@@ -137,12 +137,12 @@ class GreendCollector:
         energy = counter("greend_gpu_energy_joules", "GPU energy in joules since the daemon started.", GPU_LABELS)
         gauges = {k: gauge(f"greend_gpu_{suffix}", doc, GPU_LABELS) for k, suffix, doc, _ in _GPU_GAUGES}
         for g in gpus:
-            labels = [_s(g.get("index")), _s(g.get("name")), _s(g.get("uuid")), _s(g.get("source"))]
-            v = _num(g.get("energy_j"))
+            labels = [_label_value(g.get("index")), _label_value(g.get("name")), _label_value(g.get("uuid")), _label_value(g.get("source"))]
+            v = _as_float(g.get("energy_j"))
             if v is not None:
                 energy.add_metric(labels, v)
             for key, _suffix, _doc, scale in _GPU_GAUGES:
-                v = _num(g.get(key))
+                v = _as_float(g.get(key))
                 if v is not None:
                     gauges[key].add_metric(labels, v * scale)
         if gpus:
@@ -156,9 +156,9 @@ class GreendCollector:
         cpower = gauge("greend_cpu_power_watts", "CPU/DRAM zone power in watts.", CPU_LABELS)
         climit = gauge("greend_cpu_power_limit_watts", "RAPL power limit of the zone in watts.", CPU_LABELS)
         for c in cpus:
-            labels = [_s(c.get("zone")), _s(c.get("path")), _s(c.get("source"))]
+            labels = [_label_value(c.get("zone")), _label_value(c.get("path")), _label_value(c.get("source"))]
             for fam, key in ((cenergy, "energy_j"), (cpower, "power_w"), (climit, "power_limit_w")):
-                v = _num(c.get(key))
+                v = _as_float(c.get(key))
                 if v is not None:
                     fam.add_metric(labels, v)
         yield from (f for f in (cenergy, cpower, climit) if f.samples)
@@ -169,9 +169,9 @@ class GreendCollector:
         for p in st.get("probes") or []:
             if not isinstance(p, dict):
                 continue
-            name = _s(p.get("name"))
+            name = _label_value(p.get("name"))
             ok.add_metric([name], 1.0 if p.get("success") else 0.0)
-            v = _num(p.get("duration_s"))
+            v = _as_float(p.get("duration_s"))
             if v is not None:
                 dur.add_metric([name], v)
         yield from (f for f in (ok, dur) if f.samples)
@@ -183,9 +183,9 @@ class GreendCollector:
         for j in st.get("jobs") or []:
             if not isinstance(j, dict):
                 continue
-            name = _s(j.get("job"))
+            name = _label_value(j.get("job"))
             for fam, key in ((jgf, "gflops_per_w"), (jen, "energy_j"), (jfl, "flops")):
-                v = _num(j.get(key))
+                v = _as_float(j.get(key))
                 if v is not None:
                     fam.add_metric([name], v)
         yield from (f for f in (jgf, jen, jfl) if f.samples)
@@ -198,10 +198,10 @@ class GreendCollector:
         for s in st.get("stores") or []:
             if not isinstance(s, dict):
                 continue
-            url = _s(s.get("url"))
+            url = _label_value(s.get("url"))
             sup.add_metric([url], 1.0 if s.get("ok") else 0.0)
             for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending")):
-                v = _num(s.get(key))
+                v = _as_float(s.get(key))
                 if v is not None:
                     fam.add_metric([url], v)
         yield from (f for f in (sup, swr, sdr, spe) if f.samples)

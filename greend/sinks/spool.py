@@ -1,7 +1,7 @@
 """A bounded, append-only, crash-safe spool of line-protocol points on local disk.
 
-Why: a store outage must lose nothing (DESIGN.md, "Failure rules"), and
-influxdb-client alone is not durable (FACTS.md, "Time-series store"). So the
+Why: a store outage must lose nothing, and influxdb-client alone is not durable
+(its batching writer drops a batch after an error and buffers in memory). So the
 InfluxDB sink never hands points straight to the network: ``write()`` appends
 them here, and a sender thread drains the spool, oldest first.
 
