@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from greend.probes import ProbeContext
-from greend.probes.base import Probe
+from greend.probes.base import MeasuresProcesses, Probe, SampledEvery, ShowsClockCaps, SimulatesGpus
 from greend.probes.host import IDLE_FRACTION, HostProbe, estimate_cpu_power_w
 
 
@@ -36,6 +36,9 @@ def opened(**kw: Any) -> HostProbe:
 def test_real_host_figures_plausible() -> None:
     probe = opened()
     assert isinstance(probe, Probe)
+    # Its optional abilities, as the daemon asks for them.
+    assert isinstance(probe, SampledEvery) and isinstance(probe, MeasuresProcesses)
+    assert not isinstance(probe, ShowsClockCaps) and not isinstance(probe, SimulatesGpus)
     busy(0.05)
     host = probe.sample(1.0).host
     assert host is not None

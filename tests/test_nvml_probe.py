@@ -12,7 +12,7 @@ import pytest
 from greend.actuators.gpu import NvmlGpuBackend
 from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, NotSupported, ProbeError
 from greend.probes import REGISTRY, ProbeContext
-from greend.probes.base import Probe
+from greend.probes.base import MeasuresProcesses, Probe, SampledEvery, ShowsClockCaps, SimulatesGpus
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
 from greend.probes.sim import H100
@@ -43,6 +43,9 @@ def by_index(probe: NvmlProbe, now_s: float) -> dict[int, Any]:
 
 def test_is_a_probe_and_reads_static_facts(probe: NvmlProbe) -> None:
     assert isinstance(probe, Probe)
+    assert isinstance(probe, ShowsClockCaps) and isinstance(probe, SimulatesGpus)
+    assert not isinstance(probe, SampledEvery) and not isinstance(probe, MeasuresProcesses)
+    assert probe.sim_gpu(0) is not None  # simulated GPUs behind the fake NVML
     gpus = by_index(probe, 0.0)
     assert sorted(gpus) == [0, 1]
     g = gpus[0]
@@ -291,6 +294,9 @@ def test_cap_lookup_fills_clock_cap(fake: FakeNvml) -> None:
     probe.open()
     gpus = by_index(probe, 0.0)
     assert gpus[0].clock_cap_mhz == 1410.0 and gpus[1].clock_cap_mhz is None
+    probe.use_cap_lookup({1: 1305.0}.get)  # what the control loop does once it has a Controller
+    gpus = by_index(probe, 0.1)
+    assert gpus[0].clock_cap_mhz is None and gpus[1].clock_cap_mhz == 1305.0
 
 
 def test_init_failure_is_no_data_with_a_clear_message(fake: FakeNvml) -> None:
