@@ -5,6 +5,7 @@ report's rendering. The console scripts point at :func:`ctl_main` and
 
 from __future__ import annotations
 
-from greend.cli.app import ctl_main, daemon_main
+from greend.cli.greenctl import ctl_main
+from greend.cli.greend_cmd import daemon_main
 
 __all__ = ["ctl_main", "daemon_main"]

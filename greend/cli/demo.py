@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from greend.ipc.client import Client
 from greend.errors import DaemonUnavailable, GreendError
+from greend.ipc.client import Client
 
 __all__ = ["run_demo"]
 
@@ -139,7 +139,7 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
 
 
 def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None) -> int:
-    from greend.cli.report import render_report
+    from greend.cli.render import render_report
 
     if gpus not in ("auto", "sim", "real"):
         raise GreendError(f"--gpus {gpus!r}: expected sim, real or auto")

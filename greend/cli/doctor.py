@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from greend.ipc.client import Client
 from greend.config import Config, load_config
 from greend.errors import ConfigError, GreendError, NoData, NoPermission
+from greend.ipc.client import Client
 
 __all__ = ["Check", "run_checks"]
 

@@ -1,11 +1,81 @@
-"""Rendering a job's report: the readable text of ``greenctl report`` and its plot."""
+"""What greenctl prints: tables, the status view, the jobs list, a job's report and its plot."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_report", "render_jobs", "render_report"]
+__all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status", "render_table"]
+
+
+def fmt(v: Any, digits: int = 1) -> str:
+    """A cell: "-" for None, floats to ``digits`` places."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def render_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    for r in cells:
+        lines.append("  ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths)))
+    return "\n".join(lines)
+
+
+def _numeric(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return s == "-"
+
+
+def render_status(st: dict[str, Any]) -> str:
+    out = [
+        f"greend {st['version']} on {st['host']}  pid {st['pid']}  up {st['uptime_s']:.1f} s  "
+        f"{st['hz']:g} Hz  ticks {st['ticks']} (skipped {st['ticks_skipped']})"
+        + ("  DRY RUN" if st.get("dry_run") else ""),
+        "",
+    ]
+    if st["gpus"]:
+        out.append(render_table(
+            ["GPU", "NAME", "SOURCE", "POWER_W", "ENERGY_J", "SM_MHZ", "CAP_MHZ", "LIMIT_W", "METHOD"],
+            [[g["index"], g["name"], g["source"], g["power_w"], g["energy_j"], g["sm_clock_mhz"],
+              g["clock_cap_mhz"], g["power_limit_w"], g.get("energy_method")] for g in st["gpus"]],
+        ))
+    else:
+        out.append("no GPUs (see: greenctl probes)")
+    out.append("")
+    if st["cpus"]:
+        out.append(render_table(
+            ["ZONE", "PATH", "SOURCE", "POWER_W", "ENERGY_J", "COUNTED"],
+            [[c["zone"], c["path"], c["source"], c["power_w"], c["energy_j"],
+              "yes" if c["counted"] else f"no (in {c['parent'] or 'platform'})"] for c in st["cpus"]],
+        ))
+    else:
+        out.append("no CPU energy zones (see: greenctl probes)")
+    t = st["totals"]
+    out += ["", f"energy since start: GPUs {t['gpu_energy_j']:.1f} J, CPU {t['cpu_energy_j']:.1f} J"]
+    pol = st.get("policy") or {}
+    prec = (pol.get("precision") or {}).get("name")
+    out.append(f"policy: {pol.get('name', 'none')}" + (f" + {prec}" if prec else "")
+               + f"   jobs: {len(st.get('jobs') or [])}")
+    last = pol.get("last_decision") or {}
+    if last.get("reason"):
+        out.append(f"  last decision: {last['reason']}")
+    if pol.get("disabled"):
+        out.append(f"  {pol['disabled']}")
+    for owner, knobs in (pol.get("owners") or {}).items():
+        out.append(f"  set by {owner}: {', '.join(knobs)}")
+    for s in st.get("stores", []):
+        state = "ok" if s.get("ok") else f"FAILING: {s.get('last_error')}"
+        out.append(f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"
+                   f" dropped {s.get('dropped', 0)})")
+    return "\n".join(out)
 
 
 def _num(v: Any, fmt: str = ".3g", unit: str = "") -> str:
@@ -67,8 +137,6 @@ def render_report(r: dict[str, Any]) -> str:
 
 
 def render_jobs(jobs: list[dict[str, Any]]) -> str:
-    from greend.cli.app import render_table
-
     if not jobs:
         return "no jobs yet"
     return render_table(

@@ -1,0 +1,124 @@
+"""``greend``: run the daemon (``greend run``) and put back what it changed
+(``greend restore``, systemd's ``ExecStopPost``)."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from greend import __version__
+from greend.cli.common import fail, setup_logging
+from greend.config import apply_overrides, load_config
+from greend.daemon import sdnotify
+from greend.errors import ConfigError, StateError, StoreError
+
+__all__ = ["daemon_app", "daemon_main"]
+
+log = logging.getLogger("greend")
+
+daemon_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="greend: the per-node energy controller daemon.")
+
+
+@daemon_app.callback()
+def _daemon_root() -> None:
+    """greend: the per-node energy controller daemon."""
+
+
+@daemon_app.command("run")
+def daemon_run(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/greend/greend.toml if present)"),
+    sim: Optional[int] = typer.Option(None, "--sim", help="run on N simulated GPUs instead of NVML"),
+    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="where simulated devices keep their state"),
+    sim_trace: Optional[str] = typer.Option(
+        None, "--sim-trace", help="simulated GPUs follow this measured power-limit profile (a CSV, or a bundled name)"),
+    sysfs_root: Optional[Path] = typer.Option(None, "--sysfs-root", help="root of sysfs (a fixture tree in tests)"),
+    socket: Optional[Path] = typer.Option(None, "--socket", help="Unix socket path"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="saved settings, sim devices, default store"),
+    store: Optional[list[str]] = typer.Option(None, "--store", help="store URL (repeatable)"),
+    hz: Optional[float] = typer.Option(None, "--hz", help="sampling rate"),
+    dry_run: Optional[bool] = typer.Option(None, "--dry-run/--no-dry-run", help="record settings, touch nothing"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error"),
+) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from greend.daemon.core import Daemon
+
+    try:
+        cfg = load_config(config)
+        cfg = apply_overrides(cfg, sim=sim, sim_dir=sim_dir, sysfs_root=sysfs_root, socket=socket,
+                              state_dir=state_dir, store=store, hz=hz, dry_run=dry_run, sim_trace=sim_trace)
+        if cfg.sim.gpus > 0:
+            from greend.probes.trace import install_trace
+
+            install_trace(cfg.sim_dir, cfg.sim.trace or None)  # the sim probe reads <sim dir>/trace.csv
+        if log_level is not None:
+            cfg.daemon.log_level = log_level
+            from greend.config import validate
+
+            validate(cfg)
+    except ConfigError as e:
+        fail(str(e))
+        return
+    setup_logging(cfg.daemon.log_level)
+    daemon = Daemon(cfg)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        sdnotify.stopping()
+        daemon.stop()
+
+    faulthandler.enable()  # a watchdog SIGABRT puts the Python traceback in the journal
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except (ConfigError, StateError, StoreError) as e:
+        daemon.close()
+        fail(str(e))
+    except OSError as e:
+        daemon.close()
+        fail(f"cannot start: {e}")
+    log.info("greend %s running: %d probes, %d stores, socket %s",
+             __version__, len(daemon.probes), len(daemon.sinks), cfg.daemon.socket)
+    sdnotify.ready()  # probes are open and the socket listens
+    sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.sinks)} stores, socket {cfg.daemon.socket}")
+    try:
+        daemon.run()
+    finally:
+        daemon.close()
+    log.info("stopped")
+
+
+@daemon_app.command("restore")
+def daemon_restore(
+    state_dir: Path = typer.Option(Path("/var/lib/greend"), "--state-dir", help="where saved-settings.json lives"),
+    force_defaults: bool = typer.Option(False, "--force-defaults",
+                                        help="state file unreadable: reset every GPU to its default clocks and limit"),
+    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+) -> None:
+    """Put back every setting greend changed (systemd runs this as ExecStopPost).
+
+    Exit 0: nothing to restore, or all restored; 1: some device failed (kept in the
+    file for the next try); 2: the state file is corrupt (see the message).
+    """
+    from greend.actuators.restore import main as restore_main
+
+    argv = ["--state-dir", str(state_dir)]
+    if force_defaults:
+        argv.append("--force-defaults")
+    if sim_dir is not None:
+        argv += ["--sim-dir", str(sim_dir)]
+    if as_json:
+        argv.append("--json")
+    raise typer.Exit(restore_main(argv))
+
+
+def daemon_main() -> None:
+    daemon_app()
