@@ -138,9 +138,11 @@ def _load_builtin_sinks() -> None:
 
 
 def registered_schemes() -> list[str]:
-    """Every registered scheme, the built-in sinks' loaded first."""
+    """Every registered scheme: the built-in ones in their fixed order (whatever module
+    happened to be imported first), then any other in registration order."""
     _load_builtin_sinks()
-    return list(REGISTRY)
+    builtin = [s for s in _BUILTIN_SINK_MODULES if s in REGISTRY]
+    return builtin + [s for s in REGISTRY if s not in builtin]
 
 
 def require_host_port(url: str, parts: SplitResult) -> None:
@@ -155,7 +157,7 @@ def check_url(url: str) -> None:
     parts = urlsplit(url)
     kind = REGISTRY.get(parts.scheme)
     if kind is None:
-        forms = ", ".join(k.form for k in REGISTRY.values())
+        forms = ", ".join(REGISTRY[s].form for s in registered_schemes())
         raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
     kind.check(url, parts)
 
