@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from greend.training.callback import GreenCallback  # noqa: E402
 from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
+from greend.training.callback import GreenCallback  # noqa: E402
 
 perf = time.perf_counter
 
@@ -91,7 +91,7 @@ def slow(cb: GreenCallback, n: int, step_s: float) -> tuple[list[float], list[fl
     bt, bo, ct, co = [], [], [], []
     null = contextlib.nullcontext()
     for i in range(n):
-        for which in ((None, cb) if i % 2 == 0 else (cb, None)):
+        for which in (None, cb) if i % 2 == 0 else (cb, None):
             total, own = one_slow(which, step_s, null)
             (bt if which is None else ct).append(total)
             (bo if which is None else co).append(own)
@@ -130,9 +130,11 @@ def main() -> None:
         over_med = (statistics.median(with_cb) - statistics.median(base)) * us
         over_p99 = (pct(with_cb, 0.99) - pct(base, 0.99)) * us
         print(f"  overhead per step             {over_med:8.2f}  {over_p99:8.2f}   (target < 20 us)")
-        print(f"  daemon received {received} of {a.steps} step reports in {t_recv:.2f} s: "
-              f"{received / max(t_recv, 1e-9):,.0f} reports/s "
-              f"(in {daemon.step_messages} messages; the loop produced {a.steps / t_loop:,.0f} steps/s)")
+        print(
+            f"  daemon received {received} of {a.steps} step reports in {t_recv:.2f} s: "
+            f"{received / max(t_recv, 1e-9):,.0f} reports/s "
+            f"(in {daemon.step_messages} messages; the loop produced {a.steps / t_loop:,.0f} steps/s)"
+        )
 
         step_s = a.step_ms / 1000
         b_total, b_own, c_total, c_own = slow(cb, a.slow_steps, step_s)
@@ -140,18 +142,26 @@ def main() -> None:
         own_p99 = pct(c_own, 0.99) - pct(b_own, 0.99)
         print(f"\n{a.slow_steps} + {a.slow_steps} steps of {a.step_ms:g} ms, interleaved")
         print(f"{'':32}median      p99")
-        print(f"  step without greend (ms)      {statistics.median(b_total) * 1e3:8.3f}  {pct(b_total, 0.99) * 1e3:8.3f}")
-        print(f"  step with GreenCallback (ms)  {statistics.median(c_total) * 1e3:8.3f}  {pct(c_total, 0.99) * 1e3:8.3f}")
+        print(
+            f"  step without greend (ms)      {statistics.median(b_total) * 1e3:8.3f}  {pct(b_total, 0.99) * 1e3:8.3f}"
+        )
+        print(
+            f"  step with GreenCallback (ms)  {statistics.median(c_total) * 1e3:8.3f}  {pct(c_total, 0.99) * 1e3:8.3f}"
+        )
         # The floor: a nullcontext and two clock reads after 5 ms of other work,
         # interrupted now and then by the machine (more often, the longer the window).
         print(f"  wrapper without greend (us)   {statistics.median(b_own) * us:8.2f}  {pct(b_own, 0.99) * us:8.2f}")
         print(f"  wrapper with GreenCallback    {statistics.median(c_own) * us:8.2f}  {pct(c_own, 0.99) * us:8.2f}")
         print(f"  callback's own time (us)      {own_med * us:8.2f}  {own_p99 * us:8.2f}")
-        print(f"  as a share of the step        {own_med / step_s * 100:7.4f}%  {own_p99 / step_s * 100:7.4f}%"
-              f"   (target < 0.5%)")
+        print(
+            f"  as a share of the step        {own_med / step_s * 100:7.4f}%  {own_p99 / step_s * 100:7.4f}%"
+            f"   (target < 0.5%)"
+        )
         cb.close()
-        print(f"\nsender: {cb.stats.sent} sent, {cb.stats.dropped} dropped, {cb.stats.messages} messages, "
-              f"{cb.stats.connects} registration(s)")
+        print(
+            f"\nsender: {cb.stats.sent} sent, {cb.stats.dropped} dropped, {cb.stats.messages} messages, "
+            f"{cb.stats.connects} registration(s)"
+        )
 
         # The one-time FLOP count (FlopCounterMode) on a small MLP's first step.
         torch.manual_seed(0)
@@ -171,9 +181,11 @@ def main() -> None:
             times.append(perf() - t)
         cb2.close()
         flops = daemon.steps[-1]["flops"] if daemon.steps else float("nan")
-        print(f"\nMLP 256-1024-256, batch 64: first (counted) step {times[0] * 1e3:.1f} ms, later steps "
-              f"median {statistics.median(times[1:]) * 1e3:.2f} ms; {flops:.3g} FLOPs per step "
-              f"(counted once, cached)")
+        print(
+            f"\nMLP 256-1024-256, batch 64: first (counted) step {times[0] * 1e3:.1f} ms, later steps "
+            f"median {statistics.median(times[1:]) * 1e3:.2f} ms; {flops:.3g} FLOPs per step "
+            f"(counted once, cached)"
+        )
         daemon.stop()
 
 

@@ -38,11 +38,28 @@ def main() -> None:
         fake = FakePowercap(tmp / "sys")
         for pkg in (0, 1):
             fake.add_package(pkg, dram=True)
-        (tmp / "cfg.toml").write_text("[daemon]\nsocket_group = \"\"\n")
+        (tmp / "cfg.toml").write_text('[daemon]\nsocket_group = ""\n')
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(tmp / "cfg.toml"),
-               "--sim", str(args.gpus), "--sysfs-root", str(tmp / "sys"), "--hz", str(args.hz),
-               "--socket", str(tmp / "g.sock"), "--state-dir", str(tmp / "state"), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "greend.daemon_main",
+            "run",
+            "--config",
+            str(tmp / "cfg.toml"),
+            "--sim",
+            str(args.gpus),
+            "--sysfs-root",
+            str(tmp / "sys"),
+            "--hz",
+            str(args.hz),
+            "--socket",
+            str(tmp / "g.sock"),
+            "--state-dir",
+            str(tmp / "state"),
+            "--log-level",
+            "warning",
+        ]
         proc = subprocess.Popen(cmd, env=env, cwd=REPO)
         try:
             time.sleep(3.0)  # imports, probe open, first store batch
@@ -59,10 +76,14 @@ def main() -> None:
             proc.wait(15)
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         pct = 100.0 * cpu / wall
-        print(f"daemon CPU while sampling {args.gpus} simulated GPUs + 4 RAPL zones at {args.hz:g} Hz "
-              f"(SQLite store, 1 s store interval):")
-        print(f"  {cpu:.3f} CPU s over {wall:.1f} wall s = {pct:.2f}% of one core "
-              f"({1000 * cpu / (wall * args.hz):.2f} ms CPU per tick)   target < 1%")
+        print(
+            f"daemon CPU while sampling {args.gpus} simulated GPUs + 4 RAPL zones at {args.hz:g} Hz "
+            f"(SQLite store, 1 s store interval):"
+        )
+        print(
+            f"  {cpu:.3f} CPU s over {wall:.1f} wall s = {pct:.2f}% of one core "
+            f"({1000 * cpu / (wall * args.hz):.2f} ms CPU per tick)   target < 1%"
+        )
         # The daemon's own per-probe totals (wall time inside sample(), from `probes`):
         # what the simulator and its fake NVML cost, apart from greend itself.
         for name in sorted(probes1):
@@ -71,8 +92,10 @@ def main() -> None:
             if n <= 0:
                 continue
             note = {"sim": "  <- the simulator and its fake NVML, not real NVML calls"}.get(name, "")
-            print(f"  probe {name:5s} {1e6 * busy / n:7.1f} us per sample (wall), {n / wall:4.1f}/s = "
-                  f"{100.0 * busy / wall:.2f}% of one core{note}")
+            print(
+                f"  probe {name:5s} {1e6 * busy / n:7.1f} us per sample (wall), {n / wall:4.1f}/s = "
+                f"{100.0 * busy / wall:.2f}% of one core{note}"
+            )
 
 
 def _probes(sock: Path) -> dict[str, dict]:
@@ -80,6 +103,7 @@ def _probes(sock: Path) -> dict[str, dict]:
 
     with Client(sock) as c:
         return {p["name"]: p for p in c.request("probes")["probes"]}
+
 
 if __name__ == "__main__":
     main()

@@ -40,8 +40,10 @@ def client(sock: Path, job: str, gpu: int, steps: int, batch: int) -> None:
         buf += s.recv(65536)
     t = time.monotonic() - 1000.0
     for start in range(0, steps, batch):
-        rows = [{"step": i, "t0_s": t + i * 1e-4, "t1_s": t + i * 1e-4 + 5e-5, "flops": 1e9, "samples": 32,
-                 "loss": 1.0} for i in range(start, min(steps, start + batch))]
+        rows = [
+            {"step": i, "t0_s": t + i * 1e-4, "t1_s": t + i * 1e-4 + 5e-5, "flops": 1e9, "samples": 32, "loss": 1.0}
+            for i in range(start, min(steps, start + batch))
+        ]
         s.sendall(encode({"v": 1, "op": "steps", "steps": rows}))
     s.sendall(encode({"v": 1, "id": 2, "op": "heartbeat"}))
     buf = b""
@@ -61,16 +63,34 @@ def main() -> None:
         (tmp / "cfg.toml").write_text('[daemon]\nsocket_group = ""\n')
         sock = tmp / "g.sock"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(tmp / "cfg.toml"), "--sim", "2",
-             "--socket", str(sock), "--state-dir", str(tmp / "state"), "--log-level", "warning"],
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            [
+                sys.executable,
+                "-m",
+                "greend.daemon_main",
+                "run",
+                "--config",
+                str(tmp / "cfg.toml"),
+                "--sim",
+                "2",
+                "--socket",
+                str(sock),
+                "--state-dir",
+                str(tmp / "state"),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         try:
             deadline = time.monotonic() + 30
             while not sock.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)
-            threads = [threading.Thread(target=client, args=(sock, f"bench-{i}", i % 2, args.steps, args.batch))
-                       for i in range(args.clients)]
+            threads = [
+                threading.Thread(target=client, args=(sock, f"bench-{i}", i % 2, args.steps, args.batch))
+                for i in range(args.clients)
+            ]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
@@ -83,8 +103,10 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
     total = args.clients * args.steps
-    print(f"daemon step-report throughput ({args.clients} clients, {args.batch} steps per message, "
-          f"each step executed on a simulated GPU):")
+    print(
+        f"daemon step-report throughput ({args.clients} clients, {args.batch} steps per message, "
+        f"each step executed on a simulated GPU):"
+    )
     print(f"  {counted} of {total} steps accounted in {wall:.2f} s = {counted / wall:,.0f} step reports/s")
     print(json.dumps({"step_reports_per_s": round(counted / wall), "accounted": counted, "sent": total}))
 

@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from greend.policies import get_policy  # noqa: E402
-from greend.policies.base import Setting  # noqa: E402
-from greend.testing.harness import make_sim_gpus, run_policy  # noqa: E402
-from greend.probes.sim import H100  # noqa: E402
+from greend.policies import get_policy
+from greend.policies.base import Setting
+from greend.probes.sim import H100
+from greend.testing.harness import make_sim_gpus, run_policy
 
 FLOPS = 1e12
 WORKLOADS = (("compute-bound", 0.05), ("mixed", 0.4), ("memory-bound", 0.8))
@@ -82,11 +82,17 @@ def one(knob: str, noise: float, m: float, a: argparse.Namespace, seed: int) -> 
     settled = r.settled_steps()
     worst = max((x.duration_s / base.duration_s - 1 for x in settled), default=float("nan"))
     out = {
-        "setting": label(r.final_setting), "optimum": opt_label,
-        "saved": 1 - got.energy_j / base.energy_j, "slow": got.duration_s / base.duration_s - 1,
+        "setting": label(r.final_setting),
+        "optimum": opt_label,
+        "saved": 1 - got.energy_j / base.energy_j,
+        "slow": got.duration_s / base.duration_s - 1,
         "run_saved": 1 - r.total_energy_j / (a.steps * base.energy_j),
-        "search": search, "recheck": sum(1 for x in r.trace if x.phase == "recheck"), "sweep": sweep,
-        "x": sweep / search, "gap": got.energy_j / opt_e - 1, "worst": worst,
+        "search": search,
+        "recheck": sum(1 for x in r.trace if x.phase == "recheck"),
+        "sweep": sweep,
+        "x": sweep / search,
+        "gap": got.energy_j / opt_e - 1,
+        "worst": worst,
     }
     out["ok_gap"], out["ok_x"] = out["gap"] <= 0.02, out["x"] >= 3
     out["ok_b"] = bool(settled) and worst <= bound + 1e-9
@@ -109,11 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     bound = a.max_slowdown
     sets = [("clock", 0.0), ("power", 0.0)] + ([("clock", a.noise)] if a.noise > 0 else [])
-    print(f"efficient vs uncapped and vs an exhaustive sweep: simulated H100 (source=sim), "
-          f"{FLOPS:.0e} FLOP/step fp32, bound {bound:.0%}, {a.min_steps}+{a.settle_steps} steps per setting, "
-          f"{a.steps} steps per run")
-    head = (f"{'knob':<6} {'noise':>5} {'workload':<14} {'settled':>9} {'optimum':>9} {'saved':>6} {'slow':>6} "
-            f"{'run saved':>9} {'search':>9} {'sweep':>6} {'x':>5} {'gap':>6} {'worst':>6}  targets")
+    print(
+        f"efficient vs uncapped and vs an exhaustive sweep: simulated H100 (source=sim), "
+        f"{FLOPS:.0e} FLOP/step fp32, bound {bound:.0%}, {a.min_steps}+{a.settle_steps} steps per setting, "
+        f"{a.steps} steps per run"
+    )
+    head = (
+        f"{'knob':<6} {'noise':>5} {'workload':<14} {'settled':>9} {'optimum':>9} {'saved':>6} {'slow':>6} "
+        f"{'run saved':>9} {'search':>9} {'sweep':>6} {'x':>5} {'gap':>6} {'worst':>6}  targets"
+    )
     print(head)
     print("-" * len(head))
     all_ok = True
@@ -129,33 +139,44 @@ def main(argv: list[str] | None = None) -> int:
         for name, m in WORKLOADS:
             o = run(knob, noise, m, a.seed)
             all_ok &= o["ok_gap"] and o["ok_x"] and o["ok_b"]
-            marks = " ".join(f"{t}{'ok' if ok else 'MISS'}" for t, ok in
-                             (("gap<=2% ", o["ok_gap"]), ("x>=3 ", o["ok_x"]), ("bound ", o["ok_b"])))
-            print(f"{knob:<6} {noise:>5.0%} {name:<14} {o['setting']:>9} {o['optimum']:>9} "
-                  f"{o['saved']:>6.1%} {o['slow']:>+6.1%} {o['run_saved']:>9.1%} {o['search']:>5}+{o['recheck']:<3} "
-                  f"{o['sweep']:>6} {o['x']:>5.1f} {o['gap']:>6.1%} {o['worst']:>+6.1%}  {marks}")
+            marks = " ".join(
+                f"{t}{'ok' if ok else 'MISS'}"
+                for t, ok in (("gap<=2% ", o["ok_gap"]), ("x>=3 ", o["ok_x"]), ("bound ", o["ok_b"]))
+            )
+            print(
+                f"{knob:<6} {noise:>5.0%} {name:<14} {o['setting']:>9} {o['optimum']:>9} "
+                f"{o['saved']:>6.1%} {o['slow']:>+6.1%} {o['run_saved']:>9.1%} {o['search']:>5}+{o['recheck']:<3} "
+                f"{o['sweep']:>6} {o['x']:>5.1f} {o['gap']:>6.1%} {o['worst']:>+6.1%}  {marks}"
+            )
     print("-" * len(head))
     print("all targets met (sim)" if all_ok else "some targets missed (sim): see MISS above")
     if a.noise > 0 and a.seeds > 1:
         # One seed is one draw of the noise: the same rows over many seeds say how
         # often the targets hold, not how lucky one run was.
         print(f"\nclock knob, {a.noise:.0%} noise, seeds 1..{a.seeds} (sim):")
-        print(f"{'workload':<14} {'settled':>19} {'gap mean':>8} {'gap max':>7} {'x min':>5} {'x mean':>6} "
-              f"{'worst':>6}  targets met (of {a.seeds})")
+        print(
+            f"{'workload':<14} {'settled':>19} {'gap mean':>8} {'gap max':>7} {'x min':>5} {'x mean':>6} "
+            f"{'worst':>6}  targets met (of {a.seeds})"
+        )
         for name, m in WORKLOADS:
             rs = [run("clock", a.noise, m, seed) for seed in range(1, a.seeds + 1)]
             clocks = sorted(int(r["setting"].split()[0]) for r in rs if r["setting"].endswith("MHz"))
             span = f"{clocks[0]}-{clocks[-1]} MHz" if clocks else "uncapped"
             gaps, xs = [r["gap"] for r in rs], [r["x"] for r in rs]
-            print(f"{name:<14} {span:>19} {sum(gaps) / len(gaps):>8.1%} {max(gaps):>7.1%} {min(xs):>5.1f} "
-                  f"{sum(xs) / len(xs):>6.1f} {max(r['worst'] for r in rs):>+6.1%}  "
-                  f"gap {sum(r['ok_gap'] for r in rs)}, x {sum(r['ok_x'] for r in rs)}, "
-                  f"bound {sum(r['ok_b'] for r in rs)}")
+            print(
+                f"{name:<14} {span:>19} {sum(gaps) / len(gaps):>8.1%} {max(gaps):>7.1%} {min(xs):>5.1f} "
+                f"{sum(xs) / len(xs):>6.1f} {max(r['worst'] for r in rs):>+6.1%}  "
+                f"gap {sum(r['ok_gap'] for r in rs)}, x {sum(r['ok_x'] for r in rs)}, "
+                f"bound {sum(r['ok_b'] for r in rs)}"
+            )
     if not a.no_traces:
         traces_main(a)
-    print("literature for scale: Zeus 15-76 % better efficiency; EnvPipe 25-28 % at <1 % slower; "
-          "GPOEO 16.2 % at +5.1 %; static caps up to 15 %")
+    print(
+        "literature for scale: Zeus 15-76 % better efficiency; EnvPipe 25-28 % at <1 % slower; "
+        "GPOEO 16.2 % at +5.1 %; static caps up to 15 %"
+    )
     return 0
+
 
 # --------------------------------------------------------------------------- real A40 profiles
 
@@ -165,8 +186,11 @@ SWEEP_STEPS_PER_LIMIT = 50  # Zeus: 10 warm-up + 40 measured steps per limit
 
 def trace_truth(prof, objective: str, x: float) -> tuple[float, float]:
     """(the optimum's objective value, its limit), from the profile's measured limits."""
-    vals = [(trace_value(prof, objective, x, w), w) for w in prof.limits_w
-            if objective == "cost" or prof.time_ratio(w) <= 1 + x + 1e-12]
+    vals = [
+        (trace_value(prof, objective, x, w), w)
+        for w in prof.limits_w
+        if objective == "cost" or prof.time_ratio(w) <= 1 + x + 1e-12
+    ]
     return min(vals, key=lambda v: (v[0], -v[1]))
 
 
@@ -197,29 +221,47 @@ def trace_run(job: tuple) -> dict:
     got = trace_value(prof, objective, x, r.final_setting.power_limit_w)
     settled = r.settled_steps()
     viol = objective == "slowdown" and any(
-        prof.time_ratio(s.setting.power_limit_w or prof.max_w) > 1 + x + 1e-9 for s in settled)
+        prof.time_ratio(s.setting.power_limit_w or prof.max_w) > 1 + x + 1e-9 for s in settled
+    )
     changes = sum(1 for a, b in zip(settled, settled[1:]) if a.setting != b.setting)
     # The sweep: every limit, SWEEP_STEPS_PER_LIMIT steps (the first 10 not counted), same noise.
     rng = random.Random(seed + 7919)
     meas = {}
     for w in prof.limits_w:
         n = SWEEP_STEPS_PER_LIMIT - 10
-        t = sum(prof.time_ratio(w) * max(0.05, 1 + rng.gauss(0, noise)) if noise else prof.time_ratio(w)
-                for _ in range(n)) / n
-        e = sum(prof.energy_ratio(w) * max(0.05, 1 + rng.gauss(0, noise)) if noise else prof.energy_ratio(w)
-                for _ in range(n)) / n
+        t = (
+            sum(
+                prof.time_ratio(w) * max(0.05, 1 + rng.gauss(0, noise)) if noise else prof.time_ratio(w)
+                for _ in range(n)
+            )
+            / n
+        )
+        e = (
+            sum(
+                prof.energy_ratio(w) * max(0.05, 1 + rng.gauss(0, noise)) if noise else prof.energy_ratio(w)
+                for _ in range(n)
+            )
+            / n
+        )
         meas[w] = (t, e)
     top = prof.points[-1]
     if objective == "cost":
-        sw = min(prof.limits_w, key=lambda w: x * meas[w][1] * top.energy_j
-                 + (1 - x) * prof.max_w * meas[w][0] * top.step_time_s)
+        sw = min(
+            prof.limits_w,
+            key=lambda w: x * meas[w][1] * top.energy_j + (1 - x) * prof.max_w * meas[w][0] * top.step_time_s,
+        )
     else:
-        sw = min((w for w in prof.limits_w if meas[w][0] <= (1 + x) * meas[prof.max_w][0]),
-                 key=lambda w: (meas[w][1], -w))
+        sw = min(
+            (w for w in prof.limits_w if meas[w][0] <= (1 + x) * meas[prof.max_w][0]), key=lambda w: (meas[w][1], -w)
+        )
     return {
-        "gap": got / opt - 1, "viol": viol, "search": r.search_steps or steps,
-        "sweep": len(prof.limits_w) * SWEEP_STEPS_PER_LIMIT, "changes": changes * 1000 / steps,
-        "setting": r.final_setting.power_limit_w or prof.max_w, "opt_w": opt_w,
+        "gap": got / opt - 1,
+        "viol": viol,
+        "search": r.search_steps or steps,
+        "sweep": len(prof.limits_w) * SWEEP_STEPS_PER_LIMIT,
+        "changes": changes * 1000 / steps,
+        "setting": r.final_setting.power_limit_w or prof.max_w,
+        "opt_w": opt_w,
         "sweep_gap": trace_value(prof, objective, x, sw) / opt - 1,
         "sweep_viol": objective == "slowdown" and prof.time_ratio(sw) > 1 + x + 1e-9,
     }
@@ -236,19 +278,23 @@ def traces_main(a: argparse.Namespace) -> None:
     for p in paths:
         for objective, x in OBJECTIVES:
             for noise in noises:
-                for seed in (range(1, a.trace_seeds + 1) if noise > 0 else (1,)):
+                for seed in range(1, a.trace_seeds + 1) if noise > 0 else (1,):
                     jobs.append((str(p), objective, x, noise, seed, a.trace_steps, a.min_steps))
     if __name__ == "__main__":  # run as a script: the runs go to worker processes
         with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
             results = dict(zip(jobs, ex.map(trace_run, jobs, chunksize=4)))
     else:  # loaded as a module (tests): in this process
         results = {job: trace_run(job) for job in jobs}
-    print(f"\nefficient (knob=power) replayed on measured A40 profiles (greend.probes.trace; source=sim, "
-          f"curves measured), {a.trace_steps} steps a run, seeds 1..{a.trace_seeds} for noisy rows; "
-          f"sweep = every limit, {SWEEP_STEPS_PER_LIMIT} steps each, same noise")
-    head = (f"{'profile':<26} {'objective':<13} {'noise':>5} {'opt':>5} {'settled':>11} {'gap mean':>8} "
-            f"{'gap max':>7} {'viol':>4} {'steps':>5} {'/sweep':>6} {'chg/1k':>6} | {'sweep gap':>9} {'max':>6} "
-            f"{'viol':>4}")
+    print(
+        f"\nefficient (knob=power) replayed on measured A40 profiles (greend.probes.trace; source=sim, "
+        f"curves measured), {a.trace_steps} steps a run, seeds 1..{a.trace_seeds} for noisy rows; "
+        f"sweep = every limit, {SWEEP_STEPS_PER_LIMIT} steps each, same noise"
+    )
+    head = (
+        f"{'profile':<26} {'objective':<13} {'noise':>5} {'opt':>5} {'settled':>11} {'gap mean':>8} "
+        f"{'gap max':>7} {'viol':>4} {'steps':>5} {'/sweep':>6} {'chg/1k':>6} | {'sweep gap':>9} {'max':>6} "
+        f"{'viol':>4}"
+    )
     print(head)
     print("-" * len(head))
     agg: dict[float, list[dict]] = {n: [] for n in noises}
@@ -266,23 +312,29 @@ def traces_main(a: argparse.Namespace) -> None:
                 ws = sorted({r["setting"] for r in rs})
                 settled = f"{ws[0]:g}-{ws[-1]:g} W" if len(ws) > 1 else f"{ws[0]:g} W"
                 search = sum(r["search"] for r in rs) / len(rs)
-                print(f"{prof.name:<26} {name:<13} {noise:>5.0%} {rs[0]['opt_w']:>5g} {settled:>11} "
-                      f"{sum(gaps) / len(gaps):>8.1%} {max(gaps):>7.1%} {sum(r['viol'] for r in rs):>4} "
-                      f"{search:>5.0f} {search / rs[0]['sweep']:>6.2f} {max(r['changes'] for r in rs):>6.1f} | "
-                      f"{sum(r['sweep_gap'] for r in rs) / len(rs):>9.1%} {max(r['sweep_gap'] for r in rs):>6.1%} "
-                      f"{sum(r['sweep_viol'] for r in rs):>4}")
+                print(
+                    f"{prof.name:<26} {name:<13} {noise:>5.0%} {rs[0]['opt_w']:>5g} {settled:>11} "
+                    f"{sum(gaps) / len(gaps):>8.1%} {max(gaps):>7.1%} {sum(r['viol'] for r in rs):>4} "
+                    f"{search:>5.0f} {search / rs[0]['sweep']:>6.2f} {max(r['changes'] for r in rs):>6.1f} | "
+                    f"{sum(r['sweep_gap'] for r in rs) / len(rs):>9.1%} {max(r['sweep_gap'] for r in rs):>6.1%} "
+                    f"{sum(r['sweep_viol'] for r in rs):>4}"
+                )
     print("-" * len(head))
-    print(f"summary (A40 profiles): noise-free gap mean {sum(means0) / len(means0):.2%} (target <= 1%), "
-          f"worst {max(means0):.1%} (target <= 5%)")
+    print(
+        f"summary (A40 profiles): noise-free gap mean {sum(means0) / len(means0):.2%} (target <= 1%), "
+        f"worst {max(means0):.1%} (target <= 5%)"
+    )
     for noise in noises:
         rs = agg[noise]
-        print(f"summary (A40 profiles): noise {noise:.0%}: gap mean {sum(r['gap'] for r in rs) / len(rs):.2%}, "
-              f"worst {max(r['gap'] for r in rs):.1%}; bound violations {sum(r['viol'] for r in rs)} "
-              f"(target 0; sweep {sum(r['sweep_viol'] for r in rs)}); steps/sweep mean "
-              f"{sum(r['search'] / r['sweep'] for r in rs) / len(rs):.2f}, max "
-              f"{max(r['search'] / r['sweep'] for r in rs):.2f} (target <= 0.25); changes after settling per "
-              f"1000 steps max {max(r['changes'] for r in rs):.1f} (target <= 1 at 2%); sweep gap mean "
-              f"{sum(r['sweep_gap'] for r in rs) / len(rs):.2%}")
+        print(
+            f"summary (A40 profiles): noise {noise:.0%}: gap mean {sum(r['gap'] for r in rs) / len(rs):.2%}, "
+            f"worst {max(r['gap'] for r in rs):.1%}; bound violations {sum(r['viol'] for r in rs)} "
+            f"(target 0; sweep {sum(r['sweep_viol'] for r in rs)}); steps/sweep mean "
+            f"{sum(r['search'] / r['sweep'] for r in rs) / len(rs):.2f}, max "
+            f"{max(r['search'] / r['sweep'] for r in rs):.2f} (target <= 0.25); changes after settling per "
+            f"1000 steps max {max(r['changes'] for r in rs):.1f} (target <= 1 at 2%); sweep gap mean "
+            f"{sum(r['sweep_gap'] for r in rs) / len(rs):.2%}"
+        )
 
 
 if __name__ == "__main__":

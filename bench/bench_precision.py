@@ -41,10 +41,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from greend.probes.sim import H100  # noqa: E402
+from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
 from greend.training.callback import GreenCallback  # noqa: E402
 from greend.training.mixed_precision import PRECISIONS, warm_up_torchao  # noqa: E402
-from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
-from greend.probes.sim import H100  # noqa: E402
 
 MEM_SHARE = 0.3
 
@@ -79,7 +79,7 @@ class NvmlEnergy:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # NOT_SUPPORTED before Volta
             self.handle, self.nvml = handle, pynvml
-        except Exception as e:  # noqa: BLE001 - the column is then n/a, with the reason
+        except Exception as e:
             self.why = f"NVML energy counter unavailable: {e}"
 
     def mj(self) -> int | None:
@@ -115,9 +115,16 @@ def main() -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cb = GreenCallback(job="bench-precision", model=model, socket=sock, precisions=list(PRECISIONS),
-                                   loss_scaling=True, fp8_min_features=min(1024, w), flops_per_step=flops,
-                                   flush_interval_s=0.02)
+                cb = GreenCallback(
+                    job="bench-precision",
+                    model=model,
+                    socket=sock,
+                    precisions=list(PRECISIONS),
+                    loss_scaling=True,
+                    fp8_min_features=min(1024, w),
+                    flops_per_step=flops,
+                    flush_interval_s=0.02,
+                )
             support = cb.supported_precisions()
             levels = [lvl for lvl in PRECISIONS if support[lvl] is None]
             rows = []
@@ -154,16 +161,22 @@ def main() -> None:
         finally:
             daemon.stop()
 
-    print(f"MLP {w}-{2 * w}-{w}-16, batch {args.batch}, {flops / 1e9:.2f} GFLOP per step (fwd+bwd), "
-          f"on {device.type} ({torch.get_num_threads()} threads), median of {args.steps} steps")
-    print(f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}"
-          f"{'gpu J/step':>12}{'cpu J/step':>12}")
+    print(
+        f"MLP {w}-{2 * w}-{w}-16, batch {args.batch}, {flops / 1e9:.2f} GFLOP per step (fwd+bwd), "
+        f"on {device.type} ({torch.get_num_threads()} threads), median of {args.steps} steps"
+    )
+    print(
+        f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}"
+        f"{'gpu J/step':>12}{'cpu J/step':>12}"
+    )
     base_t, base_e = rows[0][2], rows[0][3]
     for level, ran, ms, ej, gpu, cpu in rows:
         gpu_txt = f"{gpu:.3f}" if gpu is not None else "n/a"
         cpu_txt = f"{cpu:.3f}" if cpu is not None else "n/a"
-        print(f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x"
-              f"{gpu_txt:>12}{cpu_txt:>12}")
+        print(
+            f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x"
+            f"{gpu_txt:>12}{cpu_txt:>12}"
+        )
     if gpu_energy.handle is None:
         print(f"gpu J/step: n/a ({gpu_energy.why})")
     if rapl_uj() is None:

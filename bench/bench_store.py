@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 
 from greend.sinks import Point  # noqa: E402
 from greend.sinks.influx import InfluxSink  # noqa: E402
-
 from tests import vmserver  # noqa: E402
 
 
@@ -36,13 +35,21 @@ def make_points(n: int, t0_ms: int, run: str) -> list[Point]:
     out = []
     for i in range(n):
         g = i % 8
-        out.append(Point(
-            "greend_bench",
-            {"run": run, "gpu": str(g), "source": "sim", "method": "counter"},
-            {"energy_j": 1000.0 + i, "power_w": 300.5, "sm_clock_mhz": 1980.0, "util_gpu_pct": 87.0,
-             "temperature_c": 61.0, "ticks": i},
-            (t0_ms + i // 8) * 1_000_000,
-        ))
+        out.append(
+            Point(
+                "greend_bench",
+                {"run": run, "gpu": str(g), "source": "sim", "method": "counter"},
+                {
+                    "energy_j": 1000.0 + i,
+                    "power_w": 300.5,
+                    "sm_clock_mhz": 1980.0,
+                    "util_gpu_pct": 87.0,
+                    "temperature_c": 61.0,
+                    "ticks": i,
+                },
+                (t0_ms + i // 8) * 1_000_000,
+            )
+        )
     return out
 
 
@@ -68,7 +75,7 @@ def main() -> None:
             write_s = 0.0
             for i in range(0, n, batch):
                 w = time.perf_counter()
-                sink.write(pts[i:i + batch])
+                sink.write(pts[i : i + batch])
                 write_s += time.perf_counter() - w
             ok = sink.flush(300)
             live_s = time.perf_counter() - t
@@ -82,7 +89,7 @@ def main() -> None:
             s_down = InfluxSink(down, state_dir=base, host="bench", spool_dir=spool_dir, backoff_min_s=60)
             t = time.perf_counter()
             for i in range(0, n, batch):
-                s_down.write(pts2[i:i + batch])
+                s_down.write(pts2[i : i + batch])
             spool_s = time.perf_counter() - t
             s_down.close(0.5)
             spool_mb = sum(p.stat().st_size for p in spool_dir.glob("*.lp")) / 1e6
@@ -106,13 +113,19 @@ def main() -> None:
 
     print(f"InfluxSink -> victoria-metrics {n:,} points, batches of {batch}, 6 fields a point")
     print(f"{'':24}{'points/s':>12}{'seconds':>10}{'acked':>10}{'landed':>10}")
-    print(f"{'written (live)':24}{n / live_s:>12,.0f}{live_s:>10.2f}{st.written:>10,}{landed['live']:>10,}"
-          f"{'' if ok else '  (flush timed out)'}")
-    print(f"{'replayed from spool':24}{n / replay_s:>12,.0f}{replay_s:>10.2f}{st2.written:>10,}"
-          f"{landed['replay']:>10,}{'' if ok2 else '  (flush timed out)'}")
-    print(f"write() alone (tick path): {n / write_s:,.0f} points/s, {write_s / (n / batch) * 1e3:.2f} ms a batch;"
-          f" spooling while down: {n / spool_s:,.0f} points/s, {spool_mb:.1f} MB on disk,"
-          f" {recovered:,} points recovered at start")
+    print(
+        f"{'written (live)':24}{n / live_s:>12,.0f}{live_s:>10.2f}{st.written:>10,}{landed['live']:>10,}"
+        f"{'' if ok else '  (flush timed out)'}"
+    )
+    print(
+        f"{'replayed from spool':24}{n / replay_s:>12,.0f}{replay_s:>10.2f}{st2.written:>10,}"
+        f"{landed['replay']:>10,}{'' if ok2 else '  (flush timed out)'}"
+    )
+    print(
+        f"write() alone (tick path): {n / write_s:,.0f} points/s, {write_s / (n / batch) * 1e3:.2f} ms a batch;"
+        f" spooling while down: {n / spool_s:,.0f} points/s, {spool_mb:.1f} MB on disk,"
+        f" {recovered:,} points recovered at start"
+    )
 
 
 if __name__ == "__main__":

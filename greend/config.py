@@ -177,10 +177,7 @@ class Config:
                 return [conv(x) for x in v]
             return v
 
-        return {
-            sec: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, sec)).items()}
-            for sec in SECTIONS
-        }
+        return {sec: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, sec)).items()} for sec in SECTIONS}
 
 
 # Validation ------------------------------------------------------------------------
@@ -196,18 +193,14 @@ def _check(section: str, key: str, value: Any, expect: type | tuple[type, ...], 
 
 def _positive(section: str, key: str, value: float, *, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(
-            f"[{section}] {key} = {value!r}: must be {'>= 0' if zero_ok else '> 0'}"
-        )
+        raise ConfigError(f"[{section}] {key} = {value!r}: must be {'>= 0' if zero_ok else '> 0'}")
 
 
 def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(
-                f"[{section}] unknown key {key!r}; allowed keys: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(f"[{section}] unknown key {key!r}; allowed keys: {', '.join(sorted(fields))}")
         current = getattr(obj, key)
         if isinstance(current, bool):
             _check(section, key, value, bool, "true or false")
@@ -245,23 +238,17 @@ def validate(cfg: Config) -> Config:
     try:
         mode = int(d.socket_mode, 8)
     except ValueError:
-        raise ConfigError(
-            f"[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like \"0660\""
-        ) from None
+        raise ConfigError(f'[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like "0660"') from None
     if mode & ~0o777:
         raise ConfigError(f"[daemon] socket_mode = {d.socket_mode!r}: permission bits only (0000-0777)")
     if d.log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise ConfigError(
-            f"[daemon] log_level = {d.log_level!r}: expected one of debug, info, warning, error"
-        )
+        raise ConfigError(f"[daemon] log_level = {d.log_level!r}: expected one of debug, info, warning, error")
     from greend.probes import available_names  # the probe registry: the one list of probes
 
     known = available_names()
     for name in p.enabled:
         if name not in known:
-            raise ConfigError(
-                f"[probes] enabled contains {name!r}: known probes are {', '.join(known)}"
-            )
+            raise ConfigError(f"[probes] enabled contains {name!r}: known probes are {', '.join(known)}")
     _positive("probes", "cpu_tdp_w", p.cpu_tdp_w, zero_ok=True)
     if s.gpus < 0 or s.gpus > 64:
         raise ConfigError(f"[sim] gpus = {s.gpus!r}: expected 0 (off) to 64")
@@ -317,9 +304,7 @@ def load_config(path: Path | None, *, required: bool | None = None) -> Config:
     sections = {name: getattr(cfg, name) for name in SECTIONS}
     for key, value in raw.items():
         if key not in sections:
-            raise ConfigError(
-                f"{path}: unknown table [{key}]; allowed tables: {', '.join(sections)}"
-            )
+            raise ConfigError(f"{path}: unknown table [{key}]; allowed tables: {', '.join(sections)}")
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: {key!r} must be a table ([{key}]), not a {type(value).__name__}")
         try:

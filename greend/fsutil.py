@@ -51,7 +51,7 @@ def write_atomic(
         try:
             view = memoryview(raw)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if exact_mode:
                 os.fchmod(fd, mode)
             if durable:

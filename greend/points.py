@@ -41,11 +41,32 @@ FieldValue = float | int | str | bool
 DECISION_TAGS = ("host", "gpu", "job", "policy", "kind", "precision", "zone", "path")
 
 # Summary fields of a job's report that its greend_job point carries, when numbers.
-JOB_SUMMARY_FIELDS = ("steps", "flops", "samples", "tokens", "duration_s", "gpu_energy_j", "cpu_energy_j",
-                      "energy_j", "energy_kwh", "avg_power_w", "gflops_per_w", "co2_g", "last_loss")
+JOB_SUMMARY_FIELDS = (
+    "steps",
+    "flops",
+    "samples",
+    "tokens",
+    "duration_s",
+    "gpu_energy_j",
+    "cpu_energy_j",
+    "energy_j",
+    "energy_kwh",
+    "avg_power_w",
+    "gflops_per_w",
+    "co2_g",
+    "last_loss",
+)
 
-_GPU_FIELDS = ("power_w", "sm_clock_mhz", "mem_clock_mhz", "util_gpu_pct", "util_mem_pct",
-               "temperature_c", "clock_cap_mhz", "power_limit_w")
+_GPU_FIELDS = (
+    "power_w",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "util_gpu_pct",
+    "util_mem_pct",
+    "temperature_c",
+    "clock_cap_mhz",
+    "power_limit_w",
+)
 
 
 def ts_ns(wall_s: float) -> int:
@@ -65,8 +86,9 @@ def gpu_point(ts: int, host: str, g: GpuReading, energy_j: float) -> Point:
     fields["clock_locked"] = int(g.clock_cap_mhz is not None)
     if g.clock_cap_mhz is None and g.sm_clock_max_mhz is not None:
         fields["clock_cap_mhz"] = float(g.sm_clock_max_mhz)
-    return Point("greend_gpu", {"host": host, "gpu": str(g.index), "source": g.source,
-                                "method": g.energy_method}, fields, ts)
+    return Point(
+        "greend_gpu", {"host": host, "gpu": str(g.index), "source": g.source, "method": g.energy_method}, fields, ts
+    )
 
 
 def cpu_point(ts: int, host: str, c: CpuReading, energy_j: float) -> Point:
@@ -79,23 +101,51 @@ def cpu_point(ts: int, host: str, c: CpuReading, energy_j: float) -> Point:
 
 def host_point(ts: int, host: str, h: HostReading) -> Point:
     """``greend_host``: the node's load."""
-    return Point("greend_host", {"host": host}, {
-        "cpu_util_pct": float(h.cpu_util_pct), "mem_used_bytes": int(h.mem_used_bytes),
-        "mem_total_bytes": int(h.mem_total_bytes), "load_1m": float(h.load_1m)}, ts)
+    return Point(
+        "greend_host",
+        {"host": host},
+        {
+            "cpu_util_pct": float(h.cpu_util_pct),
+            "mem_used_bytes": int(h.mem_used_bytes),
+            "mem_total_bytes": int(h.mem_total_bytes),
+            "load_1m": float(h.load_1m),
+        },
+        ts,
+    )
 
 
 def probe_point(ts: int, host: str, probe: str, *, success: bool, duration_s: float) -> Point:
     """``greend_probe``: whether a probe's last sample succeeded, and its wall time."""
-    return Point("greend_probe", {"host": host, "probe": probe},
-                 {"success": int(success), "duration_s": float(duration_s)}, ts)
+    return Point(
+        "greend_probe", {"host": host, "probe": probe}, {"success": int(success), "duration_s": float(duration_s)}, ts
+    )
 
 
-def job_step_point(ts: int, host: str, *, job: str, rank: int, precision: str, step: int, duration_s: float,
-                   flops: float, samples: int, tokens: int, loss: float | None, nonfinite: bool,
-                   sim_duration_s: float | None, sim_energy_j: float) -> Point:
+def job_step_point(
+    ts: int,
+    host: str,
+    *,
+    job: str,
+    rank: int,
+    precision: str,
+    step: int,
+    duration_s: float,
+    flops: float,
+    samples: int,
+    tokens: int,
+    loss: float | None,
+    nonfinite: bool,
+    sim_duration_s: float | None,
+    sim_energy_j: float,
+) -> Point:
     """``greend_job_step``: one reported step (the simulator's figures on simulated GPUs)."""
-    fields: dict[str, FieldValue] = {"step": step, "duration_s": duration_s, "flops": flops,
-                                     "samples": samples, "tokens": tokens}
+    fields: dict[str, FieldValue] = {
+        "step": step,
+        "duration_s": duration_s,
+        "flops": flops,
+        "samples": samples,
+        "tokens": tokens,
+    }
     if loss is not None:
         fields["loss"] = float(loss)
     if nonfinite:
@@ -103,40 +153,52 @@ def job_step_point(ts: int, host: str, *, job: str, rank: int, precision: str, s
     if sim_duration_s is not None:
         fields["sim_duration_s"] = sim_duration_s
         fields["sim_energy_j"] = sim_energy_j
-    return Point("greend_job_step", {"host": host, "job": job, "rank": str(rank), "precision": precision},
-                 fields, ts)
+    return Point("greend_job_step", {"host": host, "job": job, "rank": str(rank), "precision": precision}, fields, ts)
 
 
-def efficiency_point(ts: int, host: str, *, job: str, precision: str, window: Mapping[str, Any],
-                     life: Mapping[str, Any]) -> Point:
+def efficiency_point(
+    ts: int, host: str, *, job: str, precision: str, window: Mapping[str, Any], life: Mapping[str, Any]
+) -> Point:
     """``greend_efficiency``: a running job's sliding window and its life so far."""
     fields: dict[str, FieldValue] = {
-        "window_s": window["window_s"], "window_flops": window["flops"],
+        "window_s": window["window_s"],
+        "window_flops": window["flops"],
         "window_gpu_energy_j": window["gpu_energy_j"] or 0.0,
         "window_gflops_per_w": window["gflops_per_w"] or 0.0,
         "window_flop_per_s": window["flop_per_s"] or 0.0,
         "gpu_power_w": window["gpu_power_w"] or 0.0,
-        "flops": life["flops"], "gpu_energy_j": life["gpu_energy_j"],
-        "gflops_per_w": life["gflops_per_w"] or 0.0, "steps": life["steps"],
+        "flops": life["flops"],
+        "gpu_energy_j": life["gpu_energy_j"],
+        "gflops_per_w": life["gflops_per_w"] or 0.0,
+        "steps": life["steps"],
     }
     return Point("greend_efficiency", {"host": host, "job": job, "precision": precision}, fields, ts)
 
 
-def job_point(ts: int, host: str, *, job: str, precision: str, end_reason: str,
-              summary: Mapping[str, Any]) -> Point:
+def job_point(ts: int, host: str, *, job: str, precision: str, end_reason: str, summary: Mapping[str, Any]) -> Point:
     """``greend_job``: an ended job's summary (its finite numbers)."""
     fields: dict[str, FieldValue] = {}
     for k in JOB_SUMMARY_FIELDS:
         v = summary.get(k)
         if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
             fields[k] = v
-    return Point("greend_job", {"host": host, "job": job, "precision": precision, "end_reason": end_reason},
-                 fields, ts)
+    return Point("greend_job", {"host": host, "job": job, "precision": precision, "end_reason": end_reason}, fields, ts)
 
 
-def decision_point(ts: int, host: str, *, kind: str, reason: str, policy: str, job: str = "", gpu: int | None = None,
-                   precision: str = "", zone: str = "", path: str = "",
-                   fields: Mapping[str, FieldValue] | None = None) -> Point:
+def decision_point(
+    ts: int,
+    host: str,
+    *,
+    kind: str,
+    reason: str,
+    policy: str,
+    job: str = "",
+    gpu: int | None = None,
+    precision: str = "",
+    zone: str = "",
+    path: str = "",
+    fields: Mapping[str, FieldValue] | None = None,
+) -> Point:
     """``greend_decision``: a setting or a precision changed, and why.
 
     ``kind`` is ``cap`` (a GPU's clock or power limit, or a CPU zone's limit: ``zone``
@@ -144,8 +206,16 @@ def decision_point(ts: int, host: str, *, kind: str, reason: str, policy: str, j
     is the policy that decided (``callback`` for the training process's own events).
     Every point carries the tags of :data:`DECISION_TAGS`.
     """
-    tags = {"host": host, "gpu": "" if gpu is None else str(gpu), "job": job, "policy": policy, "kind": kind,
-            "precision": precision, "zone": zone, "path": path}
+    tags = {
+        "host": host,
+        "gpu": "" if gpu is None else str(gpu),
+        "job": job,
+        "policy": policy,
+        "kind": kind,
+        "precision": precision,
+        "zone": zone,
+        "path": path,
+    }
     return Point("greend_decision", tags, {**(fields or {}), "reason": reason}, ts)
 
 

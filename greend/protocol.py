@@ -99,12 +99,11 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
                 try:
                     value = float(value)
                 except OverflowError:
-                    raise ProtocolError(f"{name!r} = an integer of {len(str(value))} digits is out of range "
-                                        "for a number", field=name) from None
+                    raise ProtocolError(
+                        f"{name!r} = an integer of {len(str(value))} digits is out of range for a number", field=name
+                    ) from None
         if not isinstance(value, ok_types):
-            raise ProtocolError(
-                f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name
-            )
+            raise ProtocolError(f"{name!r} must be {spec.describe()}, not {type(value).__name__}", field=name)
         # Python's json reads NaN, Infinity and -Infinity; replies are written with
         # allow_nan=False, so one such value kept would break every later report.
         if isinstance(value, float) and not math.isfinite(value):
@@ -121,9 +120,7 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
                 if isinstance(item, bool) and bool not in spec.item_types or not isinstance(item, spec.item_types):
                     raise ProtocolError(f"{name}[{i}] has the wrong type {type(item).__name__}", field=name)
         if spec.choices is not None and value not in spec.choices:
-            raise ProtocolError(
-                f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name
-            )
+            raise ProtocolError(f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name)
         msg[name] = value
     if not allow_extra:
         extra = set(msg) - set(schema) - base
@@ -158,8 +155,11 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "ping": {},
     "status": {},
     "probes": {},
-    "energy": {"key": Field((str,), required=True, max_len=128),
-               "t0_s": Field((float,), required=True), "t1_s": Field((float,), required=True)},
+    "energy": {
+        "key": Field((str,), required=True, max_len=128),
+        "t0_s": Field((float,), required=True),
+        "t1_s": Field((float,), required=True),
+    },
     "register": {
         "job": _JOB,
         "rank": Field((int,), min=0, max=1 << 20),

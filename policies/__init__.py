@@ -91,8 +91,14 @@ def describe_policies() -> list[dict[str, Any]]:
             "name": info.name,
             "help": info.help,
             "params": [
-                {"name": p.name, "type": p.kind, "default": p.default, "required": p.required,
-                 "allowed": p.allowed(), "help": p.help}
+                {
+                    "name": p.name,
+                    "type": p.kind,
+                    "default": p.default,
+                    "required": p.required,
+                    "allowed": p.allowed(),
+                    "help": p.help,
+                }
                 for p in info.params
             ],
         }

@@ -13,8 +13,9 @@ since the slowest GPU sets the pace of a synchronous job.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "Decision",

@@ -70,8 +70,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .params import Param, validate_params
 from .base import UNCAPPED, Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+from .params import Param, validate_params
 from .static import same_setting
 
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
@@ -116,8 +116,9 @@ class Evidence:
         )
 
     def minus(self, o: Evidence) -> Evidence:
-        return Evidence(self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s,
-                        self.energy_j - o.energy_j, None, None)
+        return Evidence(
+            self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None
+        )
 
     @property
     def time_per_flop_s(self) -> float:
@@ -198,17 +199,28 @@ class EfficientPolicy:
     help = "online search per job for the clock cap (or power limit) with the least energy per FLOP"
     PARAMS: tuple[Param, ...] = (
         Param("knob", "str", "clock", "what to tune: the SM clock cap or the power limit", choices=("clock", "power")),
-        Param("objective", "str", "slowdown", "minimise energy under max_slowdown, or the Zeus cost",
-              choices=("slowdown", "cost")),
+        Param(
+            "objective",
+            "str",
+            "slowdown",
+            "minimise energy under max_slowdown, or the Zeus cost",
+            choices=("slowdown", "cost"),
+        ),
         Param("max_slowdown", "float", 0.05, "allowed step-time increase over uncapped (or pace)", lo=0, hi=1),
         Param("eta", "float", 0.5, "cost objective: weight of energy vs time (1 = energy only)", lo=0, hi=1),
         Param("min_steps", "int", 8, "steps measured per candidate setting", lo=2, hi=10000),
-        Param("retune_drift", "float", 0.15, "FLOP/s or power drift (fraction) that starts a re-tune",
-              lo=0, lo_open=True, hi=10),
+        Param(
+            "retune_drift",
+            "float",
+            0.15,
+            "FLOP/s or power drift (fraction) that starts a re-tune",
+            lo=0,
+            lo_open=True,
+            hi=10,
+        ),
         Param("recheck_s", "float", 600.0, "re-measure the uncapped baseline this often (0: only once)", lo=0),
         Param("power_step_w", "float", 25.0, "power knob: grid step, W", lo=1, hi=500),
-        Param("noise", "float", 0.02, "assumed relative step noise when the measure carries no spread",
-              lo=0, hi=1),
+        Param("noise", "float", 0.02, "assumed relative step noise when the measure carries no spread", lo=0, hi=1),
     )
 
     def __init__(self, **params: Any) -> None:
@@ -362,8 +374,10 @@ class EfficientPolicy:
         if job.phase == "search" and not job.current.uncapped:
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
-                return (f"job {j.job}: searching, measuring {self._label(job.current, job)} "
-                        f"({have}/{job.need} steps; {self._n_measured(ev)} candidates measured)")
+                return (
+                    f"job {j.job}: searching, measuring {self._label(job.current, job)} "
+                    f"({have}/{job.need} steps; {self._n_measured(ev)} candidates measured)"
+                )
         action = self._plan(job, ev, g, j)
         target = job.grid[action.index]
         if action.kind == "measure":
@@ -374,8 +388,10 @@ class EfficientPolicy:
             self._switch(job, target)
             job.need = action.steps
             have = ev.get(target, Evidence()).steps if same_setting(target, job.current) else 0
-            return (f"job {j.job}: searching, measuring {self._label(target, job)} "
-                    f"({have}/{action.steps} steps; {self._n_measured(ev)} candidates measured)")
+            return (
+                f"job {j.job}: searching, measuring {self._label(target, job)} "
+                f"({have}/{action.steps} steps; {self._n_measured(ev)} candidates measured)"
+            )
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
             job.phase = "settled"
@@ -589,8 +605,10 @@ class EfficientPolicy:
             return f"job {name} settled at {self._label(s, job)} ({self._bound_text(job)})"
         de = here.energy_per_flop_j / base.energy_per_flop_j - 1.0
         dt = here.time_per_flop_s / base.time_per_flop_s - 1.0
-        return (f"job {name} settled at {self._label(s, job)}: {de:+.0%} energy/FLOP, "
-                f"{dt:+.1%} time ({self._bound_text(job)})")
+        return (
+            f"job {name} settled at {self._label(s, job)}: {de:+.0%} energy/FLOP, "
+            f"{dt:+.1%} time ({self._bound_text(job)})"
+        )
 
     def _details(self, job: _Job, g: GpuView) -> dict[str, Any]:
         ev = self._evidence(job)
@@ -622,8 +640,9 @@ class EfficientPolicy:
         }
 
 
-def _antitonic_fit(idx: list[int], value: dict[int, float], se: dict[int, float],
-                   weight: dict[int, int]) -> tuple[dict[int, float], dict[int, float]]:
+def _antitonic_fit(
+    idx: list[int], value: dict[int, float], se: dict[int, float], weight: dict[int, int]
+) -> tuple[dict[int, float], dict[int, float]]:
     """The weighted least-squares fit of ``value`` that does not rise with the index
     (pool adjacent violators): time can only fall as the clock or the limit rises,
     so a measurement that breaks this is pooled with its neighbours, not trusted

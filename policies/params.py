@@ -58,8 +58,10 @@ class Param:
         if self.kind == "int_list":
             return "a list of integers >= 0 (e.g. 0,1)"
         if self.kind == "gpu_map":
-            return ('GPU index -> {"clock_cap_mhz": MHz, "power_limit_w": W} '
-                    '(e.g. {"0": {"clock_cap_mhz": 1400}, "1": {"power_limit_w": 450}})')
+            return (
+                'GPU index -> {"clock_cap_mhz": MHz, "power_limit_w": W} '
+                '(e.g. {"0": {"clock_cap_mhz": 1400}, "1": {"power_limit_w": 450}})'
+            )
         return "a string"
 
     def coerce(self, policy: str, value: Any) -> Any:

@@ -135,25 +135,51 @@ class PrecisionPolicy:
     """Steps running jobs down the precision ladder under an accuracy guard."""
 
     name = "precision"
-    help = ("precision downgrades per job (fp32 -> bf16 -> fp8) when the loss is stable and the "
-            "measured energy per FLOP drops; rolls back on a loss worse than its trend")
+    help = (
+        "precision downgrades per job (fp32 -> bf16 -> fp8) when the loss is stable and the "
+        "measured energy per FLOP drops; rolls back on a loss worse than its trend"
+    )
     PARAMS: tuple[Param, ...] = (
         Param("ladder", "str", "fp32,bf16,fp8", "levels to walk down, highest first (comma separated)"),
-        Param("window", "int", 32, "losses over which the loss must be stable (and the trend is fitted)",
-              lo=4, hi=100000),
-        Param("max_slope", "float", 0.05, "stable: fitted loss change across the window, relative to its mean",
-              lo=0, hi=10),
+        Param(
+            "window", "int", 32, "losses over which the loss must be stable (and the trend is fitted)", lo=4, hi=100000
+        ),
+        Param(
+            "max_slope",
+            "float",
+            0.05,
+            "stable: fitted loss change across the window, relative to its mean",
+            lo=0,
+            hi=10,
+        ),
         Param("max_noise", "float", 0.15, "stable: residual spread of the loss, relative to its mean", lo=0, hi=10),
         Param("min_steps", "int", 8, "measured steps a level needs before its energy counts", lo=1, hi=100000),
-        Param("min_saving", "float", 0.05, "energy per FLOP a step down must save (fraction) to be kept",
-              lo=0, hi=1),
-        Param("probation_steps", "int", 100, "steps a new level is held and watched before the next step",
-              lo=1, hi=10_000_000),
+        Param("min_saving", "float", 0.05, "energy per FLOP a step down must save (fraction) to be kept", lo=0, hi=1),
+        Param(
+            "probation_steps",
+            "int",
+            100,
+            "steps a new level is held and watched before the next step",
+            lo=1,
+            hi=10_000_000,
+        ),
         Param("grace_steps", "int", 2, "losses right after a switch left out of the trend check", lo=0, hi=10000),
-        Param("tolerance", "float", 0.05, "roll back when the loss after a switch exceeds the trend "
-              "before it by more than this fraction", lo=0, lo_open=True, hi=10),
-        Param("cooldown_s", "float", 600.0, "a level that failed (or bought nothing) is not tried again "
-              "for this long", lo=0),
+        Param(
+            "tolerance",
+            "float",
+            0.05,
+            "roll back when the loss after a switch exceeds the trend before it by more than this fraction",
+            lo=0,
+            lo_open=True,
+            hi=10,
+        ),
+        Param(
+            "cooldown_s",
+            "float",
+            600.0,
+            "a level that failed (or bought nothing) is not tried again for this long",
+            lo=0,
+        ),
     )
 
     def __init__(self, **params: Any) -> None:
@@ -161,8 +187,10 @@ class PrecisionPolicy:
         ladder = tuple(x.strip() for x in str(p["ladder"]).split(",") if x.strip())
         bad = [x for x in ladder if x not in PRECISIONS]
         if not ladder or bad or len(set(ladder)) != len(ladder):
-            raise PolicyError(f"policy {self.name!r}: bad value {p['ladder']!r} for 'ladder'; allowed: "
-                              f"distinct levels from {', '.join(PRECISIONS)}, highest first")
+            raise PolicyError(
+                f"policy {self.name!r}: bad value {p['ladder']!r} for 'ladder'; allowed: "
+                f"distinct levels from {', '.join(PRECISIONS)}, highest first"
+            )
         self._p = p
         self.ladder = ladder
         self.window: int = p["window"]
@@ -195,9 +223,13 @@ class PrecisionPolicy:
         for j in running:
             js = state.jobs.get(j.job)
             if js is None:
-                js = state.jobs[j.job] = _Job(level=j.precision, level_since_steps=j.steps, last_steps=j.steps,
-                                              last_nonfinite=j.nonfinite_recent,
-                                              nonfinite_at_start=j.nonfinite_recent)
+                js = state.jobs[j.job] = _Job(
+                    level=j.precision,
+                    level_since_steps=j.steps,
+                    last_steps=j.steps,
+                    last_nonfinite=j.nonfinite_recent,
+                    nonfinite_at_start=j.nonfinite_recent,
+                )
             reason, target, event = self._step_job(snap, j, js)
             if target is not None and target != j.precision:
                 if target not in j.precisions:  # never ask what the job cannot run
@@ -207,8 +239,11 @@ class PrecisionPolicy:
             reasons.append(reason)
             details[j.job] = self._details(j, js, event)
         d.reason = "; ".join(reasons) if reasons else "precision: no running job"
-        d.details = {"policy": self.name, "jobs": details,
-                     "reasons": {name: info["reason"] for name, info in details.items()}}
+        d.details = {
+            "policy": self.name,
+            "jobs": details,
+            "reasons": {name: info["reason"] for name, info in details.items()},
+        }
         return d
 
     # ------------------------------------------------------------------ per job
@@ -234,10 +269,9 @@ class PrecisionPolicy:
             # Someone else moved the level (the callback rolled back, an operator): follow it.
             self._enter_level(js, j, j.precision)
             js.probation = None
-            return (f"job {j.job}: now at {j.precision} ({js.last_event or 'changed outside the policy'})",
-                    None, None)
+            return (f"job {j.job}: now at {j.precision} ({js.last_event or 'changed outside the policy'})", None, None)
         js.level_losses.extend(new_losses)
-        del js.level_losses[:-max(self.window, self.probation_steps) * 4]
+        del js.level_losses[: -max(self.window, self.probation_steps) * 4]
         self._book(j, js)
 
         pb = js.probation
@@ -254,31 +288,41 @@ class PrecisionPolicy:
             js.probation = None
             return (f"job {j.job}: {js.last_event}", pb.from_level, None)
         if j.nonfinite_recent > js.nonfinite_at_start:
-            why = (f"non-finite step during probation at {pb.to_level} ({j.nonfinite_recent - js.nonfinite_at_start} "
-                   f"since the switch)")
+            why = (
+                f"non-finite step during probation at {pb.to_level} ({j.nonfinite_recent - js.nonfinite_at_start} "
+                f"since the switch)"
+            )
             return self._roll_back(snap, j, js, pb, why, None)
-        after = js.level_losses[self.grace_steps:]
+        after = js.level_losses[self.grace_steps :]
         need = min(self.probation_steps, self.window)
         if len(after) >= need:
             mean_after = sum(after) / len(after)
             worse = (mean_after - pb.trend) / max(abs(pb.trend), 1e-12)
             if worse > self.tolerance:
-                why = (f"loss after the switch {mean_after:.6g} is {worse:+.1%} over the trend before it "
-                       f"{pb.trend:.6g} (tolerance {self.tolerance:.0%}, {len(after)} steps)")
+                why = (
+                    f"loss after the switch {mean_after:.6g} is {worse:+.1%} over the trend before it "
+                    f"{pb.trend:.6g} (tolerance {self.tolerance:.0%}, {len(after)} steps)"
+                )
                 return self._roll_back(snap, j, js, pb, why, mean_after)
         if steps_in < self.probation_steps:
             return (f"job {j.job}: probation at {pb.to_level} ({steps_in}/{self.probation_steps} steps)", None, None)
         new = self._evidence(js, pb.to_level, j.setting)
         old = self._evidence(js, pb.from_level, j.setting)
         if new is None or new.steps < self.min_steps:
-            return (f"job {j.job}: probation at {pb.to_level} done, measuring its energy "
-                    f"({new.steps if new else 0}/{self.min_steps} steps)", None, None)
+            return (
+                f"job {j.job}: probation at {pb.to_level} done, measuring its energy "
+                f"({new.steps if new else 0}/{self.min_steps} steps)",
+                None,
+                None,
+            )
         if old is not None and old.steps >= self.min_steps and math.isfinite(old.epf) and old.epf > 0:
             saving = 1.0 - new.epf / old.epf
             if saving < self.min_saving:
                 js.no_gain[pb.to_level] = snap.t_s + self.cooldown_s
-                why = (f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} "
-                       f"(needs {self.min_saving:.0%}): going back")
+                why = (
+                    f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} "
+                    f"(needs {self.min_saving:.0%}): going back"
+                )
                 js.last_event = why
                 self._enter_level(js, j, pb.from_level)
                 js.probation = None
@@ -288,25 +332,28 @@ class PrecisionPolicy:
         else:
             verdict = f"no {pb.from_level} figure at this GPU setting to compare with"
         after_txt = f"{sum(after) / len(after):.6g}" if after else "n/a"
-        js.last_event = (f"{pb.to_level} accepted after {steps_in} steps: loss {after_txt} vs trend "
-                         f"{pb.trend:.6g}; {verdict}")
+        js.last_event = (
+            f"{pb.to_level} accepted after {steps_in} steps: loss {after_txt} vs trend {pb.trend:.6g}; {verdict}"
+        )
         js.probation = None
-        js.level_losses = js.level_losses[-self.window:]
+        js.level_losses = js.level_losses[-self.window :]
         return (f"job {j.job}: {js.last_event}", None, None)
 
     def _maybe_step_down(self, snap: Snapshot, j: JobView, js: _Job) -> tuple[str, str | None, dict | None]:
         rungs = self._rungs(j)
         if j.precision not in rungs:
-            return (f"job {j.job}: runs {j.precision}, not on the ladder {','.join(rungs) or '-'}; holding",
-                    None, None)
+            return (f"job {j.job}: runs {j.precision}, not on the ladder {','.join(rungs) or '-'}; holding", None, None)
         i = rungs.index(j.precision)
         if i + 1 >= len(rungs):
             return (f"job {j.job}: at {j.precision}, the lowest level it runs on the ladder", None, None)
         nxt = rungs[i + 1]
         if nxt in js.barred:
             until, why = js.barred[nxt]
-            return (f"job {j.job}: holding {j.precision}; {nxt} barred for {until - snap.t_s:.0f} s ({why})",
-                    None, None)
+            return (
+                f"job {j.job}: holding {j.precision}; {nxt} barred for {until - snap.t_s:.0f} s ({why})",
+                None,
+                None,
+            )
         if nxt in js.no_gain:
             return (f"job {j.job}: holding {j.precision}; {nxt} bought too little here", None, None)
         if j.measure is None:
@@ -317,37 +364,48 @@ class PrecisionPolicy:
             return (f"job {j.job}: measuring {j.precision} ({have}/{self.min_steps} steps)", None, None)
         if j.nonfinite_recent > js.nonfinite_at_start:
             return (f"job {j.job}: holding {j.precision}; non-finite steps at this level", None, None)
-        recent = js.level_losses[-self.window:]
+        recent = js.level_losses[-self.window :]
         if len(recent) < self.window:
-            return (f"job {j.job}: watching the loss at {j.precision} ({len(recent)}/{self.window} steps)",
-                    None, None)
+            return (f"job {j.job}: watching the loss at {j.precision} ({len(recent)}/{self.window} steps)", None, None)
         mean, slope, fitted, sd = loss_trend(recent)
         scale = max(abs(mean), 1e-12)
         rel_slope = abs(slope) * (len(recent) - 1) / scale
         rel_noise = sd / scale
         if rel_slope > self.max_slope or rel_noise > self.max_noise:
-            return (f"job {j.job}: loss not stable at {j.precision} (change {rel_slope:.1%} across "
-                    f"{len(recent)} steps, spread {rel_noise:.1%}; limits {self.max_slope:.0%}, "
-                    f"{self.max_noise:.0%})", None, None)
-        why = (f"loss stable at {fitted:.6g} (change {rel_slope:.1%}, spread {rel_noise:.1%} over "
-               f"{len(recent)} steps): trying {nxt}, probation {self.probation_steps} steps")
+            return (
+                f"job {j.job}: loss not stable at {j.precision} (change {rel_slope:.1%} across "
+                f"{len(recent)} steps, spread {rel_noise:.1%}; limits {self.max_slope:.0%}, "
+                f"{self.max_noise:.0%})",
+                None,
+                None,
+            )
+        why = (
+            f"loss stable at {fitted:.6g} (change {rel_slope:.1%}, spread {rel_noise:.1%} over "
+            f"{len(recent)} steps): trying {nxt}, probation {self.probation_steps} steps"
+        )
         js.last_event = why
         pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, fitted, sd)
         self._enter_level(js, j, nxt)
         js.probation = pb
-        event = {"kind": "switch", "from": j.precision, "to": nxt, "reason": why, "loss": recent[-1],
-                 "trend": fitted}
+        event = {"kind": "switch", "from": j.precision, "to": nxt, "reason": why, "loss": recent[-1], "trend": fitted}
         return (f"job {j.job}: {why}", nxt, event)
 
-    def _roll_back(self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, why: str,
-                   loss: float | None) -> tuple[str, str, dict[str, Any]]:
+    def _roll_back(
+        self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, why: str, loss: float | None
+    ) -> tuple[str, str, dict[str, Any]]:
         js.barred[pb.to_level] = (snap.t_s + self.cooldown_s, why)
         text = f"rollback {pb.to_level} -> {pb.from_level}: {why}; {pb.to_level} barred for {self.cooldown_s:g} s"
         js.last_event = text
         self._enter_level(js, j, pb.from_level)
         js.probation = None
-        event = {"kind": "rollback", "from": pb.to_level, "to": pb.from_level, "reason": text,
-                 "loss": loss, "trend": pb.trend}
+        event = {
+            "kind": "rollback",
+            "from": pb.to_level,
+            "to": pb.from_level,
+            "reason": text,
+            "loss": loss,
+            "trend": pb.trend,
+        }
         return (f"job {j.job}: {text}", pb.from_level, event)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -395,7 +453,7 @@ class PrecisionPolicy:
         js.last_steps = j.steps
         if new == 0 or not j.loss_recent:
             return []
-        got = list(j.loss_recent[-min(new, len(j.loss_recent)):])
+        got = list(j.loss_recent[-min(new, len(j.loss_recent)) :])
         js.losses_seen += len(got)
         return got
 
@@ -411,8 +469,9 @@ class PrecisionPolicy:
             if prev is not None and prev_setting != j.setting:
                 js.skip = max(js.skip, 1)
         else:
-            delta = _Evidence(m.steps - prev.steps, m.flops - prev.flops, m.time_s - prev.time_s,
-                              m.energy_j - prev.energy_j)
+            delta = _Evidence(
+                m.steps - prev.steps, m.flops - prev.flops, m.time_s - prev.time_s, m.energy_j - prev.energy_j
+            )
         if js.skip > 0:
             js.skip -= 1
             return
@@ -444,10 +503,15 @@ class PrecisionPolicy:
             agg["energy_per_flop_j"] = agg["energy_j"] / agg["flops"] if agg["flops"] > 0 else None
         out: dict[str, Any] = {
             "level": js.level,
-            "probation": None if js.probation is None else {
-                "from": js.probation.from_level, "to": js.probation.to_level,
-                "steps": j.steps - js.probation.start_steps, "of": self.probation_steps,
-                "trend": js.probation.trend},
+            "probation": None
+            if js.probation is None
+            else {
+                "from": js.probation.from_level,
+                "to": js.probation.to_level,
+                "steps": j.steps - js.probation.start_steps,
+                "of": self.probation_steps,
+                "trend": js.probation.trend,
+            },
             "barred": {lv: why for lv, (_, why) in js.barred.items()},
             "no_gain": sorted(js.no_gain),
             "levels": levels,

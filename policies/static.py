@@ -67,17 +67,19 @@ class StaticPolicy:
         Param("clock_cap_mhz", "int", None, "max SM clock, MHz (snapped down to a supported clock)", lo=1),
         Param("power_limit_w", "float", None, "power limit, W (clamped to the GPU's range)", lo=0, lo_open=True),
         Param("gpus", "int_list", None, "GPU indices to cap (default: every GPU, or per_gpu's)"),
-        Param("per_gpu", "gpu_map", None, "per GPU index, its own clock_cap_mhz and/or power_limit_w "
-              "(overrides the values above on that GPU)"),
+        Param(
+            "per_gpu",
+            "gpu_map",
+            None,
+            "per GPU index, its own clock_cap_mhz and/or power_limit_w (overrides the values above on that GPU)",
+        ),
     )
 
     def __init__(self, **params: Any) -> None:
         self._params = validate_params(self.name, self.PARAMS, params)
         p = self._params
         if p["clock_cap_mhz"] is None and p["power_limit_w"] is None and not p["per_gpu"]:
-            raise PolicyError(
-                "policy 'static': set clock_cap_mhz and/or power_limit_w, or per_gpu (none was given)"
-            )
+            raise PolicyError("policy 'static': set clock_cap_mhz and/or power_limit_w, or per_gpu (none was given)")
         if p["per_gpu"] and p["gpus"] is None and p["clock_cap_mhz"] is None and p["power_limit_w"] is None:
             p["gpus"] = tuple(sorted(p["per_gpu"]))  # only the GPUs it names
 
@@ -123,8 +125,10 @@ class StaticPolicy:
         if missing:
             d.reason += f" (GPU(s) {', '.join(map(str, missing))} not present)"
         d.details = {
-            "targets": {g.index: {"clock_cap_mhz": self.target(g).clock_cap_mhz,
-                                  "power_limit_w": self.target(g).power_limit_w} for g in targets},
+            "targets": {
+                g.index: {"clock_cap_mhz": self.target(g).clock_cap_mhz, "power_limit_w": self.target(g).power_limit_w}
+                for g in targets
+            },
             "missing_gpus": missing,
         }
         return d

@@ -11,8 +11,9 @@ wraparound, so the ledger only ever subtracts two readings of the same key.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "CpuReading",

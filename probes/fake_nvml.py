@@ -41,9 +41,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import pynvml
 
@@ -217,6 +218,7 @@ class FakeNvml:
         # A pynvml function the fake does not implement behaves like one the
         # installed driver lacks: it raises FUNCTION_NOT_FOUND when called.
         if name.startswith("nvml") and callable(getattr(pynvml, name, None)):
+
             def missing(*args: Any, **kwargs: Any) -> NoReturn:
                 log.debug("FakeNvml does not implement %s", name)
                 _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -309,9 +311,7 @@ class FakeNvml:
 
     def _gpu(self, handle: Any) -> SimGpu:
         self._check_init()
-        if not isinstance(handle, FakeHandle) or handle.owner != id(self) or not (
-            0 <= handle.index < len(self._gpus)
-        ):
+        if not isinstance(handle, FakeHandle) or handle.owner != id(self) or not (0 <= handle.index < len(self._gpus)):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if self.faults().gpu(handle.index).lost:
             _raise(pynvml.NVML_ERROR_GPU_IS_LOST)

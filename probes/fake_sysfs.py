@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from greend.fsutil import write_atomic
 
@@ -99,11 +99,7 @@ class FakePowercap:
 
     def _next_free(self, control: str, parent: str | None = None) -> int:
         prefix = f"{parent}:" if parent else f"{control}:"
-        used = {
-            int(z[len(prefix):], 16)
-            for z in self.zones
-            if z.startswith(prefix) and ":" not in z[len(prefix):]
-        }
+        used = {int(z[len(prefix) :], 16) for z in self.zones if z.startswith(prefix) and ":" not in z[len(prefix) :]}
         n = 0
         while n in used:
             n += 1
@@ -151,9 +147,7 @@ class FakePowercap:
         self._write_energy(zone)
         constraints: list[tuple[str, float, int, float]] = []
         if long_term_w is not None:
-            constraints.append(
-                ("long_term", long_term_w, _LONG_TERM_WINDOW_US, max_power_w or long_term_w)
-            )
+            constraints.append(("long_term", long_term_w, _LONG_TERM_WINDOW_US, max_power_w or long_term_w))
         if short_term_w is not None:
             constraints.append(("short_term", short_term_w, _SHORT_TERM_WINDOW_US, 0.0))
         for i, (cname, limit_w, window_us, cmax_w) in enumerate(constraints):
@@ -193,9 +187,12 @@ class FakePowercap:
             energy_uj=energy_uj,
         )
         ids = {f"package-{package}": pid}
-        subs = [("core", core, max_energy_range_uj), ("uncore", uncore, max_energy_range_uj),
-                ("dram", dram, DEFAULT_DRAM_MAX_ENERGY_RANGE_UJ)]
-        for i, (sub, wanted, rng) in enumerate(s for s in subs if s[1]):
+        subs = [
+            ("core", core, max_energy_range_uj),
+            ("uncore", uncore, max_energy_range_uj),
+            ("dram", dram, DEFAULT_DRAM_MAX_ENERGY_RANGE_UJ),
+        ]
+        for i, (sub, _wanted, rng) in enumerate(s for s in subs if s[1]):
             ids[sub] = self.add_zone(
                 sub,
                 parent=pid,

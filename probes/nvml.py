@@ -38,8 +38,9 @@ by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
 from greend.units import mj_to_j, mw_to_w

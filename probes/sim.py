@@ -74,10 +74,11 @@ import threading
 import time
 import uuid as uuid_mod
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from greend.errors import ConfigError, StateError
 
@@ -364,13 +365,9 @@ class SimSpec:
         the given power limit, default: the spec's default limit)."""
         if max_slowdown < 0:
             raise ValueError(f"max_slowdown must be >= 0, got {max_slowdown}")
-        base = self.step_cost(
-            flops, mem_share, precision, power_limit_w=power_limit_w, speed_factor=speed_factor
-        )
+        base = self.step_cost(flops, mem_share, precision, power_limit_w=power_limit_w, speed_factor=speed_factor)
         bound_s = (1.0 + max_slowdown) * base.duration_s * (1.0 + 1e-12)
-        rows = self.sweep(
-            flops, mem_share, precision, power_limit_w=power_limit_w, speed_factor=speed_factor
-        )
+        rows = self.sweep(flops, mem_share, precision, power_limit_w=power_limit_w, speed_factor=speed_factor)
         feasible = [r for r in rows if r.duration_s <= bound_s]
         # Ties (throttled rows run at the same clock): prefer the higher clock.
         best = min(feasible, key=lambda r: (r.energy_j, -r.clock_mhz))
@@ -542,9 +539,7 @@ class SimGpu:
                 # must not integrate the counter unless it changes something.
                 st = self._read(force=True)
                 if st.spec_name != spec.name:
-                    log.warning(
-                        "%s was created as %r, opened as %r", self.path, st.spec_name, spec.name
-                    )
+                    log.warning("%s was created as %r, opened as %r", self.path, st.spec_name, spec.name)
                 changes = {k: v for k, v in wanted.items() if v is not None and getattr(st, k) != v}
                 if not changes:
                     return
@@ -766,9 +761,7 @@ class SimGpu:
     def set_power_limit_w(self, power_w: float) -> None:
         s = self.spec
         if not s.power_limit_min_w <= power_w <= s.power_limit_max_w:
-            raise ValueError(
-                f"power limit {power_w} W outside [{s.power_limit_min_w}, {s.power_limit_max_w}] W"
-            )
+            raise ValueError(f"power limit {power_w} W outside [{s.power_limit_min_w}, {s.power_limit_max_w}] W")
         with self._mutate() as st:
             st.power_limit_mw = int(round(power_w * 1000))
 
@@ -935,9 +928,7 @@ def sim_params_from_config(params: Mapping[str, Any]) -> dict[str, Any]:
     """Validate ``ctx.sim_params`` keys (a ConfigError names the bad one)."""
     unknown = sorted(set(params) - set(SIM_PARAMS))
     if unknown:
-        raise ConfigError(
-            f"unknown sim parameter(s) {', '.join(unknown)}; allowed: {', '.join(SIM_PARAMS)}"
-        )
+        raise ConfigError(f"unknown sim parameter(s) {', '.join(unknown)}; allowed: {', '.join(SIM_PARAMS)}")
     return dict(params)
 
 
@@ -950,7 +941,6 @@ def _sim_probe(ctx: ProbeContext) -> Probe:
     # Imported here: fake_nvml imports this module.
     from .fake_nvml import FakeNvml
     from .nvml import NvmlProbe
-
     from .trace import TRACE_FILE_NAME, install_trace, trace_spec
 
     state_dir = ctx.sim_dir

@@ -1,23 +1,20 @@
-"""Shared test helpers: a real greend daemon in a subprocess, on temp paths."""
+"""Fixtures the tests share, a "figures" section at the end of the run, and the
+markers by folder (everything under tests/e2e/ is ``e2e``). Helpers are in
+tests/support.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .support import DaemonProc
+
 if TYPE_CHECKING:
     from greend.testing.fake_daemon import FakeDaemon
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Figures that tests measure and the run should show (pytest hides a passing test's
 # output): a test takes the ``figure`` fixture and calls it; the lines are printed in
@@ -40,101 +37,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
-class ManualClock:
-    """A wall clock that only moves when told to (and may be stepped back, as NTP can)."""
-
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt_s: float) -> None:
-        self.t += dt_s
-
-
-@dataclass
-class DaemonProc:
-    proc: subprocess.Popen[bytes]
-    socket: Path
-    state_dir: Path
-    db: Path
-    log: Path
-    args: list[str] = field(default_factory=list)
-
-    def ctl(self, *args: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run(
-            [sys.executable, "-m", "greend.ctl", "--socket", str(self.socket), *args],
-            capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(),
-        )
-        if check and r.returncode != 0:
-            raise AssertionError(f"greenctl {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
-                                 f"\n--- daemon log ---\n{self.log_text()}")
-        return r
-
-    def status(self) -> dict[str, Any]:
-        return json.loads(self.ctl("status", "--json").stdout)
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text()
-        except OSError:
-            return ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("GREEND_SOCKET", None)
-    return env
-
-
-def start_daemon(tmp: Path, *extra: str, state_dir: Path | None = None, wait: bool = True,
-                 name: str = "d", config: str = "", socket: Path | None = None) -> DaemonProc:
-    state = state_dir or tmp / f"{name}-state"
-    sock = socket or tmp / f"{name}.sock"
-    db = state / "greend.db"
-    log = tmp / f"{name}.log"
-    cfg = tmp / f"{name}.toml"
-    cfg.write_text(config or "[daemon]\nsocket_group = \"\"\n")
-    args = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(cfg),
-            "--socket", str(sock), "--state-dir", str(state), *extra]
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-    d = DaemonProc(proc, sock, state, db, log, args)
-    if wait:
-        wait_for_socket(d)
-    return d
-
-
-def wait_for_socket(d: DaemonProc, timeout: float = 20.0) -> None:
-    from greend.ipc.client import Client
-    from greend.errors import DaemonUnavailable
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise AssertionError(f"greend exited with {d.proc.returncode}:\n{d.log_text()}")
-        try:
-            with Client(d.socket, timeout_s=2.0) as c:
-                if c.request("status")["ticks"] > 0:
-                    return
-        except DaemonUnavailable:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"greend did not come up in {timeout} s:\n{d.log_text()}")
-
-
 @pytest.fixture()
 def daemons(tmp_path: Path) -> Iterator[list[DaemonProc]]:
     started: list[DaemonProc] = []
@@ -149,7 +51,7 @@ def sock_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture()
-def daemon(sock_path: Path) -> Iterator["FakeDaemon"]:
+def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
     """greend.testing.FakeDaemon on a socket of the test's own (callback-side tests)."""
     from greend.testing.fake_daemon import FakeDaemon
 
@@ -158,19 +60,7 @@ def daemon(sock_path: Path) -> Iterator["FakeDaemon"]:
     d.stop()
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll ``cond`` until it holds or ``timeout_s`` passes; its last answer."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
-def wait_ready(path: Path, timeout_s: float = 60.0) -> None:
-    """Wait for a trainer's --ready-file (its callback is set up and steps run)."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout_s} s"
-        time.sleep(0.05)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/tests/e2e/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.e2e)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .support import REPO
 
 SOURCE_DIRS = ("greend", "probes", "policies", "tests", "bench")
 
@@ -60,8 +60,11 @@ def test_probes_and_policies_are_never_imported_by_their_bare_names() -> None:
                     names = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     names = [node.module]
-                bad += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
-                        if n.split(".")[0] in ("probes", "policies")]
+                bad += [
+                    f"{path.relative_to(REPO)}:{node.lineno}: {n}"
+                    for n in names
+                    if n.split(".")[0] in ("probes", "policies")
+                ]
     assert not bad, "import greend.probes / greend.policies instead:\n" + "\n".join(bad)
 
 
@@ -98,7 +101,7 @@ def test_no_import_cycle_between_greends_packages() -> None:
         on_stack.add(node)
         for nxt in sorted(graph.get(node, ())):
             if nxt in on_stack:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in done:
                 visit(nxt, stack, on_stack, done)
         stack.pop()
@@ -114,8 +117,23 @@ def test_no_import_cycle_between_greends_packages() -> None:
 
 @pytest.mark.slow
 def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("greend-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -9,18 +9,44 @@ import sys
 
 import pytest
 
-from .conftest import REPO, _env
+from .support import REPO, env
 
 
-@pytest.mark.parametrize("module", [
-    "greend", "greend.errors", "greend.config", "greend.ipc", "greend.ipc.client", "greend.ipc.server",
-    "greend.jobs", "greend.jobs.ledger", "greend.jobs.registry", "greend.daemon", "greend.daemon.core",
-    "greend.control", "greend.control.loop", "greend.actuators", "greend.actuators.controller",
-    "greend.actuators.state", "greend.sinks", "greend.testing", "greend.testing.harness", "greend.cli",
-    "greend.probes", "greend.probes.base", "greend.probes.nvml", "greend.probes.rapl", "greend.probes.host",
-    "greend.probes.sim", "greend.probes.fake_nvml", "greend.probes.fake_sysfs", "greend.policies",
-    "greend.policies.base",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "greend",
+        "greend.errors",
+        "greend.config",
+        "greend.ipc",
+        "greend.ipc.client",
+        "greend.ipc.server",
+        "greend.jobs",
+        "greend.jobs.ledger",
+        "greend.jobs.registry",
+        "greend.daemon",
+        "greend.daemon.core",
+        "greend.control",
+        "greend.control.loop",
+        "greend.actuators",
+        "greend.actuators.controller",
+        "greend.actuators.state",
+        "greend.sinks",
+        "greend.testing",
+        "greend.testing.harness",
+        "greend.cli",
+        "greend.probes",
+        "greend.probes.base",
+        "greend.probes.nvml",
+        "greend.probes.rapl",
+        "greend.probes.host",
+        "greend.probes.sim",
+        "greend.probes.fake_nvml",
+        "greend.probes.fake_sysfs",
+        "greend.policies",
+        "greend.policies.base",
+    ],
+)
 def test_all_names_exist_and_are_unique(module: str) -> None:
     mod = importlib.import_module(module)
     names = list(getattr(mod, "__all__", []))
@@ -31,10 +57,11 @@ def test_all_names_exist_and_are_unique(module: str) -> None:
 
 
 def test_the_daemon_and_greenctl_never_import_torch() -> None:
-    code = ("import sys; import greend.cli, greend.daemon, greend.control, greend.cli.doctor, greend.cli.demo; "
-            "print('torch' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
-                       env=_env())
+    code = (
+        "import sys; import greend.cli, greend.daemon, greend.control, greend.cli.doctor, greend.cli.demo; "
+        "print('torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, env=env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
@@ -52,7 +79,6 @@ def test_error_tree() -> None:
 def test_the_warning_class_comes_without_torch() -> None:
     """``from greend import GreendWarning`` (to filter it) must not pay for torch's import."""
     code = "import sys; from greend import GreendWarning; print('torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
-                       env=_env())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO, env=env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

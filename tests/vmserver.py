@@ -47,8 +47,7 @@ def available() -> bool:
 class VmServer:
     """One victoria-metrics process; restartable on the same port and data dir."""
 
-    def __init__(self, base_dir: Path, *, port: int | None = None, dedup: bool = True,
-                 binary: Path = VM_BIN) -> None:
+    def __init__(self, base_dir: Path, *, port: int | None = None, dedup: bool = True, binary: Path = VM_BIN) -> None:
         self.base_dir = Path(base_dir)
         self.data_dir = self.base_dir / "vm-data"
         self.port = port or free_port()
@@ -65,7 +64,7 @@ class VmServer:
     def influx_url(self) -> str:
         return f"influx://127.0.0.1:{self.port}?org=test&bucket=test"
 
-    def start(self, timeout_s: float = 20.0) -> "VmServer":
+    def start(self, timeout_s: float = 20.0) -> VmServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)

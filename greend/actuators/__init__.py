@@ -9,5 +9,4 @@ from greend.actuators.rapl import RaplBackend
 from greend.actuators.report import RestoreFailure, RestoreReport
 from greend.actuators.state import StateFile
 
-__all__ = ["Controller", "GpuBackend", "NvmlGpuBackend", "RaplBackend", "RestoreFailure", "RestoreReport",
-           "StateFile"]
+__all__ = ["Controller", "GpuBackend", "NvmlGpuBackend", "RaplBackend", "RestoreFailure", "RestoreReport", "StateFile"]

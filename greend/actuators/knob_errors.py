@@ -49,14 +49,17 @@ def knob_error(device: str, knob: str, action: str, exc: BaseException) -> KnobE
     elif isinstance(exc, ActuatorError):
         # greend.probes.rapl's write errors carry their own fix, raised from the OSError.
         denied = isinstance(exc.__cause__, PermissionError)
-        return KnobError(f"{device} {knob}: cannot {action}: {exc}", device=device, knob=knob,
-                         reason="no_permission" if denied else "failed")
+        return KnobError(
+            f"{device} {knob}: cannot {action}: {exc}",
+            device=device,
+            knob=knob,
+            reason="no_permission" if denied else "failed",
+        )
     elif isinstance(exc, InvalidArgument):
         reason, fix = "invalid", INVALID_FIX
     else:
         reason, fix = "failed", FAILED_FIX
-    return KnobError(f"{device} {knob}: cannot {action}: {exc}; fix: {fix}",
-                     device=device, knob=knob, reason=reason)
+    return KnobError(f"{device} {knob}: cannot {action}: {exc}; fix: {fix}", device=device, knob=knob, reason=reason)
 
 
 def guarded(device: str, knob: str, action: str, fn: Callable[[], T]) -> T:

@@ -55,8 +55,7 @@ class RaplBackend:
     ``read``/``write`` are injectable like the RAPL probe's, for failure tests.
     """
 
-    def __init__(self, sysfs_root: Path | str, *, read: ReadText = read_text,
-                 write: WriteText = write_text) -> None:
+    def __init__(self, sysfs_root: Path | str, *, read: ReadText = read_text, write: WriteText = write_text) -> None:
         self.sysfs_root = Path(sysfs_root).resolve()
         self._read = read
         self._write = write

@@ -21,8 +21,10 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from greend.actuators.controller import Controller
 from greend.actuators.gpu import NvmlGpuBackend
@@ -74,7 +76,8 @@ def restore_from_state_dir(
         report.notes.insert(0, f"moved the unreadable saved-settings file to {moved}")
         report.notes.append(
             "RAPL limits greend may have set are not reset (there is no kernel default): "
-            "check /sys/class/powercap/*/constraint_*_power_limit_uw")
+            "check /sys/class/powercap/*/constraint_*_power_limit_uw"
+        )
         return report
     if state.empty:
         return RestoreReport()
@@ -109,17 +112,22 @@ def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:
     for i in backend.indices():
         dev = f"gpu{i}"
         try:
-            guarded(dev, "clock_cap_mhz", "reset the locked clocks", lambda: backend.reset_locked_clocks(i))
+            guarded(dev, "clock_cap_mhz", "reset the locked clocks", partial(backend.reset_locked_clocks, i))
             report.restored.append(f"{dev} clock_cap_mhz: unlocked (default)")
         except GreendError as e:
             report.failed.append(RestoreFailure(dev, "clock_cap_mhz", str(e)))
         try:
-            default = guarded(dev, "power_limit_w", "read the default power limit",
-                             lambda: backend.default_power_limit_w(i))
-            current = guarded(dev, "power_limit_w", "read the power limit", lambda: backend.power_limit_w(i))
+            default = guarded(
+                dev, "power_limit_w", "read the default power limit", partial(backend.default_power_limit_w, i)
+            )
+            current = guarded(dev, "power_limit_w", "read the power limit", partial(backend.power_limit_w, i))
             if round(current * 1000) != round(default * 1000):
-                guarded(dev, "power_limit_w", f"set the default power limit {default:g} W",
-                       lambda: backend.set_power_limit_w(i, default))
+                guarded(
+                    dev,
+                    "power_limit_w",
+                    f"set the default power limit {default:g} W",
+                    partial(backend.set_power_limit_w, i, default),
+                )
             report.restored.append(f"{dev} power_limit_w: {default:g} W (default)")
         except GreendError as e:
             report.failed.append(RestoreFailure(dev, "power_limit_w", str(e)))
@@ -128,8 +136,7 @@ def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:
 
 def _reset_defaults(*, nvml_module: Any | None, sim_dir: Path | str | None) -> RestoreReport:
     try:
-        backend = (NvmlGpuBackend.open_sim(sim_dir) if sim_dir is not None
-                   else NvmlGpuBackend.open_nvml(nvml_module))
+        backend = NvmlGpuBackend.open_sim(sim_dir) if sim_dir is not None else NvmlGpuBackend.open_nvml(nvml_module)
     except NoData as e:
         return RestoreReport(notes=[f"no GPUs to reset: {e}"])
     except GreendError as e:
@@ -146,20 +153,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="greend restore",
         description="Restore every GPU clock, GPU power limit and RAPL limit greend saved.",
     )
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help=f"where saved-settings.json is (default {DEFAULT_STATE_DIR})")
-    parser.add_argument("--force-defaults", action="store_true",
-                        help="if the saved file is corrupt: move it aside and reset every GPU "
-                             "to its default clocks and power limit")
-    parser.add_argument("--sim-dir", type=Path, default=None,
-                        help="with --force-defaults: reset these simulated GPUs instead of NVML's")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        help=f"where saved-settings.json is (default {DEFAULT_STATE_DIR})",
+    )
+    parser.add_argument(
+        "--force-defaults",
+        action="store_true",
+        help="if the saved file is corrupt: move it aside and reset every GPU to its default clocks and power limit",
+    )
+    parser.add_argument(
+        "--sim-dir", type=Path, default=None, help="with --force-defaults: reset these simulated GPUs instead of NVML's"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                            format="greend restore: %(levelname)s %(message)s")
-    report = restore_from_state_dir(args.state_dir, force_defaults=args.force_defaults,
-                                    sim_dir=args.sim_dir)
+        logging.basicConfig(
+            level=logging.WARNING, stream=sys.stderr, format="greend restore: %(levelname)s %(message)s"
+        )
+    report = restore_from_state_dir(args.state_dir, force_defaults=args.force_defaults, sim_dir=args.sim_dir)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:

@@ -106,8 +106,7 @@ class KnobState:
     updated_at: float = 0.0  # wall time of the last change, for humans
 
     def to_json(self) -> dict[str, Any]:
-        return {"original": self.original, "set": self.set, "owner": self.owner,
-                "updated_at": self.updated_at}
+        return {"original": self.original, "set": self.set, "owner": self.owner, "updated_at": self.updated_at}
 
 
 @dataclass
@@ -148,8 +147,7 @@ class CpuConstraintState:
     set_uw: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "original_uw": self.original_uw,
-                "set_uw": self.set_uw}
+        return {"index": self.index, "name": self.name, "original_uw": self.original_uw, "set_uw": self.set_uw}
 
 
 @dataclass
@@ -293,12 +291,14 @@ def _cpu(d: Any, where: str) -> CpuEntry:
     constraints = []
     for i, c in enumerate(raw):
         w = f"{where}.constraints[{i}]"
-        constraints.append(CpuConstraintState(
-            index=int(_int(c, "index", w) or 0),
-            name=str(_str(c, "name", w)),
-            original_uw=int(_int(c, "original_uw", w) or 0),
-            set_uw=_int(c, "set_uw", w, optional=True),
-        ))
+        constraints.append(
+            CpuConstraintState(
+                index=int(_int(c, "index", w) or 0),
+                name=str(_str(c, "name", w)),
+                original_uw=int(_int(c, "original_uw", w) or 0),
+                set_uw=_int(c, "set_uw", w, optional=True),
+            )
+        )
     return CpuEntry(
         sysfs_root=str(_str(d, "sysfs_root", where)),
         zone_path=str(_str(d, "zone_path", where)),

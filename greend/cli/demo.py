@@ -38,7 +38,7 @@ def _real_gpus_available() -> bool:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         return True
-    except Exception:  # noqa: BLE001 - any failure means: use the simulator
+    except Exception:
         return False
 
 
@@ -48,8 +48,20 @@ def _start_daemon(tmp: Path, sim: bool) -> tuple[subprocess.Popen[bytes], Path, 
     cfg = tmp / "greend.toml"
     cfg.write_text('[daemon]\nsocket_group = ""\n')  # a private socket: this user only
     log = tmp / "greend.log"
-    cmd = [sys.executable, "-m", "greend.daemon_main", "run", "--config", str(cfg), "--socket", str(sock),
-           "--state-dir", str(state), "--hz", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "greend.daemon_main",
+        "run",
+        "--config",
+        str(cfg),
+        "--socket",
+        str(sock),
+        "--state-dir",
+        str(state),
+        "--hz",
+        "10",
+    ]
     if sim:
         cmd += ["--sim", "2"]
     with open(log, "wb") as fh:
@@ -88,8 +100,9 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
     x_all = torch.randn(8192, n_in, device=device)
     with torch.no_grad():
         y_all = teacher(x_all).argmax(dim=1)
-    model = nn.Sequential(nn.Linear(n_in, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_hidden), nn.ReLU(),
-                          nn.Linear(n_hidden, n_out)).to(device)
+    model = nn.Sequential(
+        nn.Linear(n_in, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_out)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     lossf = nn.CrossEntropyLoss()
     params = sum(p.numel() for p in model.parameters())
@@ -106,7 +119,7 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
         if elapsed >= seconds:
             break
         i = (step * batch) % x_all.shape[0]
-        xb, yb = x_all[i:i + batch], y_all[i:i + batch]
+        xb, yb = x_all[i : i + batch], y_all[i : i + batch]
         with cb.step(samples=batch, batch=xb) as st:
             with st.autocast():
                 loss = lossf(model(xb), yb)
@@ -134,8 +147,12 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
     sys.stderr.write("\n")
     status.close()
     cb.close()
-    return {"job": cb.job, "steps": step, "final_loss": loss_value, "dropped": cb.stats.dropped
-            if hasattr(cb.stats, "dropped") else 0}
+    return {
+        "job": cb.job,
+        "steps": step,
+        "final_loss": loss_value,
+        "dropped": cb.stats.dropped if hasattr(cb.stats, "dropped") else 0,
+    }
 
 
 def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None) -> int:
@@ -148,8 +165,10 @@ def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None
         raise GreendError("--gpus real: no NVML or no CUDA here; use --gpus sim")
     tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="greend-demo-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    print(f"greend demo: daemon on {'the real GPUs' if real else '2 simulated H100s (figures labelled sim)'}, "
-          f"state in {tmp}")
+    print(
+        f"greend demo: daemon on {'the real GPUs' if real else '2 simulated H100s (figures labelled sim)'}, "
+        f"state in {tmp}"
+    )
     proc, sock, log = _start_daemon(tmp, sim=not real)
     try:
         job = f"demo-{os.getpid()}"
@@ -169,8 +188,10 @@ def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None
         print()
         print(f"final training loss {trained['final_loss']:.4f} after {trained['steps']} steps")
         if keep is not None:
-            print(f"the store is kept: sqlite3 {tmp / 'state' / 'greend.db'} "
-                  "'SELECT job, gflops_per_w, gpu_energy_j FROM greend_job'")
+            print(
+                f"the store is kept: sqlite3 {tmp / 'state' / 'greend.db'} "
+                "'SELECT job, gflops_per_w, gpu_energy_j FROM greend_job'"
+            )
         else:
             print("run with --keep DIR to keep the daemon's SQLite store for a look")
         return 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 import grp
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from greend.config import Config, load_config
 from greend.errors import ConfigError, GreendError, NoData, NoPermission
@@ -64,12 +64,17 @@ def _rapl(sysfs_root: Path) -> Check:
         probe.sample(0.0)
         detail = probe.info().detail
     except NoData as e:
-        return Check("rapl", "warn", str(e),
-                     "no CPU energy counters here (a VM or container?): set [probes] cpu_tdp_w "
-                     "for a labelled estimate, or run on bare metal with the intel_rapl_common module loaded")
+        return Check(
+            "rapl",
+            "warn",
+            str(e),
+            "no CPU energy counters here (a VM or container?): set [probes] cpu_tdp_w "
+            "for a labelled estimate, or run on bare metal with the intel_rapl_common module loaded",
+        )
     except NoPermission as e:
-        return Check("rapl", "fail", str(e),
-                     "run greend as root, or give it CAP_DAC_READ_SEARCH (the systemd unit does)")
+        return Check(
+            "rapl", "fail", str(e), "run greend as root, or give it CAP_DAC_READ_SEARCH (the systemd unit does)"
+        )
     except GreendError as e:
         return Check("rapl", "fail", str(e))
     finally:
@@ -82,18 +87,31 @@ def _socket(path: Path, timeout_s: float) -> list[Check]:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return [Check("socket", "fail", f"no socket at {path}: the daemon is not running there",
-                      "systemctl start greend (or greend run --socket PATH), or point greenctl at it "
-                      "with --socket / $GREEND_SOCKET")]
+        return [
+            Check(
+                "socket",
+                "fail",
+                f"no socket at {path}: the daemon is not running there",
+                "systemctl start greend (or greend run --socket PATH), or point greenctl at it "
+                "with --socket / $GREEND_SOCKET",
+            )
+        ]
     except PermissionError:
-        return [Check("socket", "fail", f"cannot reach {path}: permission denied on a parent directory",
-                      "join the greend group: usermod -aG greend $USER")]
+        return [
+            Check(
+                "socket",
+                "fail",
+                f"cannot reach {path}: permission denied on a parent directory",
+                "join the greend group: usermod -aG greend $USER",
+            )
+        ]
     if not stat.S_ISSOCK(st.st_mode):
         return [Check("socket", "fail", f"{path} is not a socket", "remove it and restart greend")]
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o007:
-        out.append(Check("socket", "warn", f"{path} is world-accessible (mode {mode:o})",
-                         "set [daemon] socket_mode = \"0660\""))
+        out.append(
+            Check("socket", "warn", f"{path} is world-accessible (mode {mode:o})", 'set [daemon] socket_mode = "0660"')
+        )
     try:
         group = grp.getgrgid(st.st_gid).gr_name
     except KeyError:
@@ -104,14 +122,26 @@ def _socket(path: Path, timeout_s: float) -> list[Check]:
     except GreendError as e:
         out.append(Check("socket", "fail", str(e)))
         return out
-    out.append(Check("socket", "ok", f"{path} (mode {mode:o}, group {group}): greend {status['version']}, "
-                     f"{len(status['gpus'])} GPUs, {len(status['cpus'])} CPU zones"))
+    out.append(
+        Check(
+            "socket",
+            "ok",
+            f"{path} (mode {mode:o}, group {group}): greend {status['version']}, "
+            f"{len(status['gpus'])} GPUs, {len(status['cpus'])} CPU zones",
+        )
+    )
     for s in status.get("stores", []):
         if s.get("ok"):
             out.append(Check("store", "ok", f"{s['url']}: {s.get('written', 0)} points written"))
         else:
-            out.append(Check("store", "fail", f"{s['url']}: {s.get('last_error')}",
-                             "check the URL, that the server is up, and the token in GREEND_INFLUX_TOKEN"))
+            out.append(
+                Check(
+                    "store",
+                    "fail",
+                    f"{s['url']}: {s.get('last_error')}",
+                    "check the URL, that the server is up, and the token in GREEND_INFLUX_TOKEN",
+                )
+            )
     for p in status.get("probes", []):
         if p.get("open") and not p.get("success"):
             out.append(Check(f"probe {p['name']}", "warn", f"failing: {p.get('last_error')}"))
@@ -136,8 +166,14 @@ def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
             if os.access(where, os.W_OK):
                 out.append(Check("store", "ok", f"{url}: {where} is writable"))
             else:
-                out.append(Check("store", "warn", f"{url}: {where} is not writable by this user",
-                                 "fine if greend runs as root; else choose a writable path"))
+                out.append(
+                    Check(
+                        "store",
+                        "warn",
+                        f"{url}: {where} is not writable by this user",
+                        "fine if greend runs as root; else choose a writable path",
+                    )
+                )
             continue
         host, port = parts.hostname or "127.0.0.1", parts.port
         if parts.scheme == "influx":
@@ -145,13 +181,24 @@ def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
                 with socketlib.create_connection((host, port or 8086), timeout=min(timeout_s, 2.0)):
                     pass
             except OSError as e:
-                out.append(Check("store", "warn", f"{url}: cannot reach {host}:{port} ({e.strerror or e})",
-                                 "start the InfluxDB server, or fix HOST:PORT; greend spools points "
-                                 "meanwhile and loses none"))
+                out.append(
+                    Check(
+                        "store",
+                        "warn",
+                        f"{url}: cannot reach {host}:{port} ({e.strerror or e})",
+                        "start the InfluxDB server, or fix HOST:PORT; greend spools points meanwhile and loses none",
+                    )
+                )
                 continue
             if not os.environ.get("GREEND_INFLUX_TOKEN"):
-                out.append(Check("store", "info", f"{url}: {host}:{port} answers; GREEND_INFLUX_TOKEN is not "
-                                 "set here", "set it in /etc/default/greend for the service"))
+                out.append(
+                    Check(
+                        "store",
+                        "info",
+                        f"{url}: {host}:{port} answers; GREEND_INFLUX_TOKEN is not set here",
+                        "set it in /etc/default/greend for the service",
+                    )
+                )
             else:
                 out.append(Check("store", "ok", f"{url}: {host}:{port} answers"))
         elif parts.scheme == "prometheus":
@@ -160,8 +207,14 @@ def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
                 probe.bind((host, port or 9464))
                 out.append(Check("store", "ok", f"{url}: {host}:{port} is free for greend's /metrics"))
             except OSError as e:
-                out.append(Check("store", "warn", f"{url}: cannot listen on {host}:{port} ({e.strerror or e})",
-                                 "another process holds the port: choose another, or stop it"))
+                out.append(
+                    Check(
+                        "store",
+                        "warn",
+                        f"{url}: cannot listen on {host}:{port} ({e.strerror or e})",
+                        "another process holds the port: choose another, or stop it",
+                    )
+                )
             finally:
                 probe.close()
     return out
@@ -172,8 +225,12 @@ def _state_dir(cfg: Config) -> Check:
     if not d.exists():
         return Check("state dir", "info", f"{d} does not exist yet (greend creates it at start)")
     if not os.access(d, os.W_OK):
-        return Check("state dir", "warn", f"{d} is not writable by this user",
-                     "fine for greenctl; the daemon (root) must be able to write it")
+        return Check(
+            "state dir",
+            "warn",
+            f"{d} is not writable by this user",
+            "fine for greenctl; the daemon (root) must be able to write it",
+        )
     return Check("state dir", "ok", f"{d} writable")
 
 
@@ -184,13 +241,21 @@ def _groups(cfg: Config) -> Check:
     try:
         grp.getgrnam(name)
     except KeyError:
-        return Check("group", "warn", f"group {name!r} does not exist: only root can use the socket",
-                     f"groupadd --system {name} (systemd-sysusers does it from systemd/greend.sysusers)")
+        return Check(
+            "group",
+            "warn",
+            f"group {name!r} does not exist: only root can use the socket",
+            f"groupadd --system {name} (systemd-sysusers does it from systemd/greend.sysusers)",
+        )
     return Check("group", "ok", f"group {name!r} exists")
 
 
 def run_checks(
-    *, config: Path | None, socket: Path | None, sysfs_root: Path, timeout_s: float = 5.0,
+    *,
+    config: Path | None,
+    socket: Path | None,
+    sysfs_root: Path,
+    timeout_s: float = 5.0,
     nvml_module: object | None = None,
 ) -> list[Check]:
     """``socket``: the one the user named; None: the config's (else the default)."""
@@ -213,12 +278,17 @@ def run_checks(
     if cfg is not None:
         steps += [lambda: _state_dir(cfg), lambda: _groups(cfg)]
         # No daemon answering: check the stores from here instead.
-        steps.append(lambda: _stores_offline(cfg, timeout_s)
-                     if any(x.name == "socket" and x.level == "fail" for x in socket_checks) else [])
+        steps.append(
+            lambda: (
+                _stores_offline(cfg, timeout_s)
+                if any(x.name == "socket" and x.level == "fail" for x in socket_checks)
+                else []
+            )
+        )
     for step in steps:
         try:
             r = step()
-        except Exception as e:  # noqa: BLE001 - a broken check never hides the next
+        except Exception as e:
             r = Check("doctor", "fail", f"check crashed: {type(e).__name__}: {e}")
         checks.extend(r if isinstance(r, list) else [r])
     return checks

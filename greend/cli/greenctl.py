@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -20,8 +20,9 @@ __all__ = ["ctl_app", "ctl_main"]
 
 log = logging.getLogger("greend")
 
-ctl_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                      help="greenctl: show and steer the greend daemon on this node.")
+ctl_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="greenctl: show and steer the greend daemon on this node."
+)
 
 
 _state: dict[str, Any] = {}
@@ -29,7 +30,9 @@ _state: dict[str, Any] = {}
 
 @ctl_app.callback()
 def _ctl_root(
-    socket: Optional[Path] = typer.Option(None, "--socket", help="daemon socket (default $GREEND_SOCKET or /run/greend/greend.sock)"),
+    socket: Path | None = typer.Option(
+        None, "--socket", help="daemon socket (default $GREEND_SOCKET or /run/greend/greend.sock)"
+    ),
     timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon"),
 ) -> None:
     _state["socket"] = socket or default_socket_path()
@@ -84,10 +87,9 @@ def ctl_jobs(as_json: bool = typer.Option(False, "--json", help="machine-readabl
 def ctl_report(
     job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
+    plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule and CO2."""
-
 
     r = _request("report", job=job)
     if as_json:
@@ -108,7 +110,7 @@ def ctl_report(
 def ctl_demo(
     seconds: float = typer.Option(30.0, "--seconds", help="how long to train"),
     gpus: str = typer.Option("auto", "--gpus", help="sim, real, or auto (real GPUs if NVML and CUDA work)"),
-    keep: Optional[Path] = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
+    keep: Path | None = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
 ) -> None:
     """Start a daemon on simulated GPUs, train a small real torch model with the callback, print the report."""
     from greend.cli.demo import run_demo
@@ -129,10 +131,10 @@ ctl_app.add_typer(policy_app, name="policy")
 
 @cap_app.command("set")
 def ctl_cap_set(
-    gpu: Optional[int] = typer.Option(None, "--gpu", help="GPU index"),
-    cpu: Optional[str] = typer.Option(None, "--cpu", help="RAPL zone: package-0 or intel-rapl:0 (power limit only)"),
-    max_clock: Optional[int] = typer.Option(None, "--max-clock", help="lock the SM clock at most this (MHz)"),
-    power_limit: Optional[float] = typer.Option(None, "--power-limit", help="power limit (W)"),
+    gpu: int | None = typer.Option(None, "--gpu", help="GPU index"),
+    cpu: str | None = typer.Option(None, "--cpu", help="RAPL zone: package-0 or intel-rapl:0 (power limit only)"),
+    max_clock: int | None = typer.Option(None, "--max-clock", help="lock the SM clock at most this (MHz)"),
+    power_limit: float | None = typer.Option(None, "--power-limit", help="power limit (W)"),
 ) -> None:
     """Cap one GPU (snapped to a supported clock, clamped to the limit range) or one CPU
     package (RAPL long- and short-term limits, within the zone's maximum). Needs root or
@@ -143,8 +145,10 @@ def ctl_cap_set(
         if max_clock is not None or power_limit is None:
             fail("a CPU zone takes --power-limit W only")
         r = _request("cap_set", cpu_zone=cpu, power_limit_w=power_limit)
-        typer.echo(f"{r['cpu_zone']} ({r['path']}): power limit {fmt(r['in_force']['power_limit_w'])} W"
-                   f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}")
+        typer.echo(
+            f"{r['cpu_zone']} ({r['path']}): power limit {fmt(r['in_force']['power_limit_w'])} W"
+            f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
+        )
         return
     if (max_clock is None) == (power_limit is None):
         fail("give exactly one of --max-clock MHZ and --power-limit W")
@@ -155,14 +159,17 @@ def ctl_cap_set(
         fields["power_limit_w"] = power_limit
     r = _request("cap_set", **fields)
     f = r["in_force"]
-    typer.echo(f"gpu{r['gpu']}: clock cap {fmt(f['clock_cap_mhz'])} MHz, power limit "
-               f"{fmt(f['power_limit_w'])} W{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}")
+    typer.echo(
+        f"gpu{r['gpu']}: clock cap {fmt(f['clock_cap_mhz'])} MHz, power limit "
+        f"{fmt(f['power_limit_w'])} W{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
+    )
 
 
 @cap_app.command("reset")
-def ctl_cap_reset(gpu: Optional[int] = typer.Option(None, "--gpu", help="one GPU (default: every device)"),
-                  cpu: Optional[str] = typer.Option(None, "--cpu", help="one RAPL zone (package-0 or intel-rapl:0)")
-                  ) -> None:
+def ctl_cap_reset(
+    gpu: int | None = typer.Option(None, "--gpu", help="one GPU (default: every device)"),
+    cpu: str | None = typer.Option(None, "--cpu", help="one RAPL zone (package-0 or intel-rapl:0)"),
+) -> None:
     """Put the saved originals back. Needs root or the admin group."""
     if gpu is not None and cpu is not None:
         fail("give at most one of --gpu I and --cpu ZONE")
@@ -192,8 +199,10 @@ def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
-    typer.echo(f"policy {r['name']}  {json.dumps(r['params'])}  every {r['period_s']:g} s"
-               + ("  DRY RUN" if r.get("dry_run") else ""))
+    typer.echo(
+        f"policy {r['name']}  {json.dumps(r['params'])}  every {r['period_s']:g} s"
+        + ("  DRY RUN" if r.get("dry_run") else "")
+    )
     typer.echo(f"available: {', '.join(r['available'])}")
     if r.get("disabled"):
         typer.echo(f"control is off: {r['disabled']}")
@@ -209,7 +218,7 @@ def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-
 @policy_app.command("set")
 def ctl_policy_set(
     name: str = typer.Argument(..., help="none, static, efficient, budget"),
-    param: Optional[list[str]] = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
+    param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
 ) -> None:
     """Switch the policy (what the old one set for jobs is restored). Needs root or the admin group."""
     params = dict(_parse_param(p) for p in (param or []))
@@ -219,7 +228,7 @@ def ctl_policy_set(
 
 @ctl_app.command("doctor")
 def ctl_doctor(
-    config: Optional[Path] = typer.Option(None, "--config", help="config file to check"),
+    config: Path | None = typer.Option(None, "--config", help="config file to check"),
     sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
 ) -> None:
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
@@ -242,8 +251,9 @@ def ctl_install_systemd(
     prefix: Path = typer.Option(Path("/"), "--prefix", help="root of the OS tree to install into"),
     enable: bool = typer.Option(False, "--enable", help="also run systemctl enable --now greend"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be done, touch nothing"),
-    greend_bin: Optional[str] = typer.Option(None, "--greend-bin",
-                                             help="greend for ExecStart= (default: beside this Python, else PATH)"),
+    greend_bin: str | None = typer.Option(
+        None, "--greend-bin", help="greend for ExecStart= (default: beside this Python, else PATH)"
+    ),
 ) -> None:
     """Install greend.service, its sysusers/tmpfiles snippets, /etc/default/greend and an example config."""
     from greend.cli.install import default_greend_bin, install_systemd

@@ -7,7 +7,7 @@ import faulthandler
 import logging
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -21,8 +21,9 @@ __all__ = ["daemon_app", "daemon_main"]
 
 log = logging.getLogger("greend")
 
-daemon_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                         help="greend: the per-node energy controller daemon.")
+daemon_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="greend: the per-node energy controller daemon."
+)
 
 
 @daemon_app.callback()
@@ -32,26 +33,39 @@ def _daemon_root() -> None:
 
 @daemon_app.command("run")
 def daemon_run(
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/greend/greend.toml if present)"),
-    sim: Optional[int] = typer.Option(None, "--sim", help="run on N simulated GPUs instead of NVML"),
-    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="where simulated devices keep their state"),
-    sim_trace: Optional[str] = typer.Option(
-        None, "--sim-trace", help="simulated GPUs follow this measured power-limit profile (a CSV, or a bundled name)"),
-    sysfs_root: Optional[Path] = typer.Option(None, "--sysfs-root", help="root of sysfs (a fixture tree in tests)"),
-    socket: Optional[Path] = typer.Option(None, "--socket", help="Unix socket path"),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="saved settings, sim devices, default store"),
-    store: Optional[list[str]] = typer.Option(None, "--store", help="store URL (repeatable)"),
-    hz: Optional[float] = typer.Option(None, "--hz", help="sampling rate"),
-    dry_run: Optional[bool] = typer.Option(None, "--dry-run/--no-dry-run", help="record settings, touch nothing"),
-    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning, error"),
+    config: Path | None = typer.Option(
+        None, "--config", help="TOML config (default /etc/greend/greend.toml if present)"
+    ),
+    sim: int | None = typer.Option(None, "--sim", help="run on N simulated GPUs instead of NVML"),
+    sim_dir: Path | None = typer.Option(None, "--sim-dir", help="where simulated devices keep their state"),
+    sim_trace: str | None = typer.Option(
+        None, "--sim-trace", help="simulated GPUs follow this measured power-limit profile (a CSV, or a bundled name)"
+    ),
+    sysfs_root: Path | None = typer.Option(None, "--sysfs-root", help="root of sysfs (a fixture tree in tests)"),
+    socket: Path | None = typer.Option(None, "--socket", help="Unix socket path"),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="saved settings, sim devices, default store"),
+    store: list[str] | None = typer.Option(None, "--store", help="store URL (repeatable)"),
+    hz: float | None = typer.Option(None, "--hz", help="sampling rate"),
+    dry_run: bool | None = typer.Option(None, "--dry-run/--no-dry-run", help="record settings, touch nothing"),
+    log_level: str | None = typer.Option(None, "--log-level", help="debug, info, warning, error"),
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     from greend.daemon.core import Daemon
 
     try:
         cfg = load_config(config)
-        cfg = apply_overrides(cfg, sim=sim, sim_dir=sim_dir, sysfs_root=sysfs_root, socket=socket,
-                              state_dir=state_dir, store=store, hz=hz, dry_run=dry_run, sim_trace=sim_trace)
+        cfg = apply_overrides(
+            cfg,
+            sim=sim,
+            sim_dir=sim_dir,
+            sysfs_root=sysfs_root,
+            socket=socket,
+            state_dir=state_dir,
+            store=store,
+            hz=hz,
+            dry_run=dry_run,
+            sim_trace=sim_trace,
+        )
         if cfg.sim.gpus > 0:
             from greend.probes.trace import install_trace
 
@@ -84,8 +98,13 @@ def daemon_run(
     except OSError as e:
         daemon.close()
         fail(f"cannot start: {e}")
-    log.info("greend %s running: %d probes, %d stores, socket %s",
-             __version__, len(daemon.probes), len(daemon.sinks), cfg.daemon.socket)
+    log.info(
+        "greend %s running: %d probes, %d stores, socket %s",
+        __version__,
+        len(daemon.probes),
+        len(daemon.sinks),
+        cfg.daemon.socket,
+    )
     sdnotify.ready()  # probes are open and the socket listens
     sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.sinks)} stores, socket {cfg.daemon.socket}")
     try:
@@ -98,9 +117,10 @@ def daemon_run(
 @daemon_app.command("restore")
 def daemon_restore(
     state_dir: Path = typer.Option(Path("/var/lib/greend"), "--state-dir", help="where saved-settings.json lives"),
-    force_defaults: bool = typer.Option(False, "--force-defaults",
-                                        help="state file unreadable: reset every GPU to its default clocks and limit"),
-    sim_dir: Optional[Path] = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
+    force_defaults: bool = typer.Option(
+        False, "--force-defaults", help="state file unreadable: reset every GPU to its default clocks and limit"
+    ),
+    sim_dir: Path | None = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
 ) -> None:
     """Put back every setting greend changed (systemd runs this as ExecStopPost).

@@ -42,28 +42,54 @@ def render_status(st: dict[str, Any]) -> str:
         "",
     ]
     if st["gpus"]:
-        out.append(render_table(
-            ["GPU", "NAME", "SOURCE", "POWER_W", "ENERGY_J", "SM_MHZ", "CAP_MHZ", "LIMIT_W", "METHOD"],
-            [[g["index"], g["name"], g["source"], g["power_w"], g["energy_j"], g["sm_clock_mhz"],
-              g["clock_cap_mhz"], g["power_limit_w"], g.get("energy_method")] for g in st["gpus"]],
-        ))
+        out.append(
+            render_table(
+                ["GPU", "NAME", "SOURCE", "POWER_W", "ENERGY_J", "SM_MHZ", "CAP_MHZ", "LIMIT_W", "METHOD"],
+                [
+                    [
+                        g["index"],
+                        g["name"],
+                        g["source"],
+                        g["power_w"],
+                        g["energy_j"],
+                        g["sm_clock_mhz"],
+                        g["clock_cap_mhz"],
+                        g["power_limit_w"],
+                        g.get("energy_method"),
+                    ]
+                    for g in st["gpus"]
+                ],
+            )
+        )
     else:
         out.append("no GPUs (see: greenctl probes)")
     out.append("")
     if st["cpus"]:
-        out.append(render_table(
-            ["ZONE", "PATH", "SOURCE", "POWER_W", "ENERGY_J", "COUNTED"],
-            [[c["zone"], c["path"], c["source"], c["power_w"], c["energy_j"],
-              "yes" if c["counted"] else f"no (in {c['parent'] or 'platform'})"] for c in st["cpus"]],
-        ))
+        out.append(
+            render_table(
+                ["ZONE", "PATH", "SOURCE", "POWER_W", "ENERGY_J", "COUNTED"],
+                [
+                    [
+                        c["zone"],
+                        c["path"],
+                        c["source"],
+                        c["power_w"],
+                        c["energy_j"],
+                        "yes" if c["counted"] else f"no (in {c['parent'] or 'platform'})",
+                    ]
+                    for c in st["cpus"]
+                ],
+            )
+        )
     else:
         out.append("no CPU energy zones (see: greenctl probes)")
     t = st["totals"]
     out += ["", f"energy since start: GPUs {t['gpu_energy_j']:.1f} J, CPU {t['cpu_energy_j']:.1f} J"]
     pol = st.get("policy") or {}
     prec = (pol.get("precision") or {}).get("name")
-    out.append(f"policy: {pol.get('name', 'none')}" + (f" + {prec}" if prec else "")
-               + f"   jobs: {len(st.get('jobs') or [])}")
+    out.append(
+        f"policy: {pol.get('name', 'none')}" + (f" + {prec}" if prec else "") + f"   jobs: {len(st.get('jobs') or [])}"
+    )
     last = pol.get("last_decision") or {}
     if last.get("reason"):
         out.append(f"  last decision: {last['reason']}")
@@ -73,8 +99,10 @@ def render_status(st: dict[str, Any]) -> str:
         out.append(f"  set by {owner}: {', '.join(knobs)}")
     for s in st.get("stores", []):
         state = "ok" if s.get("ok") else f"FAILING: {s.get('last_error')}"
-        out.append(f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"
-                   f" dropped {s.get('dropped', 0)})")
+        out.append(
+            f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"
+            f" dropped {s.get('dropped', 0)})"
+        )
     return "\n".join(out)
 
 
@@ -97,32 +125,45 @@ def render_report(r: dict[str, Any]) -> str:
         f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
         f"avg {_num(r.get('avg_gpu_power_w'), '.1f', 'W')}",
-        (f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})"
-         if not no_cpu else
-         "  CPU energy       not measured (no readable RAPL zone, no [probes] cpu_tdp_w estimate: "
-         "see greenctl doctor)"),
+        (
+            f"  CPU energy       {_num(r['cpu_energy_j'], '.1f', 'J')}   ({r.get('cpu_energy_method')})"
+            if not no_cpu
+            else "  CPU energy       not measured (no readable RAPL zone, no [probes] cpu_tdp_w estimate: "
+            "see greenctl doctor)"
+        ),
         f"  total energy     {_num(r['energy_j'], '.1f', 'J')} = {_num(r['energy_kwh'], '.6f', 'kWh')}   "
         f"avg {_num(r.get('avg_power_w'), '.1f', 'W')}{'   (GPU only)' if no_cpu else ''}",
         f"  GFLOPS/W{label:8} {_num(r.get('gflops_per_w'), '.3f')}   "
-        + ("(with CPU: n/a, CPU not measured)" if no_cpu else
-           f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})"),
+        + (
+            "(with CPU: n/a, CPU not measured)"
+            if no_cpu
+            else f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})"
+        ),
     ]
     if r.get("gpu_energy_per_step_j") is not None:
         mean_step_s = (r.get("step_time_s") or 0.0) / max(1, r.get("step_reports") or 1)
-        lines.append(f"  per step         {_num(r['gpu_energy_per_step_j'], '.4g', 'J')} of GPU energy, "
-                     f"{_num(mean_step_s, '.4g', 's')} on average")
+        lines.append(
+            f"  per step         {_num(r['gpu_energy_per_step_j'], '.4g', 'J')} of GPU energy, "
+            f"{_num(mean_step_s, '.4g', 's')} on average"
+        )
     if len(r.get("per_gpu") or []) > 1:
         for g in r["per_gpu"]:
-            lines.append(f"    gpu{g['gpu']:<3}         {_num(g.get('energy_j'), '.1f', 'J')}   "
-                         f"avg {_num(g.get('avg_power_w'), '.1f', 'W')}   {_num(g.get('flops'), '.4g', 'FLOP')}   "
-                         f"{_num(g.get('gflops_per_w'), '.3f')} GFLOPS/W")
+            lines.append(
+                f"    gpu{g['gpu']:<3}         {_num(g.get('energy_j'), '.1f', 'J')}   "
+                f"avg {_num(g.get('avg_power_w'), '.1f', 'W')}   {_num(g.get('flops'), '.4g', 'FLOP')}   "
+                f"{_num(g.get('gflops_per_w'), '.3f')} GFLOPS/W"
+            )
     rec = r.get("recent")
     if rec and r.get("state") == "running":
-        lines.append(f"  last {_num(rec.get('window_s'), '.0f', 's'):<11} {_num(rec.get('flop_per_s'), '.3g', 'FLOP/s')}   "
-                     f"GPU avg {_num(rec.get('gpu_power_w'), '.1f', 'W')}   {_num(rec.get('gflops_per_w'), '.3f')} GFLOPS/W")
+        lines.append(
+            f"  last {_num(rec.get('window_s'), '.0f', 's'):<11} {_num(rec.get('flop_per_s'), '.3g', 'FLOP/s')}   "
+            f"GPU avg {_num(rec.get('gpu_power_w'), '.1f', 'W')}   {_num(rec.get('gflops_per_w'), '.3f')} GFLOPS/W"
+        )
     if r.get("gflops_per_w_busy") is not None:
-        lines.append(f"  GFLOPS/W busy    {_num(r['gflops_per_w_busy'], '.1f')}   (sim: only the simulated "
-                     "steps' own energy, without the idle time between them)")
+        lines.append(
+            f"  GFLOPS/W busy    {_num(r['gflops_per_w_busy'], '.1f')}   (sim: only the simulated "
+            "steps' own energy, without the idle time between them)"
+        )
     if r.get("samples"):
         lines.append(f"  samples          {r['samples']}   ({_num(r.get('samples_per_j'), '.3g')} per J)")
     if r.get("tokens"):
@@ -141,8 +182,20 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
         return "no jobs yet"
     return render_table(
         ["JOB", "STATE", "RANKS", "GPUS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "PRECISION"],
-        [[j["job"], j["state"], j["ranks"], ",".join(map(str, j["gpus"])) or "-", j["steps"],
-          j["duration_s"], j["gpu_energy_j"], j["gflops_per_w"], j["precision"]] for j in jobs],
+        [
+            [
+                j["job"],
+                j["state"],
+                j["ranks"],
+                ",".join(map(str, j["gpus"])) or "-",
+                j["steps"],
+                j["duration_s"],
+                j["gpu_energy_j"],
+                j["gflops_per_w"],
+                j["precision"],
+            ]
+            for j in jobs
+        ],
     )
 
 
@@ -167,8 +220,10 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
     ax2 = ax1.twinx()
     ax2.plot(t, [p["gflops_per_w"] for p in series], color="tab:green", label="GFLOPS/W")
     ax2.set_ylabel(f"GFLOPS/W{label} (sliding window)", color="tab:green")
-    ax1.set_title(f"greend job {r['job']}: {r['gpu_energy_j']:.0f} J GPU, "
-                  f"{(r.get('gflops_per_w') or 0):.2f} GFLOPS/W over its life")
+    ax1.set_title(
+        f"greend job {r['job']}: {r['gpu_energy_j']:.0f} J GPU, "
+        f"{(r.get('gflops_per_w') or 0):.2f} GFLOPS/W over its life"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -169,8 +169,11 @@ class ControlLoop:
 
     # The decision step ---------------------------------------------------------------
     def due(self, now_s: float) -> bool:
-        return self.ctrl is not None and self.policy is not None and \
-            now_s - self._last_s >= self.ctx.cfg.policy.period_s - 1e-9
+        return (
+            self.ctrl is not None
+            and self.policy is not None
+            and now_s - self._last_s >= self.ctx.cfg.policy.period_s - 1e-9
+        )
 
     def step(self, now_s: float) -> None:
         if not self.due(now_s):
@@ -187,7 +190,7 @@ class ControlLoop:
                         decision.reason = "; ".join(r for r in (decision.reason, by_precision.reason) if r)
                     if by_precision.details:
                         decision.details = {**decision.details, "precision": by_precision.details}
-        except Exception as e:  # noqa: BLE001 - a policy bug never stops the daemon
+        except Exception as e:
             msg = f"{type(e).__name__}: {e}"
             if msg != self.last_error:
                 log.exception("policy %s failed", getattr(self.policy, "name", "?"))
@@ -205,14 +208,20 @@ class ControlLoop:
         gpus = []
         for g in readings.gpus:
             cur = self.ctrl.current(g.index)
-            gpus.append(GpuView(
-                index=g.index, source=g.source, power_w=g.power_w, sm_clock_mhz=g.sm_clock_mhz,
-                clock_cap_mhz=cur.clock_cap_mhz,
-                power_limit_w=g.power_limit_w if cur.power_limit_w is None else cur.power_limit_w,
-                supported_sm_clocks_mhz=tuple(g.supported_sm_clocks_mhz),
-                power_limit_min_w=g.power_limit_min_w, power_limit_max_w=g.power_limit_max_w,
-                power_limit_default_w=g.power_limit_default_w,
-            ))
+            gpus.append(
+                GpuView(
+                    index=g.index,
+                    source=g.source,
+                    power_w=g.power_w,
+                    sm_clock_mhz=g.sm_clock_mhz,
+                    clock_cap_mhz=cur.clock_cap_mhz,
+                    power_limit_w=g.power_limit_w if cur.power_limit_w is None else cur.power_limit_w,
+                    supported_sm_clocks_mhz=tuple(g.supported_sm_clocks_mhz),
+                    power_limit_min_w=g.power_limit_min_w,
+                    power_limit_max_w=g.power_limit_max_w,
+                    power_limit_default_w=g.power_limit_default_w,
+                )
+            )
         jobs = self.ctx.jobs.views(ctrl.current)
         cpu_power = None
         zones: dict[str, float] = {}
@@ -248,8 +257,12 @@ class ControlLoop:
             if moved:
                 jobs.reset_measure(job_id, now_s + settle_s)
                 now_in_force = self.ctrl.current(job_gpus[0])
-                jobs.record_cap_change(job_id, clock_cap_mhz=now_in_force.clock_cap_mhz,
-                                       power_limit_w=now_in_force.power_limit_w, reason=decision.reason)
+                jobs.record_cap_change(
+                    job_id,
+                    clock_cap_mhz=now_in_force.clock_cap_mhz,
+                    power_limit_w=now_in_force.power_limit_w,
+                    reason=decision.reason,
+                )
                 changed.append(job_id)
         for gpu, setting in decision.gpu_settings.items():
             before = self.ctrl.current(gpu)
@@ -268,24 +281,37 @@ class ControlLoop:
             reason = (precision_details.get("reasons") or {}).get(job_id) or decision.reason
             event = ((precision_details.get("jobs") or {}).get(job_id) or {}).get("event") or {}
             kind = "rollback" if event.get("kind") == "rollback" else "switch"
-            jobs.switch_precision(job_id, level, reason, kind=kind, trend=event.get("trend"),
-                                  settle_until_s=ctx.monotonic() + settle_s, policy=self.policy_name)
+            jobs.switch_precision(
+                job_id,
+                level,
+                reason,
+                kind=kind,
+                trend=event.get("trend"),
+                settle_until_s=ctx.monotonic() + settle_s,
+                policy=self.policy_name,
+            )
         self._push_paces(decision)
         if points:
             ctx.emit(points)
         if changed or decision.gpu_settings or decision.precision:
             log.info("decision: %s", decision.reason)
-        self.last_decision = {"t": ctx.wall(), "reason": decision.reason, "details": _jsonable(decision.details),
-                              "changed_jobs": changed}
+        self.last_decision = {
+            "t": ctx.wall(),
+            "reason": decision.reason,
+            "details": _jsonable(decision.details),
+            "changed_jobs": changed,
+        }
 
     def _apply_gpu(self, gpu: int, setting: Setting, owner: str) -> Setting | None:
         """Apply a policy's setting for ``owner``; a knob the setting leaves at None that an
         admin capped (``greenctl cap set``) is left alone, in force and still the admin's."""
         assert self.ctrl is not None
         admin = self.ctrl.owners().get(NODE_OWNER, [])
-        keep = tuple(knob for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz),
-                                              ("power_limit_w", setting.power_limit_w))
-                     if value is None and f"gpu{gpu}.{knob}" in admin)
+        keep = tuple(
+            knob
+            for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz), ("power_limit_w", setting.power_limit_w))
+            if value is None and f"gpu{gpu}.{knob}" in admin
+        )
         try:
             return self.ctrl.apply_gpu(gpu, setting, owner, keep=keep)
         except (ActuatorError, StateError) as e:
@@ -294,10 +320,18 @@ class ControlLoop:
 
     def cap_point(self, ts: int, in_force: Setting, reason: str, *, gpu: int, job: str = "") -> Point:
         """The ``greend_decision`` point of a GPU setting now in force (``job``: whose)."""
-        return decision_point(ts, self.ctx.hostname, kind="cap", reason=reason, policy=self.policy_name,
-                              job=job, gpu=gpu,
-                              fields=cap_fields(clock_cap_mhz=in_force.clock_cap_mhz,
-                                                power_limit_w=in_force.power_limit_w, capped=not in_force.uncapped))
+        return decision_point(
+            ts,
+            self.ctx.hostname,
+            kind="cap",
+            reason=reason,
+            policy=self.policy_name,
+            job=job,
+            gpu=gpu,
+            fields=cap_fields(
+                clock_cap_mhz=in_force.clock_cap_mhz, power_limit_w=in_force.power_limit_w, capped=not in_force.uncapped
+            ),
+        )
 
     def _push_paces(self, decision: Decision) -> None:
         """Tell each job's ranks this node's uncapped step time, for the cross-node pace."""
@@ -377,6 +411,7 @@ class ControlLoop:
             "disabled": self.disabled,
             "owners": self.ctrl.owners() if self.ctrl is not None else {},
         }
+
 
 def setting_json(s: Setting) -> dict[str, Any]:
     return {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w}

@@ -65,8 +65,9 @@ class ControlOps:
         if gpu not in [g.index for g in self.ctx.latest().gpus]:
             raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
         current = ctrl.current(gpu)
-        setting = Setting(clock if clock is not None else current.clock_cap_mhz,
-                          power if power is not None else current.power_limit_w)
+        setting = Setting(
+            clock if clock is not None else current.clock_cap_mhz, power if power is not None else current.power_limit_w
+        )
         in_force = ctrl.apply_gpu(gpu, setting, NODE_OWNER)  # ActuatorError, StateError: "refused"
         reason = f"greenctl cap set (uid {conn.peer.uid})"
         self.ctx.emit([self.loop.cap_point(ts_ns(self.ctx.wall()), in_force, reason, gpu=gpu)])
@@ -74,19 +75,34 @@ class ControlOps:
         log.info("gpu%d: cap set by uid %d: %s", gpu, conn.peer.uid, setting_json(in_force))
         return {"gpu": gpu, "in_force": setting_json(in_force), "dry_run": ctrl.dry_run}
 
-    def _cap_set_cpu(self, ctrl: Controller, name: str, clock: int | None, power: float | None,
-                     conn: Connection) -> dict[str, Any]:
+    def _cap_set_cpu(
+        self, ctrl: Controller, name: str, clock: int | None, power: float | None, conn: Connection
+    ) -> dict[str, Any]:
         if clock is not None or power is None:
             raise ProtocolError("a CPU zone takes a power limit (power_limit_w) only", field="power_limit_w")
         zone = self._cpu_zone(name)
         in_force = ctrl.apply_cpu_limit(zone.path, power, NODE_OWNER)  # ActuatorError, StateError: "refused"
-        self.ctx.emit([decision_point(
-            ts_ns(self.ctx.wall()), self.ctx.hostname, kind="cap", reason=f"greenctl cap set (uid {conn.peer.uid})",
-            policy=self.loop.policy_name, zone=zone.zone, path=zone.path,
-            fields=cap_fields(clock_cap_mhz=None, power_limit_w=float(in_force or power), capped=True))])
+        self.ctx.emit(
+            [
+                decision_point(
+                    ts_ns(self.ctx.wall()),
+                    self.ctx.hostname,
+                    kind="cap",
+                    reason=f"greenctl cap set (uid {conn.peer.uid})",
+                    policy=self.loop.policy_name,
+                    zone=zone.zone,
+                    path=zone.path,
+                    fields=cap_fields(clock_cap_mhz=None, power_limit_w=float(in_force or power), capped=True),
+                )
+            ]
+        )
         log.info("%s (%s): power limit set by uid %d: %s W", zone.zone, zone.path, conn.peer.uid, in_force)
-        return {"cpu_zone": zone.zone, "path": zone.path, "in_force": {"power_limit_w": in_force},
-                "dry_run": ctrl.dry_run}
+        return {
+            "cpu_zone": zone.zone,
+            "path": zone.path,
+            "in_force": {"power_limit_w": in_force},
+            "dry_run": ctrl.dry_run,
+        }
 
     def cap_reset(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         ctrl = self.loop.need_ctrl()

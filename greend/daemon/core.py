@@ -107,9 +107,18 @@ class Daemon:
             window_s=cfg.report.window_s,
             process_cpu=self.probing.process_cpu_s,
         )
-        self.control = ControlLoop(ControlContext(
-            cfg=cfg, hostname=self.hostname, jobs=self.jobs, ledger=self.ledger, latest=self.latest,
-            emit=lambda points: self.emit(points), wall=wall, monotonic=monotonic))
+        self.control = ControlLoop(
+            ControlContext(
+                cfg=cfg,
+                hostname=self.hostname,
+                jobs=self.jobs,
+                ledger=self.ledger,
+                latest=self.latest,
+                emit=lambda points: self.emit(points),
+                wall=wall,
+                monotonic=monotonic,
+            )
+        )
         self.jobs.on_job_end.append(self.control.job_ended)
 
     # The parts, as tests and the CLI reach them -----------------------------------
@@ -144,8 +153,11 @@ class Daemon:
             sysfs_root=cfg.probes.sysfs_root,
             sim_gpus=cfg.sim.gpus,
             sim_dir=cfg.sim_dir,
-            sim_params={"background_load": cfg.sim.load, "mem_share": cfg.sim.mem_share,
-                        "speed_factor": cfg.sim.speed_factor},
+            sim_params={
+                "background_load": cfg.sim.load,
+                "mem_share": cfg.sim.mem_share,
+                "speed_factor": cfg.sim.speed_factor,
+            },
             cpu_tdp_w=cfg.probes.cpu_tdp_w,
             nvml_module=self.nvml_module(),
             job_pids=self.jobs.job_pids,
@@ -259,8 +271,9 @@ class Daemon:
         pts += [cpu_point(ts, host, c, self.ledger.total_j(c.key)) for c in snap.cpus]
         if snap.host is not None:
             pts.append(host_point(ts, host, snap.host))
-        pts += [probe_point(ts, host, st.name, success=st.success, duration_s=st.duration_s)
-                for st in self.stats.values()]
+        pts += [
+            probe_point(ts, host, st.name, success=st.success, duration_s=st.duration_s) for st in self.stats.values()
+        ]
         return pts
 
     # Views ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import greend.probes as probe_registry
 from greend.errors import ConfigError, NoData, NoPermission, ProbeError
 from greend.probes import Probe, ProbeContext, ProbeInfo, Readings
+from greend.probes.base import MeasuresProcesses, SampledEvery, SimulatesGpus
 
 __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 
@@ -91,7 +92,7 @@ class ProbeScheduler:
         except ProbeError as e:
             st.open, st.last_error = False, str(e)
             (log.warning if first else log.debug)("probe %s: %s", p.name, e)
-        except Exception as e:  # noqa: BLE001 - one broken probe never stops the daemon
+        except Exception as e:
             st.open, st.last_error = False, f"{type(e).__name__}: {e}"
             log.exception("probe %s failed to open", p.name)
         else:
@@ -100,7 +101,7 @@ class ProbeScheduler:
         st.next_open_s = self.monotonic() + PROBE_RETRY_S
         try:
             st.info = p.info()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
 
     def is_open(self, name: str) -> bool:
@@ -124,11 +125,11 @@ class ProbeScheduler:
                 if st.last is not None and st.success:
                     into.merge(st.last)
                 continue
-            st.next_due_s = now_s + getattr(p, "interval_s", 0.0) - 1e-6
+            st.next_due_s = now_s + (p.interval_s if isinstance(p, SampledEvery) else 0.0) - 1e-6
             t = time.perf_counter()
             try:
                 r = p.sample(now_s)
-            except Exception as e:  # noqa: BLE001 - isolate every probe
+            except Exception as e:
                 st.success = False
                 st.failures += 1
                 msg = f"{type(e).__name__}: {e}" if not isinstance(e, ProbeError) else str(e)
@@ -156,7 +157,7 @@ class ProbeScheduler:
             if st.open:
                 try:
                     st.info = p.info()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
         return [s.to_json() for s in self.stats.values()]
 
@@ -168,17 +169,16 @@ class ProbeScheduler:
         """A job process's CPU seconds (descendants included) through the host probe,
         or None where it is off or not open."""
         for p in self.probes:
-            if p.name == "host" and self.is_open(p.name):
-                return p.process_cpu_s([pid]).get(pid)  # type: ignore[attr-defined]
+            if isinstance(p, MeasuresProcesses) and self.is_open(p.name):
+                return p.process_cpu_s([pid]).get(pid)
         return None
 
     def sim_gpu(self, index: int) -> Any | None:
         """The simulated device behind GPU ``index``, or None on real hardware."""
         for p in self.probes:
-            lookup = getattr(p, "sim_gpu", None)
-            if lookup is not None and self.is_open(p.name):
+            if isinstance(p, SimulatesGpus) and self.is_open(p.name):
                 try:
-                    return lookup(index)
+                    return p.sim_gpu(index)
                 except (IndexError, KeyError, ValueError):
                     return None
         return None
@@ -187,5 +187,5 @@ class ProbeScheduler:
         for p in self.probes:
             try:
                 p.close()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.warning("probe %s: close failed: %s", p.name, e)

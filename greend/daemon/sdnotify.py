@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 __all__ = [
     "WatchdogPinger",
@@ -71,7 +71,7 @@ def notify(state: str, *, environ: Mapping[str, str] | None = None) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sent = sock.sendto(data, addr)
         return sent == len(data)
-    except Exception as e:  # noqa: BLE001 - notification is best effort, never fatal
+    except Exception as e:
         log.debug("sd_notify %r to %r failed: %s", state, raw, e)
         return False
 

@@ -67,9 +67,13 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "tick_duration_s": d.tick_duration_s,
         "gpus": [gpu_row(g, d.ledger) for g in snap.gpus],
         "cpus": [cpu_row(c, d.ledger) for c in snap.cpus],
-        "host_load": None if h is None else {
-            "cpu_util_pct": h.cpu_util_pct, "cpu_count": h.cpu_count,
-            "mem_used_bytes": h.mem_used_bytes, "mem_total_bytes": h.mem_total_bytes,
+        "host_load": None
+        if h is None
+        else {
+            "cpu_util_pct": h.cpu_util_pct,
+            "cpu_count": h.cpu_count,
+            "mem_used_bytes": h.mem_used_bytes,
+            "mem_total_bytes": h.mem_total_bytes,
             "load_1m": h.load_1m,
         },
         "totals": {

@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 class Stores:
     """Every store of one daemon, open or waiting for its next try."""
 
-    def __init__(self, cfg: Config, *, hostname: str, monotonic: Callable[[], float],
-                 status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, cfg: Config, *, hostname: str, monotonic: Callable[[], float], status: Callable[[], dict[str, Any]]
+    ) -> None:
         self.cfg = cfg
         self.hostname = hostname
         self.monotonic = monotonic
@@ -62,7 +63,7 @@ class Stores:
             attach = getattr(sink, "attach", None)
             if attach is not None:
                 attach(self.status)  # Prometheus scrapes the latest status, not points
-        except Exception as e:  # noqa: BLE001 - one store never takes the daemon down
+        except Exception as e:
             if first and not isinstance(e, StoreError):
                 raise
             msg = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
@@ -72,7 +73,8 @@ class Stores:
                 self.open_errors[url] = msg
                 self._retry_due_s[url] = self.monotonic() + self.retry_s
             (log.error if first else log.debug if same else log.warning)(
-                "store %s: %s (retrying every %g s)", url, msg, self.retry_s)
+                "store %s: %s (retrying every %g s)", url, msg, self.retry_s
+            )
             return False
         attempts = 0
         with self._lock:
@@ -85,7 +87,7 @@ class Stores:
         if closing:  # the daemon shut down while this retry ran
             try:
                 sink.close(timeout_s=1.0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.warning("store %s: close failed: %s", url, e)
             return False
         if attempts:
@@ -120,7 +122,7 @@ class Stores:
         for sink in self.sinks:
             try:
                 sink.write(points)
-            except Exception as e:  # noqa: BLE001 - one sink never takes the loop down
+            except Exception as e:
                 log.error("store %s: write failed: %s", sink.url, e)
 
     def rows(self) -> list[dict[str, Any]]:
@@ -128,19 +130,27 @@ class Stores:
         ones that failed to open with why and when they are tried again."""
         with self._lock:
             sinks = list(self.sinks)
-            failed = [(u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0))
-                      for u, e in self.open_errors.items()]
+            failed = [
+                (u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0)) for u, e in self.open_errors.items()
+            ]
         now = self.monotonic()
         rows = [s.status().to_json() for s in sinks]
         for url, err, due, attempts in failed:
             retry_in = max(0.0, due - now)
-            rows.append({
-                "name": url.split(":", 1)[0], "url": url, "ok": False,
-                "written": 0, "pending": 0, "dropped": 0,
-                "last_error": f"failed to open: {err}; retrying every {self.retry_s:g} s "
-                              f"(attempt {attempts} failed, next in {retry_in:.0f} s)",
-                "open_attempts": attempts, "retry_in_s": retry_in,
-            })
+            rows.append(
+                {
+                    "name": url.split(":", 1)[0],
+                    "url": url,
+                    "ok": False,
+                    "written": 0,
+                    "pending": 0,
+                    "dropped": 0,
+                    "last_error": f"failed to open: {err}; retrying every {self.retry_s:g} s "
+                    f"(attempt {attempts} failed, next in {retry_in:.0f} s)",
+                    "open_attempts": attempts,
+                    "retry_in_s": retry_in,
+                }
+            )
         order = {u: i for i, u in enumerate(self.cfg.store_urls)}
         rows.sort(key=lambda r: order.get(r.get("url", ""), len(order)))
         return rows
@@ -152,5 +162,5 @@ class Stores:
         for sink in sinks:
             try:
                 sink.close(timeout_s=5.0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.error("store %s: close failed: %s", sink.url, e)

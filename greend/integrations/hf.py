@@ -38,9 +38,7 @@ from typing import Any
 try:
     from transformers import TrainerCallback
 except ImportError as e:
-    raise ImportError(
-        "greend.integrations.hf needs Hugging Face transformers: pip install transformers"
-    ) from e
+    raise ImportError("greend.integrations.hf needs Hugging Face transformers: pip install transformers") from e
 
 from greend.training import GreenCallback, Step
 
@@ -48,8 +46,10 @@ __all__ = ["GreenHFCallback"]
 
 log = logging.getLogger(__name__)
 
-_OWNER = ("the Hugging Face Trainer (Accelerate owns autocast): precision switching needs a "
-          "model wrapper using GreenCallback.autocast() or a Trainer subclass")
+_OWNER = (
+    "the Hugging Face Trainer (Accelerate owns autocast): precision switching needs a "
+    "model wrapper using GreenCallback.autocast() or a Trainer subclass"
+)
 
 
 def trainer_precision(args: Any) -> str:
@@ -90,9 +90,14 @@ class GreenHFCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.cb is None:
-            self.cb = GreenCallback(job=self.job, model=model, manage_precision=False,
-                                    initial_precision=trainer_precision(args), precision_owner=_OWNER,
-                                    **self.kwargs)
+            self.cb = GreenCallback(
+                job=self.job,
+                model=model,
+                manage_precision=False,
+                initial_precision=trainer_precision(args),
+                precision_owner=_OWNER,
+                **self.kwargs,
+            )
         self._samples = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._log_seen = len(state.log_history)
@@ -116,7 +121,7 @@ class GreenHFCallback(TrainerCallback):
             self._tokens_seen = seen
         history = state.log_history
         if len(history) > self._log_seen:
-            for entry in reversed(history[self._log_seen:]):
+            for entry in reversed(history[self._log_seen :]):
                 if isinstance(entry, dict) and "loss" in entry:
                     step.loss(entry["loss"])
                     break

@@ -37,7 +37,8 @@ is used (a Trainer only accepts callbacks of its own package).
 from __future__ import annotations
 
 import logging
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 try:
     import lightning.pytorch as pl
@@ -45,9 +46,7 @@ except ImportError:
     try:
         import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]
     except ImportError as e:
-        raise ImportError(
-            "greend.integrations.lightning needs PyTorch Lightning: pip install lightning"
-        ) from e
+        raise ImportError("greend.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 import torch
 
@@ -59,9 +58,14 @@ log = logging.getLogger(__name__)
 
 # Lightning precision settings -> greend levels (anything else runs as fp32).
 _LIGHTNING_LEVELS = {
-    "bf16-mixed": "bf16", "bf16": "bf16", "bf16-true": "bf16",
-    "16-mixed": "fp16", "16": "fp16", "16-true": "fp16",
-    "transformer-engine": "fp8", "transformer-engine-float16": "fp8",
+    "bf16-mixed": "bf16",
+    "bf16": "bf16",
+    "bf16-true": "bf16",
+    "16-mixed": "fp16",
+    "16": "fp16",
+    "16-true": "fp16",
+    "transformer-engine": "fp8",
+    "transformer-engine-float16": "fp8",
 }
 
 
@@ -99,7 +103,7 @@ class GreenLightningCallback(pl.Callback):
         """The level greend asks this rank to run (fp32 before training starts)."""
         return self.cb.precision if self.cb is not None else "fp32"
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """The autocast context for the current level; use it in ``training_step``."""
         if self._step is not None:
             return self._step.autocast()
@@ -115,8 +119,11 @@ class GreenLightningCallback(pl.Callback):
             kwargs = dict(self.kwargs)
             level = _LIGHTNING_LEVELS.get(str(getattr(trainer, "precision", "32-true")))
             if level is not None and "manage_precision" not in kwargs:
-                kwargs.update(manage_precision=False, initial_precision=level,
-                              precision_owner=f"Lightning runs precision={trainer.precision!r}")
+                kwargs.update(
+                    manage_precision=False,
+                    initial_precision=level,
+                    precision_owner=f"Lightning runs precision={trainer.precision!r}",
+                )
             self.cb = GreenCallback(job=self.job, model=pl_module, **kwargs)
         trainer.greend = self
         self._publish(trainer, pl_module, self.cb.precision)
@@ -131,8 +138,7 @@ class GreenLightningCallback(pl.Callback):
         self._step = step
         self._publish(trainer, pl_module, step.precision)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs
         if isinstance(outputs, dict):
             loss = outputs.get("loss")
@@ -143,7 +149,7 @@ class GreenLightningCallback(pl.Callback):
         if step is not None:
             try:
                 step.__exit__(type(exception), exception, exception.__traceback__)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if self.cb is not None:
             self.cb.close("error")
@@ -167,5 +173,5 @@ class GreenLightningCallback(pl.Callback):
         for obj in (trainer, pl_module):
             try:
                 obj.greend_precision = level
-            except Exception:  # noqa: BLE001 - a read-only object: the property is still there
+            except Exception:
                 log.debug("cannot set greend_precision on %s", type(obj).__name__)

@@ -88,7 +88,7 @@ class Client:
                 if reply.get("id") not in (request_id, None):
                     continue
                 break
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise DaemonUnavailable(f"greend at {self.path} did not answer within {self.timeout_s} s") from None
         except OSError as e:
             raise DaemonUnavailable(f"lost the connection to greend at {self.path}: {e}") from None

@@ -43,9 +43,10 @@ import socket
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
 from greend.protocol import (
@@ -155,7 +156,12 @@ class IpcServer:
         self.refused_full = 0  # connections turned away at MAX_CONNECTIONS
 
     def route(
-        self, op: str, handler: Handler, schema: dict[str, Field] | None = None, *, admin: bool | None = None,
+        self,
+        op: str,
+        handler: Handler,
+        schema: dict[str, Field] | None = None,
+        *,
+        admin: bool | None = None,
         allow_extra: bool = False,
     ) -> None:
         """Answer ``op`` with ``handler``. The schema and whether the op needs an admin
@@ -183,8 +189,10 @@ class IpcServer:
                 os.chown(self.path, -1, gid)
             except KeyError:
                 log.warning(
-                    "socket group %r does not exist: only root can use %s "
-                    "(create it: groupadd --system %s)", self.group, self.path, self.group,
+                    "socket group %r does not exist: only root can use %s (create it: groupadd --system %s)",
+                    self.group,
+                    self.path,
+                    self.group,
                 )
             except PermissionError:
                 log.warning("cannot give %s to group %r (not root)", self.path, self.group)
@@ -287,12 +295,13 @@ class IpcServer:
                     if nl < 0:
                         if len(buf) > MAX_MESSAGE_BYTES:
                             if not discarding:
-                                self._reply(conn, _error(None, "too_large",
-                                                         f"message longer than {MAX_MESSAGE_BYTES} bytes"))
+                                self._reply(
+                                    conn, _error(None, "too_large", f"message longer than {MAX_MESSAGE_BYTES} bytes")
+                                )
                             discarding = True
                             buf = b""
                         break
-                    line, buf = buf[:nl], buf[nl + 1:]
+                    line, buf = buf[:nl], buf[nl + 1 :]
                     if discarding:
                         discarding = False  # the tail of an oversized message
                         continue
@@ -312,7 +321,7 @@ class IpcServer:
             if self.on_disconnect:
                 try:
                     self.on_disconnect(conn)
-                except Exception:  # noqa: BLE001 - a handler bug must not leak the thread's error
+                except Exception:
                     log.exception("on_disconnect handler failed")
 
     def _reply(self, conn: Connection, reply: dict[str, Any] | None) -> None:
@@ -342,23 +351,30 @@ class IpcServer:
             return _error(None, "bad_request", "'id' is longer than 128", field="id")
         v = msg.get("v")
         if v != PROTOCOL_VERSION:
-            return _error(mid, "unsupported_version",
-                          f"'v' = {v!r}: this daemon speaks protocol version {PROTOCOL_VERSION}", field="v")
+            return _error(
+                mid,
+                "unsupported_version",
+                f"'v' = {v!r}: this daemon speaks protocol version {PROTOCOL_VERSION}",
+                field="v",
+            )
         op = msg.get("op")
         if not isinstance(op, str):
             return _error(mid, "bad_request", "missing 'op' (a string)", field="op")
         route = self.routes.get(op)
         if route is None:
-            return _error(mid, "unknown_op",
-                          f"unknown op {op[:64]!r}; known: {', '.join(sorted(self.routes))}", field="op")
+            return _error(
+                mid, "unknown_op", f"unknown op {op[:64]!r}; known: {', '.join(sorted(self.routes))}", field="op"
+            )
         if route.admin and not self.is_admin(conn.peer):
-            return _error(mid, "forbidden",
-                          f"{op!r} changes the node's settings: it needs {self.admin_needs} "
-                          f"(your uid is {conn.peer.uid})")
+            return _error(
+                mid,
+                "forbidden",
+                f"{op!r} changes the node's settings: it needs {self.admin_needs} (your uid is {conn.peer.uid})",
+            )
         try:
             validate(msg, route.schema, allow_extra=route.allow_extra)
             result = route.handler(msg, conn)
-        except Exception as e:  # noqa: BLE001 - the daemon answers, it does not die
+        except Exception as e:
             return error_reply(mid, op, e)
         if result is _NO_REPLY:
             return None

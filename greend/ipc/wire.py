@@ -129,7 +129,7 @@ class LineReader:
         nl = self.buffer.find(b"\n")
         if nl < 0:
             return None
-        line, self.buffer = self.buffer[:nl], self.buffer[nl + 1:]
+        line, self.buffer = self.buffer[:nl], self.buffer[nl + 1 :]
         return line
 
     def overflowing(self) -> bool:

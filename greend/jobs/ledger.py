@@ -102,8 +102,7 @@ class Ledger:
 
     def keys(self, prefix: str = "", counted_only: bool = False) -> list[str]:
         with self._lock:
-            return [k for k, e in self._entries.items()
-                    if k.startswith(prefix) and (e.counted or not counted_only)]
+            return [k for k, e in self._entries.items() if k.startswith(prefix) and (e.counted or not counted_only)]
 
     def total_j(self, key: str) -> float:
         with self._lock:
@@ -113,9 +112,7 @@ class Ledger:
     def totals(self, prefix: str = "", counted_only: bool = True) -> float:
         with self._lock:
             return sum(
-                e.total_j
-                for k, e in self._entries.items()
-                if k.startswith(prefix) and (e.counted or not counted_only)
+                e.total_j for k, e in self._entries.items() if k.startswith(prefix) and (e.counted or not counted_only)
             )
 
     def cumulative_at(self, key: str, t_s: float) -> float | None:

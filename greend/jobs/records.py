@@ -14,8 +14,17 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from greend.ipc.server import Connection
 
-__all__ = ["CapChange", "EfficiencySample", "Job", "JobState", "Measure", "PrecisionChange", "RankLeft",
-           "RankSession", "StepRecord"]
+__all__ = [
+    "CapChange",
+    "EfficiencySample",
+    "Job",
+    "JobState",
+    "Measure",
+    "PrecisionChange",
+    "RankLeft",
+    "RankSession",
+    "StepRecord",
+]
 
 JobState = Literal["running", "ending", "ended"]
 
@@ -76,8 +85,12 @@ class EfficiencySample:
     flop_per_s: float
 
     def to_json(self) -> dict[str, float]:
-        return {"t_s": self.t_s, "power_w": self.power_w, "gflops_per_w": self.gflops_per_w,
-                "flop_per_s": self.flop_per_s}
+        return {
+            "t_s": self.t_s,
+            "power_w": self.power_w,
+            "gflops_per_w": self.gflops_per_w,
+            "flop_per_s": self.flop_per_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,16 @@ class PrecisionChange:
     rank: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"t": self.t_wall_s, "kind": self.kind, "from": self.from_level, "to": self.to_level,
-                             "reason": self.reason, "step": self.step, "loss": self.loss, "trend": self.trend}
+        d: dict[str, Any] = {
+            "t": self.t_wall_s,
+            "kind": self.kind,
+            "from": self.from_level,
+            "to": self.to_level,
+            "reason": self.reason,
+            "step": self.step,
+            "loss": self.loss,
+            "trend": self.trend,
+        }
         if self.rank is not None:
             d["rank"] = self.rank
         return d
@@ -116,9 +137,11 @@ class CapChange:
     reason: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": self.t_wall_s,
-                "setting": {"clock_cap_mhz": self.clock_cap_mhz, "power_limit_w": self.power_limit_w},
-                "reason": self.reason}
+        return {
+            "t": self.t_wall_s,
+            "setting": {"clock_cap_mhz": self.clock_cap_mhz, "power_limit_w": self.power_limit_w},
+            "reason": self.reason,
+        }
 
 
 @dataclass

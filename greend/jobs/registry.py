@@ -44,6 +44,7 @@ from greend.jobs.records import (
     RankSession,
     StepRecord,
 )
+from greend.jobs.report import JobFigures
 from greend.points import (
     decision_point,
     efficiency_point,
@@ -54,7 +55,6 @@ from greend.points import (
 )
 from greend.protocol import JOB_ID_RE, MAX_STEPS_PER_MESSAGE, PRECISIONS, RESERVED_OWNERS, STEP_FIELDS, validate
 from greend.sinks import Point
-from greend.units import j_to_kwh
 
 if TYPE_CHECKING:
     from greend.policies.base import JobMeasure, JobView, Setting
@@ -67,13 +67,6 @@ log = logging.getLogger(__name__)
 # (the host probe's estimate comes once a second; a loaded node may tick late) before its
 # summary is made. Only a zone that stopped reading makes a job wait this long.
 CPU_END_WAIT_S = 3.0
-
-
-def _rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float | None, float | None, float | None]:
-    """Average power (W), FLOP/s and GFLOPS/W of ``flops`` run on ``energy_j`` over ``span_s``."""
-    power = energy_j / span_s if energy_j is not None and span_s > 0 else None
-    flop_per_s = flops / span_s if span_s > 0 else None
-    return power, flop_per_s, (flops / energy_j / 1e9 if energy_j else None)
 
 
 class JobRegistry:
@@ -112,6 +105,14 @@ class JobRegistry:
         self.sessions: dict[int, RankSession] = {}
         self._lock = threading.RLock()
         self._node_cpu_busy_s = 0.0  # integral of host utilisation * cpus, for CPU shares
+        self.figures = JobFigures(
+            ledger,
+            hostname=hostname,
+            window_s=window_s,
+            grid_gco2_per_kwh=grid_gco2_per_kwh,
+            sim_gpu=sim_gpu,
+            node_cpu_busy_s=lambda: self._node_cpu_busy_s,
+        )
         self._last_host_t: float | None = None
         self.on_job_end: list[Callable[[Job], None]] = []
 
@@ -119,12 +120,13 @@ class JobRegistry:
     def register(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         job_id = msg["job"]
         if not JOB_ID_RE.match(job_id):
-            raise ProtocolError(
-                "'job' must be 1-128 characters of letters, digits and . _ : @ / -", field="job"
-            )
+            raise ProtocolError("'job' must be 1-128 characters of letters, digits and . _ : @ / -", field="job")
         if job_id in RESERVED_OWNERS:
-            raise ProtocolError(f"job id {job_id!r} is reserved (greend's own settings go by "
-                                f"{' and '.join(map(repr, RESERVED_OWNERS))}): use another", field="job")
+            raise ProtocolError(
+                f"job id {job_id!r} is reserved (greend's own settings go by "
+                f"{' and '.join(map(repr, RESERVED_OWNERS))}): use another",
+                field="job",
+            )
         precisions = msg.get("precisions") or ["fp32"]
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad:
@@ -135,8 +137,7 @@ class JobRegistry:
         if any(g < 0 for g in gpus):
             raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
         if "session" in conn.state:
-            raise ProtocolError("this connection already registered a rank; open another connection",
-                                field="op")
+            raise ProtocolError("this connection already registered a rank; open another connection", field="op")
         now = self.monotonic()
         cpu_now_s = self._process_cpu(conn.peer.pid)
         with self._lock:
@@ -166,10 +167,20 @@ class JobRegistry:
                 self._trim_ended()
                 log.info("job %s registered (uid %d)", job_id, conn.peer.uid)
             rs = RankSession(
-                session=conn.id, job=job_id, rank=msg.get("rank") or 0, local_rank=msg.get("local_rank") or 0,
-                world_size=msg.get("world_size") or 1, gpus=gpus, pid=conn.peer.pid, uid=conn.peer.uid,
-                host=msg.get("host") or self.hostname, precisions=list(precisions),
-                mem_share=msg.get("mem_share"), conn=conn, last_seen_s=now, cpu_last_s=cpu_now_s,
+                session=conn.id,
+                job=job_id,
+                rank=msg.get("rank") or 0,
+                local_rank=msg.get("local_rank") or 0,
+                world_size=msg.get("world_size") or 1,
+                gpus=gpus,
+                pid=conn.peer.pid,
+                uid=conn.peer.uid,
+                host=msg.get("host") or self.hostname,
+                precisions=list(precisions),
+                mem_share=msg.get("mem_share"),
+                conn=conn,
+                last_seen_s=now,
+                cpu_last_s=cpu_now_s,
             )
             if cpu_now_s is not None and job.cpu_busy0_s is None:
                 job.cpu_busy0_s = self._node_cpu_busy_s
@@ -233,11 +244,11 @@ class JobRegistry:
             return []
         work = [(float(s["flops"]) / len(sims), rs.mem_share, s.get("precision") or job.precision) for s in steps]
         per_gpu = [g.run_steps(work) for g in sims]
-        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu))
-                for i in range(len(steps))]
+        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(steps))]
 
-    def _account_step(self, job: Job, rs: RankSession, s: dict[str, Any], sim_duration: float | None,
-                      sim_energy: float) -> Point:
+    def _account_step(
+        self, job: Job, rs: RankSession, s: dict[str, Any], sim_duration: float | None, sim_energy: float
+    ) -> Point:
         flops = float(s["flops"])
         precision = s.get("precision") or job.precision
         if sim_duration is not None:
@@ -280,10 +291,22 @@ class JobRegistry:
         job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, samples, tokens, sim_duration))
         # The step's end on the wall clock: its monotonic end, as far back from now.
         ts = ts_ns(self.wall() - (self.monotonic() - s["t1_s"]))
-        return job_step_point(ts, self.hostname, job=job.job, rank=rs.rank, precision=precision,
-                              step=int(s["step"]), duration_s=duration, flops=flops, samples=samples, tokens=tokens,
-                              loss=s.get("loss"), nonfinite=bool(s.get("nonfinite")), sim_duration_s=sim_duration,
-                              sim_energy_j=sim_energy)
+        return job_step_point(
+            ts,
+            self.hostname,
+            job=job.job,
+            rank=rs.rank,
+            precision=precision,
+            step=int(s["step"]),
+            duration_s=duration,
+            flops=flops,
+            samples=samples,
+            tokens=tokens,
+            loss=s.get("loss"),
+            nonfinite=bool(s.get("nonfinite")),
+            sim_duration_s=sim_duration,
+            sim_energy_j=sim_energy,
+        )
 
     def reset_measure(self, job_id: str, since_s: float) -> None:
         """A new setting took effect: measure afresh from ``since_s``."""
@@ -310,14 +333,21 @@ class JobRegistry:
         if sim:
             energy: float | None = m.sim_energy_j
         elif m.t0_s is not None and m.t1_s is not None:
-            energy = self._gpu_energy(job, m.t0_s, m.t1_s)
+            energy = self.figures.gpu_energy(job, m.t0_s, m.t1_s)
         else:
             energy = None
         if energy is None:
             return None
-        return JobMeasure(setting=setting, steps=m.steps, flops=m.flops, time_s=m.time_s,
-                          energy_j=energy, power_w=energy / m.time_s if m.time_s > 0 else None,
-                          time_sq_s2=m.time_sq_s2, energy_sq_j2=m.energy_sq_j2 if sim else None)
+        return JobMeasure(
+            setting=setting,
+            steps=m.steps,
+            flops=m.flops,
+            time_s=m.time_s,
+            energy_j=energy,
+            power_w=energy / m.time_s if m.time_s > 0 else None,
+            time_sq_s2=m.time_sq_s2,
+            energy_sq_j2=m.energy_sq_j2 if sim else None,
+        )
 
     def views(self, setting_of: Callable[[int], Setting]) -> list[JobView]:
         """What a policy sees of each running job with GPUs (``setting_of(gpu)``: the
@@ -331,13 +361,22 @@ class JobRegistry:
                     continue
                 setting = setting_of(min(job.gpus))
                 precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
-                out.append(JobView(
-                    job=job.job, gpus=tuple(sorted(job.gpus)), state=job.state, steps=job.steps,
-                    precision=job.precision, precisions=tuple(precisions), measure=self.measure(job, setting),
-                    setting=setting, pace_s=job.pace_s, loss_recent=tuple(job.losses),
-                    nonfinite_recent=len(job.nonfinite_recent),
-                    precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
-                ))
+                out.append(
+                    JobView(
+                        job=job.job,
+                        gpus=tuple(sorted(job.gpus)),
+                        state=job.state,
+                        steps=job.steps,
+                        precision=job.precision,
+                        precisions=tuple(precisions),
+                        measure=self.measure(job, setting),
+                        setting=setting,
+                        pace_s=job.pace_s,
+                        loss_recent=tuple(job.losses),
+                        nonfinite_recent=len(job.nonfinite_recent),
+                        precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
+                    )
+                )
         return out
 
     def get(self, job_id: str) -> Job | None:
@@ -355,16 +394,26 @@ class JobRegistry:
                 return None
             return job.flops / job.step_reports
 
-    def record_cap_change(self, job_id: str, *, clock_cap_mhz: int | None, power_limit_w: float | None,
-                          reason: str) -> None:
+    def record_cap_change(
+        self, job_id: str, *, clock_cap_mhz: int | None, power_limit_w: float | None, reason: str
+    ) -> None:
         """The policy moved the job's GPUs to this setting (kept for its report)."""
         with self._lock:
             job = self.jobs.get(job_id)
             if job is not None:
                 job.decisions.append(CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
 
-    def switch_precision(self, job_id: str, level: str, reason: str, *, kind: str = "switch",
-                         trend: float | None = None, settle_until_s: float, policy: str) -> bool:
+    def switch_precision(
+        self,
+        job_id: str,
+        level: str,
+        reason: str,
+        *,
+        kind: str = "switch",
+        trend: float | None = None,
+        settle_until_s: float,
+        policy: str,
+    ) -> bool:
         """Ask a running job's ranks to run at ``level`` from their next step (a pushed
         directive); False if the job is not running or already there.
 
@@ -376,16 +425,27 @@ class JobRegistry:
             job = self.jobs.get(job_id)
             if job is None or not job.running or job.precision == level:
                 return False
-            change = PrecisionChange(self.wall(), kind, job.precision, level, reason, job.steps, job.last_loss,
-                                     trend)
+            change = PrecisionChange(self.wall(), kind, job.precision, level, reason, job.steps, job.last_loss, trend)
             job.precision = level
             job.precision_log.append(change)
             job.measure = Measure(since_s=settle_until_s)
             steps, last_loss = job.steps, job.last_loss
         self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
-        self.emit([decision_point(ts_ns(self.wall()), self.hostname, kind=kind, reason=reason, policy=policy,
-                                  job=job_id, precision=level, fields=fields)])
+        self.emit(
+            [
+                decision_point(
+                    ts_ns(self.wall()),
+                    self.hostname,
+                    kind=kind,
+                    reason=reason,
+                    policy=policy,
+                    job=job_id,
+                    precision=level,
+                    fields=fields,
+                )
+            ]
+        )
         log.info("job %s: precision -> %s (%s)", job_id, level, reason)
         return True
 
@@ -405,20 +465,48 @@ class JobRegistry:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = self.monotonic()
-            job.precision_log.append(PrecisionChange(
-                self.wall(), msg["kind"], msg.get("from"), msg.get("to"), msg.get("reason") or "",
-                msg.get("step"), msg.get("loss"), msg.get("trend"), rank=rs.rank))
+            job.precision_log.append(
+                PrecisionChange(
+                    self.wall(),
+                    msg["kind"],
+                    msg.get("from"),
+                    msg.get("to"),
+                    msg.get("reason") or "",
+                    msg.get("step"),
+                    msg.get("loss"),
+                    msg.get("trend"),
+                    rank=rs.rank,
+                )
+            )
             if msg["kind"] == "rollback" and msg.get("to"):
                 job.precision = msg["to"]
                 job.measure = Measure(since_s=self.monotonic())
             elif msg["kind"] == "refused" and msg.get("from"):
                 job.precision = msg["from"]  # the rank kept running at its old level
         fields = precision_fields(step=msg.get("step") or 0, loss=msg.get("loss"), trend=msg.get("trend"))
-        self.emit([decision_point(ts_ns(self.wall()), self.hostname, kind=msg["kind"],
-                                  reason=str(msg.get("reason") or ""), policy="callback", job=job.job,
-                                  precision=str(msg.get("to") or ""), fields=fields)])
-        log.info("job %s rank %d: precision %s %s -> %s (%s)", job.job, rs.rank, msg["kind"], msg.get("from"),
-                 msg.get("to"), msg.get("reason"))
+        self.emit(
+            [
+                decision_point(
+                    ts_ns(self.wall()),
+                    self.hostname,
+                    kind=msg["kind"],
+                    reason=str(msg.get("reason") or ""),
+                    policy="callback",
+                    job=job.job,
+                    precision=str(msg.get("to") or ""),
+                    fields=fields,
+                )
+            ]
+        )
+        log.info(
+            "job %s rank %d: precision %s %s -> %s (%s)",
+            job.job,
+            rs.rank,
+            msg["kind"],
+            msg.get("from"),
+            msg.get("to"),
+            msg.get("reason"),
+        )
         return {"ok": True}
 
     def push(self, job_id: str, event: dict[str, Any]) -> int:
@@ -440,7 +528,7 @@ class JobRegistry:
             return None
         try:
             return self.process_cpu(pid)
-        except Exception as e:  # noqa: BLE001 - CPU accounting never fails a request
+        except Exception as e:
             log.debug("process CPU time of pid %d: %s", pid, e)
             return None
 
@@ -507,8 +595,12 @@ class JobRegistry:
             for job in self.jobs.values():
                 if host is not None and job.state == "running":
                     self._account_cpu(job, host)
-                if job.state == "ending" and job.t_end_s is not None and now_s >= job.t_end_s and (
-                        self._cpu_booked_until(job.t_end_s) or now_s >= job.t_end_s + CPU_END_WAIT_S):
+                if (
+                    job.state == "ending"
+                    and job.t_end_s is not None
+                    and now_s >= job.t_end_s
+                    and (self._cpu_booked_until(job.t_end_s) or now_s >= job.t_end_s + CPU_END_WAIT_S)
+                ):
                     # The ledger now holds a tick at or after the end (and the CPU zones a
                     # reading, the estimate's once a second): the window is complete.
                     job.state = "ended"
@@ -520,7 +612,7 @@ class JobRegistry:
             for cb in self.on_job_end:
                 try:
                     cb(job)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("job-end hook failed")
         return points
 
@@ -557,141 +649,37 @@ class JobRegistry:
                     continue
                 win = self.window(job, now_s)
                 life = self.report(job)
-                job.series.append(EfficiencySample(
-                    t_s=now_s - (job.t_start_s or now_s), power_w=win["gpu_power_w"] or 0.0,
-                    gflops_per_w=win["gflops_per_w"] or 0.0, flop_per_s=win["flop_per_s"] or 0.0))
-                pts.append(efficiency_point(ts, self.hostname, job=job.job, precision=job.precision, window=win,
-                                            life=life))
+                job.series.append(
+                    EfficiencySample(
+                        t_s=now_s - (job.t_start_s or now_s),
+                        power_w=win["gpu_power_w"] or 0.0,
+                        gflops_per_w=win["gflops_per_w"] or 0.0,
+                        flop_per_s=win["flop_per_s"] or 0.0,
+                    )
+                )
+                pts.append(
+                    efficiency_point(ts, self.hostname, job=job.job, precision=job.precision, window=win, life=life)
+                )
         return pts
 
-    # Figures -------------------------------------------------------------------------
-    def _gpu_energy(self, job: Job, t0: float, t1: float) -> float | None:
-        total = 0.0
-        known = False
-        for g in sorted(job.gpus):
-            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True)
-            if e is not None:
-                total += e
-                known = True
-        return total if known else None
-
-    def _cpu_energy(self, t0: float, t1: float) -> tuple[float | None, bool]:
-        """The node's counted CPU energy (packages and dram; never core, uncore or psys),
-        and whether any of it is the host probe's estimate rather than RAPL."""
-        total = 0.0
-        known = estimated = False
-        for key in self.ledger.keys(prefix="cpu:", counted_only=True):
-            e = self.ledger.energy_between(key, t0, t1, clamp=True)
-            if e is not None:
-                total += e
-                known = True
-                estimated |= key == "cpu:estimate"
-        return (total if known else None), estimated
-
-    def _per_gpu(self, job: Job, t0: float | None, t1: float | None, duration: float) -> list[dict[str, Any]]:
-        """Each of the job's GPUs: its share of the FLOPs (a step's FLOPs split evenly over
-        its rank's GPUs), its joules over the job's window, and what they make."""
-        out = []
-        for g in sorted(job.gpus):
-            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True) if t0 is not None and t1 is not None else None
-            flops = job.gpu_flops.get(g, 0.0)
-            power, flop_per_s, gflops_per_w = _rates(flops, e, duration)
-            out.append({"gpu": g, "flops": flops, "energy_j": e, "avg_power_w": power,
-                        "flop_per_s": flop_per_s, "gflops_per_w": gflops_per_w})
-        return out
-
+    # Figures (greend/jobs/report.py computes them) -------------------------------------
     def window(self, job: Job, now_s: float) -> dict[str, Any]:
-        t1 = now_s
-        t0 = max(now_s - self.window_s, job.t_start_s or now_s)
-        flops = sum(r.flops for r in job.recent if r.t1_s > t0 and r.t1_s <= t1)
-        energy = self._gpu_energy(job, t0, t1)
-        span = t1 - t0
-        power, flop_per_s, gflops_per_w = _rates(flops, energy, span)
-        return {"window_s": span, "flops": flops, "gpu_energy_j": energy, "gpu_power_w": power,
-                "flop_per_s": flop_per_s, "gflops_per_w": gflops_per_w}
+        """The job's figures over the last ``window_s``, up to ``now_s``."""
+        return self.figures.window(job, now_s)
 
     def report(self, job: Job) -> dict[str, Any]:
         """The job's figures over its life (so far, while it runs)."""
-        if job.summary is not None:
-            return job.summary
-        t0 = job.t_start_s
-        t1: float | None
-        if job.t_end_s is not None:
-            t1 = job.t_end_s
-        else:
-            t1 = max(self.ledger.last_time(f"gpu{g}") or 0.0 for g in job.gpus) if job.gpus else None
-            if t1 is None or t1 == 0.0:
-                t1 = job.last_step_t1_s
-        duration = (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
-        per_gpu = self._per_gpu(job, t0, t1, duration)
-        known = [g["energy_j"] for g in per_gpu if g["energy_j"] is not None]
-        gpu_e = sum(known) if known else None  # the job's GPUs' joules, as _gpu_energy sums them
-        node_cpu_e, estimated = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else (None, False)
-        # "unmeasured": no RAPL zone was readable and no cpu_tdp_w estimate is configured,
-        # so the 0 J beside it is not a measurement.
-        cpu_e, cpu_method = node_cpu_e, "node" if node_cpu_e is not None else "unmeasured"
-        if node_cpu_e is not None and job.cpu_busy0_s is not None:
-            node_busy = self._node_cpu_busy_s - job.cpu_busy0_s
-            if node_busy > 0:
-                cpu_e = node_cpu_e * min(1.0, job.cpu_job_s / node_busy)
-                cpu_method = "process_share"
-        if estimated:
-            cpu_method += ", estimate"
-        energy = (gpu_e or 0.0) + (cpu_e or 0.0)
-        co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
-        sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})
-        return {
-            "job": job.job,
-            "state": job.state,
-            "end_reason": job.end_reason,
-            "uid": job.uid,
-            "host": self.hostname,
-            "started_at": job.registered_wall_s,
-            "ranks": len(job.ranks),
-            "ranks_gone": [g.to_json() for g in job.gone],
-            "gpus": sorted(job.gpus),
-            "gpu_source": ",".join(sources) if sources else None,
-            "steps": job.steps,
-            "step_reports": job.step_reports,
-            "flops": job.flops,
-            "samples": job.samples,
-            "tokens": job.tokens,
-            "duration_s": duration,
-            "window": {"t0_s": t0, "t1_s": t1},
-            "gpu_energy_j": gpu_e or 0.0,
-            "cpu_energy_j": cpu_e or 0.0,
-            "cpu_energy_method": cpu_method,
-            "node_cpu_energy_j": node_cpu_e or 0.0,
-            "energy_j": energy,
-            "energy_kwh": j_to_kwh(energy),
-            "avg_power_w": energy / duration if duration > 0 else None,
-            "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
-            "flop_per_s": job.flops / duration if duration > 0 else None,
-            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
-            "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
-            "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
-            "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
-            "per_gpu": per_gpu,
-            # The last [report] window_s of a running job (its last window once it ended).
-            "recent": self.window(job, t1) if t1 is not None else None,
-            "samples_per_j": job.samples / energy if energy else None,
-            "tokens_per_j": job.tokens / energy if energy else None,
-            "co2_g": co2,
-            "co2_method": f"estimate: {self.grid_gco2_per_kwh:g} gCO2/kWh configured grid intensity",
-            "last_loss": job.last_loss,
-            "nonfinite_steps": job.nonfinite_steps,
-            "step_time_s": job.step_time_s,
-            "sim_time_s": job.sim_time_s if job.sim_time_s else None,
-            "sim_energy_j": job.sim_energy_j if job.sim_energy_j else None,
-            "precision": job.precision,
-            "precision_log": [e.to_json() for e in job.precision_log],
-            "pace_s": job.pace_s,
-            "decisions": [d.to_json() for d in job.decisions[-50:]],
-        }
+        return self.figures.report(job)
 
     def summary_point(self, job: Job) -> Point:
-        return job_point(ts_ns(self.wall()), self.hostname, job=job.job, precision=job.precision,
-                         end_reason=job.end_reason or "", summary=job.summary or self.report(job))
+        return job_point(
+            ts_ns(self.wall()),
+            self.hostname,
+            job=job.job,
+            precision=job.precision,
+            end_reason=job.end_reason or "",
+            summary=job.summary or self.report(job),
+        )
 
     def report_with_series(self, job: Job) -> dict[str, Any]:
         """``report(job)`` plus its time series: a copy made under the lock, so the tick
@@ -706,8 +694,24 @@ class JobRegistry:
             out = []
             for job in self.jobs.values():
                 r = self.report(job)
-                out.append({k: r[k] for k in ("job", "state", "ranks", "gpus", "steps", "flops", "duration_s",
-                                              "gpu_energy_j", "energy_j", "gflops_per_w", "precision")})
+                out.append(
+                    {
+                        k: r[k]
+                        for k in (
+                            "job",
+                            "state",
+                            "ranks",
+                            "gpus",
+                            "steps",
+                            "flops",
+                            "duration_s",
+                            "gpu_energy_j",
+                            "energy_j",
+                            "gflops_per_w",
+                            "precision",
+                        )
+                    }
+                )
             return out
 
     def _trim_ended(self) -> None:
@@ -718,5 +722,7 @@ class JobRegistry:
 
 def _summary_line(s: dict[str, Any]) -> str:
     g = s.get("gflops_per_w")
-    return (f"{s.get('steps', 0)} steps, {s.get('flops', 0):.3g} FLOP, {s.get('gpu_energy_j', 0):.1f} J GPU, "
-            f"{'-' if g is None else f'{g:.2f}'} GFLOPS/W")
+    return (
+        f"{s.get('steps', 0)} steps, {s.get('flops', 0):.3g} FLOP, {s.get('gpu_energy_j', 0):.1f} J GPU, "
+        f"{'-' if g is None else f'{g:.2f}'} GFLOPS/W"
+    )

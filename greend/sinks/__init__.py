@@ -19,9 +19,10 @@ name in ``_BUILTIN_SINK_MODULES``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError

@@ -50,9 +50,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from greend.errors import StoreError
 from greend.fsutil import fsync_dir, write_atomic
@@ -79,8 +79,6 @@ class Segment:
     @property
     def pending_bytes(self) -> int:
         return self.size_bytes - self.done_bytes
-
-
 
 
 class Spool:
@@ -176,7 +174,9 @@ class Spool:
         if self.recovered:
             log.info(
                 "spool %s: %d points in %d segments left from an earlier run; replaying them first",
-                self.directory, self.recovered, len(self._sealed),
+                self.directory,
+                self.recovered,
+                len(self._sealed),
             )
         for p in self.directory.glob("*.tmp"):
             p.unlink(missing_ok=True)
@@ -202,7 +202,9 @@ class Spool:
             if torn or bad:
                 log.warning(
                     "spool %s: dropped %d torn and %d corrupt lines (the previous run stopped mid-write)",
-                    path.name, torn, bad,
+                    path.name,
+                    torn,
+                    bad,
                 )
             self.dropped += torn + bad
             write_atomic(path, good)
@@ -339,7 +341,10 @@ class Spool:
             log.error(
                 "spool %s is over its bound of %d bytes: dropped the oldest segment "
                 "(%d points); %d points dropped so far",
-                self.directory, self.max_bytes, victim.points, self.dropped,
+                self.directory,
+                self.max_bytes,
+                victim.points,
+                self.dropped,
             )
 
     # Sender side ---------------------------------------------------------------------
@@ -448,4 +453,3 @@ class Spool:
                 self._seal_locked()
             except OSError as e:
                 log.error("spool %s: close failed: %s", self.directory, e)
-

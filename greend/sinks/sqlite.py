@@ -78,8 +78,7 @@ class SqliteSink:
             self._load_schema()
         except (OSError, sqlite3.Error) as e:
             raise StoreError(
-                f"cannot open the SQLite store {path}: {e} "
-                "(check that the state dir exists and is writable by greend)"
+                f"cannot open the SQLite store {path}: {e} (check that the state dir exists and is writable by greend)"
             ) from e
         self._last_prune = 0.0
         self._thread = threading.Thread(target=self._run, name="sink-sqlite", daemon=True)
@@ -207,16 +206,12 @@ class SqliteSink:
         have = self._columns.get(table)
         if have is None:
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {_ident(table)} (ts_ns INTEGER NOT NULL)")
-            self._db.execute(
-                f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)"
-            )
+            self._db.execute(f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)")
             have = self._columns[table] = {"ts_ns"}
         for p in pts:
             for name, value in (*((k, "") for k in p.tags), *p.fields.items()):
                 if name not in have:
-                    self._db.execute(
-                        f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(name)} {_sql_type(value)}"
-                    )
+                    self._db.execute(f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(name)} {_sql_type(value)}")
                     have.add(name)
 
     def _maybe_prune(self) -> None:

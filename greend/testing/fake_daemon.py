@@ -56,8 +56,12 @@ class FakeDaemon:
         with self.lock:
             self.registers.append(dict(msg))
         conn.state["job"] = msg["job"]
-        return {"job": msg["job"], "session": conn.id, "heartbeat_s": self.heartbeat_s,
-                "directive": {"precision": self.initial_precision}}
+        return {
+            "job": msg["job"],
+            "session": conn.id,
+            "heartbeat_s": self.heartbeat_s,
+            "directive": {"precision": self.initial_precision},
+        }
 
     def _steps(self, msg: dict[str, Any], conn: Connection) -> Any:
         from greend.errors import ProtocolError

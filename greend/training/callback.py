@@ -66,7 +66,8 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -100,8 +101,12 @@ __all__ = ["DEFAULT_SOCKET", "GreenCallback", "SenderStats", "Step"]
 log = logging.getLogger(__name__)
 
 # fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
-_AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                            "fp8": torch.bfloat16, "fp8-emulated": torch.bfloat16}
+_AUTOCAST_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+    "fp8-emulated": torch.bfloat16,
+}
 _NULL_CONTEXT = contextlib.nullcontext()
 _FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 
@@ -178,9 +183,14 @@ class GreenCallback:
     ) -> None:
         # Every argument is checked before anything starts (the records check their own).
         sender_options = SenderOptions(
-            heartbeat_s=heartbeat_s, flush_interval_s=flush_interval_s, connect_timeout_s=connect_timeout_s,
-            reply_timeout_s=reply_timeout_s, stall_timeout_s=stall_timeout_s, reconnect_min_s=reconnect_min_s,
-            reconnect_max_s=reconnect_max_s, close_timeout_s=close_timeout_s,
+            heartbeat_s=heartbeat_s,
+            flush_interval_s=flush_interval_s,
+            connect_timeout_s=connect_timeout_s,
+            reply_timeout_s=reply_timeout_s,
+            stall_timeout_s=stall_timeout_s,
+            reconnect_min_s=reconnect_min_s,
+            reconnect_max_s=reconnect_max_s,
+            close_timeout_s=close_timeout_s,
         )
         _check_flops_arguments(flops_per_step, model_flops, model)
         if mem_share is not None and not (0.0 <= mem_share <= 0.95):
@@ -189,8 +199,12 @@ class GreenCallback:
             raise ValueError(f"sync_every={sync_every!r}: must be a whole number of steps >= 1")
         if max_pending < 1 or max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
-        precision_options = PrecisionOptions(fp8_min_features=fp8_min_features, guard_window=guard_window,
-                                             cooldown_steps=cooldown_steps, spike_tolerance=spike_tolerance)
+        precision_options = PrecisionOptions(
+            fp8_min_features=fp8_min_features,
+            guard_window=guard_window,
+            cooldown_steps=cooldown_steps,
+            spike_tolerance=spike_tolerance,
+        )
         allowed = _check_levels(precisions, initial_precision)
 
         # Who this process is.
@@ -232,8 +246,14 @@ class GreenCallback:
         self._sender.first_attempt.wait(connect_timeout_s)
         atexit.register(self._atexit)
 
-    def _init_precision(self, options: PrecisionOptions, allowed: list[str] | None, initial_precision: str,
-                        precision_owner: str | None, loss_scaling: bool | None) -> None:
+    def _init_precision(
+        self,
+        options: PrecisionOptions,
+        allowed: list[str] | None,
+        initial_precision: str,
+        precision_owner: str | None,
+        loss_scaling: bool | None,
+    ) -> None:
         """The precision state (written by the training thread only) and the level at start."""
         model = self._model
         self._guard = options.guard()
@@ -244,8 +264,9 @@ class GreenCallback:
         self._fp8: Fp8Converter | None = None
         self._fp8_te = False  # fp8 through Transformer Engine's fp8_autocast (no conversion)
         if self.manage_precision:
-            self._support = precision_support(self.device, allowed, model=model,
-                                              fp8_min_features=options.fp8_min_features)
+            self._support = precision_support(
+                self.device, allowed, model=model, fp8_min_features=options.fp8_min_features
+            )
             if loss_scaling is False and self._support.get("fp16") is None:
                 self._support["fp16"] = "loss_scaling=False: fp16 needs a GradScaler"
             fp8_ok = [level for level in FP8_LEVELS if self._support.get(level) is None]
@@ -257,11 +278,13 @@ class GreenCallback:
                     start_torchao_warm_up()
         else:
             owner = precision_owner or "the training framework owns autocast; see greend.integrations"
-            self._support = {level: (None if level == initial_precision else f"not switched here: {owner}")
-                             for level in PRECISIONS}
+            self._support = {
+                level: (None if level == initial_precision else f"not switched here: {owner}") for level in PRECISIONS
+            }
         if self._support.get(initial_precision) is not None:
-            raise ValueError(f"initial_precision={initial_precision!r} cannot run here: "
-                             f"{self._support[initial_precision]}")
+            raise ValueError(
+                f"initial_precision={initial_precision!r} cannot run here: {self._support[initial_precision]}"
+            )
         self._autocast_device = self.device.type if self.device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
         self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         self._precision = "fp32"
@@ -290,14 +313,18 @@ class GreenCallback:
         if model is not None and self._fixed_flops is None and not model_flops:
             try:
                 self._forward_hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-            except Exception as e:  # noqa: BLE001 - fail-open: batch=/shape_key= still work
+            except Exception as e:
                 log.debug("no forward pre-hook on the model: %s", e)
 
     def _register_fields(self) -> dict[str, Any]:
         """The ``register`` request's fields (made at each connect: a level that failed since is left out)."""
         fields: dict[str, Any] = {
-            "job": self.job, "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
-            "gpus": self.gpus, "host": self.host,
+            "job": self.job,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "gpus": self.gpus,
+            "host": self.host,
             "precisions": [level for level in PRECISIONS if self._support.get(level) is None],
         }
         if self._mem_share is not None:
@@ -307,9 +334,16 @@ class GreenCallback:
         return fields
 
     # Public API --------------------------------------------------------------------
-    def step(self, *, samples: int | None = None, tokens: int | None = None, batch: Any = None,
-             shape_key: Hashable | None = None, index: int | None = None,
-             flops: float | None = None) -> Step:
+    def step(
+        self,
+        *,
+        samples: int | None = None,
+        tokens: int | None = None,
+        batch: Any = None,
+        shape_key: Hashable | None = None,
+        index: int | None = None,
+        flops: float | None = None,
+    ) -> Step:
         """A context manager around one training step (forward, backward, optimizer).
 
         ``samples``/``tokens``: throughput counts. ``batch``: the step's input,
@@ -359,7 +393,7 @@ class GreenCallback:
         """Rollbacks and refusals this callback made (as sent to the daemon), oldest first."""
         return list(self._event_log)
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """The context for the current precision (same as ``step.autocast()``)."""
         return self._autocast_for(self.precision)
 
@@ -374,11 +408,11 @@ class GreenCallback:
         self._closed = True
         try:
             atexit.unregister(self._atexit)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         try:
             self._sender.stop(reason, self._close_timeout_s)
-        except Exception as e:  # noqa: BLE001 - closing never raises into training
+        except Exception as e:
             log.debug("closing the sender failed: %s", e)
         if self._forward_hook is not None:
             self._forward_hook.remove()
@@ -388,7 +422,7 @@ class GreenCallback:
             if self._fp8 is not None and self._fp8.active:
                 try:
                     self._fp8.revert()  # the user gets back the model they gave us
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     log.warning("greend: could not undo the fp8 conversion: %s", e)
 
     def __enter__(self) -> GreenCallback:
@@ -415,8 +449,19 @@ class GreenCallback:
         q = self._queue
         if len(q) == q.maxlen:
             self.stats.dropped += 1  # the append below pushes out the oldest record
-        q.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens,
-                  step._loss, step._nonfinite, step.precision))
+        q.append(
+            (
+                index,
+                step.t0_s,
+                step.t1_s,
+                step.flops,
+                step.samples,
+                step.tokens,
+                step._loss,
+                step._nonfinite,
+                step.precision,
+            )
+        )
         self.stats.recorded += 1
         if self.world_size > 1 and (index + 1) % self.sync_every == 0:
             self._sync_pace()
@@ -443,7 +488,7 @@ class GreenCallback:
             t = torch.tensor([self._local_pace_s or 0.0], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             agreed = float(t.item())
-        except Exception as e:  # noqa: BLE001 - fail-open, as everywhere in the callback
+        except Exception as e:
             self._warn_once("pace", f"greend could not agree the job's pace across ranks: {e}")
             return
         if agreed > 0:
@@ -460,7 +505,7 @@ class GreenCallback:
         elif step._batch is not None:
             try:
                 key = batch_signature(step._batch)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 key = None
             step._shape_key = key
         elif self._forward_hook is not None:
@@ -474,9 +519,13 @@ class GreenCallback:
             return
         if len(self._flop_cache) >= self._max_flop_counts:
             if "flopcache" not in self._warned:
-                self._warn_once("flopcache", f"more than {self._max_flop_counts} distinct input shapes: "
-                                "new shapes reuse the mean FLOP count (pass shape_key= buckets or "
-                                "flops_per_step=)", level=logging.INFO)
+                self._warn_once(
+                    "flopcache",
+                    f"more than {self._max_flop_counts} distinct input shapes: "
+                    "new shapes reuse the mean FLOP count (pass shape_key= buckets or "
+                    "flops_per_step=)",
+                    level=logging.INFO,
+                )
             step.flops = sum(self._flop_cache.values()) / len(self._flop_cache)
             return
         if self._counter.active:  # a nested step: let the outer one count
@@ -492,7 +541,7 @@ class GreenCallback:
         if step is not None and step._shape_guessed and step._forward_signature is None:
             try:
                 step._forward_signature = batch_signature((*args, *kwargs.values()))
-            except Exception:  # noqa: BLE001 - never break the forward pass
+            except Exception:
                 pass
 
     def _store_count(self, key: Hashable | None, counted: int | None) -> int:
@@ -512,14 +561,16 @@ class GreenCallback:
         if reason is None:
             reason = self._guard.barred_reason(level, step)
         if reason is None and level == "fp16" and self.manage_precision and not self._scaling_seen:
-            reason = ("fp16 needs loss scaling: run the step's backward and optimizer step through "
-                      "step.backward(loss) and step.optimizer_step(opt), or cb.scaler, or pass "
-                      "loss_scaling=True")
+            reason = (
+                "fp16 needs loss scaling: run the step's backward and optimizer step through "
+                "step.backward(loss) and step.optimizer_step(opt), or cb.scaler, or pass "
+                "loss_scaling=True"
+            )
         if reason is None:
             old = self._precision
             try:
                 self._apply_level(level)
-            except Exception as e:  # noqa: BLE001 - a failed conversion must not break training
+            except Exception as e:
                 reason = f"switching to {level} failed: {type(e).__name__}: {e}"
                 self._support[level] = reason  # never again in this process
             else:
@@ -528,12 +579,22 @@ class GreenCallback:
                     self._guard.on_switch(old, level, step)
                 return
         self.refused[level] = reason
-        self._warn_once(f"refuse:{level}",
-                        f"greend asked for precision {level}; staying at {self._precision}: {reason}",
-                        level=logging.WARNING)
-        self._send_event(PrecisionEvent("refused", self._precision, level, reason, step=step,
-                                        loss=self._guard.losses[-1] if self._guard.losses else None,
-                                        trend=self._guard.trend()))
+        self._warn_once(
+            f"refuse:{level}",
+            f"greend asked for precision {level}; staying at {self._precision}: {reason}",
+            level=logging.WARNING,
+        )
+        self._send_event(
+            PrecisionEvent(
+                "refused",
+                self._precision,
+                level,
+                reason,
+                step=step,
+                loss=self._guard.losses[-1] if self._guard.losses else None,
+                trend=self._guard.trend(),
+            )
+        )
 
     def _roll_back(self, step: Step, spike: str | None = None) -> None:
         """The guard's fast rules: a non-finite step, or a loss spike, below a level we
@@ -544,7 +605,7 @@ class GreenCallback:
             return
         try:
             self._apply_level(ev.to_level)
-        except Exception as e:  # noqa: BLE001 - going up never needs a conversion, but be safe
+        except Exception as e:
             log.error("greend: rolling back to %s failed: %s", ev.to_level, e)
             return
         self._guard.on_switch(ev.from_level, ev.to_level, index + 1)
@@ -560,7 +621,7 @@ class GreenCallback:
         if self._scaler is None:
             try:
                 self._scaler = torch.amp.GradScaler(self._autocast_device)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._warn_once("scaler", f"cannot make a GradScaler for {self._autocast_device}: {e}")
                 return None
         return self._scaler
@@ -590,7 +651,7 @@ class GreenCallback:
     def _restore_tf32(self) -> None:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._saved_tf32
 
-    def _autocast_for(self, level: str) -> ContextManager[Any]:
+    def _autocast_for(self, level: str) -> AbstractContextManager[Any]:
         if not self.manage_precision:
             return _NULL_CONTEXT
         dtype = _AUTOCAST_DTYPES.get(level)
@@ -618,7 +679,7 @@ class GreenCallback:
 
 
 @contextlib.contextmanager
-def _te_fp8_context(autocast: ContextManager[Any]) -> Any:
+def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
     """bf16 autocast plus Transformer Engine's fp8_autocast (models built from TE modules)."""
     import transformer_engine.pytorch as te  # only reached when TE was found
 
@@ -630,13 +691,14 @@ def _warm_up_flop_counter() -> None:
     """Import what FlopCounterMode needs (torch._dynamo: seconds on a small CPU) off the training thread."""
     try:
         importlib.import_module("torch._dynamo")
-    except Exception as e:  # noqa: BLE001 - the first counted step imports it (or fails) itself
+    except Exception as e:
         log.debug("warming up torch._dynamo failed: %s", e)
 
 
 def _check_flops_arguments(flops_per_step: float | None, model_flops: bool, model: torch.nn.Module | None) -> None:
-    if flops_per_step is not None and (not isinstance(flops_per_step, (int, float))
-                                       or not math.isfinite(flops_per_step) or flops_per_step < 0):
+    if flops_per_step is not None and (
+        not isinstance(flops_per_step, (int, float)) or not math.isfinite(flops_per_step) or flops_per_step < 0
+    ):
         raise ValueError(f"flops_per_step={flops_per_step!r}: must be a finite number >= 0")
     if flops_per_step is not None and model_flops:
         raise ValueError("give flops_per_step= or model_flops=True, not both")

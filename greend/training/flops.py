@@ -50,22 +50,30 @@ log = logging.getLogger(__name__)
 _aten = torch.ops.aten
 
 
-def _cpu_sdpa_forward(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                      out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_sdpa_forward(
+    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu`` (q@k^T and p@v)."""
     try:
         return int(_fc.sdpa_flop_count(query_shape, key_shape, value_shape))
-    except Exception:  # noqa: BLE001 - a counting problem must never break a training step
+    except Exception:
         log.debug("cannot count CPU attention for shapes %s %s %s", query_shape, key_shape, value_shape)
         return 0
 
 
-def _cpu_sdpa_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
-                       *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_sdpa_backward(
+    grad_out_shape: Any,
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu_backward`` (5 matmuls)."""
     try:
         return int(_fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("cannot count CPU attention backward for shapes %s %s", grad_out_shape, query_shape)
         return 0
 
@@ -119,7 +127,7 @@ class FlopCounter:
         try:
             mode = FlopCounterMode(display=False)
             mode.__enter__()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("cannot count FLOPs (FlopCounterMode failed to start: %s)", e)
             return False
         self._mode = mode
@@ -132,7 +140,7 @@ class FlopCounter:
         try:
             mode.__exit__(None, None, None)
             return int(mode.get_total_flops())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("cannot count FLOPs (FlopCounterMode failed: %s)", e)
             return None
 
@@ -192,6 +200,6 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
     if keys is not None and hasattr(batch, "__getitem__"):
         try:
             return tuple((k, _leaf_signature(batch[k])) for k in list(keys())[:max_items])
-        except Exception:  # noqa: BLE001 - a strange mapping: fall back to its type
+        except Exception:
             return type(batch).__name__
     return _leaf_signature(batch)

@@ -29,8 +29,15 @@ import torch
 
 from greend.protocol import JOB_ID_RE
 
-__all__ = ["DEFAULT_SOCKET", "model_device", "resolve_gpus", "resolve_job", "resolve_ranks", "resolve_socket",
-           "socket_hostname"]
+__all__ = [
+    "DEFAULT_SOCKET",
+    "model_device",
+    "resolve_gpus",
+    "resolve_job",
+    "resolve_ranks",
+    "resolve_socket",
+    "socket_hostname",
+]
 
 # The callback's log lines, wherever in greend.training they are made, go to one logger.
 log = logging.getLogger("greend.training.callback")
@@ -50,9 +57,7 @@ def resolve_job(job: str | None) -> str:
     """The job id: ``job``, else the environment, else ``<host>-<pid>-<time>``."""
     if job is not None:
         if not isinstance(job, str) or not JOB_ID_RE.match(job):
-            raise ValueError(
-                f"job={job!r}: a job id is 1-128 characters of letters, digits and ._:@/-"
-            )
+            raise ValueError(f"job={job!r}: a job id is 1-128 characters of letters, digits and ._:@/-")
         return job
     for var in _JOB_ENV_VARS:
         value = os.environ.get(var)
@@ -76,7 +81,7 @@ def resolve_ranks() -> tuple[int, int, int]:
 
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
-    except Exception:  # noqa: BLE001 - identity is best effort
+    except Exception:
         pass
     local = _env_int("LOCAL_RANK", 0)
     return max(rank, 0), max(local, 0), max(world, 1)
@@ -105,7 +110,7 @@ def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
     if index is None:
         try:
             index = torch.cuda.current_device()
-        except Exception:  # noqa: BLE001
+        except Exception:
             index = 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
@@ -115,7 +120,10 @@ def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
         return [int(entries[index])]
     log.warning(
         "cannot map cuda:%d through CUDA_VISIBLE_DEVICES=%s to a node-local GPU index "
-        "(UUIDs or MIG ids); reporting %d: pass gpus=[...] to be exact", index, visible, index,
+        "(UUIDs or MIG ids); reporting %d: pass gpus=[...] to be exact",
+        index,
+        visible,
+        index,
     )
     return [index]
 

@@ -159,7 +159,7 @@ def precision_support(
     if cuda:
         try:
             cc = torch.cuda.get_device_capability(dev)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             cc = None
             log.debug("cannot read the compute capability of %s: %s", dev, e)
     have_torchao = _has_module("torchao")
@@ -175,15 +175,17 @@ def precision_support(
     if cuda:
         try:
             out["bf16"] = None if torch.cuda.is_bf16_supported() else "this GPU has no bf16 support"
-        except Exception:  # noqa: BLE001
+        except Exception:
             out["bf16"] = None
     else:
         out["bf16"] = None if dev.type in ("cpu", "xpu", "mps") else f"no bf16 autocast on {dev.type}"
     out["fp16"] = None if dev.type in ("cuda", "cpu", "xpu", "mps") else f"no fp16 autocast on {dev.type}"
 
     targets = fp8_targets(model, fp8_min_features)
-    no_targets = (f"no linear layer of the model is eligible for fp8 (dims multiples of 16, at least "
-                  f"{fp8_min_features} wide, not the output head; fp8_min_features= sets the width)")
+    no_targets = (
+        f"no linear layer of the model is eligible for fp8 (dims multiples of 16, at least "
+        f"{fp8_min_features} wide, not the output head; fp8_min_features= sets the width)"
+    )
     if not cuda:
         out["fp8"] = f"fp8 needs a CUDA GPU with compute capability >= 8.9 (CPU autocast refuses fp8); {where}"
     elif cc is not None and cc < (8, 9):
@@ -200,8 +202,9 @@ def precision_support(
         out["fp8"] = None
     listed = allowed is not None and "fp8-emulated" in set(allowed)
     if not listed:
-        out["fp8-emulated"] = ("emulated fp8 is for CPU tests only: list it in "
-                               "GreenCallback(precisions=[...]) to offer it")
+        out["fp8-emulated"] = (
+            "emulated fp8 is for CPU tests only: list it in GreenCallback(precisions=[...]) to offer it"
+        )
     elif not have_torchao:
         out["fp8-emulated"] = "emulated fp8 needs torchao (pip install 'greend[fp8]')"
     elif model is None:
@@ -222,7 +225,7 @@ def warm_up_torchao() -> None:
     """Import torchao's float8 module (about 3 s on a small CPU) off the training thread."""
     try:
         importlib.import_module("torchao.float8")
-    except Exception as e:  # noqa: BLE001 - the first fp8 switch imports it (or refuses) itself
+    except Exception as e:
         log.debug("warming up torchao.float8 failed: %s", e)
 
 
@@ -343,8 +346,12 @@ class PrecisionEvent:
     trend: float | None = None
 
     def fields(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "from": self.from_level, "to": self.to_level,
-                             "reason": self.reason[:512]}
+        d: dict[str, Any] = {
+            "kind": self.kind,
+            "from": self.from_level,
+            "to": self.to_level,
+            "reason": self.reason[:512],
+        }
         if self.step is not None:
             d["step"] = int(self.step)
         if self.loss is not None and math.isfinite(self.loss):
@@ -374,14 +381,14 @@ class PrecisionOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
         tolerance = self.spike_tolerance
-        if tolerance is not None and not (isinstance(tolerance, (int, float))
-                                          and math.isfinite(tolerance) and tolerance > 0):
+        if tolerance is not None and not (
+            isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0
+        ):
             raise ValueError(f"spike_tolerance={tolerance!r}: must be a number > 0 (a fraction), or None")
 
     def guard(self) -> Guard:
         """A fresh :class:`Guard` with these settings."""
-        return Guard(window=self.guard_window, cooldown_steps=self.cooldown_steps,
-                     spike_tolerance=self.spike_tolerance)
+        return Guard(window=self.guard_window, cooldown_steps=self.cooldown_steps, spike_tolerance=self.spike_tolerance)
 
 
 @dataclass
@@ -441,8 +448,10 @@ class Guard:
             return None
         over = loss - trend
         if over > self.spike_tolerance * max(abs(trend), 1e-12):
-            return (f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
-                    f"switch (tolerance {self.spike_tolerance:.0%})")
+            return (
+                f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
+                f"switch (tolerance {self.spike_tolerance:.0%})"
+            )
         return None
 
     def barred_reason(self, level: str, step: int) -> str | None:
@@ -455,8 +464,9 @@ class Guard:
             return None
         return f"{level} is barred until step {until} after a rollback ({why})"
 
-    def rollback(self, level: str, step: int, what: str, loss: float | None,
-                 spike: str | None = None) -> PrecisionEvent | None:
+    def rollback(
+        self, level: str, step: int, what: str, loss: float | None, spike: str | None = None
+    ) -> PrecisionEvent | None:
         """A non-finite ``what`` ("loss" or "gradient") at ``step`` running ``level``,
         or, with ``spike`` (the reason :meth:`spike` gave), a finite loss spike.
 
@@ -471,9 +481,18 @@ class Guard:
         why = f"{cause}, {after} step{'s' if after != 1 else ''} after the switch {d.from_level} -> {level}"
         if d.trend is not None and not spike:
             why += f"; loss trend before the switch {d.trend:.6g}"
-        self.barred[level] = (step + 1 + self.cooldown_steps,
-                              f"loss spike at step {step}" if spike else f"non-finite {what} at step {step}")
+        self.barred[level] = (
+            step + 1 + self.cooldown_steps,
+            f"loss spike at step {step}" if spike else f"non-finite {what} at step {step}",
+        )
         self.rollbacks += 1
         self.losses.clear()
-        return PrecisionEvent("rollback", level, d.from_level, why + f"; {level} barred for "
-                              f"{self.cooldown_steps} steps", step=step, loss=loss, trend=d.trend)
+        return PrecisionEvent(
+            "rollback",
+            level,
+            d.from_level,
+            why + f"; {level} barred for {self.cooldown_steps} steps",
+            step=step,
+            loss=loss,
+            trend=d.trend,
+        )

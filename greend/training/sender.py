@@ -102,14 +102,21 @@ class SenderOptions:
     close_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "flush_interval_s", "connect_timeout_s", "reply_timeout_s",
-                     "stall_timeout_s", "reconnect_min_s", "reconnect_max_s", "close_timeout_s"):
+        for name in (
+            "heartbeat_s",
+            "flush_interval_s",
+            "connect_timeout_s",
+            "reply_timeout_s",
+            "stall_timeout_s",
+            "reconnect_min_s",
+            "reconnect_max_s",
+            "close_timeout_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r}: must be a number > 0 (seconds)")
         if self.reconnect_max_s < self.reconnect_min_s:
-            raise ValueError(f"reconnect_max_s={self.reconnect_max_s} is below "
-                             f"reconnect_min_s={self.reconnect_min_s}")
+            raise ValueError(f"reconnect_max_s={self.reconnect_max_s} is below reconnect_min_s={self.reconnect_min_s}")
 
 
 class _ConnectionLost(Exception):
@@ -185,7 +192,7 @@ class Sender:
                 except _ConnectionLost as e:
                     self._lost(str(e))
                     next_connect = _monotonic() + opts.reconnect_min_s * random.uniform(0.8, 1.0)
-        except Exception as e:  # noqa: BLE001 - the sender must never take the process down
+        except Exception as e:
             log.exception("greend sender thread failed; reporting stops (training is unaffected)")
             self.cb.stats.last_error = f"{type(e).__name__}: {e}"
         finally:
@@ -211,7 +218,7 @@ class Sender:
             self._queue_request("pace", {"step_s": pace})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
-        for request_id, (op, sent) in self._pending.items():
+        for op, sent in self._pending.values():
             if now - sent > opts.reply_timeout_s:
                 raise _ConnectionLost(f"the daemon did not answer {op!r} within {opts.reply_timeout_s:g} s")
         if self._outbox and now - self._last_progress_s > opts.stall_timeout_s:
@@ -235,8 +242,9 @@ class Sender:
         try:
             s = connect_unix(path, opts.connect_timeout_s, retry_busy=False)
         except FileNotFoundError:
-            self._fail(f"no greend socket at {path} (is the daemon running? set $GREEND_SOCKET "
-                       "or socket= to point at it)")
+            self._fail(
+                f"no greend socket at {path} (is the daemon running? set $GREEND_SOCKET or socket= to point at it)"
+            )
             return False
         except PermissionError:
             self._fail(f"permission denied on {path} (join the socket's group: usermod -aG greend $USER)")
@@ -278,8 +286,9 @@ class Sender:
         if not reply.get("ok"):
             err = reply.get("error") or {}
             self._close_sock()
-            self._fail(f"the daemon refused to register job {cb.job!r}: "
-                       f"{err.get('code', 'error')}: {err.get('message', '?')}")
+            self._fail(
+                f"the daemon refused to register job {cb.job!r}: {err.get('code', 'error')}: {err.get('message', '?')}"
+            )
             return False
         result = reply.get("result") or {}
         if isinstance(result, dict):
@@ -320,8 +329,11 @@ class Sender:
         cb.stats.last_error = message
         cb.stats.connected = False
         if self._failures == 0 and not self._ever_connected:
-            cb._warn_once("connect", f"{message}; steps are not reported, retrying every "
-                          f"{self.options.reconnect_min_s:g}-{self.options.reconnect_max_s:g} s")
+            cb._warn_once(
+                "connect",
+                f"{message}; steps are not reported, retrying every "
+                f"{self.options.reconnect_min_s:g}-{self.options.reconnect_max_s:g} s",
+            )
         else:
             log.debug("greend: %s", message)
 
@@ -336,8 +348,12 @@ class Sender:
         if not cb._first_warning_done:
             cb._warn_once("lost", f"lost the daemon: {message}; training continues, reconnecting")
         else:
-            log.warning("greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
-                        message, self.options.reconnect_min_s, self.options.reconnect_max_s)
+            log.warning(
+                "greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
+                message,
+                self.options.reconnect_min_s,
+                self.options.reconnect_max_s,
+            )
 
     def _close_sock(self) -> None:
         if self._sock is not None:
@@ -472,9 +488,10 @@ class Sender:
             code, field = err.get("code"), err.get("field")
             if code == "bad_request" and field == "op" and op in (None, "heartbeat"):
                 raise _ConnectionLost("the daemon no longer knows this session (it asks to register)")
-            self.cb._warn_once(f"refused:{code}:{field}",
-                               f"the daemon refused a message ({op or 'steps'}): {code}: "
-                               f"{err.get('message', '?')}")
+            self.cb._warn_once(
+                f"refused:{code}:{field}",
+                f"the daemon refused a message ({op or 'steps'}): {code}: {err.get('message', '?')}",
+            )
         elif op == "end":
             result = msg.get("result")
             self.end_result = result if isinstance(result, dict) else None
@@ -530,8 +547,13 @@ class Sender:
 def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
     """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
     index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
-    d: dict[str, Any] = {"step": index, "t0_s": t0, "t1_s": t1,
-                         "flops": float(flops) if flops is not None else 0.0, "precision": precision}
+    d: dict[str, Any] = {
+        "step": index,
+        "t0_s": t0,
+        "t1_s": t1,
+        "flops": float(flops) if flops is not None else 0.0,
+        "precision": precision,
+    }
     if samples is not None:
         d["samples"] = int(samples)
     if tokens is not None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, ContextManager, Literal
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -53,12 +54,37 @@ class Step:
     ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
     """
 
-    __slots__ = ("_cb", "index", "samples", "tokens", "flops", "_shape_key", "_batch", "t0_s", "t1_s",
-                 "_loss", "_nonfinite", "_nonfinite_cause", "_counting", "_scaled", "precision",
-                 "_shape_guessed", "_forward_signature", "_spike_reason")
+    __slots__ = (
+        "_cb",
+        "index",
+        "samples",
+        "tokens",
+        "flops",
+        "_shape_key",
+        "_batch",
+        "t0_s",
+        "t1_s",
+        "_loss",
+        "_nonfinite",
+        "_nonfinite_cause",
+        "_counting",
+        "_scaled",
+        "precision",
+        "_shape_guessed",
+        "_forward_signature",
+        "_spike_reason",
+    )
 
-    def __init__(self, cb: GreenCallback, index: int | None, samples: int | None, tokens: int | None,
-                 shape_key: Hashable | None, batch: Any, flops: float | None) -> None:
+    def __init__(
+        self,
+        cb: GreenCallback,
+        index: int | None,
+        samples: int | None,
+        tokens: int | None,
+        shape_key: Hashable | None,
+        batch: Any,
+        flops: float | None,
+    ) -> None:
         self._cb = cb
         self.index = index
         self.samples = samples
@@ -119,7 +145,7 @@ class Step:
             cb._roll_back(self, None if self._nonfinite else self._spike_reason)
         return False
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """The context for this step's precision (a null context for fp32/tf32)."""
         return self._cb._autocast_for(self.precision)
 
@@ -130,7 +156,7 @@ class Step:
                 value = float(loss.detach())
             else:
                 value = float(loss)
-        except Exception:  # noqa: BLE001 - a strange loss object is not worth a crash
+        except Exception:
             self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
             return
         guard = self._cb._guard
@@ -184,7 +210,7 @@ class Step:
         if cb._guard.stack and cb.manage_precision:
             try:
                 finite = grads_finite(optimizer_params(optimizer))
-            except Exception as e:  # noqa: BLE001 - the guard never breaks the step
+            except Exception as e:
                 cb._warn_once("gradcheck", f"cannot check the gradients for inf/NaN: {e}")
                 finite = True
             if not finite:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
 
 
 def main() -> None:
@@ -44,8 +44,15 @@ def main() -> None:
 
     from greend import GreenCallback
 
-    cb = GreenCallback(job=args.job, model=model, socket=args.socket, gpus=[0], mem_share=0.3,
-                       sync_every=args.sync_every, heartbeat_s=0.5)
+    cb = GreenCallback(
+        job=args.job,
+        model=model,
+        socket=args.socket,
+        gpus=[0],
+        mem_share=0.3,
+        sync_every=args.sync_every,
+        heartbeat_s=0.5,
+    )
     t_end = time.monotonic() + args.seconds
     steps = 0
     loss = torch.tensor(0.0)
@@ -67,8 +74,11 @@ def main() -> None:
         steps += 1
         time.sleep(0.01)
     cb.close()
-    print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": cb.agreed_pace_s,
-                      "final_loss": float(loss.detach())}))
+    print(
+        json.dumps(
+            {"rank": rank, "steps": steps, "agreed_pace_s": cb.agreed_pace_s, "final_loss": float(loss.detach())}
+        )
+    )
     dist.destroy_process_group()
 
 

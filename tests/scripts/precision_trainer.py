@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 IN, HID, OUT = 32, 128, 8
 
@@ -55,7 +55,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, OUT))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    w_true = torch.randn(IN, OUT, generator=gen) / IN ** 0.5
+    w_true = torch.randn(IN, OUT, generator=gen) / IN**0.5
     x_eval = torch.randn(1024, IN, generator=gen)
     y_eval = x_eval @ w_true + 0.3 * torch.randn(1024, OUT, generator=gen)
 
@@ -71,9 +71,19 @@ def main() -> None:
         kw = {}
         if args.precisions:
             kw["precisions"] = args.precisions.split(",")
-        cb = GreenCallback(job=args.job, model=model, socket=args.socket, gpus=[args.gpu], mem_share=0.3,
-                           heartbeat_s=0.5, reconnect_min_s=0.2, reconnect_max_s=0.5, flush_interval_s=0.05,
-                           loss_scaling=True, **kw)
+        cb = GreenCallback(
+            job=args.job,
+            model=model,
+            socket=args.socket,
+            gpus=[args.gpu],
+            mem_share=0.3,
+            heartbeat_s=0.5,
+            reconnect_min_s=0.2,
+            reconnect_max_s=0.5,
+            flush_interval_s=0.05,
+            loss_scaling=True,
+            **kw,
+        )
     levels: list[str] = []
     losses: list[float] = []
     first_low: int | None = None
@@ -93,8 +103,10 @@ def main() -> None:
                 with st.autocast():
                     out = model(x)
                 loss = nn.functional.mse_loss(out.float(), y)
-                for after, factor in ((args.inject_inf_after_switch, float("inf")),
-                                      (args.inject_spike_after_switch, 10.0)):
+                for after, factor in (
+                    (args.inject_inf_after_switch, float("inf")),
+                    (args.inject_spike_after_switch, 10.0),
+                ):
                     if after >= 0 and first_low is not None and poisoned is None and i == first_low + after:
                         loss = loss * factor
                         poisoned = i
@@ -114,9 +126,20 @@ def main() -> None:
         cb.close()
         stats = {k: v for k, v in vars(cb.stats).items() if isinstance(v, (int, float))}
     tail = [v for v in losses[-20:] if v == v and abs(v) != float("inf")]
-    print(json.dumps({"job": args.job, "steps": args.steps, "final_loss": sum(tail) / len(tail),
-                      "eval_loss": eval_loss, "levels": levels, "poisoned": poisoned,
-                      "precision_events": events, "stats": stats}))
+    print(
+        json.dumps(
+            {
+                "job": args.job,
+                "steps": args.steps,
+                "final_loss": sum(tail) / len(tail),
+                "eval_loss": eval_loss,
+                "levels": levels,
+                "poisoned": poisoned,
+                "precision_events": events,
+                "stats": stats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

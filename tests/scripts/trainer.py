@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def main() -> None:
@@ -54,8 +54,16 @@ def main() -> None:
     if not args.no_greend:
         from greend import GreenCallback
 
-        cb = GreenCallback(job=args.job, model=model, socket=args.socket, gpus=[args.gpu], mem_share=0.3,
-                           heartbeat_s=0.5, reconnect_min_s=0.2, reconnect_max_s=0.5)
+        cb = GreenCallback(
+            job=args.job,
+            model=model,
+            socket=args.socket,
+            gpus=[args.gpu],
+            mem_share=0.3,
+            heartbeat_s=0.5,
+            reconnect_min_s=0.2,
+            reconnect_max_s=0.5,
+        )
     if args.ready_file:
         Path(args.ready_file).write_text("ready")
     loss = torch.tensor(0.0)
@@ -79,8 +87,17 @@ def main() -> None:
     if cb is not None:
         cb.close()
         stats = {k: v for k, v in vars(cb.stats).items() if isinstance(v, (int, float))}
-    print(json.dumps({"job": args.job, "steps": args.steps, "final_loss": float(loss.detach()),
-                      "flops_per_step": flops_per_step, "stats": stats}))
+    print(
+        json.dumps(
+            {
+                "job": args.job,
+                "steps": args.steps,
+                "final_loss": float(loss.detach()),
+                "flops_per_step": flops_per_step,
+                "stats": stats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""A job's figures: its energy (GPU from the ledger, the CPU share beside it), power,
+FLOP/s and GFLOPS/W, over its life and over the last sliding window.
+
+The accounting rules (which window, which joules, how the CPU share is made) are in
+the docstring of :mod:`greend.jobs.registry`; this module only computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from greend.jobs.ledger import Ledger
+from greend.jobs.records import Job
+from greend.units import j_to_kwh
+
+__all__ = ["JobFigures", "rates"]
+
+
+def rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float | None, float | None, float | None]:
+    """Average power (W), FLOP/s and GFLOPS/W of ``flops`` run on ``energy_j`` over ``span_s``."""
+    power = energy_j / span_s if energy_j is not None and span_s > 0 else None
+    flop_per_s = flops / span_s if span_s > 0 else None
+    return power, flop_per_s, (flops / energy_j / 1e9 if energy_j else None)
+
+
+class JobFigures:
+    """Computes a job's figures from the ledger; holds no job state of its own."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        hostname: str,
+        window_s: float,
+        grid_gco2_per_kwh: float,
+        sim_gpu: Callable[[int], Any | None],
+        node_cpu_busy_s: Callable[[], float],
+    ) -> None:
+        self.ledger = ledger
+        self.hostname = hostname
+        self.window_s = window_s
+        self.grid_gco2_per_kwh = grid_gco2_per_kwh
+        self.sim_gpu = sim_gpu
+        self.node_cpu_busy_s = node_cpu_busy_s  # the node's busy CPU seconds so far
+
+    def gpu_energy(self, job: Job, t0: float, t1: float) -> float | None:
+        total = 0.0
+        known = False
+        for g in sorted(job.gpus):
+            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True)
+            if e is not None:
+                total += e
+                known = True
+        return total if known else None
+
+    def _cpu_energy(self, t0: float, t1: float) -> tuple[float | None, bool]:
+        """The node's counted CPU energy (packages and dram; never core, uncore or psys),
+        and whether any of it is the host probe's estimate rather than RAPL."""
+        total = 0.0
+        known = estimated = False
+        for key in self.ledger.keys(prefix="cpu:", counted_only=True):
+            e = self.ledger.energy_between(key, t0, t1, clamp=True)
+            if e is not None:
+                total += e
+                known = True
+                estimated |= key == "cpu:estimate"
+        return (total if known else None), estimated
+
+    def _per_gpu(self, job: Job, t0: float | None, t1: float | None, duration: float) -> list[dict[str, Any]]:
+        """Each of the job's GPUs: its share of the FLOPs (a step's FLOPs split evenly over
+        its rank's GPUs), its joules over the job's window, and what they make."""
+        out = []
+        for g in sorted(job.gpus):
+            e = self.ledger.energy_between(f"gpu{g}", t0, t1, clamp=True) if t0 is not None and t1 is not None else None
+            flops = job.gpu_flops.get(g, 0.0)
+            power, flop_per_s, gflops_per_w = rates(flops, e, duration)
+            out.append(
+                {
+                    "gpu": g,
+                    "flops": flops,
+                    "energy_j": e,
+                    "avg_power_w": power,
+                    "flop_per_s": flop_per_s,
+                    "gflops_per_w": gflops_per_w,
+                }
+            )
+        return out
+
+    def window(self, job: Job, now_s: float) -> dict[str, Any]:
+        t1 = now_s
+        t0 = max(now_s - self.window_s, job.t_start_s or now_s)
+        flops = sum(r.flops for r in job.recent if r.t1_s > t0 and r.t1_s <= t1)
+        energy = self.gpu_energy(job, t0, t1)
+        span = t1 - t0
+        power, flop_per_s, gflops_per_w = rates(flops, energy, span)
+        return {
+            "window_s": span,
+            "flops": flops,
+            "gpu_energy_j": energy,
+            "gpu_power_w": power,
+            "flop_per_s": flop_per_s,
+            "gflops_per_w": gflops_per_w,
+        }
+
+    def report(self, job: Job) -> dict[str, Any]:
+        """The job's figures over its life (so far, while it runs)."""
+        if job.summary is not None:
+            return job.summary
+        t0 = job.t_start_s
+        t1: float | None
+        if job.t_end_s is not None:
+            t1 = job.t_end_s
+        else:
+            t1 = max(self.ledger.last_time(f"gpu{g}") or 0.0 for g in job.gpus) if job.gpus else None
+            if t1 is None or t1 == 0.0:
+                t1 = job.last_step_t1_s
+        duration = (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
+        per_gpu = self._per_gpu(job, t0, t1, duration)
+        known = [g["energy_j"] for g in per_gpu if g["energy_j"] is not None]
+        gpu_e = sum(known) if known else None  # the job's GPUs' joules, as gpu_energy sums them
+        node_cpu_e, estimated = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else (None, False)
+        # "unmeasured": no RAPL zone was readable and no cpu_tdp_w estimate is configured,
+        # so the 0 J beside it is not a measurement.
+        cpu_e, cpu_method = node_cpu_e, "node" if node_cpu_e is not None else "unmeasured"
+        if node_cpu_e is not None and job.cpu_busy0_s is not None:
+            node_busy = self.node_cpu_busy_s() - job.cpu_busy0_s
+            if node_busy > 0:
+                cpu_e = node_cpu_e * min(1.0, job.cpu_job_s / node_busy)
+                cpu_method = "process_share"
+        if estimated:
+            cpu_method += ", estimate"
+        energy = (gpu_e or 0.0) + (cpu_e or 0.0)
+        co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
+        sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})
+        return {
+            "job": job.job,
+            "state": job.state,
+            "end_reason": job.end_reason,
+            "uid": job.uid,
+            "host": self.hostname,
+            "started_at": job.registered_wall_s,
+            "ranks": len(job.ranks),
+            "ranks_gone": [g.to_json() for g in job.gone],
+            "gpus": sorted(job.gpus),
+            "gpu_source": ",".join(sources) if sources else None,
+            "steps": job.steps,
+            "step_reports": job.step_reports,
+            "flops": job.flops,
+            "samples": job.samples,
+            "tokens": job.tokens,
+            "duration_s": duration,
+            "window": {"t0_s": t0, "t1_s": t1},
+            "gpu_energy_j": gpu_e or 0.0,
+            "cpu_energy_j": cpu_e or 0.0,
+            "cpu_energy_method": cpu_method,
+            "node_cpu_energy_j": node_cpu_e or 0.0,
+            "energy_j": energy,
+            "energy_kwh": j_to_kwh(energy),
+            "avg_power_w": energy / duration if duration > 0 else None,
+            "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
+            "flop_per_s": job.flops / duration if duration > 0 else None,
+            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
+            "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
+            "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
+            "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
+            "per_gpu": per_gpu,
+            # The last [report] window_s of a running job (its last window once it ended).
+            "recent": self.window(job, t1) if t1 is not None else None,
+            "samples_per_j": job.samples / energy if energy else None,
+            "tokens_per_j": job.tokens / energy if energy else None,
+            "co2_g": co2,
+            "co2_method": f"estimate: {self.grid_gco2_per_kwh:g} gCO2/kWh configured grid intensity",
+            "last_loss": job.last_loss,
+            "nonfinite_steps": job.nonfinite_steps,
+            "step_time_s": job.step_time_s,
+            "sim_time_s": job.sim_time_s if job.sim_time_s else None,
+            "sim_energy_j": job.sim_energy_j if job.sim_energy_j else None,
+            "precision": job.precision,
+            "precision_log": [e.to_json() for e in job.precision_log],
+            "pace_s": job.pace_s,
+            "decisions": [d.to_json() for d in job.decisions[-50:]],
+        }

@@ -1,0 +1,353 @@
+"""The Controller over simulated GPUs (fake NVML) and a fake powercap tree."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.actuators.rapl import RaplBackend
+from greend.actuators.state import STATE_FILE
+from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, StateError
+from greend.policies.base import UNCAPPED, Setting
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.fake_sysfs import make_standard_tree
+from greend.probes.nvml import NvmlProbe
+
+SETTERS = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit")
+
+
+class CountingNvml:
+    """Wraps a FakeNvml: records setter calls; ``before`` runs before each one."""
+
+    def __init__(self, inner: FakeNvml) -> None:
+        self._inner = inner
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.before: Callable[[str], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name in SETTERS:
+
+            def wrapped(*args: Any) -> Any:
+                if self.before is not None:
+                    self.before(name)
+                self.calls.append((name, args[1:]))
+                return attr(*args)
+
+            return wrapped
+        return attr
+
+
+@pytest.fixture()
+def sim(tmp_path: Path) -> tuple[FakeNvml, CountingNvml, NvmlGpuBackend]:
+    fake = FakeNvml(tmp_path / "sim", n=3)
+    counting = CountingNvml(fake)
+    probe = NvmlProbe(nvml=counting, source="sim")
+    probe.open()
+    return fake, counting, NvmlGpuBackend(probe)
+
+
+def state_json(state_dir: Path) -> dict[str, Any]:
+    return json.loads((state_dir / STATE_FILE).read_text())
+
+
+def gpu_entry(state_dir: Path, index: int) -> dict[str, Any]:
+    (entry,) = [g for g in state_json(state_dir)["gpus"] if g["index"] == index]
+    return entry
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+def test_original_is_saved_before_the_first_write(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    ctl = Controller(state, backend)
+    seen: list[dict[str, Any]] = []
+
+    def check(name: str) -> None:  # runs just before the setter reaches the device
+        seen.append(state_json(state))
+        assert fake.sim_gpu(0).power_limit_w() == 700.0
+
+    counting.before = check
+    ctl.apply_gpu(0, Setting(power_limit_w=400.0), "job-1")
+    (before,) = seen
+    (entry,) = before["gpus"]
+    assert entry["knobs"]["power_limit_w"]["original"] == 700.0
+    assert entry["uuid"] == fake.sim_gpu(0).uuid and entry["backend"] == "sim"
+    assert fake.sim_gpu(0).power_limit_w() == 400.0
+    assert gpu_entry(state, 0)["knobs"]["power_limit_w"]["set"] == 400.0
+
+
+def test_failed_write_leaves_the_original_saved(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    fake.sim_gpu(0).set_power_limit_w(650.0)  # an admin's setting before greend
+    fake.inject(0, no_permission=True)
+    ctl = Controller(state, backend)
+    with pytest.raises(KnobError) as ei:
+        ctl.apply_gpu(0, Setting(power_limit_w=400.0), "job-1")
+    err = ei.value
+    assert isinstance(err, ActuatorError) and isinstance(err.__cause__, NoPermission)
+    assert err.reason == "no_permission" and err.knob == "power_limit_w"
+    msg = str(err)
+    assert "gpu0" in msg and "power_limit_w" in msg and "CAP_SYS_ADMIN" in msg
+    knob = gpu_entry(state, 0)["knobs"]["power_limit_w"]
+    assert knob["original"] == 650.0 and knob["set"] is None
+    assert fake.sim_gpu(0).power_limit_w() == 650.0
+    assert ctl.current(0) == UNCAPPED
+    fake.inject(0, no_permission=False)
+    report = ctl.restore_all()
+    assert report.ok and fake.sim_gpu(0).power_limit_w() == 650.0
+    assert not (state / STATE_FILE).exists()
+
+
+def test_setters_are_idempotent(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    assert ctl.apply_gpu(1, Setting(1500, 400.0), "job-1") == Setting(1500, 400.0)
+    assert [c[0] for c in counting.calls] == ["nvmlDeviceSetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit"]
+    counting.calls.clear()
+    assert ctl.apply_gpu(1, Setting(1500, 400.0), "job-1") == Setting(1500, 400.0)
+    assert counting.calls == []
+    # A different owner asking for the same thing: no device call, new owner recorded.
+    ctl.apply_gpu(1, Setting(1500, 400.0), "node")
+    assert counting.calls == []
+    assert ctl.owners() == {"node": ["gpu1.clock_cap_mhz", "gpu1.power_limit_w"]}
+    # Asking for the limit already in force before greend: no write either.
+    ctl.apply_gpu(2, Setting(power_limit_w=700.0), "node")
+    assert counting.calls == []
+
+
+def test_clock_snaps_and_power_clamps(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    h0 = fake.nvmlDeviceGetHandleByIndex(0)
+    assert ctl.apply_gpu(0, Setting(1503, 100.0), "j").clock_cap_mhz == 1500
+    assert fake.fake_get_locked_clocks(h0) == (345, 1500)  # the lowest clock stays reachable
+    assert fake.sim_gpu(0).power_limit_w() == 200.0  # the constraint's minimum
+    assert ctl.current(0) == Setting(1500, 200.0)
+    assert ctl.apply_gpu(0, Setting(100, 900.0), "j") == Setting(345, 700.0)
+    assert fake.fake_get_locked_clocks(h0) == (345, 345)
+    assert ctl.apply_gpu(0, Setting(5000, None), "j").clock_cap_mhz == 1980
+    with pytest.raises(KnobError):
+        ctl.apply_gpu(0, Setting(power_limit_w=-5.0), "j")
+
+
+def test_none_field_restores_that_knob(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    ctl = Controller(state, backend)
+    h = fake.nvmlDeviceGetHandleByIndex(0)
+    ctl.apply_gpu(0, Setting(1200, 350.0), "j")
+    assert ctl.apply_gpu(0, Setting(1200, None), "j") == Setting(1200, None)
+    assert fake.sim_gpu(0).power_limit_w() == 700.0
+    assert fake.fake_get_locked_clocks(h) == (345, 1200)
+    assert set(gpu_entry(state, 0)["knobs"]) == {"clock_cap_mhz"}
+    ctl.apply_gpu(0, UNCAPPED, "j")
+    assert fake.fake_get_locked_clocks(h) is None
+    assert not (state / STATE_FILE).exists()
+    counting.calls.clear()
+    ctl.apply_gpu(0, UNCAPPED, "j")  # nothing greend set: nothing to do
+    assert counting.calls == []
+
+
+def test_dry_run_touches_nothing(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    sysfs = tmp_path / "sys"
+    rapl_tree = make_standard_tree(sysfs)
+    limit_file = rapl_tree.dir_of("intel-rapl:0") / "constraint_0_power_limit_uw"
+    before = limit_file.read_text()
+    ctl = Controller(state, backend, RaplBackend(sysfs), dry_run=True)
+    assert ctl.apply_gpu(0, Setting(1503, 350.0), "job-1") == Setting(1500, 350.0)
+    assert ctl.apply_cpu_limit("intel-rapl:0", 150.0, "node") == 150.0
+    assert counting.calls == []
+    assert fake.fake_get_locked_clocks(fake.nvmlDeviceGetHandleByIndex(0)) is None
+    assert fake.sim_gpu(0).power_limit_w() == 700.0
+    assert limit_file.read_text() == before
+    assert not (state / STATE_FILE).exists()
+    # ...but it remembers what it would have set, for greenctl status.
+    assert ctl.current(0) == Setting(1500, 350.0)
+    assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
+    assert ctl.owners() == {
+        "job-1": ["gpu0.clock_cap_mhz", "gpu0.power_limit_w"],
+        "node": ["class/powercap/intel-rapl:0"],
+    }
+    assert ctl.snapshot()["dry_run"] is True
+    report = ctl.restore_owner("job-1")
+    assert report.dry_run and report.restored == ["gpu0"] and ctl.current(0) == UNCAPPED
+    assert ctl.restore_all().restored == ["class/powercap/intel-rapl:0"]
+    assert counting.calls == [] and not (state / STATE_FILE).exists()
+
+
+def test_lost_gpu_names_device_knob_and_fix(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    ctl.apply_gpu(2, Setting(1500, None), "j")
+    fake.inject(2, lost=True)
+    with pytest.raises(KnobError) as ei:
+        ctl.apply_gpu(2, Setting(1400, None), "j")
+    assert ei.value.reason == "lost" and isinstance(ei.value.__cause__, DeviceLost)
+    assert "gpu2" in str(ei.value) and "clock_cap_mhz" in str(ei.value) and "nvidia-smi" in str(ei.value)
+    assert ctl.current(2) == Setting(1500, None)  # still what is in force
+
+
+def test_unsavable_state_means_no_write(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    state.mkdir()
+    ctl = Controller(state, backend)
+    (state / f".{STATE_FILE}.{os.getpid()}.tmp").mkdir()  # the temp file cannot be made
+    with pytest.raises(StateError, match="cannot write the saved-settings file"):
+        ctl.apply_gpu(0, Setting(power_limit_w=400.0), "j")
+    assert counting.calls == [] and fake.sim_gpu(0).power_limit_w() == 700.0
+    assert ctl.current(0) == UNCAPPED
+
+
+def test_restore_owner_restores_only_that_job(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    sysfs = tmp_path / "sys"
+    tree = make_standard_tree(sysfs)
+    ctl = Controller(state, backend, RaplBackend(sysfs))
+    ctl.apply_gpu(0, Setting(1500, 400.0), "job-a")
+    ctl.apply_gpu(1, Setting(1400, None), "job-a")
+    ctl.apply_gpu(2, Setting(1305, 500.0), "job-b")
+    ctl.apply_cpu_limit("intel-rapl:1", 150.0, "node")
+    report = ctl.restore_owner("job-a")
+    assert report.ok and len(report.restored) == 3
+    h = [fake.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+    assert fake.fake_get_locked_clocks(h[0]) is None and fake.sim_gpu(0).power_limit_w() == 700.0
+    assert fake.fake_get_locked_clocks(h[1]) is None
+    assert fake.fake_get_locked_clocks(h[2]) == (345, 1305) and fake.sim_gpu(2).power_limit_w() == 500.0
+    assert (tree.dir_of("intel-rapl:1") / "constraint_0_power_limit_uw").read_text().strip() == "150000000"
+    saved = state_json(state)
+    assert [g["index"] for g in saved["gpus"]] == [2] and len(saved["cpus"]) == 1
+    assert ctl.owners() == {"job-b": ["gpu2.clock_cap_mhz", "gpu2.power_limit_w"], "node": ["package-1 (intel-rapl:1)"]}
+    assert ctl.restore_owner("nobody").restored == []
+
+
+def test_restore_all_survives_a_lost_gpu(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    ctl = Controller(state, backend)
+    for i in range(3):
+        ctl.apply_gpu(i, Setting(1500, 450.0), "job")
+    fake.inject(1, lost=True)
+    report = ctl.restore_all()
+    assert report.exit_code == 1
+    assert {f.device.split()[0] for f in report.failed} == {"gpu1"}
+    assert [g["index"] for g in state_json(state)["gpus"]] == [1]
+    for i in (0, 2):
+        assert fake.sim_gpu(i).power_limit_w() == 700.0
+        assert fake.sim_gpu(i).locked_clocks_mhz() is None
+    fake.inject(1, lost=False)
+    assert ctl.restore_all().ok
+    assert fake.sim_gpu(1).locked_clocks_mhz() is None and fake.sim_gpu(1).power_limit_w() == 700.0
+    assert not (state / STATE_FILE).exists()
+
+
+def test_controller_adopts_leftover_originals(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    state = tmp_path / "state"
+    Controller(state, backend).apply_gpu(0, Setting(power_limit_w=400.0), "job")
+    # A new controller (a restarted daemon) must not take 400 W for the original.
+    ctl = Controller(state, backend)
+    assert ctl.current(0) == Setting(None, 400.0)
+    ctl.apply_gpu(0, Setting(power_limit_w=300.0), "job")
+    assert gpu_entry(state, 0)["knobs"]["power_limit_w"]["original"] == 700.0
+    assert ctl.restore_gpu(0).ok and fake.sim_gpu(0).power_limit_w() == 700.0
+
+
+# --------------------------------------------------------------------------- RAPL
+
+
+def read_uw(tree: Any, zone: str, n: int) -> int:
+    return int((tree.dir_of(zone) / f"constraint_{n}_power_limit_uw").read_text())
+
+
+def test_rapl_limit_within_max_and_restored_exactly(tmp_path: Path) -> None:
+    sysfs = tmp_path / "sys"
+    tree = make_standard_tree(sysfs)
+    state = tmp_path / "state"
+    (tree.dir_of("intel-rapl:0") / "constraint_0_power_limit_uw").write_text("180123456\n")
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    assert ctl.apply_cpu_limit("intel-rapl:0", 150.0, "node") == 150.0
+    assert (read_uw(tree, "intel-rapl:0", 0), read_uw(tree, "intel-rapl:0", 1)) == (150_000_000, 150_000_000)
+    (cpu,) = state_json(state)["cpus"]
+    assert cpu["zone_path"] == "class/powercap/intel-rapl:0" and cpu["name"] == "package-0"
+    assert cpu["sysfs_root"] == str(sysfs.resolve())
+    assert [(c["index"], c["name"], c["original_uw"]) for c in cpu["constraints"]] == [
+        (0, "long_term", 180_123_456),
+        (1, "short_term", 246_000_000),
+    ]
+    # Above the max: long term clamps to constraint_0_max_power_uw, short term
+    # never goes above its original.
+    assert ctl.apply_cpu_limit("intel-rapl:0", 1000.0, "node") == 205.0
+    assert (read_uw(tree, "intel-rapl:0", 0), read_uw(tree, "intel-rapl:0", 1)) == (205_000_000, 246_000_000)
+    # An absolute path and the hex psys zone work too.
+    assert ctl.apply_cpu_limit(sysfs / "class/powercap/intel-rapl:a", 400.0, "node") == 400.0
+    assert ctl.current_cpu_limit_w("intel-rapl:a") == 400.0
+    report = ctl.restore_all()
+    assert report.ok and len(report.restored) == 4
+    assert (read_uw(tree, "intel-rapl:0", 0), read_uw(tree, "intel-rapl:0", 1)) == (180_123_456, 246_000_000)
+    assert (read_uw(tree, "intel-rapl:a", 0), read_uw(tree, "intel-rapl:a", 1)) == (500_000_000, 600_000_000)
+    assert not (state / STATE_FILE).exists()
+
+
+def test_rapl_none_restores_and_failed_write_keeps_originals(tmp_path: Path) -> None:
+    sysfs = tmp_path / "sys"
+    tree = make_standard_tree(sysfs)
+    state = tmp_path / "state"
+    writes: list[Path] = []
+
+    def denied(path: Path, text: str) -> None:
+        writes.append(path)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs, write=denied))
+    with pytest.raises(KnobError) as ei:
+        ctl.apply_cpu_limit("intel-rapl:1", 120.0, "node")
+    assert "package-1" in str(ei.value) and "root" in str(ei.value)
+    assert writes  # it tried, after saving:
+    (cpu,) = state_json(state)["cpus"]
+    assert [c["original_uw"] for c in cpu["constraints"]] == [205_000_000, 246_000_000]
+    ok = Controller(state, rapl_backend=RaplBackend(sysfs))
+    assert ok.apply_cpu_limit("intel-rapl:1", 120.0, "node") == 120.0
+    assert ok.apply_cpu_limit("intel-rapl:1", None, "node") is None
+    assert (read_uw(tree, "intel-rapl:1", 0), read_uw(tree, "intel-rapl:1", 1)) == (205_000_000, 246_000_000)
+    assert not (state / STATE_FILE).exists()
+    with pytest.raises(KnobError, match="no RAPL zone"):
+        ok.apply_cpu_limit("intel-rapl:7", 100.0, "node")
+
+
+def test_restore_owner_survives_an_unexpected_error_on_one_gpu(tmp_path: Path, sim: Any) -> None:
+    # A job's GPUs go back when it ends; a bug or driver surprise on one must not keep
+    # the others capped (the same per-device isolation as restore_all).
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    for i in range(3):
+        ctl.apply_gpu(i, Setting(1500, 450.0), "job")
+    real = ctl._restore_gpu_entry
+
+    def flaky(entry: Any, knobs: list[str], report: Any) -> None:
+        if entry.index == 1:
+            raise RuntimeError("driver surprise")
+        real(entry, knobs, report)
+
+    ctl._restore_gpu_entry = flaky  # type: ignore[method-assign]
+    report = ctl.restore_owner("job")
+    assert {f.device.split()[0] for f in report.failed} == {"gpu1"}
+    assert "RuntimeError: driver surprise" in report.failed[0].message
+    for i in (0, 2):
+        assert fake.sim_gpu(i).locked_clocks_mhz() is None and fake.sim_gpu(i).power_limit_w() == 700.0
+    assert fake.sim_gpu(1).locked_clocks_mhz() is not None  # kept, and kept saved for the next try
+    assert [g["index"] for g in state_json(tmp_path / "state")["gpus"]] == [1]

@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from greend.config import apply_overrides, load_config
+from greend.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "greend.toml"
+    p.write_text(text)
+    return p
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg.daemon.hz == 10.0
+    assert cfg.enabled_probes == ["nvml", "rapl", "host"]
+    assert cfg.store_urls == [f"sqlite:///{Path('/var/lib/greend') / 'greend.db'}"]
+
+
+def test_every_section_is_read(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(
+            tmp_path,
+            """
+[daemon]
+hz = 5
+socket = "/tmp/x.sock"
+state_dir = "/tmp/state"
+dry_run = true
+[probes]
+enabled = ["rapl", "host"]
+sysfs_root = "/tmp/sys"
+cpu_tdp_w = 205
+[sim]
+gpus = 4
+load = 0.5
+[store]
+urls = ["sqlite:///tmp/a.db", "prometheus://127.0.0.1:9464"]
+interval_s = 2
+""",
+        )
+    )
+    assert cfg.daemon.hz == 5.0 and isinstance(cfg.daemon.hz, float)
+    assert cfg.daemon.socket == Path("/tmp/x.sock")
+    assert cfg.daemon.dry_run is True
+    assert cfg.probes.cpu_tdp_w == 205.0
+    assert cfg.sim_dir == Path("/tmp/state/sim")
+    assert cfg.enabled_probes == ["sim", "rapl", "host"]  # sim stands in for nvml
+    assert cfg.store_urls == ["sqlite:///tmp/a.db", "prometheus://127.0.0.1:9464"]
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[daemon]\nhzz = 3\n", "unknown key 'hzz'"),
+        ("[deamon]\nhz = 3\n", "unknown table [deamon]"),
+        ("[daemon]\nhz = -1\n", "hz = -1.0: must be > 0"),
+        ("[daemon]\nhz = nan\n", "hz = nan: expected a finite number"),
+        ("[store]\ninterval_s = nan\n", "interval_s = nan: expected a finite number"),
+        ("[daemon]\nheartbeat_timeout_s = inf\n", "heartbeat_timeout_s = inf: expected a finite number"),
+        ('[daemon]\nhz = "fast"\n', "hz = 'fast': expected a number"),
+        ("[daemon]\ndry_run = 1\n", "dry_run = 1: expected true or false"),
+        ("[sim]\ngpus = true\n", "gpus = True: expected a whole number"),
+        ("[sim]\nload = 1.5\n", "load = 1.5: expected a fraction"),
+        ('[probes]\nenabled = ["nvml", "gpu"]\n', "enabled contains 'gpu'"),
+        ('[daemon]\nsocket_mode = "rw"\n', "socket_mode = 'rw'"),
+        ('[store]\nurls = ["mysql://x"]\n', "unknown scheme 'mysql'"),
+        ('[store]\nurls = ["influx://h:8086?org=o"]\n', "missing bucket"),
+        ('[store]\nurls = ["sqlite://relative.db"]\n', "three slashes"),
+        ("daemon = 3\n", "must be a table"),
+        ("[daemon\n", "not valid TOML"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key_and_what_is_allowed(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert needle in str(e.value)
+    assert str(tmp_path / "greend.toml") in str(e.value)
+
+
+def test_probe_names_and_store_schemes_come_from_the_registries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from greend import probes, sinks
+
+    # A probe registered anywhere is a known probe: no second list to keep.
+    monkeypatch.setitem(probes.REGISTRY, "extra", probes.Registration("extra", lambda ctx: None, False, ""))  # type: ignore[arg-type, return-value]
+    assert load_config(write(tmp_path, '[probes]\nenabled = ["extra"]\n')).probes.enabled == ["extra"]
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, '[probes]\nenabled = ["gpu"]\n'))
+    for name in ("nvml", "rapl", "host", "sim", "extra"):
+        assert name in str(e.value).split("known probes are ")[1]
+    # An unknown store scheme's error lists every registered one.
+    assert sinks.registered_schemes() == ["sqlite", "influx", "prometheus"]
+    with pytest.raises(ConfigError) as e:
+        sinks.check_url("mysql://x")
+    for kind in sinks.REGISTRY.values():
+        assert kind.form in str(e.value)
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "[daemon]\nhz = 5\n[sim]\ngpus = 1\n"))
+    cfg = apply_overrides(cfg, sim=3, hz=20.0, state_dir=tmp_path, store=["sqlite:///x/y.db"], socket=None)
+    assert cfg.sim.gpus == 3 and cfg.daemon.hz == 20.0
+    assert cfg.daemon.state_dir == tmp_path
+    assert cfg.store_urls == ["sqlite:///x/y.db"]
+    with pytest.raises(ConfigError):
+        apply_overrides(cfg, hz=0.0)

@@ -1,0 +1,328 @@
+"""The tick loop in-process: isolation of failing probes, the schedule, the ledger."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from greend.config import Config
+from greend.daemon.core import Daemon, ProbeStats
+from greend.errors import ProbeError
+from greend.probes import CpuReading, ProbeInfo, Readings
+from tests.support import wait_for
+
+
+class CountingProbe:
+    """A probe whose zone burns exactly ``watts`` on the tick clock."""
+
+    def __init__(self, name: str, watts: float) -> None:
+        self.name = name
+        self.watts = watts
+        self.t0: float | None = None
+
+    def open(self) -> None:
+        pass
+
+    def sample(self, now_s: float) -> Readings:
+        if self.t0 is None:
+            self.t0 = now_s
+        e = (now_s - self.t0) * self.watts
+        return Readings(cpus=[CpuReading(zone="package-0", path=self.name, source="test", energy_j=e)])
+
+    def info(self) -> ProbeInfo:
+        return ProbeInfo(self.name, True, "test")
+
+    def close(self) -> None:
+        pass
+
+
+class BrokenProbe(CountingProbe):
+    def sample(self, now_s: float) -> Readings:
+        raise ProbeError("sensor on fire")
+
+
+class ExplodingProbe(CountingProbe):
+    def sample(self, now_s: float) -> Readings:
+        raise ZeroDivisionError("bug in a probe")
+
+
+def make_config(tmp_path: Path, *, hz: float = 50.0, sim_gpus: int = 0) -> Config:
+    """An in-process daemon's config: temp socket, state dir and SQLite store, no probes
+    but simulated GPUs when asked."""
+    cfg = Config()
+    cfg.daemon.state_dir = tmp_path / "state"
+    cfg.daemon.socket = tmp_path / "g.sock"
+    cfg.daemon.socket_group = ""
+    cfg.daemon.hz = hz
+    cfg.store.urls = [f"sqlite:///{tmp_path / 'g.db'}"]
+    cfg.sim.gpus = sim_gpus
+    cfg.probes.enabled = []
+    return cfg
+
+
+@pytest.fixture()
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(make_config(tmp_path))
+    d.start()
+    yield d
+    d.close()
+
+
+def test_failing_probes_never_stop_a_tick(daemon: Daemon) -> None:
+    good = CountingProbe("good", 100.0)
+    daemon.probes = [BrokenProbe("broken", 0), ExplodingProbe("exploding", 0), good]
+    for p in daemon.probes:
+        daemon.stats[p.name] = ProbeStats(p.name)
+        daemon._try_open(p, first=True)
+    daemon.run(max_ticks=20)
+    st = daemon.status()
+    by_name = {p["name"]: p for p in st["probes"]}
+    assert by_name["good"]["success"] and by_name["good"]["samples"] == 20
+    assert not by_name["broken"]["success"] and by_name["broken"]["failures"] == 20
+    assert by_name["broken"]["last_error"] == "sensor on fire"
+    assert "ZeroDivisionError" in by_name["exploding"]["last_error"]
+    # 19 periods of 20 ms at 100 W.
+    cpu = st["cpus"][0]
+    assert cpu["energy_j"] == pytest.approx(100.0 * (daemon.snapshot.t_s - good.t0), rel=1e-9)
+
+
+def test_schedule_is_drift_free_and_skips_overruns(daemon: Daemon) -> None:
+    slow_once = {"done": False}
+    starts: list[tuple[int, float]] = []  # (the tick's slot on the 20 ms grid, when it ran)
+
+    class SlowProbe(CountingProbe):
+        def sample(self, now_s: float) -> Readings:
+            starts.append((daemon.ticks + daemon.ticks_skipped, now_s))
+            if not slow_once["done"] and daemon.ticks == 5:
+                slow_once["done"] = True
+                time.sleep(0.1)  # five periods of 20 ms
+            return super().sample(now_s)
+
+    p = SlowProbe("slow", 1.0)
+    daemon.probes = [p]
+    daemon.stats["slow"] = ProbeStats("slow")
+    daemon._try_open(p, first=True)
+    daemon.run(max_ticks=30)
+    assert daemon.ticks_skipped >= 4
+    assert len(starts) == 30
+    # Every tick runs on its slot of the grid laid at the start (never early), late only
+    # by its own wake-up: no drift accumulates, so the late ticks are as close to their
+    # slots as the early ones. One slow wake-up on a loaded machine is not drift: ask
+    # that some of the last ten ticks ran within 10 ms of their slots.
+    slot0, t_first = starts[0]
+    late = [t - t_first - (slot - slot0) * 0.02 for slot, t in starts]
+    assert min(late) > -0.002, late
+    assert min(late[-10:]) < 0.01, late
+
+
+def test_stop_event_ends_the_loop_promptly(daemon: Daemon) -> None:
+    import threading
+
+    daemon.cfg.daemon.hz = 1.0
+    threading.Timer(0.2, daemon.stop).start()
+    t0 = time.monotonic()
+    daemon.run()
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
+    from greend.sinks.sqlite import read_rows
+
+    p = CountingProbe("zone", 10.0)
+    daemon.probes = [p]
+    daemon.stats["zone"] = ProbeStats("zone")
+    daemon._try_open(p, first=True)
+    daemon.cfg.store.interval_s = 0.05
+    daemon.run(max_ticks=15)
+    for s in daemon.sinks:
+        assert s.flush(5.0)
+    rows = read_rows(tmp_path / "g.db", "greend_cpu")
+    assert len(rows) >= 4
+    assert rows[-1]["energy_j"] > rows[0]["energy_j"]
+    assert {r["probe"] for r in read_rows(tmp_path / "g.db", "greend_probe")} == {"zone"}
+
+
+@pytest.mark.parametrize("hz, interval_s", [(10.0, 1.0), (50.0, 0.05), (10.0, 0.25)])
+def test_store_points_keep_their_interval_whatever_the_jitter(daemon: Daemon, hz: float, interval_s: float) -> None:
+    # Ticks wake up late by up to 40% of a period, at random: the store still gets one
+    # batch per interval on average, never two within half an interval.
+    import random
+
+    rng = random.Random(3)
+    daemon.cfg.daemon.hz, daemon.cfg.store.interval_s = hz, interval_s
+    emitted: list[float] = []
+    daemon.emit = lambda points: (
+        emitted.append(now)
+        if any(  # type: ignore[method-assign]
+            p.measurement == "greend_probe" for p in points
+        )
+        else None
+    )
+    daemon.probes = [CountingProbe("zone", 1.0)]
+    daemon.stats["zone"] = ProbeStats("zone")
+    span_s = 200 * interval_s
+    for k in range(int(span_s * hz)):
+        now = k / hz + rng.uniform(0.0, 0.4) / hz
+        daemon.tick(now)
+    assert len(emitted) == pytest.approx(span_s / interval_s, abs=1)
+    gaps = [b - a for a, b in zip(emitted, emitted[1:])]
+    assert min(gaps) > interval_s / 2
+
+
+def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
+    # One rank on GPUs 0 and 1, another job's rank on GPU 2: each GPU's joules and
+    # its share of the FLOPs, summing to the job's figures.
+    import threading
+
+    from greend.ipc.client import Client
+    from greend.ipc.server import encode
+
+    def send_steps(c: Client, step: int, flops: float) -> None:  # steps get no reply
+        now = time.monotonic()
+        assert c._sock is not None
+        c._sock.sendall(
+            encode({"v": 1, "op": "steps", "steps": [{"step": step, "t0_s": now - 0.01, "t1_s": now, "flops": flops}]})
+        )
+
+    cfg = make_config(tmp_path, hz=20.0, sim_gpus=3)
+    d = Daemon(cfg)
+    d.start()
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: d.ledger.last_time("gpu2") is not None, 5)  # the GPUs' first tick
+        with Client(cfg.daemon.socket) as a, Client(cfg.daemon.socket) as b:
+            a.request("register", job="two", gpus=[0, 1])
+            b.request("register", job="other", gpus=[2])
+            t0 = time.monotonic()
+            for i in range(20):
+                send_steps(a, i, 4e12)
+                send_steps(b, i, 1e12)
+                time.sleep(0.05)
+            assert time.monotonic() - t0 > 0.5
+            time.sleep(0.2)  # a tick after the last step
+            rep = a.request("report", job="two")
+        per = {g["gpu"]: g for g in rep["per_gpu"]}
+        assert sorted(per) == [0, 1]
+        assert per[0]["flops"] == per[1]["flops"] == pytest.approx(20 * 2e12)
+        assert per[0]["energy_j"] + per[1]["energy_j"] == pytest.approx(rep["gpu_energy_j"], rel=1e-9)
+        for g in (0, 1):
+            e = d.ledger.energy_between(f"gpu{g}", rep["window"]["t0_s"], rep["window"]["t1_s"], clamp=True)
+            assert per[g]["energy_j"] == pytest.approx(e, rel=1e-9)
+            assert per[g]["gflops_per_w"] == pytest.approx(per[g]["flops"] / e / 1e9, rel=1e-9)
+        assert rep["gpu_energy_per_step_j"] == pytest.approx(rep["gpu_energy_j"] / 20, rel=1e-9)
+    finally:
+        d.stop()
+        t.join(5)
+        d.close()
+
+
+def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first open fails; the retry, due store_retry_s later, blocks (a slow disk):
+    # the ticks go on meanwhile, and the store joins the others once it opens.
+    import threading
+
+    import greend.daemon.stores as stores_mod
+    from greend.errors import StoreError
+
+    real_open = stores_mod.open_sink
+    calls: list[str] = []
+    release = threading.Event()
+
+    def flaky_open(url: str, **kw: object) -> object:
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise StoreError("disk not there yet")
+        release.wait(10)
+        return real_open(url, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stores_mod, "open_sink", flaky_open)
+    url = f"sqlite:///{tmp_path / 'late.db'}"
+    cfg = make_config(tmp_path)
+    cfg.store.urls = [url]
+    cfg.store.retry_s = 0.2
+    d = Daemon(cfg)
+    d.open_sinks()
+    try:
+        assert d.sinks == []
+        (row,) = d.status()["stores"]
+        assert row["url"] == url and not row["ok"] and row["open_attempts"] == 1
+        assert "disk not there yet" in row["last_error"] and "retrying every 0.2 s" in row["last_error"]
+        d.tick(d.monotonic())  # not due yet
+        assert len(calls) == 1
+        time.sleep(0.25)
+        t = time.monotonic()
+        for _ in range(5):
+            d.tick(d.monotonic())
+        assert time.monotonic() - t < 1.0, "a tick waited for a store to open"
+        assert wait_for(lambda: len(calls) == 2, 2)
+        assert calls[1] == "greend-store-retry" and d.sinks == []
+        release.set()
+        assert wait_for(lambda: len(d.sinks) == 1, 5)
+        (row,) = d.status()["stores"]
+        assert row["ok"] and row["name"] == "sqlite" and "open_attempts" not in row
+        d.tick(d.monotonic())
+        assert len(calls) == 2, "an open store is not opened again"
+    finally:
+        release.set()
+        d.close()
+
+
+def test_a_hung_tick_starves_the_watchdog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # systemd restarts a daemon whose WATCHDOG=1 pings stop: they must come from the tick
+    # loop itself, so a probe stuck in a driver call stops them (no helper thread pings).
+    import socket as socketlib
+    import threading
+
+    ns = tmp_path / "notify.sock"
+    rx = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    rx.bind(str(ns))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(ns))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # pings every 0.2 s
+    stuck = threading.Event()
+    release = threading.Event()
+
+    class StuckProbe(CountingProbe):
+        def sample(self, now_s: float) -> Readings:
+            if stuck.is_set():
+                release.wait(10)  # a driver call that does not come back
+            return super().sample(now_s)
+
+    d = Daemon(make_config(tmp_path, hz=20.0))
+    assert d.watchdog.enabled
+    p = StuckProbe("zone", 1.0)
+    d.probes = [p]
+    d.stats["zone"] = ProbeStats("zone")
+    d._try_open(p, first=True)
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+
+    def pings(seconds: float) -> int:
+        rx.settimeout(0.05)
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                n += rx.recv(4096).decode().splitlines().count("WATCHDOG=1")
+            except TimeoutError:
+                pass
+        return n
+
+    try:
+        assert pings(1.0) >= 3  # a healthy loop pings
+        stuck.set()
+        pings(0.2)  # what was sent before the probe got stuck
+        assert pings(1.5) == 0, "pings went on while the tick loop was stuck"
+        stuck.clear()
+        release.set()
+        assert pings(1.0) >= 3  # and resume when it comes back
+    finally:
+        release.set()
+        d.stop()
+        t.join(5)
+        d.close()
+        rx.close()

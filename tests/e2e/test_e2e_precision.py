@@ -1,0 +1,146 @@
+"""Precision end to end: a real daemon on a simulated GPU with the precision policy, real CPU training.
+
+The daemon runs the ``none`` clock policy and, beside it, the ``precision``
+policy (``[policy] precision = "precision"``); the trainer
+(``tests/scripts/precision_trainer.py``) reports its steps through
+GreenCallback, and the simulator prices each step at the precision it ran (an
+H100's bf16 is ~15x cheaper per FLOP than its fp32), so the policy sees what the
+switch buys.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_e2e_jobs import wait_ended
+from tests.support import REPO, DaemonProc, env, start_daemon
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+torch = pytest.importorskip("torch")
+
+TRAINER = REPO / "tests" / "scripts" / "precision_trainer.py"
+TOLERANCE = 0.1
+
+CONFIG = f"""
+[daemon]
+socket_group = ""
+
+[policy]
+name = "none"
+period_s = 0.2
+settle_s = 0.0
+precision = "precision"
+
+[policy.precision_params]
+window = 16
+min_steps = 8
+max_slope = 0.1
+max_noise = 0.2
+probation_steps = 40
+tolerance = {TOLERANCE}
+cooldown_s = 600.0
+"""
+
+
+def run_trainer(sock: Path, job: str, *args: str, timeout: float = 120) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, str(TRAINER), "--socket", str(sock), "--job", job, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env(),
+        timeout=timeout,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def start(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG)
+    daemons.append(d)
+    policy = d.status()["policy"]
+    if not (isinstance(policy, dict) and (policy.get("precision") or {}).get("name") == "precision"):
+        pytest.fail(f"the daemon did not load the precision policy ([policy] precision): {policy}")
+    return d
+
+
+def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start(tmp_path, daemons)
+    base = run_trainer(tmp_path / "none.sock", "fp32-only", "--steps", "400", "--no-greend")
+    r = run_trainer(d.socket, "walk", "--steps", "400", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
+    rep = wait_ended(d, "walk")
+
+    levels = r["levels"]
+    assert levels[0] == "fp32" and levels[-1] == "bf16", levels
+    first = levels.index("bf16")
+    assert set(levels[first:]) == {"bf16"}  # one step down, kept
+    assert r["precision_events"] == []  # the callback had nothing to roll back or refuse
+    # The same accuracy as the fp32 run, within the tolerance.
+    assert abs(r["eval_loss"] - base["eval_loss"]) <= TOLERANCE * base["eval_loss"], (r["eval_loss"], base)
+    assert abs(r["final_loss"] - base["final_loss"]) <= TOLERANCE * base["final_loss"]
+
+    # The switch, with its reason and loss figures, in the report and greenctl.
+    rep_json = json.loads(d.ctl("report", "walk", "--json").stdout)
+    log = rep_json["precision_log"]
+    switch = [e for e in log if e["kind"] == "switch"]
+    assert [(e["from"], e["to"]) for e in switch] == [("fp32", "bf16")], log
+    assert "loss stable" in switch[0]["reason"] and switch[0]["loss"] is not None
+    assert rep_json["precision"] == "bf16" and rep["precision"] == "bf16"
+    assert "bf16" in d.ctl("report", "walk").stdout
+
+    # The store has the decision.
+    d.stop()
+    import sqlite3
+
+    con = sqlite3.connect(d.db)
+    rows = con.execute(
+        "SELECT precision, reason FROM greend_decision WHERE job = 'walk' AND kind = 'switch'"
+    ).fetchall()
+    con.close()
+    assert [r[0] for r in rows] == ["bf16"]
+    assert rows[0][1] == switch[0]["reason"]  # the reason is stored with the decision
+
+
+@pytest.mark.parametrize("kind, cause", [("inf", "non-finite loss"), ("spike", "loss spike")])
+def test_an_instability_after_the_switch_is_rolled_back_within_one_step(
+    tmp_path: Path, daemons: list[DaemonProc], kind: str, cause: str
+) -> None:
+    # An inf, or a finite loss 10x the trend (gradients 10x too), three steps after
+    # the policy switched to bf16.
+    d = start(tmp_path, daemons)
+    r = run_trainer(
+        d.socket,
+        "unstable",
+        "--steps",
+        "300",
+        "--step-sleep",
+        "0.01",
+        "--precisions",
+        "fp32,bf16",
+        f"--inject-{kind}-after-switch",
+        "3",
+    )
+    rep = wait_ended(d, "unstable")
+
+    levels, bad = r["levels"], r["poisoned"]
+    assert bad is not None, "the policy never switched to bf16"
+    assert levels[bad] == "bf16" and levels[bad + 1] == "fp32", levels[bad - 2 : bad + 3]  # within one step
+    assert set(levels[bad + 1 :]) == {"fp32"}  # barred for the cooldown: not tried again
+    assert r["final_loss"] == r["final_loss"] and r["final_loss"] < 1.0  # finished, and finite
+    (ev,) = r["precision_events"]
+    assert ev["kind"] == "rollback" and ev["from"] == "bf16" and ev["to"] == "fp32" and ev["step"] == bad
+
+    log = json.loads(d.ctl("report", "unstable", "--json").stdout)["precision_log"]
+    kinds = [(e["kind"], e["from"], e["to"]) for e in log]
+    assert kinds == [("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")], log
+    rb = log[1]
+    assert cause in rb["reason"] and rb["step"] == bad and isinstance(rb["trend"], float)
+    assert rep["precision"] == "fp32"
+    text = d.ctl("report", "unstable").stdout
+    assert "rollback" in text

@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greend.errors import (
+    ActuatorError,
+    ConfigError,
+    DaemonUnavailable,
+    KnobError,
+    PolicyError,
+    ProtocolError,
+    RequestRefused,
+    StateError,
+)
+from greend.ipc.client import Client
+from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Peer
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[IpcServer]:
+    srv = IpcServer(tmp_path / "g.sock", mode=0o660, group=None)
+    seen: list[Peer] = []
+
+    def whoami(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        seen.append(conn.peer)
+        return {"pid": conn.peer.pid, "uid": conn.peer.uid}
+
+    srv.route("whoami", whoami)
+    srv.route(
+        "add",
+        lambda m, c: {"sum": m["a"] + m.get("b", 0)},
+        {"a": Field((int,), required=True, min=0, max=100), "b": Field((int,))},
+    )
+    srv.route("admin_only", lambda m, c: {"ok": True}, admin=True)
+    srv.is_admin = lambda p: False
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def raw(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(path))
+    return s
+
+
+def read_reply(s: socket.socket) -> dict[str, Any]:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, "server closed the connection"
+        buf += chunk
+    return json.loads(buf.split(b"\n", 1)[0])
+
+
+def test_peer_credentials_come_from_the_kernel(server: IpcServer) -> None:
+    with Client(server.path) as c:
+        r = c.request("whoami")
+    assert r == {"pid": os.getpid(), "uid": os.getuid()}
+
+
+def test_socket_mode_is_applied(server: IpcServer) -> None:
+    assert (os.stat(server.path).st_mode & 0o777) == 0o660
+
+
+@pytest.mark.parametrize(
+    "payload, code, field",
+    [
+        (b"not json\n", "bad_json", None),
+        (b"[1,2]\n", "bad_json", None),
+        (b'{"op":"add","a":1}\n', "unsupported_version", "v"),
+        (b'{"v":2,"op":"add","a":1}\n', "unsupported_version", "v"),
+        (b'{"v":1}\n', "bad_request", "op"),
+        (b'{"v":1,"op":"nope"}\n', "unknown_op", "op"),
+        (b'{"v":1,"op":"add"}\n', "bad_request", "a"),
+        (b'{"v":1,"op":"add","a":"3"}\n', "bad_request", "a"),
+        (b'{"v":1,"op":"add","a":true}\n', "bad_request", "a"),
+        (b'{"v":1,"op":"add","a":1000}\n', "bad_request", "a"),
+        (b'{"v":1,"op":"add","a":1,"c":2}\n', "bad_request", "c"),
+        (b'{"v":1,"op":"add","a":1,"id":[1]}\n', "bad_request", "id"),
+        (b'{"v":1,"op":"admin_only"}\n', "forbidden", None),
+        (b"\xff\xfe\n", "bad_json", None),
+        (b'{"v":1,"op":"add","a":' + b"9" * 5000 + b"}\n", "bad_json", None),  # > int_max_str_digits
+        (b"[" * 5000 + b"]" * 5000 + b"\n", "bad_json", None),  # deeper than the recursion limit
+    ],
+)
+def test_bad_messages_get_error_replies_naming_the_field(
+    server: IpcServer, payload: bytes, code: str, field: str | None
+) -> None:
+    s = raw(server.path)
+    s.sendall(payload)
+    r = read_reply(s)
+    assert r["ok"] is False
+    assert r["error"]["code"] == code
+    assert r["error"].get("field") == field
+    assert r["error"]["message"]
+    # The same connection still works afterwards.
+    s.sendall(b'{"v":1,"id":9,"op":"add","a":2,"b":3}\n')
+    assert read_reply(s) == {"v": 1, "id": 9, "ok": True, "result": {"sum": 5}}
+    s.close()
+
+
+def test_oversized_message_is_refused_and_stream_resynchronises(server: IpcServer) -> None:
+    s = raw(server.path)
+    s.sendall(b'{"v":1,"op":"add","a":1,"pad":"' + b"x" * (2 * MAX_MESSAGE_BYTES) + b'"}\n')
+    r = read_reply(s)
+    assert r["error"]["code"] == "too_large"
+    s.sendall(b'{"v":1,"id":"next","op":"add","a":4}\n')
+    assert read_reply(s)["result"] == {"sum": 4}
+    s.close()
+
+
+def test_a_truncated_message_from_a_dead_client_does_not_affect_others(server: IpcServer) -> None:
+    dead = raw(server.path)
+    dead.sendall(b'{"v":1,"op":"ad')
+    dead.close()
+    with Client(server.path) as c:
+        assert c.request("add", a=1, b=1) == {"sum": 2}
+
+
+def test_forbidden_reply_says_what_is_needed(server: IpcServer) -> None:
+    with Client(server.path) as c, pytest.raises(RequestRefused) as e:
+        c.request("admin_only")
+    assert e.value.code == "forbidden"
+    assert "needs root" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "error, code, field",
+    [
+        (ProtocolError("no GPU 7 on this node", field="gpu"), "bad_request", "gpu"),
+        (ConfigError("[policy] name 'x': unknown"), "bad_request", None),
+        (PolicyError("policy 'x': no parameter 'y'"), "bad_request", None),
+        (ActuatorError("gpu0: the driver refused the clock"), "refused", None),
+        (
+            KnobError("gpu0: no permission", device="gpu0", knob="clock_cap_mhz", reason="no_permission"),
+            "refused",
+            None,
+        ),
+        (StateError("saved-settings.json is corrupt"), "refused", None),
+        (ZeroDivisionError("a bug"), "internal", None),
+    ],
+)
+def test_a_handlers_greend_error_reaches_the_client_with_its_code(
+    server: IpcServer, error: Exception, code: str, field: str | None
+) -> None:
+    def fail(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        raise error
+
+    server.route("fail", fail)
+    with Client(server.path) as c, pytest.raises(RequestRefused) as e:
+        c.request("fail")
+    assert e.value.code == code and e.value.field == field
+    assert str(error) in str(e.value)
+    with Client(server.path) as c:  # and the server goes on answering
+        assert c.request("add", a=1) == {"sum": 1}
+
+
+def test_stale_socket_of_a_crashed_daemon_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "g.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # bound but nobody listens: what a SIGKILLed daemon leaves
+    srv = IpcServer(path)
+    srv.route("ping", lambda m, c: {"pong": True})
+    srv.start()
+    try:
+        with Client(path) as c:
+            assert c.request("ping") == {"pong": True}
+        with pytest.raises(OSError, match="already listening"):
+            IpcServer(path).start()
+    finally:
+        srv.stop()
+
+
+def test_client_without_daemon_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(DaemonUnavailable, match="is the daemon running"):
+        Client(tmp_path / "absent.sock").connect()

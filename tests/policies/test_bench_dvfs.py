@@ -1,0 +1,69 @@
+"""bench/bench_dvfs.py runs and prints every row it promises (its figures are not
+asserted: they are measurements, printed for people to read)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from tests.support import REPO
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_dvfs", REPO / "bench" / "bench_dvfs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prints_the_table_and_the_seed_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    assert bench.main(["--steps", "300", "--seeds", "2", "--no-traces"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for knob, noise in (("clock", "0%"), ("power", "0%"), ("clock", "2%")):
+        for workload in ("compute-bound", "mixed", "memory-bound"):
+            assert any(ln.split()[:3] == [knob, noise, workload] for ln in lines), (knob, noise, workload)
+    summary = lines[lines.index(next(ln for ln in lines if ln.startswith("clock knob, 2% noise, seeds 1..2"))) :]
+    assert [ln.split()[0] for ln in summary[2:5]] == ["compute-bound", "mixed", "memory-bound"]
+    for ln in summary[2:5]:  # how many of the 2 seeds met each target
+        m = re.search(r"gap (\d+), x (\d+), bound (\d+)$", ln)
+        assert m and all(0 <= int(n) <= 2 for n in m.groups()), ln
+
+
+def test_replays_a_measured_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    trace = str(REPO / "probes" / "traces" / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv")
+    assert (
+        bench.main(
+            [
+                "--steps",
+                "100",
+                "--seeds",
+                "1",
+                "--noise",
+                "0",
+                "--trace",
+                trace,
+                "--trace-steps",
+                "300",
+                "--trace-seeds",
+                "1",
+            ]
+        )
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    for objective in (
+        ["bound", "5%"],
+        ["bound", "10%"],
+        ["cost", "eta=0.25"],
+        ["cost", "eta=0.5"],
+        ["cost", "eta=0.75"],
+    ):
+        for noise in ("0%", "1%", "2%"):
+            assert any(ln.split()[:4] == ["A40+resnet50+gpu0", *objective, noise] for ln in lines), (objective, noise)
+    assert sum(ln.startswith("summary (A40 profiles)") for ln in lines) == 4

@@ -1,0 +1,318 @@
+"""The ``precision`` policy on synthetic jobs: pure decide() calls, no daemon.
+
+:class:`FakeJob` plays the daemon's part: each period it runs some steps at the
+level in force (energy per FLOP per level as given, losses from a function of the
+step and the level), builds the :class:`JobView` the daemon would, and applies
+the policy's decision as the daemon does (the job's level changes at once, a
+``switch`` entry goes to its precision log).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from greend.errors import PolicyError
+from greend.policies import get_policy
+from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
+from greend.policies.precision import PrecisionPolicy, loss_trend
+
+EPF = {"fp32": 15e-12, "tf32": 2e-12, "bf16": 1e-12, "fp16": 1e-12, "fp8": 0.6e-12, "fp8-emulated": 1e-12}
+FLOPS = 1e12
+
+
+def flat(step: int, level: str) -> float:
+    return 1.0 + 0.01 * math.sin(step)  # stable, a little noise
+
+
+@dataclass
+class FakeJob:
+    precisions: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    loss: Callable[[int, str], float] = flat
+    epf: dict[str, float] = field(default_factory=lambda: dict(EPF))
+    steps_per_period: int = 10
+    precision: str = "fp32"
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    nonfinite: list[int] = field(default_factory=list)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    m: list[float] = field(default_factory=lambda: [0, 0.0, 0.0, 0.0])  # steps, flops, time, energy
+    levels: list[str] = field(default_factory=list)  # the level of every step run
+    inject: Callable[[int, str], bool] = lambda step, level: False  # a non-finite step here?
+    t: float = 0.0
+
+    def run(self) -> None:
+        for _ in range(self.steps_per_period):
+            self.levels.append(self.precision)
+            if self.inject(self.steps, self.precision):
+                self.nonfinite.append(self.steps)
+            else:
+                self.losses.append(self.loss(self.steps, self.precision))
+            self.steps += 1
+            self.m[0] += 1
+            self.m[1] += FLOPS
+            self.m[2] += 0.01
+            self.m[3] += FLOPS * self.epf[self.precision]
+
+    def view(self) -> JobView:
+        measure = (
+            JobMeasure(setting=UNCAPPED, steps=int(self.m[0]), flops=self.m[1], time_s=self.m[2], energy_j=self.m[3])
+            if self.m[0]
+            else None
+        )
+        return JobView(
+            job="j",
+            gpus=(0,),
+            state="running",
+            steps=self.steps,
+            precision=self.precision,
+            precisions=self.precisions,
+            measure=measure,
+            setting=UNCAPPED,
+            loss_recent=tuple(self.losses[-256:]),
+            nonfinite_recent=len(self.nonfinite[-256:]),
+            precision_events=tuple(self.log[-32:]),
+        )
+
+    def apply(self, d: Decision) -> None:
+        level = d.precision.get("j")
+        if level is not None and level != self.precision:
+            assert level in self.precisions, f"the policy asked for {level}, which the job does not run"
+            self.log.append(
+                {
+                    "t": self.t,
+                    "kind": "switch",
+                    "from": self.precision,
+                    "to": level,
+                    "reason": d.details["reasons"]["j"],
+                    "step": self.steps,
+                }
+            )
+            self.precision = level
+
+
+def drive(
+    policy: PrecisionPolicy,
+    job: FakeJob,
+    periods: int,
+    state: Any = None,
+    hook: Callable[[int, FakeJob], None] | None = None,
+) -> tuple[Any, list[Decision]]:
+    state = state if state is not None else policy.new_state()
+    decisions = []
+    for k in range(periods):
+        if hook is not None:
+            hook(k, job)
+        job.run()
+        job.t += 1.0
+        d = policy.decide(Snapshot(t_s=job.t, gpus=(), jobs=(job.view(),)), state)
+        job.apply(d)
+        decisions.append(d)
+    return state, decisions
+
+
+def policy(**kw: Any) -> PrecisionPolicy:
+    base = dict(window=16, probation_steps=40, min_steps=8, cooldown_s=100.0)
+    base.update(kw)
+    return get_policy("precision", **base)
+
+
+def switches(job: FakeJob) -> list[tuple[str, str]]:
+    return [(e["from"], e["to"]) for e in job.log if e["kind"] == "switch"]
+
+
+# Stepping down ------------------------------------------------------------------------------
+
+
+def test_steps_down_once_stable_and_keeps_the_cheaper_level() -> None:
+    job = FakeJob()
+    state, ds = drive(policy(), job, 20)
+    assert switches(job) == [("fp32", "bf16")]  # fp8 is not a level this job runs; fp16 not on the ladder
+    first_bf16 = job.levels.index("bf16")
+    assert first_bf16 >= 16  # a window of stable losses and the fp32 energy first
+    details = ds[-1].details["jobs"]["j"]
+    assert details["probation"] is None and "accepted" in details["last_event"]
+    assert "93% less energy per FLOP" in details["last_event"]  # 1 vs 15 pJ/FLOP
+    assert job.log[0]["reason"].startswith("loss stable")
+
+
+def test_does_not_step_down_while_the_loss_still_falls() -> None:
+    job = FakeJob(loss=lambda s, lv: 5.0 * math.exp(-s / 60.0) + 0.1)
+    drive(policy(), job, 12)
+    assert switches(job) == []
+    _, ds = drive(policy(), FakeJob(loss=lambda s, lv: 5.0 * math.exp(-s / 60.0) + 0.1), 12)
+    assert "not stable" in ds[-1].reason
+    # ... and does once it has flattened.
+    job2 = FakeJob(loss=lambda s, lv: 5.0 * math.exp(-s / 20.0) + 1.0)
+    drive(policy(), job2, 40)
+    assert switches(job2)[:1] == [("fp32", "bf16")] and job2.levels.index("bf16") > 60
+
+
+def test_noisy_loss_is_not_stable() -> None:
+    job = FakeJob(loss=lambda s, lv: 1.0 + (0.5 if s % 2 else -0.5))
+    _, ds = drive(policy(), job, 15)
+    assert switches(job) == [] and "spread" in ds[-1].reason
+
+
+def test_probation_holds_each_level_before_the_next() -> None:
+    job = FakeJob(precisions=("fp32", "bf16", "fp8"))
+    drive(policy(), job, 30)
+    assert switches(job) == [("fp32", "bf16"), ("bf16", "fp8")]
+    at_bf16 = job.levels.count("bf16")
+    assert at_bf16 >= 40  # the probation first
+
+
+def test_a_level_that_buys_nothing_is_left_and_not_retried() -> None:
+    job = FakeJob(precisions=("fp32", "bf16", "fp8-emulated"))  # emulated fp8 runs at bf16's speed
+    state, ds = drive(policy(), job, 40)
+    assert switches(job) == [("fp32", "bf16"), ("bf16", "fp8-emulated"), ("fp8-emulated", "bf16")]
+    assert "saves" in job.log[-1]["reason"] and "going back" in job.log[-1]["reason"]
+    assert job.precision == "bf16"
+    assert "fp8-emulated" in ds[-1].details["jobs"]["j"]["no_gain"]
+
+
+def test_tf32_stands_in_for_bf16_and_unsupported_levels_are_never_asked() -> None:
+    job = FakeJob(precisions=("fp32", "tf32", "fp16"))
+    drive(policy(), job, 30)
+    assert switches(job) == [("fp32", "tf32")]
+    only = FakeJob(precisions=("fp32",))
+    _, ds = drive(policy(), only, 20)
+    assert switches(only) == [] and "lowest level" in ds[-1].reason
+    assert all(not d.precision for d in ds)
+
+
+def test_no_energy_measure_holds() -> None:
+    job = FakeJob()
+    p = policy()
+    state = p.new_state()
+    for k in range(10):
+        job.run()
+        v = job.view()
+        v = JobView(**{**v.__dict__, "measure": None})
+        d = p.decide(Snapshot(t_s=float(k), gpus=(), jobs=(v,)), state)
+        assert not d.precision
+    assert "no energy measure" in d.reason
+
+
+# The guard -----------------------------------------------------------------------------------
+
+
+def test_trend_rollback_beyond_tolerance_and_cooldown() -> None:
+    worse = lambda s, lv: 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+    job = FakeJob(loss=worse)
+    p = policy(tolerance=0.1, cooldown_s=50.0)
+    state, ds = drive(p, job, 10)
+    assert switches(job) == [("fp32", "bf16"), ("bf16", "fp32")]
+    rb = next(d for d in ds if d.precision.get("j") == "fp32")
+    event = rb.details["jobs"]["j"]["event"]
+    assert event["kind"] == "rollback" and event["from"] == "bf16" and event["to"] == "fp32"
+    assert event["loss"] == pytest.approx(1.2, abs=0.01) and event["trend"] == pytest.approx(1.0, abs=0.01)
+    assert "over the trend" in event["reason"] and "+20" in event["reason"]
+    # Rolled back within the check window (grace + window losses), not at the end of probation.
+    assert job.levels.count("bf16") <= 2 + 16 + 10
+    # Barred for cooldown_s: no retry for 50 s, then one retry (and another rollback).
+    drive(p, job, 70, state)
+    retries = [e for e in job.log if e["to"] == "bf16"]
+    assert len(retries) == 2
+    assert retries[1]["t"] - job.log[1]["t"] >= 50.0
+
+
+def test_within_tolerance_is_kept() -> None:
+    slightly = lambda s, lv: 1.0 + (0.03 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+    job = FakeJob(loss=slightly)
+    drive(policy(tolerance=0.05), job, 20)
+    assert switches(job) == [("fp32", "bf16")] and job.precision == "bf16"
+
+
+def test_nonfinite_during_probation_rolls_back_at_once() -> None:
+    job = FakeJob(inject=lambda s, lv: lv == "bf16" and s % 7 == 0)
+    state, ds = drive(policy(), job, 12)
+    assert switches(job)[:2] == [("fp32", "bf16"), ("bf16", "fp32")]
+    i = job.levels.index("bf16")
+    assert job.levels[i : i + 10] == ["bf16"] * 10 and job.levels[i + 10] == "fp32"  # the next period
+    assert "non-finite" in job.log[1]["reason"]
+
+
+def test_callback_rollback_bars_the_level() -> None:
+    job = FakeJob()
+    p = policy(cooldown_s=30.0)
+
+    def callback_rolls_back(k: int, j: FakeJob) -> None:
+        if j.precision == "bf16" and j.levels.count("bf16") >= 5 and not any(e["kind"] == "rollback" for e in j.log):
+            j.nonfinite.append(j.steps)
+            j.log.append(
+                {
+                    "t": j.t,
+                    "kind": "rollback",
+                    "from": "bf16",
+                    "to": "fp32",
+                    "reason": "non-finite loss",
+                    "step": j.steps,
+                    "loss": None,
+                    "trend": 1.0,
+                    "rank": 0,
+                }
+            )
+            j.precision = "fp32"
+
+    state, ds = drive(p, job, 12, hook=callback_rolls_back)
+    assert [e["kind"] for e in job.log] == ["switch", "rollback"]
+    assert "bf16" in ds[-1].details["jobs"]["j"]["barred"] and not ds[-1].precision
+    drive(p, job, 40, state, hook=callback_rolls_back)
+    assert [e["kind"] for e in job.log][:3] == ["switch", "rollback", "switch"]
+    retry = job.log[2]
+    assert retry["to"] == "bf16" and retry["t"] - job.log[1]["t"] >= 30.0
+
+
+def test_refused_level_is_barred_and_the_job_resynced() -> None:
+    job = FakeJob()
+    p = policy()
+    state = p.new_state()
+
+    def refuse(k: int, j: FakeJob) -> None:
+        if j.precision == "bf16" and not any(e["kind"] == "refused" for e in j.log):
+            j.log.append(
+                {
+                    "t": j.t,
+                    "kind": "refused",
+                    "from": "fp32",
+                    "to": "bf16",
+                    "reason": "bf16 is barred",
+                    "step": j.steps,
+                    "rank": 0,
+                }
+            )
+            # The callback stayed at fp32; the daemon still believes bf16 (it does not undo it).
+
+    drive(p, job, 30, state, hook=refuse)
+    assert switches(job)[:2] == [("fp32", "bf16"), ("bf16", "fp32")]
+    assert "bf16" in state.jobs["j"].barred
+
+
+def test_ended_jobs_are_forgotten_and_params_are_checked() -> None:
+    p = policy()
+    state, _ = drive(p, FakeJob(), 3)
+    assert "j" in state.jobs
+    p.decide(Snapshot(t_s=100.0, gpus=(), jobs=()), state)
+    assert state.jobs == {}
+    with pytest.raises(PolicyError, match="ladder"):
+        get_policy("precision", ladder="fp32,fp7")
+    with pytest.raises(PolicyError, match="tolerance"):
+        get_policy("precision", tolerance=0)
+
+
+def test_loss_trend() -> None:
+    mean, slope, fitted, sd = loss_trend([1.0, 2.0, 3.0, 4.0])
+    assert (mean, slope, fitted) == pytest.approx((2.5, 1.0, 4.0)) and sd == pytest.approx(0.0)
+
+
+def test_decide_is_pure_given_the_state() -> None:
+    """Same snapshots, same state: same decisions (no clock, no randomness)."""
+    a, b = FakeJob(), FakeJob()
+    _, da = drive(policy(), a, 20)
+    _, db = drive(policy(), b, 20)
+    assert [d.precision for d in da] == [d.precision for d in db] and a.levels == b.levels

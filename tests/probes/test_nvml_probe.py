@@ -1,0 +1,368 @@
+"""The NVML probe, on the fake NVML (simulated GPUs) and against the real pynvml."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, NotSupported, ProbeError
+from greend.probes import REGISTRY, ProbeContext
+from greend.probes.base import MeasuresProcesses, Probe, SampledEvery, ShowsClockCaps, SimulatesGpus
+from greend.probes.fake_nvml import FakeNvml
+from greend.probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
+from greend.probes.sim import H100
+from tests.support import ManualClock
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(10_000.0)
+
+
+@pytest.fixture
+def fake(tmp_path: Path, clock: ManualClock) -> FakeNvml:
+    return FakeNvml(tmp_path, n=2, clock=clock, initial_energy_mj=123_456_789)
+
+
+@pytest.fixture
+def probe(fake: FakeNvml) -> NvmlProbe:
+    p = NvmlProbe(nvml=fake, source="sim")
+    p.open()
+    return p
+
+
+def by_index(probe: NvmlProbe, now_s: float) -> dict[int, Any]:
+    return {g.index: g for g in probe.sample(now_s).gpus}
+
+
+def test_is_a_probe_and_reads_static_facts(probe: NvmlProbe) -> None:
+    assert isinstance(probe, Probe)
+    assert isinstance(probe, ShowsClockCaps) and isinstance(probe, SimulatesGpus)
+    assert not isinstance(probe, SampledEvery) and not isinstance(probe, MeasuresProcesses)
+    assert probe.sim_gpu(0) is not None  # simulated GPUs behind the fake NVML
+    gpus = by_index(probe, 0.0)
+    assert sorted(gpus) == [0, 1]
+    g = gpus[0]
+    assert g.source == "sim" and g.name == H100.name and g.uuid.startswith("GPU-")
+    assert g.energy_j == 0.0 and g.energy_method == "counter"  # counted from open()
+    assert g.power_w == pytest.approx(70.0)
+    assert g.sm_clock_max_mhz == 1980 and g.supported_sm_clocks_mhz[0] == 1980
+    assert (g.power_limit_min_w, g.power_limit_max_w, g.power_limit_default_w) == (200, 700, 700)
+    assert g.power_limit_w == 700
+    assert g.compute_capability == (9, 0)
+    assert g.util_gpu_pct == 0.0 and g.temperature_c is not None
+    assert g.clock_cap_mhz is None  # no cap_lookup given
+    info = probe.info()
+    assert info.available and len(info.devices) == 2
+
+
+def test_counter_energy_matches_the_simulator(probe: NvmlProbe, fake: FakeNvml, clock: ManualClock) -> None:
+    truth0 = {i: fake.sim_gpu(i).energy_j() for i in (0, 1)}
+    now = 0.0
+    probe.sample(now)
+    for k in range(20):
+        fake.sim_gpu(0).run_step(3e14, 0.1 * (k % 5), "bf16")
+        if k % 2:
+            fake.sim_gpu(1).run_step(1e14, 0.6, "bf16")
+        clock.advance(0.5)
+        now += 0.5
+        probe.sample(now)
+    gpus = by_index(probe, now)
+    for i in (0, 1):
+        truth = fake.sim_gpu(i).energy_j() - truth0[i]
+        assert gpus[i].energy_j == pytest.approx(truth, rel=1e-3)
+        assert gpus[i].energy_method == "counter"
+    assert gpus[0].energy_j > gpus[1].energy_j > 0
+
+
+def test_pre_volta_gpu_integrates_power(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=2, clock=clock, background_load=[0.5, 0.0])
+    fake.inject(0, no_energy_counter=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    assert power > 2 * H100.idle_w
+    now = 100.0
+    for _ in range(10):
+        probe.sample(now)
+        clock.advance(0.25)
+        now += 0.25
+    g = by_index(probe, now)
+    assert g[0].energy_method == "power_integration"
+    assert g[0].compute_capability == (6, 0)
+    assert g[0].energy_j == pytest.approx(power * 2.5, rel=1e-3)  # 10 intervals of 0.25 s
+    assert g[1].energy_method == "counter"
+    assert g[1].energy_j == pytest.approx(H100.idle_w * 2.5, rel=1e-3)
+
+
+def test_trapezoid_bridges_a_ramp(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=1, clock=clock)
+    fake.inject(0, no_energy_counter=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    probe.sample(0.0)  # 70 W
+    fake.sim_gpu(0).set_background_load(1.0)  # 680 W from here on
+    clock.advance(2.0)
+    g = probe.sample(2.0).gpus[0]
+    assert g.energy_j == pytest.approx(0.5 * (70.0 + 680.0) * 2.0, rel=1e-6)
+
+
+class CallCounter:
+    """The fake NVML with a count of every call the probe makes, by name."""
+
+    def __init__(self, nvml: FakeNvml) -> None:
+        self._nvml = nvml
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._nvml, name)
+        if not (name.startswith("nvml") and callable(attr)):
+            return attr
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args)
+
+        return counted
+
+
+def test_power_is_read_with_the_slow_fields_while_the_counter_works_and_every_tick_when_integrated(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    fake = FakeNvml(tmp_path, n=2, clock=clock, background_load=0.5)
+    fake.inject(1, no_energy_counter=True)
+    nvml = CallCounter(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    nvml.calls.clear()
+    now = 0.0
+    for _ in range(20):  # 2 s at 10 Hz
+        probe.sample(now)
+        clock.advance(0.1)
+        now += 0.1
+    # gpu0 (counter): energy every tick, power with the slow fields (t = 0 s, 1 s);
+    # gpu1 (integrating): its counter is NOT_SUPPORTED, so power every tick.
+    assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 20
+    assert nvml.calls["nvmlDeviceGetPowerUsage"] == 2 + 20
+    assert nvml.calls["nvmlDeviceGetTemperature"] == 2 * 2
+    g = by_index(probe, now)
+    assert g[0].power_w == pytest.approx(fake.sim_gpu(0).power_w(), rel=0.02)  # the last read stands
+    assert g[1].energy_j == pytest.approx(fake.sim_gpu(1).instant_power_w() * 2.0, rel=1e-3)
+
+
+def test_a_counter_that_stops_mid_run_hands_over_to_power_at_once(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path, n=1, clock=clock, background_load=0.5)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    probe.sample(0.0)
+    clock.advance(0.3)
+    probe.sample(0.3)  # between two power reads (they come once a second)
+    counted = probe.sample(0.3).gpus[0].energy_j
+    fake.inject(0, no_energy_counter=True)
+    for k in range(1, 6):  # 0.4 .. 0.8 s: the first tick without the counter reads power
+        clock.advance(0.1)
+        probe.sample(0.3 + 0.1 * k)
+    g = probe.sample(0.8).gpus[0]
+    assert g.energy_method == "power_integration"
+    # Integrated from the first tick without the counter (0.4 s) to 0.8 s.
+    assert g.energy_j - counted == pytest.approx(power * 0.4, rel=1e-3)
+
+
+def test_lost_gpu_is_dropped_and_the_other_goes_on(
+    probe: NvmlProbe, fake: FakeNvml, clock: ManualClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert sorted(by_index(probe, 0.0)) == [0, 1]
+    FakeNvml(tmp_path).inject(1, lost=True)  # from "another process"
+    with caplog.at_level(logging.ERROR, logger="greend.probes.nvml"):
+        for t in (1.0, 2.0, 3.0):
+            clock.advance(1.0)
+            gpus = by_index(probe, t)
+            assert sorted(gpus) == [0]
+    assert gpus[0].energy_j == pytest.approx(3 * 70.0, rel=1e-3)
+    lost_lines = [r for r in caplog.records if "gpu1 is lost" in r.getMessage()]
+    assert len(lost_lines) == 1 and lost_lines[0].levelno == logging.ERROR
+    assert list(probe.lost_gpus) == [1]
+    info = probe.info()
+    assert info.available and "lost: gpu1" in info.detail
+    assert any("gpu1: LOST" in d for d in info.devices)
+    with pytest.raises(DeviceLost):  # the GPU back end writes through the probe's devices
+        NvmlGpuBackend(probe).set_power_limit_w(1, 300)
+
+
+def test_all_gpus_lost_gives_empty_readings(probe: NvmlProbe, fake: FakeNvml) -> None:
+    fake.inject(0, lost=True)
+    fake.inject(1, lost=True)
+    assert probe.sample(1.0).gpus == []
+    assert not probe.info().available
+
+
+def test_a_gpu_lost_before_open_is_reported(fake: FakeNvml) -> None:
+    fake.inject(0, lost=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    assert [g.index for g in probe.sample(0.0).gpus] == [1]
+    assert probe.lost_gpus.keys() == {0}
+
+
+class _NoTemperature(FakeNvml):
+    """A GPU model without a temperature sensor reading."""
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+
+def test_unsupported_optional_fields_read_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    probe = NvmlProbe(nvml=_NoTemperature(tmp_path, n=1), source="sim")
+    probe.open()
+    with caplog.at_level(logging.WARNING, logger="greend.probes.nvml"):
+        for t in (0.0, 1.0):
+            g = probe.sample(t).gpus[0]
+    assert g.temperature_c is None  # NOT_SUPPORTED: quietly None
+    assert g.util_gpu_pct is None and g.util_mem_pct is None  # an error: None, logged once
+    assert g.power_w is not None and g.sm_clock_mhz is not None
+    assert len([r for r in caplog.records if "Utilization" in r.getMessage()]) == 1
+    assert "nvmlDeviceGetUtilizationRates" in probe.device_errors[0]
+
+
+def test_setters_map_errors(probe: NvmlProbe, fake: FakeNvml) -> None:
+    """The probe only reads; the GPU back end writes over the same NVML devices."""
+    assert not any(hasattr(probe, n) for n in ("set_locked_clocks_mhz", "reset_locked_clocks", "set_power_limit_w"))
+    gpus = NvmlGpuBackend(probe)
+    gpus.set_locked_clocks_mhz(0, 345, 1500)
+    assert fake.fake_get_locked_clocks(fake.nvmlDeviceGetHandleByIndex(0)) == (345, 1500)
+    gpus.reset_locked_clocks(0)
+    gpus.set_power_limit_w(1, 400.0)
+    assert by_index(probe, 0.0)[1].power_limit_w == 400.0
+    fake.inject(0, no_permission=True)
+    with pytest.raises(NoPermission) as e:
+        gpus.set_locked_clocks_mhz(0, 345, 1200)
+    assert isinstance(e.value.__cause__, pynvml.NVMLError_NoPermission)
+    with pytest.raises(NoPermission):
+        gpus.set_power_limit_w(0, 300.0)
+    with pytest.raises(InvalidArgument):  # INVALID_ARGUMENT: a ProbeError of its own type
+        gpus.set_power_limit_w(1, 50.0)
+
+
+class SetsDuringTheRead(CallCounter):
+    """A setter (the IPC thread, in the daemon) runs while the tick reads the limit."""
+
+    def __init__(self, nvml: FakeNvml) -> None:
+        super().__init__(nvml)
+        self.during_read: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = super().__getattr__(name)
+        if name != "nvmlDeviceGetEnforcedPowerLimit" or self.during_read is None:
+            return attr
+
+        def read_then_set(*args: Any) -> Any:
+            value = attr(*args)  # the old limit is in hand ...
+            setter, self.during_read = self.during_read, None
+            setter()  # ... when the new one is set
+            return value
+
+        return read_then_set
+
+
+def test_a_setting_changed_during_the_slow_read_is_read_again_next_tick(tmp_path: Path, clock: ManualClock) -> None:
+    nvml = SetsDuringTheRead(FakeNvml(tmp_path, n=1, clock=clock))
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    assert by_index(probe, 0.0)[0].power_limit_w == 700
+    gpus = NvmlGpuBackend(probe)
+    nvml.during_read = lambda: gpus.set_power_limit_w(0, 450.0)
+    gpus.set_locked_clocks_mhz(0, 345, 1500)  # makes the slow fields due at once
+    assert by_index(probe, 0.1)[0].power_limit_w == 700  # read before the set landed
+    # Not a second later: the very next tick reads it again.
+    assert by_index(probe, 0.2)[0].power_limit_w == 450
+
+
+def test_cap_lookup_fills_clock_cap(fake: FakeNvml) -> None:
+    caps = {0: 1410.0}
+    probe = NvmlProbe(nvml=fake, source="sim", cap_lookup=caps.get)
+    probe.open()
+    gpus = by_index(probe, 0.0)
+    assert gpus[0].clock_cap_mhz == 1410.0 and gpus[1].clock_cap_mhz is None
+    probe.use_cap_lookup({1: 1305.0}.get)  # what the control loop does once it has a Controller
+    gpus = by_index(probe, 0.1)
+    assert gpus[0].clock_cap_mhz is None and gpus[1].clock_cap_mhz == 1305.0
+
+
+def test_init_failure_is_no_data_with_a_clear_message(fake: FakeNvml) -> None:
+    fake.set_init_error("DRIVER_NOT_LOADED")
+    probe = NvmlProbe(nvml=fake)
+    with pytest.raises(NoData, match="no NVML on this node: Driver Not Loaded") as e:
+        probe.open()
+    assert "install the NVIDIA driver" in str(e.value)
+    assert isinstance(e.value.__cause__, pynvml.NVMLError_DriverNotLoaded)
+    info = probe.info()
+    assert not info.available and "Driver Not Loaded" in info.detail
+    assert info.fix and "nvidia-ml-py" in info.fix
+
+
+def test_real_pynvml_without_a_driver_is_no_data() -> None:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has an NVIDIA driver")
+    probe = NvmlProbe()  # imports the real pynvml
+    with pytest.raises(NoData, match="no NVML on this node"):
+        probe.open()
+    assert not probe.info().available
+
+
+def test_one_error_table() -> None:
+    for code, (name, _cls) in NVML_ERROR_MAP.items():
+        assert getattr(pynvml, name) == code
+    cases = {
+        pynvml.NVML_ERROR_INVALID_ARGUMENT: InvalidArgument,
+        pynvml.NVML_ERROR_NOT_SUPPORTED: NotSupported,
+        pynvml.NVML_ERROR_NO_PERMISSION: NoPermission,
+        pynvml.NVML_ERROR_GPU_IS_LOST: DeviceLost,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: NoData,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED: NoData,
+    }
+    for code, cls in cases.items():
+        err = translate_nvml_error(pynvml.NVMLError(code), "gpu0 call")
+        assert type(err) is cls and "gpu0 call" in str(err)
+    assert type(translate_nvml_error(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "x")) is ProbeError
+
+
+def test_sample_before_open_and_close_twice(fake: FakeNvml) -> None:
+    probe = NvmlProbe(nvml=fake, source="sim")
+    with pytest.raises(ProbeError, match="before open"):
+        probe.sample(0.0)
+    probe.open()
+    probe.close()
+    probe.close()
+
+
+def test_registered_sim_probe_drives_the_nvml_path(tmp_path: Path) -> None:
+    import greend.probes.nvml
+    import greend.probes.sim  # noqa: F401  (registers "sim")
+
+    ctx = ProbeContext(sim_gpus=2, sim_dir=tmp_path, sim_params={"background_load": 0.25})
+    sim_probe = REGISTRY["sim"].factory(ctx)
+    assert isinstance(sim_probe, NvmlProbe) and sim_probe.name == "sim"
+    sim_probe.open()
+    gpus = sim_probe.sample(0.0).gpus
+    assert [g.source for g in gpus] == ["sim", "sim"]
+    assert gpus[0].power_w is not None and gpus[0].power_w > H100.idle_w
+    gpu = sim_probe.sim_gpu(1)
+    assert gpu is not None and gpu.index == 1
+    assert REGISTRY["sim"].default is False and REGISTRY["nvml"].default is True
+
+    real = REGISTRY["nvml"].factory(ProbeContext(nvml_module=FakeNvml(tmp_path)))
+    assert isinstance(real, NvmlProbe) and real.sim_gpu(0) is None

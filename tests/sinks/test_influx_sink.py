@@ -1,0 +1,346 @@
+"""InfluxSink against a real victoria-metrics, and against a scripted server for errors.
+
+victoria-metrics answers 204 even to malformed lines, so the error
+paths (400, 401, 404, 413, 429, 503) are tested against a small HTTP server of
+our own that answers what each test scripts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from greend.sinks import Point
+from greend.sinks.influx import InfluxSink, encode_points
+from tests import vmserver
+from tests.support import REPO, wait_for
+
+FAST = {"backoff_min_s": 0.05, "backoff_max_s": 0.3, "segment_age_s": 0.1}
+
+
+@pytest.fixture(scope="module")
+def vm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vmserver.VmServer]:
+    if not vmserver.available():
+        pytest.skip(f"{vmserver.VM_BIN} is absent (apt-get install victoria-metrics)")
+    # dedup off: a point sent twice must show up twice, so the tests can see it.
+    server = vmserver.VmServer(tmp_path_factory.mktemp("vm"), dedup=False).start()
+    yield server
+    server.close()
+
+
+def pts(run: str, a: int, b: int, t0_ms: int) -> list[Point]:
+    """Points i in [a, b), 1 ms apart (victoria-metrics keeps milliseconds)."""
+    return [
+        Point("greend_test", {"run": run, "gpu": str(i % 2)}, {"v": float(i), "n": i}, (t0_ms + i) * 1_000_000)
+        for i in range(a, b)
+    ]
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000 - 600_000  # ten minutes ago: well inside retention
+
+
+# Line protocol ---------------------------------------------------------------------
+def test_line_protocol_escapes_and_types() -> None:
+    p = Point(
+        "m x,y",
+        {"zone": "a b,c=d", "empty": "", "job": "j"},
+        {"f": 1.5, "i": 3, "b": True, "s": "no", "nan": float("nan"), "k y": 2.0},
+        123,
+    )
+    line = encode_points([p], host="node-1").decode()
+    assert line == r"m\ x\,y,host=node-1,job=j,zone=a\ b\,c\=d f=1.5,i=3i,b=true,k\ y=2.0 123" + "\n"
+    assert encode_points([Point("m", {}, {"s": "only strings"}, 1)]) == b""
+    assert (
+        encode_points([Point("m", {"host": "mine"}, {"v": 1.0}, 5_000_000)], "other", "ms") == b"m,host=mine v=1.0 5\n"
+    )
+
+
+# Against victoria-metrics ----------------------------------------------------------
+def test_points_land_with_their_values(vm: vmserver.VmServer, tmp_path: Path) -> None:
+    run, t0, n = uuid.uuid4().hex[:8], now_ms(), 5000
+    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-a", **FAST)
+    for i in range(0, n, 500):
+        sink.write(pts(run, i, i + 500, t0))
+    sink.write(
+        [Point("greend_test", {"run": run, "zone": "a b,c=d"}, {"flag": True, "note": "dropped"}, (t0 + n) * 1_000_000)]
+    )
+    assert sink.flush(15)
+    st = sink.status()
+    assert st.ok and st.written == n + 1 and st.pending == 0 and st.dropped == 0
+    assert st.extra["fields_skipped"] == 1 and st.extra["spool_bytes"] == 0
+    sink.close()
+    got = vm.wait_samples("greend_test_v", n, run=run)
+    assert got == [(t0 + i, float(i)) for i in range(n)]
+    assert [v for _, v in vm.wait_samples("greend_test_n", n, run=run)] == [float(i) for i in range(n)]
+    series = vm.export("greend_test_v", run=run)
+    assert {m["host"] for m, _, _ in series} == {"node-a"}
+    assert {m["gpu"] for m, _, _ in series} == {"0", "1"}
+    flag = vm.export("greend_test_flag", run=run)
+    assert flag[0][0]["zone"] == "a b,c=d" and flag[0][2] == [1]
+
+
+def test_outage_loses_nothing_and_duplicates_nothing(vm: vmserver.VmServer, tmp_path: Path) -> None:
+    run, t0, n = uuid.uuid4().hex[:8], now_ms(), 3000
+    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-b", **FAST)
+    for i in range(0, 1000, 20):
+        sink.write(pts(run, i, i + 20, t0))
+        time.sleep(0.002)
+    vm.stop()  # the store goes away mid-run
+    for i in range(1000, 2000, 20):
+        sink.write(pts(run, i, i + 20, t0))
+        time.sleep(0.002)
+    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
+    st = sink.status()
+    assert not st.ok and st.pending > 0 and "cannot reach" in (st.last_error or "")
+    vm.start()  # same port, same data dir
+    for i in range(2000, n, 20):
+        sink.write(pts(run, i, i + 20, t0))
+        time.sleep(0.002)
+    assert sink.flush(20)
+    st = sink.status()
+    assert st.ok and st.written == n and st.pending == 0 and st.dropped == 0
+    sink.close()
+    got = vm.wait_samples("greend_test_v", n, run=run)
+    assert len(got) == n  # no duplicates
+    assert got == [(t0 + i, float(i)) for i in range(n)]
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from greend.sinks import Point
+    from greend.sinks.influx import InfluxSink
+    url, state, run, t0 = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    sink = InfluxSink(url, state_dir=state, host="node-c", backoff_min_s=0.05, backoff_max_s=0.3,
+                      segment_age_s=0.1)
+    def pts(a, b):
+        return [Point("greend_test", {"run": run}, {"v": float(i)}, (t0 + i) * 1_000_000) for i in range(a, b)]
+    sink.write(pts(0, 500))
+    assert sink.flush(15)
+    print("A", flush=True)
+    sys.stdin.readline()          # the test stops the store now
+    for i in range(500, 1500, 10):
+        sink.write(pts(i, i + 10))
+    print("B", flush=True)        # every point above was acknowledged by write()
+    time.sleep(60)
+    """
+)
+
+
+def test_sigkilled_writer_during_outage_is_replayed(vm: vmserver.VmServer, tmp_path: Path) -> None:
+    run, t0 = uuid.uuid4().hex[:8], now_ms()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, vm.influx_url, str(tmp_path), run, str(t0)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "A"
+        vm.stop()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "B"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    vm.start()
+    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-c", **FAST)
+    assert sink.status().extra["recovered"] == 1000
+    assert sink.flush(20)
+    assert sink.status().written == 1000
+    sink.close()
+    got = vm.wait_samples("greend_test_v", 1500, run=run)
+    assert got == [(t0 + i, float(i)) for i in range(1500)]
+
+
+# Against a scripted server ---------------------------------------------------------
+class Scripted:
+    """An HTTP server answering a scripted list of (status, headers), then 204s."""
+
+    def __init__(self) -> None:
+        self.script: list[tuple[int, dict[str, str]]] = []
+        self.max_lines: int | None = None  # answer 413 to bigger bodies
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    raw = gzip.decompress(raw)
+                body = raw.decode().splitlines()
+                with outer.lock:
+                    if outer.max_lines is not None and len(body) > outer.max_lines:
+                        status, headers = 413, {}
+                    elif outer.script:
+                        status, headers = outer.script.pop(0)
+                    else:
+                        status, headers = 204, {}
+                    outer.requests.append(
+                        {
+                            "t": time.monotonic(),
+                            "status": status,
+                            "lines": body,
+                            "path": self.path,
+                            "auth": self.headers.get("Authorization"),
+                        }
+                    )
+                payload = b"" if status == 204 else b'{"code":"x","message":"scripted"}'
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"influx://127.0.0.1:{self.port}?org=o1&bucket=b1"
+
+    def delivered(self) -> list[str]:
+        return [ln for r in self.requests if 200 <= r["status"] < 300 for ln in r["lines"]]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    s = Scripted()
+    yield s
+    s.close()
+
+
+def values(lines: list[str]) -> list[int]:
+    return [int(float(ln.split(" ")[1].split(",")[0].split("=")[1])) for ln in lines]
+
+
+def test_retry_on_503_and_429_honours_retry_after_and_keeps_order(
+    scripted: Scripted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GREEND_INFLUX_TOKEN", "s3cret")
+    scripted.script = [(503, {}), (503, {}), (429, {"Retry-After": "1"})]
+    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    for i in range(0, 300, 100):
+        sink.write(pts("r", i, i + 100, 0))
+        sink._spool.seal()  # one segment per batch
+    assert sink.flush(10)
+    sink.close()
+    assert [r["status"] for r in scripted.requests] == [503, 503, 429, 204, 204, 204]
+    gap = scripted.requests[3]["t"] - scripted.requests[2]["t"]
+    assert gap >= 0.9, f"Retry-After: 1 not honoured (retried after {gap:.2f} s)"
+    assert values(scripted.delivered()) == list(range(300))
+    r = scripted.requests[0]
+    assert r["auth"] == "Token s3cret"
+    q = parse_qs(urlsplit(r["path"]).query)
+    assert urlsplit(r["path"]).path == "/api/v2/write"
+    assert q["org"] == ["o1"] and q["bucket"] == ["b1"] and q["precision"] == ["ns"]
+
+
+def test_400_sets_the_segment_aside_and_goes_on(scripted: Scripted, tmp_path: Path) -> None:
+    scripted.script = [(400, {})]
+    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    sink.write(pts("r", 0, 10, 0))
+    sink._spool.seal()
+    sink.write(pts("r", 10, 20, 0))
+    assert sink.flush(5)
+    st = sink.status()
+    assert st.extra["rejected"] == 10 and st.written == 10 and st.pending == 0
+    assert st.ok and "400" in (st.extra["last_rejected"] or "")  # remembered after the next success
+    assert values(scripted.delivered()) == list(range(10, 20))
+    kept = list((sink.spool_dir / "rejected").glob("*.lp"))
+    assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 10
+    assert len(scripted.requests) == 2  # not retried
+    sink.close()
+
+
+@pytest.mark.parametrize("code", [401, 403, 404])
+def test_auth_errors_alert_and_keep_spooling(scripted: Scripted, tmp_path: Path, code: int) -> None:
+    scripted.script = [(code, {})] * 3
+    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    sink.write(pts("r", 0, 50, 0))
+    deadline = time.monotonic() + 5
+    while sink.status().ok and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = sink.status()
+    assert not st.ok and "token/org/bucket wrong" in (st.last_error or "") and str(code) in (st.last_error or "")
+    assert st.pending == 50 and st.dropped == 0
+    sink.write(pts("r", 50, 60, 0))  # still accepted into the spool
+    assert sink.flush(10)  # the operator fixed it: the script ran out, 204s now
+    st = sink.status()
+    assert st.ok and st.last_error is None and st.written == 60
+    assert values(scripted.delivered()) == list(range(60))
+    sink.close()
+
+
+def test_413_splits_the_segment(scripted: Scripted, tmp_path: Path) -> None:
+    scripted.max_lines = 64
+    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    sink.write(pts("r", 0, 1000, 0))
+    assert sink.flush(10)
+    sink.close()
+    ok = [r for r in scripted.requests if r["status"] == 204]
+    assert all(len(r["lines"]) <= 64 for r in ok)
+    assert values(scripted.delivered()) == list(range(1000))  # each once, in order
+    assert sink.status().written == 1000
+
+
+def test_413_split_progress_survives_a_restart(scripted: Scripted, tmp_path: Path) -> None:
+    scripted.max_lines = 100
+    scripted.script = [(204, {}), (204, {}), (503, {})]  # the store dies after 2 pieces
+    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", backoff_min_s=30, segment_age_s=0.1)
+    sink.write(pts("r", 0, 400, 0))
+    deadline = time.monotonic() + 5
+    while not any(r["status"] == 503 for r in scripted.requests) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sink.close(0.5)
+    sink2 = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    assert sink2.flush(10)
+    sink2.close()
+    assert values(scripted.delivered()) == list(range(400))
+
+
+def test_no_server_spools_and_reports(tmp_path: Path) -> None:
+    url = f"influx://127.0.0.1:{vmserver.free_port()}?org=o&bucket=b"
+    sink = InfluxSink(url, state_dir=tmp_path, host="h", **FAST)
+    t = time.perf_counter()
+    sink.write(pts("r", 0, 100, 0))
+    assert time.perf_counter() - t < 0.5  # never blocks on the network (nor waits for a connect)
+    assert not sink.flush(0.5)
+    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
+    st = sink.status()
+    assert not st.ok and st.pending == 100 and "cannot reach" in (st.last_error or "")
+    assert st.extra["spool_bytes"] > 0
+    sink.close(0.5)
+    assert list(sink.spool_dir.glob("*.lp"))  # left for the next start

@@ -1,0 +1,183 @@
+"""The disk spool: order, sealing, recovery after a crash, the byte bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from greend.sinks.spool import Spool
+from tests.support import REPO
+
+
+def lines(a: int, b: int) -> bytes:
+    return b"".join(b"m,host=h v=%di %d\n" % (i, i) for i in range(a, b))
+
+
+def drain(sp: Spool) -> list[bytes]:
+    """What a sender would send, in order, acking each segment."""
+    out: list[bytes] = []
+    while (seg := sp.oldest()) is not None:
+        out.extend(sp.read(seg).splitlines())
+        sp.ack(seg)
+    return out
+
+
+def test_append_seal_and_send_oldest_first(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, segment_bytes=200)
+    for i in range(0, 100, 10):
+        assert sp.append(lines(i, i + 10)) == 10
+    assert sp.sealed_count >= 4  # sealed by size
+    assert sp.pending_points == 100
+    sp.seal()  # the open rest
+    got = drain(sp)
+    assert got == lines(0, 100).splitlines()
+    assert sp.empty() and sp.pending_points == 0
+    assert not list(tmp_path.glob("*.lp"))  # acked segments are deleted
+
+
+def test_open_segment_sealed_by_age_and_nothing_sent_before_seal(tmp_path: Path) -> None:
+    now = [0.0]
+    sp = Spool(tmp_path, segment_age_s=1.0, clock=lambda: now[0])
+    sp.append(lines(0, 3))
+    assert sp.oldest() is None  # still open
+    now[0] = 0.5
+    sp.maintain()
+    assert sp.oldest() is None
+    now[0] = 1.1
+    sp.maintain()
+    seg = sp.oldest()
+    assert seg is not None and seg.points == 3
+
+
+def test_leftovers_replay_in_order_before_new_points(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, segment_bytes=150)
+    sp.append(lines(0, 20))
+    sp.append(lines(20, 25))  # stays in the open segment: simulate a crash (no close)
+    del sp
+    sp2 = Spool(tmp_path, segment_bytes=150)
+    assert sp2.recovered == 25
+    sp2.append(lines(25, 30))
+    sp2.seal()
+    assert drain(sp2) == lines(0, 30).splitlines()
+
+
+def test_torn_last_line_is_dropped_and_counted(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    sp.append(lines(0, 5))
+    path = next(tmp_path.glob("*.open"))
+    with open(path, "ab") as f:
+        f.write(b"m,host=h v=99i 9")  # the writer died mid-line
+    sp2 = Spool(tmp_path)
+    assert sp2.dropped == 1 and sp2.recovered == 5
+    assert drain(sp2) == lines(0, 5).splitlines()
+
+
+def test_nul_garbage_from_a_power_loss_is_dropped(tmp_path: Path) -> None:
+    (tmp_path / "0000000000000007.lp.open").write_bytes(lines(0, 2) + b"\x00" * 40 + b"\n" + lines(2, 3))
+    sp = Spool(tmp_path)
+    assert drain(sp) == lines(0, 3).splitlines()
+    assert sp.dropped == 1
+
+
+def test_bound_drops_oldest_segments_and_counts_points(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, segment_bytes=100, max_bytes=1000)
+    for i in range(0, 500, 5):
+        sp.append(lines(i, i + 5))
+    sp.seal()
+    assert sp.pending_bytes <= 1000
+    assert sp.dropped > 0
+    got = drain(sp)
+    assert len(got) + sp.dropped == 500
+    # What is left is the newest, still in order.
+    assert got == lines(500 - len(got), 500).splitlines()
+
+
+def test_bound_is_enforced_again_at_start(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, segment_bytes=100)
+    for i in range(0, 200, 5):
+        sp.append(lines(i, i + 5))
+    sp.close()
+    sp2 = Spool(tmp_path, segment_bytes=100, max_bytes=500)
+    assert sp2.pending_bytes <= 500 and sp2.dropped > 0
+    assert sp2.dropped + sp2.pending_points == 200
+
+
+def test_in_flight_segment_is_never_dropped(tmp_path: Path) -> None:
+    sp = Spool(tmp_path, segment_bytes=100, max_bytes=300)
+    sp.append(lines(0, 5))
+    sp.seal()
+    seg = sp.oldest()
+    assert seg is not None
+    for i in range(5, 100, 5):
+        sp.append(lines(i, i + 5))
+    assert sp.dropped > 0  # the bound was reached...
+    assert seg.path.exists()  # ...but the segment the sender holds was kept
+    sp.ack(seg)
+
+
+def test_progress_after_partial_delivery_survives_a_restart(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    sp.append(lines(0, 10))
+    sp.seal()
+    seg = sp.oldest()
+    assert seg is not None
+    first = b"".join(sp.read(seg).splitlines(keepends=True)[:4])
+    sp.advance(seg, len(first), 4)
+    sp2 = Spool(tmp_path)
+    assert sp2.pending_points == 6
+    assert drain(sp2) == lines(4, 10).splitlines()
+
+
+def test_reject_moves_the_segment_aside(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    sp.append(lines(0, 3))
+    sp.seal()
+    seg = sp.oldest()
+    assert seg is not None
+    assert sp.reject(seg, "HTTP 400 bad line") == 3
+    assert sp.rejected == 3 and sp.empty()
+    kept = list((tmp_path / "rejected").glob("*.lp"))
+    assert len(kept) == 1 and kept[0].read_bytes() == lines(0, 3)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from greend.sinks.spool import Spool
+    sp = Spool(Path(sys.argv[1]), segment_bytes=4096)
+    i = 0
+    while True:
+        sp.append(b"m,host=h v=%di %d\\n" % (i, i))
+        print(i, flush=True)   # acknowledged: append() returned
+        i += 1
+    """
+)
+
+
+def test_sigkilled_writer_loses_no_acknowledged_point(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    acked = -1
+    deadline = time.monotonic() + 10
+    while acked < 3000 and time.monotonic() < deadline:
+        acked = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    sp = Spool(tmp_path, segment_bytes=4096)
+    got = [int(ln.split()[-1]) for ln in drain_after_seal(sp)]
+    # Every acknowledged point is there, in order, no gaps, no duplicates.
+    assert got[: acked + 1] == list(range(acked + 1))
+    assert got == list(range(len(got)))
+
+
+def drain_after_seal(sp: Spool) -> list[bytes]:
+    sp.seal()
+    return drain(sp)

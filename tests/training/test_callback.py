@@ -1,0 +1,450 @@
+"""GreenCallback against a real Unix-socket fake daemon, with real torch training on the CPU.
+
+The fake daemon (:class:`greend.testing.fake_daemon.FakeDaemon`) speaks docs/protocol.md on a
+real socket, records what it receives, and can push directives;
+:class:`greend.testing.fake_daemon.SilentDaemon` accepts connections and never reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from greend.errors import GreendWarning
+from greend.testing.fake_daemon import FakeDaemon, SilentDaemon
+from greend.training.callback import GreenCallback
+from greend.training.identity import resolve_gpus, resolve_job
+from tests.support import wait_for
+
+FAST = dict(
+    flush_interval_s=0.02,
+    heartbeat_s=0.2,
+    reconnect_min_s=0.1,
+    reconnect_max_s=0.2,
+    reply_timeout_s=1.0,
+    stall_timeout_s=1.0,
+    close_timeout_s=2.0,
+    connect_timeout_s=1.0,
+)
+
+
+# A tiny real training ----------------------------------------------------------------------
+
+IN, HID, OUT, BATCH = 32, 64, 16, 8
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+
+
+def make_data(n: int, batch: int = BATCH, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, IN, generator=g), torch.randn(batch, OUT, generator=g)) for _ in range(n)]
+
+
+def train(
+    cb: GreenCallback | None,
+    steps: int = 30,
+    *,
+    between: Callable[[int], None] | None = None,
+    data: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    model: nn.Module | None = None,
+) -> float:
+    model = model if model is not None else make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = data if data is not None else make_data(steps)
+    loss = torch.tensor(0.0)
+    for i, (x, y) in enumerate(data):
+        if between is not None:
+            between(i)
+        if cb is None:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            continue
+        with cb.step(samples=len(x), batch=x) as step:
+            opt.zero_grad()
+            with step.autocast():
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            step.loss(loss)
+            loss.backward()
+            opt.step()
+    return loss.item()
+
+
+def expected_mlp_flops(batch: int) -> int:
+    """Forward 2*B*(IN*HID + HID*OUT); backward: weight grads of both layers, input grad of the second."""
+    fwd = 2 * batch * (IN * HID + HID * OUT)
+    bwd = 2 * batch * (IN * HID + HID * OUT) + 2 * batch * HID * OUT
+    return fwd + bwd
+
+
+def independent_count(batch: int) -> int:
+    model = make_model()
+    x, y = make_data(1, batch)[0]
+    with FlopCounterMode(display=False) as m:
+        nn.functional.mse_loss(model(x), y).backward()
+    return m.get_total_flops()
+
+
+# FLOPs -------------------------------------------------------------------------------------
+
+
+def test_flops_match_flopcountermode_and_steps_arrive_in_order(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(job="mlp-1", model=model, socket=sock_path, **FAST) as cb:
+        train(cb, 20, model=model)
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert independent_count(BATCH) == expected_mlp_flops(BATCH)
+    steps = daemon.steps
+    assert [s["step"] for s in steps] == list(range(20))
+    assert all(s["flops"] == expected_mlp_flops(BATCH) for s in steps)
+    assert all(s["samples"] == BATCH and s["precision"] == "fp32" for s in steps)
+    assert all(isinstance(s["loss"], float) and math.isfinite(s["loss"]) for s in steps)
+    for a, b in zip(steps, steps[1:]):
+        assert a["t0_s"] <= a["t1_s"] <= b["t0_s"] <= b["t1_s"]
+    reg = daemon.registers[0]
+    assert reg["job"] == "mlp-1" and reg["gpus"] == [] and "fp32" in reg["precisions"]
+    assert daemon.ends[0]["reason"] == "finished"
+    assert cb.stats.dropped == 0 and cb.stats.sent == 20
+
+
+def test_flops_recounted_when_the_batch_shape_changes(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
+    with GreenCallback(job="mlp-shapes", model=model, socket=sock_path, **FAST) as cb:
+        train(cb, model=model, data=data)
+        assert len(cb._flop_cache) == 2  # two shapes, each counted once
+    assert wait_for(lambda: len(daemon.steps) == 8)
+    flops = [s["flops"] for s in daemon.steps]
+    assert flops == [expected_mlp_flops(8)] * 3 + [expected_mlp_flops(16)] * 3 + [expected_mlp_flops(8)] * 2
+
+
+def test_shape_key_given_by_the_user_wins(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    x8, x16 = torch.randn(8, IN), torch.randn(16, IN)
+    with GreenCallback(job="keys", model=model, socket=sock_path, **FAST) as cb:
+        for x in (x8, x16):
+            with cb.step(shape_key="same"):  # the user says: same cost, do not recount
+                model(x).sum().backward()
+    assert wait_for(lambda: len(daemon.steps) == 2)
+    assert daemon.steps[0]["flops"] == daemon.steps[1]["flops"]
+
+
+def test_flops_per_step_and_model_flops(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(job="given", model=model, socket=sock_path, flops_per_step=1.5e9, **FAST) as cb:
+        with cb.step(samples=4):
+            pass
+    n_params = sum(p.numel() for p in model.parameters())
+    with GreenCallback(job="sixnd", model=model, socket=sock_path, model_flops=True, **FAST) as cb:
+        with cb.step(tokens=128):
+            pass
+    assert wait_for(lambda: len(daemon.steps) == 2)
+    assert daemon.steps[0]["flops"] == 1.5e9
+    assert daemon.registers[0]["flops_per_step"] == 1.5e9
+    assert daemon.steps[1]["flops"] == 6 * n_params * 128 and daemon.steps[1]["tokens"] == 128
+    with pytest.raises(ValueError):
+        GreenCallback(job="bad", flops_per_step=-1, socket=sock_path)
+    with pytest.raises(ValueError):
+        GreenCallback(job="bad", model_flops=True, socket=sock_path)
+
+
+# Precision ---------------------------------------------------------------------------------
+
+
+def test_directive_bf16_switches_autocast_and_back(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_data(1)[0]
+    with GreenCallback(job="prec", model=model, socket=sock_path, **FAST) as cb:
+        assert cb.supported_precisions()["bf16"] is None
+        for i in range(12):
+            if i == 3:
+                assert daemon.directive("bf16") == 1
+                assert wait_for(lambda: cb.requested_precision == "bf16")
+            if i == 8:
+                daemon.directive("fp32")
+                assert wait_for(lambda: cb.requested_precision == "fp32")
+            with cb.step(samples=8) as step:
+                with step.autocast():
+                    out = model(x)
+                loss = nn.functional.mse_loss(out.float(), y)
+                step.loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert wait_for(lambda: len(daemon.steps) == 12)
+    assert seen == [torch.float32] * 3 + [torch.bfloat16] * 5 + [torch.float32] * 4
+    assert [s["precision"] for s in daemon.steps] == ["fp32"] * 3 + ["bf16"] * 5 + ["fp32"] * 4
+
+
+def test_unsupported_level_is_ignored_with_the_reason(
+    daemon: FakeDaemon, sock_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_model()
+    with GreenCallback(job="fp8", model=model, socket=sock_path, **FAST) as cb:
+        support = cb.supported_precisions()
+        assert support["fp8"] is not None and "8.9" in support["fp8"]
+        assert support["tf32"] is not None
+        assert "fp8" not in daemon.registers[0]["precisions"]
+        daemon.directive("fp8")
+        assert wait_for(lambda: cb.requested_precision == "fp8")
+        with caplog.at_level(logging.WARNING, logger="greend.training.callback"):
+            with pytest.warns(GreendWarning, match="fp8"):
+                train(cb, 3, model=model)
+        assert cb.precision == "fp32"
+        assert cb.refused["fp8"] == support["fp8"]
+        assert any("fp8" in r.message and "8.9" in r.message for r in caplog.records)
+    assert wait_for(lambda: len(daemon.steps) == 3)
+    assert {s["precision"] for s in daemon.steps} == {"fp32"}
+
+
+def test_register_directive_applies_from_step_zero(sock_path: Path) -> None:
+    d = FakeDaemon(sock_path, initial_precision="bf16").start()
+    try:
+        with GreenCallback(job="bf16-start", model=make_model(), socket=sock_path, **FAST) as cb:
+            assert cb.precision == "bf16"
+            with cb.step() as step:
+                assert step.precision == "bf16"
+        assert wait_for(lambda: len(d.steps) == 1)
+        assert d.steps[0]["precision"] == "bf16"
+    finally:
+        d.stop()
+
+
+def test_fp32_turns_tf32_off_and_close_restores(sock_path: Path) -> None:
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GreendWarning)
+            cb = GreenCallback(job="tf32", socket=sock_path, **FAST)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        cb.close()
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+# Reporting ---------------------------------------------------------------------------------
+
+
+def test_nonfinite_loss_heartbeat_and_end(daemon: FakeDaemon, sock_path: Path) -> None:
+    with GreenCallback(job="nan", socket=sock_path, **FAST) as cb:
+        with cb.step() as step:
+            step.loss(torch.tensor(float("nan")))
+        with cb.step() as step:
+            step.loss(1.25)
+        with cb.step():
+            pass
+        assert wait_for(lambda: daemon.heartbeats >= 2, 3.0)  # idle: heartbeats flow
+    assert wait_for(lambda: len(daemon.steps) == 3)
+    a, b, c = daemon.steps
+    assert a["loss"] is None and a["nonfinite"] is True
+    assert b["loss"] == 1.25 and "nonfinite" not in b
+    assert "loss" not in c
+    assert daemon.ends and cb.stats.connected is False
+
+
+def test_malformed_reply_is_ignored_once(daemon: FakeDaemon, sock_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with GreenCallback(job="junk", socket=sock_path, **FAST) as cb:
+            daemon.push_raw(b"this is not json\n[1,2]\n")
+            daemon.push(event="directive", precision="fp77")
+            assert wait_for(lambda: cb.stats.malformed >= 3)
+            train(cb, 5)
+            assert cb.connected
+    assert len([x for x in w if issubclass(x.category, GreendWarning)]) == 1
+    assert wait_for(lambda: len(daemon.steps) == 5)
+
+
+def test_identity() -> None:
+    assert resolve_job("a.b:c@d/e-1") == "a.b:c@d/e-1"
+    with pytest.raises(ValueError):
+        resolve_job("bad job!")
+    mp = pytest.MonkeyPatch()
+    try:
+        for var in ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+            mp.delenv(var, raising=False)
+        mp.setenv("SLURM_JOB_ID", "4242")
+        assert resolve_job(None) == "4242"
+        mp.setenv("TORCHELASTIC_RUN_ID", "elastic run")
+        assert resolve_job(None) == "elastic-run"
+        mp.setenv("GREEND_JOB", "mine")
+        assert resolve_job(None) == "mine"
+        mp.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+        assert resolve_gpus(torch.device("cuda:1"), None) == [5]
+        assert resolve_gpus(torch.device("cpu"), None) == []
+        assert resolve_gpus(torch.device("cpu"), [0]) == [0]
+        mp.setenv("GREEND_SOCKET", "/nonexistent/g.sock")
+        mp.setenv("RANK", "3")
+        mp.setenv("WORLD_SIZE", "4")
+        mp.setenv("LOCAL_RANK", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GreendWarning)
+            cb = GreenCallback(**FAST)
+        assert (cb.job, cb.rank, cb.local_rank, cb.world_size) == ("mine", 3, 1, 4)
+        assert str(cb.socket_path) == "/nonexistent/g.sock"
+        cb.close()
+    finally:
+        mp.undo()
+
+
+# Fail-open ---------------------------------------------------------------------------------
+
+
+def test_no_daemon_same_loss_one_warning(sock_path: Path) -> None:
+    baseline = train(None, 30)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cb = GreenCallback(job="alone", model=make_model(), socket=sock_path, **FAST)
+        loss = train(cb, 30)
+        time.sleep(0.5)  # several reconnect attempts
+        cb.close()
+    mine = [x for x in w if issubclass(x.category, GreendWarning)]
+    assert len(mine) == 1, [str(x.message) for x in mine]
+    assert "no greend socket" in str(mine[0].message)
+    assert loss == baseline  # bitwise: the same float
+    assert cb.stats.connects == 0 and cb.stats.recorded == 30
+
+
+def test_daemon_killed_then_restarted(sock_path: Path) -> None:
+    baseline = train(None, 40)
+    d1 = FakeDaemon(sock_path).start()
+    state: dict[str, Any] = {}
+
+    def between(i: int) -> None:
+        if i == 10:
+            assert wait_for(lambda: len(d1.steps) == 10)
+            d1.stop()  # the daemon dies mid-run
+            assert wait_for(lambda: not cb.connected)
+        if i == 20:
+            state["d2"] = FakeDaemon(sock_path).start()  # ... and comes back
+            assert wait_for(lambda: cb.stats.connects == 2, 5.0)
+        time.sleep(0.002)
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cb = GreenCallback(job="phoenix", model=make_model(), socket=sock_path, **FAST)
+        loss = train(cb, 40, between=between)
+        cb.close()
+    d2: FakeDaemon = state["d2"]
+    try:
+        assert loss == baseline
+        assert len([x for x in w if issubclass(x.category, GreendWarning)]) == 1
+        assert [r["job"] for r in d2.registers] == ["phoenix"]  # re-registered
+        got = [s["step"] for s in d2.steps]
+        assert got == sorted(got) and got[-1] == 39 and 20 in got
+        assert d2.ends
+    finally:
+        d2.stop()
+
+
+def test_daemon_that_never_reads_does_not_slow_training(sock_path: Path) -> None:
+    silent = SilentDaemon(sock_path)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cb = GreenCallback(
+                job="stuck", socket=sock_path, max_pending=1000, flops_per_step=1.0, **{**FAST, "reply_timeout_s": 0.5}
+            )
+            overhead: list[float] = []
+            for _ in range(20000):
+                t = time.perf_counter()
+                with cb.step(samples=1) as step:
+                    step.loss(0.5)
+                overhead.append(time.perf_counter() - t)
+            cb.close()
+        median_us = statistics.median(overhead) * 1e6
+        assert median_us < 50, f"median step overhead {median_us:.1f} us"
+        assert cb.stats.dropped > 0  # nothing was read: old records were dropped, and counted
+        assert cb.stats.recorded == 20000
+        assert len([x for x in w if issubclass(x.category, GreendWarning)]) == 1
+    finally:
+        silent.stop()
+
+
+def test_daemon_that_stops_reading_mid_run(daemon: FakeDaemon, sock_path: Path) -> None:
+    """Registered, then the daemon hangs: the socket buffer fills; steps stay cheap; it reconnects."""
+    with pytest.warns(GreendWarning, match="has not read anything"):
+        _stop_reading_run(daemon, sock_path)
+
+
+def _stop_reading_run(daemon: FakeDaemon, sock_path: Path) -> None:
+    cb = GreenCallback(
+        job="hang", socket=sock_path, max_pending=2000, flops_per_step=1.0, **{**FAST, "stall_timeout_s": 0.5}
+    )
+    with cb.step():
+        pass
+    assert wait_for(lambda: len(daemon.steps) == 1)
+    daemon.hang.set()
+    overhead: list[float] = []
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:  # ~1.5 s of steps: far more than the socket buffer holds
+        t = time.perf_counter()
+        with cb.step(samples=1) as step:
+            step.loss(0.5)
+        overhead.append(time.perf_counter() - t)
+    assert wait_for(lambda: cb.stats.connects >= 2, 5.0)  # stalled -> dropped the connection -> registered again
+    daemon.hang.clear()
+    daemon.unhang.set()
+    cb.close()
+    median_us = statistics.median(overhead) * 1e6
+    assert median_us < 50, f"median step overhead {median_us:.1f} us"
+    assert cb.stats.dropped > 0
+    assert len(daemon.registers) >= 2
+
+
+def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path) -> None:
+    """What the callback sends passes the real daemon's validators (greend.jobs.registry), where present."""
+    try:
+        from greend.protocol import SCHEMAS, STEP_FIELDS
+    except ImportError:  # the daemon side is built elsewhere; the fake daemon checks the basics
+        pytest.skip("greend.protocol has no SCHEMAS/STEP_FIELDS")
+    from greend.protocol import validate
+
+    with GreenCallback(job="schema", model=make_model(), socket=sock_path, gpus=[0], mem_share=0.3, **FAST) as cb:
+        with cb.step(samples=8, tokens=64) as step:
+            step.loss(float("inf"))
+        train(cb, 2)
+    assert wait_for(lambda: len(daemon.steps) == 3)
+    validate(dict(daemon.registers[0]), SCHEMAS["register"])
+    for s in daemon.steps:
+        validate(dict(s), STEP_FIELDS)
+
+
+def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemon, sock_path: Path) -> None:
+    # A loop that passes no batch= (as the README's precision example): the model's
+    # forward pre-hook sees the shapes. A new shape's first step keeps the estimate it
+    # started with; from its second step on the count is exact, and a shape seen before
+    # is priced at once.
+    model = make_model()
+    data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
+    with GreenCallback(job="mlp-nobatch", model=model, socket=sock_path, **FAST) as cb:
+        for x, y in data:
+            with cb.step(samples=len(x)):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+        assert len(cb._flop_cache) == 2
+    assert wait_for(lambda: len(daemon.steps) == 8)
+    f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
+    assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
+    assert cb._forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off

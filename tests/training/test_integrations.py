@@ -1,0 +1,169 @@
+"""The Lightning and Hugging Face adapters, with the real libraries, on a tiny CPU model."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from greend.errors import GreendWarning
+from greend.testing.fake_daemon import FakeDaemon
+from tests.training.test_callback import BATCH, FAST, expected_mlp_flops, make_data, make_model, wait_for
+
+
+def test_importing_integrations_imports_no_framework() -> None:
+    code = (
+        "import sys, greend.integrations as gi; gi.available(); "
+        "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_missing_framework_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("lightning", "lightning.pytorch", "pytorch_lightning", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of a None entry raises ImportError
+    for mod in ("greend.integrations.lightning", "greend.integrations.hf"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    with pytest.raises(ImportError, match="pip install lightning"):
+        importlib.import_module("greend.integrations.lightning")
+    with pytest.raises(ImportError, match="pip install transformers"):
+        importlib.import_module("greend.integrations.hf")
+
+
+# Lightning ---------------------------------------------------------------------------------
+
+
+def test_lightning_reports_steps_flops_loss_and_precision(sock_path: Path) -> None:
+    pl = (
+        pytest.importorskip("pytorch_lightning")
+        if importlib.util.find_spec("lightning") is None
+        else pytest.importorskip("lightning.pytorch")
+    )
+    from greend.integrations.lightning import GreenLightningCallback
+
+    daemon = FakeDaemon(sock_path, initial_precision="bf16").start()  # the register reply asks for bf16
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+            self.dtypes: list[torch.dtype] = []
+            self.levels: list[str] = []
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            self.levels.append(self.greend_precision)
+            with self.trainer.greend.autocast():
+                h = self.net[0](x)
+                self.dtypes.append(h.dtype)
+                out = self.net[2](self.net[1](h))
+            loss = nn.functional.mse_loss(out.float(), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    data = make_data(6)
+    loader = torch.utils.data.DataLoader([(x[i], y[i]) for x, y in data for i in range(BATCH)], batch_size=BATCH)
+    module = Module()
+    cb = GreenLightningCallback(job="pl-run", socket=sock_path, **FAST)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, loader)
+        assert wait_for(lambda: len(daemon.ends) == 1)
+        steps = daemon.steps
+        assert [s["step"] for s in steps] == list(range(6))
+        assert all(s["flops"] == expected_mlp_flops(BATCH) for s in steps)
+        assert [s["loss"] for s in steps] == pytest.approx(module.losses)
+        assert all(s["samples"] == BATCH for s in steps)
+        assert module.levels == ["bf16"] * 6 and module.dtypes == [torch.bfloat16] * 6
+        assert {s["precision"] for s in steps} == {"bf16"}
+        assert cb.precision == "bf16" and trainer.greend_precision == "bf16"
+    finally:
+        daemon.stop()
+
+
+# Hugging Face ------------------------------------------------------------------------------
+
+
+class HFTiny(nn.Module):
+    """The test MLP with the Trainer's calling convention: kwargs in, a dict with the loss out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.net(x)
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+
+def test_hf_trainer_reports_steps_and_refuses_precision_switching(
+    daemon: FakeDaemon, sock_path: Path, tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from greend.integrations.hf import GreenHFCallback
+
+    data = make_data(5)
+    rows = [{"x": x[i], "labels": y[i]} for x, y in data for i in range(BATCH)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=5,
+        per_device_train_batch_size=BATCH,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+    )
+    cb = GreenHFCallback(job="hf-run", socket=sock_path, **FAST)
+    trainer = transformers.Trainer(model=HFTiny(), args=args, train_dataset=rows, callbacks=[cb])
+    daemon.directive("bf16")  # nobody registered yet: it reaches no one
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        orig_step_begin = cb.on_step_begin
+        pushed: list[int] = []
+
+        def step_begin(*a: Any, **kw: Any) -> None:
+            if not pushed:
+                pushed.append(daemon.directive("bf16"))
+                assert wait_for(lambda: cb.cb is not None and cb.cb.requested_precision == "bf16")
+            orig_step_begin(*a, **kw)
+
+        cb.on_step_begin = step_begin  # type: ignore[method-assign]
+        trainer.train()
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    steps = daemon.steps
+    assert [s["step"] for s in steps] == list(range(5))
+    assert all(s["flops"] == expected_mlp_flops(BATCH) for s in steps)
+    assert all(s["samples"] == BATCH and s["precision"] == "fp32" for s in steps)
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    got = [s.get("loss") for s in steps]
+    assert got[0] is None and got[1:] == pytest.approx(logged[:4], rel=1e-3)  # one step behind
+    assert cb.cb is not None and "Trainer subclass" in cb.cb.refused["bf16"]
+    assert daemon.registers[0]["precisions"] == ["fp32"]

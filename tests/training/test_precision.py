@@ -1,0 +1,377 @@
+"""Precision levels in GreenCallback: switching, refusing, and the accuracy guard's fast rule.
+
+Real torch training on the CPU against :class:`greend.testing.fake_daemon.FakeDaemon` (a real
+Unix socket that speaks docs/protocol.md and records the ``precision_event``
+messages the callback sends).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from greend.errors import GreendWarning
+from greend.testing.fake_daemon import FakeDaemon
+from greend.training.callback import GreenCallback
+from greend.training.mixed_precision import (
+    Fp8Converter,
+    Guard,
+    fp8_targets,
+    grads_finite,
+    is_downgrade,
+    precision_support,
+)
+from tests.support import wait_for
+
+HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="fp8-emulated needs torchao (pip install 'greend[fp8]')")
+
+FAST = dict(
+    flush_interval_s=0.02,
+    heartbeat_s=0.2,
+    reconnect_min_s=0.1,
+    reconnect_max_s=0.2,
+    reply_timeout_s=1.0,
+    stall_timeout_s=1.0,
+    close_timeout_s=2.0,
+    connect_timeout_s=1.0,
+)
+IN, HID, OUT, BATCH = 32, 64, 16, 16
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, OUT))
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(BATCH, IN, generator=g)
+    return x, x[:, :OUT] * 0.5
+
+
+class Loop:
+    """A training loop that goes through step.backward/optimizer_step (fp16-ready)."""
+
+    def __init__(self, cb: GreenCallback, model: nn.Module) -> None:
+        self.cb, self.model = cb, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.i = 0
+        self.losses: list[float] = []
+        self.levels: list[str] = []
+        self.out_dtypes: list[torch.dtype] = []
+        self.fp8_layers: list[int] = []
+        self.stepped: list[bool] = []
+
+    def run(self, n: int, *, poison: Callable[[int], str | None] = lambda i: None) -> None:
+        for _ in range(n):
+            x, y = batch(self.i)
+            kind = poison(self.i)
+            with self.cb.step(samples=BATCH, flops=1e9) as st:
+                with st.autocast():
+                    out = self.model(x)
+                loss = nn.functional.mse_loss(out.float(), y)
+                if kind == "loss":
+                    loss = loss * float("inf")
+                hook = None
+                if kind == "grad":
+                    hook = self.model[0].weight.register_hook(lambda g: g * float("inf"))
+                st.backward(loss)
+                if hook is not None:
+                    hook.remove()
+                self.stepped.append(st.optimizer_step(self.opt))
+                self.opt.zero_grad(set_to_none=True)
+            self.levels.append(st.precision)
+            self.out_dtypes.append(out.dtype)
+            self.fp8_layers.append(sum(1 for m in self.model.modules() if type(m).__name__ == "Float8Linear"))
+            self.losses.append(float(loss.detach()))
+            self.i += 1
+
+
+def switch(daemon: FakeDaemon, cb: GreenCallback, level: str) -> None:
+    assert daemon.directive(level) == 1
+    assert wait_for(lambda: cb.requested_precision == level)
+
+
+# Switching -------------------------------------------------------------------------------
+
+
+@needs_torchao
+def test_switching_levels_keeps_parameters_and_optimizer_state(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    params = [id(p) for p in model.parameters()]
+    levels = ["fp32", "bf16", "fp16", "fp8-emulated"]
+    with GreenCallback(
+        job="switch", model=model, socket=sock_path, precisions=levels, loss_scaling=True, fp8_min_features=16, **FAST
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        assert daemon.registers[0]["precisions"] == levels
+        loop = Loop(cb, model)
+        loop.run(3)
+        plan = ["bf16", "fp32", "fp16", "fp8-emulated", "bf16", "fp8-emulated", "fp32"]
+        for level in plan:
+            switch(daemon, cb, level)
+            loop.run(3)
+            assert [id(p) for p in model.parameters()] == params
+            # The optimizer's state is keyed by the same Parameter objects, and kept counting.
+            assert {id(p) for p in loop.opt.state} == set(params)
+            assert all(int(s["step"]) == loop.i for s in loop.opt.state.values())
+        scaler = cb._scaler
+    assert loop.levels == ["fp32"] * 3 + [lvl for lvl in plan for _ in range(3)]
+    by_level = dict(zip(loop.levels, loop.out_dtypes))
+    assert by_level["fp32"] == torch.float32
+    assert by_level["bf16"] == torch.bfloat16 and by_level["fp8-emulated"] == torch.bfloat16
+    assert by_level["fp16"] == torch.float16
+    # fp8: the middle linears (not the head) ran as Float8Linear, and only at that level.
+    assert {lvl: n for lvl, n in zip(loop.levels, loop.fp8_layers)} == {
+        "fp32": 0,
+        "bf16": 0,
+        "fp16": 0,
+        "fp8-emulated": 2,
+    }
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    assert scaler is not None and scaler.get_scale() > 0  # fp16 ran through the GradScaler
+    assert all(math.isfinite(v) for v in loop.losses) and all(loop.stepped)
+    assert loop.losses[-1] < loop.losses[0]
+    assert wait_for(lambda: len(daemon.steps) == loop.i)
+    assert [s["precision"] for s in daemon.steps] == loop.levels
+    assert daemon.precision_events == []  # nothing was refused or rolled back
+
+
+@needs_torchao
+def test_fp8_converter_round_trip_keeps_modules_and_parameters() -> None:
+    model = make_model()
+    before = {n: m for n, m in model.named_modules()}
+    conv = Fp8Converter(model, fp8_targets(model, 16), emulate=True)
+    assert conv.convert() == 2 and conv.active
+    assert type(model[2]).__name__ == "Float8Linear" and model[2].weight is before["2"].weight
+    conv.revert()
+    assert not conv.active
+    assert all(model.get_submodule(n) is m for n, m in before.items() if n)
+
+
+def test_fp8_targets_skip_head_small_and_odd_layers() -> None:
+    model = nn.Sequential(
+        nn.Embedding(10, 64),
+        nn.Linear(64, 2048),
+        nn.LayerNorm(2048),
+        nn.Linear(2048, 1030),
+        nn.Linear(1030, 1024),
+        nn.Linear(1024, 1024),
+        nn.Linear(1024, 10),
+    )
+    assert fp8_targets(model) == ["5"]  # 3 and 4 are not multiples of 16, 1 is small, 6 is the head
+    assert fp8_targets(model, 16) == ["1", "5"]
+    named = nn.ModuleDict(
+        {"body": nn.Linear(1024, 1024), "lm_head": nn.Linear(1024, 1024), "tail": nn.Linear(1024, 16)}
+    )
+    assert fp8_targets(named, 16) == ["body"]
+
+
+# Support and refusals ------------------------------------------------------------------------
+
+
+def test_fp8_emulated_is_offered_only_when_listed(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(job="default", model=model, socket=sock_path, fp8_min_features=16, **FAST) as cb:
+        support = cb.supported_precisions()
+        assert support["fp8-emulated"] is not None and "precisions=" in support["fp8-emulated"]
+        assert wait_for(lambda: cb.connected)
+        assert "fp8-emulated" not in daemon.registers[0]["precisions"]
+        switch(daemon, cb, "fp8-emulated")
+        with pytest.warns(GreendWarning, match="fp8-emulated"):
+            Loop(cb, model).run(2)
+        assert cb.precision == "fp32"
+        assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+        assert wait_for(lambda: len(daemon.precision_events) == 1)
+    ev = daemon.precision_events[0]
+    assert ev["kind"] == "refused" and ev["from"] == "fp32" and ev["to"] == "fp8-emulated"
+    assert ev["reason"] == support["fp8-emulated"]
+    listed = precision_support(torch.device("cpu"), ["fp32", "fp8-emulated"], model=model, fp8_min_features=16)
+    assert listed["fp8-emulated"] == (None if HAVE_TORCHAO else listed["fp8-emulated"])
+    assert listed["bf16"] == "not in the precisions= this callback was given"
+    assert precision_support(torch.device("cpu"), ["fp8-emulated"], model=None)["fp8-emulated"] is not None
+
+
+@pytest.mark.parametrize("level,needle", [("fp8", "8.9"), ("tf32", "CUDA")])
+def test_an_unsupported_level_is_never_applied_and_the_reason_is_reported(
+    daemon: FakeDaemon, sock_path: Path, level: str, needle: str
+) -> None:
+    model = make_model()
+    with GreenCallback(job=f"no-{level}", model=model, socket=sock_path, **FAST) as cb:
+        reason = cb.supported_precisions()[level]
+        assert reason is not None and needle in reason
+        assert wait_for(lambda: cb.connected)
+        assert level not in daemon.registers[0]["precisions"]
+        switch(daemon, cb, level)
+        with pytest.warns(GreendWarning, match=level):
+            Loop(cb, model).run(3)
+        assert cb.precision == "fp32" and cb.refused[level] == reason
+        assert wait_for(lambda: len(daemon.precision_events) == 1)
+        assert wait_for(lambda: len(daemon.steps) == 3)
+    assert daemon.precision_events[0] == {"kind": "refused", "from": "fp32", "to": level, "reason": reason, "step": 0}
+    assert {s["precision"] for s in daemon.steps} == {"fp32"}
+
+
+def test_fp16_without_loss_scaling_is_refused(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GreenCallback(job="fp16-plain", model=model, socket=sock_path, **FAST) as cb:
+        assert cb.supported_precisions()["fp16"] is None
+        assert wait_for(lambda: cb.connected)
+        switch(daemon, cb, "fp16")
+        with pytest.warns(GreendWarning, match="loss scaling"):
+            for i in range(3):
+                x, y = batch(i)
+                with cb.step(samples=BATCH, flops=1e9) as st:  # a plain loop: no step.backward
+                    with st.autocast():
+                        loss = nn.functional.mse_loss(model(x).float(), y)
+                    st.loss(loss)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                assert st.precision == "fp32"
+        assert wait_for(lambda: len(daemon.precision_events) == 1)
+    assert daemon.precision_events[0]["kind"] == "refused"
+    assert "step.backward" in daemon.precision_events[0]["reason"]
+
+
+# The guard ----------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")  # the barred retry warns once
+@pytest.mark.parametrize("what", ["loss", "grad"])
+def test_nonfinite_right_after_a_switch_rolls_back_within_one_step(
+    daemon: FakeDaemon, sock_path: Path, what: str
+) -> None:
+    model = make_model()
+    with GreenCallback(job=f"inf-{what}", model=model, socket=sock_path, cooldown_steps=1000, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(6)
+        switch(daemon, cb, "bf16")
+        bad = loop.i + 1  # the second step after the switch
+        loop.run(4, poison=lambda i: what if i == bad else None)
+        assert loop.levels[bad - 1 : bad + 2] == ["bf16", "bf16", "fp32"]  # back from the very next step
+        assert loop.stepped[bad] is False  # the poisoned update was skipped: weights stay clean
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        # The failed level is barred: asking again is refused with the reason. (The daemon
+        # learnt of the rollback and says fp32 first; then it asks bf16 again.)
+        switch(daemon, cb, "fp32")
+        switch(daemon, cb, "bf16")
+        loop.run(3)
+        assert cb.precision == "fp32" and "barred" in cb.refused["bf16"]
+        loop.run(10)  # the training finishes
+        assert wait_for(lambda: len(daemon.precision_events) == 2)
+        assert wait_for(lambda: len(daemon.steps) == loop.i)
+    rollback, refused = daemon.precision_events
+    assert rollback["kind"] == "rollback" and rollback["from"] == "bf16" and rollback["to"] == "fp32"
+    assert rollback["step"] == bad
+    word = "loss" if what == "loss" else "gradient"
+    assert f"non-finite {word}" in rollback["reason"] and "barred" in rollback["reason"]
+    # The trend figure: the mean loss over the guard's window before the switch (6 fp32 steps).
+    assert rollback["trend"] == pytest.approx(sum(loop.losses[:6]) / 6)
+    assert refused["kind"] == "refused" and refused["to"] == "bf16" and "barred" in refused["reason"]
+    steps = daemon.steps
+    assert steps[bad]["precision"] == "bf16" and steps[bad].get("nonfinite") is True
+    assert steps[bad + 1]["precision"] == "fp32"
+    assert all(math.isfinite(v) for i, v in enumerate(loop.losses) if i != bad)
+    assert loop.losses[-1] < loop.losses[0]
+
+
+def test_nonfinite_at_the_starting_level_is_not_a_rollback(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(job="inf-fp32", model=model, socket=sock_path, **FAST) as cb:
+        loop = Loop(cb, model)
+        loop.run(4, poison=lambda i: "loss" if i == 2 else None)
+        assert loop.levels == ["fp32"] * 4 and loop.stepped == [True] * 4  # the guard is not armed
+        assert wait_for(lambda: len(daemon.steps) == 4)
+    assert daemon.precision_events == [] and daemon.steps[2].get("nonfinite") is True
+
+
+def test_guard_rules() -> None:
+    g = Guard(window=4, cooldown_steps=10)
+    for v in (1.0, 2.0, 3.0, 4.0, 5.0):
+        g.losses.append(v)
+    assert g.trend() == pytest.approx(3.5) and not g.armed
+    g.on_switch("fp32", "bf16", step=5)
+    g.on_switch("bf16", "fp8", step=9)
+    assert g.armed and len(g.stack) == 2
+    ev = g.rollback("fp8", step=12, what="loss", loss=None)
+    assert ev is not None and (ev.from_level, ev.to_level, ev.step, ev.trend) == ("fp8", "bf16", 12, None)
+    assert "3 steps after the switch bf16 -> fp8" in ev.reason
+    assert g.barred_reason("fp8", 20) is not None and g.barred_reason("fp8", 23) is None
+    g.on_switch("bf16", "fp32", step=30)  # the daemon stepped back up: nothing to roll back to
+    assert not g.armed and g.rollback("fp32", 31, "loss", None) is None
+    assert is_downgrade("fp32", "tf32") and is_downgrade("bf16", "fp8-emulated") and not is_downgrade("bf16", "fp16")
+    assert ev.fields()["kind"] == "rollback" and "loss" not in ev.fields()
+
+
+def test_grads_finite() -> None:
+    model = make_model()
+    nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
+    assert grads_finite(model.parameters())
+    model[2].weight.grad[0, 0] = float("nan")
+    assert not grads_finite(model.parameters())
+    assert grads_finite([])
+
+
+def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
+    from greend.training.mixed_precision import Guard
+
+    g = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
+    for v in (1.0, 1.1, 0.9, 1.0):
+        g.losses.append(v)
+    assert g.spike(5.0) is None  # no downgrade in force: not the guard's business
+    g.on_switch("fp32", "bf16", step=4)  # trend before the switch: 1.0
+    assert g.spike(1.4) is None  # worse, within the tolerance
+    why = g.spike(1.6)
+    assert why is not None and "60% above the trend" in why
+    ev = g.rollback("bf16", 6, "loss", 1.6, why)
+    assert ev is not None and ev.to_level == "fp32" and "loss spike at step 6" in ev.reason
+    assert g.barred_reason("bf16", 7) is not None and g.spike(9.0) is None  # back at fp32
+    assert Guard(spike_tolerance=None).spike(1e9) is None
+
+
+@needs_torchao
+@pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")
+def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    model = make_model()
+    params = [id(p) for p in model.parameters()]
+    with GreenCallback(
+        job="fp8-rollback",
+        model=model,
+        socket=sock_path,
+        fp8_min_features=16,
+        precisions=["fp32", "bf16", "fp8-emulated"],
+        cooldown_steps=1000,
+        **FAST,
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(4)
+        switch(daemon, cb, "bf16")
+        loop.run(4)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(2)
+        assert loop.levels[-1] == "fp8-emulated" and loop.fp8_layers[-1] > 0
+        bad = loop.i
+        loop.run(4, poison=lambda i: "loss" if i == bad else None)
+        # Back one level, to the one it came down from, from the very next step: the
+        # fp8 conversion undone, the same Parameter objects, fp8 barred.
+        assert loop.levels[bad : bad + 2] == ["fp8-emulated", "bf16"]
+        assert loop.fp8_layers[bad + 1 :] == [0, 0, 0]
+        assert [id(p) for p in model.parameters()] == params
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert "fp8-emulated" in cb._guard.barred
+        assert wait_for(lambda: any(e["kind"] == "rollback" for e in daemon.precision_events))
+    ev = next(e for e in daemon.precision_events if e["kind"] == "rollback")
+    assert ev["from"] == "fp8-emulated" and ev["to"] == "bf16" and ev["step"] == bad
