@@ -51,6 +51,7 @@ def test_gpu_lost_mid_run_the_others_go_on(tmp_path: Path, daemons: list[DaemonP
     assert SimGpu(d.state_dir / "sim", 2).locked_clocks_mhz() is None  # restored on SIGTERM
 
 
+@pytest.mark.slow
 def test_hung_client_loses_its_caps_within_the_heartbeat_timeout(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     from tests.e2e.test_e2e_control import EFFICIENT
     from tests.e2e.test_e2e_jobs import trainer, wait_ended

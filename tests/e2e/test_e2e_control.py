@@ -256,6 +256,7 @@ min_steps = 6
 """
 
 
+@pytest.mark.slow
 def test_efficient_policy_caps_a_running_job_and_lifts_the_cap_when_it_dies(
     tmp_path: Path, daemons: list[DaemonProc]
 ) -> None:

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None]
 ) -> None:

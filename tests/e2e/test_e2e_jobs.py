@@ -54,6 +54,7 @@ def ledger_energy(d: DaemonProc, gpu: int, t0: float, t1: float) -> float:
         return c.request("energy", key=f"gpu{gpu}", t0_s=t0, t1_s=t1)["energy_j"]
 
 
+@pytest.mark.slow
 def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     d = start_daemon(tmp_path, "--sim", "2", "--hz", "20")
     daemons.append(d)
@@ -129,6 +130,7 @@ def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[D
     assert steps == 60
 
 
+@pytest.mark.slow
 def test_training_survives_the_daemon_being_killed(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     plain = finish(trainer(tmp_path / "none.sock", "plain", "--steps", "80", "--no-greend"))
     d = start_daemon(tmp_path, "--sim", "1")
@@ -161,6 +163,7 @@ def test_killed_client_ends_its_job(tmp_path: Path, daemons: list[DaemonProc]) -
     assert rep["steps"] > 0 and rep["gpu_energy_j"] > 0
 
 
+@pytest.mark.slow
 def test_greenctl_demo_runs_end_to_end(tmp_path: Path) -> None:
     keep = tmp_path / "demo"
     r = subprocess.run(

@@ -107,6 +107,7 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     assert rows[0][1] == switch[0]["reason"]  # the reason is stored with the decision
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, cause", [("inf", "non-finite loss"), ("spike", "loss spike")])
 def test_an_instability_after_the_switch_is_rolled_back_within_one_step(
     tmp_path: Path, daemons: list[DaemonProc], kind: str, cause: str

@@ -84,6 +84,7 @@ def sqlite_gpu0_ts_ms(db: Path) -> list[int]:
     return rows
 
 
+@pytest.mark.slow
 def test_outage_and_daemon_sigkill_lose_nothing(
     tmp_path: Path, daemons: list[DaemonProc], vm: vmserver.VmServer
 ) -> None:

@@ -184,6 +184,7 @@ def _fds() -> int:
 @settings(
     max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
+@pytest.mark.slow
 @given(lines=st.lists(st.one_of(mutated(), random_lines), min_size=1, max_size=4))
 def test_mutated_and_random_messages(daemon: Daemon, lines: list[bytes]) -> None:
     c = Conn(daemon.cfg.daemon.socket)

@@ -123,6 +123,7 @@ def test_hysteresis_once_settled_under_noise() -> None:
         assert changes <= 1, (seed, changes)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_greend_run_sim_trace_reaches_the_profiles_optimum(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """A real training client under efficient (knob=power) on a daemon whose simulated
