@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test check bench clean
+.PHONY: venv demo test check bench clean nvml-stub
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,18 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/greenctl demo
 
-test: venv
+test: venv nvml-stub
 	$(PY) -m pytest -q
+
+# A stand-in for libnvidia-ml.so.1 (tests/nvml_stub/nvml_stub.c): the tests run the
+# real pynvml on it with LD_LIBRARY_PATH=build/nvml_stub. Tests build it on demand too.
+NVML_STUB := build/nvml_stub/libnvidia-ml.so.1
+
+nvml-stub: $(NVML_STUB)
+
+$(NVML_STUB): tests/nvml_stub/nvml_stub.c
+	mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -O2 -Wall -Wextra -Werror -o $@ $< -lpthread
 
 # mypy cannot follow setuptools' editable finder, which maps greend.probes and
 # greend.policies onto the top-level folders; it checks a tree of symlinks in the

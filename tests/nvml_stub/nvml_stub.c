@@ -1,0 +1,576 @@
+/*
+ * A stand-in for libnvidia-ml.so.1: the part of NVML's C ABI that greend calls,
+ * in front of N simulated H100-like GPUs, with faults chosen by environment
+ * variables. The real pynvml loads it (LD_LIBRARY_PATH=build/nvml_stub), so the
+ * bindings' ctypes declarations, NVML's units (mW, mJ, MHz), the two-call size
+ * protocol of the clock lists, opaque handles and one process-wide init count
+ * are all exercised as on a real node.
+ *
+ * Environment (read at the first nvmlInit; lists are comma-separated GPU indices):
+ *   NVML_STUB_GPUS=8                 number of GPUs
+ *   NVML_STUB_STATE=path             power limits and locked clocks kept in this
+ *                                    file across processes (as a GPU keeps them)
+ *   NVML_STUB_INIT_ERROR=code        nvmlInit returns this code (9, 12, 18...)
+ *   NVML_STUB_LOST=1,3               every call on these GPUs: GPU_IS_LOST
+ *   NVML_STUB_NO_PERMISSION=all|0,2  setters: NO_PERMISSION
+ *   NVML_STUB_NO_LOCKED_CLOCKS=...   SetGpuLockedClocks: NOT_SUPPORTED
+ *   NVML_STUB_NO_ENERGY=...          GetTotalEnergyConsumption: NOT_SUPPORTED
+ *   NVML_STUB_RESET_REQUIRED=...     every call on these GPUs: RESET_REQUIRED
+ *   NVML_STUB_MIG=...                MIG mode on (no clock locks, no utilisation)
+ *   NVML_STUB_PERSISTENCE_OFF=1      persistence mode reads disabled
+ *   NVML_STUB_HANG=fn[:gpu]          that call (e.g. nvmlDeviceGetPowerUsage)
+ *                                    sleeps NVML_STUB_HANG_S seconds (default: forever)
+ *   NVML_STUB_SLOW_MS=ms             every call sleeps this long first
+ *   NVML_STUB_UNINIT_AFTER=n         after n calls the init count drops to 0 (as
+ *                                    after someone's unbalanced nvmlShutdown)
+ *   NVML_STUB_RESET=gpu:n[:down]     after n calls the GPU resets: its handles go
+ *                                    stale (GPU_IS_LOST), GetHandleByIndex answers
+ *                                    GPU_IS_LOST `down` more times (default 2), then
+ *                                    a fresh handle works; energy restarts from 0
+ *                                    and the settings go back to their defaults
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int nvmlReturn_t;
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NO_PERMISSION 4
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_GPU_IS_LOST 15
+#define NVML_ERROR_RESET_REQUIRED 16
+
+#define MAX_GPUS 64
+#define MAGIC 0x4e564d4cu
+#define N_SM_CLOCKS 110 /* 1980 down to 345 MHz in 15 MHz steps */
+#define MEM_CLOCK 2619
+#define SM_MAX 1980
+#define LIMIT_MIN 200000u
+#define LIMIT_MAX 700000u
+#define LIMIT_DEFAULT 700000u
+#define IDLE_MW 70000.0
+
+typedef struct stub_device {
+    unsigned magic;
+    int gpu;
+    int gen;
+} stub_device;
+typedef stub_device *nvmlDevice_t;
+
+typedef struct {
+    unsigned gpu, memory;
+} nvmlUtilization_t;
+
+typedef struct {
+    int gen;            /* handles of older generations are stale */
+    int down;           /* GetHandleByIndex answers GPU_IS_LOST this many more times */
+    unsigned limit_mw;
+    unsigned lock_min, lock_max; /* 0: unlocked */
+    double energy_mj;
+    double last_s;
+    int lost, no_perm, no_lock, no_energy, reset_required, mig;
+} gpu_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int configured = 0;
+static int init_count = 0;
+static int n_gpus = 8;
+static gpu_t gpus[MAX_GPUS];
+static const char *state_path = NULL;
+static int init_error = 0;
+static int persistence = 1;
+static char hang_fn[128] = "";
+static int hang_gpu = -1;
+static double hang_s = -1;
+static long slow_ms = 0;
+static long uninit_after = -1;
+static int reset_gpu = -1;
+static long reset_after = -1;
+static int reset_down = 2;
+static long calls = 0;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void mark_list(const char *env, size_t off) {
+    const char *v = getenv(env);
+    if (!v || !*v) return;
+    if (strcmp(v, "all") == 0) {
+        for (int i = 0; i < MAX_GPUS; i++) *(int *)((char *)&gpus[i] + off) = 1;
+        return;
+    }
+    char *copy = strdup(v), *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int i = atoi(tok);
+        if (i >= 0 && i < MAX_GPUS) *(int *)((char *)&gpus[i] + off) = 1;
+    }
+    free(copy);
+}
+
+static void load_state(void) {
+    if (!state_path) return;
+    FILE *f = fopen(state_path, "r");
+    if (!f) return;
+    int i;
+    unsigned lim, lo, hi;
+    while (fscanf(f, "%d %u %u %u", &i, &lim, &lo, &hi) == 4)
+        if (i >= 0 && i < n_gpus) {
+            gpus[i].limit_mw = lim;
+            gpus[i].lock_min = lo;
+            gpus[i].lock_max = hi;
+        }
+    fclose(f);
+}
+
+static void save_state(void) {
+    if (!state_path) return;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", state_path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    for (int i = 0; i < n_gpus; i++)
+        fprintf(f, "%d %u %u %u\n", i, gpus[i].limit_mw, gpus[i].lock_min, gpus[i].lock_max);
+    fclose(f);
+    rename(tmp, state_path);
+}
+
+static void configure(void) {
+    if (configured) return;
+    configured = 1;
+    const char *v;
+    if ((v = getenv("NVML_STUB_GPUS"))) n_gpus = atoi(v);
+    if (n_gpus < 0) n_gpus = 0;
+    if (n_gpus > MAX_GPUS) n_gpus = MAX_GPUS;
+    double t = now_s();
+    for (int i = 0; i < MAX_GPUS; i++) {
+        memset(&gpus[i], 0, sizeof gpus[i]);
+        gpus[i].limit_mw = LIMIT_DEFAULT;
+        gpus[i].last_s = t;
+        gpus[i].energy_mj = 1e6 * (i + 1); /* counters since driver load differ per GPU */
+    }
+    state_path = getenv("NVML_STUB_STATE");
+    load_state();
+    if ((v = getenv("NVML_STUB_INIT_ERROR"))) init_error = atoi(v);
+    if ((v = getenv("NVML_STUB_PERSISTENCE_OFF")) && *v && *v != '0') persistence = 0;
+    mark_list("NVML_STUB_LOST", offsetof(gpu_t, lost));
+    mark_list("NVML_STUB_NO_PERMISSION", offsetof(gpu_t, no_perm));
+    mark_list("NVML_STUB_NO_LOCKED_CLOCKS", offsetof(gpu_t, no_lock));
+    mark_list("NVML_STUB_NO_ENERGY", offsetof(gpu_t, no_energy));
+    mark_list("NVML_STUB_RESET_REQUIRED", offsetof(gpu_t, reset_required));
+    mark_list("NVML_STUB_MIG", offsetof(gpu_t, mig));
+    if ((v = getenv("NVML_STUB_HANG")) && *v) {
+        snprintf(hang_fn, sizeof hang_fn, "%s", v);
+        char *colon = strchr(hang_fn, ':');
+        if (colon) {
+            *colon = 0;
+            hang_gpu = atoi(colon + 1);
+        }
+    }
+    if ((v = getenv("NVML_STUB_HANG_S"))) hang_s = atof(v);
+    if ((v = getenv("NVML_STUB_SLOW_MS"))) slow_ms = atol(v);
+    if ((v = getenv("NVML_STUB_UNINIT_AFTER"))) uninit_after = atol(v);
+    if ((v = getenv("NVML_STUB_RESET")) && *v) {
+        int g = -1, d = 2;
+        long n = -1;
+        if (sscanf(v, "%d:%ld:%d", &g, &n, &d) >= 2) {
+            reset_gpu = g;
+            reset_after = n;
+            reset_down = d;
+        }
+    }
+}
+
+/* Outside the lock: a hung or slow call must not stop calls from other threads
+   (on a real node one stuck GPU leaves the others' calls answering). */
+static void maybe_wait(const char *fn, int gpu) {
+    if (slow_ms > 0) usleep((useconds_t)slow_ms * 1000);
+    if (hang_fn[0] && strcmp(hang_fn, fn) == 0 && (hang_gpu < 0 || hang_gpu == gpu)) {
+        if (hang_s < 0)
+            for (;;) sleep(3600);
+        usleep((useconds_t)(hang_s * 1e6));
+    }
+}
+
+/* Counts calls; fires the mid-run faults. Called with mu held. */
+static void tick(void) {
+    calls++;
+    if (uninit_after >= 0 && calls == uninit_after) init_count = 0;
+    if (reset_gpu >= 0 && reset_gpu < n_gpus && calls == reset_after) {
+        gpu_t *g = &gpus[reset_gpu];
+        g->gen++;
+        g->down = reset_down;
+        g->energy_mj = 0;
+        g->last_s = now_s();
+        g->limit_mw = LIMIT_DEFAULT;
+        g->lock_min = g->lock_max = 0;
+        save_state();
+    }
+}
+
+static unsigned sm_clock(const gpu_t *g) { return g->lock_max ? g->lock_max : SM_MAX; }
+
+static double power_mw(const gpu_t *g) {
+    double p = IDLE_MW + 230000.0 * sm_clock(g) / SM_MAX;
+    return p > g->limit_mw ? g->limit_mw : p;
+}
+
+static void advance(gpu_t *g) {
+    double t = now_s();
+    g->energy_mj += power_mw(g) * (t - g->last_s);
+    g->last_s = t;
+}
+
+/* Checks init and the handle; on success *out is the GPU (mu held on return
+   only when NVML_SUCCESS). */
+static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, gpu_t **out) {
+    int gi = (h && h->magic == MAGIC) ? h->gpu : -1;
+    maybe_wait(fn, gi);
+    pthread_mutex_lock(&mu);
+    tick();
+    nvmlReturn_t r = NVML_SUCCESS;
+    if (init_count == 0)
+        r = NVML_ERROR_UNINITIALIZED;
+    else if (gi < 0 || gi >= n_gpus)
+        r = NVML_ERROR_INVALID_ARGUMENT;
+    else if (gpus[gi].lost || h->gen != gpus[gi].gen)
+        r = NVML_ERROR_GPU_IS_LOST;
+    else if (gpus[gi].reset_required)
+        r = NVML_ERROR_RESET_REQUIRED;
+    if (r != NVML_SUCCESS) {
+        pthread_mutex_unlock(&mu);
+        return r;
+    }
+    *out = &gpus[gi];
+    return NVML_SUCCESS;
+}
+
+#define LEAVE(r)                     \
+    do {                             \
+        pthread_mutex_unlock(&mu);   \
+        return (r);                  \
+    } while (0)
+
+#define DEVICE_CALL(name)                          \
+    gpu_t *g;                                      \
+    nvmlReturn_t _r = enter(name, device, &g);     \
+    if (_r != NVML_SUCCESS) return _r;
+
+/* ---- init and system */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    maybe_wait("nvmlInit", -1);
+    pthread_mutex_lock(&mu);
+    configure();
+    if (init_error) LEAVE(init_error);
+    init_count++;
+    LEAVE(NVML_SUCCESS);
+}
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&mu);
+    if (init_count > 0) init_count--; /* an extra shutdown is not an error */
+    LEAVE(NVML_SUCCESS);
+}
+
+const char *nvmlErrorString(nvmlReturn_t r) {
+    switch (r) {
+    case 0: return "Success";
+    case 1: return "Uninitialized";
+    case 2: return "Invalid Argument";
+    case 3: return "Not Supported";
+    case 4: return "Insufficient Permissions";
+    case 6: return "Not Found";
+    case 7: return "Insufficient Size";
+    case 9: return "Driver Not Loaded";
+    case 12: return "NVML Shared Library Not Found";
+    case 15: return "GPU is lost";
+    case 16: return "GPU requires restart";
+    case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 19: return "Resource in use";
+    default: return "Unknown Error";
+    }
+}
+
+static nvmlReturn_t copy_str(const char *s, char *buf, unsigned len) {
+    if (!buf) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(s) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(buf, s);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t node_enter(const char *fn) {
+    maybe_wait(fn, -1);
+    pthread_mutex_lock(&mu);
+    tick();
+    if (init_count == 0) {
+        pthread_mutex_unlock(&mu);
+        return NVML_ERROR_UNINITIALIZED;
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    nvmlReturn_t r = node_enter("nvmlSystemGetDriverVersion");
+    if (r) return r;
+    LEAVE(copy_str("550.54.15", version, length));
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    nvmlReturn_t r = node_enter("nvmlSystemGetNVMLVersion");
+    if (r) return r;
+    LEAVE(copy_str("12.550.54.15", version, length));
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    nvmlReturn_t r = node_enter("nvmlDeviceGetCount");
+    if (r) return r;
+    if (!count) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *count = (unsigned)n_gpus;
+    LEAVE(NVML_SUCCESS);
+}
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+static nvmlDevice_t new_handle(int i) {
+    /* A fresh object per call: two handles of one GPU are different pointers.
+       Never freed, so a stale handle stays readable memory. */
+    stub_device *d = malloc(sizeof *d);
+    d->magic = MAGIC;
+    d->gpu = i;
+    d->gen = gpus[i].gen;
+    return d;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    nvmlReturn_t r = node_enter("nvmlDeviceGetHandleByIndex");
+    if (r) return r;
+    if (!device || index >= (unsigned)n_gpus) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    gpu_t *g = &gpus[index];
+    if (g->lost) LEAVE(NVML_ERROR_GPU_IS_LOST);
+    if (g->down > 0) {
+        g->down--;
+        LEAVE(NVML_ERROR_GPU_IS_LOST);
+    }
+    *device = new_handle((int)index);
+    LEAVE(NVML_SUCCESS);
+}
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+static void uuid_of(int i, char *buf, size_t len) {
+    snprintf(buf, len, "GPU-5ab1e000-0000-4000-8000-%012d", i);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    nvmlReturn_t r = node_enter("nvmlDeviceGetHandleByUUID");
+    if (r) return r;
+    if (!uuid || !device) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    for (int i = 0; i < n_gpus; i++) {
+        char u[96];
+        uuid_of(i, u, sizeof u);
+        if (strcmp(u, uuid) == 0) {
+            if (gpus[i].lost || gpus[i].down > 0) LEAVE(NVML_ERROR_GPU_IS_LOST);
+            *device = new_handle(i);
+            LEAVE(NVML_SUCCESS);
+        }
+    }
+    LEAVE(NVML_ERROR_NOT_FOUND);
+}
+
+/* ---- per device */
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    DEVICE_CALL("nvmlDeviceGetIndex");
+    *index = (unsigned)(g - gpus);
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    DEVICE_CALL("nvmlDeviceGetName");
+    LEAVE(copy_str("NVIDIA H100 80GB HBM3", name, length));
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    DEVICE_CALL("nvmlDeviceGetUUID");
+    char u[96];
+    uuid_of((int)(g - gpus), u, sizeof u);
+    LEAVE(copy_str(u, uuid, length));
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    DEVICE_CALL("nvmlDeviceGetCudaComputeCapability");
+    *major = g->no_energy ? 6 : 9;
+    *minor = 0;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy) {
+    DEVICE_CALL("nvmlDeviceGetTotalEnergyConsumption");
+    if (g->no_energy) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    advance(g);
+    *energy = (unsigned long long)g->energy_mj;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    DEVICE_CALL("nvmlDeviceGetPowerUsage");
+    advance(g);
+    *power = (unsigned)power_mw(g);
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    DEVICE_CALL("nvmlDeviceGetClockInfo");
+    if (type == 2) *clock = MEM_CLOCK;
+    else if (type == 0 || type == 1) *clock = sm_clock(g);
+    else if (type == 3) *clock = 1755;
+    else LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    DEVICE_CALL("nvmlDeviceGetMaxClockInfo");
+    if (type == 2) *clock = MEM_CLOCK;
+    else if (type == 0 || type == 1) *clock = SM_MAX;
+    else if (type == 3) *clock = 1755;
+    else LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedMemoryClocks(nvmlDevice_t device, unsigned int *count, unsigned int *clocks) {
+    DEVICE_CALL("nvmlDeviceGetSupportedMemoryClocks");
+    if (!count) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (*count < 1 || !clocks) {
+        *count = 1;
+        LEAVE(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    *count = 1;
+    clocks[0] = MEM_CLOCK;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedGraphicsClocks(nvmlDevice_t device, unsigned int mem, unsigned int *count,
+                                                  unsigned int *clocks) {
+    DEVICE_CALL("nvmlDeviceGetSupportedGraphicsClocks");
+    if (!count) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (mem != MEM_CLOCK) LEAVE(NVML_ERROR_NOT_FOUND);
+    if (*count < N_SM_CLOCKS || !clocks) {
+        *count = N_SM_CLOCKS;
+        LEAVE(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    *count = N_SM_CLOCKS;
+    for (int i = 0; i < N_SM_CLOCKS; i++) clocks[i] = SM_MAX - 15 * i;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t device, unsigned int *lo, unsigned int *hi) {
+    DEVICE_CALL("nvmlDeviceGetPowerManagementLimitConstraints");
+    *lo = LIMIT_MIN;
+    *hi = LIMIT_MAX;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t device, unsigned int *limit) {
+    DEVICE_CALL("nvmlDeviceGetPowerManagementDefaultLimit");
+    *limit = LIMIT_DEFAULT;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit) {
+    DEVICE_CALL("nvmlDeviceGetPowerManagementLimit");
+    *limit = g->limit_mw;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit) {
+    DEVICE_CALL("nvmlDeviceGetEnforcedPowerLimit");
+    *limit = g->limit_mw;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util) {
+    DEVICE_CALL("nvmlDeviceGetUtilizationRates");
+    if (g->mig) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    util->gpu = 97;
+    util->memory = 41;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temp) {
+    DEVICE_CALL("nvmlDeviceGetTemperature");
+    if (sensor != 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *temp = 38 + (unsigned)(power_mw(g) / 20000.0);
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    DEVICE_CALL("nvmlDeviceGetMigMode");
+    *current = *pending = g->mig ? 1 : 0;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) {
+    DEVICE_CALL("nvmlDeviceGetPersistenceMode");
+    *mode = persistence;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* ---- setters */
+
+nvmlReturn_t nvmlDeviceSetGpuLockedClocks(nvmlDevice_t device, unsigned int lo, unsigned int hi) {
+    DEVICE_CALL("nvmlDeviceSetGpuLockedClocks");
+    if (g->no_perm) LEAVE(NVML_ERROR_NO_PERMISSION);
+    if (g->no_lock || g->mig) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    if (lo > hi || hi == 0) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    advance(g);
+    g->lock_min = lo;
+    g->lock_max = hi > SM_MAX ? SM_MAX : hi;
+    save_state();
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceResetGpuLockedClocks(nvmlDevice_t device) {
+    DEVICE_CALL("nvmlDeviceResetGpuLockedClocks");
+    if (g->no_perm) LEAVE(NVML_ERROR_NO_PERMISSION);
+    if (g->no_lock || g->mig) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    advance(g);
+    g->lock_min = g->lock_max = 0;
+    save_state();
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceSetPowerManagementLimit(nvmlDevice_t device, unsigned int limit) {
+    DEVICE_CALL("nvmlDeviceSetPowerManagementLimit");
+    if (g->no_perm) LEAVE(NVML_ERROR_NO_PERMISSION);
+    if (limit < LIMIT_MIN || limit > LIMIT_MAX) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    advance(g);
+    g->limit_mw = limit;
+    save_state();
+    LEAVE(NVML_SUCCESS);
+}
+
+/* ---- for tests: what a GPU has now (there is no NVML getter for locked clocks) */
+
+int nvmlStubGetLockedClocks(unsigned int index, unsigned int *lo, unsigned int *hi) {
+    pthread_mutex_lock(&mu);
+    configure();
+    if (index >= (unsigned)n_gpus) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *lo = gpus[index].lock_min;
+    *hi = gpus[index].lock_max;
+    LEAVE(NVML_SUCCESS);
+}
