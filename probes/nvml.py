@@ -249,7 +249,9 @@ class NvmlProbe:
                 out.gpus.append(self._sample_gpu(gpu, now_s))
             except DeviceLost as e:
                 self._devices.mark_lost(gpu.index, str(e))
-            except ProbeError as e:
+            except Exception as e:  # one GPU's failure, whatever it is, costs that GPU only
+                if not isinstance(e, ProbeError):
+                    e = ProbeError(f"gpu{gpu.index}: {type(e).__name__}: {e}")
                 key = "sample"
                 if gpu.errors.get(key) != str(e):
                     log.error("gpu%d not sampled: %s", gpu.index, e)

@@ -20,13 +20,38 @@ from typing import Any, Protocol, runtime_checkable
 
 from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, NotSupported, ProbeError
 
-__all__ = ["NVML_ERROR_MAP", "NvmlDevices", "SimulatedNvml", "translate_nvml_error"]
+__all__ = [
+    "NVML_ERROR_FIX",
+    "NVML_ERROR_MAP",
+    "DriverMismatch",
+    "NvmlDevices",
+    "NvmlUninitialized",
+    "ResetRequired",
+    "SimulatedNvml",
+    "translate_nvml_error",
+]
 
 log = logging.getLogger(__name__)
+
+
+class NvmlUninitialized(ProbeError):
+    """NVML answered UNINITIALIZED: this process's NVML was shut down under greend
+    (an unbalanced ``nvmlShutdown``, a driver reload). Initialising again recovers."""
+
+
+class ResetRequired(DeviceLost):
+    """The GPU needs a reset (``nvidia-smi -r``) before it answers again."""
+
+
+class DriverMismatch(ProbeError):
+    """The NVML library and the loaded kernel driver are of different versions
+    (the state after a driver upgrade without a reboot)."""
+
 
 # NVML return codes (nvml.h; a stable C ABI, the same numbers as pynvml's
 # NVML_ERROR_* constants) -> the greend error they mean. Anything else: ProbeError.
 NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
+    1: ("NVML_ERROR_UNINITIALIZED", NvmlUninitialized),
     2: ("NVML_ERROR_INVALID_ARGUMENT", InvalidArgument),
     3: ("NVML_ERROR_NOT_SUPPORTED", NotSupported),
     13: ("NVML_ERROR_FUNCTION_NOT_FOUND", NotSupported),  # driver too old for the call
@@ -34,6 +59,19 @@ NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
     15: ("NVML_ERROR_GPU_IS_LOST", DeviceLost),
     12: ("NVML_ERROR_LIBRARY_NOT_FOUND", NoData),
     9: ("NVML_ERROR_DRIVER_NOT_LOADED", NoData),
+    16: ("NVML_ERROR_RESET_REQUIRED", ResetRequired),
+    18: ("NVML_ERROR_LIB_RM_VERSION_MISMATCH", DriverMismatch),
+    19: ("NVML_ERROR_IN_USE", ProbeError),
+}
+
+# What to do about a code, where there is something to do; said in the message.
+NVML_ERROR_FIX: dict[int, str] = {
+    1: "NVML was shut down under greend (an unbalanced nvmlShutdown, a driver reload); greend initialises it again",
+    16: "reset the GPU (`nvidia-smi -r -i <index>` with no processes on it) or reboot the node",
+    18: "the NVIDIA driver was upgraded without a reboot: the loaded kernel module and libnvidia-ml "
+    "differ; reboot the node (or reload the nvidia kernel modules)",
+    19: "the GPU is in use by an operation that excludes this one (a MIG reconfiguration, a reset "
+    "in progress, another tool): retry when it is done",
 }
 
 NVML_ERROR_NOT_FOUND = 6
@@ -56,7 +94,9 @@ def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:
     code = getattr(exc, "value", None)
     entry = NVML_ERROR_MAP.get(code) if isinstance(code, int) else None
     cls: type[ProbeError] = entry[1] if entry else ProbeError
-    return cls(f"{what}: {exc} (NVML code {code})")
+    named = f"{entry[0]}, code {code}" if entry else f"NVML code {code}"
+    fix = NVML_ERROR_FIX.get(code) if isinstance(code, int) else None
+    return cls(f"{what}: {exc} ({named})" + (f" (fix: {fix})" if fix else ""))
 
 
 class NvmlDevices:
@@ -98,6 +138,8 @@ class NvmlDevices:
             return getattr(nvml, fn)(*args)
         except nvml.NVMLError as e:
             raise translate_nvml_error(e, f"{what} {fn}") from e
+        except Exception as e:  # ctypes' TypeError/ArgumentError, a binding's bug: this call only
+            raise ProbeError(f"{what} {fn}: {type(e).__name__}: {e}") from e
 
     # ---- the GPUs
 

@@ -15,6 +15,7 @@ from greend.probes import REGISTRY, ProbeContext
 from greend.probes.base import MeasuresProcesses, Probe, SampledEvery, ShowsClockCaps, SimulatesGpus
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.nvml import NVML_ERROR_MAP, NvmlProbe, translate_nvml_error
+from greend.probes.nvml_device import DriverMismatch, NvmlUninitialized, ResetRequired
 from greend.probes.sim import H100
 from tests.support import ManualClock
 
@@ -338,6 +339,38 @@ def test_one_error_table() -> None:
         err = translate_nvml_error(pynvml.NVMLError(code), "gpu0 call")
         assert type(err) is cls and "gpu0 call" in str(err)
     assert type(translate_nvml_error(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN), "x")) is ProbeError
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "fix"),
+    [
+        (1, NvmlUninitialized, "initialises it again"),
+        (16, ResetRequired, "nvidia-smi -r"),
+        (18, DriverMismatch, "reboot"),
+        (19, ProbeError, "retry"),
+    ],
+)
+def test_codes_with_a_name_and_a_fix(code: int, cls: type[ProbeError], fix: str) -> None:
+    err = translate_nvml_error(pynvml.NVMLError(code), "gpu3 nvmlDeviceGetPowerUsage")
+    assert type(err) is cls
+    assert NVML_ERROR_MAP[code][0] in str(err) and fix in str(err)
+    assert issubclass(ResetRequired, DeviceLost)  # the GPU is out until it is reset
+
+
+def test_a_non_nvml_exception_fails_only_its_gpu(fake: FakeNvml) -> None:
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    real = fake.nvmlDeviceGetTotalEnergyConsumption
+
+    def broken(handle: object) -> int:
+        if fake.nvmlDeviceGetIndex(handle) == 1:
+            raise TypeError("wrong type")  # what ctypes raises for a float
+        return real(handle)
+
+    fake.nvmlDeviceGetTotalEnergyConsumption = broken  # type: ignore[method-assign]
+    gpus = probe.sample(0.0).gpus
+    assert 1 not in [g.index for g in gpus] and len(gpus) == fake.nvmlDeviceGetCount() - 1
+    assert "TypeError" in probe.device_errors[1]["sample"]
 
 
 def test_sample_before_open_and_close_twice(fake: FakeNvml) -> None:

@@ -1,0 +1,117 @@
+"""The NVML probe through the real ``pynvml`` on the C stand-in of
+``libnvidia-ml.so.1`` (tests/nvml_stub), each case in a subprocess of its own:
+pynvml loads the library once per process, by name, through ``LD_LIBRARY_PATH``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from tests.nvml_stub import REPO, stub_env
+
+PROBE_SCRIPT = """
+import json, sys
+from greend.probes.nvml import NvmlProbe
+from greend.errors import GreendError
+p = NvmlProbe()
+out = {}
+try:
+    p.open()
+except GreendError as e:
+    out["open_error"] = [type(e).__name__, str(e)]
+    print(json.dumps(out)); sys.exit(0)
+r1 = p.sample(0.0)
+import time; time.sleep(0.2)
+r2 = p.sample(0.2)
+from dataclasses import asdict
+out["gpus"] = [asdict(g) | {"supported_sm_clocks_mhz": len(g.supported_sm_clocks_mhz)} for g in r2.gpus]
+info = p.info()
+out["info"] = {"available": info.available, "detail": info.detail, "devices": info.devices}
+out["errors"] = {str(k): v for k, v in p.device_errors.items()}
+p.close()
+print(json.dumps(out, default=str))
+"""
+
+
+def run_py(code: str, timeout: float = 60.0, **faults: object) -> dict[str, Any]:
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=stub_env(**faults),
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_real_pynvml_reads_eight_gpus_in_si_units() -> None:
+    out = run_py(PROBE_SCRIPT)
+    gpus = out["gpus"]
+    assert [g["index"] for g in gpus] == list(range(8))
+    g = gpus[0]
+    assert g["name"] == "NVIDIA H100 80GB HBM3"
+    assert g["uuid"].startswith("GPU-") and len({x["uuid"] for x in gpus}) == 8
+    assert g["energy_method"] == "counter"
+    assert 60 < g["power_w"] < 701  # mW -> W
+    assert g["energy_j"] > 0  # mJ deltas -> J
+    assert g["power_limit_w"] == 700.0 and g["power_limit_min_w"] == 200.0 and g["power_limit_max_w"] == 700.0
+    assert g["sm_clock_max_mhz"] == 1980.0 and g["mem_clock_mhz"] == 2619.0
+    assert g["supported_sm_clocks_mhz"] == 110  # the two-call size protocol
+    assert g["compute_capability"] == [9, 0]
+    assert out["info"]["available"] and "driver 550.54.15" in out["info"]["detail"]
+
+
+def test_lost_gpu_is_left_out_and_the_others_read() -> None:
+    out = run_py(PROBE_SCRIPT, lost="2,5")
+    assert [g["index"] for g in out["gpus"]] == [0, 1, 3, 4, 6, 7]
+    assert any("gpu2: LOST" in d for d in out["info"]["devices"])
+
+
+def test_no_energy_counter_integrates_power() -> None:
+    out = run_py(PROBE_SCRIPT, no_energy="1")
+    by = {g["index"]: g for g in out["gpus"]}
+    assert by[1]["energy_method"] == "power_integration" and by[1]["energy_j"] > 0
+    assert by[0]["energy_method"] == "counter"
+
+
+@pytest.mark.parametrize(("code", "kind"), [(9, "NoData"), (12, "NoData")])
+def test_init_failure_without_a_driver_is_no_data(code: int, kind: str) -> None:
+    out = run_py(PROBE_SCRIPT, init_error=code)
+    assert out["open_error"][0] == kind
+
+
+def test_driver_upgraded_without_reboot_names_the_fix() -> None:
+    out = run_py(PROBE_SCRIPT, init_error=18)
+    name, msg = out["open_error"]
+    assert "LIB_RM_VERSION_MISMATCH" in msg and "reboot" in msg
+
+
+def test_handles_are_opaque_and_the_init_count_is_per_process() -> None:
+    out = run_py(
+        """
+        import json, pynvml as n
+        n.nvmlInit(); n.nvmlInit()
+        a, b = n.nvmlDeviceGetHandleByIndex(0), n.nvmlDeviceGetHandleByIndex(0)
+        res = {"equal": a == b}
+        try:
+            n.nvmlDeviceSetPowerManagementLimit(a, 300000.0)
+        except TypeError:
+            res["float"] = "TypeError"
+        n.nvmlShutdown()
+        res["after_one_shutdown"] = n.nvmlDeviceGetPowerUsage(a) > 0
+        n.nvmlShutdown(); n.nvmlShutdown()  # an extra shutdown is not an error
+        try:
+            n.nvmlDeviceGetPowerUsage(a)
+        except n.NVMLError as e:
+            res["after_all"] = e.value
+        print(json.dumps(res))
+        """
+    )
+    assert out == {"equal": False, "float": "TypeError", "after_one_shutdown": True, "after_all": 1}
