@@ -1,0 +1,118 @@
+"""A whole daemon on the real ``pynvml`` over the C stand-in of ``libnvidia-ml.so.1``
+(tests/nvml_stub): ``greend run`` without ``--sim``, as on an 8-GPU node."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.nvml_stub import REPO, stub_env
+from tests.support import DaemonProc, wait_for, wait_for_socket
+
+
+def start_on_stub(tmp: Path, *extra: str, name: str = "d", **faults: object) -> DaemonProc:
+    """``greend run`` with the stand-in first on LD_LIBRARY_PATH and the faults given."""
+    state = tmp / f"{name}-state"
+    sock = tmp / f"{name}.sock"
+    log = tmp / f"{name}.log"
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text('[daemon]\nsocket_group = ""\n')
+    faults.setdefault("state", tmp / f"{name}-gpus.txt")  # what the GPUs keep across processes
+    args = [
+        sys.executable,
+        "-m",
+        "greend.daemon_main",
+        "run",
+        "--config",
+        str(cfg),
+        "--socket",
+        str(sock),
+        "--state-dir",
+        str(state),
+        "--sysfs-root",
+        str(tmp / "no-sysfs"),
+        "--hz",
+        "10",
+        *extra,
+    ]
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=stub_env(**faults))
+    d = DaemonProc(proc, sock, state, state / "greend.db", log, args)
+    wait_for_socket(d, timeout=40)
+    return d
+
+
+def locked_clocks(state_file: Path, index: int) -> tuple[int, int]:
+    """What the stand-in's GPU ``index`` has locked (0, 0: unlocked); NVML has no getter."""
+    for line in state_file.read_text().splitlines():
+        i, _limit, lo, hi = (int(x) for x in line.split())
+        if i == index:
+            return lo, hi
+    raise AssertionError(f"gpu{index} not in {state_file}")
+
+
+def gpus_of(st: dict[str, Any]) -> list[dict[str, Any]]:
+    return st["gpus"] if isinstance(st["gpus"], list) else list(st["gpus"].values())
+
+
+def test_daemon_reads_eight_gpus_through_real_pynvml(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(tmp_path)
+    daemons.append(d)
+    st = d.status()
+    gpus = gpus_of(st)
+    assert len(gpus) == 8, st
+    g = gpus[0]
+    assert 60 < g["power_w"] < 701 and g["power_limit_w"] == 700.0
+    assert g["uuid"].startswith("GPU-5ab1e000")
+
+
+def test_caps_set_and_restored_through_greenctl(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    gpu_file = tmp_path / "gpus.txt"
+    d = start_on_stub(tmp_path, state=gpu_file)
+    daemons.append(d)
+    d.ctl("cap", "set", "--gpu", "3", "--max-clock", "1400")
+    d.ctl("cap", "set", "--gpu", "3", "--power-limit", "450")
+    assert locked_clocks(gpu_file, 3)[1] == 1395  # snapped to a supported clock (15 MHz steps)
+    assert wait_for(lambda: gpus_of(d.status())[3]["power_limit_w"] == 450.0, 5)
+    d.ctl("cap", "reset", "--gpu", "3")
+    assert locked_clocks(gpu_file, 3) == (0, 0)
+    assert wait_for(lambda: gpus_of(d.status())[3]["power_limit_w"] == 700.0, 5)
+
+
+def test_caps_restored_by_greend_restore_after_a_kill(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    gpu_file = tmp_path / "gpus.txt"
+    d = start_on_stub(tmp_path, state=gpu_file)
+    daemons.append(d)
+    d.ctl("cap", "set", "--gpu", "5", "--max-clock", "1200")
+    assert locked_clocks(gpu_file, 5)[1] == 1200
+    d.stop(sig=9)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "greend.daemon_main", "restore", "--state-dir", str(d.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=stub_env(state=gpu_file),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 30
+    assert locked_clocks(gpu_file, 5) == (0, 0)
+
+
+def test_no_permission_is_reported_with_the_fix(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(tmp_path, no_permission="all")
+    daemons.append(d)
+    r = d.ctl("cap", "set", "--gpu", "0", "--power-limit", "400", check=False)
+    assert r.returncode != 0
+    assert "CAP_SYS_ADMIN" in r.stdout + r.stderr
+
+
+def test_lost_gpu_leaves_seven(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(tmp_path, lost="6")
+    daemons.append(d)
+    gpus = gpus_of(d.status())
+    assert len(gpus) == 7 and 6 not in [g["index"] for g in gpus]
