@@ -61,10 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from greend.errors import ConfigError
+from greend.protocol import DEFAULT_SOCKET
 
 __all__ = [
     "Config",
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_STATE_DIR",
     "DaemonConfig",
     "ProbesConfig",
     "SimConfig",
@@ -77,10 +79,15 @@ DEFAULT_CONFIG_PATH = Path("/etc/greend/greend.toml")
 SECTIONS = ("daemon", "probes", "sim", "store", "policy", "report")
 
 
+# Saved settings, simulated devices, the spool and the default store live here (the
+# systemd unit's StateDirectory=).
+DEFAULT_STATE_DIR = Path("/var/lib/greend")
+
+
 def default_socket_path() -> Path:
     """``$GREEND_SOCKET``, else the system path the systemd unit uses."""
     env = os.environ.get("GREEND_SOCKET")
-    return Path(env) if env else Path("/run/greend/greend.sock")
+    return Path(env) if env else DEFAULT_SOCKET
 
 
 @dataclass
@@ -89,7 +96,7 @@ class DaemonConfig:
     socket: Path = field(default_factory=default_socket_path)
     socket_group: str = "greend"
     socket_mode: str = "0660"
-    state_dir: Path = Path("/var/lib/greend")
+    state_dir: Path = DEFAULT_STATE_DIR
     dry_run: bool = False
     heartbeat_timeout_s: float = 15.0
     admin_group: str = "greend-admin"

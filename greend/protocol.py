@@ -15,12 +15,14 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from greend.errors import ProtocolError
 
 __all__ = [
     "ADMIN_OPS",
+    "DEFAULT_SOCKET",
     "FP8_LEVELS",
     "Field",
     "JOB_ID_RE",
@@ -42,6 +44,9 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024  # one JSON line, the newline included
 MAX_CONNECTIONS = 256
 MAX_STEPS_PER_MESSAGE = 1024
+
+# Where the daemon listens unless told otherwise ($GREEND_SOCKET, --socket, [daemon] socket).
+DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 
 # A job id: what `job=`, $GREEND_JOB or the scheduler gives, as the daemon accepts it.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")

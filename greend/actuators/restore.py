@@ -32,13 +32,12 @@ from greend.actuators.knob_errors import guarded
 from greend.actuators.rapl import RaplBackend
 from greend.actuators.report import RestoreFailure, RestoreReport
 from greend.actuators.state import StateFile
+from greend.config import DEFAULT_STATE_DIR
 from greend.errors import GreendError, NoData, StateError
 
 __all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_STATE_DIR = Path("/var/lib/greend")
 
 
 def _open_gpu_backend(kind: str, sim_dir: str | None, nvml_module: Any | None) -> NvmlGpuBackend:

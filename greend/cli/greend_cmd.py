@@ -13,7 +13,7 @@ import typer
 
 from greend import __version__
 from greend.cli.common import fail, setup_logging
-from greend.config import apply_overrides, load_config
+from greend.config import DEFAULT_STATE_DIR, apply_overrides, load_config
 from greend.daemon import sdnotify
 from greend.errors import ConfigError, StateError, StoreError
 
@@ -116,7 +116,7 @@ def daemon_run(
 
 @daemon_app.command("restore")
 def daemon_restore(
-    state_dir: Path = typer.Option(Path("/var/lib/greend"), "--state-dir", help="where saved-settings.json lives"),
+    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="where saved-settings.json lives"),
     force_defaults: bool = typer.Option(
         False, "--force-defaults", help="state file unreadable: reset every GPU to its default clocks and limit"
     ),

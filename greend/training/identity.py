@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from greend.protocol import JOB_ID_RE
+from greend.protocol import DEFAULT_SOCKET, JOB_ID_RE
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -42,7 +42,6 @@ __all__ = [
 # The callback's log lines, wherever in greend.training they are made, go to one logger.
 log = logging.getLogger("greend.training.callback")
 
-DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 
 _JOB_ENV_VARS = ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
