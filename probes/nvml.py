@@ -364,6 +364,13 @@ class NvmlProbe:
             if not self._devices.is_lost(g.index)
         ]
         lost = self._devices.lost
+        hung = self._devices.unresponsive
+        devices = [
+            line
+            if line.split(":")[0] not in hung
+            else f"{line.split(':')[0]}: UNRESPONSIVE ({hung[line.split(':')[0]]})"
+            for line in devices
+        ]
         devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(lost.items())]
         devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
         live = sum(not self._devices.is_lost(g.index) for g in self._gpus)
@@ -372,6 +379,8 @@ class NvmlProbe:
             parts.append(f"driver {self._driver_version}")
         if lost:
             parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(lost))}")
+        if hung:
+            parts.append(f"unresponsive: {', '.join(sorted(hung))}")
         if self._open_errors:
             parts.append(f"not opened: {', '.join(f'gpu{i}' for i in sorted(self._open_errors))}")
         return ProbeInfo(self.name, available=live > 0, detail=", ".join(parts), devices=devices)

@@ -14,7 +14,13 @@ original: callers classify errors by their greend type, never by their text.
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,6 +34,7 @@ __all__ = [
     "NvmlUninitialized",
     "ResetRequired",
     "SimulatedNvml",
+    "Unresponsive",
     "translate_nvml_error",
 ]
 
@@ -46,6 +53,60 @@ class ResetRequired(DeviceLost):
 class DriverMismatch(ProbeError):
     """The NVML library and the loaded kernel driver are of different versions
     (the state after a driver upgrade without a reboot)."""
+
+
+class Unresponsive(ProbeError):
+    """An NVML call on this GPU (or node-wide) did not return within the deadline.
+    A call stuck inside the driver cannot be interrupted: its worker thread stays
+    with it, and later calls on that GPU fail at once until it returns."""
+
+
+def _default_deadline_s() -> float:
+    try:
+        return float(os.environ.get("GREEND_NVML_DEADLINE_S", "") or DEFAULT_DEADLINE_S)
+    except ValueError:
+        return DEFAULT_DEADLINE_S
+
+
+# The longest a single NVML call may take before its GPU is called unresponsive
+# (GREEND_NVML_DEADLINE_S overrides). Healthy calls take well under 10 ms; a
+# power-limit write up to a few hundred.
+DEFAULT_DEADLINE_S = 5.0
+
+
+class _Worker:
+    """One thread that makes the NVML calls of one GPU (or the node-wide ones), so
+    a call that hangs in the driver holds only this thread."""
+
+    def __init__(self, name: str, on_done: Callable[[], None]) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self.busy_since: float | None = None
+        self.busy_with = ""
+        self._on_done = on_done
+        self.thread = threading.Thread(target=self._run, name=f"nvml-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, what: str, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self.busy_since, self.busy_with = time.monotonic(), getattr(fn, "__name__", "")
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            finally:
+                self.busy_since = None
+                self._on_done()
 
 
 # NVML return codes (nvml.h; a stable C ABI, the same numbers as pynvml's
@@ -107,8 +168,11 @@ class NvmlDevices:
     thread writes settings.
     """
 
-    def __init__(self, nvml: Any | None = None) -> None:
+    def __init__(self, nvml: Any | None = None, deadline_s: float | None = None) -> None:
         self._nvml = nvml
+        self.deadline_s = _default_deadline_s() if deadline_s is None else float(deadline_s)
+        self._workers: dict[str, _Worker] = {}
+        self._unresponsive: dict[str, str] = {}  # "gpu3" / "node" -> why
         self._handles: dict[int, Any] = {}
         self._lost: dict[int, str] = {}  # index -> why
         self._writes: dict[int, int] = {}  # index -> settings writes so far
@@ -130,12 +194,55 @@ class NvmlDevices:
             self._nvml = pynvml
         return self._nvml
 
+    def _worker(self, what: str) -> _Worker:
+        with self._lock:
+            w = self._workers.get(what)
+            if w is None:
+                w = self._workers[what] = _Worker(what, lambda: self._answered(what))
+            return w
+
+    def _answered(self, what: str) -> None:
+        if self._unresponsive.pop(what, None) is not None:
+            log.warning("%s answers NVML calls again", what)
+
+    def deadline(self, what: str, fn: str, call: Callable[[], Any]) -> Any:
+        """``call()`` on ``what``'s worker thread, waited for at most ``deadline_s``:
+        :class:`Unresponsive` past it, and at once while an earlier call there is stuck."""
+        w = self._worker(what)
+        if threading.current_thread() is w.thread:  # a call made from within a call
+            return call()
+        since = w.busy_since
+        if what in self._unresponsive and since is not None:
+            raise Unresponsive(
+                f"{what} {fn}: not called: {self._unresponsive[what]} "
+                f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
+                "a hung driver needs a GPU reset or a reboot)"
+            )
+        call.__name__ = fn  # type: ignore[attr-defined]
+        fut = w.submit(what, call)
+        try:
+            return fut.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            why = f"{fn} did not return within {self.deadline_s:g} s"
+            if what not in self._unresponsive:
+                log.error("%s is unresponsive: %s; its calls fail until it returns", what, why)
+            self._unresponsive[what] = why
+            raise Unresponsive(f"{what} {fn}: {why} (the driver may be hung)") from None
+
+    @property
+    def unresponsive(self) -> dict[str, str]:
+        """``"gpu3"`` / ``"node"`` -> why, for whose calls do not return."""
+        return dict(self._unresponsive)
+
     def call(self, what: str, fn: str, *args: Any) -> Any:
-        """``nvml.<fn>(*args)``; an NVML error arrives as the greend error it means."""
+        """``nvml.<fn>(*args)`` within the deadline; an NVML error arrives as the greend
+        error it means."""
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
         try:
-            return getattr(nvml, fn)(*args)
+            return self.deadline(what, fn, lambda: getattr(nvml, fn)(*args))
+        except ProbeError:
+            raise
         except nvml.NVMLError as e:
             raise translate_nvml_error(e, f"{what} {fn}") from e
         except Exception as e:  # ctypes' TypeError/ArgumentError, a binding's bug: this call only
@@ -178,7 +285,13 @@ class NvmlDevices:
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
         try:
-            return int(nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(uuid)))
+            return int(
+                self.deadline(
+                    "node",
+                    "nvmlDeviceGetHandleByUUID",
+                    lambda: nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(uuid)),
+                )
+            )
         except nvml.NVMLError as e:
             if getattr(e, "value", None) == NVML_ERROR_NOT_FOUND:
                 return None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -13,7 +14,9 @@ from tests.nvml_stub import REPO, stub_env
 from tests.support import DaemonProc, wait_for, wait_for_socket
 
 
-def start_on_stub(tmp: Path, *extra: str, name: str = "d", **faults: object) -> DaemonProc:
+def start_on_stub(
+    tmp: Path, *extra: str, name: str = "d", env_extra: dict[str, str] | None = None, **faults: object
+) -> DaemonProc:
     """``greend run`` with the stand-in first on LD_LIBRARY_PATH and the faults given."""
     state = tmp / f"{name}-state"
     sock = tmp / f"{name}.sock"
@@ -39,7 +42,9 @@ def start_on_stub(tmp: Path, *extra: str, name: str = "d", **faults: object) -> 
         *extra,
     ]
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=stub_env(**faults))
+        proc = subprocess.Popen(
+            args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env={**stub_env(**faults), **(env_extra or {})}
+        )
     d = DaemonProc(proc, sock, state, state / "greend.db", log, args)
     wait_for_socket(d, timeout=40)
     return d
@@ -116,3 +121,30 @@ def test_lost_gpu_leaves_seven(tmp_path: Path, daemons: list[DaemonProc]) -> Non
     daemons.append(d)
     gpus = gpus_of(d.status())
     assert len(gpus) == 7 and 6 not in [g["index"] for g in gpus]
+
+
+def test_a_hung_gpu_is_reported_and_status_keeps_answering(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(
+        tmp_path,
+        hang="nvmlDeviceGetPowerUsage:3",
+        hang_s=30,
+        env_extra={"GREEND_NVML_DEADLINE_S": "1"},
+    )
+    daemons.append(d)
+
+    def hung_reported() -> bool:
+        t0 = time.monotonic()
+        st = d.status()
+        assert time.monotonic() - t0 < 1.0, "greenctl status took a second or more"
+        nvml = next(p for p in st["probes"] if p["name"] == "nvml")
+        return "unresponsive: gpu3" in json.dumps(nvml)
+
+    assert wait_for(hung_reported, 10)
+    ticks = d.status()["ticks"]
+    for _ in range(5):  # a status within 1 s each time, and the tick goes on
+        hung_reported()
+        time.sleep(0.2)
+    assert d.status()["ticks"] > ticks
+    gpus = gpus_of(d.status())
+    assert {g["index"] for g in gpus} >= {0, 1, 2, 4, 5, 6, 7}
+    assert "UNRESPONSIVE" in d.ctl("probes").stdout
