@@ -78,6 +78,7 @@ class _Gpu:
     power_limit_max_w: float | None = None
     power_limit_default_w: float | None = None
     compute_capability: tuple[int, int] | None = None
+    mig: bool = False  # MIG mode on: the readings are the whole GPU's, shared by its instances
     energy_j: float = 0.0  # cumulative since open
     last_counter_mj: int | None = None
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
@@ -229,6 +230,14 @@ class NvmlProbe:
             gpu.power_limit_min_w, gpu.power_limit_max_w = mw_to_w(lim[0]), mw_to_w(lim[1])
         default = self._optional(gpu, "nvmlDeviceGetPowerManagementDefaultLimit", handle)
         gpu.power_limit_default_w = None if default is None else mw_to_w(default)
+        mig = self._optional(gpu, "nvmlDeviceGetMigMode", handle)
+        gpu.mig = bool(mig and int(mig[0]) == 1)
+        if gpu.mig:
+            log.warning(
+                "gpu%d is in MIG mode: its energy is the whole GPU's (NVML has no per-instance "
+                "counter) and greend will not cap it",
+                i,
+            )
         cc = self._optional(gpu, "nvmlDeviceGetCudaComputeCapability", handle)
         gpu.compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
         try:
@@ -359,6 +368,7 @@ class NvmlProbe:
             return ProbeInfo(self.name, available=False, detail=detail, fix=fix)
         devices = [
             f"gpu{g.index}: {g.name} ({g.uuid}), energy by {g.energy_method}"
+            + (", MIG mode (whole-GPU energy, no caps)" if g.mig else "")
             + (f"; errors: {'; '.join(g.errors.values())}" if g.errors else "")
             for g in self._gpus
             if not self._devices.is_lost(g.index)
@@ -408,6 +418,10 @@ class NvmlProbe:
         for i, why in self._open_errors.items():
             out.setdefault(i, {})["open"] = why
         return out
+
+    def is_mig(self, index: int) -> bool:
+        """Whether GPU ``index`` was in MIG mode when it was enumerated."""
+        return any(g.mig for g in self._gpus if g.index == index)
 
     @property
     def gpu_indices(self) -> list[int]:

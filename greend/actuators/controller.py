@@ -22,7 +22,10 @@ Rules the Controller keeps:
   lowest); power limits clamp to the GPU's constraints; RAPL limits to each
   constraint's ``max_power_uw``.
 - A :class:`~greend.policies.base.Setting` field of None restores that knob to its
-  original. Locked clocks have no NVML getter, so their original is "unlocked".
+  original. Locked clocks have no NVML getter, so their original is "unlocked":
+  a lock set outside greend before its first write cannot be known, and is
+  replaced by "unlocked" on restore. A clock knob whose first write failed is
+  never reset (nothing of greend's is there to undo).
 - Restore puts each device in its own ``try``: one lost GPU or a missing
   permission is reported and never stops the others; entries that failed stay
   in the state file (a later ``greend restore`` retries), the restored ones are
@@ -42,8 +45,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from greend.actuators.gpu import GpuBackend
 from greend.actuators.knob_errors import guarded, knob_error
@@ -123,8 +127,12 @@ class Controller:
         self._dry_gpu_owner: dict[int, str] = {}
         self._dry_cpu: dict[str, tuple[float, str]] = {}  # zone rel path -> (W, owner)
         if self._state.gpus or self._state.cpus:
-            log.info("saved settings from an earlier run in %s: %d GPU(s), %d RAPL zone(s)",
-                     self.state_file.path, len(self._state.gpus), len(self._state.cpus))
+            log.info(
+                "saved settings from an earlier run in %s: %d GPU(s), %d RAPL zone(s)",
+                self.state_file.path,
+                len(self._state.gpus),
+                len(self._state.cpus),
+            )
 
     def __repr__(self) -> str:
         return f"Controller({str(self.state_file.state_dir)!r}, dry_run={self.dry_run})"
@@ -208,8 +216,7 @@ class Controller:
             return float(power_w)
         clamped = min(max(float(power_w), lo), hi)
         if clamped != power_w:
-            log.info("gpu%d: power limit %g W clamped to %g W (allowed %g..%g W)",
-                     index, power_w, clamped, lo, hi)
+            log.info("gpu%d: power limit %g W clamped to %g W (allowed %g..%g W)", index, power_w, clamped, lo, hi)
         return clamped
 
     def apply_gpu(self, index: int, setting: Setting, owner: str, keep: Iterable[str] = ()) -> Setting:
@@ -217,18 +224,26 @@ class Controller:
 
         Returns the setting in force (snapped clock, clamped limit). A None field
         restores that knob to its original, unless the knob is in ``keep``: then it is
-        left as it is, with its owner (an admin's cap under a policy's other knob). Raises :class:`KnobError` (after trying
-        both knobs) when a knob could not be set, ``StateError`` when the original
-        could not be saved (nothing is written then).
+        left as it is, with its owner (an admin's cap under a policy's other knob).
+        Raises :class:`KnobError` (after trying both knobs) when a knob could not be
+        set, ``StateError`` when the original could not be saved (nothing is written then).
         """
         if setting.clock_cap_mhz is not None and setting.clock_cap_mhz <= 0:
-            raise KnobError(f"gpu{index} {CLOCK_KNOB}: {setting.clock_cap_mhz} MHz is not a clock",
-                            device=f"gpu{index}", knob=CLOCK_KNOB, reason="invalid")
+            raise KnobError(
+                f"gpu{index} {CLOCK_KNOB}: {setting.clock_cap_mhz} MHz is not a clock",
+                device=f"gpu{index}",
+                knob=CLOCK_KNOB,
+                reason="invalid",
+            )
         if setting.power_limit_w is not None and not (
             math.isfinite(setting.power_limit_w) and setting.power_limit_w > 0
         ):
-            raise KnobError(f"gpu{index} {POWER_KNOB}: {setting.power_limit_w} W is not a power limit",
-                            device=f"gpu{index}", knob=POWER_KNOB, reason="invalid")
+            raise KnobError(
+                f"gpu{index} {POWER_KNOB}: {setting.power_limit_w} W is not a power limit",
+                device=f"gpu{index}",
+                knob=POWER_KNOB,
+                reason="invalid",
+            )
         with self._lock:
             backend = self._primary_gpu()
             lowest: int | None = None
@@ -241,11 +256,18 @@ class Controller:
             keep = frozenset(keep)
             if self.dry_run:
                 prev = self._dry_gpu.get(index, UNCAPPED)
-                target = Setting(prev.clock_cap_mhz if CLOCK_KNOB in keep else clock,
-                                 prev.power_limit_w if POWER_KNOB in keep else power)
+                target = Setting(
+                    prev.clock_cap_mhz if CLOCK_KNOB in keep else clock,
+                    prev.power_limit_w if POWER_KNOB in keep else power,
+                )
                 if prev != target or self._dry_gpu_owner.get(index) != owner:
-                    log.info("dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
-                             index, _setting_text(clock, "MHz"), _setting_text(power, "W"), owner)
+                    log.info(
+                        "dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
+                        index,
+                        _setting_text(clock, "MHz"),
+                        _setting_text(power, "W"),
+                        owner,
+                    )
                 if target.uncapped:
                     self._dry_gpu.pop(index, None)
                     self._dry_gpu_owner.pop(index, None)
@@ -267,8 +289,9 @@ class Controller:
                 raise errors[0]
             return self.current(index)
 
-    def _apply_gpu_knob(self, backend: GpuBackend, index: int, knob: str, value: float | None,
-                        owner: str, lowest: int | None) -> None:
+    def _apply_gpu_knob(
+        self, backend: GpuBackend, index: int, knob: str, value: float | None, owner: str, lowest: int | None
+    ) -> None:
         entry = self._gpu_entry(index)
         ks = entry.knobs.get(knob) if entry is not None else None
         dev = entry.device if entry is not None else f"gpu{index}"
@@ -289,8 +312,9 @@ class Controller:
                 entry = GpuEntry(backend=backend.kind, sim_dir=backend.sim_dir, uuid=uuid, index=index)
                 self._state.gpus.append(entry)
                 dev = entry.device
-            ks = KnobState(original=current if knob == POWER_KNOB else None, set=None, owner=owner,
-                           updated_at=time.time())
+            ks = KnobState(
+                original=current if knob == POWER_KNOB else None, set=None, owner=owner, updated_at=time.time()
+            )
             entry.knobs[knob] = ks
             try:
                 self._save()  # the original is on disk BEFORE the first write
@@ -298,8 +322,12 @@ class Controller:
                 del entry.knobs[knob]
                 self._drop_empty()
                 raise
-            log.info("%s %s: saved original %s before the first write", dev, knob,
-                     _setting_text(ks.original, "MHz" if knob == CLOCK_KNOB else "W"))
+            log.info(
+                "%s %s: saved original %s before the first write",
+                dev,
+                knob,
+                _setting_text(ks.original, "MHz" if knob == CLOCK_KNOB else "W"),
+            )
         if knob == CLOCK_KNOB:
             in_force = ks.set == value
         else:
@@ -312,20 +340,29 @@ class Controller:
             return
         if knob == CLOCK_KNOB:
             lo = lowest if lowest is not None else int(value)
-            guarded(dev, knob, f"lock the SM clock to {lo}..{int(value)} MHz",
-                   lambda: backend.set_locked_clocks_mhz(index, lo, int(value)))
+            guarded(
+                dev,
+                knob,
+                f"lock the SM clock to {lo}..{int(value)} MHz",
+                lambda: backend.set_locked_clocks_mhz(index, lo, int(value)),
+            )
             log.info("%s: SM clock locked to %d..%d MHz (owner %s)", dev, lo, int(value), owner)
         else:
-            guarded(dev, knob, f"set the power limit to {value:g} W",
-                   lambda: backend.set_power_limit_w(index, float(value)))
+            guarded(
+                dev, knob, f"set the power limit to {value:g} W", lambda: backend.set_power_limit_w(index, float(value))
+            )
             log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
         ks.set, ks.owner, ks.updated_at = value, owner, time.time()
         self._save()
 
-    def _restore_gpu_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str,
-                          ks: KnobState) -> str:
+    def _restore_gpu_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
         """Put one knob back to its original; returns a line for the report."""
         dev = f"gpu{index} ({entry.uuid})"
+        if knob == CLOCK_KNOB and ks.set is None:
+            # greend's own lock never took (its first write failed): whatever lock the
+            # GPU has was made outside greend and cannot be read back; leave it.
+            log.info("%s: greend never locked the clocks; any lock there is not greend's and stays", dev)
+            return f"{dev} {knob}: left as it is (greend's lock never took)"
         if knob == CLOCK_KNOB:
             guarded(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
             log.info("%s: locked clocks reset (unlocked, as before greend)", dev)
@@ -334,8 +371,12 @@ class Controller:
         assert original is not None
         current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
         if w_to_mw(current) != w_to_mw(original):
-            guarded(dev, knob, f"restore the power limit to {original:g} W",
-                   lambda: backend.set_power_limit_w(index, original))
+            guarded(
+                dev,
+                knob,
+                f"restore the power limit to {original:g} W",
+                lambda: backend.set_power_limit_w(index, original),
+            )
             log.info("%s: power limit %g -> %g W (restored)", dev, current, original)
         return f"{dev} {knob}: {original:g} W"
 
@@ -365,11 +406,14 @@ class Controller:
             return
         if index is None:
             for k in knobs:
-                report.failed.append(RestoreFailure(
-                    entry.device, k,
-                    f"no GPU with UUID {entry.uuid} on this node now (removed, or another node's "
-                    f"or sim dir's state?); its original stays in {self.state_file.path}",
-                ))
+                report.failed.append(
+                    RestoreFailure(
+                        entry.device,
+                        k,
+                        f"no GPU with UUID {entry.uuid} on this node now (removed, or another node's "
+                        f"or sim dir's state?); its original stays in {self.state_file.path}",
+                    )
+                )
             return
         if index != entry.index:
             log.info("%s is gpu%d now", entry.device, index)
@@ -427,8 +471,12 @@ class Controller:
         Returns the long-term limit now in force (W), None when restored.
         """
         if watts is not None and not (math.isfinite(watts) and watts > 0):
-            raise KnobError(f"{zone_path} {POWER_KNOB}: {watts} W is not a power limit",
-                            device=str(zone_path), knob=POWER_KNOB, reason="invalid")
+            raise KnobError(
+                f"{zone_path} {POWER_KNOB}: {watts} W is not a power limit",
+                device=str(zone_path),
+                knob=POWER_KNOB,
+                reason="invalid",
+            )
         with self._lock:
             rapl = self._primary_rapl()
             ref = guarded(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
@@ -449,47 +497,67 @@ class Controller:
                     self._restore_cpu_entry(entry, report)
                     self._finish(report)
                     if report.failed:
-                        raise KnobError(report.failed[0].message, device=dev, knob=POWER_KNOB,
-                                        reason="failed")
+                        raise KnobError(report.failed[0].message, device=dev, knob=POWER_KNOB, reason="failed")
                 return None
             cons = guarded(dev, POWER_KNOB, "list the constraints", lambda: rapl.constraints(ref))
             if not cons:
-                raise KnobError(f"{dev} {POWER_KNOB}: the zone has no long_term or short_term "
-                                "constraint to limit", device=dev, knob=POWER_KNOB,
-                                reason="not_supported")
+                raise KnobError(
+                    f"{dev} {POWER_KNOB}: the zone has no long_term or short_term constraint to limit",
+                    device=dev,
+                    knob=POWER_KNOB,
+                    reason="not_supported",
+                )
             if entry is None:
                 saved = [
-                    CpuConstraintState(c.index, c.name, guarded(
-                        dev, POWER_KNOB, f"read constraint {c.index}",
-                        lambda c=c: rapl.read_limit_uw(ref, c.index)))  # type: ignore[misc]
+                    CpuConstraintState(
+                        c.index,
+                        c.name,
+                        guarded(
+                            dev, POWER_KNOB, f"read constraint {c.index}", lambda c=c: rapl.read_limit_uw(ref, c.index)
+                        ),
+                    )  # type: ignore[misc]
                     for c in cons
                 ]
-                entry = CpuEntry(sysfs_root=str(rapl.sysfs_root), zone_path=ref.rel_path,
-                                 zone_id=ref.zone_id, name=ref.name, owner=owner,
-                                 updated_at=time.time(), constraints=saved)
+                entry = CpuEntry(
+                    sysfs_root=str(rapl.sysfs_root),
+                    zone_path=ref.rel_path,
+                    zone_id=ref.zone_id,
+                    name=ref.name,
+                    owner=owner,
+                    updated_at=time.time(),
+                    constraints=saved,
+                )
                 self._state.cpus.append(entry)
                 try:
                     self._save()  # originals on disk BEFORE the first write
                 except StateError:
                     self._state.cpus.remove(entry)
                     raise
-                log.info("%s: saved original limits %s uW before the first write", dev,
-                         ", ".join(f"{c.name}={c.original_uw}" for c in saved))
+                log.info(
+                    "%s: saved original limits %s uW before the first write",
+                    dev,
+                    ", ".join(f"{c.name}={c.original_uw}" for c in saved),
+                )
             by_index = {c.index: c for c in entry.constraints}
             long_w: float | None = None
             for c in cons:
                 st = by_index.get(c.index)
                 if st is None:  # a constraint the first write did not see
-                    orig = guarded(dev, POWER_KNOB, f"read constraint {c.index}",
-                                  lambda c=c: rapl.read_limit_uw(ref, c.index))  # type: ignore[misc]
+                    orig = guarded(
+                        dev, POWER_KNOB, f"read constraint {c.index}", lambda c=c: rapl.read_limit_uw(ref, c.index)
+                    )  # type: ignore[misc]
                     st = CpuConstraintState(c.index, c.name, orig)
                     entry.constraints.append(st)
                     self._save()
                 target = w_to_uw(watts)
                 if c.name == "short_term" and st.original_uw > 0:
                     target = min(target, st.original_uw)
-                in_force = guarded(dev, POWER_KNOB, f"set constraint {c.index} ({c.name})",
-                                  lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t))  # type: ignore[misc]
+                in_force = guarded(
+                    dev,
+                    POWER_KNOB,
+                    f"set constraint {c.index} ({c.name})",
+                    lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t),
+                )  # type: ignore[misc]
                 st.set_uw = in_force
                 if c.name == "long_term" or long_w is None:
                     long_w = uw_to_w(in_force)
@@ -503,7 +571,8 @@ class Controller:
         if rapl is None:
             why = self._rapl_unavailable.get(key) or (
                 f"it was set under the sysfs root {entry.sysfs_root}, which this greend does "
-                f"not drive; run `greend restore --state-dir {self.state_file.state_dir}`")
+                f"not drive; run `greend restore --state-dir {self.state_file.state_dir}`"
+            )
             report.failed.append(RestoreFailure(entry.device, POWER_KNOB, f"cannot restore: {why}"))
             return
         try:
@@ -514,15 +583,18 @@ class Controller:
         left: list[CpuConstraintState] = []
         for c in entry.constraints:
             try:
-                guarded(entry.device, POWER_KNOB, f"restore constraint {c.index} to {c.original_uw} uW",
-                       lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw))  # type: ignore[misc]
+                guarded(
+                    entry.device,
+                    POWER_KNOB,
+                    f"restore constraint {c.index} to {c.original_uw} uW",
+                    lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw),
+                )  # type: ignore[misc]
             except GreendError as e:
                 log.error("restore: %s", e)
                 report.failed.append(RestoreFailure(entry.device, f"constraint_{c.index}", str(e)))
                 left.append(c)
             else:
-                report.restored.append(
-                    f"{entry.device} constraint_{c.index} ({c.name}): {c.original_uw} uW")
+                report.restored.append(f"{entry.device} constraint_{c.index} ({c.name}): {c.original_uw} uW")
         entry.constraints = left
 
     # ---- restore everything / by owner
@@ -549,29 +621,32 @@ class Controller:
                 if report.restored:
                     log.info("dry-run: would restore %s for %s", ", ".join(report.restored), owner)
                 return report
-            self._restore_each(report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner],
-                               lambda cpu: cpu.owner == owner)
+            self._restore_each(
+                report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner], lambda cpu: cpu.owner == owner
+            )
             self._finish(report)
             return report
 
-    def _restore_each(self, report: RestoreReport, gpu_knobs: Callable[[Any], list[str]],
-                      cpu_wanted: Callable[[Any], bool]) -> None:
+    def _restore_each(
+        self, report: RestoreReport, gpu_knobs: Callable[[Any], list[str]], cpu_wanted: Callable[[Any], bool]
+    ) -> None:
         """Restore the chosen knobs of every saved device, each on its own: an
         unexpected error on one device is reported and never stops the others."""
         for entry in list(self._state.gpus):
             knobs = gpu_knobs(entry)
             try:
                 self._restore_gpu_entry(entry, knobs, report)
-            except Exception as e:  # noqa: BLE001 - one device never stops the others
+            except Exception as e:
                 log.exception("restore of %s failed", entry.device)
-                report.failed += [RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}")
-                                  for k in knobs if k in entry.knobs]
+                report.failed += [
+                    RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}") for k in knobs if k in entry.knobs
+                ]
         for cpu in list(self._state.cpus):
             if not cpu_wanted(cpu):
                 continue
             try:
                 self._restore_cpu_entry(cpu, report)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("restore of %s failed", cpu.device)
                 report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
 
@@ -591,8 +666,9 @@ class Controller:
             self._restore_each(report, lambda e: list(GPU_KNOBS), lambda cpu: True)
             self._finish(report)
             if report.failed:
-                log.error("restore: %d knob(s) could not be restored and stay in %s",
-                          len(report.failed), self.state_file.path)
+                log.error(
+                    "restore: %d knob(s) could not be restored and stay in %s", len(report.failed), self.state_file.path
+                )
             return report
 
     # ---- what is in force
@@ -655,8 +731,11 @@ class Controller:
             gpus: dict[str, Any] = {}
             if self.dry_run:
                 for i, s in sorted(self._dry_gpu.items()):
-                    gpus[str(i)] = {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w,
-                                    "owner": self._dry_gpu_owner.get(i)}
+                    gpus[str(i)] = {
+                        "clock_cap_mhz": s.clock_cap_mhz,
+                        "power_limit_w": s.power_limit_w,
+                        "owner": self._dry_gpu_owner.get(i),
+                    }
                 cpus = {z: {"power_limit_w": w, "owner": o} for z, (w, o) in sorted(self._dry_cpu.items())}
             else:
                 for g in self._state.gpus:
@@ -666,11 +745,24 @@ class Controller:
                         "original": {k: ks.original for k, ks in g.knobs.items()},
                         "owners": {k: ks.owner for k, ks in g.knobs.items()},
                     }
-                cpus = {c.zone_id: {"name": c.name, "power_limit_w": c.set_w, "owner": c.owner,
-                                    "original_uw": {str(x.index): x.original_uw for x in c.constraints}}
-                        for c in self._state.cpus}
-            return {"dry_run": self.dry_run, "state_file": str(self.state_file.path),
-                    "gpus": gpus, "cpus": cpus, "owners": self.owners()}
+                cpus = {
+                    c.zone_id: {
+                        "name": c.name,
+                        "power_limit_w": c.set_w,
+                        "owner": c.owner,
+                        "original_uw": {str(x.index): x.original_uw for x in c.constraints},
+                    }
+                    for c in self._state.cpus
+                }
+            return {
+                "dry_run": self.dry_run,
+                "state_file": str(self.state_file.path),
+                "gpus": gpus,
+                # knobs NVML refused (NO_PERMISSION, NOT_SUPPORTED, MIG): not tried again
+                "refused": {str(i): r for i, r in getattr(self.gpu_backend, "refused", {}).items()},
+                "cpus": cpus,
+                "owners": self.owners(),
+            }
 
     def close(self) -> None:
         """Close backends that opened their own probes (restore's)."""
@@ -678,5 +770,5 @@ class Controller:
             if isinstance(b, _Closable):
                 try:
                     b.close()
-                except Exception as e:  # noqa: BLE001 - closing never fails a restore
+                except Exception as e:
                     log.debug("closing %r: %s", b, e)

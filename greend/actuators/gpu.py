@@ -11,16 +11,19 @@ which only reads. Real NVML and the simulator's fake of it run the same code.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from greend.actuators.state import backend_key
-from greend.errors import NoData
+from greend.errors import NoData, NoPermission, NotSupported, ProbeError
 from greend.probes.nvml import NvmlProbe
 from greend.probes.nvml_device import SimulatedNvml
 from greend.units import mw_to_w, w_to_mw
 
 __all__ = ["GpuBackend", "NvmlGpuBackend"]
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -60,6 +63,10 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _knob_group(fn: str) -> str:
+    return "clock_cap_mhz" if "LockedClocks" in fn else "power_limit_w"
+
+
 class NvmlGpuBackend:
     """:class:`GpuBackend` over an opened :class:`~greend.probes.nvml.NvmlProbe`.
 
@@ -78,6 +85,8 @@ class NvmlGpuBackend:
         self.sim_dir: str | None = str(Path(nvml.state_dir).resolve()) if sim else None
         self._owns_probe = owns_probe
         self._clocks: dict[int, tuple[int, ...]] = {}
+        # (index, setter) -> the refusal (NO_PERMISSION / NOT_SUPPORTED): not tried again
+        self._refused: dict[tuple[int, str], ProbeError] = {}
         self._constraints: dict[int, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
@@ -127,8 +136,32 @@ class NvmlGpuBackend:
         return self.devices.call(f"gpu{index}", fn, self._handle(index), *args)
 
     def _write(self, index: int, fn: str, *args: Any) -> None:
+        """A setter, unless it was refused before: a knob NVML refused with
+        NO_PERMISSION or NOT_SUPPORTED stays refused (it will not start working
+        between two policy periods) and is not called, or logged, again."""
         self._handle(index)
-        self.devices.write(index, fn, *args)
+        if self.probe.is_mig(index):
+            raise NotSupported(
+                f"gpu{index} {fn}: the GPU is in MIG mode: greend does not cap a GPU shared "
+                "by MIG instances (a cap would slow every instance's job)"
+            )
+        refused = self._refused.get((index, _knob_group(fn)))
+        if refused is not None:
+            raise type(refused)(f"{refused} (refused before: not tried again)")
+        try:
+            self.devices.write(index, fn, *args)
+        except (NoPermission, NotSupported) as e:
+            self._refused[(index, _knob_group(fn))] = e
+            log.warning("gpu%d: %s: disabled for this GPU until greend restarts", index, e)
+            raise
+
+    @property
+    def refused(self) -> dict[int, dict[str, str]]:
+        """Index -> {knob: why} for knobs NVML refused (for status)."""
+        out: dict[int, dict[str, str]] = {}
+        for (i, knob), e in sorted(self._refused.items()):
+            out.setdefault(i, {})[knob] = str(e)
+        return out
 
     # ---- GpuBackend
 

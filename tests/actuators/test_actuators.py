@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
 from greend.actuators.controller import Controller
@@ -351,3 +352,31 @@ def test_restore_owner_survives_an_unexpected_error_on_one_gpu(tmp_path: Path, s
         assert fake.sim_gpu(i).locked_clocks_mhz() is None and fake.sim_gpu(i).power_limit_w() == 700.0
     assert fake.sim_gpu(1).locked_clocks_mhz() is not None  # kept, and kept saved for the next try
     assert [g["index"] for g in state_json(tmp_path / "state")["gpus"]] == [1]
+
+
+def test_a_lock_greend_never_made_is_not_reset(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+
+    def refuse(name: str) -> None:
+        if name == "nvmlDeviceSetGpuLockedClocks":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    counting.before = refuse
+    with pytest.raises(KnobError):
+        ctl.apply_gpu(0, Setting(clock_cap_mhz=1200), "job-1")
+    counting.before = None
+    report = ctl.restore_all()
+    assert report.ok and "left as it is" in " ".join(report.restored)
+    assert not [c for c in counting.calls if c[0] == "nvmlDeviceResetGpuLockedClocks"]
+
+
+def test_a_refused_knob_is_not_tried_again(tmp_path: Path, sim: Any) -> None:
+    fake, counting, backend = sim
+    fake.inject(1, no_permission=True)
+    ctl = Controller(tmp_path / "state", backend)
+    for _ in range(3):
+        with pytest.raises(KnobError, match="CAP_SYS_ADMIN"):
+            ctl.apply_gpu(1, Setting(power_limit_w=400.0), "job-1")
+    assert len([c for c in counting.calls if c[0] == "nvmlDeviceSetPowerManagementLimit"]) == 1
+    assert "power_limit_w" in ctl.snapshot()["refused"]["1"]

@@ -148,3 +148,24 @@ def test_a_hung_gpu_is_reported_and_status_keeps_answering(tmp_path: Path, daemo
     gpus = gpus_of(d.status())
     assert {g["index"] for g in gpus} >= {0, 1, 2, 4, 5, 6, 7}
     assert "UNRESPONSIVE" in d.ctl("probes").stdout
+
+
+def test_a_refused_knob_is_tried_once_and_shown(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(tmp_path, no_locked_clocks="2")
+    daemons.append(d)
+    for _ in range(3):
+        r = d.ctl("cap", "set", "--gpu", "2", "--max-clock", "1400", check=False)
+        assert r.returncode != 0
+    assert "not tried again" in r.stdout + r.stderr
+    assert d.log_text().count("disabled for this GPU") == 1
+    d.ctl("cap", "set", "--gpu", "2", "--power-limit", "500")  # the other knob still works
+    assert "clock_cap_mhz" in json.dumps(d.status())
+
+
+def test_mig_gpu_is_measured_and_not_capped(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_on_stub(tmp_path, mig="4")
+    daemons.append(d)
+    assert 4 in [g["index"] for g in gpus_of(d.status())]
+    r = d.ctl("cap", "set", "--gpu", "4", "--power-limit", "400", check=False)
+    assert r.returncode != 0 and "MIG" in r.stdout + r.stderr
+    assert "MIG mode" in d.ctl("probes").stdout
