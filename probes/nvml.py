@@ -47,11 +47,14 @@ from greend.units import mj_to_j, mw_to_w
 
 from . import ProbeContext, register
 from .base import GpuReading, Probe, ProbeInfo, Readings
-from .nvml_device import NVML_ERROR_MAP, NvmlDevices, translate_nvml_error
+from .nvml_device import NVML_ERROR_MAP, NvmlDevices, NvmlUninitialized, translate_nvml_error
 
 __all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
 
 log = logging.getLogger(__name__)
+
+# How often lost GPUs are looked for again (a reset or a driver reload brings them back).
+RECOVER_EVERY_S = 5.0
 
 # Clocks, utilisation, temperature, power limit (and power, where the energy
 # counter works) are re-read at most this often.
@@ -113,6 +116,7 @@ class NvmlProbe:
         self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
         self._driver_version: str | None = None
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
+        self._recover_at_s = float("-inf")
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -252,12 +256,19 @@ class NvmlProbe:
             raise ProbeError(f"probe {self.name!r} sampled before open()")
         out = Readings()
         failures: list[ProbeError] = []
+        if self._devices.lost and now_s >= self._recover_at_s:
+            self._recover_at_s = now_s + RECOVER_EVERY_S
+            self._recover_lost()
         live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
+        reinit = False
         for gpu in live:
             try:
                 out.gpus.append(self._sample_gpu(gpu, now_s))
             except DeviceLost as e:
                 self._devices.mark_lost(gpu.index, str(e))
+            except NvmlUninitialized as e:
+                failures.append(e)
+                reinit = True
             except Exception as e:  # one GPU's failure, whatever it is, costs that GPU only
                 if not isinstance(e, ProbeError):
                     e = ProbeError(f"gpu{gpu.index}: {type(e).__name__}: {e}")
@@ -266,9 +277,32 @@ class NvmlProbe:
                     log.error("gpu%d not sampled: %s", gpu.index, e)
                 gpu.errors[key] = str(e)
                 failures.append(e)
+        if reinit:  # NVML was shut down under us: initialise it again, read next tick
+            try:
+                self._call("node", "nvmlInit")
+                log.warning("NVML was shut down under greend; initialised it again")
+            except ProbeError as e:
+                log.error("NVML could not be initialised again: %s", e)
         if failures and not out.gpus:
             raise failures[0]  # every live GPU failed: the probe failed this tick
         return out
+
+    def _recover_lost(self) -> None:
+        """Lost GPUs that answer again with the same UUID at their index get a fresh
+        handle; their energy goes on from what was counted (a new counter baseline)."""
+        for gpu in self._gpus:
+            if not self._devices.is_lost(gpu.index):
+                continue
+            try:
+                handle = self._call(f"gpu{gpu.index}", "nvmlDeviceGetHandleByIndex", gpu.index)
+                uuid = _text(self._call(f"gpu{gpu.index}", "nvmlDeviceGetUUID", handle))
+            except ProbeError:
+                continue
+            if uuid != gpu.uuid:
+                continue  # another GPU is at this index now; leave it to a restart
+            gpu.handle, gpu.last_counter_mj, gpu.last_power = handle, None, None
+            gpu.slow_at_s = float("-inf")
+            self._devices.recovered(gpu.index, handle)
 
     def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"

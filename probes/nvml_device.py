@@ -280,6 +280,12 @@ class NvmlDevices:
             log.error("gpu%d is lost and left out of readings: %s", index, why)
         self._lost[index] = why
 
+    def recovered(self, index: int, handle: Any) -> None:
+        """GPU ``index`` answers again (after a reset): its new handle, not lost."""
+        self._handles[index] = handle
+        if self._lost.pop(index, None) is not None:
+            log.warning("gpu%d is back after a reset or driver reload", index)
+
     def index_of_uuid(self, uuid: str) -> int | None:
         """The index NVML gives the GPU with ``uuid`` now, or None if there is none."""
         nvml = self._nvml

@@ -115,3 +115,32 @@ def test_handles_are_opaque_and_the_init_count_is_per_process() -> None:
         """
     )
     assert out == {"equal": False, "float": "TypeError", "after_one_shutdown": True, "after_all": 1}
+
+
+RECOVERY_SCRIPT = """
+import json, time
+from greend.probes.nvml import NvmlProbe
+import greend.probes.nvml as m
+m.RECOVER_EVERY_S = 0.0
+p = NvmlProbe()
+p.open()
+seen = []
+for k in range(60):
+    r = p.sample(k * 0.5)
+    seen.append(sorted(g.index for g in r.gpus))
+    time.sleep(0.002)
+last = {g.index: g.energy_j for g in p.sample(31.0).gpus}
+print(json.dumps({"seen": seen, "last": sorted(last), "lost": sorted(p.lost_gpus)}))
+"""
+
+
+def test_nvml_shut_down_under_greend_is_initialised_again() -> None:
+    out = run_py(RECOVERY_SCRIPT, uninit_after=150)
+    assert any(len(s) < 8 for s in out["seen"])  # a tick lost to UNINITIALIZED
+    assert out["last"] == list(range(8))
+
+
+def test_a_reset_gpu_comes_back_without_a_restart() -> None:
+    out = run_py(RECOVERY_SCRIPT, reset="2:150:2")
+    assert any(2 not in s for s in out["seen"])  # lost for a while
+    assert out["last"] == list(range(8)) and out["lost"] == []
