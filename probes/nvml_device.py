@@ -218,7 +218,7 @@ class NvmlDevices:
                 f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
                 "a hung driver needs a GPU reset or a reboot)"
             )
-        call.__name__ = fn  # type: ignore[attr-defined]
+        call.__name__ = fn
         fut = w.submit(what, call)
         try:
             return fut.result(timeout=self.deadline_s)

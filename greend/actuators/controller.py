@@ -513,9 +513,12 @@ class Controller:
                         c.index,
                         c.name,
                         guarded(
-                            dev, POWER_KNOB, f"read constraint {c.index}", lambda c=c: rapl.read_limit_uw(ref, c.index)
+                            dev,
+                            POWER_KNOB,
+                            f"read constraint {c.index}",
+                            lambda c=c: rapl.read_limit_uw(ref, c.index),  # type: ignore[misc]
                         ),
-                    )  # type: ignore[misc]
+                    )
                     for c in cons
                 ]
                 entry = CpuEntry(
@@ -544,8 +547,11 @@ class Controller:
                 st = by_index.get(c.index)
                 if st is None:  # a constraint the first write did not see
                     orig = guarded(
-                        dev, POWER_KNOB, f"read constraint {c.index}", lambda c=c: rapl.read_limit_uw(ref, c.index)
-                    )  # type: ignore[misc]
+                        dev,
+                        POWER_KNOB,
+                        f"read constraint {c.index}",
+                        lambda c=c: rapl.read_limit_uw(ref, c.index),  # type: ignore[misc]
+                    )
                     st = CpuConstraintState(c.index, c.name, orig)
                     entry.constraints.append(st)
                     self._save()
@@ -556,8 +562,8 @@ class Controller:
                     dev,
                     POWER_KNOB,
                     f"set constraint {c.index} ({c.name})",
-                    lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t),
-                )  # type: ignore[misc]
+                    lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t),  # type: ignore[misc]
+                )
                 st.set_uw = in_force
                 if c.name == "long_term" or long_w is None:
                     long_w = uw_to_w(in_force)
@@ -587,8 +593,8 @@ class Controller:
                     entry.device,
                     POWER_KNOB,
                     f"restore constraint {c.index} to {c.original_uw} uW",
-                    lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw),
-                )  # type: ignore[misc]
+                    lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw),  # type: ignore[misc]
+                )
             except GreendError as e:
                 log.error("restore: %s", e)
                 report.failed.append(RestoreFailure(entry.device, f"constraint_{c.index}", str(e)))
