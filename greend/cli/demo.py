@@ -1,17 +1,28 @@
-"""``greenctl demo``: a daemon, a real (small) training with the callback, and its report.
+"""``greenctl demo``: the same training twice, as it is and with greend's controller on.
 
-It starts ``greend run`` as a subprocess with its socket, state dir and SQLite
-store in a temporary directory, on two simulated GPUs (or on the real ones when
-NVML and CUDA both work and ``--gpus real|auto`` allows it), trains a small MLP
-on synthetic data for about ``seconds`` with :class:`greend.GreenCallback`
-(a progress line shows loss, power and GFLOPS/W as the daemon sees them), then
-prints the job's report. On simulated GPUs every figure of GPU energy is the
-simulator's and is labelled ``sim``; the training itself is real torch on the CPU.
+It starts ``greend run`` as a subprocess (its socket, state dir and SQLite store in
+a temporary directory) on one simulated H100, or on the real GPUs when NVML and CUDA
+both work and ``--gpus real|auto`` allows it, and trains a small MLP on synthetic
+data with :class:`greend.GreenCallback`, twice, for the same number of steps:
+
+1. as it is: the ``none`` policy (greend only measures);
+2. with greend's controller on: the ``efficient`` clock policy and the ``precision``
+   policy (fp32 -> bf16 once the loss is stable, rolled back if it is not).
+
+Then it prints both runs side by side (time, GPU energy, GFLOPS/W, final loss) and
+the saving in J and %.
+
+On simulated GPUs the step's cost is the simulator's, from the FLOPs the step
+reports: the CPU model's counted FLOPs are reported scaled up (``scale``) so a step
+is GPU-sized (0.1 s at fp32 on an H100 at full clock), and the loop is paced to the
+simulated step time, so the simulated GPU is busy, not idling, while the CPU trains
+for real. Every simulated figure is labelled ``(sim)``.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import math
 import shutil
 import signal
 import subprocess
@@ -19,12 +30,56 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from greend.errors import DaemonUnavailable, GreendError
 from greend.ipc.client import Client
 
-__all__ = ["run_demo"]
+__all__ = ["BASE_STEP_S", "compare_runs", "render_comparison", "run_demo"]
+
+# A simulated step at fp32 on an H100 at its top clock takes this long (s).
+BASE_STEP_S = 0.1
+MEM_SHARE = 0.3
+
+BASELINE_CONFIG = """[daemon]
+socket_group = ""
+hz = 10.0
+"""
+
+CONTROLLED_CONFIG = """[daemon]
+socket_group = ""
+hz = 10.0
+
+[policy]
+name = "efficient"
+period_s = 0.2
+settle_s = 0.05
+precision = "precision"
+
+[policy.params]
+max_slowdown = 0.05
+min_steps = 6
+
+[policy.precision_params]
+window = 16
+min_steps = 8
+max_slope = 0.1
+max_noise = 0.2
+probation_steps = 40
+tolerance = 0.1
+cooldown_s = 600.0
+"""
+
+TORCH_MISSING = (
+    "greenctl demo trains a small torch model and needs the train extra: pip install 'greend[train]' "
+    "(on a machine without a GPU install torch's CPU wheel first: "
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+)
+
+
+class DemoInterrupted(BaseException):  # like KeyboardInterrupt: no except GreendError swallows it
+    """SIGTERM during the demo (its daemons are stopped and its files removed)."""
 
 
 def _real_gpus_available() -> bool:
@@ -42,11 +97,12 @@ def _real_gpus_available() -> bool:
         return False
 
 
-def _start_daemon(tmp: Path, sim: bool) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def _start_daemon(tmp: Path, sim: bool, config: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "greend.sock"
     state = tmp / "state"
     cfg = tmp / "greend.toml"
-    cfg.write_text('[daemon]\nsocket_group = ""\n')  # a private socket: this user only
+    cfg.write_text(config)  # a private socket: this user only
     log = tmp / "greend.log"
     cmd = [
         sys.executable,
@@ -59,13 +115,13 @@ def _start_daemon(tmp: Path, sim: bool) -> tuple[subprocess.Popen[bytes], Path, 
         str(sock),
         "--state-dir",
         str(state),
-        "--hz",
-        "10",
     ]
     if sim:
-        cmd += ["--sim", "2"]
+        cmd += ["--sim", "1"]
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        # A session of its own: a Ctrl-C in the terminal reaches the demo, which stops
+        # the daemon after the training, not the daemon under the training's feet.
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -81,12 +137,33 @@ def _start_daemon(tmp: Path, sim: bool) -> tuple[subprocess.Popen[bytes], Path, 
     raise GreendError(f"the demo daemon did not answer within 30 s:\n{log.read_text()}")
 
 
+def _stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def _bar(frac: float, width: int = 24) -> str:
     n = int(round(max(0.0, min(1.0, frac)) * width))
     return "#" * n + "." * (width - n)
 
 
-def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, Any]:
+def _model_flops(model: Any, xb: Any, yb: Any, lossf: Any) -> float:
+    """The model's counted FLOPs of one training step (forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        lossf(model(xb), yb).backward()
+    model.zero_grad(set_to_none=True)
+    return float(fc.get_total_flops())
+
+
+def _train(sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool, label: str) -> dict[str, Any]:
     import torch
     from torch import nn
 
@@ -95,7 +172,7 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
     torch.manual_seed(0)
     device = torch.device("cuda:0" if use_cuda else "cpu")
     # A teacher network labels random inputs: a task the student can really learn.
-    n_in, n_hidden, n_out, batch = 256, 1024, 10, 128
+    n_in, n_hidden, n_out, batch = 256, 512, 10, 128
     teacher = nn.Sequential(nn.Linear(n_in, 64), nn.Tanh(), nn.Linear(64, n_out)).to(device)
     x_all = torch.randn(8192, n_in, device=device)
     with torch.no_grad():
@@ -105,101 +182,228 @@ def _train(sock: Path, seconds: float, use_cuda: bool, job: str) -> dict[str, An
     ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     lossf = nn.CrossEntropyLoss()
-    params = sum(p.numel() for p in model.parameters())
-    sys.stderr.write(f"model: {params / 1e6:.2f}M parameters, batch {batch}\n")
-    cb = GreenCallback(job=job, model=model, socket=sock, gpus=None if use_cuda else [0], mem_share=0.3)
-    status = Client(sock, timeout_s=1.0)
+    flops = _model_flops(model, x_all[:batch], y_all[:batch], lossf)
+    scale = 1.0
+    if not use_cuda:
+        from greend.probes.sim import H100
+
+        # A GPU-sized step: BASE_STEP_S at fp32 at the top clock on the simulated H100.
+        gpu_flops = BASE_STEP_S * H100.peak_flops.fp32 * H100.mfu * (1.0 - MEM_SHARE)
+        scale = gpu_flops / flops
+    cb = GreenCallback(
+        job=job,
+        model=model,
+        socket=sock,
+        gpus=None if use_cuda else [0],
+        mem_share=MEM_SHARE,
+        flops_per_step=flops * scale,
+        precisions=["fp32", "bf16"] if controlled else ["fp32"],
+        heartbeat_s=0.5,
+    )
+    status = Client(sock, timeout_s=2.0)
     t_start = time.monotonic()
-    last_shown = 0.0
+    last_shown = -1.0
     shown: dict[str, Any] = {}
-    step = 0
     loss_value = float("nan")
-    while True:
-        elapsed = time.monotonic() - t_start
-        if elapsed >= seconds:
-            break
-        i = (step * batch) % x_all.shape[0]
-        xb, yb = x_all[i : i + batch], y_all[i : i + batch]
-        with cb.step(samples=batch, batch=xb) as st:
-            with st.autocast():
-                loss = lossf(model(xb), yb)
-            st.loss(loss)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        loss_value = float(loss.detach())
-        step += 1
-        if elapsed - last_shown >= 0.5:
-            last_shown = elapsed
-            try:
-                r = status.request("report", job=cb.job)
-                shown = {"w": r.get("avg_gpu_power_w"), "g": r.get("gflops_per_w")}
-            except GreendError:
-                pass
-            w, g = shown.get("w"), shown.get("g")
-            sim = " (sim)" if not use_cuda else ""
-            sys.stderr.write(
-                f"\r[{_bar(elapsed / seconds)}] {elapsed:4.1f}/{seconds:.0f} s  step {step:5d}  "
-                f"loss {loss_value:.3f}  GPU {'-' if w is None else f'{w:.0f}'} W{sim}  "
-                f"GFLOPS/W {'-' if g is None else f'{g:.2f}'}{sim}   "
-            )
-            sys.stderr.flush()
-    sys.stderr.write("\n")
-    status.close()
-    cb.close()
+    losses: list[float] = []
+    # Pacing (simulated GPUs): the loop keeps pace with the simulated steps, so the
+    # GPU is busy while it trains. The per-step time is the daemon's, from the sim's
+    # time over the steps it has seen since the last look.
+    target_s = 0.0
+    est_step_s = BASE_STEP_S
+    seen = (0, 0.0)  # (step reports, sim seconds) at the last look
+    last_look = 0.0
+    sim = " (sim)" if not use_cuda else ""
+    try:
+        for step in range(steps):
+            i = (step * batch) % x_all.shape[0]
+            xb, yb = x_all[i : i + batch], y_all[i : i + batch]
+            with cb.step(samples=batch) as st:
+                with st.autocast():
+                    loss = lossf(model(xb), yb)
+                st.loss(loss)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if not use_cuda:
+                    target_s += est_step_s
+                    while True:
+                        now = time.monotonic() - t_start
+                        if now - last_look >= 0.05:
+                            last_look = now
+                            try:
+                                r = status.request("report", job=cb.job)
+                            except GreendError:
+                                r = {}
+                            n, s = r.get("step_reports") or 0, r.get("sim_time_s") or 0.0
+                            if n > seen[0] and s > seen[1]:
+                                est_step_s = (s - seen[1]) / (n - seen[0])
+                                seen = (n, s)
+                            shown = {"w": r.get("avg_gpu_power_w"), "g": r.get("gflops_per_w")}
+                        if now >= target_s:
+                            break
+                        time.sleep(min(0.01, target_s - now))
+            loss_value = float(loss.detach())
+            losses.append(loss_value)
+            elapsed = time.monotonic() - t_start
+            if elapsed - last_shown >= 0.5 or step == steps - 1:
+                last_shown = elapsed
+                w, g = shown.get("w"), shown.get("g")
+                sys.stderr.write(
+                    f"\r{label:12} [{_bar((step + 1) / steps)}] step {step + 1:4d}/{steps}  {elapsed:5.1f} s  "
+                    f"loss {loss_value:.3f}  {st.precision if hasattr(st, 'precision') else ''}  "
+                    f"GPU {'-' if w is None else f'{w:.0f}'} W{sim}  "
+                    f"GFLOPS/W {'-' if g is None else f'{g:.1f}'}{sim}   "
+                )
+                sys.stderr.flush()
+    finally:
+        sys.stderr.write("\n")
+        status.close()
+        cb.close()
+    tail = losses[-20:]
     return {
         "job": cb.job,
-        "steps": step,
-        "final_loss": loss_value,
-        "dropped": cb.stats.dropped if hasattr(cb.stats, "dropped") else 0,
+        "steps": len(losses),
+        "final_loss": sum(tail) / len(tail) if tail else float("nan"),
+        "scale": scale,
     }
 
 
-def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None) -> int:
+def _wait_report(sock: Path, job: str) -> dict[str, Any]:
+    report: dict[str, Any] | None = None
+    deadline = time.monotonic() + 15
+    with Client(sock, timeout_s=2.0) as c:
+        while time.monotonic() < deadline:
+            report = c.request("report", job=job)
+            if report["state"] == "ended":
+                break
+            time.sleep(0.1)
+    assert report is not None
+    return report
+
+
+def compare_runs(base: dict[str, Any], ctrl: dict[str, Any]) -> dict[str, Any]:
+    """The saving of the controlled run against the baseline: J, %, and the time it cost."""
+    e0, e1 = base["gpu_energy_j"], ctrl["gpu_energy_j"]
+    t0, t1 = base["duration_s"], ctrl["duration_s"]
+    saved = e0 - e1
+    return {
+        "saved_j": saved,
+        "saved_pct": 100.0 * saved / e0 if e0 else None,
+        "slowdown_pct": 100.0 * (t1 - t0) / t0 if t0 else None,
+    }
+
+
+def render_comparison(base: dict[str, Any], ctrl: dict[str, Any], sim: bool) -> str:
+    """The demo's closing table: both runs side by side, and the saving."""
+    from greend.cli.render import render_table
+
+    lab = " (sim)" if sim else ""
+
+    def row(name: str, key: str, digits: str, r0: dict[str, Any], r1: dict[str, Any]) -> list[str]:
+        def f(r: dict[str, Any]) -> str:
+            v = r.get(key)
+            return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{digits}}"
+
+        return [name, f(r0), f(r1)]
+
+    rows = [
+        row("steps", "steps", "d", base, ctrl),
+        row(f"time (s){lab}", "duration_s", ".1f", base, ctrl),
+        row(f"GPU energy (J){lab}", "gpu_energy_j", ".0f", base, ctrl),
+        row(f"avg GPU power (W){lab}", "avg_gpu_power_w", ".0f", base, ctrl),
+        row(f"GFLOPS/W{lab}", "gflops_per_w", ".1f", base, ctrl),
+        row("final loss", "final_loss", ".4f", base, ctrl),
+        ["precision at the end", str(base.get("precision")), str(ctrl.get("precision"))],
+        ["clock cap at the end (MHz)", _last_cap(base), _last_cap(ctrl)],
+    ]
+    c = compare_runs(base, ctrl)
+    table = render_table(["", "as it is", "with greend"], rows)  # type: ignore[arg-type]
+    pct = c["saved_pct"]
+    slow = c["slowdown_pct"]
+    line = (
+        f"saved{lab}: {c['saved_j']:.0f} J of GPU energy = {'-' if pct is None else f'{pct:.1f}'} %, "
+        f"at {'-' if slow is None else f'{slow:+.1f}'} % time, same steps"
+    )
+    return table + "\n\n" + line
+
+
+def _last_cap(r: dict[str, Any]) -> str:
+    for d in reversed(r.get("decisions") or []):
+        s = d.get("setting") or {}
+        if s.get("clock_cap_mhz") is not None:
+            return str(s["clock_cap_mhz"])
+        if s.get("power_limit_w") is not None:
+            return f"{s['power_limit_w']:.0f} W"
+        return "none"
+    return "none"
+
+
+def _on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    raise DemoInterrupted(f"stopped by {signal.Signals(signum).name}")
+
+
+def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None) -> int:
     from greend.cli.render import render_report
 
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise GreendError(f"--seconds {seconds}: expected a number of seconds > 0 (the length of each run)")
     if gpus not in ("auto", "sim", "real"):
         raise GreendError(f"--gpus {gpus!r}: expected sim, real or auto")
+    if importlib.util.find_spec("torch") is None:
+        raise GreendError(TORCH_MISSING)
     real = gpus == "real" or (gpus == "auto" and _real_gpus_available())
     if gpus == "real" and not _real_gpus_available():
         raise GreendError("--gpus real: no NVML or no CUDA here; use --gpus sim")
+    steps = max(20, int(round(seconds / BASE_STEP_S)))
     tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="greend-demo-"))
     tmp.mkdir(parents=True, exist_ok=True)
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    procs: list[subprocess.Popen[bytes]] = []
     print(
-        f"greend demo: daemon on {'the real GPUs' if real else '2 simulated H100s (figures labelled sim)'}, "
+        f"greend demo: the same training ({steps} steps) twice, as it is and with greend's controller on "
+        f"(efficient clocks + precision), on {'the real GPUs' if real else 'a simulated H100 (figures labelled sim)'}; "
         f"state in {tmp}"
     )
-    proc, sock, log = _start_daemon(tmp, sim=not real)
     try:
-        job = f"demo-{os.getpid()}"
-        print(f"training a small MLP on synthetic data for {seconds:.0f} s ({'CUDA' if real else 'CPU'}), job {job}")
-        trained = _train(sock, seconds, use_cuda=real, job=job)
-        report: dict[str, Any] | None = None
-        deadline = time.monotonic() + 10
-        with Client(sock, timeout_s=2.0) as c:
-            while time.monotonic() < deadline:
-                report = c.request("report", job=trained["job"])
-                if report["state"] == "ended":
-                    break
-                time.sleep(0.1)
-        assert report is not None
+        reports: list[dict[str, Any]] = []
+        for name, config, controlled, label in (
+            ("as-it-is", BASELINE_CONFIG, False, "as it is"),
+            ("with-greend", CONTROLLED_CONFIG, True, "with greend"),
+        ):
+            proc, sock, _log = _start_daemon(tmp / name, sim=not real, config=config)
+            procs.append(proc)
+            job = f"demo-{name}"
+            trained = _train(sock, steps, use_cuda=real, job=job, controlled=controlled, label=label)
+            report = _wait_report(sock, job)
+            report["final_loss"] = trained["final_loss"]
+            report["flops_scale"] = trained["scale"]
+            reports.append(report)
+            _stop_daemon(proc)
+        base, ctrl = reports
         print()
-        print(render_report(report))
+        print(render_report(ctrl))
         print()
-        print(f"final training loss {trained['final_loss']:.4f} after {trained['steps']} steps")
+        if not real and base.get("flops_scale", 1.0) != 1.0:
+            print(
+                f"FLOPs: the CPU model's counted FLOPs x {base['flops_scale']:.0f}, so each step is a GPU-sized "
+                f"step ({BASE_STEP_S:g} s at fp32 on an H100 at full clock) for the simulator; the training is real "
+                "torch on the CPU, paced to the simulated GPU"
+            )
+        print()
+        print(render_comparison(base, ctrl, sim=not real))
         if keep is not None:
             print(
-                f"the store is kept: sqlite3 {tmp / 'state' / 'greend.db'} "
+                f"\nthe stores are kept: sqlite3 {tmp / 'with-greend' / 'state' / 'greend.db'} "
                 "'SELECT job, gflops_per_w, gpu_energy_j FROM greend_job'"
             )
-        else:
-            print("run with --keep DIR to keep the daemon's SQLite store for a look")
         return 0
+    except (KeyboardInterrupt, DemoInterrupted) as e:
+        sys.stderr.write(f"\ngreenctl demo: {e or 'interrupted'}; stopping its daemon and removing its files\n")
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        signal.signal(signal.SIGTERM, old_term)
+        for p in procs:
+            _stop_daemon(p)
         if keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

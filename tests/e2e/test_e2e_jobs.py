@@ -163,30 +163,6 @@ def test_killed_client_ends_its_job(tmp_path: Path, daemons: list[DaemonProc]) -
     assert rep["steps"] > 0 and rep["gpu_energy_j"] > 0
 
 
-@pytest.mark.slow
-def test_greenctl_demo_runs_end_to_end(tmp_path: Path) -> None:
-    keep = tmp_path / "demo"
-    r = subprocess.run(
-        [sys.executable, "-m", "greend.ctl", "demo", "--seconds", "6", "--gpus", "sim", "--keep", str(keep)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=REPO,
-        env=env(),
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = r.stdout
-    assert "2 simulated H100s" in out
-    assert "[ended, finished]" in out and "GFLOPS/W (sim)" in out and "kWh" in out
-    import sqlite3
-
-    con = sqlite3.connect(keep / "state" / "greend.db")
-    ((job, flops),) = con.execute("SELECT job, flops FROM greend_job").fetchall()
-    con.close()
-    assert job.startswith("demo-") and flops > 0
-    assert not (keep / "greend.sock").exists(), "the demo's daemon was stopped"
-
-
 def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """RAPL (the job's share of it), the host probe's estimate, or nothing: a 0 J that
     nothing measured is called unmeasured, never passed off as a figure."""
