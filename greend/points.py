@@ -55,6 +55,9 @@ JOB_SUMMARY_FIELDS = (
     "gflops_per_w",
     "co2_g",
     "last_loss",
+    "saved_gpu_energy_j",
+    "saved_pct",
+    "slowdown_pct",
 )
 
 _GPU_FIELDS = (

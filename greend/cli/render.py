@@ -170,11 +170,47 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append(f"  tokens           {r['tokens']}   ({_num(r.get('tokens_per_j'), '.3g')} per J)")
     lines.append(f"  CO2              {_num(r.get('co2_g'), '.3g', 'g')}   ({r.get('co2_method')})")
     lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
+    lines += render_savings(r.get("savings"), label)
     for ev in r.get("precision_log") or []:
         lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
     for ev in r.get("decisions") or []:
-        lines.append(f"    cap: {ev.get('setting')}  ({ev.get('reason')})")
+        lines.append(f"    cap: {render_setting(ev.get('setting'))}  ({ev.get('reason')})")
+    for ev in r.get("non_decisions") or []:
+        lines.append(f"    no change: {ev.get('reason')}")
     return "\n".join(lines)
+
+
+def render_setting(setting: dict[str, Any] | None) -> str:
+    """A cap decision's setting in words: "clock cap 1395 MHz", "power limit 450 W", "uncapped"."""
+    s = setting or {}
+    parts = []
+    if s.get("clock_cap_mhz") is not None:
+        parts.append(f"clock cap {s['clock_cap_mhz']} MHz")
+    if s.get("power_limit_w") is not None:
+        parts.append(f"power limit {s['power_limit_w']:.0f} W")
+    return ", ".join(parts) or "uncapped"
+
+
+def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
+    """The report's saving lines: against the job's own measured baseline."""
+    if not sv:
+        return []
+    b = sv.get("baseline") or {}
+    if sv.get("saved_j") is None:
+        return [f"  saved{label:9} -   ({sv.get('note')})"]
+    conf = sv.get("confidence") or {}
+    ci = conf.get("saved_j_95")
+    lines = [
+        f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
+        f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %",
+        f"    against      its own baseline: {b.get('steps')} steps uncapped at {b.get('precision')}, "
+        f"{_num(b.get('joules_per_gflop'), '.4g')} J/GFLOP; {_num(sv.get('expected_gpu_energy_j'), '.1f')} J "
+        "expected without greend",
+        f"    how sure     {conf.get('level')}"
+        + (f" (95 %: {ci[0]:.1f} .. {ci[1]:.1f} J)" if ci else "")
+        + (f"; {sv['note']}" if sv.get("note") else ""),
+    ]
+    return lines
 
 
 def render_jobs(jobs: list[dict[str, Any]]) -> str:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from greend.ipc.server import Connection
 
 __all__ = [
+    "Baseline",
     "CapChange",
     "EfficiencySample",
     "Job",
@@ -162,6 +163,30 @@ class Measure:
 
 
 @dataclass
+class Baseline:
+    """The job's steps at its own baseline: uncapped, at the precision it started at
+    (settled steps only, as the policies measure them). What the job would have cost
+    without greend's controller is its FLOPs at the baseline's joules per FLOP
+    (:meth:`greend.jobs.report.JobFigures.savings`).
+
+    ``x_sum``/``x_sq``: sums of the per-step figure the noise is judged by (joules per
+    FLOP on simulated GPUs, seconds per FLOP on real ones, where a step's own energy is
+    not known). ``spans``: the baseline steps' monotonic windows, merged where they
+    touch (the ledger's joules over them, on real GPUs)."""
+
+    precision: str | None = None
+    steps: int = 0
+    flops: float = 0.0
+    time_s: float = 0.0
+    sim_energy_j: float = 0.0
+    x_n: int = 0
+    x_sum: float = 0.0
+    x_sq: float = 0.0
+    spans: list[list[float]] = field(default_factory=list)
+    span_open: bool = False  # the last settled step was a baseline step (a new one extends its span)
+
+
+@dataclass
 class Job:
     """A job on this node: its ranks, its GPUs and its running totals."""
 
@@ -200,6 +225,9 @@ class Job:
     cpu_job_s: float = 0.0  # job processes' CPU seconds over the life, from the host probe
     cpu_busy0_s: float | None = None  # the node's busy CPU seconds when the job's CPU accounting began
     summary: dict[str, Any] | None = None
+    capped: bool = False  # a cap or limit is in force on the job's GPUs (its steps are not its baseline)
+    baseline: Baseline = field(default_factory=Baseline)
+    cap_changes: int = 0  # every cap change (decisions keeps the last 50)
 
     @property
     def running(self) -> bool:

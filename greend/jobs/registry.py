@@ -287,6 +287,7 @@ class JobRegistry:
             m.energy_sq_j2 += sim_energy * sim_energy
             m.t0_s = s["t0_s"] if m.t0_s is None else min(m.t0_s, s["t0_s"])
             m.t1_s = s["t1_s"] if m.t1_s is None else max(m.t1_s, s["t1_s"])
+            self._book_baseline(job, s, precision, flops, step_time, sim_energy, sim_duration is not None)
         samples, tokens = int(s.get("samples") or 0), int(s.get("tokens") or 0)
         job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, samples, tokens, sim_duration))
         # The step's end on the wall clock: its monotonic end, as far back from now.
@@ -307,6 +308,34 @@ class JobRegistry:
             sim_duration_s=sim_duration,
             sim_energy_j=sim_energy,
         )
+
+    @staticmethod
+    def _book_baseline(
+        job: Job, s: dict[str, Any], precision: str, flops: float, step_time: float, sim_energy: float, sim: bool
+    ) -> None:
+        """A settled step: book it to the job's baseline if it ran uncapped at the level
+        the job started at (the first step's)."""
+        b = job.baseline
+        if b.precision is None:
+            b.precision = precision
+        if job.capped or precision != b.precision:
+            b.span_open = False
+            return
+        b.steps += 1
+        b.flops += flops
+        b.time_s += step_time
+        b.sim_energy_j += sim_energy
+        if flops > 0:
+            x = (sim_energy if sim else step_time) / flops
+            b.x_n += 1
+            b.x_sum += x
+            b.x_sq += x * x
+        t0, t1 = float(s["t0_s"]), float(s["t1_s"])
+        if b.spans and b.span_open:
+            b.spans[-1][1] = max(b.spans[-1][1], t1)
+        elif len(b.spans) < 1000:
+            b.spans.append([t0, t1])
+            b.span_open = True
 
     def reset_measure(self, job_id: str, since_s: float) -> None:
         """A new setting took effect: measure afresh from ``since_s``."""
@@ -360,6 +389,7 @@ class JobRegistry:
                 if not job.running or not job.gpus:
                     continue
                 setting = setting_of(min(job.gpus))
+                job.capped = not setting.uncapped
                 precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
                 out.append(
                     JobView(
@@ -402,6 +432,8 @@ class JobRegistry:
             job = self.jobs.get(job_id)
             if job is not None:
                 job.decisions.append(CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
+                job.capped = clock_cap_mhz is not None or power_limit_w is not None
+                job.cap_changes += 1
 
     def switch_precision(
         self,

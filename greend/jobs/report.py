@@ -14,7 +14,22 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import Job
 from greend.units import j_to_kwh
 
-__all__ = ["JobFigures", "rates"]
+__all__ = ["JobFigures", "rates", "savings_level"]
+
+# Below this many baseline steps the saving is not estimated.
+MIN_BASELINE_STEPS = 3
+
+
+def savings_level(steps: int, rel_stderr: float | None) -> str:
+    """How sure a saving is, from its baseline: ``high`` (>= 30 steps and the mean known
+    within 1 %), ``medium`` (>= 8 steps, within 5 %), else ``low``."""
+    if rel_stderr is None:
+        return "low"
+    if steps >= 30 and rel_stderr <= 0.01:
+        return "high"
+    if steps >= 8 and rel_stderr <= 0.05:
+        return "medium"
+    return "low"
 
 
 def rates(flops: float, energy_j: float | None, span_s: float) -> tuple[float | None, float | None, float | None]:
@@ -103,6 +118,84 @@ class JobFigures:
             "gflops_per_w": gflops_per_w,
         }
 
+    def savings(self, job: Job, gpu_energy_j: float | None, duration_s: float) -> dict[str, Any]:
+        """GPU energy saved against the job's own measured baseline: its steps uncapped at
+        the precision it started at. The job's FLOPs at the baseline's joules (and seconds)
+        per FLOP are what it would have cost without greend's controller; the saving is
+        that less what it did cost, the slowdown its time over the baseline's.
+
+        On simulated GPUs both sides are the simulated steps' own energy and time; on
+        real GPUs the ledger's joules over the baseline steps' windows and over the job's
+        life (idle gaps included on both sides). How sure: the baseline's steps and the
+        relative standard error of its mean (per-step joules per FLOP on simulated GPUs,
+        seconds per FLOP on real ones), and a 95 % interval of the saving from it."""
+        b = job.baseline
+        sim = job.sim_energy_j > 0
+        moved = job.cap_changes > 0 or any(e.kind in ("switch", "rollback") for e in job.precision_log)
+        out: dict[str, Any] = {
+            "baseline": {
+                "setting": "uncapped",
+                "precision": b.precision,
+                "steps": b.steps,
+                "joules_per_gflop": None,
+            },
+            "method": "sim: the simulated steps' own energy and time"
+            if sim
+            else "the ledger's GPU joules over the baseline steps and over the job's life",
+            "controlled": moved,
+            "expected_gpu_energy_j": None,
+            "gpu_energy_j": None,
+            "saved_j": None,
+            "saved_pct": None,
+            "slowdown_pct": None,
+            "confidence": {"level": "none", "rel_stderr": None, "saved_j_95": None},
+            "note": None,
+        }
+        if b.steps < MIN_BASELINE_STEPS or b.flops <= 0 or job.flops <= 0:
+            out["note"] = (
+                f"no baseline: {b.steps} settled step(s) ran uncapped at {b.precision or 'its first precision'} "
+                f"(at least {MIN_BASELINE_STEPS} with FLOPs needed)"
+            )
+            return out
+        if sim:
+            base_e, actual_e = b.sim_energy_j, job.sim_energy_j
+            base_t, actual_t = b.time_s, job.sim_time_s
+        else:
+            parts = [self.gpu_energy(job, t0, t1) for t0, t1 in b.spans]
+            known = [p for p in parts if p is not None]
+            if not known or gpu_energy_j is None:
+                out["note"] = "no baseline: the ledger has no GPU energy for the baseline steps"
+                return out
+            base_e, actual_e = sum(known), gpu_energy_j
+            base_t, actual_t = sum(t1 - t0 for t0, t1 in b.spans), duration_s
+        expected_e = base_e / b.flops * job.flops
+        expected_t = base_t / b.flops * job.flops
+        saved = expected_e - actual_e
+        rel_se = None
+        if b.x_n >= 2 and b.x_sum > 0:
+            mean = b.x_sum / b.x_n
+            var = max(0.0, (b.x_sq - b.x_n * mean * mean) / (b.x_n - 1))
+            rel_se = (var / b.x_n) ** 0.5 / mean
+        half = 1.96 * rel_se * expected_e if rel_se is not None else None
+        out["baseline"]["joules_per_gflop"] = base_e / b.flops * 1e9
+        out.update(
+            {
+                "expected_gpu_energy_j": expected_e,
+                "gpu_energy_j": actual_e,
+                "saved_j": saved,
+                "saved_pct": 100.0 * saved / expected_e if expected_e > 0 else None,
+                "slowdown_pct": 100.0 * (actual_t / expected_t - 1.0) if expected_t > 0 else None,
+                "confidence": {
+                    "level": savings_level(b.steps, rel_se),
+                    "rel_stderr": rel_se,
+                    "saved_j_95": [saved - half, saved + half] if half is not None else None,
+                },
+            }
+        )
+        if not moved:
+            out["note"] = "greend's controller did not move this job: it ran at its baseline throughout"
+        return out
+
     def report(self, job: Job) -> dict[str, Any]:
         """The job's figures over its life (so far, while it runs)."""
         if job.summary is not None:
@@ -133,6 +226,7 @@ class JobFigures:
         energy = (gpu_e or 0.0) + (cpu_e or 0.0)
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
         sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})
+        saving = self.savings(job, gpu_e, duration)
         return {
             "job": job.job,
             "state": job.state,
@@ -180,4 +274,10 @@ class JobFigures:
             "precision_log": [e.to_json() for e in job.precision_log],
             "pace_s": job.pace_s,
             "decisions": [d.to_json() for d in job.decisions[-50:]],
+            "cap_changes": job.cap_changes,
+            "savings": saving,
+            # Flat copies for the stores' job summary (greend_job).
+            "saved_gpu_energy_j": saving["saved_j"],
+            "saved_pct": saving["saved_pct"],
+            "slowdown_pct": saving["slowdown_pct"],
         }

@@ -1,0 +1,124 @@
+"""Savings in a job's report: against its own measured baseline (uncapped, at the
+precision it started at), with the slowdown it cost and how sure the figure is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from greend.cli.render import render_report, render_setting
+from greend.jobs.ledger import Ledger
+from greend.jobs.records import Job, PrecisionChange
+from greend.jobs.registry import JobRegistry
+from greend.points import job_point
+
+
+class _Sim:
+    pass
+
+
+def _registry(sim: bool, ledger: Ledger | None = None) -> JobRegistry:
+    return JobRegistry(ledger or Ledger(), hostname="h", sim_gpu=(lambda i: _Sim()) if sim else (lambda i: None))
+
+
+def _step(reg: JobRegistry, job: Job, t0: float, dt: float, flops: float, precision: str, sim_e: float | None) -> None:
+    rs = next(iter(job.ranks.values())) if job.ranks else None
+    if rs is None:
+        from greend.jobs.records import RankSession
+
+        rs = RankSession(1, job.job, 0, 0, 1, [0], 1, 1, "h", ["fp32", "bf16"], 0.3, None, 0.0)
+        job.ranks[1] = rs
+        job.gpus.add(0)
+    s = {"t0_s": t0, "t1_s": t0 + dt, "flops": flops, "precision": precision, "step": job.steps, "loss": 1.0}
+    reg._account_step(job, rs, s, dt if sim_e is not None else None, sim_e or 0.0)
+
+
+def test_sim_job_saving_against_its_uncapped_fp32_steps() -> None:
+    reg = _registry(sim=True)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    t = 0.0
+    # 40 baseline steps: 1e12 FLOP, 0.1 s, 60 J each (with a little noise).
+    for i in range(40):
+        _step(reg, job, t, 0.1, 1e12, "fp32", 60.0 + (0.3 if i % 2 else -0.3))
+        t += 0.1
+    reg.record_cap_change("j", clock_cap_mhz=None, power_limit_w=None, reason="x")  # not a cap: still baseline
+    assert job.capped is False
+    job.cap_changes = 0
+    reg.record_cap_change("j", clock_cap_mhz=1200, power_limit_w=None, reason="job j: settled at 1200 MHz")
+    assert job.capped
+    # 60 capped steps at bf16: 0.11 s and 20 J each.
+    job.precision_log.append(PrecisionChange(0.0, "switch", "fp32", "bf16", "loss stable", 40, 1.0, None))
+    for _ in range(60):
+        _step(reg, job, t, 0.11, 1e12, "bf16", 20.0)
+        t += 0.11
+    r = reg.report(job)
+    sv = r["savings"]
+    assert sv["baseline"]["steps"] == 40 and sv["baseline"]["precision"] == "fp32"
+    assert sv["expected_gpu_energy_j"] == pytest.approx(100 * 60.0)
+    assert sv["gpu_energy_j"] == pytest.approx(40 * 60.0 + 60 * 20.0)
+    assert sv["saved_j"] == pytest.approx(6000.0 - 3600.0)
+    assert sv["saved_pct"] == pytest.approx(40.0)
+    assert sv["slowdown_pct"] == pytest.approx(100 * ((4.0 + 6.6) / 10.0 - 1))
+    conf = sv["confidence"]
+    assert conf["level"] == "high" and 0 < conf["rel_stderr"] < 0.01
+    lo, hi = conf["saved_j_95"]
+    assert lo < sv["saved_j"] < hi
+    # The flat copies go to the store's job summary.
+    p = job_point(0, "h", job="j", precision="bf16", end_reason="", summary=r)
+    assert p.fields["saved_gpu_energy_j"] == pytest.approx(2400.0)
+    assert p.fields["saved_pct"] == pytest.approx(40.0)
+    text = render_report(r)
+    assert "saved (sim)" in text and "2400.0 J of GPU energy = 40.0 %" in text
+    assert "40 steps uncapped at fp32" in text and "how sure     high" in text
+    assert "clock cap 1200 MHz" in text and "{'clock_cap_mhz'" not in text
+
+
+def test_no_baseline_is_said_not_guessed() -> None:
+    reg = _registry(sim=True)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    job.capped = True  # capped from its first step (e.g. a static policy)
+    for i in range(10):
+        _step(reg, job, i * 0.1, 0.1, 1e12, "fp32", 50.0)
+    sv = reg.report(job)["savings"]
+    assert sv["saved_j"] is None and "no baseline" in sv["note"]
+    assert sv["confidence"]["level"] == "none"
+    assert "no baseline" in render_report(reg.report(job))
+
+
+def test_real_gpu_baseline_comes_from_the_ledger_over_its_steps() -> None:
+    ledger = Ledger()
+    # gpu0 draws 300 W for the first 10 s, then 200 W.
+    e = 0.0
+    for k in range(0, 201):
+        t = k * 0.1
+        ledger.record("gpu0", t, e)
+        e += (300.0 if t < 10.0 else 200.0) * 0.1
+    reg = _registry(sim=False, ledger=ledger)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    t = 0.0
+    for _ in range(100):
+        _step(reg, job, t, 0.1, 1e12, "fp32", None)
+        t += 0.1
+    reg.record_cap_change("j", clock_cap_mhz=None, power_limit_w=250.0, reason="limit")
+    for _ in range(90):
+        _step(reg, job, t, 0.1, 1e12, "fp32", None)
+        t += 0.1
+    job.t_end_s = t
+    r: dict[str, Any] = reg.report(job)
+    sv = r["savings"]
+    assert sv["baseline"]["steps"] == 100
+    # 30 J per 1e12 FLOP at the baseline; 190 steps expected 5700 J; spent 3000 + 1800.
+    assert sv["expected_gpu_energy_j"] == pytest.approx(5700.0, rel=0.02)
+    assert sv["saved_j"] == pytest.approx(5700.0 - r["gpu_energy_j"], rel=1e-9)
+    assert sv["saved_j"] > 800
+    assert "ledger" in sv["method"]
+
+
+def test_render_setting_in_words() -> None:
+    assert render_setting({"clock_cap_mhz": 1395, "power_limit_w": None}) == "clock cap 1395 MHz"
+    assert render_setting({"clock_cap_mhz": None, "power_limit_w": 450.0}) == "power limit 450 W"
+    assert render_setting({"clock_cap_mhz": None, "power_limit_w": None}) == "uncapped"
