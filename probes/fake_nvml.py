@@ -25,10 +25,28 @@ a test can inject one into a daemon running as another process::
 
 Per GPU: ``lost`` (every call on the handle -> ``GPU_IS_LOST``),
 ``no_energy_counter`` (a pre-Volta GPU: ``GetTotalEnergyConsumption`` ->
-``NOT_SUPPORTED``, compute capability 6.0, instantaneous power) and
-``no_permission`` (setters -> ``NO_PERMISSION``, as for a non-root process).
+``NOT_SUPPORTED``, compute capability 6.0, instantaneous power),
+``no_permission`` (setters -> ``NO_PERMISSION``, as for a non-root process),
+``no_locked_clocks`` (``Set/ResetGpuLockedClocks`` -> ``NOT_SUPPORTED``),
+``reset_required`` (every call on the handle -> ``RESET_REQUIRED``), ``mig`` (MIG
+mode on: ``GetMigMode`` -> ``[1, 1]``, no clock locks, no utilisation) and
+``persistence_off`` (``GetPersistenceMode`` -> disabled).
 Node-wide: ``init_error`` (``nvmlInit`` raises that code, e.g. ``LIBRARY_NOT_FOUND``
-or ``DRIVER_NOT_LOADED``).
+or ``DRIVER_NOT_LOADED``), ``slow_ms`` (every call sleeps that long first),
+``hang`` (``"fn"`` or ``"fn:gpu"``: that call sleeps ``hang_s`` seconds, or until the
+fault is cleared when ``hang_s`` is None) and :meth:`FakeNvml.drop_init` (the
+process's init count drops to 0 once, as after someone's unbalanced
+``nvmlShutdown``: calls answer ``UNINITIALIZED`` until ``nvmlInit``). These are the
+C stand-in's faults (``tests/nvml_stub``) for fast in-process tests.
+
+As strict as the real bindings
+------------------------------
+
+Arguments NVML takes as unsigned ints go through ``ctypes.c_uint`` as pynvml does:
+a float raises ``TypeError``, a negative int wraps around. Every
+``nvmlDeviceGetHandleByIndex`` returns a new handle object (handles never compare
+equal by value). The init count is per process, shared by every instance, as the
+library's is; an extra ``nvmlShutdown`` is not an error.
 
 Extensions the real module lacks all start with ``fake_`` or are plain methods
 (:meth:`FakeNvml.sim_gpu`, :meth:`FakeNvml.inject`); the NVML probe uses none of
@@ -37,9 +55,12 @@ them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +79,17 @@ from .sim import (
     write_json_atomic,
 )
 
-__all__ = ["DRIVER_VERSION", "FakeHandle", "FakeNvml", "Faults", "GpuFaults", "read_faults", "write_faults"]
+__all__ = [
+    "DRIVER_VERSION",
+    "FakeHandle",
+    "FakeNvml",
+    "Faults",
+    "GpuFaults",
+    "fake_process_init_count",
+    "fake_reset_process_init",
+    "read_faults",
+    "write_faults",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +109,10 @@ class GpuFaults:
     lost: bool = False
     no_energy_counter: bool = False
     no_permission: bool = False
+    no_locked_clocks: bool = False
+    reset_required: bool = False
+    mig: bool = False
+    persistence_off: bool = False
 
 
 _NO_FAULTS = GpuFaults()  # shared by every GPU without faults; never mutated
@@ -89,6 +124,10 @@ class Faults:
 
     init_error: int | None = None  # an NVML_ERROR_* code nvmlInit raises
     gpus: dict[int, GpuFaults] = field(default_factory=dict)
+    slow_ms: int = 0  # every call sleeps this long first
+    hang: str = ""  # "fn" or "fn:gpu": that call sleeps hang_s (None: until cleared)
+    hang_s: float | None = None
+    uninit_serial: int = 0  # bumped by drop_init: each process drops its init count once
 
     def gpu(self, index: int) -> GpuFaults:
         """The faults of GPU ``index`` (read-only: change faults with ``FakeNvml.inject``)."""
@@ -98,6 +137,10 @@ class Faults:
         return {
             "init_error": self.init_error,
             "gpus": {str(i): vars(g).copy() for i, g in sorted(self.gpus.items())},
+            "slow_ms": self.slow_ms,
+            "hang": self.hang,
+            "hang_s": self.hang_s,
+            "uninit_serial": self.uninit_serial,
         }
 
     @classmethod
@@ -105,7 +148,18 @@ class Faults:
         return cls(
             init_error=None if d.get("init_error") is None else int(d["init_error"]),
             gpus={int(i): GpuFaults(**g) for i, g in (d.get("gpus") or {}).items()},
+            slow_ms=int(d.get("slow_ms") or 0),
+            hang=str(d.get("hang") or ""),
+            hang_s=None if d.get("hang_s") is None else float(d["hang_s"]),
+            uninit_serial=int(d.get("uninit_serial") or 0),
         )
+
+    def hangs(self, fn: str, gpu: int | None) -> bool:
+        """Whether the call ``fn`` on ``gpu`` (None: node-wide) hangs."""
+        if not self.hang:
+            return False
+        name, _, which = self.hang.partition(":")
+        return name == fn and (not which or (gpu is not None and int(which) == gpu))
 
 
 def _error_code(code: int | str) -> int:
@@ -135,16 +189,62 @@ def write_faults(state_dir: Path | str, faults: Faults) -> None:
 # --------------------------------------------------------------------------- the fake
 
 
-@dataclass(frozen=True)
 class FakeHandle:
-    """What ``nvmlDeviceGetHandleByIndex`` returns (a ``c_nvmlDevice_t`` for real)."""
+    """What ``nvmlDeviceGetHandleByIndex`` returns (a ``c_nvmlDevice_t`` for real): an
+    opaque object, new on every call, equal only to itself (as two ctypes pointers
+    to one device are not equal)."""
 
-    index: int
-    owner: int  # id() of the FakeNvml that issued it
+    __slots__ = ("index", "owner")
+
+    def __init__(self, index: int, owner: int) -> None:
+        self.index = index
+        self.owner = owner  # id() of the FakeNvml that issued it
+
+    def __repr__(self) -> str:
+        return f"<FakeHandle gpu{self.index} at {id(self):#x}>"
 
 
 def _raise(code: int) -> NoReturn:
     raise pynvml.NVMLError(code)
+
+
+def _uint(value: Any) -> int:
+    """What NVML receives for an ``unsigned int`` argument: pynvml wraps it in
+    ``ctypes.c_uint`` (TypeError on a float, a negative int wraps around)."""
+    return ctypes.c_uint(value).value
+
+
+# The library's init count is per process: every FakeNvml in a process shares it.
+_init_lock = threading.Lock()
+_init_count = 0
+_uninit_seen: dict[Path, int] = {}  # state_dir -> the last drop_init serial acted on
+_faults_epoch = 0  # faults.json edits made by this process
+
+
+def fake_process_init_count() -> int:
+    """Tests only: this process's fake NVML init count."""
+    return _init_count
+
+
+def fake_reset_process_init() -> None:
+    """Tests only: the process's fake NVML init count back to 0 (as a new process)."""
+    global _init_count
+    with _init_lock:
+        _init_count = 0
+        _uninit_seen.clear()
+
+
+def _device_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a fake NVML function: the ``slow_ms`` and ``hang`` faults, before anything
+    else (a hung call holds only its caller's thread, as in the driver)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(self: FakeNvml, *args: Any) -> Any:
+        self._maybe_wait(name, args[0] if args else None)
+        return fn(self, *args)
+
+    return call
 
 
 class FakeNvml:
@@ -205,11 +305,11 @@ class FakeNvml:
             refresh_s=refresh_s,
         )
         self.refresh_s = refresh_s  # see SimGpu._read: how stale faults.json may be
-        self._handles = [FakeHandle(i, id(self)) for i in range(count)]
-        self._init_count = 0
+        self._count = count
         self._faults = Faults()
-        self._faults_key: tuple[int, int, int] | None = None
+        self._faults_key: tuple[int, int, int, int] | None = None
         self._faults_checked_s = -1e18
+        self._faults_epoch = -1  # the process's edit count when the file was last looked at
 
     def __repr__(self) -> str:
         return f"FakeNvml({str(self.state_dir)!r}, n={len(self._gpus)})"
@@ -231,8 +331,9 @@ class FakeNvml:
     def faults(self) -> Faults:
         """Current faults, re-read from ``faults.json`` when it changed."""
         now = time.monotonic()
-        if now - self._faults_checked_s < self.refresh_s:
+        if now - self._faults_checked_s < self.refresh_s and self._faults_epoch == _faults_epoch:
             return self._faults  # looked at the file a moment ago (see SimGpu._read)
+        self._faults_epoch = _faults_epoch
         self._faults_checked_s = now
         path = self.state_dir / FAULTS_FILE
         try:
@@ -240,7 +341,9 @@ class FakeNvml:
         except FileNotFoundError:
             self._faults, self._faults_key = Faults(), None
             return self._faults
-        key = (s.st_ino, s.st_mtime_ns, s.st_size)
+        # An edit from this process bumps _faults_epoch: two edits within one mtime
+        # tick, same size, reusing an inode, are still told apart.
+        key = (s.st_ino, s.st_mtime_ns, s.st_size, _faults_epoch)
         if key != self._faults_key:
             self._faults, self._faults_key = read_faults(self.state_dir), key
         return self._faults
@@ -250,7 +353,9 @@ class FakeNvml:
             f = read_faults(self.state_dir)
             edit(f)
             write_faults(self.state_dir, f)
-        self._faults_checked_s = -1e18  # this instance sees its own edit at once
+        global _faults_epoch
+        _faults_epoch += 1  # every instance in this process sees the edit at once
+        self._faults_checked_s = -1e18
 
     def inject(
         self,
@@ -259,17 +364,54 @@ class FakeNvml:
         lost: bool | None = None,
         no_energy_counter: bool | None = None,
         no_permission: bool | None = None,
+        no_locked_clocks: bool | None = None,
+        reset_required: bool | None = None,
+        mig: bool | None = None,
+        persistence_off: bool | None = None,
     ) -> None:
         """Set (True) or clear (False) faults of GPU ``index``; None leaves one as is."""
+        given = {
+            "lost": lost,
+            "no_energy_counter": no_energy_counter,
+            "no_permission": no_permission,
+            "no_locked_clocks": no_locked_clocks,
+            "reset_required": reset_required,
+            "mig": mig,
+            "persistence_off": persistence_off,
+        }
 
         def edit(f: Faults) -> None:
             g = f.gpus.setdefault(index, GpuFaults())
-            if lost is not None:
-                g.lost = lost
-            if no_energy_counter is not None:
-                g.no_energy_counter = no_energy_counter
-            if no_permission is not None:
-                g.no_permission = no_permission
+            for name, value in given.items():
+                if value is not None:
+                    setattr(g, name, value)
+
+        self._edit_faults(edit)
+
+    def set_slow(self, ms: int) -> None:
+        """Every NVML call sleeps ``ms`` milliseconds first (0: none)."""
+
+        def edit(f: Faults) -> None:
+            f.slow_ms = int(ms)
+
+        self._edit_faults(edit)
+
+    def set_hang(self, fn: str | None, gpu: int | None = None, seconds: float | None = None) -> None:
+        """The call ``fn`` (on ``gpu``, or on every GPU and node-wide when None) sleeps
+        ``seconds``, or until this fault is cleared when None; ``fn=None`` clears."""
+
+        def edit(f: Faults) -> None:
+            f.hang = "" if not fn else fn if gpu is None else f"{fn}:{gpu}"
+            f.hang_s = seconds
+
+        self._edit_faults(edit)
+
+    def drop_init(self) -> None:
+        """NVML is shut down under every process using these GPUs, once: their next
+        calls answer UNINITIALIZED until they call ``nvmlInit`` again."""
+
+        def edit(f: Faults) -> None:
+            f.uninit_serial += 1
 
         self._edit_faults(edit)
 
@@ -285,7 +427,8 @@ class FakeNvml:
     def clear_faults(self) -> None:
         def edit(f: Faults) -> None:
             f.gpus.clear()
-            f.init_error = None
+            f.init_error, f.slow_ms, f.hang, f.hang_s = None, 0, "", None
+            # uninit_serial stays: a drop already made is not made again
 
         self._edit_faults(edit)
 
@@ -305,16 +448,40 @@ class FakeNvml:
 
     # ---- plumbing
 
+    def _maybe_wait(self, fn: str, first_arg: Any) -> None:
+        f = self.faults()
+        if f.slow_ms > 0:
+            time.sleep(f.slow_ms / 1000.0)
+        gpu = first_arg.index if isinstance(first_arg, FakeHandle) else None
+        if not f.hangs(fn, gpu):
+            return
+        log.debug("FakeNvml: %s hangs (hang fault)", fn)
+        until = None if f.hang_s is None else time.monotonic() + f.hang_s
+        while until is None or time.monotonic() < until:
+            time.sleep(0.02 if until is None else max(0.0, min(0.02, until - time.monotonic())))
+            if until is None:
+                self._faults_checked_s = -1e18
+                if not self.faults().hangs(fn, gpu):
+                    return
+
     def _check_init(self) -> None:
-        if self._init_count <= 0:
-            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        global _init_count
+        serial = self.faults().uninit_serial
+        with _init_lock:
+            if serial > _uninit_seen.get(self.state_dir, 0):  # NVML was shut down under this process
+                _uninit_seen[self.state_dir], _init_count = serial, 0
+            if _init_count <= 0:
+                _raise(pynvml.NVML_ERROR_UNINITIALIZED)
 
     def _gpu(self, handle: Any) -> SimGpu:
         self._check_init()
         if not isinstance(handle, FakeHandle) or handle.owner != id(self) or not (0 <= handle.index < len(self._gpus)):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if self.faults().gpu(handle.index).lost:
+        faults = self.faults().gpu(handle.index)
+        if faults.lost:
             _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if faults.reset_required:
+            _raise(pynvml.NVML_ERROR_RESET_REQUIRED)
         return self._gpus[handle.index]
 
     def _gpu_faults(self, handle: FakeHandle) -> GpuFaults:
@@ -332,14 +499,20 @@ class FakeNvml:
         self.nvmlInitWithFlags(0)
 
     def nvmlInitWithFlags(self, flags: int) -> None:
-        err = self.faults().init_error
-        if err is not None:
-            _raise(err)
-        self._init_count += 1  # NVML reference-counts init/shutdown
+        global _init_count
+        _uint(flags)
+        f = self.faults()
+        if f.init_error is not None:
+            _raise(f.init_error)
+        with _init_lock:
+            # drops made before this init are past
+            _uninit_seen[self.state_dir] = max(_uninit_seen.get(self.state_dir, 0), f.uninit_serial)
+            _init_count += 1  # NVML reference-counts init/shutdown, per process
 
     def nvmlShutdown(self) -> None:
-        self._check_init()
-        self._init_count -= 1
+        global _init_count
+        with _init_lock:
+            _init_count = max(0, _init_count - 1)  # an extra shutdown is not an error
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._check_init()
@@ -356,20 +529,22 @@ class FakeNvml:
         return len(self._gpus)
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+        index = _uint(index)
         self._check_init()
-        if not isinstance(index, int) or not 0 <= index < len(self._handles):
+        if not index < self._count:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        handle = self._handles[index]
-        self._gpu(handle)  # a lost GPU fails here too
-        return handle
+        if self.faults().gpu(index).lost:
+            _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return FakeHandle(index, id(self))  # a new object every time, as in pynvml
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
         self._check_init()
         want = uuid.decode() if isinstance(uuid, bytes) else uuid
-        for h in self._handles:
-            if self._gpus[h.index].uuid == want:
-                self._gpu(h)
-                return h
+        for i, gpu in enumerate(self._gpus):
+            if gpu.uuid == want:
+                if self.faults().gpu(i).lost:
+                    _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+                return FakeHandle(i, id(self))
         _raise(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
@@ -392,12 +567,14 @@ class FakeNvml:
         return [self._gpu(handle).spec.mem_clock_mhz]
 
     def nvmlDeviceGetSupportedGraphicsClocks(self, handle: FakeHandle, memoryClockMHz: int) -> list[int]:
+        memoryClockMHz = _uint(memoryClockMHz)
         gpu = self._gpu(handle)
         if memoryClockMHz != gpu.spec.mem_clock_mhz:
             _raise(pynvml.NVML_ERROR_NOT_FOUND)
         return list(gpu.spec.supported_sm_clocks_mhz)
 
     def nvmlDeviceGetMaxClockInfo(self, handle: FakeHandle, type: int) -> int:
+        type = _uint(type)
         gpu = self._gpu(handle)
         if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
             return gpu.spec.sm_clock_max_mhz
@@ -437,6 +614,7 @@ class FakeNvml:
         return gpu.energy_mj()
 
     def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
+        type = _uint(type)
         gpu = self._gpu(handle)
         if type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
             return gpu.sm_clock_mhz()
@@ -447,10 +625,14 @@ class FakeNvml:
         _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> Any:
-        gpu_pct, mem_pct = self._gpu(handle).utilization_pct()
+        gpu = self._gpu(handle)
+        if self._gpu_faults(handle).mig:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # per-instance only, under MIG
+        gpu_pct, mem_pct = gpu.utilization_pct()
         return pynvml.c_nvmlUtilization_t(gpu=int(round(gpu_pct)), memory=int(round(mem_pct)))
 
     def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
+        sensor = _uint(sensor)
         gpu = self._gpu(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -484,22 +666,49 @@ class FakeNvml:
             | pynvml.nvmlClocksEventReasonSwPowerCap
         )
 
+    def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
+        """[current, pending]: 1 with the ``mig`` fault, else 0."""
+        self._gpu(handle)
+        on = int(self._gpu_faults(handle).mig)
+        return [on, on]
+
+    def nvmlDeviceGetPersistenceMode(self, handle: FakeHandle) -> int:
+        """``NVML_FEATURE_ENABLED`` (1), or disabled (0) with ``persistence_off``."""
+        self._gpu(handle)
+        return 0 if self._gpu_faults(handle).persistence_off else 1
+
     # ---- setters (root-only on real nodes)
 
-    def nvmlDeviceSetGpuLockedClocks(self, handle: FakeHandle, minGpuClockMHz: int, maxGpuClockMHz: int) -> None:
+    def _lock_gpu(self, handle: Any) -> SimGpu:
         gpu = self._setter_gpu(handle)
+        f = self._gpu_faults(handle)
+        if f.no_locked_clocks or f.mig:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle: FakeHandle, minGpuClockMHz: int, maxGpuClockMHz: int) -> None:
+        lo, hi = _uint(minGpuClockMHz), _uint(maxGpuClockMHz)
+        gpu = self._lock_gpu(handle)
         try:
-            gpu.set_locked_clocks(minGpuClockMHz, maxGpuClockMHz)
+            gpu.set_locked_clocks(lo, hi)
         except ValueError:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def nvmlDeviceResetGpuLockedClocks(self, handle: FakeHandle) -> None:
-        self._setter_gpu(handle).reset_locked_clocks()
+        self._lock_gpu(handle).reset_locked_clocks()
 
     def nvmlDeviceSetPowerManagementLimit(self, handle: FakeHandle, limit: int) -> None:
-        """``limit`` in mW, within the constraints, else INVALID_ARGUMENT."""
+        """``limit`` in mW (an unsigned int), within the constraints, else INVALID_ARGUMENT."""
+        limit = _uint(limit)
         gpu = self._setter_gpu(handle)
         try:
-            gpu.set_power_limit_w(int(limit) / 1000.0)
+            gpu.set_power_limit_w(limit / 1000.0)
         except ValueError:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+
+# Every NVML function of the fake takes the slow and hang faults first.
+for _name, _fn in list(vars(FakeNvml).items()):
+    if _name.startswith("nvml") and callable(_fn):
+        setattr(FakeNvml, _name, _device_call(_fn))
+del _name, _fn

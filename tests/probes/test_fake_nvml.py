@@ -8,9 +8,23 @@ from typing import Any
 import pynvml
 import pytest
 
-from greend.probes.fake_nvml import FakeHandle, FakeNvml, read_faults
+from greend.probes.fake_nvml import (
+    FakeHandle,
+    FakeNvml,
+    fake_process_init_count,
+    fake_reset_process_init,
+    read_faults,
+)
 from greend.probes.sim import H100
 from tests.support import ManualClock
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_init() -> Any:
+    """The fake's init count is per process, as NVML's: each test starts as a new process."""
+    fake_reset_process_init()
+    yield
+    fake_reset_process_init()
 
 
 @pytest.fixture
@@ -64,11 +78,14 @@ def test_enumeration_and_static_facts(nvml: FakeNvml) -> None:
     assert nvml.nvmlDeviceGetCount() == 2
     assert isinstance(nvml.nvmlSystemGetDriverVersion(), str)
     h = nvml.nvmlDeviceGetHandleByIndex(1)
-    assert nvml.nvmlDeviceGetHandleByIndex(1) == h
+    again = nvml.nvmlDeviceGetHandleByIndex(1)
+    assert again != h and again is not h  # a new opaque handle per call, as in pynvml
+    assert nvml.nvmlDeviceGetIndex(again) == nvml.nvmlDeviceGetIndex(h) == 1
     assert nvml.nvmlDeviceGetName(h) == H100.name
     uuid = nvml.nvmlDeviceGetUUID(h)
     assert uuid.startswith("GPU-")
-    assert nvml.nvmlDeviceGetHandleByUUID(uuid) == h
+    by_uuid = nvml.nvmlDeviceGetHandleByUUID(uuid)
+    assert by_uuid != h and nvml.nvmlDeviceGetIndex(by_uuid) == 1
     assert nvml.nvmlDeviceGetCudaComputeCapability(h) == (9, 0)
     assert nvml.nvmlDeviceGetSupportedMemoryClocks(h) == [2619]
     clocks = nvml.nvmlDeviceGetSupportedGraphicsClocks(h, 2619)
@@ -216,3 +233,131 @@ def test_code_written_for_pynvml_runs_unchanged(nvml: FakeNvml) -> None:
         return out
 
     assert total_power_w(nvml) == pytest.approx(140.0)
+
+
+# --------------------------------------------------------------------------- as strict as the bindings
+
+
+def test_unsigned_int_arguments_are_checked_as_ctypes_does(nvml: FakeNvml) -> None:
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(TypeError):
+        nvml.nvmlDeviceSetPowerManagementLimit(h, 300_000.0)
+    with pytest.raises(TypeError):
+        nvml.nvmlDeviceSetGpuLockedClocks(h, 345, 1410.0)
+    with pytest.raises(TypeError):
+        nvml.nvmlDeviceGetHandleByIndex(0.0)
+    with pytest.raises(TypeError):
+        nvml.nvmlDeviceGetSupportedGraphicsClocks(h, 2619.0)
+    with pytest.raises(TypeError):
+        nvml.nvmlDeviceGetClockInfo(h, float(pynvml.NVML_CLOCK_SM))
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # -1 wraps to 4294967295 mW
+        nvml.nvmlDeviceSetPowerManagementLimit(h, -1)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        nvml.nvmlDeviceGetHandleByIndex(-1)
+    assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 700_000  # nothing was written
+
+
+def test_the_init_count_is_per_process_and_an_extra_shutdown_is_fine(tmp_path: Path) -> None:
+    a = FakeNvml(tmp_path, n=1)
+    b = FakeNvml(tmp_path)
+    a.nvmlInit()
+    assert b.nvmlDeviceGetCount() == 1  # one library per process: b is initialised too
+    b.nvmlInit()
+    a.nvmlShutdown()
+    assert fake_process_init_count() == 1
+    assert a.nvmlDeviceGetCount() == 1
+    b.nvmlShutdown()
+    b.nvmlShutdown()  # not an error, as in NVML
+    assert fake_process_init_count() == 0
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        a.nvmlDeviceGetCount()
+
+
+# --------------------------------------------------------------------------- the C stand-in's faults
+
+
+def test_mig_reset_required_and_persistence_faults(tmp_path: Path, nvml: FakeNvml) -> None:
+    h0, h1 = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(1)
+    assert nvml.nvmlDeviceGetMigMode(h0) == [0, 0]
+    assert nvml.nvmlDeviceGetPersistenceMode(h0) == pynvml.NVML_FEATURE_ENABLED
+    other = FakeNvml(tmp_path)
+    other.inject(0, mig=True, persistence_off=True)
+    assert nvml.nvmlDeviceGetMigMode(h0) == [1, 1]
+    assert nvml.nvmlDeviceGetPersistenceMode(h0) == pynvml.NVML_FEATURE_DISABLED
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceSetGpuLockedClocks(h0, 345, 1410)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetUtilizationRates(h0)
+    assert nvml.nvmlDeviceGetPowerUsage(h0) > 0
+    other.inject(1, reset_required=True)
+    with pytest.raises(pynvml.NVMLError_ResetRequired):
+        nvml.nvmlDeviceGetPowerUsage(h1)
+    other.inject(1, no_locked_clocks=True, reset_required=False)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceResetGpuLockedClocks(h1)
+    nvml.nvmlDeviceSetPowerManagementLimit(h1, 400_000)
+
+
+def test_nvml_shut_down_under_the_process_mid_run(tmp_path: Path, nvml: FakeNvml) -> None:
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    FakeNvml(tmp_path).drop_init()
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nvml.nvmlDeviceGetPowerUsage(h)
+    nvml.nvmlInit()  # what greend does on UNINITIALIZED
+    assert nvml.nvmlDeviceGetPowerUsage(h) > 0  # once per drop, not again
+    late = FakeNvml(tmp_path)
+    late.nvmlInit()  # a drop made before this init does not apply to it
+    assert late.nvmlDeviceGetCount() == 2
+
+
+def test_slow_and_hung_calls(tmp_path: Path, nvml: FakeNvml) -> None:
+    import threading
+    import time
+
+    h0, h1 = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(1)
+    other = FakeNvml(tmp_path)
+    other.set_slow(50)
+    t0 = time.monotonic()
+    nvml.nvmlDeviceGetPowerUsage(h0)
+    assert time.monotonic() - t0 >= 0.05
+    other.set_slow(0)
+
+    other.set_hang("nvmlDeviceSetPowerManagementLimit", gpu=1, seconds=0.2)
+    t0 = time.monotonic()
+    nvml.nvmlDeviceSetPowerManagementLimit(h1, 500_000)
+    assert time.monotonic() - t0 >= 0.2
+    t0 = time.monotonic()
+    nvml.nvmlDeviceSetPowerManagementLimit(h0, 500_000)  # other GPUs do not hang
+    assert time.monotonic() - t0 < 0.2
+
+    other.set_hang("nvmlDeviceGetPowerUsage", gpu=1)  # until cleared
+    done = threading.Event()
+    threading.Thread(target=lambda: (nvml.nvmlDeviceGetPowerUsage(h1), done.set()), daemon=True).start()
+    assert not done.wait(0.3)
+    assert nvml.nvmlDeviceGetPowerUsage(h0) > 0  # another thread's call on another GPU answers
+    other.set_hang(None)
+    assert done.wait(2.0)
+
+
+def test_greend_over_the_strict_fake_recovers_and_refuses_mig(tmp_path: Path, clock: ManualClock) -> None:
+    from greend.actuators.gpu import NvmlGpuBackend
+    from greend.errors import NotSupported
+    from greend.probes.nvml import NvmlProbe
+    from greend.probes.nvml_device import NvmlUninitialized
+
+    fake = FakeNvml(tmp_path, n=2, clock=clock)
+    fake.inject(1, mig=True)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    backend = NvmlGpuBackend(probe)
+    assert probe.is_mig(1) and not probe.is_mig(0)
+    backend.set_power_limit_w(0, 450.4)  # W float -> int mW for NVML
+    assert fake.nvmlDeviceGetEnforcedPowerLimit(fake.nvmlDeviceGetHandleByIndex(0)) == 450_400
+    backend.set_locked_clocks_mhz(0, 345, 1410)
+    with pytest.raises(NotSupported, match="MIG"):
+        backend.set_power_limit_w(1, 400.0)
+    fake.drop_init()
+    with pytest.raises(NvmlUninitialized):  # every GPU answers UNINITIALIZED this tick
+        probe.sample(0.0)
+    assert [g.index for g in probe.sample(1.0).gpus] == [0, 1]  # initialised again
+    probe.close()
