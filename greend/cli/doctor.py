@@ -12,9 +12,10 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from greend.config import Config, load_config
-from greend.errors import ConfigError, GreendError, NoData, NoPermission
+from greend.errors import ConfigError, GreendError, NoData, NoPermission, NotSupported
 from greend.ipc.client import Client
 
 __all__ = ["Check", "run_checks"]
@@ -36,21 +37,133 @@ def _config(path: Path | None) -> tuple[Config | None, Check]:
     return cfg, Check("config", "ok", f"valid ({cfg.source})")
 
 
-def _nvml(nvml_module: object | None = None) -> Check:
+ROOT_FIX = "run greend as root, or give it CAP_SYS_ADMIN (the systemd unit runs it as root)"
+PERSISTENCE_FIX = (
+    "turn persistence mode on: `nvidia-smi -pm 1` (as root), or run the nvidia-persistenced "
+    "daemon (systemctl enable --now nvidia-persistenced)"
+)
+UNRESPONSIVE_FIX = (
+    "check `nvidia-smi` and `dmesg` for Xid errors; a hung driver needs a GPU reset "
+    "(`nvidia-smi -r -i <index>`) or a reboot"
+)
+
+
+def _gpu_checks(probe: Any) -> list[Check]:
+    """On each GPU: a no-op write (the power limit set to itself), persistence mode,
+    MIG, and whether its calls return. One check per finding, GPUs grouped."""
+    from greend.probes.nvml_device import Unresponsive
+
+    devices = probe.devices
+    wrote: list[str] = []
+    refused: dict[str, list[str]] = {}  # level/fix key -> "gpuN: why"
+    persistence_off: list[str] = []
+    mig: list[str] = []
+    hung: dict[str, str] = {}
+    for i in probe.gpu_indices:
+        name = f"gpu{i}"
+        try:
+            handle = devices.handle(i)
+            mode = devices.call(name, "nvmlDeviceGetPersistenceMode", handle)
+            if int(mode) == 0:
+                persistence_off.append(name)
+        except Unresponsive as e:
+            hung[name] = str(e)
+            continue
+        except GreendError:
+            pass  # not supported (or no such call in this driver): nothing to say
+        if probe.is_mig(i):
+            mig.append(name)
+            continue
+        try:
+            limit = devices.call(name, "nvmlDeviceGetPowerManagementLimit", handle)
+            devices.write(i, "nvmlDeviceSetPowerManagementLimit", int(limit))
+            wrote.append(name)
+        except Unresponsive as e:
+            hung[name] = str(e)
+        except NoPermission as e:
+            refused.setdefault("permission", []).append(f"{name}: {e}")
+        except NotSupported as e:
+            refused.setdefault("unsupported", []).append(f"{name}: {e}")
+        except GreendError as e:
+            refused.setdefault("other", []).append(f"{name}: {e}")
+    for what, why in devices.unresponsive.items():
+        hung.setdefault(what, why)
+    out: list[Check] = []
+    if wrote:
+        out.append(Check("gpu write", "ok", f"a no-op power-limit write took on {', '.join(wrote)}"))
+    if refused.get("permission"):
+        out.append(
+            Check(
+                "gpu write",
+                "fail",
+                "NVML refused a no-op power-limit write (greend could measure but not cap): "
+                + "; ".join(refused["permission"]),
+                ROOT_FIX,
+            )
+        )
+    if refused.get("unsupported"):
+        out.append(
+            Check(
+                "gpu write",
+                "warn",
+                "these GPUs do not allow a power limit to be set (greend measures them only): "
+                + "; ".join(refused["unsupported"]),
+            )
+        )
+    if refused.get("other"):
+        out.append(Check("gpu write", "fail", "a no-op power-limit write failed: " + "; ".join(refused["other"])))
+    if persistence_off:
+        out.append(
+            Check(
+                "gpu persistence",
+                "warn",
+                f"persistence mode is off on {', '.join(persistence_off)}: the driver unloads between "
+                "clients, so caps greend sets can be lost and every NVML start is slow",
+                PERSISTENCE_FIX,
+            )
+        )
+    elif probe.gpu_indices and not hung:
+        out.append(Check("gpu persistence", "ok", "persistence mode is on"))
+    if mig:
+        out.append(
+            Check(
+                "gpu mig",
+                "info",
+                f"{', '.join(mig)} in MIG mode: measured as the whole GPU (NVML has no per-instance energy "
+                "counter, so jobs sharing it share its energy) and never capped by greend (a cap would "
+                "slow every instance's job)",
+                "to cap it, turn MIG off (`nvidia-smi -i <index> -mig 0`, as root, with no processes on it)",
+            )
+        )
+    if hung:
+        out.append(
+            Check(
+                "gpu unresponsive",
+                "fail",
+                "NVML calls did not return (greend leaves these GPUs out and goes on with the others): "
+                + "; ".join(f"{k}: {v}" for k, v in sorted(hung.items())),
+                UNRESPONSIVE_FIX,
+            )
+        )
+    return out
+
+
+def _nvml(nvml_module: object | None = None) -> list[Check]:
     from greend.probes.nvml import NvmlProbe
 
     probe = NvmlProbe(nvml=nvml_module)
     try:
         probe.open()
     except NoData as e:
-        return Check("nvml", "warn", str(e))  # the probe's message carries the fix
+        return [Check("nvml", "warn", str(e))]  # the probe's message carries the fix
     except NoPermission as e:
-        return Check("nvml", "fail", str(e), "run greend as root (the systemd unit does)")
+        return [Check("nvml", "fail", str(e), "run greend as root (the systemd unit does)")]
     except GreendError as e:
-        return Check("nvml", "fail", str(e))
+        return [Check("nvml", "fail", str(e))]
     try:
+        checks = _gpu_checks(probe)
         info = probe.info()
-        return Check("nvml", "ok", info.detail)
+        return [Check("nvml", "ok", info.detail), *checks]
     finally:
         probe.close()
 

@@ -104,3 +104,62 @@ def test_the_configs_socket_and_its_stores_are_checked(tmp_path: Path, daemons: 
     daemons.append(d)
     checks = by_name(run_checks(config=cfg, socket=None, sysfs_root=tmp_path))
     assert checks["socket"].level == "ok" and str(sock) in checks["socket"].detail
+
+
+# --------------------------------------------------------------------------- GPU writes, persistence, MIG, hangs
+
+
+def test_gpu_checks_on_the_fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from greend.probes.fake_nvml import fake_reset_process_init
+
+    fake_reset_process_init()
+    monkeypatch.setenv("GREEND_NVML_DEADLINE_S", "0.5")
+    fake = FakeNvml(tmp_path / "gpus", n=4)
+    fake.inject(1, no_permission=True, persistence_off=True)
+    fake.inject(2, mig=True)
+    fake.set_hang("nvmlDeviceGetPersistenceMode", gpu=3)
+    try:
+        checks = run_checks(config=None, socket=tmp_path / "none.sock", sysfs_root=tmp_path / "nosys", nvml_module=fake)
+    finally:
+        fake.set_hang(None)
+    gpu = {(c.name, c.level): c for c in checks if c.name.startswith("gpu")}
+    assert "gpu0" in gpu[("gpu write", "ok")].detail
+    refused = gpu[("gpu write", "fail")]
+    assert "gpu1" in refused.detail and "CAP_SYS_ADMIN" in (refused.fix or "")
+    pm = gpu[("gpu persistence", "warn")]
+    assert "gpu1" in pm.detail and "nvidia-smi -pm 1" in (pm.fix or "") and "nvidia-persistenced" in (pm.fix or "")
+    assert "gpu2" in gpu[("gpu mig", "info")].detail and "never capped" in gpu[("gpu mig", "info")].detail
+    hung = gpu[("gpu unresponsive", "fail")]
+    assert "gpu3" in hung.detail and "reset" in (hung.fix or "")
+    assert fake.sim_gpu(0).power_limit_w() == 700.0  # the no-op write changed nothing
+
+
+def test_gpu_checks_on_real_pynvml_over_the_stand_in(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.nvml_stub import REPO, stub_env
+
+    script = (
+        "import json, sys; from pathlib import Path; from greend.cli.doctor import run_checks\n"
+        "cs = run_checks(config=None, socket=Path(sys.argv[1]), sysfs_root=Path(sys.argv[2]))\n"
+        "print(json.dumps([c.__dict__ for c in cs]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "none.sock"), str(tmp_path / "nosys")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=stub_env(gpus=2, persistence_off=1, no_permission="1", state=tmp_path / "gpus.txt"),
+    )
+    assert r.returncode == 0, r.stderr
+    checks = {(c["name"], c["level"]): c for c in json.loads(r.stdout.strip().splitlines()[-1])}
+    assert checks[("nvml", "ok")]["detail"].startswith("2 GPU(s)")
+    assert "gpu0" in checks[("gpu write", "ok")]["detail"]
+    refused = checks[("gpu write", "fail")]
+    assert "gpu1" in refused["detail"] and "NO_PERMISSION" in refused["detail"]
+    assert "CAP_SYS_ADMIN" in refused["fix"]
+    pm = checks[("gpu persistence", "warn")]
+    assert "gpu0, gpu1" in pm["detail"] and "nvidia-smi -pm 1" in pm["fix"]
