@@ -6,7 +6,10 @@
   ``$RANK``/``$WORLD_SIZE``; ``$LOCAL_RANK`` for the local rank
   (:func:`resolve_ranks`).
 * **GPUs**: ``gpus=`` if given, else the model's CUDA device (``cuda:N`` mapped
-  through ``$CUDA_VISIBLE_DEVICES`` to the node-local index). A model on the CPU
+  through ``$CUDA_VISIBLE_DEVICES`` to the node-local index, the daemon's; a GPU
+  UUID ``GPU-...`` or a MIG instance's ``MIG-...`` there is looked up by UUID through
+  NVML in this process, a MIG instance as its parent GPU; one that cannot be mapped
+  reports no GPUs, with a warning that says why, never a guessed index). A model on the CPU
   with ``gpus=None`` reports no GPUs (``[]``): pass ``gpus=[...]`` to attribute a
   CPU run to (simulated) GPUs, as ``greenctl demo`` does with ``gpus=[0]``
   (:func:`resolve_gpus`).
@@ -22,8 +25,9 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +36,7 @@ from greend.protocol import DEFAULT_SOCKET, JOB_ID_RE
 __all__ = [
     "DEFAULT_SOCKET",
     "model_device",
+    "nvml_index_of_uuid",
     "resolve_gpus",
     "resolve_job",
     "resolve_ranks",
@@ -96,8 +101,41 @@ def model_device(model: torch.nn.Module | None, device: str | torch.device | Non
     return torch.device("cpu")
 
 
-def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
-    """Node-local GPU indices: ``gpus`` if given, else the CUDA device mapped through CUDA_VISIBLE_DEVICES."""
+def nvml_index_of_uuid(uuid: str, nvml: Any | None = None) -> int:
+    """The node-local (NVML) index of the GPU with ``uuid``; for a MIG instance's
+    UUID, its parent GPU's. ``nvml``: the module (default ``import pynvml``).
+    Raises LookupError saying why when it cannot be found."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as e:
+            raise LookupError("the nvidia-ml-py package (pynvml) is not installed in this process") from e
+    try:
+        nvml.nvmlInit()
+    except Exception as e:
+        raise LookupError(f"NVML could not be initialised here: {e}") from e
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        if uuid.startswith("MIG-"):
+            handle = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+        return int(nvml.nvmlDeviceGetIndex(handle))
+    except Exception as e:
+        raise LookupError(f"NVML does not know {uuid}: {e}") from e
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def resolve_gpus(
+    dev: torch.device,
+    gpus: Iterable[int] | None,
+    uuid_to_index: Callable[[str], int] | None = None,
+) -> list[int]:
+    """Node-local GPU indices: ``gpus`` if given, else the CUDA device mapped through
+    CUDA_VISIBLE_DEVICES (``uuid_to_index``, default :func:`nvml_index_of_uuid`, maps
+    a ``GPU-``/``MIG-`` entry; LookupError: unmappable, and no GPUs are reported)."""
     if gpus is not None:
         out = [int(g) for g in gpus]
         if any(g < 0 for g in out):
@@ -115,16 +153,34 @@ def resolve_gpus(dev: torch.device, gpus: Iterable[int] | None) -> list[int]:
     if not visible:
         return [index]
     entries = [e.strip() for e in visible.split(",") if e.strip()]
-    if index < len(entries) and entries[index].isdigit():
+    if index >= len(entries):
+        why = f"CUDA_VISIBLE_DEVICES lists {len(entries)} device(s)"
+    elif entries[index].isdigit():
         return [int(entries[index])]
+    else:
+        entry = entries[index]
+        try:
+            found = (uuid_to_index or nvml_index_of_uuid)(entry)
+        except LookupError as e:
+            why = str(e)
+        else:
+            if entry.startswith("MIG-"):
+                log.info(
+                    "cuda:%d is MIG instance %s of gpu%d: its energy is the whole GPU's, shared by "
+                    "every job on that GPU",
+                    index,
+                    entry,
+                    found,
+                )
+            return [int(found)]
     log.warning(
-        "cannot map cuda:%d through CUDA_VISIBLE_DEVICES=%s to a node-local GPU index "
-        "(UUIDs or MIG ids); reporting %d: pass gpus=[...] to be exact",
+        "cannot map cuda:%d through CUDA_VISIBLE_DEVICES=%s to a node-local GPU index (%s); "
+        "reporting no GPUs, so none of the node's energy is attributed to this job: pass gpus=[...]",
         index,
         visible,
-        index,
+        why,
     )
-    return [index]
+    return []
 
 
 def resolve_socket(socket_path: str | os.PathLike[str] | None) -> Path:

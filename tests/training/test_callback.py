@@ -448,3 +448,89 @@ def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemo
     f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
     assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
     assert cb._forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off
+
+
+# GPU and MIG UUIDs in CUDA_VISIBLE_DEVICES -------------------------------------------------
+
+
+def test_gpu_uuids_map_to_the_daemons_index_through_nvml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from greend.probes.fake_nvml import FakeNvml, fake_reset_process_init
+    from greend.training.identity import nvml_index_of_uuid
+
+    fake_reset_process_init()
+    fake = FakeNvml(tmp_path / "gpus", n=4)
+    fake.nvmlInit()
+    uuid2 = fake.nvmlDeviceGetUUID(fake.nvmlDeviceGetHandleByIndex(2))
+    fake.nvmlShutdown()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{uuid2},GPU-not-on-this-node")
+
+    def lookup(u: str) -> int:
+        return nvml_index_of_uuid(u, fake)
+
+    assert resolve_gpus(torch.device("cuda:0"), None, lookup) == [2]
+    with caplog.at_level(logging.WARNING, logger="greend.training.callback"):
+        assert resolve_gpus(torch.device("cuda:1"), None, lookup) == []  # never a guessed index
+        assert resolve_gpus(torch.device("cuda:5"), None, lookup) == []
+    assert "GPU-not-on-this-node" in caplog.text and "reporting no GPUs" in caplog.text
+    assert "lists 2 device(s)" in caplog.text
+
+
+def test_a_mig_uuid_maps_to_its_parent_gpu_or_to_none_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from greend.training.identity import nvml_index_of_uuid
+
+    class MigNvml:
+        """The pynvml calls a MIG lookup makes: MIG-a is an instance on gpu3."""
+
+        def nvmlInit(self) -> None: ...
+
+        def nvmlShutdown(self) -> None: ...
+
+        def nvmlDeviceGetHandleByUUID(self, uuid: str) -> object:
+            if uuid != "MIG-a":
+                raise RuntimeError("Not Found")
+            return ("mig", uuid)
+
+        def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: object) -> object:
+            return ("gpu", 3)
+
+        def nvmlDeviceGetIndex(self, h: Any) -> int:
+            assert h[0] == "gpu", "the MIG handle's own index is not the GPU's"
+            return h[1]
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-a,MIG-b")
+    nv = MigNvml()
+    assert resolve_gpus(torch.device("cuda:0"), None, lambda u: nvml_index_of_uuid(u, nv)) == [3]
+    with caplog.at_level(logging.WARNING, logger="greend.training.callback"):
+        assert resolve_gpus(torch.device("cuda:1"), None, lambda u: nvml_index_of_uuid(u, nv)) == []
+    assert "NVML does not know MIG-b" in caplog.text
+
+    def no_pynvml(u: str) -> int:
+        raise LookupError("the nvidia-ml-py package (pynvml) is not installed in this process")
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="greend.training.callback"):
+        assert resolve_gpus(torch.device("cuda:0"), None, no_pynvml) == []
+    assert "pynvml" in caplog.text
+
+
+def test_an_unmappable_mig_device_registers_no_gpus(sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import greend.training.identity as identity
+
+    def unknown(u: str, nvml: Any = None) -> int:
+        raise LookupError(f"NVML does not know {u}")
+
+    monkeypatch.setattr(identity, "nvml_index_of_uuid", unknown)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1234")
+    d = FakeDaemon(sock_path).start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GreendWarning)
+            cb = GreenCallback(device="cuda:0", **FAST | {"socket": sock_path})
+        assert cb.gpus == []
+        cb.close()
+    finally:
+        d.stop()
