@@ -76,11 +76,68 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
 
 
 @ctl_app.command("jobs")
-def ctl_jobs(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
-    """Jobs on this node: running, and recently ended."""
+def ctl_jobs(
+    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+    all_jobs: bool = typer.Option(False, "--all", help="also the ended jobs in the SQLite store (kept over restarts)"),
+    store: Path | None = typer.Option(None, "--store", help="the SQLite store file (default: the daemon's)"),
+) -> None:
+    """Jobs on this node: running, and recently ended (--all: every ended job the store has)."""
+    from greend.jobs.history import stored_jobs
 
-    res = _request("jobs")
-    typer.echo(json.dumps(res, indent=2) if as_json else render_jobs(res["jobs"]))
+    live: list[dict[str, Any]] = []
+    daemon_down: str | None = None
+    try:
+        live = _try_request("jobs")["jobs"]
+    except DaemonUnavailable as e:
+        if not all_jobs:
+            fail(str(e), code=3)
+        daemon_down = str(e)
+    jobs = list(live)
+    if all_jobs:
+        path = _store_path(store)
+        if path is not None:
+            try:
+                stored = stored_jobs(path)
+                # A job the daemon still lists is in the store once it ended: its last run there.
+                for j in live:
+                    same = [i for i, k in enumerate(stored) if k["job"] == j["job"]]
+                    if same and j["state"] == "ended":
+                        stored.pop(same[-1])
+                jobs = stored + live
+            except GreendError as e:
+                fail(str(e))
+        elif daemon_down:
+            fail(f"{daemon_down}; and no SQLite store to read: give --store FILE")
+    typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
+
+
+def _try_request(op: str, **fields: Any) -> Any:
+    """Like _request, but the daemon being away is the caller's to handle."""
+    try:
+        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
+            return c.request(op, **fields)
+    except RequestRefused as e:
+        if e.field == "job":
+            raise
+        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+
+
+def _store_path(store: Path | None) -> Path | None:
+    """The SQLite store to read ended jobs from: --store, else the daemon's, else the config's."""
+    from greend.config import load_config
+    from greend.jobs.history import sqlite_path
+
+    if store is not None:
+        return store
+    try:
+        urls = [s["url"] for s in _try_request("status").get("stores") or []]
+    except (DaemonUnavailable, RequestRefused):
+        try:
+            urls = load_config(None).store_urls()
+        except GreendError:
+            return None
+    path = sqlite_path(urls)
+    return path if path is not None and path.exists() else None
 
 
 @ctl_app.command("report")
@@ -88,10 +145,47 @@ def ctl_report(
     job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
+    store: Path | None = typer.Option(
+        None, "--store", help="the SQLite store file, for jobs the daemon no longer knows (default: the daemon's)"
+    ),
 ) -> None:
-    """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule and CO2."""
+    """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy
+    greend saved; an ended job the daemon no longer knows (it restarted) comes from the store."""
+    from greend.jobs.history import stored_report
 
-    r = _request("report", job=job)
+    if plot is not None:
+        _check_plot_path(plot)
+    r: dict[str, Any] | None = None
+    why, down = "", False
+    try:
+        r = _try_request("report", job=job)
+    except (DaemonUnavailable, RequestRefused) as e:
+        why, down = str(e), isinstance(e, DaemonUnavailable)
+    path = _store_path(store)
+    if r is None:
+        if path is not None:
+            try:
+                r = stored_report(path, job)
+            except GreendError as e:
+                fail(str(e))
+        if r is None:
+            where = f"; nor in the store {path}" if path is not None else "; and no SQLite store: give --store FILE"
+            fail(f"{why}{where}", code=3 if down else 2)
+        assert r is not None
+        typer.echo(f"(from the store {r['from_store']}: the daemon no longer knows this job)", err=True)
+    elif path is not None:
+        try:
+            from greend.jobs.history import stored_jobs
+
+            runs = [j for j in stored_jobs(path) if j["job"] == job]
+        except GreendError:
+            runs = []
+        before = len(runs) - (1 if r.get("state") == "ended" else 0)
+        if before > 0:
+            typer.echo(
+                f"note: job id {job!r} ran {before} time(s) before this run; greenctl jobs --all lists every run",
+                err=True,
+            )
     if as_json:
         out = dict(r)
         out.pop("series", None)
@@ -101,9 +195,19 @@ def ctl_report(
     if plot is not None:
         try:
             plot_report(r, plot)
-        except RuntimeError as e:
-            fail(str(e))
+        except (RuntimeError, OSError, ValueError) as e:
+            fail(f"--plot {plot}: {e}")
         typer.echo(f"plot written to {plot}", err=True)
+
+
+def _check_plot_path(plot: Path) -> None:
+    if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        fail(f"--plot {plot}: give a file ending in .png (or .svg, .pdf)")
+    parent = plot.parent if str(plot.parent) else Path(".")
+    if not parent.is_dir():
+        fail(f"--plot {plot}: no directory {parent}")
+    if not os.access(parent, os.W_OK):
+        fail(f"--plot {plot}: cannot write in {parent}")
 
 
 @ctl_app.command("demo")

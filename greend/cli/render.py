@@ -217,17 +217,19 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs yet"
     return render_table(
-        ["JOB", "STATE", "RANKS", "GPUS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "PRECISION"],
+        ["JOB", "STATE", "RANKS", "GPUS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "SAVED_%", "PRECISION"],
         [
             [
-                j["job"],
-                j["state"],
-                j["ranks"],
-                ",".join(map(str, j["gpus"])) or "-",
+                j["job"] + (f" (run {j['run']})" if (j.get("run") or 1) > 1 else ""),
+                j["state"] + (" (store)" if j.get("from_store") else ""),
+                # An ended job's ranks have all left: its count says nothing.
+                j["ranks"] if j["state"] != "ended" else "-",
+                ",".join(map(str, j.get("gpus") or [])) or "-",
                 j["steps"],
                 j["duration_s"],
                 j["gpu_energy_j"],
                 j["gflops_per_w"],
+                j.get("saved_pct"),
                 j["precision"],
             ]
             for j in jobs

@@ -740,6 +740,7 @@ class JobRegistry:
                             "gpu_energy_j",
                             "energy_j",
                             "gflops_per_w",
+                            "saved_pct",
                             "precision",
                         )
                     }

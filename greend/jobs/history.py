@@ -1,0 +1,168 @@
+"""Ended jobs read back from the SQLite store, for when the daemon no longer knows them
+(it restarted, or trimmed its list of ended jobs).
+
+The store holds each ended job's summary (``greend_job``: its figures and the saving
+against its baseline) and every decision about it with its reason (``greend_decision``:
+caps and precision switches, rollbacks and refusals). :func:`stored_report` puts them
+back in the shape of a live report (``greenctl report``), marked ``from_store``; what
+only the daemon kept (the time series, per-GPU figures) is absent. The file is opened
+read-only: the daemon may be writing it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from greend.errors import StoreError
+from greend.sinks.sqlite import connect_readonly
+
+__all__ = ["sqlite_path", "stored_jobs", "stored_report"]
+
+
+def sqlite_path(urls: list[str]) -> Path | None:
+    """The file of the first ``sqlite:///`` store among ``urls``."""
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme == "sqlite" and parts.path:
+            # sqlite:///ABS and sqlite:////ABS (an absolute path after the three slashes) alike.
+            return Path("/" + parts.path.lstrip("/"))
+    return None
+
+
+def _rows(db: sqlite3.Connection, table: str, where: str = "", params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if table not in tables:
+        return []
+    sql = f'SELECT * FROM "{table}"' + (f" WHERE {where}" if where else "") + " ORDER BY ts_ns"
+    return [dict(r) for r in db.execute(sql, params)]
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    try:
+        return connect_readonly(path)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot read the store {path}: {e}") from e
+
+
+def stored_jobs(path: Path) -> list[dict[str, Any]]:
+    """Every ended job in the store, oldest first, in ``greenctl jobs``' shape. A job id
+    that ran more than once appears once per run (``run``: 1, 2, ...)."""
+    db = _open(path)
+    try:
+        rows = _rows(db, "greend_job")
+    finally:
+        db.close()
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        seen[r["job"]] = seen.get(r["job"], 0) + 1
+        out.append(
+            {
+                "job": r["job"],
+                "state": "ended",
+                "ranks": None,
+                "gpus": [],
+                "steps": r.get("steps"),
+                "flops": r.get("flops"),
+                "duration_s": r.get("duration_s"),
+                "gpu_energy_j": r.get("gpu_energy_j"),
+                "energy_j": r.get("energy_j"),
+                "gflops_per_w": r.get("gflops_per_w"),
+                "precision": r.get("precision"),
+                "saved_pct": r.get("saved_pct"),
+                "ended_at": r["ts_ns"] / 1e9,
+                "run": seen[r["job"]],
+                "from_store": str(path),
+            }
+        )
+    return out
+
+
+def _cap_setting(d: dict[str, Any]) -> dict[str, Any]:
+    clock = d.get("clock_cap_mhz")
+    return {
+        "clock_cap_mhz": int(clock) if clock is not None else None,
+        "power_limit_w": d.get("power_limit_w"),
+    }
+
+
+def stored_report(path: Path, job: str) -> dict[str, Any] | None:
+    """The job's last run as the store has it, in a report's shape, or None if the store
+    never saw it end. ``earlier_runs``: how many runs of the same id came before."""
+    db = _open(path)
+    try:
+        runs = _rows(db, "greend_job", "job = ?", (job,))
+        if not runs:
+            return None
+        r = runs[-1]
+        prev_end = runs[-2]["ts_ns"] if len(runs) > 1 else 0
+        decisions = _rows(db, "greend_decision", "job = ? AND ts_ns > ? AND ts_ns <= ?", (job, prev_end, r["ts_ns"]))
+    finally:
+        db.close()
+    caps, precision_log = [], []
+    for d in decisions:
+        if d.get("kind") == "cap":
+            if d.get("gpu") not in (None, "", "0") and caps and caps[-1]["t"] == d["ts_ns"] / 1e9:
+                continue  # the same decision on the job's next GPU
+            caps.append({"t": d["ts_ns"] / 1e9, "setting": _cap_setting(d), "reason": d.get("reason")})
+        else:
+            precision_log.append(
+                {
+                    "t": d["ts_ns"] / 1e9,
+                    "kind": d.get("kind"),
+                    "from": None,
+                    "to": d.get("precision") or None,
+                    "reason": d.get("reason"),
+                    "step": d.get("step"),
+                    "loss": d.get("loss"),
+                    "trend": d.get("trend"),
+                }
+            )
+    energy = r.get("energy_j")
+    saved = r.get("saved_gpu_energy_j")
+    return {
+        "job": job,
+        "state": "ended",
+        "end_reason": r.get("end_reason") or None,
+        "host": r.get("host"),
+        "gpus": None,
+        "gpu_source": None,
+        "steps": r.get("steps") or 0,
+        "step_reports": r.get("steps") or 0,
+        "ranks": 0,
+        "ranks_gone": [],
+        "flops": r.get("flops") or 0.0,
+        "samples": r.get("samples") or 0,
+        "tokens": r.get("tokens") or 0,
+        "duration_s": r.get("duration_s"),
+        "gpu_energy_j": r.get("gpu_energy_j"),
+        "cpu_energy_j": r.get("cpu_energy_j"),
+        "cpu_energy_method": "stored",
+        "energy_j": energy,
+        "energy_kwh": r.get("energy_kwh"),
+        "avg_power_w": r.get("avg_power_w"),
+        "avg_gpu_power_w": None,
+        "flop_per_s": None,
+        "gflops_per_w": r.get("gflops_per_w"),
+        "gflops_per_w_with_cpu": None,
+        "co2_g": r.get("co2_g"),
+        "co2_method": "from the store",
+        "last_loss": r.get("last_loss"),
+        "precision": r.get("precision"),
+        "precision_log": precision_log,
+        "decisions": caps,
+        "savings": {
+            "baseline": None,
+            "saved_j": saved,
+            "saved_pct": r.get("saved_pct"),
+            "slowdown_pct": r.get("slowdown_pct"),
+            "confidence": None,
+            "note": None if saved is not None else "no baseline was measured",
+        },
+        "ended_at": r["ts_ns"] / 1e9,
+        "earlier_runs": len(runs) - 1,
+        "from_store": str(path),
+    }

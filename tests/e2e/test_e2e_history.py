@@ -1,0 +1,61 @@
+"""History: an ended job's report, its decisions with their reasons and its saving, come
+back from the SQLite store after the daemon restarts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_e2e_jobs import wait_ended
+from tests.e2e.test_e2e_precision import CONFIG, run_trainer
+from tests.support import DaemonProc, start_daemon
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch, pytest.mark.slow]
+torch = pytest.importorskip("torch")
+
+
+def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    state = tmp_path / "state"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state)
+    daemons.append(d)
+    run_trainer(d.socket, "old-job", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
+    live = wait_ended(d, "old-job")
+    live_text = d.ctl("report", "old-job").stdout
+    assert "switch: fp32 -> bf16" in live_text
+    assert live["savings"]["saved_j"] is not None and live["savings"]["saved_j"] > 0
+    d.stop()
+
+    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state, name="d2")
+    daemons.append(d2)
+    # The new daemon does not know the job: its list is empty, --all reads the store.
+    assert "old-job" not in d2.ctl("jobs").stdout
+    listed = d2.ctl("jobs", "--all").stdout
+    assert "old-job" in listed and "ended (store)" in listed
+    r = d2.ctl("report", "old-job")
+    assert "from the store" in r.stderr
+    text = r.stdout
+    assert "job old-job  [ended, finished]" in text
+    # Every decision with its reason, and the saving, as the live report had them.
+    switch = [ln for ln in live_text.splitlines() if "switch: fp32 -> bf16" in ln][0]
+    reason = switch.split("(", 1)[1]
+    assert reason.rstrip(")") in text
+    rep = json.loads(d2.ctl("report", "old-job", "--json").stdout)
+    assert rep["steps"] == live["steps"] and rep["flops"] == pytest.approx(live["flops"])
+    assert rep["gpu_energy_j"] == pytest.approx(live["gpu_energy_j"])
+    assert rep["savings"]["saved_j"] == pytest.approx(live["savings"]["saved_j"])
+    assert [e["kind"] for e in rep["precision_log"]] == [e["kind"] for e in live["precision_log"]]
+
+    # A second run under the same id: both runs kept, and the report says so.
+    run_trainer(d2.socket, "old-job", "--steps", "40", "--step-sleep", "0.01")
+    wait_ended(d2, "old-job")
+    r = d2.ctl("report", "old-job")
+    assert "ran 1 time(s) before this run" in r.stderr
+    listed = d2.ctl("jobs", "--all").stdout
+    assert listed.count("old-job") == 2, listed
+
+    # Without a daemon, from the store file alone.
+    d2.stop()
+    r = d2.ctl("report", "old-job", "--store", str(state / "greend.db"))
+    assert r.returncode == 0 and "old-job" in r.stdout
