@@ -228,6 +228,50 @@ def ctl_demo(
     raise typer.Exit(code)
 
 
+@ctl_app.command("measure", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def ctl_measure(
+    cmd: list[str] = typer.Argument(None, help="the command to run, after --"),
+    job: str | None = typer.Option(None, "--job", help="job id (default measure-<pid>)"),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="GPU indices, e.g. 0,1 (default $CUDA_VISIBLE_DEVICES, else every GPU)"
+    ),
+    flops: float | None = typer.Option(None, "--flops", help="the FLOPs the whole command does, if known"),
+    as_json: bool = typer.Option(False, "--json", help="the report, machine-readable"),
+) -> None:
+    """Run a command as a greend job, no code change: its GPUs' energy, power, CO2 (and
+    GFLOPS/W with --flops) over its life. Exits with the command's status."""
+    from greend.cli.measure import run_measure
+
+    gpu_list: list[int] | None = None
+    if gpus is not None:
+        try:
+            gpu_list = [int(g) for g in gpus.split(",") if g.strip()]
+        except ValueError:
+            fail(f"--gpus {gpus!r}: expected GPU indices like 0,1")
+    try:
+        res = run_measure(
+            _state["socket"], list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=_state["timeout"]
+        )
+    except DaemonUnavailable as e:
+        fail(str(e), code=3)
+        return
+    except RequestRefused as e:
+        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+        return
+    except GreendError as e:
+        fail(str(e))
+        return
+    for n in res.notes:
+        typer.echo(f"note: {n}", err=True)
+    if as_json:
+        out = dict(res.report)
+        out.pop("series", None)
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        typer.echo(render_report(res.report))
+    raise typer.Exit(res.returncode if 0 <= res.returncode < 256 else 1)
+
+
 cap_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU clock caps and power limits (admin).")
 policy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The control policy.")
 ctl_app.add_typer(cap_app, name="cap")

@@ -254,7 +254,7 @@ class JobFigures:
             "avg_power_w": energy / duration if duration > 0 else None,
             "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
             "flop_per_s": job.flops / duration if duration > 0 else None,
-            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e else None,
+            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,  # None: FLOPs unknown
             "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
             "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
             "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,

@@ -1,0 +1,134 @@
+"""``greenctl measure -- CMD ...``: run a command as a greend job, no code change needed.
+
+The command's process is registered with the daemon as the job's rank: a Unix socket
+is created here and connected *in the child* just before it executes the command
+(``preexec_fn``), so the daemon's peer credentials name the command's own pid (its CPU
+time is the job's); this process keeps the connection, sends a heartbeat and a
+FLOP-less "step" every interval (the job's window: its GPUs' energy over the
+command's life), and ends the job with the command's exit status. Then it prints the
+job's report: energy, power, CO2, and GFLOPS/W where FLOPs are known (``--flops``:
+the FLOPs the whole command does, if you know them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from greend.errors import DaemonUnavailable, GreendError, RequestRefused
+from greend.ipc.client import Client
+from greend.ipc.wire import frame_message
+
+__all__ = ["MeasureResult", "run_measure"]
+
+
+class MeasureResult:
+    def __init__(self, returncode: int, report: dict[str, Any], notes: list[str]) -> None:
+        self.returncode = returncode
+        self.report = report
+        self.notes = notes
+
+
+def _default_gpus(status: dict[str, Any]) -> tuple[list[int], str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip():
+        try:
+            return [int(x) for x in visible.split(",") if x.strip()], "from $CUDA_VISIBLE_DEVICES"
+        except ValueError:
+            pass  # UUIDs: fall through to every GPU
+    gpus = [int(g["index"]) for g in status.get("gpus") or []]
+    return gpus, "every GPU of this node; --gpus to choose"
+
+
+def run_measure(
+    sock_path: Path,
+    cmd: list[str],
+    *,
+    job: str | None = None,
+    gpus: list[int] | None = None,
+    flops: float | None = None,
+    interval_s: float = 1.0,
+    timeout_s: float = 5.0,
+) -> MeasureResult:
+    """Run ``cmd`` as job ``job`` (default ``measure-<pid>``) on ``gpus``; its report."""
+    if not cmd:
+        raise GreendError("give the command after --: greenctl measure -- python train.py")
+    notes: list[str] = []
+    with Client(sock_path, timeout_s=timeout_s) as c:
+        status = c.request("status")
+    if gpus is None:
+        gpus, why = _default_gpus(status)
+        notes.append(f"GPUs {','.join(map(str, gpus)) or 'none'} ({why})")
+    if not gpus:
+        notes.append("no GPUs: the job's GPU energy is 0 J (this node has none, or --gpus named none)")
+    job = job or f"measure-{os.getpid()}"
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def connect_in_child() -> None:
+        try:
+            s.connect(str(sock_path))
+        except OSError:
+            pass  # the parent sees an unconnected socket and connects itself
+
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command; we end the job
+    try:
+        try:
+            proc = subprocess.Popen(cmd, preexec_fn=connect_in_child)  # before exec: the peer is the command
+        except OSError as e:
+            s.close()
+            raise GreendError(f"cannot run {cmd[0]!r}: {e.strerror or e}") from None
+        try:
+            s.getpeername()
+        except OSError:
+            s.connect(str(sock_path))
+            notes.append("registered from greenctl's own process: the job's CPU share is not the command's")
+        s.settimeout(timeout_s)
+        client = Client(sock_path, timeout_s=timeout_s)
+        client._sock = s  # the connection the child made: the daemon sees the command's pid
+        reg = client.request("register", job=job, gpus=gpus, precisions=["fp32"], world_size=1, rank=0, local_rank=0)
+        interval = min(interval_s, float(reg.get("heartbeat_s") or interval_s))
+        t_prev = time.monotonic()
+        step = 0
+        while True:
+            try:
+                rc = proc.wait(timeout=interval)
+                done = True
+            except subprocess.TimeoutExpired:
+                rc, done = 0, False
+            now = time.monotonic()
+            if now > t_prev:
+                s.sendall(
+                    frame_message("steps", {"steps": [{"step": step, "t0_s": t_prev, "t1_s": now, "flops": 0.0}]})
+                )
+                step += 1
+                t_prev = now
+            if done:
+                break
+            client.request("heartbeat")
+        if flops:
+            s.sendall(frame_message("steps", {"steps": [{"step": step, "t0_s": now, "t1_s": now, "flops": flops}]}))
+        client.request("end", reason=f"command exited with {rc}")
+        client.close()
+    except (DaemonUnavailable, RequestRefused):
+        if "proc" in locals() and proc.poll() is None:
+            proc.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+    report: dict[str, Any] = {}
+    deadline = time.monotonic() + 15
+    with Client(sock_path, timeout_s=timeout_s) as c:
+        while time.monotonic() < deadline:
+            report = c.request("report", job=job)
+            if report["state"] == "ended":
+                break
+            time.sleep(0.1)
+    if not flops:
+        notes.append("FLOPs unknown: GFLOPS/W needs --flops N or GreenCallback in the code")
+    return MeasureResult(rc, report, notes)

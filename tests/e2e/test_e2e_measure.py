@@ -1,0 +1,47 @@
+"""``greenctl measure -- CMD``: a command measured as a job with no code change."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import DaemonProc, start_daemon
+
+pytestmark = pytest.mark.e2e
+
+
+def test_measure_runs_a_command_as_a_job_and_prints_its_report(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20")
+    daemons.append(d)
+    code = "import os, time; time.sleep(1.5); print('child', os.getpid()); raise SystemExit(3)"
+    r = d.ctl("measure", "--job", "m1", "--", sys.executable, "-c", code, check=False)
+    assert r.returncode == 3, r.stdout + r.stderr  # the command's own status
+    out = r.stdout
+    assert "child " in out  # the command's output passes through
+    assert "job m1  [ended, command exited with 3]" in out
+    assert "GPU energy (sim)" in out and "CO2" in out and "kWh" in out
+    assert "GPUs 0 (every GPU of this node" in r.stderr
+    assert "FLOPs unknown" in r.stderr
+    rep = json.loads(d.ctl("report", "m1", "--json").stdout)
+    assert rep["gpus"] == [0] and rep["duration_s"] >= 1.4
+    assert rep["gpu_energy_j"] >= 0.95 * 70.0 * 1.4  # a simulated H100 idles at 70 W
+    assert rep["gflops_per_w"] is None  # no FLOPs: no figure, not 0
+
+    # With the FLOPs known: GFLOPS/W; --gpus picks the GPUs.
+    r = d.ctl("measure", "--job", "m2", "--gpus", "0", "--flops", "1e12", "--json", "--", sys.executable, "-c", "pass")
+    rep = json.loads(r.stdout)
+    assert rep["job"] == "m2" and rep["flops"] == 1e12 and rep["gflops_per_w"] > 0
+
+
+def test_measure_without_a_command_or_a_daemon_says_what_to_do(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from greend.cli.greenctl import ctl_app
+
+    r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--", "true"])
+    assert r.exit_code == 3 and "no greend socket" in r.output
+    r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--gpus", "a,b", "--", "true"])
+    assert r.exit_code == 2 and "--gpus" in r.output
