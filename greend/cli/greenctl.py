@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,19 @@ __all__ = ["ctl_app", "ctl_main"]
 log = logging.getLogger("greend")
 
 ctl_app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="greenctl: show and steer the greend daemon on this node."
+    add_completion=True, no_args_is_help=True, help="greenctl: show and steer the greend daemon on this node."
 )
 
 
 _state: dict[str, Any] = {}
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from greend import __version__
+
+        typer.echo(f"greenctl (greend) {__version__}")
+        raise typer.Exit(0)
 
 
 @ctl_app.callback()
@@ -33,8 +42,13 @@ def _ctl_root(
     socket: Path | None = typer.Option(
         None, "--socket", help="daemon socket (default $GREEND_SOCKET or /run/greend/greend.sock)"
     ),
-    timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon"),
+    timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon (> 0)"),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
+    ),
 ) -> None:
+    if not (math.isfinite(timeout) and timeout > 0):
+        fail(f"--timeout {timeout:g}: expected seconds > 0 (how long to wait for the daemon)")
     _state["socket"] = socket or default_socket_path()
     _state["socket_named"] = socket is not None or bool(os.environ.get("GREEND_SOCKET"))
     _state["timeout"] = timeout
@@ -379,6 +393,7 @@ def ctl_policy_set(
 def ctl_doctor(
     config: Path | None = typer.Option(None, "--config", help="config file to check"),
     sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable: each check's level, name, detail, fix"),
 ) -> None:
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
     from greend.cli.doctor import run_checks
@@ -388,10 +403,21 @@ def ctl_doctor(
     checks = run_checks(config=config, socket=named, sysfs_root=sysfs_root, timeout_s=_state["timeout"])
     worst = 0
     for c in checks:
-        typer.echo(f"[{c.level:4}] {c.name}: {c.detail}")
-        if c.fix:
-            typer.echo(f"       fix: {c.fix}")
+        if not as_json:
+            typer.echo(f"[{c.level:4}] {c.name}: {c.detail}")
+            if c.fix:
+                typer.echo(f"       fix: {c.fix}")
         worst = max(worst, {"ok": 0, "info": 0, "warn": 1, "fail": 2}[c.level])
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "exit": worst,
+                    "checks": [{"level": c.level, "name": c.name, "detail": c.detail, "fix": c.fix} for c in checks],
+                },
+                indent=2,
+            )
+        )
     raise typer.Exit(worst)
 
 

@@ -26,8 +26,18 @@ daemon_app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"greend {__version__}")
+        raise typer.Exit(0)
+
+
 @daemon_app.callback()
-def _daemon_root() -> None:
+def _daemon_root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="print greend's version and exit"
+    ),
+) -> None:
     """greend: the per-node energy controller daemon."""
 
 
