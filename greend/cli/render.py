@@ -237,8 +237,23 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
     )
 
 
-def plot_report(r: dict[str, Any], path: Path) -> None:
-    """Power and GFLOPS/W over the job's life (its 1 s efficiency windows)."""
+def plot_annotations(r: dict[str, Any]) -> list[tuple[float, str]]:
+    """Every cap and precision change of the job, as (seconds since its first step, label)."""
+    t0 = r.get("first_step_at")
+    out: list[tuple[float, str]] = []
+    for ev in r.get("decisions") or []:
+        out.append((ev["t"], "cap: " + render_setting(ev.get("setting"))))
+    for ev in r.get("precision_log") or []:
+        frm = ev.get("from")
+        out.append((ev["t"], f"{ev.get('kind', 'switch')}: {frm + ' -> ' if frm else ''}{ev.get('to')}"))
+    out.sort(key=lambda x: x[0])
+    return [((t - t0) if t0 is not None else 0.0, text) for t, text in out]
+
+
+def plot_report(r: dict[str, Any], path: Path) -> list[str]:
+    """GPU power and the clock cap over the job's life, every cap and precision change
+    marked and labelled, and GFLOPS/W below; power and efficiency axes from 0. Returns
+    the annotations' texts, in time order."""
     try:
         import matplotlib
 
@@ -248,20 +263,67 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'greend[plot]'") from e
     series = r.get("series") or []
     if not series:
-        raise RuntimeError(f"job {r['job']} has no efficiency samples yet (they come once a second)")
+        raise RuntimeError(
+            f"job {r['job']} has no efficiency samples"
+            + (" (a report from the store has no time series)" if r.get("from_store") else " yet (once a second)")
+        )
     t = [p["t_s"] for p in series]
-    fig, ax1 = plt.subplots(figsize=(8, 4))
     label = " (sim)" if r.get("gpu_source") == "sim" else ""
-    ax1.plot(t, [p["power_w"] for p in series], color="tab:red", label=f"GPU power{label}")
-    ax1.set_xlabel("time since the first step (s)")
-    ax1.set_ylabel("GPU power (W)", color="tab:red")
+    fig, (ax1, ax3) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    ax1.plot(t, [p["power_w"] for p in series], color="tab:red", label=f"GPU power{label} (W)")
+    ax1.set_ylabel(f"GPU power{label} (W)")
+    ax1.set_ylim(bottom=0, top=max(1.0, max(p["power_w"] for p in series)) * 1.15)
+    notes = plot_annotations(r)
+    # The clock cap in force (a step line; "uncapped" drawn at the top of the right axis).
     ax2 = ax1.twinx()
-    ax2.plot(t, [p["gflops_per_w"] for p in series], color="tab:green", label="GFLOPS/W")
-    ax2.set_ylabel(f"GFLOPS/W{label} (sliding window)", color="tab:green")
+    caps = [(x, text) for x, text in notes if text.startswith("cap: ")]
+    clock_pts = [(0.0, None)] + [
+        (x, int(text.split("clock cap ")[1].split(" ")[0]) if "clock cap " in text else None) for x, text in caps
+    ]
+    top = max([c for _, c in clock_pts if c is not None] or [2000]) * 1.1
+    xs, ys = [], []
+    for i, (x, c) in enumerate(clock_pts):
+        x_end = clock_pts[i + 1][0] if i + 1 < len(clock_pts) else max(t[-1], x)
+        xs += [x, x_end]
+        ys += [c if c is not None else top, c if c is not None else top]
+    ax2.plot(xs, ys, color="tab:blue", linestyle="--", label="clock cap (MHz; top = uncapped)")
+    ax2.set_ylim(0, top * 1.05)
+    ax2.set_ylabel("clock cap (MHz)")
+    texts: list[str] = []
+    for i, (x, text) in enumerate(notes):
+        color = "tab:purple" if not text.startswith("cap: ") else "tab:gray"
+        for ax in (ax1, ax3):
+            ax.axvline(x, color=color, linewidth=0.8, alpha=0.7)
+        ax1.annotate(
+            text,
+            xy=(x, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 4 + 11 * (i % 6)),
+            textcoords="offset points",
+            fontsize=7,
+            color=color,
+            rotation=0,
+        )
+        texts.append(text)
+    ax3.plot(t, [p["gflops_per_w"] for p in series], color="tab:green", label=f"GFLOPS/W{label} (sliding window)")
+    ax3.set_ylim(bottom=0)
+    ax3.set_ylabel(f"GFLOPS/W{label}")
+    ax3.set_xlabel("time since the first step (s)")
+    per_step = r.get("gpu_energy_per_step_j")
+    h1, l1 = ax1.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax1.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+    ax3.legend(loc="upper left", fontsize=8)
+    saved = (r.get("savings") or {}).get("saved_pct")
     ax1.set_title(
-        f"greend job {r['job']}: {r['gpu_energy_j']:.0f} J GPU, "
-        f"{(r.get('gflops_per_w') or 0):.2f} GFLOPS/W over its life"
+        f"greend job {r['job']}: {r['gpu_energy_j']:.0f} J GPU{label}, "
+        f"{(r.get('gflops_per_w') or 0):.2f} GFLOPS/W"
+        + (f", {per_step:.3g} J/step" if per_step else "")
+        + (f", saved {saved:.1f} %" if saved is not None else "")
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return texts

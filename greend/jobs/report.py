@@ -234,6 +234,8 @@ class JobFigures:
             "uid": job.uid,
             "host": self.hostname,
             "started_at": job.registered_wall_s,
+            # The first step on the wall clock (where a plot's time axis starts).
+            "first_step_at": job.registered_wall_s + (t0 - job.registered_s) if t0 is not None else None,
             "ranks": len(job.ranks),
             "ranks_gone": [g.to_json() for g in job.gone],
             "gpus": sorted(job.gpus),
