@@ -199,6 +199,8 @@ def _check(section: str, key: str, value: Any, expect: type | tuple[type, ...], 
 
 
 def _positive(section: str, key: str, value: float, *, zero_ok: bool = False) -> None:
+    if not math.isfinite(value):  # a flag (--hz nan) as the file: TOML's nan and inf are refused too
+        raise ConfigError(f"[{section}] {key} = {value!r}: expected a finite number {'>= 0' if zero_ok else '> 0'}")
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(f"[{section}] {key} = {value!r}: must be {'>= 0' if zero_ok else '> 0'}")
 
@@ -234,6 +236,23 @@ def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
         else:
             _check(section, key, value, str, "a string")
         setattr(obj, key, value)
+
+
+def _check_policies(cfg: Config) -> None:
+    """[policy] name is a clock policy; [policy] precision is "none" or a precision policy."""
+    from greend.policies import POLICIES  # the policy registry: the one list of policies
+
+    precision_kinds = sorted(n for n in POLICIES if n == "precision")
+    clock_kinds = [n for n in POLICIES if n not in precision_kinds]
+    if cfg.policy.name not in clock_kinds:
+        hint = " (the precision policy goes in [policy] precision)" if cfg.policy.name in precision_kinds else ""
+        raise ConfigError(f"[policy] name = {cfg.policy.name!r}: expected one of {', '.join(clock_kinds)}{hint}")
+    if cfg.policy.precision not in ("", "none", *precision_kinds):
+        hint = " (a clock policy goes in [policy] name)" if cfg.policy.precision in clock_kinds else ""
+        raise ConfigError(
+            f"[policy] precision = {cfg.policy.precision!r}: expected "
+            f"{' or '.join(repr(n) for n in ['none', *precision_kinds])}{hint}"
+        )
 
 
 def validate(cfg: Config) -> Config:
@@ -276,6 +295,7 @@ def validate(cfg: Config) -> Config:
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
     if not 0.1 <= st.retry_s <= 86400.0:
         raise ConfigError(f"[store] retry_s = {st.retry_s!r}: expected 0.1 to 86400 seconds")
+    _check_policies(cfg)
     _positive("policy", "period_s", cfg.policy.period_s)
     _positive("policy", "settle_s", cfg.policy.settle_s, zero_ok=True)
     _positive("report", "grid_gco2_per_kwh", cfg.report.grid_gco2_per_kwh, zero_ok=True)

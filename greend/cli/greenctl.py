@@ -83,7 +83,7 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
         typer.echo(f"{mark}{p['name']:6} {p.get('detail') or p.get('last_error') or ''}")
         for d in p.get("devices") or []:
             typer.echo(f"        {d}")
-        if not p["open"] and p.get("fix"):
+        if not p["open"] and p.get("fix") and p["fix"] not in (p.get("detail") or p.get("last_error") or ""):
             typer.echo(f"        fix: {p['fix']}")
         if p["open"] and not p["success"] and p.get("last_error"):
             typer.echo(f"        failing: {p['last_error']}")
@@ -322,10 +322,19 @@ def ctl_cap_set(
         fields["power_limit_w"] = power_limit
     r = _request("cap_set", **fields)
     f = r["in_force"]
+    clock = "none" if f["clock_cap_mhz"] is None else f"{f['clock_cap_mhz']} MHz"
+    limit = "default" if f["power_limit_w"] is None else f"{f['power_limit_w']:.1f} W"
     typer.echo(
-        f"gpu{r['gpu']}: clock cap {fmt(f['clock_cap_mhz'])} MHz, power limit "
-        f"{fmt(f['power_limit_w'])} W{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
+        f"gpu{r['gpu']}: clock cap {clock}, power limit {limit}"
+        f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
     )
+    got = f.get("power_limit_w")
+    if power_limit is not None and got is not None and abs(got - power_limit) > 0.05:
+        typer.echo(
+            f"note: {power_limit:g} W is outside gpu{r['gpu']}'s power limit range: clamped to {got:.1f} W", err=True
+        )
+    if max_clock is not None and f["clock_cap_mhz"] is not None and f["clock_cap_mhz"] != max_clock:
+        typer.echo(f"note: {max_clock} MHz snapped to the supported clock {f['clock_cap_mhz']} MHz", err=True)
 
 
 @cap_app.command("reset")
@@ -337,6 +346,10 @@ def ctl_cap_reset(
     if gpu is not None and cpu is not None:
         fail("give at most one of --gpu I and --cpu ZONE")
     fields: dict[str, Any] = {"gpu": gpu} if gpu is not None else {"cpu_zone": cpu} if cpu is not None else {}
+    if gpu is not None:
+        known = [g["index"] for g in _request("status").get("gpus") or []]
+        if gpu not in known:
+            fail(f"no GPU {gpu} on this node (GPUs: {', '.join(map(str, known)) or 'none'})")
     r = _request("cap_reset", **fields)
     for line in r["lines"]:
         typer.echo(line)
@@ -366,7 +379,12 @@ def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-
         f"policy {r['name']}  {json.dumps(r['params'])}  every {r['period_s']:g} s"
         + ("  DRY RUN" if r.get("dry_run") else "")
     )
-    typer.echo(f"available: {', '.join(r['available'])}")
+    clock = [n for n in r["available"] if n != "precision"]
+    beside = [n for n in r["available"] if n == "precision"]
+    typer.echo(
+        f"available: {', '.join(clock)}"
+        + (f"; beside them ([policy] precision): {', '.join(beside)}" if beside else "")
+    )
     if r.get("disabled"):
         typer.echo(f"control is off: {r['disabled']}")
     d = r.get("last_decision")
@@ -380,7 +398,11 @@ def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-
 
 @policy_app.command("set")
 def ctl_policy_set(
-    name: str = typer.Argument(..., help="none, static, efficient, budget"),
+    name: str = typer.Argument(
+        ...,
+        help="a clock policy: none, static, efficient, budget (the precision policy runs beside it: "
+        "[policy] precision in the config)",
+    ),
     param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
 ) -> None:
     """Switch the policy (what the old one set for jobs is restored). Needs root or the admin group."""

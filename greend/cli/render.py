@@ -61,6 +61,8 @@ def render_status(st: dict[str, Any]) -> str:
                 ],
             )
         )
+        if st.get("dry_run"):
+            out.append("DRY RUN: CAP_MHZ and LIMIT_W are what greend recorded; the devices were not touched")
     else:
         out.append("no GPUs (see: greenctl probes)")
     out.append("")
@@ -140,6 +142,11 @@ def render_report(r: dict[str, Any]) -> str:
             else f"(with CPU: {_num(r.get('gflops_per_w_with_cpu'), '.3f')})"
         ),
     ]
+    if not r.get("gpus") and not r.get("from_store"):
+        lines.append(
+            "  note             no GPUs registered: the GPU energy 0 J is not a measurement "
+            "(give gpus=[...] to GreenCallback, or --gpus to greenctl measure)"
+        )
     if r.get("gpu_energy_per_step_j") is not None:
         mean_step_s = (r.get("step_time_s") or 0.0) / max(1, r.get("step_reports") or 1)
         lines.append(

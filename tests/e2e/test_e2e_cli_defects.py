@@ -1,0 +1,51 @@
+"""Small things the command line got wrong, each as it is now said."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from greend.cli.greend_cmd import daemon_app
+from greend.config import Config, ConfigError, validate
+from tests.support import DaemonProc, start_daemon
+
+
+@pytest.mark.parametrize("hz", ["nan", "inf", "-inf"])
+def test_greend_run_refuses_a_non_finite_hz(hz: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    r = CliRunner().invoke(daemon_app, ["run", "--config", str(cfg), "--hz", hz, "--state-dir", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert "[daemon] hz" in r.output and "finite" in r.output and "Traceback" not in r.output
+
+
+def test_policy_keys_hold_their_own_kind() -> None:
+    cfg = Config()
+    cfg.policy.precision = "efficient"
+    with pytest.raises(ConfigError, match=r"\[policy\] precision = 'efficient': expected 'none' or 'precision'"):
+        validate(cfg)
+    cfg = Config()
+    cfg.policy.precision = "bogus"
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "budget" not in str(e.value)  # only what the key takes
+    cfg = Config()
+    cfg.policy.name = "precision"
+    with pytest.raises(ConfigError, match=r"\[policy\] name = 'precision': expected one of none, static"):
+        validate(cfg)
+
+
+@pytest.mark.e2e
+def test_cap_texts_against_a_sim_daemon(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "2")
+    daemons.append(d)
+    r = d.ctl("cap", "reset", "--gpu", "9", check=False)
+    assert r.returncode == 2 and "no GPU 9 on this node (GPUs: 0, 1)" in r.stderr
+    r = d.ctl("cap", "set", "--gpu", "0", "--power-limit", "5000")
+    assert "power limit 700.0 W" in r.stdout and "clock cap none" in r.stdout
+    assert "clamped to 700.0 W" in r.stderr
+    out = d.ctl("policy", "show").stdout
+    assert "available: budget, efficient, none, static; beside them ([policy] precision): precision" in out
+    assert "efficient, budget (the precision policy" in " ".join(d.ctl("policy", "set", "--help").stdout.split())
