@@ -401,7 +401,7 @@ def ctl_policy_set(
     name: str = typer.Argument(
         ...,
         help="a clock policy: none, static, efficient, budget (the precision policy runs beside it: "
-        "[policy] precision in the config)",
+        "the config's policy.precision key)",
     ),
     param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
 ) -> None:

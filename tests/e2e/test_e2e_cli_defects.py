@@ -48,4 +48,5 @@ def test_cap_texts_against_a_sim_daemon(tmp_path: Path, daemons: list[DaemonProc
     assert "clamped to 700.0 W" in r.stderr
     out = d.ctl("policy", "show").stdout
     assert "available: budget, efficient, none, static; beside them ([policy] precision): precision" in out
-    assert "efficient, budget (the precision policy" in " ".join(d.ctl("policy", "set", "--help").stdout.split())
+    help_text = " ".join(d.ctl("policy", "set", "--help").stdout.replace("│", " ").split())
+    assert "none, static, efficient, budget (the precision policy runs beside it" in help_text
