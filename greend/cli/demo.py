@@ -318,7 +318,7 @@ def render_comparison(base: dict[str, Any], ctrl: dict[str, Any], sim: bool) -> 
         ["clock cap at the end (MHz)", _last_cap(base), _last_cap(ctrl)],
     ]
     c = compare_runs(base, ctrl)
-    table = render_table(["", "as it is", "with greend"], rows)  # type: ignore[arg-type]
+    table = render_table(["", "as it is", "with greend"], rows)
     pct = c["saved_pct"]
     slow = c["slowdown_pct"]
     line = (

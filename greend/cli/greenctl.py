@@ -147,7 +147,7 @@ def _store_path(store: Path | None) -> Path | None:
         urls = [s["url"] for s in _try_request("status").get("stores") or []]
     except (DaemonUnavailable, RequestRefused):
         try:
-            urls = load_config(None).store_urls()
+            urls = list(load_config(None).store_urls)
         except GreendError:
             return None
     path = sqlite_path(urls)

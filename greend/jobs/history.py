@@ -102,7 +102,8 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         decisions = _rows(db, "greend_decision", "job = ? AND ts_ns > ? AND ts_ns <= ?", (job, prev_end, r["ts_ns"]))
     finally:
         db.close()
-    caps, precision_log = [], []
+    caps: list[dict[str, Any]] = []
+    precision_log: list[dict[str, Any]] = []
     for d in decisions:
         if d.get("kind") == "cap":
             if d.get("gpu") not in (None, "", "0") and caps and caps[-1]["t"] == d["ts_ns"] / 1e9:
