@@ -82,14 +82,28 @@ class BudgetPolicy:
     name = "budget"
     help = "hold GPUs + CPU under node_budget_w, giving GPU watts where they buy the most FLOP/s"
     PARAMS: tuple[Param, ...] = (
-        Param("node_budget_w", "float", None, "node power budget, W (GPUs + counted CPU zones)",
-              required=True, lo=0, lo_open=True),
+        Param(
+            "node_budget_w",
+            "float",
+            None,
+            "node power budget, W (GPUs + counted CPU zones)",
+            required=True,
+            lo=0,
+            lo_open=True,
+        ),
         Param("margin", "float", 0.03, "aim this fraction below the budget", lo=0, hi=0.5),
         Param("hysteresis_w", "float", 25.0, "move a limit only by at least this much, W", lo=0),
         Param("max_move_w", "float", 100.0, "largest raise of one limit per decision, W", lo=1),
         Param("min_steps", "int", 8, "steps at a limit before its FLOP/s counts", lo=1, hi=10000),
-        Param("fair_share", "float", 0.0, "every busy GPU first gets this fraction of an equal share "
-              "of the watts above the minimum limits (0: all by FLOP/s per W)", lo=0, hi=1),
+        Param(
+            "fair_share",
+            "float",
+            0.0,
+            "every busy GPU first gets this fraction of an equal share "
+            "of the watts above the minimum limits (0: all by FLOP/s per W)",
+            lo=0,
+            hi=1,
+        ),
     )
 
     def __init__(self, **params: Any) -> None:
@@ -121,10 +135,10 @@ class BudgetPolicy:
         total = sum(g.power_w or 0.0 for g in snap.gpus) + cpu
         gpu_budget = self.node_budget_w * (1.0 - self.margin) - cpu
         job_of: dict[int, Any] = {}
-        for j in snap.jobs:
-            if j.state == "running":
-                for i in j.gpus:
-                    job_of[i] = j
+        for running in snap.jobs:
+            if running.state == "running":
+                for i in running.gpus:
+                    job_of[i] = running
         # ---- learn: one point per GPU per limit, from its job's measure
         fresh: dict[int, bool] = {}
         for i, g in gpus.items():
@@ -139,8 +153,7 @@ class BudgetPolicy:
             curve = state.curves[i]
             m = j.measure
             lim = self._limit(g)
-            ok = (m is not None and m.steps >= self.min_steps and m.time_s > 0
-                  and _same_limit(m.setting, lim, g))
+            ok = m is not None and m.steps >= self.min_steps and m.time_s > 0 and _same_limit(m.setting, lim, g)
             fresh[i] = ok
             if ok:
                 assert m is not None
@@ -170,10 +183,15 @@ class BudgetPolicy:
                 d.gpu_settings[i] = Setting(power_limit_w=None if target >= default - 0.5 else round(target, 1))
             state.last_alloc = dict(alloc)
         shown = ", ".join(f"gpu{i} {alloc[i]:.0f} W" for i in sorted(alloc))
-        state_word = "over budget, cutting" if over else ("re-allocating" if apply and d.gpu_settings
-                                                          else ("measuring" if not informed else "holding"))
-        d.reason = (f"budget {self.node_budget_w:.0f} W: node {total:.0f} W (cpu {cpu:.0f} W), "
-                    f"{state_word}: {shown or 'no GPU with a power limit'}")
+        state_word = (
+            "over budget, cutting"
+            if over
+            else ("re-allocating" if apply and d.gpu_settings else ("measuring" if not informed else "holding"))
+        )
+        d.reason = (
+            f"budget {self.node_budget_w:.0f} W: node {total:.0f} W (cpu {cpu:.0f} W), "
+            f"{state_word}: {shown or 'no GPU with a power limit'}"
+        )
         if gpu_budget < sum(float(g.power_limit_min_w or 0.0) for g in gpus.values()):
             d.reason += " (budget below the GPUs' minimum limits)"
         d.details = {
@@ -187,8 +205,9 @@ class BudgetPolicy:
         }
         return d
 
-    def _allocate(self, gpus: dict[int, GpuView], job_of: dict[int, Any], state: BudgetState,
-                  gpu_budget: float) -> dict[int, float]:
+    def _allocate(
+        self, gpus: dict[int, GpuView], job_of: dict[int, Any], state: BudgetState, gpu_budget: float
+    ) -> dict[int, float]:
         """Water-filling: per-GPU limits summing to at most ``gpu_budget`` (if possible)."""
         lo = {i: float(g.power_limit_min_w or 0.0) for i, g in gpus.items()}
         top = {i: float(g.power_limit_default_w or g.power_limit_max_w or lo[i]) for i, g in gpus.items()}
@@ -198,8 +217,10 @@ class BudgetPolicy:
             return alloc
         busy = [i for i in gpus if i in job_of]
         curves = {i: state.curves.get(i, _GpuCurve()) for i in busy}
-        ceiling = {i: top[i] if curves[i].demand_w is None else min(top[i], max(lo[i], curves[i].demand_w))
-                   for i in busy}
+        ceiling: dict[int, float] = {}
+        for i in busy:
+            demand_w = curves[i].demand_w
+            ceiling[i] = top[i] if demand_w is None else min(top[i], max(lo[i], demand_w))
         unknown = [i for i in busy if not curves[i].points]
         known = [i for i in busy if curves[i].points]
         if self.fair_share > 0 and busy:
@@ -224,7 +245,11 @@ class BudgetPolicy:
                 m = curves[i].marginal(alloc[i])
                 if math.isnan(m) or m <= 0:
                     continue
-                if best is None or m > best_m * (1 + 1e-9) or (abs(m - best_m) <= best_m * 1e-9 and alloc[i] < alloc[best]):
+                if (
+                    best is None
+                    or m > best_m * (1 + 1e-9)
+                    or (abs(m - best_m) <= best_m * 1e-9 and alloc[i] < alloc[best])
+                ):
                     best, best_m = i, m
             if best is None:
                 break

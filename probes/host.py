@@ -18,8 +18,9 @@ and ``path="estimate"``: never a measurement, and never shown as one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from greend.errors import NoData
 

@@ -44,9 +44,9 @@ import errno
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from greend.errors import ActuatorError, DeviceLost, NoData, NoPermission, NotSupported
 from greend.units import uj_to_j, uw_to_w
@@ -79,9 +79,7 @@ ReadText = Callable[[Path], str]
 WriteText = Callable[[Path, str], None]
 
 #: ``intel-rapl:0``, ``intel-rapl:0:1``, ``intel-rapl:a``, ``intel-rapl-mmio:0``.
-_ZONE_RE = re.compile(
-    r"^(?P<control>intel-rapl(?:-mmio)?):(?P<zone>[0-9a-f]+)(?::(?P<sub>[0-9a-f]+))?$"
-)
+_ZONE_RE = re.compile(r"^(?P<control>intel-rapl(?:-mmio)?):(?P<zone>[0-9a-f]+)(?::(?P<sub>[0-9a-f]+))?$")
 
 #: Subzone names whose energy is outside their package (and so is added to it).
 _SEPARATE_SUBZONES = frozenset({"dram"})
@@ -195,9 +193,7 @@ class RaplZone:
         return text
 
 
-def discover_zones(
-    sysfs_root: Path, read: ReadText = read_text
-) -> tuple[list[RaplZone], list[str]]:
+def discover_zones(sysfs_root: Path, read: ReadText = read_text) -> tuple[list[RaplZone], list[str]]:
     """Find the RAPL zones under ``<sysfs_root>/class/powercap``.
 
     Returns ``(zones, skipped)`` where ``skipped`` describes zones left out (mmio
@@ -284,9 +280,7 @@ def _read_enabled(zone_dir: Path, read: ReadText) -> bool | None:
         return None
 
 
-def constraint_index(
-    zone_path: Path, constraint_name: str, *, read: ReadText = read_text
-) -> int | None:
+def constraint_index(zone_path: Path, constraint_name: str, *, read: ReadText = read_text) -> int | None:
     """The ``N`` of the ``constraint_N_name`` file that reads ``constraint_name``, or None."""
     n = 0
     while True:
@@ -411,8 +405,7 @@ class RaplProbe:
                 zone.error = f"cannot read energy_uj: {e}"
         if denied and len(denied) == len(zones):
             err = NoPermission(
-                f"cannot read {zones[0].dir / 'energy_uj'} (and {len(zones) - 1} more): "
-                f"{ENERGY_PERMISSION_FIX}"
+                f"cannot read {zones[0].dir / 'energy_uj'} (and {len(zones) - 1} more): {ENERGY_PERMISSION_FIX}"
             )
             self._error = err
             raise err
@@ -490,14 +483,12 @@ class RaplProbe:
         if self._zones and len(failed) == len(self._zones):
             if all(z.permission_denied for z in failed):
                 raise NoPermission(f"every RAPL zone is unreadable: {ENERGY_PERMISSION_FIX}")
-            raise DeviceLost(
-                "every RAPL zone failed: " + "; ".join(f"{z.id}: {z.error}" for z in failed)
-            )
+            raise DeviceLost("every RAPL zone failed: " + "; ".join(f"{z.id}: {z.error}" for z in failed))
         return Readings(cpus=out)
 
     def info(self) -> ProbeInfo:
         if self._error is not None:
-            fix = ENERGY_PERMISSION_FIX if isinstance(self._error, NoPermission) else NO_RAPL_FIX
+            fix: str | None = ENERGY_PERMISSION_FIX if isinstance(self._error, NoPermission) else NO_RAPL_FIX
             return ProbeInfo(self.name, False, str(self._error), fix=fix)
         if not self._opened:
             return ProbeInfo(self.name, False, "not opened yet")

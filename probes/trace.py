@@ -129,8 +129,7 @@ class TraceProfile:
             return p.step_time_s, p.energy_j
         a, b = self.points[k - 1], self.points[k]
         w = (lim - a.power_limit_w) / (b.power_limit_w - a.power_limit_w)
-        return (a.step_time_s + w * (b.step_time_s - a.step_time_s),
-                a.energy_j + w * (b.energy_j - a.energy_j))
+        return (a.step_time_s + w * (b.step_time_s - a.step_time_s), a.energy_j + w * (b.energy_j - a.energy_j))
 
     def time_ratio(self, limit_w: float) -> float:
         """Step time at ``limit_w`` over the step time at the top limit."""
@@ -174,8 +173,8 @@ def load_trace(path: Path | str) -> TraceProfile:
                 if m is None:
                     raise ValueError(f"window_name {r['window_name']!r} does not end in a power limit")
                 t = float(r["elapsed_time"])
-                e = sum(float(r[c]) for c in energy_cols) / n_gpus
-                points.append(TracePoint(float(m.group(1)), t, e))
+                energy_j = sum(float(r[c]) for c in energy_cols) / n_gpus
+                points.append(TracePoint(float(m.group(1)), t, energy_j))
         elif {"power_limit_w", "step_time_s", "avg_power_w"} <= cols:
             for r in rows:
                 t = float(r["step_time_s"])
@@ -248,13 +247,21 @@ class TraceSpec(SimSpec):
     def busy_power_w(self, clock_mhz: float, mem_share: float = 0.0) -> float:
         return self._prof().power_w(self.power_limit_default_w)
 
-    def effective_clock_mhz(self, mem_share: float, power_limit_w: float | None = None,
-                            locked_clocks_mhz: tuple[int, int] | None = None) -> int:
+    def effective_clock_mhz(
+        self, mem_share: float, power_limit_w: float | None = None, locked_clocks_mhz: tuple[int, int] | None = None
+    ) -> int:
         return self.sm_clock_max_mhz
 
-    def step_cost(self, flops: float, mem_share: float = 0.0, precision: str = "fp32", *,
-                  power_limit_w: float | None = None, locked_clocks_mhz: tuple[int, int] | None = None,
-                  speed_factor: float = 1.0) -> StepCost:
+    def step_cost(
+        self,
+        flops: float,
+        mem_share: float = 0.0,
+        precision: str = "fp32",
+        *,
+        power_limit_w: float | None = None,
+        locked_clocks_mhz: tuple[int, int] | None = None,
+        speed_factor: float = 1.0,
+    ) -> StepCost:
         prof = self._prof()
         limit = self.power_limit_default_w if power_limit_w is None else power_limit_w
         m = self.mem_share_at(mem_share, precision)

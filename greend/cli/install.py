@@ -33,9 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from greend.errors import ConfigError, GreendError
 
@@ -104,8 +104,10 @@ def default_greend_bin() -> str | None:
     return str(Path(found).absolute()) if found else None
 
 
-_EXEC_RE = re.compile(r"^(Exec(?:Start|StartPre|StartPost|Stop|StopPost|Reload)=[-@:+!]*)" + re.escape(UNIT_BIN) + r"(?=\s|$)",
-                      re.MULTILINE)
+_EXEC_RE = re.compile(
+    r"^(Exec(?:Start|StartPre|StartPost|Stop|StopPost|Reload)=[-@:+!]*)" + re.escape(UNIT_BIN) + r"(?=\s|$)",
+    re.MULTILINE,
+)
 
 
 def render_unit(text: str, greend_bin: str) -> str:
@@ -141,7 +143,7 @@ def _write_atomic(path: Path, data: str, mode: int) -> None:
         raise
 
 
-def _default_runner(argv: Sequence[str]) -> "subprocess.CompletedProcess[str]":
+def _default_runner(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, check=False)
 
 
@@ -222,10 +224,10 @@ def install_systemd(
         if enable:
             commands.append((["systemctl", "enable", "--now", UNIT_NAME], ctl_why))
 
-    for argv, why in commands:
+    for argv, skip_why in commands:
         cmd = " ".join(argv)
-        if why is not None:
-            actions.append(f"skip {cmd}: {why}")
+        if skip_why is not None:
+            actions.append(f"skip {cmd}: {skip_why}")
             continue
         actions.append(f"run {cmd}")
         if dry_run:

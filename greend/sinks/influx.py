@@ -38,8 +38,9 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
@@ -126,19 +127,21 @@ class _Encoder:
             self._tpl[key] = tpl
         if tpl is _SLOW:
             return self.slow_line(p)
-        fmt, int_idx = tpl
+        fmt, int_idx = cast("tuple[str, tuple[int, ...]]", tpl)
         try:
-            total = sum(vals)
+            # A template exists only for all-numeric fields (strings take the slow path).
+            total = sum(cast("tuple[float, ...]", vals))
         except OverflowError:
             return self.slow_line(p)
         if not math.isfinite(total):
             return self.slow_line(p)
+        numbers = cast("tuple[float, ...]", vals)
         for i in int_idx:
-            if not _INT64[0] <= vals[i] <= _INT64[1]:
+            if not _INT64[0] <= numbers[i] <= _INT64[1]:
                 return self.slow_line(p)
         return fmt.format(*vals, p.ts_ns // self.divisor)
 
-    def _template(self, p: Point, vals: tuple[Any, ...]) -> "tuple[str, tuple[int, ...]] | object":
+    def _template(self, p: Point, vals: tuple[Any, ...]) -> tuple[str, tuple[int, ...]] | object:
         if not vals:
             return _SLOW
         parts, int_idx = [], []
@@ -181,7 +184,9 @@ class _Encoder:
                 self._warned.add(k)
                 log.warning(
                     "influx: field %s.%s = %r left out (only finite float, int and bool fields are sent)",
-                    p.measurement, k, v,
+                    p.measurement,
+                    k,
+                    v,
                 )
         if not out:
             self.points_skipped += 1
@@ -283,8 +288,11 @@ class InfluxSink:
         self.precision: str = self.cfg["precision"]
         self.spool_dir = Path(spool_dir) if spool_dir else Path(state_dir) / "spool" / _spool_name(self.cfg)
         self._spool = Spool(
-            self.spool_dir, tag=self.precision, max_bytes=spool_max_bytes,
-            segment_bytes=segment_bytes, segment_age_s=segment_age_s,
+            self.spool_dir,
+            tag=self.precision,
+            max_bytes=spool_max_bytes,
+            segment_bytes=segment_bytes,
+            segment_age_s=segment_age_s,
         )
         self._enc = _Encoder(host, TIMESTAMP_UNITS[self.precision])
         self._enc_lock = threading.Lock()
@@ -322,9 +330,13 @@ class InfluxSink:
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise StoreError("influx store: the influxdb-client package is not installed") from e
         self._client = InfluxDBClient(
-            url=self.cfg["http_url"], token=token, org=self.cfg["org"],
-            timeout=int(self._timeout_s * 1000), enable_gzip=gzip,
-            verify_ssl=self.cfg["verify"], ssl_ca_cert=self.cfg["ca"],
+            url=self.cfg["http_url"],
+            token=token,
+            org=self.cfg["org"],
+            timeout=int(self._timeout_s * 1000),
+            enable_gzip=gzip,
+            verify_ssl=self.cfg["verify"],
+            ssl_ca_cert=self.cfg["ca"],
             retries=False,  # back-off is ours, over the spool
         )
         if gzip:
@@ -369,7 +381,7 @@ class InfluxSink:
         try:
             with self._enc_lock:
                 data, _ = self._enc.encode(points)
-        except Exception as e:  # noqa: BLE001 - a bad point never reaches the tick loop
+        except Exception as e:
             self._enc.points_skipped += len(points)
             with self._health:
                 self._last_error = f"cannot encode points: {type(e).__name__}: {e}"
@@ -408,7 +420,7 @@ class InfluxSink:
         if self._client is not None:
             try:
                 self._client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     def status(self) -> SinkStatus:
@@ -456,7 +468,7 @@ class InfluxSink:
                     self._send_segment(seg)
                 finally:
                     self._sending.clear()
-            except Exception as e:  # noqa: BLE001 - the sender thread must not die
+            except Exception as e:
                 with self._health:
                     self._last_error = f"sender: {type(e).__name__}: {e}"
                 log.exception("influx sender")
@@ -480,7 +492,7 @@ class InfluxSink:
                     self._spool.ack(seg)
                 else:
                     self._spool.advance(seg, len(chunk), n)
-                data = data[len(chunk):]
+                data = data[len(chunk) :]
                 self._attempts = 0
                 with self._health:
                     self._ok, self._alert, self._last_error = True, None, None
@@ -489,24 +501,32 @@ class InfluxSink:
                 if chunk.count(b"\n") <= 1:
                     n = self._spool.reject(seg, f"413 for a single line: {detail}", chunk)
                     log.error("influx: a %d-byte line is too large for the server; set aside", len(chunk))
-                    data = data[len(chunk):]
+                    data = data[len(chunk) :]
                     continue
                 self._max_body = max(len(chunk) // 2, 1)
-                log.warning("influx: 413 Request Entity Too Large; sending at most %d bytes a request now",
-                            self._max_body)
+                log.warning(
+                    "influx: 413 Request Entity Too Large; sending at most %d bytes a request now", self._max_body
+                )
                 continue
             if outcome == REJECT:
                 n = self._spool.reject(seg, detail)
                 with self._health:
                     self._last_error = self._last_rejected = (
-                        f"{detail} ({n} points set aside in {self._spool.rejected_dir})")
-                log.error("influx: the server refused a segment of %d points as malformed: %s; "
-                          "set aside in %s", n, detail, self._spool.rejected_dir)
+                        f"{detail} ({n} points set aside in {self._spool.rejected_dir})"
+                    )
+                log.error(
+                    "influx: the server refused a segment of %d points as malformed: %s; set aside in %s",
+                    n,
+                    detail,
+                    self._spool.rejected_dir,
+                )
                 return
             # RETRY or AUTH: keep everything, try again later.
             if outcome == AUTH:
-                msg = (f"{detail}: token/org/bucket wrong (check ${TOKEN_ENV} and "
-                       f"org={self.cfg['org']!r} bucket={self.cfg['bucket']!r}); points keep spooling")
+                msg = (
+                    f"{detail}: token/org/bucket wrong (check ${TOKEN_ENV} and "
+                    f"org={self.cfg['org']!r} bucket={self.cfg['bucket']!r}); points keep spooling"
+                )
                 if msg != self._alert:
                     log.error("influx %s: %s", self.cfg["http_url"], msg)
                 with self._health:
@@ -530,7 +550,7 @@ class InfluxSink:
         try:
             self._post(body, precision)
             return OK, "", None
-        except Exception as e:  # noqa: BLE001 - sorted below
+        except Exception as e:
             status = getattr(e, "status", None)
             if not isinstance(status, int):
                 return RETRY, f"cannot reach the store: {type(e).__name__}: {_short(e)}", None
@@ -551,7 +571,7 @@ class InfluxSink:
             return RETRY, detail, _retry_after_s(retry_after)
 
     def _backoff(self, retry_after: float | None) -> None:
-        delay = min(self._backoff_max_s, self._backoff_min_s * (2 ** self._attempts))
+        delay = min(self._backoff_max_s, self._backoff_min_s * (2**self._attempts))
         delay *= random.uniform(0.8, 1.0)
         self._attempts = min(self._attempts + 1, 30)
         if retry_after is not None:
@@ -571,8 +591,7 @@ def _check_influx_url(url: str, parts: SplitResult) -> None:
     missing = [k for k in ("org", "bucket") if not q.get(k)]
     if missing:
         raise ConfigError(
-            f"store URL {url!r}: missing {' and '.join(missing)}; "
-            "expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
+            f"store URL {url!r}: missing {' and '.join(missing)}; expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
         )
 
 

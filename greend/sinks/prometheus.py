@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
@@ -84,7 +85,7 @@ class GreendCollector:
         if self.status_fn is not None:
             try:
                 status = self.status_fn()
-            except Exception as e:  # noqa: BLE001 - a scrape never fails on a bad status
+            except Exception as e:
                 self.errors += 1
                 log.warning("prometheus: status() failed: %s: %s", type(e).__name__, e)
                 status = None
@@ -95,7 +96,7 @@ class GreendCollector:
             return
         try:
             yield from self._families(status)
-        except Exception as e:  # noqa: BLE001 - a malformed status gives a partial scrape
+        except Exception as e:
             self.errors += 1
             log.warning("prometheus: status dict not understood: %s: %s", type(e).__name__, e)
 
@@ -137,7 +138,12 @@ class GreendCollector:
         energy = counter("greend_gpu_energy_joules", "GPU energy in joules since the daemon started.", GPU_LABELS)
         gauges = {k: gauge(f"greend_gpu_{suffix}", doc, GPU_LABELS) for k, suffix, doc, _ in _GPU_GAUGES}
         for g in gpus:
-            labels = [_label_value(g.get("index")), _label_value(g.get("name")), _label_value(g.get("uuid")), _label_value(g.get("source"))]
+            labels = [
+                _label_value(g.get("index")),
+                _label_value(g.get("name")),
+                _label_value(g.get("uuid")),
+                _label_value(g.get("source")),
+            ]
             v = _as_float(g.get("energy_j"))
             if v is not None:
                 energy.add_metric(labels, v)
@@ -151,8 +157,9 @@ class GreendCollector:
 
         # CPU / DRAM zones
         cpus = [c for c in st.get("cpus") or [] if isinstance(c, dict)]
-        cenergy = counter("greend_cpu_energy_joules", "CPU/DRAM zone energy in joules since the daemon started.",
-                          CPU_LABELS)
+        cenergy = counter(
+            "greend_cpu_energy_joules", "CPU/DRAM zone energy in joules since the daemon started.", CPU_LABELS
+        )
         cpower = gauge("greend_cpu_power_watts", "CPU/DRAM zone power in watts.", CPU_LABELS)
         climit = gauge("greend_cpu_power_limit_watts", "RAPL power limit of the zone in watts.", CPU_LABELS)
         for c in cpus:
@@ -221,13 +228,12 @@ class PrometheusSink:
 
         self.collector = GreendCollector(status_fn)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)  # type: ignore[arg-type]
+        self.registry.register(self.collector)
         try:
             self._server, self._thread = start_http_server(parts.port or 0, addr=self.addr, registry=self.registry)
         except OSError as e:
             raise StoreError(
-                f"prometheus store: cannot listen on {self.addr}:{parts.port}: {e} "
-                "(is another exporter on that port?)"
+                f"prometheus store: cannot listen on {self.addr}:{parts.port}: {e} (is another exporter on that port?)"
             ) from e
         self.port: int = self._server.server_address[1]
         self._lock = threading.Lock()
@@ -250,7 +256,7 @@ class PrometheusSink:
         try:
             self._server.shutdown()
             self._server.server_close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("prometheus: close failed: %s", e)
         self._thread.join(timeout_s)
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
-
-from greend.probes.sim import H100, SimGpu, SimSpec
+from typing import Any
 
 from greend.policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+from greend.probes.sim import H100, SimGpu, SimSpec
 
 __all__ = ["FakeClock", "HarnessResult", "JobResult", "SimJob", "StepRecord", "make_sim_gpus", "run_policy"]
 
@@ -52,8 +52,9 @@ class FakeClock:
         self.t_s += max(0.0, dt_s)
 
 
-def make_sim_gpus(n: int, clock: FakeClock | None = None, *, spec: SimSpec = H100,
-                  state_dir: Path | str | None = None) -> tuple[list[SimGpu], FakeClock]:
+def make_sim_gpus(
+    n: int, clock: FakeClock | None = None, *, spec: SimSpec = H100, state_dir: Path | str | None = None
+) -> tuple[list[SimGpu], FakeClock]:
     """``n`` fresh simulated GPUs at default settings on a fake clock."""
     clock = clock or FakeClock()
     if state_dir is None:
@@ -158,9 +159,14 @@ class _Acc:
         if self.steps == 0:
             return None
         return JobMeasure(
-            setting=self.setting, steps=self.steps, flops=self.flops, time_s=self.time_s,
-            energy_j=self.energy_j, power_w=self.energy_j / self.time_s if self.time_s > 0 else None,
-            time_sq_s2=self.time_sq, energy_sq_j2=self.energy_sq,
+            setting=self.setting,
+            steps=self.steps,
+            flops=self.flops,
+            time_s=self.time_s,
+            energy_j=self.energy_j,
+            power_w=self.energy_j / self.time_s if self.time_s > 0 else None,
+            time_sq_s2=self.time_sq,
+            energy_sq_j2=self.energy_sq,
         )
 
 
@@ -220,10 +226,16 @@ def run_policy(
     if jobs is None:
         phases: tuple[Phase, ...] = ()
         if phase_change_at is not None:
-            phases = (Phase(phase_change_at, phase_flops_per_step or flops_per_step,
-                            mem_share if phase_mem_share is None else phase_mem_share),)
-        jobs = [SimJob("job0", tuple(range(len(gpus))), flops_per_step, mem_share, precision,
-                       phases=phases, pace_s=pace_s)]
+            phases = (
+                Phase(
+                    phase_change_at,
+                    phase_flops_per_step or flops_per_step,
+                    mem_share if phase_mem_share is None else phase_mem_share,
+                ),
+            )
+        jobs = [
+            SimJob("job0", tuple(range(len(gpus))), flops_per_step, mem_share, precision, phases=phases, pace_s=pace_s)
+        ]
     if decision_period_s is None and (decision_every_steps is None or decision_every_steps < 1):
         raise ValueError("give decision_every_steps >= 1 or decision_period_s > 0")
     by_index = {g.index: g for g in gpus}
@@ -294,8 +306,23 @@ def run_policy(
             r.time_s += dur
             r.flops += flops * len(sj.gpus)
             total_energy += en
-            trace.append(StepRecord(it, sj.job, job_steps[sj.job], setting, dur, en, n_dur, n_en,
-                                    flops * len(sj.gpus), m, clk_mhz, phase_of.get(sj.job, ""), counted))
+            trace.append(
+                StepRecord(
+                    it,
+                    sj.job,
+                    job_steps[sj.job],
+                    setting,
+                    dur,
+                    en,
+                    n_dur,
+                    n_en,
+                    flops * len(sj.gpus),
+                    m,
+                    clk_mhz,
+                    phase_of.get(sj.job, ""),
+                    counted,
+                )
+            )
             dt_iter = max(dt_iter, dur)
         if dt_iter == 0.0:
             dt_iter = 0.01  # nothing running: time still passes
@@ -310,8 +337,19 @@ def run_policy(
             next_decision_s = sim_t + decision_period_s
         elif (it + 1) % int(decision_every_steps or 1) != 0:
             continue
-        snap = _snapshot(t_start + sim_t, gpus, jobs, accs, job_steps, it, active, period_energy,
-                         period_busy, last_clock, cpu_power_w)
+        snap = _snapshot(
+            t_start + sim_t,
+            gpus,
+            jobs,
+            accs,
+            job_steps,
+            it,
+            active,
+            period_energy,
+            period_busy,
+            last_clock,
+            cpu_power_w,
+        )
         period_energy = {g.index: 0.0 for g in gpus}
         period_busy = {g.index: 0.0 for g in gpus}
         period_time = 0.0
@@ -321,9 +359,10 @@ def run_policy(
         # ---- apply
         before = {sj.job: job_setting(sj) for sj in jobs}
         for job, s in decision.settings.items():
-            sj = next((x for x in jobs if x.job == job), None)
-            if sj is None:
+            target = next((x for x in jobs if x.job == job), None)
+            if target is None:
                 continue
+            sj = target
             for i in sj.gpus:
                 _apply(by_index[i], s)
         for i, s in decision.gpu_settings.items():
@@ -342,8 +381,9 @@ def run_policy(
                 r.search_steps = job_steps[sj.job]
     for sj in jobs:
         results[sj.job].final_setting = job_setting(sj)
-    return HarnessResult(trace=trace, jobs=results, decisions=decisions,
-                         total_energy_j=total_energy, total_time_s=sim_t)
+    return HarnessResult(
+        trace=trace, jobs=results, decisions=decisions, total_energy_j=total_energy, total_time_s=sim_t
+    )
 
 
 def _find_clock(gpus: Sequence[SimGpu]) -> FakeClock | None:
@@ -354,9 +394,19 @@ def _find_clock(gpus: Sequence[SimGpu]) -> FakeClock | None:
     return None
 
 
-def _snapshot(t_s: float, gpus: Sequence[SimGpu], jobs: Sequence[SimJob], accs: dict[str, _Acc],
-              job_steps: dict[str, int], it: int, active: Any, period_energy: dict[int, float],
-              period_busy: dict[int, float], last_clock: dict[int, int], cpu_power_w: float | None) -> Snapshot:
+def _snapshot(
+    t_s: float,
+    gpus: Sequence[SimGpu],
+    jobs: Sequence[SimJob],
+    accs: dict[str, _Acc],
+    job_steps: dict[str, int],
+    it: int,
+    active: Any,
+    period_energy: dict[int, float],
+    period_busy: dict[int, float],
+    last_clock: dict[int, int],
+    cpu_power_w: float | None,
+) -> Snapshot:
     views = []
     for g in gpus:
         s = _in_force(g)
@@ -364,13 +414,20 @@ def _snapshot(t_s: float, gpus: Sequence[SimGpu], jobs: Sequence[SimJob], accs: 
         # bookkeeping): a busy GPU shows its power while busy, an idle one idle_w.
         busy = period_busy[g.index]
         power = period_energy[g.index] / busy if busy > 0 else g.spec.idle_w
-        views.append(GpuView(
-            index=g.index, source="sim", power_w=power, sm_clock_mhz=float(last_clock[g.index] or 0) or None,
-            clock_cap_mhz=s.clock_cap_mhz, power_limit_w=g.power_limit_w(),
-            supported_sm_clocks_mhz=g.spec.supported_sm_clocks_mhz,
-            power_limit_min_w=g.spec.power_limit_min_w, power_limit_max_w=g.spec.power_limit_max_w,
-            power_limit_default_w=g.spec.power_limit_default_w,
-        ))
+        views.append(
+            GpuView(
+                index=g.index,
+                source="sim",
+                power_w=power,
+                sm_clock_mhz=float(last_clock[g.index] or 0) or None,
+                clock_cap_mhz=s.clock_cap_mhz,
+                power_limit_w=g.power_limit_w(),
+                supported_sm_clocks_mhz=g.spec.supported_sm_clocks_mhz,
+                power_limit_min_w=g.spec.power_limit_min_w,
+                power_limit_max_w=g.spec.power_limit_max_w,
+                power_limit_default_w=g.spec.power_limit_default_w,
+            )
+        )
     jvs = []
     for sj in jobs:
         if not active(sj, it + 1) and job_steps[sj.job] == 0:
@@ -378,9 +435,17 @@ def _snapshot(t_s: float, gpus: Sequence[SimGpu], jobs: Sequence[SimJob], accs: 
         running = sj.steps is None or job_steps[sj.job] < sj.steps
         acc = accs.get(sj.job)
         first = next(g for g in gpus if g.index == sj.gpus[0])
-        jvs.append(JobView(
-            job=sj.job, gpus=tuple(sj.gpus), state="running" if running else "ended",
-            steps=job_steps[sj.job], precision=sj.precision, precisions=(sj.precision,),
-            measure=acc.measure() if acc is not None else None, setting=_in_force(first), pace_s=sj.pace_s,
-        ))
+        jvs.append(
+            JobView(
+                job=sj.job,
+                gpus=tuple(sj.gpus),
+                state="running" if running else "ended",
+                steps=job_steps[sj.job],
+                precision=sj.precision,
+                precisions=(sj.precision,),
+                measure=acc.measure() if acc is not None else None,
+                setting=_in_force(first),
+                pace_s=sj.pace_s,
+            )
+        )
     return Snapshot(t_s=t_s, gpus=tuple(views), jobs=tuple(jvs), cpu_power_w=cpu_power_w)

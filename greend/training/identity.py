@@ -107,9 +107,10 @@ def nvml_index_of_uuid(uuid: str, nvml: Any | None = None) -> int:
     Raises LookupError saying why when it cannot be found."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError as e:
             raise LookupError("the nvidia-ml-py package (pynvml) is not installed in this process") from e
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as e:
