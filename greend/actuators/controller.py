@@ -46,6 +46,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -516,7 +517,7 @@ class Controller:
                             dev,
                             POWER_KNOB,
                             f"read constraint {c.index}",
-                            lambda c=c: rapl.read_limit_uw(ref, c.index),  # type: ignore[misc]
+                            partial(rapl.read_limit_uw, ref, c.index),
                         ),
                     )
                     for c in cons
@@ -550,7 +551,7 @@ class Controller:
                         dev,
                         POWER_KNOB,
                         f"read constraint {c.index}",
-                        lambda c=c: rapl.read_limit_uw(ref, c.index),  # type: ignore[misc]
+                        partial(rapl.read_limit_uw, ref, c.index),
                     )
                     st = CpuConstraintState(c.index, c.name, orig)
                     entry.constraints.append(st)
@@ -562,7 +563,7 @@ class Controller:
                     dev,
                     POWER_KNOB,
                     f"set constraint {c.index} ({c.name})",
-                    lambda c=c, t=target: rapl.write_limit_uw(ref, c.index, t),  # type: ignore[misc]
+                    partial(rapl.write_limit_uw, ref, c.index, target),
                 )
                 st.set_uw = in_force
                 if c.name == "long_term" or long_w is None:
@@ -593,7 +594,7 @@ class Controller:
                     entry.device,
                     POWER_KNOB,
                     f"restore constraint {c.index} to {c.original_uw} uW",
-                    lambda c=c: rapl.restore_limit_uw(ref, c.index, c.original_uw),  # type: ignore[misc]
+                    partial(rapl.restore_limit_uw, ref, c.index, c.original_uw),
                 )
             except GreendError as e:
                 log.error("restore: %s", e)
