@@ -1,11 +1,14 @@
-"""Small durable-file helpers: the one atomic write, and fsync of a directory."""
+"""Small durable-file helpers: the one atomic write, fsync of a directory, the state
+dir's lock and the check that a directory is greend's own."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_atomic"]
+__all__ = ["LOCK_FILE", "StateDirLock", "check_private_dir", "fsync_dir", "lock_holder", "write_atomic"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,13 +44,18 @@ def write_atomic(
     it, so the new file also survives a power cut (not only a crashed process).
     The temporary file is ``.<name>.<pid>.tmp``, so one thread at a time may write
     a given path (callers hold their lock); it is removed when the write fails, and
-    the OSError is raised.
+    the OSError is raised. It is created with ``O_EXCL | O_NOFOLLOW``: a file or a
+    symlink someone planted at that name is removed first and never written through.
     """
     path = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            os.unlink(tmp)  # a leftover (or a planted symlink): unlink removes the link itself
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             view = memoryview(raw)
             while view:
@@ -67,3 +75,77 @@ def write_atomic(
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+LOCK_FILE = "greend.lock"
+
+
+class StateDirLock:
+    """``<state_dir>/greend.lock``, held (``flock``) for the daemon's life: one daemon
+    per state dir. The file holds the owner's pid; the kernel drops the lock when the
+    process dies, so a crash never leaves a stale lock behind."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``BlockingIOError`` naming the running daemon's pid."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = lock_holder(self.path.parent)
+            raise BlockingIOError(
+                f"another greend (pid {pid if pid else 'unknown'}) owns the state dir {self.path.parent} "
+                f"(it holds {self.path}); stop it first, or give this one another --state-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def lock_holder(state_dir: Path) -> int | None:
+    """The pid of the live daemon that owns ``state_dir`` (it holds the lock), else None."""
+    try:
+        fd = os.open(Path(state_dir) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.read(fd, 32).decode("ascii", "replace").strip()
+            return int(raw) if raw.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_private_dir(path: Path, what: str) -> None:
+    """Refuse a directory that is not owned by this process's uid or that others may
+    write to (anyone who can write there could plant symlinks or files greend trusts)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{what} {path} is not a directory (a symlink?); greend refuses it")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by greend's uid {os.geteuid()}: "
+            f"greend refuses it (anyone who owns it could plant files there); chown it or choose another"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"{what} {path} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+            f"greend refuses it; chmod go-w {path}"
+        )

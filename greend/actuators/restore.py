@@ -34,6 +34,7 @@ from greend.actuators.report import RestoreFailure, RestoreReport
 from greend.actuators.state import StateFile
 from greend.config import DEFAULT_STATE_DIR
 from greend.errors import GreendError, NoData, StateError
+from greend.fsutil import lock_holder
 
 __all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
 
@@ -167,11 +168,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sim-dir", type=Path, default=None, help="with --force-defaults: reset these simulated GPUs instead of NVML's"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--force", action="store_true", help="restore even while the daemon that owns the state dir runs"
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.WARNING, stream=sys.stderr, format="greend restore: %(levelname)s %(message)s"
         )
+    owner = lock_holder(args.state_dir)
+    if owner is not None and not args.force:
+        print(
+            f"greend restore: the greend that owns {args.state_dir} is running (pid {owner}): it holds its "
+            "settings and restores them when it stops (systemctl stop greend); --force restores now anyway",
+            file=sys.stderr,
+        )
+        return 2
     report = restore_from_state_dir(args.state_dir, force_defaults=args.force_defaults, sim_dir=args.sim_dir)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))

@@ -362,7 +362,9 @@ class StateFile:
     def load(self) -> SavedState:
         """The saved state; an empty one when there is no file. Raises :class:`StateError`."""
         try:
-            raw = self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never through a symlink
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
         except FileNotFoundError:
             return SavedState()
         except OSError as e:
@@ -392,7 +394,7 @@ class StateFile:
         text = json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n"
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, text, mode=0o644)
+            write_atomic(self.path, text, mode=0o600)
         except OSError as e:
             raise StateError(
                 f"cannot write the saved-settings file {self.path}: {e.strerror or e} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -32,7 +33,8 @@ from greend.daemon.probing import ProbeScheduler, ProbeStats
 from greend.daemon.sdnotify import WatchdogPinger
 from greend.daemon.status import status_document
 from greend.daemon.stores import Stores
-from greend.ipc.server import IpcServer
+from greend.fsutil import StateDirLock, check_private_dir
+from greend.ipc.server import IpcServer, Limits
 from greend.jobs.ledger import Ledger
 from greend.jobs.registry import JobRegistry
 from greend.points import cpu_point, gpu_point, host_point, probe_point, ts_ns
@@ -92,6 +94,8 @@ class Daemon:
         self.probing = ProbeScheduler(monotonic)
         self.stores = Stores(cfg, hostname=self.hostname, monotonic=monotonic, status=self.status)
         self.server: IpcServer | None = None
+        self.lock = StateDirLock(cfg.daemon.state_dir)
+        self.refused = False  # start() found another daemon: close() then touches nothing
         # systemd's WatchdogSec=: pinged from the tick loop itself, so that a tick stuck
         # in a driver call stops the pings and systemd restarts the daemon.
         self.watchdog = WatchdogPinger()
@@ -106,6 +110,12 @@ class Daemon:
             grid_gco2_per_kwh=cfg.report.grid_gco2_per_kwh,
             window_s=cfg.report.window_s,
             process_cpu=self.probing.process_cpu_s,
+            gpu_indices=self.probing.gpu_indices,
+            gpu_processes=self.probing.gpu_processes,
+            max_jobs_per_uid=cfg.daemon.max_jobs_per_uid,
+            max_events_per_min_per_uid=cfg.daemon.max_events_per_min_per_uid,
+            max_log_entries=cfg.daemon.max_log_entries,
+            max_recent_steps=cfg.daemon.max_recent_steps,
         )
         self.control = ControlLoop(
             ControlContext(
@@ -187,12 +197,25 @@ class Daemon:
             is_admin=lambda peer: routes.is_admin(peer, daemon_cfg.admin_group),
             admin_needs=routes.admin_needs(daemon_cfg.admin_group),
             on_disconnect=self.jobs.disconnected,
+            limits=Limits.of(daemon_cfg),
+            registered=lambda conn: "session" in conn.state,
         )
         routes.route_all(self.server, self)
         self.server.start()
 
     def start(self) -> None:
-        self.cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        d = self.cfg.daemon
+        # Outside systemd too, whatever greend creates is its own: 0600 files, 0700 dirs.
+        os.umask(0o077)
+        d.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_dir(d.state_dir, "the state dir")  # nobody else may plant files in it
+        d.socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        check_private_dir(d.socket.parent, "the socket's directory")
+        try:
+            self.lock.acquire()  # one daemon per state dir, before anything is touched
+        except BlockingIOError as e:
+            self.refused = True
+            raise OSError(str(e)) from None
         self.control.restore_leftovers(self.nvml_module)  # a crashed predecessor's caps go back first
         self.open_probes()
         self.control.open(self.probing.gpu_probe(), self.probing.is_open("rapl"))
@@ -288,8 +311,11 @@ class Daemon:
         self.stop_event.set()
 
     def close(self) -> None:
+        if self.refused:
+            return  # refused at start: the running daemon's socket, state and caps are its own
         if self.server is not None:
             self.server.stop()
         self.control.close()  # every setting greend made goes back to its original
         self.stores.close()
         self.probing.close()
+        self.lock.release()

@@ -138,16 +138,16 @@ class Spool:
         found: list[tuple[int, str, str, Path]] = []
         for p in self.directory.iterdir():
             m = _NAME.match(p.name)
-            if m and p.is_file():
+            if m and p.is_file() and not p.is_symlink():  # a planted symlink is never read through
                 found.append((int(m.group(1)), m.group(2), m.group(3), p))
         found.sort()
         for seq, tag, kind, path in found:
             self._next_seq = max(self._next_seq, seq + 1)
-            data = path.read_bytes()
+            data = _read_nofollow(path)
             good = self._repair(path, data)
             if kind == "open":
                 if good:
-                    fd = os.open(path, os.O_WRONLY)
+                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                     try:
                         os.fsync(fd)
                     finally:
@@ -216,7 +216,7 @@ class Spool:
     def _read_progress(self, seq: int, tag: str, size: int) -> int:
         p = self._progress_path(seq, tag)
         try:
-            done = int(p.read_text().split()[0])
+            done = int(_read_nofollow(p).decode().split()[0])
         except (OSError, ValueError, IndexError):
             return 0
         return done if 0 <= done <= size else 0
@@ -261,7 +261,13 @@ class Spool:
         seq = self._next_seq
         self._next_seq += 1
         path = self.directory / f"{seq:016d}.{self.tag}.open"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o640)
+        try:
+            os.unlink(path)  # a leftover, or something planted: never appended to
+        except FileNotFoundError:
+            pass
+        self._fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         self._open_seq, self._open_path = seq, path
         self._open_bytes = self._open_points = 0
         self._open_since = self._clock()
@@ -366,9 +372,7 @@ class Spool:
 
     def read(self, seg: Segment) -> bytes:
         """The undelivered part of a segment."""
-        with open(seg.path, "rb") as f:
-            f.seek(seg.done_bytes)
-            return f.read()
+        return _read_nofollow(seg.path, seg.done_bytes)
 
     def advance(self, seg: Segment, nbytes: int, npoints: int) -> None:
         """Record that the next ``nbytes`` (``npoints`` lines) of ``seg`` were delivered.
@@ -403,10 +407,10 @@ class Spool:
             body = data if data is not None else self.read(seg)
             n = body.count(b"\n")
             try:
-                self.rejected_dir.mkdir(exist_ok=True)
+                self.rejected_dir.mkdir(mode=0o700, exist_ok=True)
                 out = self.rejected_dir / f"{seg.seq:016d}.{seg.tag}.{seg.done_bytes}.lp"
-                out.write_bytes(body)
-                (out.with_suffix(".reason")).write_text(reason + "\n")
+                write_atomic(out, body, mode=0o600, exact_mode=True, durable=False)
+                write_atomic(out.with_suffix(".reason"), reason + "\n", mode=0o600, exact_mode=True, durable=False)
                 kept = sorted(self.rejected_dir.glob("*.lp"))
                 for old in kept[:-_MAX_REJECTED_FILES]:
                     old.unlink(missing_ok=True)
@@ -453,3 +457,11 @@ class Spool:
                 self._seal_locked()
             except OSError as e:
                 log.error("spool %s: close failed: %s", self.directory, e)
+
+
+def _read_nofollow(path: Path, offset: int = 0) -> bytes:
+    """A spool file's bytes from ``offset``, never through a symlink (ELOOP instead)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        f.seek(offset)
+        return f.read()
