@@ -13,6 +13,16 @@ table per concern; every key has a default, so an empty file is valid::
     heartbeat_timeout_s = 15.0
     admin_group = "greend-admin"       # besides root: may set caps and policy
     log_level = "info"
+    # Limits per uid on the socket (root and admin_group are exempt): a refusal names its key.
+    max_connections = 256              # all clients together
+    reserved_admin_connections = 16    # of those, kept for root and admin_group
+    max_connections_per_uid = 64       # one user's open connections
+    idle_timeout_s = 60.0              # a connection that never registered, silent this long, is closed
+    max_jobs_per_uid = 16              # one user's running jobs
+    max_messages_per_s_per_uid = 2000.0  # one user's requests; beyond it greend reads them slower
+    max_events_per_min_per_uid = 120   # precision_event messages; beyond it they are refused
+    max_log_entries = 256              # a job's precision and cap-change logs (oldest dropped, counted)
+    max_recent_steps = 4096            # steps a job keeps for its sliding window
 
     [probes]
     enabled = ["nvml", "rapl", "host"] # any of: nvml, rapl, host, sim
@@ -101,6 +111,15 @@ class DaemonConfig:
     heartbeat_timeout_s: float = 15.0
     admin_group: str = "greend-admin"
     log_level: str = "info"
+    max_connections: int = 256
+    reserved_admin_connections: int = 16
+    max_connections_per_uid: int = 64
+    idle_timeout_s: float = 60.0
+    max_jobs_per_uid: int = 16
+    max_messages_per_s_per_uid: float = 2000.0
+    max_events_per_min_per_uid: int = 120
+    max_log_entries: int = 256
+    max_recent_steps: int = 4096
 
 
 @dataclass
@@ -261,6 +280,22 @@ def validate(cfg: Config) -> Config:
     if d.hz > 1000:
         raise ConfigError(f"[daemon] hz = {d.hz!r}: at most 1000 (NVML power updates every 20-100 ms)")
     _positive("daemon", "heartbeat_timeout_s", d.heartbeat_timeout_s)
+    for key in (
+        "max_connections",
+        "max_connections_per_uid",
+        "idle_timeout_s",
+        "max_jobs_per_uid",
+        "max_messages_per_s_per_uid",
+        "max_events_per_min_per_uid",
+        "max_log_entries",
+        "max_recent_steps",
+    ):
+        _positive("daemon", key, getattr(d, key))
+    if not 0 <= d.reserved_admin_connections < d.max_connections:
+        raise ConfigError(
+            f"[daemon] reserved_admin_connections = {d.reserved_admin_connections!r}: "
+            f"expected 0 up to max_connections - 1 ({d.max_connections - 1})"
+        )
     try:
         mode = int(d.socket_mode, 8)
     except ValueError:

@@ -183,6 +183,29 @@ class ProbeScheduler:
                     return None
         return None
 
+    def gpu_indices(self) -> list[int] | None:
+        """The GPUs a job may claim: the open GPU probe's indices (None: no GPU probe)."""
+        p = self.gpu_probe()
+        if p is None:
+            return None
+        indices = getattr(p, "gpu_indices", None)
+        return list(indices) if indices is not None else None
+
+    def gpu_processes(self, index: int) -> set[int] | None:
+        """The pids of compute processes on GPU ``index`` (real NVML:
+        nvmlDeviceGetComputeRunningProcesses); None where the device cannot say (the
+        simulator has no process table: there the registry's own claims decide)."""
+        p = self.gpu_probe()
+        devices = getattr(p, "devices", None)
+        if p is None or getattr(p, "source", None) != "nvml" or devices is None:
+            return None
+        try:
+            procs = devices.call(f"gpu{index}", "nvmlDeviceGetComputeRunningProcesses", devices.handle(index))
+            return {int(x.pid) for x in procs}
+        except Exception as e:  # not supported, a lost GPU, an old driver: cannot say
+            log.debug("compute processes of GPU %d: %s", index, e)
+            return None
+
     def close(self) -> None:
         for p in self.probes:
             try:

@@ -43,6 +43,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,7 @@ from greend.protocol import (
     validate,
 )
 
-__all__ = ["Connection", "Handler", "IpcServer", "NO_REPLY", "Peer", "Route", "error_reply"]
+__all__ = ["Connection", "Handler", "IpcServer", "LimitExceeded", "Limits", "NO_REPLY", "Peer", "Route", "error_reply"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,53 @@ class Connection:
                     pass
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one uid may take of the socket (root and the admin group are exempt from
+    the per-uid limits and have ``reserved_admin`` connections kept for them). Each
+    refusal names its ``[daemon]`` key, so an admin knows what to raise."""
+
+    max_connections: int = MAX_CONNECTIONS
+    reserved_admin: int = 16
+    per_uid: int = 64
+    idle_timeout_s: float = 60.0
+    messages_per_s: float = 2000.0
+
+    @classmethod
+    def of(cls, d: Any) -> Limits:
+        """From the ``[daemon]`` section of the configuration."""
+        return cls(
+            max_connections=d.max_connections,
+            reserved_admin=d.reserved_admin_connections,
+            per_uid=d.max_connections_per_uid,
+            idle_timeout_s=d.idle_timeout_s,
+            messages_per_s=d.max_messages_per_s_per_uid,
+        )
+
+
+class LimitExceeded(Exception):
+    """A per-user limit refused a request; the message names the limit's config key."""
+
+
+class _Bucket:
+    """A token bucket: ``rate`` per second, a burst of one second's worth."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = rate
+        self.t = time.monotonic()
+        self.lock = threading.Lock()
+
+    def delay(self) -> float:
+        """Take one token; the seconds to wait first (0 within the rate)."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.rate, self.tokens + (now - self.t) * self.rate)
+            self.t = now
+            self.tokens -= 1.0
+            return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
 Handler = Callable[[dict[str, Any], Connection], Any]
 
 
@@ -137,6 +185,8 @@ class IpcServer:
         is_admin: Callable[[Peer], bool] = lambda p: p.uid == 0,
         admin_needs: str = "root",
         on_disconnect: Callable[[Connection], None] | None = None,
+        limits: Limits | None = None,
+        registered: Callable[[Connection], bool] = lambda conn: False,
     ) -> None:
         self.path = path
         self.mode = mode
@@ -144,6 +194,10 @@ class IpcServer:
         self.is_admin = is_admin
         self.admin_needs = admin_needs  # who passes is_admin, said in every refusal
         self.on_disconnect = on_disconnect
+        self.limits = limits or Limits()
+        self.registered = registered  # a connection that registered a job is not idle
+        self._buckets: dict[int, _Bucket] = {}
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this server bound
         self.routes: dict[str, Route] = {}
         self._sock: socket.socket | None = None
         self._conns: dict[int, Connection] = {}
@@ -153,7 +207,9 @@ class IpcServer:
         self._thread: threading.Thread | None = None
         self.errors_sent = 0
         self.requests = 0
-        self.refused_full = 0  # connections turned away at MAX_CONNECTIONS
+        self.refused_full = 0  # connections turned away at a connection limit
+        self.idle_closed = 0  # connections closed for never registering
+        self.throttled_s = 0.0  # time spent holding back a uid's messages over its rate
 
     def route(
         self,
@@ -182,6 +238,8 @@ class IpcServer:
             sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
+        st = os.lstat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
         os.chmod(self.path, self.mode)
         if self.group:
             try:
@@ -213,12 +271,13 @@ class IpcServer:
         try:
             probe.settimeout(0.5)
             probe.connect(str(self.path))
+            pid = Peer.of(probe).pid
         except OSError:
             os.unlink(self.path)  # nobody listens: a leftover of a crashed daemon
             return
         finally:
             probe.close()
-        raise OSError(f"another greend is already listening on {self.path}")
+        raise OSError(f"another greend (pid {pid}) is already listening on {self.path}; this one leaves it alone")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -237,14 +296,60 @@ class IpcServer:
                 pass
         if self._thread:
             self._thread.join(2.0)
+        # Only the socket this server bound: never another daemon's at the same path.
         try:
-            os.unlink(self.path)
+            st = os.lstat(self.path)
+            if self._bound is not None and (st.st_dev, st.st_ino) == self._bound:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self._bound = None
 
     def connections(self) -> list[Connection]:
         with self._lock:
             return list(self._conns.values())
+
+    def _is_admin(self, peer: Peer) -> bool:
+        try:
+            return self.is_admin(peer)
+        except Exception:
+            return False
+
+    def _full(self, peer: Peer, admin: bool) -> str | None:
+        """Why a new connection of ``peer`` is refused (None: it is not). Under ``_lock``."""
+        lim = self.limits
+        n = len(self._conns)
+        if n >= lim.max_connections:
+            return f"too many clients (limit {lim.max_connections}, [daemon] max_connections)"
+        if admin:
+            return None
+        if n >= lim.max_connections - lim.reserved_admin:
+            return (
+                f"too many clients: the last {lim.reserved_admin} of {lim.max_connections} connections are kept "
+                f"for {self.admin_needs} ([daemon] reserved_admin_connections, max_connections)"
+            )
+        mine = sum(1 for c in self._conns.values() if c.peer.uid == peer.uid)
+        if mine >= lim.per_uid:
+            return (
+                f"uid {peer.uid} has {mine} connections open, the limit per user "
+                f"([daemon] max_connections_per_uid = {lim.per_uid}); close some"
+            )
+        return None
+
+    def _throttle(self, conn: Connection) -> None:
+        """Hold back a non-admin uid's messages beyond its rate (the client's sends
+        then block: backpressure, not refusals; the uid's other connections share it)."""
+        if conn.state.get("_admin"):
+            return
+        uid = conn.peer.uid
+        with self._lock:
+            bucket = self._buckets.get(uid)
+            if bucket is None:
+                bucket = self._buckets[uid] = _Bucket(self.limits.messages_per_s)
+        wait_s = bucket.delay()
+        if wait_s > 0:
+            self.throttled_s += wait_s
+            self._stopping.wait(min(wait_s, 5.0))
 
     # Loops ---------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -256,22 +361,23 @@ class IpcServer:
                 if self._stopping.is_set():
                     return
                 continue
+            try:
+                peer = Peer.of(s)
+            except OSError:
+                s.close()
+                continue
+            admin = self._is_admin(peer)
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    full = True
-                else:
-                    full = False
+                full = self._full(peer, admin)
+                if full is None:
                     self._next_id += 1
-                    try:
-                        conn = Connection(s, Peer.of(s), self._next_id)
-                    except OSError:
-                        s.close()
-                        continue
+                    conn = Connection(s, peer, self._next_id)
                     self._conns[conn.id] = conn
-            if full:
+            if full is not None:
                 self.refused_full += 1
                 try:
-                    s.sendall(encode(_error(None, "unavailable", f"too many clients (limit {MAX_CONNECTIONS})")))
+                    s.settimeout(0.5)
+                    s.sendall(encode(_error(None, "unavailable", full)))
                 except OSError:
                     pass
                 s.close()
@@ -281,10 +387,27 @@ class IpcServer:
     def _serve(self, conn: Connection) -> None:
         buf = b""
         discarding = False
+        conn.state["_admin"] = self._is_admin(conn.peer)
+        idle_s = self.limits.idle_timeout_s
         try:
             while not self._stopping.is_set() and not conn.closed:
                 try:
+                    conn.sock.settimeout(idle_s)
                     chunk = conn.sock.recv(65536)
+                except TimeoutError:
+                    if self.registered(conn):
+                        continue  # a job's rank: its heartbeats are the registry's to judge
+                    self.idle_closed += 1
+                    log.debug("closing connection %d of uid %d: idle %g s", conn.id, conn.peer.uid, idle_s)
+                    self._reply(
+                        conn,
+                        _error(
+                            None,
+                            "unavailable",
+                            f"closed after {idle_s:g} s without a message ([daemon] idle_timeout_s)",
+                        ),
+                    )
+                    break
                 except OSError:
                     break
                 if not chunk:
@@ -309,6 +432,7 @@ class IpcServer:
                         self._reply(conn, _error(None, "too_large", f"message longer than {MAX_MESSAGE_BYTES} bytes"))
                         continue
                     if line.strip():
+                        self._throttle(conn)
                         self._reply(conn, self.dispatch(line, conn))
         finally:
             with self._lock:
@@ -397,6 +521,8 @@ def error_reply(mid: Any, op: str, e: Exception) -> dict[str, Any]:
         return _error(mid, "refused", str(e))
     if isinstance(e, PermissionError):
         return _error(mid, "forbidden", str(e))
+    if isinstance(e, LimitExceeded):
+        return _error(mid, "refused", str(e))
     log.exception("handler for %r failed", op, exc_info=e)
     return _error(mid, "internal", f"{type(e).__name__}: {e}")
 

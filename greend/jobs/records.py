@@ -215,7 +215,7 @@ class Job:
     sim_energy_j: float = 0.0
     precision: str = "fp32"
     precision_log: list[PrecisionChange] = field(default_factory=list)
-    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))  # the registry sets the bound
     series: deque[EfficiencySample] = field(default_factory=lambda: deque(maxlen=7200))
     measure: Measure = field(default_factory=Measure)
     pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
@@ -228,6 +228,10 @@ class Job:
     capped: bool = False  # a cap or limit is in force on the job's GPUs (its steps are not its baseline)
     baseline: Baseline = field(default_factory=Baseline)
     cap_changes: int = 0  # every cap change (decisions keeps the last 50)
+    # Bounded logs: the oldest entries beyond [daemon] max_log_entries are dropped and counted.
+    precision_log_dropped: int = 0
+    decisions_dropped: int = 0
+    gone_dropped: int = 0
 
     @property
     def running(self) -> bool:

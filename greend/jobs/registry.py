@@ -28,11 +28,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from greend.errors import ProtocolError
-from greend.ipc.server import Connection
+from greend.ipc.server import Connection, LimitExceeded
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import (
     CapChange,
@@ -68,6 +70,11 @@ log = logging.getLogger(__name__)
 # summary is made. Only a zone that stopped reading makes a job wait this long.
 CPU_END_WAIT_S = 3.0
 
+# A gap this long between two ticks is the daemon's own stall (SIGSTOP, a paused VM, a
+# stuck driver call), not its clients': the stall's length is not held against them.
+STALL_GAP_S = 2.0
+EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
+
 
 class JobRegistry:
     """Jobs of this node. Thread-safe: IPC threads report, the tick loop accounts."""
@@ -86,8 +93,26 @@ class JobRegistry:
         grid_gco2_per_kwh: float = 400.0,
         keep_ended: int = 200,
         process_cpu: Callable[[int], float | None] = lambda pid: None,
+        gpu_indices: Callable[[], list[int] | None] = lambda: None,
+        gpu_processes: Callable[[int], set[int] | None] = lambda i: None,
+        max_jobs_per_uid: int = 16,
+        max_events_per_min_per_uid: int = 120,
+        max_log_entries: int = 256,
+        max_recent_steps: int = 4096,
     ) -> None:
         self.ledger = ledger
+        # The node's GPU indices (None: no GPU probe, nothing to claim or cap), and the
+        # pids of compute processes on one GPU (None: the device cannot say).
+        self.gpu_indices = gpu_indices
+        self.gpu_processes = gpu_processes
+        self.max_jobs_per_uid = max_jobs_per_uid
+        self.max_events_per_min_per_uid = max_events_per_min_per_uid
+        self.max_log_entries = max_log_entries
+        self.max_recent_steps = max_recent_steps
+        self._events: dict[int, deque[float]] = {}  # per uid: monotonic times of recent precision_events
+        self._last_tick_s: float | None = None
+        self.stalls = 0  # tick gaps over STALL_GAP_S (the daemon's own stalls)
+        self.events_refused = 0
         # A rank's process CPU seconds now (None: unknown). Read when a rank registers
         # and when it leaves, so a job's CPU share does not hang on the host probe's
         # once-a-second samples (a job of a few seconds would otherwise show none).
@@ -138,11 +163,14 @@ class JobRegistry:
             raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
         if "session" in conn.state:
             raise ProtocolError("this connection already registered a rank; open another connection", field="op")
+        self._check_gpus_exist(gpus)
+        if conn.peer.uid != 0:
+            self._check_gpus_used(gpus, conn.peer.pid, job_id)
         now = self.monotonic()
         cpu_now_s = self._process_cpu(conn.peer.pid)
         with self._lock:
             job = self.jobs.get(job_id)
-            if job is not None and job.state != "running":
+            if job is not None and job.state != "running" and not self._resumable(job, conn.peer.uid):
                 # A new run under an ended job's id: start a fresh record.
                 job = None
             if job is not None and job.uid != conn.peer.uid and conn.peer.uid != 0:
@@ -161,8 +189,20 @@ class JobRegistry:
                             f"process of uid {conn.peer.uid} cannot register them (check "
                             "CUDA_VISIBLE_DEVICES, or ask an admin)"
                         )
+            if job is None and not conn.state.get("_admin"):
+                mine = sum(1 for j in self.jobs.values() if j.uid == conn.peer.uid and j.state != "ended")
+                if mine >= self.max_jobs_per_uid:
+                    raise LimitExceeded(
+                        f"uid {conn.peer.uid} runs {mine} jobs on this node, the limit per user "
+                        f"([daemon] max_jobs_per_uid = {self.max_jobs_per_uid}): end one, or ask an admin to raise it"
+                    )
+            if job is not None and job.state != "running":
+                # The same job back after its ranks expired: its record continues.
+                log.info("job %s resumes its record (was %s: %s)", job_id, job.state, job.end_reason)
+                job.state, job.end_reason, job.t_end_s, job.summary = "running", None, None, None
             if job is None:
                 job = Job(job_id, conn.peer.uid, now, self.wall())
+                job.recent = deque(maxlen=self.max_recent_steps)
                 self.jobs[job_id] = job
                 self._trim_ended()
                 log.info("job %s registered (uid %d)", job_id, conn.peer.uid)
@@ -194,6 +234,56 @@ class JobRegistry:
                 "heartbeat_s": max(0.5, self.heartbeat_timeout_s / 3.0),
                 "directive": {"precision": job.precision},
             }
+
+    @staticmethod
+    def _resumable(job: Job, uid: int) -> bool:
+        """A job record that a re-registration of the same job continues: one that
+        ended (or is ending) only because its ranks' heartbeats stopped; a job that
+        ended or disconnected leaves its id to a new run and a fresh record."""
+        if job.uid != uid and uid != 0:
+            return False
+        return (job.end_reason or "").startswith(EXPIRED)
+
+    def _check_gpus_exist(self, gpus: list[int]) -> None:
+        present = self.gpu_indices()
+        if present is None:
+            return
+        missing = [g for g in gpus if g not in present]
+        if missing:
+            raise ProtocolError(
+                f"GPU(s) {missing} do not exist on this node (its GPUs: {sorted(present) or 'none'})", field="gpus"
+            )
+
+    def _check_gpus_used(self, gpus: list[int], pid: int, job_id: str) -> None:
+        """A rank may claim a GPU only where the job's processes run: where the device
+        lists compute processes and none is this rank's or a child's, the claim is refused
+        (a GPU with no process yet is accepted: CUDA may start after registration)."""
+        mine: set[int] | None = None
+        for g in gpus:
+            procs = self.gpu_processes(g)
+            if not procs:
+                continue
+            if mine is None:
+                mine = _process_tree(pid)
+                with self._lock:
+                    job = self.jobs.get(job_id)
+                    if job is not None:
+                        for rs in job.ranks.values():
+                            mine |= _process_tree(rs.pid)
+            if not procs & mine:
+                raise PermissionError(
+                    f"GPU {g} runs other processes and none of this job's (pid {pid} and its children): "
+                    "a job may claim only the GPUs it uses (check CUDA_VISIBLE_DEVICES)"
+                )
+
+    def _bounded(self, job: Job, log_name: str, entry: Any) -> None:
+        """Append to one of the job's logs, dropping (and counting) the oldest beyond the bound."""
+        entries = getattr(job, log_name)
+        entries.append(entry)
+        over = len(entries) - self.max_log_entries
+        if over > 0:
+            del entries[:over]
+            setattr(job, f"{log_name}_dropped", getattr(job, f"{log_name}_dropped") + over)
 
     def _session(self, conn: Connection) -> RankSession:
         sid = conn.state.get("session")
@@ -431,7 +521,7 @@ class JobRegistry:
         with self._lock:
             job = self.jobs.get(job_id)
             if job is not None:
-                job.decisions.append(CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
+                self._bounded(job, "decisions", CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
                 job.capped = clock_cap_mhz is not None or power_limit_w is not None
                 job.cap_changes += 1
 
@@ -459,7 +549,7 @@ class JobRegistry:
                 return False
             change = PrecisionChange(self.wall(), kind, job.precision, level, reason, job.steps, job.last_loss, trend)
             job.precision = level
-            job.precision_log.append(change)
+            self._bounded(job, "precision_log", change)
             job.measure = Measure(since_s=settle_until_s)
             steps, last_loss = job.steps, job.last_loss
         self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
@@ -497,7 +587,10 @@ class JobRegistry:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = self.monotonic()
-            job.precision_log.append(
+            self._event_rate(conn)
+            self._bounded(
+                job,
+                "precision_log",
                 PrecisionChange(
                     self.wall(),
                     msg["kind"],
@@ -508,7 +601,7 @@ class JobRegistry:
                     msg.get("loss"),
                     msg.get("trend"),
                     rank=rs.rank,
-                )
+                ),
             )
             if msg["kind"] == "rollback" and msg.get("to"):
                 job.precision = msg["to"]
@@ -540,6 +633,22 @@ class JobRegistry:
             msg.get("reason"),
         )
         return {"ok": True}
+
+    def _event_rate(self, conn: Connection) -> None:
+        """At most max_events_per_min_per_uid precision_events a minute per non-admin uid."""
+        if conn.state.get("_admin"):
+            return
+        now = self.monotonic()
+        times = self._events.setdefault(conn.peer.uid, deque())
+        while times and times[0] <= now - 60.0:
+            times.popleft()
+        if len(times) >= self.max_events_per_min_per_uid:
+            self.events_refused += 1
+            raise LimitExceeded(
+                f"uid {conn.peer.uid} sent {len(times)} precision events in the last minute, the limit per user "
+                f"([daemon] max_events_per_min_per_uid = {self.max_events_per_min_per_uid})"
+            )
+        times.append(now)
 
     def push(self, job_id: str, event: dict[str, Any]) -> int:
         """Send an event to every rank of a job; returns how many got it."""
@@ -601,7 +710,7 @@ class JobRegistry:
         if job is None or rs.session not in job.ranks:
             return
         del job.ranks[rs.session]
-        job.gone.append(RankLeft(rs.rank, rs.pid, reason, rs.steps))
+        self._bounded(job, "gone", RankLeft(rs.rank, rs.pid, reason, rs.steps))
         log.info("job %s: rank %d left (%s)", job.job, rs.rank, reason)
         if not job.ranks and job.state == "running":
             job.state = "ending"
@@ -619,9 +728,18 @@ class JobRegistry:
                     dt = now_s - self._last_host_t
                     self._node_cpu_busy_s += host.cpu_util_pct / 100.0 * host.cpu_count * dt
                 self._last_host_t = now_s
+            gap = 0.0 if self._last_tick_s is None else now_s - self._last_tick_s
+            self._last_tick_s = now_s
+            if gap > STALL_GAP_S:
+                # The daemon itself stood still (SIGSTOP, a paused VM): its clients'
+                # heartbeats could not be read meanwhile, so the stall is not theirs.
+                self.stalls += 1
+                log.warning("the daemon stalled %.1f s: every rank's heartbeat clock is moved on by as much", gap)
+                for rs in self.sessions.values():
+                    rs.last_seen_s = min(now_s, rs.last_seen_s + gap)
             for rs in list(self.sessions.values()):
                 if now_s - rs.last_seen_s > self.heartbeat_timeout_s:
-                    self._leave(rs, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
+                    self._leave(rs, f"{EXPIRED} for {self.heartbeat_timeout_s:g} s")
                     if rs.conn is not None:
                         rs.conn.state.pop("session", None)
             for job in self.jobs.values():
@@ -637,6 +755,10 @@ class JobRegistry:
                     # reading, the estimate's once a second): the window is complete.
                     job.state = "ended"
                     job.summary = self.report(job)
+                    # An ended job keeps its summary; its step records go.
+                    job.recent.clear()
+                    job.losses.clear()
+                    job.nonfinite_recent.clear()
                     ended.append(job)
         for job in ended:
             log.info("job %s ended (%s): %s", job.job, job.end_reason, _summary_line(job.summary or {}))
@@ -700,8 +822,21 @@ class JobRegistry:
         return self.figures.window(job, now_s)
 
     def report(self, job: Job) -> dict[str, Any]:
-        """The job's figures over its life (so far, while it runs)."""
-        return self.figures.report(job)
+        """The job's figures over its life (so far, while it runs), with the count of
+        log entries dropped at [daemon] max_log_entries where there were any."""
+        r = self.figures.report(job)
+        dropped = {
+            k: n
+            for k, n in (
+                ("precision_log", job.precision_log_dropped),
+                ("decisions", job.decisions_dropped),
+                ("ranks_left", job.gone_dropped),
+            )
+            if n
+        }
+        if dropped and "log_dropped" not in r:
+            r = {**r, "log_dropped": dropped}
+        return r
 
     def summary_point(self, job: Job) -> Point:
         return job_point(
@@ -759,3 +894,22 @@ def _summary_line(s: dict[str, Any]) -> str:
         f"{s.get('steps', 0)} steps, {s.get('flops', 0):.3g} FLOP, {s.get('gpu_energy_j', 0):.1f} J GPU, "
         f"{'-' if g is None else f'{g:.2f}'} GFLOPS/W"
     )
+
+
+def _process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants (from /proc; just ``pid`` where /proc cannot say)."""
+    out, todo = set(), [pid]
+    while todo and len(out) < 4096:
+        p = todo.pop()
+        if p in out or p <= 0:
+            continue
+        out.add(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except (OSError, ValueError):
+                    pass
+        except OSError:
+            pass
+    return out
