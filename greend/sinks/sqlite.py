@@ -8,11 +8,20 @@ per field; columns appear as new tags or fields do. The file is in WAL mode so
 Writes are batched off the tick path: ``write()`` only appends to a queue; a
 writer thread commits one transaction per batch (every ``batch_s`` or when the
 queue holds ``batch_max`` points) and prunes rows older than the retention.
+
+A store that heals: the schema cache learns a table or column only once the
+transaction that made it committed; a batch that fails is written again point by
+point, so one bad point (or a moment of full disk) loses only itself; a file
+SQLite calls corrupt is moved aside (``<name>.corrupt-<timestamp>``, said in the
+log and ``last_error``) and a fresh one started. Every lost point is counted in
+``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import queue
 import re
 import sqlite3
@@ -69,13 +78,16 @@ class SqliteSink:
         self._written = 0
         self._dropped = 0
         self._last_error: str | None = None
+        self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=5000")
-            self._load_schema()
+            try:
+                self._open()
+            except sqlite3.DatabaseError as e:
+                if not _corrupt(e):
+                    raise
+                self._move_aside(e)
+                self._open()
         except (OSError, sqlite3.Error) as e:
             raise StoreError(
                 f"cannot open the SQLite store {path}: {e} (check that the state dir exists and is writable by greend)"
@@ -83,6 +95,34 @@ class SqliteSink:
         self._last_prune = 0.0
         self._thread = threading.Thread(target=self._run, name="sink-sqlite", daemon=True)
         self._thread.start()
+
+    def _open(self) -> None:
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._columns = {}
+        self._load_schema()
+
+    def _move_aside(self, e: Exception) -> None:
+        """The file is corrupt: rename it (and its WAL) aside and start a fresh one."""
+        try:
+            self._db.close()
+        except (AttributeError, sqlite3.Error):
+            pass
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(self.path) + suffix)
+            if src.exists():
+                os.replace(src, Path(str(dest) + suffix))
+        self.moved_aside.append(str(dest))
+        msg = (
+            f"the SQLite store {self.path} is corrupt ({e}): moved aside to {dest} (inspect or delete it), "
+            "a fresh store started"
+        )
+        log.error("%s", msg)
+        self._last_error = msg
 
     # Public API ----------------------------------------------------------------------
     def write(self, points: list[Point]) -> None:
@@ -127,7 +167,7 @@ class SqliteSink:
             pending=self._queue.qsize(),
             dropped=self._dropped,
             last_error=last_error,
-            extra={"path": str(self.path)},
+            extra={"path": str(self.path), **({"moved_aside": self.moved_aside} if self.moved_aside else {})},
         )
 
     # Writer thread -------------------------------------------------------------------
@@ -168,13 +208,52 @@ class SqliteSink:
                 return
 
     def _commit(self, batch: list[Point]) -> None:
+        error = self._transaction(batch)
+        if error is None:
+            self._written += len(batch)
+            self._last_error = None
+            return
+        if _corrupt(error):
+            try:
+                self._move_aside(error)
+                self._open()
+            except (OSError, sqlite3.Error) as e:
+                self._dropped += len(batch)
+                self._last_error = f"the SQLite store {self.path} is corrupt and cannot be replaced: {e}"
+                log.error("sqlite store: %s", self._last_error)
+                return
+            moved = self._last_error
+            if self._transaction(batch) is None:
+                self._written += len(batch)
+                self._last_error = moved
+                return
+        # Point by point: one bad point, or a moment of full disk, loses only itself.
+        lost, last = 0, error
+        for p in batch:
+            e = self._transaction([p])
+            if e is None:
+                self._written += 1
+            else:
+                lost += 1
+                last = e
+        self._dropped += lost
+        if lost:
+            self._last_error = _describe(last)
+            log.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
+        else:
+            self._last_error = None
+
+    def _transaction(self, batch: list[Point]) -> Exception | None:
+        """Write ``batch`` in one transaction; the error, rolled back, or None. The schema
+        cache learns new tables and columns only after the COMMIT."""
+        added: dict[str, set[str]] = {}
         try:
             by_table: dict[str, list[Point]] = {}
             for p in batch:
                 by_table.setdefault(p.measurement, []).append(p)
             self._db.execute("BEGIN")
             for table, pts in by_table.items():
-                self._ensure_columns(table, pts)
+                self._ensure_columns(table, pts, added)
                 cols = sorted({c for p in pts for c in (*p.tags, *p.fields)})
                 sql = (
                     f"INSERT INTO {_ident(table)} (ts_ns, {', '.join(_ident(c) for c in cols)}) "
@@ -186,33 +265,37 @@ class SqliteSink:
                     rows.append((p.ts_ns, *(merged.get(c) for c in cols)))
                 self._db.executemany(sql, rows)
             self._db.execute("COMMIT")
-            self._written += len(batch)
-            self._last_error = None
-        except (sqlite3.Error, StoreError) as e:
+        except (sqlite3.Error, StoreError, OSError, ValueError, OverflowError) as e:
             try:
                 self._db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            self._dropped += len(batch)
-            self._last_error = str(e)
-            log.error("sqlite store: a batch of %d points failed: %s", len(batch), e)
+            return e
+        for table, cols in added.items():
+            self._columns.setdefault(table, set()).update(cols)
+        return None
 
     def _load_schema(self) -> None:
         tables = [r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
         for t in tables:
             self._columns[t] = {r[1] for r in self._db.execute(f"PRAGMA table_info({_ident(t)})")}
 
-    def _ensure_columns(self, table: str, pts: list[Point]) -> None:
+    def _ensure_columns(self, table: str, pts: list[Point], added: dict[str, set[str]]) -> None:
+        """Create the table and columns ``pts`` need, inside the open transaction; what
+        was created goes to ``added`` (into the cache only after the COMMIT)."""
+        new = added.setdefault(table, set())
         have = self._columns.get(table)
-        if have is None:
+        if have is None and not new:
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {_ident(table)} (ts_ns INTEGER NOT NULL)")
             self._db.execute(f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)")
-            have = self._columns[table] = {"ts_ns"}
+            new.add("ts_ns")
+        known = (have or set()) | new
         for p in pts:
             for name, value in (*((k, "") for k in p.tags), *p.fields.items()):
-                if name not in have:
+                if name not in known:
                     self._db.execute(f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(name)} {_sql_type(value)}")
-                    have.add(name)
+                    new.add(name)
+                    known.add(name)
 
     def _maybe_prune(self) -> None:
         now = time.time()
@@ -225,6 +308,19 @@ class SqliteSink:
                 self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
         except sqlite3.Error as e:
             log.warning("sqlite store: retention prune failed: %s", e)
+
+
+def _corrupt(e: BaseException) -> bool:
+    """SQLite says the file is not a database, or a malformed one."""
+    text = str(e).lower()
+    return isinstance(e, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    if "full" in text.lower() or getattr(e, "errno", None) == errno.ENOSPC:
+        return f"{text} (the disk holding the store is full: free space; the store heals by itself)"
+    return text
 
 
 def connect_readonly(path: Path) -> sqlite3.Connection:
