@@ -13,7 +13,6 @@ table per concern; every key has a default, so an empty file is valid::
     heartbeat_timeout_s = 15.0
     admin_group = "greend-admin"       # besides root: may set caps and policy
     log_level = "info"
-    # Limits per uid on the socket (root and admin_group are exempt): a refusal names its key.
     max_connections = 256              # all clients together
     reserved_admin_connections = 16    # of those, kept for root and admin_group
     max_connections_per_uid = 64       # one user's open connections
