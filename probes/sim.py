@@ -12,12 +12,16 @@ The model (all in :class:`SimSpec`)
 Power while busy, at SM clock ``f`` for a workload whose memory-bound share of
 time is ``m`` (0 = compute bound, at most 0.95)::
 
-    P(f, m) = static_w + dyn_w * (f / fmax) ** alpha * (1 - k * m) + mem_w * m
+    P(f, m) = static_w + dyn_w * g(f / fmax) * (1 - k * m) + mem_w * m
+    g(x) = x ** alpha                     for x >= xv   (xv: vfloor_clock_frac)
+    g(x) = x * xv ** (alpha - 1)          below xv
 
 ``alpha`` > 1 is the DVFS effect (voltage rises with clock, P ~ C V^2 f), so power
-grows faster than linearly with clock. A memory-bound kernel keeps the SMs
+grows faster than linearly with clock. Below ``xv`` the voltage sits at its floor
+and dynamic power falls only linearly with the clock, so there a lower clock saves
+little power while every step takes longer. A memory-bound kernel keeps the SMs
 partly stalled (``1 - k*m``) but drives HBM (``mem_w * m``). With the H100
-constants a compute-bound job at 1980 MHz draws 680 W, a memory-bound one ~440 W.
+constants a compute-bound job at 1980 MHz draws 680 W, a memory-bound one ~490 W.
 A GPU with no work draws ``idle_w``.
 
 The power limit acts like firmware: the effective SM clock is the highest
@@ -33,6 +37,28 @@ and the memory part does not::
     T(f) = T0 * ((1 - m) * fmax / f + m) * speed_factor
 
 Energy of a step is ``P(f, m) * T(f)``.
+
+What the power-limit curves were checked against
+------------------------------------------------
+
+The H100 constants (``alpha`` 4, ``xv`` 0.75, ``static_w`` 170 W of the 680 W) were
+chosen so that the power-limit curves have the shape real GPUs measure: the six A40
+profiles in ``traces/zeus-gplo-a40/`` (ResNet-18/50, ShuffleNetV2, BERT). There, step
+time barely moves from the top limit down to well below the job's own average draw,
+then climbs steeply, and energy per step is U-shaped, its minimum inside the range.
+Side by side, at the same fractions of each job's uncapped draw (A40 ResNet-50 on one
+GPU, 259 W; the sim's mixed workload, ``mem_share`` 0.4, 597 W; time / energy per step)::
+
+    fraction of draw   0.87          0.77          0.68          0.58          0.48          0.39
+    A40 ResNet-50      +2 % / -12 %  +5 % / -19 %  +16 % / -22 % +53 % / -11 % +135 % / +14 % +189 % / +29 %
+    sim, m = 0.4       +4 % / -10 %  +8 % / -18 %  +13 % / -24 % +21 % / -30 % +102 % / -3 %  +329 % / +65 %
+
+The sim's knee is a little lower and its bottom steeper; its energy minimum (350 W
+for every ``mem_share``: -33 % at 0.05, -30 % at 0.4, -24 % at 0.8) lies strictly
+inside 200-700 W, and 200 W costs far more (+76 %, +65 %, +16 % over uncapped).
+``tests/probes/test_sim_shape.py`` checks this shape. Limits above the job's average draw change nothing here (one
+power per step: the model has no peaks within a step to trim), unlike on some of
+the A40 profiles; policies that need that effect are tried on the traces.
 
 ``m`` is a workload's share *at fp32* (what ``mem_share`` sets). At another
 precision the compute part shrinks by the peak FLOP/s ratio and the memory part
@@ -218,6 +244,9 @@ class SimSpec:
     mem_relief: float  # k: share of dynamic SM power a memory-bound kernel does not draw
     mem_w: float  # HBM/memory-system power at full memory share
     peak_flops: PeakFlops
+    # Clock (fraction of fmax) below which the voltage stays at its floor: dynamic power
+    # falls only linearly with the clock there (0: no floor, x**alpha all the way down).
+    vfloor_clock_frac: float = 0.0
     mfu: float = 0.5  # model-FLOPs utilisation of a training step
     memory_total_mib: int = 81559
     temp_ambient_c: float = 28.0
@@ -233,6 +262,8 @@ class SimSpec:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
         if self.alpha <= 1.0:
             raise ValueError("alpha must be > 1 (power grows faster than clock)")
+        if not 0.0 <= self.vfloor_clock_frac < 1.0:
+            raise ValueError(f"vfloor_clock_frac must be in [0, 1), got {self.vfloor_clock_frac}")
 
     @property
     def sm_clock_max_mhz(self) -> int:
@@ -248,7 +279,9 @@ class SimSpec:
         """Board power while running a kernel at ``clock_mhz``: ``P(f, m)`` above."""
         m = _check_mem_share(mem_share)
         x = clock_mhz / self.sm_clock_max_mhz
-        return self.static_w + self.dyn_w * x**self.alpha * (1.0 - self.mem_relief * m) + self.mem_w * m
+        xv = self.vfloor_clock_frac
+        g = x**self.alpha if x >= xv else x * xv ** (self.alpha - 1.0)  # voltage at its floor below xv
+        return self.static_w + self.dyn_w * g * (1.0 - self.mem_relief * m) + self.mem_w * m
 
     def effective_clock_mhz(
         self,
@@ -391,13 +424,14 @@ H100 = SimSpec(
     power_limit_default_w=700.0,
     compute_capability=(9, 0),
     idle_w=70.0,
-    static_w=110.0,
-    dyn_w=570.0,
-    alpha=2.4,
+    static_w=170.0,
+    dyn_w=510.0,
+    alpha=4.0,
     mem_relief=0.7,
     mem_w=150.0,
     peak_flops=PeakFlops(fp32=67e12, tf32=495e12, bf16=989e12, fp16=989e12, fp8=1979e12),
     mfu=0.5,
+    vfloor_clock_frac=0.75,
 )
 
 SPECS: dict[str, SimSpec] = {"H100": H100}

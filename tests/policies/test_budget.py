@@ -40,12 +40,15 @@ def test_holds_the_node_under_budget_and_favours_the_gpu_that_gains_more() -> No
 def test_fair_share_keeps_the_memory_bound_job_off_its_minimum_limit() -> None:
     r0, g0 = two_jobs(1000.0)
     r1, g1 = two_jobs(1000.0, fair_share=0.5)
-    # By FLOP/s per W alone the memory-bound GPU gets the minimum limit ...
-    assert g0[1].power_limit_w() == H100.power_limit_min_w
-    # ... with a floor of half an equal share of the watts above the minimums it gets
-    # at least that, the compute-bound GPU the rest, and the node stays under budget.
     gpu_budget = 1000.0 * (1 - 0.03) - CPU_W
     floor = H100.power_limit_min_w + 0.5 * (gpu_budget - 2 * H100.power_limit_min_w) / 2
+    # By FLOP/s per W alone the memory-bound GPU gets less than that floor (not the
+    # minimum itself: below ~300 W its clock falls under the voltage floor and its
+    # steps slow down steeply, so those watts buy it FLOP/s) ...
+    assert g0[1].power_limit_w() < floor - 5.0
+    assert g0[1].power_limit_w() < g0[0].power_limit_w()
+    # ... with a floor of half an equal share of the watts above the minimums it gets
+    # at least that, the compute-bound GPU the rest, and the node stays under budget.
     assert g1[1].power_limit_w() >= floor - 5.0  # limits move in 5 W chunks
     assert g1[0].power_limit_w() > g1[1].power_limit_w()
     assert max(node_power_after(r1, len(r1.decisions) // 3)) <= 1000.0
@@ -64,7 +67,10 @@ def test_raises_limits_back_when_the_budget_grows() -> None:
     run_policy(get_policy("budget", node_budget_w=900), gpus, jobs=jobs, steps=300, cpu_power_w=CPU_W)
     assert gpus[0].power_limit_w() < 700
     run_policy(get_policy("budget", node_budget_w=2000), gpus, jobs=jobs, steps=300, cpu_power_w=CPU_W)
-    assert gpus[0].power_limit_w() == 700 and gpus[1].power_limit_w() == 700
+    # Back to the default, or within the policy's hysteresis of it (the last raise of a
+    # few watts is not worth a move; the memory-bound GPU draws ~500 W, far below it).
+    hysteresis = get_policy("budget", node_budget_w=2000).hysteresis_w
+    assert gpus[0].power_limit_w() >= 700 - hysteresis and gpus[1].power_limit_w() >= 700 - hysteresis
 
 
 def test_never_below_min_limit_and_says_so() -> None:

@@ -83,7 +83,9 @@ def test_noise_robust(noise: float, seed: int) -> None:
     assert r.search_steps is not None and r.search_steps * 3 <= SWEEP_STEPS
     assert worst_settled_slowdown(r) <= BOUND  # noise errs to the safe side
     got = cost_at(r.final_setting, m)
-    assert got.energy_j <= opt.energy_j * 1.05
+    # Near the top of the curve 1 % of time buys ~3 % of energy: the safety margin a
+    # noisy measurement needs (Z standard errors of time) costs three times as much energy.
+    assert got.energy_j <= opt.energy_j * (1.05 if noise <= 0.02 else 1.10)
     assert got.energy_j < opt.baseline_energy_j * 0.98  # still a real saving
 
 
