@@ -31,6 +31,7 @@ __all__ = [
     "MAX_STEPS_PER_MESSAGE",
     "NODE_OWNER",
     "POLICY_OWNER",
+    "PROFILE_OWNER",
     "PRECISIONS",
     "PROTOCOL_VERSION",
     "RESERVED_OWNERS",
@@ -53,10 +54,12 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
 
 # Owners of saved settings that are not jobs, so no job may take these ids:
 # NODE_OWNER holds what an admin set (greenctl cap set; outlives policies),
-# POLICY_OWNER what a node-level policy set (static, budget; lifted on a switch).
+# POLICY_OWNER what a node-level policy set (static, budget; lifted on a switch),
+# PROFILE_OWNER the power limits of a running profile recording (greenctl profile record).
 NODE_OWNER = "node"
 POLICY_OWNER = "policy"
-RESERVED_OWNERS = (NODE_OWNER, POLICY_OWNER)
+PROFILE_OWNER = "profile"
+RESERVED_OWNERS = (NODE_OWNER, POLICY_OWNER, PROFILE_OWNER)
 
 # The precision levels a training job can run, highest first. "fp8-emulated" is
 # torchao's emulation of fp8 numerics for CPU tests; it stands in for "fp8".
@@ -200,7 +203,18 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "cap_reset": {"gpu": _GPU_INDEX, "cpu_zone": _CPU_ZONE},
     "policy_show": {},
     "policy_set": {"name": Field((str,), required=True, max_len=64), "params": Field((dict,))},
+    # A power-limit sweep on one GPU while a job runs (greenctl profile record): start one,
+    # ask how it goes (its rows so far), or abort it; see docs/protocol.md.
+    "profile": {
+        "action": Field((str,), required=True, choices=("start", "status", "abort")),
+        "gpu": _GPU_INDEX,
+        "job": Field((str,), max_len=128),
+        "from_w": Field((float,), min=1.0, max=100_000.0),
+        "to_w": Field((float,), min=1.0, max=100_000.0),
+        "step_w": Field((float,), min=1.0, max=100_000.0),
+        "steps_per_limit": Field((int,), min=2, max=100_000),
+    },
 }
 
 # Ops that change the node's settings: root or the admin group only.
-ADMIN_OPS = frozenset({"cap_set", "cap_reset", "policy_set"})
+ADMIN_OPS = frozenset({"cap_set", "cap_reset", "policy_set", "profile"})

@@ -24,6 +24,8 @@ GPUs the profile uses their mean energy (each simulated GPU follows that mean).
     power_limit_w,step_time_s,avg_power_w
     300,0.600,259.3
 
+``greenctl profile record`` writes this format from a real job (:func:`format_profile`).
+
 How a traced GPU behaves
 ------------------------
 
@@ -68,6 +70,7 @@ __all__ = [
     "TraceSpec",
     "bundled_trace",
     "bundled_traces",
+    "format_profile",
     "install_trace",
     "load_trace",
     "trace_spec",
@@ -190,6 +193,28 @@ def load_trace(path: Path | str) -> TraceProfile:
         return TraceProfile(name=name, points=tuple(points), n_gpus=n_gpus, source=str(p))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"trace {p}: {e}") from e
+
+
+def format_profile(name: str, rows: list[dict[str, float]], comments: tuple[str, ...] = ()) -> str:
+    """A profile in greend's own format (what :func:`load_trace` reads): ``rows`` of
+    ``power_limit_w``, ``step_time_s`` and ``avg_power_w``, written in ascending limits,
+    after a ``# name:`` line and ``comments`` (one ``#`` line each)."""
+    if not re.fullmatch(r"\S+", name):
+        raise ValueError(f"profile name {name!r} must be one word")
+    out = [f"# name: {name}", *(f"# {c}" for c in comments), "power_limit_w,step_time_s,avg_power_w"]
+    for r in sorted(rows, key=lambda r: r["power_limit_w"]):
+        out.append(f"{r['power_limit_w']:g},{r['step_time_s']:.6g},{r['avg_power_w']:.6g}")
+    text = "\n".join(out) + "\n"
+    # What we write must read back (two or more distinct limits, positive values).
+    _rows = _read_rows(text)
+    points = [
+        TracePoint(
+            float(r["power_limit_w"]), float(r["step_time_s"]), float(r["step_time_s"]) * float(r["avg_power_w"])
+        )
+        for r in _rows
+    ]
+    TraceProfile(name=name, points=tuple(points))
+    return text
 
 
 def bundled_traces() -> list[Path]:

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from greend.cli.common import fail
+from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
@@ -290,6 +291,7 @@ cap_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU cloc
 policy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The control policy.")
 ctl_app.add_typer(cap_app, name="cap")
 ctl_app.add_typer(policy_app, name="policy")
+ctl_app.add_typer(profile_app, name="profile")
 
 
 @cap_app.command("set")

@@ -1,5 +1,6 @@
 """The control loop's socket ops: ``cap_set``, ``cap_reset`` (an admin's own caps),
-``policy_show`` and ``policy_set``. Their schemas, and which need an admin, are in
+``policy_show``, ``policy_set`` and ``profile`` (a power-limit sweep on one GPU while a
+job runs: start, status, abort). Their schemas, and which need an admin, are in
 :mod:`greend.protocol`; the daemon routes them (:mod:`greend.daemon.routes`).
 
 A device that refuses a setting raises :class:`~greend.errors.ActuatorError`, which the
@@ -40,6 +41,7 @@ class ControlOps:
             "cap_reset": self.cap_reset,
             "policy_show": lambda msg, conn: self.loop.show(),
             "policy_set": self.policy_set,
+            "profile": self.profile,
         }
 
     def _cpu_zone(self, name: str) -> CpuReading:
@@ -64,6 +66,13 @@ class ControlOps:
         gpu = msg["gpu"]
         if gpu not in [g.index for g in self.ctx.latest().gpus]:
             raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
+        rec = self.loop.profiling(gpu)
+        if rec is not None:
+            raise ProtocolError(
+                f"a profile recording for job {rec.job} holds GPU {gpu}'s power limit; "
+                "wait for it or abort it (greenctl profile abort)",
+                field="gpu",
+            )
         current = ctrl.current(gpu)
         setting = Setting(
             clock if clock is not None else current.clock_cap_mhz, power if power is not None else current.power_limit_w
@@ -112,13 +121,39 @@ class ControlOps:
         if msg.get("cpu_zone") is not None:
             rep = ctrl.restore_cpu(self._cpu_zone(msg["cpu_zone"]).path)
         else:
+            if self.loop.profiling(gpu) is not None:  # its limit goes back now: the sweep ends
+                self.loop.profile_abort(f"greenctl cap reset by uid {conn.peer.uid}")
             rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)
         self.loop.report_restore(rep, f"greenctl cap reset by uid {conn.peer.uid}")
         return {**rep.to_json(), "lines": rep.lines()}
 
     def policy_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         self.loop.need_ctrl()
+        rec = self.loop.profiling()
+        if rec is not None and msg["name"] != "none":
+            raise ProtocolError(
+                f"a profile recording runs on GPU {rec.gpu} (job {rec.job}); a policy would move the same "
+                "limit: wait for it or abort it (greenctl profile abort)",
+                field="name",
+            )
         try:
             return self.loop.set_policy(msg["name"], dict(msg.get("params") or {}))
         except ConfigError as e:
             raise ProtocolError(str(e), field="params") from None
+
+    def profile(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """``profile``: ``start`` a power-limit sweep of ``gpu`` while ``job`` runs, ask its
+        ``status`` (the rows so far), or ``abort`` it (its limit goes back at once)."""
+        action = msg["action"]
+        if action == "status":
+            return self.loop.profile_status()
+        if action == "abort":
+            return self.loop.profile_abort(f"aborted by uid {conn.peer.uid}")
+        for name in ("gpu", "job"):
+            if msg.get(name) is None:
+                raise ProtocolError(f"action start needs {name!r}", field=name)
+        kwargs: dict[str, Any] = {k: msg[k] for k in ("from_w", "to_w", "step_w") if msg.get(k) is not None}
+        if msg.get("steps_per_limit") is not None:
+            kwargs["steps_per_limit"] = msg["steps_per_limit"]
+        log.info("profile recording asked by uid %d: gpu %s, job %s", conn.peer.uid, msg["gpu"], msg["job"])
+        return self.loop.profile_start(msg["gpu"], msg["job"], **kwargs)
