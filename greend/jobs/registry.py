@@ -898,7 +898,8 @@ def _summary_line(s: dict[str, Any]) -> str:
 
 def _process_tree(pid: int) -> set[int]:
     """``pid`` and its descendants (from /proc; just ``pid`` where /proc cannot say)."""
-    out, todo = set(), [pid]
+    out: set[int] = set()
+    todo = [pid]
     while todo and len(out) < 4096:
         p = todo.pop()
         if p in out or p <= 0:

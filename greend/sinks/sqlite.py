@@ -230,12 +230,12 @@ class SqliteSink:
         # Point by point: one bad point, or a moment of full disk, loses only itself.
         lost, last = 0, error
         for p in batch:
-            e = self._transaction([p])
-            if e is None:
+            point_error = self._transaction([p])
+            if point_error is None:
                 self._written += 1
             else:
                 lost += 1
-                last = e
+                last = point_error
         self._dropped += lost
         if lost:
             self._last_error = _describe(last)
@@ -271,8 +271,8 @@ class SqliteSink:
             except sqlite3.Error:
                 pass
             return e
-        for table, cols in added.items():
-            self._columns.setdefault(table, set()).update(cols)
+        for table, new_cols in added.items():
+            self._columns.setdefault(table, set()).update(new_cols)
         return None
 
     def _load_schema(self) -> None:

@@ -114,7 +114,7 @@ power_limit_w = 400
     [
         ("[daemon]\nhz = 10\nhz = 20\n", "not valid TOML"),
         ("[daemon]\nhz = 1", None),  # truncated but valid: accepted as written
-        ('[policy]\nname = "efficent"\n', "unknown policy 'efficent'"),
+        ('[policy]\nname = "efficent"\n', "[policy] name = 'efficent': expected one of"),
         ('[policy]\nname = "efficient"\n[policy.params]\nmax_slowdown = "a lot"\n', "max_slowdown"),
         ('[store]\nurls = ["influx://h:8086"]\n', "missing org and bucket"),
     ],
