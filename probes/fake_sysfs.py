@@ -66,6 +66,19 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
     write_atomic(path, text, mode=mode, exact_mode=True, durable=False)
 
 
+def _mkdirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents 0755, as sysfs shows its directories,
+    whatever the process umask (a daemon in the same process sets 077)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir()
+        os.chmod(d, 0o755)
+
+
 class FakePowercap:
     """Builds and drives a powercap tree under ``root`` (the fake ``/sys``).
 
@@ -78,14 +91,14 @@ class FakePowercap:
         self.root = Path(root)
         self.energy_mode = energy_mode
         self.zones: dict[str, FakeZone] = {}
-        (self.root / "class" / "powercap").mkdir(parents=True, exist_ok=True)
+        _mkdirs(self.root / "class" / "powercap")
 
     # -- building -----------------------------------------------------------------
 
     def _control_dir(self, control: str) -> Path:
         d = self.root / "devices" / "virtual" / "powercap" / control
         if not d.is_dir():
-            d.mkdir(parents=True)
+            _mkdirs(d)
             _write_atomic(d / "enabled", "1\n", 0o644)
             self._link(control, d)
         return d
@@ -138,7 +151,7 @@ class FakePowercap:
             zdir = cdir / zid
         if zid in self.zones:
             raise ValueError(f"zone {zid} exists")
-        zdir.mkdir(parents=True)
+        _mkdirs(zdir)
         zone = FakeZone(zid, name, zdir, max_energy_range_uj, energy_uj % (max_energy_range_uj + 1))
         self.zones[zid] = zone
         _write_atomic(zdir / "name", f"{name}\n", 0o444)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ def daemon_run(
         fail(str(e))
         return
     setup_logging(cfg.daemon.log_level)
+    # Outside systemd too, whatever greend creates is its own: 0600 files, 0700 dirs. Set
+    # here, for the daemon's process, not in Daemon: a process embedding one keeps its umask.
+    os.umask(0o077)
     daemon = Daemon(cfg)
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -205,8 +205,6 @@ class Daemon:
 
     def start(self) -> None:
         d = self.cfg.daemon
-        # Outside systemd too, whatever greend creates is its own: 0600 files, 0700 dirs.
-        os.umask(0o077)
         d.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private_dir(d.state_dir, "the state dir")  # nobody else may plant files in it
         d.socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)

@@ -97,6 +97,10 @@ class SqliteSink:
         self._thread.start()
 
     def _open(self) -> None:
+        # The store is greend's own (0600, whatever the umask): created here, never through
+        # a link; SQLite gives its -wal and -shm files the same mode.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
