@@ -182,7 +182,8 @@ class Config:
     def store_urls(self) -> list[str]:
         if self.store.urls:
             return list(self.store.urls)
-        return [f"sqlite:///{self.daemon.state_dir / 'greend.db'}"]
+        # sqlite:// + an absolute path: three slashes in all (sqlite:///var/lib/greend/greend.db)
+        return [f"sqlite://{(self.daemon.state_dir / 'greend.db').absolute()}"]
 
     @property
     def enabled_probes(self) -> list[str]:

@@ -418,8 +418,11 @@ class NvmlProbe:
         devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(lost.items())]
         devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
         live = sum(not self._devices.is_lost(g.index) for g in self._gpus)
-        parts = [f"{live} GPU(s) via NVML"]
-        if self._driver_version:
+        if self.source == "sim":  # no driver behind them: say what they are
+            parts = [f"{live} simulated GPU(s) (greend's NVML simulator)"]
+        else:
+            parts = [f"{live} GPU(s) via NVML"]
+        if self._driver_version and self.source != "sim":
             parts.append(f"driver {self._driver_version}")
         if lost:
             parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(lost))}")

@@ -33,7 +33,11 @@ def _config(path: Path | None) -> tuple[Config | None, Check]:
     try:
         cfg = load_config(path)
     except ConfigError as e:
-        return None, Check("config", "fail", str(e), "correct the key named above, or remove it")
+        if path is not None and not path.is_file():
+            return None, Check("config", "fail", str(e), "give --config an existing TOML file, or leave it out")
+        return None, Check(
+            "config", "fail", str(e), "fix the setting the message names (greenctl doctor reads it again)"
+        )
     return cfg, Check("config", "ok", f"valid ({cfg.source})")
 
 
@@ -148,13 +152,15 @@ def _gpu_checks(probe: Any) -> list[Check]:
     return out
 
 
-def _nvml(nvml_module: object | None = None) -> list[Check]:
+def _nvml(nvml_module: object | None = None, *, sim_daemon: bool = False) -> list[Check]:
     from greend.probes.nvml import NvmlProbe
 
     probe = NvmlProbe(nvml=nvml_module)
     try:
         probe.open()
     except NoData as e:
+        if sim_daemon:  # nothing is missing for what runs here
+            return [Check("nvml", "info", f"{e}; the daemon that answers runs simulated GPUs, which need no NVML")]
         return [Check("nvml", "warn", str(e))]  # the probe's message carries the fix
     except NoPermission as e:
         return [Check("nvml", "fail", str(e), "run greend as root (the systemd unit does)")]
@@ -177,13 +183,7 @@ def _rapl(sysfs_root: Path) -> Check:
         probe.sample(0.0)
         detail = probe.info().detail
     except NoData as e:
-        return Check(
-            "rapl",
-            "warn",
-            str(e),
-            "no CPU energy counters here (a VM or container?): set [probes] cpu_tdp_w "
-            "for a labelled estimate, or run on bare metal with the intel_rapl_common module loaded",
-        )
+        return Check("rapl", "warn", str(e))  # the probe's message carries the fix
     except NoPermission as e:
         return Check(
             "rapl", "fail", str(e), "run greend as root, or give it CAP_DAC_READ_SEARCH (the systemd unit does)"
@@ -195,7 +195,8 @@ def _rapl(sysfs_root: Path) -> Check:
     return Check("rapl", "ok", detail)
 
 
-def _socket(path: Path, timeout_s: float) -> list[Check]:
+def _socket(path: Path, timeout_s: float, seen: dict[str, Any]) -> list[Check]:
+    """``seen``: filled with the daemon's status document when it answers."""
     out: list[Check] = []
     try:
         st = os.stat(path)
@@ -235,6 +236,7 @@ def _socket(path: Path, timeout_s: float) -> list[Check]:
     except GreendError as e:
         out.append(Check("socket", "fail", str(e)))
         return out
+    seen.update(status)
     out.append(
         Check(
             "socket",
@@ -333,8 +335,9 @@ def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
     return out
 
 
-def _state_dir(cfg: Config) -> Check:
-    d = cfg.daemon.state_dir
+def _state_dir(cfg: Config, status: dict[str, Any]) -> Check:
+    """The state dir of the daemon that answers (else the config's)."""
+    d = Path(status["state_dir"]) if status.get("state_dir") else cfg.daemon.state_dir
     if not d.exists():
         return Check("state dir", "info", f"{d} does not exist yet (greend creates it at start)")
     if not os.access(d, os.W_OK):
@@ -342,7 +345,7 @@ def _state_dir(cfg: Config) -> Check:
             "state dir",
             "warn",
             f"{d} is not writable by this user",
-            "fine for greenctl; the daemon (root) must be able to write it",
+            "fine for greenctl; the daemon's user (root under systemd) must be able to write it",
         )
     return Check("state dir", "ok", f"{d} writable")
 
@@ -350,14 +353,16 @@ def _state_dir(cfg: Config) -> Check:
 def _groups(cfg: Config) -> Check:
     name = cfg.daemon.socket_group
     if not name:
-        return Check("group", "info", "no socket group configured: only root can use the socket")
+        return Check(
+            "group", "info", "no socket group configured: only root and the daemon's own user can use the socket"
+        )
     try:
         grp.getgrnam(name)
     except KeyError:
         return Check(
             "group",
             "warn",
-            f"group {name!r} does not exist: only root can use the socket",
+            f"group {name!r} does not exist: only root and the daemon's own user can use the socket",
             f"groupadd --system {name} (systemd-sysusers does it from systemd/greend.sysusers)",
         )
     return Check("group", "ok", f"group {name!r} exists")
@@ -378,18 +383,23 @@ def run_checks(
     checks = [c]
     sock = socket if socket is not None else cfg.daemon.socket if cfg is not None else default_socket_path()
     socket_checks: list[Check] = []
+    status: dict[str, Any] = {}  # the answering daemon's status document
 
     def check_socket() -> list[Check]:
-        socket_checks[:] = _socket(sock, timeout_s)
+        socket_checks[:] = _socket(sock, timeout_s, status)
         return socket_checks
 
+    def sim_daemon() -> bool:
+        return any(g.get("source") == "sim" for g in status.get("gpus", []))
+
+    # The socket first: what the daemon that answers runs decides what is missing here.
     steps: list[Callable[[], list[Check] | Check]] = [
-        lambda: _nvml(nvml_module),
-        lambda: _rapl(sysfs_root if cfg is None or sysfs_root != Path("/sys") else cfg.probes.sysfs_root),
         check_socket,
+        lambda: _nvml(nvml_module, sim_daemon=sim_daemon()),
+        lambda: _rapl(sysfs_root if cfg is None or sysfs_root != Path("/sys") else cfg.probes.sysfs_root),
     ]
     if cfg is not None:
-        steps += [lambda: _state_dir(cfg), lambda: _groups(cfg)]
+        steps += [lambda: _state_dir(cfg, status), lambda: _groups(cfg)]
         # No daemon answering: check the stores from here instead.
         steps.append(
             lambda: (

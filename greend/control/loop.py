@@ -159,7 +159,8 @@ class ControlLoop:
         try:
             policy = get_policy(name, **params)
         except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"policy {name!r}: {e}") from e
+            msg = str(e)  # the policy's own errors already name it
+            raise ConfigError(msg if msg.startswith(f"policy {name!r}") else f"policy {name!r}: {msg}") from e
         with self._lock:
             old = self.policy
             self.policy = policy

@@ -62,6 +62,7 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "started_at": d.started_wall_s,
         "hz": d.cfg.daemon.hz,
         "dry_run": d.cfg.daemon.dry_run,
+        "state_dir": str(d.cfg.daemon.state_dir),
         "ticks": d.ticks,
         "ticks_skipped": d.ticks_skipped,
         "tick_duration_s": d.tick_duration_s,

@@ -358,4 +358,6 @@ def _check_sqlite_url(url: str, parts: SplitResult) -> None:
 
 @register_sink("sqlite", form="sqlite:///ABSOLUTE/PATH.db", check=_check_sqlite_url)
 def _open_sqlite(url: str, options: SinkOptions) -> SqliteSink:
-    return SqliteSink(Path(urlsplit(url).path), url=url, retention_days=options.retention_days)
+    # sqlite:///ABS and sqlite:////ABS alike (a path with two leading slashes stays so in Python)
+    path = Path("/" + urlsplit(url).path.lstrip("/"))
+    return SqliteSink(path, url=url, retention_days=options.retention_days)

@@ -20,7 +20,8 @@ def test_a_bare_vm_without_a_daemon(tmp_path: Path) -> None:
     checks = by_name(run_checks(config=None, socket=tmp_path / "none.sock", sysfs_root=tmp_path / "nosys"))
     assert checks["config"].level == "ok"
     assert checks["nvml"].level == "warn" and "no NVML on this node" in checks["nvml"].detail
-    assert checks["rapl"].level == "warn" and "cpu_tdp_w" in (checks["rapl"].fix or "")
+    assert checks["rapl"].level == "warn" and "cpu_tdp_w" in checks["rapl"].detail
+    assert checks["rapl"].fix is None, "the probe's hint, printed once"
     assert checks["socket"].level == "fail" and "systemctl start greend" in (checks["socket"].fix or "")
 
 
@@ -60,6 +61,26 @@ def test_unreadable_energy_counters_are_a_failure_with_the_fix(tmp_path: Path, m
     c = by_name(run_checks(config=None, socket=tmp_path / "s", sysfs_root=sysfs))["rapl"]
     assert c.level == "fail"
     assert "CAP_DAC_READ_SEARCH" in (c.fix or "") and "5.10" in c.detail
+
+
+def test_a_sim_daemon_needs_no_nvml_and_its_own_state_dir_is_checked(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """On a machine without NVML, a --sim daemon lacks nothing: no NVML is info, not a
+    warning, and the state dir checked is the daemon's, not the config's default."""
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    checks = by_name(run_checks(config=None, socket=d.socket, sysfs_root=tmp_path / "nosys"))
+    if checks["nvml"].level == "ok":
+        pytest.skip("this machine has NVML")
+    assert checks["socket"].level == "ok"
+    assert checks["nvml"].level == "info" and "simulated GPUs, which need no NVML" in checks["nvml"].detail
+    assert checks["state dir"].level == "ok" and str(tmp_path) in checks["state dir"].detail
+    assert "//" not in checks["store"].detail.removeprefix("sqlite://"), checks["store"].detail
+
+
+def test_a_missing_config_file_is_named_with_its_fix(tmp_path: Path) -> None:
+    checks = by_name(run_checks(config=tmp_path / "nope.toml", socket=tmp_path / "s", sysfs_root=tmp_path))
+    assert checks["config"].level == "fail" and "nope.toml" in checks["config"].detail
+    assert "existing TOML file" in (checks["config"].fix or "")
 
 
 def test_a_bad_config_is_named(tmp_path: Path) -> None:

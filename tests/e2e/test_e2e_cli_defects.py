@@ -50,3 +50,14 @@ def test_cap_texts_against_a_sim_daemon(tmp_path: Path, daemons: list[DaemonProc
     assert "available: budget, efficient, none, static; beside them ([policy] precision): precision" in out
     help_text = " ".join(d.ctl("policy", "set", "--help").stdout.replace("│", " ").split())
     assert "none, static, efficient, budget (the precision policy runs beside it" in help_text
+
+
+def test_messages_name_things_once_and_sim_gpus_as_simulated(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    r = d.ctl("policy", "set", "efficient", "--param", "max_slowdown=2", check=False)
+    assert r.returncode != 0
+    assert "policy 'efficient': bad value 2 for 'max_slowdown'" in r.stderr
+    assert r.stderr.count("policy 'efficient'") == 1, r.stderr
+    out = d.ctl("probes").stdout
+    assert "1 simulated GPU(s)" in out and "via NVML" not in out and "driver" not in out.split("\n")[0], out
