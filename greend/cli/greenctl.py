@@ -72,6 +72,27 @@ def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
     typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
 
 
+@ctl_app.command("top")
+def ctl_top(
+    interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes (>= 0.1)"),
+    once: bool = typer.Option(False, "--once", help="print one frame (two readings an interval apart) and exit"),
+) -> None:
+    """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits)."""
+    from greend.cli.top import run_top
+
+    if not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
+
+    def status() -> dict[str, Any]:
+        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
+            return dict(c.request("status"))
+
+    try:
+        run_top(status, socket=str(_state["socket"]), interval_s=interval, once=once)
+    except GreendError as e:
+        fail(str(e), code=3)
+
+
 @ctl_app.command("probes")
 def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """What was detected, what is missing and why."""

@@ -1,0 +1,176 @@
+"""``greenctl top``: the node live, refreshed in place (GPUs, caps, jobs, policy).
+
+Each refresh is one ``status`` request. A job's *current* efficiency is measured here,
+between two refreshes: the FLOPs it reported over the energy its GPUs used in that
+interval (``ΔFLOPs / ΔJ``), beside the job's whole-run figure. The daemon going away
+is shown in the frame, and ``top`` keeps trying until it is back or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from greend.errors import GreendError
+
+__all__ = ["Frame", "render_frame", "run_top"]
+
+
+@dataclass
+class Frame:
+    """What one refresh saw, and the current figures measured against the previous one."""
+
+    status: dict[str, Any] | None
+    at_s: float
+    error: str | None = None
+    # job id -> (GFLOPS/W over the last interval, steps/s over the last interval)
+    current: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+
+
+def _num(v: Any, spec: str = ".0f", unit: str = "") -> str:
+    if v is None:
+        return "-"
+    return f"{v:{spec}}{unit}"
+
+
+def measure(prev: Frame | None, status: dict[str, Any] | None, at_s: float, error: str | None = None) -> Frame:
+    frame = Frame(status=status, at_s=at_s, error=error)
+    if status is None or prev is None or prev.status is None:
+        return frame
+    dt = at_s - prev.at_s
+    before = {j["job"]: j for j in prev.status.get("jobs", [])}
+    for j in status.get("jobs", []):
+        b = before.get(j["job"])
+        if b is None or j.get("state") != "running":
+            continue
+        d_flops = (j.get("flops") or 0.0) - (b.get("flops") or 0.0)
+        d_j = (j.get("gpu_energy_j") or 0.0) - (b.get("gpu_energy_j") or 0.0)
+        d_steps = (j.get("steps") or 0) - (b.get("steps") or 0)
+        gflops_w = d_flops / d_j / 1e9 if d_j > 0 and d_flops > 0 else None
+        frame.current[j["job"]] = (gflops_w, d_steps / dt if dt > 0 else None)
+    return frame
+
+
+def _gpu_table(st: dict[str, Any]) -> Table:
+    t = Table(title="GPUs", title_justify="left", expand=False)
+    for h in ("GPU", "name", "power W", "limit W", "SM MHz", "cap MHz", "util %", "temp C", "energy J"):
+        t.add_column(h, justify="left" if h in ("GPU", "name") else "right")
+    for g in st.get("gpus", []):
+        rng = g.get("power_limit_range_w") or [None, None]
+        limit = g.get("power_limit_w")
+        capped_power = limit is not None and rng[1] is not None and limit < rng[1]
+        t.add_row(
+            f"gpu{g['index']}" + (" (sim)" if g.get("source") == "sim" else ""),
+            str(g.get("name") or "-"),
+            _num(g.get("power_w"), ".1f"),
+            Text(_num(limit), style="bold yellow" if capped_power else ""),
+            _num(g.get("sm_clock_mhz")),
+            Text(_num(g.get("clock_cap_mhz")), style="bold yellow" if g.get("clock_cap_mhz") else ""),
+            _num(g.get("util_gpu_pct")),
+            _num(g.get("temperature_c")),
+            _num(g.get("energy_j"), ".0f"),
+        )
+    return t
+
+
+def _job_table(st: dict[str, Any], frame: Frame) -> Table:
+    t = Table(title="Jobs", title_justify="left", expand=False)
+    for h in ("job", "state", "ranks", "GPUs", "steps", "steps/s", "GFLOPS/W now", "GFLOPS/W run", "energy J", "saved"):
+        t.add_column(h, justify="left" if h in ("job", "state") else "right")
+    jobs = st.get("jobs", [])
+    for j in jobs:
+        now_eff, rate = frame.current.get(j["job"], (None, None))
+        saved = j.get("saved_pct")
+        t.add_row(
+            str(j["job"]),
+            str(j.get("state")),
+            str(j.get("ranks") if not isinstance(j.get("ranks"), list) else len(j["ranks"])),
+            ",".join(str(x) for x in j.get("gpus") or []) or "-",
+            str(j.get("steps", 0)),
+            _num(rate, ".1f"),
+            _num(now_eff, ".2f"),
+            _num(j.get("gflops_per_w"), ".2f"),
+            _num(j.get("energy_j"), ".0f"),
+            "-" if saved is None else f"{saved:.1f}%",
+        )
+    if not jobs:
+        t.add_row("(none)", "", "", "", "", "", "", "", "", "")
+    return t
+
+
+def render_frame(frame: Frame, *, socket: str, interval_s: float) -> RenderableType:
+    head = Text(f"greend top  {socket}  every {interval_s:g} s  (Ctrl-C to quit)", style="bold")
+    if frame.status is None:
+        return Group(head, Text(f"daemon unavailable: {frame.error}; retrying", style="bold red"))
+    st = frame.status
+    pol = st.get("policy") or {}
+    tot = st.get("totals") or {}
+    line = (
+        f"host {st.get('host')}  greend {st.get('version')}  policy {pol.get('name', '-')}"
+        + (f" + precision {pol['precision']['name']}" if isinstance(pol.get("precision"), dict) else "")
+        + f"  GPU energy {_num(tot.get('gpu_energy_j'), '.0f')} J"
+        + (f"  CPU energy {_num(tot.get('cpu_energy_j'), '.0f')} J" if tot.get("cpu_energy_j") else "")
+        + ("  DRY RUN (caps not applied)" if st.get("dry_run") else "")
+    )
+    parts: list[RenderableType] = [head, Text(line), _gpu_table(st), _job_table(st, frame)]
+    last = pol.get("last_decision") or {}
+    if last.get("reason"):
+        parts.append(Text(f"last decision: {last['reason']}"))
+    if pol.get("last_error"):
+        parts.append(Text(f"policy error: {pol['last_error']}", style="red"))
+    parts.append(Text("GFLOPS/W now: the job's FLOPs over its GPUs' joules since the last refresh", style="dim"))
+    return Group(*parts)
+
+
+def run_top(
+    request: Callable[[], dict[str, Any]],
+    *,
+    socket: str,
+    interval_s: float,
+    once: bool = False,
+    console: Console | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Refresh until Ctrl-C. ``once``: take two readings ``interval_s`` apart (so the
+    current figures exist) and print that one frame (for scripts and pipes)."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a pipe or a file: rows whole, not wrapped at 80 columns
+            console = Console(width=200)
+
+    def read(prev: Frame | None) -> Frame:
+        try:
+            return measure(prev, request(), clock())
+        except GreendError as e:
+            return measure(None, None, clock(), error=str(e))
+
+    frame = read(None)
+    if once:
+        if frame.status is not None:
+            sleep(interval_s)
+            frame = read(frame)
+        if frame.status is None:
+            raise GreendError(frame.error or "daemon unavailable")
+        console.print(render_frame(frame, socket=socket, interval_s=interval_s))
+        return
+    try:
+        with Live(
+            render_frame(frame, socket=socket, interval_s=interval_s),
+            console=console,
+            auto_refresh=False,
+            transient=False,
+        ) as live:
+            while True:
+                sleep(interval_s)
+                frame = read(frame)
+                live.update(render_frame(frame, socket=socket, interval_s=interval_s), refresh=True)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,133 @@
+"""greenctl top: a live frame of GPUs, caps and jobs; current efficiency between refreshes."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from greend.cli.top import measure, render_frame, run_top
+from greend.errors import DaemonUnavailable
+from tests.support import DaemonProc, start_daemon
+
+
+def _status(flops: float, gpu_j: float, steps: int, *, state: str = "running") -> dict:
+    return {
+        "host": "n1",
+        "version": "x",
+        "gpus": [
+            {
+                "index": 0,
+                "name": "H100",
+                "source": "sim",
+                "power_w": 350.0,
+                "power_limit_w": 500.0,
+                "power_limit_range_w": [200.0, 700.0],
+                "clock_cap_mhz": 1500,
+                "sm_clock_mhz": 1500,
+                "util_gpu_pct": 99,
+                "temperature_c": 60,
+                "energy_j": gpu_j,
+            }
+        ],
+        "jobs": [
+            {
+                "job": "j1",
+                "state": state,
+                "ranks": 1,
+                "gpus": [0],
+                "steps": steps,
+                "flops": flops,
+                "gpu_energy_j": gpu_j,
+                "energy_j": gpu_j,
+                "gflops_per_w": flops / gpu_j / 1e9,
+                "saved_pct": 12.5,
+            }
+        ],
+        "policy": {"name": "efficient", "precision": None, "last_decision": {"reason": "gpu0 capped at 1500 MHz"}},
+        "totals": {"gpu_energy_j": gpu_j},
+    }
+
+
+def test_current_efficiency_is_the_interval_not_the_run() -> None:
+    a = measure(None, _status(flops=1e15, gpu_j=10_000.0, steps=100), at_s=10.0)
+    assert a.current == {}  # one reading: nothing measured between two yet
+    b = measure(a, _status(flops=1e15 + 4e14, gpu_j=11_000.0, steps=150), at_s=12.0)
+    now, rate = b.current["j1"]
+    assert now == pytest.approx(4e14 / 1000.0 / 1e9)  # 400 GFLOPS/W over the interval
+    assert rate == pytest.approx(25.0)  # 50 steps in 2 s
+    # The run's figure (1.4e15 / 11,000 J = 127 GFLOPS/W) is not the current one.
+    text = _render(b)
+    assert "400.00" in text and "127.27" in text and "12.5%" in text
+    assert "capped at 1500 MHz" in text and "gpu0 (sim)" in text
+    # An ended job has no current figure.
+    c = measure(b, _status(flops=2e15, gpu_j=12_000.0, steps=200, state="ended"), at_s=14.0)
+    assert "j1" not in c.current
+
+
+def _render(frame) -> str:  # type: ignore[no-untyped-def]
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render_frame(frame, socket="S", interval_s=1.0))
+    return buf.getvalue()
+
+
+def test_a_lost_daemon_is_shown_and_top_keeps_trying() -> None:
+    calls = {"n": 0}
+
+    def request() -> dict:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise DaemonUnavailable("no greend socket at S")
+        if calls["n"] >= 4:
+            raise KeyboardInterrupt  # the user quits
+        return _status(flops=1e15 * calls["n"], gpu_j=1000.0 * calls["n"], steps=calls["n"])
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=160, color_system=None, force_terminal=True)  # every frame written
+    run_top(request, socket="S", interval_s=0.0, console=console)
+    assert calls["n"] == 4  # it went on after the daemon came back
+    assert "daemon unavailable: no greend socket at S; retrying" in buf.getvalue()
+
+
+def test_top_once_against_a_daemon_with_a_training_job(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    torch = pytest.importorskip("torch")
+    from greend import GreenCallback
+
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    stop = threading.Event()
+
+    def train() -> None:
+        m = torch.nn.Linear(32, 32)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        with GreenCallback(job="topjob", socket=str(d.socket), gpus=[0], model=m) as cb:
+            while not stop.is_set():
+                with cb.step(samples=16) as step:
+                    loss = m(torch.randn(16, 32)).pow(2).mean()
+                    step.loss(loss)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                time.sleep(0.002)
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "topjob" not in d.ctl("jobs").stdout and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = d.ctl("top", "--once", "--interval", "0.5")
+    finally:
+        stop.set()
+        t.join(10)
+    assert "topjob" in r.stdout and "running" in r.stdout, r.stdout
+    row = next(line for line in r.stdout.splitlines() if "topjob" in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert cells[5] != "-" and float(cells[5]) > 0, row  # steps/s measured between the two readings
+    assert "gpu0 (sim)" in r.stdout
+    bad = d.ctl("top", "--interval", "0", check=False)
+    assert bad.returncode == 2 and "--interval 0: expected seconds >= 0.1" in bad.stderr
