@@ -554,8 +554,17 @@ class EfficientPolicy:
         above = min(i for i in measured if i > best) if best < top else top
         if above - best > 1:
             return _Action("measure", best + (above - best) // 2, self.min_steps)
-        # ---- one slow setting rules nothing out alone: measure the setting below it
-        slow = max((i for i in measured if floor <= i < best and (over(i) or status[i] == "over")), default=None)
+
+        # ---- one bad setting rules nothing out alone: measure the setting below it. Bad:
+        # too slow; or, for the cost, worse than the best by more than the noise (real
+        # curves are not smooth: a measured limit can be several percent off its
+        # neighbours for no physical reason, and the cost has no bound to stop at).
+        def bad(i: int) -> bool:
+            if over(i) or status[i] == "over":
+                return True
+            return cost_mode and objective(i) > objective(best) * (1 + tol(i, best))
+
+        slow = max((i for i in measured if floor <= i < best and bad(i)), default=None)
         if slow is not None and slow - 1 >= floor and slow - 1 not in fit:
             return _Action("measure", slow - 1, self.min_steps)
         return _Action("settle", best)

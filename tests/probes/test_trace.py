@@ -106,6 +106,21 @@ def test_a_slow_outlier_does_not_rule_out_a_better_lower_limit() -> None:
         assert r.final_setting.power_limit_w == 175.0, bound
 
 
+def test_a_bad_neighbour_does_not_end_the_cost_search() -> None:
+    # ResNet-18, cost eta=0.25 (time weighs 3x): 250 W and 200 W measure slower than
+    # 275 W and 225 W, yet 175 W is the cheapest limit (-2 % time, -25 % energy). One bad
+    # limit below the best sends the search one limit further down before it settles.
+    costs = {}
+    prof = load_trace(RESNET18)
+    top = prof.points[-1]
+    for w in prof.limits_w:
+        costs[w] = 0.25 * prof.energy_ratio(w) * top.energy_j + 0.75 * prof.max_w * prof.time_ratio(w) * top.step_time_s
+    assert min(costs, key=costs.__getitem__) == 175.0 and costs[250.0] > costs[300.0] > costs[275.0]
+    r = replay(RESNET18, steps=1000, objective="cost", eta=0.25)
+    assert r.final_setting.power_limit_w == 175.0
+    assert r.search_steps is not None and r.search_steps * 4 <= 9 * 50
+
+
 @pytest.mark.parametrize("path", sorted(A40.glob("*.csv")), ids=lambda p: p.stem)
 def test_never_over_the_bound_under_noise(path: Path) -> None:
     prof = load_trace(path)
