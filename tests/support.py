@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from greend.testing.daemon_proc import daemon_command, wait_until_up
+
 __all__ = ["REPO", "DaemonProc", "ManualClock", "env", "start_daemon", "wait_for", "wait_for_socket", "wait_ready"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,19 +103,7 @@ def start_daemon(
     log = tmp / f"{name}.log"
     cfg = tmp / f"{name}.toml"
     cfg.write_text(config or '[daemon]\nsocket_group = ""\n')
-    args = [
-        sys.executable,
-        "-m",
-        "greend.daemon_main",
-        "run",
-        "--config",
-        str(cfg),
-        "--socket",
-        str(sock),
-        "--state-dir",
-        str(state),
-        *extra,
-    ]
+    args = daemon_command(cfg, sock, state, *extra)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env())
     d = DaemonProc(proc, sock, state, db, log, args)
@@ -123,21 +113,12 @@ def start_daemon(
 
 
 def wait_for_socket(d: DaemonProc, timeout: float = 20.0) -> None:
-    from greend.errors import DaemonUnavailable
-    from greend.ipc.client import Client
+    from greend.errors import GreendError
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise AssertionError(f"greend exited with {d.proc.returncode}:\n{d.log_text()}")
-        try:
-            with Client(d.socket, timeout_s=2.0) as c:
-                if c.request("status")["ticks"] > 0:
-                    return
-        except DaemonUnavailable:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"greend did not come up in {timeout} s:\n{d.log_text()}")
+    try:
+        wait_until_up(d.proc, d.socket, d.log, timeout_s=timeout)
+    except GreendError as e:
+        raise AssertionError(str(e)) from None
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:

@@ -33,8 +33,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from greend.errors import DaemonUnavailable, GreendError
+from greend.errors import GreendError
 from greend.ipc.client import Client
+from greend.testing.daemon_proc import daemon_command, wait_until_up
 
 __all__ = ["BASE_STEP_S", "compare_runs", "render_comparison", "run_demo"]
 
@@ -104,37 +105,19 @@ def _start_daemon(tmp: Path, sim: bool, config: str) -> tuple[subprocess.Popen[b
     cfg = tmp / "greend.toml"
     cfg.write_text(config)  # a private socket: this user only
     log = tmp / "greend.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "greend.daemon_main",
-        "run",
-        "--config",
-        str(cfg),
-        "--socket",
-        str(sock),
-        "--state-dir",
-        str(state),
-    ]
+    cmd = daemon_command(cfg, sock, state)
     if sim:
         cmd += ["--sim", "1"]
     with open(log, "wb") as fh:
         # A session of its own: a Ctrl-C in the terminal reaches the demo, which stops
         # the daemon after the training, not the daemon under the training's feet.
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise GreendError(f"the demo daemon exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            with Client(sock, timeout_s=1.0) as c:
-                if c.request("status")["ticks"] > 0:
-                    return proc, sock, log
-        except (DaemonUnavailable, GreendError):
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise GreendError(f"the demo daemon did not answer within 30 s:\n{log.read_text()}")
+    try:
+        wait_until_up(proc, sock, log, timeout_s=30)
+    except GreendError as e:
+        proc.kill()
+        raise GreendError(f"the demo daemon: {e}") from None
+    return proc, sock, log
 
 
 def _stop_daemon(proc: subprocess.Popen[bytes]) -> None:

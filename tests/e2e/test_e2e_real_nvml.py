@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from greend.testing.daemon_proc import daemon_command
 from tests.nvml_stub import REPO, stub_env
 from tests.support import DaemonProc, wait_for, wait_for_socket
 
@@ -24,23 +25,7 @@ def start_on_stub(
     cfg = tmp / f"{name}.toml"
     cfg.write_text('[daemon]\nsocket_group = ""\n')
     faults.setdefault("state", tmp / f"{name}-gpus.txt")  # what the GPUs keep across processes
-    args = [
-        sys.executable,
-        "-m",
-        "greend.daemon_main",
-        "run",
-        "--config",
-        str(cfg),
-        "--socket",
-        str(sock),
-        "--state-dir",
-        str(state),
-        "--sysfs-root",
-        str(tmp / "no-sysfs"),
-        "--hz",
-        "10",
-        *extra,
-    ]
+    args = daemon_command(cfg, sock, state, "--sysfs-root", str(tmp / "no-sysfs"), "--hz", "10", *extra)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(
             args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env={**stub_env(**faults), **(env_extra or {})}
