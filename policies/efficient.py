@@ -522,6 +522,14 @@ class EfficientPolicy:
                     status[i] = "unsure"
         candidates = [i for i in measured if status[i] == "ok"]
         best = self._best(candidates, objective, tol, job.settled_index)
+        # ---- a challenger to the setting we hold is measured again before we move: among
+        # several candidates one beats the held setting by chance more often than one
+        # comparison's noise margin says; measured twice as long, a fluke falls back.
+        held = job.settled_index
+        if held is not None and best != held and held in candidates:
+            steps = at[best].steps  # type: ignore[union-attr]
+            if steps < 2 * self.min_steps:
+                return _Action("measure", best, 2 * self.min_steps)
 
         def over(i: int) -> bool:
             """Too slow for the bound (or, cost mode: its time cost alone is more than the
@@ -567,6 +575,13 @@ class EfficientPolicy:
         slow = max((i for i in measured if floor <= i < best and bad(i)), default=None)
         if slow is not None and slow - 1 >= floor and slow - 1 not in fit:
             return _Action("measure", slow - 1, self.min_steps)
+        # ---- before settling first: the least-cost candidate, if it lost only to the
+        # noise margin, is measured longer (up to max_steps), so that a move later is rare
+        if job.settled_index is None:
+            least = min(candidates, key=objective)
+            e = at[least]
+            if least != best and e is not None and e.steps < self.max_steps:
+                return _Action("measure", least, min(self.max_steps, e.steps + self.min_steps))
         return _Action("settle", best)
 
     @staticmethod
