@@ -136,6 +136,9 @@ def daemon_restore(
     ),
     sim_dir: Path | None = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+    force: bool = typer.Option(
+        False, "--force", help="restore even while the daemon that owns the state dir runs (it may set them again)"
+    ),
 ) -> None:
     """Put back every setting greend changed (systemd runs this as ExecStopPost).
 
@@ -151,6 +154,8 @@ def daemon_restore(
         argv += ["--sim-dir", str(sim_dir)]
     if as_json:
         argv.append("--json")
+    if force:
+        argv.append("--force")
     raise typer.Exit(restore_main(argv))
 
 

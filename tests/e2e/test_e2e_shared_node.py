@@ -112,6 +112,16 @@ def test_a_refused_second_daemon_leaves_the_live_one_alone(tmp_path: Path, daemo
         timeout=30,
     )
     assert r.returncode == 2 and f"pid {d1.proc.pid}" in r.stderr and "--force" in r.stderr
+    # The greend command takes the same --force (nothing is capped here: nothing to restore).
+    r = subprocess.run(
+        [sys.executable, "-m", "greend.daemon_main", "restore", "--state-dir", str(d1.state_dir), "--force"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env(),
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_planted_symlink_at_the_temp_path_is_never_written_through(tmp_path: Path) -> None:
