@@ -59,6 +59,24 @@ def sim_limit_w(d: DaemonProc) -> float:
     return json.loads((sim_dir / "gpu0.json").read_text())["power_limit_mw"] / 1000.0
 
 
+def record_from(d: DaemonProc, top_w: int, out: str) -> subprocess.Popen[str]:
+    """A long ``greenctl profile record`` from ``top_w`` down, running once the GPU is there."""
+    rec = subprocess.Popen(
+        [sys.executable, "-m", "greend.ctl", "--socket", str(d.socket), "profile", "record"]
+        + ["--gpu", "0", "--job", "j", "--from", str(top_w), "--steps-per-limit", "100000", "--out", out],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env(),
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sim_limit_w(d) != float(top_w):
+        time.sleep(0.05)
+    assert sim_limit_w(d) == float(top_w)
+    return rec
+
+
 def stop(p: subprocess.Popen[str]) -> None:
     if p.poll() is None:
         p.terminate()
@@ -158,19 +176,7 @@ def test_refusals_and_restores(tmp_path: Path, daemons: list[DaemonProc]) -> Non
         d.ctl("cap", "reset", "--gpu", "0")
 
         # Aborted from another greenctl: the limit goes back, exit 1, no complete profile.
-        rec = subprocess.Popen(
-            [sys.executable, "-m", "greend.ctl", "--socket", str(d.socket), "profile", "record"]
-            + ["--gpu", "0", "--job", "j", "--from", "600", "--steps-per-limit", "100000", "--out", out],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=env(),
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sim_limit_w(d) != 600.0:
-            time.sleep(0.05)
-        assert sim_limit_w(d) == 600.0
+        rec = record_from(d, 600, out)
         # While it runs: no policy, no cap on that GPU.
         r = d.ctl("policy", "set", "efficient", check=False)
         assert r.returncode == 2 and "profile recording runs" in r.stderr
@@ -184,19 +190,7 @@ def test_refusals_and_restores(tmp_path: Path, daemons: list[DaemonProc]) -> Non
         assert sim_limit_w(d) == 700.0
 
         # The job ends mid-sweep: the limit goes back.
-        rec = subprocess.Popen(
-            [sys.executable, "-m", "greend.ctl", "--socket", str(d.socket), "profile", "record"]
-            + ["--gpu", "0", "--job", "j", "--from", "550", "--steps-per-limit", "100000", "--out", out],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=env(),
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sim_limit_w(d) != 550.0:
-            time.sleep(0.05)
-        assert sim_limit_w(d) == 550.0
+        rec = record_from(d, 550, out)
         stop(job)
         so, se = rec.communicate(timeout=60)
         assert rec.returncode == 1 and "job j ended" in so, (so, se)
