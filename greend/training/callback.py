@@ -93,6 +93,7 @@ from greend.training.mixed_precision import (
     precision_support,
     start_torchao_warm_up,
 )
+from greend.training.peers import JobPeers
 from greend.training.sender import Sender, SenderOptions, SenderStats
 from greend.training.step import Step
 
@@ -146,7 +147,8 @@ class GreenCallback:
         stall_timeout_s, reconnect_min_s, reconnect_max_s, close_timeout_s: timings (seconds,
             :class:`greend.training.sender.SenderOptions`).
         sync_every: every this many steps, ranks of a distributed job agree on its pace
-            (the slowest node's uncapped step time) with one all-reduce (see ``_sync_pace``).
+            (the slowest node's uncapped step time) through the job's rendezvous store,
+            never a collective (see ``_sync_pace``).
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class GreenCallback:
         self._local_pace_s: float | None = None
         self._agreed_pace_s: float | None = None
         self.agreed_pace_s: float | None = None  # the last figure all ranks agreed on
+        self._peers: JobPeers | None = None  # the job's rendezvous store, once reached
 
         # Hot-path state: the training thread appends records, the sender takes them.
         self._queue: deque[tuple[Any, ...]] = deque(maxlen=max_pending)
@@ -464,34 +467,30 @@ class GreenCallback:
         )
         self.stats.recorded += 1
         if self.world_size > 1 and (index + 1) % self.sync_every == 0:
-            self._sync_pace()
+            self._sync_pace(index)
 
-    def _sync_pace(self) -> None:
+    def _sync_pace(self, index: int) -> None:
         """Agree on the job's pace with the other ranks, at a decision point.
 
         Each node's daemon measures this rank's uncapped step time and pushes it
-        (event ``local_pace``). Every ``sync_every`` steps all ranks take the MAX over
-        the job's own process group: the slowest node sets a synchronous job's pace,
-        so a faster node's daemon may cap its GPUs down to that pace (plus its bound)
-        without making any node the straggler. One all-reduce per ``sync_every`` steps,
-        never per step; every rank calls it at the same step index. A failure here
-        (no process group, a broken collective) is logged once and never raised.
+        (event ``local_pace``). Every ``sync_every`` steps each rank writes it to the
+        job's rendezvous store and reads the MAX the ranks wrote one period earlier
+        (:class:`greend.training.peers.JobPeers`): the slowest node sets a synchronous
+        job's pace, so a faster node's daemon may cap its GPUs down to that pace (plus
+        its bound) without making any node the straggler. No collective on the job's
+        process group, so ranks without a callback or at other steps are never waited
+        for; a failure here is logged once and never raised.
         """
         try:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                return
-            device = torch.device("cpu")
-            if dist.get_backend() == "nccl" and torch.cuda.is_available():
-                device = torch.device("cuda", torch.cuda.current_device())
-            t = torch.tensor([self._local_pace_s or 0.0], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            agreed = float(t.item())
+            if self._peers is None:
+                self._peers = JobPeers.of_process_group(self.job, self.rank)
+                if self._peers is None:
+                    return
+            agreed = self._peers.agree_max("pace", (index + 1) // self.sync_every, self._local_pace_s)
         except Exception as e:
             self._warn_once("pace", f"greend could not agree the job's pace across ranks: {e}")
             return
-        if agreed > 0:
+        if agreed is not None and agreed > 0:
             self.agreed_pace_s = agreed
             self._agreed_pace_s = agreed  # the sender sends it as op "pace"
 

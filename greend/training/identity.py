@@ -1,7 +1,10 @@
 """Who a training process is, as it tells the daemon when it registers.
 
-* **Job id**: ``job=``, else ``$GREEND_JOB``, ``$TORCHELASTIC_RUN_ID``,
-  ``$SLURM_JOB_ID``, else ``<host>-<pid>-<unix time>`` (:func:`resolve_job`).
+* **Job id**: ``job=``, else ``$GREEND_JOB``, else Slurm's ``$SLURM_JOB_ID``, else
+  torchrun's ``$TORCHELASTIC_RUN_ID`` when it is a real id (torchrun without
+  ``--rdzv-id`` sets it to ``none``: then ``torchrun-<MASTER_ADDR>-<MASTER_PORT>``,
+  the rendezvous every rank of that run shares and no other running job can),
+  else ``<host>-<pid>-<unix time>`` (:func:`resolve_job`).
 * **Ranks**: rank and world size from ``torch.distributed`` if initialised, else
   ``$RANK``/``$WORLD_SIZE``; ``$LOCAL_RANK`` for the local rank
   (:func:`resolve_ranks`).
@@ -48,7 +51,20 @@ __all__ = [
 log = logging.getLogger("greend.training.callback")
 
 
-_JOB_ENV_VARS = ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+def _job_from_env() -> str | None:
+    """The job id the launcher gives every rank alike, or None."""
+    for var in ("GREEND_JOB", "SLURM_JOB_ID"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return value
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id.lower() != "none":
+        return run_id
+    if run_id:  # torchrun without --rdzv-id: its rendezvous endpoint tells runs apart
+        addr, port = os.environ.get("MASTER_ADDR", "").strip(), os.environ.get("MASTER_PORT", "").strip()
+        if addr and port:
+            return f"torchrun-{addr}-{port}"
+    return None
 
 
 def _sanitize_job(name: str) -> str:
@@ -63,10 +79,9 @@ def resolve_job(job: str | None) -> str:
         if not isinstance(job, str) or not JOB_ID_RE.match(job):
             raise ValueError(f"job={job!r}: a job id is 1-128 characters of letters, digits and ._:@/-")
         return job
-    for var in _JOB_ENV_VARS:
-        value = os.environ.get(var)
-        if value:
-            return _sanitize_job(value)
+    value = _job_from_env()
+    if value:
+        return _sanitize_job(value)
     return _sanitize_job(f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
 
 

@@ -105,7 +105,7 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert {"fast", "slow"} <= set(seen), f"no decisions seen: {seen}"
     fa, sl = seen["fast"], seen["slow"]
-    # One pace for the job, agreed through the job's own process group: the slow node's.
+    # One pace for the job, agreed through the job's rendezvous store: the slow node's.
     assert outs[0]["agreed_pace_s"] == pytest.approx(outs[1]["agreed_pace_s"])
     assert fa["pace_s"] == pytest.approx(sl["pace_s"], rel=0.05)
     assert fa["phase"] == "settled", fa
@@ -127,3 +127,67 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     t_fast = H100.step_cost(flops, 0.3, "fp32", locked_clocks_mhz=(345, int(fa["cap"]))).duration_s
     t_slow_uncapped = H100.step_cost(flops, 0.3, "fp32", speed_factor=1.3).duration_s
     assert t_fast <= t_slow_uncapped * 1.05 * 1.02
+
+
+def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str) -> list[dict]:
+    """A 2-rank gloo DDP job of exactly ``steps`` steps, GreenCallback on ``greend_ranks``."""
+    port = vmserver.free_port()
+    procs = []
+    for rank in range(2):
+        rank_env = env() | {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        cmd = [sys.executable, str(REPO / "tests/scripts/dist_trainer.py"), "--socket", str(socket)]
+        cmd += ["--job", job, "--steps", str(steps), "--sync-every", "5", "--greend-ranks", greend_ranks]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=rank_env)
+        )
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, f"rank exited {p.returncode}:\n{err[-3000:]}"
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_a_callback_on_rank_0_only_never_touches_the_jobs_collectives(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """The pace is agreed through the rendezvous store, never with a collective on the
+    job's group: rank 1 without greend is not waited for, and the training is the same."""
+    d = start_daemon(tmp_path, "--sim", "1", config=EFFICIENT)
+    daemons.append(d)
+    with_greend = _run_ranks(tmp_path, d.socket, "0", steps=60, job="rank0only")
+    without = _run_ranks(tmp_path, d.socket, "none", steps=60, job="plain")
+    assert [o["steps"] for o in with_greend] == [60, 60]
+    assert [o["final_loss"] for o in with_greend] == [o["final_loss"] for o in without]
+    rep = json.loads(d.ctl("report", "rank0only", "--json").stdout)
+    assert rep["steps"] == 60  # rank 0's steps, reported
+
+
+def test_two_torchrun_jobs_without_a_run_id_stay_two_jobs(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    procs = []
+    for _ in range(2):
+        port = vmserver.free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd += [str(REPO / "tests/scripts/dist_trainer.py"), "--socket", str(d.socket), "--steps", "30"]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env())
+        )
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    jobs = json.loads(d.ctl("jobs", "--json").stdout)["jobs"]
+    torchrun_jobs = sorted(j["job"] for j in jobs if j["job"].startswith("torchrun-"))
+    assert len(torchrun_jobs) == 2 and "none" not in [j["job"] for j in jobs], jobs
+    for name in torchrun_jobs:
+        rep = json.loads(d.ctl("report", name, "--json").stdout)
+        ranks = sorted(g["rank"] for g in rep["ranks_gone"])
+        assert (ranks, rep["steps"]) == ([0, 1], 30), (ranks, rep["steps"])  # two ranks, steps counted once

@@ -28,10 +28,14 @@ from torch import nn
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
-    ap.add_argument("--job", required=True)
+    ap.add_argument("--job", default=None, help="the job id (default: from the launcher's environment)")
     ap.add_argument("--seconds", type=float, default=25.0, help="train at most this long")
     ap.add_argument("--stop-file", help="stop early once this file exists (every rank agrees)")
     ap.add_argument("--sync-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=0, help="train exactly this many steps (0: by --seconds)")
+    ap.add_argument(
+        "--greend-ranks", default="all", help="which ranks load GreenCallback: all, none, or a comma list (0,2)"
+    )
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -42,43 +46,54 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank + 1)
     lossf = nn.CrossEntropyLoss()
 
+    from contextlib import nullcontext
+
     from greend import GreenCallback
 
-    cb = GreenCallback(
-        job=args.job,
-        model=model,
-        socket=args.socket,
-        gpus=[0],
-        mem_share=0.3,
-        sync_every=args.sync_every,
-        heartbeat_s=0.5,
+    with_greend = args.greend_ranks == "all" or (
+        args.greend_ranks != "none" and str(rank) in args.greend_ranks.split(",")
+    )
+    cb = (
+        GreenCallback(
+            job=args.job,
+            model=model,
+            socket=args.socket,
+            gpus=[0],
+            mem_share=0.3,
+            sync_every=args.sync_every,
+            heartbeat_s=0.5,
+        )
+        if with_greend
+        else None
     )
     t_end = time.monotonic() + args.seconds
     steps = 0
     loss = torch.tensor(0.0)
     while True:
         # Every rank runs the same number of steps: agree on stopping, as real jobs do.
-        go = time.monotonic() < t_end and not (args.stop_file and os.path.exists(args.stop_file))
+        if args.steps:
+            go = steps < args.steps
+        else:
+            go = time.monotonic() < t_end and not (args.stop_file and os.path.exists(args.stop_file))
         flag = torch.tensor([1.0 if go else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item() == 0.0:
             break
         x = torch.randn(32, 64, generator=gen)
         y = torch.randint(0, 8, (32,), generator=gen)
-        with cb.step(samples=32, batch=x) as st:
+        with cb.step(samples=32, batch=x) if cb is not None else nullcontext() as st:
             loss = lossf(model(x), y)
-            st.loss(loss)
+            if st is not None:
+                st.loss(loss)
             opt.zero_grad()
             loss.backward()
             opt.step()
         steps += 1
         time.sleep(0.01)
-    cb.close()
-    print(
-        json.dumps(
-            {"rank": rank, "steps": steps, "agreed_pace_s": cb.agreed_pace_s, "final_loss": float(loss.detach())}
-        )
-    )
+    if cb is not None:
+        cb.close()
+    pace = cb.agreed_pace_s if cb is not None else None
+    print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": pace, "final_loss": float(loss.detach())}))
     dist.destroy_process_group()
 
 

@@ -284,10 +284,10 @@ def test_identity() -> None:
     try:
         for var in ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
             mp.delenv(var, raising=False)
-        mp.setenv("SLURM_JOB_ID", "4242")
-        assert resolve_job(None) == "4242"
         mp.setenv("TORCHELASTIC_RUN_ID", "elastic run")
         assert resolve_job(None) == "elastic-run"
+        mp.setenv("SLURM_JOB_ID", "4242")
+        assert resolve_job(None) == "4242"  # Slurm's id, shared by every step and node of the job
         mp.setenv("GREEND_JOB", "mine")
         assert resolve_job(None) == "mine"
         mp.setenv("CUDA_VISIBLE_DEVICES", "4,5")

@@ -1,0 +1,85 @@
+"""The ranks of one job agree on small figures (its pace) without a collective.
+
+A collective on the job's own process group is the one thing an observer must
+never issue: if some rank has no callback (greend on rank 0 only), or calls it at
+another step, it collides with the job's own all-reduce (gloo aborts the process
+with a "collective mismatch", NCCL hangs). So the ranks meet in the job's
+rendezvous key-value store instead (``torch.distributed``'s default store: the
+``TCPStore`` that torchrun, Slurm launchers and ``init_process_group`` all set up),
+under keys of greend's own (``greend/<job>/...``), with calls that never wait:
+
+* every ``sync_every`` steps (an *epoch*), each rank raises the epoch's key to its
+  own figure if that is larger (compare-and-set, a few round trips at most);
+* it then reads the previous epoch's key, which every rank in step wrote one epoch
+  ago: the MAX over the ranks that have a figure. A rank without a callback, or
+  without a daemon, writes nothing and changes nothing; a rank that is behind only
+  makes the figure one epoch older. Keys two epochs old are deleted.
+
+Any failure (no process group, a store without compare-and-set, a lost master) is
+the caller's to log once; training never sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["JobPeers"]
+
+_MAX_CAS_TRIES = 8
+
+
+class JobPeers:
+    """One job's meeting place in a key-value store with torch's ``Store`` API
+    (``compare_set``, ``check``, ``get``, ``delete_key``)."""
+
+    def __init__(self, store: Any, job: str, rank: int) -> None:
+        self.store = store
+        self.prefix = f"greend/{job}/"
+        self.rank = rank
+
+    @classmethod
+    def of_process_group(cls, job: str, rank: int) -> JobPeers | None:
+        """On the default process group's store, or None where there is none."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get_store is None:
+            raise RuntimeError("this torch has no way to reach the process group's store")
+        return cls(get_store(), job, rank)
+
+    def _key(self, name: str, epoch: int) -> str:
+        return f"{self.prefix}{name}/{epoch}"
+
+    def raise_to(self, name: str, epoch: int, value: float) -> None:
+        """Make the epoch's figure at least ``value`` (a MAX across ranks)."""
+        key = self._key(name, epoch)
+        mine = repr(float(value))
+        current = self.store.compare_set(key, "", mine)  # set if absent; else what is there
+        for _ in range(_MAX_CAS_TRIES):
+            text = current.decode() if isinstance(current, bytes) else str(current)
+            if text == mine or float(text) >= value:
+                return
+            current = self.store.compare_set(key, text, mine)
+
+    def read(self, name: str, epoch: int) -> float | None:
+        """The epoch's figure, or None if no rank wrote one (never waits)."""
+        key = self._key(name, epoch)
+        if epoch < 0 or not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        return float(raw.decode() if isinstance(raw, bytes) else raw)
+
+    def agree_max(self, name: str, epoch: int, value: float | None) -> float | None:
+        """Write this rank's figure for ``epoch`` (None: nothing to add) and return the
+        MAX the ranks wrote for the epoch before (None: none yet)."""
+        if value is not None and value > 0:
+            self.raise_to(name, epoch, value)
+        agreed = self.read(name, epoch - 1)
+        if self.rank == 0 and epoch >= 2:
+            try:
+                self.store.delete_key(self._key(name, epoch - 2))
+            except Exception:
+                pass  # a store without delete keeps a few bytes an epoch
+        return agreed

@@ -1,0 +1,82 @@
+"""How ranks meet without a collective: job ids from the launcher, and the pace
+agreed through the job's rendezvous store."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from greend.training.identity import resolve_job  # noqa: E402
+from greend.training.peers import JobPeers  # noqa: E402
+
+LAUNCH_VARS = ("GREEND_JOB", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_torchrun_without_a_run_id_is_named_by_its_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
+    # torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every job: two jobs
+    # on one node must not merge into a job "none".
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "none")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", "29500")
+    first = resolve_job(None)
+    clean_env.setenv("MASTER_PORT", "29617")
+    second = resolve_job(None)
+    assert first == "torchrun-127.0.0.1-29500" and second == "torchrun-127.0.0.1-29617"
+    # Slurm's id wins over the rendezvous; a real run id is used as it is.
+    clean_env.setenv("SLURM_JOB_ID", "981")
+    assert resolve_job(None) == "981"
+    clean_env.delenv("SLURM_JOB_ID")
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "my-run")
+    assert resolve_job(None) == "my-run"
+
+
+def test_none_without_a_rendezvous_falls_back_to_this_process(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "None")
+    job = resolve_job(None)
+    assert job.lower() != "none" and "-" in job
+
+
+def test_ranks_agree_on_the_max_of_the_previous_epoch() -> None:
+    store = dist.HashStore()
+    peers = [JobPeers(store, "j", rank) for rank in range(3)]
+    # Epoch 1: every rank writes; nothing agreed yet (epoch 0 had no figures).
+    assert [p.agree_max("pace", 1, v) for p, v in zip(peers, (0.10, 0.30, 0.20))] == [None] * 3
+    # Epoch 2: each reads epoch 1's MAX, whatever order they come in; a rank with no
+    # figure (its daemon away) adds nothing and still reads the agreement.
+    assert peers[2].agree_max("pace", 2, 0.25) == pytest.approx(0.30)
+    assert peers[0].agree_max("pace", 2, None) == pytest.approx(0.30)
+    assert peers[1].agree_max("pace", 2, 0.12) == pytest.approx(0.30)
+    assert peers[1].agree_max("pace", 3, 0.12) == pytest.approx(0.25)
+    # Rank 0 deletes keys two epochs old: the store does not grow with the run.
+    peers[0].agree_max("pace", 4, 0.1)
+    assert not store.check(["greend/j/pace/2"]) and store.check(["greend/j/pace/3"])
+
+
+def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    port = server.port
+    values = [0.01 * (i + 1) for i in range(8)]
+
+    def rank(i: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
+        for _ in range(20):
+            JobPeers(client, "j", i).raise_to("pace", 1, values[i])
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert JobPeers(server, "j", 0).read("pace", 1) == pytest.approx(max(values))
