@@ -83,6 +83,7 @@ from greend.training.identity import (
     resolve_socket,
     socket_hostname,
 )
+from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
     DEFAULT_FP8_MIN_FEATURES,
     Fp8Converter,
@@ -98,6 +99,10 @@ from greend.training.sender import Sender, SenderOptions, SenderStats
 from greend.training.step import Step
 
 __all__ = ["DEFAULT_SOCKET", "GreenCallback", "SenderStats", "Step"]
+
+# Steps whose loss may be in flight at once before the oldest is waited for: a GPU
+# queue this deep behind the CPU is already the user's own back-pressure.
+_MAX_UNJUDGED = 8
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +265,8 @@ class GreenCallback:
         """The precision state (written by the training thread only) and the level at start."""
         model = self._model
         self._guard = options.guard()
+        self._losses = LossReader()  # reads step losses without a stream sync
+        self._unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
         self._events: deque[dict[str, Any]] = deque(maxlen=64)  # precision events for the sender
         self._loss_scaling = loss_scaling
         self._scaling_seen = bool(loss_scaling)
@@ -414,6 +421,10 @@ class GreenCallback:
         except Exception:
             pass
         try:
+            self._drain(keep=0)  # training is over: waiting for the last losses costs nothing
+        except Exception as e:
+            log.debug("reading the last losses failed: %s", e)
+        try:
             self._sender.stop(reason, self._close_timeout_s)
         except Exception as e:
             log.debug("closing the sender failed: %s", e)
@@ -438,6 +449,37 @@ class GreenCallback:
         self.close("exit")
 
     # Hot-path helpers ----------------------------------------------------------------
+
+    def _finish(self, step: Step) -> None:
+        """An ended step: recorded now if its loss is known, else once it has landed
+        (in order: records and the guard see the steps as they ran)."""
+        if step._pending is None and not self._unjudged:
+            self._judged(step)
+            return
+        self._unjudged.append(step)
+        self._drain(keep=_MAX_UNJUDGED)
+
+    def _drain(self, keep: int | None = None) -> None:
+        """Record the steps whose loss has landed, oldest first. ``keep``: wait for the
+        oldest while more than this many are in flight (None: never wait; 0 at the end,
+        where a wait costs nothing)."""
+        q = self._unjudged
+        while q:
+            step = q[0]
+            if step._pending is not None:
+                value = self._losses.value(step._pending, wait=keep is not None and len(q) > keep)
+                if value is None:
+                    return
+                step._pending = None
+                step._judge(value)
+            q.popleft()
+            self._judged(step)
+
+    def _judged(self, step: Step) -> None:
+        self._record(step)
+        if step._nonfinite or step._spike_reason:  # the next step runs at the level we came down from
+            self._roll_back(step, None if step._nonfinite else step._spike_reason)
+
     def _record(self, step: Step) -> None:
         index = step.index
         if index is None:

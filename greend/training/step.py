@@ -73,6 +73,7 @@ class Step:
         "_shape_guessed",
         "_forward_signature",
         "_spike_reason",
+        "_pending",
     )
 
     def __init__(
@@ -105,6 +106,7 @@ class Step:
         self._shape_guessed = False
         self._forward_signature: Hashable | None = None
         self._spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
+        self._pending: Any = None  # a loss read still in flight (LossReader handle)
 
     def __enter__(self) -> Step:
         cb = self._cb
@@ -140,9 +142,7 @@ class Step:
         if exc_type is not None:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
-        cb._record(self)
-        if self._nonfinite or self._spike_reason:  # the next step runs at the level we came down from
-            cb._roll_back(self, None if self._nonfinite else self._spike_reason)
+        cb._finish(self)  # recorded (and judged) once its loss has landed
         return False
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -150,18 +150,37 @@ class Step:
         return self._cb._autocast_for(self.precision)
 
     def loss(self, loss: Any) -> None:
-        """Report this step's loss (a tensor or a number). On CUDA, float() syncs once."""
+        """Report this step's loss (a tensor or a number).
+
+        A tensor is never read on the training thread: it is copied (asynchronously on
+        a GPU) and judged once the copy has landed, on a GPU usually by the end of the
+        next step (:mod:`greend.training.loss_reader`); greend never synchronises the
+        stream for it."""
+        if isinstance(loss, torch.Tensor):
+            losses = self._cb._losses
+            try:
+                handle = losses.start(loss)
+            except Exception as e:
+                self._cb._warn_once("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                return
+            value = losses.value(handle)  # a CPU tensor's value is there at once
+            if value is None:
+                self._pending = handle  # in flight: judged when it lands
+                return
+            self._judge(value)
+            return
         try:
-            if isinstance(loss, torch.Tensor):
-                value = float(loss.detach())
-            else:
-                value = float(loss)
+            value = float(loss)
         except Exception:
             self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
             return
+        self._judge(value)
+
+    def _judge(self, value: float) -> None:
+        """The guard's look at this step's loss, once its value is known."""
         guard = self._cb._guard
         if math.isfinite(value):
-            self._loss, self._nonfinite = value, False
+            self._loss = value  # (a gradient found non-finite meanwhile stays so)
             self._spike_reason = guard.spike(value)
             if self._spike_reason is None:  # a spike is not the new level's trend
                 guard.losses.append(value)
@@ -181,7 +200,7 @@ class Step:
         """
         cb = self._cb
         cb._scaling_seen = True
-        if self._loss is None and not self._nonfinite:
+        if self._loss is None and self._pending is None and not self._nonfinite:
             self.loss(loss)
         if self.precision == "fp16" and cb.manage_precision:
             scaler = cb._get_scaler()
