@@ -38,10 +38,15 @@ def client(sock: Path, job: str, gpu: int, steps: int, batch: int) -> None:
     buf = b""
     while b"\n" not in buf:
         buf += s.recv(65536)
-    t = time.monotonic() - 1000.0
+    # The steps end now and lie 0.1 ms apart (closer on a machine up for less time than
+    # they span): stamps on the daemon's clock, never before boot (a negative stamp is
+    # refused, and the run measured 0 steps/s).
+    now = time.monotonic()
+    dt = min(1e-4, now / (steps + 1))
+    t = now - steps * dt
     for start in range(0, steps, batch):
         rows = [
-            {"step": i, "t0_s": t + i * 1e-4, "t1_s": t + i * 1e-4 + 5e-5, "flops": 1e9, "samples": 32, "loss": 1.0}
+            {"step": i, "t0_s": t + i * dt, "t1_s": t + i * dt + dt / 2, "flops": 1e9, "samples": 32, "loss": 1.0}
             for i in range(start, min(steps, start + batch))
         ]
         s.sendall(encode({"v": 1, "op": "steps", "steps": rows}))
