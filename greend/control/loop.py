@@ -286,7 +286,11 @@ class ControlLoop:
                 self.ctrl.apply_cpu_limit(zone, watts, POLICY_OWNER)
             except (ActuatorError, StateError) as e:
                 log.error("cpu limit %s: %s", zone, e)
-        precision_details = decision.details.get("precision") or {}
+        # The precision policy's details: under "precision" when it runs beside a clock
+        # policy, the decision's own when it is the policy (greenctl policy set precision).
+        precision_details = decision.details.get("precision") or (
+            decision.details if decision.details.get("policy") == "precision" else {}
+        )
         for job_id, level in decision.precision.items():
             # The precision policy's own line for this job, not the joined reasons.
             reason = (precision_details.get("reasons") or {}).get(job_id) or decision.reason
