@@ -202,7 +202,12 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     },
     "cap_reset": {"gpu": _GPU_INDEX, "cpu_zone": _CPU_ZONE},
     "policy_show": {},
-    "policy_set": {"name": Field((str,), required=True, max_len=64), "params": Field((dict,))},
+    "policy_set": {
+        "name": Field((str,), required=True, max_len=64),
+        "params": Field((dict,)),
+        "precision": Field((str,), max_len=64),  # the precision policy beside it ("none": off)
+        "precision_params": Field((dict,)),
+    },
     # A power-limit sweep on one GPU while a job runs (greenctl profile record): start one,
     # ask how it goes (its rows so far), or abort it; see docs/protocol.md.
     "profile": {

@@ -402,6 +402,8 @@ def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-
         f"policy {r['name']}  {json.dumps(r['params'])}  every {r['period_s']:g} s"
         + ("  DRY RUN" if r.get("dry_run") else "")
     )
+    p = r.get("precision")
+    typer.echo(f"precision {p['name']}  {json.dumps(p['params'])}" if p else "precision none")
     clock = [n for n in r["available"] if n != "precision"]
     beside = [n for n in r["available"] if n == "precision"]
     typer.echo(
@@ -424,14 +426,30 @@ def ctl_policy_set(
     name: str = typer.Argument(
         ...,
         help="a clock policy: none, static, efficient, budget (the precision policy runs beside it: "
-        "the config's policy.precision key)",
+        "--precision precision, or the config's policy.precision key)",
     ),
     param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
+    precision: str | None = typer.Option(
+        None, "--precision", help="the precision policy beside it: precision, or none (default: unchanged)"
+    ),
+    precision_param: list[str] | None = typer.Option(
+        None, "--precision-param", help="KEY=VALUE for the precision policy (e.g. tolerance=0.05)"
+    ),
 ) -> None:
-    """Switch the policy (what the old one set for jobs is restored). Needs root or the admin group."""
+    """Switch the policy (what the old one set for jobs is restored), and with --precision the
+    precision policy beside it. Needs root or the admin group."""
     params = dict(_parse_param(p) for p in (param or []))
-    r = _request("policy_set", name=name, params=params)
+    fields: dict[str, Any] = {"name": name, "params": params}
+    if precision is not None:
+        fields["precision"] = precision
+        fields["precision_params"] = dict(_parse_param(p) for p in (precision_param or []))
+    elif precision_param:
+        fail("--precision-param needs --precision NAME")
+    r = _request("policy_set", **fields)
     typer.echo(f"policy {r['name']} {json.dumps(r['params'])}")
+    if precision is not None:
+        p = r.get("precision")
+        typer.echo(f"precision {p['name']} {json.dumps(p['params'])}" if p else "precision none")
 
 
 @ctl_app.command("doctor")

@@ -136,8 +136,28 @@ class ControlOps:
                 "limit: wait for it or abort it (greenctl profile abort)",
                 field="name",
             )
+        precision = msg.get("precision")
+        if precision is not None:
+            # Both are checked before either changes: a bad one leaves the policies as they were.
+            from greend.policies import POLICIES, get_policy
+
+            if precision not in ("none", "", "precision"):
+                hint = " (a clock policy: give it as the policy's name)" if precision in POLICIES else ""
+                raise ProtocolError(
+                    f"precision policy {precision!r}: expected 'none' or 'precision'{hint}", field="precision"
+                )
+            try:
+                get_policy(msg["name"], **dict(msg.get("params") or {}))
+                if precision == "precision":
+                    get_policy(precision, **dict(msg.get("precision_params") or {}))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ProtocolError(str(e), field="params") from None
         try:
-            return self.loop.set_policy(msg["name"], dict(msg.get("params") or {}))
+            shown = self.loop.set_policy(msg["name"], dict(msg.get("params") or {}))
+            if precision is not None:
+                self.loop.set_precision_policy(precision, dict(msg.get("precision_params") or {}))
+                shown = self.loop.show()
+            return shown
         except ConfigError as e:
             raise ProtocolError(str(e), field="params") from None
 

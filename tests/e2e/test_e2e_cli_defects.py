@@ -61,3 +61,31 @@ def test_messages_name_things_once_and_sim_gpus_as_simulated(tmp_path: Path, dae
     assert r.stderr.count("policy 'efficient'") == 1, r.stderr
     out = d.ctl("probes").stdout
     assert "1 simulated GPU(s)" in out and "via NVML" not in out and "driver" not in out.split("\n")[0], out
+
+
+def test_policy_set_takes_a_clock_policy_and_the_precision_policy_together(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    d = start_daemon(tmp_path, "--sim", "1")
+    daemons.append(d)
+    r = d.ctl(
+        "policy", "set", "efficient", "--param", "max_slowdown=0.08",
+        "--precision", "precision", "--precision-param", "tolerance=0.03",
+    )  # fmt: skip
+    assert "policy efficient" in r.stdout and 'precision precision {"' in r.stdout and '"tolerance": 0.03' in r.stdout
+    show = d.ctl("policy", "show").stdout
+    assert "policy efficient" in show and "precision precision" in show and '"tolerance": 0.03' in show
+    st = d.status()["policy"]
+    assert st["name"] == "efficient" and st["precision"]["name"] == "precision"
+    # A bad half changes neither half.
+    static = ["policy", "set", "static", "--param", "clock_cap_mhz=1500"]
+    bad = d.ctl(*static, "--precision", "precision", "--precision-param", "bogus=1", check=False)
+    assert bad.returncode == 2 and "bogus" in bad.stderr
+    bad = d.ctl(*static, "--precision", "efficient", check=False)
+    assert bad.returncode == 2 and "expected 'none' or 'precision' (a clock policy" in bad.stderr
+    st = d.status()["policy"]
+    assert st["name"] == "efficient" and st["precision"]["params"]["tolerance"] == 0.03
+    # Off again; the clock policy stays.
+    r = d.ctl("policy", "set", "efficient", "--precision", "none")
+    assert "precision none" in r.stdout and d.status()["policy"]["precision"] is None
+    assert "precision none" in d.ctl("policy", "show").stdout
