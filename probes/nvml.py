@@ -30,6 +30,11 @@ settings writes that tells the probe to read a GPU's settings again.
 Failure isolation: a GPU that answers ``GPU_IS_LOST`` is logged once as an error,
 marked lost and left out of later readings while the others carry on.
 
+Recovery: while a GPU is lost (every ``RECOVER_EVERY_S``) and after NVML answered
+``UNINITIALIZED`` and was initialised again, the GPUs are enumerated again and
+matched by UUID, never by index: a GPU that comes back at another index (a driver
+reload renumbers them) keeps its energy and is read at its new index.
+
 Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
 by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
 :mod:`greend.errors`, raised ``from`` the original.
@@ -47,7 +52,7 @@ from greend.units import mj_to_j, mw_to_w
 
 from . import ProbeContext, register
 from .base import GpuReading, Probe, ProbeInfo, Readings
-from .nvml_device import NVML_ERROR_MAP, NvmlDevices, NvmlUninitialized, translate_nvml_error
+from .nvml_device import NVML_ERROR_MAP, NvmlDevices, NvmlUninitialized, Unresponsive, translate_nvml_error
 
 __all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
 
@@ -117,6 +122,7 @@ class NvmlProbe:
         self._driver_version: str | None = None
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
         self._recover_at_s = float("-inf")
+        self._gone: dict[str, _Gpu] = {}  # UUID -> a GPU not found again whose index another took
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -208,7 +214,7 @@ class NvmlProbe:
                 self._open_errors[i] = str(e)
             else:
                 self._gpus.append(gpu)
-                self._devices.add(i, gpu.handle)
+                self._devices.add(i, gpu.handle, gpu.uuid)
 
     def _open_gpu(self, i: int) -> _Gpu:
         what = f"gpu{i}"
@@ -256,9 +262,9 @@ class NvmlProbe:
             raise ProbeError(f"probe {self.name!r} sampled before open()")
         out = Readings()
         failures: list[ProbeError] = []
-        if self._devices.lost and now_s >= self._recover_at_s:
+        if (self._devices.lost or self._gone) and now_s >= self._recover_at_s:
             self._recover_at_s = now_s + RECOVER_EVERY_S
-            self._recover_lost()
+            self._rematch()
         live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
         reinit = False
         for gpu in live:
@@ -283,26 +289,91 @@ class NvmlProbe:
                 log.warning("NVML was shut down under greend; initialised it again")
             except ProbeError as e:
                 log.error("NVML could not be initialised again: %s", e)
+            else:
+                self._rematch()  # a driver reload may have renumbered the GPUs
         if failures and not out.gpus:
             raise failures[0]  # every live GPU failed: the probe failed this tick
         return out
 
-    def _recover_lost(self) -> None:
-        """Lost GPUs that answer again with the same UUID at their index get a fresh
-        handle; their energy goes on from what was counted (a new counter baseline)."""
-        for gpu in self._gpus:
-            if not self._devices.is_lost(gpu.index):
-                continue
+    def _rematch(self) -> None:
+        """Enumerate again and match every GPU by its UUID, never by its index: after a
+        driver reload NVML may number them differently. A GPU found again keeps its
+        energy and follows its UUID to its index now (with a fresh handle; a lost one
+        counts from a new baseline); one not found is lost, at its old index while no
+        other GPU holds that index; a GPU never seen is opened. A GPU whose calls are
+        stuck (unresponsive) stays as it is: hung is not lost."""
+        try:
+            count = int(self._call("node", "nvmlDeviceGetCount"))
+        except ProbeError as e:
+            log.debug("enumerating the GPUs again failed: %s", e)
+            return
+        found: dict[str, tuple[int, Any]] = {}
+        failed: dict[int, str] = {}
+        lost_at: dict[int, str] = {}  # indices that answer GPU_IS_LOST
+        hung: set[int] = set()
+        for i in range(count):
             try:
-                handle = self._call(f"gpu{gpu.index}", "nvmlDeviceGetHandleByIndex", gpu.index)
-                uuid = _text(self._call(f"gpu{gpu.index}", "nvmlDeviceGetUUID", handle))
-            except ProbeError:
+                h = self._call(f"gpu{i}", "nvmlDeviceGetHandleByIndex", i)
+                uuid = _text(self._call(f"gpu{i}", "nvmlDeviceGetUUID", h))
+            except Unresponsive:
+                hung.add(i)
                 continue
-            if uuid != gpu.uuid:
-                continue  # another GPU is at this index now; leave it to a restart
-            gpu.handle, gpu.last_counter_mj, gpu.last_power = handle, None, None
-            gpu.slow_at_s = float("-inf")
-            self._devices.recovered(gpu.index, handle)
+            except DeviceLost as e:
+                failed[i] = str(e)
+                lost_at[i] = str(e)
+                continue
+            except ProbeError as e:
+                failed[i] = str(e)
+                continue
+            found[uuid] = (i, h)
+        known = {g.uuid: g for g in self._gpus} | self._gone
+        gpus: list[_Gpu] = []
+        for uuid, (i, h) in sorted(found.items(), key=lambda kv: kv[1][0]):
+            gpu = known.get(uuid)
+            if gpu is None:
+                try:
+                    gpu = self._open_gpu(i)
+                except ProbeError as e:
+                    failed[i] = str(e)
+                    continue
+                log.warning("gpu%d (%s) appeared: measured from now", i, uuid)
+            else:
+                if self._devices.is_lost(gpu.index) or uuid in self._gone:
+                    gpu.last_counter_mj, gpu.last_power = None, None  # a new baseline
+                if gpu.index != i:
+                    log.warning("gpu%d (%s) is gpu%d now: matched by its UUID", gpu.index, uuid, i)
+                gpu.index, gpu.handle = i, h
+                gpu.slow_at_s = float("-inf")
+            self._gone.pop(uuid, None)
+            self._open_errors.pop(i, None)
+            gpus.append(gpu)
+        taken = {g.index for g in gpus} | hung
+        lost: dict[int, str] = {}
+        for gpu in self._gpus:
+            if gpu.uuid in found:
+                continue
+            if gpu.index in hung and not self._devices.is_lost(gpu.index):
+                gpus.append(gpu)  # its calls hang: still there, reported unresponsive
+                continue
+            why = (
+                self._devices.lost.get(gpu.index)
+                or failed.get(gpu.index)
+                or f"{gpu.uuid} not found when NVML enumerated the GPUs again"
+            )
+            if gpu.index in taken:
+                log.error("gpu%d (%s) is gone: another GPU is gpu%d now", gpu.index, gpu.uuid, gpu.index)
+                self._gone[gpu.uuid] = gpu
+                continue
+            if not self._devices.is_lost(gpu.index):
+                log.error("gpu%d (%s) is lost and left out of readings: %s", gpu.index, gpu.uuid, why)
+            lost[gpu.index] = why
+            taken.add(gpu.index)
+            gpus.append(gpu)
+        for i, why in lost_at.items():  # lost before greend knew which GPU it is
+            if i not in taken:
+                lost[i] = why
+        self._gpus = sorted(gpus, key=lambda g: g.index)
+        self._devices.renumber({g.index: (g.handle, g.uuid) for g in self._gpus if g.index not in lost}, lost)
 
     def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
@@ -416,6 +487,10 @@ class NvmlProbe:
             for line in devices
         ]
         devices += [f"gpu{i}: LOST ({why})" for i, why in sorted(lost.items())]
+        devices += [
+            f"{g.uuid} (was gpu{g.index}): LOST (not found again; another GPU is gpu{g.index} now)"
+            for g in self._gone.values()
+        ]
         devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
         live = sum(not self._devices.is_lost(g.index) for g in self._gpus)
         if self.source == "sim":  # no driver behind them: say what they are
@@ -424,8 +499,8 @@ class NvmlProbe:
             parts = [f"{live} GPU(s) via NVML"]
         if self._driver_version and self.source != "sim":
             parts.append(f"driver {self._driver_version}")
-        if lost:
-            parts.append(f"lost: {', '.join(f'gpu{i}' for i in sorted(lost))}")
+        if lost or self._gone:
+            parts.append(f"lost: {', '.join([f'gpu{i}' for i in sorted(lost)] + sorted(self._gone))}")
         if hung:
             parts.append(f"unresponsive: {', '.join(sorted(hung))}")
         if self._open_errors:

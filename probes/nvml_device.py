@@ -174,6 +174,7 @@ class NvmlDevices:
         self._workers: dict[str, _Worker] = {}
         self._unresponsive: dict[str, str] = {}  # "gpu3" / "node" -> why
         self._handles: dict[int, Any] = {}
+        self._uuids: dict[int, str] = {}  # index -> UUID, as enumerated
         self._lost: dict[int, str] = {}  # index -> why
         self._writes: dict[int, int] = {}  # index -> settings writes so far
         self._lock = threading.Lock()
@@ -251,11 +252,30 @@ class NvmlDevices:
     # ---- the GPUs
 
     def forget_all(self) -> None:
-        """Drop every handle and lost mark (before enumerating again)."""
-        self._handles, self._lost = {}, {}
+        """Drop every handle, UUID and lost mark (before enumerating again)."""
+        self._handles, self._uuids, self._lost = {}, {}, {}
 
-    def add(self, index: int, handle: Any) -> None:
+    def add(self, index: int, handle: Any, uuid: str | None = None) -> None:
         self._handles[index] = handle
+        if uuid is not None:
+            self._uuids[index] = uuid
+
+    def uuid_at(self, index: int) -> str | None:
+        """The UUID of the GPU at ``index`` when it was last enumerated (no driver call)."""
+        return self._uuids.get(index)
+
+    def renumber(self, gpus: dict[int, tuple[Any, str]], lost: dict[int, str]) -> None:
+        """After enumerating again: index -> (handle, UUID) of every GPU that answers,
+        and index -> why for those that do not. The settings-write counts follow each
+        GPU's UUID to its new index."""
+        with self._lock:
+            old_writes = {self._uuids[i]: n for i, n in self._writes.items() if i in self._uuids}
+            self._handles = {i: h for i, (h, _) in gpus.items()}
+            self._uuids = {i: u for i, (_, u) in gpus.items()}
+            self._writes = {i: old_writes.get(u, 0) + 1 for i, (_, u) in gpus.items()}
+            for i in [i for i in self._lost if i not in lost and i in gpus]:
+                log.warning("gpu%d is back after a reset or driver reload", i)
+            self._lost = dict(lost)
 
     def indices(self) -> list[int]:
         """The enumerated GPUs that are not lost, in index order."""
@@ -279,12 +299,6 @@ class NvmlDevices:
         if index not in self._lost:
             log.error("gpu%d is lost and left out of readings: %s", index, why)
         self._lost[index] = why
-
-    def recovered(self, index: int, handle: Any) -> None:
-        """GPU ``index`` answers again (after a reset): its new handle, not lost."""
-        self._handles[index] = handle
-        if self._lost.pop(index, None) is not None:
-            log.warning("gpu%d is back after a reset or driver reload", index)
 
     def index_of_uuid(self, uuid: str) -> int | None:
         """The index NVML gives the GPU with ``uuid`` now, or None if there is none."""

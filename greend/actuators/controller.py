@@ -32,6 +32,16 @@ Rules the Controller keeps:
   dropped, and the file is removed once empty.
 - Dry-run logs "would set ..." and records the intended setting in memory (for
   ``greenctl status``) but touches no device and writes no state file.
+- No lock is held across a call into the driver that other GPUs or readers need:
+  the state lock (``_lock``: the saved settings, the dry-run maps, the file) is
+  taken only around changes of the state; calls into NVML run under a lock of
+  their GPU alone, which serialises the writes to that GPU and is waited for at
+  most :func:`gpu_lock_wait_s` (a hung call there ends at its deadline,
+  ``GREEND_NVML_DEADLINE_S``, and the GPU's later calls fail at once). A setter
+  stuck in the driver thus holds its own GPU, never ``status``, the other GPUs
+  or the daemon's stop.
+- Saved GPU entries are matched by UUID: a GPU that comes back at another index
+  (after a driver reload) keeps its entry, whose index follows it.
 
 Every NVML or sysfs error arrives as a :class:`KnobError` (an
 :class:`~greend.errors.ActuatorError`) raised ``from`` the greend probe error
@@ -45,7 +55,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -76,7 +87,7 @@ from greend.errors import (
 from greend.policies.base import UNCAPPED, Setting
 from greend.units import uw_to_w, w_to_mw, w_to_uw
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "gpu_lock_wait_s"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +103,13 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
+def gpu_lock_wait_s(deadline_s: float) -> float:
+    """How long an operation waits for a GPU another operation is writing to: the
+    holder's first call that hangs ends at ``deadline_s`` and its later calls on that
+    GPU fail at once, so twice the deadline and a second is ample."""
+    return 2.0 * deadline_s + 1.0
+
+
 class Controller:
     """Applies and restores settings; see the module docstring for the rules.
 
@@ -99,7 +117,8 @@ class Controller:
     (strictly: :class:`~greend.errors.StateError` if corrupt) and its entries are
     kept, so originals saved by an earlier run are never overwritten.
     ``gpu_backend`` / ``rapl_backend``: the devices (None: no such knobs).
-    Thread-safe (one lock): the tick loop and IPC handlers may call it.
+    Thread-safe: the tick loop and IPC handlers may call it. The state lock is never
+    held across a driver call; each GPU's writes are serialised by a lock of its own.
     """
 
     def __init__(
@@ -111,7 +130,8 @@ class Controller:
     ) -> None:
         self.state_file = StateFile(state_dir)
         self.dry_run = dry_run
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the state only: never held across a driver call
+        self._gpu_locks: dict[tuple[str, int], threading.RLock] = {}  # (backend key, index)
         self._state: SavedState = self.state_file.load()
         self.gpu_backend = gpu_backend
         self.rapl_backend = rapl_backend
@@ -174,13 +194,46 @@ class Controller:
             self.state_file.save(self._state)
 
     def _gpu_entry(self, index: int) -> GpuEntry | None:
+        """The saved entry of the GPU at ``index`` now, matched by its UUID where the
+        backend knows it (from enumeration, no driver call): an entry whose GPU came
+        back at another index follows it. Called with the state lock held."""
         if self.gpu_backend is None:
             return None
         key = backend_key(self.gpu_backend.kind, self.gpu_backend.sim_dir)
+        uuid = self.gpu_backend.known_uuid(index)
         for e in self._state.gpus:
-            if e.backend_key == key and e.index == index:
+            if e.backend_key != key:
+                continue
+            if uuid is not None and e.uuid == uuid:
+                if e.index != index:
+                    log.info("%s is gpu%d now", e.device, index)
+                    e.index = index
+                return e
+            if uuid is None and e.index == index:
                 return e
         return None
+
+    @contextmanager
+    def _gpu_guard(self, backend: GpuBackend, index: int) -> Iterator[None]:
+        """Hold GPU ``index``'s own lock (its driver calls, one operation at a time),
+        waiting for it at most :func:`gpu_lock_wait_s`; :class:`KnobError` past that."""
+        key = (backend_key(backend.kind, backend.sim_dir), index)
+        with self._lock:
+            lock = self._gpu_locks.setdefault(key, threading.RLock())
+        wait_s = gpu_lock_wait_s(backend.deadline_s)
+        if not lock.acquire(timeout=wait_s):
+            raise KnobError(
+                f"gpu{index}: busy: an earlier setting on this GPU has not returned within {wait_s:g} s "
+                "(the driver may be hung; fix: check `nvidia-smi` and dmesg for Xid errors, then "
+                "`greenctl probes` for unresponsive GPUs)",
+                device=f"gpu{index}",
+                knob="/".join(GPU_KNOBS),
+                reason="failed",
+            )
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _cpu_entry(self, rapl: RaplBackend, rel_path: str) -> CpuEntry | None:
         for e in self._state.cpus:
@@ -245,8 +298,8 @@ class Controller:
                 knob=POWER_KNOB,
                 reason="invalid",
             )
-        with self._lock:
-            backend = self._primary_gpu()
+        backend = self._primary_gpu()
+        with self._gpu_guard(backend, index):
             lowest: int | None = None
             clock: int | None = None
             if setting.clock_cap_mhz is not None:
@@ -256,26 +309,27 @@ class Controller:
                 power = self._clamp_power(backend, index, float(setting.power_limit_w))
             keep = frozenset(keep)
             if self.dry_run:
-                prev = self._dry_gpu.get(index, UNCAPPED)
-                target = Setting(
-                    prev.clock_cap_mhz if CLOCK_KNOB in keep else clock,
-                    prev.power_limit_w if POWER_KNOB in keep else power,
-                )
-                if prev != target or self._dry_gpu_owner.get(index) != owner:
-                    log.info(
-                        "dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
-                        index,
-                        _setting_text(clock, "MHz"),
-                        _setting_text(power, "W"),
-                        owner,
+                with self._lock:
+                    prev = self._dry_gpu.get(index, UNCAPPED)
+                    target = Setting(
+                        prev.clock_cap_mhz if CLOCK_KNOB in keep else clock,
+                        prev.power_limit_w if POWER_KNOB in keep else power,
                     )
-                if target.uncapped:
-                    self._dry_gpu.pop(index, None)
-                    self._dry_gpu_owner.pop(index, None)
-                else:
-                    self._dry_gpu[index] = target
-                    self._dry_gpu_owner[index] = owner
-                return target
+                    if prev != target or self._dry_gpu_owner.get(index) != owner:
+                        log.info(
+                            "dry-run: would set gpu%d clock cap %s, power limit %s (owner %s)",
+                            index,
+                            _setting_text(clock, "MHz"),
+                            _setting_text(power, "W"),
+                            owner,
+                        )
+                    if target.uncapped:
+                        self._dry_gpu.pop(index, None)
+                        self._dry_gpu_owner.pop(index, None)
+                    else:
+                        self._dry_gpu[index] = target
+                        self._dry_gpu_owner[index] = owner
+                    return target
             errors: list[GreendError] = []
             for knob, value in ((CLOCK_KNOB, clock), (POWER_KNOB, power)):
                 if knob in keep:
@@ -293,36 +347,41 @@ class Controller:
     def _apply_gpu_knob(
         self, backend: GpuBackend, index: int, knob: str, value: float | None, owner: str, lowest: int | None
     ) -> None:
-        entry = self._gpu_entry(index)
-        ks = entry.knobs.get(knob) if entry is not None else None
-        dev = entry.device if entry is not None else f"gpu{index}"
+        """One knob of one GPU; called with the GPU's own lock held. Driver calls run
+        without the state lock, which is taken for each change of the state."""
+        with self._lock:
+            entry = self._gpu_entry(index)
+            ks = entry.knobs.get(knob) if entry is not None else None
+            dev = entry.device if entry is not None else f"gpu{index}"
         if value is None:
             if entry is None or ks is None:
                 return  # greend never set it: nothing to restore
             self._restore_gpu_knob(backend, index, entry, knob, ks)
-            del entry.knobs[knob]
-            self._drop_empty()
-            self._save()
+            with self._lock:
+                entry.knobs.pop(knob, None)
+                self._drop_empty()
+                self._save()
             return
         current: float | None = None
         if knob == POWER_KNOB:
             current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
         if ks is None:
-            if entry is None:
-                uuid = guarded(dev, knob, "read the UUID", lambda: backend.uuid(index))
-                entry = GpuEntry(backend=backend.kind, sim_dir=backend.sim_dir, uuid=uuid, index=index)
-                self._state.gpus.append(entry)
-                dev = entry.device
-            ks = KnobState(
-                original=current if knob == POWER_KNOB else None, set=None, owner=owner, updated_at=time.time()
-            )
-            entry.knobs[knob] = ks
-            try:
-                self._save()  # the original is on disk BEFORE the first write
-            except StateError:
-                del entry.knobs[knob]
-                self._drop_empty()
-                raise
+            uuid = entry.uuid if entry is not None else guarded(dev, knob, "read the UUID", lambda: backend.uuid(index))
+            with self._lock:
+                if entry is None:
+                    entry = GpuEntry(backend=backend.kind, sim_dir=backend.sim_dir, uuid=uuid, index=index)
+                    self._state.gpus.append(entry)
+                    dev = entry.device
+                ks = KnobState(
+                    original=current if knob == POWER_KNOB else None, set=None, owner=owner, updated_at=time.time()
+                )
+                entry.knobs[knob] = ks
+                try:
+                    self._save()  # the original is on disk BEFORE the first write
+                except StateError:
+                    del entry.knobs[knob]
+                    self._drop_empty()
+                    raise
             log.info(
                 "%s %s: saved original %s before the first write",
                 dev,
@@ -336,8 +395,9 @@ class Controller:
             in_force = w_to_mw(current) == w_to_mw(float(value))
         if in_force:
             if ks.set != value or ks.owner != owner:
-                ks.set, ks.owner, ks.updated_at = value, owner, time.time()
-                self._save()
+                with self._lock:
+                    ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+                    self._save()
             return
         if knob == CLOCK_KNOB:
             lo = lowest if lowest is not None else int(value)
@@ -353,8 +413,9 @@ class Controller:
                 dev, knob, f"set the power limit to {value:g} W", lambda: backend.set_power_limit_w(index, float(value))
             )
             log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
-        ks.set, ks.owner, ks.updated_at = value, owner, time.time()
-        self._save()
+        with self._lock:
+            ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+            self._save()
 
     def _restore_gpu_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
         """Put one knob back to its original; returns a line for the report."""
@@ -416,34 +477,43 @@ class Controller:
                     )
                 )
             return
-        if index != entry.index:
-            log.info("%s is gpu%d now", entry.device, index)
-            entry.index = index
-        for k in knobs:
-            try:
-                line = self._restore_gpu_knob(backend, index, entry, k, entry.knobs[k])
-            except GreendError as e:
-                log.error("restore: %s", e)
-                report.failed.append(RestoreFailure(entry.device, k, str(e)))
-            else:
-                del entry.knobs[k]
-                report.restored.append(line)
+        with self._gpu_guard(backend, index):
+            with self._lock:
+                if index != entry.index:
+                    log.info("%s is gpu%d now", entry.device, index)
+                    entry.index = index
+                todo = [(k, entry.knobs[k]) for k in knobs if k in entry.knobs]
+            for k, ks in todo:
+                try:
+                    line = self._restore_gpu_knob(backend, index, entry, k, ks)
+                except GreendError as e:
+                    log.error("restore: %s", e)
+                    report.failed.append(RestoreFailure(entry.device, k, str(e)))
+                else:
+                    with self._lock:
+                        if entry.knobs.get(k) is ks:
+                            del entry.knobs[k]
+                    report.restored.append(line)
 
     def restore_gpu(self, index: int) -> RestoreReport:
         """Both knobs of GPU ``index`` back to their originals."""
-        with self._lock:
-            report = RestoreReport(dry_run=self.dry_run)
-            if self.dry_run:
+        report = RestoreReport(dry_run=self.dry_run)
+        if self.dry_run:
+            with self._lock:
                 if self._dry_gpu.pop(index, None) is not None:
                     self._dry_gpu_owner.pop(index, None)
                     report.restored.append(f"gpu{index}")
                     log.info("dry-run: would restore gpu%d", index)
-                return report
-            entry = self._gpu_entry(index)
+            return report
+        backend = self._primary_gpu()
+        with self._gpu_guard(backend, index):
+            with self._lock:
+                entry = self._gpu_entry(index)
             if entry is not None:
                 self._restore_gpu_entry(entry, GPU_KNOBS, report)
+        with self._lock:
             self._finish(report)
-            return report
+        return report
 
     # ---- RAPL
 
@@ -615,9 +685,9 @@ class Controller:
 
     def restore_owner(self, owner: str) -> RestoreReport:
         """Everything ``owner`` set (a job that ended, a client that stopped answering)."""
-        with self._lock:
-            report = RestoreReport(dry_run=self.dry_run)
-            if self.dry_run:
+        report = RestoreReport(dry_run=self.dry_run)
+        if self.dry_run:
+            with self._lock:
                 for i in [i for i, o in self._dry_gpu_owner.items() if o == owner]:
                     self._dry_gpu.pop(i, None)
                     self._dry_gpu_owner.pop(i, None)
@@ -627,20 +697,24 @@ class Controller:
                     report.restored.append(z)
                 if report.restored:
                     log.info("dry-run: would restore %s for %s", ", ".join(report.restored), owner)
-                return report
-            self._restore_each(
-                report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner], lambda cpu: cpu.owner == owner
-            )
-            self._finish(report)
             return report
+        self._restore_each(
+            report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner], lambda cpu: cpu.owner == owner
+        )
+        with self._lock:
+            self._finish(report)
+        return report
 
     def _restore_each(
         self, report: RestoreReport, gpu_knobs: Callable[[Any], list[str]], cpu_wanted: Callable[[Any], bool]
     ) -> None:
         """Restore the chosen knobs of every saved device, each on its own: an
-        unexpected error on one device is reported and never stops the others."""
-        for entry in list(self._state.gpus):
-            knobs = gpu_knobs(entry)
+        unexpected error on one device is reported and never stops the others.
+        GPUs are restored without the state lock (each under its own GPU's lock);
+        RAPL zones (sysfs writes) under it."""
+        with self._lock:
+            gpus = [(e, gpu_knobs(e)) for e in self._state.gpus]
+        for entry, knobs in gpus:
             try:
                 self._restore_gpu_entry(entry, knobs, report)
             except Exception as e:
@@ -648,35 +722,37 @@ class Controller:
                 report.failed += [
                     RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}") for k in knobs if k in entry.knobs
                 ]
-        for cpu in list(self._state.cpus):
-            if not cpu_wanted(cpu):
-                continue
-            try:
-                self._restore_cpu_entry(cpu, report)
-            except Exception as e:
-                log.exception("restore of %s failed", cpu.device)
-                report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
+        with self._lock:
+            for cpu in list(self._state.cpus):
+                if not cpu_wanted(cpu):
+                    continue
+                try:
+                    self._restore_cpu_entry(cpu, report)
+                except Exception as e:
+                    log.exception("restore of %s failed", cpu.device)
+                    report.failed.append(RestoreFailure(cpu.device, POWER_KNOB, f"{type(e).__name__}: {e}"))
 
     def restore_all(self) -> RestoreReport:
         """Every saved device back to its original, each on its own: a failing device
         is reported and kept in the state file; the file is removed once empty."""
-        with self._lock:
-            report = RestoreReport(dry_run=self.dry_run)
-            if self.dry_run:
+        report = RestoreReport(dry_run=self.dry_run)
+        if self.dry_run:
+            with self._lock:
                 report.restored += [f"gpu{i}" for i in sorted(self._dry_gpu)] + sorted(self._dry_cpu)
                 if report.restored:
                     log.info("dry-run: would restore %s", ", ".join(report.restored))
                 self._dry_gpu.clear()
                 self._dry_gpu_owner.clear()
                 self._dry_cpu.clear()
-                return report
-            self._restore_each(report, lambda e: list(GPU_KNOBS), lambda cpu: True)
-            self._finish(report)
-            if report.failed:
-                log.error(
-                    "restore: %d knob(s) could not be restored and stay in %s", len(report.failed), self.state_file.path
-                )
             return report
+        self._restore_each(report, lambda e: list(GPU_KNOBS), lambda cpu: True)
+        with self._lock:
+            self._finish(report)
+        if report.failed:
+            log.error(
+                "restore: %d knob(s) could not be restored and stay in %s", len(report.failed), self.state_file.path
+            )
+        return report
 
     # ---- what is in force
 

@@ -31,15 +31,25 @@ class GpuBackend(Protocol):
     """The GPU knobs, in SI units. Errors are greend probe errors (``NoPermission``,
     ``DeviceLost``, ``NotSupported``, ``ProbeError``); the Controller names knob and fix.
 
-    ``kind``: ``"nvml"`` or ``"sim"``; ``sim_dir``: the simulator's directory (sim only).
+    ``kind``: ``"nvml"`` or ``"sim"``; ``sim_dir``: the simulator's directory (sim only);
+    ``deadline_s``: the longest one driver call may take before its GPU is called
+    unresponsive (the Controller waits for a GPU another write holds about twice that).
     """
 
     kind: str
     sim_dir: str | None
 
+    @property
+    def deadline_s(self) -> float: ...
+
     def indices(self) -> list[int]: ...
 
     def uuid(self, index: int) -> str: ...
+
+    def known_uuid(self, index: int) -> str | None:
+        """The UUID of the GPU at ``index`` as last enumerated, without a driver call
+        (None: not known)."""
+        ...
 
     def index_of_uuid(self, uuid: str) -> int | None: ...
 
@@ -121,6 +131,10 @@ class NvmlGpuBackend:
     def key(self) -> str:
         return backend_key(self.kind, self.sim_dir)
 
+    @property
+    def deadline_s(self) -> float:
+        return self.devices.deadline_s
+
     # ---- plumbing
 
     def _handle(self, index: int) -> Any:
@@ -170,6 +184,9 @@ class NvmlGpuBackend:
 
     def uuid(self, index: int) -> str:
         return _text(self._call(index, "nvmlDeviceGetUUID"))
+
+    def known_uuid(self, index: int) -> str | None:
+        return self.devices.uuid_at(index)
 
     def index_of_uuid(self, uuid: str) -> int | None:
         return self.devices.index_of_uuid(uuid)
