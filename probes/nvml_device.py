@@ -208,7 +208,9 @@ class NvmlDevices:
 
     def deadline(self, what: str, fn: str, call: Callable[[], Any]) -> Any:
         """``call()`` on ``what``'s worker thread, waited for at most ``deadline_s``:
-        :class:`Unresponsive` past it, and at once while an earlier call there is stuck."""
+        :class:`Unresponsive` past it, and at once while an earlier call there is stuck.
+        ``what`` is ``"gpu3"``, ``"node"``, or ``"gpu3 setters"``: a GPU's setters have a
+        worker of their own, so a write stuck in the driver never queues the readings."""
         w = self._worker(what)
         if threading.current_thread() is w.thread:  # a call made from within a call
             return call()
@@ -232,7 +234,7 @@ class NvmlDevices:
 
     @property
     def unresponsive(self) -> dict[str, str]:
-        """``"gpu3"`` / ``"node"`` -> why, for whose calls do not return."""
+        """``"gpu3"`` / ``"gpu3 setters"`` / ``"node"`` -> why, for whose calls do not return."""
         return dict(self._unresponsive)
 
     def call(self, what: str, fn: str, *args: Any) -> Any:
@@ -329,7 +331,7 @@ class NvmlDevices:
         lost is marked lost. Errors arrive as greend errors."""
         handle = self.handle(index)
         try:
-            self.call(f"gpu{index}", fn, handle, *args)
+            self.call(f"gpu{index} setters", fn, handle, *args)
         except DeviceLost as e:
             self.mark_lost(index, str(e))
             raise

@@ -110,6 +110,13 @@ def gpu_lock_wait_s(deadline_s: float) -> float:
     return 2.0 * deadline_s + 1.0
 
 
+# How long a restore waits for a GPU another operation holds before it reports that
+# GPU's knobs as not restored (they stay in the state file; ``greend restore``, run by
+# the unit's ExecStopPost, tries again): a healthy write holds a GPU for milliseconds,
+# one stuck in the driver until its deadline, and a stop must not wait on that.
+RESTORE_WAIT_S = 2.0
+
+
 class Controller:
     """Applies and restores settings; see the module docstring for the rules.
 
@@ -213,14 +220,15 @@ class Controller:
                 return e
         return None
 
-    @contextmanager
-    def _gpu_guard(self, backend: GpuBackend, index: int) -> Iterator[None]:
-        """Hold GPU ``index``'s own lock (its driver calls, one operation at a time),
-        waiting for it at most :func:`gpu_lock_wait_s`; :class:`KnobError` past that."""
+    def _acquire_gpu(self, backend: GpuBackend, index: int, wait_s: float | None = None) -> threading.RLock:
+        """Take GPU ``index``'s own lock (its driver calls, one operation at a time),
+        waiting for it at most ``wait_s`` (default :func:`gpu_lock_wait_s`);
+        :class:`KnobError` past that. The caller releases it."""
         key = (backend_key(backend.kind, backend.sim_dir), index)
         with self._lock:
             lock = self._gpu_locks.setdefault(key, threading.RLock())
-        wait_s = gpu_lock_wait_s(backend.deadline_s)
+        if wait_s is None:
+            wait_s = gpu_lock_wait_s(backend.deadline_s)
         if not lock.acquire(timeout=wait_s):
             raise KnobError(
                 f"gpu{index}: busy: an earlier setting on this GPU has not returned within {wait_s:g} s "
@@ -230,6 +238,12 @@ class Controller:
                 knob="/".join(GPU_KNOBS),
                 reason="failed",
             )
+        return lock
+
+    @contextmanager
+    def _gpu_guard(self, backend: GpuBackend, index: int) -> Iterator[None]:
+        """:meth:`_acquire_gpu` for a ``with`` block."""
+        lock = self._acquire_gpu(backend, index)
         try:
             yield
         finally:
@@ -477,7 +491,13 @@ class Controller:
                     )
                 )
             return
-        with self._gpu_guard(backend, index):
+        try:
+            lock = self._acquire_gpu(backend, index, RESTORE_WAIT_S)
+        except KnobError as e:
+            for k in knobs:
+                report.failed.append(RestoreFailure(entry.device, k, f"not restored: {e}; it stays saved"))
+            return
+        try:
             with self._lock:
                 if index != entry.index:
                     log.info("%s is gpu%d now", entry.device, index)
@@ -494,6 +514,8 @@ class Controller:
                         if entry.knobs.get(k) is ks:
                             del entry.knobs[k]
                     report.restored.append(line)
+        finally:
+            lock.release()
 
     def restore_gpu(self, index: int) -> RestoreReport:
         """Both knobs of GPU ``index`` back to their originals."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from greend.policies.base import UNCAPPED, Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.fake_sysfs import make_standard_tree
 from greend.probes.nvml import NvmlProbe
+from tests.support import wait_for
 
 SETTERS = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit")
 
@@ -380,3 +382,57 @@ def test_a_refused_knob_is_not_tried_again(tmp_path: Path, sim: Any) -> None:
             ctl.apply_gpu(1, Setting(power_limit_w=400.0), "job-1")
     assert len([c for c in counting.calls if c[0] == "nvmlDeviceSetPowerManagementLimit"]) == 1
     assert "power_limit_w" in ctl.snapshot()["refused"]["1"]
+
+
+def test_a_hung_setter_holds_only_its_own_gpu(tmp_path: Path, sim: Any) -> None:
+    """A power-limit write stuck in the driver on gpu1: status, the owners, what is in
+    force and a write to gpu0 all answer while it hangs (the state lock is not held
+    across the call); once the driver answers, the write completes."""
+    fake, counting, backend = sim
+    backend.devices.deadline_s = 60.0  # the hang outlasts everything below
+    fake.set_hang("nvmlDeviceSetPowerManagementLimit", gpu=1)  # until cleared
+    ctl = Controller(tmp_path / "state", backend)
+    outcome: list[object] = []
+
+    def write_gpu1() -> None:
+        try:
+            outcome.append(ctl.apply_gpu(1, Setting(power_limit_w=400.0), "job-1"))
+        except Exception as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=write_gpu1, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: any(c[0] == "nvmlDeviceSetPowerManagementLimit" for c in counting.calls), 10)
+        assert ctl.snapshot()["gpus"]["1"]["power_limit_w"] is None  # saved original, not set yet
+        assert ctl.current(1) == UNCAPPED
+        assert ctl.apply_gpu(0, Setting(power_limit_w=350.0), "job-2").power_limit_w == 350.0
+        assert ctl.owners() == {"job-1": ["gpu1.power_limit_w"], "job-2": ["gpu0.power_limit_w"]}
+        assert t.is_alive(), "all of the above ran while gpu1's setter hung"
+    finally:
+        fake.set_hang(None)
+        t.join(30)
+    assert outcome and outcome[0] == Setting(power_limit_w=400.0), outcome
+    assert fake.sim_gpu(1).power_limit_w() == 400.0
+
+
+def test_a_gpu_whose_setter_hung_fails_its_next_write_at_once(tmp_path: Path, sim: Any) -> None:
+    """The write that hangs fails at its deadline; the next one on that GPU fails at
+    once with the reason (its calls are stuck), and the other GPUs are still written."""
+    fake, _counting, backend = sim
+    backend.devices.deadline_s = 0.5
+    fake.set_hang("nvmlDeviceSetPowerManagementLimit", gpu=2)
+    ctl = Controller(tmp_path / "state", backend)
+    errors: list[BaseException] = []
+    try:
+        for w in (400.0, 380.0):
+            try:
+                ctl.apply_gpu(2, Setting(power_limit_w=w), "job-1")
+            except KnobError as e:
+                errors.append(e)
+        assert len(errors) == 2
+        assert "did not return within 0.5 s" in str(errors[0])
+        assert "not called" in str(errors[1])  # the GPU is unresponsive: failed at once
+        assert ctl.apply_gpu(0, Setting(power_limit_w=300.0), "job-1").power_limit_w == 300.0
+    finally:
+        fake.set_hang(None)

@@ -154,3 +154,56 @@ def test_mig_gpu_is_measured_and_not_capped(tmp_path: Path, daemons: list[Daemon
     r = d.ctl("cap", "set", "--gpu", "4", "--power-limit", "400", check=False)
     assert r.returncode != 0 and "MIG" in r.stdout + r.stderr
     assert "MIG mode" in d.ctl("probes").stdout
+
+
+def test_a_hung_setter_leaves_status_other_gpus_and_stop_working(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """``nvmlDeviceSetPowerManagementLimit`` on gpu3 never returns. While ``greenctl cap
+    set`` waits on it (the NVML deadline is longer than this test looks), status answers,
+    the tick goes on and the other GPUs' energy grows; SIGTERM then stops the daemon with
+    exit status 0: gpu3's restore gives up on the GPU the stuck write holds and leaves
+    its original in the saved-settings file."""
+    d = start_on_stub(
+        tmp_path,
+        hang="nvmlDeviceSetPowerManagementLimit:3",
+        env_extra={"GREEND_NVML_DEADLINE_S": "120"},
+    )
+    daemons.append(d)
+    cap = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "greend.ctl",
+            "--socket",
+            str(d.socket),
+            "cap",
+            "set",
+            "--gpu",
+            "3",
+            "--power-limit",
+            "450",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=stub_env(),
+    )
+    try:
+        saved = d.state_dir / "saved-settings.json"
+        # the original is saved just before the setter is called
+        assert wait_for(lambda: saved.exists() and '"power_limit_w"' in saved.read_text(), 20)
+        first = d.status()
+        energy0 = gpus_of(first)[0]["energy_j"]
+        assert wait_for(
+            lambda: gpus_of(d.status())[0]["energy_j"] > energy0 and d.status()["ticks"] > first["ticks"], 10
+        )
+        st = d.status()
+        assert {g["index"] for g in gpus_of(st)} == set(range(8))
+        assert st["policy"]["owners"] == {"node": ["gpu3.power_limit_w"]}
+        assert cap.poll() is None, "every status above was answered while gpu3's setter hung"
+    finally:
+        assert d.stop() == 0
+        out = cap.communicate(timeout=30)[0].decode()
+    assert cap.returncode != 0, out
+    assert "FAILED gpu3" in d.log_text() and "not restored" in d.log_text()
+    # left for `greend restore` (the unit's ExecStopPost) to try again
+    assert "GPU-5ab1e000-0000-4000-8000-000000000003" in (d.state_dir / "saved-settings.json").read_text()
