@@ -36,8 +36,12 @@ or ``DRIVER_NOT_LOADED``), ``slow_ms`` (every call sleeps that long first),
 ``hang`` (``"fn"`` or ``"fn:gpu"``: that call sleeps ``hang_s`` seconds, or until the
 fault is cleared when ``hang_s`` is None) and :meth:`FakeNvml.drop_init` (the
 process's init count drops to 0 once, as after someone's unbalanced
-``nvmlShutdown``: calls answer ``UNINITIALIZED`` until ``nvmlInit``). These are the
-C stand-in's faults (``tests/nvml_stub``) for fast in-process tests.
+``nvmlShutdown``: calls answer ``UNINITIALIZED`` until ``nvmlInit``) and
+:meth:`FakeNvml.reorder` (a driver reload that numbers the GPUs differently: NVML's
+index ``i`` is the simulated GPU ``order[i]`` from then on, each process's NVML is shut
+down under it once, and handles issued before answer ``GPU_IS_LOST``; per-GPU faults
+stay with the simulated GPU, ``gpu<i>.json``). These are the C stand-in's faults
+(``tests/nvml_stub``) for fast in-process tests.
 
 As strict as the real bindings
 ------------------------------
@@ -128,6 +132,8 @@ class Faults:
     hang: str = ""  # "fn" or "fn:gpu": that call sleeps hang_s (None: until cleared)
     hang_s: float | None = None
     uninit_serial: int = 0  # bumped by drop_init: each process drops its init count once
+    order: list[int] = field(default_factory=list)  # NVML index -> simulated GPU ([]: the same)
+    order_serial: int = 0  # bumped by reorder: handles of an older numbering are stale
 
     def gpu(self, index: int) -> GpuFaults:
         """The faults of GPU ``index`` (read-only: change faults with ``FakeNvml.inject``)."""
@@ -141,6 +147,8 @@ class Faults:
             "hang": self.hang,
             "hang_s": self.hang_s,
             "uninit_serial": self.uninit_serial,
+            "order": list(self.order),
+            "order_serial": self.order_serial,
         }
 
     @classmethod
@@ -152,6 +160,8 @@ class Faults:
             hang=str(d.get("hang") or ""),
             hang_s=None if d.get("hang_s") is None else float(d["hang_s"]),
             uninit_serial=int(d.get("uninit_serial") or 0),
+            order=[int(i) for i in d.get("order") or []],
+            order_serial=int(d.get("order_serial") or 0),
         )
 
     def hangs(self, fn: str, gpu: int | None) -> bool:
@@ -194,11 +204,12 @@ class FakeHandle:
     opaque object, new on every call, equal only to itself (as two ctypes pointers
     to one device are not equal)."""
 
-    __slots__ = ("index", "owner")
+    __slots__ = ("index", "owner", "serial")
 
-    def __init__(self, index: int, owner: int) -> None:
-        self.index = index
+    def __init__(self, index: int, owner: int, serial: int = 0) -> None:
+        self.index = index  # the simulated GPU (gpu<index>.json), whatever NVML numbers it
         self.owner = owner  # id() of the FakeNvml that issued it
+        self.serial = serial  # the numbering it was issued under (see FakeNvml.reorder)
 
     def __repr__(self) -> str:
         return f"<FakeHandle gpu{self.index} at {id(self):#x}>"
@@ -415,6 +426,27 @@ class FakeNvml:
 
         self._edit_faults(edit)
 
+    def reorder(self, order: Sequence[int]) -> None:
+        """A driver reload that numbers the GPUs differently: NVML's index ``i`` is the
+        simulated GPU ``order[i]`` from now on (a permutation of the GPUs). Every process
+        using these GPUs sees NVML shut down under it once (``UNINITIALIZED`` until
+        ``nvmlInit``) and its old handles answer ``GPU_IS_LOST``."""
+        new = [int(i) for i in order]
+        if sorted(new) != list(range(len(self._gpus))):
+            raise ValueError(f"{new} is not an order of the {len(self._gpus)} GPUs")
+
+        def edit(f: Faults) -> None:
+            f.order = new
+            f.order_serial += 1
+            f.uninit_serial += 1
+
+        self._edit_faults(edit)
+
+    def _physical(self, index: int) -> int:
+        """The simulated GPU NVML numbers ``index`` now."""
+        order = self.faults().order
+        return order[index] if order and 0 <= index < len(order) else index
+
     def set_init_error(self, code: int | str | None) -> None:
         """Make ``nvmlInit`` raise ``code`` (an NVML_ERROR_* value or name); None clears."""
         value = None if code is None else _error_code(code)
@@ -435,8 +467,8 @@ class FakeNvml:
     # ---- simulator access (extension)
 
     def sim_gpu(self, index: int) -> SimGpu:
-        """The simulated device behind GPU ``index`` (to run steps on it)."""
-        return self._gpus[index]
+        """The simulated device behind GPU ``index`` as NVML numbers it now (to run steps on it)."""
+        return self._gpus[self._physical(index)]
 
     @property
     def sim_gpus(self) -> list[SimGpu]:
@@ -477,7 +509,10 @@ class FakeNvml:
         self._check_init()
         if not isinstance(handle, FakeHandle) or handle.owner != id(self) or not (0 <= handle.index < len(self._gpus)):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        faults = self.faults().gpu(handle.index)
+        f = self.faults()
+        if handle.serial != f.order_serial:  # issued before the GPUs were numbered again
+            _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        faults = f.gpu(handle.index)
         if faults.lost:
             _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
         if faults.reset_required:
@@ -533,23 +568,27 @@ class FakeNvml:
         self._check_init()
         if not index < self._count:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if self.faults().gpu(index).lost:
+        f = self.faults()
+        gpu = self._physical(index)
+        if f.gpu(gpu).lost:
             _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return FakeHandle(index, id(self))  # a new object every time, as in pynvml
+        return FakeHandle(gpu, id(self), f.order_serial)  # a new object every time, as in pynvml
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
         self._check_init()
         want = uuid.decode() if isinstance(uuid, bytes) else uuid
         for i, gpu in enumerate(self._gpus):
             if gpu.uuid == want:
-                if self.faults().gpu(i).lost:
+                f = self.faults()
+                if f.gpu(i).lost:
                     _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
-                return FakeHandle(i, id(self))
+                return FakeHandle(i, id(self), f.order_serial)
         _raise(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
         self._gpu(handle)
-        return handle.index
+        order = self.faults().order
+        return order.index(handle.index) if order else handle.index
 
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
         return self._gpu(handle).spec.name

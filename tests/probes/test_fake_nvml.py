@@ -361,3 +361,22 @@ def test_greend_over_the_strict_fake_recovers_and_refuses_mig(tmp_path: Path, cl
         probe.sample(0.0)
     assert [g.index for g in probe.sample(1.0).gpus] == [0, 1]  # initialised again
     probe.close()
+
+
+def test_reorder_is_a_driver_reload_that_renumbers_the_gpus(tmp_path: Path, clock: ManualClock) -> None:
+    nvml = FakeNvml(tmp_path / "sim", n=3, clock=clock)
+    nvml.nvmlInit()
+    old = nvml.nvmlDeviceGetHandleByIndex(0)
+    uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(3)]
+    nvml.reorder([2, 0, 1])
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nvml.nvmlDeviceGetCount()  # NVML was shut down under this process
+    nvml.nvmlInit()
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetUUID(old)  # a handle of the old numbering is stale
+    now = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(3)]
+    assert now == [uuids[2], uuids[0], uuids[1]]
+    h = nvml.nvmlDeviceGetHandleByUUID(uuids[0])
+    assert nvml.nvmlDeviceGetIndex(h) == 1
+    with pytest.raises(ValueError):
+        nvml.reorder([0, 0, 1])

@@ -399,3 +399,56 @@ def test_registered_sim_probe_drives_the_nvml_path(tmp_path: Path) -> None:
 
     real = REGISTRY["nvml"].factory(ProbeContext(nvml_module=FakeNvml(tmp_path)))
     assert isinstance(real, NvmlProbe) and real.sim_gpu(0) is None
+
+
+def test_gpus_renumbered_by_a_driver_reload_are_matched_by_uuid(tmp_path: Path, clock: ManualClock) -> None:
+    """A driver reload numbers the three GPUs differently (NVML shut down under greend,
+    old handles stale): each GPU's energy and greend's settings follow its UUID to its
+    new index, never the old index to another GPU."""
+    from greend.actuators.controller import Controller
+    from greend.policies.base import UNCAPPED, Setting
+
+    fake = FakeNvml(tmp_path / "sim", n=3, clock=clock, background_load=[0.9, 0.0, 0.4])
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    ctl = Controller(tmp_path / "state", NvmlGpuBackend(probe))
+    probe.use_cap_lookup(ctl.clock_cap_mhz)
+    probe.sample(0.0)
+    ctl.apply_gpu(0, Setting(clock_cap_mhz=1500, power_limit_w=450.0), "job-1")
+    clock.advance(10.0)
+    before = {g.uuid: g for g in probe.sample(10.0).gpus}
+    uuid_of = {g.index: g.uuid for g in before.values()}
+
+    fake.reorder([2, 0, 1])  # NVML's gpu0 is the old gpu2, gpu1 the old gpu0, gpu2 the old gpu1
+    with pytest.raises(NvmlUninitialized):
+        probe.sample(11.0)  # every GPU answers UNINITIALIZED: initialised again, enumerated again
+    clock.advance(10.0)
+    after = {g.uuid: g for g in probe.sample(21.0).gpus}
+    assert {u: g.index for u, g in after.items()} == {uuid_of[2]: 0, uuid_of[0]: 1, uuid_of[1]: 2}
+    assert probe.lost_gpus == {}
+    for u, g in after.items():  # each counter goes on from its own GPU's energy
+        assert g.energy_j > before[u].energy_j
+    busy, idle = after[uuid_of[0]], after[uuid_of[1]]
+    assert busy.energy_j - before[uuid_of[0]].energy_j > idle.energy_j - before[uuid_of[1]].energy_j
+    # greend's cap went with its GPU (UUID ...0, gpu1 now), not to the new gpu0
+    assert ctl.current(1) == Setting(clock_cap_mhz=1500, power_limit_w=450.0)
+    assert ctl.current(0) == UNCAPPED
+    assert after[uuid_of[0]].clock_cap_mhz == 1500 and after[uuid_of[2]].clock_cap_mhz is None
+    assert ctl.restore_all().ok
+    assert fake.sim_gpu(1).locked_clocks_mhz() is None and fake.sim_gpu(1).power_limit_w() == 700.0
+
+
+def test_a_gpu_lost_then_back_at_another_index_is_found_by_uuid(tmp_path: Path, clock: ManualClock) -> None:
+    fake = FakeNvml(tmp_path / "sim", n=2, clock=clock)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    uuids = [g.uuid for g in probe.sample(0.0).gpus]
+    fake.inject(1, lost=True)
+    probe.sample(1.0)
+    assert set(probe.lost_gpus) == {1}
+    fake.inject(1, lost=False)
+    fake.reorder([1, 0])
+    with pytest.raises(NvmlUninitialized):
+        probe.sample(2.0)
+    gpus = {g.index: g.uuid for g in probe.sample(10.0).gpus}
+    assert gpus == {0: uuids[1], 1: uuids[0]} and probe.lost_gpus == {}
