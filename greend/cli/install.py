@@ -9,6 +9,15 @@ Copies the files of the repository's ``systemd/`` folder into an OS tree
     systemd/greend.default   -> etc/default/greend                  (0600; never overwritten)
     systemd/greend.toml      -> etc/greend/greend.toml              (never overwritten)
 
+    systemd/greend-network.conf -> etc/systemd/system/greend.service.d/network.conf
+                             (only when a store needs the network; removed otherwise)
+
+The unit has no network (PrivateNetwork=yes): the default SQLite store and the Unix
+socket need none. The drop-in gives the host's network back when the installed
+config's ``[store] urls`` or ``GREEND_OPTS``' ``--store`` in the environment file name
+a store that is not SQLite (``influx://``, ``prometheus://``), or when ``network`` says
+so; a config that cannot be read counts as needing it.
+
 The unit names ``/usr/bin/greend``; its ``ExecStart=`` and ``ExecStopPost=`` are
 rewritten to the greend that is really installed (a venv's, ``/usr/local/bin``'s).
 The unit, sysusers and tmpfiles snippets are ours and are replaced on every
@@ -45,6 +54,7 @@ log = logging.getLogger(__name__)
 
 UNIT_BIN = "/usr/bin/greend"  # what the shipped unit names; rewritten on install
 UNIT_NAME = "greend.service"
+NETWORK_DROPIN = "etc/systemd/system/greend.service.d/network.conf"
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
 
@@ -143,6 +153,39 @@ def _write_atomic(path: Path, data: str, mode: int) -> None:
         raise
 
 
+def _network_stores(prefix: Path) -> list[str] | None:
+    """The store URLs under ``prefix`` that need the network: the config's
+    ``[store] urls`` and ``--store`` in GREEND_OPTS, other than ``sqlite:``; None
+    when the config cannot be read (then the network is kept, to be safe)."""
+    import shlex
+    import tomllib
+
+    urls: list[str] = []
+    cfg = prefix / _FILES[4].target
+    try:
+        if cfg.exists():
+            with open(cfg, "rb") as fh:
+                urls += [str(u) for u in (tomllib.load(fh).get("store", {}).get("urls") or [])]
+        env = prefix / _FILES[3].target
+        if env.exists():
+            for line in env.read_text().splitlines():
+                key, _, value = line.strip().partition("=")
+                if key.strip() != "GREEND_OPTS":
+                    continue
+                # the value (quotes removed, as systemd reads the file), split into words
+                # as the unit's unbraced $GREEND_OPTS is
+                words = [w for part in shlex.split(value) for w in part.split()]
+                for i, w in enumerate(words):
+                    if w == "--store" and i + 1 < len(words):
+                        urls.append(words[i + 1])
+                    elif w.startswith("--store="):
+                        urls.append(w.split("=", 1)[1])
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("install-systemd: cannot read the stores from %s (%s): keeping the network", cfg, e)
+        return None
+    return [u for u in urls if not u.startswith("sqlite:")]
+
+
 def _default_runner(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, check=False)
 
@@ -168,12 +211,14 @@ def install_systemd(
     dry_run: bool = False,
     source_dir: Path | None = None,
     runner: Runner | None = None,
+    network: bool | None = None,
 ) -> list[str]:
     """Install the unit and its companions under ``prefix``; the actions, in order.
 
     Each action is one line: ``write PATH``, ``keep PATH (exists)``,
     ``run CMD ...`` or ``skip CMD ...: why``. With ``dry_run`` nothing is written
-    or run and the lines say what would be done. Raises :class:`ConfigError` for
+    or run and the lines say what would be done. ``network``: install the network
+    drop-in (True), remove it (False), or decide from the stores configured (None). Raises :class:`ConfigError` for
     bad arguments and :class:`GreendError` when a file cannot be written or a
     command fails (the message says which, and what it printed).
     """
@@ -197,6 +242,23 @@ def install_systemd(
         except OSError as e:
             hint = " (run as root)" if isinstance(e, PermissionError) else ""
             raise GreendError(f"cannot write {target}: {e.strerror or e}{hint}") from e
+
+    # The network drop-in: after the config and the environment file are in place.
+    dropin = prefix / NETWORK_DROPIN
+    if network is None:
+        remote = _network_stores(prefix)
+        network = remote is None or bool(remote)
+    if network:
+        actions.append(f"write {dropin}")
+        if not dry_run:
+            try:
+                _write_atomic(dropin, (src / "greend-network.conf").read_text(), 0o644)
+            except OSError as e:
+                raise GreendError(f"cannot write {dropin}: {e.strerror or e}") from e
+    elif dropin.exists():
+        actions.append(f"remove {dropin} (no store needs the network)")
+        if not dry_run:
+            dropin.unlink()
 
     live = _is_live(prefix)
     commands: list[tuple[list[str], str | None]] = []

@@ -244,7 +244,8 @@ class IpcServer:
         if self.group:
             try:
                 gid = grp.getgrnam(self.group).gr_gid
-                os.chown(self.path, -1, gid)
+                if st.st_gid != gid:  # bound as the unit's Group=: no chown (the unit forbids it)
+                    os.chown(self.path, -1, gid)
             except KeyError:
                 log.warning(
                     "socket group %r does not exist: only root can use %s (create it: groupadd --system %s)",
