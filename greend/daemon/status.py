@@ -13,10 +13,34 @@ from greend.probes import CpuReading, GpuReading
 if TYPE_CHECKING:
     from greend.daemon.core import Daemon
 
-__all__ = ["cpu_row", "gpu_row", "status_document"]
+__all__ = ["cpu_row", "gpu_origins", "gpu_row", "status_document"]
+
+# What a GPU's knobs say about who set them (``clock_lock_origin``, ``power_limit_origin``):
+#   "greend"   greend's own setting is in force (the saved-settings file holds the original);
+#   "default"  the power limit is the GPU's default: nobody changed it;
+#   "outside"  the power limit differs from the default and greend did not set it: the
+#              site (nvidia-smi -pl, another tool) did, before greend or beside it;
+#   "unknown"  the clocks: NVML has no getter for locked clocks, so whether a lock made
+#              outside greend is in force cannot be known (greend never resets one).
+LOCK_ORIGINS = ("greend", "unknown")
+LIMIT_ORIGINS = ("greend", "default", "outside", "unknown")
 
 
-def gpu_row(g: GpuReading, ledger: Ledger) -> dict[str, Any]:
+def gpu_origins(g: GpuReading, held_clock_mhz: float | None, held_power_w: float | None) -> dict[str, str]:
+    """``clock_lock_origin`` and ``power_limit_origin`` of one GPU, from greend's own
+    settings in force (``held_*``, None: none) and the limits the GPU reports."""
+    if held_power_w is not None:
+        limit = "greend"
+    elif g.power_limit_w is None or g.power_limit_default_w is None:
+        limit = "unknown"
+    elif round(g.power_limit_w * 1000) == round(g.power_limit_default_w * 1000):
+        limit = "default"
+    else:
+        limit = "outside"
+    return {"clock_lock_origin": "greend" if held_clock_mhz is not None else "unknown", "power_limit_origin": limit}
+
+
+def gpu_row(g: GpuReading, ledger: Ledger, origins: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "index": g.index,
         "name": g.name,
@@ -33,6 +57,7 @@ def gpu_row(g: GpuReading, ledger: Ledger) -> dict[str, Any]:
         "power_limit_w": g.power_limit_w,
         "power_limit_range_w": [g.power_limit_min_w, g.power_limit_max_w],
         "sm_clock_max_mhz": g.sm_clock_max_mhz,
+        **(origins or gpu_origins(g, None, None)),
     }
 
 
@@ -54,6 +79,10 @@ def status_document(d: Daemon) -> dict[str, Any]:
     """The daemon's state now: readings, totals, jobs, policy, probes and stores."""
     snap = d.latest()
     h = snap.host
+    ctrl = d.control.ctrl
+    held = {
+        g.index: ctrl.current(g.index) for g in snap.gpus if ctrl is not None and not ctrl.dry_run
+    }  # greend's settings in force (none under dry-run: nothing is written)
     return {
         "version": __version__,
         "host": d.hostname,
@@ -66,7 +95,18 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "ticks": d.ticks,
         "ticks_skipped": d.ticks_skipped,
         "tick_duration_s": d.tick_duration_s,
-        "gpus": [gpu_row(g, d.ledger) for g in snap.gpus],
+        "gpus": [
+            gpu_row(
+                g,
+                d.ledger,
+                gpu_origins(
+                    g,
+                    held[g.index].clock_cap_mhz if g.index in held else None,
+                    held[g.index].power_limit_w if g.index in held else None,
+                ),
+            )
+            for g in snap.gpus
+        ],
         "cpus": [cpu_row(c, d.ledger) for c in snap.cpus],
         "host_load": None
         if h is None

@@ -207,3 +207,25 @@ def test_a_hung_setter_leaves_status_other_gpus_and_stop_working(tmp_path: Path,
     assert "FAILED gpu3" in d.log_text() and "not restored" in d.log_text()
     # left for `greend restore` (the unit's ExecStopPost) to try again
     assert "GPU-5ab1e000-0000-4000-8000-000000000003" in (d.state_dir / "saved-settings.json").read_text()
+
+
+def test_status_says_who_set_each_gpus_lock_and_limit(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """Before greend started, the site set gpu5's power limit to 500 W and locked gpu6's
+    clocks. Status: gpu5's limit was set outside greend; gpu6's lock cannot be known (no
+    NVML getter), like every lock greend did not make; greend's own cap and limit on gpu3
+    are greend's."""
+    gpu_file = tmp_path / "gpus.txt"
+    gpu_file.write_text("5 500000 0 0\n6 700000 345 1200\n")
+    d = start_on_stub(tmp_path, state=gpu_file)
+    daemons.append(d)
+    d.ctl("cap", "set", "--gpu", "3", "--max-clock", "1400")
+    d.ctl("cap", "set", "--gpu", "3", "--power-limit", "450")
+
+    def origins() -> dict[int, tuple[str, str]]:
+        return {g["index"]: (g["clock_lock_origin"], g["power_limit_origin"]) for g in gpus_of(d.status())}
+
+    assert wait_for(lambda: origins()[3] == ("greend", "greend"), 5), origins()
+    o = origins()
+    assert o[5] == ("unknown", "outside") and o[6] == ("unknown", "default") and o[0] == ("unknown", "default")
+    d.ctl("cap", "reset", "--gpu", "3")
+    assert wait_for(lambda: origins()[3] == ("unknown", "default"), 5), origins()
