@@ -705,6 +705,19 @@ class FakeNvml:
             | pynvml.nvmlClocksEventReasonSwPowerCap
         )
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        """The simulated GPU's process table (:meth:`SimGpu.processes`), as pynvml
+        returns it: friendly objects with ``pid`` and ``usedGpuMemory`` (None: the
+        simulator keeps no memory figure, as NVML says under WDDM)."""
+        gpu = self._gpu(handle)
+        struct = getattr(pynvml, "c_nvmlProcessInfo_v3_t", None) or pynvml.c_nvmlProcessInfo_t
+        out = []
+        for pid in gpu.processes():
+            obj = pynvml.nvmlStructToFriendlyObject(struct(pid=pid, usedGpuMemory=0))
+            obj.usedGpuMemory = None
+            out.append(obj)
+        return out
+
     def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
         """[current, pending]: 1 with the ``mig`` fault, else 0."""
         self._gpu(handle)

@@ -561,6 +561,7 @@ class SimGpu:
         self._history: deque[tuple[float, float]] = deque(maxlen=_HISTORY_MAX)
         self._last_now_s = float("-inf")
         self._mem_lock = threading.Lock()  # guards the in-memory history and clock
+        self._attached: set[int] = set()  # pids this process put in the process table
         self.state_dir.mkdir(parents=True, exist_ok=True)
         wanted = {
             "background_load": None if background_load is None else self._check_load(background_load),
@@ -899,8 +900,55 @@ class SimGpu:
             speed_factor=st.speed_factor,
         )
 
+    # --------------------------------------------------------------------------- fleets
 
-# --------------------------------------------------------------------------- fleets
+    # ---- the process table (what nvmlDeviceGetComputeRunningProcesses lists)
+
+    @property
+    def _procs_path(self) -> Path:
+        return self.state_dir / f"gpu{self.index}.procs.json"
+
+    def attach_process(self, pid: int) -> None:
+        """``pid`` computes on this GPU from now on, as a process with a CUDA context
+        on a real one (the daemon attaches a rank when it runs the rank's steps here).
+        It stays listed until it exits. One file write per new process."""
+        pid = int(pid)
+        with self._mem_lock:
+            if pid in self._attached:
+                return
+            self._attached.add(pid)
+        with file_lock(self._lock_path):
+            pids = set(self._read_procs()) | {pid}
+            write_json_atomic(self._procs_path, {"pids": sorted(pids)})
+
+    def processes(self) -> list[int]:
+        """The live processes computing on this GPU (exited ones are dropped, as the
+        driver drops a process's context when it exits)."""
+        return sorted(p for p in self._read_procs() if _alive(p))
+
+    def _read_procs(self) -> list[int]:
+        try:
+            return [int(p) for p in json.loads(self._procs_path.read_text(encoding="utf-8")).get("pids", [])]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            log.warning("%s unreadable (%s): no processes listed", self._procs_path, e)
+            return []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited: its context would be gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's: it exists
+            return True
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _per_gpu(value: Any, i: int, name: str) -> Any:

@@ -192,12 +192,12 @@ class ProbeScheduler:
         return list(indices) if indices is not None else None
 
     def gpu_processes(self, index: int) -> set[int] | None:
-        """The pids of compute processes on GPU ``index`` (real NVML:
-        nvmlDeviceGetComputeRunningProcesses); None where the device cannot say (the
-        simulator has no process table: there the registry's own claims decide)."""
+        """The pids of compute processes on GPU ``index`` (nvmlDeviceGetComputeRunningProcesses;
+        on simulated GPUs the simulator's process table, through the fake NVML); None
+        where the device cannot say."""
         p = self.gpu_probe()
         devices = getattr(p, "devices", None)
-        if p is None or getattr(p, "source", None) != "nvml" or devices is None:
+        if p is None or getattr(p, "source", None) not in ("nvml", "sim") or devices is None:
             return None
         try:
             procs = devices.call(f"gpu{index}", "nvmlDeviceGetComputeRunningProcesses", devices.handle(index))

@@ -333,6 +333,8 @@ class JobRegistry:
         if not sims:
             return []
         work = [(float(s["flops"]) / len(sims), rs.mem_share, s.get("precision") or job.precision) for s in steps]
+        for g in sims:  # the rank computes there: the GPU's process table lists it
+            g.attach_process(rs.pid)
         per_gpu = [g.run_steps(work) for g in sims]
         return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(steps))]
 

@@ -202,6 +202,57 @@ def test_a_job_cannot_squat_gpus_that_do_not_exist(
     assert not d.status()["jobs"]
 
 
+# A training rank that registers GPU 0, reports steps (so the simulated GPU lists it
+# as a compute process) and stays alive until its stdin closes.
+LEGIT = """
+import json, socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+f = s.makefile("rb")
+s.sendall(json.dumps({"v": 1, "op": "register", "job": "legit", "gpus": [0]}).encode() + b"\\n")
+assert json.loads(f.readline())["ok"]
+t = time.monotonic()
+steps = [{"step": i, "t0_s": t - 0.01, "t1_s": t, "flops": 1e12} for i in range(3)]
+s.sendall(json.dumps({"v": 1, "op": "steps", "steps": steps}).encode() + b"\\n")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+def test_a_job_cannot_squat_a_simulated_gpu_another_job_uses(
+    tmp_path: Path, shared_dir: Path, user: str, daemons: list[DaemonProc]
+) -> None:
+    """gpu0 runs a legitimate rank (in the simulator's process table once its steps ran
+    there); an unprivileged user's job that claims gpu0 without a process on it is
+    refused; the idle gpu1 may still be claimed (CUDA may start after registration)."""
+    d = start_daemon(tmp_path, "--sim", "2", "--hz", "20", config=SHARED_CFG, socket=shared_dir / "g.sock")
+    daemons.append(d)
+    legit = subprocess.Popen(
+        [sys.executable, "-c", LEGIT, str(d.socket)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env()
+    )
+    try:
+        assert legit.stdout is not None and legit.stdout.readline().strip() == b"ready"
+        procs = d.state_dir / "sim" / "gpu0.procs.json"
+        assert wait_for(lambda: procs.exists() and legit.pid in json.loads(procs.read_text())["pids"], 10)
+        code = (
+            "import json, socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+            "f = s.makefile('rb')\n"
+            "for gpus in ([0], [1]):\n"
+            "    s.sendall(json.dumps({'v': 1, 'op': 'register', 'job': 'squat' + str(gpus[0]), 'gpus': gpus}).encode()"
+            " + b'\\n')\n"
+            "    print(f.readline().decode().strip())"
+        )
+        r = as_user(user, code, str(d.socket))
+        on_busy, on_idle = (json.loads(ln) for ln in r.stdout.splitlines())
+        assert on_busy["ok"] is False and "none of this job's" in on_busy["error"]["message"], on_busy
+        assert on_idle["ok"] is True, on_idle
+        assert {j["job"] for j in d.status()["jobs"]} >= {"legit"}
+        assert "squat0" not in {j["job"] for j in d.status()["jobs"]}
+    finally:
+        legit.communicate(timeout=10)
+
+
 FLOOD = """
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX)

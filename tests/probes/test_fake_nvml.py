@@ -380,3 +380,19 @@ def test_reorder_is_a_driver_reload_that_renumbers_the_gpus(tmp_path: Path, cloc
     assert nvml.nvmlDeviceGetIndex(h) == 1
     with pytest.raises(ValueError):
         nvml.reorder([0, 0, 1])
+
+
+def test_compute_processes_are_the_simulators_live_attached_pids(nvml: FakeNvml) -> None:
+    import os
+    import subprocess
+    import sys
+
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(h) == []
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    nvml.sim_gpu(0).attach_process(os.getpid())
+    nvml.sim_gpu(0).attach_process(gone.pid)  # exited: not listed, as the driver drops its context
+    procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
+    assert [p.pid for p in procs] == [os.getpid()] and procs[0].usedGpuMemory is None
+    assert nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(1)) == []
