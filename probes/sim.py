@@ -900,8 +900,6 @@ class SimGpu:
             speed_factor=st.speed_factor,
         )
 
-    # --------------------------------------------------------------------------- fleets
-
     # ---- the process table (what nvmlDeviceGetComputeRunningProcesses lists)
 
     @property
@@ -949,6 +947,9 @@ def _alive(pid: int) -> bool:
             return True
         return True
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
+
+
+# --------------------------------------------------------------------------- fleets
 
 
 def _per_gpu(value: Any, i: int, name: str) -> Any:
