@@ -5,9 +5,11 @@ pynvml loads the library once per process, by name, through ``LD_LIBRARY_PATH``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,3 +146,65 @@ def test_a_reset_gpu_comes_back_without_a_restart() -> None:
     out = run_py(RECOVERY_SCRIPT, reset="2:150:2")
     assert any(2 not in s for s in out["seen"])  # lost for a while
     assert out["last"] == list(range(8)) and out["lost"] == []
+
+
+OLDEST_NVML_PY = "12.535.77"  # pyproject's lower bound for nvidia-ml-py
+
+OLDEST_SCRIPT = """
+import json, time
+import pynvml
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.probes.nvml import NvmlProbe
+p = NvmlProbe()
+p.open()
+p.sample(0.0)
+time.sleep(0.2)
+r = p.sample(0.2)
+b = NvmlGpuBackend(p)
+b.set_power_limit_w(2, 450.0)
+limit = b.power_limit_w(2)
+b.set_locked_clocks_mhz(2, 345, 1400)
+b.reset_locked_clocks(2)
+b.set_power_limit_w(2, 700.0)
+print(json.dumps({"module": pynvml.__file__, "gpus": len(r.gpus), "name": r.gpus[0].name,
+                  "energy_j": r.gpus[0].energy_j, "power_w": r.gpus[0].power_w, "limit": limit,
+                  "clocks": len(b.supported_sm_clocks_mhz(2))}))
+p.close()
+"""
+
+
+@pytest.mark.slow
+def test_the_oldest_nvidia_ml_py_allowed_runs_the_probe_and_the_setters(tmp_path: Path) -> None:
+    """pyproject allows nvidia-ml-py from OLDEST_NVML_PY: that release, installed apart
+    (pip, from the package index), reads the stand-in's GPUs and sets and resets caps."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"nvidia-ml-py>={OLDEST_NVML_PY}"' in pyproject, "the test and pyproject name different bounds"
+    target = tmp_path / "site"
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"nvidia-ml-py=={OLDEST_NVML_PY}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install nvidia-ml-py=={OLDEST_NVML_PY} here: {pip.stderr.strip()[-300:]}")
+    env = stub_env()
+    env["PYTHONPATH"] = str(target) + os.pathsep + env["PYTHONPATH"]  # the old pynvml before the venv's
+    r = subprocess.run(
+        [sys.executable, "-c", OLDEST_SCRIPT], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["module"].startswith(str(target))
+    assert out["gpus"] == 8 and out["name"] == "NVIDIA H100 80GB HBM3"
+    assert out["energy_j"] > 0 and 60 < out["power_w"] < 701
+    assert out["limit"] == 450.0 and out["clocks"] == 110
