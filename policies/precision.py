@@ -24,9 +24,12 @@ energy per FLOP.
 
 *Stepping down.* One rung at a time, when all hold: the job has run
 ``min_steps`` measured steps and ``window`` losses at the current level; the loss
-is stable over the last ``window`` losses (the least-squares slope across the
-window is at most ``max_slope`` of the mean, the residual spread at most
-``max_noise``); no non-finite step since the level began; the next rung is not
+is stable: a least-squares line through the level's last losses (at least
+``window``, up to ``8 * window``) changes by at most ``max_slope`` of the mean per
+``window`` steps, and that change is known to within ``max_noise`` of the mean (its
+standard error, from the residual spread and the number of losses: a noisy loss,
+small batches near convergence, is stable once enough steps pin its slope down; a
+falling loss is not, however quiet); no non-finite step since the level began; the next rung is not
 barred; and it has not been seen to save less than ``min_saving`` before.
 
 *Probation.* A new level is held for ``probation_steps`` steps. Meanwhile the
@@ -131,6 +134,9 @@ def loss_trend(losses: list[float]) -> tuple[float, float, float, float]:
     return (mean, slope, mean + slope * (n - 1 - xm), sd)
 
 
+STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
+
+
 class PrecisionPolicy:
     """Steps running jobs down the precision ladder under an accuracy guard."""
 
@@ -148,11 +154,19 @@ class PrecisionPolicy:
             "max_slope",
             "float",
             0.05,
-            "stable: fitted loss change across the window, relative to its mean",
+            "stable: fitted loss change per window, relative to its mean",
             lo=0,
             hi=10,
         ),
-        Param("max_noise", "float", 0.15, "stable: residual spread of the loss, relative to its mean", lo=0, hi=10),
+        Param(
+            "max_noise",
+            "float",
+            0.02,
+            "stable: the standard error of that change per window, relative to the mean (a noisy loss "
+            "waits for more steps)",
+            lo=0,
+            hi=10,
+        ),
         Param("min_steps", "int", 8, "measured steps a level needs before its energy counts", lo=1, hi=100000),
         Param("min_saving", "float", 0.05, "energy per FLOP a step down must save (fraction) to be kept", lo=0, hi=1),
         Param(
@@ -271,7 +285,7 @@ class PrecisionPolicy:
             js.probation = None
             return (f"job {j.job}: now at {j.precision} ({js.last_event or 'changed outside the policy'})", None, None)
         js.level_losses.extend(new_losses)
-        del js.level_losses[: -max(self.window, self.probation_steps) * 4]
+        del js.level_losses[: -max(STABILITY_WINDOWS * self.window, 4 * self.probation_steps)]
         self._book(j, js)
 
         pb = js.probation
@@ -364,24 +378,29 @@ class PrecisionPolicy:
             return (f"job {j.job}: measuring {j.precision} ({have}/{self.min_steps} steps)", None, None)
         if j.nonfinite_recent > js.nonfinite_at_start:
             return (f"job {j.job}: holding {j.precision}; non-finite steps at this level", None, None)
-        recent = js.level_losses[-self.window :]
+        # The trend over as much of this level's history as is kept (up to 8 windows),
+        # judged per window with its uncertainty: a noisy but flat loss is stable once
+        # enough steps pin its slope down; a falling one is not, however quiet.
+        recent = js.level_losses[-STABILITY_WINDOWS * self.window :]
         if len(recent) < self.window:
             return (f"job {j.job}: watching the loss at {j.precision} ({len(recent)}/{self.window} steps)", None, None)
         mean, slope, fitted, sd = loss_trend(recent)
         scale = max(abs(mean), 1e-12)
-        rel_slope = abs(slope) * (len(recent) - 1) / scale
-        rel_noise = sd / scale
-        if rel_slope > self.max_slope or rel_noise > self.max_noise:
+        change = slope * self.window / scale  # the fitted change per window, relative
+        n = len(recent)
+        se_change = sd / math.sqrt(n * (n * n - 1) / 12.0) * self.window / scale
+        if abs(change) > self.max_slope or se_change > self.max_noise:
+            waiting = n < STABILITY_WINDOWS * self.window and se_change > self.max_noise
             return (
-                f"job {j.job}: loss not stable at {j.precision} (change {rel_slope:.1%} across "
-                f"{len(recent)} steps, spread {rel_noise:.1%}; limits {self.max_slope:.0%}, "
-                f"{self.max_noise:.0%})",
+                f"job {j.job}: loss not stable at {j.precision} (change {change:+.1%} per {self.window} steps "
+                f"+/- {se_change:.1%} over {n} steps; limits {self.max_slope:.0%} and +/- {self.max_noise:.0%})"
+                + ("; more steps will narrow it" if waiting else ""),
                 None,
                 None,
             )
         why = (
-            f"loss stable at {fitted:.6g} (change {rel_slope:.1%}, spread {rel_noise:.1%} over "
-            f"{len(recent)} steps): trying {nxt}, probation {self.probation_steps} steps"
+            f"loss stable at {fitted:.6g} (change {change:+.1%} per {self.window} steps +/- {se_change:.1%}, "
+            f"over {n} steps): trying {nxt}, probation {self.probation_steps} steps"
         )
         js.last_event = why
         pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, fitted, sd)

@@ -391,12 +391,16 @@ class PrecisionOptions:
         return Guard(window=self.guard_window, cooldown_steps=self.cooldown_steps, spike_tolerance=self.spike_tolerance)
 
 
+SPIKE_SIGMAS = 6.0  # a spike is also this many batch-to-batch standard deviations over the trend
+
+
 @dataclass
 class _Downgrade:
     from_level: str
     to_level: str
     step: int  # the first step run at to_level
     trend: float | None  # mean finite loss over the window before the switch
+    spread: float = 0.0  # the standard deviation of those losses (one batch's noise)
 
 
 @dataclass
@@ -406,8 +410,10 @@ class Guard:
     ``window``: recent finite losses kept for the trend. ``cooldown_steps``: how
     long a level that failed stays barred. ``spike_tolerance``: a finite loss after
     a downgrade that exceeds the trend before it by more than this fraction of the
-    trend (default 0.5: 50 % worse) is a spike and rolls back at once, like a
-    non-finite one; None turns the rule off. (Slower drifts, a few percent over many
+    trend (default 0.5: 50 % worse), and by more than ``SPIKE_SIGMAS`` times the
+    spread of single-batch losses before the switch (small batches and rare labels
+    are that noisy without anything wrong), is a spike and rolls back at once, like
+    a non-finite one; None turns the rule off. (Slower drifts, a few percent over many
     steps, are the daemon's ``precision`` policy's to judge: one step is too noisy.)
     """
 
@@ -430,10 +436,18 @@ class Guard:
     def trend(self) -> float | None:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
+    def spread(self) -> float:
+        """The standard deviation of the recent losses (0 with fewer than two)."""
+        n = len(self.losses)
+        if n < 2:
+            return 0.0
+        m = sum(self.losses) / n
+        return math.sqrt(sum((v - m) ** 2 for v in self.losses) / (n - 1))
+
     def on_switch(self, old: str, new: str, step: int) -> None:
         """Record a level change (a directive, or a rollback) taking effect at ``step``."""
         if is_downgrade(old, new):
-            self.stack.append(_Downgrade(old, new, step, self.trend()))
+            self.stack.append(_Downgrade(old, new, step, self.trend(), self.spread()))
         else:
             bits = BITS.get(new, 32)
             self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
@@ -443,14 +457,16 @@ class Guard:
         """Why ``loss`` (finite, this step's) is a spike after the latest downgrade, or None."""
         if self.spike_tolerance is None or not self.stack:
             return None
-        trend = self.stack[-1].trend
+        d = self.stack[-1]
+        trend = d.trend
         if trend is None or not math.isfinite(trend):
             return None
         over = loss - trend
-        if over > self.spike_tolerance * max(abs(trend), 1e-12):
+        if over > self.spike_tolerance * max(abs(trend), 1e-12) and over > SPIKE_SIGMAS * d.spread:
             return (
                 f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
-                f"switch (tolerance {self.spike_tolerance:.0%})"
+                f"switch (tolerance {self.spike_tolerance:.0%}, and {over / d.spread if d.spread else math.inf:.1f} "
+                f"times the batch-to-batch spread {d.spread:.3g}; limit {SPIKE_SIGMAS:g})"
             )
         return None
 
