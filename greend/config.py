@@ -42,6 +42,8 @@ table per concern; every key has a default, so an empty file is valid::
     interval_s = 1.0                   # how often samples go to the stores
     retention_days = 30.0
     retry_s = 30.0                     # how often a store that failed to open is tried again
+    step_detail = false                # also one row per reported step (greend_job_step); by
+                                       # default a row per rank per interval (greend_job_steps)
 
     [policy]
     name = "none"                      # none, static, efficient, budget (greenctl policy show)
@@ -145,6 +147,7 @@ class StoreConfig:
     interval_s: float = 1.0
     retention_days: float = 30.0
     retry_s: float = 30.0
+    step_detail: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from greend.sinks import Point
 
 if TYPE_CHECKING:
+    from greend.jobs.records import StepAggregate
     from greend.probes import CpuReading, GpuReading, HostReading
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "host_point",
     "job_point",
     "job_step_point",
+    "job_steps_point",
     "precision_fields",
     "probe_point",
     "ts_ns",
@@ -157,6 +159,32 @@ def job_step_point(
         fields["sim_duration_s"] = sim_duration_s
         fields["sim_energy_j"] = sim_energy_j
     return Point("greend_job_step", {"host": host, "job": job, "rank": str(rank), "precision": precision}, fields, ts)
+
+
+def job_steps_point(ts: int, host: str, *, job: str, rank: int, agg: StepAggregate) -> Point:
+    """``greend_job_steps``: a rank's steps over one store interval (the default job rows:
+    their number does not grow with the step rate)."""
+    fields: dict[str, FieldValue] = {
+        "steps": agg.steps,
+        "first_step": agg.first_step,
+        "last_step": agg.last_step,
+        "duration_s": agg.duration_s,
+        "duration_sq_s2": agg.duration_sq_s2,
+        "flops": agg.flops,
+        "samples": agg.samples,
+        "tokens": agg.tokens,
+        "nonfinite": agg.nonfinite,
+    }
+    if agg.loss_n:
+        fields.update(
+            loss_mean=agg.loss_sum / agg.loss_n, loss_min=agg.loss_min, loss_max=agg.loss_max, loss_n=agg.loss_n
+        )
+    if agg.simulated:
+        fields["sim_duration_s"] = agg.sim_duration_s
+        fields["sim_energy_j"] = agg.sim_energy_j
+    return Point(
+        "greend_job_steps", {"host": host, "job": job, "rank": str(rank), "precision": agg.precision}, fields, ts
+    )
 
 
 def efficiency_point(

@@ -115,6 +115,8 @@ class Daemon:
             max_events_per_min_per_uid=cfg.daemon.max_events_per_min_per_uid,
             max_log_entries=cfg.daemon.max_log_entries,
             max_recent_steps=cfg.daemon.max_recent_steps,
+            step_interval_s=cfg.store.interval_s,
+            step_detail=cfg.store.step_detail,
         )
         self.control = ControlLoop(
             ControlContext(

@@ -31,6 +31,55 @@ JobState = Literal["running", "ending", "ended"]
 
 
 @dataclass
+class StepAggregate:
+    """A rank's reported steps over one store interval, at one precision: what the
+    stores keep by default (``greend_job_steps``), whatever the step rate."""
+
+    precision: str
+    since_s: float  # monotonic: when the interval began
+    steps: int = 0
+    first_step: int = 0
+    last_step: int = 0
+    duration_s: float = 0.0
+    duration_sq_s2: float = 0.0
+    flops: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    loss_min: float = float("inf")
+    loss_max: float = float("-inf")
+    nonfinite: int = 0
+    sim_duration_s: float = 0.0
+    sim_energy_j: float = 0.0
+    simulated: bool = False
+
+    def add(self, step: int, duration: float, flops: float, samples: int, tokens: int, s: dict[str, Any],
+            sim_duration: float | None, sim_energy: float) -> None:  # fmt: skip
+        if self.steps == 0:
+            self.first_step = step
+        self.steps += 1
+        self.last_step = step
+        self.duration_s += duration
+        self.duration_sq_s2 += duration * duration
+        self.flops += flops
+        self.samples += samples
+        self.tokens += tokens
+        if s.get("nonfinite"):
+            self.nonfinite += 1
+        elif s.get("loss") is not None:
+            loss = float(s["loss"])
+            self.loss_sum += loss
+            self.loss_n += 1
+            self.loss_min = min(self.loss_min, loss)
+            self.loss_max = max(self.loss_max, loss)
+        if sim_duration is not None:
+            self.simulated = True
+            self.sim_duration_s += sim_duration
+            self.sim_energy_j += sim_energy
+
+
+@dataclass
 class RankSession:
     """One rank (training process) of a job: its connection and what it reported."""
 
@@ -49,6 +98,7 @@ class RankSession:
     last_seen_s: float
     steps: int = 0
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
+    agg: StepAggregate | None = None  # its steps since the last store interval
 
 
 @dataclass(frozen=True)

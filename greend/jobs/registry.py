@@ -44,6 +44,7 @@ from greend.jobs.records import (
     PrecisionChange,
     RankLeft,
     RankSession,
+    StepAggregate,
     StepRecord,
 )
 from greend.jobs.report import JobFigures
@@ -52,6 +53,7 @@ from greend.points import (
     efficiency_point,
     job_point,
     job_step_point,
+    job_steps_point,
     precision_fields,
     ts_ns,
 )
@@ -99,8 +101,15 @@ class JobRegistry:
         max_events_per_min_per_uid: int = 120,
         max_log_entries: int = 256,
         max_recent_steps: int = 4096,
+        step_interval_s: float = 1.0,
+        step_detail: bool = False,
     ) -> None:
         self.ledger = ledger
+        # Job rows in the stores: one per rank per store interval (greend_job_steps),
+        # and with step_detail also one per step (greend_job_step).
+        self.step_interval_s = step_interval_s
+        self.step_detail = step_detail
+        self._flushed: list[Point] = []  # aggregates made under the lock, emitted after it
         # The node's GPU indices (None: no GPU probe, nothing to claim or cap), and the
         # pids of compute processes on one GPU (None: the device cannot say).
         self.gpu_indices = gpu_indices
@@ -322,8 +331,22 @@ class JobRegistry:
             rs.last_seen_s = now
             sim = self._run_on_sims(job, rs, checked)
             for i, s in enumerate(checked):
-                points.append(self._account_step(job, rs, s, *(sim[i] if sim else (None, 0.0))))
-        self.emit(points)
+                detail = self._account_step(job, rs, s, *(sim[i] if sim else (None, 0.0)))
+                if self.step_detail:
+                    points.append(detail)
+            if rs.agg is not None and now - rs.agg.since_s >= self.step_interval_s:
+                self._flushed.append(self._flush_steps(job, rs))
+            points += self._flushed
+            self._flushed = []
+        if points:
+            self.emit(points)
+
+    def _flush_steps(self, job: Job, rs: RankSession) -> Point:
+        """The rank's aggregate as a point; a fresh one begins."""
+        agg = rs.agg
+        assert agg is not None
+        rs.agg = None
+        return job_steps_point(ts_ns(self.wall()), self.hostname, job=job.job, rank=rs.rank, agg=agg)
 
     def _run_on_sims(self, job: Job, rs: RankSession, steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
         """Execute the steps on the rank's simulated GPUs (each GPU's share of the
@@ -382,6 +405,11 @@ class JobRegistry:
             self._book_baseline(job, s, precision, flops, step_time, sim_energy, sim_duration is not None)
         samples, tokens = int(s.get("samples") or 0), int(s.get("tokens") or 0)
         job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, samples, tokens, sim_duration))
+        if rs.agg is not None and rs.agg.precision != precision:  # one precision per row
+            self._flushed.append(self._flush_steps(job, rs))
+        if rs.agg is None:
+            rs.agg = StepAggregate(precision, self.monotonic())
+        rs.agg.add(int(s["step"]), duration, flops, samples, tokens, s, sim_duration, sim_energy)
         # The step's end on the wall clock: its monotonic end, as far back from now.
         ts = ts_ns(self.wall() - (self.monotonic() - s["t1_s"]))
         return job_step_point(
@@ -709,6 +737,8 @@ class JobRegistry:
     def _leave(self, rs: RankSession, reason: str) -> None:
         job = self.jobs.get(rs.job)
         self.sessions.pop(rs.session, None)
+        if job is not None and rs.agg is not None:
+            self.emit([self._flush_steps(job, rs)])  # its last interval's steps
         if job is None or rs.session not in job.ranks:
             return
         del job.ranks[rs.session]

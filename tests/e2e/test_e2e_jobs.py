@@ -124,10 +124,15 @@ def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[D
 
     con = sqlite3.connect(d.db)
     rows = dict(con.execute("SELECT job, flops FROM greend_job").fetchall())
-    steps = con.execute("SELECT COUNT(*) FROM greend_job_step WHERE job = 'job-a'").fetchone()[0]
+    # Job rows per rank per store interval, not per step (no greend_job_step by default).
+    steps, flops, rows_a = con.execute(
+        "SELECT SUM(steps), SUM(flops), COUNT(*) FROM greend_job_steps WHERE job = 'job-a'"
+    ).fetchone()
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     con.close()
     assert rows == {"job-a": rep_a["flops"], "job-b": rep_b["flops"]}
-    assert steps == 60
+    assert steps == 60 and flops == pytest.approx(rep_a["flops"]) and rows_a < 60
+    assert "greend_job_step" not in tables
 
 
 @pytest.mark.slow
@@ -201,3 +206,29 @@ def test_the_report_says_how_the_cpu_energy_was_had(tmp_path: Path, daemons: lis
     assert "CPU energy       not measured" in reps["none"]["text"]
     assert "(with CPU: n/a, CPU not measured)" in reps["none"]["text"] and "(GPU only)" in reps["none"]["text"]
     assert "estimate)" in reps["estimate"]["text"] and "not measured" not in reps["estimate"]["text"]
+
+
+def test_interval_rows_sum_to_the_per_step_rows(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """With [store] step_detail on, both kinds of rows are written: the per-interval ones
+    hold the same steps, FLOPs, step time and simulated energy as the per-step ones."""
+    d = start_daemon(tmp_path, "--sim", "1", config='[daemon]\nsocket_group = ""\n[store]\nstep_detail = true\n')
+    daemons.append(d)
+    finish(trainer(d.socket, "both", "--gpu", "0", "--steps", "80", "--step-sleep", "0.02"))
+    wait_ended(d, "both")
+    d.stop()
+    import sqlite3
+
+    con = sqlite3.connect(d.db)
+    per_step = con.execute(
+        "SELECT COUNT(*), SUM(flops), SUM(duration_s), SUM(sim_energy_j), MIN(loss), MAX(loss) "
+        "FROM greend_job_step WHERE job = 'both'"
+    ).fetchone()
+    per_interval = con.execute(
+        "SELECT SUM(steps), SUM(flops), SUM(duration_s), SUM(sim_energy_j), MIN(loss_min), MAX(loss_max), COUNT(*) "
+        "FROM greend_job_steps WHERE job = 'both'"
+    ).fetchone()
+    con.close()
+    assert per_step[0] == per_interval[0] == 80
+    for a, b in zip(per_step[1:], per_interval[1:6]):
+        assert b == pytest.approx(a, rel=1e-3)
+    assert 1 <= per_interval[6] < 80  # rows per interval (1 s), not per step
