@@ -102,6 +102,11 @@ class SqliteSink:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.close(fd)
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        # Pages freed by the retention go back to the file system (incremental vacuum
+        # after each prune); settable only while the file has no tables, so a store made
+        # by an older greend keeps its size until a manual VACUUM.
+        if not self._db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
@@ -310,6 +315,8 @@ class SqliteSink:
         try:
             for table in list(self._columns):
                 self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+            # sqlite3_exec steps it to the end (execute() frees a single page per call)
+            self._db.executescript("PRAGMA incremental_vacuum;")
         except sqlite3.Error as e:
             log.warning("sqlite store: retention prune failed: %s", e)
 

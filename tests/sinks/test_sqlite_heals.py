@@ -22,6 +22,9 @@ class DiskFull:
     def execute(self, sql: str, *args: Any) -> Any:
         return self.db.execute(sql, *args)
 
+    def executescript(self, sql: str) -> Any:
+        return self.db.executescript(sql)
+
     def executemany(self, sql: str, rows: Any) -> Any:
         if self.full:
             raise sqlite3.OperationalError("database or disk is full")

@@ -50,6 +50,29 @@ def test_retention_prunes_old_rows(tmp_path: Path) -> None:
     sink.close()
 
 
+def test_retention_gives_the_disk_back(tmp_path: Path) -> None:
+    db = tmp_path / "v.db"
+    sink = SqliteSink(db, batch_s=0.05, retention_days=1.0)
+    old = time.time_ns() - 3 * 86400 * 10**9
+    for chunk in range(10):
+        sink.write(
+            [Point("greend_host", {"host": "h"}, {"load_1m": float(i), "pad": "x" * 200}, old + chunk * 10_000 + i)
+             for i in range(2000)]
+        )  # fmt: skip
+        assert sink.flush()
+    sink.write([Point("greend_host", {"host": "h"}, {"load_1m": -1.0}, time.time_ns())])
+    assert sink.flush()
+    sink._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    full = db.stat().st_size
+    sink._last_prune = 0.0  # due now
+    sink._maybe_prune()
+    sink._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert [r["load_1m"] for r in read_rows(db, "greend_host")] == [-1.0]
+    assert sink._db.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert db.stat().st_size < full / 5, (full, db.stat().st_size)  # the file shrank with its rows
+    sink.close()
+
+
 def test_reopening_keeps_the_schema_and_appends(tmp_path: Path) -> None:
     db = tmp_path / "a.db"
     for run in range(2):
