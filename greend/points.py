@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from greend.sinks import Point
 
 if TYPE_CHECKING:
-    from greend.jobs.records import StepAggregate
     from greend.probes import CpuReading, GpuReading, HostReading
 
 __all__ = [
@@ -161,29 +160,14 @@ def job_step_point(
     return Point("greend_job_step", {"host": host, "job": job, "rank": str(rank), "precision": precision}, fields, ts)
 
 
-def job_steps_point(ts: int, host: str, *, job: str, rank: int, agg: StepAggregate) -> Point:
-    """``greend_job_steps``: a rank's steps over one store interval (the default job rows:
-    their number does not grow with the step rate)."""
-    fields: dict[str, FieldValue] = {
-        "steps": agg.steps,
-        "first_step": agg.first_step,
-        "last_step": agg.last_step,
-        "duration_s": agg.duration_s,
-        "duration_sq_s2": agg.duration_sq_s2,
-        "flops": agg.flops,
-        "samples": agg.samples,
-        "tokens": agg.tokens,
-        "nonfinite": agg.nonfinite,
-    }
-    if agg.loss_n:
-        fields.update(
-            loss_mean=agg.loss_sum / agg.loss_n, loss_min=agg.loss_min, loss_max=agg.loss_max, loss_n=agg.loss_n
-        )
-    if agg.simulated:
-        fields["sim_duration_s"] = agg.sim_duration_s
-        fields["sim_energy_j"] = agg.sim_energy_j
+def job_steps_point(
+    ts: int, host: str, *, job: str, rank: int, precision: str, fields: Mapping[str, FieldValue]
+) -> Point:
+    """``greend_job_steps``: a rank's steps over one store interval at one precision (the
+    default job rows: their number does not grow with the step rate). ``fields`` come from
+    ``StepAggregate.fields()``."""
     return Point(
-        "greend_job_steps", {"host": host, "job": job, "rank": str(rank), "precision": agg.precision}, fields, ts
+        "greend_job_steps", {"host": host, "job": job, "rank": str(rank), "precision": precision}, dict(fields), ts
     )
 
 
@@ -233,7 +217,8 @@ def decision_point(
     """``greend_decision``: a setting or a precision changed, and why.
 
     ``kind`` is ``cap`` (a GPU's clock or power limit, or a CPU zone's limit: ``zone``
-    and ``path``), or a precision event: ``switch``, ``rollback``, ``refused``. ``policy``
+    and ``path``), a precision event: ``switch``, ``rollback``, ``refused``, or ``note``:
+    a policy's last word on an ended job (why it was not capped or switched). ``policy``
     is the policy that decided (``callback`` for the training process's own events).
     Every point carries the tags of :data:`DECISION_TAGS`.
     """

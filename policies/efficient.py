@@ -260,21 +260,26 @@ class EfficientPolicy:
                     if set(other.gpus) & set(j.gpus):
                         self._retune(other, f"job {j.job} arrived on its GPUs")
                 state.jobs[j.job] = _Job(gpus=tuple(j.gpus), start_steps=j.steps)
-        reasons: list[str] = []
+        reasons: dict[str, str] = {}
         details: dict[str, Any] = {}
         for j in running:
             job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
             if not views or not self._tunable(views[0]):
-                reasons.append(f"job {j.job}: not tunable ({self.knob} knob unsupported on its GPUs)")
+                reasons[j.job] = f"job {j.job}: not tunable ({self.knob} knob unsupported on its GPUs)"
                 continue
-            reason = self._step_job(snap, j, job, views[0])
+            reasons[j.job] = self._step_job(snap, j, job, views[0])
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
-            reasons.append(reason)
             details[j.job] = self._details(job, views[0])
-        d.reason = "; ".join(reasons) if reasons else "efficient: no running job"
-        d.details = {"policy": self.name, "knob": self.knob, "objective": self.objective, "jobs": details}
+        d.reason = "; ".join(reasons.values()) if reasons else "efficient: no running job"
+        d.details = {
+            "policy": self.name,
+            "knob": self.knob,
+            "objective": self.objective,
+            "jobs": details,
+            "reasons": reasons,
+        }
         return d
 
     # ------------------------------------------------------------------ per job

@@ -2,8 +2,8 @@
 
 It starts ``greend run`` as a subprocess (its socket, state dir and SQLite store in
 a temporary directory) on one simulated H100, or on the real GPUs when NVML and CUDA
-both work and ``--gpus real|auto`` allows it, and trains a small MLP on synthetic
-data with :class:`greend.GreenCallback`, twice, for the same number of steps:
+both work and ``--gpus real|auto`` allows it, and trains a small MLP (first 300 steps
+off the clock, then measured) on synthetic data with :class:`greend.GreenCallback`, twice, for the same number of steps:
 
 1. as it is: the ``none`` policy (greend only measures);
 2. with greend's controller on: the ``efficient`` clock policy and the ``precision``
@@ -42,6 +42,8 @@ __all__ = ["BASE_STEP_S", "compare_runs", "render_comparison", "run_demo"]
 # A simulated step at fp32 on an H100 at its top clock takes this long (s).
 BASE_STEP_S = 0.1
 MEM_SHARE = 0.3
+# Steps the demo's student is trained before the measured runs (see _train).
+PRETRAIN_STEPS = 300
 
 BASELINE_CONFIG = """[daemon]
 socket_group = ""
@@ -65,8 +67,8 @@ min_steps = 6
 [policy.precision_params]
 window = 16
 min_steps = 8
-max_slope = 0.1
-max_noise = 0.2
+max_slope = 0.05
+max_noise = 0.05
 probation_steps = 40
 tolerance = 0.1
 cooldown_s = 600.0
@@ -154,18 +156,33 @@ def _train(sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool
 
     torch.manual_seed(0)
     device = torch.device("cuda:0" if use_cuda else "cpu")
-    # A teacher network labels random inputs: a task the student can really learn.
+    # A teacher network labels fresh random inputs at every step: a task the student
+    # can really learn, with no data set to memorise, so the loss levels off. The
+    # student is first trained PRETRAIN_STEPS steps off the clock (the same for both
+    # runs): the measured run is the long middle of a training, where the loss is
+    # nearly flat and a lower precision is tried, not its first steep steps.
     n_in, n_hidden, n_out, batch = 256, 512, 10, 128
     teacher = nn.Sequential(nn.Linear(n_in, 64), nn.Tanh(), nn.Linear(64, n_out)).to(device)
-    x_all = torch.randn(8192, n_in, device=device)
-    with torch.no_grad():
-        y_all = teacher(x_all).argmax(dim=1)
+    data = torch.Generator(device=device).manual_seed(1)
+
+    def next_batch() -> tuple[Any, Any]:
+        x = torch.randn(batch, n_in, device=device, generator=data)
+        with torch.no_grad():
+            return x, teacher(x).argmax(dim=1)
+
     model = nn.Sequential(
         nn.Linear(n_in, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_out)
     ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     lossf = nn.CrossEntropyLoss()
-    flops = _model_flops(model, x_all[:batch], y_all[:batch], lossf)
+    for _ in range(PRETRAIN_STEPS):
+        xb, yb = next_batch()
+        loss = lossf(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    x0, y0 = next_batch()
+    flops = _model_flops(model, x0, y0, lossf)
     scale = 1.0
     if not use_cuda:
         from greend.probes.sim import H100
@@ -199,8 +216,7 @@ def _train(sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool
     sim = " (sim)" if not use_cuda else ""
     try:
         for step in range(steps):
-            i = (step * batch) % x_all.shape[0]
-            xb, yb = x_all[i : i + batch], y_all[i : i + batch]
+            xb, yb = next_batch()
             with cb.step(samples=batch) as st:
                 with st.autocast():
                     loss = lossf(model(xb), yb)

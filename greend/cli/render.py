@@ -182,8 +182,11 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
     for ev in r.get("decisions") or []:
         lines.append(f"    cap: {render_setting(ev.get('setting'))}  ({ev.get('reason')})")
-    for ev in r.get("non_decisions") or []:
-        lines.append(f"    no change: {ev.get('reason')}")
+    notes = r.get("notes") or []
+    if notes:
+        lines.append("  why" + ("  (each policy's last word on the job)" if r.get("state") == "ended" else ""))
+        for n in notes:
+            lines.append(f"    {n.get('policy')}: {n.get('reason')}")
     return "\n".join(lines)
 
 

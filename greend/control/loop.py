@@ -194,13 +194,19 @@ class ControlLoop:
             snap = self.snapshot(now_s)
             with self._lock:
                 decision = self.policy.decide(snap, self.policy_state)
+                said = [(self.policy.name, decision.details.get("reasons") or {}, decision.reason)]
                 if self.precision_policy is not None:
                     by_precision = self.precision_policy.decide(snap, self.precision_state)
+                    said.append(
+                        (self.precision_policy.name, by_precision.details.get("reasons") or {}, by_precision.reason)
+                    )
                     decision.precision.update(by_precision.precision)
                     if by_precision.reason:
                         decision.reason = "; ".join(r for r in (decision.reason, by_precision.reason) if r)
                     if by_precision.details:
                         decision.details = {**decision.details, "precision": by_precision.details}
+            for name, per_job, reason in said:  # outside the lock: the registry takes its own
+                self._note(snap, name, per_job, reason)
         except Exception as e:
             msg = f"{type(e).__name__}: {e}"
             if msg != self.last_error:
@@ -209,6 +215,15 @@ class ControlLoop:
             return
         self.last_error = None
         self.apply(decision, now_s)
+
+    def _note(self, snap: Snapshot, policy: str, per_job: dict[str, str], reason: str) -> None:
+        """Keep each running job's latest word from ``policy`` (its own line in
+        ``per_job`` where the policy gives one, else its decision's ``reason``): why a job
+        was not capped or not switched outlives the job."""
+        role = "precision" if policy == "precision" else "clocks"
+        for j in snap.jobs:
+            if j.state == "running":
+                self.ctx.jobs.note(j.job, policy=policy, role=role, reason=per_job.get(j.job) or reason)
 
     def snapshot(self, now_s: float) -> Snapshot:
         """What the policies see: the GPUs with the settings in force, the running jobs

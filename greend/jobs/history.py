@@ -104,8 +104,11 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         db.close()
     caps: list[dict[str, Any]] = []
     precision_log: list[dict[str, Any]] = []
+    notes: list[dict[str, Any]] = []
     for d in decisions:
-        if d.get("kind") == "cap":
+        if d.get("kind") == "note":
+            notes.append({"policy": d.get("policy"), "reason": d.get("reason"), "since": d["ts_ns"] / 1e9})
+        elif d.get("kind") == "cap":
             if d.get("gpu") not in (None, "", "0") and caps and caps[-1]["t"] == d["ts_ns"] / 1e9:
                 continue  # the same decision on the job's next GPU
             caps.append({"t": d["ts_ns"] / 1e9, "setting": _cap_setting(d), "reason": d.get("reason")})
@@ -155,6 +158,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "precision": r.get("precision"),
         "precision_log": precision_log,
         "decisions": caps,
+        "notes": notes,
         "savings": {
             "baseline": None,
             "saved_j": saved,

@@ -54,6 +54,31 @@ class StepAggregate:
     sim_energy_j: float = 0.0
     simulated: bool = False
 
+    def fields(self) -> dict[str, float | int]:
+        """The ``greend_job_steps`` fields of this interval."""
+        fields: dict[str, float | int] = {
+            "steps": self.steps,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "duration_s": self.duration_s,
+            "duration_sq_s2": self.duration_sq_s2,
+            "flops": self.flops,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "nonfinite": self.nonfinite,
+        }
+        if self.loss_n:
+            fields.update(
+                loss_mean=self.loss_sum / self.loss_n,
+                loss_min=self.loss_min,
+                loss_max=self.loss_max,
+                loss_n=self.loss_n,
+            )
+        if self.simulated:
+            fields["sim_duration_s"] = self.sim_duration_s
+            fields["sim_energy_j"] = self.sim_energy_j
+        return fields
+
     def add(self, step: int, duration: float, flops: float, samples: int, tokens: int, s: dict[str, Any],
             sim_duration: float | None, sim_energy: float) -> None:  # fmt: skip
         if self.steps == 0:
@@ -278,6 +303,9 @@ class Job:
     capped: bool = False  # a cap or limit is in force on the job's GPUs (its steps are not its baseline)
     baseline: Baseline = field(default_factory=Baseline)
     cap_changes: int = 0  # every cap change (decisions keeps the last 50)
+    # Each policy's latest word on the job ({"policy", "role", "reason", "since"}), kept
+    # after the end: why there was no cap, why no downgrade.
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Bounded logs: the oldest entries beyond [daemon] max_log_entries are dropped and counted.
     precision_log_dropped: int = 0
     decisions_dropped: int = 0

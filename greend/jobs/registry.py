@@ -75,6 +75,7 @@ CPU_END_WAIT_S = 3.0
 # A gap this long between two ticks is the daemon's own stall (SIGSTOP, a paused VM, a
 # stuck driver call), not its clients': the stall's length is not held against them.
 STALL_GAP_S = 2.0
+MAX_NOTE_CHARS = 1000  # a policy's note on a job is cut to this many characters
 EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
 
 
@@ -346,7 +347,9 @@ class JobRegistry:
         agg = rs.agg
         assert agg is not None
         rs.agg = None
-        return job_steps_point(ts_ns(self.wall()), self.hostname, job=job.job, rank=rs.rank, agg=agg)
+        return job_steps_point(
+            ts_ns(self.wall()), self.hostname, job=job.job, rank=rs.rank, precision=agg.precision, fields=agg.fields()
+        )
 
     def _run_on_sims(self, job: Job, rs: RankSession, steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
         """Execute the steps on the rank's simulated GPUs (each GPU's share of the
@@ -554,6 +557,21 @@ class JobRegistry:
                 self._bounded(job, "decisions", CapChange(self.wall(), clock_cap_mhz, power_limit_w, reason))
                 job.capped = clock_cap_mhz is not None or power_limit_w is not None
                 job.cap_changes += 1
+
+    def note(self, job_id: str, *, policy: str, role: str, reason: str) -> None:
+        """A policy's latest word on a running job (``role``: "clocks" or "precision"):
+        kept in its report after the end, so a job that was never capped or never
+        switched says why."""
+        if not reason:
+            return
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or not job.running:
+                return
+            old = job.notes.get(role)
+            if old is not None and old["policy"] == policy and old["reason"] == reason:
+                return
+            job.notes[role] = {"policy": policy, "role": role, "reason": reason[:MAX_NOTE_CHARS], "since": self.wall()}
 
     def switch_precision(
         self,
@@ -794,7 +812,9 @@ class JobRegistry:
                     ended.append(job)
         for job in ended:
             log.info("job %s ended (%s): %s", job.job, job.end_reason, _summary_line(job.summary or {}))
-            points.append(self.summary_point(job))
+            summary = self.summary_point(job)
+            points.append(summary)
+            points += self.note_points(job, summary.ts_ns)
             for cb in self.on_job_end:
                 try:
                     cb(job)
@@ -879,6 +899,22 @@ class JobRegistry:
             end_reason=job.end_reason or "",
             summary=job.summary or self.report(job),
         )
+
+    def note_points(self, job: Job, ts: int) -> list[Point]:
+        """``greend_decision`` points of kind ``note``: each policy's last word on an
+        ended job, at its summary's time ``ts``, for its report from the store."""
+        return [
+            decision_point(
+                ts,
+                self.hostname,
+                kind="note",
+                reason=n["reason"],
+                policy=n["policy"],
+                job=job.job,
+                precision=job.precision if n["role"] == "precision" else "",
+            )  # fmt: skip
+            for n in job.notes.values()
+        ]
 
     def report_with_series(self, job: Job) -> dict[str, Any]:
         """``report(job)`` plus its time series: a copy made under the lock, so the tick

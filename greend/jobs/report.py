@@ -277,6 +277,9 @@ class JobFigures:
             "pace_s": job.pace_s,
             "decisions": [d.to_json() for d in job.decisions[-50:]],
             "cap_changes": job.cap_changes,
+            # Each policy's latest word on the job: why it is (or was) capped or not,
+            # switched or not.
+            "notes": list(job.notes.values()),
             "savings": saving,
             # Flat copies for the stores' job summary (greend_job).
             "saved_gpu_energy_j": saving["saved_j"],

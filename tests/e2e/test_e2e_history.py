@@ -59,3 +59,32 @@ def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[Daemon
     d2.stop()
     r = d2.ctl("report", "old-job", "--store", str(state / "greend.db"))
     assert r.returncode == 0 and "old-job" in r.stdout
+
+
+def test_a_job_that_was_never_switched_says_why_after_its_end_and_a_restart(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """Each policy's last word on a job (here: the loss never had a window to be judged
+    stable, and the clock policy only measures) is in its report once it has ended, and
+    still there when the report comes from the store after a restart."""
+    state = tmp_path / "state"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state)
+    daemons.append(d)
+    r = run_trainer(d.socket, "short-job", "--steps", "12", "--step-sleep", "0.05", "--precisions", "fp32,bf16")
+    assert set(r["levels"]) == {"fp32"}
+    live = wait_ended(d, "short-job")
+    notes = {n["policy"]: n["reason"] for n in live["notes"]}
+    assert set(notes) == {"none", "precision"}, live["notes"]
+    assert "measuring only" in notes["none"]
+    # Too few steps for the stability test (window 16): it says what it was waiting for.
+    assert "job short-job:" in notes["precision"] and "fp32" in notes["precision"], notes
+    text = d.ctl("report", "short-job").stdout
+    assert "why  (each policy's last word on the job)" in text
+    assert f"precision: {notes['precision']}" in text
+    d.stop()
+
+    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state, name="d2")
+    daemons.append(d2)
+    stored = json.loads(d2.ctl("report", "short-job", "--json").stdout)
+    assert {n["policy"]: n["reason"] for n in stored["notes"]} == notes
+    assert f"precision: {notes['precision']}" in d2.ctl("report", "short-job").stdout

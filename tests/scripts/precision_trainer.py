@@ -160,6 +160,7 @@ def main() -> None:
                 "final_loss": sum(tail) / len(tail),
                 "eval_loss": eval_loss,
                 "levels": levels,
+                "losses": losses,
                 "poisoned": poisoned,
                 "precision_events": events,
                 "stats": stats,
