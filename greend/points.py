@@ -43,6 +43,8 @@ DECISION_TAGS = ("host", "gpu", "job", "policy", "kind", "precision", "zone", "p
 
 # Summary fields of a job's report that its greend_job point carries, when numbers.
 JOB_SUMMARY_FIELDS = (
+    "world_size",
+    "ranks_here",
     "steps",
     "flops",
     "samples",

@@ -33,11 +33,17 @@ falling loss is not, however quiet); no non-finite step since the level began; t
 barred; and it has not been seen to save less than ``min_saving`` before.
 
 *Probation.* A new level is held for ``probation_steps`` steps. Meanwhile the
-loss after the switch (skipping ``grace_steps``) is compared with the trend
-before it (the fitted loss at the switch): worse by more than ``tolerance``
-(relative) over at least ``min(probation_steps, window)`` losses, or any
-non-finite step, rolls back to the previous level at once and bars the failed
-one for ``cooldown_s``. At the end of probation the energy per FLOP of the two
+mean loss after the switch (skipping ``grace_steps``) is compared with the level
+before it (the mean of the last ``window`` losses: a line's end would undershoot a
+loss that flattens as it falls), with the standard error of that excess (the
+after-losses' spread over their number, and the level's own error):
+worse than ``tolerance`` (relative) by more than 2 standard errors, over at least
+``min(probation_steps, window)`` losses, or any non-finite step, rolls back to the
+previous level at once and bars the failed one for ``cooldown_s``. Noisy losses
+(small batches, rare labels) whose excess is not yet known to be within the
+tolerance keep the probation going, up to 4 x ``probation_steps``; there, a point
+estimate over the tolerance that is also 2 standard errors over the trend rolls
+back. At the end of probation the energy per FLOP of the two
 levels is compared: a saving below ``min_saving`` goes back up too (and bars
 the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
 accepted and the policy may step further.
@@ -88,8 +94,9 @@ class _Probation:
     to_level: str
     start_steps: int  # job steps when the switch was made
     start_losses: int  # how many losses the job had shown when the switch was made
-    trend: float  # the fitted loss at the switch
+    trend: float  # the loss level before the switch: the mean of its last window
     noise: float  # residual spread before the switch (absolute)
+    trend_se: float = 0.0  # the standard error of ``trend`` (absolute)
 
 
 @dataclass
@@ -135,6 +142,8 @@ def loss_trend(losses: list[float]) -> tuple[float, float, float, float]:
 
 
 STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
+PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
+GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count
 
 
 class PrecisionPolicy:
@@ -285,7 +294,7 @@ class PrecisionPolicy:
             js.probation = None
             return (f"job {j.job}: now at {j.precision} ({js.last_event or 'changed outside the policy'})", None, None)
         js.level_losses.extend(new_losses)
-        del js.level_losses[: -max(STABILITY_WINDOWS * self.window, 4 * self.probation_steps)]
+        del js.level_losses[: -max(STABILITY_WINDOWS * self.window, (PROBATION_EXTEND + 1) * self.probation_steps)]
         self._book(j, js)
 
         pb = js.probation
@@ -309,17 +318,37 @@ class PrecisionPolicy:
             return self._roll_back(snap, j, js, pb, why, None)
         after = js.level_losses[self.grace_steps :]
         need = min(self.probation_steps, self.window)
+        longest = PROBATION_EXTEND * self.probation_steps
+        worse = se = math.nan
         if len(after) >= need:
-            mean_after = sum(after) / len(after)
-            worse = (mean_after - pb.trend) / max(abs(pb.trend), 1e-12)
-            if worse > self.tolerance:
+            n = len(after)
+            mean_after = sum(after) / n
+            scale = max(abs(pb.trend), 1e-12)
+            worse = (mean_after - pb.trend) / scale
+            var_after = sum((v - mean_after) ** 2 for v in after) / (n - 1) if n > 1 else pb.noise**2
+            se = math.sqrt(var_after / n + pb.trend_se**2) / scale
+            # Clearly worse than the tolerance: back at once. At the longest probation,
+            # worse than the tolerance and surely worse than the trend: back too.
+            clearly = worse - GUARD_Z * se > self.tolerance
+            at_last = steps_in >= longest and worse > self.tolerance and worse - GUARD_Z * se > 0
+            if clearly or at_last:
                 why = (
-                    f"loss after the switch {mean_after:.6g} is {worse:+.1%} over the trend before it "
-                    f"{pb.trend:.6g} (tolerance {self.tolerance:.0%}, {len(after)} steps)"
+                    f"loss after the switch {mean_after:.6g} is {worse:+.1%} (+/- {se:.1%}) over the trend before "
+                    f"it {pb.trend:.6g} (tolerance {self.tolerance:.0%}, {n} steps)"
                 )
                 return self._roll_back(snap, j, js, pb, why, mean_after)
         if steps_in < self.probation_steps:
             return (f"job {j.job}: probation at {pb.to_level} ({steps_in}/{self.probation_steps} steps)", None, None)
+        if steps_in < longest and (math.isnan(worse) or worse + GUARD_Z * se > self.tolerance):
+            # Noisy losses: not yet known to be within the tolerance. Watch on (the level
+            # is in force, so the energy is saved meanwhile).
+            told = "too few losses" if math.isnan(worse) else f"loss {worse:+.1%} +/- {se:.1%} over the trend"
+            return (
+                f"job {j.job}: probation at {pb.to_level} extended ({steps_in}/{longest} steps; {told}, "
+                f"tolerance {self.tolerance:.0%})",
+                None,
+                None,
+            )
         new = self._evidence(js, pb.to_level, j.setting)
         old = self._evidence(js, pb.from_level, j.setting)
         if new is None or new.steps < self.min_steps:
@@ -403,7 +432,13 @@ class PrecisionPolicy:
             f"over {n} steps): trying {nxt}, probation {self.probation_steps} steps"
         )
         js.last_event = why
-        pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, fitted, sd)
+        # The reference for probation: the level of the last window before the switch
+        # (its mean, known to sd / sqrt(window)), not the fitted line's end: training
+        # losses flatten as they fall, and a line through a flattening curve ends below
+        # it, so the first losses after a switch looked worse than they were.
+        last = recent[-self.window :]
+        ref = sum(last) / len(last)
+        pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, ref, sd, sd / math.sqrt(len(last)))
         self._enter_level(js, j, nxt)
         js.probation = pb
         event = {"kind": "switch", "from": j.precision, "to": nxt, "reason": why, "loss": recent[-1], "trend": fitted}

@@ -13,7 +13,7 @@ import typer
 
 from greend.cli.common import fail
 from greend.cli.profile import profile_app
-from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status
+from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
 from greend.ipc.client import Client
@@ -181,16 +181,37 @@ def ctl_report(
     job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
-    store: Path | None = typer.Option(
-        None, "--store", help="the SQLite store file, for jobs the daemon no longer knows (default: the daemon's)"
+    stores: list[Path] | None = typer.Option(
+        None,
+        "--store",
+        help="the SQLite store file, for jobs the daemon no longer knows (default: the daemon's); "
+        "give it once per node (--store A.db --store B.db) for the whole job across nodes",
     ),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy
-    greend saved; an ended job the daemon no longer knows (it restarted) comes from the store."""
-    from greend.jobs.history import stored_report
+    greend saved; an ended job the daemon no longer knows (it restarted) comes from the store;
+    with a store per node, the whole job across them."""
+    from greend.jobs.history import stored_report, whole_job_report
 
     if plot is not None:
         _check_plot_path(plot)
+    if stores and len(stores) > 1:
+        for p in stores:
+            if not p.is_file():
+                fail(
+                    f"--store {p}: no such file (give each node's SQLite store: a copy of its "
+                    "/var/lib/greend/greend.db)"
+                )
+        try:
+            whole = whole_job_report(stores, job)
+        except GreendError as e:
+            fail(str(e))
+        if whole is None:
+            fail(f"job {job!r} is in none of the stores {', '.join(map(str, stores))}")
+        assert whole is not None
+        typer.echo(json.dumps(whole, indent=2) if as_json else render_whole_job(whole))
+        return
+    store = stores[0] if stores else None
     r: dict[str, Any] | None = None
     why, down = "", False
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status", "render_table"]
+__all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status", "render_table", "render_whole_job"]
 
 
 def fmt(v: Any, digits: int = 1) -> str:
@@ -178,6 +178,12 @@ def render_report(r: dict[str, Any]) -> str:
     lines.append(f"  CO2              {_num(r.get('co2_g'), '.3g', 'g')}   ({r.get('co2_method')})")
     lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
     lines += render_savings(r.get("savings"), label)
+    world, here = r.get("world_size") or 1, r.get("ranks_here") or 0
+    if world > 1 and here < world:
+        lines.append(
+            f"  partial          {here} of the job's {world} ranks ran on this node: these figures are this "
+            "node's share (the whole job: greenctl report JOB --store NODE1.db --store NODE2.db ...)"
+        )
     for ev in r.get("precision_log") or []:
         lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
     for ev in r.get("decisions") or []:
@@ -187,6 +193,36 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append("  why" + ("  (each policy's last word on the job)" if r.get("state") == "ended" else ""))
         for n in notes:
             lines.append(f"    {n.get('policy')}: {n.get('reason')}")
+    return "\n".join(lines)
+
+
+def render_whole_job(w: dict[str, Any]) -> str:
+    """A job across nodes (``greenctl report JOB --store A --store B``): its totals, then
+    each node's share."""
+    world = w.get("world_size")
+    lines = [
+        f"job {w['job']}  across {len(w['nodes'])} node(s)  ranks {w.get('ranks_found')}"
+        + (f" of {world}" if world else ""),
+        f"  steps            {w['steps']}  (each rank's; the largest node's count)",
+        f"  duration         {_num(w.get('duration_s'), '.1f', 's')}  (the longest node's)",
+        f"  FLOPs            {_num(w.get('flops'), '.4g')}  (summed)",
+        f"  GPU energy       {_num(w.get('gpu_energy_j'), '.1f', 'J')}  (summed)",
+        f"  total energy     {_num(w.get('energy_j'), '.1f', 'J')}  (summed, GPU and CPU)",
+        f"  GFLOPS/W         {_num(w.get('gflops_per_w'), '.3f')}  (summed FLOPs over summed GPU joules)",
+    ]
+    if w.get("saved_gpu_energy_j") is not None:
+        lines.append(
+            f"  saved            {w['saved_gpu_energy_j']:.1f} J of GPU energy = {_num(w.get('saved_pct'), '.1f')} %"
+        )
+    for m in w.get("missing") or []:
+        lines.append(f"  partial          {m}")
+    lines.append("  nodes")
+    for n in w["nodes"]:
+        lines.append(
+            f"    {n['host']:<16} ranks {n.get('ranks_here') or '?'}  steps {n.get('steps')}  "
+            f"{_num(n.get('gpu_energy_j'), '.1f', 'J')}  {_num(n.get('flops'), '.4g', 'FLOP')}  "
+            f"{_num(n.get('gflops_per_w'), '.3f')} GFLOPS/W  ({n['store']})"
+        )
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from greend.errors import StoreError
 from greend.sinks.sqlite import connect_readonly
 
-__all__ = ["sqlite_path", "stored_jobs", "stored_report"]
+__all__ = ["sqlite_path", "stored_jobs", "stored_report", "whole_job_report"]
 
 
 def sqlite_path(urls: list[str]) -> Path | None:
@@ -170,4 +170,76 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "ended_at": r["ts_ns"] / 1e9,
         "earlier_runs": len(runs) - 1,
         "from_store": str(path),
+    }
+
+
+# The whole job across nodes --------------------------------------------------------------
+# Each node's daemon stores its own ranks' share of a job (greend_job, tagged host): the
+# job's figures are their sums (energy, FLOPs, samples, tokens, the saving), its steps and
+# duration the largest node's (every rank runs the same steps), and its GFLOPS/W the
+# summed FLOPs over the summed joules, never the mean of the nodes' quotients.
+_SUMMED = ("flops", "samples", "tokens", "gpu_energy_j", "cpu_energy_j", "energy_j", "co2_g")
+
+
+def whole_job_report(paths: list[Path], job: str) -> dict[str, Any] | None:
+    """``job`` across the stores in ``paths`` (one per node, or one shared file): each
+    host's last run of the job, and their totals. None if no store has the job."""
+    seen: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in paths:
+        db = _open(path)
+        try:
+            rows = _rows(db, "greend_job", "job = ?", (job,))
+        finally:
+            db.close()
+        for r in rows:
+            # The same row in two stores (a copy given twice) counts once.
+            seen.setdefault((str(r.get("host")), int(r["ts_ns"])), {**r, "store": str(path)})
+    if not seen:
+        return None
+    # A node is a host in a store: each node's latest run of the job id.
+    last: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in sorted(seen.values(), key=lambda r: int(r["ts_ns"])):
+        last[(r["store"], str(r.get("host")))] = r
+    nodes = []
+    for (_, host), r in sorted(last.items()):
+        nodes.append(
+            {
+                "host": host,
+                "store": r["store"],
+                "ranks_here": r.get("ranks_here"),
+                "world_size": r.get("world_size"),
+                "steps": r.get("steps"),
+                "duration_s": r.get("duration_s"),
+                "flops": r.get("flops"),
+                "gpu_energy_j": r.get("gpu_energy_j"),
+                "energy_j": r.get("energy_j"),
+                "gflops_per_w": r.get("gflops_per_w"),
+                "saved_gpu_energy_j": r.get("saved_gpu_energy_j"),
+                "precision": r.get("precision"),
+                "end_reason": r.get("end_reason") or None,
+                "ended_at": r["ts_ns"] / 1e9,
+            }
+        )
+    total: dict[str, Any] = {k: sum(float(r.get(k) or 0.0) for r in last.values()) for k in _SUMMED}
+    world = max((int(r.get("world_size") or 0) for r in last.values()), default=0) or None
+    ranks = sum(int(r.get("ranks_here") or 0) for r in last.values())
+    gpu_e = total["gpu_energy_j"]
+    saved_parts = [r.get("saved_gpu_energy_j") for r in last.values()]
+    saved = sum(float(x) for x in saved_parts if x is not None) if all(x is not None for x in saved_parts) else None
+    missing = [] if world is None or ranks >= world else [f"{world - ranks} of {world} ranks have no stored figures"]
+    if saved is None and any(x is not None for x in saved_parts):
+        missing.append("a node measured no baseline: no saving for the whole job")
+    return {
+        "job": job,
+        "nodes": nodes,
+        "world_size": world,
+        "ranks_found": ranks,
+        "complete": not missing,
+        "missing": missing,
+        "steps": max(int(r.get("steps") or 0) for r in last.values()),
+        "duration_s": max(float(r.get("duration_s") or 0.0) for r in last.values()),
+        **total,
+        "gflops_per_w": total["flops"] / gpu_e / 1e9 if gpu_e > 0 and total["flops"] > 0 else None,
+        "saved_gpu_energy_j": saved,
+        "saved_pct": 100.0 * saved / (gpu_e + saved) if saved is not None and gpu_e + saved > 0 else None,
     }

@@ -272,6 +272,8 @@ class Job:
     ranks: dict[int, RankSession] = field(default_factory=dict)
     gone: list[RankLeft] = field(default_factory=list)
     gpus: set[int] = field(default_factory=set)
+    world_size: int = 1  # the job's ranks on all nodes, as its ranks registered it
+    ranks_seen: set[int] = field(default_factory=set)  # rank ids that ran on this node
     state: JobState = "running"
     end_reason: str | None = None
     t_start_s: float | None = None

@@ -236,6 +236,8 @@ class JobRegistry:
                 job.cpu_busy0_s = self._node_cpu_busy_s
             job.ranks[conn.id] = rs
             job.gpus.update(gpus)
+            job.world_size = max(job.world_size, rs.world_size)
+            job.ranks_seen.add(rs.rank)
             self.sessions[conn.id] = rs
             conn.state["session"] = conn.id
             return {

@@ -237,6 +237,10 @@ class JobFigures:
             # The first step on the wall clock (where a plot's time axis starts).
             "first_step_at": job.registered_wall_s + (t0 - job.registered_s) if t0 is not None else None,
             "ranks": len(job.ranks),
+            # The job's size across nodes and its ranks here: a job with ranks elsewhere
+            # gets a partial figure from this node (greenctl report --store A --store B sums).
+            "world_size": job.world_size,
+            "ranks_here": len(job.ranks_seen),
             "ranks_gone": [g.to_json() for g in job.gone],
             "gpus": sorted(job.gpus),
             "gpu_source": ",".join(sources) if sources else None,

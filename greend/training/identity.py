@@ -1,6 +1,7 @@
 """Who a training process is, as it tells the daemon when it registers.
 
-* **Job id**: ``job=``, else ``$GREEND_JOB``, else Slurm's ``$SLURM_JOB_ID``, else
+* **Job id**: ``job=``, else ``$GREEND_JOB``, else Slurm's ``$SLURM_JOB_ID`` (with
+  ``.$SLURM_STEP_ID`` under srun: ``1234.0``, as sacct names the step), else
   torchrun's ``$TORCHELASTIC_RUN_ID`` when it is a real id (torchrun without
   ``--rdzv-id`` sets it to ``none``: then ``torchrun-<MASTER_ADDR>-<MASTER_PORT>``,
   the rendezvous every rank of that run shares and no other running job can),
@@ -53,10 +54,15 @@ log = logging.getLogger("greend.training.callback")
 
 def _job_from_env() -> str | None:
     """The job id the launcher gives every rank alike, or None."""
-    for var in ("GREEND_JOB", "SLURM_JOB_ID"):
-        value = os.environ.get(var, "").strip()
-        if value:
-            return value
+    value = os.environ.get("GREEND_JOB", "").strip()
+    if value:
+        return value
+    slurm = os.environ.get("SLURM_JOB_ID", "").strip()
+    if slurm:
+        # Slurm's own name for a step, JOBID.STEP (as sacct shows it): two sruns of one
+        # allocation are two runs, not one job resumed.
+        step = os.environ.get("SLURM_STEP_ID", "").strip()
+        return f"{slurm}.{step}" if step.isdigit() else slurm
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     if run_id and run_id.lower() != "none":
         return run_id

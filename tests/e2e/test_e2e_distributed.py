@@ -128,6 +128,32 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     t_slow_uncapped = H100.step_cost(flops, 0.3, "fp32", speed_factor=1.3).duration_s
     assert t_fast <= t_slow_uncapped * 1.05 * 1.02
 
+    # The whole job: each node's report is its own rank's share and says so; the stores
+    # of both nodes together give the job's totals (summed joules and FLOPs, one step
+    # count, GFLOPS/W as their quotient, never the mean of the nodes').
+    from tests.e2e.test_e2e_jobs import wait_ended
+
+    shares = [wait_ended(d, "ddp", timeout=30) for d in (fast, slow)]
+    for d, share in zip((fast, slow), shares, strict=True):
+        assert share["world_size"] == 2 and share["ranks_here"] == 1, share
+        assert "1 of the job's 2 ranks ran on this node" in d.ctl("report", "ddp").stdout
+    fast.stop()
+    slow.stop()
+    r = fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(slow.db), "--json")
+    assert r.returncode == 0, r.stderr
+    whole = json.loads(r.stdout)
+    assert whole["complete"] and whole["ranks_found"] == 2 and whole["world_size"] == 2, whole
+    assert len(whole["nodes"]) == 2
+    assert whole["gpu_energy_j"] == pytest.approx(sum(s["gpu_energy_j"] for s in shares), rel=1e-9)
+    assert whole["flops"] == pytest.approx(sum(s["flops"] for s in shares), rel=1e-9)
+    assert whole["steps"] == max(s["steps"] for s in shares)
+    assert whole["gflops_per_w"] == pytest.approx(whole["flops"] / whole["gpu_energy_j"] / 1e9)
+    text = fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(slow.db)).stdout
+    assert "across 2 node(s)  ranks 2 of 2" in text and "summed FLOPs over summed GPU joules" in text
+    # One node's store alone is half the job, and the report says what is missing.
+    with_one = json.loads(fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(fast.db), "--json").stdout)
+    assert not with_one["complete"] and with_one["missing"] == ["1 of 2 ranks have no stored figures"]
+
 
 def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str) -> list[dict]:
     """A 2-rank gloo DDP job of exactly ``steps`` steps, GreenCallback on ``greend_ranks``."""
@@ -149,7 +175,7 @@ def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, f"rank exited {p.returncode}:\n{err[-3000:]}"
+        assert p.returncode == 0, f"rank {len(outs)} (greend on {greend_ranks}) exited {p.returncode}:\n{err[-3000:]}\nstdout: {out[-500:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs
 

@@ -94,7 +94,15 @@ def main() -> None:
         cb.close()
     pace = cb.agreed_pace_s if cb is not None else None
     print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": pace, "final_loss": float(loss.detach())}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.barrier()
     dist.destroy_process_group()
+    # torch's gloo backend here aborts now and then in the interpreter's teardown, after
+    # all of the above ("terminate called without an active exception", SIGABRT), with or
+    # without greend loaded (seen with --greend-ranks none too). The run is complete: leave
+    # without that teardown so the exit status says how the training went.
+    os._exit(0)
 
 
 if __name__ == "__main__":

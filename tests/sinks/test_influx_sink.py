@@ -344,3 +344,34 @@ def test_no_server_spools_and_reports(tmp_path: Path) -> None:
     assert st.extra["spool_bytes"] > 0
     sink.close(0.5)
     assert list(sink.spool_dir.glob("*.lp"))  # left for the next start
+
+
+def test_the_docs_whole_job_query_sums_the_nodes(vm: vmserver.VmServer, tmp_path: Path) -> None:
+    """docs/stores.md's MetricsQL for a job across nodes, run as written on the rows two
+    nodes' sinks wrote: summed FLOPs over summed joules, not the mean of the nodes'."""
+    import json as _json
+    import re
+    import urllib.parse
+    import urllib.request
+
+    from greend.points import job_point
+
+    job = "whole-" + uuid.uuid4().hex[:8]
+    ts = now_ms() * 1_000_000
+    shares = {"node-a": (3e12, 100.0), "node-b": (3e12, 200.0)}
+    for host, (flops, joules) in shares.items():
+        sink = InfluxSink(vm.influx_url, state_dir=tmp_path / host, host=host, **FAST)
+        summary = {"flops": flops, "gpu_energy_j": joules, "steps": 50, "world_size": 2, "ranks_here": 1}
+        sink.write([job_point(ts, host, job=job, precision="bf16", end_reason="finished", summary=summary)])
+        assert sink.flush(15)
+        sink.close()
+    vm.wait_samples("greend_job_flops", 2, job=job)
+    doc = (REPO / "docs" / "stores.md").read_text()
+    block = doc.split("MetricsQL (VictoriaMetrics", 1)[1].split("```", 2)[1]
+    query = re.sub(r"\s+", " ", block).strip().replace('"JOB"', f'"{job}"')
+    url = vm.http + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        result = _json.load(r)["data"]["result"]
+    got = float(result[0]["value"][1])
+    assert got == pytest.approx(6e12 / 300.0 / 1e9)  # 20 GFLOPS/W
+    assert got != pytest.approx((3e12 / 100 + 3e12 / 200) / 2 / 1e9)  # the nodes' mean, 22.5: wrong

@@ -282,7 +282,7 @@ def test_identity() -> None:
         resolve_job("bad job!")
     mp = pytest.MonkeyPatch()
     try:
-        for var in ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        for var in ("GREEND_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
             mp.delenv(var, raising=False)
         mp.setenv("TORCHELASTIC_RUN_ID", "elastic run")
         assert resolve_job(None) == "elastic-run"

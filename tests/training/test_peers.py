@@ -14,7 +14,7 @@ import torch.distributed as dist  # noqa: E402
 from greend.training.identity import resolve_job  # noqa: E402
 from greend.training.peers import JobPeers  # noqa: E402
 
-LAUNCH_VARS = ("GREEND_JOB", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARS = ("GREEND_JOB", "SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
@@ -37,6 +37,12 @@ def test_torchrun_without_a_run_id_is_named_by_its_rendezvous(clean_env: pytest.
     # Slurm's id wins over the rendezvous; a real run id is used as it is.
     clean_env.setenv("SLURM_JOB_ID", "981")
     assert resolve_job(None) == "981"
+    # Under srun, the step too (Slurm's JOBID.STEP): two sruns of one allocation are two runs.
+    clean_env.setenv("SLURM_STEP_ID", "2")
+    assert resolve_job(None) == "981.2"
+    clean_env.setenv("SLURM_STEP_ID", "batch")  # not a number: the job id alone
+    assert resolve_job(None) == "981"
+    clean_env.delenv("SLURM_STEP_ID")
     clean_env.delenv("SLURM_JOB_ID")
     clean_env.setenv("TORCHELASTIC_RUN_ID", "my-run")
     assert resolve_job(None) == "my-run"
