@@ -175,7 +175,8 @@ def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, f"rank {len(outs)} (greend on {greend_ranks}) exited {p.returncode}:\n{err[-3000:]}\nstdout: {out[-500:]}"
+        who = f"rank {len(outs)} (greend on {greend_ranks})"
+        assert p.returncode == 0, f"{who} exited {p.returncode}:\n{err[-3000:]}\nstdout: {out[-500:]}"
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs
 
