@@ -151,7 +151,7 @@ class StepRecord:
     sim_duration_s: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EfficiencySample:
     """The job's sliding window at one store interval (its report's ``series``)."""
 

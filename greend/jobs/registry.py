@@ -75,8 +75,21 @@ CPU_END_WAIT_S = 3.0
 # A gap this long between two ticks is the daemon's own stall (SIGSTOP, a paused VM, a
 # stuck driver call), not its clients': the stall's length is not held against them.
 STALL_GAP_S = 2.0
+ENDED_SERIES_POINTS = 600  # an ended job's series (its report's plot) is thinned to this
 MAX_NOTE_CHARS = 1000  # a policy's note on a job is cut to this many characters
 EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
+
+
+def thinned(series: deque[EfficiencySample], points: int) -> deque[EfficiencySample]:
+    """Every k-th sample of ``series`` and its last, at most ``points`` + 1 of them."""
+    n = len(series)
+    if n <= points:
+        return series
+    k = -(-n // points)  # ceil
+    kept = [e for i, e in enumerate(series) if i % k == 0]
+    if (n - 1) % k:
+        kept.append(series[-1])
+    return deque(kept, maxlen=series.maxlen)
 
 
 class JobRegistry:
@@ -807,10 +820,13 @@ class JobRegistry:
                     # reading, the estimate's once a second): the window is complete.
                     job.state = "ended"
                     job.summary = self.report(job)
-                    # An ended job keeps its summary; its step records go.
+                    # An ended job keeps its summary; its step records go, and its
+                    # series is thinned to ENDED_SERIES_POINTS (enough for its plot):
+                    # up to 200 ended jobs are kept.
                     job.recent.clear()
                     job.losses.clear()
                     job.nonfinite_recent.clear()
+                    job.series = thinned(job.series, ENDED_SERIES_POINTS)
                     ended.append(job)
         for job in ended:
             log.info("job %s ended (%s): %s", job.job, job.end_reason, _summary_line(job.summary or {}))

@@ -85,3 +85,20 @@ def test_clamp_prices_a_window_from_the_first_reading() -> None:
     assert led.energy_between("gpu0", 4.0, 6.0) is None
     assert led.energy_between("gpu0", 4.0, 6.0, clamp=True) == pytest.approx(100.0)
     assert led.energy_between("gpu0", 1.0, 2.0, clamp=True) is None  # wholly before it
+
+
+def test_an_ended_jobs_series_is_thinned_for_its_plot() -> None:
+    """Up to 200 ended jobs are kept: each keeps at most ENDED_SERIES_POINTS + 1 samples of
+    its series (every k-th and the last), in order, not the 7200 a running job may hold."""
+    from collections import deque
+
+    from greend.jobs.records import EfficiencySample
+    from greend.jobs.registry import ENDED_SERIES_POINTS, thinned
+
+    full = deque((EfficiencySample(float(i), 1.0, 1.0, 1.0) for i in range(7200)), maxlen=7200)
+    kept = thinned(full, ENDED_SERIES_POINTS)
+    ts = [e.t_s for e in kept]
+    assert len(kept) <= ENDED_SERIES_POINTS + 1 and ts == sorted(ts)
+    assert ts[0] == 0.0 and ts[-1] == 7199.0
+    short = deque((EfficiencySample(float(i), 1.0, 1.0, 1.0) for i in range(10)), maxlen=7200)
+    assert thinned(short, ENDED_SERIES_POINTS) is short

@@ -1,0 +1,201 @@
+"""The daemon's memory after many jobs, and its SQLite store's size per GPU-month.
+
+Two runs of the real daemon (``greend run --sim 8``, default store settings: one SQLite
+row set per store interval of 1 s, 30 days' retention), over its socket:
+
+1. **Memory.** ``--jobs`` jobs of ``--ranks`` ranks each, one after the other, as the
+   callback would report them (register, step reports, end). Then the daemon's RSS
+   (``VmRSS``) and peak (``VmHWM``) from ``/proc``: it keeps the last 200 ended jobs'
+   summaries, not their step histories. The jobs are short: what is measured is the
+   bookkeeping per job, not per day (a month of 10 Hz ticks is the store's, below).
+2. **Disk.** One job of ``--ranks`` ranks on the 8 simulated GPUs, each rank reporting
+   ``--rate`` steps per second for ``--seconds`` seconds of wall time; the store file's
+   growth between two stops of the daemon (each folds the WAL into the file) per GPU per
+   second, extrapolated to a GPU-day and a GPU-month: an extrapolation, labelled so.
+
+    python bench/bench_month.py [--jobs 1000] [--ranks 8] [--seconds 60] [--rate 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from greend.ipc.client import Client  # noqa: E402
+from greend.ipc.server import encode  # noqa: E402
+from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
+
+GPUS = 8
+CONFIG = '[daemon]\nsocket_group = ""\nlog_level = "warning"\n'
+
+
+def proc_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def start(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    (tmp / "cfg.toml").write_text(CONFIG)
+    sock, state, log = tmp / f"{name}.sock", tmp / f"{name}-state", tmp / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            daemon_command(tmp / "cfg.toml", sock, state, "--sim", str(GPUS)),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    wait_until_up(proc, sock, log)
+    return proc, sock, state
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+class Rank:
+    """One rank's connection, speaking the protocol as the callback does."""
+
+    def __init__(self, sock: Path, job: str, rank: int, ranks: int) -> None:
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.connect(str(sock))
+        self.step = 0
+        self.ask({"op": "register", "job": job, "gpus": [rank % GPUS], "rank": rank, "world_size": ranks})
+
+    def ask(self, msg: dict) -> None:
+        self.s.sendall(encode({"v": 1, "id": 1, **msg}))
+        buf = b""
+        while b"\n" not in buf:
+            chunk = self.s.recv(65536)
+            if not chunk:
+                raise RuntimeError("the daemon closed the connection")
+            buf += chunk
+
+    def steps(self, n: int, step_s: float) -> None:
+        t1 = time.monotonic()
+        rows = []
+        for i in range(n):
+            t0 = t1 - (n - i) * step_s
+            rows.append({"step": self.step, "t0_s": t0, "t1_s": t0 + step_s * 0.9, "flops": 1e12, "samples": 32,
+                         "loss": 1.0 / (1 + self.step)})  # fmt: skip
+            self.step += 1
+        self.s.sendall(encode({"v": 1, "op": "steps", "steps": rows}))
+
+    def end(self) -> None:
+        self.ask({"op": "end", "reason": "finished"})
+        self.s.close()
+
+
+def memory(jobs: int, ranks: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp_s:
+        proc, sock, _ = start(Path(tmp_s), "mem")
+        try:
+            rss0 = proc_kb(proc.pid, "VmRSS")
+            t0 = time.perf_counter()
+            for j in range(jobs):
+                rs = [Rank(sock, f"month-{j}", r, ranks) for r in range(ranks)]
+                for r in rs:
+                    r.steps(50, 0.01)
+                for r in rs:
+                    r.end()
+            deadline = time.monotonic() + 60
+            with Client(sock) as c:
+                while time.monotonic() < deadline:
+                    listed = c.request("jobs")["jobs"]
+                    if all(x["state"] == "ended" for x in listed):
+                        break
+                    time.sleep(0.2)
+            wall = time.perf_counter() - t0
+            rss, hwm = proc_kb(proc.pid, "VmRSS"), proc_kb(proc.pid, "VmHWM")
+        finally:
+            stop(proc)
+    return {"rss_start_mb": rss0 / 1024, "rss_mb": rss / 1024, "peak_mb": hwm / 1024, "kept": len(listed),
+            "wall_s": wall}  # fmt: skip
+
+
+def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
+    """The store's growth between two stops of the daemon (each stop checkpoints the WAL
+    into the file), over a run of ``seconds`` in between: the schema and the WAL's
+    preallocation are outside the difference."""
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        proc, sock, state = start(tmp, "disk")
+        time.sleep(2.0)
+        stop(proc)
+        db = state / "greend.db"
+        s0 = db.stat().st_size
+        proc, sock, state = start(tmp, "disk")
+        t0 = time.monotonic()
+        stop_at = t0 + seconds
+        errors: list[str] = []
+
+        def run(rank: int) -> None:
+            try:
+                r = Rank(sock, "month-disk", rank, ranks)
+                while time.monotonic() < stop_at:
+                    time.sleep(0.5)
+                    r.steps(max(1, int(rate * 0.5)), 1.0 / rate)
+                r.end()
+            except Exception as e:  # reported below, never silently
+                errors.append(f"rank {rank}: {e}")
+
+        try:
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            time.sleep(2.0)  # the last store interval and the job's summary
+        finally:
+            t1 = time.monotonic()
+            stop(proc)
+        if errors:
+            raise SystemExit("; ".join(errors))
+        s1 = db.stat().st_size
+        with sqlite3.connect(db) as con:
+            rows = {
+                t: con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0]
+                for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+    per_gpu_s = (s1 - s0) / (t1 - t0) / GPUS
+    return {"bytes": s1 - s0, "span_s": t1 - t0, "rows": rows, "per_gpu_day_mb": per_gpu_s * 86400 / 1e6,
+            "per_gpu_month_mb": per_gpu_s * 86400 * 30 / 1e6}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=60.0, help="wall time of the disk run")
+    ap.add_argument("--rate", type=float, default=10.0, help="steps per second per rank in the disk run")
+    args = ap.parse_args()
+    m = memory(args.jobs, args.ranks)
+    print(f"memory: {args.jobs} jobs of {args.ranks} ranks on {GPUS} simulated GPUs, one after the other "
+          f"({m['wall_s']:.0f} s)")  # fmt: skip
+    print(f"  daemon RSS {m['rss_start_mb']:.1f} MB at start, {m['rss_mb']:.1f} MB after the jobs "
+          f"(peak {m['peak_mb']:.1f} MB; target < 150 MB); {m['kept']} ended jobs kept")  # fmt: skip
+    d = disk(args.ranks, args.seconds, args.rate)
+    print(f"disk: SQLite store (default settings), {GPUS} simulated GPUs, one job of {args.ranks} ranks at "
+          f"{args.rate:g} steps/s each, {d['span_s']:.0f} s: {d['bytes'] / 1e6:.2f} MB")  # fmt: skip
+    print(f"  rows: {d['rows']}")
+    print(f"  extrapolated: {d['per_gpu_day_mb']:.1f} MB per GPU-day, {d['per_gpu_month_mb']:.0f} MB per GPU-month "
+          "(target < 50 MB)")  # fmt: skip
+    print(json.dumps({"memory": m, "disk": d}))
+
+
+if __name__ == "__main__":
+    main()
