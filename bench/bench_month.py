@@ -12,6 +12,10 @@ row set per store interval of 1 s, 30 days' retention), over its socket:
    ``--rate`` steps per second for ``--seconds`` seconds of wall time; the store file's
    growth between two stops of the daemon (each folds the WAL into the file) per GPU per
    second, extrapolated to a GPU-day and a GPU-month: an extrapolation, labelled so.
+   Rows older than ``[store] raw_hours`` (24) are rolled up to one per series per
+   ``rollup_s`` (300 s), so a month holds one raw day and 29 rolled ones: the rolled days
+   are estimated from the run's series counts and its mean bytes per row (an estimate,
+   labelled so; tests/sinks/test_sqlite_rollup.py checks the rollup itself).
 
     python bench/bench_month.py [--jobs 1000] [--ranks 8] [--seconds 60] [--rate 10]
 """
@@ -33,8 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from greend.config import StoreConfig  # noqa: E402
 from greend.ipc.client import Client  # noqa: E402
 from greend.ipc.server import encode  # noqa: E402
+from greend.sinks.sqlite import ROLLUP_LAST, ROLLUP_SUM  # noqa: E402
 from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
 
 GPUS = 8
@@ -167,13 +173,32 @@ def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
             raise SystemExit("; ".join(errors))
         s1 = db.stat().st_size
         with sqlite3.connect(db) as con:
-            rows = {
-                t: con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0]
-                for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            }
-    per_gpu_s = (s1 - s0) / (t1 - t0) / GPUS
-    return {"bytes": s1 - s0, "span_s": t1 - t0, "rows": rows, "per_gpu_day_mb": per_gpu_s * 86400 / 1e6,
-            "per_gpu_month_mb": per_gpu_s * 86400 * 30 / 1e6}  # fmt: skip
+            tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            rows = {t: con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
+            series = {}
+            for t in tables:
+                tags = ROLLUP_LAST.get(t) or (ROLLUP_SUM[t][0] if t in ROLLUP_SUM else None)
+                if tags is None:
+                    continue
+                cols = {c[1] for c in con.execute(f'PRAGMA table_info("{t}")')}
+                key = ", ".join(f'"{c}"' for c in tags if c in cols)
+                series[t] = con.execute(f"SELECT COUNT(*) FROM (SELECT DISTINCT {key} FROM \"{t}\")").fetchone()[0]
+    span = t1 - t0
+    per_gpu_s = (s1 - s0) / span / GPUS
+    raw_day = per_gpu_s * 86400
+    # A rolled day: one row per series per rollup_s for the rolled tables, the rest (job
+    # and decision events) as they came; at the run's mean bytes per row (an estimate).
+    cfg = StoreConfig()
+    bytes_per_row = (s1 - s0) / max(1, sum(rows.values()))
+    rolled_rows = sum(n * 86400 / cfg.rollup_s for n in series.values()) + sum(
+        n * 86400 / span for t, n in rows.items() if t not in series
+    )
+    rolled_day = rolled_rows * bytes_per_row / GPUS
+    raw_days = min(30.0, cfg.raw_hours / 24)
+    month = raw_days * raw_day + (30 - raw_days) * rolled_day
+    return {"bytes": s1 - s0, "span_s": span, "rows": rows, "series": series, "bytes_per_row": bytes_per_row,
+            "per_gpu_day_mb": raw_day / 1e6, "per_gpu_rolled_day_mb": rolled_day / 1e6,
+            "per_gpu_month_raw_mb": raw_day * 30 / 1e6, "per_gpu_month_mb": month / 1e6}  # fmt: skip
 
 
 def main() -> None:
@@ -192,7 +217,10 @@ def main() -> None:
     print(f"disk: SQLite store (default settings), {GPUS} simulated GPUs, one job of {args.ranks} ranks at "
           f"{args.rate:g} steps/s each, {d['span_s']:.0f} s: {d['bytes'] / 1e6:.2f} MB")  # fmt: skip
     print(f"  rows: {d['rows']}")
-    print(f"  extrapolated: {d['per_gpu_day_mb']:.1f} MB per GPU-day, {d['per_gpu_month_mb']:.0f} MB per GPU-month "
+    print(f"  extrapolated: {d['per_gpu_day_mb']:.1f} MB per GPU-day of raw rows ({d['bytes_per_row']:.0f} bytes "
+          f"per row); {d['per_gpu_month_raw_mb']:.0f} MB per GPU-month if every row were kept")  # fmt: skip
+    print(f"  estimated with the rollup (1 raw day, 29 days at one row per series per 300 s; series {d['series']}): "
+          f"{d['per_gpu_rolled_day_mb']:.2f} MB per rolled GPU-day, {d['per_gpu_month_mb']:.0f} MB per GPU-month "
           "(target < 50 MB)")  # fmt: skip
     print(json.dumps({"memory": m, "disk": d}))
 

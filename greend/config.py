@@ -44,6 +44,8 @@ table per concern; every key has a default, so an empty file is valid::
     retry_s = 30.0                     # how often a store that failed to open is tried again
     step_detail = false                # also one row per reported step (greend_job_step); by
                                        # default a row per rank per interval (greend_job_steps)
+    raw_hours = 24.0                   # SQLite: rows older than this are rolled up to one per
+    rollup_s = 300.0                   # series per rollup_s (0 hours: every row kept to the end)
 
     [policy]
     name = "none"                      # none, static, efficient, budget (greenctl policy show)
@@ -148,6 +150,8 @@ class StoreConfig:
     retention_days: float = 30.0
     retry_s: float = 30.0
     step_detail: bool = False
+    raw_hours: float = 24.0
+    rollup_s: float = 300.0
 
 
 @dataclass
@@ -331,6 +335,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"[sim] trace = {s.trace!r}: {e}") from None
     _positive("store", "interval_s", st.interval_s)
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
+    _positive("store", "raw_hours", st.raw_hours, zero_ok=True)
+    if not st.interval_s <= st.rollup_s <= 86400.0:
+        raise ConfigError(
+            f"[store] rollup_s = {st.rollup_s!r}: expected from interval_s ({st.interval_s:g}) to 86400 seconds"
+        )
     if not 0.1 <= st.retry_s <= 86400.0:
         raise ConfigError(f"[store] retry_s = {st.retry_s!r}: expected 0.1 to 86400 seconds")
     _check_policies(cfg)

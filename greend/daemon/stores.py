@@ -59,6 +59,8 @@ class Stores:
                 state_dir=self.cfg.daemon.state_dir,
                 host=self.hostname,
                 retention_days=self.cfg.store.retention_days,
+                raw_hours=self.cfg.store.raw_hours,
+                rollup_s=self.cfg.store.rollup_s,
             )
             attach = getattr(sink, "attach", None)
             if attach is not None:

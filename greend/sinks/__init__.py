@@ -96,6 +96,8 @@ class SinkOptions:
     state_dir: Path
     host: str
     retention_days: float = 30.0
+    raw_hours: float = 24.0  # SQLite: rows older than this are rolled up ...
+    rollup_s: float = 300.0  # ... to one per series per rollup_s
 
 
 SinkFactory = Callable[[str, SinkOptions], Sink]
@@ -163,8 +165,22 @@ def check_url(url: str) -> None:
     kind.check(url, parts)
 
 
-def open_sink(url: str, *, state_dir: Path, host: str, retention_days: float = 30.0) -> Sink:
+def open_sink(
+    url: str,
+    *,
+    state_dir: Path,
+    host: str,
+    retention_days: float = 30.0,
+    raw_hours: float = 24.0,
+    rollup_s: float = 300.0,
+) -> Sink:
     """The sink for ``url``, by its scheme's registered factory."""
     check_url(url)
-    options = SinkOptions(state_dir=Path(state_dir), host=host, retention_days=retention_days)
+    options = SinkOptions(
+        state_dir=Path(state_dir),
+        host=host,
+        retention_days=retention_days,
+        raw_hours=raw_hours,
+        rollup_s=rollup_s,
+    )
     return REGISTRY[urlsplit(url).scheme].factory(url, options)

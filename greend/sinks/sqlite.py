@@ -55,6 +55,40 @@ def _sql_type(value: Any) -> str:
     return "TEXT"
 
 
+# Rows older than [store] raw_hours are rolled up to one per series per rollup_s (see
+# SqliteSink.roll_up). The series are the tags each measurement carries (greend/points.py;
+# tests/sinks/test_sqlite_rollup.py checks they agree).
+ROLLUP_LAST: dict[str, tuple[str, ...]] = {
+    "greend_gpu": ("host", "gpu", "source", "method"),
+    "greend_cpu": ("host", "zone", "path", "source"),
+    "greend_host": ("host",),
+    "greend_probe": ("host", "probe"),
+    "greend_efficiency": ("host", "job", "precision"),
+}
+ROLLUP_SUM: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "greend_job_steps": (
+        ("host", "job", "rank", "precision"),
+        {
+            "steps": "sum",
+            "first_step": "min",
+            "last_step": "max",
+            "duration_s": "sum",
+            "duration_sq_s2": "sum",
+            "flops": "sum",
+            "samples": "sum",
+            "tokens": "sum",
+            "nonfinite": "sum",
+            "loss_mean": "wmean:loss_n",
+            "loss_min": "min",
+            "loss_max": "max",
+            "loss_n": "sum",
+            "sim_duration_s": "sum",
+            "sim_energy_j": "sum",
+        },
+    ),
+}
+
+
 class SqliteSink:
     name = "sqlite"
 
@@ -64,6 +98,8 @@ class SqliteSink:
         *,
         url: str | None = None,
         retention_days: float = 30.0,
+        raw_hours: float = 24.0,
+        rollup_s: float = 300.0,
         batch_s: float = 0.5,
         batch_max: int = 5000,
         queue_max: int = 200_000,
@@ -71,6 +107,9 @@ class SqliteSink:
         self.path = path
         self.url = url or f"sqlite:///{path}"
         self.retention_days = retention_days
+        self.raw_hours = raw_hours
+        self.rollup_s = rollup_s
+        self._rolled_until_ns = 0  # rows before this were rolled up already (this process)
         self._batch_s = batch_s
         self._batch_max = batch_max
         self._queue: queue.Queue[Point | None] = queue.Queue(maxsize=queue_max)
@@ -308,17 +347,94 @@ class SqliteSink:
 
     def _maybe_prune(self) -> None:
         now = time.time()
-        if self.retention_days <= 0 or now - self._last_prune < 3600:
+        if now - self._last_prune < 3600:
             return
         self._last_prune = now
-        cutoff_ns = int((now - self.retention_days * 86400) * 1e9)
         try:
-            for table in list(self._columns):
-                self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+            if self.retention_days > 0:
+                cutoff_ns = int((now - self.retention_days * 86400) * 1e9)
+                for table in list(self._columns):
+                    self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+            if self.raw_hours > 0:
+                self.roll_up(now)
             # sqlite3_exec steps it to the end (execute() frees a single page per call)
             self._db.executescript("PRAGMA incremental_vacuum;")
         except sqlite3.Error as e:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
             log.warning("sqlite store: retention prune failed: %s", e)
+
+    def roll_up(self, now_s: float) -> None:
+        """Rows older than ``raw_hours`` become one row per series per ``rollup_s`` bucket:
+        the bucket's last row for the sample tables (:data:`ROLLUP_LAST`: their energy is a
+        running total, so differences of kept rows stay exact), the bucket's sums for the
+        per-interval job rows (:data:`ROLLUP_SUM`). Events (jobs, decisions) and per-step
+        detail are kept as they are. Idempotent: a rolled bucket holds one row. Runs on the
+        writer thread (the hourly prune); tests call it with their own ``now_s``."""
+        bucket = int(self.rollup_s * 1e9)
+        cut = int((now_s - self.raw_hours * 3600) * 1e9) // bucket * bucket
+        lo = max(0, self._rolled_until_ns - bucket)
+        if cut <= lo:
+            return
+        self._db.execute("BEGIN")
+        for table, series in ROLLUP_LAST.items():
+            cols = self._columns.get(table)
+            if cols is None:
+                continue
+            part = ", ".join([*(f"COALESCE({_ident(c)}, '')" for c in series if c in cols), f"ts_ns / {bucket}"])
+            t = _ident(table)
+            self._db.execute(
+                f"DELETE FROM {t} WHERE ts_ns >= ? AND ts_ns < ? AND rowid NOT IN ("
+                f"SELECT rid FROM (SELECT rowid AS rid, ROW_NUMBER() OVER "
+                f"(PARTITION BY {part} ORDER BY ts_ns DESC, rowid DESC) AS rn "
+                f"FROM {t} WHERE ts_ns >= ? AND ts_ns < ?) WHERE rn = 1)",
+                (lo, cut, lo, cut),
+            )
+        for table, (series, aggs) in ROLLUP_SUM.items():
+            cols = self._columns.get(table)
+            if cols is None:
+                continue
+            self._sum_up(table, [c for c in series if c in cols], {f: a for f, a in aggs.items() if f in cols}, lo, cut)
+        self._db.execute("COMMIT")
+        self._rolled_until_ns = cut
+
+    def _sum_up(self, table: str, series: list[str], aggs: dict[str, str], lo: int, cut: int) -> None:
+        t = _ident(table)
+        bucket = int(self.rollup_s * 1e9)
+        keys = [f"COALESCE({_ident(c)}, '')" for c in series]
+        group = ", ".join([*keys, f"ts_ns / {bucket}"])
+        exprs = []
+        for f, agg in aggs.items():
+            c = _ident(f)
+            if agg.startswith("wmean:"):
+                w = _ident(agg.split(":", 1)[1])
+                exprs.append(f"SUM({c} * {w}) / NULLIF(SUM(CASE WHEN {c} IS NULL THEN 0 ELSE {w} END), 0)")
+            else:
+                exprs.append(f"{agg.upper()}({c})")
+        selected = ", ".join(
+            [
+                *(_ident(c) for c in series),
+                *(f"{e} AS {_ident(f)}" for f, e in zip(aggs, exprs, strict=True)),
+                *(f"{k} AS k{i}" for i, k in enumerate(keys)),
+            ]
+        )
+        self._db.execute("DROP TABLE IF EXISTS temp.greend_rollup")
+        self._db.execute(
+            f"CREATE TEMP TABLE greend_rollup AS SELECT MAX(ts_ns) AS ts_ns, {selected}, ts_ns / {bucket} AS b "
+            f"FROM {t} WHERE ts_ns >= ? AND ts_ns < ? GROUP BY {group} HAVING COUNT(*) > 1",
+            (lo, cut),
+        )
+        match = ", ".join([*keys, f"ts_ns / {bucket}"])
+        ks = ", ".join([*(f"k{i}" for i in range(len(keys))), "b"])
+        self._db.execute(
+            f"DELETE FROM {t} WHERE ts_ns >= ? AND ts_ns < ? AND ({match}) IN (SELECT {ks} FROM temp.greend_rollup)",
+            (lo, cut),
+        )
+        out = ", ".join(["ts_ns", *(_ident(c) for c in series), *(_ident(f) for f in aggs)])
+        self._db.execute(f"INSERT INTO {t} ({out}) SELECT {out} FROM temp.greend_rollup")
+        self._db.execute("DROP TABLE temp.greend_rollup")
 
 
 def _corrupt(e: BaseException) -> bool:
@@ -367,4 +483,6 @@ def _check_sqlite_url(url: str, parts: SplitResult) -> None:
 def _open_sqlite(url: str, options: SinkOptions) -> SqliteSink:
     # sqlite:///ABS and sqlite:////ABS alike (a path with two leading slashes stays so in Python)
     path = Path("/" + urlsplit(url).path.lstrip("/"))
-    return SqliteSink(path, url=url, retention_days=options.retention_days)
+    return SqliteSink(
+        path, url=url, retention_days=options.retention_days, raw_hours=options.raw_hours, rollup_s=options.rollup_s
+    )

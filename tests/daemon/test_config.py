@@ -61,6 +61,8 @@ interval_s = 2
         ("[daemon]\nhz = -1\n", "hz = -1.0: must be > 0"),
         ("[daemon]\nhz = nan\n", "hz = nan: expected a finite number"),
         ("[store]\ninterval_s = nan\n", "interval_s = nan: expected a finite number"),
+        ("[store]\nraw_hours = -1\n", "raw_hours = -1.0"),
+        ("[store]\nrollup_s = 0.5\n", "rollup_s = 0.5: expected from interval_s (1) to 86400 seconds"),
         ("[daemon]\nheartbeat_timeout_s = inf\n", "heartbeat_timeout_s = inf: expected a finite number"),
         ('[daemon]\nhz = "fast"\n', "hz = 'fast': expected a number"),
         ("[daemon]\ndry_run = 1\n", "dry_run = 1: expected true or false"),

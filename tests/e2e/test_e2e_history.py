@@ -24,7 +24,11 @@ def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[Daemon
     live = wait_ended(d, "old-job")
     live_text = d.ctl("report", "old-job").stdout
     assert "switch: fp32 -> bf16" in live_text
-    assert live["savings"]["saved_j"] is not None and live["savings"]["saved_j"] > 0
+    # The saving must come back from the store as it was; its sign is not this test's
+    # business: this MLP's simulated steps are so small that bf16 saves ~0.05 J over 150
+    # steps, within the simulated card's drift (CI once measured -0.007 J).
+    # tests/cli/test_report_savings.py checks a saving's size.
+    assert live["savings"]["saved_j"] is not None
     d.stop()
 
     d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state, name="d2")
