@@ -182,7 +182,7 @@ def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
                     continue
                 cols = {c[1] for c in con.execute(f'PRAGMA table_info("{t}")')}
                 key = ", ".join(f'"{c}"' for c in tags if c in cols)
-                series[t] = con.execute(f"SELECT COUNT(*) FROM (SELECT DISTINCT {key} FROM \"{t}\")").fetchone()[0]
+                series[t] = con.execute(f'SELECT COUNT(*) FROM (SELECT DISTINCT {key} FROM "{t}")').fetchone()[0]
     span = t1 - t0
     per_gpu_s = (s1 - s0) / span / GPUS
     raw_day = per_gpu_s * 86400
