@@ -37,7 +37,11 @@ __all__ = [
     "RESERVED_OWNERS",
     "SCHEMAS",
     "STEP_FIELDS",
+    "INTERVAL_FIELDS",
+    "MAX_ROWS_PER_MESSAGE",
+    "check_row",
     "encode",
+    "step_row",
     "validate",
 ]
 
@@ -45,6 +49,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024  # one JSON line, the newline included
 MAX_CONNECTIONS = 256
 MAX_STEPS_PER_MESSAGE = 1024
+MAX_ROWS_PER_MESSAGE = 64  # "intervals" rows; a row carries at most MAX_STEPS_PER_MESSAGE losses
 
 # Where the daemon listens unless told otherwise ($GREEND_SOCKET, --socket, [daemon] socket).
 DEFAULT_SOCKET = Path("/run/greend/greend.sock")
@@ -154,6 +159,81 @@ STEP_FIELDS: dict[str, Field] = {
     "precision": Field((str,), choices=PRECISIONS),
 }
 
+# One row of an "intervals" message: a rank's consecutive steps at one precision,
+# summed at the source (the callback's sender thread) so the daemon's work per second
+# does not grow with the step rate. ``losses`` (each finite loss, in order) only where
+# the daemon may change the job's precision, whose policy judges losses step by step.
+INTERVAL_FIELDS: dict[str, Field] = {
+    "first_step": Field((int,), required=True, min=0),
+    "last_step": Field((int,), required=True, min=0),
+    "steps": Field((int,), required=True, min=1, max=1 << 31),
+    "t0_s": Field((float,), required=True, min=0.0),  # the first step's start
+    "t1_s": Field((float,), required=True, min=0.0),  # the last step's end
+    "busy_s": Field((float,), required=True, min=0.0),  # sum of the steps' durations
+    "busy_sq_s2": Field((float,), required=True, min=0.0),  # sum of their squares
+    "flops": Field((float,), required=True, min=0.0, max=1e24),
+    "samples": Field((int,), min=0),
+    "tokens": Field((int,), min=0),
+    "nonfinite": Field((int,), min=0),  # steps whose loss or a gradient was inf/NaN
+    "nonfinite_steps": Field((list,), max_len=64, item_types=(int,)),  # their indices (the first 64)
+    "loss_n": Field((int,), min=0),  # finite losses reported
+    "loss_sum": Field((float,)),
+    "loss_min": Field((float,)),
+    "loss_max": Field((float,)),
+    "loss_last": Field((float,)),
+    "losses": Field((list,), max_len=MAX_STEPS_PER_MESSAGE, item_types=(float, int)),
+    "precision": Field((str,), choices=PRECISIONS),
+}
+
+
+def check_row(r: dict[str, Any]) -> dict[str, Any]:
+    """Validate one "intervals" row: its fields, and that its parts agree."""
+    validate(r, INTERVAL_FIELDS)
+    if r["t1_s"] < r["t0_s"]:
+        raise ProtocolError("t1_s is before t0_s", field="t1_s")
+    if r["last_step"] < r["first_step"]:
+        raise ProtocolError("last_step is before first_step", field="last_step")
+    n = r["steps"]
+    for name in ("nonfinite", "loss_n"):
+        if (r.get(name) or 0) > n:
+            raise ProtocolError(f"{name!r} = {r[name]} is more than the row's {n} steps", field=name)
+    if r.get("loss_n"):
+        if r.get("loss_sum") is None:
+            raise ProtocolError("'loss_sum' is required with 'loss_n'", field="loss_sum")
+    losses = r.get("losses")
+    if losses:
+        if len(losses) > n:
+            raise ProtocolError(f"'losses' has {len(losses)} values for the row's {n} steps", field="losses")
+        if not all(math.isfinite(v) for v in losses):
+            raise ProtocolError("'losses' must be finite numbers (count the others in 'nonfinite')", field="losses")
+    return r
+
+
+def step_row(s: dict[str, Any]) -> dict[str, Any]:
+    """One validated "steps" entry as a row of one step (the daemon books both alike)."""
+    d = float(s["t1_s"]) - float(s["t0_s"])
+    row: dict[str, Any] = {
+        "first_step": s["step"],
+        "last_step": s["step"],
+        "steps": 1,
+        "t0_s": s["t0_s"],
+        "t1_s": s["t1_s"],
+        "busy_s": d,
+        "busy_sq_s2": d * d,
+        "flops": s["flops"],
+        "samples": s.get("samples") or 0,
+        "tokens": s.get("tokens") or 0,
+        "precision": s.get("precision"),
+    }
+    if s.get("nonfinite"):
+        row["nonfinite"] = 1
+        row["nonfinite_steps"] = [s["step"]]
+    elif s.get("loss") is not None:
+        loss = float(s["loss"])
+        row.update(loss_n=1, loss_sum=loss, loss_min=loss, loss_max=loss, loss_last=loss, losses=[loss])
+    return row
+
+
 _GPU_INDEX = Field((int,), min=0, max=1023)
 _CPU_ZONE = Field((str,), max_len=128)
 _JOB = Field((str,), required=True, max_len=128)
@@ -180,6 +260,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "flops_per_step": Field((float,), min=0.0),
     },
     "steps": {"steps": Field((list,), required=True)},
+    "intervals": {"rows": Field((list,), required=True)},
     "heartbeat": {},
     "end": {"reason": Field((str,), max_len=256)},
     "jobs": {},

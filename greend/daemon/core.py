@@ -20,6 +20,7 @@ import math
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,9 @@ class Daemon:
         self.ticks = 0
         self.ticks_skipped = 0
         self.tick_duration_s = 0.0
+        # How late each of the last 600 ticks started after it was due (s): what client
+        # load, a slow probe or a starved thread costs the sampling cadence.
+        self.tick_lateness_s: deque[float] = deque(maxlen=600)
         self.snapshot = Snapshot()
         self._snapshot_lock = threading.Lock()
         self._store_due_s = -math.inf
@@ -240,6 +244,7 @@ class Daemon:
                 if self.monotonic() < due:
                     continue
             started = self.monotonic()
+            self.tick_lateness_s.append(max(0.0, started - due))
             self.tick(started)
             self.watchdog.tick()
             self.tick_duration_s = self.monotonic() - started

@@ -55,6 +55,10 @@ def handlers(d: Daemon) -> dict[str, Handler]:
         jobs.report_steps(msg, conn)
         return NO_REPLY
 
+    def intervals(msg: dict[str, Any], conn: Connection) -> Any:
+        jobs.report_intervals(msg, conn)
+        return NO_REPLY
+
     def report(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         job = jobs.get(msg["job"])
         if job is None:
@@ -72,6 +76,7 @@ def handlers(d: Daemon) -> dict[str, Handler]:
         "energy": energy,
         "register": jobs.register,
         "steps": steps,
+        "intervals": intervals,
         "heartbeat": jobs.heartbeat,
         "end": jobs.end,
         "jobs": lambda msg, conn: {"jobs": jobs.list_jobs()},

@@ -95,6 +95,7 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "ticks": d.ticks,
         "ticks_skipped": d.ticks_skipped,
         "tick_duration_s": d.tick_duration_s,
+        "tick_lateness_s": lateness(list(d.tick_lateness_s)),
         "gpus": [
             gpu_row(
                 g,
@@ -126,4 +127,17 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "probes": d.probing.rows(),
         "stores": d.stores.rows(),
         "config": d.cfg.source,
+    }
+
+
+def lateness(late: list[float]) -> dict[str, float | int | None]:
+    """How late the recent ticks started after they were due: median, p99 and max (s)."""
+    if not late:
+        return {"ticks": 0, "p50": None, "p99": None, "max": None}
+    late.sort()
+    return {
+        "ticks": len(late),
+        "p50": late[len(late) // 2],
+        "p99": late[min(len(late) - 1, int(0.99 * len(late)))],
+        "max": late[-1],
     }

@@ -393,7 +393,8 @@ class IpcServer:
         try:
             while not self._stopping.is_set() and not conn.closed:
                 try:
-                    conn.sock.settimeout(idle_s)
+                    if conn.sock.gettimeout() != idle_s:  # send() sets its own, then none
+                        conn.sock.settimeout(idle_s)  # (a syscall: not on every read)
                     chunk = conn.sock.recv(65536)
                 except TimeoutError:
                     if self.registered(conn):

@@ -79,25 +79,25 @@ class StepAggregate:
             fields["sim_energy_j"] = self.sim_energy_j
         return fields
 
-    def add(self, step: int, duration: float, flops: float, samples: int, tokens: int, s: dict[str, Any],
-            sim_duration: float | None, sim_energy: float) -> None:  # fmt: skip
+    def add_row(self, r: dict[str, Any], sim_duration: float | None, sim_energy: float) -> None:
+        """Add a row of steps (an "intervals" row, or one step as a row)."""
         if self.steps == 0:
-            self.first_step = step
-        self.steps += 1
-        self.last_step = step
-        self.duration_s += duration
-        self.duration_sq_s2 += duration * duration
-        self.flops += flops
-        self.samples += samples
-        self.tokens += tokens
-        if s.get("nonfinite"):
-            self.nonfinite += 1
-        elif s.get("loss") is not None:
-            loss = float(s["loss"])
-            self.loss_sum += loss
-            self.loss_n += 1
-            self.loss_min = min(self.loss_min, loss)
-            self.loss_max = max(self.loss_max, loss)
+            self.first_step = int(r["first_step"])
+        self.steps += int(r["steps"])
+        self.last_step = int(r["last_step"])
+        self.duration_s += float(r["busy_s"])
+        self.duration_sq_s2 += float(r["busy_sq_s2"])
+        self.flops += float(r["flops"])
+        self.samples += int(r.get("samples") or 0)
+        self.tokens += int(r.get("tokens") or 0)
+        self.nonfinite += int(r.get("nonfinite") or 0)
+        loss_n = int(r.get("loss_n") or 0)
+        if loss_n:
+            self.loss_sum += float(r["loss_sum"])
+            self.loss_n += loss_n
+            mean = float(r["loss_sum"]) / loss_n
+            self.loss_min = min(self.loss_min, float(r["loss_min"]) if r.get("loss_min") is not None else mean)
+            self.loss_max = max(self.loss_max, float(r["loss_max"]) if r.get("loss_max") is not None else mean)
         if sim_duration is not None:
             self.simulated = True
             self.sim_duration_s += sim_duration

@@ -57,7 +57,17 @@ from greend.points import (
     precision_fields,
     ts_ns,
 )
-from greend.protocol import JOB_ID_RE, MAX_STEPS_PER_MESSAGE, PRECISIONS, RESERVED_OWNERS, STEP_FIELDS, validate
+from greend.protocol import (
+    JOB_ID_RE,
+    MAX_ROWS_PER_MESSAGE,
+    MAX_STEPS_PER_MESSAGE,
+    PRECISIONS,
+    RESERVED_OWNERS,
+    STEP_FIELDS,
+    check_row,
+    step_row,
+    validate,
+)
 from greend.sinks import Point
 
 if TYPE_CHECKING:
@@ -258,6 +268,9 @@ class JobRegistry:
                 "session": conn.id,
                 "heartbeat_s": max(0.5, self.heartbeat_timeout_s / 3.0),
                 "directive": {"precision": job.precision},
+                # How to send steps: rows summed at the source, or (with [store]
+                # step_detail, which stores each step) one entry per step.
+                "report": "steps" if self.step_detail else "intervals",
             }
 
     @staticmethod
@@ -318,6 +331,10 @@ class JobRegistry:
         return rs
 
     # Reports -------------------------------------------------------------------------
+    # Two forms reach one accounting path (_account_row): "intervals" rows, a rank's
+    # steps summed at the source (what the callback sends), and the older per-step
+    # "steps" entries, each taken as a row of one step (old clients, and the callback
+    # when [store] step_detail asks for a row per step).
     def report_steps(self, msg: dict[str, Any], conn: Connection) -> None:
         steps = msg["steps"]
         if len(steps) > MAX_STEPS_PER_MESSAGE:
@@ -333,23 +350,47 @@ class JobRegistry:
             if s["t1_s"] < s["t0_s"]:
                 raise ProtocolError(f"steps[{i}]: t1_s is before t0_s", field=f"steps[{i}].t1_s")
             checked.append(s)
+        self._check_not_future("steps", checked)
+        self._account(conn, [step_row(s) for s in checked], detail=checked)
+
+    def report_intervals(self, msg: dict[str, Any], conn: Connection) -> None:
+        rows = msg["rows"]
+        if len(rows) > MAX_ROWS_PER_MESSAGE:
+            raise ProtocolError(f"at most {MAX_ROWS_PER_MESSAGE} rows per message", field="rows")
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                raise ProtocolError(f"rows[{i}] must be an object", field="rows")
+            try:
+                check_row(r)
+            except ProtocolError as e:
+                raise ProtocolError(f"rows[{i}]: {e}", field=f"rows[{i}].{e.field}") from None
+        self._check_not_future("rows", rows)
+        self._account(conn, rows, detail=None)
+
+    def _check_not_future(self, name: str, entries: list[dict[str, Any]]) -> None:
         now = self.monotonic()
-        for i, s in enumerate(checked):
+        for i, s in enumerate(entries):
             if s["t1_s"] > now + 1.0:
                 raise ProtocolError(
-                    f"steps[{i}]: t1_s = {s['t1_s']} is in the future (send time.monotonic() seconds)",
-                    field=f"steps[{i}].t1_s",
+                    f"{name}[{i}]: t1_s = {s['t1_s']} is in the future (send time.monotonic() seconds)",
+                    field=f"{name}[{i}].t1_s",
                 )
+
+    def _account(self, conn: Connection, rows: list[dict[str, Any]], detail: list[dict[str, Any]] | None) -> None:
+        """Book ``rows`` to the connection's rank, under the lock; ``detail`` (the same
+        steps as sent, one per row) also becomes greend_job_step points when asked for."""
+        now = self.monotonic()
         points: list[Point] = []
         with self._lock:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = now
-            sim = self._run_on_sims(job, rs, checked)
-            for i, s in enumerate(checked):
-                detail = self._account_step(job, rs, s, *(sim[i] if sim else (None, 0.0)))
-                if self.step_detail:
-                    points.append(detail)
+            sim = self._run_on_sims(job, rs, rows)
+            for i, r in enumerate(rows):
+                sim_duration, sim_energy = sim[i] if sim else (None, 0.0)
+                self._account_row(job, rs, r, sim_duration, sim_energy)
+                if detail is not None and self.step_detail:
+                    points.append(self._detail_point(job, rs, detail[i], sim_duration, sim_energy))
             if rs.agg is not None and now - rs.agg.since_s >= self.step_interval_s:
                 self._flushed.append(self._flush_steps(job, rs))
             points += self._flushed
@@ -366,68 +407,86 @@ class JobRegistry:
             ts_ns(self.wall()), self.hostname, job=job.job, rank=rs.rank, precision=agg.precision, fields=agg.fields()
         )
 
-    def _run_on_sims(self, job: Job, rs: RankSession, steps: list[dict[str, Any]]) -> list[tuple[float, float]]:
-        """Execute the steps on the rank's simulated GPUs (each GPU's share of the
-        FLOPs), one device update per GPU for the whole message: per step, the
-        slowest GPU's duration and the GPUs' summed energy. Empty on real GPUs."""
+    def _run_on_sims(self, job: Job, rs: RankSession, rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        """Execute the rows on the rank's simulated GPUs (each GPU's share of the FLOPs),
+        one device update per GPU for the whole message: per row, the slowest GPU's
+        duration and the GPUs' summed energy (a step's cost is linear in its FLOPs at
+        fixed settings, so a row costs what its steps would one by one). Empty on real GPUs."""
         sims = [g for g in (self.sim_gpu(i) for i in rs.gpus) if g is not None]
         if not sims:
             return []
-        work = [(float(s["flops"]) / len(sims), rs.mem_share, s.get("precision") or job.precision) for s in steps]
+        work = [(float(r["flops"]) / len(sims), rs.mem_share, r.get("precision") or job.precision) for r in rows]
         for g in sims:  # the rank computes there: the GPU's process table lists it
             g.attach_process(rs.pid)
         per_gpu = [g.run_steps(work) for g in sims]
-        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(steps))]
+        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(rows))]
 
-    def _account_step(
-        self, job: Job, rs: RankSession, s: dict[str, Any], sim_duration: float | None, sim_energy: float
-    ) -> Point:
-        flops = float(s["flops"])
-        precision = s.get("precision") or job.precision
+    def _account_row(
+        self, job: Job, rs: RankSession, r: dict[str, Any], sim_duration: float | None, sim_energy: float
+    ) -> None:
+        """Book a row of ``r["steps"]`` consecutive steps at one precision. Within a row the
+        steps are taken as equal in FLOPs (and, on simulated GPUs, in time and energy)."""
+        n = int(r["steps"])
+        flops = float(r["flops"])
+        precision = r.get("precision") or job.precision
+        t0, t1 = float(r["t0_s"]), float(r["t1_s"])
         if sim_duration is not None:
             job.sim_time_s += sim_duration
             job.sim_energy_j += sim_energy
-        if job.t_start_s is None or s["t0_s"] < job.t_start_s:
-            job.t_start_s = s["t0_s"]
-        job.last_step_t1_s = max(job.last_step_t1_s or 0.0, s["t1_s"])
-        rs.steps += 1
-        job.steps = max(job.steps, max(r.steps for r in job.ranks.values()))
-        job.step_reports += 1
+        if job.t_start_s is None or t0 < job.t_start_s:
+            job.t_start_s = t0
+        job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
+        rs.steps += n
+        job.steps = max(job.steps, max(x.steps for x in job.ranks.values()))
+        job.step_reports += n
         job.flops += flops
         for g in rs.gpus:
             job.gpu_flops[g] = job.gpu_flops.get(g, 0.0) + flops / len(rs.gpus)
-        job.samples += int(s.get("samples") or 0)
-        job.tokens += int(s.get("tokens") or 0)
-        duration = s["t1_s"] - s["t0_s"]
-        job.step_time_s += duration
-        if s.get("nonfinite"):
-            job.nonfinite_steps += 1
-            job.nonfinite_recent.append(s["step"])
-        elif s.get("loss") is not None:
-            job.last_loss = float(s["loss"])
-            job.losses.append(job.last_loss)
+        samples, tokens = int(r.get("samples") or 0), int(r.get("tokens") or 0)
+        job.samples += samples
+        job.tokens += tokens
+        busy = float(r["busy_s"])
+        job.step_time_s += busy
+        nonfinite = int(r.get("nonfinite") or 0)
+        if nonfinite:
+            job.nonfinite_steps += nonfinite
+            job.nonfinite_recent.extend(r.get("nonfinite_steps") or [r["last_step"]] * min(nonfinite, 64))
+        loss_n = int(r.get("loss_n") or 0)
+        if loss_n:
+            job.last_loss = float(r["loss_last"]) if r.get("loss_last") is not None else float(r["loss_sum"]) / loss_n
+            losses = r.get("losses")
+            # Per-step losses where the client sent them (a job whose precision greend may
+            # change), else the row's mean stands for its steps.
+            if losses:
+                job.losses.extend(float(v) for v in losses)
+            else:
+                job.losses.append(float(r["loss_sum"]) / loss_n)
         m = job.measure
-        if s["t0_s"] >= m.since_s:
-            # Evidence for the setting now in force (steps that began before it settled
+        if t0 >= m.since_s:
+            # Evidence for the setting now in force (rows that began before it settled
             # are left out). On simulated GPUs the model's time and energy, else the
             # measured step time and, at decision time, the ledger's joules.
-            m.steps += 1
+            m.steps += n
             m.flops += flops
-            step_time = sim_duration if sim_duration is not None else duration
+            step_time = sim_duration if sim_duration is not None else busy
             m.time_s += step_time
-            m.time_sq_s2 += step_time * step_time
+            m.time_sq_s2 += sim_duration * sim_duration / n if sim_duration is not None else float(r["busy_sq_s2"])
             m.sim_energy_j += sim_energy
-            m.energy_sq_j2 += sim_energy * sim_energy
-            m.t0_s = s["t0_s"] if m.t0_s is None else min(m.t0_s, s["t0_s"])
-            m.t1_s = s["t1_s"] if m.t1_s is None else max(m.t1_s, s["t1_s"])
-            self._book_baseline(job, s, precision, flops, step_time, sim_energy, sim_duration is not None)
-        samples, tokens = int(s.get("samples") or 0), int(s.get("tokens") or 0)
-        job.recent.append(StepRecord(s["t0_s"], s["t1_s"], flops, samples, tokens, sim_duration))
+            m.energy_sq_j2 += sim_energy * sim_energy / n
+            m.t0_s = t0 if m.t0_s is None else min(m.t0_s, t0)
+            m.t1_s = t1 if m.t1_s is None else max(m.t1_s, t1)
+            self._book_baseline(job, r, precision, sim_duration, sim_energy)
+        job.recent.append(StepRecord(t0, t1, flops, samples, tokens, sim_duration))
         if rs.agg is not None and rs.agg.precision != precision:  # one precision per row
             self._flushed.append(self._flush_steps(job, rs))
         if rs.agg is None:
             rs.agg = StepAggregate(precision, self.monotonic())
-        rs.agg.add(int(s["step"]), duration, flops, samples, tokens, s, sim_duration, sim_energy)
+        rs.agg.add_row(r, sim_duration, sim_energy)
+
+    def _detail_point(
+        self, job: Job, rs: RankSession, s: dict[str, Any], sim_duration: float | None, sim_energy: float
+    ) -> Point:
+        """One reported step as a greend_job_step point ([store] step_detail)."""
         # The step's end on the wall clock: its monotonic end, as far back from now.
         ts = ts_ns(self.wall() - (self.monotonic() - s["t1_s"]))
         return job_step_point(
@@ -435,12 +494,12 @@ class JobRegistry:
             self.hostname,
             job=job.job,
             rank=rs.rank,
-            precision=precision,
+            precision=s.get("precision") or job.precision,
             step=int(s["step"]),
-            duration_s=duration,
-            flops=flops,
-            samples=samples,
-            tokens=tokens,
+            duration_s=s["t1_s"] - s["t0_s"],
+            flops=float(s["flops"]),
+            samples=int(s.get("samples") or 0),
+            tokens=int(s.get("tokens") or 0),
             loss=s.get("loss"),
             nonfinite=bool(s.get("nonfinite")),
             sim_duration_s=sim_duration,
@@ -449,26 +508,35 @@ class JobRegistry:
 
     @staticmethod
     def _book_baseline(
-        job: Job, s: dict[str, Any], precision: str, flops: float, step_time: float, sim_energy: float, sim: bool
+        job: Job, r: dict[str, Any], precision: str, sim_duration: float | None, sim_energy: float
     ) -> None:
-        """A settled step: book it to the job's baseline if it ran uncapped at the level
-        the job started at (the first step's)."""
+        """A settled row: book it to the job's baseline if it ran uncapped at the level
+        the job started at (the first row's). The per-step cost per FLOP (simulated
+        joules, else seconds) feeds the baseline's standard error: on simulated GPUs a
+        row's steps are equal; measured, its steps' times come as a sum and a sum of
+        squares over equal FLOPs."""
         b = job.baseline
         if b.precision is None:
             b.precision = precision
         if job.capped or precision != b.precision:
             b.span_open = False
             return
-        b.steps += 1
+        n, flops = int(r["steps"]), float(r["flops"])
+        b.steps += n
         b.flops += flops
-        b.time_s += step_time
+        b.time_s += sim_duration if sim_duration is not None else float(r["busy_s"])
         b.sim_energy_j += sim_energy
         if flops > 0:
-            x = (sim_energy if sim else step_time) / flops
-            b.x_n += 1
-            b.x_sum += x
-            b.x_sq += x * x
-        t0, t1 = float(s["t0_s"]), float(s["t1_s"])
+            per_step = flops / n
+            if sim_duration is not None:
+                x = sim_energy / flops
+                b.x_sum += n * x
+                b.x_sq += n * x * x
+            else:
+                b.x_sum += float(r["busy_s"]) / per_step
+                b.x_sq += float(r["busy_sq_s2"]) / (per_step * per_step)
+            b.x_n += n
+        t0, t1 = float(r["t0_s"]), float(r["t1_s"])
         if b.spans and b.span_open:
             b.spans[-1][1] = max(b.spans[-1][1], t1)
         elif len(b.spans) < 1000:

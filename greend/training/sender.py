@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import select
 import socket
@@ -47,7 +48,7 @@ from greend.ipc.wire import (
     is_event,
     read_line_blocking,
 )
-from greend.protocol import MAX_MESSAGE_BYTES, MAX_STEPS_PER_MESSAGE, PRECISIONS
+from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS
 
 if TYPE_CHECKING:
     from greend.training.callback import GreenCallback
@@ -154,6 +155,12 @@ class Sender:
         self._last_progress_s = 0.0  # the last time the daemon took any bytes
         self._failures = 0  # connection attempts failed in a row
         self._ever_connected = False
+        # How steps go out: "intervals" (rows summed here) where the daemon's register
+        # reply offers it, else a "steps" entry per step (an older daemon, or one whose
+        # [store] step_detail keeps a row per step). Losses step by step in the rows only
+        # where the daemon may change the job's precision (it registered more than one level).
+        self._form = "steps"
+        self._row_losses = False
 
     # Control ---------------------------------------------------------------------
     def start(self) -> None:
@@ -300,6 +307,10 @@ class Sender:
             directive = result.get("directive")
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))
+            self._form = "intervals" if result.get("report") == "intervals" else "steps"
+        else:
+            self._form = "steps"
+        self._row_losses = len(cb._register_fields().get("precisions") or ()) > 1
         s.setblocking(False)
         now = _monotonic()
         self._last_send_s = self._last_progress_s = now
@@ -368,6 +379,9 @@ class Sender:
 
     # Writing -----------------------------------------------------------------------
     def _queue_steps(self) -> None:
+        if self._form == "intervals":
+            self._queue_rows()
+            return
         queue = self.cb._queue
         while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
             batch: list[dict[str, Any]] = []
@@ -388,6 +402,46 @@ class Sender:
             self._queue_steps_message(batch[half:])
             return
         self._enqueue(data, len(batch))
+
+    def _queue_rows(self) -> None:
+        """The queued step records as "intervals" rows: consecutive steps at one
+        precision summed into a row of at most MAX_STEPS_PER_MESSAGE steps, up to
+        MAX_ROWS_PER_MESSAGE rows a message."""
+        queue = self.cb._queue
+        while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
+            rows: list[dict[str, Any]] = []
+            counts: list[int] = []
+            row: _Row | None = None
+            while queue and len(rows) < MAX_ROWS_PER_MESSAGE:
+                try:
+                    record = queue.popleft()
+                except IndexError:
+                    break
+                if row is not None and (row.precision != record[8] or row.steps >= MAX_STEPS_PER_MESSAGE):
+                    rows.append(row.fields())
+                    counts.append(row.steps)
+                    row = None
+                if row is None:
+                    if len(rows) >= MAX_ROWS_PER_MESSAGE:
+                        queue.appendleft(record)
+                        break
+                    row = _Row(record, self._row_losses)
+                else:
+                    row.add(record)
+            if row is not None:
+                rows.append(row.fields())
+                counts.append(row.steps)
+            if rows:
+                self._queue_rows_message(rows, counts)
+
+    def _queue_rows_message(self, rows: list[dict[str, Any]], counts: list[int]) -> None:
+        data = frame_message("intervals", {"rows": rows})
+        if len(data) > MAX_MESSAGE_BYTES and len(rows) > 1:
+            half = len(rows) // 2
+            self._queue_rows_message(rows[:half], counts[:half])
+            self._queue_rows_message(rows[half:], counts[half:])
+            return
+        self._enqueue(data, sum(counts))
 
     def _queue_request(self, op: str, fields: dict[str, Any]) -> int:
         request_id = next(self._request_ids)
@@ -542,6 +596,81 @@ class Sender:
         finally:
             self.cb.stats.dropped += len(self.cb._queue) + sum(n for _, n in self._outbox)
             self.cb.stats.connected = False
+
+
+class _Row:
+    """Consecutive step records at one precision, summed: one "intervals" row."""
+
+    __slots__ = ("first", "last", "steps", "t0", "t1", "busy", "busy_sq", "flops", "samples", "tokens",
+                 "nonfinite", "nonfinite_steps", "loss_n", "loss_sum", "loss_min", "loss_max", "loss_last",
+                 "losses", "precision")  # fmt: skip
+
+    def __init__(self, record: tuple[Any, ...], keep_losses: bool) -> None:
+        self.steps = 0
+        self.first = record[0]
+        self.t0 = record[1]
+        self.busy = self.busy_sq = self.flops = self.loss_sum = 0.0
+        self.samples = self.tokens = self.nonfinite = self.loss_n = 0
+        self.nonfinite_steps: list[int] = []
+        self.loss_min = math.inf
+        self.loss_max = -math.inf
+        self.loss_last = 0.0
+        self.losses: list[float] | None = [] if keep_losses else None
+        self.precision = record[8]
+        self.add(record)
+
+    def add(self, record: tuple[Any, ...]) -> None:
+        index, t0, t1, flops, samples, tokens, loss, nonfinite, _ = record
+        self.steps += 1
+        self.last = index
+        self.t1 = t1
+        d = t1 - t0
+        self.busy += d
+        self.busy_sq += d * d
+        if flops is not None:
+            self.flops += float(flops)
+        if samples is not None:
+            self.samples += int(samples)
+        if tokens is not None:
+            self.tokens += int(tokens)
+        if nonfinite:
+            self.nonfinite += 1
+            if len(self.nonfinite_steps) < 64:
+                self.nonfinite_steps.append(index)
+        elif loss is not None:
+            self.loss_n += 1
+            self.loss_sum += loss
+            self.loss_last = loss
+            if loss < self.loss_min:
+                self.loss_min = loss
+            if loss > self.loss_max:
+                self.loss_max = loss
+            if self.losses is not None:
+                self.losses.append(loss)
+
+    def fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "first_step": self.first,
+            "last_step": self.last,
+            "steps": self.steps,
+            "t0_s": self.t0,
+            "t1_s": self.t1,
+            "busy_s": self.busy,
+            "busy_sq_s2": self.busy_sq,
+            "flops": self.flops,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "precision": self.precision,
+        }
+        if self.nonfinite:
+            d["nonfinite"] = self.nonfinite
+            d["nonfinite_steps"] = self.nonfinite_steps
+        if self.loss_n:
+            d.update(loss_n=self.loss_n, loss_sum=self.loss_sum, loss_min=self.loss_min, loss_max=self.loss_max,
+                     loss_last=self.loss_last)  # fmt: skip
+            if self.losses:
+                d["losses"] = self.losses
+        return d
 
 
 def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:

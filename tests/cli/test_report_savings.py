@@ -12,6 +12,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import Job, PrecisionChange
 from greend.jobs.registry import JobRegistry
 from greend.points import job_point
+from greend.protocol import step_row
 
 
 class _Sim:
@@ -31,7 +32,7 @@ def _step(reg: JobRegistry, job: Job, t0: float, dt: float, flops: float, precis
         job.ranks[1] = rs
         job.gpus.add(0)
     s = {"t0_s": t0, "t1_s": t0 + dt, "flops": flops, "precision": precision, "step": job.steps, "loss": 1.0}
-    reg._account_step(job, rs, s, dt if sim_e is not None else None, sim_e or 0.0)
+    reg._account_row(job, rs, step_row(s), dt if sim_e is not None else None, sim_e or 0.0)
 
 
 def test_sim_job_saving_against_its_uncapped_fp32_steps() -> None:

@@ -32,6 +32,7 @@ OPS = [
     "report",
     "register",
     "steps",
+    "intervals",
     "heartbeat",
     "end",
     "pace",
@@ -47,6 +48,26 @@ OPS = [
 VALID = [
     {"v": 1, "op": "register", "job": "fuzz", "gpus": [0], "precisions": ["fp32", "bf16"]},
     {"v": 1, "op": "steps", "steps": [{"step": 0, "t0_s": 1.0, "t1_s": 1.5, "flops": 1e9, "loss": 1.0}]},
+    {
+        "v": 1,
+        "op": "intervals",
+        "rows": [
+            {
+                "first_step": 1,
+                "last_step": 4,
+                "steps": 4,
+                "t0_s": 1.5,
+                "t1_s": 3.5,
+                "busy_s": 2.0,
+                "busy_sq_s2": 1.0,
+                "flops": 4e9,
+                "loss_n": 2,
+                "loss_sum": 2.0,
+                "losses": [1.0, 1.0],
+                "precision": "bf16",
+            }
+        ],
+    },  # fmt: skip
     {"v": 1, "op": "heartbeat"},
     {"v": 1, "op": "report", "job": "fuzz"},
     {"v": 1, "op": "cap_set", "gpu": 0, "max_clock_mhz": 1200},

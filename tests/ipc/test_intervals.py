@@ -1,0 +1,244 @@
+"""Steps summed at the source ("intervals" rows) against one entry per step ("steps",
+what older clients send): the daemon books both alike, a bad row is refused by name,
+and the callback sends rows to a daemon that offers them and steps to one that does not."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greend.daemon.core import Daemon
+from greend.ipc.client import Client
+from greend.ipc.server import encode
+from greend.training.sender import _Row
+from tests.daemon.test_daemon import make_config
+from tests.support import wait_for
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    cfg = make_config(tmp_path, hz=20.0, sim_gpus=2)
+    d = Daemon(cfg)
+    d.start()
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    assert wait_for(lambda: d.ledger.last_time("gpu1") is not None, 5)
+    try:
+        yield d
+    finally:
+        d.stop()
+        t.join(5)
+        d.close()
+
+
+class Raw:
+    """A client on the raw socket: register, then fire-and-forget messages."""
+
+    def __init__(self, path: Path, job: str, gpu: int, precisions: list[str]) -> None:
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.connect(str(path))
+        self.buf = b""
+        self.register = self.ask({"v": 1, "id": 1, "op": "register", "job": job, "gpus": [gpu],
+                                  "precisions": precisions})  # fmt: skip
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.s.sendall(encode(msg))
+
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.s.sendall(encode(msg))
+        return self.read()
+
+    def read(self) -> dict[str, Any]:
+        while b"\n" not in self.buf:
+            chunk = self.s.recv(65536)
+            assert chunk, "the daemon closed the connection"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.s.close()
+
+
+def records(n: int, seed: int) -> list[tuple[Any, ...]]:
+    """n step records as the training thread queues them (index, t0, t1, flops, samples,
+    tokens, loss, nonfinite, precision): uneven times, a noisy loss, two non-finite
+    steps, a precision change at 60 %, ending just now."""
+    rng = random.Random(seed)
+    out = []
+    t = time.monotonic() - n * 0.004
+    for i in range(n):
+        d = rng.uniform(0.001, 0.003)
+        nonfinite = i in (17, 1203)
+        loss = None if nonfinite else 2.0 * (0.999**i) + rng.gauss(0, 0.05)
+        out.append((i, t, t + d, 3e12 * rng.uniform(0.9, 1.1), 64, 0, loss, nonfinite,
+                    "fp32" if i < 0.6 * n else "bf16"))  # fmt: skip
+        t += d + 0.001
+    return out
+
+
+def as_rows(recs: list[tuple[Any, ...]], keep_losses: bool, per_row: int) -> list[dict[str, Any]]:
+    """The sender's own aggregation (_Row), in rows of at most per_row steps."""
+    rows: list[dict[str, Any]] = []
+    row: _Row | None = None
+    for r in recs:
+        if row is not None and (row.precision != r[8] or row.steps >= per_row):
+            rows.append(row.fields())
+            row = None
+        if row is None:
+            row = _Row(r, keep_losses)
+        else:
+            row.add(r)
+    assert row is not None
+    return [*rows, row.fields()]
+
+
+def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> None:
+    """The same 3000 steps, one entry per step on GPU 0 and summed in rows on GPU 1:
+    FLOPs, steps, samples, losses, non-finite steps and the simulated energy agree;
+    GPU energy and GFLOPS/W from the ledger within 0.1 %."""
+    recs = records(3000, seed=1)
+    path = daemon.cfg.daemon.socket
+    a = Raw(path, "per-step", 0, ["fp32", "bf16"])
+    b = Raw(path, "rows", 1, ["fp32", "bf16"])
+    assert b.register["result"]["report"] == "intervals"
+    from greend.training.sender import step_fields
+
+    for k in range(0, len(recs), 500):  # as two clients would, at the same time
+        chunk = recs[k : k + 500]
+        for j in range(0, len(chunk), 250):
+            a.send({"v": 1, "op": "steps", "steps": [step_fields(r) for r in chunk[j : j + 250]]})
+        b.send({"v": 1, "op": "intervals", "rows": as_rows(chunk, True, 100)})
+    time.sleep(0.3)  # a tick after the last step
+    reps = []
+    for c in (a, b):
+        assert c.ask({"v": 1, "id": 2, "op": "end", "reason": "finished"})["ok"] is True
+        c.close()
+    with Client(path) as cl:
+        for job in ("per-step", "rows"):
+            reps.append(cl.request("report", job=job))
+    steps, rows = reps
+    for key in ("steps", "step_reports", "samples", "nonfinite_steps"):
+        assert rows[key] == steps[key], key
+    assert rows["steps"] == 3000 and rows["nonfinite_steps"] == 2
+    assert rows["flops"] == pytest.approx(steps["flops"], rel=1e-12)
+    assert rows["last_loss"] == pytest.approx(steps["last_loss"], rel=1e-12)
+    assert rows["gpu_energy_j"] == pytest.approx(steps["gpu_energy_j"], rel=1e-3)
+    assert rows["gflops_per_w"] == pytest.approx(steps["gflops_per_w"], rel=1e-3)
+    sr, ss = rows["savings"], steps["savings"]
+    assert sr["baseline"]["steps"] == ss["baseline"]["steps"] > 0
+    assert sr["expected_gpu_energy_j"] == pytest.approx(ss["expected_gpu_energy_j"], rel=1e-3)
+    assert sr["gpu_energy_j"] == pytest.approx(ss["gpu_energy_j"], rel=1e-9)
+    # The jobs' losses as the precision policy reads them: the same, step by step.
+    ja, jb = daemon.jobs.jobs["per-step"], daemon.jobs.jobs["rows"]
+    assert list(jb.losses) == pytest.approx(list(ja.losses))
+
+
+def test_a_bad_row_is_refused_by_name_and_the_job_goes_on(daemon: Daemon) -> None:
+    c = Raw(daemon.cfg.daemon.socket, "bad-rows", 0, ["fp32"])
+    good = as_rows(records(10, seed=2), False, 100)[0]  # the 6 fp32 steps
+    assert good["steps"] == 6
+    cases = [
+        ({"t1_s": good["t0_s"] - 1.0}, "rows[0].t1_s", "before"),
+        ({"last_step": 0, "first_step": 5}, "rows[0].last_step", "before"),
+        ({"loss_n": 7}, "rows[0].loss_n", "more than"),
+        ({"losses": [1.0] * 7}, "rows[0].losses", "7 values"),
+        ({"steps": 0}, "rows[0].steps", "minimum"),
+        ({"busy_s": -1.0}, "rows[0].busy_s", "minimum"),
+        ({"extra": 1}, "rows[0].extra", "unknown field"),
+        ({"loss_sum": None}, "rows[0].loss_sum", "required"),
+    ]
+    for change, field, words in cases:
+        row = {**good, **change}
+        if change.get("loss_sum", 0) is None:
+            del row["loss_sum"]
+        r = c.ask({"v": 1, "id": 3, "op": "intervals", "rows": [row]})
+        assert r["ok"] is False and r["error"]["field"] == field, (change, r)
+        assert words in r["error"]["message"], (change, r)
+    too_many = c.ask({"v": 1, "id": 4, "op": "intervals", "rows": [good] * 65})
+    assert too_many["ok"] is False and "at most 64 rows" in too_many["error"]["message"]
+    nan_row = json.dumps({**good, "losses": [1.0]}).replace('"losses": [1.0]', '"losses": [NaN]')
+    c.s.sendall(b'{"v":1,"id":5,"op":"intervals","rows":[%s]}\n' % nan_row.encode())  # Python's json reads NaN
+    r = c.read()
+    assert r["ok"] is False and r["error"]["field"] == "rows[0].losses", r
+    # Nothing of the refused rows was booked; a good row is.
+    with Client(daemon.cfg.daemon.socket) as cl:
+        assert cl.request("report", job="bad-rows")["steps"] == 0
+        c.send({"v": 1, "op": "intervals", "rows": [good]})
+        assert wait_for(lambda: cl.request("report", job="bad-rows")["steps"] == 6, 5)
+    c.close()
+
+
+def test_the_callback_sends_rows_to_this_daemon_and_steps_to_an_older_one(daemon: Daemon) -> None:
+    torch = pytest.importorskip("torch")
+    from greend import GreenCallback
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cb = GreenCallback(job="cb-rows", model=model, socket=daemon.cfg.daemon.socket, gpus=[0],
+                       flush_interval_s=0.05, precisions=["fp32"])  # fmt: skip
+    try:
+        for _ in range(300):
+            x = torch.randn(4, 8)
+            with cb.step(samples=4, batch=x) as st:
+                loss = model(x).pow(2).mean()
+                st.backward(loss)
+                st.optimizer_step(opt)
+                opt.zero_grad()
+        assert cb._sender is not None and cb._sender._form == "intervals"
+    finally:
+        cb.close()
+    rep = Client(daemon.cfg.daemon.socket).request("report", job="cb-rows")
+    assert rep["steps"] == 300 and rep["samples"] == 1200 and rep["last_loss"] is not None
+    # Far fewer messages than steps: rows, not a line per step.
+    assert cb.stats.sent == 300 and cb.stats.messages < 300 / 4
+
+
+def test_an_old_daemon_gets_steps(tmp_path: Path) -> None:
+    """A daemon whose register reply does not offer "intervals" (an older greend) gets
+    one "steps" entry per step from the callback."""
+    torch = pytest.importorskip("torch")
+    from greend import GreenCallback
+
+    sock_path = tmp_path / "old.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock_path))
+    srv.listen(1)
+    got: list[dict[str, Any]] = []
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        buf = b""
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                got.append(msg)
+                if "id" in msg:  # an older daemon's register reply: no "report" key
+                    result = {"job": "old", "session": 1, "heartbeat_s": 5.0} if msg["op"] == "register" else {}
+                    conn.sendall(encode({"v": 1, "id": msg["id"], "ok": True, "result": result}))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    model = torch.nn.Linear(4, 1)
+    cb = GreenCallback(job="old", model=model, socket=sock_path, flush_interval_s=0.05)
+    for _ in range(20):
+        with cb.step(samples=2) as st:
+            st.loss(model(torch.randn(2, 4)).sum())
+    cb.close()
+    ops = [m["op"] for m in got]
+    assert "intervals" not in ops and "steps" in ops
+    assert sum(len(m["steps"]) for m in got if m["op"] == "steps") == 20
+    srv.close()
