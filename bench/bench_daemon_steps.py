@@ -2,8 +2,9 @@
 
 Starts ``greend run --sim 8`` (10 Hz ticks) as a subprocess and connects ``--clients``
 ranks to it over its socket, each registered as its own job on one of the 8 simulated
-GPUs and reporting ``--rate`` steps per second as the callback does: every 0.1 s (the
-callback's ``flush_interval_s``) one ``intervals`` message with the steps since the last,
+GPUs and reporting ``--rate`` steps per second as the callback does: every
+``rows_every_s`` (what the daemon's register reply asks for: 0.5 s at its default
+settings) one ``intervals`` message with the steps since the last,
 summed into a row (``docs/protocol.md``), with each step's loss when ``--losses`` (what a
 job whose precision greend may change sends). One sender thread drives all the sockets,
 so the load generator stays light beside the daemon on a small machine.
@@ -44,7 +45,6 @@ from greend.ipc.server import encode  # noqa: E402
 
 GPUS = 8
 TICK_HZ = 10.0
-FLUSH_S = 0.1
 
 
 def cpu_s(pid: int) -> float:
@@ -53,7 +53,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def connect(sock: Path, job: str, gpu: int | None, precisions: list[str]) -> socket.socket:
+def connect(sock: Path, job: str, gpu: int | None, precisions: list[str]) -> tuple[socket.socket, dict]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(sock))
     gpus = [] if gpu is None else [gpu]
@@ -64,7 +64,7 @@ def connect(sock: Path, job: str, gpu: int | None, precisions: list[str]) -> soc
     reply = json.loads(buf.split(b"\n")[0])
     if not reply.get("ok"):
         raise SystemExit(f"register {job}: {reply}")
-    return s
+    return s, reply["result"]
 
 
 def row(first: int, n: int, t1: float, step_s: float, losses: bool) -> dict:
@@ -97,7 +97,9 @@ def load(sock: Path, name: str, clients: int, rate: float, seconds: float, losse
     device file is rewritten per message); else registered without GPUs, so the daemon
     only accounts the rows, as on a real node, where the GPU runs the steps."""
     precisions = ["fp32", "bf16"] if losses else ["fp32"]
-    socks = [connect(sock, f"{name}-{i}", i % GPUS if on_sim else None, precisions) for i in range(clients)]
+    conns = [connect(sock, f"{name}-{i}", i % GPUS if on_sim else None, precisions) for i in range(clients)]
+    socks = [s for s, _ in conns]
+    every_s = float(conns[0][1]["rows_every_s"])
     stop = threading.Event()
     sent = [0]
     errors: list[str] = []
@@ -106,8 +108,8 @@ def load(sock: Path, name: str, clients: int, rate: float, seconds: float, losse
         step = 0
         next_t = time.monotonic()
         while not stop.is_set():
-            next_t += FLUSH_S
-            n = int(rate * FLUSH_S)
+            next_t += every_s
+            n = int(rate * every_s)
             now = time.monotonic()
             try:
                 for s in socks:
@@ -144,6 +146,7 @@ def load(sock: Path, name: str, clients: int, rate: float, seconds: float, losse
         "steps_accounted": accounted,
         "status_ms_p50": statistics.median(status_ms),
         "status_ms_max": status_ms[-1],
+        "rows_every_s": every_s,
         "tick_lateness_s": st["tick_lateness_s"],
         "ticks_skipped": st["ticks_skipped"],
     }
@@ -153,7 +156,7 @@ def legacy_steps(sock: Path, clients: int, steps: int, batch: int) -> float:
     """The per-step form, as fast as the daemon takes it: step reports accounted per second."""
 
     def client(i: int) -> None:
-        s = connect(sock, f"legacy-{i}", i % GPUS, ["fp32"])
+        s, _ = connect(sock, f"legacy-{i}", i % GPUS, ["fp32"])
         # Stamps on the daemon's clock, never before boot (a negative stamp is refused).
         now = time.monotonic()
         dt = min(1e-4, now / (steps + 1))
@@ -220,7 +223,7 @@ def main() -> None:
             proc.wait(30)
     rate_total = args.clients * args.rate
     print(f"daemon under load: {args.clients} clients x {args.rate:g} steps/s = {rate_total:,.0f} steps/s, "
-          f"{GPUS} simulated GPUs ticking at {TICK_HZ:g} Hz, rows every {FLUSH_S:g} s"
+          f"{GPUS} simulated GPUs ticking at {TICK_HZ:g} Hz, rows every {runs['accounted']['rows_every_s']:g} s"
           f"{' with per-step losses' if args.losses else ''}, {args.seconds:g} s per run; "
           f"the daemon idle before: {idle_pct:.1f}% of one core")  # fmt: skip
     labels = {

@@ -127,12 +127,14 @@ class JobRegistry:
         max_recent_steps: int = 4096,
         step_interval_s: float = 1.0,
         step_detail: bool = False,
+        rows_every_s: float = 0.5,
     ) -> None:
         self.ledger = ledger
         # Job rows in the stores: one per rank per store interval (greend_job_steps),
         # and with step_detail also one per step (greend_job_step).
         self.step_interval_s = step_interval_s
         self.step_detail = step_detail
+        self.rows_every_s = rows_every_s  # how often callbacks send their rows (register reply)
         self._flushed: list[Point] = []  # aggregates made under the lock, emitted after it
         # The node's GPU indices (None: no GPU probe, nothing to claim or cap), and the
         # pids of compute processes on one GPU (None: the device cannot say).
@@ -271,6 +273,7 @@ class JobRegistry:
                 # How to send steps: rows summed at the source, or (with [store]
                 # step_detail, which stores each step) one entry per step.
                 "report": "steps" if self.step_detail else "intervals",
+                "rows_every_s": self.rows_every_s,
             }
 
     @staticmethod
@@ -458,7 +461,7 @@ class JobRegistry:
             # Per-step losses where the client sent them (a job whose precision greend may
             # change), else the row's mean stands for its steps.
             if losses:
-                job.losses.extend(float(v) for v in losses)
+                job.losses.extend(losses)
             else:
                 job.losses.append(float(r["loss_sum"]) / loss_n)
         m = job.measure

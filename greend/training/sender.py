@@ -161,6 +161,11 @@ class Sender:
         # where the daemon may change the job's precision (it registered more than one level).
         self._form = "steps"
         self._row_losses = False
+        # Rows go out every rows_every_s (the daemon's register reply says how often it
+        # wants them; events and requests still go at once), or sooner when a message's
+        # worth of steps is waiting.
+        self._rows_every_s = options.flush_interval_s
+        self._last_rows_s = 0.0
 
     # Control ---------------------------------------------------------------------
     def start(self) -> None:
@@ -308,6 +313,9 @@ class Sender:
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
+            every = result.get("rows_every_s")
+            ok = isinstance(every, (int, float)) and not isinstance(every, bool) and 0 < every <= 5.0
+            self._rows_every_s = max(opts.flush_interval_s, float(every)) if ok else opts.flush_interval_s
         else:
             self._form = "steps"
         self._row_losses = len(cb._register_fields().get("precisions") or ()) > 1
@@ -378,9 +386,13 @@ class Sender:
         self._pending.clear()
 
     # Writing -----------------------------------------------------------------------
-    def _queue_steps(self) -> None:
+    def _queue_steps(self, force: bool = False) -> None:
         if self._form == "intervals":
-            self._queue_rows()
+            now = _monotonic()
+            due = now - self._last_rows_s >= self._rows_every_s or len(self.cb._queue) >= MAX_STEPS_PER_MESSAGE
+            if force or due:
+                self._last_rows_s = now
+                self._queue_rows()
             return
         queue = self.cb._queue
         while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
@@ -579,11 +591,11 @@ class Sender:
             self.cb.stats.dropped += len(self.cb._queue)
             return
         try:
-            self._queue_steps()
+            self._queue_steps(force=True)
             while self.cb._queue and _monotonic() < deadline:
                 if not self._flush_blocking(deadline):
                     break
-                self._queue_steps()
+                self._queue_steps(force=True)
             request_id = self._queue_request("end", {"reason": reason})
             if not self._flush_blocking(deadline):
                 return

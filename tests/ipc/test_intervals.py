@@ -109,7 +109,7 @@ def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> No
     path = daemon.cfg.daemon.socket
     a = Raw(path, "per-step", 0, ["fp32", "bf16"])
     b = Raw(path, "rows", 1, ["fp32", "bf16"])
-    assert b.register["result"]["report"] == "intervals"
+    assert b.register["result"]["report"] == "intervals" and b.register["result"]["rows_every_s"] == 0.5
     from greend.training.sender import step_fields
 
     for k in range(0, len(recs), 500):  # as two clients would, at the same time
@@ -151,6 +151,8 @@ def test_a_bad_row_is_refused_by_name_and_the_job_goes_on(daemon: Daemon) -> Non
         ({"last_step": 0, "first_step": 5}, "rows[0].last_step", "before"),
         ({"loss_n": 7}, "rows[0].loss_n", "more than"),
         ({"losses": [1.0] * 7}, "rows[0].losses", "7 values"),
+        ({"losses": [1.0, "x"]}, "rows[0].losses", "finite numbers"),
+        ({"losses": [1.0, [2.0]]}, "rows[0].losses", "finite numbers"),
         ({"steps": 0}, "rows[0].steps", "minimum"),
         ({"busy_s": -1.0}, "rows[0].busy_s", "minimum"),
         ({"extra": 1}, "rows[0].extra", "unknown field"),
@@ -185,8 +187,10 @@ def test_the_callback_sends_rows_to_this_daemon_and_steps_to_an_older_one(daemon
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cb = GreenCallback(job="cb-rows", model=model, socket=daemon.cfg.daemon.socket, gpus=[0],
                        flush_interval_s=0.05, precisions=["fp32"])  # fmt: skip
+    t0 = time.monotonic()
     try:
         for _ in range(300):
+            time.sleep(0.004)
             x = torch.randn(4, 8)
             with cb.step(samples=4, batch=x) as st:
                 loss = model(x).pow(2).mean()
@@ -198,8 +202,11 @@ def test_the_callback_sends_rows_to_this_daemon_and_steps_to_an_older_one(daemon
         cb.close()
     rep = Client(daemon.cfg.daemon.socket).request("report", job="cb-rows")
     assert rep["steps"] == 300 and rep["samples"] == 1200 and rep["last_loss"] is not None
-    # Far fewer messages than steps: rows, not a line per step.
-    assert cb.stats.sent == 300 and cb.stats.messages < 300 / 4
+    # Rows every rows_every_s (0.5 s at this daemon's settings), not a line per step nor
+    # one per flush_interval_s (0.05 s): register, the rows, end (and maybe a heartbeat).
+    span = time.monotonic() - t0
+    assert cb.stats.sent == 300
+    assert cb.stats.messages <= span / 0.5 + 4, (cb.stats.messages, span)
 
 
 def test_an_old_daemon_gets_steps(tmp_path: Path) -> None:
