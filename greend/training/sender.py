@@ -314,8 +314,9 @@ class Sender:
                 self._on_directive(directive.get("precision"))
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
             every = result.get("rows_every_s")
-            ok = isinstance(every, (int, float)) and not isinstance(every, bool) and 0 < every <= 5.0
-            self._rows_every_s = max(opts.flush_interval_s, float(every)) if ok else opts.flush_interval_s
+            self._rows_every_s = opts.flush_interval_s
+            if isinstance(every, (int, float)) and not isinstance(every, bool) and 0 < every <= 5.0:
+                self._rows_every_s = max(opts.flush_interval_s, float(every))
         else:
             self._form = "steps"
         self._row_losses = len(cb._register_fields().get("precisions") or ()) > 1
