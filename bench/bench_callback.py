@@ -163,23 +163,23 @@ def main() -> None:
     us = 1e6
     with tempfile.TemporaryDirectory() as tmp:
         sock = Path(tmp) / "greend.sock"
-        daemon = FakeDaemon(sock, heartbeat_s=5.0).start()
+        daemon = FakeDaemon(sock, heartbeat_s=5.0, rows_every_s=0.5).start()  # rows, as greend asks by default
         # max_pending holds a whole burst: the trivial loop makes steps far faster than any training.
         cb = GreenCallback(job="bench", socket=sock, flops_per_step=1e9, max_pending=4 * a.steps)
         print(f"torch {torch.__version__}, python {sys.version.split()[0]}, fake daemon at {sock}")
 
         trivial(None, 2000)
         trivial(cb, 2000)  # warm-up
-        while len(daemon.steps) < 2000 and cb.connected:  # the warm-up's reports, delivered
+        while daemon.received() < 2000 and cb.connected:  # the warm-up's reports, delivered
             time.sleep(0.01)
         base = trivial(None, a.steps)
-        n0, t0 = len(daemon.steps), time.monotonic()
+        n0, t0 = daemon.received(), time.monotonic()
         with_cb = trivial(cb, a.steps)
         t_loop = time.monotonic() - t0
-        while len(daemon.steps) < n0 + a.steps and time.monotonic() - t0 < t_loop + 30:
+        while daemon.received() < n0 + a.steps and time.monotonic() - t0 < t_loop + 30:
             time.sleep(0.01)
         t_recv = time.monotonic() - t0
-        received = len(daemon.steps) - n0
+        received = daemon.received() - n0
         print(f"\n{a.steps} trivial steps            median us    p99 us")
         print(f"  without greend                {statistics.median(base) * us:8.2f}  {pct(base, 0.99) * us:8.2f}")
         print(f"  with GreenCallback            {statistics.median(with_cb) * us:8.2f}  {pct(with_cb, 0.99) * us:8.2f}")
@@ -252,7 +252,8 @@ def main() -> None:
                 opt.step()
             times.append(perf() - t)
         cb2.close()
-        flops = daemon.steps[-1]["flops"] if daemon.steps else float("nan")
+        last = daemon.rows[-1] if daemon.rows else None
+        flops = last["flops"] / last["steps"] if last else float("nan")
         print(
             f"\nMLP 256-1024-256, batch 64: first (counted) step {times[0] * 1e3:.1f} ms, later steps "
             f"median {statistics.median(times[1:]) * 1e3:.2f} ms; {flops:.3g} FLOPs per step "

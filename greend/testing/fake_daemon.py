@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from greend.ipc.server import NO_REPLY, Connection, IpcServer
-from greend.protocol import MAX_STEPS_PER_MESSAGE, STEP_FIELDS, validate
+from greend.protocol import MAX_STEPS_PER_MESSAGE, STEP_FIELDS, check_row, validate
 
 __all__ = ["FakeDaemon", "SilentDaemon"]
 
@@ -23,8 +23,20 @@ __all__ = ["FakeDaemon", "SilentDaemon"]
 class FakeDaemon:
     """A tiny greend: a real IpcServer with the job routes, recording everything it gets."""
 
-    def __init__(self, path: Path, *, heartbeat_s: float = 0.2, initial_precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        heartbeat_s: float = 0.2,
+        initial_precision: str = "fp32",
+        rows_every_s: float | None = None,
+    ) -> None:
+        """``rows_every_s``: offer "intervals" rows at that cadence, as the real daemon
+        does (recorded in ``rows``); None: take one "steps" entry per step, as an older
+        daemon (recorded in ``steps``, what most tests look at)."""
         self.path = path
+        self.rows_every_s = rows_every_s
+        self.rows: list[dict[str, Any]] = []
         self.heartbeat_s = heartbeat_s
         self.initial_precision = initial_precision
         self.lock = threading.Lock()
@@ -40,6 +52,7 @@ class FakeDaemon:
         # The same schemas as the real daemon's (greend.protocol).
         self.server.route("register", self._register)
         self.server.route("steps", self._steps)
+        self.server.route("intervals", self._intervals)
         self.server.route("heartbeat", self._heartbeat)
         self.server.route("end", self._end)
         self.server.route("precision_event", self._precision_event)
@@ -56,12 +69,29 @@ class FakeDaemon:
         with self.lock:
             self.registers.append(dict(msg))
         conn.state["job"] = msg["job"]
-        return {
+        reply: dict[str, Any] = {
             "job": msg["job"],
             "session": conn.id,
             "heartbeat_s": self.heartbeat_s,
             "directive": {"precision": self.initial_precision},
         }
+        if self.rows_every_s is not None:
+            reply.update(report="intervals", rows_every_s=self.rows_every_s)
+        return reply
+
+    def _intervals(self, msg: dict[str, Any], conn: Connection) -> Any:
+        from greend.errors import ProtocolError
+
+        if "job" not in conn.state:
+            raise ProtocolError("register first", field="op")
+        for r in msg["rows"]:
+            if not isinstance(r, dict):
+                raise ProtocolError("bad row", field="rows")
+            check_row(r)
+        with self.lock:
+            self.rows.extend(msg["rows"])
+            self.step_messages += 1
+        return NO_REPLY
 
     def _steps(self, msg: dict[str, Any], conn: Connection) -> Any:
         from greend.errors import ProtocolError
@@ -83,6 +113,11 @@ class FakeDaemon:
             self.step_messages += 1
         return NO_REPLY
 
+    def received(self) -> int:
+        """Steps received so far, as entries or in rows."""
+        with self.lock:
+            return len(self.steps) + sum(r["steps"] for r in self.rows)
+
     def _heartbeat(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
             self.heartbeats += 1
@@ -96,7 +131,7 @@ class FakeDaemon:
     def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
             self.ends.append(dict(msg))
-            n = len(self.steps)
+            n = len(self.steps) + sum(r["steps"] for r in self.rows)
         return {"job": conn.state.get("job"), "steps": n}
 
     def push(self, **event: Any) -> int:
