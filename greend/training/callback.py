@@ -235,6 +235,13 @@ class GreenCallback:
         self._agreed_pace_s: float | None = None
         self.agreed_pace_s: float | None = None  # the last figure all ranks agreed on
         self._peers: JobPeers | None = None  # the job's rendezvous store, once reached
+        # Precision is one decision per job: in a job of several ranks a directive is a
+        # proposal, and every sync_every steps the ranks agree (through the same store)
+        # on the most precise level any of them wants, which all apply at the same step
+        # (see _agree_precision). _entered counts the steps entered: the agreement's clock.
+        self._agreeing = self.world_size > 1 and self.manage_precision
+        self._proposal: str | None = None
+        self._entered = 0
 
         # Hot-path state: the training thread appends records, the sender takes them.
         self._queue: deque[tuple[Any, ...]] = deque(maxlen=max_pending)
@@ -593,9 +600,11 @@ class GreenCallback:
         return counted
 
     def _take_request(self, level: str | None) -> None:
-        """Apply the daemon's latest directive at a step boundary, or refuse it with a reason."""
+        """Take the daemon's latest directive at a step boundary: apply it (or, in a job
+        of several ranks, propose it to the others), or refuse it with a reason."""
         self._seen_request = level
         if level is None or level == self._precision:
+            self._proposal = None  # the daemon no longer asks for another level
             return
         step = self._next_index
         reason = self._support.get(level, f"unknown precision level {level!r}")
@@ -608,16 +617,12 @@ class GreenCallback:
                 "loss_scaling=True"
             )
         if reason is None:
-            old = self._precision
-            try:
-                self._apply_level(level)
-            except Exception as e:
-                reason = f"switching to {level} failed: {type(e).__name__}: {e}"
-                self._support[level] = reason  # never again in this process
-            else:
-                log.info("precision %s -> %s (greend directive)", old, level)
-                if self.manage_precision:
-                    self._guard.on_switch(old, level, step)
+            if self._agreeing:
+                self._proposal = level
+                log.info("precision %s proposed to the job's ranks (greend directive)", level)
+                return
+            reason = self._switch(level, "greend directive")
+            if reason is None:
                 return
         self.refused[level] = reason
         self._warn_once(
@@ -636,6 +641,71 @@ class GreenCallback:
                 trend=self._guard.trend(),
             )
         )
+
+    def _switch(self, level: str, why: str) -> str | None:
+        """Run the next steps at ``level``; the reason it could not, or None."""
+        old = self._precision
+        try:
+            self._apply_level(level)
+        except Exception as e:
+            reason = f"switching to {level} failed: {type(e).__name__}: {e}"
+            self._support[level] = reason  # never again in this process
+            return reason
+        log.info("precision %s -> %s (%s)", old, level, why)
+        if self.manage_precision:
+            self._guard.on_switch(old, level, self._next_index)
+        return None
+
+    def _agree_precision(self, epoch: int) -> None:
+        """At the start of every ``sync_every``-th step: the job's ranks agree on its level.
+
+        Each rank writes the level it wants (its daemon's directive where it can run it,
+        else the level it runs) for this epoch, and reads what the ranks wrote one epoch
+        ago: the most precise of those levels (a MAX, as for the pace). Ranks in step read
+        the same key at the same step, so they switch together: down only when every
+        rank's daemon asks for it, up (a rollback on any rank) for all. Where the ranks
+        have no store to meet in, a rank applies its own directives, as a single process
+        does; a failure is logged once and never raised."""
+        try:
+            if self._peers is None:
+                self._peers = JobPeers.of_process_group(self.job, self.rank)
+            peers = self._peers
+            if peers is not None:
+                wanted = self._proposal or self._precision
+                agreed = peers.agree_max("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
+        except Exception as e:
+            self._warn_once("agree", f"greend could not agree the job's precision across ranks: {e}")
+            peers = None
+        if peers is None:
+            self._agreeing = False
+            if self._proposal is not None:
+                self._proposal = None
+                self._seen_request = None  # the directive is taken again, alone, at the next step
+            return
+        if agreed is None:
+            return
+        level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
+        if level == self._proposal:
+            self._proposal = None
+        old = self._precision
+        if level == old or self._support.get(level) is not None:
+            return
+        step = self._next_index
+        if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
+            PRECISIONS.index(level) < PRECISIONS.index(old)
+        ):
+            # Up: another rank rolled back. This rank's daemon hears it as a rollback.
+            self._send_event(
+                PrecisionEvent(
+                    "rollback",
+                    old,
+                    level,
+                    f"another rank of the job went back to {level}; the ranks agreed at step {step}",
+                    step=step,
+                    loss=self._guard.losses[-1] if self._guard.losses else None,
+                    trend=self._guard.trend(),
+                )
+            )
 
     def _roll_back(self, step: Step, spike: str | None = None) -> None:
         """The guard's fast rules: a non-finite step, or a loss spike, below a level we

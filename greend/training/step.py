@@ -110,9 +110,13 @@ class Step:
 
     def __enter__(self) -> Step:
         cb = self._cb
+        n = cb._entered
+        cb._entered = n + 1
         requested = cb._requested
         if requested is not cb._seen_request:
             cb._take_request(requested)
+        if cb._agreeing and n % cb.sync_every == 0:
+            cb._agree_precision(n // cb.sync_every)
         self.precision = cb._precision
         if self.flops is None:
             cb._plan_flops(self)

@@ -155,8 +155,12 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     assert not with_one["complete"] and with_one["missing"] == ["1 of 2 ranks have no stored figures"]
 
 
-def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str) -> list[dict]:
-    """A 2-rank gloo DDP job of exactly ``steps`` steps, GreenCallback on ``greend_ranks``."""
+def _run_ranks(
+    tmp: Path, socket: Path | list[Path], greend_ranks: str, steps: int, job: str, *extra: str, sync_every: int = 5
+) -> list[dict]:
+    """A 2-rank gloo DDP job of exactly ``steps`` steps, GreenCallback on ``greend_ranks``;
+    ``socket``: one daemon for both ranks, or each rank's own (two nodes)."""
+    sockets = socket if isinstance(socket, list) else [socket, socket]
     port = vmserver.free_port()
     procs = []
     for rank in range(2):
@@ -167,8 +171,9 @@ def _run_ranks(tmp: Path, socket: Path, greend_ranks: str, steps: int, job: str)
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        cmd = [sys.executable, str(REPO / "tests/scripts/dist_trainer.py"), "--socket", str(socket)]
-        cmd += ["--job", job, "--steps", str(steps), "--sync-every", "5", "--greend-ranks", greend_ranks]
+        cmd = [sys.executable, str(REPO / "tests/scripts/dist_trainer.py"), "--socket", str(sockets[rank])]
+        cmd += ["--job", job, "--steps", str(steps), "--sync-every", str(sync_every), "--greend-ranks", greend_ranks]
+        cmd += extra
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=rank_env)
         )
@@ -194,6 +199,35 @@ def test_a_callback_on_rank_0_only_never_touches_the_jobs_collectives(
     assert [o["final_loss"] for o in with_greend] == [o["final_loss"] for o in without]
     rep = json.loads(d.ctl("report", "rank0only", "--json").stdout)
     assert rep["steps"] == 60  # rank 0's steps, reported
+
+
+def test_both_ranks_switch_precision_at_the_same_step(
+    tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None]
+) -> None:
+    """Two nodes, each daemon judging only its own rank's loss under the precision policy:
+    each decides bf16 at its own step, and the ranks, agreeing through the job's store,
+    switch together, so no step of the job runs at two precisions."""
+    from tests.e2e.test_e2e_precision import CONFIG
+
+    nodes = [start_daemon(tmp_path, "--sim", "1", name=f"node{i}", config=CONFIG) for i in range(2)]
+    daemons += nodes
+    outs = _run_ranks(
+        tmp_path, [d.socket for d in nodes], "all", 400, "ddp-precision", "--precisions", "fp32,bf16", sync_every=10
+    )
+    assert outs[0]["levels"] == outs[1]["levels"], "the ranks ran different precisions at some step"
+    first = [o["first_low"] for o in outs]
+    assert first[0] is not None and first[0] == first[1], first
+    # Each daemon made its own decision, at its own step; the job switched after the later.
+    decided = []
+    for d in nodes:
+        rep = json.loads(d.ctl("report", "ddp-precision", "--json").stdout)
+        switches = [e["step"] for e in rep["precision_log"] if e["kind"] == "switch"]
+        assert switches, rep["precision_log"]
+        decided.append(switches[0])
+    assert max(decided) <= first[0], (decided, first)
+    figure(
+        f"the two daemons decided bf16 at steps {decided[0]} and {decided[1]}; both ranks switched at step {first[0]}"
+    )
 
 
 def test_two_torchrun_jobs_without_a_run_id_stay_two_jobs(tmp_path: Path, daemons: list[DaemonProc]) -> None:

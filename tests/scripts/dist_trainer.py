@@ -6,7 +6,8 @@
 Each rank stands for a node: rank r talks to the daemon at its own socket. The
 model is wrapped in DistributedDataParallel, so every step all-reduces gradients
 over gloo, and GreenCallback agrees the job's pace every --sync-every steps.
-Prints one JSON line: rank, steps, the agreed pace, the final loss.
+Prints one JSON line: rank, steps, the agreed pace, the final loss, the precision
+each step ran at and the first step below fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--stop-file", help="stop early once this file exists (every rank agrees)")
     ap.add_argument("--sync-every", type=int, default=10)
     ap.add_argument("--steps", type=int, default=0, help="train exactly this many steps (0: by --seconds)")
+    ap.add_argument("--precisions", default="", help="levels greend may move the job between (fp32,bf16)")
     ap.add_argument(
         "--greend-ranks", default="all", help="which ranks load GreenCallback: all, none, or a comma list (0,2)"
     )
@@ -62,6 +64,7 @@ def main() -> None:
             mem_share=0.3,
             sync_every=args.sync_every,
             heartbeat_s=0.5,
+            **({"precisions": args.precisions.split(",")} if args.precisions else {}),
         )
         if with_greend
         else None
@@ -69,6 +72,7 @@ def main() -> None:
     t_end = time.monotonic() + args.seconds
     steps = 0
     loss = torch.tensor(0.0)
+    levels: list[str] = []  # the precision each step ran at
     while True:
         # Every rank runs the same number of steps: agree on stopping, as real jobs do.
         if args.steps:
@@ -85,6 +89,7 @@ def main() -> None:
             loss = lossf(model(x), y)
             if st is not None:
                 st.loss(loss)
+                levels.append(st.precision)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -93,7 +98,9 @@ def main() -> None:
     if cb is not None:
         cb.close()
     pace = cb.agreed_pace_s if cb is not None else None
-    print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": pace, "final_loss": float(loss.detach())}))
+    first_low = next((i for i, level in enumerate(levels) if level != "fp32"), None)
+    print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": pace, "final_loss": float(loss.detach()),
+                      "levels": levels, "first_low": first_low}))  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     dist.barrier()

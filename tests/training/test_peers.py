@@ -86,3 +86,75 @@ def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
     for t in threads:
         t.join(30)
     assert JobPeers(server, "j", 0).read("pace", 1) == pytest.approx(max(values))
+
+
+def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2):  # type: ignore[no-untyped-def]
+    """n callbacks in one process standing for the ranks of one job, meeting in ``store``."""
+    from greend.training.callback import GreenCallback
+
+    cbs = []
+    for rank in range(n):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(n))
+        cb = GreenCallback(job="agree", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
+                           sync_every=5, flush_interval_s=0.02, heartbeat_s=0.2)  # fmt: skip
+        cb._peers = JobPeers(store, "agree", rank)
+        cbs.append(cb)
+    return cbs
+
+
+def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's daemon asks for bf16 at step 7, rank 1's at step 23: nobody switches
+    before both asked, and both switch at the same step. Then rank 1's daemon asks for
+    fp32 again (a rollback): both go back at the same step, and rank 0 tells its daemon."""
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
+    ran: list[list[str]] = [[], []]
+    try:
+        for i in range(70):
+            if i == 7:
+                cbs[0]._requested = "bf16"  # what the sender does when a directive arrives
+            if i == 23:
+                cbs[1]._requested = "bf16"
+            if i == 45:
+                cbs[1]._requested = "fp32"
+            for r, cb in enumerate(cbs):  # the ranks in lockstep, as DDP keeps them
+                with cb.step(samples=1) as st:
+                    st.loss(torch.tensor(1.0))
+                ran[r].append(st.precision)
+    finally:
+        for cb in cbs:
+            cb.close()
+    assert ran[0] == ran[1], "the ranks ran different precisions at some step"
+    first_low = ran[0].index("bf16")
+    assert 23 < first_low <= 23 + 2 * 5 + 1, first_low  # within two agreement epochs of the last ask
+    back = first_low + ran[0][first_low:].index("fp32")
+    assert 45 < back <= 45 + 2 * 5 + 1, back
+    assert all(p == "bf16" for p in ran[0][first_low:back]) and all(p == "fp32" for p in ran[0][back:])
+    rollbacks = [e for e in cbs[0].precision_events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and "another rank" in rollbacks[0]["reason"], cbs[0].precision_events
+
+
+def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPatch, daemon, sock_path) -> None:  # type: ignore[no-untyped-def]
+    """Several ranks but no store to meet in (no process group): each rank follows its own
+    daemon, as before."""
+    from greend.training.callback import GreenCallback
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cb = GreenCallback(job="alone", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
+                       sync_every=5, flush_interval_s=0.02)  # fmt: skip
+    ran = []
+    try:
+        for i in range(12):
+            if i == 2:
+                cb._requested = "bf16"
+            with cb.step(samples=1) as st:
+                st.loss(torch.tensor(1.0))
+            ran.append(st.precision)
+    finally:
+        cb.close()
+    # The first step's agreement found no process group: the directive at step 2 applies at once.
+    assert cb._agreeing is False
+    assert ran == ["fp32"] * 2 + ["bf16"] * 10, ran
