@@ -1,12 +1,17 @@
 """Step time and energy per step at every precision level this machine runs, side by side.
 
-Run:  python bench/bench_precision.py [--steps 10] [--width 512] [--batch 128]
+Run:  python bench/bench_precision.py [--rounds 6] [--steps 8] [--width 512] [--batch 128]
 
 One MLP (width -> 2*width -> width -> 16), trained through GreenCallback against
 a fake daemon that switches the level between steps (the real switch path:
-autocast dtypes, the fp8 conversion, the GradScaler). Per level it prints:
+autocast dtypes, the fp8 conversion, the GradScaler). The levels are interleaved:
+``--rounds`` rounds, each running every level for ``--steps`` timed steps (after one
+untimed step at the level), in an order rotated each round, so drift of the machine
+(other load, clocks, caches) falls on every level alike. Per level it prints:
 
-* ``step ms``: median wall time of a training step here (measured);
+* ``step ms``: median wall time of a training step here over all rounds (measured),
+  and the ratio to fp32 with its range over the rounds (each round's median against
+  the same round's fp32): how repeatable the ratio is;
 * ``sim J/step``: the simulated H100's energy for a step of the counted FLOPs
   at that level (``greend.probes.sim``: the model the daemon prices steps with on
   ``--sim`` GPUs), labelled sim; fp8-emulated runs at bf16's rate there;
@@ -27,6 +32,7 @@ column is what the same step costs on an H100.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -90,8 +96,9 @@ class NvmlEnergy:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per level per round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps after each switch")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=128)
     args = ap.parse_args()
@@ -127,54 +134,80 @@ def main() -> None:
                 )
             support = cb.supported_precisions()
             levels = [lvl for lvl in PRECISIONS if support[lvl] is None]
-            rows = []
-            for level in levels:
-                daemon.directive(level)
-                deadline = time.monotonic() + 5
-                while cb.requested_precision != level and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                times: list[float] = []
-                e0, g0 = rapl_uj(), gpu_energy.mj()
-                for i in range(args.warmup + args.steps):
-                    if i == args.warmup:
+            times: dict[str, list[float]] = {lvl: [] for lvl in levels}
+            round_ms: dict[str, list[float]] = {lvl: [] for lvl in levels}  # each round's median
+            cpu_uj: dict[str, int | None] = {lvl: 0 for lvl in levels}
+            gpu_mj: dict[str, int | None] = {lvl: 0 for lvl in levels}
+            ran: dict[str, str] = {}
+            off: dict[str, int] = {}  # timed steps that ran at another level (a rollback)
+            for r in range(args.rounds):
+                order = levels[r % len(levels) :] + levels[: r % len(levels)]
+                for level in order:
+                    daemon.directive(level)
+                    deadline = time.monotonic() + 5
+                    while cb.requested_precision != level and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    these: list[float] = []
+                    for i in range(args.warmup + args.steps):
+                        if i == args.warmup:
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                            e0, g0 = rapl_uj(), gpu_energy.mj()
+                        t = time.perf_counter()
+                        with cb.step(samples=args.batch) as st:
+                            with st.autocast():
+                                out = model(x)
+                            st.backward(nn.functional.mse_loss(out.float(), y))
+                            st.optimizer_step(opt)
+                            opt.zero_grad(set_to_none=True)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
-                        e0, g0 = rapl_uj(), gpu_energy.mj()
-                    t = time.perf_counter()
-                    with cb.step(samples=args.batch) as st:
-                        with st.autocast():
-                            out = model(x)
-                        st.backward(nn.functional.mse_loss(out.float(), y))
-                        st.optimizer_step(opt)
-                        opt.zero_grad(set_to_none=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    if i >= args.warmup:
-                        times.append(time.perf_counter() - t)
-                e1, g1 = rapl_uj(), gpu_energy.mj()
-                ran = st.precision
-                cpu_j = (e1 - e0) / 1e6 / args.steps if e0 is not None and e1 is not None and e1 >= e0 else None
-                gpu_j = (g1 - g0) / 1e3 / args.steps if g0 is not None and g1 is not None else None
-                sim = H100.step_cost(flops, MEM_SHARE, ran)
-                rows.append((level, ran, statistics.median(times) * 1e3, sim.energy_j, gpu_j, cpu_j))
+                        if i >= args.warmup:
+                            if st.precision == level:
+                                these.append(time.perf_counter() - t)
+                            else:  # the guard rolled the level back: not this level's step
+                                off[level] = off.get(level, 0) + 1
+                    e1, g1 = rapl_uj(), gpu_energy.mj()
+                    c, g = cpu_uj[level], gpu_mj[level]
+                    cpu_uj[level] = (
+                        c + e1 - e0 if c is not None and e0 is not None and e1 is not None and e1 >= e0 else None
+                    )
+                    gpu_mj[level] = g + g1 - g0 if g is not None and g0 is not None and g1 is not None else None
+                    times[level] += these
+                    round_ms[level].append(statistics.median(these) * 1e3 if these else math.nan)
+                    if these:
+                        ran[level] = level
+            n = args.rounds * args.steps
+            rows = []
+            for level in levels:
+                c, g = cpu_uj[level], gpu_mj[level]
+                ratios = [a / b for a, b in zip(round_ms[level], round_ms[levels[0]], strict=True) if a == a]
+                sim = H100.step_cost(flops, MEM_SHARE, ran[level])
+                if not times[level]:
+                    continue
+                rows.append((level, ran[level], statistics.median(times[level]) * 1e3, min(ratios), max(ratios),
+                             sim.energy_j, g / 1e3 / n if g is not None else None,
+                             c / 1e6 / n if c is not None else None))  # fmt: skip
             cb.close()
         finally:
             daemon.stop()
 
     print(
         f"MLP {w}-{2 * w}-{w}-16, batch {args.batch}, {flops / 1e9:.2f} GFLOP per step (fwd+bwd), "
-        f"on {device.type} ({torch.get_num_threads()} threads), median of {args.steps} steps"
+        f"on {device.type} ({torch.get_num_threads()} threads); levels interleaved over {args.rounds} rounds "
+        f"of {args.steps} steps each: the median of {args.rounds * args.steps} steps per level"
     )
     print(
-        f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'sim J/step':>14}{'vs fp32':>9}"
+        f"{'level':<14}{'ran':<14}{'step ms':>10}{'vs fp32':>9}{'(rounds)':>16}{'sim J/step':>14}{'vs fp32':>9}"
         f"{'gpu J/step':>12}{'cpu J/step':>12}"
     )
-    base_t, base_e = rows[0][2], rows[0][3]
-    for level, ran, ms, ej, gpu, cpu in rows:
+    base_t, base_e = rows[0][2], rows[0][5]
+    for level, ran_at, ms, lo, hi, ej, gpu, cpu in rows:
         gpu_txt = f"{gpu:.3f}" if gpu is not None else "n/a"
         cpu_txt = f"{cpu:.3f}" if cpu is not None else "n/a"
+        spread = f"{lo:.2f}-{hi:.2f}x"
         print(
-            f"{level:<14}{ran:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{ej:>10.4f} sim{ej / base_e:>8.3f}x"
+            f"{level:<14}{ran_at:<14}{ms:>10.2f}{ms / base_t:>8.2f}x{spread:>16}{ej:>10.4f} sim{ej / base_e:>8.3f}x"
             f"{gpu_txt:>12}{cpu_txt:>12}"
         )
     if gpu_energy.handle is None:
@@ -182,6 +215,8 @@ def main() -> None:
     if rapl_uj() is None:
         print("cpu J/step: n/a (RAPL energy_uj not readable here: no /sys/class/powercap, or not root)")
     print("sim J/step: the simulated H100 (greend.probes.sim, mem_share 0.3) at each level; source=sim")
+    for lvl, k in off.items():
+        print(f"{lvl}: {k} timed step(s) ran at another level (the accuracy guard rolled it back): left out")
     for lvl in PRECISIONS:
         if support[lvl] is not None:
             print(f"not here: {lvl}: {support[lvl]}")
