@@ -1,9 +1,11 @@
 """deploy/: the Kubernetes manifest's greend.toml is one greend loads, and its paths agree
 (the config's socket is the one the training pods mount and name); the Slurm epilog is
-valid sh. (The epilog's behaviour: tests/e2e/test_e2e_slurm.py.)"""
+valid sh. (Their behaviour: tests/e2e/test_e2e_slurm.py and, under a real Slurm,
+tests/e2e/test_e2e_slurm_real.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,9 @@ def test_the_configmap_is_a_config_greend_loads_and_the_paths_agree(tmp_path: Pa
     assert {v["name"]: v["hostPath"]["path"] for v in job["volumes"]}["greend"] == str(sock.parent)
 
 
-def test_the_slurm_epilog_is_valid_sh() -> None:
-    epilog = DEPLOY / "slurm" / "epilog.sh"
-    r = subprocess.run(["sh", "-n", str(epilog)], capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["epilog.sh", "task-epilog.sh"])
+def test_the_slurm_scripts_are_valid_executable_sh(script: str) -> None:
+    path = DEPLOY / "slurm" / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    r = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

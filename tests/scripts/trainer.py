@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
-    ap.add_argument("--job", required=True)
+    ap.add_argument("--job", default=None, help="the job id (default: from the launcher, as GreenCallback finds it)")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--width", type=int, default=256)
@@ -90,7 +90,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "job": args.job,
+                "job": cb.job if cb is not None else args.job,
                 "steps": args.steps,
                 "final_loss": float(loss.detach()),
                 "flops_per_step": flops_per_step,

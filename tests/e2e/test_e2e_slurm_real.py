@@ -1,0 +1,187 @@
+"""greend under a real Slurm: munged, slurmctld and slurmd started on this machine (one
+node with a simulated GPU), a real CPU training with the callback submitted with sbatch
+and srun, and the job's figures found where Slurm shows them (the job's Comment, written
+by deploy/slurm/task-epilog.sh), in the node's saved report (deploy/slurm/epilog.sh) and
+through greenctl under the job's Slurm name (JOBID.STEP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import vmserver
+from tests.support import REPO, DaemonProc, env, start_daemon
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch, pytest.mark.slow]
+torch = pytest.importorskip("torch")
+
+NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+if missing := [b for b in NEEDED if shutil.which(b) is None]:
+    pytestmark.append(pytest.mark.skip(reason=f"Slurm is not installed here ({', '.join(missing)}): apt-get install slurm-wlm munge"))  # fmt: skip  # noqa: E501
+
+
+def _wait(what: str, check, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Slurm:
+    """A one-node Slurm cluster in a temporary directory, with greend's epilogs."""
+
+    def __init__(self, tmp: Path, greend: DaemonProc) -> None:
+        self.tmp = tmp
+        self.host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        for d in ("state", "spool", "log", "munge", "reports"):
+            (tmp / d).mkdir(mode=0o700, exist_ok=True)
+        greenctl = f"{sys.executable} -m greend.ctl --socket {greend.socket}"
+        common = f"export GREENCTL='{greenctl}' PYTHON='{sys.executable}' PYTHONPATH='{REPO}'\n"
+        for name, script, extra in (
+            ("epilog", "epilog.sh", f"export GREEND_REPORT_DIR='{tmp / 'reports'}'\n"),
+            ("task-epilog", "task-epilog.sh", ""),
+        ):  # what an operator's wrapper (or /etc/default file) sets for the scripts
+            w = tmp / f"{name}.sh"
+            w.write_text(f"#!/bin/sh\n{common}{extra}exec sh '{REPO / 'deploy' / 'slurm' / script}'\n")
+            w.chmod(0o755)
+        self.munge_sock = tmp / "munge" / "munge.sock"
+        ctl_port, d_port = vmserver.free_port(), vmserver.free_port()
+        self.conf = tmp / "slurm.conf"
+        self.conf.write_text(
+            f"""ClusterName=greendtest
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctl_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={self.munge_sock}
+StateSaveLocation={tmp / "state"}
+SlurmdSpoolDir={tmp / "spool"}
+SlurmctldPidFile={tmp / "slurmctld.pid"}
+SlurmdPidFile={tmp / "slurmd.pid"}
+SlurmctldLogFile={tmp / "log" / "slurmctld.log"}
+SlurmdLogFile={tmp / "log" / "slurmd.log"}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+Epilog={tmp / "epilog.sh"}
+TaskEpilog={tmp / "task-epilog.sh"}
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 2} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+"""
+        )
+        self.env = env() | {"SLURM_CONF": str(self.conf)}
+
+    def start(self) -> None:
+        key = self.tmp / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        m = self.tmp / "munge"
+        subprocess.run(
+            ["munged", "--force", f"--socket={self.munge_sock}", f"--key-file={key}", f"--pid-file={m / 'pid'}",
+             f"--log-file={m / 'log'}", f"--seed-file={m / 'seed'}"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        for daemon in ("slurmctld", "slurmd"):
+            self.procs.append(
+                subprocess.Popen(
+                    [daemon, "-D", "-f", str(self.conf)],
+                    env=self.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+            )
+        _wait("the node to be idle", lambda: "idle" in self.run("sinfo", "-h", "-o", "%T").stdout, 60)
+
+    def run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    def job(self, jid: str) -> str:
+        return self.run("scontrol", "-o", "show", "job", jid).stdout
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        pid = self.tmp / "munge" / "pid"
+        if pid.exists():
+            try:
+                os.kill(int(pid.read_text().strip()), 15)
+            except (OSError, ValueError):
+                pass
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.tmp / "log").iterdir()))
+
+
+@pytest.fixture
+def slurm(tmp_path: Path, daemons: list[DaemonProc]) -> Iterator[tuple[Slurm, DaemonProc]]:
+    d = start_daemon(tmp_path, "--sim", "1", config='[daemon]\nsocket_group = ""\n')
+    daemons.append(d)
+    s = Slurm(tmp_path / "slurm", d)
+    try:
+        s.start()
+        yield s, d
+    finally:
+        s.stop()
+
+
+def test_a_slurm_job_shows_its_energy_in_slurm_and_in_greend(slurm: tuple[Slurm, DaemonProc]) -> None:
+    s, d = slurm
+    script = s.tmp / "train.sh"
+    script.write_text(
+        f"#!/bin/sh\n#SBATCH --job-name=greend-train\n#SBATCH --ntasks=1\n"
+        f"export GREEND_SOCKET='{d.socket}'\n"
+        f"srun '{sys.executable}' tests/scripts/trainer.py --socket '{d.socket}' --steps 60 --step-sleep 0.01\n"
+    )
+    r = s.run("sbatch", "--parsable", f"--output={s.tmp / 'train.out'}", f"--chdir={REPO}", str(script))
+    assert r.returncode == 0, r.stderr
+    jid = r.stdout.strip().split(";")[0]
+    try:
+        _wait(f"job {jid} to complete", lambda: "JobState=COMPLETED" in s.job(jid) or "FAILED" in s.job(jid), 180)
+    except AssertionError:
+        raise AssertionError(f"{s.job(jid)}\n{s.logs()}") from None
+    info = s.job(jid)
+    out = (s.tmp / "train.out").read_text()
+    assert "JobState=COMPLETED" in info, f"{info}\n{out}\n{s.logs()}"
+    run = f"{jid}.0"  # the callback named the run as Slurm names the step
+    assert json.loads(out.strip().splitlines()[-1])["job"] == run, out
+
+    # In Slurm: the job's Comment, written by the TaskEpilog once greend had ended the run.
+    assert f"Comment=greend:{run}@{s.host}:gpu_J=" in info, info
+    comment = info.split("Comment=", 1)[1].split(" ", 1)[0]
+    fields = dict(kv.split("=", 1) for kv in comment.split(":", 2)[2].split(","))
+    # In greend: the same run under the same name, with the same figures.
+    rep = json.loads(d.ctl("report", run, "--json").stdout)
+    assert rep["state"] == "ended" and rep["steps"] == 60
+    assert float(fields["gpu_J"]) == pytest.approx(rep["gpu_energy_j"], abs=0.051)
+    assert float(fields["GFLOPS/W"]) == pytest.approx(rep["gflops_per_w"], rel=1e-3) and rep["gflops_per_w"] > 0
+    assert fields["steps"] == "60" and fields["ranks"] == "1/1"
+    # On the node: the Epilog saved the run's report after the job.
+    saved = s.tmp / "reports" / f"{run}.{s.host}.json"
+    _wait("the epilog's report", saved.exists, 30)
+    assert json.loads(saved.read_text())["gpu_energy_j"] == pytest.approx(rep["gpu_energy_j"])
