@@ -13,6 +13,8 @@ table per concern; every key has a default, so an empty file is valid::
     heartbeat_timeout_s = 15.0
     admin_group = "greend-admin"       # besides root: may set caps and policy
     log_level = "info"
+    hostname = ""                      # the node's name in every point and report (default: the
+                                       # machine's; under Kubernetes the node's, not the pod's)
     max_connections = 256              # all clients together
     reserved_admin_connections = 16    # of those, kept for root and admin_group
     max_connections_per_uid = 64       # one user's open connections
@@ -68,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +117,7 @@ class DaemonConfig:
     heartbeat_timeout_s: float = 15.0
     admin_group: str = "greend-admin"
     log_level: str = "info"
+    hostname: str = ""
     max_connections: int = 256
     reserved_admin_connections: int = 16
     max_connections_per_uid: int = 64
@@ -281,6 +285,9 @@ def _check_policies(cfg: Config) -> None:
         )
 
 
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
 def validate(cfg: Config) -> Config:
     d, p, s, st = cfg.daemon, cfg.probes, cfg.sim, cfg.store
     _positive("daemon", "hz", d.hz)
@@ -309,6 +316,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f'[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like "0660"') from None
     if mode & ~0o777:
         raise ConfigError(f"[daemon] socket_mode = {d.socket_mode!r}: permission bits only (0000-0777)")
+    if d.hostname and not _HOSTNAME_RE.match(d.hostname):
+        raise ConfigError(
+            f"[daemon] hostname = {d.hostname!r}: expected a host name (letters, digits, '.', '-', '_'; "
+            "at most 253), or empty for the machine's own"
+        )
     if d.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"[daemon] log_level = {d.log_level!r}: expected one of debug, info, warning, error")
     from greend.probes import available_names  # the probe registry: the one list of probes

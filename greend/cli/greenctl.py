@@ -181,29 +181,32 @@ def ctl_report(
     job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
-    stores: list[Path] | None = typer.Option(
+    stores: list[str] | None = typer.Option(
         None,
         "--store",
         help="the SQLite store file, for jobs the daemon no longer knows (default: the daemon's); "
-        "give it once per node (--store A.db --store B.db) for the whole job across nodes",
+        "give it once per node (--store A.db --store B.db), or a shared store the nodes write to "
+        "(--store influx://HOST:PORT?... or http://HOST:PORT, read through VictoriaMetrics' export "
+        "API), for the whole job across nodes",
     ),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy
     greend saved; an ended job the daemon no longer knows (it restarted) comes from the store;
     with a store per node, the whole job across them."""
-    from greend.jobs.history import stored_report, whole_job_report
+    from greend.jobs.history import is_shared_store, stored_report, whole_job_report
 
     if plot is not None:
         _check_plot_path(plot)
-    if stores and len(stores) > 1:
+    if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores)):
         for p in stores:
-            if not p.is_file():
+            if not is_shared_store(p) and not Path(p).is_file():
                 fail(
                     f"--store {p}: no such file (give each node's SQLite store: a copy of its "
-                    "/var/lib/greend/greend.db)"
+                    "/var/lib/greend/greend.db; or a shared store by URL: influx://HOST:PORT?... "
+                    "or http://HOST:PORT)"
                 )
         try:
-            whole = whole_job_report(stores, job)
+            whole = whole_job_report(list(stores), job)
         except GreendError as e:
             fail(str(e))
         if whole is None:
@@ -211,7 +214,7 @@ def ctl_report(
         assert whole is not None
         typer.echo(json.dumps(whole, indent=2) if as_json else render_whole_job(whole))
         return
-    store = stores[0] if stores else None
+    store = Path(stores[0]) if stores else None
     r: dict[str, Any] | None = None
     why, down = "", False
     try:

@@ -79,7 +79,7 @@ class Daemon:
         self.cfg = cfg
         self.monotonic = monotonic
         self.wall = wall
-        self.hostname = hostname or socket.gethostname()
+        self.hostname = hostname or cfg.daemon.hostname or socket.gethostname()
         self.ledger = Ledger(history_s=3600.0, hz=cfg.daemon.hz)
         self.stop_event = threading.Event()
         self.started_wall_s = wall()

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from greend.errors import StoreError
 from greend.sinks.sqlite import connect_readonly
 
-__all__ = ["sqlite_path", "stored_jobs", "stored_report", "whole_job_report"]
+__all__ = ["is_shared_store", "shared_job_rows", "sqlite_path", "stored_jobs", "stored_report", "whole_job_report"]
 
 
 def sqlite_path(urls: list[str]) -> Path | None:
@@ -181,19 +181,79 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
 _SUMMED = ("flops", "samples", "tokens", "gpu_energy_j", "cpu_energy_j", "energy_j", "co2_g")
 
 
-def whole_job_report(paths: list[Path], job: str) -> dict[str, Any] | None:
-    """``job`` across the stores in ``paths`` (one per node, or one shared file): each
-    host's last run of the job, and their totals. None if no store has the job."""
-    seen: dict[tuple[str, int], dict[str, Any]] = {}
-    for path in paths:
-        db = _open(path)
+def is_shared_store(store: str) -> bool:
+    """A store given by URL (a shared time-series server), not a SQLite file."""
+    return urlsplit(store).scheme in ("http", "https", "influx")
+
+
+def shared_job_rows(url: str, job: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The job's ``greend_job`` rows (one per node and run) from a shared store that every
+    node's ``influx://`` sink writes to, read through VictoriaMetrics' export API (each
+    field is a series ``greend_job_<field>`` with the point's tags as labels). ``url``:
+    the store's ``influx://HOST:PORT?...`` as the daemons have it, or ``http://HOST:PORT``.
+    InfluxDB itself has no such API: docs/stores.md gives its Flux query."""
+    import json
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlencode
+
+    from greend.protocol import JOB_ID_RE
+
+    if not JOB_ID_RE.match(job):
+        raise StoreError(f"job id {job!r} is not one greend accepts")
+    parts = urlsplit(url)
+    base = f"{'https' if parts.scheme == 'https' else 'http'}://{parts.netloc}"
+    query = urlencode({"match[]": '{__name__=~"greend_job_.+",job="' + job + '"}'})
+    try:
+        with urllib.request.urlopen(f"{base}/api/v1/export?{query}", timeout=timeout_s) as r:
+            body = r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise StoreError(
+            f"{url}: the server answered {e.code} to VictoriaMetrics' /api/v1/export; greenctl reads a "
+            "shared store through that API (for InfluxDB, use the Flux query in docs/stores.md)"
+        ) from None
+    except (OSError, urllib.error.URLError) as e:
+        raise StoreError(f"cannot reach the store {url}: {e}") from None
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in body.splitlines():
+        if not line.strip():
+            continue
         try:
-            rows = _rows(db, "greend_job", "job = ?", (job,))
-        finally:
-            db.close()
+            series = json.loads(line)
+            labels = series["metric"]
+            field = labels["__name__"].removeprefix("greend_job_")
+            points = zip(series["timestamps"], series["values"], strict=True)
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{url}: an unreadable line from /api/v1/export ({e})") from None
+        for ts_ms, value in points:
+            host = str(labels.get("host", ""))
+            row = rows.setdefault(
+                (host, int(ts_ms)),
+                {"ts_ns": int(ts_ms) * 1_000_000, "host": host, "job": job, "precision": labels.get("precision"),
+                 "end_reason": labels.get("end_reason")},
+            )  # fmt: skip
+            row[field] = value
+    return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
+
+
+def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | None:
+    """``job`` across ``stores``: SQLite files (one per node, or one shared file) or shared
+    stores by URL (:func:`shared_job_rows`): each host's last run of the job, and their
+    totals. None if no store has the job."""
+    seen: dict[tuple[str, int], dict[str, Any]] = {}
+    for store in stores:
+        if isinstance(store, str) and is_shared_store(store):
+            rows = shared_job_rows(store, job)
+        else:
+            db = _open(Path(store))
+            try:
+                rows = _rows(db, "greend_job", "job = ?", (job,))
+            finally:
+                db.close()
         for r in rows:
-            # The same row in two stores (a copy given twice) counts once.
-            seen.setdefault((str(r.get("host")), int(r["ts_ns"])), {**r, "store": str(path)})
+            # The same row in two stores (a copy given twice) counts once. A shared
+            # store keeps milliseconds: the key is the host and the millisecond.
+            seen.setdefault((str(r.get("host")), int(r["ts_ns"]) // 1_000_000), {**r, "store": str(store)})
     if not seen:
         return None
     # A node is a host in a store: each node's latest run of the job id.

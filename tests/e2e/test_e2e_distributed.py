@@ -26,10 +26,22 @@ pytest.importorskip("torch")
 
 @pytest.mark.slow
 def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
-    tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None]
+    tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None], request: pytest.FixtureRequest
 ) -> None:
-    fast = start_daemon(tmp_path, "--sim", "1", name="fast", config=EFFICIENT + "[sim]\nspeed_factor = 1.0\n")
-    slow = start_daemon(tmp_path, "--sim", "1", name="slow", config=EFFICIENT + "[sim]\nspeed_factor = 1.3\n")
+    # Each node writes its own SQLite store and a shared victoria-metrics (influx://).
+    vm = vmserver.VmServer(tmp_path / "vm", dedup=False).start() if vmserver.available() else None
+    request.addfinalizer(lambda: vm.close() if vm is not None else None)
+
+    def node(name: str, speed: float) -> DaemonProc:
+        stores = ["--store", f"sqlite:///{tmp_path / f'{name}-state' / 'greend.db'}"]
+        stores += ["--store", vm.influx_url] if vm is not None else []
+        # Two nodes on one machine: each its own name, as two real nodes have.
+        config = (
+            EFFICIENT.replace("[daemon]\n", f'[daemon]\nhostname = "{name}"\n') + f"[sim]\nspeed_factor = {speed}\n"
+        )
+        return start_daemon(tmp_path, "--sim", "1", *stores, name=name, config=config)
+
+    fast, slow = node("fast", 1.0), node("slow", 1.3)
     daemons += [fast, slow]
     port = vmserver.free_port()
     stop = tmp_path / "stop"  # the ranks train until the test has seen what it waits for
@@ -150,6 +162,18 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     assert whole["gflops_per_w"] == pytest.approx(whole["flops"] / whole["gpu_energy_j"] / 1e9)
     text = fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(slow.db)).stdout
     assert "across 2 node(s)  ranks 2 of 2" in text and "summed FLOPs over summed GPU joules" in text
+    # The shared store the two nodes wrote to gives the same whole job.
+    if vm is not None:
+        vm.force_flush()
+        r = fast.ctl("report", "ddp", "--store", vm.influx_url, "--json")
+        assert r.returncode == 0, r.stderr
+        shared = json.loads(r.stdout)
+        assert shared["complete"] and shared["ranks_found"] == 2 and len(shared["nodes"]) == 2, shared
+        for key in ("gpu_energy_j", "flops", "gflops_per_w", "cpu_energy_j"):
+            assert shared[key] == pytest.approx(whole[key], rel=1e-6), key
+        assert shared["steps"] == whole["steps"]
+        text = fast.ctl("report", "ddp", "--store", vm.http).stdout
+        assert "across 2 node(s)  ranks 2 of 2" in text
     # One node's store alone is half the job, and the report says what is missing.
     with_one = json.loads(fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(fast.db), "--json").stdout)
     assert not with_one["complete"] and with_one["missing"] == ["1 of 2 ranks have no stored figures"]

@@ -1,0 +1,86 @@
+"""greenctl report JOB --store URL: a job's figures from a shared store every node writes
+to, and clear errors where the URL is no such store. (The whole two-node job from a real
+victoria-metrics: tests/e2e/test_e2e_distributed.py.)"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from greend.errors import StoreError
+from greend.jobs.history import is_shared_store, shared_job_rows, whole_job_report
+from tests import vmserver
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    body = b""
+    status = 200
+    paths: list[str] = []
+
+    def do_GET(self) -> None:
+        type(self).paths.append(self.path)
+        self.send_response(self.status)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("H", (_Handler,), {"paths": []})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", handler
+    srv.shutdown()
+
+
+def _series(field: str, host: str, ts: list[int], values: list[float]) -> str:
+    metric = {"__name__": f"greend_job_{field}", "host": host, "job": "j1", "precision": "bf16", "end_reason": "ok"}
+    return json.dumps({"metric": metric, "values": values, "timestamps": ts})
+
+
+def test_rows_come_back_per_host_and_run_and_sum_to_the_job(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    lines = [
+        _series("gpu_energy_j", "n1", [1000, 5000], [10.0, 100.0]),  # two runs of j1 on n1
+        _series("flops", "n1", [1000, 5000], [1e12, 4e12]),
+        _series("ranks_here", "n1", [5000], [1]),
+        _series("world_size", "n1", [5000], [2]),
+        _series("gpu_energy_j", "n2", [5001], [300.0]),
+        _series("flops", "n2", [5001], [8e12]),
+        _series("ranks_here", "n2", [5001], [1]),
+        _series("world_size", "n2", [5001], [2]),
+    ]
+    handler.body = ("\n".join(lines) + "\n").encode()
+    rows = shared_job_rows(f"influx://{url.split('//')[1]}?org=o&bucket=b", "j1")
+    assert [(r["host"], r["ts_ns"]) for r in rows] == [
+        ("n1", 1_000_000_000),
+        ("n1", 5_000_000_000),
+        ("n2", 5_001_000_000),
+    ]
+    assert handler.paths[0].startswith("/api/v1/export?match")
+    whole = whole_job_report([url], "j1")
+    assert whole is not None and whole["complete"] and whole["ranks_found"] == 2
+    # Each host's last run: n1's second (100 J), n2's; GFLOPS/W is summed FLOPs over summed joules.
+    assert whole["gpu_energy_j"] == pytest.approx(400.0)
+    assert whole["gflops_per_w"] == pytest.approx((4e12 + 8e12) / 400.0 / 1e9)
+
+
+def test_a_url_that_is_no_such_store_says_so(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    handler.status = 404
+    with pytest.raises(StoreError, match="answered 404 to VictoriaMetrics' /api/v1/export"):
+        shared_job_rows(url, "j1")
+    with pytest.raises(StoreError, match="cannot reach the store"):
+        shared_job_rows(f"http://127.0.0.1:{vmserver.free_port()}", "j1", timeout_s=2)
+    with pytest.raises(StoreError, match="not one greend accepts"):
+        shared_job_rows(url, 'j1"} or {x="')
+    assert is_shared_store("influx://h:1?org=o&bucket=b") and is_shared_store("http://h:8428")
+    assert not is_shared_store("/var/lib/greend/greend.db")
