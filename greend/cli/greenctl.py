@@ -115,10 +115,25 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
 def ctl_jobs(
     as_json: bool = typer.Option(False, "--json", help="machine-readable"),
     all_jobs: bool = typer.Option(False, "--all", help="also the ended jobs in the SQLite store (kept over restarts)"),
-    store: Path | None = typer.Option(None, "--store", help="the SQLite store file (default: the daemon's)"),
+    store: str | None = typer.Option(
+        None,
+        "--store",
+        help="the SQLite store file (default: the daemon's); or a shared store the nodes write to "
+        "(influx://HOST:PORT?... or http://HOST:PORT, victoria-metrics): every ended job there, "
+        "summed across its nodes",
+    ),
 ) -> None:
-    """Jobs on this node: running, and recently ended (--all: every ended job the store has)."""
-    from greend.jobs.history import stored_jobs
+    """Jobs on this node: running, and recently ended (--all: every ended job the store has;
+    --store URL: every ended job of the cluster in a shared store)."""
+    from greend.jobs.history import is_shared_store, shared_jobs, stored_jobs
+
+    if store is not None and is_shared_store(store):
+        try:
+            cluster = shared_jobs(store)
+        except GreendError as e:
+            fail(str(e))
+        typer.echo(json.dumps({"jobs": cluster}, indent=2) if as_json else render_jobs(cluster))
+        return
 
     live: list[dict[str, Any]] = []
     daemon_down: str | None = None
@@ -130,7 +145,7 @@ def ctl_jobs(
         daemon_down = str(e)
     jobs = list(live)
     if all_jobs:
-        path = _store_path(store)
+        path = _store_path(Path(store) if store is not None else None)
         if path is not None:
             try:
                 stored = stored_jobs(path)

@@ -19,7 +19,15 @@ from urllib.parse import urlsplit
 from greend.errors import StoreError
 from greend.sinks.sqlite import connect_readonly
 
-__all__ = ["is_shared_store", "shared_job_rows", "sqlite_path", "stored_jobs", "stored_report", "whole_job_report"]
+__all__ = [
+    "is_shared_store",
+    "shared_job_rows",
+    "shared_jobs",
+    "sqlite_path",
+    "stored_jobs",
+    "stored_report",
+    "whole_job_report",
+]
 
 
 def sqlite_path(urls: list[str]) -> Path | None:
@@ -186,8 +194,9 @@ def is_shared_store(store: str) -> bool:
     return urlsplit(store).scheme in ("http", "https", "influx")
 
 
-def shared_job_rows(url: str, job: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The job's ``greend_job`` rows (one per node and run) from a shared store that every
+def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The job's ``greend_job`` rows (one per node and run; every job's where ``job`` is
+    None) from a shared store that every
     node's ``influx://`` sink writes to, read through VictoriaMetrics' export API (each
     field is a series ``greend_job_<field>`` with the point's tags as labels). ``url``:
     the store's ``influx://HOST:PORT?...`` as the daemons have it, or ``http://HOST:PORT``.
@@ -199,11 +208,12 @@ def shared_job_rows(url: str, job: str, timeout_s: float = 10.0) -> list[dict[st
 
     from greend.protocol import JOB_ID_RE
 
-    if not JOB_ID_RE.match(job):
+    if job is not None and not JOB_ID_RE.match(job):
         raise StoreError(f"job id {job!r} is not one greend accepts")
     parts = urlsplit(url)
     base = f"{'https' if parts.scheme == 'https' else 'http'}://{parts.netloc}"
-    query = urlencode({"match[]": '{__name__=~"greend_job_.+",job="' + job + '"}'})
+    selector = '__name__=~"greend_job_.+"' + ("" if job is None else ',job="' + job + '"')
+    query = urlencode({"match[]": "{" + selector + "}"})
     try:
         with urllib.request.urlopen(f"{base}/api/v1/export?{query}", timeout=timeout_s) as r:
             body = r.read().decode()
@@ -214,7 +224,7 @@ def shared_job_rows(url: str, job: str, timeout_s: float = 10.0) -> list[dict[st
         ) from None
     except (OSError, urllib.error.URLError) as e:
         raise StoreError(f"cannot reach the store {url}: {e}") from None
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for line in body.splitlines():
         if not line.strip():
             continue
@@ -225,11 +235,11 @@ def shared_job_rows(url: str, job: str, timeout_s: float = 10.0) -> list[dict[st
             points = zip(series["timestamps"], series["values"], strict=True)
         except (ValueError, KeyError, TypeError) as e:
             raise StoreError(f"{url}: an unreadable line from /api/v1/export ({e})") from None
+        host, name = str(labels.get("host", "")), str(labels.get("job", job or ""))
         for ts_ms, value in points:
-            host = str(labels.get("host", ""))
             row = rows.setdefault(
-                (host, int(ts_ms)),
-                {"ts_ns": int(ts_ms) * 1_000_000, "host": host, "job": job, "precision": labels.get("precision"),
+                (name, host, int(ts_ms)),
+                {"ts_ns": int(ts_ms) * 1_000_000, "host": host, "job": name, "precision": labels.get("precision"),
                  "end_reason": labels.get("end_reason")},
             )  # fmt: skip
             row[field] = value
@@ -256,9 +266,48 @@ def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | Non
             seen.setdefault((str(r.get("host")), int(r["ts_ns"]) // 1_000_000), {**r, "store": str(store)})
     if not seen:
         return None
+    return _whole(job, list(seen.values()))
+
+
+def shared_jobs(url: str) -> list[dict[str, Any]]:
+    """Every job a shared store holds, each summed across its nodes (as
+    :func:`whole_job_report`), in ``greenctl jobs``' shape, oldest first."""
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for r in shared_job_rows(url, None):
+        by_job.setdefault(r["job"], []).append({**r, "store": url})
+    out = []
+    for job, rows in by_job.items():
+        w = _whole(job, rows)
+        out.append(
+            {
+                "job": job,
+                "state": "ended",
+                "ranks": None,
+                "gpus": [],
+                "steps": w["steps"],
+                "flops": w["flops"],
+                "duration_s": w["duration_s"],
+                "gpu_energy_j": w["gpu_energy_j"],
+                "energy_j": w["energy_j"],
+                "gflops_per_w": w["gflops_per_w"],
+                "precision": w["nodes"][-1]["precision"],
+                "saved_pct": w["saved_pct"],
+                "ended_at": max(n["ended_at"] for n in w["nodes"]),
+                "nodes": len(w["nodes"]),
+                "world_size": w["world_size"],
+                "ranks_found": w["ranks_found"],
+                "complete": w["complete"],
+                "from_store": url,
+            }
+        )
+    return sorted(out, key=lambda j: j["ended_at"])
+
+
+def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job from its rows (each with its ``store``): each node's last run, summed."""
     # A node is a host in a store: each node's latest run of the job id.
     last: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in sorted(seen.values(), key=lambda r: int(r["ts_ns"])):
+    for r in sorted(rows, key=lambda r: int(r["ts_ns"])):
         last[(r["store"], str(r.get("host")))] = r
     nodes = []
     for (_, host), r in sorted(last.items()):

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from greend.errors import StoreError
-from greend.jobs.history import is_shared_store, shared_job_rows, whole_job_report
+from greend.jobs.history import is_shared_store, shared_job_rows, shared_jobs, whole_job_report
 from tests import vmserver
 
 
@@ -41,8 +41,8 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
     srv.shutdown()
 
 
-def _series(field: str, host: str, ts: list[int], values: list[float]) -> str:
-    metric = {"__name__": f"greend_job_{field}", "host": host, "job": "j1", "precision": "bf16", "end_reason": "ok"}
+def _series(field: str, host: str, ts: list[int], values: list[float], job: str = "j1") -> str:
+    metric = {"__name__": f"greend_job_{field}", "host": host, "job": job, "precision": "bf16", "end_reason": "ok"}
     return json.dumps({"metric": metric, "values": values, "timestamps": ts})
 
 
@@ -71,6 +71,24 @@ def test_rows_come_back_per_host_and_run_and_sum_to_the_job(server: tuple[str, t
     # Each host's last run: n1's second (100 J), n2's; GFLOPS/W is summed FLOPs over summed joules.
     assert whole["gpu_energy_j"] == pytest.approx(400.0)
     assert whole["gflops_per_w"] == pytest.approx((4e12 + 8e12) / 400.0 / 1e9)
+
+
+def test_every_job_of_the_cluster_summed_across_its_nodes(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    lines = [
+        _series("gpu_energy_j", "n1", [1000], [10.0], job="a"),
+        _series("flops", "n1", [1000], [1e12], job="a"),
+        _series("gpu_energy_j", "n2", [1002], [30.0], job="a"),
+        _series("flops", "n2", [1002], [3e12], job="a"),
+        _series("gpu_energy_j", "n1", [900], [5.0], job="b"),
+        _series("flops", "n1", [900], [1e12], job="b"),
+    ]
+    handler.body = ("\n".join(lines) + "\n").encode()
+    jobs = shared_jobs(url)
+    assert [(j["job"], j["nodes"]) for j in jobs] == [("b", 1), ("a", 2)]  # oldest first
+    assert jobs[1]["gpu_energy_j"] == pytest.approx(40.0)
+    assert jobs[1]["gflops_per_w"] == pytest.approx(4e12 / 40.0 / 1e9)
+    assert "job=" not in handler.paths[-1].split("match", 1)[1]  # every job, not one
 
 
 def test_a_url_that_is_no_such_store_says_so(server: tuple[str, type[_Handler]]) -> None:

@@ -174,6 +174,10 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
         assert shared["steps"] == whole["steps"]
         text = fast.ctl("report", "ddp", "--store", vm.http).stdout
         assert "across 2 node(s)  ranks 2 of 2" in text
+        listed = json.loads(fast.ctl("jobs", "--store", vm.http, "--json").stdout)["jobs"]
+        ddp = [j for j in listed if j["job"] == "ddp"]
+        assert len(ddp) == 1 and ddp[0]["nodes"] == 2 and ddp[0]["complete"], listed
+        assert ddp[0]["gpu_energy_j"] == pytest.approx(whole["gpu_energy_j"], rel=1e-6)
     # One node's store alone is half the job, and the report says what is missing.
     with_one = json.loads(fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(fast.db), "--json").stdout)
     assert not with_one["complete"] and with_one["missing"] == ["1 of 2 ranks have no stored figures"]
