@@ -5,7 +5,9 @@ tests/e2e/test_e2e_slurm_real.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -54,3 +56,98 @@ def test_the_slurm_scripts_are_valid_executable_sh(script: str) -> None:
     assert os.access(path, os.X_OK), f"{path} is not executable"
     r = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def _check(value: Any, type_name: str, path: str, errors: list[str]) -> None:
+    """``value`` against one of the official client's type strings: a model (V1Container),
+    ``list[T]``, ``dict(str, T)``, or a primitive."""
+    import kubernetes.client.models as models
+
+    # The client writes these "List[T]" and "Dict[str, T]" (older releases "list[T]", "dict(str, T)").
+    if m := re.fullmatch(r"(?i)list\[(.+)\]", type_name):
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, item in enumerate(value):
+            _check(item, m.group(1), f"{path}[{i}]", errors)
+        return
+    if m := re.fullmatch(r"(?i)dict[\[(]str, (.+)[\])]", type_name):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a map, got {type(value).__name__}")
+            return
+        for k, v in value.items():
+            _check(v, m.group(1), f"{path}.{k}", errors)
+        return
+    primitive = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float), "object": (object,),
+                 "datetime": (str,), "date": (str,)}  # fmt: skip
+    if type_name in primitive:
+        ok = isinstance(value, primitive[type_name]) and not (type_name == "int" and isinstance(value, bool))
+        if not ok:
+            errors.append(f"{path}: expected {type_name}, got {type(value).__name__} {value!r}")
+        return
+    model = getattr(models, type_name, None)
+    if model is None:
+        errors.append(f"{path}: unknown type {type_name}")
+        return
+    if not isinstance(value, dict):
+        errors.append(f"{path}: expected an object ({type_name}), got {type(value).__name__}")
+        return
+    by_key = {json_key: attr for attr, json_key in model.attribute_map.items()}
+    for key, v in value.items():
+        if key not in by_key:
+            errors.append(f"{path}.{key}: not a field of {type_name}")
+        else:
+            _check(v, model.openapi_types[by_key[key]], f"{path}.{key}", errors)
+
+
+def _deserialize(client: Any, response: Any, type_name: str) -> Any:
+    """ApiClient.deserialize: a response object with ``data`` before release 33, the
+    text and its content type since."""
+    import inspect
+
+    if "content_type" in inspect.signature(client.deserialize).parameters:
+        return client.deserialize(response.data, type_name, "application/json")
+    return client.deserialize(response, type_name)
+
+
+def test_the_manifests_match_the_official_kubernetes_schema() -> None:
+    """Every object of deploy/kubernetes/greend.yaml against the models of the official
+    Kubernetes Python client: no unknown field at any depth (a typo kubectl would reject
+    or silently drop), every value of its type, and the required fields there (the
+    client's own deserialisation refuses a missing one)."""
+    kubernetes = pytest.importorskip("kubernetes")
+    client = kubernetes.client.ApiClient()
+
+    class Response:  # what ApiClient.deserialize reads
+        def __init__(self, obj: dict[str, Any]) -> None:
+            self.data = json.dumps(obj)
+
+    for doc in yaml.safe_load_all((DEPLOY / "kubernetes" / "greend.yaml").read_text()):
+        version = doc["apiVersion"].split("/")[-1].capitalize()
+        type_name = f"{version}{doc['kind']}"
+        errors: list[str] = []
+        _check(doc, type_name, doc["kind"], errors)
+        assert not errors, "\n".join(errors)
+        _deserialize(client, Response(doc), type_name)  # raises on a missing required field
+
+
+def test_the_schema_check_catches_what_it_should() -> None:
+    """The check itself: a misspelt field, a wrong type and a missing container name fail."""
+    kubernetes = pytest.importorskip("kubernetes")
+    ds = docs()["DaemonSet"]
+    bad = json.loads(json.dumps(ds))
+    pod = bad["spec"]["template"]["spec"]
+    pod["hostPid"] = True  # the field is hostPID
+    pod["containers"][0]["securityContext"]["privileged"] = "yes"
+    errors: list[str] = []
+    _check(bad, "V1DaemonSet", "DaemonSet", errors)
+    assert any("hostPid: not a field of V1PodSpec" in e for e in errors), errors
+    assert any("privileged: expected bool" in e for e in errors), errors
+    unnamed = json.loads(json.dumps(ds))
+    del unnamed["spec"]["template"]["spec"]["containers"][0]["name"]
+
+    class Response:
+        data = json.dumps(unnamed)
+
+    with pytest.raises(ValueError, match="name"):
+        _deserialize(kubernetes.client.ApiClient(), Response(), "V1DaemonSet")
