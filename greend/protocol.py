@@ -40,6 +40,7 @@ __all__ = [
     "INTERVAL_FIELDS",
     "MAX_ROWS_PER_MESSAGE",
     "check_row",
+    "check_step",
     "encode",
     "step_row",
     "validate",
@@ -184,6 +185,14 @@ INTERVAL_FIELDS: dict[str, Field] = {
     "losses": Field((list,), max_len=MAX_STEPS_PER_MESSAGE),  # numbers: check_row checks them in one pass
     "precision": Field((str,), choices=PRECISIONS),
 }
+
+
+def check_step(s: dict[str, Any]) -> dict[str, Any]:
+    """Validate one "steps" entry: its fields, and that it ends after it starts."""
+    validate(s, STEP_FIELDS)
+    if s["t1_s"] < s["t0_s"]:
+        raise ProtocolError("t1_s is before t0_s", field="t1_s")
+    return s
 
 
 def check_row(r: dict[str, Any]) -> dict[str, Any]:

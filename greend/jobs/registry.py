@@ -63,10 +63,9 @@ from greend.protocol import (
     MAX_STEPS_PER_MESSAGE,
     PRECISIONS,
     RESERVED_OWNERS,
-    STEP_FIELDS,
     check_row,
+    check_step,
     step_row,
-    validate,
 )
 from greend.sinks import Point
 
@@ -339,36 +338,28 @@ class JobRegistry:
     # "steps" entries, each taken as a row of one step (old clients, and the callback
     # when [store] step_detail asks for a row per step).
     def report_steps(self, msg: dict[str, Any], conn: Connection) -> None:
-        steps = msg["steps"]
-        if len(steps) > MAX_STEPS_PER_MESSAGE:
-            raise ProtocolError(f"at most {MAX_STEPS_PER_MESSAGE} steps per message", field="steps")
-        checked = []
-        for i, s in enumerate(steps):
-            if not isinstance(s, dict):
-                raise ProtocolError(f"steps[{i}] must be an object", field="steps")
-            try:
-                validate(s, STEP_FIELDS)
-            except ProtocolError as e:
-                raise ProtocolError(f"steps[{i}]: {e}", field=f"steps[{i}].{e.field}") from None
-            if s["t1_s"] < s["t0_s"]:
-                raise ProtocolError(f"steps[{i}]: t1_s is before t0_s", field=f"steps[{i}].t1_s")
-            checked.append(s)
-        self._check_not_future("steps", checked)
-        self._account(conn, [step_row(s) for s in checked], detail=checked)
+        steps = self._checked("steps", msg["steps"], MAX_STEPS_PER_MESSAGE, check_step)
+        self._account(conn, [step_row(s) for s in steps], detail=steps)
 
     def report_intervals(self, msg: dict[str, Any], conn: Connection) -> None:
-        rows = msg["rows"]
-        if len(rows) > MAX_ROWS_PER_MESSAGE:
-            raise ProtocolError(f"at most {MAX_ROWS_PER_MESSAGE} rows per message", field="rows")
-        for i, r in enumerate(rows):
-            if not isinstance(r, dict):
-                raise ProtocolError(f"rows[{i}] must be an object", field="rows")
+        self._account(conn, self._checked("rows", msg["rows"], MAX_ROWS_PER_MESSAGE, check_row), detail=None)
+
+    def _checked(
+        self, name: str, entries: list[Any], limit: int, check: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The message's entries, each checked; a bad one is refused as ``name[i].field``
+        and nothing of the message is booked (nor one that ends in the future)."""
+        if len(entries) > limit:
+            raise ProtocolError(f"at most {limit} {name} per message", field=name)
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                raise ProtocolError(f"{name}[{i}] must be an object", field=name)
             try:
-                check_row(r)
-            except ProtocolError as e:
-                raise ProtocolError(f"rows[{i}]: {e}", field=f"rows[{i}].{e.field}") from None
-        self._check_not_future("rows", rows)
-        self._account(conn, rows, detail=None)
+                check(e)
+            except ProtocolError as err:
+                raise ProtocolError(f"{name}[{i}]: {err}", field=f"{name}[{i}].{err.field}") from None
+        self._check_not_future(name, entries)
+        return entries
 
     def _check_not_future(self, name: str, entries: list[dict[str, Any]]) -> None:
         now = self.monotonic()

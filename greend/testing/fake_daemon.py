@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from greend.ipc.server import NO_REPLY, Connection, IpcServer
-from greend.protocol import MAX_STEPS_PER_MESSAGE, STEP_FIELDS, check_row, validate
+from greend.protocol import MAX_STEPS_PER_MESSAGE, check_row, check_step
 
 __all__ = ["FakeDaemon", "SilentDaemon"]
 
@@ -105,9 +105,7 @@ class FakeDaemon:
         for s in msg["steps"]:
             if not isinstance(s, dict):
                 raise ProtocolError("bad step", field="steps")
-            validate(s, STEP_FIELDS)
-            if s["t1_s"] < s["t0_s"]:
-                raise ProtocolError("bad step", field="steps")
+            check_step(s)
         with self.lock:
             self.steps.extend(msg["steps"])
             self.step_messages += 1
@@ -116,7 +114,10 @@ class FakeDaemon:
     def received(self) -> int:
         """Steps received so far, as entries or in rows."""
         with self.lock:
-            return len(self.steps) + sum(r["steps"] for r in self.rows)
+            return self._received()
+
+    def _received(self) -> int:  # under self.lock
+        return len(self.steps) + sum(r["steps"] for r in self.rows)
 
     def _heartbeat(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
@@ -131,7 +132,7 @@ class FakeDaemon:
     def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
             self.ends.append(dict(msg))
-            n = len(self.steps) + sum(r["steps"] for r in self.rows)
+            n = self._received()
         return {"job": conn.state.get("job"), "steps": n}
 
     def push(self, **event: Any) -> int:

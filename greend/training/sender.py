@@ -270,8 +270,9 @@ class Sender:
         self._outbox_bytes = 0
         self._pending.clear()
         request_id = next(self._request_ids)
+        fields = cb._register_fields()
         try:
-            s.sendall(frame_request(request_id, "register", cb._register_fields()))
+            s.sendall(frame_request(request_id, "register", fields))
             cb.stats.messages += 1
             deadline = _monotonic() + opts.reply_timeout_s
             while True:
@@ -319,7 +320,7 @@ class Sender:
                 self._rows_every_s = max(opts.flush_interval_s, float(every))
         else:
             self._form = "steps"
-        self._row_losses = len(cb._register_fields().get("precisions") or ()) > 1
+        self._row_losses = len(fields.get("precisions") or ()) > 1
         s.setblocking(False)
         now = _monotonic()
         self._last_send_s = self._last_progress_s = now
@@ -405,16 +406,18 @@ class Sender:
                     break
                 batch.append(step_fields(record))
             if batch:
-                self._queue_steps_message(batch)
+                self._queue_message("steps", "steps", batch, [1] * len(batch))
 
-    def _queue_steps_message(self, batch: list[dict[str, Any]]) -> None:
-        data = frame_message("steps", {"steps": batch})
-        if len(data) > MAX_MESSAGE_BYTES and len(batch) > 1:
-            half = len(batch) // 2
-            self._queue_steps_message(batch[:half])
-            self._queue_steps_message(batch[half:])
+    def _queue_message(self, op: str, key: str, items: list[dict[str, Any]], counts: list[int]) -> None:
+        """``items`` (steps, or rows of ``counts`` steps each) as one ``op`` message, halved
+        until each part fits MAX_MESSAGE_BYTES."""
+        data = frame_message(op, {key: items})
+        if len(data) > MAX_MESSAGE_BYTES and len(items) > 1:
+            half = len(items) // 2
+            self._queue_message(op, key, items[:half], counts[:half])
+            self._queue_message(op, key, items[half:], counts[half:])
             return
-        self._enqueue(data, len(batch))
+        self._enqueue(data, sum(counts))
 
     def _queue_rows(self) -> None:
         """The queued step records as "intervals" rows: consecutive steps at one
@@ -445,16 +448,7 @@ class Sender:
                 rows.append(row.fields())
                 counts.append(row.steps)
             if rows:
-                self._queue_rows_message(rows, counts)
-
-    def _queue_rows_message(self, rows: list[dict[str, Any]], counts: list[int]) -> None:
-        data = frame_message("intervals", {"rows": rows})
-        if len(data) > MAX_MESSAGE_BYTES and len(rows) > 1:
-            half = len(rows) // 2
-            self._queue_rows_message(rows[:half], counts[:half])
-            self._queue_rows_message(rows[half:], counts[half:])
-            return
-        self._enqueue(data, sum(counts))
+                self._queue_message("intervals", "rows", rows, counts)
 
     def _queue_request(self, op: str, fields: dict[str, Any]) -> int:
         request_id = next(self._request_ids)
