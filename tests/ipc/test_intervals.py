@@ -118,6 +118,12 @@ def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> No
             a.send({"v": 1, "op": "steps", "steps": [step_fields(r) for r in chunk[j : j + 250]]})
         b.send({"v": 1, "op": "intervals", "rows": as_rows(chunk, True, 100)})
     time.sleep(0.3)  # a tick after the last step
+    for c in (a, b):  # a reply after the last report: the daemon has booked everything sent before
+        assert c.ask({"v": 1, "id": 3, "op": "heartbeat"})["ok"] is True
+    # The jobs' losses as the precision policy reads them: the same, step by step (read
+    # before the jobs end, which clears them).
+    ja, jb = daemon.jobs.jobs["per-step"], daemon.jobs.jobs["rows"]
+    assert len(ja.losses) == ja.losses.maxlen and list(jb.losses) == pytest.approx(list(ja.losses))
     reps = []
     for c in (a, b):
         assert c.ask({"v": 1, "id": 2, "op": "end", "reason": "finished"})["ok"] is True
@@ -137,9 +143,6 @@ def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> No
     assert sr["baseline"]["steps"] == ss["baseline"]["steps"] > 0
     assert sr["expected_gpu_energy_j"] == pytest.approx(ss["expected_gpu_energy_j"], rel=1e-3)
     assert sr["gpu_energy_j"] == pytest.approx(ss["gpu_energy_j"], rel=1e-9)
-    # The jobs' losses as the precision policy reads them: the same, step by step.
-    ja, jb = daemon.jobs.jobs["per-step"], daemon.jobs.jobs["rows"]
-    assert list(jb.losses) == pytest.approx(list(ja.losses))
 
 
 def test_a_bad_row_is_refused_by_name_and_the_job_goes_on(daemon: Daemon) -> None:
