@@ -274,6 +274,9 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
         "mem_share": Field((float,), min=0.0, max=0.95),
         "flops_per_step": Field((float,), min=0.0),
+        # The callback checks accuracy on a reference batch every this many steps after a
+        # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
+        "reference_every": Field((int,), min=1, max=1 << 30),
     },
     "steps": {"steps": Field((list,), required=True)},
     "intervals": {"rows": Field((list,), required=True)},

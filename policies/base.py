@@ -108,6 +108,10 @@ class JobView:
     # "rollback", "refused"), from, to, reason, step, loss. A rollback the callback made
     # on its own (a non-finite loss or gradient) shows up here.
     precision_events: tuple[dict[str, Any], ...] = ()
+    # Steps between the reference checks every rank makes after a downgrade (the loss of a
+    # fixed batch at the level against fp32, same weights; a failing level comes back as
+    # a rollback event), or None where some rank makes none.
+    reference_every: int | None = None
 
 
 @dataclass(frozen=True)

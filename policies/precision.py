@@ -48,6 +48,14 @@ levels is compared: a saving below ``min_saving`` goes back up too (and bars
 the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
 accepted and the policy may step further.
 
+*Jobs with a reference batch.* A job whose ranks all check the level against fp32
+on a fixed batch (``GreenCallback(reference_loss=...)``, :mod:`greend.training.reference`;
+``JobView.reference_every``) is judged on that instead of the training losses: the
+ranks roll back themselves when the level is surely worse than ``reference_tolerance``
+there, during probation and for the rest of the run, and a falling loss or a change in
+the data does not move that figure. Its probation lasts ``probation_steps`` or three
+checks, whichever is longer, with no loss comparison; then the energy is judged.
+
 *The callback's own rollbacks.* The callback rolls back at once on a
 non-finite loss or gradient and reports it (``precision_events``, kind
 ``rollback``); a level it refused comes back as kind ``refused``. The policy
@@ -141,6 +149,13 @@ def loss_trend(losses: list[float]) -> tuple[float, float, float, float]:
     return (mean, slope, mean + slope * (n - 1 - xm), sd)
 
 
+def _mean_text(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.6g}" if values else "n/a"
+
+
+# The callback's reference rule needs this many checks for a verdict
+# (greend.training.reference.MIN_CHECKS; a test keeps the two equal).
+REFERENCE_CHECKS = 3
 STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
 PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
 GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count
@@ -317,6 +332,22 @@ class PrecisionPolicy:
             )
             return self._roll_back(snap, j, js, pb, why, None)
         after = js.level_losses[self.grace_steps :]
+        if j.reference_every is not None:
+            # Every rank checks the level against fp32 on a fixed batch (the same weights):
+            # a like-for-like figure that a falling loss or a change in the data does not
+            # move, where the training losses before and after the switch are neither. The
+            # ranks roll back themselves on it (their rollback comes back as an event, above
+            # and in _read_events), for as long as the level is in force; the probation
+            # waits for their first verdict, then judges the energy.
+            need_steps = max(self.probation_steps, REFERENCE_CHECKS * j.reference_every)
+            if steps_in < need_steps:
+                return (
+                    f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: the "
+                    f"job's reference checks every {j.reference_every} steps)",
+                    None,
+                    None,
+                )
+            return self._judge_energy(snap, j, js, pb, steps_in, "no rollback from the reference checks")
         need = min(self.probation_steps, self.window)
         longest = PROBATION_EXTEND * self.probation_steps
         worse = se = math.nan
@@ -349,6 +380,12 @@ class PrecisionPolicy:
                 None,
                 None,
             )
+        return self._judge_energy(snap, j, js, pb, steps_in, f"loss {_mean_text(after)} vs trend {pb.trend:.6g}")
+
+    def _judge_energy(
+        self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, steps_in: int, accuracy: str
+    ) -> tuple[str, str | None, dict | None]:
+        """The end of a probation whose accuracy passed: keep the level if it saves energy."""
         new = self._evidence(js, pb.to_level, j.setting)
         old = self._evidence(js, pb.from_level, j.setting)
         if new is None or new.steps < self.min_steps:
@@ -374,10 +411,7 @@ class PrecisionPolicy:
             verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
         else:
             verdict = f"no {pb.from_level} figure at this GPU setting to compare with"
-        after_txt = f"{sum(after) / len(after):.6g}" if after else "n/a"
-        js.last_event = (
-            f"{pb.to_level} accepted after {steps_in} steps: loss {after_txt} vs trend {pb.trend:.6g}; {verdict}"
-        )
+        js.last_event = f"{pb.to_level} accepted after {steps_in} steps: {accuracy}; {verdict}"
         js.probation = None
         js.level_losses = js.level_losses[-self.window :]
         return (f"job {j.job}: {js.last_event}", None, None)

@@ -124,6 +124,7 @@ class RankSession:
     steps: int = 0
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
     agg: StepAggregate | None = None  # its steps since the last store interval
+    reference_every: int | None = None  # steps between its reference checks (None: it makes none)
 
 
 @dataclass(frozen=True)

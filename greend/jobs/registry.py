@@ -252,6 +252,7 @@ class JobRegistry:
                 host=msg.get("host") or self.hostname,
                 precisions=list(precisions),
                 mem_share=msg.get("mem_share"),
+                reference_every=msg.get("reference_every"),
                 conn=conn,
                 last_seen_s=now,
                 cpu_last_s=cpu_now_s,
@@ -591,6 +592,7 @@ class JobRegistry:
                 setting = setting_of(min(job.gpus))
                 job.capped = not setting.uncapped
                 precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
+                checks = [rs.reference_every for rs in job.ranks.values()]
                 out.append(
                     JobView(
                         job=job.job,
@@ -605,6 +607,8 @@ class JobRegistry:
                         loss_recent=tuple(job.losses),
                         nonfinite_recent=len(job.nonfinite_recent),
                         precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
+                        # Every rank checks on a reference batch: their verdicts (rollbacks) rule.
+                        reference_every=max(checks) if checks and None not in checks else None,  # type: ignore[type-var]
                     )
                 )
         return out

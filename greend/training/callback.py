@@ -65,7 +65,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -95,6 +95,7 @@ from greend.training.mixed_precision import (
     start_torchao_warm_up,
 )
 from greend.training.peers import JobPeers
+from greend.training.reference import ReferenceJudge
 from greend.training.sender import Sender, SenderOptions, SenderStats
 from greend.training.step import Step
 
@@ -144,7 +145,9 @@ class GreenCallback:
         guard_window: finite losses kept for the guard's trend (default 32).
         cooldown_steps: steps a level stays barred after the guard rolled it back.
         spike_tolerance: after a downgrade, a loss this fraction above the trend before
-            it rolls back at once (default 0.5; None: only non-finite steps do).
+            it rolls back at once (default 0.5; None: only non-finite steps do), within
+            ``spike_steps`` steps of the downgrade (default 200: later jumps are the data's);
+            with ``reference_loss``, only if the reference batch confirms it.
         mem_share: memory-bound share of a step, for simulated GPUs (0..0.95).
         max_pending: step records kept while the daemon is slow or gone.
         max_flop_counts: distinct shape keys counted with FlopCounterMode.
@@ -154,6 +157,14 @@ class GreenCallback:
         sync_every: every this many steps, ranks of a distributed job agree on its pace
             (the slowest node's uncapped step time) through the job's rendezvous store,
             never a collective (see ``_sync_pace``).
+        reference_loss: a function of no arguments returning the loss (a one-element
+            tensor) of a batch kept aside, e.g. ``lambda: loss_fn(model(x_ref), y_ref)``.
+            With it, after a downgrade the callback compares that loss at the level in
+            force with fp32's on the same weights every ``reference_every`` steps, for
+            the rest of the run, and rolls back a level that is surely more than
+            ``reference_tolerance`` worse (:mod:`greend.training.reference`).
+        reference_every: steps between reference checks (default 50).
+        reference_tolerance: the mean excess over fp32 a level may have (default 0.02).
     """
 
     def __init__(
@@ -175,6 +186,7 @@ class GreenCallback:
         guard_window: int = 32,
         cooldown_steps: int = 500,
         spike_tolerance: float | None = 0.5,
+        spike_steps: int = 200,
         mem_share: float | None = None,
         max_pending: int = 10_000,
         max_flop_counts: int = 8,
@@ -187,6 +199,9 @@ class GreenCallback:
         reconnect_max_s: float = 5.0,
         close_timeout_s: float = 2.0,
         sync_every: int = 100,
+        reference_loss: Callable[[], torch.Tensor] | None = None,
+        reference_every: int = 50,
+        reference_tolerance: float = 0.02,
     ) -> None:
         # Every argument is checked before anything starts (the records check their own).
         sender_options = SenderOptions(
@@ -204,6 +219,16 @@ class GreenCallback:
             raise ValueError(f"mem_share={mem_share!r}: must be between 0 and 0.95")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r}: must be a whole number of steps >= 1")
+        if reference_loss is not None and not callable(reference_loss):
+            raise ValueError("reference_loss must be a function of no arguments that returns a loss tensor")
+        if not isinstance(reference_every, int) or isinstance(reference_every, bool) or reference_every < 1:
+            raise ValueError(f"reference_every={reference_every!r}: must be a whole number of steps >= 1")
+        if not (
+            isinstance(reference_tolerance, (int, float))
+            and math.isfinite(reference_tolerance)
+            and reference_tolerance > 0
+        ):
+            raise ValueError(f"reference_tolerance={reference_tolerance!r}: must be a number > 0 (a fraction)")
         if max_pending < 1 or max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
         precision_options = PrecisionOptions(
@@ -211,6 +236,7 @@ class GreenCallback:
             guard_window=guard_window,
             cooldown_steps=cooldown_steps,
             spike_tolerance=spike_tolerance,
+            spike_steps=spike_steps,
         )
         allowed = _check_levels(precisions, initial_precision)
 
@@ -226,6 +252,12 @@ class GreenCallback:
         self._model = model
 
         self._init_precision(precision_options, allowed, initial_precision, precision_owner, loss_scaling)
+        # The reference check (greend.training.reference): fixed-batch losses in flight
+        # (step, level, fp32 handle, level handle), judged once they have landed.
+        self._reference = reference_loss if self.manage_precision else None
+        self._reference_every = reference_every
+        self._reference_judge = ReferenceJudge(tolerance=float(reference_tolerance))
+        self._reference_pending: deque[tuple[int, str, Any, Any]] = deque()
         self._init_flops(flops_per_step, model_flops, max_flop_counts)
 
         # Pace agreement across nodes (see _sync_pace): the daemon's local figure, written
@@ -348,6 +380,8 @@ class GreenCallback:
             fields["mem_share"] = self._mem_share
         if self._fixed_flops is not None:
             fields["flops_per_step"] = self._fixed_flops
+        if self._reference is not None:
+            fields["reference_every"] = self._reference_every
         return fields
 
     # Public API --------------------------------------------------------------------
@@ -406,6 +440,11 @@ class GreenCallback:
         return self._get_scaler()
 
     @property
+    def reference_checks(self) -> list[dict[str, Any]]:
+        """The reference checks made (step, level, fp32 and level losses, excess), oldest first."""
+        return list(self._reference_judge.log)
+
+    @property
     def precision_events(self) -> list[dict[str, Any]]:
         """Rollbacks and refusals this callback made (as sent to the daemon), oldest first."""
         return list(self._event_log)
@@ -429,6 +468,7 @@ class GreenCallback:
             pass
         try:
             self._drain(keep=0)  # training is over: waiting for the last losses costs nothing
+            self._read_reference(wait=True)
         except Exception as e:
             log.debug("reading the last losses failed: %s", e)
         try:
@@ -484,8 +524,17 @@ class GreenCallback:
 
     def _judged(self, step: Step) -> None:
         self._record(step)
+        if step._spike_reason and not step._nonfinite and self._reference is not None:
+            step._spike_reason = self._confirm_spike(step._spike_reason)
         if step._nonfinite or step._spike_reason:  # the next step runs at the level we came down from
             self._roll_back(step, None if step._nonfinite else step._spike_reason)
+        elif self._reference is not None:
+            if self._reference_pending:
+                self._read_reference()
+            index = self._next_index - 1  # this step's (set by _record)
+            if self._guard.armed and (index + 1) % self._reference_every == 0 and not self._reference_pending:
+                self._start_reference(index)
+                self._read_reference()  # landed already on the CPU; on a GPU, judged a step or two later
 
     def _record(self, step: Step) -> None:
         index = step.index
@@ -707,11 +756,110 @@ class GreenCallback:
                 )
             )
 
+    def _start_reference(self, index: int) -> None:
+        """Evaluate the reference batch in fp32 and at the level in force, on the same
+        weights; the values are read (never waited for) by :meth:`_read_reference`."""
+        level = self._precision
+        model = self._model
+        modes = [(m, m.training) for m in model.modules()] if model is not None else []
+        try:
+            with torch.no_grad():
+                if model is not None:
+                    model.eval()  # dropout off: the two passes differ only by the precision
+                try:
+                    with self._full_precision():
+                        fp32 = self._reference()  # type: ignore[misc]
+                    with self._autocast_for(level):
+                        low = self._reference()  # type: ignore[misc]
+                finally:
+                    for m, training in modes:
+                        m.training = training
+            handles = (self._losses.start(fp32), self._losses.start(low))
+        except Exception as e:
+            self._reference = None
+            self._warn_once("reference", f"reference_loss failed ({type(e).__name__}: {e}); no more reference checks")
+            if self._fp8 is not None and level in FP8_LEVELS and not self._fp8.active:
+                self._rollback_now(index, "fp8 could not be put back after the reference check", None)
+            return
+        self._reference_pending.append((index, level, *handles))
+
+    def _confirm_spike(self, spike: str) -> str | None:
+        """A loss spike, looked at on the reference batch (waiting for the values: a
+        spike is rare): the precision's doing only if the level is worse than fp32 there
+        by more than the reference tolerance; else the data changed, and nothing rolls back."""
+        index = self._next_index - 1
+        self._read_reference(wait=True)
+        self._start_reference(index)
+        if not self._reference_pending:
+            return spike  # the reference failed: the spike rule stands alone
+        _, level, h_fp32, h_low = self._reference_pending.pop()
+        low, fp32 = self._losses.value(h_low, wait=True), self._losses.value(h_fp32, wait=True)
+        if low is None or fp32 is None:
+            return spike
+        self._reference_judge.log.append(
+            {"step": index, "level": level, "fp32": fp32, "loss": low, "excess": None, "spike": True}
+        )
+        excess = (low - fp32) / max(abs(fp32), 1e-12) if math.isfinite(low) and math.isfinite(fp32) else math.inf
+        if excess > self._reference_judge.tolerance:
+            return f"{spike}; on the reference batch {level} is {excess:+.1%} over fp32"
+        self._guard.data_changed()  # the trend before the switch no longer says anything
+        log.info(
+            "greend: loss spike at step %d not confirmed on the reference batch (%s %+.2f%% over fp32): "
+            "a change in the data, not the precision; staying at %s",
+            index,
+            level,
+            100 * excess,
+            level,
+        )
+        return None
+
+    @contextlib.contextmanager
+    def _full_precision(self) -> Any:
+        """fp32 for the reference pass: no autocast, no TF32, fp8 linears swapped back."""
+        fp8 = self._fp8 if self._fp8 is not None and self._fp8.active else None
+        flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        if fp8 is not None:
+            fp8.revert()
+        try:
+            with torch.autocast(self._autocast_device, enabled=False):
+                yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+            if fp8 is not None:
+                fp8.convert()
+
+    def _read_reference(self, wait: bool = False) -> None:
+        """Judge the reference checks whose values have landed (``wait``: all of them)."""
+        q = self._reference_pending
+        while q:
+            index, level, h_fp32, h_low = q[0]
+            low = self._losses.value(h_low, wait=wait)  # queued last: when it is in, both are
+            if low is None:
+                return
+            fp32 = self._losses.value(h_fp32, wait=True)
+            q.popleft()
+            if fp32 is None or level != self._precision:
+                continue  # the level changed while the values were in flight
+            why = self._reference_judge.judge(index, level, fp32, low)
+            if why is not None:
+                self._rollback_now(self._next_index - 1, f"reference check at step {index}: {why}", low, fp32)
+
     def _roll_back(self, step: Step, spike: str | None = None) -> None:
         """The guard's fast rules: a non-finite step, or a loss spike, below a level we
         came down from."""
         index = step.index if step.index is not None else self._next_index - 1
         ev = self._guard.rollback(self._precision, index, step._nonfinite_cause, step._loss, spike)
+        self._apply_rollback(ev, index)
+
+    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
+        """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
+        ev = self._guard.rollback(self._precision, index, "loss", loss, cause=cause)
+        if ev is not None and trend is not None:
+            ev.trend = trend
+        self._apply_rollback(ev, index)
+
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
         if ev is None:
             return
         try:

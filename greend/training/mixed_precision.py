@@ -366,17 +366,18 @@ class PrecisionOptions:
     """The callback's precision tunables (the ``GreenCallback`` arguments of the same names).
 
     ``fp8_min_features``: linears narrower than this stay out of fp8.
-    ``guard_window``, ``cooldown_steps``, ``spike_tolerance``: the :class:`Guard`'s
-    ``window``, ``cooldown_steps`` and ``spike_tolerance``.
+    ``guard_window``, ``cooldown_steps``, ``spike_tolerance``, ``spike_steps``: the
+    :class:`Guard`'s ``window``, ``cooldown_steps``, ``spike_tolerance`` and ``spike_steps``.
     """
 
     fp8_min_features: int = DEFAULT_FP8_MIN_FEATURES
     guard_window: int = 32
     cooldown_steps: int = 500
     spike_tolerance: float | None = 0.5
+    spike_steps: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("fp8_min_features", "guard_window", "cooldown_steps"):
+        for name in ("fp8_min_features", "guard_window", "cooldown_steps", "spike_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
@@ -388,7 +389,12 @@ class PrecisionOptions:
 
     def guard(self) -> Guard:
         """A fresh :class:`Guard` with these settings."""
-        return Guard(window=self.guard_window, cooldown_steps=self.cooldown_steps, spike_tolerance=self.spike_tolerance)
+        return Guard(
+            window=self.guard_window,
+            cooldown_steps=self.cooldown_steps,
+            spike_tolerance=self.spike_tolerance,
+            spike_steps=self.spike_steps,
+        )
 
 
 SPIKE_SIGMAS = 6.0  # a spike is also this many batch-to-batch standard deviations over the trend
@@ -413,13 +419,17 @@ class Guard:
     trend (default 0.5: 50 % worse), and by more than ``SPIKE_SIGMAS`` times the
     spread of single-batch losses before the switch (small batches and rare labels
     are that noisy without anything wrong), is a spike and rolls back at once, like
-    a non-finite one; None turns the rule off. (Slower drifts, a few percent over many
-    steps, are the daemon's ``precision`` policy's to judge: one step is too noisy.)
+    a non-finite one; None turns the rule off. The spike rule holds for ``spike_steps``
+    steps after the downgrade: a jump in the loss long after a switch is a change in the
+    data far more often than the precision's doing (non-finite steps roll back at any
+    time). (Slower drifts, a few percent over many steps, are the daemon's ``precision``
+    policy's to judge, and the reference check's: one step is too noisy.)
     """
 
     window: int = 32
     cooldown_steps: int = 500
     spike_tolerance: float | None = 0.5
+    spike_steps: int = 200
     losses: deque[float] = field(default_factory=deque)
     stack: list[_Downgrade] = field(default_factory=list)  # downgrades still in force, oldest first
     barred: dict[str, tuple[int, str]] = field(default_factory=dict)  # level -> (until step, why)
@@ -453,11 +463,13 @@ class Guard:
             self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
         self.losses.clear()  # the trend of the new level starts afresh
 
-    def spike(self, loss: float) -> str | None:
-        """Why ``loss`` (finite, this step's) is a spike after the latest downgrade, or None."""
+    def spike(self, loss: float, step: int | None = None) -> str | None:
+        """Why ``loss`` (finite, that of ``step``) is a spike after the latest downgrade, or None."""
         if self.spike_tolerance is None or not self.stack:
             return None
         d = self.stack[-1]
+        if step is not None and step - d.step >= self.spike_steps:
+            return None
         trend = d.trend
         if trend is None or not math.isfinite(trend):
             return None
@@ -470,6 +482,12 @@ class Guard:
             )
         return None
 
+    def data_changed(self) -> None:
+        """The loss moved for a reason of the data's: the spike rule has no trend to go by
+        until the next switch (non-finite steps still roll back)."""
+        for d in self.stack:
+            d.trend = None
+
     def barred_reason(self, level: str, step: int) -> str | None:
         entry = self.barred.get(level)
         if entry is None:
@@ -481,10 +499,18 @@ class Guard:
         return f"{level} is barred until step {until} after a rollback ({why})"
 
     def rollback(
-        self, level: str, step: int, what: str, loss: float | None, spike: str | None = None
+        self,
+        level: str,
+        step: int,
+        what: str,
+        loss: float | None,
+        spike: str | None = None,
+        *,
+        cause: str | None = None,
     ) -> PrecisionEvent | None:
         """A non-finite ``what`` ("loss" or "gradient") at ``step`` running ``level``,
-        or, with ``spike`` (the reason :meth:`spike` gave), a finite loss spike.
+        or, with ``spike`` (the reason :meth:`spike` gave), a finite loss spike, or,
+        with ``cause``, another rule's reason (the reference check's).
 
         Returns the rollback to make (the event to report), or None when the run is
         not below a level it came down from (then it is the user's own problem).
@@ -493,14 +519,16 @@ class Guard:
             return None
         d = self.stack.pop()
         after = step - d.step
-        cause = f"loss spike at step {step}: {spike}" if spike else f"non-finite {what} at step {step}"
+        if cause is not None:
+            short = cause.split(":")[0]
+        elif spike:
+            cause, short = f"loss spike at step {step}: {spike}", f"loss spike at step {step}"
+        else:
+            cause = short = f"non-finite {what} at step {step}"
         why = f"{cause}, {after} step{'s' if after != 1 else ''} after the switch {d.from_level} -> {level}"
-        if d.trend is not None and not spike:
+        if d.trend is not None and short.startswith("non-finite"):
             why += f"; loss trend before the switch {d.trend:.6g}"
-        self.barred[level] = (
-            step + 1 + self.cooldown_steps,
-            f"loss spike at step {step}" if spike else f"non-finite {what} at step {step}",
-        )
+        self.barred[level] = (step + 1 + self.cooldown_steps, short)
         self.rollbacks += 1
         self.losses.clear()
         return PrecisionEvent(

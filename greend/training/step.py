@@ -185,7 +185,8 @@ class Step:
         guard = self._cb._guard
         if math.isfinite(value):
             self._loss = value  # (a gradient found non-finite meanwhile stays so)
-            self._spike_reason = guard.spike(value)
+            index = self.index if self.index is not None else self._cb._next_index  # judged in order
+            self._spike_reason = guard.spike(value, index)
             if self._spike_reason is None:  # a spike is not the new level's trend
                 guard.losses.append(value)
         else:

@@ -44,6 +44,7 @@ class FakeJob:
     m: list[float] = field(default_factory=lambda: [0, 0.0, 0.0, 0.0])  # steps, flops, time, energy
     levels: list[str] = field(default_factory=list)  # the level of every step run
     inject: Callable[[int, str], bool] = lambda step, level: False  # a non-finite step here?
+    reference_every: int | None = None  # its ranks make reference checks (GreenCallback(reference_loss=))
     t: float = 0.0
 
     def run(self) -> None:
@@ -77,6 +78,7 @@ class FakeJob:
             loss_recent=tuple(self.losses[-256:]),
             nonfinite_recent=len(self.nonfinite[-256:]),
             precision_events=tuple(self.log[-32:]),
+            reference_every=self.reference_every,
         )
 
     def apply(self, d: Decision) -> None:
@@ -325,6 +327,33 @@ def test_callback_rollback_bars_the_level() -> None:
     assert [e["kind"] for e in job.log][:3] == ["switch", "rollback", "switch"]
     retry = job.log[2]
     assert retry["to"] == "bf16" and retry["t"] - job.log[1]["t"] >= 30.0
+
+
+def test_with_reference_checks_the_training_losses_do_not_judge_accuracy() -> None:
+    """A job whose ranks check the level on a reference batch: a loss 20 % worse after the
+    switch (the data changed, say) rolls nothing back, where without the checks it does;
+    the probation lasts three checks, then the energy is judged and the level kept."""
+    jump = lambda s, lv: 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+    plain = FakeJob(loss=jump)
+    drive(policy(tolerance=0.1), plain, 30)
+    assert switches(plain) == [("fp32", "bf16"), ("bf16", "fp32")]
+
+    job = FakeJob(loss=jump, reference_every=50)
+    _, ds = drive(policy(tolerance=0.1), job, 30)
+    assert switches(job) == [("fp32", "bf16")] and job.precision == "bf16"
+    reasons = [d.reason for d in ds]
+    waiting = [r for r in reasons if "reference checks every 50 steps" in r]
+    assert waiting and "/150 steps" in waiting[0]  # max(probation 40, 3 checks of 50)
+    accepted = next(r for r in reasons if "accepted" in r)
+    assert "no rollback from the reference checks" in accepted
+    assert job.levels.index("bf16") + 150 <= len(job.levels) - job.levels[::-1].index("bf16")
+
+
+def test_the_policy_waits_for_as_many_checks_as_the_callback_needs() -> None:
+    from greend.policies.precision import REFERENCE_CHECKS
+    from greend.training.reference import MIN_CHECKS
+
+    assert REFERENCE_CHECKS == MIN_CHECKS
 
 
 def test_refused_level_is_barred_and_the_job_resynced() -> None:

@@ -2,7 +2,7 @@
 
     python tests/scripts/precision_trainer.py --socket S --job J [--steps 400] [--no-greend]
         [--precisions fp32,bf16] [--inject-inf-after-switch K | --inject-spike-after-switch K]
-        [--step-sleep 0.01]
+        [--step-sleep 0.01] [--task T] [--reference] [--shift-at K]
 
 An MLP (32 -> 128 -> 128 -> 8) learns a fixed random linear map plus noise, on
 data this script makes from ``--seed``. Every step goes through
@@ -10,12 +10,18 @@ data this script makes from ``--seed``. Every step goes through
 any level (fp16 with its GradScaler included) runs and the guard sees the
 gradients. ``--inject-inf-after-switch K``: K steps after the first step that ran
 below fp32, that step's loss is multiplied by inf (once); ``--inject-spike-after-switch
-K``: by 10 instead (a finite spike, gradients 10x too).
+K``: by 10 instead (a finite spike, gradients 10x too). ``--task offset-regression``:
+the regression's targets sit near 16, where bf16 rounds the outputs to 1/8, which
+costs a few percent of a loss this small (the bias starts at 16, so the loss falls
+from the first step). ``--reference``: the callback gets ``reference_loss`` on 256
+held-out samples. ``--shift-at K``: from step K on the data come from another task
+(another random map, or for the classifier another labelling), a data shift;
+``--shift-after-switch K``: from K steps after the first step below fp32.
 
 Prints one JSON line: job, steps, final_loss (the mean training loss over the
 last 20 steps), eval_loss (on a held-out set, in fp32, after training), levels
-(the precision of every step), poisoned (the step index that got the inf, or
-null), precision_events (the callback's own), stats.
+(the precision of every step), losses, poisoned (the step index that got the inf,
+or null), precision_events (the callback's own), reference_checks, stats.
 """
 
 from __future__ import annotations
@@ -48,28 +54,40 @@ def main() -> None:
     ap.add_argument("--inject-inf-after-switch", type=int, default=-1)
     ap.add_argument("--inject-spike-after-switch", type=int, default=-1)
     ap.add_argument("--no-greend", action="store_true")
+    ap.add_argument("--reference", action="store_true", help="give the callback reference_loss")
+    ap.add_argument("--reference-every", type=int, default=50)
+    ap.add_argument("--shift-at", type=int, default=-1, help="the data change task from this step on")
+    ap.add_argument(
+        "--shift-after-switch", type=int, default=-1, help="... from K steps after the first step below fp32"
+    )
     ap.add_argument(
         "--task",
         default="regression",
-        choices=("regression", "classifier", "recommender"),
-        help="regression (MSE); classifier: 10 classes, 5%% label noise (cross entropy); "
-        "recommender: clicks at a 3.8%% rate (binary cross entropy)",
+        choices=("regression", "offset-regression", "classifier", "recommender"),
+        help="regression (MSE); offset-regression: targets near 16, noise 0.1 (MSE); classifier: "
+        "10 classes, 5%% label noise (cross entropy); recommender: clicks at a 3.8%% rate (binary cross entropy)",
     )
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    out_dim = {"regression": OUT, "classifier": 10, "recommender": 1}[args.task]
+    out_dim = {"regression": OUT, "offset-regression": OUT, "classifier": 10, "recommender": 1}[args.task]
     model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, out_dim))
+    offset = 16.0 if args.task == "offset-regression" else 0.0
+    with torch.no_grad():
+        model[-1].bias.fill_(offset)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
     w_true = torch.randn(IN, out_dim, generator=gen) / IN**0.5
+    w_shifted = torch.randn(IN, out_dim, generator=gen) / IN**0.5
 
-    def data(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def data(n: int, g: torch.Generator, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(n, IN, generator=g)
-        z = x @ w_true
+        z = x @ (w_shifted if shifted else w_true)
         if args.task == "regression":
             return x, z + 0.3 * torch.randn(n, out_dim, generator=g)
+        if args.task == "offset-regression":
+            return x, z + 0.1 * torch.randn(n, out_dim, generator=g) + offset
         if args.task == "classifier":
             y = (2.0 * z).argmax(dim=1)
             noisy = torch.rand(n, generator=g) < 0.05  # 5 % of the labels are wrong
@@ -79,16 +97,20 @@ def main() -> None:
         return x, (torch.rand(n, generator=g) < p).float()
 
     def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if args.task == "regression":
+        if args.task in ("regression", "offset-regression"):
             return nn.functional.mse_loss(out.float(), y)
         if args.task == "classifier":
             return nn.functional.cross_entropy(out.float(), y)
         return nn.functional.binary_cross_entropy_with_logits(out.float()[:, 0], y)
 
     x_eval, y_eval = data(4096, gen)
+    x_ref, y_ref = data(256, gen)  # the reference batch: held out, fixed
+
+    shift_at = args.shift_at
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return data(args.batch, torch.Generator().manual_seed(args.seed * 100_003 + i))
+        shifted = 0 <= shift_at <= i
+        return data(args.batch, torch.Generator().manual_seed(args.seed * 100_003 + i), shifted)
 
     cb = None
     if not args.no_greend:
@@ -97,6 +119,9 @@ def main() -> None:
         kw = {}
         if args.precisions:
             kw["precisions"] = args.precisions.split(",")
+        if args.reference:
+            kw["reference_loss"] = lambda: loss_of(model(x_ref), y_ref)
+            kw["reference_every"] = args.reference_every
         cb = GreenCallback(
             job=args.job,
             model=model,
@@ -115,7 +140,7 @@ def main() -> None:
     first_low: int | None = None
     poisoned: int | None = None
     for i in range(args.steps):
-        x, y = batch(i)
+        x, y = batch(i)  # (a shift set at this step applies from the next one)
         if cb is None:
             loss = loss_of(model(x), y)
             opt.zero_grad()
@@ -126,6 +151,8 @@ def main() -> None:
             with cb.step(samples=args.batch, batch=x) as st:
                 if st.precision != "fp32" and first_low is None:
                     first_low = i
+                    if args.shift_after_switch >= 0:
+                        shift_at = i + args.shift_after_switch
                 with st.autocast():
                     out = model(x)
                 loss = loss_of(out, y)
@@ -147,8 +174,10 @@ def main() -> None:
         eval_loss = float(loss_of(model(x_eval), y_eval))
     stats: dict[str, float] = {}
     events: list[dict[str, object]] = []
+    checks: list[dict[str, object]] = []
     if cb is not None:
         events = cb.precision_events
+        checks = cb.reference_checks
         cb.close()
         stats = {k: v for k, v in vars(cb.stats).items() if isinstance(v, (int, float))}
     tail = [v for v in losses[-20:] if v == v and abs(v) != float("inf")]
@@ -162,7 +191,9 @@ def main() -> None:
                 "levels": levels,
                 "losses": losses,
                 "poisoned": poisoned,
+                "shift_at": shift_at if shift_at >= 0 else None,
                 "precision_events": events,
+                "reference_checks": checks,
                 "stats": stats,
             }
         )

@@ -1,0 +1,222 @@
+"""The reference check (``GreenCallback(reference_loss=...)``): after a downgrade, a fixed
+batch's loss at the level against fp32 on the same weights, judged statistically.
+
+Real torch training on the CPU against :class:`greend.testing.fake_daemon.FakeDaemon`. To
+make the level's excess exact, some reference functions scale their loss while autocast
+is on (what a real penalty looks like is in tests/e2e/test_e2e_precision.py, on a real
+regression where bf16 costs a few percent).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from greend.errors import GreendWarning
+from greend.testing.fake_daemon import FakeDaemon
+from greend.training.callback import GreenCallback
+from greend.training.mixed_precision import Guard
+from greend.training.reference import MIN_CHECKS, ReferenceJudge
+from tests.support import wait_for
+from tests.training.test_precision import FAST, IN, batch, make_model, switch
+
+
+def reference(model: nn.Module, penalty: float = 0.0) -> Callable[[], torch.Tensor]:
+    """The loss of a fixed batch; ``penalty`` more (relative) whenever autocast is on."""
+    x, y = batch(10_000)
+
+    def loss() -> torch.Tensor:
+        value = nn.functional.mse_loss(model(x).float(), y)
+        return value * (1.0 + penalty) if torch.is_autocast_enabled("cpu") else value
+
+    return loss
+
+
+class Loop:
+    def __init__(self, cb: GreenCallback, model: nn.Module) -> None:
+        self.cb, self.model = cb, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.i = 0
+        self.levels: list[str] = []
+
+    def run(self, n: int, spike_at: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        for _ in range(n):
+            x, y = batch(self.i)
+            with self.cb.step(samples=len(x), flops=1e9) as st:
+                with st.autocast():
+                    out = self.model(x)
+                loss = nn.functional.mse_loss(out.float(), y)
+                if self.i in spike_at:
+                    loss = loss * 10.0  # gradients 10x too
+                st.backward(loss)
+                st.optimizer_step(self.opt)
+                self.opt.zero_grad(set_to_none=True)
+            self.levels.append(st.precision)
+            self.i += 1
+
+
+def test_the_judge_wants_three_checks_and_a_sure_excess() -> None:
+    j = ReferenceJudge(tolerance=0.02)
+    assert j.judge(9, "bf16", 1.0, 1.10) is None and j.judge(19, "bf16", 1.0, 1.10) is None  # too few
+    why = j.judge(29, "bf16", 1.0, 1.10)
+    assert why is not None and "+10.0%" in why and "last 3 checks" in why and "tolerance 2%" in why
+    # Over the tolerance on average, but not surely worse than fp32: the rounding of a given
+    # set of weights helps or hurts a batch by a few percent either way.
+    j = ReferenceJudge(tolerance=0.02)
+    for step, x in enumerate((0.09, -0.05, 0.08, -0.04, 0.06)):
+        assert j.judge(step, "bf16", 1.0, 1.0 + x) is None, step
+    # A new level starts its own count; fp32 itself non-finite says nothing; the level
+    # non-finite where fp32 is finite rolls back at once.
+    assert j.judge(99, "fp16", 1.0, 1.5) is None and j.summary()["checks"] == 1  # type: ignore[index]
+    assert j.judge(100, "fp16", math.inf, 1.0) is None
+    assert "nan" in (j.judge(101, "fp16", 1.0, math.nan) or "")
+    assert MIN_CHECKS == 3
+
+
+def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(
+        job="ref-worse",
+        model=model,
+        socket=sock_path,
+        reference_loss=reference(model, penalty=0.10),
+        reference_every=5,
+        cooldown_steps=1000,
+        **FAST,
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(6)
+        assert cb.reference_checks == []  # nothing to compare at fp32
+        switch(daemon, cb, "bf16")
+        loop.run(20)
+        assert wait_for(lambda: len(daemon.precision_events) == 1)
+    assert daemon.registers[0]["reference_every"] == 5
+    checks = cb.reference_checks
+    assert [c["step"] for c in checks] == [9, 14, 19]  # every 5th step below fp32
+    assert all(c["excess"] == pytest.approx(0.10, abs=0.02) for c in checks)
+    assert loop.levels[6:20] == ["bf16"] * 14 and set(loop.levels[20:]) == {"fp32"}  # from the next step
+    (ev,) = daemon.precision_events
+    assert ev["kind"] == "rollback" and (ev["from"], ev["to"]) == ("bf16", "fp32") and ev["step"] == 19
+    assert "reference check at step 19" in ev["reason"] and "+10.0%" in ev["reason"] and "barred" in ev["reason"]
+    assert ev["loss"] == pytest.approx(checks[-1]["loss"]) and ev["trend"] == pytest.approx(checks[-1]["fp32"])
+    assert "bf16" in cb._guard.barred
+
+
+def test_a_harmless_level_is_kept_and_watched_to_the_end(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+    with GreenCallback(
+        job="ref-ok", model=model, socket=sock_path, reference_loss=reference(model), reference_every=4, **FAST
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(3)
+        switch(daemon, cb, "bf16")
+        loop.run(40)
+    assert set(loop.levels[4:]) == {"bf16"} and daemon.precision_events == []
+    checks = cb.reference_checks
+    assert len(checks) == 10 and all(abs(c["excess"]) < 0.02 for c in checks)  # real bf16 on this MLP
+
+
+def test_the_check_runs_in_eval_mode_and_restores_every_module(daemon: FakeDaemon, sock_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.Dropout(0.5), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 16))
+    model[2].eval()  # the user froze the norm's statistics
+    seen: list[tuple[bool, bool]] = []
+    x, y = batch(10_000)
+
+    def ref() -> torch.Tensor:
+        seen.append((model.training, torch.is_grad_enabled()))
+        return nn.functional.mse_loss(model(x).float(), y)
+
+    with GreenCallback(
+        job="ref-modes", model=model, socket=sock_path, reference_loss=ref, reference_every=2, **FAST
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        switch(daemon, cb, "bf16")
+        loop.run(4)
+    assert seen and all(s == (False, False) for s in seen)  # eval mode (dropout off), no autograd
+    assert [m.training for m in model.modules()] == [True, True, True, False, True, True]
+    assert [c["excess"] for c in cb.reference_checks] == pytest.approx([0.0, 0.0], abs=0.02)  # dropout was off
+
+
+def test_a_failing_reference_is_dropped_and_training_goes_on(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = make_model()
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory (a reference batch too large)")
+
+    with pytest.warns(GreendWarning, match="reference_loss failed.*out of memory"):
+        with GreenCallback(
+            job="ref-broken", model=model, socket=sock_path, reference_loss=broken, reference_every=2, **FAST
+        ) as cb:
+            assert wait_for(lambda: cb.connected)
+            loop = Loop(cb, model)
+            switch(daemon, cb, "bf16")
+            loop.run(10)
+    assert set(loop.levels) == {"bf16"} and cb.reference_checks == [] and daemon.precision_events == []
+    assert all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("penalty, rolled_back", [(0.0, False), (2.0, True)], ids=["data-shift", "precision"])
+def test_a_spike_rolls_back_only_if_the_reference_batch_confirms_it(
+    daemon: FakeDaemon, sock_path: Path, penalty: float, rolled_back: bool
+) -> None:
+    """A loss 10x its trend two steps after the switch: with a reference batch that bf16
+    computes as well as fp32, the data changed and nothing rolls back (nor at the next
+    spike: the trend before the switch no longer counts); where the reference batch is 3x
+    worse at bf16 too, it rolls back at once."""
+    model = make_model()
+    with GreenCallback(
+        job=f"ref-spike-{penalty}",
+        model=model,
+        socket=sock_path,
+        reference_loss=reference(model, penalty=penalty),
+        reference_every=1000,
+        cooldown_steps=1000,
+        **FAST,
+    ) as cb:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(6)
+        switch(daemon, cb, "bf16")
+        loop.run(10, spike_at={8, 12})
+        if rolled_back:
+            assert wait_for(lambda: len(daemon.precision_events) == 1)
+    spikes = [c for c in cb.reference_checks if c.get("spike")]
+    if rolled_back:
+        assert loop.levels[8] == "bf16" and set(loop.levels[9:]) == {"fp32"}
+        (ev,) = daemon.precision_events
+        assert "loss spike at step 8" in ev["reason"] and "on the reference batch bf16 is +200.0%" in ev["reason"]
+        assert [c["step"] for c in spikes] == [8]
+    else:
+        assert set(loop.levels[6:]) == {"bf16"} and daemon.precision_events == []
+        assert [c["step"] for c in spikes] == [8]  # the second spike was not even a candidate
+
+
+def test_the_spike_rule_holds_for_spike_steps_after_the_switch() -> None:
+    g = Guard(window=4, spike_steps=50)
+    for v in (1.0, 1.0, 1.0, 1.0):
+        g.losses.append(v)
+    g.on_switch("fp32", "bf16", step=100)
+    assert g.spike(5.0, 149) is not None
+    assert g.spike(5.0, 150) is None  # later jumps are the data's
+    g.data_changed()
+    assert g.spike(5.0, 120) is None
+
+
+def test_bad_reference_arguments_are_refused_by_name(sock_path: Path) -> None:
+    for kw, word in (
+        ({"reference_loss": 3}, "reference_loss"),
+        ({"reference_every": 0}, "reference_every"),
+        ({"reference_tolerance": -0.1}, "reference_tolerance"),
+        ({"spike_steps": 0}, "spike_steps"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            GreenCallback(job="bad", socket=sock_path, **kw)  # type: ignore[arg-type]
