@@ -57,6 +57,7 @@ DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 
 # A job id: what `job=`, $GREEND_JOB or the scheduler gives, as the daemon accepts it.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # a run of a job id (register's "run")
 
 # Owners of saved settings that are not jobs, so no job may take these ids:
 # NODE_OWNER holds what an admin set (greenctl cap set; outlives policies),
@@ -277,6 +278,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # The callback checks accuracy on a reference batch every this many steps after a
         # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
         "reference_every": Field((int,), min=1, max=1 << 30),
+        # The run id every rank of one run shares (a rerun or a reused job id has another).
+        "run": Field((str,), max_len=64),
     },
     "steps": {"steps": Field((list,), required=True)},
     "intervals": {"rows": Field((list,), required=True)},

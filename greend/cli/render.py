@@ -202,7 +202,9 @@ def render_whole_job(w: dict[str, Any]) -> str:
     world = w.get("world_size")
     lines = [
         f"job {w['job']}  across {len(w['nodes'])} node(s)  ranks {w.get('ranks_found')}"
-        + (f" of {world}" if world else ""),
+        + (f" of {world}" if world else "")
+        + (f"  run {w['run_id']}" if w.get("run_id") else "")
+        + (f"  ({w['other_runs']} other run(s) of this id not shown)" if w.get("other_runs") else ""),
         f"  steps            {w['steps']}  (each rank's; the largest node's count)",
         f"  duration         {_num(w.get('duration_s'), '.1f', 's')}  (the longest node's)",
         f"  FLOPs            {_num(w.get('flops'), '.4g')}  (summed)",

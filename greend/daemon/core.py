@@ -292,6 +292,7 @@ class Daemon:
             self.emit(self.sample_points(snap) + self.jobs.efficiency_points(now_s))
 
     def emit(self, points: list[Point]) -> None:
+        self.jobs.tag_runs(points)
         self.stores.write(points)
 
     def sample_points(self, snap: Snapshot) -> list[Point]:

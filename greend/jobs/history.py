@@ -70,6 +70,7 @@ def stored_jobs(path: Path) -> list[dict[str, Any]]:
         out.append(
             {
                 "job": r["job"],
+                "run_id": r.get("run"),
                 "state": "ended",
                 "ranks": None,
                 "gpus": [],
@@ -137,6 +138,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
     saved = r.get("saved_gpu_energy_j")
     return {
         "job": job,
+        "run_id": r.get("run"),
         "state": "ended",
         "end_reason": r.get("end_reason") or None,
         "host": r.get("host"),
@@ -240,7 +242,7 @@ def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[
             row = rows.setdefault(
                 (name, host, int(ts_ms)),
                 {"ts_ns": int(ts_ms) * 1_000_000, "host": host, "job": name, "precision": labels.get("precision"),
-                 "end_reason": labels.get("end_reason")},
+                 "end_reason": labels.get("end_reason"), "run": labels.get("run")},
             )  # fmt: skip
             row[field] = value
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
@@ -272,15 +274,16 @@ def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | Non
 def shared_jobs(url: str) -> list[dict[str, Any]]:
     """Every job a shared store holds, each summed across its nodes (as
     :func:`whole_job_report`), in ``greenctl jobs``' shape, oldest first."""
-    by_job: dict[str, list[dict[str, Any]]] = {}
+    by_run: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in shared_job_rows(url, None):
-        by_job.setdefault(r["job"], []).append({**r, "store": url})
+        by_run.setdefault((r["job"], r.get("run") or ""), []).append({**r, "store": url})
     out = []
-    for job, rows in by_job.items():
+    for (job, _), rows in by_run.items():
         w = _whole(job, rows)
         out.append(
             {
                 "job": job,
+                "run_id": w["run_id"],
                 "state": "ended",
                 "ranks": None,
                 "gpus": [],
@@ -304,10 +307,17 @@ def shared_jobs(url: str) -> list[dict[str, Any]]:
 
 
 def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The job from its rows (each with its ``store``): each node's last run, summed."""
-    # A node is a host in a store: each node's latest run of the job id.
+    """The job from its rows (each with its ``store``): its latest run (by the run tag
+    every rank shares: the run of the row that ended last), each node's row of that run,
+    summed. Rows stored before runs were tagged count as one run per node, the last."""
+    ordered = sorted(rows, key=lambda r: int(r["ts_ns"]))
+    run = ordered[-1].get("run") or ""
+    runs = {r.get("run") or "" for r in ordered}
+    if run:
+        ordered = [r for r in ordered if r.get("run") == run]
+    # A node is a host in a store: its row of that run (the latest, for untagged rows).
     last: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: int(r["ts_ns"])):
+    for r in ordered:
         last[(r["store"], str(r.get("host")))] = r
     nodes = []
     for (_, host), r in sorted(last.items()):
@@ -340,6 +350,8 @@ def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         missing.append("a node measured no baseline: no saving for the whole job")
     return {
         "job": job,
+        "run_id": run or None,
+        "other_runs": len(runs) - 1,
         "nodes": nodes,
         "world_size": world,
         "ranks_found": ranks,

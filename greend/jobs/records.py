@@ -270,6 +270,7 @@ class Job:
     uid: int
     registered_s: float
     registered_wall_s: float
+    run: str = ""  # the run id its ranks share (tags every point of the job)
     ranks: dict[int, RankSession] = field(default_factory=dict)
     gone: list[RankLeft] = field(default_factory=list)
     gpus: set[int] = field(default_factory=set)

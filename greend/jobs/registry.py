@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,7 @@ from greend.protocol import (
     MAX_STEPS_PER_MESSAGE,
     PRECISIONS,
     RESERVED_OWNERS,
+    RUN_ID_RE,
     check_row,
     check_step,
     step_row,
@@ -161,6 +163,8 @@ class JobRegistry:
         self.grid_gco2_per_kwh = grid_gco2_per_kwh
         self.keep_ended = keep_ended
         self.jobs: dict[str, Job] = {}
+        # Jobs whose id a new run took while they were still ending: the tick closes them.
+        self._closing: list[Job] = []
         self.sessions: dict[int, RankSession] = {}
         self._lock = threading.RLock()
         self._node_cpu_busy_s = 0.0  # integral of host utilisation * cpus, for CPU shares
@@ -186,6 +190,9 @@ class JobRegistry:
                 f"{' and '.join(map(repr, RESERVED_OWNERS))}): use another",
                 field="job",
             )
+        run = msg.get("run") or None
+        if run is not None and not RUN_ID_RE.match(run):
+            raise ProtocolError("'run' must be 1-64 characters of letters, digits and . _ -", field="run")
         precisions = msg.get("precisions") or ["fp32"]
         bad = [p for p in precisions if p not in PRECISIONS]
         if bad:
@@ -204,6 +211,17 @@ class JobRegistry:
         cpu_now_s = self._process_cpu(conn.peer.pid)
         with self._lock:
             job = self.jobs.get(job_id)
+            if job is not None and run is not None and job.run != run:
+                if job.state == "running":
+                    # Another run under an id in use here (two launches given one GREEND_JOB):
+                    # never merged; this run is booked as <id>.<run>.
+                    job_id = f"{job_id[: 128 - 1 - len(run)]}.{run}"
+                    log.warning(
+                        "job id %s is in use by run %s; run %s is booked as %s", msg["job"], job.run, run, job_id
+                    )
+                    job = self.jobs.get(job_id)
+                else:
+                    job = None  # a rerun of an ended job's id: a fresh record, never resumed
             if job is not None and job.state != "running" and not self._resumable(job, conn.peer.uid):
                 # A new run under an ended job's id: start a fresh record.
                 job = None
@@ -235,7 +253,10 @@ class JobRegistry:
                 log.info("job %s resumes its record (was %s: %s)", job_id, job.state, job.end_reason)
                 job.state, job.end_reason, job.t_end_s, job.summary = "running", None, None, None
             if job is None:
-                job = Job(job_id, conn.peer.uid, now, self.wall())
+                old = self.jobs.get(job_id)
+                if old is not None and old.state == "ending":
+                    self._closing.append(old)  # its summary is still to be written
+                job = Job(job_id, conn.peer.uid, now, self.wall(), run=run or uuid.uuid4().hex[:12])
                 job.recent = deque(maxlen=self.max_recent_steps)
                 self.jobs[job_id] = job
                 self._trim_ended()
@@ -267,6 +288,7 @@ class JobRegistry:
             conn.state["session"] = conn.id
             return {
                 "job": job_id,
+                "run": job.run,
                 "session": conn.id,
                 "heartbeat_s": max(0.5, self.heartbeat_timeout_s / 3.0),
                 "directive": {"precision": job.precision},
@@ -873,7 +895,7 @@ class JobRegistry:
                     self._leave(rs, f"{EXPIRED} for {self.heartbeat_timeout_s:g} s")
                     if rs.conn is not None:
                         rs.conn.state.pop("session", None)
-            for job in self.jobs.values():
+            for job in [*self.jobs.values(), *self._closing]:
                 if host is not None and job.state == "running":
                     self._account_cpu(job, host)
                 if (
@@ -897,8 +919,13 @@ class JobRegistry:
         for job in ended:
             log.info("job %s ended (%s): %s", job.job, job.end_reason, _summary_line(job.summary or {}))
             summary = self.summary_point(job)
+            notes = self.note_points(job, summary.ts_ns)
+            for p in (summary, *notes):
+                p.tags["run"] = job.run  # its own run, whoever holds its id by now
             points.append(summary)
-            points += self.note_points(job, summary.ts_ns)
+            points += notes
+            if job in self._closing:
+                self._closing.remove(job)
             for cb in self.on_job_end:
                 try:
                     cb(job)
@@ -1008,6 +1035,17 @@ class JobRegistry:
             report["series"] = [e.to_json() for e in job.series]
             return report
 
+    def tag_runs(self, points: list[Point]) -> None:
+        """Give every point of a job its run tag (``run``), so that two runs of one job id
+        (a rerun, an id reused) never merge in a store."""
+        with self._lock:
+            for p in points:
+                name = p.tags.get("job")
+                if name and "run" not in p.tags:
+                    job = self.jobs.get(name)
+                    if job is not None:
+                        p.tags["run"] = job.run
+
     def list_jobs(self) -> list[dict[str, Any]]:
         with self._lock:
             out = []
@@ -1018,6 +1056,7 @@ class JobRegistry:
                         k: r[k]
                         for k in (
                             "job",
+                            "run_id",
                             "state",
                             "ranks",
                             "gpus",

@@ -229,6 +229,7 @@ class JobFigures:
         saving = self.savings(job, gpu_e, duration)
         return {
             "job": job.job,
+            "run_id": job.run,
             "state": job.state,
             "end_reason": job.end_reason,
             "uid": job.uid,

@@ -63,11 +63,11 @@ ROLLUP_LAST: dict[str, tuple[str, ...]] = {
     "greend_cpu": ("host", "zone", "path", "source"),
     "greend_host": ("host",),
     "greend_probe": ("host", "probe"),
-    "greend_efficiency": ("host", "job", "precision"),
+    "greend_efficiency": ("host", "job", "run", "precision"),
 }
 ROLLUP_SUM: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "greend_job_steps": (
-        ("host", "job", "rank", "precision"),
+        ("host", "job", "run", "rank", "precision"),
         {
             "steps": "sum",
             "first_step": "min",

@@ -80,6 +80,7 @@ from greend.training.identity import (
     resolve_gpus,
     resolve_job,
     resolve_ranks,
+    resolve_run,
     resolve_socket,
     socket_hostname,
 )
@@ -243,6 +244,8 @@ class GreenCallback:
         # Who this process is.
         self.job = resolve_job(job)
         self.rank, self.local_rank, self.world_size = resolve_ranks()
+        self.run = resolve_run(self.job, self.world_size, _rendezvous_store())
+        self._register_omit: set[str] = set()
         self.device = model_device(model, device)
         self.gpus = resolve_gpus(self.device, gpus)
         self.host = socket_hostname()
@@ -369,6 +372,7 @@ class GreenCallback:
         """The ``register`` request's fields (made at each connect: a level that failed since is left out)."""
         fields: dict[str, Any] = {
             "job": self.job,
+            "run": self.run,
             "rank": self.rank,
             "local_rank": self.local_rank,
             "world_size": self.world_size,
@@ -382,6 +386,8 @@ class GreenCallback:
             fields["flops_per_step"] = self._fixed_flops
         if self._reference is not None:
             fields["reference_every"] = self._reference_every
+        for name in self._register_omit:  # fields an older daemon does not know
+            fields.pop(name, None)
         return fields
 
     # Public API --------------------------------------------------------------------
@@ -944,6 +950,18 @@ def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
 
     with autocast, te.fp8_autocast(enabled=True):
         yield
+
+
+def _rendezvous_store() -> Any | None:
+    """The default process group's store, or None (no process group, or no way to it)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception as e:
+        log.debug("no rendezvous store: %s", e)
+    return None
 
 
 def _warm_up_flop_counter() -> None:

@@ -6,6 +6,13 @@
   ``--rdzv-id`` sets it to ``none``: then ``torchrun-<MASTER_ADDR>-<MASTER_PORT>``,
   the rendezvous every rank of that run shares and no other running job can),
   else ``<host>-<pid>-<unix time>`` (:func:`resolve_job`).
+* **Run id**: what tells one run of a job id from another (a rerun, an id reused):
+  ``$GREEND_RUN`` if the launcher sets it, else, with a process group, the first
+  rank's random id agreed through the job's rendezvous store (every rank of the run
+  reads the same key; a restart gets a new store and a new run), else, for a rank of
+  several without a process group, a digest of what the launcher gave every rank
+  alike (the job, the rendezvous address and port, the restart count), else a random
+  id (:func:`resolve_run`).
 * **Ranks**: rank and world size from ``torch.distributed`` if initialised, else
   ``$RANK``/``$WORLD_SIZE``; ``$LOCAL_RANK`` for the local rank
   (:func:`resolve_ranks`).
@@ -23,19 +30,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import re
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from greend.protocol import DEFAULT_SOCKET, JOB_ID_RE
+from greend.protocol import DEFAULT_SOCKET, JOB_ID_RE, RUN_ID_RE
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -44,6 +53,7 @@ __all__ = [
     "resolve_gpus",
     "resolve_job",
     "resolve_ranks",
+    "resolve_run",
     "resolve_socket",
     "socket_hostname",
 ]
@@ -89,6 +99,33 @@ def resolve_job(job: str | None) -> str:
     if value:
         return _sanitize_job(value)
     return _sanitize_job(f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+
+
+_RUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
+            "SLURM_STEP_ID", "SLURM_RESTART_COUNT")  # fmt: skip
+
+
+def resolve_run(job: str, world_size: int, store: Any | None = None) -> str:
+    """This run's id, the same on every rank of the run (see the module's docstring).
+    ``store``: the job's rendezvous key-value store (torch's ``Store`` API), if any."""
+    given = os.environ.get("GREEND_RUN", "").strip()
+    if given:
+        return re.sub(r"[^A-Za-z0-9._-]", "-", given)[:64]  # as a job id from the environment
+    mine = uuid.uuid4().hex[:12]
+    if store is not None:
+        try:
+            # The first rank to get here sets it; every other reads it back (no waiting).
+            agreed = store.compare_set(f"greend/{job}/run", "", mine)
+            text = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+            if RUN_ID_RE.match(text):
+                return text
+        except Exception as e:
+            log.debug("no run id through the rendezvous store: %s", e)
+    if world_size > 1:
+        shared = [os.environ.get(k, "") for k in _RUN_ENV]
+        if any(shared):
+            return hashlib.sha256("\0".join([job, *shared]).encode()).hexdigest()[:12]
+    return mine
 
 
 def _env_int(name: str, default: int) -> int:

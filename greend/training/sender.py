@@ -60,6 +60,8 @@ log = logging.getLogger("greend.training.callback")
 
 # Encoded messages waiting for the socket; step records stay in the callback's queue beyond this.
 OUTBOX_MAX_BYTES = 256 * 1024
+# Register fields newer daemons know; one an older daemon refuses as unknown is left out.
+NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every"})
 # A line from the daemon longer than this (without a newline) is dropped as malformed.
 LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
 
@@ -299,6 +301,13 @@ class Sender:
         if not reply.get("ok"):
             err = reply.get("error") or {}
             self._close_sock()
+            field = err.get("field")
+            if field in NEWER_REGISTER_FIELDS and "unknown field" in str(err.get("message")):
+                # An older daemon: register again (at the next attempt) without what it lacks.
+                cb._register_omit.add(field)
+                log.info("greend: the daemon predates register field %r; registering without it", field)
+                self._fail(f"the daemon predates register field {field!r}; registering again without it")
+                return False
             self._fail(
                 f"the daemon refused to register job {cb.job!r}: {err.get('code', 'error')}: {err.get('message', '?')}"
             )

@@ -41,9 +41,38 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
     srv.shutdown()
 
 
-def _series(field: str, host: str, ts: list[int], values: list[float], job: str = "j1") -> str:
+def _series(field: str, host: str, ts: list[int], values: list[float], job: str = "j1", run: str = "") -> str:
     metric = {"__name__": f"greend_job_{field}", "host": host, "job": job, "precision": "bf16", "end_reason": "ok"}
+    if run:
+        metric["run"] = run
     return json.dumps({"metric": metric, "values": values, "timestamps": ts})
+
+
+def test_two_runs_of_one_job_id_are_never_summed(server: tuple[str, type[_Handler]]) -> None:
+    """A job id reused: run r1 on n1 and n2, then run r2 on n1 alone. The report is r2's,
+    n1's row only, and says another run exists; r2 is not partial because of r1's n2."""
+    url, handler = server
+    lines = [
+        _series("gpu_energy_j", "n1", [1000], [10.0], run="r1"),
+        _series("flops", "n1", [1000], [1e12], run="r1"),
+        _series("gpu_energy_j", "n2", [1001], [20.0], run="r1"),
+        _series("flops", "n2", [1001], [2e12], run="r1"),
+        _series("gpu_energy_j", "n1", [9000], [100.0], run="r2"),
+        _series("flops", "n1", [9000], [4e12], run="r2"),
+        _series("ranks_here", "n1", [9000], [1], run="r2"),
+        _series("world_size", "n1", [9000], [1], run="r2"),
+    ]
+    handler.body = ("\n".join(lines) + "\n").encode()
+    whole = whole_job_report([url], "j1")
+    assert whole is not None and whole["run_id"] == "r2" and whole["other_runs"] == 1
+    assert [n["host"] for n in whole["nodes"]] == ["n1"] and whole["gpu_energy_j"] == pytest.approx(100.0)
+    assert whole["complete"]
+    from greend.cli.render import render_whole_job
+
+    assert "run r2  (1 other run(s) of this id not shown)" in render_whole_job(whole)
+    jobs = shared_jobs(url)
+    assert [(j["job"], j["run_id"], j["nodes"]) for j in jobs] == [("j1", "r1", 2), ("j1", "r2", 1)]
+    assert jobs[0]["gpu_energy_j"] == pytest.approx(30.0)
 
 
 def test_rows_come_back_per_host_and_run_and_sum_to_the_job(server: tuple[str, type[_Handler]]) -> None:

@@ -99,6 +99,9 @@ def test_old_rows_roll_up_and_the_figures_survive(tmp_path: Path) -> None:
 def test_the_rollup_series_are_the_tags_the_points_carry() -> None:
     """Each rolled table's series is exactly its measurement's tag set (greend/points.py):
     a tag left out would merge two series into one row."""
+    from greend.jobs.ledger import Ledger
+    from greend.jobs.records import Job
+    from greend.jobs.registry import JobRegistry
     from greend.points import cpu_point, efficiency_point, gpu_point, host_point, probe_point
     from greend.probes import CpuReading, HostReading
 
@@ -115,9 +118,14 @@ def test_the_rollup_series_are_the_tags_the_points_carry() -> None:
         "greend_probe": probe_point(0, "n", "nvml", success=True, duration_s=0.0),
         "greend_efficiency": efficiency_point(0, "n", job="j", precision="fp32", window=win, life=life),
     }
+    steps = job_steps_point(0, "n", job="j", rank=0, precision="fp32", fields={"steps": 1})
+    # The daemon gives a job's points their run tag as it writes them (JobRegistry.tag_runs).
+    registry = JobRegistry(Ledger(), hostname="n")
+    registry.jobs["j"] = Job("j", 0, 0.0, 0.0, run="r1")
+    registry.tag_runs([points["greend_efficiency"], steps])
+    assert points["greend_efficiency"].tags["run"] == steps.tags["run"] == "r1"
     for table, series in ROLLUP_LAST.items():
         assert set(series) == set(points[table].tags), table
-    steps = job_steps_point(0, "n", job="j", rank=0, precision="fp32", fields={"steps": 1})
     assert set(ROLLUP_SUM["greend_job_steps"][0]) == set(steps.tags)
 
 
