@@ -1,7 +1,8 @@
 """greend under a real Slurm: munged, slurmctld and slurmd started on this machine (one
 node with a simulated GPU), a real CPU training with the callback submitted with sbatch
 and srun, and the job's figures found where Slurm shows them (the job's Comment, written
-by deploy/slurm/task-epilog.sh), in the node's saved report (deploy/slurm/epilog.sh) and
+by deploy/slurm/task-epilog.sh: in ``scontrol show job`` and, through a real slurmdbd on a
+real MariaDB, in ``sacct``), in the node's saved report (deploy/slurm/epilog.sh) and
 through greenctl under the job's Slurm name (JOBID.STEP)."""
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from tests.support import REPO, DaemonProc, env, start_daemon
 pytestmark = [pytest.mark.e2e, pytest.mark.torch, pytest.mark.slow]
 torch = pytest.importorskip("torch")
 
-NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "slurmdbd", "sacct", "sacctmgr", "mariadbd",
+          "mariadb-install-db")  # fmt: skip
 if missing := [b for b in NEEDED if shutil.which(b) is None]:
-    pytestmark.append(pytest.mark.skip(reason=f"Slurm is not installed here ({', '.join(missing)}): apt-get install slurm-wlm munge"))  # fmt: skip  # noqa: E501
+    pytestmark.append(pytest.mark.skip(reason=f"Slurm is not installed here ({', '.join(missing)}): apt-get install slurm-wlm slurmdbd munge mariadb-server"))  # fmt: skip  # noqa: E501
 
 
 def _wait(what: str, check, timeout: float) -> None:  # type: ignore[no-untyped-def]
@@ -45,7 +47,7 @@ class Slurm:
         self.host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
         self.procs: list[subprocess.Popen[bytes]] = []
         tmp.mkdir(mode=0o700, exist_ok=True)
-        for d in ("state", "spool", "log", "munge", "reports"):
+        for d in ("state", "spool", "log", "munge", "reports", "db"):
             (tmp / d).mkdir(mode=0o700, exist_ok=True)
         greenctl = f"{sys.executable} -m greend.ctl --socket {greend.socket}"
         common = f"export GREENCTL='{greenctl}' PYTHON='{sys.executable}' PYTHONPATH='{REPO}'\n"
@@ -58,6 +60,26 @@ class Slurm:
             w.chmod(0o755)
         self.munge_sock = tmp / "munge" / "munge.sock"
         ctl_port, d_port = vmserver.free_port(), vmserver.free_port()
+        self.db_port, self.dbd_port = vmserver.free_port(), vmserver.free_port()
+        # slurmdbd reads slurmdbd.conf beside slurm.conf; it must be its user's and 0600.
+        dbd_conf = tmp / "slurmdbd.conf"
+        dbd_conf.write_text(
+            f"""AuthType=auth/munge
+AuthInfo=socket={tmp / "munge" / "munge.sock"}
+DbdAddr=127.0.0.1
+DbdHost=localhost
+DbdPort={self.dbd_port}
+SlurmUser=root
+PidFile={tmp / "slurmdbd.pid"}
+LogFile={tmp / "log" / "slurmdbd.log"}
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={self.db_port}
+StorageUser=root
+StorageLoc=slurm_acct_db
+"""
+        )
+        dbd_conf.chmod(0o600)
         self.conf = tmp / "slurm.conf"
         self.conf.write_text(
             f"""ClusterName=greendtest
@@ -82,7 +104,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort={self.dbd_port}
+AccountingStoragePass={self.munge_sock}
+AccountingStoreFlags=job_comment
 JobCompType=jobcomp/none
 Epilog={tmp / "epilog.sh"}
 TaskEpilog={tmp / "task-epilog.sh"}
@@ -97,11 +123,43 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         m = self.tmp / "munge"
+        db = self.tmp / "db"
+        subprocess.run(
+            ["mariadb-install-db", "--no-defaults", f"--datadir={db}", "--user=root",
+             "--auth-root-authentication-method=normal"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        # MariaDB on 127.0.0.1 only, without grant tables: a test's own throwaway server.
+        self.procs.append(
+            subprocess.Popen(
+                ["mariadbd", "--no-defaults", f"--datadir={db}", f"--socket={self.tmp / 'mysql.sock'}",
+                 f"--port={self.db_port}", "--bind-address=127.0.0.1", "--user=root", "--skip-grant-tables",
+                 f"--pid-file={self.tmp / 'mysql.pid'}", f"--log-error={self.tmp / 'log' / 'mariadb.log'}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        _wait("MariaDB", lambda: (self.tmp / "mysql.sock").exists(), 60)
         subprocess.run(
             ["munged", "--force", f"--socket={self.munge_sock}", f"--key-file={key}", f"--pid-file={m / 'pid'}",
              f"--log-file={m / 'log'}", f"--seed-file={m / 'seed'}"],
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
+        self.procs.append(
+            subprocess.Popen(["slurmdbd", "-D"], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+        said: list[str] = []
+
+        def dbd_up() -> bool:
+            r = self.run("sacctmgr", "-n", "show", "cluster")
+            said[:] = [r.stderr + r.stdout]
+            return r.returncode == 0
+
+        try:
+            _wait("slurmdbd", dbd_up, 60)
+        except AssertionError:
+            raise AssertionError(f"sacctmgr: {said}\n{self.logs()}") from None
+        r = self.run("sacctmgr", "-i", "add", "cluster", "greendtest")
+        assert r.returncode == 0, r.stderr + r.stdout
         for daemon in ("slurmctld", "slurmd"):
             self.procs.append(
                 subprocess.Popen(
@@ -120,7 +178,7 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         return self.run("scontrol", "-o", "show", "job", jid).stdout
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in reversed(self.procs):  # slurmd, slurmctld, then slurmdbd, then MariaDB
             p.terminate()
         for p in self.procs:
             try:
@@ -181,6 +239,20 @@ def test_a_slurm_job_shows_its_energy_in_slurm_and_in_greend(slurm: tuple[Slurm,
     assert float(fields["gpu_J"]) == pytest.approx(rep["gpu_energy_j"], abs=0.051)
     assert float(fields["GFLOPS/W"]) == pytest.approx(rep["gflops_per_w"], rel=1e-3) and rep["gflops_per_w"] > 0
     assert fields["steps"] == "60" and fields["ranks"] == "1/1"
+    # In Slurm's accounting: sacct shows the same Comment, from slurmdbd's database.
+    acct = ""
+
+    def in_sacct() -> bool:
+        nonlocal acct
+        acct = s.run("sacct", "-j", jid, "-X", "-n", "-P", "-o", "JobID,State,Comment%400").stdout
+        return f"greend:{run}@" in acct
+
+    try:
+        _wait("the job's Comment in sacct", in_sacct, 60)
+    except AssertionError:
+        raise AssertionError(f"sacct: {acct!r}\n{s.logs()}") from None
+    jobid, state, stored = acct.strip().splitlines()[0].split("|", 2)
+    assert jobid == jid and state == "COMPLETED" and stored == comment, acct
     # On the node: the Epilog saved the run's report after the job.
     saved = s.tmp / "reports" / f"{run}.{s.host}.json"
     _wait("the epilog's report", saved.exists, 30)
