@@ -27,7 +27,7 @@ def docs() -> dict[str, dict[str, Any]]:
 
 def test_the_configmap_is_a_config_greend_loads_and_the_paths_agree(tmp_path: Path) -> None:
     k = docs()
-    assert set(k) == {"Namespace", "ConfigMap", "DaemonSet", "Job"}
+    assert set(k) == {"Namespace", "ConfigMap", "DaemonSet", "Service", "Job"}
     toml = tmp_path / "greend.toml"
     toml.write_text(k["ConfigMap"]["data"]["greend.toml"])
     cfg = load_config(toml)
@@ -48,6 +48,54 @@ def test_the_configmap_is_a_config_greend_loads_and_the_paths_agree(tmp_path: Pa
     assert env["GREEND_SOCKET"]["value"] == str(sock)
     assert "GREEND_JOB" in env
     assert {v["name"]: v["hostPath"]["path"] for v in job["volumes"]}["greend"] == str(sock.parent)
+
+
+# The ServiceMonitor's fields as the Prometheus Operator's CRD (monitoring.coreos.com/v1)
+# defines them, for those this manifest may use: a misspelt one is dropped by the API server.
+SERVICEMONITOR_FIELDS = {
+    "spec": {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels", "podTargetLabels"},
+    "endpoint": {
+        "port",
+        "targetPort",
+        "path",
+        "scheme",
+        "interval",
+        "scrapeTimeout",
+        "honorLabels",
+        "relabelings",
+        "metricRelabelings",
+        "params",
+        "tlsConfig",
+    },  # fmt: skip
+    "relabeling": {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"},
+}
+
+
+def test_prometheus_scrapes_what_the_daemon_serves(tmp_path: Path) -> None:
+    """ConfigMap store URL -> container port -> Service port -> ServiceMonitor endpoint:
+    one port, one name, one label set from end to end."""
+    k = docs()
+    toml = tmp_path / "greend.toml"
+    toml.write_text(k["ConfigMap"]["data"]["greend.toml"])
+    (url,) = [u for u in load_config(toml).store.urls if u.startswith("prometheus://")]
+    port = int(url.rsplit(":", 1)[1])
+    (c,) = k["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    (cport,) = [p for p in c["ports"] if p["name"] == "metrics"]
+    assert cport["containerPort"] == port
+    svc = k["Service"]
+    assert svc["spec"]["selector"] == k["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    (sport,) = svc["spec"]["ports"]
+    assert sport["targetPort"] == "metrics" and sport["port"] == port
+    (sm,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "servicemonitor.yaml").read_text())
+    assert (sm["apiVersion"], sm["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    assert set(sm["spec"]) <= SERVICEMONITOR_FIELDS["spec"]
+    assert sm["spec"]["selector"]["matchLabels"] == svc["metadata"]["labels"]
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == [svc["metadata"]["namespace"]]
+    for ep in sm["spec"]["endpoints"]:
+        assert set(ep) <= SERVICEMONITOR_FIELDS["endpoint"], set(ep) - SERVICEMONITOR_FIELDS["endpoint"]
+        assert ep["port"] == sport["name"] and ep["path"] == "/metrics"
+        for r in ep.get("relabelings", []):
+            assert set(r) <= SERVICEMONITOR_FIELDS["relabeling"], r
 
 
 @pytest.mark.parametrize("script", ["epilog.sh", "task-epilog.sh"])
