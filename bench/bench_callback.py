@@ -226,7 +226,7 @@ def main() -> None:
         print(f"{'':30}{'without (ms)':>13}{'with (ms)':>11}{'overhead':>10}{'p90':>9}{'share':>8}")
         for label, hidden, batch, n in (
             ("~1 ms step", 128, 32, a.real_steps),
-            ("~10 ms step", 768, 128, a.real_steps // 4),
+            ("~10 ms step", 768, 128, a.real_steps // 2),
         ):
             b_med, c_med, d_med, d_p90 = real_loop(sock, hidden, batch, n)
             print(

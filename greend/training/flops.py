@@ -193,7 +193,7 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
     not true (e.g. the sequence length hides inside a nested structure).
     """
     if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape), batch.dtype)
+        return (batch.shape, batch.dtype)  # torch.Size: a tuple, equal and hashed as one
     if isinstance(batch, (tuple, list)):
         return tuple(_leaf_signature(x) for x in batch[:max_items])
     keys = getattr(batch, "keys", None)

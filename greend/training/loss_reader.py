@@ -5,8 +5,8 @@ CPU waits until every queued kernel has run, and the GPU idles until the CPU que
 more. An energy tool must not add that to every step. So the loss is copied into a
 pinned host buffer with ``non_blocking=True`` and a CUDA event is recorded behind the
 copy; the value is read when that event has completed (``Event.query()``, which never
-blocks), usually by the end of the next step. On the CPU the copy is the read: it is
-done at once. Only the daemon-side figures and the precision guard wait for the value,
+blocks), usually by the end of the next step. On the CPU the value is read at once
+(``item()`` on a plain CPU tensor, which waits for nothing). Only the daemon-side figures and the precision guard wait for the value,
 never the training loop (the guard rolls back from the step after the value lands).
 """
 
@@ -28,6 +28,15 @@ class LossReader:
 
     def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
         """Begin reading ``loss`` (one element); returns a handle for :meth:`value`."""
+        if type(loss) is torch.Tensor and loss.is_cpu:
+            # A plain CPU tensor's value is in host memory: reading it waits for nothing,
+            # and item() is 20x cheaper than the copy below (0.4 against 9 us measured in
+            # a training loop). Subclasses (a DTensor, whose item() may gather across
+            # ranks) take the copy.
+            try:
+                return loss.item(), None
+            except RuntimeError as e:
+                raise ValueError(f"a loss of shape {tuple(loss.shape)}: expected one number") from e
         t = loss.detach()
         if t.dim() != 0:
             if t.numel() != 1:

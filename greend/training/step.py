@@ -185,10 +185,12 @@ class Step:
         guard = self._cb._guard
         if math.isfinite(value):
             self._loss = value  # (a gradient found non-finite meanwhile stays so)
-            index = self.index if self.index is not None else self._cb._next_index  # judged in order
-            self._spike_reason = guard.spike(value, index)
-            if self._spike_reason is None:  # a spike is not the new level's trend
-                guard.losses.append(value)
+            if guard.stack:  # below a level it came down from: is it a spike?
+                index = self.index if self.index is not None else self._cb._next_index  # judged in order
+                self._spike_reason = guard.spike(value, index)
+                if self._spike_reason is not None:
+                    return  # a spike is not the new level's trend
+            guard.losses.append(value)
         else:
             self._loss, self._nonfinite, self._nonfinite_cause, self._spike_reason = None, True, "loss", None
 
