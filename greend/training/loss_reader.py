@@ -6,8 +6,9 @@ more. An energy tool must not add that to every step. So the loss is copied into
 pinned host buffer with ``non_blocking=True`` and a CUDA event is recorded behind the
 copy; the value is read when that event has completed (``Event.query()``, which never
 blocks), usually by the end of the next step. On the CPU the value is read at once
-(``item()`` on a plain CPU tensor, which waits for nothing). Only the daemon-side figures and the precision guard wait for the value,
-never the training loop (the guard rolls back from the step after the value lands).
+(``item()`` on a plain CPU tensor, which waits for nothing). Only the daemon-side
+figures and the precision guard wait for the value, never the training loop (the guard
+rolls back from the step after the value lands).
 """
 
 from __future__ import annotations
