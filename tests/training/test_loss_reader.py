@@ -114,3 +114,16 @@ def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(daemon: FakeDaemon, 
         _train(cb, model, 20)
         assert len(cb._unjudged) == 8  # the bound: older ones were taken, the rest stay in flight
     assert wait_for(lambda: len(daemon.steps) == 20)
+
+
+def test_a_plain_cpu_loss_is_read_at_once_and_a_wrong_shape_refused_by_name() -> None:
+    reader = LossReader()
+    x = torch.tensor([1.5, 2.5], requires_grad=True)
+    value, pending = reader.start((x * x).mean())
+    assert pending is None and value == pytest.approx(4.25)
+    assert reader.start(torch.tensor([[3.0]]))[0] == 3.0  # one element in any shape
+    with pytest.raises(ValueError, match=r"a loss of shape \(2,\): expected one number"):
+        reader.start(x * 2)
+    # A subclass takes the copy, never its own item() (a DTensor's may gather across ranks).
+    value, pending = reader.start(torch.tensor(2.0).as_subclass(NoSync))
+    assert pending is None and value == 2.0
