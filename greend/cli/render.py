@@ -120,7 +120,7 @@ def render_report(r: dict[str, Any]) -> str:
     no_cpu = r.get("cpu_energy_method") == "unmeasured"
     lines = [
         f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
-        f"host {r.get('host')}  GPUs {r.get('gpus')}{label}",
+        f"host {r.get('host')}  GPUs {r.get('gpus')}{label}" + (f"  run {r['run_id']}" if r.get("run_id") else ""),
         f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
         f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))",
         f"  duration         {_num(r['duration_s'], '.1f', 's')}",

@@ -73,6 +73,9 @@ def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
             assert rep_b["steps"] == 7 and rep_b["run_id"] == "bbbb2222" and rep_b["ranks"] == 1
             rep_a = a0.request("report", job="exp")
             assert rep_a["run_id"] == "aaaa1111" and rep_a["ranks"] == 2
+            from greend.cli.render import render_report
+
+            assert "  run aaaa1111" in render_report(rep_a).splitlines()[0]
             a0.request("end")
             a1.request("end")
             b.request("end")
