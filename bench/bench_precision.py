@@ -285,7 +285,7 @@ def workloads(steps: int) -> None:
                 with Client(sock) as c:
                     log_ = c.request("report", job=f"{task}-{n}")["precision_log"]
                 switched = next((i for i, lvl in enumerate(r["levels"]) if lvl != "fp32"), None)
-                rollbacks = sum(1 for e in log_ if e["kind"] == "rollback") + len(r["precision_events"])
+                rollbacks = sum(1 for e in log_ if e["kind"] == "rollback")  # the callback's own included
                 diff = (r["eval_loss"] / twin["eval_loss"] - 1) * 100
                 label = f"{task} (batch {batch}{', reference' if extra else ''})"
                 at = switched if switched is not None else "never"
