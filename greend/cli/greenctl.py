@@ -119,8 +119,8 @@ def ctl_jobs(
         None,
         "--store",
         help="the SQLite store file (default: the daemon's); or a shared store the nodes write to "
-        "(influx://HOST:PORT?... or http://HOST:PORT, victoria-metrics): every ended job there, "
-        "summed across its nodes",
+        "(influx://HOST:PORT?... or http://HOST:PORT, victoria-metrics), or a Prometheus that "
+        "scrapes every node (prom://HOST:PORT): every job there, summed across its nodes",
     ),
 ) -> None:
     """Jobs on this node: running, and recently ended (--all: every ended job the store has;
@@ -202,7 +202,8 @@ def ctl_report(
         help="the SQLite store file, for jobs the daemon no longer knows (default: the daemon's); "
         "give it once per node (--store A.db --store B.db), or a shared store the nodes write to "
         "(--store influx://HOST:PORT?... or http://HOST:PORT, read through VictoriaMetrics' export "
-        "API), for the whole job across nodes",
+        "API), or a Prometheus that scrapes every node (--store prom://HOST:PORT), for the whole "
+        "job across nodes",
     ),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy

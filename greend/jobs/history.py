@@ -191,9 +191,82 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
 _SUMMED = ("flops", "samples", "tokens", "gpu_energy_j", "cpu_energy_j", "energy_j", "co2_g")
 
 
+PROMETHEUS_SCHEMES = ("prom", "prom+https")
+
+
 def is_shared_store(store: str) -> bool:
     """A store given by URL (a shared time-series server), not a SQLite file."""
-    return urlsplit(store).scheme in ("http", "https", "influx")
+    return urlsplit(store).scheme in ("http", "https", "influx", *PROMETHEUS_SCHEMES)
+
+
+def _job_rows(url: str, job: str | None) -> list[dict[str, Any]]:
+    """The ``greend_job`` rows of a shared store, whichever API it speaks."""
+    if urlsplit(url).scheme in PROMETHEUS_SCHEMES:
+        return prometheus_job_rows(url, job)
+    return shared_job_rows(url, job)
+
+
+# greenctl's report field <- the series every node's Prometheus endpoint serves
+# (greend/sinks/prometheus.py), labelled job, run and host.
+_PROM_FIELDS = {
+    "energy_j": "greend_job_energy_joules_total",
+    "gpu_energy_j": "greend_job_gpu_energy_joules_total",
+    "flops": "greend_job_flops_total",
+    "steps": "greend_job_steps_total",
+    "world_size": "greend_job_world_size",
+    "ranks_here": "greend_job_ranks_here",
+    "ended_at": "greend_job_end_time_seconds",
+    "gflops_per_w": "greend_job_gflops_per_watt",
+}
+
+
+def prometheus_job_rows(
+    url: str, job: str | None, timeout_s: float = 10.0, lookback: str = "30d"
+) -> list[dict[str, Any]]:
+    """The job's rows (one per host and run; every job's where ``job`` is None) from a
+    Prometheus that scrapes every node's ``prometheus://`` endpoint, through its HTTP query
+    API: the last value of each job series over ``lookback``. ``url``: ``prom://HOST:PORT``
+    (``prom+https://`` for TLS). A job that still runs has no end time: its row is dated now."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlencode
+
+    from greend.protocol import JOB_ID_RE
+
+    if job is not None and not JOB_ID_RE.match(job):
+        raise StoreError(f"job id {job!r} is not one greend accepts")
+    parts = urlsplit(url)
+    base = f"{'https' if parts.scheme.endswith('https') else 'http'}://{parts.netloc}"
+    selector = "" if job is None else '{job="' + job + '"}'
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    now_ns = int(time.time() * 1e9)
+    for field, metric in _PROM_FIELDS.items():
+        query = urlencode({"query": f"last_over_time({metric}{selector}[{lookback}])"})
+        try:
+            with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=timeout_s) as r:
+                body = json.loads(r.read().decode())
+        except urllib.error.HTTPError as e:
+            raise StoreError(f"{url}: the server answered {e.code} to Prometheus' /api/v1/query") from None
+        except (OSError, urllib.error.URLError) as e:
+            raise StoreError(f"cannot reach the store {url}: {e}") from None
+        except ValueError as e:
+            raise StoreError(f"{url}: not a Prometheus query API answer ({e})") from None
+        if body.get("status") != "success":
+            raise StoreError(f"{url}: the query failed: {body.get('error') or body}")
+        for sample in body.get("data", {}).get("result", []):
+            labels = sample.get("metric", {})
+            name, run, host = str(labels.get("job", "")), str(labels.get("run", "")), str(labels.get("host", ""))
+            row = rows.setdefault(
+                (name, run, host), {"ts_ns": now_ns, "host": host, "job": name, "run": run or None, "precision": None}
+            )
+            row[field] = float(sample["value"][1])
+    for row in rows.values():
+        if row.get("ended_at"):
+            row["ts_ns"] = int(row["ended_at"] * 1e9)
+            row["end_reason"] = "ended"
+    return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
 def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
@@ -255,7 +328,7 @@ def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | Non
     seen: dict[tuple[str, int], dict[str, Any]] = {}
     for store in stores:
         if isinstance(store, str) and is_shared_store(store):
-            rows = shared_job_rows(store, job)
+            rows = _job_rows(store, job)
         else:
             db = _open(Path(store))
             try:
@@ -275,7 +348,7 @@ def shared_jobs(url: str) -> list[dict[str, Any]]:
     """Every job a shared store holds, each summed across its nodes (as
     :func:`whole_job_report`), in ``greenctl jobs``' shape, oldest first."""
     by_run: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in shared_job_rows(url, None):
+    for r in _job_rows(url, None):
         by_run.setdefault((r["job"], r.get("run") or ""), []).append({**r, "store": url})
     out = []
     for (job, _), rows in by_run.items():

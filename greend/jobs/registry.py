@@ -1068,9 +1068,15 @@ class JobRegistry:
                             "gflops_per_w",
                             "saved_pct",
                             "precision",
+                            "world_size",
+                            "ranks_here",
+                            "started_at",
                         )
                     }
                 )
+                # Once its figures are final (not while it is ending).
+                t_end = job.t_end_s if job.state == "ended" else None
+                out[-1]["ended_at"] = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else None
             return out
 
     def _trim_ended(self) -> None:

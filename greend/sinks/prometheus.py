@@ -183,19 +183,37 @@ class GreendCollector:
                 dur.add_metric([name], v)
         yield from (f for f in (ok, dur) if f.samples)
 
-        # Jobs
-        jgf = gauge("greend_job_gflops_per_watt", "Job efficiency: GFLOP per joule over the job so far.", ("job",))
-        jen = counter("greend_job_energy_joules", "Energy attributed to the job in joules.", ("job",))
-        jfl = counter("greend_job_flops", "Floating-point operations the job reported.", ("job",))
+        # Jobs (this node's share of each; ended jobs stay until the daemon forgets them).
+        # Labelled by job, run and host, so that a Prometheus scraping every node can sum
+        # one run of a job across nodes (greenctl report JOB --store prom://HOST:PORT).
+        jl = ("job", "run", "host")
+        jgf = gauge("greend_job_gflops_per_watt", "Job efficiency: GFLOP per joule over the job so far.", jl)
+        jen = counter("greend_job_energy_joules", "Energy attributed to the job in joules (GPU and CPU).", jl)
+        jge = counter("greend_job_gpu_energy_joules", "GPU energy attributed to the job in joules.", jl)
+        jfl = counter("greend_job_flops", "Floating-point operations the job reported.", jl)
+        jst = counter("greend_job_steps", "Training steps the job reported (each rank's).", jl)
+        jws = gauge("greend_job_world_size", "The job's ranks on all nodes.", jl)
+        jrh = gauge("greend_job_ranks_here", "The job's ranks that ran on this node.", jl)
+        jend = gauge("greend_job_end_time_seconds", "Unix time the job ended on this node (absent while it runs).", jl)
+        host = _label_value(st.get("host"))
         for j in st.get("jobs") or []:
             if not isinstance(j, dict):
                 continue
-            name = _label_value(j.get("job"))
-            for fam, key in ((jgf, "gflops_per_w"), (jen, "energy_j"), (jfl, "flops")):
+            labels = [_label_value(j.get("job")), _label_value(j.get("run_id")), host]
+            for fam, key in (
+                (jgf, "gflops_per_w"),
+                (jen, "energy_j"),
+                (jge, "gpu_energy_j"),
+                (jfl, "flops"),
+                (jst, "steps"),
+                (jws, "world_size"),
+                (jrh, "ranks_here"),
+                (jend, "ended_at"),
+            ):
                 v = _as_float(j.get(key))
                 if v is not None:
-                    fam.add_metric([name], v)
-        yield from (f for f in (jgf, jen, jfl) if f.samples)
+                    fam.add_metric(labels, v)
+        yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
 
         # Stores (sinks)
         sup = gauge("greend_store_up", "1 if the store accepts points, else 0.", ("url",))

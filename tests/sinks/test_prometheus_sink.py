@@ -78,7 +78,20 @@ def fake_status() -> dict[str, Any]:
         ],
         "host_load": None,
         "totals": {"gpu_energy_j": 2469.0, "cpu_energy_j": 880.0},
-        "jobs": [{"job": "resnet-run-7", "energy_j": 5000.0, "gflops_per_w": 42.5, "flops": 2.1e17, "steps": 10}],
+        "jobs": [
+            {
+                "job": "resnet-run-7",
+                "run_id": "a1b2c3",
+                "energy_j": 5000.0,
+                "gpu_energy_j": 4200.0,
+                "gflops_per_w": 42.5,
+                "flops": 2.1e17,
+                "steps": 10,
+                "world_size": 8,
+                "ranks_here": 4,
+                "ended_at": 1.7e9,
+            },
+        ],  # fmt: skip
         "policy": {"name": "none", "params": {}},
         "probes": [
             {"name": "sim", "open": True, "success": True, "duration_s": 0.0004},
