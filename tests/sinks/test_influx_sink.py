@@ -358,17 +358,20 @@ def test_the_docs_whole_job_query_sums_the_nodes(vm: vmserver.VmServer, tmp_path
 
     job = "whole-" + uuid.uuid4().hex[:8]
     ts = now_ms() * 1_000_000
-    shares = {"node-a": (3e12, 100.0), "node-b": (3e12, 200.0)}
-    for host, (flops, joules) in shares.items():
-        sink = InfluxSink(vm.influx_url, state_dir=tmp_path / host, host=host, **FAST)
+    # Run r1 on two nodes; an earlier run r0 of the same id on node-a must not be summed in.
+    shares = {("node-a", "r1"): (3e12, 100.0), ("node-b", "r1"): (3e12, 200.0), ("node-a", "r0"): (9e12, 50.0)}
+    for (host, run), (flops, joules) in shares.items():
+        sink = InfluxSink(vm.influx_url, state_dir=tmp_path / f"{host}-{run}", host=host, **FAST)
         summary = {"flops": flops, "gpu_energy_j": joules, "steps": 50, "world_size": 2, "ranks_here": 1}
-        sink.write([job_point(ts, host, job=job, precision="bf16", end_reason="finished", summary=summary)])
+        point = job_point(ts, host, job=job, precision="bf16", end_reason="finished", summary=summary)
+        point.tags["run"] = run  # as the daemon tags a job's points when it writes them
+        sink.write([point])
         assert sink.flush(15)
         sink.close()
-    vm.wait_samples("greend_job_flops", 2, job=job)
+    vm.wait_samples("greend_job_flops", 3, job=job)
     doc = (REPO / "docs" / "stores.md").read_text()
     block = doc.split("MetricsQL (VictoriaMetrics", 1)[1].split("```", 2)[1]
-    query = re.sub(r"\s+", " ", block).strip().replace('"JOB"', f'"{job}"')
+    query = re.sub(r"\s+", " ", block).strip().replace('"JOB"', f'"{job}"').replace('"RUN"', '"r1"')
     url = vm.http + "/api/v1/query?" + urllib.parse.urlencode({"query": query})
     with urllib.request.urlopen(url, timeout=10) as r:
         result = _json.load(r)["data"]["result"]
