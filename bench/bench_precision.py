@@ -1,12 +1,12 @@
 """Step time and energy per step at every precision level this machine runs, side by side.
 
-Run:  python bench/bench_precision.py [--rounds 6] [--steps 8] [--width 512] [--batch 128]
+Run:  python bench/bench_precision.py [--rounds 8] [--steps 12] [--width 512] [--batch 128]
 
 One MLP (width -> 2*width -> width -> 16), trained through GreenCallback against
 a fake daemon that switches the level between steps (the real switch path:
 autocast dtypes, the fp8 conversion, the GradScaler). The levels are interleaved:
-``--rounds`` rounds, each running every level for ``--steps`` timed steps (after one
-untimed step at the level), in an order rotated each round, so drift of the machine
+``--rounds`` rounds, each running every level for ``--steps`` timed steps (after two
+untimed steps at the level), in an order rotated each round, so drift of the machine
 (other load, clocks, caches) falls on every level alike. Per level it prints:
 
 * ``step ms``: median wall time of a training step here over all rounds (measured),
