@@ -149,6 +149,8 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     for d, share in zip((fast, slow), shares, strict=True):
         assert share["world_size"] == 2 and share["ranks_here"] == 1, share
         assert "1 of the job's 2 ranks ran on this node" in d.ctl("report", "ddp").stdout
+    # One run: both ranks, on two nodes, agreed on its id through the rendezvous store.
+    assert shares[0]["run_id"] == shares[1]["run_id"] and len(shares[0]["run_id"]) == 12, shares
     fast.stop()
     slow.stop()
     r = fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(slow.db), "--json")
@@ -177,6 +179,7 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
         listed = json.loads(fast.ctl("jobs", "--store", vm.http, "--json").stdout)["jobs"]
         ddp = [j for j in listed if j["job"] == "ddp"]
         assert len(ddp) == 1 and ddp[0]["nodes"] == 2 and ddp[0]["complete"], listed
+        assert ddp[0]["run_id"] == shares[0]["run_id"] == shared["run_id"] and shared["other_runs"] == 0
         assert ddp[0]["gpu_energy_j"] == pytest.approx(whole["gpu_energy_j"], rel=1e-6)
     # One node's store alone is half the job, and the report says what is missing.
     with_one = json.loads(fast.ctl("report", "ddp", "--store", str(fast.db), "--store", str(fast.db), "--json").stdout)
@@ -276,7 +279,10 @@ def test_two_torchrun_jobs_without_a_run_id_stay_two_jobs(tmp_path: Path, daemon
     jobs = json.loads(d.ctl("jobs", "--json").stdout)["jobs"]
     torchrun_jobs = sorted(j["job"] for j in jobs if j["job"].startswith("torchrun-"))
     assert len(torchrun_jobs) == 2 and "none" not in [j["job"] for j in jobs], jobs
+    runs = set()
     for name in torchrun_jobs:
         rep = json.loads(d.ctl("report", name, "--json").stdout)
+        runs.add(rep["run_id"])
         ranks = sorted(g["rank"] for g in rep["ranks_gone"])
         assert (ranks, rep["steps"]) == ([0, 1], 30), (ranks, rep["steps"])  # two ranks, steps counted once
+    assert len(runs) == 2  # each run its own id, shared by its two ranks (one record each)
