@@ -3,9 +3,11 @@ the daemon never merges two runs, live or in the store."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,16 +50,26 @@ def send_steps(c: Client, n: int, flops: float) -> None:
     c._sock.sendall(encode({"v": 1, "op": "steps", "steps": steps}))
 
 
-def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
-    """Two launches given one job id at once: the second run is booked as <id>.<run>, with
-    its own steps; a rank of the first run joins the first. Every store row of a job is
-    tagged with its run, and a rerun after the end is a fresh record with its own tag."""
-    cfg = make_config(tmp_path, hz=20.0, sim_gpus=2)
-    d = Daemon(cfg)
+@contextlib.contextmanager
+def running(tmp_path: Path, sim_gpus: int) -> Iterator[Daemon]:
+    """An in-process daemon with ``sim_gpus`` simulated GPUs, ticking in a thread."""
+    d = Daemon(make_config(tmp_path, hz=20.0, sim_gpus=sim_gpus))
     d.start()
     t = threading.Thread(target=d.run, daemon=True)
     t.start()
     try:
+        yield d
+    finally:
+        d.stop()
+        t.join(10)
+
+
+def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
+    """Two launches given one job id at once: the second run is booked as <id>.<run>, with
+    its own steps; a rank of the first run joins the first. Every store row of a job is
+    tagged with its run, and a rerun after the end is a fresh record with its own tag."""
+    with running(tmp_path, 2) as d:
+        cfg = d.cfg
         assert wait_for(lambda: d.ledger.last_time("gpu1") is not None, 5)
         with Client(cfg.daemon.socket) as a0, Client(cfg.daemon.socket) as a1, Client(cfg.daemon.socket) as b:
             ra = a0.request("register", job="exp", run="aaaa1111", gpus=[0], rank=0, world_size=2)
@@ -86,9 +98,6 @@ def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
             assert wait_for(lambda: c.request("report", job="exp")["steps"] == 3, 5)
             c.request("end")
         time.sleep(cfg.store.interval_s + 0.5)  # the last rows written
-    finally:
-        d.stop()
-        t.join(10)
     db = sqlite3.connect(tmp_path / "g.db")
     try:
         ended = db.execute("SELECT job, run, steps FROM greend_job ORDER BY ts_ns").fetchall()
@@ -101,20 +110,11 @@ def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
 
 
 def test_a_bad_run_id_is_refused_by_name(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path, hz=20.0, sim_gpus=1)
-    d = Daemon(cfg)
-    d.start()
-    t = threading.Thread(target=d.run, daemon=True)
-    t.start()
-    try:
-        with Client(cfg.daemon.socket) as c:
-            from greend.errors import GreendError
+    from greend.errors import GreendError
 
-            with pytest.raises(GreendError, match="'run'"):
-                c.request("register", job="x", run="no spaces")
-    finally:
-        d.stop()
-        t.join(10)
+    with running(tmp_path, 1) as d, Client(d.cfg.daemon.socket) as c:
+        with pytest.raises(GreendError, match="'run'"):
+            c.request("register", job="x", run="no spaces")
 
 
 def test_a_daemon_that_predates_run_ids_still_registers_the_job(
