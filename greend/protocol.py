@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "STEP_FIELDS",
     "INTERVAL_FIELDS",
     "MAX_ROWS_PER_MESSAGE",
+    "check_entries",
     "check_row",
     "check_step",
     "encode",
@@ -186,6 +188,24 @@ INTERVAL_FIELDS: dict[str, Field] = {
     "losses": Field((list,), max_len=MAX_STEPS_PER_MESSAGE),  # numbers: check_row checks them in one pass
     "precision": Field((str,), choices=PRECISIONS),
 }
+
+
+def check_entries(
+    name: str, entries: list[Any], limit: int, check: Callable[[dict[str, Any]], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A message's ``steps`` or ``rows``: at most ``limit``, each an object that ``check``
+    (:func:`check_step`, :func:`check_row`) accepts; a bad one is refused as
+    ``name[i].field``, so nothing of the message is taken."""
+    if len(entries) > limit:
+        raise ProtocolError(f"at most {limit} {name} per message", field=name)
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ProtocolError(f"{name}[{i}] must be an object", field=name)
+        try:
+            check(e)
+        except ProtocolError as err:
+            raise ProtocolError(f"{name}[{i}]: {err}", field=f"{name}[{i}].{err.field}") from None
+    return entries
 
 
 def check_step(s: dict[str, Any]) -> dict[str, Any]:

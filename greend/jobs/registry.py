@@ -65,6 +65,7 @@ from greend.protocol import (
     PRECISIONS,
     RESERVED_OWNERS,
     RUN_ID_RE,
+    check_entries,
     check_row,
     check_step,
     step_row,
@@ -370,18 +371,9 @@ class JobRegistry:
     def _checked(
         self, name: str, entries: list[Any], limit: int, check: Callable[[dict[str, Any]], dict[str, Any]]
     ) -> list[dict[str, Any]]:
-        """The message's entries, each checked; a bad one is refused as ``name[i].field``
-        and nothing of the message is booked (nor one that ends in the future)."""
-        if len(entries) > limit:
-            raise ProtocolError(f"at most {limit} {name} per message", field=name)
-        for i, e in enumerate(entries):
-            if not isinstance(e, dict):
-                raise ProtocolError(f"{name}[{i}] must be an object", field=name)
-            try:
-                check(e)
-            except ProtocolError as err:
-                raise ProtocolError(f"{name}[{i}]: {err}", field=f"{name}[{i}].{err.field}") from None
-        self._check_not_future(name, entries)
+        """The message's entries, each checked (:func:`greend.protocol.check_entries`);
+        nothing of a message with a bad entry is booked, nor of one that ends in the future."""
+        self._check_not_future(name, check_entries(name, entries, limit, check))
         return entries
 
     def _check_not_future(self, name: str, entries: list[dict[str, Any]]) -> None:

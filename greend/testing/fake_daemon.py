@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from greend.ipc.server import NO_REPLY, Connection, IpcServer
-from greend.protocol import MAX_STEPS_PER_MESSAGE, check_row, check_step
+from greend.protocol import MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, check_entries, check_row, check_step
 
 __all__ = ["FakeDaemon", "SilentDaemon"]
 
@@ -80,34 +81,30 @@ class FakeDaemon:
         return reply
 
     def _intervals(self, msg: dict[str, Any], conn: Connection) -> Any:
-        from greend.errors import ProtocolError
-
-        if "job" not in conn.state:
-            raise ProtocolError("register first", field="op")
-        for r in msg["rows"]:
-            if not isinstance(r, dict):
-                raise ProtocolError("bad row", field="rows")
-            check_row(r)
-        with self.lock:
-            self.rows.extend(msg["rows"])
-            self.step_messages += 1
-        return NO_REPLY
+        return self._take(conn, "rows", msg["rows"], MAX_ROWS_PER_MESSAGE, check_row, self.rows)
 
     def _steps(self, msg: dict[str, Any], conn: Connection) -> Any:
-        from greend.errors import ProtocolError
-
         if self.hang.is_set():
             self.unhang.wait(30)
+        return self._take(conn, "steps", msg["steps"], MAX_STEPS_PER_MESSAGE, check_step, self.steps)
+
+    def _take(
+        self,
+        conn: Connection,
+        name: str,
+        entries: list[Any],
+        limit: int,
+        check: Callable[[dict[str, Any]], dict[str, Any]],
+        into: list[dict[str, Any]],
+    ) -> Any:
+        """Record a registered connection's steps or rows, checked as the real daemon does."""
+        from greend.errors import ProtocolError
+
         if "job" not in conn.state:
             raise ProtocolError("register first", field="op")
-        if len(msg["steps"]) > MAX_STEPS_PER_MESSAGE:
-            raise ProtocolError(f"at most {MAX_STEPS_PER_MESSAGE} steps per message", field="steps")
-        for s in msg["steps"]:
-            if not isinstance(s, dict):
-                raise ProtocolError("bad step", field="steps")
-            check_step(s)
+        check_entries(name, entries, limit, check)
         with self.lock:
-            self.steps.extend(msg["steps"])
+            into.extend(entries)
             self.step_messages += 1
         return NO_REPLY
 
