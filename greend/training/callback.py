@@ -95,7 +95,7 @@ from greend.training.mixed_precision import (
     precision_support,
     start_torchao_warm_up,
 )
-from greend.training.peers import JobPeers
+from greend.training.peers import JobPeers, default_store
 from greend.training.reference import ReferenceJudge
 from greend.training.sender import Sender, SenderOptions, SenderStats
 from greend.training.step import Step
@@ -244,7 +244,12 @@ class GreenCallback:
         # Who this process is.
         self.job = resolve_job(job)
         self.rank, self.local_rank, self.world_size = resolve_ranks()
-        self.run = resolve_run(self.job, self.world_size, _rendezvous_store())
+        try:
+            store = default_store()
+        except Exception as e:
+            log.debug("no rendezvous store for the run id: %s", e)
+            store = None
+        self.run = resolve_run(self.job, self.world_size, store)
         self._register_omit: set[str] = set()
         self.device = model_device(model, device)
         self.gpus = resolve_gpus(self.device, gpus)
@@ -950,18 +955,6 @@ def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
 
     with autocast, te.fp8_autocast(enabled=True):
         yield
-
-
-def _rendezvous_store() -> Any | None:
-    """The default process group's store, or None (no process group, or no way to it)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.distributed_c10d._get_default_store()
-    except Exception as e:
-        log.debug("no rendezvous store: %s", e)
-    return None
 
 
 def _warm_up_flop_counter() -> None:

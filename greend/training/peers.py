@@ -23,9 +23,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["JobPeers"]
+__all__ = ["JobPeers", "default_store"]
 
 _MAX_CAS_TRIES = 8
+
+
+def default_store() -> Any | None:
+    """The default process group's key-value store, or None where there is no process
+    group. Raises RuntimeError where torch gives no way to it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        raise RuntimeError("this torch has no way to reach the process group's store")
+    return get_store()
 
 
 class JobPeers:
@@ -39,15 +52,9 @@ class JobPeers:
 
     @classmethod
     def of_process_group(cls, job: str, rank: int) -> JobPeers | None:
-        """On the default process group's store, or None where there is none."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
-        if get_store is None:
-            raise RuntimeError("this torch has no way to reach the process group's store")
-        return cls(get_store(), job, rank)
+        """On the default process group's store (:func:`default_store`), or None where there is none."""
+        store = default_store()
+        return None if store is None else cls(store, job, rank)
 
     def _key(self, name: str, epoch: int) -> str:
         return f"{self.prefix}{name}/{epoch}"
