@@ -199,6 +199,32 @@ def is_shared_store(store: str) -> bool:
     return urlsplit(store).scheme in ("http", "https", "influx", *PROMETHEUS_SCHEMES)
 
 
+def _get(url: str, path: str, params: dict[str, str], timeout_s: float, api: str) -> str:
+    """GET ``path`` with ``params`` from the server behind the store ``url`` (``influx://``,
+    ``prom://`` and ``http://`` go over HTTP, their ``+https``/``https`` forms over TLS);
+    a StoreError that names ``api`` when the server refuses it or cannot be reached."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlencode
+
+    parts = urlsplit(url)
+    base = f"{'https' if parts.scheme.endswith('https') else 'http'}://{parts.netloc}"
+    try:
+        with urllib.request.urlopen(f"{base}{path}?{urlencode(params)}", timeout=timeout_s) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise StoreError(f"{url}: the server answered {e.code} to {api}") from None
+    except (OSError, urllib.error.URLError) as e:
+        raise StoreError(f"cannot reach the store {url}: {e}") from None
+
+
+def _check_job_id(job: str | None) -> None:
+    from greend.protocol import JOB_ID_RE
+
+    if job is not None and not JOB_ID_RE.match(job):
+        raise StoreError(f"job id {job!r} is not one greend accepts")
+
+
 def _job_rows(url: str, job: str | None) -> list[dict[str, Any]]:
     """The ``greend_job`` rows of a shared store, whichever API it speaks."""
     if urlsplit(url).scheme in PROMETHEUS_SCHEMES:
@@ -229,28 +255,16 @@ def prometheus_job_rows(
     (``prom+https://`` for TLS). A job that still runs has no end time: its row is dated now."""
     import json
     import time
-    import urllib.error
-    import urllib.request
-    from urllib.parse import urlencode
 
-    from greend.protocol import JOB_ID_RE
-
-    if job is not None and not JOB_ID_RE.match(job):
-        raise StoreError(f"job id {job!r} is not one greend accepts")
-    parts = urlsplit(url)
-    base = f"{'https' if parts.scheme.endswith('https') else 'http'}://{parts.netloc}"
+    _check_job_id(job)
     selector = "" if job is None else '{job="' + job + '"}'
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     now_ns = int(time.time() * 1e9)
     for field, metric in _PROM_FIELDS.items():
-        query = urlencode({"query": f"last_over_time({metric}{selector}[{lookback}])"})
+        query = {"query": f"last_over_time({metric}{selector}[{lookback}])"}
+        text = _get(url, "/api/v1/query", query, timeout_s, "Prometheus' /api/v1/query")
         try:
-            with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=timeout_s) as r:
-                body = json.loads(r.read().decode())
-        except urllib.error.HTTPError as e:
-            raise StoreError(f"{url}: the server answered {e.code} to Prometheus' /api/v1/query") from None
-        except (OSError, urllib.error.URLError) as e:
-            raise StoreError(f"cannot reach the store {url}: {e}") from None
+            body = json.loads(text)
         except ValueError as e:
             raise StoreError(f"{url}: not a Prometheus query API answer ({e})") from None
         if body.get("status") != "success":
@@ -277,28 +291,17 @@ def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[
     the store's ``influx://HOST:PORT?...`` as the daemons have it, or ``http://HOST:PORT``.
     InfluxDB itself has no such API: docs/stores.md gives its Flux query."""
     import json
-    import urllib.error
-    import urllib.request
-    from urllib.parse import urlencode
 
-    from greend.protocol import JOB_ID_RE
-
-    if job is not None and not JOB_ID_RE.match(job):
-        raise StoreError(f"job id {job!r} is not one greend accepts")
-    parts = urlsplit(url)
-    base = f"{'https' if parts.scheme == 'https' else 'http'}://{parts.netloc}"
+    _check_job_id(job)
     selector = '__name__=~"greend_job_.+"' + ("" if job is None else ',job="' + job + '"')
-    query = urlencode({"match[]": "{" + selector + "}"})
-    try:
-        with urllib.request.urlopen(f"{base}/api/v1/export?{query}", timeout=timeout_s) as r:
-            body = r.read().decode()
-    except urllib.error.HTTPError as e:
-        raise StoreError(
-            f"{url}: the server answered {e.code} to VictoriaMetrics' /api/v1/export; greenctl reads a "
-            "shared store through that API (for InfluxDB, use the Flux query in docs/stores.md)"
-        ) from None
-    except (OSError, urllib.error.URLError) as e:
-        raise StoreError(f"cannot reach the store {url}: {e}") from None
+    body = _get(
+        url,
+        "/api/v1/export",
+        {"match[]": "{" + selector + "}"},
+        timeout_s,
+        "VictoriaMetrics' /api/v1/export; greenctl reads a shared store through that API (for "
+        "InfluxDB, use the Flux query in docs/stores.md)",
+    )
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for line in body.splitlines():
         if not line.strip():
@@ -323,8 +326,9 @@ def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[
 
 def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | None:
     """``job`` across ``stores``: SQLite files (one per node, or one shared file) or shared
-    stores by URL (:func:`shared_job_rows`): each host's last run of the job, and their
-    totals. None if no store has the job."""
+    stores by URL (VictoriaMetrics, :func:`shared_job_rows`; Prometheus,
+    :func:`prometheus_job_rows`): the job's latest run, each host's row of it, and their
+    totals (:func:`_whole`). None if no store has the job."""
     seen: dict[tuple[str, int], dict[str, Any]] = {}
     for store in stores:
         if isinstance(store, str) and is_shared_store(store):
