@@ -96,7 +96,7 @@ from greend.training.mixed_precision import (
     start_torchao_warm_up,
 )
 from greend.training.peers import JobPeers, default_store
-from greend.training.reference import ReferenceJudge
+from greend.training.reference import ReferenceJudge, excess
 from greend.training.sender import Sender, SenderOptions, SenderStats
 from greend.training.step import Step
 
@@ -810,16 +810,16 @@ class GreenCallback:
         self._reference_judge.log.append(
             {"step": index, "level": level, "fp32": fp32, "loss": low, "excess": None, "spike": True}
         )
-        excess = (low - fp32) / max(abs(fp32), 1e-12) if math.isfinite(low) and math.isfinite(fp32) else math.inf
-        if excess > self._reference_judge.tolerance:
-            return f"{spike}; on the reference batch {level} is {excess:+.1%} over fp32"
+        worse = excess(fp32, low) if math.isfinite(low) and math.isfinite(fp32) else math.inf
+        if worse > self._reference_judge.tolerance:
+            return f"{spike}; on the reference batch {level} is {worse:+.1%} over fp32"
         self._guard.data_changed()  # the trend before the switch no longer says anything
         log.info(
             "greend: loss spike at step %d not confirmed on the reference batch (%s %+.2f%% over fp32): "
             "a change in the data, not the precision; staying at %s",
             index,
             level,
-            100 * excess,
+            100 * worse,
             level,
         )
         return None

@@ -33,11 +33,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GUARD_Z", "KEEP", "MIN_CHECKS", "ReferenceJudge"]
+__all__ = ["GUARD_Z", "KEEP", "MIN_CHECKS", "ReferenceJudge", "excess"]
 
 KEEP = 8  # the checks the rule looks at: the latest, so a penalty that grows shows
 MIN_CHECKS = 3
 GUARD_Z = 2.0
+
+
+def excess(fp32: float, loss: float) -> float:
+    """How much worse (relative) the level's loss is than fp32's on the same batch."""
+    return (loss - fp32) / max(abs(fp32), 1e-12)
 
 
 @dataclass
@@ -60,7 +65,7 @@ class ReferenceJudge:
             return None  # nothing to compare with (the model itself diverged: not precision's doing)
         if not math.isfinite(loss):
             return f"the reference batch's loss is {loss} at {level} and {fp32:.6g} in fp32"
-        x = (loss - fp32) / max(abs(fp32), 1e-12)
+        x = excess(fp32, loss)
         entry["excess"] = x
         self.excess.append(x)
         n = len(self.excess)
