@@ -46,6 +46,9 @@ __all__ = ["GreenHFCallback"]
 
 log = logging.getLogger(__name__)
 
+# TrainerControl flags set by the time on_step_end runs: what follows is a pause in training.
+_PAUSES = ("should_evaluate", "should_save", "should_epoch_stop", "should_training_stop")
+
 _OWNER = (
     "the Hugging Face Trainer (Accelerate owns autocast): precision switching needs a "
     "model wrapper using GreenCallback.autocast() or a Trainer subclass"
@@ -127,6 +130,18 @@ class GreenHFCallback(TrainerCallback):
                     break
             self._log_seen = len(history)
         step.__exit__(None, None, None)
+        if any(getattr(control, flag, False) for flag in _PAUSES):
+            self._flush()  # a pause in training follows: the daemon hears of the last steps now
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.cb is not None:
+            try:
+                self.cb.flush()
+            except Exception as e:  # never the training's problem
+                log.debug("greend flush failed: %s", e)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._step is not None:

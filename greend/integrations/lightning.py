@@ -144,6 +144,15 @@ class GreenLightningCallback(pl.Callback):
             loss = outputs.get("loss")
         self._close_step(loss)
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()  # a pause in training: the daemon hears of the last steps now
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._flush()
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         step, self._step = self._step, None
         if step is not None:
@@ -160,6 +169,13 @@ class GreenLightningCallback(pl.Callback):
             self.cb.close("finished")
 
     # Helpers ---------------------------------------------------------------------
+    def _flush(self) -> None:
+        if self.cb is not None and self._step is None:
+            try:
+                self.cb.flush()
+            except Exception as e:  # never the training's problem
+                log.debug("greend flush failed: %s", e)
+
     def _close_step(self, loss: Any) -> None:
         step, self._step = self._step, None
         if step is None:

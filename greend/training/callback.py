@@ -105,6 +105,16 @@ __all__ = ["DEFAULT_SOCKET", "GreenCallback", "SenderStats", "Step"]
 # Steps whose loss may be in flight at once before the oldest is waited for: a GPU
 # queue this deep behind the CPU is already the user's own back-pressure.
 _MAX_UNJUDGED = 8
+# Steps whose losses are read together, in one pass at the end of the last of them,
+# while the guard is not watching for spikes. Python that runs right after a step's
+# torch work finds its caches cold and runs several times slower than in a loop:
+# reading and recording 16 steps at once costs a fraction of 16 single passes
+# (bench/bench_callback.py). A non-finite loss then rolls back up to this many steps
+# later; during the spike window after a downgrade every step is read at its end.
+_JUDGE_BATCH = 16
+# ... or when the oldest of them ended this long ago (slow steps are read one by one;
+# the daemon hears of a step at most this much later than it would have).
+_JUDGE_WITHIN_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +323,11 @@ class GreenCallback:
         model = self._model
         self._guard = options.guard()
         self._losses = LossReader()  # reads step losses without a stream sync
+        self._ended: list[Step] = []  # ended steps whose loss has not been read yet
+        self._judge_every = _JUDGE_BATCH  # read the ended steps when this many have gathered
+        self._judge_by = 0.0  # ... or when a step ends after this (monotonic seconds)
+        self._judge_within_s = _JUDGE_WITHIN_S
+        self._max_unjudged = _MAX_UNJUDGED
         self._unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
         self._events: deque[dict[str, Any]] = deque(maxlen=64)  # precision events for the sender
         self._loss_scaling = loss_scaling
@@ -361,17 +376,14 @@ class GreenCallback:
         self._flop_cache: dict[Hashable, int] = {}
         self._max_flop_counts = max_flop_counts
         self._counter = FlopCounter()
-        # With a model and counted FLOPs, a forward pre-hook sees each step's input shapes,
-        # so a shape change is re-counted even when step() is given no batch= (it costs a
-        # microsecond or two per forward call).
+        # With a model and counted FLOPs, and steps given neither batch= nor shape_key=,
+        # a forward pre-hook sees each step's input shapes, so a shape change is re-counted.
+        # It is put on the model by the first such step, never before: a module with a
+        # hook takes torch's slower call path on every forward (a few microseconds).
         self._current: Step | None = None
         self._last_forward_signature: Hashable | None = None
         self._forward_hook: Any = None
-        if model is not None and self._fixed_flops is None and not model_flops:
-            try:
-                self._forward_hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-            except Exception as e:
-                log.debug("no forward pre-hook on the model: %s", e)
+        self._hook_failed = False
 
     def _register_fields(self) -> dict[str, Any]:
         """The ``register`` request's fields (made at each connect: a level that failed since is left out)."""
@@ -468,6 +480,18 @@ class GreenCallback:
     def connected(self) -> bool:
         return self.stats.connected
 
+    def flush(self) -> None:
+        """Read the losses of the steps that have ended and hand the steps to the sender
+        now, never waiting for the GPU (a loss still in flight goes with a later step).
+
+        The callback reads ended steps in batches (up to 16 steps or 50 ms), so the last
+        few steps before a pause in training reach the daemon only when the next step
+        ends. Call this before a long pause (an evaluation, a checkpoint) for the daemon
+        to hear of them now; the Lightning and Hugging Face adapters do. From the
+        training thread only, between steps."""
+        if not self._closed and (self._ended or self._unjudged):
+            self._drain()
+
     def close(self, reason: str = "finished") -> None:
         """Flush the remaining steps, send ``end``, stop the sender. Safe to call twice."""
         if self._closed:
@@ -508,36 +532,54 @@ class GreenCallback:
 
     # Hot-path helpers ----------------------------------------------------------------
 
-    def _finish(self, step: Step) -> None:
-        """An ended step: recorded now if its loss is known, else once it has landed
-        (in order: records and the guard see the steps as they ran)."""
-        if step._pending is None and not self._unjudged:
-            self._judged(step)
-            return
-        self._unjudged.append(step)
-        self._drain(keep=_MAX_UNJUDGED)
-
     def _drain(self, keep: int | None = None) -> None:
-        """Record the steps whose loss has landed, oldest first. ``keep``: wait for the
-        oldest while more than this many are in flight (None: never wait; 0 at the end,
-        where a wait costs nothing)."""
+        """Start reading the ended steps' losses, then record the steps whose loss has
+        landed, oldest first. ``keep``: wait for the oldest while more than this many are
+        in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
         q = self._unjudged
+        ended = self._ended
+        if ended:
+            self._ended = []
+            start = self._losses.start
+            for step in ended:
+                raw = step._raw
+                if raw is not None:
+                    step._raw = None
+                    if type(raw) is float:
+                        step._pending = (raw, None)  # a number: known already
+                    else:
+                        try:
+                            step._pending = start(raw)
+                        except Exception as e:
+                            self._warn_once("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                q.append(step)
+        value_of = self._losses.value
         while q:
             step = q[0]
             if step._pending is not None:
-                value = self._losses.value(step._pending, wait=keep is not None and len(q) > keep)
+                value = value_of(step._pending, wait=keep is not None and len(q) > keep)
                 if value is None:
-                    return
+                    break
                 step._pending = None
                 step._judge(value)
             q.popleft()
             self._judged(step)
+        # Every step at its end while the spike rule holds (a spike rolls back from the
+        # next step), else in batches.
+        guard = self._guard
+        spiking = (
+            guard.stack
+            and guard.spike_tolerance is not None
+            and self._next_index - guard.stack[-1].step < guard.spike_steps
+        )
+        self._judge_every = 1 if spiking else _JUDGE_BATCH
 
     def _judged(self, step: Step) -> None:
         self._record(step)
         if step._spike_reason and not step._nonfinite and self._reference is not None:
             step._spike_reason = self._confirm_spike(step._spike_reason)
-        if step._nonfinite or step._spike_reason:  # the next step runs at the level we came down from
+        if (step._nonfinite or step._spike_reason) and step.precision == self._precision:
+            # the next step runs at the level we came down from
             self._roll_back(step, None if step._nonfinite else step._spike_reason)
         elif self._reference is not None:
             if self._reference_pending:
@@ -616,7 +658,7 @@ class GreenCallback:
             except Exception:
                 key = None
             step._shape_key = key
-        elif self._forward_hook is not None:
+        elif self._forward_hook is not None or self._hook_forward():
             # Neither batch= nor shape_key=: the model's forward pre-hook tells the shape,
             # but only once the step runs. Guess the last step's; the step's end corrects it.
             key = step._shape_key = self._last_forward_signature
@@ -643,6 +685,19 @@ class GreenCallback:
         if not step._counting:
             step.flops = 0
 
+    def _hook_forward(self) -> bool:
+        """Put the forward pre-hook on the model (once); whether it is there."""
+        model = self._model
+        if model is None or self._hook_failed:
+            return False
+        try:
+            self._forward_hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        except Exception as e:
+            self._hook_failed = True
+            log.debug("no forward pre-hook on the model: %s", e)
+            return False
+        return True
+
     def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         """The model's forward pre-hook: the signature of the step's first forward inputs."""
         step = self._current
@@ -663,6 +718,8 @@ class GreenCallback:
         """Take the daemon's latest directive at a step boundary: apply it (or, in a job
         of several ranks, propose it to the others), or refuse it with a reason."""
         self._seen_request = level
+        if self._ended or self._unjudged:
+            self._drain()  # the guard decides on every loss that is in (never waiting)
         if level is None or level == self._precision:
             self._proposal = None  # the daemon no longer asks for another level
             return
@@ -714,6 +771,7 @@ class GreenCallback:
         log.info("precision %s -> %s (%s)", old, level, why)
         if self.manage_precision:
             self._guard.on_switch(old, level, self._next_index)
+            self._judge_every = 1  # read each step from now on while the spike rule holds
         return None
 
     def _agree_precision(self, epoch: int) -> None:
@@ -747,6 +805,8 @@ class GreenCallback:
         level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
         if level == self._proposal:
             self._proposal = None
+        if self._ended or self._unjudged:
+            self._drain()  # a rollback among the losses already in goes first
         old = self._precision
         if level == old or self._support.get(level) is not None:
             return

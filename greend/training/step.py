@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["Step"]
 
 _monotonic = time.monotonic
+_Tensor = torch.Tensor
 
 
 class Step:
@@ -74,6 +75,7 @@ class Step:
         "_forward_signature",
         "_spike_reason",
         "_pending",
+        "_raw",
     )
 
     def __init__(
@@ -107,19 +109,33 @@ class Step:
         self._forward_signature: Hashable | None = None
         self._spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
         self._pending: Any = None  # a loss read still in flight (LossReader handle)
+        self._raw: Any = None  # the reported loss, not read yet (a tensor, or a float)
 
     def __enter__(self) -> Step:
         cb = self._cb
-        n = cb._entered
-        cb._entered = n + 1
-        requested = cb._requested
+        requested = cb._requested  # (written by the sender thread: read once)
         if requested is not cb._seen_request:
             cb._take_request(requested)
-        if cb._agreeing and n % cb.sync_every == 0:
-            cb._agree_precision(n // cb.sync_every)
+        if cb._agreeing:
+            n = cb._entered
+            cb._entered = n + 1
+            if n % cb.sync_every == 0:
+                cb._agree_precision(n // cb.sync_every)
         self.precision = cb._precision
         if self.flops is None:
-            cb._plan_flops(self)
+            batch = self._batch
+            if type(batch) is _Tensor and self._shape_key is None:
+                # The common case, inline (this runs every step): a tensor batch whose
+                # shape has been counted already. (Its shape alone: the input's dtype
+                # does not change the model's FLOPs.)
+                key = self._shape_key = batch.shape
+                flops = cb._flop_cache.get(key)
+                if flops is None:
+                    cb._plan_flops(self)
+                else:
+                    self.flops = flops
+            else:
+                cb._plan_flops(self)
         cb._current = self
         self.t0_s = _monotonic()
         return self
@@ -146,7 +162,13 @@ class Step:
         if exc_type is not None:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
-        cb._finish(self)  # recorded (and judged) once its loss has landed
+        # Read, judged and recorded with the next batch of ended steps (GreenCallback._drain).
+        ended = cb._ended
+        if not ended:
+            cb._judge_by = t1 + cb._judge_within_s
+        ended.append(self)
+        if len(ended) >= cb._judge_every or t1 >= cb._judge_by:
+            cb._drain(keep=cb._max_unjudged)
         return False
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -156,37 +178,31 @@ class Step:
     def loss(self, loss: Any) -> None:
         """Report this step's loss (a tensor or a number).
 
-        A tensor is never read on the training thread: it is copied (asynchronously on
-        a GPU) and judged once the copy has landed, on a GPU usually by the end of the
-        next step (:mod:`greend.training.loss_reader`); greend never synchronises the
-        stream for it."""
-        if isinstance(loss, torch.Tensor):
-            losses = self._cb._losses
-            try:
-                handle = losses.start(loss)
-            except Exception as e:
-                self._cb._warn_once("loss", f"step.loss() cannot read this tensor ({e}): ignored")
-                return
-            value = losses.value(handle)  # a CPU tensor's value is there at once
-            if value is None:
-                self._pending = handle  # in flight: judged when it lands
-                return
-            self._judge(value)
+        A tensor is only held here, never read: the callback reads the losses of
+        several steps at once, later, in one pass (copied asynchronously on a GPU, and
+        judged once the copy has landed; :mod:`greend.training.loss_reader`). greend
+        never synchronises the stream for it. While the accuracy guard watches for
+        spikes (the first ``spike_steps`` after a downgrade) each step's loss is read
+        at the step's end, so a spike rolls back from the next step or the one after.
+        The tensor is held until then, not its activations (``backward`` frees those)."""
+        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
+            self._raw = loss
             return
         try:
-            value = float(loss)
+            self._raw = float(loss)
         except Exception:
             self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
-            return
-        self._judge(value)
 
     def _judge(self, value: float) -> None:
-        """The guard's look at this step's loss, once its value is known."""
-        guard = self._cb._guard
+        """The guard's look at this step's loss, once its value is known (in step order)."""
+        cb = self._cb
         if math.isfinite(value):
             self._loss = value  # (a gradient found non-finite meanwhile stays so)
+            if self.precision != cb._precision:
+                return  # read after a switch: not the trend of the level in force now
+            guard = cb._guard
             if guard.stack:  # below a level it came down from: is it a spike?
-                index = self.index if self.index is not None else self._cb._next_index  # judged in order
+                index = self.index if self.index is not None else cb._next_index  # judged in order
                 self._spike_reason = guard.spike(value, index)
                 if self._spike_reason is not None:
                     return  # a spike is not the new level's trend
@@ -207,7 +223,7 @@ class Step:
         """
         cb = self._cb
         cb._scaling_seen = True
-        if self._loss is None and self._pending is None and not self._nonfinite:
+        if self._raw is None and self._loss is None and self._pending is None and not self._nonfinite:
             self.loss(loss)
         if self.precision == "fp16" and cb.manage_precision:
             scaler = cb._get_scaler()

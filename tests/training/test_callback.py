@@ -333,6 +333,7 @@ def test_daemon_killed_then_restarted(sock_path: Path) -> None:
 
     def between(i: int) -> None:
         if i == 10:
+            cb.flush()  # a pause in training: the ended steps go out now
             assert wait_for(lambda: len(d1.steps) == 10)
             d1.stop()  # the daemon dies mid-run
             assert wait_for(lambda: not cb.connected)
@@ -394,6 +395,7 @@ def _stop_reading_run(daemon: FakeDaemon, sock_path: Path) -> None:
     )
     with cb.step():
         pass
+    cb.flush()
     assert wait_for(lambda: len(daemon.steps) == 1)
     daemon.hang.set()
     overhead: list[float] = []

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from greend.errors import GreendWarning
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.loss_reader import LossReader
@@ -96,7 +97,9 @@ def test_losses_in_flight_are_recorded_in_order_once_they_land(daemon: FakeDaemo
         assert wait_for(lambda: cb.connected)
         cb._losses = reader
         losses = _train(cb, model, 12)
-        # The last two are still in flight while training runs: nobody waited for them.
+        # Twelve fast steps at fp32: held, not read yet (a batch is 16 steps or 50 ms).
+        assert len(cb._ended) + len(cb._unjudged) == 12 and reader.calls <= 12
+        cb.flush()  # read them now: the last two are still in flight, and nobody waited for them
         assert len(cb._unjudged) == 2 and reader.waited == 0
     assert reader.waited == 2  # close() takes the last ones (training is over)
     assert wait_for(lambda: len(daemon.steps) == 12)
@@ -127,3 +130,91 @@ def test_a_plain_cpu_loss_is_read_at_once_and_a_wrong_shape_refused_by_name() ->
     # A subclass takes the copy, never its own item() (a DTensor's may gather across ranks).
     value, pending = reader.start(torch.tensor(2.0).as_subclass(NoSync))
     assert pending is None and value == 2.0
+
+
+class Counting(LossReader):
+    """A CPU reader that counts the losses it was asked to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
+        self.calls += 1
+        return super().start(loss)
+
+
+def _bf16_steps(cb: GreenCallback, model: nn.Module, n: int, poison_at: int | None = None) -> list[str]:
+    """Steps through step.backward/optimizer_step; returns each step's level."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    levels = []
+    for i in range(n):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+        with cb.step(samples=8, flops=1e6) as st:
+            with st.autocast():
+                loss = model(x).float().pow(2).mean()
+            if i == poison_at:
+                loss = loss * float("nan")
+            st.backward(loss)
+            st.optimizer_step(opt)
+            opt.zero_grad()
+        levels.append(st.precision)
+    return levels
+
+
+def test_losses_are_read_in_batches_and_every_step_while_the_spike_rule_holds(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    model = nn.Linear(16, 4)
+    reader = Counting()
+    with GreenCallback(job="batched", model=model, socket=sock_path, spike_steps=20, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._losses = reader
+        cb._judge_within_s = 3600.0  # the batch by count only, whatever this machine's speed
+        _bf16_steps(cb, model, 15)
+        assert reader.calls == 0 and len(cb._ended) == 15  # held, not read: no work per step
+        _bf16_steps(cb, model, 1)
+        assert reader.calls == 16 and not cb._ended  # the 16th step reads the batch, in order
+        assert len(cb.precision_events) == 0 and cb.stats.recorded == 16
+
+        assert daemon.directive("bf16") == 1
+        assert wait_for(lambda: cb.requested_precision == "bf16")
+        for k in range(20):  # the spike window: each step is read at its own end
+            assert _bf16_steps(cb, model, 1) == ["bf16"]
+            assert reader.calls == 17 + k and not cb._ended
+        _bf16_steps(cb, model, 3)  # past the window: batches again
+        assert len(cb._ended) == 3 and reader.calls == 36
+        # A NaN after the window still rolls back, at the end of its batch at the latest.
+        levels = _bf16_steps(cb, model, 16, poison_at=0)
+        assert levels[0] == "bf16" and levels[-1] == "fp32"
+        assert cb.precision == "fp32"
+    events = [e for e in cb.precision_events if e["kind"] == "rollback"]
+    assert len(events) == 1 and "non-finite loss" in events[0]["reason"]
+
+
+def test_a_loss_of_the_wrong_shape_is_refused_by_name_when_read(daemon: FakeDaemon, sock_path: Path) -> None:
+    with GreenCallback(job="shape", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        with pytest.warns(GreendWarning, match=r"cannot read this tensor \(a loss of shape \(2,\)"):
+            with cb.step() as st:
+                st.loss(torch.tensor([1.0, 2.0]))
+            cb.flush()
+        with cb.step() as st:
+            st.loss(torch.tensor(0.25))
+        cb.flush()
+        assert wait_for(lambda: len(daemon.steps) == 2)
+    assert [s.get("loss") for s in daemon.steps] == [None, 0.25]
+
+
+def test_the_forward_hook_goes_on_the_model_only_when_steps_lack_batch(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = nn.Linear(16, 4)
+    x = torch.randn(8, 16)
+    with GreenCallback(job="hook", model=model, socket=sock_path, **FAST) as cb:
+        for _ in range(3):
+            with cb.step(batch=x):
+                model(x).sum().backward()
+        assert not model._forward_pre_hooks  # torch's fast call path stays
+        with cb.step():
+            model(x).sum().backward()
+        assert len(model._forward_pre_hooks) == 1  # now the shapes come from the forward
+    assert not model._forward_pre_hooks

@@ -214,6 +214,7 @@ def test_an_unsupported_level_is_never_applied_and_the_reason_is_reported(
             Loop(cb, model).run(3)
         assert cb.precision == "fp32" and cb.refused[level] == reason
         assert wait_for(lambda: len(daemon.precision_events) == 1)
+        cb.flush()  # the steps read in a batch go out now
         assert wait_for(lambda: len(daemon.steps) == 3)
     assert daemon.precision_events[0] == {"kind": "refused", "from": "fp32", "to": level, "reason": reason, "step": 0}
     assert {s["precision"] for s in daemon.steps} == {"fp32"}
@@ -269,6 +270,7 @@ def test_nonfinite_right_after_a_switch_rolls_back_within_one_step(
         assert cb.precision == "fp32" and "barred" in cb.refused["bf16"]
         loop.run(10)  # the training finishes
         assert wait_for(lambda: len(daemon.precision_events) == 2)
+        cb.flush()  # the steps read in a batch go out now
         assert wait_for(lambda: len(daemon.steps) == loop.i)
     rollback, refused = daemon.precision_events
     assert rollback["kind"] == "rollback" and rollback["from"] == "bf16" and rollback["to"] == "fp32"
@@ -291,6 +293,7 @@ def test_nonfinite_at_the_starting_level_is_not_a_rollback(daemon: FakeDaemon, s
         loop = Loop(cb, model)
         loop.run(4, poison=lambda i: "loss" if i == 2 else None)
         assert loop.levels == ["fp32"] * 4 and loop.stepped == [True] * 4  # the guard is not armed
+        cb.flush()  # the steps read in a batch go out now
         assert wait_for(lambda: len(daemon.steps) == 4)
     assert daemon.precision_events == [] and daemon.steps[2].get("nonfinite") is True
 
