@@ -127,6 +127,7 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
 }
 _NULL_CONTEXT = contextlib.nullcontext()
 _FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
+_Tensor = torch.Tensor
 
 
 class GreenCallback:
@@ -373,6 +374,11 @@ class GreenCallback:
         self._fixed_flops: float | None = float(flops_per_step) if flops_per_step is not None else None
         self._params = model_params(model) if model_flops and model is not None else 0
         self._model_flops = model_flops
+        # A step's FLOPs unless it says: the fixed figure, 6 * params * tokens once the step
+        # ends (tokens may be set late), or None: counted per shape.
+        self._default_flops: Any = (
+            self._fixed_flops if self._fixed_flops is not None else _FLOPS_FROM_TOKENS if model_flops else None
+        )
         self._flop_cache: dict[Hashable, int] = {}
         self._max_flop_counts = max_flop_counts
         self._counter = FlopCounter()
@@ -426,11 +432,13 @@ class GreenCallback:
         ``batch``). ``index``: the step number (default: a counter from 0).
         ``flops``: this step's FLOPs, overriding everything else.
         """
-        if self._fixed_flops is not None and flops is None:
-            flops = self._fixed_flops
-        elif self._model_flops and flops is None:
-            flops = _FLOPS_FROM_TOKENS  # 6 * params * tokens, once the step ends (tokens may be set late)
-        return Step(self, index, samples, tokens, shape_key, batch, flops)
+        if flops is None:
+            flops = self._default_flops
+            if flops is None and shape_key is None and batch is not None:
+                # The key FLOPs are cached under: a tensor's shape (its dtype does not
+                # change the model's FLOPs), else the batch's signature.
+                shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
+        return Step(self, index, samples, tokens, shape_key, flops)
 
     @property
     def precision(self) -> str:
@@ -652,17 +660,12 @@ class GreenCallback:
                 hash(key)
             except TypeError:
                 key = step._shape_key = repr(key)
-        elif step._batch is not None:
-            try:
-                key = batch_signature(step._batch)
-            except Exception:
-                key = None
-            step._shape_key = key
         elif self._forward_hook is not None or self._hook_forward():
             # Neither batch= nor shape_key=: the model's forward pre-hook tells the shape,
             # but only once the step runs. Guess the last step's; the step's end corrects it.
             key = step._shape_key = self._last_forward_signature
             step._shape_guessed = True
+            self._current = step
         cached = self._flop_cache.get(key)
         if cached is not None:
             step.flops = cached
@@ -1015,6 +1018,13 @@ def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
 
     with autocast, te.fp8_autocast(enabled=True):
         yield
+
+
+def _signature_or_none(batch: Any) -> Hashable | None:
+    try:
+        return batch_signature(batch)
+    except Exception:
+        return None
 
 
 def _warm_up_flop_counter() -> None:

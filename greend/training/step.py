@@ -62,7 +62,6 @@ class Step:
         "tokens",
         "flops",
         "_shape_key",
-        "_batch",
         "t0_s",
         "t1_s",
         "_loss",
@@ -85,7 +84,6 @@ class Step:
         samples: int | None,
         tokens: int | None,
         shape_key: Hashable | None,
-        batch: Any,
         flops: float | None,
     ) -> None:
         self._cb = cb
@@ -93,7 +91,6 @@ class Step:
         self.samples = samples
         self.tokens = tokens
         self._shape_key = shape_key
-        self._batch = batch
         self.flops = flops
         self.t0_s = 0.0
         self.t1_s = 0.0
@@ -123,46 +120,28 @@ class Step:
                 cb._agree_precision(n // cb.sync_every)
         self.precision = cb._precision
         if self.flops is None:
-            batch = self._batch
-            if type(batch) is _Tensor and self._shape_key is None:
-                # The common case, inline (this runs every step): a tensor batch whose
-                # shape has been counted already. (Its shape alone: the input's dtype
-                # does not change the model's FLOPs.)
-                key = self._shape_key = batch.shape
-                flops = cb._flop_cache.get(key)
-                if flops is None:
-                    cb._plan_flops(self)
-                else:
-                    self.flops = flops
-            else:
+            # The common case inline (this runs every step): a shape counted already.
+            key = self._shape_key
+            try:
+                flops = cb._flop_cache.get(key) if key is not None else None
+            except TypeError:  # an unhashable shape_key=: _plan_flops makes it one
+                flops = None
+            if flops is None:
                 cb._plan_flops(self)
-        cb._current = self
+            else:
+                self.flops = flops
         self.t0_s = _monotonic()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         t1 = _monotonic()
-        cb = self._cb
-        cb._current = None
-        if self._shape_guessed and self._forward_signature is not None:
-            # The model's inputs say which shape this step really had.
-            if self._forward_signature != self._shape_key and not self._counting:
-                cached = cb._flop_cache.get(self._forward_signature)
-                if cached is not None:
-                    self.flops = cached
-                # else: a new shape, counted on the next step that has it (this one keeps
-                # the estimate it started with)
-            self._shape_key = cb._last_forward_signature = self._forward_signature
-        if self._counting:
-            self._counting = False
-            counted = cb._counter.stop()
-            if exc_type is None:
-                self.flops = cb._store_count(self._shape_key, counted)
-        self._batch = None
+        if self._shape_guessed or self._counting:
+            self._end_flops(exc_type is None)
         if exc_type is not None:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
         # Read, judged and recorded with the next batch of ended steps (GreenCallback._drain).
+        cb = self._cb
         ended = cb._ended
         if not ended:
             cb._judge_by = t1 + cb._judge_within_s
@@ -170,6 +149,27 @@ class Step:
         if len(ended) >= cb._judge_every or t1 >= cb._judge_by:
             cb._drain(keep=cb._max_unjudged)
         return False
+
+    def _end_flops(self, ok: bool) -> None:
+        """The step's FLOPs, where the step had to find them out: from the shape the
+        model's forward saw, or from the count it made."""
+        cb = self._cb
+        if self._shape_guessed:
+            cb._current = None
+            if self._forward_signature is not None:
+                # The model's inputs say which shape this step really had.
+                if self._forward_signature != self._shape_key and not self._counting:
+                    cached = cb._flop_cache.get(self._forward_signature)
+                    if cached is not None:
+                        self.flops = cached
+                    # else: a new shape, counted on the next step that has it (this one
+                    # keeps the estimate it started with)
+                self._shape_key = cb._last_forward_signature = self._forward_signature
+        if self._counting:
+            self._counting = False
+            counted = cb._counter.stop()
+            if ok:
+                self.flops = cb._store_count(self._shape_key, counted)
 
     def autocast(self) -> AbstractContextManager[Any]:
         """The context for this step's precision (a null context for fp32/tf32)."""
