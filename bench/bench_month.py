@@ -172,6 +172,7 @@ def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
         if errors:
             raise SystemExit("; ".join(errors))
         s1 = db.stat().st_size
+        rolled = rolled_replay(db, tmp)
         with sqlite3.connect(db) as con:
             tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
             rows = {t: con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
@@ -196,9 +197,77 @@ def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
     rolled_day = rolled_rows * bytes_per_row / GPUS
     raw_days = min(30.0, cfg.raw_hours / 24)
     month = raw_days * raw_day + (30 - raw_days) * rolled_day
+    rolled_day_measured = rolled["bytes"] / rolled["hours"] * 24 / GPUS
+    raw_day_measured = rolled["raw_bytes"] / rolled["hours"] * 24 / GPUS
+    month_measured = raw_days * raw_day_measured + (30 - raw_days) * rolled_day_measured
     return {"bytes": s1 - s0, "span_s": span, "rows": rows, "series": series, "bytes_per_row": bytes_per_row,
             "per_gpu_day_mb": raw_day / 1e6, "per_gpu_rolled_day_mb": rolled_day / 1e6,
-            "per_gpu_month_raw_mb": raw_day * 30 / 1e6, "per_gpu_month_mb": month / 1e6}  # fmt: skip
+            "per_gpu_month_raw_mb": raw_day * 30 / 1e6, "per_gpu_month_mb": month / 1e6,
+            "replay": rolled, "per_gpu_rolled_day_measured_mb": rolled_day_measured / 1e6,
+            "per_gpu_raw_day_measured_mb": raw_day_measured / 1e6,
+            "per_gpu_month_measured_mb": month_measured / 1e6}  # fmt: skip
+
+
+def rolled_replay(db: Path, tmp: Path, hours: float = 24.0) -> dict[str, float]:
+    """A raw day and a rolled day, measured on a real file: the run's rows (every table)
+    replayed back to back, shifted in time, to fill ``hours`` of a node's store (its size
+    then: the raw rows), then rolled up by the sink's own ``roll_up`` (as its hourly prune
+    does once they are ``raw_hours`` old) and the freed pages returned (``PRAGMA
+    incremental_vacuum``): the size of those hours rolled. Sizes are over that of the
+    same file emptied."""
+    cfg = StoreConfig()
+    empty, month = tmp / "empty.db", tmp / "rolled.db"
+    for target in (empty, month):
+        with sqlite3.connect(db) as src, sqlite3.connect(target) as dst:
+            src.backup(dst)
+    tables: list[str] = []
+    with sqlite3.connect(empty) as con:
+        tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for t in tables:
+            con.execute(f'DELETE FROM "{t}"')
+    con = sqlite3.connect(empty, isolation_level=None)
+    con.execute("PRAGMA incremental_vacuum")
+    con.execute("VACUUM")
+    con.close()
+    con = sqlite3.connect(month, isolation_level=None)
+    ranges = [con.execute(f'SELECT MIN(ts_ns), MAX(ts_ns) FROM "{t}"').fetchone() for t in tables]
+    lo = min(r[0] for r in ranges if r[0] is not None)
+    hi = max(r[1] for r in ranges if r[1] is not None)
+    span_ns = int(hi - lo) + 1_000_000_000
+    copies = max(1, int(hours * 3600e9 / span_ns))
+    cols = {t: [c[1] for c in con.execute(f'PRAGMA table_info("{t}")')] for t in tables}
+    con.execute("BEGIN")
+    for k in range(1, copies):
+        for t in tables:
+            rest = ", ".join(f'"{c}"' for c in cols[t] if c != "ts_ns")
+            con.execute(
+                f'INSERT INTO "{t}" (ts_ns, {rest}) SELECT ts_ns + ?, {rest} FROM "{t}" WHERE ts_ns <= ?',
+                (k * span_ns, hi),
+            )
+    con.execute("COMMIT")
+    replayed = sum(con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    raw_bytes = month.stat().st_size - empty.stat().st_size
+    from greend.sinks.sqlite import SqliteSink
+
+    # batch_s of an hour: its writer thread waits on the (empty) queue and never prunes
+    # meanwhile, so the rollup below runs alone on the connection, as it would on the writer.
+    sink = SqliteSink(
+        month, raw_hours=cfg.raw_hours, rollup_s=cfg.rollup_s, retention_days=cfg.retention_days, batch_s=3600.0
+    )
+    end_s = (lo + copies * span_ns) / 1e9
+    sink.roll_up(end_s + cfg.raw_hours * 3600 + cfg.rollup_s)  # every replayed row is old enough now
+    sink._db.executescript("PRAGMA incremental_vacuum;")
+    sink.close()
+    with sqlite3.connect(month) as c2:
+        kept = sum(c2.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
+    con = sqlite3.connect(month, isolation_level=None)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    hours_filled = copies * span_ns / 3600e9
+    return {"hours": hours_filled, "rows_replayed": replayed, "rows_kept": kept, "raw_bytes": raw_bytes,
+            "bytes": month.stat().st_size - empty.stat().st_size}  # fmt: skip
 
 
 def main() -> None:
@@ -222,6 +291,13 @@ def main() -> None:
     print(f"  estimated with the rollup (1 raw day, 29 days at one row per series per 300 s; series {d['series']}): "
           f"{d['per_gpu_rolled_day_mb']:.2f} MB per rolled GPU-day, {d['per_gpu_month_mb']:.0f} MB per GPU-month "
           "(target < 50 MB)")  # fmt: skip
+    r = d["replay"]
+    print(f"  measured: the run's rows replayed to fill {r['hours']:.1f} h of the node's store "
+          f"({r['rows_replayed']:,} rows, {r['raw_bytes'] / 1e6:.1f} MB: {d['per_gpu_raw_day_measured_mb']:.1f} MB "
+          f"per raw GPU-day), then rolled up by the store itself and vacuumed ({r['rows_kept']:,} rows, "
+          f"{r['bytes'] / 1e6:.2f} MB: {d['per_gpu_rolled_day_measured_mb']:.2f} MB per rolled GPU-day); "
+          f"a month at the default settings (1 raw day + 29 rolled): {d['per_gpu_month_measured_mb']:.1f} MB "
+          "per GPU-month (target < 50 MB)")  # fmt: skip
     print(json.dumps({"memory": m, "disk": d}))
 
 

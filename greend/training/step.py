@@ -189,7 +189,9 @@ class Step:
         never synchronises the stream for it. While the accuracy guard watches for
         spikes (the first ``spike_steps`` after a downgrade) each step's loss is read
         at the step's end, so a spike rolls back from the next step or the one after.
-        The tensor is held until then, not its activations (``backward`` frees those)."""
+        The tensor is held until then, not its activations (``backward`` frees those; a
+        loss that never goes through ``backward`` keeps its graph until it is read: report
+        ``loss.detach()`` there). Do not change the tensor in place after reporting it."""
         if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
             self._raw = loss
             return
