@@ -869,11 +869,12 @@ class SimGpu:
         """Execute several steps, ``(flops, mem_share, precision)`` each, in one update
         of the device file (what a batch of step reports from the daemon needs).
 
-        ``defer``: cost the steps at the settings in force now and keep them in memory;
-        they go into the file with the next write or reading of this device (every
-        reading here takes them first, and the daemon reads each device every tick), so
-        a daemon taking many reports a second writes the file at its tick rate, not per
-        report. Another process sees them a tick later at most."""
+        ``defer``: cost the steps at the settings in force now and keep them in memory.
+        This object's readings count them at once, as if written; the file gets them at
+        the first reading ``_COMMIT_EVERY_S`` (1 s) after its last write, at any change
+        of settings, at :meth:`commit` and at ``nvmlShutdown``. So a daemon taking many
+        reports a second writes the file about once a second, not per report; another
+        process sees the steps about a second later at most."""
         if defer:
             st = self._read()
             now = self._now()
