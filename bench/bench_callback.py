@@ -28,7 +28,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import deque
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -116,6 +118,40 @@ def daemon_process(sock: Path) -> subprocess.Popen[bytes]:
             raise SystemExit(f"the fake daemon process did not start (exit {proc.poll()})")
         time.sleep(0.05)
     return proc
+
+
+class FloorCallback:
+    """The least a step wrapper in Python can do, for comparison: two clock reads, the
+    batch's shape, the loss held, one record appended. No daemon, no precision, no
+    guard: what any pure-Python callback with this API pays on the same machine."""
+
+    def __init__(self) -> None:
+        self.records: deque[tuple[Any, ...]] = deque(maxlen=100_000)
+
+    def step(self, *, samples: int | None = None, batch: Any = None) -> FloorStep:
+        return FloorStep(self, samples, batch.shape)
+
+    def close(self) -> None:
+        self.records.clear()
+
+
+class FloorStep:
+    __slots__ = ("cb", "samples", "key", "t0", "held")
+
+    def __init__(self, cb: FloorCallback, samples: int | None, key: Any) -> None:
+        self.cb, self.samples, self.key, self.held = cb, samples, key, None
+
+    def __enter__(self) -> FloorStep:
+        self.t0 = time.monotonic()
+        return self
+
+    def loss(self, loss: Any) -> None:
+        self.held = loss
+
+    def __exit__(self, *exc: Any) -> bool:
+        t1 = time.monotonic()
+        self.cb.records.append((self.t0, t1, self.samples, self.key, self.held))
+        return False
 
 
 class Real:
@@ -341,6 +377,18 @@ def main() -> None:
                 f"{statistics.median(diffs) * us:15.2f}{trimmed_mean(diffs) * us:8.2f}"
                 f"{statistics.median(control) * us:13.2f}{trimmed_mean(control) * us:8.2f}"
             )
+        # The floor: the same instrument on the least a Python step wrapper can do.
+        real = Real(real_sock, 160, 48)
+        real.cb.close()
+        real.cb = FloorCallback()  # type: ignore[assignment]
+        for i in range(30):
+            real.plain(i)
+            real.green(i)
+        own, clocks, _ = real.direct(a.real_steps // 2)
+        print(
+            f"  {'floor, ~1 ms':<12}{'':10}{(statistics.median(own) - statistics.median(clocks)) * us:16.2f}"
+            "   (a minimal pure-Python step: two clock reads, the batch's shape, one record)"
+        )
         print("  (us. greend: the time inside its calls less the clocks' own; loss freed: what the bare loop")
         print("  spends freeing its loss and graph, which greend's batched read does for it (in greend's mean);")
         print("  means without the top 1 % (the VM's pauses); * the mean of the middle 90 % of the pairs)")
