@@ -4,7 +4,7 @@ The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
 looks the batch's shape up in the FLOP cache, and puts the ended step on the
 callback's list; :meth:`Step.loss` only holds the tensor. Every 16 steps (or 50 ms)
 the callback reads the losses and records the steps in one pass
-(``GreenCallback._drain``): about 5 us a step at the median, no locks, no syscalls,
+(``GreenCallback._drain``): 5-6.5 us a step at the median here, no locks, no syscalls,
 no stream sync (``bench/bench_callback.py``). A step whose FLOPs are being counted
 runs slower (FlopCounterMode costs 10-370% of a step); its timing is reported as
 measured.
