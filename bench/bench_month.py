@@ -220,13 +220,11 @@ def rolled_replay(db: Path, tmp: Path, hours: float = 24.0) -> dict[str, float]:
     for target in (empty, month):
         with sqlite3.connect(db) as src, sqlite3.connect(target) as dst:
             src.backup(dst)
-    tables: list[str] = []
     with sqlite3.connect(empty) as con:
         tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         for t in tables:
             con.execute(f'DELETE FROM "{t}"')
     con = sqlite3.connect(empty, isolation_level=None)
-    con.execute("PRAGMA incremental_vacuum")
     con.execute("VACUUM")
     con.close()
     con = sqlite3.connect(month, isolation_level=None)

@@ -130,18 +130,12 @@ class GreenHFCallback(TrainerCallback):
                     break
             self._log_seen = len(history)
         step.__exit__(None, None, None)
-        if any(getattr(control, flag, False) for flag in _PAUSES):
-            self._flush()  # a pause in training follows: the daemon hears of the last steps now
+        if self.cb is not None and any(getattr(control, flag, False) for flag in _PAUSES):
+            self.cb.flush()  # a pause in training follows: the daemon hears of the last steps now
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
         if self.cb is not None:
-            try:
-                self.cb.flush()
-            except Exception as e:  # never the training's problem
-                log.debug("greend flush failed: %s", e)
+            self.cb.flush()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._step is not None:

@@ -170,11 +170,8 @@ class GreenLightningCallback(pl.Callback):
 
     # Helpers ---------------------------------------------------------------------
     def _flush(self) -> None:
-        if self.cb is not None and self._step is None:
-            try:
-                self.cb.flush()
-            except Exception as e:  # never the training's problem
-                log.debug("greend flush failed: %s", e)
+        if self.cb is not None and self._step is None:  # between batches only
+            self.cb.flush()
 
     def _close_step(self, loss: Any) -> None:
         step, self._step = self._step, None

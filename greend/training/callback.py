@@ -496,9 +496,13 @@ class GreenCallback:
         few steps before a pause in training reach the daemon only when the next step
         ends. Call this before a long pause (an evaluation, a checkpoint) for the daemon
         to hear of them now; the Lightning and Hugging Face adapters do. From the
-        training thread only, between steps."""
-        if not self._closed and (self._ended or self._unjudged):
-            self._drain()
+        training thread only, between steps. Never raises (a failure is logged once)."""
+        if self._closed or not (self._ended or self._unjudged):
+            return
+        try:
+            self._drain()  # never waits
+        except Exception as e:  # never the training's problem
+            self._warn_once("flush", f"reading the ended steps failed: {type(e).__name__}: {e}")
 
     def close(self, reason: str = "finished") -> None:
         """Flush the remaining steps, send ``end``, stop the sender. Safe to call twice."""
@@ -721,8 +725,7 @@ class GreenCallback:
         """Take the daemon's latest directive at a step boundary: apply it (or, in a job
         of several ranks, propose it to the others), or refuse it with a reason."""
         self._seen_request = level
-        if self._ended or self._unjudged:
-            self._drain()  # the guard decides on every loss that is in (never waiting)
+        self.flush()  # the guard decides on every loss that is in
         if level is None or level == self._precision:
             self._proposal = None  # the daemon no longer asks for another level
             return
@@ -808,8 +811,7 @@ class GreenCallback:
         level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
         if level == self._proposal:
             self._proposal = None
-        if self._ended or self._unjudged:
-            self._drain()  # a rollback among the losses already in goes first
+        self.flush()  # a rollback among the losses already in goes first
         old = self._precision
         if level == old or self._support.get(level) is not None:
             return
