@@ -17,8 +17,7 @@ step reports per second.
 
 Two runs: the rows only accounted (jobs registered without GPUs: the daemon's own work,
 as on a real node where the GPU runs the steps), and executed on the simulated GPUs
-as well (the simulator costs each row at once and writes its device file at the next
-reading of the device, once a tick: a cost of the simulator, not of a real node).
+as well (each message rewrites the simulator's device file: a cost of the simulator).
 
     python bench/bench_daemon_steps.py [--clients 64] [--rate 1000] [--seconds 20]
 """
@@ -95,7 +94,7 @@ def row(first: int, n: int, t1: float, step_s: float, losses: bool) -> dict:
 def load(sock: Path, name: str, clients: int, rate: float, seconds: float, losses: bool, on_sim: bool) -> dict:
     """Clients at ``rate`` steps/s for ``seconds``; status timed every 0.5 s meanwhile.
     ``on_sim``: each job on a simulated GPU, which executes its rows (the simulator's
-    device file is written once a tick); else registered without GPUs, so the daemon
+    device file is rewritten per message); else registered without GPUs, so the daemon
     only accounts the rows, as on a real node, where the GPU runs the steps."""
     precisions = ["fp32", "bf16"] if losses else ["fp32"]
     conns = [connect(sock, f"{name}-{i}", i % GPUS if on_sim else None, precisions) for i in range(clients)]

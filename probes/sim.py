@@ -147,10 +147,6 @@ _HISTORY_STEP_S = 0.02
 # probe (SimGpu.refresh_s, FakeNvml.refresh_s); 0 elsewhere: always fresh.
 DAEMON_REFRESH_S = 0.02
 _HISTORY_MAX = 256
-# Steps the daemon ran with run_steps(defer=True) reach the device file at the first
-# reading this long after this object last wrote it (readings in between book them on a
-# copy), at any change of settings, and at nvmlShutdown.
-_COMMIT_EVERY_S = 1.0
 
 # Workload parameters a caller may pass (``ctx.sim_params``); each is a scalar or
 # one value per GPU. They are environment, not hardware state, so an explicit value
@@ -566,10 +562,6 @@ class SimGpu:
         self._last_now_s = float("-inf")
         self._mem_lock = threading.Lock()  # guards the in-memory history and clock
         self._attached: set[int] = set()  # pids this process put in the process table
-        # Steps run with run_steps(defer=True), not in the file yet: (when, cost, mem share).
-        self._deferred: list[tuple[float, StepCost, float]] = []
-        self._written_s = time.monotonic()  # when this object last wrote the file
-        self._booked: tuple[SimState, int, SimState] | None = None  # (stored, steps booked, result)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         wanted = {
             "background_load": None if background_load is None else self._check_load(background_load),
@@ -632,7 +624,6 @@ class SimGpu:
 
     def _write(self, st: SimState) -> None:
         write_json_atomic(self.path, st.to_json())
-        self._written_s = time.monotonic()
         s = os.stat(self.path)
         self._cache, self._cache_key = st, (s.st_ino, s.st_mtime_ns, s.st_size)
         self._cache_checked_s = time.monotonic()
@@ -641,12 +632,7 @@ class SimGpu:
     def _mutate(self) -> Iterator[SimState]:
         """Lock, load fresh, integrate the counter to now, let the caller edit, save."""
         with file_lock(self._lock_path):
-            st = self._read(force=True)
-            if self._deferred:  # steps that ran before this change
-                with self._mem_lock:
-                    work, self._deferred = self._deferred, []
-                self._book_at(st, work)
-            st = self._advanced(st, self._now())
+            st = self._advanced(self._read(force=True), self._now())
             yield st
             self._write(st)
 
@@ -679,7 +665,7 @@ class SimGpu:
         return st
 
     def _current(self) -> tuple[SimState, _View]:
-        st = self._with_deferred()
+        st = self._read()
         v = self._view(st, self._now())
         with self._mem_lock:
             h = self._history
@@ -694,8 +680,9 @@ class SimGpu:
     # ---- readings (what NVML shows)
 
     def state(self) -> SimState:
-        """A snapshot of the state (counter as of the last write, deferred steps in)."""
-        return SimState.from_json(self._with_deferred().to_json())
+        """A snapshot of the stored state (counter as of the last write)."""
+        st = self._read()
+        return SimState.from_json(st.to_json())
 
     @property
     def uuid(self) -> str:
@@ -865,75 +852,24 @@ class SimGpu:
         as busy credit (see the module docstring). ``mem_share`` None: the GPU's."""
         return self.run_steps([(flops, mem_share, precision)])[0]
 
-    def run_steps(self, steps: Sequence[tuple[float, float | None, str]], *, defer: bool = False) -> list[StepCost]:
+    def run_steps(self, steps: Sequence[tuple[float, float | None, str]]) -> list[StepCost]:
         """Execute several steps, ``(flops, mem_share, precision)`` each, in one update
-        of the device file (what a batch of step reports from the daemon needs).
-
-        ``defer``: cost the steps at the settings in force now and keep them in memory.
-        This object's readings count them at once, as if written; the file gets them at
-        the first reading ``_COMMIT_EVERY_S`` (1 s) after its last write, at any change
-        of settings, at :meth:`commit` and at ``nvmlShutdown``. So a daemon taking many
-        reports a second writes the file about once a second, not per report; another
-        process sees the steps about a second later at most."""
-        if defer:
-            st = self._read()
-            now = self._now()
-            work = [(now, self._cost(st, f, m, p), st.mem_share if m is None else m) for f, m, p in steps]
-            with self._mem_lock:
-                self._deferred.extend(work)
-            return [cost for _, cost, _ in work]
+        of the device file (what a batch of step reports from the daemon needs)."""
         costs: list[StepCost] = []
         with self._mutate() as st:
             for flops, mem_share, precision in steps:
                 cost = self._cost(st, flops, mem_share, precision)
-                self._book(st, cost, st.mem_share if mem_share is None else mem_share)
+                m = st.mem_share if mem_share is None else mem_share
+                total = st.busy_credit_s + cost.duration_s
+                if total > 0:  # the power/clock shown while busy: credit-weighted
+                    w = cost.duration_s / total
+                    st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
+                    st.busy_mem_share = (1 - w) * st.busy_mem_share + w * m
+                st.busy_clock_mhz = cost.sm_clock_mhz
+                st.energy_mj += cost.energy_j * 1000.0
+                st.busy_credit_s = total
                 costs.append(cost)
         return costs
-
-    @staticmethod
-    def _book(st: SimState, cost: StepCost, mem_share: float) -> None:
-        """A step's energy into the counter, its duration into the busy credit."""
-        total = st.busy_credit_s + cost.duration_s
-        if total > 0:  # the power/clock shown while busy: credit-weighted
-            w = cost.duration_s / total
-            st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
-            st.busy_mem_share = (1 - w) * st.busy_mem_share + w * mem_share
-        st.busy_clock_mhz = cost.sm_clock_mhz
-        st.energy_mj += cost.energy_j * 1000.0
-        st.busy_credit_s = total
-
-    def _book_at(self, st: SimState, work: list[tuple[float, StepCost, float]]) -> None:
-        """Book deferred steps as if run when they were reported: the counter integrated
-        to each step's time, then the step booked (what run_steps would have done then)."""
-        for t, cost, mem_share in work:
-            self._advanced(st, t)
-            self._book(st, cost, mem_share)
-
-    def commit(self) -> None:
-        """Write the deferred steps (``run_steps(defer=True)``) into the device file now."""
-        if self._deferred:
-            with self._mutate():
-                pass
-
-    def _with_deferred(self) -> SimState:
-        """The stored state with the deferred steps booked in: written to the file once
-        ``_COMMIT_EVERY_S`` has passed since the last write, else booked on a copy, as a
-        write now would."""
-        if self._deferred:
-            if time.monotonic() - self._written_s >= _COMMIT_EVERY_S:
-                self.commit()
-            else:
-                base = self._read()
-                booked = self._booked  # a tick asks a dozen questions: book once for them all
-                if booked is not None and booked[0] is base and booked[1] == len(self._deferred):
-                    return booked[2]
-                st = SimState.from_json(base.to_json())
-                with self._mem_lock:
-                    work = list(self._deferred)
-                self._book_at(st, work)
-                self._booked = (base, len(work), st)
-                return st  # (read only: the readings integrate it to now)
-        return self._read()
 
     # ---- ground truth
 

@@ -417,19 +417,17 @@ class JobRegistry:
         )
 
     def _run_on_sims(self, job: Job, rs: RankSession, rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-        """Execute the rows on the rank's simulated GPUs (each GPU's share of the FLOPs):
-        per row, the slowest GPU's duration and the GPUs' summed energy (a step's cost is
-        linear in its FLOPs at fixed settings, so a row costs what its steps would one by
-        one). Empty on real GPUs."""
+        """Execute the rows on the rank's simulated GPUs (each GPU's share of the FLOPs),
+        one device update per GPU for the whole message: per row, the slowest GPU's
+        duration and the GPUs' summed energy (a step's cost is linear in its FLOPs at
+        fixed settings, so a row costs what its steps would one by one). Empty on real GPUs."""
         sims = [g for g in (self.sim_gpu(i) for i in rs.gpus) if g is not None]
         if not sims:
             return []
         work = [(float(r["flops"]) / len(sims), rs.mem_share, r.get("precision") or job.precision) for r in rows]
         for g in sims:  # the rank computes there: the GPU's process table lists it
             g.attach_process(rs.pid)
-        # Costed now, written into the device file at its next reading (each tick): the
-        # simulator's file is then written at the tick rate, not once per message.
-        per_gpu = [g.run_steps(work, defer=True) for g in sims]
+        per_gpu = [g.run_steps(work) for g in sims]
         return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(rows))]
 
     def _account_row(

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from greend.errors import StateError
-from greend.probes import sim as sim_module
 from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
 from tests.support import REPO, ManualClock
 
@@ -210,34 +209,6 @@ def test_busy_credit_avoids_double_counting(gpu: SimGpu, clock: ManualClock) -> 
     clock.advance(cost.duration_s / 2 + 3.0)
     assert not gpu.busy()
     assert gpu.energy_j() - e0 == pytest.approx(cost.energy_j + 3.0 * H100.idle_w)
-
-
-def test_deferred_steps_cost_the_same_and_reach_the_file_within_a_second(
-    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    now, later = SimGpu(tmp_path / "a", 0, clock=clock), SimGpu(tmp_path / "b", 0, clock=clock)
-    other = SimGpu(tmp_path / "b", 0, clock=clock)  # another process's view of the file
-    work = [(5e13, 0.1 * i, "bf16") for i in range(5)]
-    file_before = json.loads(later.path.read_text())["energy_mj"]
-    assert later.run_steps(work, defer=True) == now.run_steps(work)  # costed at the same settings
-    # This object's readings have them at once, as if written ...
-    assert later.energy_j() == pytest.approx(now.energy_j()) and later.busy()
-    assert later.state().busy_credit_s == pytest.approx(now.state().busy_credit_s)
-    # ... but the file waits (a daemon under load writes it once a second, not per report).
-    assert json.loads(later.path.read_text())["energy_mj"] == file_before
-    assert other.energy_j() < now.energy_j()
-    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 0.0)  # a second later
-    clock.advance(0.5)
-    assert later.energy_j() == pytest.approx(now.energy_j())
-    assert other.energy_j() == pytest.approx(now.energy_j()) and other.busy()
-    # A change of settings writes them first: they ran at the old settings.
-    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 3600.0)
-    later.run_steps(work, defer=True)
-    now.run_steps(work)
-    later.set_power_limit_w(400)
-    now.set_power_limit_w(400)
-    clock.advance(30.0)
-    assert other.energy_j() == pytest.approx(now.energy_j())
 
 
 def test_step_cost_has_no_side_effects(gpu: SimGpu) -> None:
