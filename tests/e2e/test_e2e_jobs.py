@@ -54,19 +54,23 @@ def ledger_energy(d: DaemonProc, gpu: int, t0: float, t1: float) -> float:
         return c.request("energy", key=f"gpu{gpu}", t0_s=t0, t1_s=t1)["energy_j"]
 
 
+A_STEPS = "140"  # job-a's steps
+
+
 @pytest.mark.slow
 def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     d = start_daemon(tmp_path, "--sim", "2", "--hz", "20")
     daemons.append(d)
-    a = trainer(d.socket, "job-a", "--gpu", "0", "--steps", "60", "--width", "512", "--step-sleep", "0.02")
+    # job-a runs about 3 s: its report's --plot needs the once-a-second efficiency samples.
+    a = trainer(d.socket, "job-a", "--gpu", "0", "--steps", A_STEPS, "--width", "512", "--step-sleep", "0.02")
     b = trainer(d.socket, "job-b", "--gpu", "1", "--steps", "40", "--width", "128", "--step-sleep", "0.02")
     ra, rb = finish(a), finish(b)
     rep_a, rep_b = wait_ended(d, "job-a"), wait_ended(d, "job-b")
 
     # FLOPs: what the daemon reports is FlopCounterMode's count for each model.
-    assert rep_a["flops"] == ra["flops_per_step"] * 60
+    assert rep_a["flops"] == ra["flops_per_step"] * int(A_STEPS)
     assert rep_b["flops"] == rb["flops_per_step"] * 40
-    assert rep_a["steps"] == 60 and rep_b["steps"] == 40
+    assert rep_a["steps"] == int(A_STEPS) and rep_b["steps"] == 40
     assert rep_a["gpus"] == [0] and rep_b["gpus"] == [1]
 
     for rep, gpu in ((rep_a, 0), (rep_b, 1)):
@@ -131,7 +135,7 @@ def test_two_concurrent_jobs_are_accounted_apart(tmp_path: Path, daemons: list[D
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     con.close()
     assert rows == {"job-a": rep_a["flops"], "job-b": rep_b["flops"]}
-    assert steps == 60 and flops == pytest.approx(rep_a["flops"]) and rows_a < 60
+    assert steps == int(A_STEPS) and flops == pytest.approx(rep_a["flops"]) and rows_a < int(A_STEPS)
     assert "greend_job_step" not in tables
 
 
