@@ -90,6 +90,8 @@ Everything the simulator produces is labelled ``source="sim"``.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -102,7 +104,7 @@ import uuid as uuid_mod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -440,16 +442,32 @@ SPECS: dict[str, SimSpec] = {"H100": H100}
 # --------------------------------------------------------------------------- state
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, *, keep_open: bool = False) -> int | None:
     """Write JSON so a reader sees the old file or the new one, never a torn one.
 
     No fsync: the simulated device must outlive a crashed *process* (the page cache
     does), not a power cut, and a step executed on the simulator writes this file.
+    ``keep_open``: return an open descriptor of the file written (the caller closes
+    it): while it is open the file's inode number cannot be given to another file, so
+    an unchanged ``(st_ino, st_mtime_ns, st_size)`` shows that no other file replaced it.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, separators=(",", ":"), sort_keys=True)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    text = json.dumps(data, separators=(",", ":"), sort_keys=True)  # (the C encoder; dump() is not)
+    data_b = memoryview(text.encode("utf-8"))
+    fd = os.open(tmp, (os.O_RDWR if keep_open else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while data_b:
+            data_b = data_b[os.write(fd, data_b) :]
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if keep_open:
+        return fd
+    os.close(fd)
+    return None
 
 
 @contextmanager
@@ -485,7 +503,7 @@ class SimState:
     version: int = STATE_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = dict(self.__dict__)  # (flat fields: asdict's deep copy was a third of a write)
         d["locked_clocks_mhz"] = list(self.locked_clocks_mhz) if self.locked_clocks_mhz else None
         return d
 
@@ -554,6 +572,10 @@ class SimGpu:
         self._clock = clock
         self.path = self.state_dir / f"gpu{index}.json"
         self._lock_path = self.state_dir / f".gpu{index}.lock"
+        self._lock_fd: int | None = None  # (opened by _locked)
+        self._thread_lock = threading.RLock()
+        self._written_fd: int | None = None  # the file this object last wrote, held open (see _mutate)
+        self._written_key: tuple[int, int, int] | None = None
         self._cache_key: tuple[int, int, int] | None = None
         self._cache: SimState | None = None
         self._cache_checked_s = -1e18
@@ -568,7 +590,7 @@ class SimGpu:
             "mem_share": None if mem_share is None else _check_mem_share(mem_share),
             "speed_factor": None if speed_factor is None else self._check_speed(speed_factor),
         }
-        with file_lock(self._lock_path):
+        with self._locked():
             if self.path.exists():
                 # Opening an existing device only reads it: another process's clock
                 # must not integrate the counter unless it changes something.
@@ -599,13 +621,14 @@ class SimGpu:
 
     # ---- file I/O
 
-    def _read(self, force: bool = False) -> SimState:
+    def _read(self, force: bool = False, check: bool = False) -> SimState:
         # Another process (a test, a restarted daemon) may change the device: look at
         # the file again, by default on every call; the daemon's sim probe allows
         # ``refresh_s`` of staleness, since a tick asks a device a dozen questions and
         # each stat costs as much as the model itself. Own writes are seen at once.
+        # ``check``: stat now whatever refresh_s says; ``force``: parse the file too.
         now = time.monotonic()
-        if not force and self._cache is not None and now - self._cache_checked_s < self.refresh_s:
+        if not (force or check) and self._cache is not None and now - self._cache_checked_s < self.refresh_s:
             return self._cache
         self._cache_checked_s = now
         try:
@@ -622,17 +645,62 @@ class SimGpu:
         self._cache, self._cache_key = st, key
         return st
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This device's lock, against other threads and other processes. The lock
+        file stays open for the object's life; a thread lock comes first, since flock
+        does not exclude threads that share one open file."""
+        with self._thread_lock:
+            if self._lock_fd is None:
+                self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     def _write(self, st: SimState) -> None:
-        write_json_atomic(self.path, st.to_json())
-        s = os.stat(self.path)
-        self._cache, self._cache_key = st, (s.st_ino, s.st_mtime_ns, s.st_size)
+        fd = write_json_atomic(self.path, st.to_json(), keep_open=True)
+        assert fd is not None
+        s = os.fstat(fd)  # (the file now at self.path: a rename keeps its inode and mtime)
+        key = (s.st_ino, s.st_mtime_ns, s.st_size)
+        old, self._written_fd = self._written_fd, fd
+        if old is not None:
+            os.close(old)
+        self._cache, self._cache_key, self._written_key = st, key, key
         self._cache_checked_s = time.monotonic()
+
+    def close(self) -> None:
+        """Close the files this object holds open (the lock file, the last file written)."""
+        with self._thread_lock:
+            if self._written_fd is not None:
+                os.close(self._written_fd)
+                self._written_fd = self._written_key = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_written_fd", None), getattr(self, "_lock_fd", None)):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     @contextmanager
     def _mutate(self) -> Iterator[SimState]:
-        """Lock, load fresh, integrate the counter to now, let the caller edit, save."""
-        with file_lock(self._lock_path):
-            st = self._advanced(self._read(force=True), self._now())
+        """Lock, load fresh, integrate the counter to now, let the caller edit, save.
+
+        "Fresh" costs a stat where the file is still the one this object last wrote:
+        it holds that file open, so its inode number cannot pass to another file, and an
+        unchanged (inode, mtime, size) means nobody replaced it. The caller edits a copy:
+        readers in other threads never see half an edit."""
+        with self._locked():
+            s = os.stat(self.path)
+            key = (s.st_ino, s.st_mtime_ns, s.st_size)
+            ours = self._cache is not None and key == self._written_key and key == self._cache_key
+            st = self._cache if ours else self._read(force=True)
+            assert st is not None
+            st = self._advanced(copy.copy(st), self._now())
             yield st
             self._write(st)
 
@@ -915,7 +983,7 @@ class SimGpu:
             if pid in self._attached:
                 return
             self._attached.add(pid)
-        with file_lock(self._lock_path):
+        with self._locked():
             pids = set(self._read_procs()) | {pid}
             write_json_atomic(self._procs_path, {"pids": sorted(pids)})
 

@@ -394,7 +394,15 @@ class JobRegistry:
             rs = self._session(conn)
             job = self.jobs[rs.job]
             rs.last_seen_s = now
-            sim = self._run_on_sims(job, rs, rows)
+            on_sims = self._sim_work(job, rs, rows)
+        # The simulated GPUs run the rows outside the registry's lock: each run writes a
+        # device file (about 0.2 ms), and 64 clients' messages queued behind that lock
+        # held up `status` and each other. (This connection's messages stay in order:
+        # one thread serves it.)
+        sim = self._run_on_sims(*on_sims) if on_sims is not None else []
+        with self._lock:
+            rs = self._session(conn)
+            job = self.jobs[rs.job]
             for i, r in enumerate(rows):
                 sim_duration, sim_energy = sim[i] if sim else (None, 0.0)
                 self._account_row(job, rs, r, sim_duration, sim_energy)
@@ -416,19 +424,29 @@ class JobRegistry:
             ts_ns(self.wall()), self.hostname, job=job.job, rank=rs.rank, precision=agg.precision, fields=agg.fields()
         )
 
-    def _run_on_sims(self, job: Job, rs: RankSession, rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-        """Execute the rows on the rank's simulated GPUs (each GPU's share of the FLOPs),
-        one device update per GPU for the whole message: per row, the slowest GPU's
-        duration and the GPUs' summed energy (a step's cost is linear in its FLOPs at
-        fixed settings, so a row costs what its steps would one by one). Empty on real GPUs."""
+    def _sim_work(
+        self, job: Job, rs: RankSession, rows: list[dict[str, Any]]
+    ) -> tuple[list[Any], list[tuple[float, float | None, str]], int] | None:
+        """What the rows ask of the rank's simulated GPUs (each GPU's share of the FLOPs),
+        taken under the lock: (the GPUs, the steps, the rank's pid). None on real GPUs."""
         sims = [g for g in (self.sim_gpu(i) for i in rs.gpus) if g is not None]
         if not sims:
-            return []
+            return None
         work = [(float(r["flops"]) / len(sims), rs.mem_share, r.get("precision") or job.precision) for r in rows]
+        return sims, work, rs.pid
+
+    @staticmethod
+    def _run_on_sims(
+        sims: list[Any], work: list[tuple[float, float | None, str]], pid: int
+    ) -> list[tuple[float, float]]:
+        """Execute the rows on the simulated GPUs, one device update per GPU for the whole
+        message: per row, the slowest GPU's duration and the GPUs' summed energy (a step's
+        cost is linear in its FLOPs at fixed settings, so a row costs what its steps would
+        one by one)."""
         for g in sims:  # the rank computes there: the GPU's process table lists it
-            g.attach_process(rs.pid)
+            g.attach_process(pid)
         per_gpu = [g.run_steps(work) for g in sims]
-        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(rows))]
+        return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(work))]
 
     def _account_row(
         self, job: Job, rs: RankSession, r: dict[str, Any], sim_duration: float | None, sim_energy: float
