@@ -546,6 +546,11 @@ class FakeNvml:
 
     def nvmlShutdown(self) -> None:
         global _init_count
+        for g in self._gpus:  # steps the daemon ran there (deferred) go into the device files
+            try:
+                g.commit()
+            except Exception as e:
+                log.warning("simulated GPU %d: could not write its last steps: %s", g.index, e)
         with _init_lock:
             _init_count = max(0, _init_count - 1)  # an extra shutdown is not an error
 

@@ -149,6 +149,11 @@ _HISTORY_STEP_S = 0.02
 # probe (SimGpu.refresh_s, FakeNvml.refresh_s); 0 elsewhere: always fresh.
 DAEMON_REFRESH_S = 0.02
 _HISTORY_MAX = 256
+# Steps run with run_steps(defer=True) are booked in memory and reach the device file
+# at the first reading this long after this object last wrote it, at any change of
+# settings, at commit() and at close() (FakeNvml's nvmlShutdown): a daemon taking many
+# step reports a second writes each file about once a second, not once per report.
+_COMMIT_EVERY_S = 1.0
 
 # Workload parameters a caller may pass (``ctx.sim_params``); each is a scalar or
 # one value per GPU. They are environment, not hardware state, so an explicit value
@@ -576,6 +581,13 @@ class SimGpu:
         self._thread_lock = threading.RLock()
         self._written_fd: int | None = None  # the file this object last wrote, held open (see _mutate)
         self._written_key: tuple[int, int, int] | None = None
+        self._written_s = time.monotonic()  # when this object last wrote the file
+        # Deferred steps (run_steps(defer=True)), not in the file yet: each (when, cost,
+        # memory share), and the state with them booked, made from the cached state
+        # _pending_base (a new object per booking: a reader may hold the last one).
+        self._deferred: list[tuple[float, StepCost, float]] = []
+        self._pending: SimState | None = None
+        self._pending_base: SimState | None = None
         self._cache_key: tuple[int, int, int] | None = None
         self._cache: SimState | None = None
         self._cache_checked_s = -1e18
@@ -668,11 +680,13 @@ class SimGpu:
         if old is not None:
             os.close(old)
         self._cache, self._cache_key, self._written_key = st, key, key
-        self._cache_checked_s = time.monotonic()
+        self._cache_checked_s = self._written_s = time.monotonic()
 
     def close(self) -> None:
-        """Close the files this object holds open (the lock file, the last file written)."""
+        """Write the deferred steps, then close the files this object holds open (the
+        lock file, the last file written)."""
         with self._thread_lock:
+            self.commit()
             if self._written_fd is not None:
                 os.close(self._written_fd)
                 self._written_fd = self._written_key = None
@@ -700,9 +714,17 @@ class SimGpu:
             ours = self._cache is not None and key == self._written_key and key == self._cache_key
             st = self._cache if ours else self._read(force=True)
             assert st is not None
+            if self._deferred:  # steps run before this change go in first, at their times
+                if self._pending is not None and self._pending_base is st:
+                    st = self._pending  # booked on this very state already
+                else:
+                    st = copy.copy(st)
+                    for t, cost, mem_share in self._deferred:
+                        self._book(self._advanced(st, t), cost, mem_share)
             st = self._advanced(copy.copy(st), self._now())
             yield st
             self._write(st)
+            self._deferred, self._pending, self._pending_base = [], None, None
 
     # ---- the counter
 
@@ -732,8 +754,30 @@ class SimGpu:
         st.energy_mj, st.busy_credit_s, st.updated_s = v.energy_mj, v.credit_left_s, v.now_s
         return st
 
+    def _booked(self) -> SimState:
+        """The device as a reading sees it: the stored state with the deferred steps
+        booked, each at its time (written to the file first once _COMMIT_EVERY_S has
+        passed since the last write, or when another process replaced the file). A
+        read-only object: a booking makes a new one."""
+        if self._pending is None:
+            return self._read()
+        with self._thread_lock:  # (a commit and the deferred list change together)
+            if self._pending is not None:
+                base = self._read()
+                if base is self._pending_base and time.monotonic() - self._written_s < _COMMIT_EVERY_S:
+                    return self._pending
+                self.commit()
+            return self._read()
+
+    def commit(self) -> None:
+        """Write the deferred steps (``run_steps(defer=True)``) into the device file now."""
+        with self._thread_lock:
+            if self._deferred:
+                with self._mutate():
+                    pass
+
     def _current(self) -> tuple[SimState, _View]:
-        st = self._read()
+        st = self._booked()
         v = self._view(st, self._now())
         with self._mem_lock:
             h = self._history
@@ -748,8 +792,8 @@ class SimGpu:
     # ---- readings (what NVML shows)
 
     def state(self) -> SimState:
-        """A snapshot of the stored state (counter as of the last write)."""
-        st = self._read()
+        """A snapshot of the state (the counter as of the last write or booked step)."""
+        st = self._booked()
         return SimState.from_json(st.to_json())
 
     @property
@@ -920,24 +964,49 @@ class SimGpu:
         as busy credit (see the module docstring). ``mem_share`` None: the GPU's."""
         return self.run_steps([(flops, mem_share, precision)])[0]
 
-    def run_steps(self, steps: Sequence[tuple[float, float | None, str]]) -> list[StepCost]:
+    def run_steps(self, steps: Sequence[tuple[float, float | None, str]], *, defer: bool = False) -> list[StepCost]:
         """Execute several steps, ``(flops, mem_share, precision)`` each, in one update
-        of the device file (what a batch of step reports from the daemon needs)."""
+        of the device file (what a batch of step reports from the daemon needs).
+
+        ``defer``: book them in memory now, at the settings in force, and write them into
+        the file later (see ``_COMMIT_EVERY_S``). This object's readings count them at
+        once; another process sees them in the file about a second later at most."""
         costs: list[StepCost] = []
-        with self._mutate() as st:
+        if not defer:
+            with self._mutate() as st:
+                for flops, mem_share, precision in steps:
+                    cost = self._cost(st, flops, mem_share, precision)
+                    self._book(st, cost, st.mem_share if mem_share is None else mem_share)
+                    costs.append(cost)
+            return costs
+        with self._thread_lock:
+            base = self._read()
+            if self._pending is not None and self._pending_base is not base:
+                self.commit()  # another process changed the device: its file first
+                base = self._read()
+            st = copy.copy(self._pending if self._pending is not None else base)
+            now = self._now()
+            self._advanced(st, now)
             for flops, mem_share, precision in steps:
                 cost = self._cost(st, flops, mem_share, precision)
                 m = st.mem_share if mem_share is None else mem_share
-                total = st.busy_credit_s + cost.duration_s
-                if total > 0:  # the power/clock shown while busy: credit-weighted
-                    w = cost.duration_s / total
-                    st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
-                    st.busy_mem_share = (1 - w) * st.busy_mem_share + w * m
-                st.busy_clock_mhz = cost.sm_clock_mhz
-                st.energy_mj += cost.energy_j * 1000.0
-                st.busy_credit_s = total
+                self._book(st, cost, m)
+                self._deferred.append((now, cost, m))
                 costs.append(cost)
+            self._pending, self._pending_base = st, base
         return costs
+
+    @staticmethod
+    def _book(st: SimState, cost: StepCost, mem_share: float) -> None:
+        """A step's energy into the counter, its duration into the busy credit."""
+        total = st.busy_credit_s + cost.duration_s
+        if total > 0:  # the power/clock shown while busy: credit-weighted
+            w = cost.duration_s / total
+            st.busy_power_w = (1 - w) * st.busy_power_w + w * cost.power_w
+            st.busy_mem_share = (1 - w) * st.busy_mem_share + w * mem_share
+        st.busy_clock_mhz = cost.sm_clock_mhz
+        st.energy_mj += cost.energy_j * 1000.0
+        st.busy_credit_s = total
 
     # ---- ground truth
 

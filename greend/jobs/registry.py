@@ -445,7 +445,8 @@ class JobRegistry:
         one by one)."""
         for g in sims:  # the rank computes there: the GPU's process table lists it
             g.attach_process(pid)
-        per_gpu = [g.run_steps(work) for g in sims]
+        # Booked at once, written into the device files about once a second (defer).
+        per_gpu = [g.run_steps(work, defer=True) for g in sims]
         return [(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu)) for i in range(len(work))]
 
     def _account_row(

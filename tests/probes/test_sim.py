@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from greend.errors import StateError
+from greend.probes import sim as sim_module
 from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
 from tests.support import REPO, ManualClock
 
@@ -209,6 +211,74 @@ def test_busy_credit_avoids_double_counting(gpu: SimGpu, clock: ManualClock) -> 
     clock.advance(cost.duration_s / 2 + 3.0)
     assert not gpu.busy()
     assert gpu.energy_j() - e0 == pytest.approx(cost.energy_j + 3.0 * H100.idle_w)
+
+
+def test_deferred_steps_cost_the_same_and_reach_the_file_within_a_second(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now, later = SimGpu(tmp_path / "a", 0, clock=clock), SimGpu(tmp_path / "b", 0, clock=clock)
+    other = SimGpu(tmp_path / "b", 0, clock=clock)  # another process's view of the file
+    work = [(5e13, 0.1 * i, "bf16") for i in range(5)]
+    file_before = json.loads(later.path.read_text())["energy_mj"]
+    assert later.run_steps(work, defer=True) == now.run_steps(work)  # costed at the same settings
+    # This object's readings have them at once, as if written ...
+    assert later.energy_j() == pytest.approx(now.energy_j()) and later.busy()
+    assert later.state().busy_credit_s == pytest.approx(now.state().busy_credit_s)
+    # ... but the file waits (a daemon under load writes it once a second, not per report).
+    assert json.loads(later.path.read_text())["energy_mj"] == file_before
+    assert other.energy_j() < now.energy_j()
+    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 0.0)  # a second later
+    clock.advance(0.5)
+    assert later.energy_j() == pytest.approx(now.energy_j())
+    assert other.energy_j() == pytest.approx(now.energy_j()) and other.busy()
+    # A change of settings writes them first: they ran at the old settings.
+    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 3600.0)
+    later.run_steps(work, defer=True)
+    now.run_steps(work)
+    later.set_power_limit_w(400)
+    now.set_power_limit_w(400)
+    clock.advance(30.0)
+    assert other.energy_j() == pytest.approx(now.energy_j())
+    # Another process's change of the file is taken in, the deferred steps booked on it.
+    later.run_steps(work, defer=True)
+    now.run_steps(work)
+    other.set_background_load(0.5)
+    now.set_background_load(0.5)
+    clock.advance(2.0)
+    assert later.energy_j() == pytest.approx(now.energy_j())
+    assert later.background_load() == 0.5
+    later.close()  # close() writes what is deferred
+    assert other.energy_j() == pytest.approx(now.energy_j())
+
+
+def test_a_reading_while_deferred_steps_are_written_still_counts_them(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reading from another thread (the daemon's tick) while the deferred steps are
+    being written (an IPC thread) sees them: were the deferred list cleared before the
+    file held them, the reading would fall back by the steps' energy, and an energy
+    ledger that skips a fall would count them twice."""
+    g = SimGpu(tmp_path, 0, clock=clock)
+    g.run_steps([(5e13, None, "bf16")] * 4, defer=True)
+    before = g.energy_mj()
+    seen: list[int] = []
+    readers: list[threading.Thread] = []
+    real_write = sim_module.write_json_atomic
+
+    def write_with_a_reading_inside(path: Path, data: object, **kw: bool) -> int | None:
+        t = threading.Thread(target=lambda: seen.append(g.energy_mj()))
+        t.start()
+        t.join(0.2)  # it may wait for the write: then it reads once the write is done
+        readers.append(t)
+        return real_write(path, data, **kw)
+
+    monkeypatch.setattr(sim_module, "write_json_atomic", write_with_a_reading_inside)
+    g.commit()
+    for t in readers:
+        t.join(5)
+    assert readers and len(seen) == len(readers)
+    assert min(seen) >= before
+    assert g.energy_mj() >= before and json.loads(g.path.read_text())["energy_mj"] >= before
 
 
 def test_step_cost_has_no_side_effects(gpu: SimGpu) -> None:
