@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from torch import nn  # noqa: E402
 
 from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
 from greend.training.callback import GreenCallback  # noqa: E402
+from greend.training.step import HOT_PATH  # noqa: E402
 
 perf = time.perf_counter
 
@@ -275,6 +277,79 @@ def trimmed_mean(xs: list[float], low: float = 0.05, high: float | None = None) 
     return sum(kept) / len(kept)
 
 
+def real_section(tmp: Path, real_steps: int) -> None:
+    """Real torch training steps beside a bare twin loop (see Real), on this process's
+    hot path (``greend.training.step.HOT_PATH``)."""
+    us = 1e6
+    torch.set_num_threads(1)
+    real_sock = tmp / "greend-real.sock"
+    proc = daemon_process(real_sock)
+    print(
+        f"\nreal torch training steps (MLP, forward + backward + AdamW) on greend's {HOT_PATH} hot path"
+        f"{' (GREEND_PURE_PYTHON=1)' if HOT_PATH == 'python' else ''}, the daemon in its own process;"
+    )
+    print("greend's own time in its calls per step (timed inside the loop), and the step time beside")
+    print("a twin loop without greend (per-pair differences, the order alternating; A/A: the same")
+    print("with a second bare twin in greend's place, which is how far this instrument reads on its own)")
+    print(
+        f"{'':14}{'step (ms)':>10}{'greend: median':>16}{'mean':>7}{'p99':>8}{'loss freed: mean':>18}"
+        f"{'pairs: median':>15}{'mean*':>8}{'A/A: median':>13}{'mean*':>8}"
+    )
+    # The floor: the same instrument on the least a Python step wrapper can do, measured
+    # in rounds alternating with greend's on the ~1 ms step, so both see the same machine.
+    floor_real = Real(real_sock, 160, 48)
+    floor_real.cb.close()
+    floor_real.cb = FloorCallback()  # type: ignore[assignment]
+    floor_own: list[float] = []
+    floor_clocks: list[float] = []
+    for i in range(30):
+        floor_real.plain(i)
+        floor_real.green(i)
+    for label, hidden, batch, n in (
+        ("~1 ms step", 160, 48, real_steps),
+        ("~10 ms step", 768, 128, real_steps // 10),
+    ):
+        real = Real(real_sock, hidden, batch)
+        for i in range(30):  # warm-up (the FLOP count happens here)
+            real.plain(i)
+            real.green(i)
+        own, clocks, freed = [], [], []
+        rounds = 10 if label == "~1 ms step" else 1
+        for _ in range(rounds):
+            o, c, f = real.direct(n // 2 // rounds)
+            own += o
+            clocks += c
+            freed += f
+            if rounds > 1:
+                o, c, _ = floor_real.direct(n // 2 // rounds)
+                floor_own += o
+                floor_clocks += c
+        base, _, diffs = real.pairs(n)
+        _, _, control = real.pairs(n, control=True)
+        real.cb.close()
+        floor = statistics.median(clocks)
+        own = [t - floor for t in own]
+        print(
+            f"  {label:<12}{statistics.median(base) * 1e3:10.3f}{statistics.median(own) * us:16.2f}"
+            f"{trimmed_mean(own, 0.0, 0.01) * us:7.2f}{pct(own, 0.99) * us:8.2f}"
+            f"{(trimmed_mean(freed, 0.0, 0.01) - floor) * us:18.2f}"
+            f"{statistics.median(diffs) * us:15.2f}{trimmed_mean(diffs) * us:8.2f}"
+            f"{statistics.median(control) * us:13.2f}{trimmed_mean(control) * us:8.2f}"
+        )
+    print(
+        f"  {'floor, ~1 ms':<12}{'':10}{(statistics.median(floor_own) - statistics.median(floor_clocks)) * us:16.2f}"
+        "   (a minimal pure-Python step: two clock reads, the batch's shape, one record;"
+    )
+    print(f"{'':28}measured in rounds alternating with greend's ~1 ms step)")
+    print("  (us. greend: the time inside its calls less the clocks' own; loss freed: what the bare loop")
+    print("  spends freeing its loss and graph, which greend's batched read does for it (in greend's mean);")
+    print("  means without the top 1 % (the VM's pauses); * the mean of the middle 90 % of the pairs)")
+    print("  (target: <= 5 us median on the ~1 ms step; the loss is read without a stream sync)")
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20000)
@@ -283,8 +358,13 @@ def main() -> None:
     ap.add_argument(
         "--real-steps", type=int, default=10000, help="pairs of real ~1 ms training steps (a tenth as many ~10 ms)"
     )
+    ap.add_argument("--real-only", action="store_true", help="only the real training steps")
     a = ap.parse_args()
     us = 1e6
+    if a.real_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            real_section(Path(tmp), a.real_steps)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         sock = Path(tmp) / "greend.sock"
         daemon = FakeDaemon(sock, heartbeat_s=5.0, rows_every_s=0.5).start()  # rows, as greend asks by default
@@ -344,58 +424,17 @@ def main() -> None:
         )
 
         # Real training steps, as users pay: forward, backward, AdamW, ~1 ms and ~10 ms,
-        # with the daemon in a process of its own.
-        torch.set_num_threads(1)
-        real_sock = Path(tmp) / "greend-real.sock"
-        proc = daemon_process(real_sock)
-        print("\nreal torch training steps (MLP, forward + backward + AdamW), the daemon in its own process;")
-        print("greend's own time in its calls per step (timed inside the loop), and the step time beside")
-        print("a twin loop without greend (per-pair differences, the order alternating; A/A: the same")
-        print("with a second bare twin in greend's place, which is how far this instrument reads on its own)")
-        print(
-            f"{'':14}{'step (ms)':>10}{'greend: median':>16}{'mean':>7}{'p99':>8}{'loss freed: mean':>18}"
-            f"{'pairs: median':>15}{'mean*':>8}{'A/A: median':>13}{'mean*':>8}"
+        # with the daemon in a process of its own; greend's C hot path (this process) and
+        # its pure-Python one (a child process: the choice is made at import).
+        real_section(Path(tmp), a.real_steps)
+        sys.stdout.flush()
+        child = subprocess.run(
+            [sys.executable, __file__, "--real-only", "--real-steps", str(a.real_steps)],
+            env=dict(os.environ, GREEND_PURE_PYTHON="1"),
+            capture_output=True,
+            text=True,
         )
-        for label, hidden, batch, n in (
-            ("~1 ms step", 160, 48, a.real_steps),
-            ("~10 ms step", 768, 128, a.real_steps // 10),
-        ):
-            real = Real(real_sock, hidden, batch)
-            for i in range(30):  # warm-up (the FLOP count happens here)
-                real.plain(i)
-                real.green(i)
-            own, clocks, freed = real.direct(n // 2)
-            base, _, diffs = real.pairs(n)
-            _, _, control = real.pairs(n, control=True)
-            real.cb.close()
-            floor = statistics.median(clocks)
-            own = [t - floor for t in own]
-            print(
-                f"  {label:<12}{statistics.median(base) * 1e3:10.3f}{statistics.median(own) * us:16.2f}"
-                f"{trimmed_mean(own, 0.0, 0.01) * us:7.2f}{pct(own, 0.99) * us:8.2f}"
-                f"{(trimmed_mean(freed, 0.0, 0.01) - floor) * us:18.2f}"
-                f"{statistics.median(diffs) * us:15.2f}{trimmed_mean(diffs) * us:8.2f}"
-                f"{statistics.median(control) * us:13.2f}{trimmed_mean(control) * us:8.2f}"
-            )
-        # The floor: the same instrument on the least a Python step wrapper can do.
-        real = Real(real_sock, 160, 48)
-        real.cb.close()
-        real.cb = FloorCallback()  # type: ignore[assignment]
-        for i in range(30):
-            real.plain(i)
-            real.green(i)
-        own, clocks, _ = real.direct(a.real_steps // 2)
-        print(
-            f"  {'floor, ~1 ms':<12}{'':10}{(statistics.median(own) - statistics.median(clocks)) * us:16.2f}"
-            "   (a minimal pure-Python step: two clock reads, the batch's shape, one record)"
-        )
-        print("  (us. greend: the time inside its calls less the clocks' own; loss freed: what the bare loop")
-        print("  spends freeing its loss and graph, which greend's batched read does for it (in greend's mean);")
-        print("  means without the top 1 % (the VM's pauses); * the mean of the middle 90 % of the pairs)")
-        print("  (target: <= 5 us median on the ~1 ms step; the loss is read without a stream sync)")
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(10)
+        print(child.stdout.rstrip() or child.stderr[-2000:])
 
         # The one-time FLOP count (FlopCounterMode) on a small MLP's first step.
         torch.manual_seed(0)

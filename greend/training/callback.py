@@ -98,7 +98,7 @@ from greend.training.mixed_precision import (
 from greend.training.peers import JobPeers, default_store
 from greend.training.reference import ReferenceJudge, excess
 from greend.training.sender import Sender, SenderOptions, SenderStats
-from greend.training.step import Step
+from greend.training.step import Step, _new_step
 
 __all__ = ["DEFAULT_SOCKET", "GreenCallback", "SenderStats", "Step"]
 
@@ -438,7 +438,17 @@ class GreenCallback:
                 # The key FLOPs are cached under: a tensor's shape (its dtype does not
                 # change the model's FLOPs), else the batch's signature.
                 shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
+        if _new_step is not None:
+            return _new_step(Step, self, index, samples, tokens, shape_key, flops)
         return Step(self, index, samples, tokens, shape_key, flops)
+
+    def _enter_agreeing(self) -> None:
+        """At each step's start while the ranks agree on their level: every
+        ``sync_every``-th step, the agreement (:meth:`_agree_precision`)."""
+        n = self._entered
+        self._entered = n + 1
+        if n % self.sync_every == 0:
+            self._agree_precision(n // self.sync_every)
 
     @property
     def precision(self) -> str:

@@ -4,8 +4,10 @@ The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
 looks the batch's shape up in the FLOP cache, and puts the ended step on the
 callback's list; :meth:`Step.loss` only holds the tensor. Every 16 steps (or 50 ms)
 the callback reads the losses and records the steps in one pass
-(``GreenCallback._drain``): 5-6.5 us a step at the median here, no locks, no syscalls,
-no stream sync (``bench/bench_callback.py``). A step whose FLOPs are being counted
+(``GreenCallback._drain``). No locks, no syscalls, no stream sync. The hot path runs
+in C (``_stepfast.c``, built by the install) where it is built, else in the
+pure-Python class :class:`_PyStep` it mirrors; ``HOT_PATH`` says which
+(``bench/bench_callback.py`` measures both). A step whose FLOPs are being counted
 runs slower (FlopCounterMode costs 10-370% of a step); its timing is reported as
 measured.
 
@@ -32,6 +34,7 @@ the end of the step's batch later.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
@@ -44,21 +47,17 @@ from greend.training.mixed_precision import grads_finite, optimizer_params
 if TYPE_CHECKING:
     from greend.training.callback import GreenCallback
 
-__all__ = ["Step"]
+__all__ = ["HOT_PATH", "Step"]
 
 _monotonic = time.monotonic
 _Tensor = torch.Tensor
 
 
-class Step:
-    """One training step: a context manager made by :meth:`GreenCallback.step`.
-
-    Inside it: :meth:`autocast` for the precision this step runs at, :meth:`loss`
-    to report the loss, and (recommended, needed for fp16) :meth:`backward` and
-    :meth:`optimizer_step`, which use loss scaling when the level needs it and
-    let the accuracy guard see the gradients. Attributes after the step:
-    ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
-    """
+class _PyStep:
+    """The per-step hot path in Python: construction, ``__enter__``, :meth:`loss` and
+    ``__exit__``. ``greend/training/_stepfast.c`` does the same in C (``StepBase``),
+    about half the cost; this class is its reference, and :class:`Step`'s base where
+    that module is not built (``GREEND_PURE_PYTHON=1`` chooses it too)."""
 
     __slots__ = (
         "_cb",
@@ -113,16 +112,15 @@ class Step:
         self._pending: Any = None  # a loss read still in flight (LossReader handle)
         self._raw: Any = None  # the reported loss, not read yet (a tensor, or a float)
 
+    # (self is always a Step here: this class is only ever Step's base.)
     def __enter__(self) -> Step:
+        self_step: Step = self  # type: ignore[assignment]
         cb = self._cb
         requested = cb._requested  # (written by the sender thread: read once)
         if requested is not cb._seen_request:
             cb._take_request(requested)
         if cb._agreeing:
-            n = cb._entered
-            cb._entered = n + 1
-            if n % cb.sync_every == 0:
-                cb._agree_precision(n // cb.sync_every)
+            cb._enter_agreeing()
         self.precision = cb._precision
         if self.flops is None:
             # The common case inline (this runs every step): a shape counted already.
@@ -132,16 +130,16 @@ class Step:
             except TypeError:  # an unhashable shape_key=: _plan_flops makes it one
                 flops = None
             if flops is None:
-                cb._plan_flops(self)
+                cb._plan_flops(self_step)
             else:
                 self.flops = flops
         self.t0_s = _monotonic()
-        return self
+        return self_step
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         t1 = _monotonic()
         if self._shape_guessed or self._counting:
-            self._end_flops(exc_type is None)
+            self._end_flops(exc_type is None)  # type: ignore[attr-defined]
         if exc_type is not None:
             return False  # the user's error: not ours to swallow, and no record
         self.t1_s = t1
@@ -150,10 +148,61 @@ class Step:
         ended = cb._ended
         if not ended:
             cb._judge_by = t1 + cb._judge_within_s
-        ended.append(self)
+        ended.append(self)  # type: ignore[arg-type]
         if len(ended) >= cb._judge_every or t1 >= cb._judge_by:
             cb._drain(keep=cb._max_unjudged)
         return False
+
+    def loss(self, loss: Any) -> None:
+        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
+            self._raw = loss
+            return
+        self._loss_other(loss)  # type: ignore[attr-defined]
+
+
+try:
+    if os.environ.get("GREEND_PURE_PYTHON", "") not in ("", "0"):
+        raise ImportError("GREEND_PURE_PYTHON is set")
+    from greend.training import _stepfast
+
+    _stepfast.set_hooks(_monotonic, _Tensor)
+    _StepBase: type = _stepfast.StepBase
+    _new_step: Any = _stepfast.new_step
+except ImportError:  # not built (no compiler where greend was installed), or not wanted
+    _StepBase = _PyStep
+    _new_step = None
+#: Which implementation runs the per-step hot path: "c" or "python".
+HOT_PATH = "python" if _StepBase is _PyStep else "c"
+
+
+if TYPE_CHECKING:
+    _Base = _PyStep  # (what the type checker reads: the C class has the same fields)
+else:
+    _Base = _StepBase
+
+
+class Step(_Base):
+    """One training step: a context manager made by :meth:`GreenCallback.step`.
+
+    Inside it: :meth:`autocast` for the precision this step runs at, :meth:`loss`
+    to report the loss, and (recommended, needed for fp16) :meth:`backward` and
+    :meth:`optimizer_step`, which use loss scaling when the level needs it and
+    let the accuracy guard see the gradients. Attributes after the step:
+    ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
+
+    :meth:`loss`: report this step's loss (a tensor or a number). A tensor is only
+    held there, never read: the callback reads the losses of several steps at once,
+    later, in one pass (copied asynchronously on a GPU, and judged once the copy has
+    landed; :mod:`greend.training.loss_reader`). greend never synchronises the stream
+    for it. While the accuracy guard watches for spikes (the first ``spike_steps``
+    after a downgrade) each step's loss is read at the step's end, so a spike rolls
+    back from the next step or the one after. The tensor is held until then, not its
+    activations (``backward`` frees those; a loss that never goes through ``backward``
+    keeps its graph until it is read: report ``loss.detach()`` there). Do not change
+    the tensor in place after reporting it.
+    """
+
+    __slots__ = ()
 
     def _end_flops(self, ok: bool) -> None:
         """The step's FLOPs, where the step had to find them out: from the shape the
@@ -176,29 +225,16 @@ class Step:
             if ok:
                 self.flops = cb._store_count(self._shape_key, counted)
 
-    def autocast(self) -> AbstractContextManager[Any]:
-        """The context for this step's precision (a null context for fp32/tf32)."""
-        return self._cb._autocast_for(self.precision)
-
-    def loss(self, loss: Any) -> None:
-        """Report this step's loss (a tensor or a number).
-
-        A tensor is only held here, never read: the callback reads the losses of
-        several steps at once, later, in one pass (copied asynchronously on a GPU, and
-        judged once the copy has landed; :mod:`greend.training.loss_reader`). greend
-        never synchronises the stream for it. While the accuracy guard watches for
-        spikes (the first ``spike_steps`` after a downgrade) each step's loss is read
-        at the step's end, so a spike rolls back from the next step or the one after.
-        The tensor is held until then, not its activations (``backward`` frees those; a
-        loss that never goes through ``backward`` keeps its graph until it is read: report
-        ``loss.detach()`` there). Do not change the tensor in place after reporting it."""
-        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
-            self._raw = loss
-            return
+    def _loss_other(self, loss: Any) -> None:
+        """:meth:`loss` for anything but a tensor: a number, or a warning."""
         try:
             self._raw = float(loss)
         except Exception:
             self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The context for this step's precision (a null context for fp32/tf32)."""
+        return self._cb._autocast_for(self.precision)
 
     def _judge(self, value: float) -> None:
         """The guard's look at this step's loss, once its value is known (in step order)."""
