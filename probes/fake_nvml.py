@@ -546,9 +546,9 @@ class FakeNvml:
 
     def nvmlShutdown(self) -> None:
         global _init_count
-        for g in self._gpus:  # steps the daemon ran there (deferred) go into the device files
-            try:
-                g.commit()
+        for g in self._gpus:  # steps the daemon ran there (deferred) go into the device files,
+            try:  # and later ones (a connection still closing) straight in
+                g.close()
             except Exception as e:
                 log.warning("simulated GPU %d: could not write its last steps: %s", g.index, e)
         with _init_lock:

@@ -76,6 +76,14 @@ parameters) lives in ``<state_dir>/gpu<i>.json``, written atomically under an
 restarted daemon finds the caps a crashed one left, and another process (a test)
 sees the same device. Reads do not lock: the file is replaced atomically.
 
+The daemon runs its jobs' step reports with ``run_steps(defer=True)``: the steps are
+booked in memory at once (this object's readings count them) and written into the
+file about once a second (``_COMMIT_EVERY_S``), before any change of settings, and at
+``commit()``/``close()`` (FakeNvml's ``nvmlShutdown``). Another process sees them up
+to a second late; a daemon killed outright loses up to a second of them from the
+file. One lock covers the booked state, the deferred steps and their write, so a
+reading never sees steps gone from memory before they are in the file.
+
 The counter (mJ, an int, like ``nvmlDeviceGetTotalEnergyConsumption``) is
 monotonic and consistent with wall time. Between events it integrates the
 background power (``idle_w``, or ``idle_w + load * (P_busy - idle_w)`` with a
@@ -588,6 +596,7 @@ class SimGpu:
         self._deferred: list[tuple[float, StepCost, float]] = []
         self._pending: SimState | None = None
         self._pending_base: SimState | None = None
+        self._defer = True  # run_steps(defer=True) defers (close() ends it)
         self._cache_key: tuple[int, int, int] | None = None
         self._cache: SimState | None = None
         self._cache_checked_s = -1e18
@@ -650,12 +659,22 @@ class SimGpu:
         key = (s.st_ino, s.st_mtime_ns, s.st_size)
         if not force and self._cache is not None and key == self._cache_key:
             return self._cache
-        try:
-            st = SimState.from_json(json.loads(self.path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise StateError(f"simulated GPU state {self.path} is corrupt: {e}") from e
-        self._cache, self._cache_key = st, key
-        return st
+        # Parsed under the lock this object writes under: a parse begun before one of
+        # its writes must not install the older state over the newer one.
+        with self._thread_lock:
+            if not force:
+                s = os.stat(self.path)
+                key = (s.st_ino, s.st_mtime_ns, s.st_size)
+                if self._cache is not None and key == self._cache_key:
+                    return self._cache
+            try:
+                st = SimState.from_json(json.loads(self.path.read_text(encoding="utf-8")))
+            except FileNotFoundError as e:
+                raise StateError(f"simulated GPU state {self.path} is missing") from e
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+                raise StateError(f"simulated GPU state {self.path} is corrupt: {e}") from e
+            self._cache, self._cache_key = st, key
+            return st
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -678,14 +697,17 @@ class SimGpu:
         key = (s.st_ino, s.st_mtime_ns, s.st_size)
         old, self._written_fd = self._written_fd, fd
         if old is not None:
-            os.close(old)
+            with contextlib.suppress(OSError):  # (the new file is in place: nothing to undo)
+                os.close(old)
         self._cache, self._cache_key, self._written_key = st, key, key
         self._cache_checked_s = self._written_s = time.monotonic()
 
     def close(self) -> None:
         """Write the deferred steps, then close the files this object holds open (the
-        lock file, the last file written)."""
+        lock file, the last file written). The object still works: from now on each
+        ``run_steps`` writes the file at once, deferred or not."""
         with self._thread_lock:
+            self._defer = False
             self.commit()
             if self._written_fd is not None:
                 os.close(self._written_fd)
@@ -695,6 +717,9 @@ class SimGpu:
                 self._lock_fd = None
 
     def __del__(self) -> None:
+        if getattr(self, "_deferred", None):
+            with contextlib.suppress(Exception):
+                self.commit()
         for fd in (getattr(self, "_written_fd", None), getattr(self, "_lock_fd", None)):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -709,7 +734,10 @@ class SimGpu:
         unchanged (inode, mtime, size) means nobody replaced it. The caller edits a copy:
         readers in other threads never see half an edit."""
         with self._locked():
-            s = os.stat(self.path)
+            try:
+                s = os.stat(self.path)
+            except FileNotFoundError as e:
+                raise StateError(f"simulated GPU state {self.path} is missing") from e
             key = (s.st_ino, s.st_mtime_ns, s.st_size)
             ours = self._cache is not None and key == self._written_key and key == self._cache_key
             st = self._cache if ours else self._read(force=True)
@@ -972,7 +1000,7 @@ class SimGpu:
         the file later (see ``_COMMIT_EVERY_S``). This object's readings count them at
         once; another process sees them in the file about a second later at most."""
         costs: list[StepCost] = []
-        if not defer:
+        if not (defer and self._defer):
             with self._mutate() as st:
                 for flops, mem_share, precision in steps:
                     cost = self._cost(st, flops, mem_share, precision)
@@ -987,13 +1015,17 @@ class SimGpu:
             st = copy.copy(self._pending if self._pending is not None else base)
             now = self._now()
             self._advanced(st, now)
-            for flops, mem_share, precision in steps:
+            booked = []
+            for flops, mem_share, precision in steps:  # (a step that cannot run books none)
                 cost = self._cost(st, flops, mem_share, precision)
                 m = st.mem_share if mem_share is None else mem_share
                 self._book(st, cost, m)
-                self._deferred.append((now, cost, m))
+                booked.append((now, cost, m))
                 costs.append(cost)
+            self._deferred += booked
             self._pending, self._pending_base = st, base
+            if time.monotonic() - self._written_s >= _COMMIT_EVERY_S:
+                self.commit()  # (readings commit too; this one keeps going without them)
         return costs
 
     @staticmethod

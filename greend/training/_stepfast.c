@@ -49,7 +49,8 @@ static PyObject *g_cause_loss = NULL;   /* "loss" */
 /* Interned attribute and method names. */
 static PyObject *s_requested, *s_seen_request, *s_take_request, *s_agreeing, *s_enter_agreeing,
     *s_precision, *s_flop_cache, *s_plan_flops, *s_end_flops, *s_ended, *s_judge_by,
-    *s_judge_within_s, *s_judge_every, *s_drain, *s_max_unjudged, *s_keep, *s_loss_other;
+    *s_judge_within_s, *s_judge_every, *s_drain, *s_max_unjudged, *s_keep, *s_loss_other, *s_get;
+static PyObject *g_keep_kwnames = NULL; /* ("keep",) */
 
 static int
 step_traverse(StepObject *self, visitproc visit, void *arg)
@@ -198,26 +199,43 @@ read_clock(double *out)
     return 0;
 }
 
+/* A field a step needs, NULL once deleted from Python: AttributeError, as a slot gives. */
+static int
+need(PyObject *field, const char *name)
+{
+    if (field == NULL) {
+        PyErr_Format(PyExc_AttributeError, "'Step' object has no attribute '%s'", name);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *cb = self->cb;
+    if (need(self->cb, "_cb") < 0 || need(self->flops, "flops") < 0 || need(self->shape_key, "_shape_key") < 0) {
+        return NULL;
+    }
+    /* A reference of our own: the Python code called below could replace self->cb. */
+    PyObject *cb = Py_NewRef(self->cb);
+    PyObject *result = NULL;
     /* A directive from the daemon (written by the sender thread: read once). */
     PyObject *requested = PyObject_GetAttr(cb, s_requested);
     if (requested == NULL) {
-        return NULL;
+        goto done;
     }
     PyObject *seen = PyObject_GetAttr(cb, s_seen_request);
     if (seen == NULL) {
         Py_DECREF(requested);
-        return NULL;
+        goto done;
     }
-    Py_DECREF(seen); /* (only its identity is needed: cb holds it) */
-    if (requested != seen) {
+    int changed = requested != seen;
+    Py_DECREF(seen);
+    if (changed) {
         PyObject *r = PyObject_CallMethodOneArg(cb, s_take_request, requested);
         if (r == NULL) {
             Py_DECREF(requested);
-            return NULL;
+            goto done;
         }
         Py_DECREF(r);
     }
@@ -225,46 +243,49 @@ step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
     /* Ranks agreeing on their precision every sync_every steps. */
     PyObject *agreeing = PyObject_GetAttr(cb, s_agreeing);
     if (agreeing == NULL) {
-        return NULL;
+        goto done;
     }
     int agree = PyObject_IsTrue(agreeing);
     Py_DECREF(agreeing);
     if (agree < 0) {
-        return NULL;
+        goto done;
     }
     if (agree) {
         PyObject *r = PyObject_CallMethodNoArgs(cb, s_enter_agreeing);
         if (r == NULL) {
-            return NULL;
+            goto done;
         }
         Py_DECREF(r);
     }
     PyObject *precision = PyObject_GetAttr(cb, s_precision);
     if (precision == NULL) {
-        return NULL;
+        goto done;
     }
-    Py_SETREF(self->precision, precision);
-    if (self->flops == Py_None) {
+    Py_XSETREF(self->precision, precision);
+    if (self->flops == NULL || self->flops == Py_None) {
         /* The common case inline: a shape counted already. */
         PyObject *flops = NULL;
-        if (self->shape_key != Py_None) {
+        PyObject *key = self->shape_key;
+        if (key != NULL && key != Py_None) {
+            Py_INCREF(key);
             PyObject *cache = PyObject_GetAttr(cb, s_flop_cache);
             if (cache == NULL) {
-                return NULL;
+                Py_DECREF(key);
+                goto done;
             }
             if (PyDict_CheckExact(cache)) {
-                flops = PyDict_GetItemWithError(cache, self->shape_key); /* borrowed */
-                Py_XINCREF(flops);
+                flops = Py_XNewRef(PyDict_GetItemWithError(cache, key)); /* (borrowed: own it) */
             } else {
-                flops = PyObject_CallMethod(cache, "get", "O", self->shape_key);
+                flops = PyObject_CallMethodOneArg(cache, s_get, key);
                 if (flops == Py_None) {
                     Py_CLEAR(flops);
                 }
             }
             Py_DECREF(cache);
+            Py_DECREF(key);
             if (flops == NULL && PyErr_Occurred()) {
                 if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-                    return NULL;
+                    goto done;
                 }
                 PyErr_Clear(); /* an unhashable shape_key=: _plan_flops makes it one */
             }
@@ -272,18 +293,33 @@ step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
         if (flops == NULL) {
             PyObject *r = PyObject_CallMethodOneArg(cb, s_plan_flops, (PyObject *)self);
             if (r == NULL) {
-                return NULL;
+                goto done;
             }
             Py_DECREF(r);
         } else {
-            Py_SETREF(self->flops, flops);
+            Py_XSETREF(self->flops, flops);
         }
     }
     if (read_clock(&self->t0_s) < 0) {
-        return NULL;
+        goto done;
     }
-    Py_INCREF(self);
-    return (PyObject *)self;
+    result = Py_NewRef((PyObject *)self);
+done:
+    Py_DECREF(cb);
+    return result;
+}
+
+/* cb.<name> as a double (-1 with an exception set on failure). */
+static int
+attr_double(PyObject *cb, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(cb, name);
+    if (v == NULL) {
+        return -1;
+    }
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
 static PyObject *
@@ -310,100 +346,98 @@ step_exit(StepObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_FALSE; /* the user's error: not ours to swallow, and no record */
     }
     self->t1_s = t1;
+    if (need(self->cb, "_cb") < 0) {
+        return NULL;
+    }
     /* Read, judged and recorded with the next batch of ended steps (GreenCallback._drain). */
-    PyObject *cb = self->cb;
+    PyObject *cb = Py_NewRef(self->cb);
+    PyObject *result = NULL;
     PyObject *ended = PyObject_GetAttr(cb, s_ended);
     if (ended == NULL) {
-        return NULL;
+        goto done;
     }
     if (!PyList_Check(ended)) {
         Py_DECREF(ended);
         PyErr_SetString(PyExc_TypeError, "GreenCallback._ended must be a list");
-        return NULL;
+        goto done;
     }
     if (PyList_GET_SIZE(ended) == 0) {
-        PyObject *within = PyObject_GetAttr(cb, s_judge_within_s);
-        if (within == NULL) {
-            Py_DECREF(ended);
-            return NULL;
-        }
-        double w = PyFloat_AsDouble(within);
-        Py_DECREF(within);
-        if (w == -1.0 && PyErr_Occurred()) {
-            Py_DECREF(ended);
-            return NULL;
-        }
-        PyObject *by = PyFloat_FromDouble(t1 + w);
-        if (by == NULL || PyObject_SetAttr(cb, s_judge_by, by) < 0) {
+        double w;
+        PyObject *by = NULL;
+        if (attr_double(cb, s_judge_within_s, &w) < 0 || (by = PyFloat_FromDouble(t1 + w)) == NULL ||
+            PyObject_SetAttr(cb, s_judge_by, by) < 0) {
             Py_XDECREF(by);
             Py_DECREF(ended);
-            return NULL;
+            goto done;
         }
         Py_DECREF(by);
     }
     if (PyList_Append(ended, (PyObject *)self) < 0) {
         Py_DECREF(ended);
-        return NULL;
+        goto done;
     }
     Py_ssize_t n = PyList_GET_SIZE(ended);
     Py_DECREF(ended);
-    PyObject *every = PyObject_GetAttr(cb, s_judge_every);
-    if (every == NULL) {
-        return NULL;
+    double every, by;
+    if (attr_double(cb, s_judge_every, &every) < 0) {
+        goto done;
     }
-    Py_ssize_t e = PyLong_AsSsize_t(every);
-    Py_DECREF(every);
-    if (e == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    int drain = n >= e;
+    int drain = (double)n >= every;
     if (!drain) {
-        PyObject *by = PyObject_GetAttr(cb, s_judge_by);
-        if (by == NULL) {
-            return NULL;
+        if (attr_double(cb, s_judge_by, &by) < 0) {
+            goto done;
         }
-        double b = PyFloat_AsDouble(by);
-        Py_DECREF(by);
-        if (b == -1.0 && PyErr_Occurred()) {
-            return NULL;
-        }
-        drain = t1 >= b;
+        drain = t1 >= by;
     }
     if (drain) {
         PyObject *keep = PyObject_GetAttr(cb, s_max_unjudged);
         if (keep == NULL) {
-            return NULL;
+            goto done;
         }
         PyObject *meth = PyObject_GetAttr(cb, s_drain);
         if (meth == NULL) {
             Py_DECREF(keep);
-            return NULL;
-        }
-        PyObject *kwnames = PyTuple_Pack(1, s_keep);
-        if (kwnames == NULL) {
-            Py_DECREF(meth);
-            Py_DECREF(keep);
-            return NULL;
+            goto done;
         }
         PyObject *callargs[1] = {keep};
-        PyObject *r = PyObject_Vectorcall(meth, callargs, 0, kwnames);
-        Py_DECREF(kwnames);
+        PyObject *r = PyObject_Vectorcall(meth, callargs, 0, g_keep_kwnames);
         Py_DECREF(meth);
         Py_DECREF(keep);
         if (r == NULL) {
-            return NULL;
+            goto done;
         }
         Py_DECREF(r);
     }
-    Py_RETURN_FALSE;
+    result = Py_NewRef(Py_False);
+done:
+    Py_DECREF(cb);
+    return result;
 }
 
+/* loss(loss): hold a tensor; anything else goes to the Python method _loss_other. */
 static PyObject *
-step_loss(StepObject *self, PyObject *loss)
+step_loss(StepObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (g_tensor != NULL && (Py_TYPE(loss) == g_tensor || PyObject_TypeCheck(loss, g_tensor))) {
-        Py_INCREF(loss);
-        Py_SETREF(self->raw, loss);
+    PyObject *loss;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs == 1 && nkw == 0) {
+        loss = args[0];
+    } else if (nargs == 0 && nkw == 1 &&
+               PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "loss") == 0) {
+        loss = args[0];
+    } else {
+        PyErr_SetString(PyExc_TypeError, "loss() takes one argument: loss");
+        return NULL;
+    }
+    int is_tensor = 0;
+    if (g_tensor != NULL) {
+        is_tensor = Py_TYPE(loss) == g_tensor ? 1 : PyObject_IsInstance(loss, (PyObject *)g_tensor);
+        if (is_tensor < 0) {
+            return NULL;
+        }
+    }
+    if (is_tensor) {
+        Py_XSETREF(self->raw, Py_NewRef(loss));
         Py_RETURN_NONE;
     }
     return PyObject_CallMethodOneArg((PyObject *)self, s_loss_other, loss);
@@ -412,31 +446,31 @@ step_loss(StepObject *self, PyObject *loss)
 static PyMethodDef step_methods[] = {
     {"__enter__", (PyCFunction)step_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))step_exit, METH_FASTCALL, NULL},
-    {"loss", (PyCFunction)step_loss, METH_O,
-     "loss(loss)\n--\n\nReport this step's loss (a tensor or a number): see step.Step.loss."},
+    {"loss", (PyCFunction)(void (*)(void))step_loss, METH_FASTCALL | METH_KEYWORDS,
+     "loss($self, /, loss)\n--\n\nReport this step's loss (a tensor or a number): see the Step class."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef step_members[] = {
-    {"_cb", T_OBJECT, offsetof(StepObject, cb), 0, NULL},
-    {"index", T_OBJECT, offsetof(StepObject, index), 0, NULL},
-    {"samples", T_OBJECT, offsetof(StepObject, samples), 0, NULL},
-    {"tokens", T_OBJECT, offsetof(StepObject, tokens), 0, NULL},
-    {"flops", T_OBJECT, offsetof(StepObject, flops), 0, NULL},
-    {"_shape_key", T_OBJECT, offsetof(StepObject, shape_key), 0, NULL},
+    {"_cb", T_OBJECT_EX, offsetof(StepObject, cb), 0, NULL},
+    {"index", T_OBJECT_EX, offsetof(StepObject, index), 0, NULL},
+    {"samples", T_OBJECT_EX, offsetof(StepObject, samples), 0, NULL},
+    {"tokens", T_OBJECT_EX, offsetof(StepObject, tokens), 0, NULL},
+    {"flops", T_OBJECT_EX, offsetof(StepObject, flops), 0, NULL},
+    {"_shape_key", T_OBJECT_EX, offsetof(StepObject, shape_key), 0, NULL},
     {"t0_s", T_DOUBLE, offsetof(StepObject, t0_s), 0, NULL},
     {"t1_s", T_DOUBLE, offsetof(StepObject, t1_s), 0, NULL},
-    {"_loss", T_OBJECT, offsetof(StepObject, loss_value), 0, NULL},
+    {"_loss", T_OBJECT_EX, offsetof(StepObject, loss_value), 0, NULL},
     {"_nonfinite", T_BOOL, offsetof(StepObject, nonfinite), 0, NULL},
-    {"_nonfinite_cause", T_OBJECT, offsetof(StepObject, nonfinite_cause), 0, NULL},
+    {"_nonfinite_cause", T_OBJECT_EX, offsetof(StepObject, nonfinite_cause), 0, NULL},
     {"_counting", T_BOOL, offsetof(StepObject, counting), 0, NULL},
     {"_scaled", T_BOOL, offsetof(StepObject, scaled), 0, NULL},
-    {"precision", T_OBJECT, offsetof(StepObject, precision), 0, NULL},
+    {"precision", T_OBJECT_EX, offsetof(StepObject, precision), 0, NULL},
     {"_shape_guessed", T_BOOL, offsetof(StepObject, shape_guessed), 0, NULL},
-    {"_forward_signature", T_OBJECT, offsetof(StepObject, forward_signature), 0, NULL},
-    {"_spike_reason", T_OBJECT, offsetof(StepObject, spike_reason), 0, NULL},
-    {"_pending", T_OBJECT, offsetof(StepObject, pending), 0, NULL},
-    {"_raw", T_OBJECT, offsetof(StepObject, raw), 0, NULL},
+    {"_forward_signature", T_OBJECT_EX, offsetof(StepObject, forward_signature), 0, NULL},
+    {"_spike_reason", T_OBJECT_EX, offsetof(StepObject, spike_reason), 0, NULL},
+    {"_pending", T_OBJECT_EX, offsetof(StepObject, pending), 0, NULL},
+    {"_raw", T_OBJECT_EX, offsetof(StepObject, raw), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -518,6 +552,11 @@ PyInit__stepfast(void)
     INTERN(s_max_unjudged, "_max_unjudged");
     INTERN(s_keep, "keep");
     INTERN(s_loss_other, "_loss_other");
+    INTERN(s_get, "get");
+    g_keep_kwnames = PyTuple_Pack(1, s_keep);
+    if (g_keep_kwnames == NULL) {
+        return NULL;
+    }
     INTERN(g_fp32, "fp32");
     INTERN(g_cause_loss, "loss");
     if (PyType_Ready(&StepBaseType) < 0) {

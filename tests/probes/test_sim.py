@@ -10,12 +10,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from greend.errors import StateError
 from greend.probes import sim as sim_module
-from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, discover_sim_gpus, open_sim_gpus
+from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, SimState, discover_sim_gpus, open_sim_gpus
 from tests.support import REPO, ManualClock
 
 BF16_STEP_FLOPS = 1e15  # ~2 s on a simulated H100 at 1980 MHz, bf16, compute bound
@@ -279,6 +280,45 @@ def test_a_reading_while_deferred_steps_are_written_still_counts_them(
     assert readers and len(seen) == len(readers)
     assert min(seen) >= before
     assert g.energy_mj() >= before and json.loads(g.path.read_text())["energy_mj"] >= before
+
+
+def test_a_parse_begun_before_a_write_does_not_install_the_older_state(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reading thread parses the file another process wrote while this object's steps
+    are written (another thread): the older state it parsed must not replace the newer
+    one, or readings would fall back by the steps' energy until the next look at the
+    file (and an energy ledger would take the fall for a counter reset)."""
+    g = SimGpu(tmp_path, 0, clock=clock, refresh_s=60.0)
+    SimGpu(tmp_path, 0, clock=clock).set_background_load(0.2)  # another process writes
+    parsing, go = threading.Event(), threading.Event()
+    real_from_json = SimState.from_json
+
+    def slow_from_json(d: Any) -> SimState:
+        if threading.current_thread().name == "reader":
+            parsing.set()
+            go.wait(5)
+        return real_from_json(d)
+
+    monkeypatch.setattr(SimState, "from_json", staticmethod(slow_from_json))
+    g._cache_checked_s = -1e18  # (the reading looks at the file now)
+    reader = threading.Thread(target=g.energy_mj, name="reader")
+    reader.start()
+    assert parsing.wait(5)
+
+    def book_and_write() -> None:
+        g.run_steps([(5e13, None, "bf16")] * 4, defer=True)
+        g.commit()
+
+    writer = threading.Thread(target=book_and_write)
+    writer.start()
+    writer.join(0.3)  # (it waits for the parse, where the lock is kept)
+    go.set()
+    reader.join(5)
+    writer.join(5)
+    assert not reader.is_alive() and not writer.is_alive()
+    in_file = json.loads(g.path.read_text())["energy_mj"]
+    assert g.energy_mj() >= int(in_file)  # the state this object wrote, not the older one
 
 
 def test_step_cost_has_no_side_effects(gpu: SimGpu) -> None:

@@ -72,6 +72,46 @@ def test_a_step_reads_as_the_python_one_does(daemon: FakeDaemon, sock_path: Path
     assert wait_for(lambda: len(daemon.steps) == 2)
 
 
+def test_odd_uses_get_python_errors_not_a_crash(daemon: FakeDaemon, sock_path: Path) -> None:
+    """A deleted field, a step never constructed, a keyword loss, a non-dict FLOP cache
+    with tuple keys: in a child process, so that a crash would show as one."""
+    code = f"""
+import collections, torch
+from pathlib import Path
+from greend.training.callback import GreenCallback
+from greend.training.step import Step
+cb = GreenCallback(job="odd", socket=Path({str(sock_path)!r}), flush_interval_s=0.02, connect_timeout_s=1.0)
+for field in ("_cb", "_shape_key", "flops", "precision"):
+    st = cb.step(samples=1)
+    delattr(st, field)
+    try:
+        with st:
+            pass
+    except AttributeError as e:
+        assert field in str(e), e
+    else:
+        assert field == "precision", field  # (__enter__ sets it again)
+try:
+    Step.__new__(Step).__enter__()
+except AttributeError:
+    pass
+else:
+    raise AssertionError("a step never constructed was entered")
+with cb.step(samples=1, flops=1.0) as st:
+    st.loss(loss=torch.tensor(2.0))
+cb.flush()
+assert st._loss == 2.0, st._loss
+cb._flop_cache = collections.OrderedDict({{(8, 16): 5.0}})
+with cb.step(samples=1, shape_key=(8, 16)) as st:
+    pass
+assert st.flops == 5.0, st.flops
+cb.close()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr[-2000:])
+
+
 def test_steps_and_losses_are_freed(daemon: FakeDaemon, sock_path: Path) -> None:
     model = nn.Linear(16, 4)
     x = torch.randn(8, 16)
