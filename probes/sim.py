@@ -82,7 +82,10 @@ file about once a second (``_COMMIT_EVERY_S``), before any change of settings, a
 ``commit()``/``close()`` (FakeNvml's ``nvmlShutdown``). Another process sees them up
 to a second late; a daemon killed outright loses up to a second of them from the
 file. One lock covers the booked state, the deferred steps and their write, so a
-reading never sees steps gone from memory before they are in the file.
+reading never sees steps gone from memory before they are in the file. When another
+process changes the file meanwhile, the deferred steps are booked on its state: the
+background power it integrated over their time is then counted beside their energy
+(at most ``idle_w`` times a second, per such change).
 
 The counter (mJ, an int, like ``nvmlDeviceGetTotalEnergyConsumption``) is
 monotonic and consistent with wall time. Between events it integrates the

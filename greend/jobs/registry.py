@@ -1058,36 +1058,16 @@ class JobRegistry:
                         p.tags["run"] = job.run
 
     def list_jobs(self) -> list[dict[str, Any]]:
+        """Every job's row (``greenctl jobs``, ``status``): the columns of its report
+        (:data:`greend.jobs.report.ROW_FIELDS`), computed alone."""
         with self._lock:
             out = []
             for job in self.jobs.values():
-                r = self.report(job)
-                out.append(
-                    {
-                        k: r[k]
-                        for k in (
-                            "job",
-                            "run_id",
-                            "state",
-                            "ranks",
-                            "gpus",
-                            "steps",
-                            "flops",
-                            "duration_s",
-                            "gpu_energy_j",
-                            "energy_j",
-                            "gflops_per_w",
-                            "saved_pct",
-                            "precision",
-                            "world_size",
-                            "ranks_here",
-                            "started_at",
-                        )
-                    }
-                )
+                row = self.figures.row(job)
                 # Once its figures are final (not while it is ending).
                 t_end = job.t_end_s if job.state == "ended" else None
-                out[-1]["ended_at"] = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else None
+                row["ended_at"] = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else None
+                out.append(row)
             return out
 
     def _trim_ended(self) -> None:

@@ -14,7 +14,13 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import Job
 from greend.units import j_to_kwh
 
-__all__ = ["JobFigures", "rates", "savings_level"]
+__all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
+
+# The columns of a job's row in ``greenctl jobs`` and ``status`` (JobFigures.row).
+ROW_FIELDS = (
+    "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
+    "energy_j", "gflops_per_w", "saved_pct", "precision", "world_size", "ranks_here", "started_at",
+)  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
 MIN_BASELINE_STEPS = 3
@@ -196,10 +202,8 @@ class JobFigures:
             out["note"] = "greend's controller did not move this job: it ran at its baseline throughout"
         return out
 
-    def report(self, job: Job) -> dict[str, Any]:
-        """The job's figures over its life (so far, while it runs)."""
-        if job.summary is not None:
-            return job.summary
+    def _span(self, job: Job) -> tuple[float | None, float | None, float]:
+        """The job's life so far: (first step, last reading or step, seconds)."""
         t0 = job.t_start_s
         t1: float | None
         if job.t_end_s is not None:
@@ -208,10 +212,12 @@ class JobFigures:
             t1 = max(self.ledger.last_time(f"gpu{g}") or 0.0 for g in job.gpus) if job.gpus else None
             if t1 is None or t1 == 0.0:
                 t1 = job.last_step_t1_s
-        duration = (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
-        per_gpu = self._per_gpu(job, t0, t1, duration)
-        known = [g["energy_j"] for g in per_gpu if g["energy_j"] is not None]
-        gpu_e = sum(known) if known else None  # the job's GPUs' joules, as gpu_energy sums them
+        return t0, t1, (t1 - t0) if (t0 is not None and t1 is not None) else 0.0
+
+    def _energies(
+        self, job: Job, t0: float | None, t1: float | None, gpu_e: float | None
+    ) -> tuple[float | None, str, float | None, float]:
+        """(the job's CPU joules, how they were got, the node's CPU joules, GPU + CPU)."""
         node_cpu_e, estimated = self._cpu_energy(t0, t1) if t0 is not None and t1 is not None else (None, False)
         # "unmeasured": no RAPL zone was readable and no cpu_tdp_w estimate is configured,
         # so the 0 J beside it is not a measurement.
@@ -223,7 +229,46 @@ class JobFigures:
                 cpu_method = "process_share"
         if estimated:
             cpu_method += ", estimate"
-        energy = (gpu_e or 0.0) + (cpu_e or 0.0)
+        return cpu_e, cpu_method, node_cpu_e, (gpu_e or 0.0) + (cpu_e or 0.0)
+
+    def row(self, job: Job) -> dict[str, Any]:
+        """The figures ``greenctl jobs`` and ``status`` list (a subset of :meth:`report`),
+        computed without the rest: a node's status lists every job."""
+        if job.summary is not None:
+            r = job.summary
+            return {k: r.get(k) for k in ROW_FIELDS}
+        t0, t1, duration = self._span(job)
+        gpu_e = self.gpu_energy(job, t0, t1) if t0 is not None and t1 is not None else None
+        _, _, _, energy = self._energies(job, t0, t1, gpu_e)
+        saving = self.savings(job, gpu_e, duration)
+        return {
+            "job": job.job,
+            "run_id": job.run,
+            "state": job.state,
+            "ranks": len(job.ranks),
+            "gpus": sorted(job.gpus),
+            "steps": job.steps,
+            "flops": job.flops,
+            "duration_s": duration,
+            "gpu_energy_j": gpu_e or 0.0,
+            "energy_j": energy,
+            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,
+            "saved_pct": saving["saved_pct"],
+            "precision": job.precision,
+            "world_size": job.world_size,
+            "ranks_here": len(job.ranks_seen),
+            "started_at": job.registered_wall_s,
+        }
+
+    def report(self, job: Job) -> dict[str, Any]:
+        """The job's figures over its life (so far, while it runs)."""
+        if job.summary is not None:
+            return job.summary
+        t0, t1, duration = self._span(job)
+        per_gpu = self._per_gpu(job, t0, t1, duration)
+        known = [g["energy_j"] for g in per_gpu if g["energy_j"] is not None]
+        gpu_e = sum(known) if known else None  # the job's GPUs' joules, as gpu_energy sums them
+        cpu_e, cpu_method, node_cpu_e, energy = self._energies(job, t0, t1, gpu_e)
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
         sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})
         saving = self.savings(job, gpu_e, duration)

@@ -18,6 +18,7 @@ import pytest
 from greend.daemon.core import Daemon
 from greend.ipc.client import Client
 from greend.ipc.server import encode
+from greend.jobs.report import ROW_FIELDS
 from greend.training.sender import _Row
 from tests.daemon.test_daemon import make_config
 from tests.support import wait_for
@@ -143,6 +144,33 @@ def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> No
     assert sr["baseline"]["steps"] == ss["baseline"]["steps"] > 0
     assert sr["expected_gpu_energy_j"] == pytest.approx(ss["expected_gpu_energy_j"], rel=1e-3)
     assert sr["gpu_energy_j"] == pytest.approx(ss["gpu_energy_j"], rel=1e-9)
+
+
+def test_a_jobs_row_is_its_reports_columns(daemon: Daemon) -> None:
+    """``status`` and ``greenctl jobs`` list each job's row, computed apart from its report
+    (a node's status lists every job): the same figures, while it runs and once it ended."""
+    c = Raw(daemon.cfg.daemon.socket, "row", 0, ["fp32"])
+    c.send({"v": 1, "op": "intervals", "rows": as_rows(records(300, seed=3), False, 100)})
+    assert c.ask({"v": 1, "id": 2, "op": "heartbeat"})["ok"] is True
+    time.sleep(0.3)  # a tick after the steps
+    moving = ("duration_s", "gpu_energy_j", "energy_j", "gflops_per_w", "saved_pct")  # (ticks go on)
+
+    def compare(final: bool) -> None:
+        row = next(r for r in daemon.jobs.list_jobs() if r["job"] == "row")
+        report = daemon.jobs.report(daemon.jobs.jobs["row"])
+        assert set(row) == {*ROW_FIELDS, "ended_at"}
+        for k in ROW_FIELDS:
+            if final or k not in moving or report[k] is None:
+                assert row[k] == report[k], k
+            else:
+                assert row[k] == pytest.approx(report[k], rel=0.05), k
+        assert row["steps"] == 300 and row["gpu_energy_j"] > 0 and row["gpus"] == [0]
+
+    compare(final=False)
+    assert c.ask({"v": 1, "id": 3, "op": "end", "reason": "finished"})["ok"] is True
+    c.close()
+    assert wait_for(lambda: daemon.jobs.jobs["row"].state == "ended", timeout_s=10)
+    compare(final=True)
 
 
 def test_a_bad_row_is_refused_by_name_and_the_job_goes_on(daemon: Daemon) -> None:
