@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -119,6 +120,12 @@ def daemon_run(
         len(daemon.sinks),
         cfg.daemon.socket,
     )
+    # What start-up made (modules, config, probes) lives as long as the process: out of
+    # the cyclic collector's reach, so that its full collections, which hold the GIL,
+    # scan only what the running daemon makes (they took 13-23 ms under 64 clients, a
+    # late tick and a slow status each time; fewer objects, shorter pauses).
+    gc.collect()
+    gc.freeze()
     sdnotify.ready()  # probes are open and the socket listens
     sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.sinks)} stores, socket {cfg.daemon.socket}")
     try:
