@@ -543,6 +543,8 @@ class FakeNvml:
             # drops made before this init are past
             _uninit_seen[self.state_dir] = max(_uninit_seen.get(self.state_dir, 0), f.uninit_serial)
             _init_count += 1  # NVML reference-counts init/shutdown, per process
+        for g in self._gpus:  # (a shutdown before this one ended their deferring)
+            g.defer_again()
 
     def nvmlShutdown(self) -> None:
         global _init_count

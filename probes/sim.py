@@ -711,18 +711,25 @@ class SimGpu:
         ``run_steps`` writes the file at once, deferred or not."""
         with self._thread_lock:
             self._defer = False
-            self.commit()
-            if self._written_fd is not None:
-                os.close(self._written_fd)
-                self._written_fd = self._written_key = None
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            try:
+                self.commit()
+            finally:
+                if self._written_fd is not None:
+                    os.close(self._written_fd)
+                    self._written_fd = self._written_key = None
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+
+    def defer_again(self) -> None:
+        """Let ``run_steps(defer=True)`` defer again after :meth:`close` (a new NVML init)."""
+        with self._thread_lock:
+            self._defer = True
 
     def __del__(self) -> None:
-        if getattr(self, "_deferred", None):
-            with contextlib.suppress(Exception):
-                self.commit()
+        # (No write here: a finaliser may run while this thread holds the device's file
+        # lock through another object. Steps still deferred are lost from the file;
+        # close() and FakeNvml's nvmlShutdown write them.)
         for fd in (getattr(self, "_written_fd", None), getattr(self, "_lock_fd", None)):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -1003,14 +1010,14 @@ class SimGpu:
         the file later (see ``_COMMIT_EVERY_S``). This object's readings count them at
         once; another process sees them in the file about a second later at most."""
         costs: list[StepCost] = []
-        if not (defer and self._defer):
-            with self._mutate() as st:
-                for flops, mem_share, precision in steps:
-                    cost = self._cost(st, flops, mem_share, precision)
-                    self._book(st, cost, st.mem_share if mem_share is None else mem_share)
-                    costs.append(cost)
-            return costs
-        with self._thread_lock:
+        with self._thread_lock:  # (decided under the lock: close() may be under way)
+            if not (defer and self._defer):
+                with self._mutate() as st:
+                    for flops, mem_share, precision in steps:
+                        cost = self._cost(st, flops, mem_share, precision)
+                        self._book(st, cost, st.mem_share if mem_share is None else mem_share)
+                        costs.append(cost)
+                return costs
             base = self._read()
             if self._pending is not None and self._pending_base is not base:
                 self.commit()  # another process changed the device: its file first

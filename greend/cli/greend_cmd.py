@@ -132,6 +132,7 @@ def daemon_run(
         daemon.run()
     finally:
         daemon.close()
+        gc.unfreeze()  # (a process that embeds this command gets its collector back whole)
     log.info("stopped")
 
 

@@ -204,7 +204,7 @@ static int
 need(PyObject *field, const char *name)
 {
     if (field == NULL) {
-        PyErr_Format(PyExc_AttributeError, "'Step' object has no attribute '%s'", name);
+        PyErr_Format(PyExc_AttributeError, "step object has no attribute '%s'", name);
         return -1;
     }
     return 0;
@@ -213,7 +213,7 @@ need(PyObject *field, const char *name)
 static PyObject *
 step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (need(self->cb, "_cb") < 0 || need(self->flops, "flops") < 0 || need(self->shape_key, "_shape_key") < 0) {
+    if (need(self->cb, "_cb") < 0 || need(self->flops, "flops") < 0) {
         return NULL;
     }
     /* A reference of our own: the Python code called below could replace self->cb. */
@@ -277,9 +277,9 @@ step_enter(StepObject *self, PyObject *Py_UNUSED(ignored))
                 flops = Py_XNewRef(PyDict_GetItemWithError(cache, key)); /* (borrowed: own it) */
             } else {
                 flops = PyObject_CallMethodOneArg(cache, s_get, key);
-                if (flops == Py_None) {
-                    Py_CLEAR(flops);
-                }
+            }
+            if (flops == Py_None) {
+                Py_CLEAR(flops); /* (a None entry is a miss, as in Python) */
             }
             Py_DECREF(cache);
             Py_DECREF(key);

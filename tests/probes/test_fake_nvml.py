@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -396,3 +397,31 @@ def test_compute_processes_are_the_simulators_live_attached_pids(nvml: FakeNvml)
     procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
     assert [p.pid for p in procs] == [os.getpid()] and procs[0].usedGpuMemory is None
     assert nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(1)) == []
+
+
+def test_shutdown_writes_the_deferred_steps_and_a_new_init_defers_again(tmp_path: Path) -> None:
+    """The daemon's steps on a simulated GPU wait in memory (run_steps(defer=True));
+    nvmlShutdown writes them, later steps go straight to the file, and an nvmlInit after
+    it lets them wait again."""
+    fake = FakeNvml(tmp_path, n=1)
+    fake.nvmlInit()
+    g = fake.sim_gpu(0)
+
+    def in_file() -> float:
+        return float(json.loads(g.path.read_text())["energy_mj"])
+
+    work = [(5e13, None, "bf16")]
+    before = in_file()
+    g.run_steps(work, defer=True)
+    assert in_file() == before  # waiting in memory
+    fake.nvmlShutdown()
+    after_shutdown = in_file()
+    assert after_shutdown > before
+    g.run_steps(work, defer=True)  # a connection still closing: written at once
+    assert in_file() > after_shutdown
+    fake.nvmlInit()
+    written = in_file()
+    g.run_steps(work, defer=True)
+    assert in_file() == written  # deferred again
+    fake.nvmlShutdown()
+    assert in_file() > written
