@@ -39,6 +39,7 @@ import grp
 import json
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -390,12 +391,17 @@ class IpcServer:
         discarding = False
         conn.state["_admin"] = self._is_admin(conn.peer)
         idle_s = self.limits.idle_timeout_s
+        # Idleness is waited for with poll, not with the socket's timeout: send() (a push
+        # from another thread) sets that timeout for its own write, and a read begun in
+        # between took it over (1 s): a client silent for a second was closed as idle.
+        waiter = select.poll()
+        waiter.register(conn.sock, select.POLLIN)
         try:
             while not self._stopping.is_set() and not conn.closed:
                 try:
-                    if conn.sock.gettimeout() != idle_s:  # send() sets its own, then none
-                        conn.sock.settimeout(idle_s)  # (a syscall: not on every read)
-                    chunk = conn.sock.recv(65536)
+                    if not waiter.poll(idle_s * 1000.0):
+                        raise TimeoutError
+                    chunk = conn.sock.recv(65536)  # (ready: it does not wait)
                 except TimeoutError:
                     if self.registered(conn):
                         continue  # a job's rank: its heartbeats are the registry's to judge
