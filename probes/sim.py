@@ -645,29 +645,32 @@ class SimGpu:
 
     # ---- file I/O
 
-    def _read(self, force: bool = False, check: bool = False) -> SimState:
-        # Another process (a test, a restarted daemon) may change the device: look at
-        # the file again, by default on every call; the daemon's sim probe allows
-        # ``refresh_s`` of staleness, since a tick asks a device a dozen questions and
-        # each stat costs as much as the model itself. Own writes are seen at once.
-        # ``check``: stat now whatever refresh_s says; ``force``: parse the file too.
-        now = time.monotonic()
-        if not (force or check) and self._cache is not None and now - self._cache_checked_s < self.refresh_s:
-            return self._cache
-        self._cache_checked_s = now
+    def _file_key(self) -> tuple[int, int, int]:
+        """What tells one version of the device file from another: (inode, mtime, size)."""
         try:
             s = os.stat(self.path)
         except FileNotFoundError as e:
             raise StateError(f"simulated GPU state {self.path} is missing") from e
-        key = (s.st_ino, s.st_mtime_ns, s.st_size)
+        return s.st_ino, s.st_mtime_ns, s.st_size
+
+    def _read(self, force: bool = False) -> SimState:
+        # Another process (a test, a restarted daemon) may change the device: look at
+        # the file again, by default on every call; the daemon's sim probe allows
+        # ``refresh_s`` of staleness, since a tick asks a device a dozen questions and
+        # each stat costs as much as the model itself. Own writes are seen at once.
+        # ``force``: parse the file, whatever the cache holds.
+        now = time.monotonic()
+        if not force and self._cache is not None and now - self._cache_checked_s < self.refresh_s:
+            return self._cache
+        self._cache_checked_s = now
+        key = self._file_key()
         if not force and self._cache is not None and key == self._cache_key:
             return self._cache
         # Parsed under the lock this object writes under: a parse begun before one of
         # its writes must not install the older state over the newer one.
         with self._thread_lock:
             if not force:
-                s = os.stat(self.path)
-                key = (s.st_ino, s.st_mtime_ns, s.st_size)
+                key = self._file_key()
                 if self._cache is not None and key == self._cache_key:
                     return self._cache
             try:
@@ -744,11 +747,7 @@ class SimGpu:
         unchanged (inode, mtime, size) means nobody replaced it. The caller edits a copy:
         readers in other threads never see half an edit."""
         with self._locked():
-            try:
-                s = os.stat(self.path)
-            except FileNotFoundError as e:
-                raise StateError(f"simulated GPU state {self.path} is missing") from e
-            key = (s.st_ino, s.st_mtime_ns, s.st_size)
+            key = self._file_key()
             ours = self._cache is not None and key == self._written_key and key == self._cache_key
             st = self._cache if ours else self._read(force=True)
             assert st is not None
@@ -831,8 +830,7 @@ class SimGpu:
 
     def state(self) -> SimState:
         """A snapshot of the state (the counter as of the last write or booked step)."""
-        st = self._booked()
-        return SimState.from_json(st.to_json())
+        return copy.copy(self._booked())  # (flat fields: a shallow copy is a whole one)
 
     @property
     def uuid(self) -> str:
