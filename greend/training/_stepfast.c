@@ -52,42 +52,27 @@ static PyObject *s_requested, *s_seen_request, *s_take_request, *s_agreeing, *s_
     *s_judge_within_s, *s_judge_every, *s_drain, *s_max_unjudged, *s_keep, *s_loss_other, *s_get;
 static PyObject *g_keep_kwnames = NULL; /* ("keep",) */
 
+/* The object fields, once: traverse and clear go over the same list. */
+#define STEP_OBJECT_FIELDS(X)                                                                \
+    X(cb) X(index) X(samples) X(tokens) X(flops) X(shape_key) X(loss_value) X(nonfinite_cause) \
+    X(precision) X(forward_signature) X(spike_reason) X(pending) X(raw)
+
 static int
 step_traverse(StepObject *self, visitproc visit, void *arg)
 {
     /* (A heap subclass's own traverse visits its type: a static base must not.) */
-    Py_VISIT(self->cb);
-    Py_VISIT(self->index);
-    Py_VISIT(self->samples);
-    Py_VISIT(self->tokens);
-    Py_VISIT(self->flops);
-    Py_VISIT(self->shape_key);
-    Py_VISIT(self->loss_value);
-    Py_VISIT(self->nonfinite_cause);
-    Py_VISIT(self->precision);
-    Py_VISIT(self->forward_signature);
-    Py_VISIT(self->spike_reason);
-    Py_VISIT(self->pending);
-    Py_VISIT(self->raw);
+#define VISIT_FIELD(f) Py_VISIT(self->f);
+    STEP_OBJECT_FIELDS(VISIT_FIELD)
+#undef VISIT_FIELD
     return 0;
 }
 
 static int
 step_clear(StepObject *self)
 {
-    Py_CLEAR(self->cb);
-    Py_CLEAR(self->index);
-    Py_CLEAR(self->samples);
-    Py_CLEAR(self->tokens);
-    Py_CLEAR(self->flops);
-    Py_CLEAR(self->shape_key);
-    Py_CLEAR(self->loss_value);
-    Py_CLEAR(self->nonfinite_cause);
-    Py_CLEAR(self->precision);
-    Py_CLEAR(self->forward_signature);
-    Py_CLEAR(self->spike_reason);
-    Py_CLEAR(self->pending);
-    Py_CLEAR(self->raw);
+#define CLEAR_FIELD(f) Py_CLEAR(self->f);
+    STEP_OBJECT_FIELDS(CLEAR_FIELD)
+#undef CLEAR_FIELD
     return 0;
 }
 
