@@ -1,14 +1,40 @@
-"""What both command lines share: failing with a message (never a traceback) and
-the log format."""
+"""What the command lines share: failing with a message (never a traceback), the log
+format, and the daemon that greenctl's commands talk to (set once by greenctl's root
+options, read by every subcommand module)."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import typer
 
-__all__ = ["fail", "setup_logging"]
+from greend.errors import DaemonUnavailable, RequestRefused
+from greend.ipc.client import Client
+
+__all__ = ["DaemonTarget", "fail", "request", "setup_logging", "target"]
+
+
+@dataclass
+class DaemonTarget:
+    """Where greenctl's requests go: the socket, whether the user named it (``--socket``
+    or ``$GREEND_SOCKET``, so ``doctor`` checks that one), and how long to wait."""
+
+    socket: Path | None = None
+    named: bool = False
+    timeout_s: float = 5.0
+
+    def client(self) -> Client:
+        if self.socket is None:
+            raise RuntimeError("greenctl's root options were not parsed (no socket set)")
+        return Client(self.socket, timeout_s=self.timeout_s)
+
+
+# greenctl's root callback fills this in before any subcommand runs.
+target = DaemonTarget()
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -22,3 +48,15 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def request(op: str, **fields: Any) -> Any:
+    """One request to the daemon; an absent daemon or a refusal ends the command with a
+    message and greenctl's exit code (3: no daemon, 4: forbidden, 2: refused)."""
+    try:
+        with target.client() as c:
+            return c.request(op, **fields)
+    except DaemonUnavailable as e:
+        fail(str(e), code=3)
+    except RequestRefused as e:
+        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)

@@ -11,12 +11,11 @@ from typing import Any
 
 import typer
 
-from greend.cli.common import fail
+from greend.cli.common import fail, request, target
 from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
-from greend.ipc.client import Client
 
 __all__ = ["ctl_app", "ctl_main"]
 
@@ -25,9 +24,6 @@ log = logging.getLogger("greend")
 ctl_app = typer.Typer(
     add_completion=True, no_args_is_help=True, help="greenctl: show and steer the greend daemon on this node."
 )
-
-
-_state: dict[str, Any] = {}
 
 
 def _print_version(value: bool) -> None:
@@ -50,25 +46,15 @@ def _ctl_root(
 ) -> None:
     if not (math.isfinite(timeout) and timeout > 0):
         fail(f"--timeout {timeout:g}: expected seconds > 0 (how long to wait for the daemon)")
-    _state["socket"] = socket or default_socket_path()
-    _state["socket_named"] = socket is not None or bool(os.environ.get("GREEND_SOCKET"))
-    _state["timeout"] = timeout
-
-
-def _request(op: str, **fields: Any) -> Any:
-    try:
-        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
-            return c.request(op, **fields)
-    except DaemonUnavailable as e:
-        fail(str(e), code=3)
-    except RequestRefused as e:
-        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+    target.socket = socket or default_socket_path()
+    target.named = socket is not None or bool(os.environ.get("GREEND_SOCKET"))
+    target.timeout_s = timeout
 
 
 @ctl_app.command("status")
 def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """GPUs, CPU zones, jobs and policy, live."""
-    st = _request("status")
+    st = request("status")
     typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
 
 
@@ -84,11 +70,11 @@ def ctl_top(
         fail(f"--interval {interval:g}: expected seconds >= 0.1")
 
     def status() -> dict[str, Any]:
-        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
+        with target.client() as c:
             return dict(c.request("status"))
 
     try:
-        run_top(status, socket=str(_state["socket"]), interval_s=interval, once=once)
+        run_top(status, socket=str(target.socket), interval_s=interval, once=once)
     except GreendError as e:
         fail(str(e), code=3)
 
@@ -96,7 +82,7 @@ def ctl_top(
 @ctl_app.command("probes")
 def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """What was detected, what is missing and why."""
-    res = _request("probes")
+    res = request("probes")
     if as_json:
         typer.echo(json.dumps(res, indent=2))
         return
@@ -138,7 +124,7 @@ def ctl_jobs(
     live: list[dict[str, Any]] = []
     daemon_down: str | None = None
     try:
-        live = _try_request("jobs")["jobs"]
+        live = _tryrequest("jobs")["jobs"]
     except DaemonUnavailable as e:
         if not all_jobs:
             fail(str(e), code=3)
@@ -162,10 +148,10 @@ def ctl_jobs(
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
 
 
-def _try_request(op: str, **fields: Any) -> Any:
+def _tryrequest(op: str, **fields: Any) -> Any:
     """Like _request, but the daemon being away is the caller's to handle."""
     try:
-        with Client(_state["socket"], timeout_s=_state["timeout"]) as c:
+        with target.client() as c:
             return c.request(op, **fields)
     except RequestRefused as e:
         if e.field == "job":
@@ -181,7 +167,7 @@ def _store_path(store: Path | None) -> Path | None:
     if store is not None:
         return store
     try:
-        urls = [s["url"] for s in _try_request("status").get("stores") or []]
+        urls = [s["url"] for s in _tryrequest("status").get("stores") or []]
     except (DaemonUnavailable, RequestRefused):
         try:
             urls = list(load_config(None).store_urls)
@@ -234,7 +220,7 @@ def ctl_report(
     r: dict[str, Any] | None = None
     why, down = "", False
     try:
-        r = _try_request("report", job=job)
+        r = _tryrequest("report", job=job)
     except (DaemonUnavailable, RequestRefused) as e:
         why, down = str(e), isinstance(e, DaemonUnavailable)
     path = _store_path(store)
@@ -326,7 +312,7 @@ def ctl_measure(
             fail(f"--gpus {gpus!r}: expected GPU indices like 0,1")
     try:
         res = run_measure(
-            _state["socket"], list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=_state["timeout"]
+            target.socket, list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=target.timeout_s
         )
     except DaemonUnavailable as e:
         fail(str(e), code=3)
@@ -370,7 +356,7 @@ def ctl_cap_set(
     if cpu is not None:
         if max_clock is not None or power_limit is None:
             fail("a CPU zone takes --power-limit W only")
-        r = _request("cap_set", cpu_zone=cpu, power_limit_w=power_limit)
+        r = request("cap_set", cpu_zone=cpu, power_limit_w=power_limit)
         typer.echo(
             f"{r['cpu_zone']} ({r['path']}): power limit {fmt(r['in_force']['power_limit_w'])} W"
             f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
@@ -383,7 +369,7 @@ def ctl_cap_set(
         fields["max_clock_mhz"] = max_clock
     if power_limit is not None:
         fields["power_limit_w"] = power_limit
-    r = _request("cap_set", **fields)
+    r = request("cap_set", **fields)
     f = r["in_force"]
     clock = "none" if f["clock_cap_mhz"] is None else f"{f['clock_cap_mhz']} MHz"
     limit = "default" if f["power_limit_w"] is None else f"{f['power_limit_w']:.1f} W"
@@ -410,10 +396,10 @@ def ctl_cap_reset(
         fail("give at most one of --gpu I and --cpu ZONE")
     fields: dict[str, Any] = {"gpu": gpu} if gpu is not None else {"cpu_zone": cpu} if cpu is not None else {}
     if gpu is not None:
-        known = [g["index"] for g in _request("status").get("gpus") or []]
+        known = [g["index"] for g in request("status").get("gpus") or []]
         if gpu not in known:
             fail(f"no GPU {gpu} on this node (GPUs: {', '.join(map(str, known)) or 'none'})")
-    r = _request("cap_reset", **fields)
+    r = request("cap_reset", **fields)
     for line in r["lines"]:
         typer.echo(line)
     if r.get("failed"):
@@ -434,7 +420,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 @policy_app.command("show")
 def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """The policy in force, its parameters and its last decision."""
-    r = _request("policy_show")
+    r = request("policy_show")
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
@@ -485,7 +471,7 @@ def ctl_policy_set(
         fields["precision_params"] = dict(_parse_param(p) for p in (precision_param or []))
     elif precision_param:
         fail("--precision-param needs --precision NAME")
-    r = _request("policy_set", **fields)
+    r = request("policy_set", **fields)
     typer.echo(f"policy {r['name']} {json.dumps(r['params'])}")
     if precision is not None:
         p = r.get("precision")
@@ -502,8 +488,8 @@ def ctl_doctor(
     from greend.cli.doctor import run_checks
 
     # The socket the user named (--socket or $GREEND_SOCKET), else the config's.
-    named = _state["socket"] if _state.get("socket_named") else None
-    checks = run_checks(config=config, socket=named, sysfs_root=sysfs_root, timeout_s=_state["timeout"])
+    named = target.socket if target.named else None
+    checks = run_checks(config=config, socket=named, sysfs_root=sysfs_root, timeout_s=target.timeout_s)
     worst = 0
     for c in checks:
         if not as_json:

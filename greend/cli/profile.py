@@ -19,7 +19,7 @@ from typing import Any
 
 import typer
 
-from greend.cli.common import fail
+from greend.cli.common import fail, request
 
 __all__ = ["profile_app"]
 
@@ -28,12 +28,6 @@ profile_app = typer.Typer(
 )
 
 POLL_S = 0.5
-
-
-def _request(op: str, **fields: Any) -> Any:
-    from greend.cli.greenctl import _request as request  # greenctl imports this module
-
-    return request(op, **fields)
 
 
 def _row_line(r: dict[str, Any], top: dict[str, Any] | None) -> str:
@@ -91,7 +85,7 @@ def profile_record(
     for key, value in (("from_w", from_w), ("to_w", to_w), ("step_w", step_w)):
         if value is not None:
             fields[key] = float(value)
-    st = _request("profile", **fields)
+    st = request("profile", **fields)
     limits = ", ".join(f"{w:g}" for w in st["limits_w"])
     typer.echo(
         f"recording gpu {gpu} for job {job}: {limits} W, {st['steps_per_limit']} steps each "
@@ -107,13 +101,13 @@ def profile_record(
             if st.get("state") != "running":
                 break
             time.sleep(POLL_S)
-            st = _request("profile", action="status")
+            st = request("profile", action="status")
     except KeyboardInterrupt:
         typer.echo("interrupted: aborting the recording (the daemon restores the limit)", err=True)
         try:
-            st = _request("profile", action="abort")
+            st = request("profile", action="abort")
         except (SystemExit, typer.Exit):
-            st = _request("profile", action="status")
+            st = request("profile", action="status")
     if as_json:
         typer.echo(json.dumps(st, indent=2))
     restored = "; ".join(st.get("restored") or []) or "nothing to restore"
@@ -134,7 +128,7 @@ def profile_record(
 @profile_app.command("status")
 def profile_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """The running (or last) recording: its limits, the rows measured so far."""
-    st = _request("profile", action="status")
+    st = request("profile", action="status")
     if as_json:
         typer.echo(json.dumps(st, indent=2))
         return
@@ -155,5 +149,5 @@ def profile_status(as_json: bool = typer.Option(False, "--json", help="machine-r
 @profile_app.command("abort")
 def profile_abort() -> None:
     """Stop the running recording; its GPU's power limit goes back to the original."""
-    st = _request("profile", action="abort")
+    st = request("profile", action="abort")
     typer.echo(f"aborted; restored: {'; '.join(st.get('restored') or []) or 'nothing to restore'}")
