@@ -140,10 +140,13 @@ NVML_ERROR_NOT_FOUND = 6
 
 @runtime_checkable
 class SimulatedNvml(Protocol):
-    """An NVML module in front of simulated GPUs (the simulator's ``FakeNvml``):
-    ``state_dir`` is where their state lives."""
+    """An NVML module in front of simulated GPUs, as the simulator's is: ``state_dir``
+    is where their state lives, ``sim_gpu(index)`` the device behind GPU ``index``.
+    The simulator implements it; this layer and the probe never import the simulator."""
 
     state_dir: Path
+
+    def sim_gpu(self, index: int) -> Any: ...
 
 
 def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:
