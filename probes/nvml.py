@@ -1,4 +1,4 @@
-"""The NVML probe: NVIDIA GPUs through ``pynvml`` (or the simulator's fake of it).
+"""The NVML probe: NVIDIA GPUs through ``pynvml`` (or the simulator's stand-in for it).
 
 ``NvmlProbe`` is the only probe that imports ``pynvml``, and only inside
 ``open()``, so nodes without the package still start. The module is injectable
