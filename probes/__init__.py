@@ -7,6 +7,10 @@ protocol (and any of the optional abilities beside it), decorate its factory wit
 ``@register("name", default=True|False)`` and put the module's name in
 ``_BUILTIN_PROBE_MODULES``. The config's ``[probes] enabled`` list and ``--sim N``
 choose which run.
+
+A module whose name starts with ``_`` is an internal of one probe, imported through
+that probe's module: the simulator's (``_sim_*``, behind :mod:`greend.probes.sim`) and
+its fake NVML's faults (``_fake_nvml_faults``, behind :mod:`greend.probes.fake_nvml`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The NVML probe: NVIDIA GPUs through ``pynvml`` (or the simulator's fake of it).
+"""The NVML probe: NVIDIA GPUs through ``pynvml`` (or the simulator's stand-in for it).
 
 ``NvmlProbe`` is the only probe that imports ``pynvml``, and only inside
 ``open()``, so nodes without the package still start. The module is injectable
-(``nvml=``): the ``sim`` probe passes a :class:`greend.probes.fake_nvml.FakeNvml`, so
-simulated GPUs run this very code.
+(``nvml=``): the ``sim`` probe passes the simulator's NVML, so simulated GPUs run this
+very code. This module imports no simulator: a module in front of simulated GPUs says
+so by its shape (:class:`~greend.probes.nvml_device.SimulatedNvml`).
 
 What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
 
@@ -52,7 +53,14 @@ from greend.units import mj_to_j, mw_to_w
 
 from . import ProbeContext, register
 from .base import GpuReading, Probe, ProbeInfo, Readings
-from .nvml_device import NVML_ERROR_MAP, NvmlDevices, NvmlUninitialized, Unresponsive, translate_nvml_error
+from .nvml_device import (
+    NVML_ERROR_MAP,
+    NvmlDevices,
+    NvmlUninitialized,
+    SimulatedNvml,
+    Unresponsive,
+    translate_nvml_error,
+)
 
 __all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
 
@@ -116,6 +124,9 @@ class NvmlProbe:
         self.source = source
         self._cap_lookup = cap_lookup
         self._devices = NvmlDevices(nvml)
+        # The module in front of simulated GPUs, when one was given (decided once: the
+        # protocol check costs microseconds, and the daemon asks per step report).
+        self._simulated = nvml if source == "sim" and isinstance(nvml, SimulatedNvml) else None
         self._opened = False
         self._gpus: list[_Gpu] = []
         self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
@@ -541,12 +552,9 @@ class NvmlProbe:
 
     def sim_gpu(self, index: int) -> Any | None:
         """The simulator's device behind GPU ``index`` when source is "sim", else None."""
-        from .fake_nvml import FakeNvml  # imported here: fake_nvml imports the simulator
-
-        nvml = self._devices.nvml
-        if self.source != "sim" or not isinstance(nvml, FakeNvml):
+        if self._simulated is None:
             return None
-        return nvml.sim_gpu(index)
+        return self._simulated.sim_gpu(index)
 
 
 def _text(value: Any) -> str:

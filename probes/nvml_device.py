@@ -1,10 +1,10 @@
 """The NVML device layer shared by the NVML probe (which reads) and the GPU actuator
 (:mod:`greend.actuators.gpu`, which writes).
 
-It holds the NVML module in use (``pynvml``, or the simulator's
-:class:`~greend.probes.fake_nvml.FakeNvml`), the handle of every GPU the probe
-enumerated, which GPUs are lost, and a per-GPU count of settings written, so the
-probe knows to read a GPU's settings again after a write.
+It holds the NVML module in use (``pynvml``, or the simulator's stand-in, a
+:class:`SimulatedNvml`), the handle of every GPU the probe enumerated, which GPUs are
+lost, and a per-GPU count of settings written, so the probe knows to read a GPU's
+settings again after a write.
 
 Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
 by :func:`translate_nvml_error`) into :mod:`greend.errors`, raised ``from`` the
@@ -140,10 +140,13 @@ NVML_ERROR_NOT_FOUND = 6
 
 @runtime_checkable
 class SimulatedNvml(Protocol):
-    """An NVML module in front of simulated GPUs (the simulator's ``FakeNvml``):
-    ``state_dir`` is where their state lives."""
+    """An NVML module in front of simulated GPUs, as the simulator's is: ``state_dir``
+    is where their state lives, ``sim_gpu(index)`` the device behind GPU ``index``.
+    The simulator implements it; this layer and the probe never import the simulator."""
 
     state_dir: Path
+
+    def sim_gpu(self, index: int) -> Any: ...
 
 
 def translate_nvml_error(exc: BaseException, what: str) -> ProbeError:

@@ -59,7 +59,7 @@ from typing import Any
 
 from greend.errors import ConfigError
 
-from .sim import PeakFlops, SimSpec, StepCost
+from ._sim_model import PeakFlops, SimSpec, StepCost
 
 __all__ = [
     "A40_MODEL",

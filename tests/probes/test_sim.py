@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from greend.errors import StateError
-from greend.probes import sim as sim_module
+from greend.probes import _sim_device as device_module
 from greend.probes.sim import H100, MAX_MEM_SHARE, SimGpu, SimState, discover_sim_gpus, open_sim_gpus
 from tests.support import REPO, ManualClock
 
@@ -228,12 +228,12 @@ def test_deferred_steps_cost_the_same_and_reach_the_file_within_a_second(
     # ... but the file waits (a daemon under load writes it once a second, not per report).
     assert json.loads(later.path.read_text())["energy_mj"] == file_before
     assert other.energy_j() < now.energy_j()
-    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 0.0)  # a second later
+    monkeypatch.setattr(device_module, "_COMMIT_EVERY_S", 0.0)  # a second later
     clock.advance(0.5)
     assert later.energy_j() == pytest.approx(now.energy_j())
     assert other.energy_j() == pytest.approx(now.energy_j()) and other.busy()
     # A change of settings writes them first: they ran at the old settings.
-    monkeypatch.setattr(sim_module, "_COMMIT_EVERY_S", 3600.0)
+    monkeypatch.setattr(device_module, "_COMMIT_EVERY_S", 3600.0)
     later.run_steps(work, defer=True)
     now.run_steps(work)
     later.set_power_limit_w(400)
@@ -264,7 +264,7 @@ def test_a_reading_while_deferred_steps_are_written_still_counts_them(
     before = g.energy_mj()
     seen: list[int] = []
     readers: list[threading.Thread] = []
-    real_write = sim_module.write_json_atomic
+    real_write = device_module.write_json_atomic
 
     def write_with_a_reading_inside(path: Path, data: object, **kw: bool) -> int | None:
         t = threading.Thread(target=lambda: seen.append(g.energy_mj()))
@@ -273,7 +273,7 @@ def test_a_reading_while_deferred_steps_are_written_still_counts_them(
         readers.append(t)
         return real_write(path, data, **kw)
 
-    monkeypatch.setattr(sim_module, "write_json_atomic", write_with_a_reading_inside)
+    monkeypatch.setattr(device_module, "write_json_atomic", write_with_a_reading_inside)
     g.commit()
     for t in readers:
         t.join(5)
