@@ -21,7 +21,7 @@ Rules the Controller keeps:
 - Clock caps snap to the highest supported clock <= the request (never below the
   lowest); power limits clamp to the GPU's constraints; RAPL limits to each
   constraint's ``max_power_uw``.
-- A :class:`~greend.policies.base.Setting` field of None restores that knob to its
+- A :class:`~greend.settings.Setting` field of None restores that knob to its
   original. Locked clocks have no NVML getter, so their original is "unlocked":
   a lock set outside greend before its first write cannot be known, and is
   replaced by "unlocked" on restore. A clock knob whose first write failed is
@@ -84,7 +84,7 @@ from greend.errors import (
     ProbeError,
     StateError,
 )
-from greend.policies.base import UNCAPPED, Setting
+from greend.settings import UNCAPPED, Setting
 from greend.units import uw_to_w, w_to_mw, w_to_uw
 
 __all__ = ["Controller", "gpu_lock_wait_s"]

@@ -37,10 +37,10 @@ from greend.config import Config
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
 from greend.jobs.ledger import Ledger
 from greend.jobs.registry import JobRegistry
-from greend.points import cap_fields, decision_point, ts_ns
-from greend.policies.base import Decision, GpuView, Setting, Snapshot
+from greend.points import Point, cap_fields, decision_point, ts_ns
+from greend.policies.base import Decision, GpuView, Snapshot
 from greend.protocol import NODE_OWNER, POLICY_OWNER, PROFILE_OWNER
-from greend.sinks import Point
+from greend.settings import Setting
 
 if TYPE_CHECKING:
     from greend.actuators.controller import Controller

@@ -16,8 +16,8 @@ from greend.control.loop import ControlLoop, setting_json
 from greend.errors import ConfigError, ProtocolError
 from greend.ipc.server import Connection, Handler
 from greend.points import cap_fields, decision_point, ts_ns
-from greend.policies.base import Setting
 from greend.protocol import NODE_OWNER
+from greend.settings import Setting
 
 if TYPE_CHECKING:
     from greend.actuators.controller import Controller

@@ -17,10 +17,10 @@ from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
 from greend.actuators.state import STATE_FILE
 from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, StateError
-from greend.policies.base import UNCAPPED, Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.fake_sysfs import make_standard_tree
 from greend.probes.nvml import NvmlProbe
+from greend.settings import UNCAPPED, Setting
 from tests.support import wait_for
 
 SETTERS = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit")
