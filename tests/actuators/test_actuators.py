@@ -339,14 +339,14 @@ def test_restore_owner_survives_an_unexpected_error_on_one_gpu(tmp_path: Path, s
     ctl = Controller(tmp_path / "state", backend)
     for i in range(3):
         ctl.apply_gpu(i, Setting(1500, 450.0), "job")
-    real = ctl._restore_gpu_entry
+    real = ctl._gpus.restore_entry
 
     def flaky(entry: Any, knobs: list[str], report: Any) -> None:
         if entry.index == 1:
             raise RuntimeError("driver surprise")
         real(entry, knobs, report)
 
-    ctl._restore_gpu_entry = flaky  # type: ignore[method-assign]
+    ctl._gpus.restore_entry = flaky  # type: ignore[method-assign]  # a fault on one GPU, in place of the real method
     report = ctl.restore_owner("job")
     assert {f.device.split()[0] for f in report.failed} == {"gpu1"}
     assert "RuntimeError: driver surprise" in report.failed[0].message
