@@ -97,9 +97,14 @@ class ControlLoop:
 
         cfg = self.ctx.cfg
         try:
+            gpu_backend = (
+                NvmlGpuBackend(gpu_probe)  # type: ignore[arg-type]  # the nvml and sim probes are NvmlProbes
+                if gpu_probe is not None
+                else None
+            )
             self.ctrl = Controller(
                 cfg.daemon.state_dir,
-                NvmlGpuBackend(gpu_probe) if gpu_probe is not None else None,  # type: ignore[arg-type]
+                gpu_backend,
                 RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
                 dry_run=cfg.daemon.dry_run,
             )
