@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from greend.sinks import Point
 
 if TYPE_CHECKING:
     from greend.probes import CpuReading, GpuReading, HostReading
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DECISION_TAGS",
     "FieldValue",
+    "Point",
     "cap_fields",
     "cpu_point",
     "decision_point",
@@ -36,6 +36,17 @@ __all__ = [
 ]
 
 FieldValue = float | int | str | bool
+
+
+@dataclass(slots=True)
+class Point:
+    """One row of a measurement: InfluxDB's model, which SQLite mirrors as tables."""
+
+    measurement: str
+    tags: dict[str, str]
+    fields: dict[str, FieldValue]
+    ts_ns: int
+
 
 # Every greend_decision point carries all of these ("" where one does not apply: the
 # influx sink leaves empty tags out, SQLite stores ""), whatever made the decision.

@@ -26,7 +26,7 @@ a policy, copy ``none.py``, give the class ``name``, ``help`` and ``PARAMS``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from greend.errors import PolicyError
 
@@ -62,13 +62,20 @@ class PolicyInfo:
         return {p.name: p.default for p in self.params}
 
 
+class _PolicyClass(Protocol):
+    """What the registry reads of a policy class: its name, help and parameters."""
+
+    name: str
+    help: str
+    PARAMS: tuple[Param, ...]
+
+
 # PrecisionPolicy only decides precision: the daemon runs it beside one of the others
 # ([policy] precision = "precision").
-_CLASSES: tuple[type, ...] = (NonePolicy, StaticPolicy, EfficientPolicy, BudgetPolicy, PrecisionPolicy)
+_CLASSES: tuple[type[_PolicyClass], ...] = (NonePolicy, StaticPolicy, EfficientPolicy, BudgetPolicy, PrecisionPolicy)
 
 POLICIES: dict[str, PolicyInfo] = {
-    c.name: PolicyInfo(name=c.name, cls=c, help=c.help, params=tuple(c.PARAMS))  # type: ignore[attr-defined]
-    for c in _CLASSES
+    c.name: PolicyInfo(name=c.name, cls=c, help=c.help, params=tuple(c.PARAMS)) for c in _CLASSES
 }
 
 

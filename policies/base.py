@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from greend.settings import UNCAPPED, Setting
+
 __all__ = [
     "Decision",
     "GpuView",
@@ -25,22 +27,8 @@ __all__ = [
     "Policy",
     "Setting",
     "Snapshot",
+    "UNCAPPED",
 ]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A GPU setting: a locked max SM clock and/or a power limit. None = default/uncapped."""
-
-    clock_cap_mhz: int | None = None
-    power_limit_w: float | None = None
-
-    @property
-    def uncapped(self) -> bool:
-        return self.clock_cap_mhz is None and self.power_limit_w is None
-
-
-UNCAPPED = Setting()
 
 
 @dataclass(frozen=True)

@@ -475,7 +475,8 @@ class EfficientPolicy:
         base = ev[UNCAPPED]
         at: list[Evidence | None] = [ev.get(s) for s in grid]
         at[top] = base
-        measured = [i for i in range(top + 1) if at[i] is not None and at[i].steps > 0]  # type: ignore[union-attr]
+        seen = {i: e for i, e in enumerate(at) if e is not None and e.steps > 0}  # the measured settings' evidence
+        measured = list(seen)
         base_tpf_s = base.time_per_flop_s
         se_base = base.se_time(self.noise)
         ratio: dict[int, float] = {}
@@ -485,7 +486,7 @@ class EfficientPolicy:
             assert e is not None
             ratio[i] = e.time_per_flop_s / base_tpf_s
             ratio_se[i] = 0.0 if i == top else math.hypot(e.se_time(self.noise), se_base) * ratio[i]
-        fit, fit_se = _antitonic_fit(measured, ratio, ratio_se, {i: at[i].steps for i in measured})  # type: ignore[union-attr]
+        fit, fit_se = _antitonic_fit(measured, ratio, ratio_se, {i: e.steps for i, e in seen.items()})
         cost_mode = self.objective == "cost"
         n_gpus = max(1, len(job.gpus))
         pmax_w = float(g.power_limit_max_w or 0.0) * n_gpus
@@ -521,7 +522,7 @@ class EfficientPolicy:
                 # until it is clearly over (no flapping at the edge of the bound).
                 if i == top or r <= allowed * (1 + 1e-9) - Z * se or (i == held and r <= allowed + Z * se):
                     status[i] = "ok"
-                elif r > allowed + Z * se or at[i].steps >= self.max_steps:  # type: ignore[union-attr]
+                elif r > allowed + Z * se or seen[i].steps >= self.max_steps:
                     status[i] = "over"  # a point still unsure after max_steps: the safe side
                 else:
                     status[i] = "unsure"
@@ -532,7 +533,7 @@ class EfficientPolicy:
         # comparison's noise margin says; measured twice as long, a fluke falls back.
         held = job.settled_index
         if held is not None and best != held and held in candidates:
-            steps = at[best].steps  # type: ignore[union-attr]
+            steps = seen[best].steps
             if steps < 2 * self.min_steps:
                 return _Action("measure", best, 2 * self.min_steps)
 
@@ -552,7 +553,7 @@ class EfficientPolicy:
         # ---- a setting too close to the bound to call, that might be the best: measure more
         for i in measured:
             if status[i] == "unsure" and i >= floor and objective(i) < objective(best):
-                return _Action("measure", i, min(self.max_steps, at[i].steps + self.min_steps))  # type: ignore[union-attr]
+                return _Action("measure", i, min(self.max_steps, seen[i].steps + self.min_steps))
         # ---- a coarse pass from the top down, stopping at the first setting over the bound
         stride = max(1, math.ceil(top / COARSE_POINTS))
         for c in range(top - stride, floor - 1, -stride):

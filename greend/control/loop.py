@@ -8,10 +8,9 @@ policy, and applies the :class:`~greend.policies.base.Decision` through the
 write). A decision's reason is logged, stored (``greend_decision``), kept in the
 job's report and shown by ``greenctl status``.
 
-A profile recording (``greenctl profile record``, :class:`ProfileRecording`) steps one
-GPU's power limit down while a job runs, one limit per ``steps_per_limit`` of the job's
-steps, from the same period: the job's step time and the GPU's average power at each
-limit become a profile in greend's trace format.
+A profile recording (``greenctl profile record``) steps one GPU's power limit down
+while a job runs, from the same period; the loop runs it through its
+:class:`~greend.control.profile.ProfileRecorder` (:mod:`greend.control.profile`).
 
 Restores: a job's settings are lifted when it ends (its client said so, hung up or
 stopped heartbeating); everything is restored on SIGTERM, on ``greenctl cap reset``
@@ -19,61 +18,36 @@ and, after a crash, at the next start (and by systemd's ``ExecStopPost``).
 
 One failing device never stops a tick: every apply is caught and logged on its own.
 
-The loop knows the node through a :class:`ControlContext` (readings, jobs, stores,
-clocks, config), never through the daemon that runs it. Its socket ops are in
-:mod:`greend.control.ops`.
+The loop knows the node through a :class:`~greend.control.context.ControlContext`
+(readings, jobs, stores, clocks, config), never through the daemon that runs it. Its
+socket ops are in :mod:`greend.control.ops`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from greend.config import Config
+from greend.control.context import ControlContext, NodeReadings
+from greend.control.profile import ProfileRecorder
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
-from greend.jobs.ledger import Ledger
-from greend.jobs.registry import JobRegistry
-from greend.points import cap_fields, decision_point, ts_ns
-from greend.policies.base import Decision, GpuView, Setting, Snapshot
-from greend.protocol import NODE_OWNER, POLICY_OWNER, PROFILE_OWNER
-from greend.sinks import Point
+from greend.points import Point, cap_fields, decision_point, ts_ns
+from greend.policies.base import Decision, GpuView, Snapshot
+from greend.protocol import NODE_OWNER, POLICY_OWNER
+from greend.settings import Setting
 
 if TYPE_CHECKING:
     from greend.actuators.controller import Controller
     from greend.jobs.records import Job
-    from greend.probes import CpuReading, GpuReading, Probe
+    from greend.probes import Probe
 
-__all__ = ["ControlContext", "ControlLoop", "NodeReadings", "ProfileRecording", "setting_json"]
+# ControlContext and NodeReadings are defined in greend.control.context; the daemon
+# imports them from here too.
+__all__ = ["ControlContext", "ControlLoop", "NodeReadings", "setting_json"]
 
 log = logging.getLogger(__name__)
-
-
-class NodeReadings(Protocol):
-    """The latest tick's readings: every GPU and CPU zone the probes read."""
-
-    @property
-    def gpus(self) -> Sequence[GpuReading]: ...
-
-    @property
-    def cpus(self) -> Sequence[CpuReading]: ...
-
-
-@dataclass(frozen=True)
-class ControlContext:
-    """What the control loop uses of the node, given explicitly by whoever runs it."""
-
-    cfg: Config
-    hostname: str
-    jobs: JobRegistry
-    ledger: Ledger
-    latest: Callable[[], NodeReadings]  # the latest tick's readings (a consistent copy)
-    emit: Callable[[list[Point]], None]  # to the stores
-    wall: Callable[[], float]
-    monotonic: Callable[[], float]
 
 
 class ControlLoop:
@@ -95,7 +69,7 @@ class ControlLoop:
         self._last_s = float("-inf")
         self._pushed_pace: dict[str, float] = {}
         self._lock = threading.RLock()  # the policies and their states: the tick and the socket ops
-        self.profile: ProfileRecording | None = None  # the running (or last) profile recording
+        self.profiler = ProfileRecorder(ctx, self, self._lock)  # greenctl profile record
 
     # Set-up --------------------------------------------------------------------------
     @property
@@ -123,9 +97,14 @@ class ControlLoop:
 
         cfg = self.ctx.cfg
         try:
+            gpu_backend = (
+                NvmlGpuBackend(gpu_probe)  # type: ignore[arg-type]  # the nvml and sim probes are NvmlProbes
+                if gpu_probe is not None
+                else None
+            )
             self.ctrl = Controller(
                 cfg.daemon.state_dir,
-                NvmlGpuBackend(gpu_probe) if gpu_probe is not None else None,  # type: ignore[arg-type]
+                gpu_backend,
                 RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
                 dry_run=cfg.daemon.dry_run,
             )
@@ -187,9 +166,7 @@ class ControlLoop:
         if not self.due(now_s):
             return
         self._last_s = now_s
-        with self._lock:
-            if self.profile is not None and self.profile.state == "running":
-                self._profile_step(now_s)
+        self.profiler.step(now_s)
         try:
             snap = self.snapshot(now_s)
             with self._lock:
@@ -382,10 +359,7 @@ class ControlLoop:
     def job_ended(self, job: Job) -> None:
         if self.ctrl is None:
             return
-        with self._lock:
-            rec = self.profile
-            if rec is not None and rec.state == "running" and rec.job == job.job:
-                self._profile_finish("aborted", f"job {job.job} ended ({job.end_reason})")
+        self.profiler.job_ended(job)
         self._pushed_pace.pop(job.job, None)
         self.report_restore(self.ctrl.restore_owner(job.job), f"job {job.job} ended ({job.end_reason})")
 
@@ -404,217 +378,9 @@ class ControlLoop:
 
     def close(self) -> None:
         if self.ctrl is not None:
-            with self._lock:
-                if self.profile is not None and self.profile.state == "running":
-                    self._profile_finish("aborted", "the daemon is stopping")
+            self.profiler.close()
             self.restore_all("daemon stopping")
             self.ctrl.close()
-
-    # Profile recording -----------------------------------------------------------------
-    def profiling(self, gpu: int | None = None) -> ProfileRecording | None:
-        """The running profile recording (on ``gpu``, if given), or None."""
-        rec = self.profile
-        if rec is None or rec.state != "running" or (gpu is not None and rec.gpu != gpu):
-            return None
-        return rec
-
-    def profile_start(
-        self,
-        gpu: int,
-        job_id: str,
-        *,
-        from_w: float | None = None,
-        to_w: float | None = None,
-        step_w: float | None = None,
-        steps_per_limit: int = 20,
-    ) -> dict[str, Any]:
-        """Start stepping ``gpu``'s power limit down while job ``job_id`` runs on it.
-
-        Refused (ProtocolError, with the reason) when control is off or dry-run, when a
-        policy other than ``none`` is active (it would move the same limit), when a
-        recording runs already, when the job does not run on the GPU, when anyone holds
-        a setting of that GPU (an admin's cap, a job's), or when the limits are outside
-        the GPU's range."""
-        ctrl = self.need_ctrl()
-        if ctrl.dry_run:
-            raise ProtocolError("the daemon runs --dry-run: a sweep that sets nothing measures nothing")
-        with self._lock:
-            if self.policy_name != "none":
-                raise ProtocolError(
-                    f"policy {self.policy_name!r} is active and would move the same power limit; "
-                    "switch to none first (greenctl policy set none), record, then switch back"
-                )
-            if self.profiling() is not None:
-                running = self.profile
-                assert running is not None
-                raise ProtocolError(f"a profile recording runs already (gpu {running.gpu}, job {running.job})")
-            reading = next((g for g in self.ctx.latest().gpus if g.index == gpu), None)
-            if reading is None:
-                raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
-            job = self.ctx.jobs.get(job_id)
-            if job is None or not job.running:
-                raise ProtocolError(f"no running job {job_id!r} on this node", field="job")
-            if gpu not in job.gpus:
-                raise ProtocolError(
-                    f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})", field="gpu"
-                )
-            held = [
-                f"{k} ({owner})" for owner, knobs in ctrl.owners().items() for k in knobs if k.startswith(f"gpu{gpu}.")
-            ]
-            if held:
-                raise ProtocolError(
-                    f"GPU {gpu} has settings in force: {', '.join(held)}; "
-                    f"lift them first (greenctl cap reset --gpu {gpu})",
-                    field="gpu",
-                )
-            lo, hi = reading.power_limit_min_w, reading.power_limit_max_w
-            if lo is None or hi is None:
-                raise ProtocolError(f"GPU {gpu} has no settable power limit", field="gpu")
-            top = float(from_w) if from_w is not None else float(reading.power_limit_default_w or hi)
-            bottom = float(to_w) if to_w is not None else float(lo)
-            for name, w in (("from_w", top), ("to_w", bottom)):
-                if not lo - 1e-9 <= w <= hi + 1e-9:
-                    raise ProtocolError(f"{name} = {w:g} W is outside GPU {gpu}'s range {lo:g}-{hi:g} W", field=name)
-            if bottom >= top:
-                raise ProtocolError(f"to_w ({bottom:g} W) must be below from_w ({top:g} W)", field="to_w")
-            step = float(step_w) if step_w is not None else max(1.0, round((top - bottom) / 8.0))
-            limits = profile_limits(top, bottom, step)
-            rec = ProfileRecording(
-                gpu=gpu,
-                job=job_id,
-                limits_w=limits,
-                steps_per_limit=int(steps_per_limit),
-                gpu_name=reading.name,
-                source=reading.source,
-                original_w=reading.power_limit_w,
-                started_wall=self.ctx.wall(),
-                host=self.ctx.hostname,
-                stall_s=max(60.0, 20.0 * self.ctx.cfg.policy.period_s),
-            )
-            self.profile = rec
-            log.info(
-                "profile recording on gpu%d for job %s: %s W, %d steps each",
-                gpu,
-                job_id,
-                ", ".join(f"{w:g}" for w in limits),
-                rec.steps_per_limit,
-            )
-            self._profile_set(rec, self.ctx.monotonic())
-            return rec.to_json()
-
-    def profile_status(self) -> dict[str, Any]:
-        with self._lock:
-            return self.profile.to_json() if self.profile is not None else {"state": "none"}
-
-    def profile_abort(self, why: str) -> dict[str, Any]:
-        with self._lock:
-            if self.profiling() is None:
-                raise ProtocolError("no profile recording runs")
-            self._profile_finish("aborted", why)
-            return self.profile_status()
-
-    def _profile_set(self, rec: ProfileRecording, now_s: float) -> None:
-        """Put the recording's current limit in force and measure afresh after it settles."""
-        assert self.ctrl is not None
-        limit = rec.limits_w[rec.index]
-        reason = f"profile recording ({rec.index + 1}/{len(rec.limits_w)}: {limit:g} W)"
-        try:
-            in_force = self.ctrl.apply_gpu(
-                rec.gpu, Setting(power_limit_w=limit), PROFILE_OWNER, keep=("clock_cap_mhz",)
-            )
-        except (ActuatorError, StateError) as e:
-            self._profile_finish("failed", f"cannot set the power limit to {limit:g} W: {e}")
-            return
-        self.ctx.emit([self.cap_point(ts_ns(self.ctx.wall()), in_force, reason, gpu=rec.gpu, job=rec.job)])
-        self.ctx.jobs.reset_measure(rec.job, now_s + self.ctx.cfg.policy.settle_s)
-        self.ctx.jobs.record_cap_change(
-            rec.job, clock_cap_mhz=in_force.clock_cap_mhz, power_limit_w=in_force.power_limit_w, reason=reason
-        )
-        rec.limit_since_s = now_s
-        rec.last_steps, rec.last_progress_s = 0, now_s
-
-    def _profile_step(self, now_s: float) -> None:
-        """One period of the recording: enough steps at this limit? Then the next one."""
-        rec = self.profile
-        assert rec is not None and self.ctrl is not None
-        jobs = self.ctx.jobs
-        job = jobs.get(rec.job)
-        if job is None or not job.running:
-            self._profile_finish("aborted", f"job {rec.job} is not running")
-            return
-        limit = rec.limits_w[rec.index]
-        m = jobs.measure(job, Setting(power_limit_w=limit))
-        steps = m.steps if m is not None else 0
-        if steps > rec.last_steps:
-            rec.last_steps, rec.last_progress_s = steps, now_s
-        elif now_s - rec.last_progress_s > rec.stall_s:
-            self._profile_finish("aborted", f"job {rec.job} reported no step for {rec.stall_s:g} s")
-            return
-        rec.steps_now = steps
-        if m is None or steps < rec.steps_per_limit or m.time_s <= 0:
-            return
-        power = self._profile_power(rec, job, m)
-        if power is None:
-            return  # the ledger does not cover the window yet: next period
-        rec.rows.append(
-            {
-                "power_limit_w": limit,
-                "steps": steps,
-                "step_time_s": m.time_s / steps,
-                "avg_power_w": power,
-                "seconds": now_s - rec.limit_since_s,
-            }
-        )
-        log.info(
-            "profile gpu%d job %s: %g W: %.4g s/step, %.1f W (%d steps)",
-            rec.gpu,
-            rec.job,
-            limit,
-            m.time_s / steps,
-            power,
-            steps,
-        )
-        rec.index += 1
-        rec.steps_now = 0
-        if rec.index >= len(rec.limits_w):
-            self._profile_finish("done", f"{len(rec.rows)} limits measured")
-            return
-        self._profile_set(rec, now_s)
-
-    def _profile_power(self, rec: ProfileRecording, job: Job, m: Any) -> float | None:
-        """The profiled GPU's average power over the measured steps: on simulated GPUs the
-        model's energy of the steps (the job's share on this GPU), else the ledger's
-        joules of this GPU over the steps' window."""
-        n = max(1, len(job.gpus))
-        if self.ctx.jobs.sim_gpu(rec.gpu) is not None:
-            return float(m.energy_j) / float(m.time_s) / n
-        t0, t1 = job.measure.t0_s, job.measure.t1_s
-        if t0 is None or t1 is None or t1 <= t0:
-            return None
-        joules = self.ctx.ledger.energy_between(f"gpu{rec.gpu}", t0, t1)
-        if joules is None or not math.isfinite(joules):
-            return None
-        return joules / (t1 - t0)
-
-    def _profile_finish(self, state: str, why: str) -> None:
-        """End the recording: its limit goes back to the original (the controller saved
-        it before the first write), and the job measures afresh."""
-        rec = self.profile
-        assert rec is not None
-        rec.state, rec.reason = state, why
-        rec.ended_wall = self.ctx.wall()
-        if self.ctrl is not None:
-            rep = self.ctrl.restore_owner(PROFILE_OWNER)
-            self.report_restore(rep, f"profile recording {state}: {why}")
-            rec.restored = rep.lines()
-            rec.restore_ok = rep.ok
-            job = self.ctx.jobs.get(rec.job)
-            if job is not None and job.running:
-                self.ctx.jobs.reset_measure(rec.job, self.ctx.monotonic() + self.ctx.cfg.policy.settle_s)
-                self.ctx.jobs.record_cap_change(
-                    rec.job, clock_cap_mhz=None, power_limit_w=None, reason=f"profile recording {state}: limit restored"
-                )
-        log.info("profile recording on gpu%d for job %s %s: %s", rec.gpu, rec.job, state, why)
 
     def need_ctrl(self) -> Controller:
         """The controller, or a refusal that says why there is none."""
@@ -653,67 +419,6 @@ class ControlLoop:
             "last_error": self.last_error,
             "disabled": self.disabled,
             "owners": self.ctrl.owners() if self.ctrl is not None else {},
-        }
-
-
-def profile_limits(top_w: float, bottom_w: float, step_w: float) -> list[float]:
-    """The limits a recording visits, descending: ``top_w``, then every ``step_w`` down,
-    and ``bottom_w`` last (even when the steps do not land on it)."""
-    limits = [round(top_w, 3)]
-    w = top_w - step_w
-    while w > bottom_w + 1e-6:
-        limits.append(round(w, 3))
-        w -= step_w
-    limits.append(round(bottom_w, 3))
-    return limits
-
-
-@dataclass
-class ProfileRecording:
-    """One power-limit sweep on one GPU while a job runs (``greenctl profile record``)."""
-
-    gpu: int
-    job: str
-    limits_w: list[float]  # descending: the order they are visited
-    steps_per_limit: int
-    gpu_name: str = ""
-    source: str = ""
-    original_w: float | None = None  # the limit in force before the recording
-    started_wall: float = 0.0
-    host: str = ""
-    stall_s: float = 60.0
-    state: str = "running"  # running | done | aborted | failed
-    reason: str = ""
-    index: int = 0  # which limit is in force now
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    steps_now: int = 0
-    last_steps: int = 0
-    last_progress_s: float = 0.0
-    limit_since_s: float = 0.0
-    ended_wall: float | None = None
-    restored: list[str] = field(default_factory=list)
-    restore_ok: bool | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        running = self.state == "running"
-        return {
-            "state": self.state,
-            "reason": self.reason,
-            "gpu": self.gpu,
-            "job": self.job,
-            "gpu_name": self.gpu_name,
-            "source": self.source,
-            "host": self.host,
-            "limits_w": list(self.limits_w),
-            "steps_per_limit": self.steps_per_limit,
-            "current_limit_w": self.limits_w[self.index] if running else None,
-            "steps_now": self.steps_now if running else None,
-            "original_w": self.original_w,
-            "rows": [dict(r) for r in self.rows],
-            "started_wall": self.started_wall,
-            "ended_wall": self.ended_wall,
-            "restored": list(self.restored),
-            "restore_ok": self.restore_ok,
         }
 
 

@@ -16,8 +16,8 @@ from greend.control.loop import ControlLoop, setting_json
 from greend.errors import ConfigError, ProtocolError
 from greend.ipc.server import Connection, Handler
 from greend.points import cap_fields, decision_point, ts_ns
-from greend.policies.base import Setting
 from greend.protocol import NODE_OWNER
+from greend.settings import Setting
 
 if TYPE_CHECKING:
     from greend.actuators.controller import Controller
@@ -66,7 +66,7 @@ class ControlOps:
         gpu = msg["gpu"]
         if gpu not in [g.index for g in self.ctx.latest().gpus]:
             raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
-        rec = self.loop.profiling(gpu)
+        rec = self.loop.profiler.running(gpu)
         if rec is not None:
             raise ProtocolError(
                 f"a profile recording for job {rec.job} holds GPU {gpu}'s power limit; "
@@ -121,15 +121,15 @@ class ControlOps:
         if msg.get("cpu_zone") is not None:
             rep = ctrl.restore_cpu(self._cpu_zone(msg["cpu_zone"]).path)
         else:
-            if self.loop.profiling(gpu) is not None:  # its limit goes back now: the sweep ends
-                self.loop.profile_abort(f"greenctl cap reset by uid {conn.peer.uid}")
+            if self.loop.profiler.running(gpu) is not None:  # its limit goes back now: the sweep ends
+                self.loop.profiler.abort(f"greenctl cap reset by uid {conn.peer.uid}")
             rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)
         self.loop.report_restore(rep, f"greenctl cap reset by uid {conn.peer.uid}")
         return {**rep.to_json(), "lines": rep.lines()}
 
     def policy_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         self.loop.need_ctrl()
-        rec = self.loop.profiling()
+        rec = self.loop.profiler.running()
         if rec is not None and msg["name"] != "none":
             raise ProtocolError(
                 f"a profile recording runs on GPU {rec.gpu} (job {rec.job}); a policy would move the same "
@@ -166,9 +166,9 @@ class ControlOps:
         ``status`` (the rows so far), or ``abort`` it (its limit goes back at once)."""
         action = msg["action"]
         if action == "status":
-            return self.loop.profile_status()
+            return self.loop.profiler.status()
         if action == "abort":
-            return self.loop.profile_abort(f"aborted by uid {conn.peer.uid}")
+            return self.loop.profiler.abort(f"aborted by uid {conn.peer.uid}")
         for name in ("gpu", "job"):
             if msg.get(name) is None:
                 raise ProtocolError(f"action start needs {name!r}", field=name)
@@ -176,4 +176,4 @@ class ControlOps:
         if msg.get("steps_per_limit") is not None:
             kwargs["steps_per_limit"] = msg["steps_per_limit"]
         log.info("profile recording asked by uid %d: gpu %s, job %s", conn.peer.uid, msg["gpu"], msg["job"])
-        return self.loop.profile_start(msg["gpu"], msg["job"], **kwargs)
+        return self.loop.profiler.start(msg["gpu"], msg["job"], **kwargs)

@@ -1,6 +1,6 @@
 """Time-series sinks: where samples, steps, decisions and job summaries go.
 
-Every sink takes :class:`Point` batches from the tick loop through ``write()``,
+Every sink takes :class:`~greend.points.Point` batches from the tick loop through ``write()``,
 which must never block on I/O: sinks queue and write from a thread of their own.
 A sink that fails reports it in ``status()``; it never raises into the tick loop.
 
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError
+from greend.points import Point
 
 __all__ = [
     "REGISTRY",
@@ -39,16 +40,6 @@ __all__ = [
     "registered_schemes",
     "require_host_port",
 ]
-
-
-@dataclass(slots=True)
-class Point:
-    """One row of a measurement: InfluxDB's model, which SQLite mirrors as tables."""
-
-    measurement: str
-    tags: dict[str, str]
-    fields: dict[str, float | int | str | bool]
-    ts_ns: int
 
 
 @dataclass

@@ -17,10 +17,10 @@ from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
 from greend.actuators.state import STATE_FILE
 from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, StateError
-from greend.policies.base import UNCAPPED, Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.fake_sysfs import make_standard_tree
 from greend.probes.nvml import NvmlProbe
+from greend.settings import UNCAPPED, Setting
 from tests.support import wait_for
 
 SETTERS = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit")
@@ -339,14 +339,14 @@ def test_restore_owner_survives_an_unexpected_error_on_one_gpu(tmp_path: Path, s
     ctl = Controller(tmp_path / "state", backend)
     for i in range(3):
         ctl.apply_gpu(i, Setting(1500, 450.0), "job")
-    real = ctl._restore_gpu_entry
+    real = ctl._gpus.restore_entry
 
     def flaky(entry: Any, knobs: list[str], report: Any) -> None:
         if entry.index == 1:
             raise RuntimeError("driver surprise")
         real(entry, knobs, report)
 
-    ctl._restore_gpu_entry = flaky  # type: ignore[method-assign]
+    ctl._gpus.restore_entry = flaky  # type: ignore[method-assign]  # a fault on one GPU, in place of the real method
     report = ctl.restore_owner("job")
     assert {f.device.split()[0] for f in report.failed} == {"gpu1"}
     assert "RuntimeError: driver surprise" in report.failed[0].message

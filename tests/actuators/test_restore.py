@@ -17,10 +17,10 @@ from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
 from greend.actuators.restore import main, restore_from_state_dir
 from greend.actuators.state import STATE_FILE
-from greend.policies.base import Setting
 from greend.probes.fake_nvml import FakeNvml
-from greend.probes.fake_sysfs import make_standard_tree
+from greend.probes.fake_sysfs import FakePowercap, make_standard_tree
 from greend.probes.nvml import NvmlProbe
+from greend.settings import Setting
 from tests.support import REPO
 
 # Applies caps through a Controller on simulated GPUs and a fake powercap tree,
@@ -31,7 +31,7 @@ from pathlib import Path
 from greend.actuators.controller import Controller
 from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
-from greend.policies.base import Setting
+from greend.settings import Setting
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.nvml import NvmlProbe
 
@@ -54,8 +54,8 @@ def sim_controller(sim_dir: Path, state: Path, sysfs: Path | None = None) -> Con
     return Controller(state, NvmlGpuBackend(probe), RaplBackend(sysfs) if sysfs else None)
 
 
-def uw(tree: object, zone: str, n: int) -> int:
-    return int((tree.dir_of(zone) / f"constraint_{n}_power_limit_uw").read_text())  # type: ignore[attr-defined]
+def uw(tree: FakePowercap, zone: str, n: int) -> int:
+    return int((tree.dir_of(zone) / f"constraint_{n}_power_limit_uw").read_text())
 
 
 def test_restore_after_sigkill(tmp_path: Path) -> None:

@@ -218,7 +218,9 @@ def test_no_energy_measure_holds() -> None:
 
 
 def test_trend_rollback_beyond_tolerance_and_cooldown() -> None:
-    worse = lambda s, lv: 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+    def worse(s: int, lv: str) -> float:
+        return 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)
+
     job = FakeJob(loss=worse)
     p = policy(tolerance=0.1, cooldown_s=50.0)
     state, ds = drive(p, job, 10)
@@ -228,7 +230,9 @@ def test_trend_rollback_beyond_tolerance_and_cooldown() -> None:
     assert event["kind"] == "rollback" and event["from"] == "bf16" and event["to"] == "fp32"
     assert event["loss"] == pytest.approx(1.2, abs=0.01) and event["trend"] == pytest.approx(1.0, abs=0.01)
     assert "over the trend" in event["reason"]
-    pct = float(re.search(r"is \+([0-9.]+)% \(\+/- [0-9.]+%\) over the trend", event["reason"]).group(1))  # type: ignore[union-attr]
+    found = re.search(r"is \+([0-9.]+)% \(\+/- [0-9.]+%\) over the trend", event["reason"])
+    assert found is not None
+    pct = float(found.group(1))
     assert pct == pytest.approx(20.0, abs=0.5)
     # Rolled back within the check window (grace + window losses), not at the end of probation.
     assert job.levels.count("bf16") <= 2 + 16 + 10
@@ -240,7 +244,9 @@ def test_trend_rollback_beyond_tolerance_and_cooldown() -> None:
 
 
 def test_within_tolerance_is_kept() -> None:
-    slightly = lambda s, lv: 1.0 + (0.03 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+    def slightly(s: int, lv: str) -> float:
+        return 1.0 + (0.03 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)
+
     job = FakeJob(loss=slightly)
     drive(policy(tolerance=0.05), job, 20)
     assert switches(job) == [("fp32", "bf16")] and job.precision == "bf16"
@@ -333,7 +339,10 @@ def test_with_reference_checks_the_training_losses_do_not_judge_accuracy() -> No
     """A job whose ranks check the level on a reference batch: a loss 20 % worse after the
     switch (the data changed, say) rolls nothing back, where without the checks it does;
     the probation lasts three checks, then the energy is judged and the level kept."""
-    jump = lambda s, lv: 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)  # noqa: E731
+
+    def jump(s: int, lv: str) -> float:
+        return 1.0 + (0.2 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)
+
     plain = FakeJob(loss=jump)
     drive(policy(tolerance=0.1), plain, 30)
     assert switches(plain) == [("fp32", "bf16"), ("bf16", "fp32")]
