@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from greend.sinks import Point  # noqa: E402
+from greend.points import Point  # noqa: E402
 from greend.sinks.influx import InfluxSink  # noqa: E402
 from tests import vmserver  # noqa: E402
 

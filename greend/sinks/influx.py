@@ -44,7 +44,8 @@ from typing import Any, cast
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
-from greend.sinks import Point, SinkOptions, SinkStatus, check_url, register_sink, require_host_port
+from greend.points import Point
+from greend.sinks import SinkOptions, SinkStatus, check_url, register_sink, require_host_port
 from greend.sinks.spool import Segment, Spool
 
 __all__ = ["InfluxSink", "encode_points", "parse_influx_url"]

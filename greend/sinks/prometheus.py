@@ -31,7 +31,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
-from greend.sinks import Point, SinkOptions, SinkStatus, check_url, register_sink, require_host_port
+from greend.points import Point
+from greend.sinks import SinkOptions, SinkStatus, check_url, register_sink, require_host_port
 
 __all__ = ["GreendCollector", "PrometheusSink"]
 

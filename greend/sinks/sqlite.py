@@ -32,7 +32,8 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError, StoreError
-from greend.sinks import Point, SinkOptions, SinkStatus, register_sink
+from greend.points import Point
+from greend.sinks import SinkOptions, SinkStatus, register_sink
 
 __all__ = ["SqliteSink", "read_rows", "connect_readonly"]
 

@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from greend.sinks import Point
+from greend.points import Point
 from greend.sinks.influx import InfluxSink, encode_points
 from tests import vmserver
 from tests.support import REPO, wait_for
@@ -124,7 +124,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from greend.sinks import Point
+    from greend.points import Point
     from greend.sinks.influx import InfluxSink
     url, state, run, t0 = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     sink = InfluxSink(url, state_dir=state, host="node-c", backoff_min_s=0.05, backoff_max_s=0.3,

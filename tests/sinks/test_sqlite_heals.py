@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from greend.sinks import Point
+from greend.points import Point
 from greend.sinks.sqlite import SqliteSink, read_rows
 
 

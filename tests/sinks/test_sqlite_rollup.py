@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from greend.points import job_point, job_steps_point
+from greend.points import Point, job_point, job_steps_point
 from greend.probes import GpuReading
-from greend.sinks import Point
 from greend.sinks.sqlite import ROLLUP_LAST, ROLLUP_SUM, SqliteSink
 
 NOW = 1_800_000_000.0  # the test's "now" (s)

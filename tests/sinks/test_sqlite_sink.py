@@ -4,7 +4,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from greend.sinks import Point
+from greend.points import Point
 from greend.sinks.sqlite import SqliteSink, read_rows
 
 
