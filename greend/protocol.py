@@ -6,6 +6,11 @@ validates every request against :data:`SCHEMAS`; the clients
 messages with :func:`encode` and stay within the same limits. The wire format
 is described in ``docs/protocol.md``.
 
+Beside each schema, its typed form: the daemon's ops decode a message's entries once
+(:func:`decode_rows`, :func:`decode_steps`, :func:`decode_register`,
+:func:`decode_precision_event`) into frozen records (:class:`StepsRow`,
+:class:`StepEntry`, :class:`Registration`, :class:`PrecisionEvent`), and book those.
+
 Nothing here does I/O, and nothing here imports the daemon or torch.
 """
 
