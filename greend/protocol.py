@@ -6,6 +6,11 @@ validates every request against :data:`SCHEMAS`; the clients
 messages with :func:`encode` and stay within the same limits. The wire format
 is described in ``docs/protocol.md``.
 
+Beside each schema, its typed form: the daemon's ops decode a message's entries once
+(:func:`decode_rows`, :func:`decode_steps`, :func:`decode_register`,
+:func:`decode_precision_event`) into frozen records (:class:`StepsRow`,
+:class:`StepEntry`, :class:`Registration`, :class:`PrecisionEvent`), and book those.
+
 Nothing here does I/O, and nothing here imports the daemon or torch.
 """
 
@@ -40,11 +45,20 @@ __all__ = [
     "STEP_FIELDS",
     "INTERVAL_FIELDS",
     "MAX_ROWS_PER_MESSAGE",
+    "PrecisionEvent",
+    "Registration",
+    "StepEntry",
+    "StepsRow",
     "check_entries",
     "check_row",
     "check_step",
+    "decode_precision_event",
+    "decode_register",
+    "decode_row",
+    "decode_rows",
+    "decode_step",
+    "decode_steps",
     "encode",
-    "step_row",
     "validate",
 ]
 
@@ -246,29 +260,212 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
-def step_row(s: dict[str, Any]) -> dict[str, Any]:
-    """One validated "steps" entry as a row of one step (the daemon books both alike)."""
-    d = float(s["t1_s"]) - float(s["t0_s"])
-    row: dict[str, Any] = {
-        "first_step": s["step"],
-        "last_step": s["step"],
-        "steps": 1,
-        "t0_s": s["t0_s"],
-        "t1_s": s["t1_s"],
-        "busy_s": d,
-        "busy_sq_s2": d * d,
-        "flops": s["flops"],
-        "samples": s.get("samples") or 0,
-        "tokens": s.get("tokens") or 0,
-        "precision": s.get("precision"),
-    }
-    if s.get("nonfinite"):
-        row["nonfinite"] = 1
-        row["nonfinite_steps"] = [s["step"]]
-    elif s.get("loss") is not None:
-        loss = float(s["loss"])
-        row.update(loss_n=1, loss_sum=loss, loss_min=loss, loss_max=loss, loss_last=loss, losses=[loss])
-    return row
+# Typed entries ----------------------------------------------------------------------
+# Each wire entry is checked (above) and decoded once, here, into a typed row; the daemon
+# books the rows, never the dicts.
+
+
+@dataclass(frozen=True, slots=True)
+class StepsRow:
+    """One "intervals" row, decoded: a rank's consecutive steps at one precision (or one
+    "steps" entry as a row of one step, :meth:`StepEntry.as_row`). The sums are the
+    steps'; the loss figures are of the finite losses only."""
+
+    first_step: int
+    last_step: int
+    steps: int
+    t0_s: float  # monotonic: the first step's start
+    t1_s: float  # monotonic: the last step's end
+    busy_s: float  # sum of the steps' durations
+    busy_sq_s2: float  # sum of their squares
+    flops: float
+    samples: int = 0
+    tokens: int = 0
+    nonfinite: int = 0  # steps whose loss or a gradient was inf/NaN
+    nonfinite_steps: tuple[int, ...] = ()  # their indices (the first 64), where sent
+    loss_n: int = 0
+    loss_sum: float = 0.0
+    loss_min: float | None = None
+    loss_max: float | None = None
+    loss_last: float | None = None
+    losses: tuple[float, ...] = ()  # each finite loss in order, where sent
+    precision: str | None = None  # None: the job's level in force
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    """One "steps" entry, decoded: a single step as the client timed it."""
+
+    step: int
+    t0_s: float
+    t1_s: float
+    flops: float
+    samples: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    nonfinite: bool = False
+    precision: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.t1_s - self.t0_s
+
+    def as_row(self) -> StepsRow:
+        """This step as a row of one step (the daemon books both forms alike)."""
+        d = self.t1_s - self.t0_s
+        if self.nonfinite:
+            losses: dict[str, Any] = {"nonfinite": 1, "nonfinite_steps": (self.step,)}
+        elif self.loss is not None:
+            loss = self.loss
+            losses = {"loss_n": 1, "loss_sum": loss, "loss_min": loss, "loss_max": loss, "loss_last": loss}
+            losses["losses"] = (loss,)
+        else:
+            losses = {}
+        return StepsRow(
+            first_step=self.step,
+            last_step=self.step,
+            steps=1,
+            t0_s=self.t0_s,
+            t1_s=self.t1_s,
+            busy_s=d,
+            busy_sq_s2=d * d,
+            flops=self.flops,
+            samples=self.samples,
+            tokens=self.tokens,
+            precision=self.precision,
+            **losses,
+        )
+
+
+def decode_row(r: dict[str, Any]) -> StepsRow:
+    """A row that :func:`check_row` accepted, as a :class:`StepsRow`."""
+    return StepsRow(
+        first_step=r["first_step"],
+        last_step=r["last_step"],
+        steps=r["steps"],
+        t0_s=float(r["t0_s"]),
+        t1_s=float(r["t1_s"]),
+        busy_s=float(r["busy_s"]),
+        busy_sq_s2=float(r["busy_sq_s2"]),
+        flops=float(r["flops"]),
+        samples=r.get("samples") or 0,
+        tokens=r.get("tokens") or 0,
+        nonfinite=r.get("nonfinite") or 0,
+        nonfinite_steps=tuple(r.get("nonfinite_steps") or ()),
+        loss_n=r.get("loss_n") or 0,
+        loss_sum=float(r.get("loss_sum") or 0.0),
+        loss_min=r.get("loss_min"),
+        loss_max=r.get("loss_max"),
+        loss_last=r.get("loss_last"),
+        losses=tuple(r.get("losses") or ()),
+        precision=r.get("precision"),
+    )
+
+
+def decode_step(s: dict[str, Any]) -> StepEntry:
+    """A "steps" entry that :func:`check_step` accepted, as a :class:`StepEntry`."""
+    return StepEntry(
+        step=s["step"],
+        t0_s=float(s["t0_s"]),
+        t1_s=float(s["t1_s"]),
+        flops=float(s["flops"]),
+        samples=s.get("samples") or 0,
+        tokens=s.get("tokens") or 0,
+        loss=s.get("loss"),
+        nonfinite=bool(s.get("nonfinite")),
+        precision=s.get("precision"),
+    )
+
+
+def decode_rows(entries: list[Any]) -> list[StepsRow]:
+    """An "intervals" message's ``rows``, checked (:func:`check_entries`) and decoded."""
+    return [decode_row(r) for r in check_entries("rows", entries, MAX_ROWS_PER_MESSAGE, check_row)]
+
+
+def decode_steps(entries: list[Any]) -> list[StepEntry]:
+    """A "steps" message's ``steps``, checked (:func:`check_entries`) and decoded."""
+    return [decode_step(s) for s in check_entries("steps", entries, MAX_STEPS_PER_MESSAGE, check_step)]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A "register" message, decoded: one rank of a job introduces itself."""
+
+    job: str
+    run: str | None
+    rank: int
+    local_rank: int
+    world_size: int
+    gpus: tuple[int, ...]  # sorted, without repeats
+    host: str | None
+    precisions: tuple[str, ...]
+    mem_share: float | None
+    reference_every: int | None
+
+
+def decode_register(msg: dict[str, Any]) -> Registration:
+    """A "register" message that :data:`SCHEMAS` accepted, as a :class:`Registration`;
+    the job id, run id, levels and GPU indices are checked here."""
+    job_id = msg["job"]
+    if not JOB_ID_RE.match(job_id):
+        raise ProtocolError("'job' must be 1-128 characters of letters, digits and . _ : @ / -", field="job")
+    if job_id in RESERVED_OWNERS:
+        raise ProtocolError(
+            f"job id {job_id!r} is reserved (greend's own settings go by "
+            f"{' and '.join(map(repr, RESERVED_OWNERS))}): use another",
+            field="job",
+        )
+    run = msg.get("run") or None
+    if run is not None and not RUN_ID_RE.match(run):
+        raise ProtocolError("'run' must be 1-64 characters of letters, digits and . _ -", field="run")
+    precisions = msg.get("precisions") or ["fp32"]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        raise ProtocolError(
+            f"'precisions' has unknown level {bad[0]!r}; known: {', '.join(PRECISIONS)}", field="precisions"
+        )
+    gpus = sorted(set(msg.get("gpus") or []))
+    if any(g < 0 for g in gpus):
+        raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
+    return Registration(
+        job=job_id,
+        run=run,
+        rank=msg.get("rank") or 0,
+        local_rank=msg.get("local_rank") or 0,
+        world_size=msg.get("world_size") or 1,
+        gpus=tuple(gpus),
+        host=msg.get("host") or None,
+        precisions=tuple(precisions),
+        mem_share=msg.get("mem_share"),
+        reference_every=msg.get("reference_every"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionEvent:
+    """A "precision_event" message, decoded: the callback changed or refused a level on
+    its own (``kind``: "rollback", "refused" or "switch")."""
+
+    kind: str
+    from_level: str | None
+    to_level: str | None
+    reason: str | None
+    step: int | None
+    loss: float | None
+    trend: float | None
+
+
+def decode_precision_event(msg: dict[str, Any]) -> PrecisionEvent:
+    """A "precision_event" message that :data:`SCHEMAS` accepted, as a :class:`PrecisionEvent`."""
+    return PrecisionEvent(
+        kind=msg["kind"],
+        from_level=msg.get("from"),
+        to_level=msg.get("to"),
+        reason=msg.get("reason"),
+        step=msg.get("step"),
+        loss=msg.get("loss"),
+        trend=msg.get("trend"),
+    )
 
 
 _GPU_INDEX = Field((int,), min=0, max=1023)

@@ -22,45 +22,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from greend.config import Config
 from greend.control.loop import ControlContext, ControlLoop
-from greend.daemon import routes
+from greend.control.ops import ControlOps
 from greend.daemon.probing import ProbeScheduler, ProbeStats
+from greend.daemon.routes import RouteContext, admin_needs, is_admin, route_all
 from greend.daemon.sdnotify import WatchdogPinger
-from greend.daemon.status import status_document
+from greend.daemon.snapshot import Snapshot, TickCounts
+from greend.daemon.status import StatusContext, status_document
 from greend.daemon.stores import Stores
 from greend.fsutil import StateDirLock, check_private_dir
 from greend.ipc.server import IpcServer, Limits
 from greend.jobs.ledger import Ledger
+from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
 from greend.points import cpu_point, gpu_point, host_point, probe_point, ts_ns
-from greend.probes import CpuReading, GpuReading, HostReading, Probe, ProbeContext, Readings
+from greend.probes import Probe, ProbeContext
 from greend.sinks import Point, Sink
 
 __all__ = ["Daemon", "ProbeStats", "Snapshot"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Snapshot:
-    """The latest tick, as the status op, the control loop and the stores see it."""
-
-    t_s: float = 0.0
-    wall_s: float = 0.0
-    gpus: list[GpuReading] = field(default_factory=list)
-    cpus: list[CpuReading] = field(default_factory=list)
-    host: HostReading | None = None
-
-    def merge(self, r: Readings) -> None:
-        self.gpus.extend(r.gpus)
-        self.cpus.extend(r.cpus)
-        if r.host is not None:
-            self.host = r.host
 
 
 class Daemon:
@@ -108,7 +93,8 @@ class Daemon:
             monotonic=monotonic,
             wall=wall,
             heartbeat_timeout_s=cfg.daemon.heartbeat_timeout_s,
-            sim_gpu=self.probing.sim_gpu,
+            execute_steps=self.probing.execute_steps,  # the simulated GPUs run the steps reported
+            modelled_gpu=self.probing.modelled_gpu,
             emit=self.emit,
             grid_gco2_per_kwh=cfg.report.grid_gco2_per_kwh,
             window_s=cfg.report.window_s,
@@ -139,6 +125,21 @@ class Daemon:
             )
         )
         self.jobs.on_job_end.append(self.control.job_ended)
+        self.job_ops = JobOps(self.jobs)  # the jobs' socket ops
+        self.status_context = StatusContext(
+            cfg=cfg,
+            hostname=self.hostname,
+            started_s=self.started_s,
+            started_wall_s=self.started_wall_s,
+            monotonic=monotonic,
+            latest=self.latest,
+            ticks=self.tick_counts,
+            ledger=self.ledger,
+            jobs=self.jobs,
+            control=self.control,
+            probing=self.probing,
+            stores=self.stores,
+        )
 
     # The parts, as tests and the CLI reach them -----------------------------------
     @property
@@ -203,13 +204,22 @@ class Daemon:
             daemon_cfg.socket,
             mode=int(daemon_cfg.socket_mode, 8),
             group=daemon_cfg.socket_group or None,
-            is_admin=lambda peer: routes.is_admin(peer, daemon_cfg.admin_group),
-            admin_needs=routes.admin_needs(daemon_cfg.admin_group),
-            on_disconnect=self.jobs.disconnected,
+            is_admin=lambda peer: is_admin(peer, daemon_cfg.admin_group),
+            admin_needs=admin_needs(daemon_cfg.admin_group),
+            on_disconnect=self.job_ops.disconnected,
             limits=Limits.of(daemon_cfg),
-            registered=lambda conn: "session" in conn.state,
+            registered=self.job_ops.registered,
         )
-        routes.route_all(self.server, self)
+        route_all(
+            self.server,
+            RouteContext(
+                status=self.status,
+                probe_rows=self.probing.rows,
+                ledger=self.ledger,
+                jobs=self.job_ops,
+                control=ControlOps(self.control),
+            ),
+        )
         self.server.start()
 
     def start(self) -> None:
@@ -310,7 +320,10 @@ class Daemon:
 
     # Views ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        return status_document(self)
+        return status_document(self.status_context)
+
+    def tick_counts(self) -> TickCounts:
+        return TickCounts(self.ticks, self.ticks_skipped, self.tick_duration_s, tuple(self.tick_lateness_s))
 
     def probe_rows(self) -> list[dict[str, Any]]:
         return self.probing.rows()

@@ -4,20 +4,26 @@ Each probe is timed and isolated: one that raises is marked failed for that tick
 the others go on; one that is closed (absent hardware, no permission) is tried again
 every ``PROBE_RETRY_S``. A probe may ask to be sampled less often than the tick
 (``interval_s``): its last readings stand in until it is due.
+
+Where a probe stands in front of simulated GPUs, the scheduler is also the node's step
+executor (:meth:`ProbeScheduler.execute_steps`): the job registry hands it the rows of
+steps that ranks report, to be run on the device models.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import greend.probes as probe_registry
 from greend.errors import ConfigError, NoData, NoPermission, ProbeError
+from greend.jobs.execution import ExecutedRow
 from greend.probes import Probe, ProbeContext, ProbeInfo, Readings
 from greend.probes.base import MeasuresProcesses, SampledEvery, SimulatesGpus
+from greend.protocol import StepsRow
 
 __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 
@@ -182,6 +188,32 @@ class ProbeScheduler:
                 except (IndexError, KeyError, ValueError):
                     return None
         return None
+
+    def modelled_gpu(self, index: int) -> bool:
+        """A device model (a simulated GPU) stands for GPU ``index``."""
+        return self.sim_gpu(index) is not None
+
+    def execute_steps(
+        self, gpus: Sequence[int], rows: Sequence[StepsRow], *, mem_share: float | None, precision: str, pid: int
+    ) -> list[ExecutedRow] | None:
+        """The node's :class:`~greend.jobs.execution.StepExecutor`: run a rank's rows on
+        the simulated GPUs among ``gpus`` (None where there are none), each row's FLOPs
+        split evenly over them, one device update per GPU for the whole message. Per
+        row: the slowest GPU's duration and the GPUs' summed energy (a step's cost is
+        linear in its FLOPs at fixed settings, so a row costs what its steps would one
+        by one)."""
+        sims = [g for g in (self.sim_gpu(i) for i in gpus) if g is not None]
+        if not sims:
+            return None
+        work = [(r.flops / len(sims), mem_share, r.precision or precision) for r in rows]
+        for g in sims:  # the rank computes there: the GPU's process table lists it
+            g.attach_process(pid)
+        # Booked at once, written into the device files about once a second (defer).
+        per_gpu = [g.run_steps(work, defer=True) for g in sims]
+        return [
+            ExecutedRow(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu))
+            for i in range(len(work))
+        ]
 
     def gpu_indices(self) -> list[int] | None:
         """The GPUs a job may claim: the open GPU probe's indices (None: no GPU probe)."""

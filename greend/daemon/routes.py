@@ -1,24 +1,38 @@
 """The socket's ops as the daemon answers them, and who counts as an admin.
 
-Each op's schema, and whether it needs an admin, come from :mod:`greend.protocol`;
-the wire format is in ``docs/protocol.md``.
+The daemon's own ops (``ping``, ``status``, ``probes``, ``energy``) are here; each domain
+brings its ops from its edge: the jobs' from :mod:`greend.jobs.ops`, the control loop's
+from :mod:`greend.control.ops`. Each op's schema, and whether it needs an admin, come
+from :mod:`greend.protocol`; the wire format is in ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
 import grp
 import pwd
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from greend import __version__
 from greend.control.ops import ControlOps
-from greend.errors import ProtocolError
-from greend.ipc.server import NO_REPLY, Connection, Handler, IpcServer, Peer
+from greend.ipc.server import NO_REPLY, Connection, Handler, IpcServer, LimitExceeded, Peer
+from greend.jobs.ledger import Ledger
+from greend.jobs.ops import JobHandler, JobOps
+from greend.jobs.registry import QuotaExceeded
 
-if TYPE_CHECKING:
-    from greend.daemon.core import Daemon
+__all__ = ["RouteContext", "admin_needs", "handlers", "is_admin", "route_all"]
 
-__all__ = ["admin_needs", "handlers", "is_admin", "route_all"]
+
+@dataclass(frozen=True)
+class RouteContext:
+    """What the socket's ops reach of the daemon, given explicitly by the daemon."""
+
+    status: Callable[[], dict[str, Any]]  # the status document
+    probe_rows: Callable[[], list[dict[str, Any]]]  # what each probe found
+    ledger: Ledger
+    jobs: JobOps
+    control: ControlOps
 
 
 def is_admin(peer: Peer, admin_group: str) -> bool:
@@ -47,46 +61,36 @@ def admin_needs(admin_group: str) -> str:
     return "root (no [daemon] admin_group is set)"
 
 
-def handlers(d: Daemon) -> dict[str, Handler]:
+def handlers(ctx: RouteContext) -> dict[str, Handler]:
     """Every op the daemon answers."""
-    jobs = d.jobs
-
-    def steps(msg: dict[str, Any], conn: Connection) -> Any:
-        jobs.report_steps(msg, conn)
-        return NO_REPLY
-
-    def intervals(msg: dict[str, Any], conn: Connection) -> Any:
-        jobs.report_intervals(msg, conn)
-        return NO_REPLY
-
-    def report(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        job = jobs.get(msg["job"])
-        if job is None:
-            known = ", ".join(sorted(jobs.jobs)) or "none yet"
-            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
-        return jobs.report_with_series(job)
 
     def energy(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
-        return {"energy_j": d.ledger.energy_between(msg["key"], msg["t0_s"], msg["t1_s"])}
+        return {"energy_j": ctx.ledger.energy_between(msg["key"], msg["t0_s"], msg["t1_s"])}
 
     return {
         "ping": lambda msg, conn: {"pong": True, "version": __version__},
-        "status": lambda msg, conn: d.status(),
-        "probes": lambda msg, conn: {"probes": d.probing.rows()},
+        "status": lambda msg, conn: ctx.status(),
+        "probes": lambda msg, conn: {"probes": ctx.probe_rows()},
         "energy": energy,
-        "register": jobs.register,
-        "steps": steps,
-        "intervals": intervals,
-        "heartbeat": jobs.heartbeat,
-        "end": jobs.end,
-        "jobs": lambda msg, conn: {"jobs": jobs.list_jobs()},
-        "report": report,
-        "pace": jobs.pace,
-        "precision_event": jobs.precision_event,
-        **ControlOps(d.control).handlers(),
+        **{op: _job_route(h, silent=op in JobOps.SILENT) for op, h in ctx.jobs.handlers().items()},
+        **ctx.control.handlers(),
     }
 
 
-def route_all(server: IpcServer, d: Daemon) -> None:
-    for op, handler in handlers(d).items():
+def _job_route(handler: JobHandler, *, silent: bool) -> Handler:
+    """A job op as the server calls it: a per-user limit of the registry refuses as the
+    server's :class:`LimitExceeded` ("refused"), and a fire-and-forget op sends no reply."""
+
+    def route(msg: dict[str, Any], conn: Connection) -> Any:
+        try:
+            result = handler(msg, conn)
+        except QuotaExceeded as e:
+            raise LimitExceeded(str(e)) from None
+        return NO_REPLY if silent else result
+
+    return route
+
+
+def route_all(server: IpcServer, ctx: RouteContext) -> None:
+    for op, handler in handlers(ctx).items():
         server.route(op, handler)

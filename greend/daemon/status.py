@@ -1,19 +1,49 @@
 """What the daemon says of itself: the ``status`` document (``greenctl status --json``)
-and its rows for GPUs and CPU zones."""
+and its rows for GPUs and CPU zones.
+
+The document is made from a :class:`StatusContext`: the parts of the daemon it shows,
+given explicitly by the daemon that runs them (as the control loop gets its
+:class:`~greend.control.loop.ControlContext`), never the daemon itself.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from greend import __version__
+from greend.config import Config
+from greend.control.loop import ControlLoop
+from greend.daemon.probing import ProbeScheduler
+from greend.daemon.snapshot import Snapshot, TickCounts
+from greend.daemon.stores import Stores
 from greend.jobs.ledger import Ledger
+from greend.jobs.registry import JobRegistry
 from greend.probes import CpuReading, GpuReading
 
-if TYPE_CHECKING:
-    from greend.daemon.core import Daemon
+__all__ = ["StatusContext", "cpu_row", "gpu_origins", "gpu_row", "lateness", "status_document"]
 
-__all__ = ["cpu_row", "gpu_origins", "gpu_row", "status_document"]
+
+@dataclass(frozen=True)
+class StatusContext:
+    """What the status document shows of the daemon; the callables are read each time a
+    document is made."""
+
+    cfg: Config
+    hostname: str
+    started_s: float  # monotonic
+    started_wall_s: float
+    monotonic: Callable[[], float]
+    latest: Callable[[], Snapshot]  # the latest tick's snapshot
+    ticks: Callable[[], TickCounts]
+    ledger: Ledger
+    jobs: JobRegistry
+    control: ControlLoop
+    probing: ProbeScheduler
+    stores: Stores
+
 
 # What a GPU's knobs say about who set them (``clock_lock_origin``, ``power_limit_origin``):
 #   "greend"   greend's own setting is in force (the saved-settings file holds the original);
@@ -75,9 +105,10 @@ def cpu_row(c: CpuReading, ledger: Ledger) -> dict[str, Any]:
     }
 
 
-def status_document(d: Daemon) -> dict[str, Any]:
+def status_document(d: StatusContext) -> dict[str, Any]:
     """The daemon's state now: readings, totals, jobs, policy, probes and stores."""
     snap = d.latest()
+    ticks = d.ticks()
     h = snap.host
     ctrl = d.control.ctrl
     held = {
@@ -92,10 +123,10 @@ def status_document(d: Daemon) -> dict[str, Any]:
         "hz": d.cfg.daemon.hz,
         "dry_run": d.cfg.daemon.dry_run,
         "state_dir": str(d.cfg.daemon.state_dir),
-        "ticks": d.ticks,
-        "ticks_skipped": d.ticks_skipped,
-        "tick_duration_s": d.tick_duration_s,
-        "tick_lateness_s": lateness(list(d.tick_lateness_s)),
+        "ticks": ticks.ticks,
+        "ticks_skipped": ticks.skipped,
+        "tick_duration_s": ticks.duration_s,
+        "tick_lateness_s": lateness(list(ticks.lateness_s)),
         "gpus": [
             gpu_row(
                 g,

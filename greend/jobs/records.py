@@ -1,22 +1,26 @@
 """What greend keeps of a job: typed records, units in their field names.
 
-They are changed by :class:`greend.jobs.registry.JobRegistry`'s methods only, under its
-lock; other modules read them (or the views the registry builds). ``to_json`` gives the
-form a job's report carries (``greenctl report --json``).
+They are changed under the lock of :class:`greend.jobs.registry.JobRegistry`, by its
+methods and the booking functions it calls (:mod:`greend.jobs.booking`); other modules
+read them (or the views the registry builds). ``to_json`` gives the form a job's report
+carries (``greenctl report --json``).
+
+Figures of steps that a device model executed (``greend run --sim``) are named
+``modelled_*``; where they reach a report or a store they keep the names users know
+(``sim_time_s``, ``sim_energy_j``, ``sim_duration_s``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from greend.ipc.server import Connection
+from typing import Any, Literal, Protocol
 
 __all__ = [
     "Baseline",
     "CapChange",
+    "Caller",
+    "Channel",
     "EfficiencySample",
     "Job",
     "JobState",
@@ -24,10 +28,32 @@ __all__ = [
     "PrecisionChange",
     "RankLeft",
     "RankSession",
+    "StepAggregate",
     "StepRecord",
 ]
 
 JobState = Literal["running", "ending", "ended"]
+
+
+class Channel(Protocol):
+    """The way back to a rank's process (its connection): events pushed to it."""
+
+    def send(self, obj: dict[str, Any], timeout_s: float = ...) -> bool:
+        """Send one message; False if the process is gone or stuck."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a job op, as the socket's edge knows it: its connection (one rank per
+    connection: ``session`` is the connection's id), the peer's credentials from the
+    kernel, whether it is an admin, and the channel back to it."""
+
+    session: int
+    pid: int
+    uid: int
+    admin: bool = False
+    channel: Channel | None = None
 
 
 @dataclass
@@ -50,9 +76,9 @@ class StepAggregate:
     loss_min: float = float("inf")
     loss_max: float = float("-inf")
     nonfinite: int = 0
-    sim_duration_s: float = 0.0
-    sim_energy_j: float = 0.0
-    simulated: bool = False
+    modelled_time_s: float = 0.0  # the steps a device model executed: their time and energy
+    modelled_energy_j: float = 0.0
+    modelled: bool = False
 
     def fields(self) -> dict[str, float | int]:
         """The ``greend_job_steps`` fields of this interval."""
@@ -74,34 +100,10 @@ class StepAggregate:
                 loss_max=self.loss_max,
                 loss_n=self.loss_n,
             )
-        if self.simulated:
-            fields["sim_duration_s"] = self.sim_duration_s
-            fields["sim_energy_j"] = self.sim_energy_j
+        if self.modelled:  # (the stores' names for the model's figures)
+            fields["sim_duration_s"] = self.modelled_time_s
+            fields["sim_energy_j"] = self.modelled_energy_j
         return fields
-
-    def add_row(self, r: dict[str, Any], sim_duration: float | None, sim_energy: float) -> None:
-        """Add a row of steps (an "intervals" row, or one step as a row)."""
-        if self.steps == 0:
-            self.first_step = int(r["first_step"])
-        self.steps += int(r["steps"])
-        self.last_step = int(r["last_step"])
-        self.duration_s += float(r["busy_s"])
-        self.duration_sq_s2 += float(r["busy_sq_s2"])
-        self.flops += float(r["flops"])
-        self.samples += int(r.get("samples") or 0)
-        self.tokens += int(r.get("tokens") or 0)
-        self.nonfinite += int(r.get("nonfinite") or 0)
-        loss_n = int(r.get("loss_n") or 0)
-        if loss_n:
-            self.loss_sum += float(r["loss_sum"])
-            self.loss_n += loss_n
-            mean = float(r["loss_sum"]) / loss_n
-            self.loss_min = min(self.loss_min, float(r["loss_min"]) if r.get("loss_min") is not None else mean)
-            self.loss_max = max(self.loss_max, float(r["loss_max"]) if r.get("loss_max") is not None else mean)
-        if sim_duration is not None:
-            self.simulated = True
-            self.sim_duration_s += sim_duration
-            self.sim_energy_j += sim_energy
 
 
 @dataclass
@@ -119,7 +121,7 @@ class RankSession:
     host: str
     precisions: list[str]
     mem_share: float | None
-    conn: Connection | None
+    channel: Channel | None  # to push events to the rank (None: nothing can reach it)
     last_seen_s: float
     steps: int = 0
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
@@ -149,7 +151,7 @@ class StepRecord:
     flops: float
     samples: int
     tokens: int
-    sim_duration_s: float | None
+    modelled_time_s: float | None  # where a device model executed the step
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +233,9 @@ class Measure:
     steps: int = 0
     flops: float = 0.0
     time_s: float = 0.0
-    sim_energy_j: float = 0.0
+    modelled_energy_j: float = 0.0  # the steps' energy where a device model executed them
     time_sq_s2: float = 0.0  # sums of squares per step: the policy's noise estimate
-    energy_sq_j2: float = 0.0  # (simulated GPUs only: real per-step energy is not known)
+    energy_sq_j2: float = 0.0  # (modelled steps only: real per-step energy is not known)
     t0_s: float | None = None
     t1_s: float | None = None
 
@@ -246,15 +248,15 @@ class Baseline:
     (:meth:`greend.jobs.report.JobFigures.savings`).
 
     ``x_sum``/``x_sq``: sums of the per-step figure the noise is judged by (joules per
-    FLOP on simulated GPUs, seconds per FLOP on real ones, where a step's own energy is
-    not known). ``spans``: the baseline steps' monotonic windows, merged where they
+    FLOP where a device model executed the steps, seconds per FLOP on real GPUs, where
+    a step's own energy is not known). ``spans``: the baseline steps' monotonic windows, merged where they
     touch (the ledger's joules over them, on real GPUs)."""
 
     precision: str | None = None
     steps: int = 0
     flops: float = 0.0
     time_s: float = 0.0
-    sim_energy_j: float = 0.0
+    modelled_energy_j: float = 0.0
     x_n: int = 0
     x_sum: float = 0.0
     x_sq: float = 0.0
@@ -290,8 +292,8 @@ class Job:
     nonfinite_steps: int = 0
     step_time_s: float = 0.0  # measured, summed over reports
     gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
-    sim_time_s: float = 0.0
-    sim_energy_j: float = 0.0
+    modelled_time_s: float = 0.0  # the steps a device model executed (their report's sim_*)
+    modelled_energy_j: float = 0.0
     precision: str = "fp32"
     precision_log: list[PrecisionChange] = field(default_factory=list)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))  # the registry sets the bound

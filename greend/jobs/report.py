@@ -55,14 +55,14 @@ class JobFigures:
         hostname: str,
         window_s: float,
         grid_gco2_per_kwh: float,
-        sim_gpu: Callable[[int], Any | None],
+        modelled_gpu: Callable[[int], bool],
         node_cpu_busy_s: Callable[[], float],
     ) -> None:
         self.ledger = ledger
         self.hostname = hostname
         self.window_s = window_s
         self.grid_gco2_per_kwh = grid_gco2_per_kwh
-        self.sim_gpu = sim_gpu
+        self.modelled_gpu = modelled_gpu  # a device model executes GPU i's steps (its source: "sim")
         self.node_cpu_busy_s = node_cpu_busy_s  # the node's busy CPU seconds so far
 
     def gpu_energy(self, job: Job, t0: float, t1: float) -> float | None:
@@ -130,13 +130,14 @@ class JobFigures:
         per FLOP are what it would have cost without greend's controller; the saving is
         that less what it did cost, the slowdown its time over the baseline's.
 
-        On simulated GPUs both sides are the simulated steps' own energy and time; on
-        real GPUs the ledger's joules over the baseline steps' windows and over the job's
-        life (idle gaps included on both sides). How sure: the baseline's steps and the
-        relative standard error of its mean (per-step joules per FLOP on simulated GPUs,
-        seconds per FLOP on real ones), and a 95 % interval of the saving from it."""
+        Where a device model executed the steps (simulated GPUs), both sides are the
+        modelled steps' own energy and time; on real GPUs the ledger's joules over the
+        baseline steps' windows and over the job's life (idle gaps included on both
+        sides). How sure: the baseline's steps and the relative standard error of its
+        mean (per-step joules per FLOP where modelled, seconds per FLOP on real GPUs),
+        and a 95 % interval of the saving from it."""
         b = job.baseline
-        sim = job.sim_energy_j > 0
+        modelled = job.modelled_energy_j > 0
         moved = job.cap_changes > 0 or any(e.kind in ("switch", "rollback") for e in job.precision_log)
         out: dict[str, Any] = {
             "baseline": {
@@ -146,7 +147,7 @@ class JobFigures:
                 "joules_per_gflop": None,
             },
             "method": "sim: the simulated steps' own energy and time"
-            if sim
+            if modelled
             else "the ledger's GPU joules over the baseline steps and over the job's life",
             "controlled": moved,
             "expected_gpu_energy_j": None,
@@ -163,9 +164,9 @@ class JobFigures:
                 f"(at least {MIN_BASELINE_STEPS} with FLOPs needed)"
             )
             return out
-        if sim:
-            base_e, actual_e = b.sim_energy_j, job.sim_energy_j
-            base_t, actual_t = b.time_s, job.sim_time_s
+        if modelled:
+            base_e, actual_e = b.modelled_energy_j, job.modelled_energy_j
+            base_t, actual_t = b.time_s, job.modelled_time_s
         else:
             parts = [self.gpu_energy(job, t0, t1) for t0, t1 in b.spans]
             known = [p for p in parts if p is not None]
@@ -270,7 +271,7 @@ class JobFigures:
         gpu_e = sum(known) if known else None  # the job's GPUs' joules, as gpu_energy sums them
         cpu_e, cpu_method, node_cpu_e, energy = self._energies(job, t0, t1, gpu_e)
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
-        sources = sorted({"sim" if self.sim_gpu(g) is not None else "nvml" for g in job.gpus})
+        sources = sorted({"sim" if self.modelled_gpu(g) else "nvml" for g in job.gpus})
         saving = self.savings(job, gpu_e, duration)
         return {
             "job": job.job,
@@ -308,7 +309,7 @@ class JobFigures:
             "flop_per_s": job.flops / duration if duration > 0 else None,
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,  # None: FLOPs unknown
             "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
-            "gflops_per_w_busy": job.flops / job.sim_energy_j / 1e9 if job.sim_energy_j else None,
+            "gflops_per_w_busy": job.flops / job.modelled_energy_j / 1e9 if job.modelled_energy_j else None,
             "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
             "per_gpu": per_gpu,
             # The last [report] window_s of a running job (its last window once it ended).
@@ -320,8 +321,9 @@ class JobFigures:
             "last_loss": job.last_loss,
             "nonfinite_steps": job.nonfinite_steps,
             "step_time_s": job.step_time_s,
-            "sim_time_s": job.sim_time_s if job.sim_time_s else None,
-            "sim_energy_j": job.sim_energy_j if job.sim_energy_j else None,
+            # The figures of the steps a device model executed, under the names users know.
+            "sim_time_s": job.modelled_time_s if job.modelled_time_s else None,
+            "sim_energy_j": job.modelled_energy_j if job.modelled_energy_j else None,
             "precision": job.precision,
             "precision_log": [e.to_json() for e in job.precision_log],
             "pace_s": job.pace_s,

@@ -8,19 +8,17 @@ from typing import Any
 import pytest
 
 from greend.cli.render import render_report, render_setting
+from greend.jobs.booking import book_row
+from greend.jobs.execution import ExecutedRow
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Job, PrecisionChange
 from greend.jobs.registry import JobRegistry
 from greend.points import job_point
-from greend.protocol import step_row
-
-
-class _Sim:
-    pass
+from greend.protocol import StepEntry
 
 
 def _registry(sim: bool, ledger: Ledger | None = None) -> JobRegistry:
-    return JobRegistry(ledger or Ledger(), hostname="h", sim_gpu=(lambda i: _Sim()) if sim else (lambda i: None))
+    return JobRegistry(ledger or Ledger(), hostname="h", modelled_gpu=lambda i: sim)
 
 
 def _step(reg: JobRegistry, job: Job, t0: float, dt: float, flops: float, precision: str, sim_e: float | None) -> None:
@@ -31,8 +29,8 @@ def _step(reg: JobRegistry, job: Job, t0: float, dt: float, flops: float, precis
         rs = RankSession(1, job.job, 0, 0, 1, [0], 1, 1, "h", ["fp32", "bf16"], 0.3, None, 0.0)
         job.ranks[1] = rs
         job.gpus.add(0)
-    s = {"t0_s": t0, "t1_s": t0 + dt, "flops": flops, "precision": precision, "step": job.steps, "loss": 1.0}
-    reg._account_row(job, rs, step_row(s), dt if sim_e is not None else None, sim_e or 0.0)
+    s = StepEntry(step=job.steps, t0_s=t0, t1_s=t0 + dt, flops=flops, precision=precision, loss=1.0)
+    book_row(job, rs, s.as_row(), ExecutedRow(dt, sim_e) if sim_e is not None else None, 0.0)
 
 
 def test_sim_job_saving_against_its_uncapped_fp32_steps() -> None:

@@ -92,8 +92,9 @@ def test_an_ended_jobs_series_is_thinned_for_its_plot() -> None:
     its series (every k-th and the last), in order, not the 7200 a running job may hold."""
     from collections import deque
 
+    from greend.jobs.booking import thinned
     from greend.jobs.records import EfficiencySample
-    from greend.jobs.registry import ENDED_SERIES_POINTS, thinned
+    from greend.jobs.registry import ENDED_SERIES_POINTS
 
     full = deque((EfficiencySample(float(i), 1.0, 1.0, 1.0) for i in range(7200)), maxlen=7200)
     kept = thinned(full, ENDED_SERIES_POINTS)

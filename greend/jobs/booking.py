@@ -1,0 +1,288 @@
+"""Booking what a job's ranks report onto the job's records: pure bookkeeping.
+
+Every function here takes typed values (the decoded rows of
+:mod:`greend.protocol`, what a device model made of them, the time as a number) and
+changes the records it is given (:mod:`greend.jobs.records`); it holds no lock, reads
+no clock, knows no socket and runs no device model. The registry calls it under its
+lock and emits what it returns.
+
+A row of ``steps`` consecutive steps at one precision is booked as that many steps
+equal in FLOPs (and, where a device model executed them, in time and energy). The
+job's totals, its recent steps (the sliding window), its losses (the precision
+policy's evidence), the policy's measure since the setting in force took effect, its
+baseline (uncapped at the level it started at: what its savings are judged against)
+and the rank's aggregate for the stores all come from the same row.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from greend.jobs.execution import ExecutedRow
+from greend.jobs.records import (
+    CapChange,
+    EfficiencySample,
+    Job,
+    Measure,
+    PrecisionChange,
+    RankSession,
+    StepAggregate,
+    StepRecord,
+)
+from greend.protocol import PrecisionEvent, StepsRow
+
+__all__ = [
+    "MAX_BASELINE_SPANS",
+    "add_to_aggregate",
+    "append_bounded",
+    "book_baseline",
+    "book_cap_change",
+    "book_host_cpu",
+    "book_precision_event",
+    "book_process_cpu",
+    "book_row",
+    "book_switch",
+    "shed_step_records",
+    "thinned",
+]
+
+MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its steps
+LogName = Literal["precision_log", "decisions", "gone"]
+
+
+def book_row(
+    job: Job, rank: RankSession, row: StepsRow, executed: ExecutedRow | None, now_s: float
+) -> StepAggregate | None:
+    """Book a row of ``row.steps`` consecutive steps of ``rank`` (one of ``job``'s ranks),
+    executed by a device model as ``executed`` (None: on a real GPU). ``now_s``
+    (monotonic) starts the rank's next aggregate. Returns the rank's aggregate that this
+    row closed (a precision change starts a new one), for the stores, or None."""
+    n = row.steps
+    flops = row.flops
+    precision = row.precision or job.precision
+    t0, t1 = row.t0_s, row.t1_s
+    modelled_s = executed.duration_s if executed is not None else None
+    modelled_j = executed.energy_j if executed is not None else 0.0
+    if executed is not None:
+        job.modelled_time_s += executed.duration_s
+        job.modelled_energy_j += executed.energy_j
+    if job.t_start_s is None or t0 < job.t_start_s:
+        job.t_start_s = t0
+    job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
+    rank.steps += n
+    job.steps = max([job.steps, rank.steps, *(x.steps for x in job.ranks.values())])
+    job.step_reports += n
+    job.flops += flops
+    for g in rank.gpus:
+        job.gpu_flops[g] = job.gpu_flops.get(g, 0.0) + flops / len(rank.gpus)
+    job.samples += row.samples
+    job.tokens += row.tokens
+    job.step_time_s += row.busy_s
+    if row.nonfinite:
+        job.nonfinite_steps += row.nonfinite
+        job.nonfinite_recent.extend(row.nonfinite_steps or [row.last_step] * min(row.nonfinite, 64))
+    if row.loss_n:
+        job.last_loss = row.loss_last if row.loss_last is not None else row.loss_sum / row.loss_n
+        # Per-step losses where the client sent them (a job whose precision greend may
+        # change), else the row's mean stands for its steps.
+        if row.losses:
+            job.losses.extend(row.losses)
+        else:
+            job.losses.append(row.loss_sum / row.loss_n)
+    m = job.measure
+    if t0 >= m.since_s:
+        # Evidence for the setting now in force (rows that began before it settled are
+        # left out). Where a model executed the steps, its time and energy; else the
+        # measured step time and, at decision time, the ledger's joules.
+        m.steps += n
+        m.flops += flops
+        m.time_s += modelled_s if modelled_s is not None else row.busy_s
+        m.time_sq_s2 += modelled_s * modelled_s / n if modelled_s is not None else row.busy_sq_s2
+        m.modelled_energy_j += modelled_j
+        m.energy_sq_j2 += modelled_j * modelled_j / n
+        m.t0_s = t0 if m.t0_s is None else min(m.t0_s, t0)
+        m.t1_s = t1 if m.t1_s is None else max(m.t1_s, t1)
+        book_baseline(job, row, precision, executed)
+    job.recent.append(StepRecord(t0, t1, flops, row.samples, row.tokens, modelled_s))
+    closed = None
+    if rank.agg is not None and rank.agg.precision != precision:  # one precision per aggregate
+        closed, rank.agg = rank.agg, None
+    if rank.agg is None:
+        rank.agg = StepAggregate(precision, now_s)
+    add_to_aggregate(rank.agg, row, executed)
+    return closed
+
+
+def book_baseline(job: Job, row: StepsRow, precision: str, executed: ExecutedRow | None) -> None:
+    """A settled row: book it to the job's baseline if it ran uncapped at the level the
+    job started at (the first row's). The per-step cost per FLOP (the model's joules,
+    else seconds) feeds the baseline's standard error: a modelled row's steps are equal;
+    measured, its steps' times come as a sum and a sum of squares over equal FLOPs."""
+    b = job.baseline
+    if b.precision is None:
+        b.precision = precision
+    if job.capped or precision != b.precision:
+        b.span_open = False
+        return
+    n, flops = row.steps, row.flops
+    b.steps += n
+    b.flops += flops
+    b.time_s += executed.duration_s if executed is not None else row.busy_s
+    b.modelled_energy_j += executed.energy_j if executed is not None else 0.0
+    if flops > 0:
+        per_step = flops / n
+        if executed is not None:
+            x = executed.energy_j / flops
+            b.x_sum += n * x
+            b.x_sq += n * x * x
+        else:
+            b.x_sum += row.busy_s / per_step
+            b.x_sq += row.busy_sq_s2 / (per_step * per_step)
+        b.x_n += n
+    if b.spans and b.span_open:
+        b.spans[-1][1] = max(b.spans[-1][1], row.t1_s)
+    elif len(b.spans) < MAX_BASELINE_SPANS:
+        b.spans.append([row.t0_s, row.t1_s])
+        b.span_open = True
+
+
+def add_to_aggregate(agg: StepAggregate, row: StepsRow, executed: ExecutedRow | None) -> None:
+    """Add a row of steps to a rank's aggregate for the stores."""
+    if agg.steps == 0:
+        agg.first_step = row.first_step
+    agg.steps += row.steps
+    agg.last_step = row.last_step
+    agg.duration_s += row.busy_s
+    agg.duration_sq_s2 += row.busy_sq_s2
+    agg.flops += row.flops
+    agg.samples += row.samples
+    agg.tokens += row.tokens
+    agg.nonfinite += row.nonfinite
+    if row.loss_n:
+        agg.loss_sum += row.loss_sum
+        agg.loss_n += row.loss_n
+        mean = row.loss_sum / row.loss_n
+        agg.loss_min = min(agg.loss_min, row.loss_min if row.loss_min is not None else mean)
+        agg.loss_max = max(agg.loss_max, row.loss_max if row.loss_max is not None else mean)
+    if executed is not None:
+        agg.modelled = True
+        agg.modelled_time_s += executed.duration_s
+        agg.modelled_energy_j += executed.energy_j
+
+
+# CPU time ---------------------------------------------------------------------------
+def book_process_cpu(job: Job, rank: RankSession, cpu_s: float) -> None:
+    """The rank's process is at ``cpu_s`` CPU seconds: add what it used since last seen."""
+    if rank.cpu_last_s is not None:
+        job.cpu_job_s += max(0.0, cpu_s - rank.cpu_last_s)
+    rank.cpu_last_s = cpu_s
+
+
+def book_host_cpu(job: Job, process_cpu_s: Mapping[int, float], node_cpu_busy_s: float) -> None:
+    """The host probe's CPU seconds of processes (by pid): each of the job's ranks it
+    saw books what it used since last seen. The job's CPU share counts the node's busy
+    time from ``node_cpu_busy_s`` on, the first time one of its ranks is seen."""
+    seen = False
+    for rs in job.ranks.values():
+        cpu = process_cpu_s.get(rs.pid)
+        if cpu is None:
+            continue
+        seen = True
+        book_process_cpu(job, rs, cpu)
+    if seen and job.cpu_busy0_s is None:
+        job.cpu_busy0_s = node_cpu_busy_s
+
+
+# The job's logs ---------------------------------------------------------------------
+def append_bounded(job: Job, log_name: LogName, entry: Any, max_entries: int) -> None:
+    """Append to one of the job's logs, dropping (and counting) the oldest beyond ``max_entries``."""
+    entries = getattr(job, log_name)
+    entries.append(entry)
+    over = len(entries) - max_entries
+    if over > 0:
+        del entries[:over]
+        setattr(job, f"{log_name}_dropped", getattr(job, f"{log_name}_dropped") + over)
+
+
+def book_precision_event(
+    job: Job, event: PrecisionEvent, *, rank: int, t_wall_s: float, now_s: float, max_entries: int
+) -> None:
+    """A rank changed or refused a level on its own: log it, and follow it (a rollback
+    is the job's level from now, measured afresh from ``now_s``; a refusal leaves the
+    job at the level the rank kept)."""
+    change = PrecisionChange(
+        t_wall_s,
+        event.kind,
+        event.from_level,
+        event.to_level,
+        event.reason or "",
+        event.step,
+        event.loss,
+        event.trend,
+        rank=rank,
+    )
+    append_bounded(job, "precision_log", change, max_entries)
+    if event.kind == "rollback" and event.to_level:
+        job.precision = event.to_level
+        job.measure = Measure(since_s=now_s)
+    elif event.kind == "refused" and event.from_level:
+        job.precision = event.from_level  # the rank kept running at its old level
+
+
+def book_switch(
+    job: Job,
+    level: str,
+    reason: str,
+    *,
+    kind: str,
+    trend: float | None,
+    t_wall_s: float,
+    settle_until_s: float,
+    max_entries: int,
+) -> None:
+    """The daemon moves the job to ``level``: log it; the job's measure starts afresh at
+    ``settle_until_s`` (evidence at one level must not be booked to the next)."""
+    change = PrecisionChange(t_wall_s, kind, job.precision, level, reason, job.steps, job.last_loss, trend)
+    job.precision = level
+    append_bounded(job, "precision_log", change, max_entries)
+    job.measure = Measure(since_s=settle_until_s)
+
+
+def book_cap_change(
+    job: Job,
+    *,
+    t_wall_s: float,
+    clock_cap_mhz: int | None,
+    power_limit_w: float | None,
+    reason: str,
+    max_entries: int,
+) -> None:
+    """The policy moved the job's GPUs to this setting (kept for its report); the job's
+    steps from now are its baseline only if it is uncapped."""
+    append_bounded(job, "decisions", CapChange(t_wall_s, clock_cap_mhz, power_limit_w, reason), max_entries)
+    job.capped = clock_cap_mhz is not None or power_limit_w is not None
+    job.cap_changes += 1
+
+
+# An ended job -----------------------------------------------------------------------
+def thinned(series: deque[EfficiencySample], points: int) -> deque[EfficiencySample]:
+    """Every k-th sample of ``series`` and its last, at most ``points`` + 1 of them."""
+    n = len(series)
+    if n <= points:
+        return series
+    k = -(-n // points)  # ceil
+    kept = [e for i, e in enumerate(series) if i % k == 0]
+    if (n - 1) % k:
+        kept.append(series[-1])
+    return deque(kept, maxlen=series.maxlen)
+
+
+def shed_step_records(job: Job, series_points: int) -> None:
+    """An ended job keeps its summary: its step records go, and its series is thinned to
+    ``series_points`` (enough for its report's plot)."""
+    job.recent.clear()
+    job.losses.clear()
+    job.nonfinite_recent.clear()
+    job.series = thinned(job.series, series_points)

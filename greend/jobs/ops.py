@@ -1,0 +1,169 @@
+"""The jobs' socket ops: ``register``, ``intervals``, ``steps``, ``heartbeat``, ``pace``,
+``precision_event`` and ``end`` (a training process, one connection per rank), and
+``jobs`` and ``report`` (anyone). Their schemas are in :mod:`greend.protocol`, the wire
+format in ``docs/protocol.md``; the daemon routes them (:mod:`greend.daemon.routes`).
+
+This is the only jobs code that knows connections and message dicts: each message is
+decoded once here into the typed values of :mod:`greend.protocol` (a
+:class:`~greend.protocol.Registration`, :class:`~greend.protocol.StepsRow` rows, ...)
+and the connection into a :class:`~greend.jobs.records.Caller`, and the registry is
+called with those. A connection comes in as anything shaped like
+:class:`JobConnection` (the IPC server's connections are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from greend.errors import ProtocolError
+from greend.jobs.records import Caller
+from greend.jobs.registry import JobRegistry
+from greend.protocol import (
+    decode_precision_event,
+    decode_register,
+    decode_rows,
+    decode_steps,
+)
+
+__all__ = ["FUTURE_SLACK_S", "JobConnection", "JobHandler", "JobOps", "PeerCredentials"]
+
+FUTURE_SLACK_S = 1.0  # a reported step may end at most this far past the daemon's now
+
+
+class PeerCredentials(Protocol):
+    """Who is on the other end of a connection, from the kernel (SO_PEERCRED)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def uid(self) -> int: ...
+
+
+class JobConnection(Protocol):
+    """What the job ops use of a connection: its id (a rank's session), its peer, the
+    server's per-connection notes (``_admin``: the peer passed the admin check) and a
+    way to push events to the peer."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def peer(self) -> PeerCredentials: ...
+
+    @property
+    def state(self) -> dict[str, Any]: ...
+
+    def send(self, obj: dict[str, Any], timeout_s: float = ...) -> bool: ...
+
+
+JobHandler = Callable[[dict[str, Any], JobConnection], Any]
+
+
+class JobOps:
+    """The socket ops of one :class:`JobRegistry`.
+
+    ``steps`` and ``intervals`` are fire-and-forget: their handlers return None and the
+    router sends no reply (:attr:`SILENT`) unless the message is refused. A per-user
+    limit refuses with :class:`~greend.jobs.registry.QuotaExceeded`."""
+
+    SILENT = frozenset({"steps", "intervals"})
+
+    def __init__(self, jobs: JobRegistry) -> None:
+        self.jobs = jobs
+
+    def handlers(self) -> dict[str, JobHandler]:
+        return {
+            "register": self.register,
+            "steps": self.steps,
+            "intervals": self.intervals,
+            "heartbeat": self.heartbeat,
+            "end": self.end,
+            "jobs": lambda msg, conn: {"jobs": self.jobs.list_jobs()},
+            "report": self.report,
+            "pace": self.pace,
+            "precision_event": self.precision_event,
+        }
+
+    @staticmethod
+    def caller(conn: JobConnection) -> Caller:
+        """The connection as the registry knows a caller."""
+        return Caller(
+            session=conn.id,
+            pid=conn.peer.pid,
+            uid=conn.peer.uid,
+            admin=bool(conn.state.get("_admin")),
+            channel=conn,
+        )
+
+    def registered(self, conn: JobConnection) -> bool:
+        """The connection registered a rank that is still there (the server does not
+        close it for idleness: its heartbeats are the registry's to judge)."""
+        return self.jobs.has_session(conn.id)
+
+    def disconnected(self, conn: JobConnection) -> None:
+        self.jobs.disconnected(conn.id)
+
+    # The ops -------------------------------------------------------------------------
+    def register(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        booked = self.jobs.register(decode_register(msg), self.caller(conn))
+        return {
+            "job": booked.job,
+            "run": booked.run,
+            "session": conn.id,
+            "heartbeat_s": max(0.5, self.jobs.heartbeat_timeout_s / 3.0),
+            "directive": {"precision": booked.precision},
+            # How to send steps: rows summed at the source, or (with [store]
+            # step_detail, which stores each step) one entry per step.
+            "report": "steps" if self.jobs.step_detail else "intervals",
+            "rows_every_s": self.jobs.rows_every_s,
+        }
+
+    # Two forms reach one booking path: "intervals" rows, a rank's steps summed at the
+    # source (what the callback sends), and the older per-step "steps" entries, each
+    # booked as a row of one step (old clients, and the callback when [store]
+    # step_detail asks for a row per step). Nothing of a message with a bad entry is
+    # booked, nor of one that ends in the future.
+    def intervals(self, msg: dict[str, Any], conn: JobConnection) -> None:
+        rows = decode_rows(msg["rows"])
+        self._not_future("rows", (r.t1_s for r in rows))
+        self.jobs.book(conn.id, rows)
+
+    def steps(self, msg: dict[str, Any], conn: JobConnection) -> None:
+        steps = decode_steps(msg["steps"])
+        self._not_future("steps", (s.t1_s for s in steps))
+        self.jobs.book(conn.id, [s.as_row() for s in steps], detail=steps)
+
+    def _not_future(self, name: str, ends_s: Iterable[float]) -> None:
+        """Refuse a message whose ``name`` entries end (``ends_s``) in the future."""
+        now = self.jobs.monotonic()
+        for i, t1_s in enumerate(ends_s):
+            if t1_s > now + FUTURE_SLACK_S:
+                raise ProtocolError(
+                    f"{name}[{i}]: t1_s = {t1_s} is in the future (send time.monotonic() seconds)",
+                    field=f"{name}[{i}].t1_s",
+                )
+
+    def heartbeat(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        self.jobs.heartbeat(conn.id)
+        return {"ok": True}
+
+    def pace(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time)."""
+        self.jobs.pace(conn.id, float(msg["step_s"]))
+        return {"ok": True}
+
+    def precision_event(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        self.jobs.precision_event(self.caller(conn), decode_precision_event(msg))
+        return {"ok": True}
+
+    def end(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        return self.jobs.end(conn.id, msg.get("reason"))
+
+    def report(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        job = self.jobs.get(msg["job"])
+        if job is None:
+            known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
+            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
+        return self.jobs.report_with_series(job)

@@ -1,0 +1,362 @@
+"""The node's jobs under one lock, and what the rest of the daemon reads and records of
+them: each job's figures and store points (:mod:`greend.jobs.report` computes them),
+and the control loop's side (what a policy sees of a job, the setting changes and
+precision switches it records, the directives pushed to a job's ranks).
+
+:class:`JobTable` is the base of :class:`greend.jobs.registry.JobRegistry`, which adds
+the ranks' sessions, the jobs' lifecycle and the tick; the records change under the
+one lock (:attr:`JobTable._lock`) whichever side changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from greend.jobs.booking import book_cap_change, book_switch
+from greend.jobs.ledger import Ledger
+from greend.jobs.records import EfficiencySample, Job, Measure
+from greend.jobs.report import JobFigures
+from greend.points import decision_point, efficiency_point, job_point, precision_fields, ts_ns
+from greend.sinks import Point
+
+if TYPE_CHECKING:
+    from greend.policies.base import JobMeasure, JobView, Setting
+
+__all__ = ["MAX_NOTE_CHARS", "JobTable"]
+
+log = logging.getLogger(__name__)
+
+MAX_NOTE_CHARS = 1000  # a policy's note on a job is cut to this many characters
+
+
+class JobTable:
+    """The node's jobs (by id) under one lock; see the module's docstring."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        hostname: str,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        window_s: float = 10.0,
+        grid_gco2_per_kwh: float = 400.0,
+        modelled_gpu: Callable[[int], bool] = lambda i: False,
+        emit: Callable[[list[Point]], None] = lambda pts: None,
+        max_log_entries: int = 256,
+    ) -> None:
+        self.ledger = ledger
+        self.hostname = hostname
+        self.monotonic = monotonic
+        self.wall = wall
+        self.window_s = window_s
+        self.grid_gco2_per_kwh = grid_gco2_per_kwh
+        self.modelled_gpu = modelled_gpu  # a device model stands for GPU i (its steps are executed there)
+        self.emit = emit
+        self.max_log_entries = max_log_entries
+        self.jobs: dict[str, Job] = {}
+        self._lock = threading.RLock()
+        self._node_cpu_busy_s = 0.0  # integral of host utilisation * cpus, for CPU shares
+        self.figures = JobFigures(
+            ledger,
+            hostname=hostname,
+            window_s=window_s,
+            grid_gco2_per_kwh=grid_gco2_per_kwh,
+            modelled_gpu=modelled_gpu,
+            node_cpu_busy_s=lambda: self._node_cpu_busy_s,
+        )
+
+    def sim_gpu(self, index: int) -> bool | None:
+        """True where a device model stands for GPU ``index``, else None: the form the
+        control loop's profile recording asks in (``is not None``); prefer
+        :attr:`modelled_gpu`."""
+        return True if self.modelled_gpu(index) else None
+
+    # Figures (greend/jobs/report.py computes them) -------------------------------------
+    def window(self, job: Job, now_s: float) -> dict[str, Any]:
+        """The job's figures over the last ``window_s``, up to ``now_s``."""
+        return self.figures.window(job, now_s)
+
+    def report(self, job: Job) -> dict[str, Any]:
+        """The job's figures over its life (so far, while it runs), with the count of
+        log entries dropped at [daemon] max_log_entries where there were any."""
+        r = self.figures.report(job)
+        dropped = {
+            k: n
+            for k, n in (
+                ("precision_log", job.precision_log_dropped),
+                ("decisions", job.decisions_dropped),
+                ("ranks_left", job.gone_dropped),
+            )
+            if n
+        }
+        if dropped and "log_dropped" not in r:
+            r = {**r, "log_dropped": dropped}
+        return r
+
+    def summary_point(self, job: Job) -> Point:
+        return job_point(
+            ts_ns(self.wall()),
+            self.hostname,
+            job=job.job,
+            precision=job.precision,
+            end_reason=job.end_reason or "",
+            summary=job.summary or self.report(job),
+        )
+
+    def note_points(self, job: Job, ts: int) -> list[Point]:
+        """``greend_decision`` points of kind ``note``: each policy's last word on an
+        ended job, at its summary's time ``ts``, for its report from the store."""
+        return [
+            decision_point(
+                ts,
+                self.hostname,
+                kind="note",
+                reason=n["reason"],
+                policy=n["policy"],
+                job=job.job,
+                precision=job.precision if n["role"] == "precision" else "",
+            )  # fmt: skip
+            for n in job.notes.values()
+        ]
+
+    def report_with_series(self, job: Job) -> dict[str, Any]:
+        """``report(job)`` plus its time series: a copy made under the lock, so the tick
+        thread can neither end the job half-way through nor change what is being sent."""
+        with self._lock:
+            report = dict(self.report(job))
+            report["series"] = [e.to_json() for e in job.series]
+            return report
+
+    def tag_runs(self, points: list[Point]) -> None:
+        """Give every point of a job its run tag (``run``), so that two runs of one job id
+        (a rerun, an id reused) never merge in a store."""
+        with self._lock:
+            for p in points:
+                name = p.tags.get("job")
+                if name and "run" not in p.tags:
+                    job = self.jobs.get(name)
+                    if job is not None:
+                        p.tags["run"] = job.run
+
+    def list_jobs(self) -> list[dict[str, Any]]:
+        """Every job's row (``greenctl jobs``, ``status``): the columns of its report
+        (:data:`greend.jobs.report.ROW_FIELDS`), computed alone."""
+        with self._lock:
+            out = []
+            for job in self.jobs.values():
+                row = self.figures.row(job)
+                # Once its figures are final (not while it is ending).
+                t_end = job.t_end_s if job.state == "ended" else None
+                row["ended_at"] = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else None
+                out.append(row)
+            return out
+
+    def efficiency_points(self, now_s: float) -> list[Point]:
+        """One ``greend_efficiency`` point per running job: the sliding window and the life."""
+        pts = []
+        ts = ts_ns(self.wall())
+        with self._lock:
+            for job in self.jobs.values():
+                if job.state != "running" or job.t_start_s is None:
+                    continue
+                win = self.window(job, now_s)
+                life = self.report(job)
+                job.series.append(
+                    EfficiencySample(
+                        t_s=now_s - (job.t_start_s or now_s),
+                        power_w=win["gpu_power_w"] or 0.0,
+                        gflops_per_w=win["gflops_per_w"] or 0.0,
+                        flop_per_s=win["flop_per_s"] or 0.0,
+                    )
+                )
+                pts.append(
+                    efficiency_point(ts, self.hostname, job=job.job, precision=job.precision, window=win, life=life)
+                )
+        return pts
+
+    # What the control loop reads and records ----------------------------------------
+    def reset_measure(self, job_id: str, since_s: float) -> None:
+        """A new setting took effect: measure afresh from ``since_s``."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.measure = Measure(since_s=since_s)
+
+    def reset_measures_on_gpu(self, gpu: int, since_s: float) -> None:
+        """A setting of ``gpu`` changed: every running job on it measures afresh."""
+        with self._lock:
+            for job in self.jobs.values():
+                if gpu in job.gpus and job.running:
+                    job.measure = Measure(since_s=since_s)
+
+    def measure(self, job: Job, setting: Setting) -> JobMeasure | None:
+        """The job's :class:`greend.policies.base.JobMeasure` since its setting took effect, or None."""
+        from greend.policies.base import JobMeasure
+
+        m = job.measure
+        if m.steps == 0:
+            return None
+        modelled = any(self.modelled_gpu(g) for g in job.gpus)
+        if modelled:
+            energy: float | None = m.modelled_energy_j
+        elif m.t0_s is not None and m.t1_s is not None:
+            energy = self.figures.gpu_energy(job, m.t0_s, m.t1_s)
+        else:
+            energy = None
+        if energy is None:
+            return None
+        return JobMeasure(
+            setting=setting,
+            steps=m.steps,
+            flops=m.flops,
+            time_s=m.time_s,
+            energy_j=energy,
+            power_w=energy / m.time_s if m.time_s > 0 else None,
+            time_sq_s2=m.time_sq_s2,
+            energy_sq_j2=m.energy_sq_j2 if modelled else None,
+        )
+
+    def views(self, setting_of: Callable[[int], Setting]) -> list[JobView]:
+        """What a policy sees of each running job with GPUs (``setting_of(gpu)``: the
+        setting in force on a GPU; a job's is its lowest GPU's), made under the lock."""
+        from greend.policies.base import JobView
+
+        out = []
+        with self._lock:
+            for job in self.jobs.values():
+                if not job.running or not job.gpus:
+                    continue
+                setting = setting_of(min(job.gpus))
+                job.capped = not setting.uncapped
+                precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
+                checks = [rs.reference_every for rs in job.ranks.values()]
+                out.append(
+                    JobView(
+                        job=job.job,
+                        gpus=tuple(sorted(job.gpus)),
+                        state=job.state,
+                        steps=job.steps,
+                        precision=job.precision,
+                        precisions=tuple(precisions),
+                        measure=self.measure(job, setting),
+                        setting=setting,
+                        pace_s=job.pace_s,
+                        loss_recent=tuple(job.losses),
+                        nonfinite_recent=len(job.nonfinite_recent),
+                        precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
+                        # Every rank checks on a reference batch: their verdicts (rollbacks) rule.
+                        reference_every=max(checks) if checks and None not in checks else None,  # type: ignore[type-var]
+                    )
+                )
+        return out
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def running_ids(self) -> list[str]:
+        with self._lock:
+            return [j.job for j in self.jobs.values() if j.running]
+
+    def flops_per_step(self, job_id: str) -> float | None:
+        """The job's mean FLOPs per reported step, or None before its first step."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.steps == 0 or job.step_reports == 0:
+                return None
+            return job.flops / job.step_reports
+
+    def record_cap_change(
+        self, job_id: str, *, clock_cap_mhz: int | None, power_limit_w: float | None, reason: str
+    ) -> None:
+        """The policy moved the job's GPUs to this setting (kept for its report)."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                book_cap_change(
+                    job,
+                    t_wall_s=self.wall(),
+                    clock_cap_mhz=clock_cap_mhz,
+                    power_limit_w=power_limit_w,
+                    reason=reason,
+                    max_entries=self.max_log_entries,
+                )
+
+    def note(self, job_id: str, *, policy: str, role: str, reason: str) -> None:
+        """A policy's latest word on a running job (``role``: "clocks" or "precision"):
+        kept in its report after the end, so a job that was never capped or never
+        switched says why."""
+        if not reason:
+            return
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or not job.running:
+                return
+            old = job.notes.get(role)
+            if old is not None and old["policy"] == policy and old["reason"] == reason:
+                return
+            job.notes[role] = {"policy": policy, "role": role, "reason": reason[:MAX_NOTE_CHARS], "since": self.wall()}
+
+    def switch_precision(
+        self,
+        job_id: str,
+        level: str,
+        reason: str,
+        *,
+        kind: str = "switch",
+        trend: float | None = None,
+        settle_until_s: float,
+        policy: str,
+    ) -> bool:
+        """Ask a running job's ranks to run at ``level`` from their next step (a pushed
+        directive); False if the job is not running or already there.
+
+        ``kind`` is "switch" or "rollback" (the policy found the loss worse than its
+        pre-switch ``trend``). The job's measure starts afresh at ``settle_until_s``:
+        evidence at one level must not be booked to the next.
+        """
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or not job.running or job.precision == level:
+                return False
+            book_switch(
+                job,
+                level,
+                reason,
+                kind=kind,
+                trend=trend,
+                t_wall_s=self.wall(),
+                settle_until_s=settle_until_s,
+                max_entries=self.max_log_entries,
+            )
+            steps, last_loss = job.steps, job.last_loss
+        self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
+        fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
+        self.emit(
+            [
+                decision_point(
+                    ts_ns(self.wall()),
+                    self.hostname,
+                    kind=kind,
+                    reason=reason,
+                    policy=policy,
+                    job=job_id,
+                    precision=level,
+                    fields=fields,
+                )
+            ]
+        )
+        log.info("job %s: precision -> %s (%s)", job_id, level, reason)
+        return True
+
+    def push(self, job_id: str, event: dict[str, Any]) -> int:
+        """Send an event to every rank of a job; returns how many got it."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            channels = [rs.channel for rs in job.ranks.values() if rs.channel is not None] if job else []
+        msg = {"v": 1, "job": job_id, **event}
+        return sum(1 for c in channels if c.send(msg, timeout_s=0.2))

@@ -1,0 +1,101 @@
+"""The jobs' socket ops at the edge (greend.jobs.ops): each message decoded once and the
+registry called with typed values; a connection is anything shaped like one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from greend.daemon.routes import _job_route
+from greend.errors import ProtocolError
+from greend.ipc.server import NO_REPLY, LimitExceeded
+from greend.jobs.ledger import Ledger
+from greend.jobs.ops import JobOps
+from greend.jobs.registry import JobRegistry, QuotaExceeded
+
+
+@dataclass(frozen=True)
+class _Peer:
+    pid: int
+    uid: int
+
+
+@dataclass
+class _Conn:
+    id: int
+    peer: _Peer
+    state: dict[str, Any] = field(default_factory=dict)
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
+        self.sent.append(obj)
+        return True
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ops(**kw: Any) -> tuple[JobOps, _Clock]:
+    clock = _Clock()
+    return JobOps(JobRegistry(Ledger(), hostname="h", monotonic=clock, wall=lambda: 1.7e9, **kw)), clock
+
+
+def _row(t0: float, t1: float) -> dict[str, Any]:
+    return {"first_step": 0, "last_step": 1, "steps": 2, "t0_s": t0, "t1_s": t1, "busy_s": 0.5,
+            "busy_sq_s2": 0.125, "flops": 2e12, "precision": "bf16"}  # fmt: skip
+
+
+def test_register_book_and_end_through_the_ops() -> None:
+    ops, clock = _ops(heartbeat_timeout_s=9.0, rows_every_s=0.25)
+    conn = _Conn(3, _Peer(pid=0, uid=1000))
+    h = ops.handlers()
+    reply = h["register"]({"job": "j1", "gpus": [1, 0, 1], "precisions": ["fp32", "bf16"]}, conn)
+    assert reply["job"] == "j1" and reply["session"] == 3 and reply["heartbeat_s"] == 3.0
+    assert reply["directive"] == {"precision": "fp32"} and reply["report"] == "intervals"
+    assert reply["rows_every_s"] == 0.25 and len(reply["run"]) == 12
+    assert ops.registered(conn)
+    rs = ops.jobs.sessions[3]
+    assert rs.gpus == [0, 1] and rs.channel is conn and rs.host == "h"
+    with pytest.raises(ProtocolError, match="already registered"):
+        h["register"]({"job": "j2"}, conn)
+    assert h["intervals"]({"rows": [_row(998.0, 999.0)]}, conn) is None
+    job = ops.jobs.jobs["j1"]
+    assert job.steps == 2 and job.flops == 2e12 and job.gpu_flops == {0: 1e12, 1: 1e12}
+    # A message with a row that ends in the future books nothing.
+    with pytest.raises(ProtocolError) as e:
+        h["intervals"]({"rows": [_row(998.0, 999.0), _row(999.0, clock.t + 2.0)]}, conn)
+    assert e.value.field == "rows[1].t1_s" and job.steps == 2
+    # One entry per step: each a row of one step.
+    h["steps"]({"steps": [{"step": 2, "t0_s": 999.0, "t1_s": 999.5, "flops": 1e12, "loss": 2.0}]}, conn)
+    assert job.steps == 3 and job.last_loss == 2.0
+    assert h["pace"]({"step_s": 0.4}, conn) == {"ok": True} and job.pace_s == 0.4
+    assert ops.jobs.push("j1", {"event": "directive", "precision": "bf16"}) == 1
+    assert conn.sent == [{"v": 1, "job": "j1", "event": "directive", "precision": "bf16"}]
+    report = h["end"]({"reason": "done"}, conn)
+    assert report["job"] == "j1" and report["steps"] == 3
+    assert not ops.registered(conn) and job.state == "ending" and job.end_reason == "done"
+    with pytest.raises(ProtocolError, match="register a job on this connection first"):
+        h["heartbeat"]({}, conn)
+
+
+def test_a_quota_refuses_as_the_servers_limit_and_fire_and_forget_sends_nothing() -> None:
+    ops, _ = _ops(max_jobs_per_uid=1)
+    h = ops.handlers()
+    register = _job_route(h["register"], silent=False)
+    first = _Conn(1, _Peer(0, 1000))
+    register({"job": "a"}, first)
+    with pytest.raises(QuotaExceeded):
+        h["register"]({"job": "b"}, _Conn(2, _Peer(0, 1000)))
+    with pytest.raises(LimitExceeded, match="max_jobs_per_uid = 1"):
+        register({"job": "b"}, _Conn(2, _Peer(0, 1000)))
+    register({"job": "b"}, _Conn(3, _Peer(0, 1000), state={"_admin": True}))  # an admin is not limited
+    intervals = _job_route(h["intervals"], silent=True)
+    assert intervals({"rows": [_row(998.0, 999.0)]}, first) is NO_REPLY
+    assert ops.jobs.jobs["a"].steps == 2
