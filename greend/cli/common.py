@@ -27,10 +27,13 @@ class DaemonTarget:
     named: bool = False
     timeout_s: float = 5.0
 
-    def client(self) -> Client:
+    def path(self) -> Path:
         if self.socket is None:
             raise RuntimeError("greenctl's root options were not parsed (no socket set)")
-        return Client(self.socket, timeout_s=self.timeout_s)
+        return self.socket
+
+    def client(self) -> Client:
+        return Client(self.path(), timeout_s=self.timeout_s)
 
 
 # greenctl's root callback fills this in before any subcommand runs.

@@ -74,7 +74,7 @@ def ctl_top(
             return dict(c.request("status"))
 
     try:
-        run_top(status, socket=str(target.socket), interval_s=interval, once=once)
+        run_top(status, socket=str(target.path()), interval_s=interval, once=once)
     except GreendError as e:
         fail(str(e), code=3)
 
@@ -312,7 +312,7 @@ def ctl_measure(
             fail(f"--gpus {gpus!r}: expected GPU indices like 0,1")
     try:
         res = run_measure(
-            target.socket, list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=target.timeout_s
+            target.path(), list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=target.timeout_s
         )
     except DaemonUnavailable as e:
         fail(str(e), code=3)

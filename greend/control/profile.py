@@ -315,11 +315,11 @@ class ProfileRecorder:
         self._set(rec, now_s)
 
     def _power(self, rec: ProfileRecording, job: Job, m: JobMeasure) -> float | None:
-        """The profiled GPU's average power over the measured steps: on simulated GPUs the
-        model's energy of the steps (the job's share on this GPU), else the ledger's
-        joules of this GPU over the steps' window."""
+        """The profiled GPU's average power over the measured steps: where a device model
+        runs the steps, the model's energy of the steps (the job's share on this GPU), else
+        the ledger's joules of this GPU over the steps' window."""
         n = max(1, len(job.gpus))
-        if self.ctx.jobs.sim_gpu(rec.gpu) is not None:
+        if self.ctx.jobs.modelled_gpu(rec.gpu):
             return float(m.energy_j) / float(m.time_s) / n
         t0, t1 = job.measure.t0_s, job.measure.t1_s
         if t0 is None or t1 is None or t1 <= t0:

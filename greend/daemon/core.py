@@ -31,19 +31,19 @@ from greend.control.ops import ControlOps
 from greend.daemon.probing import ProbeScheduler, ProbeStats
 from greend.daemon.routes import RouteContext, admin_needs, is_admin, route_all
 from greend.daemon.sdnotify import WatchdogPinger
-from greend.daemon.snapshot import Snapshot, TickCounts
 from greend.daemon.status import StatusContext, status_document
 from greend.daemon.stores import Stores
+from greend.daemon.tick import TickCounts, TickReadings
 from greend.fsutil import StateDirLock, check_private_dir
 from greend.ipc.server import IpcServer, Limits
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
-from greend.points import cpu_point, gpu_point, host_point, probe_point, ts_ns
+from greend.points import Point, cpu_point, gpu_point, host_point, probe_point, ts_ns
 from greend.probes import Probe, ProbeContext
-from greend.sinks import Point, Sink
+from greend.sinks import Sink
 
-__all__ = ["Daemon", "ProbeStats", "Snapshot"]
+__all__ = ["Daemon", "ProbeStats"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Daemon:
         # How late each of the last 600 ticks started after it was due (s): what client
         # load, a slow probe or a starved thread costs the sampling cadence.
         self.tick_lateness_s: deque[float] = deque(maxlen=600)
-        self.snapshot = Snapshot()
+        self.snapshot = TickReadings()
         self._snapshot_lock = threading.Lock()
         self._store_due_s = -math.inf
         self._nvml_module = nvml_module
@@ -161,7 +161,7 @@ class Daemon:
     def sinks(self) -> list[Sink]:
         return self.stores.sinks
 
-    def latest(self) -> Snapshot:
+    def latest(self) -> TickReadings:
         """The latest tick's snapshot (replaced each tick, never changed after)."""
         with self._snapshot_lock:
             return self.snapshot
@@ -273,7 +273,7 @@ class Daemon:
             k = next_k
 
     def tick(self, now_s: float) -> None:
-        snap = Snapshot(t_s=now_s, wall_s=self.wall())
+        snap = TickReadings(t_s=now_s, wall_s=self.wall())
         fresh = self.probing.sample(now_s, snap)
         # A probe that was not due this tick (the host probe's estimate, once a second)
         # stands in the snapshot with its last readings, but its energy is booked only at
@@ -305,7 +305,7 @@ class Daemon:
         self.jobs.tag_runs(points)
         self.stores.write(points)
 
-    def sample_points(self, snap: Snapshot) -> list[Point]:
+    def sample_points(self, snap: TickReadings) -> list[Point]:
         """The tick's store points: every GPU, CPU zone, the host and each probe's health."""
         ts = ts_ns(snap.wall_s)
         host = self.hostname

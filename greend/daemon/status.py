@@ -17,8 +17,8 @@ from greend import __version__
 from greend.config import Config
 from greend.control.loop import ControlLoop
 from greend.daemon.probing import ProbeScheduler
-from greend.daemon.snapshot import Snapshot, TickCounts
 from greend.daemon.stores import Stores
+from greend.daemon.tick import TickCounts, TickReadings
 from greend.jobs.ledger import Ledger
 from greend.jobs.registry import JobRegistry
 from greend.probes import CpuReading, GpuReading
@@ -36,7 +36,7 @@ class StatusContext:
     started_s: float  # monotonic
     started_wall_s: float
     monotonic: Callable[[], float]
-    latest: Callable[[], Snapshot]  # the latest tick's snapshot
+    latest: Callable[[], TickReadings]  # the latest tick's snapshot
     ticks: Callable[[], TickCounts]
     ledger: Ledger
     jobs: JobRegistry

@@ -15,7 +15,8 @@ from typing import Any
 
 from greend.config import Config
 from greend.errors import StoreError
-from greend.sinks import Point, Sink, open_sink
+from greend.points import Point
+from greend.sinks import Sink, open_sink
 
 __all__ = ["Stores"]
 

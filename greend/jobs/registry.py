@@ -22,9 +22,8 @@ from greend.jobs.execution import ExecutedRow, StepExecutor, no_model
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Caller, Job, RankLeft, RankSession, StepAggregate
 from greend.jobs.table import JobTable
-from greend.points import decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
+from greend.points import Point, decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
 from greend.protocol import PrecisionEvent, Registration, StepEntry, StepsRow
-from greend.sinks import Point
 
 __all__ = ["HostCpu", "Job", "JobRegistry", "QuotaExceeded", "RankSession", "Registered"]
 

@@ -20,11 +20,11 @@ from greend.jobs.booking import book_cap_change, book_switch
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure
 from greend.jobs.report import JobFigures
-from greend.points import decision_point, efficiency_point, job_point, precision_fields, ts_ns
-from greend.sinks import Point
+from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
 
 if TYPE_CHECKING:
-    from greend.policies.base import JobMeasure, JobView, Setting
+    from greend.policies.base import JobMeasure, JobView
+    from greend.settings import Setting
 
 __all__ = ["MAX_NOTE_CHARS", "JobTable"]
 
@@ -69,12 +69,6 @@ class JobTable:
             modelled_gpu=modelled_gpu,
             node_cpu_busy_s=lambda: self._node_cpu_busy_s,
         )
-
-    def sim_gpu(self, index: int) -> bool | None:
-        """True where a device model stands for GPU ``index``, else None: the form the
-        control loop's profile recording asks in (``is not None``); prefer
-        :attr:`modelled_gpu`."""
-        return True if self.modelled_gpu(index) else None
 
     # Figures (greend/jobs/report.py computes them) -------------------------------------
     def window(self, job: Job, now_s: float) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from greend.points import Point
 
 __all__ = [
     "REGISTRY",
-    "Point",
     "Sink",
     "SinkKind",
     "SinkOptions",

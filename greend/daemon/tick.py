@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 from greend.probes import CpuReading, GpuReading, HostReading, Readings
 
-__all__ = ["Snapshot", "TickCounts"]
+__all__ = ["TickReadings", "TickCounts"]
 
 
 @dataclass
-class Snapshot:
+class TickReadings:
     """The latest tick, as the status op, the control loop and the stores see it.
     Filled while its tick runs, then replaced whole by the next: never changed after."""
 
