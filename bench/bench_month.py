@@ -15,7 +15,7 @@ row set per store interval of 1 s, 30 days' retention), over its socket:
    Rows older than ``[store] raw_hours`` (24) are rolled up to one per series per
    ``rollup_s`` (300 s), so a month holds one raw day and 29 rolled ones: the rolled days
    are estimated from the run's series counts and its mean bytes per row (an estimate,
-   labelled so; tests/sinks/test_sqlite_rollup.py checks the rollup itself).
+   labelled so; tests/stores/test_sqlite_rollup.py checks the rollup itself).
 
     python bench/bench_month.py [--jobs 1000] [--ranks 8] [--seconds 60] [--rate 10]
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from greend.config import StoreConfig  # noqa: E402
 from greend.ipc.client import Client  # noqa: E402
 from greend.ipc.server import encode  # noqa: E402
-from greend.sinks.sqlite import ROLLUP_LAST, ROLLUP_SUM  # noqa: E402
+from greend.stores.sqlite import ROLLUP_LAST, ROLLUP_SUM  # noqa: E402
 from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
 
 GPUS = 8
@@ -211,7 +211,7 @@ def disk(ranks: int, seconds: float, rate: float) -> dict[str, float]:
 def rolled_replay(db: Path, tmp: Path, hours: float = 24.0) -> dict[str, float]:
     """A raw day and a rolled day, measured on a real file: the run's rows (every table)
     replayed back to back, shifted in time, to fill ``hours`` of a node's store (its size
-    then: the raw rows), then rolled up by the sink's own ``roll_up`` (as its hourly prune
+    then: the raw rows), then rolled up by the store's own ``roll_up`` (as its hourly prune
     does once they are ``raw_hours`` old) and the freed pages returned (``PRAGMA
     incremental_vacuum``): the size of those hours rolled. Sizes are over that of the
     same file emptied."""
@@ -247,17 +247,17 @@ def rolled_replay(db: Path, tmp: Path, hours: float = 24.0) -> dict[str, float]:
     con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     con.close()
     raw_bytes = month.stat().st_size - empty.stat().st_size
-    from greend.sinks.sqlite import SqliteSink
+    from greend.stores.sqlite import SqliteStore
 
     # batch_s of an hour: its writer thread waits on the (empty) queue and never prunes
     # meanwhile, so the rollup below runs alone on the connection, as it would on the writer.
-    sink = SqliteSink(
+    store = SqliteStore(
         month, raw_hours=cfg.raw_hours, rollup_s=cfg.rollup_s, retention_days=cfg.retention_days, batch_s=3600.0
     )
     end_s = (lo + copies * span_ns) / 1e9
-    sink.roll_up(end_s + cfg.raw_hours * 3600 + cfg.rollup_s)  # every replayed row is old enough now
-    sink._db.executescript("PRAGMA incremental_vacuum;")
-    sink.close()
+    store.roll_up(end_s + cfg.raw_hours * 3600 + cfg.rollup_s)  # every replayed row is old enough now
+    store._db.executescript("PRAGMA incremental_vacuum;")
+    store.close()
     with sqlite3.connect(month) as c2:
         kept = sum(c2.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables)
     con = sqlite3.connect(month, isolation_level=None)

@@ -1,4 +1,4 @@
-"""How fast InfluxSink moves points into a real victoria-metrics, live and on replay.
+"""How fast InfluxStore moves points into a real victoria-metrics, live and on replay.
 
     python bench/bench_store.py [--points 200000] [--batch 1000]
 
@@ -6,7 +6,7 @@
    thread) while the sender thread drains the spool; timed until ``flush()``
    says the spool is empty, i.e. until the server has acknowledged every point.
 2. *replayed*: the same number of points written to a spool while the store is
-   down (a URL with nothing listening), the sink closed, then a new InfluxSink
+   down (a URL with nothing listening), the store closed, then a new InfluxStore
    on the same spool against the live server; timed from its start to an
    empty spool.
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from greend.points import Point  # noqa: E402
-from greend.sinks.influx import InfluxSink  # noqa: E402
+from greend.stores.influx import InfluxStore  # noqa: E402
 from tests import vmserver  # noqa: E402
 
 
@@ -70,23 +70,23 @@ def main() -> None:
             pts = make_points(n, t0_ms, "live")
 
             # 1. Live: write while the sender drains.
-            sink = InfluxSink(vm.influx_url, state_dir=base / "live", host="bench", segment_age_s=0.2)
+            store = InfluxStore(vm.influx_url, state_dir=base / "live", host="bench", segment_age_s=0.2)
             t = time.perf_counter()
             write_s = 0.0
             for i in range(0, n, batch):
                 w = time.perf_counter()
-                sink.write(pts[i : i + batch])
+                store.write(pts[i : i + batch])
                 write_s += time.perf_counter() - w
-            ok = sink.flush(300)
+            ok = store.flush(300)
             live_s = time.perf_counter() - t
-            st = sink.status()
-            sink.close()
+            st = store.status()
+            store.close()
 
             # 2. Replay: spool while the store is down, then drain into the live server.
             pts2 = make_points(n, t0_ms, "replay")
             down = f"influx://127.0.0.1:{vmserver.free_port()}?org=o&bucket=b"
             spool_dir = base / "replay-spool"
-            s_down = InfluxSink(down, state_dir=base, host="bench", spool_dir=spool_dir, backoff_min_s=60)
+            s_down = InfluxStore(down, state_dir=base, host="bench", spool_dir=spool_dir, backoff_min_s=60)
             t = time.perf_counter()
             for i in range(0, n, batch):
                 s_down.write(pts2[i : i + batch])
@@ -94,7 +94,7 @@ def main() -> None:
             s_down.close(0.5)
             spool_mb = sum(p.stat().st_size for p in spool_dir.glob("*.lp")) / 1e6
             t = time.perf_counter()
-            s_up = InfluxSink(vm.influx_url, state_dir=base, host="bench", spool_dir=spool_dir)
+            s_up = InfluxStore(vm.influx_url, state_dir=base, host="bench", spool_dir=spool_dir)
             recovered = s_up.status().extra["recovered"]
             ok2 = s_up.flush(300)
             replay_s = time.perf_counter() - t
@@ -111,7 +111,7 @@ def main() -> None:
         finally:
             vm.close()
 
-    print(f"InfluxSink -> victoria-metrics {n:,} points, batches of {batch}, 6 fields a point")
+    print(f"InfluxStore -> victoria-metrics {n:,} points, batches of {batch}, 6 fields a point")
     print(f"{'':24}{'points/s':>12}{'seconds':>10}{'acked':>10}{'landed':>10}")
     print(
         f"{'written (live)':24}{n / live_s:>12,.0f}{live_s:>10.2f}{st.written:>10,}{landed['live']:>10,}"

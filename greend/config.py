@@ -359,7 +359,7 @@ def validate(cfg: Config) -> Config:
     _positive("policy", "settle_s", cfg.policy.settle_s, zero_ok=True)
     _positive("report", "grid_gco2_per_kwh", cfg.report.grid_gco2_per_kwh, zero_ok=True)
     _positive("report", "window_s", cfg.report.window_s)
-    from greend.sinks import check_url  # late: sinks import config types
+    from greend.stores import check_url  # late: stores import config types
 
     for url in st.urls:
         check_url(url)

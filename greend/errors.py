@@ -16,7 +16,7 @@ errors and never a vendor's::
     ├── ActuatorError          a setting could not be applied or restored
     │   └── KnobError          one knob of one device; ``reason`` says why (no_permission, lost, ...)
     ├── StateError             the saved-state file is corrupt or unreadable
-    ├── StoreError             a time-series sink failed (the point is spooled, not lost)
+    ├── StoreError             a time-series store failed (the point is spooled, not lost)
     ├── ProtocolError          a malformed IPC message (names the field and the problem)
     ├── DaemonUnavailable      greenctl/callback cannot reach the daemon's socket
     └── RequestRefused         the daemon answered a request with an error reply (``code``)
@@ -112,7 +112,7 @@ class StateError(GreendError):
 
 
 class StoreError(GreendError):
-    """A sink could not store points."""
+    """A store could not store points."""
 
 
 class ProtocolError(GreendError):

@@ -4,7 +4,7 @@ The measurements, their tags and their fields are documented in ``docs/stores.md
 a point is built here and nowhere else, so that a measurement has one tag set
 whichever module writes it. Units are in every field name; timestamps are Unix
 nanoseconds. Fields are numbers: the one text field, a decision's ``reason``, goes to
-SQLite and the log only (the influx sink leaves strings out).
+SQLite and the log only (the influx store leaves strings out).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Point:
 
 
 # Every greend_decision point carries all of these ("" where one does not apply: the
-# influx sink leaves empty tags out, SQLite stores ""), whatever made the decision.
+# influx store leaves empty tags out, SQLite stores ""), whatever made the decision.
 DECISION_TAGS = ("host", "gpu", "job", "policy", "kind", "precision", "zone", "path")
 
 # Summary fields of a job's report that its greend_job point carries, when numbers.

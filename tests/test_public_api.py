@@ -31,7 +31,7 @@ from .support import REPO, env
         "greend.actuators",
         "greend.actuators.controller",
         "greend.actuators.state",
-        "greend.sinks",
+        "greend.stores",
         "greend.testing",
         "greend.testing.harness",
         "greend.cli",

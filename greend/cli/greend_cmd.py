@@ -117,7 +117,7 @@ def daemon_run(
         "greend %s running: %d probes, %d stores, socket %s",
         __version__,
         len(daemon.probes),
-        len(daemon.sinks),
+        len(daemon.stores.opened),
         cfg.daemon.socket,
     )
     # What start-up made (modules, config, probes) lives as long as the process: out of
@@ -127,7 +127,7 @@ def daemon_run(
     gc.collect()
     gc.freeze()
     sdnotify.ready()  # probes are open and the socket listens
-    sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.sinks)} stores, socket {cfg.daemon.socket}")
+    sdnotify.status(f"{len(daemon.probes)} probes, {len(daemon.stores.opened)} stores, socket {cfg.daemon.socket}")
     try:
         daemon.run()
     finally:

@@ -32,7 +32,7 @@ from greend.daemon.probing import ProbeScheduler, ProbeStats
 from greend.daemon.routes import RouteContext, admin_needs, is_admin, route_all
 from greend.daemon.sdnotify import WatchdogPinger
 from greend.daemon.status import StatusContext, status_document
-from greend.daemon.stores import Stores
+from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
 from greend.fsutil import StateDirLock, check_private_dir
 from greend.ipc.server import IpcServer, Limits
@@ -41,7 +41,6 @@ from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
 from greend.points import Point, cpu_point, gpu_point, host_point, probe_point, ts_ns
 from greend.probes import Probe, ProbeContext
-from greend.sinks import Sink
 
 __all__ = ["Daemon", "ProbeStats"]
 
@@ -80,7 +79,7 @@ class Daemon:
         self._store_due_s = -math.inf
         self._nvml_module = nvml_module
         self.probing = ProbeScheduler(monotonic)
-        self.stores = Stores(cfg, hostname=self.hostname, monotonic=monotonic, status=self.status)
+        self.stores = StoreSet(cfg, hostname=self.hostname, monotonic=monotonic, status=self.status)
         self.server: IpcServer | None = None
         self.lock = StateDirLock(cfg.daemon.state_dir)
         self.refused = False  # start() found another daemon: close() then touches nothing
@@ -157,10 +156,6 @@ class Daemon:
     def _try_open(self, p: Probe, *, first: bool) -> None:
         self.probing.try_open(p, first=first)
 
-    @property
-    def sinks(self) -> list[Sink]:
-        return self.stores.sinks
-
     def latest(self) -> TickReadings:
         """The latest tick's snapshot (replaced each tick, never changed after)."""
         with self._snapshot_lock:
@@ -195,7 +190,7 @@ class Daemon:
     def open_probes(self) -> None:
         self.probing.open_all(self.cfg.enabled_probes, self.probe_context())
 
-    def open_sinks(self) -> None:
+    def open_stores(self) -> None:
         self.stores.open_all()
 
     def start_server(self) -> None:
@@ -236,7 +231,7 @@ class Daemon:
         self.control.restore_leftovers(self.nvml_module)  # a crashed predecessor's caps go back first
         self.open_probes()
         self.control.open(self.probing.gpu_probe(), self.probing.is_open("rapl"))
-        self.open_sinks()
+        self.open_stores()
         self.start_server()
 
     # The loop ------------------------------------------------------------------------

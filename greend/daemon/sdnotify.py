@@ -82,7 +82,7 @@ def ready() -> bool:
 
 
 def stopping() -> bool:
-    """Shutdown has begun (restore and sink flushes follow)."""
+    """Shutdown has begun (restore and store flushes follow)."""
     return notify("STOPPING=1")
 
 

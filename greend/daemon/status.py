@@ -17,7 +17,7 @@ from greend import __version__
 from greend.config import Config
 from greend.control.loop import ControlLoop
 from greend.daemon.probing import ProbeScheduler
-from greend.daemon.stores import Stores
+from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
 from greend.jobs.ledger import Ledger
 from greend.jobs.registry import JobRegistry
@@ -42,7 +42,7 @@ class StatusContext:
     jobs: JobRegistry
     control: ControlLoop
     probing: ProbeScheduler
-    stores: Stores
+    stores: StoreSet
 
 
 # What a GPU's knobs say about who set them (``clock_lock_origin``, ``power_limit_origin``):

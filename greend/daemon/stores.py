@@ -1,4 +1,4 @@
-"""The daemon's stores: opening each configured sink, retrying the ones that failed,
+"""The daemon's stores: opening each configured store, retrying the ones that failed,
 writing points to all, and listing them for ``greenctl status``.
 
 Each store fails on its own. One that fails to open is tried again every
@@ -16,14 +16,14 @@ from typing import Any
 from greend.config import Config
 from greend.errors import StoreError
 from greend.points import Point
-from greend.sinks import Sink, open_sink
+from greend.stores import Store, open_store
 
-__all__ = ["Stores"]
+__all__ = ["StoreSet"]
 
 log = logging.getLogger(__name__)
 
 
-class Stores:
+class StoreSet:
     """Every store of one daemon, open or waiting for its next try."""
 
     def __init__(
@@ -35,7 +35,7 @@ class Stores:
         self.status = status  # the daemon's status document, which Prometheus scrapes
         # The open ones (replaced, never mutated, so that write() on the tick thread may
         # iterate while a retry adds one), and the ones that failed to open.
-        self.sinks: list[Sink] = []
+        self.opened: list[Store] = []
         self.open_errors: dict[str, str] = {}
         self.retry_s: float = cfg.store.retry_s
         self._retry_due_s: dict[str, float] = {}
@@ -55,7 +55,7 @@ class Stores:
         stop the daemon); a retry, on a thread of its own, survives anything.
         """
         try:
-            sink = open_sink(
+            store = open_store(
                 url,
                 state_dir=self.cfg.daemon.state_dir,
                 host=self.hostname,
@@ -63,7 +63,7 @@ class Stores:
                 raw_hours=self.cfg.store.raw_hours,
                 rollup_s=self.cfg.store.rollup_s,
             )
-            attach = getattr(sink, "attach", None)
+            attach = getattr(store, "attach", None)
             if attach is not None:
                 attach(self.status)  # Prometheus scrapes the latest status, not points
         except Exception as e:
@@ -83,13 +83,13 @@ class Stores:
         with self._lock:
             closing = self._closing
             if not closing:
-                self.sinks = [*self.sinks, sink]
+                self.opened = [*self.opened, store]
                 self.open_errors.pop(url, None)
                 self._retry_due_s.pop(url, None)
                 attempts = self._attempts.pop(url, 0)
         if closing:  # the daemon shut down while this retry ran
             try:
-                sink.close(timeout_s=1.0)
+                store.close(timeout_s=1.0)
             except Exception as e:
                 log.warning("store %s: close failed: %s", url, e)
             return False
@@ -122,22 +122,22 @@ class Stores:
         self._retry_thread.start()
 
     def write(self, points: list[Point]) -> None:
-        for sink in self.sinks:
+        for store in self.opened:
             try:
-                sink.write(points)
+                store.write(points)
             except Exception as e:
-                log.error("store %s: write failed: %s", sink.url, e)
+                log.error("store %s: write failed: %s", store.url, e)
 
     def rows(self) -> list[dict[str, Any]]:
         """Every configured store, in config order: the open ones' own status, and the
         ones that failed to open with why and when they are tried again."""
         with self._lock:
-            sinks = list(self.sinks)
+            stores = list(self.opened)
             failed = [
                 (u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0)) for u, e in self.open_errors.items()
             ]
         now = self.monotonic()
-        rows = [s.status().to_json() for s in sinks]
+        rows = [s.status().to_json() for s in stores]
         for url, err, due, attempts in failed:
             retry_in = max(0.0, due - now)
             rows.append(
@@ -161,9 +161,9 @@ class Stores:
     def close(self) -> None:
         with self._lock:
             self._closing = True  # a retry that opens a store from now on closes it again
-            sinks = list(self.sinks)
-        for sink in sinks:
+            stores = list(self.opened)
+        for store in stores:
             try:
-                sink.close(timeout_s=5.0)
+                store.close(timeout_s=5.0)
             except Exception as e:
-                log.error("store %s: close failed: %s", sink.url, e)
+                log.error("store %s: close failed: %s", store.url, e)

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
-from greend.sinks.sqlite import connect_readonly
+from greend.stores.sqlite import connect_readonly
 
 __all__ = [
     "is_shared_store",
@@ -233,7 +233,7 @@ def _job_rows(url: str, job: str | None) -> list[dict[str, Any]]:
 
 
 # greenctl's report field <- the series every node's Prometheus endpoint serves
-# (greend/sinks/prometheus.py), labelled job, run and host.
+# (greend/stores/prometheus.py), labelled job, run and host.
 _PROM_FIELDS = {
     "energy_j": "greend_job_energy_joules_total",
     "gpu_energy_j": "greend_job_gpu_energy_joules_total",
@@ -286,7 +286,7 @@ def prometheus_job_rows(
 def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """The job's ``greend_job`` rows (one per node and run; every job's where ``job`` is
     None) from a shared store that every
-    node's ``influx://`` sink writes to, read through VictoriaMetrics' export API (each
+    node's ``influx://`` store writes to, read through VictoriaMetrics' export API (each
     field is a series ``greend_job_<field>`` with the point's tags as labels). ``url``:
     the store's ``influx://HOST:PORT?...`` as the daemons have it, or ``http://HOST:PORT``.
     InfluxDB itself has no such API: docs/stores.md gives its Flux query."""

@@ -56,7 +56,7 @@ class LedgerEntry:
 
 
 class Ledger:
-    """Thread-safe: the tick loop writes, IPC handlers and sinks read."""
+    """Thread-safe: the tick loop writes, IPC handlers and stores read."""
 
     def __init__(self, history_s: float = 3600.0, hz: float = 10.0, coarse_step_s: float = 1.0) -> None:
         self._maxlen = max(16, int(history_s * hz) + 1)

@@ -88,7 +88,7 @@ def test_bad_values_are_refused_with_the_key_and_what_is_allowed(tmp_path: Path,
 def test_probe_names_and_store_schemes_come_from_the_registries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from greend import probes, sinks
+    from greend import probes, stores
 
     # A probe registered anywhere is a known probe: no second list to keep.
     monkeypatch.setitem(probes.REGISTRY, "extra", probes.Registration("extra", lambda ctx: None, False, ""))  # type: ignore[arg-type, return-value]
@@ -98,10 +98,10 @@ def test_probe_names_and_store_schemes_come_from_the_registries(
     for name in ("nvml", "rapl", "host", "sim", "extra"):
         assert name in str(e.value).split("known probes are ")[1]
     # An unknown store scheme's error lists every registered one.
-    assert sinks.registered_schemes() == ["sqlite", "influx", "prometheus"]
+    assert stores.registered_schemes() == ["sqlite", "influx", "prometheus"]
     with pytest.raises(ConfigError) as e:
-        sinks.check_url("mysql://x")
-    for kind in sinks.REGISTRY.values():
+        stores.check_url("mysql://x")
+    for kind in stores.REGISTRY.values():
         assert kind.form in str(e.value)
 
 

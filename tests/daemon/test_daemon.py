@@ -129,7 +129,7 @@ def test_stop_event_ends_the_loop_promptly(daemon: Daemon) -> None:
 
 
 def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
-    from greend.sinks.sqlite import read_rows
+    from greend.stores.sqlite import read_rows
 
     p = CountingProbe("zone", 10.0)
     daemon.probes = [p]
@@ -137,7 +137,7 @@ def test_samples_reach_the_sqlite_store(daemon: Daemon, tmp_path: Path) -> None:
     daemon._try_open(p, first=True)
     daemon.cfg.store.interval_s = 0.05
     daemon.run(max_ticks=15)
-    for s in daemon.sinks:
+    for s in daemon.stores.opened:
         assert s.flush(5.0)
     rows = read_rows(tmp_path / "g.db", "greend_cpu")
     assert len(rows) >= 4
@@ -230,7 +230,7 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(
     import greend.daemon.stores as stores_mod
     from greend.errors import StoreError
 
-    real_open = stores_mod.open_sink
+    real_open = stores_mod.open_store
     calls: list[str] = []
     release = threading.Event()
 
@@ -241,15 +241,15 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(
         release.wait(10)
         return real_open(url, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(stores_mod, "open_sink", flaky_open)
+    monkeypatch.setattr(stores_mod, "open_store", flaky_open)
     url = f"sqlite:///{tmp_path / 'late.db'}"
     cfg = make_config(tmp_path)
     cfg.store.urls = [url]
     cfg.store.retry_s = 0.2
     d = Daemon(cfg)
-    d.open_sinks()
+    d.open_stores()
     try:
-        assert d.sinks == []
+        assert d.stores.opened == []
         (row,) = d.status()["stores"]
         assert row["url"] == url and not row["ok"] and row["open_attempts"] == 1
         assert "disk not there yet" in row["last_error"] and "retrying every 0.2 s" in row["last_error"]
@@ -261,9 +261,9 @@ def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(
             d.tick(d.monotonic())
         assert time.monotonic() - t < 1.0, "a tick waited for a store to open"
         assert wait_for(lambda: len(calls) == 2, 2)
-        assert calls[1] == "greend-store-retry" and d.sinks == []
+        assert calls[1] == "greend-store-retry" and d.stores.opened == []
         release.set()
-        assert wait_for(lambda: len(d.sinks) == 1, 5)
+        assert wait_for(lambda: len(d.stores.opened) == 1, 5)
         (row,) = d.status()["stores"]
         assert row["ok"] and row["name"] == "sqlite" and "open_attempts" not in row
         d.tick(d.monotonic())

@@ -139,7 +139,7 @@ def test_outage_and_daemon_sigkill_lose_nothing(
     # Nothing lost: every sample either daemon committed to SQLite is in the store. (The
     # store may hold a few more: the killed daemon's last points, spooled to disk but
     # not yet committed to its SQLite batch.) The order in which they were sent is
-    # asserted in test_influx_sink, where arrivals can be watched; a query sorts them.
+    # asserted in test_influx_store, where arrivals can be watched; a query sorts them.
     missing = sorted(set(truth) - set(ts))
     assert not missing, f"{len(missing)} of {len(truth)} points lost, first {missing[:5]}"
     extra = [t for t in set(ts) - set(truth) if not killed_ms - 3000 <= t <= killed_ms]
@@ -209,7 +209,7 @@ def test_a_live_daemon_scrape_passes_promtool_and_the_golden_names(tmp_path: Pat
     from greend.ipc.client import Client
     from greend.ipc.server import encode
     from greend.probes.fake_sysfs import make_standard_tree
-    from tests.sinks.test_prometheus_sink import GOLDEN, PROMTOOL, names_and_labels, value
+    from tests.stores.test_prometheus_store import GOLDEN, PROMTOOL, names_and_labels, value
 
     sysfs = tmp_path / "sys"
     make_standard_tree(sysfs)

@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from greend.sinks.spool import Spool
+from greend.stores.spool import Spool
 from tests.support import REPO
 
 
@@ -149,7 +149,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from greend.sinks.spool import Spool
+    from greend.stores.spool import Spool
     sp = Spool(Path(sys.argv[1]), segment_bytes=4096)
     i = 0
     while True:

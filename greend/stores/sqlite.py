@@ -33,9 +33,9 @@ from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
-from greend.sinks import SinkOptions, SinkStatus, register_sink
+from greend.stores import StoreOptions, StoreStatus, register_store
 
-__all__ = ["SqliteSink", "read_rows", "connect_readonly"]
+__all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def _sql_type(value: Any) -> str:
 
 
 # Rows older than [store] raw_hours are rolled up to one per series per rollup_s (see
-# SqliteSink.roll_up). The series are the tags each measurement carries (greend/points.py;
-# tests/sinks/test_sqlite_rollup.py checks they agree).
+# SqliteStore.roll_up). The series are the tags each measurement carries (greend/points.py;
+# tests/stores/test_sqlite_rollup.py checks they agree).
 ROLLUP_LAST: dict[str, tuple[str, ...]] = {
     "greend_gpu": ("host", "gpu", "source", "method"),
     "greend_cpu": ("host", "zone", "path", "source"),
@@ -90,7 +90,7 @@ ROLLUP_SUM: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 
 
-class SqliteSink:
+class SqliteStore:
     name = "sqlite"
 
     def __init__(
@@ -133,7 +133,7 @@ class SqliteSink:
                 f"cannot open the SQLite store {path}: {e} (check that the state dir exists and is writable by greend)"
             ) from e
         self._last_prune = 0.0
-        self._thread = threading.Thread(target=self._run, name="sink-sqlite", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="store-sqlite", daemon=True)
         self._thread.start()
 
     def _open(self) -> None:
@@ -206,9 +206,9 @@ class SqliteSink:
         except sqlite3.Error:
             pass
 
-    def status(self) -> SinkStatus:
+    def status(self) -> StoreStatus:
         last_error = self._last_error  # read once: the writer thread may change it meanwhile
-        return SinkStatus(
+        return StoreStatus(
             name=self.name,
             url=self.url,
             ok=last_error is None,
@@ -480,10 +480,10 @@ def _check_sqlite_url(url: str, parts: SplitResult) -> None:
         raise ConfigError(f"store URL {url!r}: expected sqlite:///ABSOLUTE/PATH.db (three slashes)")
 
 
-@register_sink("sqlite", form="sqlite:///ABSOLUTE/PATH.db", check=_check_sqlite_url)
-def _open_sqlite(url: str, options: SinkOptions) -> SqliteSink:
+@register_store("sqlite", form="sqlite:///ABSOLUTE/PATH.db", check=_check_sqlite_url)
+def _open_sqlite(url: str, options: StoreOptions) -> SqliteStore:
     # sqlite:///ABS and sqlite:////ABS alike (a path with two leading slashes stays so in Python)
     path = Path("/" + urlsplit(url).path.lstrip("/"))
-    return SqliteSink(
+    return SqliteStore(
         path, url=url, retention_days=options.retention_days, raw_hours=options.raw_hours, rollup_s=options.rollup_s
     )

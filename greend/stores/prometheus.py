@@ -1,9 +1,9 @@
-"""The Prometheus sink: serves ``/metrics`` for a Prometheus server to scrape.
+"""The Prometheus store: serves ``/metrics`` for a Prometheus server to scrape.
 
-URL: ``prometheus://HOST:PORT`` (port 0 picks a free one; see :attr:`PrometheusSink.port`).
+URL: ``prometheus://HOST:PORT`` (port 0 picks a free one; see :attr:`PrometheusStore.port`).
 
 Nothing is pushed: at every scrape a custom collector reads the daemon's current
-status (``sink.attach(daemon.status)``, the same dict ``greenctl status --json``
+status (``store.attach(daemon.status)``, the same dict ``greenctl status --json``
 shows) and turns it into metrics, node_exporter / dcgm-exporter style, in base
 units (joules, watts, hertz, seconds, ratios 0..1)::
 
@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 from greend.errors import StoreError
 from greend.points import Point
-from greend.sinks import SinkOptions, SinkStatus, check_url, register_sink, require_host_port
+from greend.stores import StoreOptions, StoreStatus, check_url, register_store, require_host_port
 
-__all__ = ["GreendCollector", "PrometheusSink"]
+__all__ = ["GreendCollector", "PrometheusStore"]
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class GreendCollector:
                     fam.add_metric(labels, v)
         yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
 
-        # Stores (sinks)
+        # Stores
         sup = gauge("greend_store_up", "1 if the store accepts points, else 0.", ("url",))
         swr = counter("greend_store_points_written", "Points the store accepted.", ("url",))
         sdr = counter("greend_store_points_dropped", "Points lost for good (spool bound, malformed).", ("url",))
@@ -233,7 +233,7 @@ class GreendCollector:
         yield from (f for f in (sup, swr, sdr, spe) if f.samples)
 
 
-class PrometheusSink:
+class PrometheusStore:
     """Serves ``/metrics`` from a thread of prometheus-client's own, on its own registry."""
 
     name = "prometheus"
@@ -260,7 +260,7 @@ class PrometheusSink:
         log.info("prometheus: serving /metrics on http://%s:%d/metrics", self.addr, self.port)
 
     def attach(self, status_fn: StatusFn) -> None:
-        """Give the sink the function it reads at every scrape (``Daemon.status``)."""
+        """Give the store the function it reads at every scrape (``Daemon.status``)."""
         self.collector.status_fn = status_fn
 
     def write(self, points: list[Point]) -> None:
@@ -279,8 +279,8 @@ class PrometheusSink:
             log.warning("prometheus: close failed: %s", e)
         self._thread.join(timeout_s)
 
-    def status(self) -> SinkStatus:
-        return SinkStatus(
+    def status(self) -> StoreStatus:
+        return StoreStatus(
             name=self.name,
             url=self.url,
             ok=self.collector.status_fn is not None,
@@ -289,6 +289,6 @@ class PrometheusSink:
         )
 
 
-@register_sink("prometheus", form="prometheus://HOST:PORT", check=require_host_port)
-def _open_prometheus(url: str, options: SinkOptions) -> PrometheusSink:
-    return PrometheusSink(url)
+@register_store("prometheus", form="prometheus://HOST:PORT", check=require_host_port)
+def _open_prometheus(url: str, options: StoreOptions) -> PrometheusStore:
+    return PrometheusStore(url)

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from greend.points import Point
-from greend.sinks.sqlite import SqliteSink, read_rows
+from greend.stores.sqlite import SqliteStore, read_rows
 
 
 class DiskFull:
-    """The sink's connection, with INSERTs failing as on a full disk while ``full``."""
+    """The store's connection, with INSERTs failing as on a full disk while ``full``."""
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
@@ -40,44 +40,44 @@ def step(i: int) -> Point:
 
 def test_disk_full_at_a_jobs_first_steps_loses_only_that_moments_points(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
-    sink = SqliteSink(db, batch_s=0.02)
-    disk = DiskFull(sink._db)
-    sink._db = disk  # type: ignore[assignment]
-    sink.write([step(i) for i in range(5)])  # the table is created, then the INSERT fails
-    assert sink.flush(5.0)
-    st = sink.status()
+    store = SqliteStore(db, batch_s=0.02)
+    disk = DiskFull(store._db)
+    store._db = disk  # type: ignore[assignment]
+    store.write([step(i) for i in range(5)])  # the table is created, then the INSERT fails
+    assert store.flush(5.0)
+    st = store.status()
     assert st.dropped == 5 and not st.ok and "full" in (st.last_error or "")
-    assert "greend_job_step" not in sink._columns  # the CREATE rolled back: not cached
+    assert "greend_job_step" not in store._columns  # the CREATE rolled back: not cached
     disk.full = False  # space is back
-    sink.write([step(i) for i in range(5, 9)])
-    assert sink.flush(5.0)
-    st = sink.status()
+    store.write([step(i) for i in range(5, 9)])
+    assert store.flush(5.0)
+    st = store.status()
     assert st.ok and st.written == 4 and st.dropped == 5, st
-    sink.close()
+    store.close()
     assert [r["step"] for r in read_rows(db, "greend_job_step")] == [5, 6, 7, 8]
 
 
 def test_a_batch_with_one_bad_point_loses_only_that_point(tmp_path: Path) -> None:
     db = tmp_path / "b.db"
-    sink = SqliteSink(db, batch_s=0.2)
+    store = SqliteStore(db, batch_s=0.2)
     bad = Point("greend_gpu", {"host": "h"}, {"bad name": 1.0}, time.time_ns())
-    sink.write([step(0), bad, step(1)])
-    assert sink.flush(5.0)
-    st = sink.status()
+    store.write([step(0), bad, step(1)])
+    assert store.flush(5.0)
+    st = store.status()
     assert st.written == 2 and st.dropped == 1, st
-    sink.close()
+    store.close()
     assert len(read_rows(db, "greend_job_step")) == 2
 
 
 def test_a_corrupt_file_is_moved_aside_and_a_fresh_store_started(tmp_path: Path) -> None:
     db = tmp_path / "c.db"
     db.write_bytes(b"this is not an SQLite file at all" * 200)
-    sink = SqliteSink(db, batch_s=0.02)
-    st = sink.status()
+    store = SqliteStore(db, batch_s=0.02)
+    st = store.status()
     assert st.extra["moved_aside"] and Path(st.extra["moved_aside"][0]).exists()
     assert "corrupt" in (st.last_error or "") and "moved aside" in (st.last_error or "")
-    sink.write([step(1)])
-    assert sink.flush(5.0)
-    assert sink.status().ok and sink.status().written == 1
-    sink.close()
+    store.write([step(1)])
+    assert store.flush(5.0)
+    assert store.status().ok and store.status().written == 1
+    store.close()
     assert len(read_rows(db, "greend_job_step")) == 1

@@ -11,7 +11,7 @@ import pytest
 
 from greend.points import Point, job_point, job_steps_point
 from greend.probes import GpuReading
-from greend.sinks.sqlite import ROLLUP_LAST, ROLLUP_SUM, SqliteSink
+from greend.stores.sqlite import ROLLUP_LAST, ROLLUP_SUM, SqliteStore
 
 NOW = 1_800_000_000.0  # the test's "now" (s)
 
@@ -53,18 +53,18 @@ def rows(db: Path, sql: str) -> list[tuple]:
 
 def test_old_rows_roll_up_and_the_figures_survive(tmp_path: Path) -> None:
     db = tmp_path / "g.db"
-    sink = SqliteSink(db, retention_days=0, raw_hours=1.0, rollup_s=300.0)
+    store = SqliteStore(db, retention_days=0, raw_hours=1.0, rollup_s=300.0)
     old = NOW - 3 * 3600  # two hours of rows older than raw_hours, then a fresh hour
-    sink.write(gpu_rows(old, 7200) + step_rows(old, 7200) + gpu_rows(NOW - 1800, 600) + step_rows(NOW - 1800, 600))
-    sink.write([job_point(int(old * 1e9) + 5, "n", job="j", precision="fp32", end_reason="finished",
+    store.write(gpu_rows(old, 7200) + step_rows(old, 7200) + gpu_rows(NOW - 1800, 600) + step_rows(NOW - 1800, 600))
+    store.write([job_point(int(old * 1e9) + 5, "n", job="j", precision="fp32", end_reason="finished",
                           summary={"flops": 1.0})])  # fmt: skip
-    assert sink.flush(30)
+    assert store.flush(30)
     before = rows(db, "SELECT gpu, MAX(energy_j) - MIN(energy_j) FROM greend_gpu WHERE ts_ns < "
                       f"{int((NOW - 3600) * 1e9)} GROUP BY gpu ORDER BY gpu")  # fmt: skip
     sums_before = rows(db, "SELECT rank, SUM(steps), SUM(flops), SUM(loss_mean * loss_n) / SUM(loss_n), "
                            "MIN(loss_min), MAX(loss_max), MIN(first_step), MAX(last_step) FROM greend_job_steps "
                            "GROUP BY rank ORDER BY rank")  # fmt: skip
-    sink.roll_up(NOW)
+    store.roll_up(NOW)
     cut = int((NOW - 3600) * 1e9) // int(300e9) * int(300e9)
     # Old GPU rows: one per GPU per 300 s bucket, each the bucket's last (its energy total).
     per_bucket = rows(db, f"SELECT gpu, ts_ns / {int(300e9)}, COUNT(*) FROM greend_gpu WHERE ts_ns < {cut} "
@@ -89,10 +89,10 @@ def test_old_rows_roll_up_and_the_figures_survive(tmp_path: Path) -> None:
     # Events stay; a second rollup changes nothing.
     assert rows(db, "SELECT COUNT(*) FROM greend_job")[0][0] == 1
     snapshot = rows(db, "SELECT COUNT(*) FROM greend_gpu UNION ALL SELECT COUNT(*) FROM greend_job_steps")
-    sink._rolled_until_ns = 0
-    sink.roll_up(NOW)
+    store._rolled_until_ns = 0
+    store.roll_up(NOW)
     assert rows(db, "SELECT COUNT(*) FROM greend_gpu UNION ALL SELECT COUNT(*) FROM greend_job_steps") == snapshot
-    sink.close()
+    store.close()
 
 
 def test_the_rollup_series_are_the_tags_the_points_carry() -> None:
@@ -129,22 +129,22 @@ def test_the_rollup_series_are_the_tags_the_points_carry() -> None:
 
 
 def test_the_writer_rolls_up_on_its_own_with_the_configured_settings(tmp_path: Path) -> None:
-    """Through open_sink, as the daemon opens it: the writer thread's hourly prune (the
+    """Through open_store, as the daemon opens it: the writer thread's hourly prune (the
     first right after its first batch) rolls two-day-old rows up at the given rollup_s."""
     import time
 
-    from greend.sinks import open_sink
+    from greend.stores import open_store
 
     db = tmp_path / "g.db"
-    sink = open_sink(f"sqlite:///{db}", state_dir=tmp_path, host="n", raw_hours=1.0, rollup_s=600.0)
-    assert isinstance(sink, SqliteSink) and (sink.raw_hours, sink.rollup_s) == (1.0, 600.0)
+    store = open_store(f"sqlite:///{db}", state_dir=tmp_path, host="n", raw_hours=1.0, rollup_s=600.0)
+    assert isinstance(store, SqliteStore) and (store.raw_hours, store.rollup_s) == (1.0, 600.0)
     start = (time.time() - 2 * 86400) // 600 * 600  # a bucket's start: 1200 s span two buckets
-    sink.write(gpu_rows(start, 1200))
-    assert sink.flush(30)
+    store.write(gpu_rows(start, 1200))
+    assert store.flush(30)
     deadline = time.monotonic() + 20
     while rows(db, "SELECT COUNT(*) FROM greend_gpu")[0][0] > 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert rows(db, "SELECT gpu, energy_j FROM greend_gpu ORDER BY gpu, ts_ns") == [
         ("0", 100.0 * 599), ("0", 100.0 * 1199), ("1", 200.0 * 599), ("1", 200.0 * 1199)
     ]  # fmt: skip
-    sink.close()
+    store.close()

@@ -2,10 +2,10 @@
 
 Why: a store outage must lose nothing, and influxdb-client alone is not durable
 (its batching writer drops a batch after an error and buffers in memory). So the
-InfluxDB sink never hands points straight to the network: ``write()`` appends
+InfluxDB store never hands points straight to the network: ``write()`` appends
 them here, and a sender thread drains the spool, oldest first.
 
-On disk, one directory per sink (the daemon passes ``<state_dir>/spool/<sink>``)::
+On disk, one directory per store (the daemon passes ``<state_dir>/spool/<store>``)::
 
     0000000000000041.ns.lp        sealed segment: complete lines, fsynced, ready to send
     0000000000000041.ns.progress  (rare) bytes of 41 already delivered, after a 413 split
@@ -13,7 +13,7 @@ On disk, one directory per sink (the daemon passes ``<state_dir>/spool/<sink>``)
     rejected/                     segments the server refused as malformed (400/422)
 
 A segment is named by a sequence number (replay order) and a *tag* chosen by
-the owner (the InfluxDB sink uses the timestamp precision, so a segment always
+the owner (the InfluxDB store uses the timestamp precision, so a segment always
 says how to read its timestamps). Each line is one point and ends with ``\\n``.
 
 Life of a point:

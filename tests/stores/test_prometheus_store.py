@@ -1,4 +1,4 @@
-"""PrometheusSink: a real HTTP scrape, promtool's linter, and a golden list of names."""
+"""PrometheusStore: a real HTTP scrape, promtool's linter, and a golden list of names."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from greend.sinks import open_sink
-from greend.sinks.prometheus import PrometheusSink
+from greend.stores import open_store
+from greend.stores.prometheus import PrometheusStore
 from tests.support import REPO
 
 GOLDEN = REPO / "tests" / "golden" / "prometheus_names.txt"
@@ -112,14 +112,14 @@ def fake_status() -> dict[str, Any]:
 
 
 @pytest.fixture
-def sink() -> Iterator[PrometheusSink]:
-    s = open_sink("prometheus://127.0.0.1:0", state_dir=Path("/nonexistent"), host="h")
-    assert isinstance(s, PrometheusSink)
+def store() -> Iterator[PrometheusStore]:
+    s = open_store("prometheus://127.0.0.1:0", state_dir=Path("/nonexistent"), host="h")
+    assert isinstance(s, PrometheusStore)
     yield s
     s.close()
 
 
-def scrape(s: PrometheusSink) -> str:
+def scrape(s: PrometheusStore) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5) as r:
         assert r.status == 200
         return r.read().decode()
@@ -150,9 +150,9 @@ def value(text: str, name: str, **labels: str) -> float:
     raise KeyError(name)
 
 
-def test_scrape_has_base_units_and_values(sink: PrometheusSink) -> None:
-    sink.attach(fake_status)
-    text = scrape(sink)
+def test_scrape_has_base_units_and_values(store: PrometheusStore) -> None:
+    store.attach(fake_status)
+    text = scrape(store)
     assert value(text, "greend_up") == 1
     assert value(text, "greend_gpu_sm_clock_hertz", gpu="0") == 1980e6
     assert value(text, "greend_gpu_clock_cap_hertz", gpu="0") == 1500e6
@@ -165,34 +165,34 @@ def test_scrape_has_base_units_and_values(sink: PrometheusSink) -> None:
     assert value(text, "greend_job_energy_joules_total", job="resnet-run-7") == 5000.0
     assert value(text, "greend_store_points_dropped_total") == 1
     assert value(text, "greend_ticks_skipped_total") == 2
-    assert sink.status().ok
+    assert store.status().ok
 
 
-def test_promtool_check_metrics_is_clean(sink: PrometheusSink) -> None:
+def test_promtool_check_metrics_is_clean(store: PrometheusStore) -> None:
     if PROMTOOL is None:
         pytest.skip("promtool is absent (apt-get install prometheus)")
-    sink.attach(fake_status)
-    text = scrape(sink)
+    store.attach(fake_status)
+    text = scrape(store)
     r = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=20)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr  # no lint warnings either
 
 
-def test_names_and_labels_match_the_golden_file(sink: PrometheusSink) -> None:
-    sink.attach(fake_status)
-    got = "\n".join(names_and_labels(scrape(sink))) + "\n"
+def test_names_and_labels_match_the_golden_file(store: PrometheusStore) -> None:
+    store.attach(fake_status)
+    got = "\n".join(names_and_labels(scrape(store))) + "\n"
     if os.environ.get("GREEND_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(got)
     assert got == GOLDEN.read_text(), "run with GREEND_UPDATE_GOLDEN=1 to accept a deliberate change"
 
 
-def test_failing_status_gives_a_valid_scrape_with_up_0(sink: PrometheusSink) -> None:
+def test_failing_status_gives_a_valid_scrape_with_up_0(store: PrometheusStore) -> None:
     def broken() -> dict[str, Any]:
         raise RuntimeError("daemon is confused")
 
-    sink.attach(broken)
-    text = scrape(sink)
+    store.attach(broken)
+    text = scrape(store)
     assert value(text, "greend_up") == 0
     assert [ln for ln in text.splitlines() if ln and not ln.startswith("#")] == ["greend_up 0.0"]
     if PROMTOOL:
@@ -200,21 +200,21 @@ def test_failing_status_gives_a_valid_scrape_with_up_0(sink: PrometheusSink) -> 
         assert r.returncode == 0, r.stdout
 
 
-def test_not_attached_and_malformed_status(sink: PrometheusSink) -> None:
-    assert value(scrape(sink), "greend_up") == 0
-    assert not sink.status().ok
-    sink.attach(lambda: {"gpus": [{"index": 0, "power_w": "n/a"}], "jobs": "nonsense", "probes": [1, 2]})
-    text = scrape(sink)
+def test_not_attached_and_malformed_status(store: PrometheusStore) -> None:
+    assert value(scrape(store), "greend_up") == 0
+    assert not store.status().ok
+    store.attach(lambda: {"gpus": [{"index": 0, "power_w": "n/a"}], "jobs": "nonsense", "probes": [1, 2]})
+    text = scrape(store)
     assert value(text, "greend_up") == 1
-    sink.write([])  # a no-op that never fails
+    store.write([])  # a no-op that never fails
 
 
 def test_busy_port_is_a_store_error() -> None:
     from greend.errors import StoreError
 
-    a = PrometheusSink("prometheus://127.0.0.1:0")
+    a = PrometheusStore("prometheus://127.0.0.1:0")
     try:
         with pytest.raises(StoreError, match="cannot listen"):
-            PrometheusSink(f"prometheus://127.0.0.1:{a.port}")
+            PrometheusStore(f"prometheus://127.0.0.1:{a.port}")
     finally:
         a.close()

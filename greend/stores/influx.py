@@ -1,4 +1,4 @@
-"""The InfluxDB sink: line protocol over the v2 write API, through a disk spool.
+"""The InfluxDB store: line protocol over the v2 write API, through a disk spool.
 
 URL: ``influx://HOST:PORT?org=ORG&bucket=BUCKET`` with optional ``&tls=1``
 (https), ``&ca=/path/ca.pem`` (a private CA), ``&verify=0`` (no certificate
@@ -45,10 +45,10 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
-from greend.sinks import SinkOptions, SinkStatus, check_url, register_sink, require_host_port
-from greend.sinks.spool import Segment, Spool
+from greend.stores import StoreOptions, StoreStatus, check_url, register_store, require_host_port
+from greend.stores.spool import Segment, Spool
 
-__all__ = ["InfluxSink", "encode_points", "parse_influx_url"]
+__all__ = ["InfluxStore", "encode_points", "parse_influx_url"]
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def _retry_after_s(value: Any) -> float | None:
 OK, RETRY, REJECT, AUTH, TOO_LARGE = "ok", "retry", "reject", "auth", "too_large"
 
 
-class InfluxSink:
+class InfluxStore:
     """Spooled, ordered, at-least-once writes to an InfluxDB v2 write endpoint.
 
     ``state_dir``: the spool goes to ``<state_dir>/spool/<influx-host_port-org-bucket>``
@@ -321,7 +321,7 @@ class InfluxSink:
         if post is None:
             post = self._make_client_post(token, gzip)
         self._post = post
-        self._thread = threading.Thread(target=self._run, name=f"sink-{_spool_name(self.cfg)}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"store-{_spool_name(self.cfg)}", daemon=True)
         self._thread.start()
 
     def _make_client_post(self, token: str, gzip: bool) -> Callable[[bytes, str], None]:
@@ -408,7 +408,7 @@ class InfluxSink:
     def close(self, timeout_s: float = 5.0) -> None:
         """Seal, try briefly to drain while the store answers, then stop the sender.
 
-        Unsent segments stay on disk and are replayed by the next InfluxSink on
+        Unsent segments stay on disk and are replayed by the next InfluxStore on
         the same spool directory.
         """
         self._spool.seal()
@@ -424,13 +424,13 @@ class InfluxSink:
             except Exception:
                 pass
 
-    def status(self) -> SinkStatus:
+    def status(self) -> StoreStatus:
         retry_in = max(0.0, self._next_try - time.monotonic())
         with self._health:
             ok = self._ok and self._alert is None
             last_error = self._alert or self._last_error or self._spool.last_error
             last_rejected = self._last_rejected
-        return SinkStatus(
+        return StoreStatus(
             name=self.name,
             url=self.url,
             ok=ok,
@@ -596,6 +596,6 @@ def _check_influx_url(url: str, parts: SplitResult) -> None:
         )
 
 
-@register_sink("influx", form="influx://HOST:PORT?org=ORG&bucket=BUCKET", check=_check_influx_url)
-def _open_influx(url: str, options: SinkOptions) -> InfluxSink:
-    return InfluxSink(url, state_dir=options.state_dir, host=options.host)
+@register_store("influx", form="influx://HOST:PORT?org=ORG&bucket=BUCKET", check=_check_influx_url)
+def _open_influx(url: str, options: StoreOptions) -> InfluxStore:
+    return InfluxStore(url, state_dir=options.state_dir, host=options.host)

@@ -5,81 +5,81 @@ import time
 from pathlib import Path
 
 from greend.points import Point
-from greend.sinks.sqlite import SqliteSink, read_rows
+from greend.stores.sqlite import SqliteStore, read_rows
 
 
 def test_points_land_in_tables_with_columns_per_tag_and_field(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
-    sink = SqliteSink(db, batch_s=0.05)
+    store = SqliteStore(db, batch_s=0.05)
     t0 = time.time_ns()
-    sink.write(
+    store.write(
         [
             Point("greend_gpu", {"host": "h", "gpu": str(i % 2)}, {"power_w": 100.0 + i, "energy_j": float(i)}, t0 + i)
             for i in range(1000)
         ]
     )
-    sink.write([Point("greend_gpu", {"host": "h", "gpu": "0"}, {"power_w": 1.0, "sm_clock_mhz": 1980.0}, t0 + 5000)])
-    assert sink.flush(5.0)
+    store.write([Point("greend_gpu", {"host": "h", "gpu": "0"}, {"power_w": 1.0, "sm_clock_mhz": 1980.0}, t0 + 5000)])
+    assert store.flush(5.0)
     rows = read_rows(db, "greend_gpu")
     assert len(rows) == 1001
     assert rows[0]["power_w"] == 100.0 and rows[0]["gpu"] == "0"
     assert rows[-1]["sm_clock_mhz"] == 1980.0  # a new field became a column
     assert [r["ts_ns"] for r in rows] == sorted(r["ts_ns"] for r in rows)
-    st = sink.status()
+    st = store.status()
     assert st.written == 1001 and st.ok and st.dropped == 0
-    sink.close()
+    store.close()
     # WAL mode, so readers never block the daemon.
     assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_retention_prunes_old_rows(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
-    sink = SqliteSink(db, batch_s=0.05, retention_days=1.0)
+    store = SqliteStore(db, batch_s=0.05, retention_days=1.0)
     now = time.time_ns()
     old = now - 3 * 86400 * 10**9
-    sink.write(
+    store.write(
         [
             Point("greend_host", {"host": "h"}, {"load_1m": 1.0}, old),
             Point("greend_host", {"host": "h"}, {"load_1m": 2.0}, now),
         ]
     )
-    assert sink.flush()
-    sink._last_prune = 0.0  # due now
-    sink._maybe_prune()
+    assert store.flush()
+    store._last_prune = 0.0  # due now
+    store._maybe_prune()
     assert [r["load_1m"] for r in read_rows(db, "greend_host")] == [2.0]
-    sink.close()
+    store.close()
 
 
 def test_retention_gives_the_disk_back(tmp_path: Path) -> None:
     db = tmp_path / "v.db"
-    sink = SqliteSink(db, batch_s=0.05, retention_days=1.0)
+    store = SqliteStore(db, batch_s=0.05, retention_days=1.0)
     old = time.time_ns() - 3 * 86400 * 10**9
     for chunk in range(10):
-        sink.write(
+        store.write(
             [Point("greend_host", {"host": "h"}, {"load_1m": float(i), "pad": "x" * 200}, old + chunk * 10_000 + i)
              for i in range(2000)]
         )  # fmt: skip
-        assert sink.flush()
-    sink.write([Point("greend_host", {"host": "h"}, {"load_1m": -1.0}, time.time_ns())])
-    assert sink.flush()
-    sink._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert store.flush()
+    store.write([Point("greend_host", {"host": "h"}, {"load_1m": -1.0}, time.time_ns())])
+    assert store.flush()
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     full = db.stat().st_size
-    sink._last_prune = 0.0  # due now
-    sink._maybe_prune()
-    sink._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store._last_prune = 0.0  # due now
+    store._maybe_prune()
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert [r["load_1m"] for r in read_rows(db, "greend_host")] == [-1.0]
-    assert sink._db.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert store._db.execute("PRAGMA freelist_count").fetchone()[0] == 0
     assert db.stat().st_size < full / 5, (full, db.stat().st_size)  # the file shrank with its rows
-    sink.close()
+    store.close()
 
 
 def test_reopening_keeps_the_schema_and_appends(tmp_path: Path) -> None:
     db = tmp_path / "a.db"
     for run in range(2):
-        sink = SqliteSink(db, batch_s=0.05)
-        sink.write([Point("greend_cpu", {"zone": "package-0"}, {"energy_j": float(run)}, time.time_ns())])
-        assert sink.flush()
-        sink.close()
+        store = SqliteStore(db, batch_s=0.05)
+        store.write([Point("greend_cpu", {"zone": "package-0"}, {"energy_j": float(run)}, time.time_ns())])
+        assert store.flush()
+        store.close()
     assert [r["energy_j"] for r in read_rows(db, "greend_cpu")] == [0.0, 1.0]
 
 
@@ -87,11 +87,11 @@ def test_flush_returns_only_once_every_point_is_committed(tmp_path: Path) -> Non
     # One point at a time, each flushed: flush's True means committed, every time
     # (with a 1 ms batch the writer is often mid-batch when the next write lands).
     db = tmp_path / "f.db"
-    sink = SqliteSink(db, batch_s=0.001)
+    store = SqliteStore(db, batch_s=0.001)
     t0 = time.time_ns()
     for i in range(300):
-        sink.write([Point("greend_host", {"host": "h"}, {"n": float(i)}, t0 + i)])
-        assert sink.flush(5.0)
-        assert sink.status().written == i + 1, f"flush returned with point {i} not yet committed"
+        store.write([Point("greend_host", {"host": "h"}, {"n": float(i)}, t0 + i)])
+        assert store.flush(5.0)
+        assert store.status().written == i + 1, f"flush returned with point {i} not yet committed"
     assert len(read_rows(db, "greend_host")) == 300
-    sink.close()
+    store.close()

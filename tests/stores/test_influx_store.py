@@ -1,4 +1,4 @@
-"""InfluxSink against a real victoria-metrics, and against a scripted server for errors.
+"""InfluxStore against a real victoria-metrics, and against a scripted server for errors.
 
 victoria-metrics answers 204 even to malformed lines, so the error
 paths (400, 401, 404, 413, 429, 503) are tested against a small HTTP server of
@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from greend.points import Point
-from greend.sinks.influx import InfluxSink, encode_points
+from greend.stores.influx import InfluxStore, encode_points
 from tests import vmserver
 from tests.support import REPO, wait_for
 
@@ -73,17 +73,17 @@ def test_line_protocol_escapes_and_types() -> None:
 # Against victoria-metrics ----------------------------------------------------------
 def test_points_land_with_their_values(vm: vmserver.VmServer, tmp_path: Path) -> None:
     run, t0, n = uuid.uuid4().hex[:8], now_ms(), 5000
-    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-a", **FAST)
+    store = InfluxStore(vm.influx_url, state_dir=tmp_path, host="node-a", **FAST)
     for i in range(0, n, 500):
-        sink.write(pts(run, i, i + 500, t0))
-    sink.write(
+        store.write(pts(run, i, i + 500, t0))
+    store.write(
         [Point("greend_test", {"run": run, "zone": "a b,c=d"}, {"flag": True, "note": "dropped"}, (t0 + n) * 1_000_000)]
     )
-    assert sink.flush(15)
-    st = sink.status()
+    assert store.flush(15)
+    st = store.status()
     assert st.ok and st.written == n + 1 and st.pending == 0 and st.dropped == 0
     assert st.extra["fields_skipped"] == 1 and st.extra["spool_bytes"] == 0
-    sink.close()
+    store.close()
     got = vm.wait_samples("greend_test_v", n, run=run)
     assert got == [(t0 + i, float(i)) for i in range(n)]
     assert [v for _, v in vm.wait_samples("greend_test_n", n, run=run)] == [float(i) for i in range(n)]
@@ -96,25 +96,25 @@ def test_points_land_with_their_values(vm: vmserver.VmServer, tmp_path: Path) ->
 
 def test_outage_loses_nothing_and_duplicates_nothing(vm: vmserver.VmServer, tmp_path: Path) -> None:
     run, t0, n = uuid.uuid4().hex[:8], now_ms(), 3000
-    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-b", **FAST)
+    store = InfluxStore(vm.influx_url, state_dir=tmp_path, host="node-b", **FAST)
     for i in range(0, 1000, 20):
-        sink.write(pts(run, i, i + 20, t0))
+        store.write(pts(run, i, i + 20, t0))
         time.sleep(0.002)
     vm.stop()  # the store goes away mid-run
     for i in range(1000, 2000, 20):
-        sink.write(pts(run, i, i + 20, t0))
+        store.write(pts(run, i, i + 20, t0))
         time.sleep(0.002)
-    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
-    st = sink.status()
+    assert wait_for(lambda: "cannot reach" in (store.status().last_error or ""), 10)
+    st = store.status()
     assert not st.ok and st.pending > 0 and "cannot reach" in (st.last_error or "")
     vm.start()  # same port, same data dir
     for i in range(2000, n, 20):
-        sink.write(pts(run, i, i + 20, t0))
+        store.write(pts(run, i, i + 20, t0))
         time.sleep(0.002)
-    assert sink.flush(20)
-    st = sink.status()
+    assert store.flush(20)
+    st = store.status()
     assert st.ok and st.written == n and st.pending == 0 and st.dropped == 0
-    sink.close()
+    store.close()
     got = vm.wait_samples("greend_test_v", n, run=run)
     assert len(got) == n  # no duplicates
     assert got == [(t0 + i, float(i)) for i in range(n)]
@@ -125,18 +125,18 @@ WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from greend.points import Point
-    from greend.sinks.influx import InfluxSink
+    from greend.stores.influx import InfluxStore
     url, state, run, t0 = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    sink = InfluxSink(url, state_dir=state, host="node-c", backoff_min_s=0.05, backoff_max_s=0.3,
+    store = InfluxStore(url, state_dir=state, host="node-c", backoff_min_s=0.05, backoff_max_s=0.3,
                       segment_age_s=0.1)
     def pts(a, b):
         return [Point("greend_test", {"run": run}, {"v": float(i)}, (t0 + i) * 1_000_000) for i in range(a, b)]
-    sink.write(pts(0, 500))
-    assert sink.flush(15)
+    store.write(pts(0, 500))
+    assert store.flush(15)
     print("A", flush=True)
     sys.stdin.readline()          # the test stops the store now
     for i in range(500, 1500, 10):
-        sink.write(pts(i, i + 10))
+        store.write(pts(i, i + 10))
     print("B", flush=True)        # every point above was acknowledged by write()
     time.sleep(60)
     """
@@ -164,11 +164,11 @@ def test_sigkilled_writer_during_outage_is_replayed(vm: vmserver.VmServer, tmp_p
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     vm.start()
-    sink = InfluxSink(vm.influx_url, state_dir=tmp_path, host="node-c", **FAST)
-    assert sink.status().extra["recovered"] == 1000
-    assert sink.flush(20)
-    assert sink.status().written == 1000
-    sink.close()
+    store = InfluxStore(vm.influx_url, state_dir=tmp_path, host="node-c", **FAST)
+    assert store.status().extra["recovered"] == 1000
+    assert store.flush(20)
+    assert store.status().written == 1000
+    store.close()
     got = vm.wait_samples("greend_test_v", 1500, run=run)
     assert got == [(t0 + i, float(i)) for i in range(1500)]
 
@@ -251,12 +251,12 @@ def test_retry_on_503_and_429_honours_retry_after_and_keeps_order(
 ) -> None:
     monkeypatch.setenv("GREEND_INFLUX_TOKEN", "s3cret")
     scripted.script = [(503, {}), (503, {}), (429, {"Retry-After": "1"})]
-    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
     for i in range(0, 300, 100):
-        sink.write(pts("r", i, i + 100, 0))
-        sink._spool.seal()  # one segment per batch
-    assert sink.flush(10)
-    sink.close()
+        store.write(pts("r", i, i + 100, 0))
+        store._spool.seal()  # one segment per batch
+    assert store.flush(10)
+    store.close()
     assert [r["status"] for r in scripted.requests] == [503, 503, 429, 204, 204, 204]
     gap = scripted.requests[3]["t"] - scripted.requests[2]["t"]
     assert gap >= 0.9, f"Retry-After: 1 not honoured (retried after {gap:.2f} s)"
@@ -270,85 +270,85 @@ def test_retry_on_503_and_429_honours_retry_after_and_keeps_order(
 
 def test_400_sets_the_segment_aside_and_goes_on(scripted: Scripted, tmp_path: Path) -> None:
     scripted.script = [(400, {})]
-    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
-    sink.write(pts("r", 0, 10, 0))
-    sink._spool.seal()
-    sink.write(pts("r", 10, 20, 0))
-    assert sink.flush(5)
-    st = sink.status()
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store.write(pts("r", 0, 10, 0))
+    store._spool.seal()
+    store.write(pts("r", 10, 20, 0))
+    assert store.flush(5)
+    st = store.status()
     assert st.extra["rejected"] == 10 and st.written == 10 and st.pending == 0
     assert st.ok and "400" in (st.extra["last_rejected"] or "")  # remembered after the next success
     assert values(scripted.delivered()) == list(range(10, 20))
-    kept = list((sink.spool_dir / "rejected").glob("*.lp"))
+    kept = list((store.spool_dir / "rejected").glob("*.lp"))
     assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 10
     assert len(scripted.requests) == 2  # not retried
-    sink.close()
+    store.close()
 
 
 @pytest.mark.parametrize("code", [401, 403, 404])
 def test_auth_errors_alert_and_keep_spooling(scripted: Scripted, tmp_path: Path, code: int) -> None:
     scripted.script = [(code, {})] * 3
-    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
-    sink.write(pts("r", 0, 50, 0))
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store.write(pts("r", 0, 50, 0))
     deadline = time.monotonic() + 5
-    while sink.status().ok and time.monotonic() < deadline:
+    while store.status().ok and time.monotonic() < deadline:
         time.sleep(0.01)
-    st = sink.status()
+    st = store.status()
     assert not st.ok and "token/org/bucket wrong" in (st.last_error or "") and str(code) in (st.last_error or "")
     assert st.pending == 50 and st.dropped == 0
-    sink.write(pts("r", 50, 60, 0))  # still accepted into the spool
-    assert sink.flush(10)  # the operator fixed it: the script ran out, 204s now
-    st = sink.status()
+    store.write(pts("r", 50, 60, 0))  # still accepted into the spool
+    assert store.flush(10)  # the operator fixed it: the script ran out, 204s now
+    st = store.status()
     assert st.ok and st.last_error is None and st.written == 60
     assert values(scripted.delivered()) == list(range(60))
-    sink.close()
+    store.close()
 
 
 def test_413_splits_the_segment(scripted: Scripted, tmp_path: Path) -> None:
     scripted.max_lines = 64
-    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
-    sink.write(pts("r", 0, 1000, 0))
-    assert sink.flush(10)
-    sink.close()
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store.write(pts("r", 0, 1000, 0))
+    assert store.flush(10)
+    store.close()
     ok = [r for r in scripted.requests if r["status"] == 204]
     assert all(len(r["lines"]) <= 64 for r in ok)
     assert values(scripted.delivered()) == list(range(1000))  # each once, in order
-    assert sink.status().written == 1000
+    assert store.status().written == 1000
 
 
 def test_413_split_progress_survives_a_restart(scripted: Scripted, tmp_path: Path) -> None:
     scripted.max_lines = 100
     scripted.script = [(204, {}), (204, {}), (503, {})]  # the store dies after 2 pieces
-    sink = InfluxSink(scripted.url, state_dir=tmp_path, host="h", backoff_min_s=30, segment_age_s=0.1)
-    sink.write(pts("r", 0, 400, 0))
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", backoff_min_s=30, segment_age_s=0.1)
+    store.write(pts("r", 0, 400, 0))
     deadline = time.monotonic() + 5
     while not any(r["status"] == 503 for r in scripted.requests) and time.monotonic() < deadline:
         time.sleep(0.01)
-    sink.close(0.5)
-    sink2 = InfluxSink(scripted.url, state_dir=tmp_path, host="h", **FAST)
-    assert sink2.flush(10)
-    sink2.close()
+    store.close(0.5)
+    store2 = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    assert store2.flush(10)
+    store2.close()
     assert values(scripted.delivered()) == list(range(400))
 
 
 def test_no_server_spools_and_reports(tmp_path: Path) -> None:
     url = f"influx://127.0.0.1:{vmserver.free_port()}?org=o&bucket=b"
-    sink = InfluxSink(url, state_dir=tmp_path, host="h", **FAST)
+    store = InfluxStore(url, state_dir=tmp_path, host="h", **FAST)
     t = time.perf_counter()
-    sink.write(pts("r", 0, 100, 0))
+    store.write(pts("r", 0, 100, 0))
     assert time.perf_counter() - t < 0.5  # never blocks on the network (nor waits for a connect)
-    assert not sink.flush(0.5)
-    assert wait_for(lambda: "cannot reach" in (sink.status().last_error or ""), 10)
-    st = sink.status()
+    assert not store.flush(0.5)
+    assert wait_for(lambda: "cannot reach" in (store.status().last_error or ""), 10)
+    st = store.status()
     assert not st.ok and st.pending == 100 and "cannot reach" in (st.last_error or "")
     assert st.extra["spool_bytes"] > 0
-    sink.close(0.5)
-    assert list(sink.spool_dir.glob("*.lp"))  # left for the next start
+    store.close(0.5)
+    assert list(store.spool_dir.glob("*.lp"))  # left for the next start
 
 
 def test_the_docs_whole_job_query_sums_the_nodes(vm: vmserver.VmServer, tmp_path: Path) -> None:
     """docs/stores.md's MetricsQL for a job across nodes, run as written on the rows two
-    nodes' sinks wrote: summed FLOPs over summed joules, not the mean of the nodes'."""
+    nodes' stores wrote: summed FLOPs over summed joules, not the mean of the nodes'."""
     import json as _json
     import re
     import urllib.parse
@@ -361,13 +361,13 @@ def test_the_docs_whole_job_query_sums_the_nodes(vm: vmserver.VmServer, tmp_path
     # Run r1 on two nodes; an earlier run r0 of the same id on node-a must not be summed in.
     shares = {("node-a", "r1"): (3e12, 100.0), ("node-b", "r1"): (3e12, 200.0), ("node-a", "r0"): (9e12, 50.0)}
     for (host, run), (flops, joules) in shares.items():
-        sink = InfluxSink(vm.influx_url, state_dir=tmp_path / f"{host}-{run}", host=host, **FAST)
+        store = InfluxStore(vm.influx_url, state_dir=tmp_path / f"{host}-{run}", host=host, **FAST)
         summary = {"flops": flops, "gpu_energy_j": joules, "steps": 50, "world_size": 2, "ranks_here": 1}
         point = job_point(ts, host, job=job, precision="bf16", end_reason="finished", summary=summary)
         point.tags["run"] = run  # as the daemon tags a job's points when it writes them
-        sink.write([point])
-        assert sink.flush(15)
-        sink.close()
+        store.write([point])
+        assert store.flush(15)
+        store.close()
     vm.wait_samples("greend_job_flops", 3, job=job)
     doc = (REPO / "docs" / "stores.md").read_text()
     block = doc.split("MetricsQL (VictoriaMetrics", 1)[1].split("```", 2)[1]

@@ -1,19 +1,19 @@
-"""Time-series sinks: where samples, steps, decisions and job summaries go.
+"""Time-series stores: where samples, steps, decisions and job summaries go.
 
-Every sink takes :class:`~greend.points.Point` batches from the tick loop through ``write()``,
-which must never block on I/O: sinks queue and write from a thread of their own.
-A sink that fails reports it in ``status()``; it never raises into the tick loop.
+Every store takes :class:`~greend.points.Point` batches from the tick loop through ``write()``,
+which must never block on I/O: stores queue and write from a thread of their own.
+A store that fails reports it in ``status()``; it never raises into the tick loop.
 
-URLs (``--store``, repeatable; each sink fails on its own):
+URLs (``--store``, repeatable; each store fails on its own):
 
 - ``sqlite:///ABS/PATH.db``  the embedded default (stdlib sqlite3, WAL)
 - ``influx://HOST:PORT?org=O&bucket=B``  InfluxDB v2 write API (token from ``GREEND_INFLUX_TOKEN``)
 - ``prometheus://HOST:PORT``  serves ``/metrics``
 
-The scheme registry (:data:`REGISTRY`) is the one list of the sinks there are.
-Adding a sink: a module here with a class following :class:`Sink` and a factory
-decorated with ``@register_sink("scheme", form=..., check=...)``, and the module's
-name in ``_BUILTIN_SINK_MODULES``.
+The scheme registry (:data:`REGISTRY`) is the one list of the stores there are.
+Adding a store: a module here with a class following :class:`Store` and a factory
+decorated with ``@register_store("scheme", form=..., check=...)``, and the module's
+name in ``_BUILTIN_STORE_MODULES``.
 """
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ from greend.points import Point
 
 __all__ = [
     "REGISTRY",
-    "Sink",
-    "SinkKind",
-    "SinkOptions",
+    "Store",
+    "StoreKind",
+    "StoreOptions",
     "check_url",
-    "open_sink",
-    "register_sink",
+    "open_store",
+    "register_store",
     "registered_schemes",
     "require_host_port",
 ]
 
 
 @dataclass
-class SinkStatus:
+class StoreStatus:
     name: str
     url: str
     ok: bool
@@ -66,7 +66,7 @@ class SinkStatus:
         return d
 
 
-class Sink(Protocol):
+class Store(Protocol):
     name: str
     url: str
 
@@ -76,12 +76,12 @@ class Sink(Protocol):
 
     def close(self, timeout_s: float = 5.0) -> None: ...
 
-    def status(self) -> SinkStatus: ...
+    def status(self) -> StoreStatus: ...
 
 
 @dataclass(frozen=True)
-class SinkOptions:
-    """What a sink may need besides its URL."""
+class StoreOptions:
+    """What a store may need besides its URL."""
 
     state_dir: Path
     host: str
@@ -90,63 +90,63 @@ class SinkOptions:
     rollup_s: float = 300.0  # ... to one per series per rollup_s
 
 
-SinkFactory = Callable[[str, SinkOptions], Sink]
+StoreFactory = Callable[[str, StoreOptions], Store]
 UrlCheck = Callable[[str, SplitResult], None]
 
 
 @dataclass(frozen=True)
-class SinkKind:
+class StoreKind:
     """One registered scheme: the URL ``form`` error messages show, the ``check``
     that refuses a malformed URL (raises ConfigError) and the ``factory``."""
 
     scheme: str
     form: str
     check: UrlCheck
-    factory: SinkFactory
+    factory: StoreFactory
 
 
-REGISTRY: dict[str, SinkKind] = {}
+REGISTRY: dict[str, StoreKind] = {}
 
 
-def register_sink(scheme: str, *, form: str, check: UrlCheck) -> Callable[[SinkFactory], SinkFactory]:
-    """Register the factory of the sink for ``scheme://`` URLs."""
+def register_store(scheme: str, *, form: str, check: UrlCheck) -> Callable[[StoreFactory], StoreFactory]:
+    """Register the factory of the store for ``scheme://`` URLs."""
 
-    def deco(factory: SinkFactory) -> SinkFactory:
+    def deco(factory: StoreFactory) -> StoreFactory:
         if scheme in REGISTRY:
-            raise ValueError(f"sink scheme {scheme!r} registered twice")
-        REGISTRY[scheme] = SinkKind(scheme, form, check, factory)
+            raise ValueError(f"store scheme {scheme!r} registered twice")
+        REGISTRY[scheme] = StoreKind(scheme, form, check, factory)
         return factory
 
     return deco
 
 
-# The modules of the sinks greend ships, imported for their registrations (in the
+# The modules of the stores greend ships, imported for their registrations (in the
 # order messages list the schemes).
-_BUILTIN_SINK_MODULES = ("sqlite", "influx", "prometheus")
+_BUILTIN_STORE_MODULES = ("sqlite", "influx", "prometheus")
 
 
-def _load_builtin_sinks() -> None:
-    for name in _BUILTIN_SINK_MODULES:
-        importlib.import_module(f"greend.sinks.{name}")
+def _load_builtin_stores() -> None:
+    for name in _BUILTIN_STORE_MODULES:
+        importlib.import_module(f"greend.stores.{name}")
 
 
 def registered_schemes() -> list[str]:
     """Every registered scheme: the built-in ones in their fixed order (whatever module
     happened to be imported first), then any other in registration order."""
-    _load_builtin_sinks()
-    builtin = [s for s in _BUILTIN_SINK_MODULES if s in REGISTRY]
+    _load_builtin_stores()
+    builtin = [s for s in _BUILTIN_STORE_MODULES if s in REGISTRY]
     return builtin + [s for s in REGISTRY if s not in builtin]
 
 
 def require_host_port(url: str, parts: SplitResult) -> None:
-    """A URL check for sinks that connect to or serve on ``HOST:PORT``."""
+    """A URL check for stores that connect to or serve on ``HOST:PORT``."""
     if not parts.hostname or parts.port is None:
         raise ConfigError(f"store URL {url!r}: expected HOST:PORT, e.g. {parts.scheme}://127.0.0.1:8086")
 
 
 def check_url(url: str) -> None:
     """Refuse a malformed store URL with a message that says the allowed forms."""
-    _load_builtin_sinks()
+    _load_builtin_stores()
     parts = urlsplit(url)
     kind = REGISTRY.get(parts.scheme)
     if kind is None:
@@ -155,7 +155,7 @@ def check_url(url: str) -> None:
     kind.check(url, parts)
 
 
-def open_sink(
+def open_store(
     url: str,
     *,
     state_dir: Path,
@@ -163,10 +163,10 @@ def open_sink(
     retention_days: float = 30.0,
     raw_hours: float = 24.0,
     rollup_s: float = 300.0,
-) -> Sink:
-    """The sink for ``url``, by its scheme's registered factory."""
+) -> Store:
+    """The store for ``url``, by its scheme's registered factory."""
     check_url(url)
-    options = SinkOptions(
+    options = StoreOptions(
         state_dir=Path(state_dir),
         host=host,
         retention_days=retention_days,
