@@ -83,56 +83,55 @@ class NullCallback:
         pass
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One configuration (hot path chosen by the environment, daemon or none): prints JSON."""
+def make_twin(hidden: int) -> tuple[Any, Any]:
+    """An MLP and its AdamW, the same weights every time."""
     import torch
     from torch import nn
 
-    import greend.training.step as step_module
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
+def run_block(model: Any, opt: Any, cb: Any, lossf: Any, xs: list[Any], ys: list[Any], batch: int, n: int) -> float:
+    """n steps in the README's usage; the training thread's CPU seconds per step."""
+    t0 = time.thread_time()
+    for i in range(n):
+        x, y = xs[i & 7], ys[i & 7]
+        with cb.step(samples=batch, batch=x) as step:
+            with step.autocast():
+                loss = lossf(model(x), y)
+            step.loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    del loss
+    return (time.thread_time() - t0) / n
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One configuration (the daemon, or none): prints JSON."""
+    import torch
+    from torch import nn
+
     from greend.training.callback import GreenCallback
 
     torch.set_num_threads(1)
     lossf = nn.CrossEntropyLoss()
-    out: dict[str, Any] = {"hot_path": getattr(step_module, "HOT_PATH", "python"), "sizes": []}
+    out: dict[str, Any] = {"sizes": []}
     for name, hidden, batch in SIZES:
         rounds = args.rounds if name == "~1 ms" else args.rounds_10ms
         block = args.block if name == "~1 ms" else args.block_10ms
         xs = [torch.randn(batch, 256) for _ in range(8)]
         ys = [torch.randint(0, 10, (batch,)) for _ in range(8)]
-
-        def make() -> tuple[nn.Module, torch.optim.Optimizer]:
-            torch.manual_seed(0)
-            m = nn.Sequential(
-                nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-            )
-            return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-        twins = {"bare": make(), "greend": make(), "control": make()}
+        twins = {"bare": make_twin(hidden), "greend": make_twin(hidden), "control": make_twin(hidden)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no daemon: the one fail-open warning
             cb = GreenCallback(job=f"bench-{hidden}", model=twins["greend"][0], socket=args.socket)
         wrappers: dict[str, Any] = {"bare": NullCallback(), "greend": cb, "control": NullCallback()}
-
-        def run(arm: str, n: int) -> float:
-            """n steps of one arm; the training thread's CPU seconds per step."""
-            model, opt = twins[arm]
-            w = wrappers[arm]
-            t0 = time.thread_time()
-            for i in range(n):
-                x, y = xs[i & 7], ys[i & 7]
-                with w.step(samples=batch, batch=x) as step:
-                    with step.autocast():
-                        loss = lossf(model(x), y)
-                    step.loss(loss)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-            del loss
-            return (time.thread_time() - t0) / n
-
-        sender = next(t for t in threading.enumerate() if t.name.startswith(f"greend-sender-bench-{hidden}"))
-        for arm in wrappers:  # warm-up (greend's FLOP count happens here)
-            run(arm, block)
+        sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-bench-{hidden}")
+        for arm, w in wrappers.items():  # warm-up (greend's FLOP count happens here)
+            run_block(*twins[arm], w, lossf, xs, ys, batch, block)
         arms = list(wrappers)
         per: dict[str, list[float]] = {a: [] for a in arms}
         sender_cpu0 = _thread_cpu_s(sender)
@@ -142,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
             if (r // 3) % 2:
                 order.reverse()
             for arm in order:
-                per[arm].append(run(arm, block))
+                per[arm].append(run_block(*twins[arm], wrappers[arm], lossf, xs, ys, batch, block))
         wall = time.monotonic() - t_wall0
         sender_cpu = _thread_cpu_s(sender) - sender_cpu0
         cb.close()
@@ -152,8 +151,6 @@ def worker(args: argparse.Namespace) -> None:
                 "step_ms": statistics.median(per["bare"]) * 1e3,
                 "greend": [g - b for g, b in zip(per["greend"], per["bare"], strict=True)],
                 "control": [c - b for c, b in zip(per["control"], per["bare"], strict=True)],
-                "steps": rounds * block,
-                "sent": cb.stats.sent,
                 "connected": cb.stats.connects > 0,
                 "sender_us_per_step": sender_cpu / max(1, rounds * block) * 1e6 if sender_cpu >= 0 else None,
                 "sender_share": sender_cpu / wall if sender_cpu >= 0 else None,
@@ -218,23 +215,17 @@ def main() -> None:
     passed += ["--rounds-10ms", str(a.rounds_10ms), "--block-10ms", str(a.block_10ms)]
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(Path(tmp))
-        rows: list[tuple[str, str, dict[str, Any]]] = []
+        rows: list[tuple[str, dict[str, Any]]] = []
         try:
-            envs = [("", {"GREEND_PURE_PYTHON": "0"}), ("python", {"GREEND_PURE_PYTHON": "1"})]
-            for label, extra in envs:
-                for daemon, path in (("greend --sim 1", sock), ("none", Path(tmp) / "absent.sock")):
-                    child = subprocess.run(
-                        [sys.executable, __file__, "--worker", "--socket", str(path), *passed],
-                        env=dict(os.environ, **extra),
-                        capture_output=True,
-                        text=True,
-                    )
-                    if child.returncode != 0:
-                        raise SystemExit(child.stderr[-3000:])
-                    res = json.loads(child.stdout.strip().splitlines()[-1])
-                    if label == "" and res["hot_path"] == "python":
-                        envs = envs[:1]  # the C path is not built (or not there): one path to measure
-                    rows.append((res["hot_path"], daemon, res))
+            for daemon, path in (("greend --sim 1", sock), ("none", Path(tmp) / "absent.sock")):
+                child = subprocess.run(
+                    [sys.executable, __file__, "--worker", "--socket", str(path), *passed],
+                    capture_output=True,
+                    text=True,
+                )
+                if child.returncode != 0:
+                    raise SystemExit(child.stderr[-3000:])
+                rows.append((daemon, json.loads(child.stdout.strip().splitlines()[-1])))
         finally:
             proc.terminate()
             proc.wait(20)
@@ -243,15 +234,15 @@ def main() -> None:
         f" of {a.block}-step blocks ({a.block_10ms} on ~10 ms), [p25, p75], bootstrap 95 % interval of the median);"
         " A/A: a second bare loop in greend's place"
     )
-    head = f"{'path':<7}{'daemon':<15}{'step':<7}{'ms':>6}{'rounds':>7}"
+    head = f"{'daemon':<15}{'step':<7}{'ms':>6}{'rounds':>7}"
     head += f"{'greend':>9}{'[p25, p75]':>17}{'95 % CI':>17}{'A/A':>8}{'[p25, p75]':>17}{'sender us':>10}"
     print(head)
-    for path, daemon, res in rows:
+    for daemon, res in rows:
         for s in res["sizes"]:
             g, c = summary(s["greend"]), summary(s["control"])
             sender = s["sender_us_per_step"]
             print(
-                f"{path:<7}{daemon:<15}{s['name']:<7}{s['step_ms']:6.2f}{len(s['greend']):7d}"
+                f"{daemon:<15}{s['name']:<7}{s['step_ms']:6.2f}{len(s['greend']):7d}"
                 f"{g[0]:9.2f}{f'[{g[1]:.2f}, {g[2]:.2f}]':>17}{f'[{g[3]:.2f}, {g[4]:.2f}]':>17}"
                 f"{c[0]:8.2f}{f'[{c[1]:.2f}, {c[2]:.2f}]':>17}"
                 f"{(f'{sender:.2f}' if sender is not None else '-'):>10}"
