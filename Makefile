@@ -10,9 +10,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test check bench clean nvml-stub
 
-# (The C hot path of the training callback is built by the install: a change to it
-# installs again.)
-$(VENV)/.installed: pyproject.toml greend/training/_stepfast.c
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: a bare `torch` requirement pulls a multi-GB CUDA build.
@@ -57,4 +55,3 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
-	rm -f greend/training/_stepfast*.so

@@ -1,466 +1,255 @@
-"""Overhead of GreenCallback on the training thread, against a fake daemon.
+"""What GreenCallback costs the training thread: all of it, in the README's usage.
 
-Run:  python bench/bench_callback.py [--steps 20000] [--slow-steps 1000]
+Run:  python bench/bench_callback.py [--rounds 40] [--rounds-10ms 12] [--block 150]
 
-Prints, side by side in one run:
-* trivial steps: per-step time of an empty loop body, with and without
-  ``with cb.step(...)`` (median and p99, microseconds);
-* ~5 ms steps (a busy loop), with and without the callback interleaved step by
-  step: the time spent in the callback's enter/exit per step, as microseconds
-  and as a share of the step;
-* what the fake daemon received: step reports per second;
-* the one-time cost of the FLOP-counted first step of a small MLP.
+A real torch training step (an MLP: forward, cross-entropy, backward, AdamW,
+``torch.set_num_threads(1)``) runs in the README's usage::
 
-Targets are printed next to the figures (< 20 us per step, < 0.5 % of a 5 ms
-step); nothing is asserted. On small shared VMs any Python code that runs after
-milliseconds of other work is several times slower than in a tight loop (cold
-caches): the 5 ms figure includes that, and the baseline's own wrapper
-(a nullcontext) is subtracted.
+    with cb.step(samples=n, batch=x) as step:
+        with step.autocast():
+            loss = lossf(model(x), y)
+        step.loss(loss)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+beside the same loop with a do-nothing wrapper of the same shape (an object with
+``step()``, ``__enter__``/``__exit__``, ``autocast()`` and ``loss()`` that do
+nothing), on twin models. Each arm runs in blocks of ``--block`` steps, timed by
+the training thread's CPU time (``time.thread_time``): the whole step, the loss
+and whatever greend keeps alive included (its freeing, its batched reads, the
+garbage collections its objects cause). A round runs three blocks in a rotating
+order: the bare loop, greend's, and a second bare twin (the A/A control: the
+instrument's reading when nothing differs). Per round, greend's per-step CPU time
+less the bare loop's, and the control's less the bare loop's; printed as the
+median over rounds, its interquartile range and a bootstrap 95 % interval of the
+median, on a ~1 ms and a ~10 ms step, with a real ``greend run --sim 1``
+answering and with no daemon at all (fail-open). The sender thread's own CPU time
+(the socket, summing rows) is not the training thread's and is printed apart.
+
+Target: <= 5 us a step at the median on the ~1 ms step, with the daemon answering.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
-from greend.training.callback import GreenCallback  # noqa: E402
-from greend.training.step import HOT_PATH  # noqa: E402
-
-perf = time.perf_counter
+# (step name, hidden width, batch): ~1 ms and ~10 ms steps on one core of the build VM.
+SIZES = (("~1 ms", 192, 64), ("~10 ms", 896, 128))
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+class NullStep:
+    """The do-nothing step: the same calls as greend's, doing nothing."""
 
+    __slots__ = ()
+    _null = nullcontext()
 
-def trivial(cb: GreenCallback | None, n: int) -> list[float]:
-    out = []
-    null = contextlib.nullcontext()
-    for _ in range(n):
-        t = perf()
-        if cb is None:
-            with null:
-                pass
-        else:
-            with cb.step(samples=1) as step:
-                step.loss(0.5)
-        out.append(perf() - t)
-    return out
+    def __enter__(self) -> NullStep:
+        return self
 
+    def __exit__(self, *exc: Any) -> bool:
+        return False
 
-def spin(duration_s: float) -> None:
-    end = perf() + duration_s
-    while perf() < end:
+    def autocast(self) -> nullcontext[None]:
+        return self._null
+
+    def loss(self, loss: Any) -> None:
         pass
 
 
-def one_slow(cb: GreenCallback | None, step_s: float, null: contextlib.nullcontext) -> tuple[float, float]:
-    """One busy step: (whole step, time outside the body = the wrapper's own cost)."""
-    t0 = perf()
-    if cb is None:
-        with null:
-            b0 = perf()
-            spin(step_s)
-            b1 = perf()
-    else:
-        with cb.step(samples=1) as step:
-            b0 = perf()
-            spin(step_s)
-            step.loss(0.5)
-            b1 = perf()
-    t1 = perf()
-    return t1 - t0, (t1 - t0) - (b1 - b0)
+class NullCallback:
+    """The do-nothing callback: ``step()`` takes the same arguments and returns a NullStep."""
 
+    _step = NullStep()
 
-def slow(cb: GreenCallback, n: int, step_s: float) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Steps with and without the callback, interleaved (the order swapped every
-    other pair) so both see the same machine: (base totals, base own, cb totals, cb own)."""
-    bt, bo, ct, co = [], [], [], []
-    null = contextlib.nullcontext()
-    for i in range(n):
-        for which in (None, cb) if i % 2 == 0 else (cb, None):
-            total, own = one_slow(which, step_s, null)
-            (bt if which is None else ct).append(total)
-            (bo if which is None else co).append(own)
-    return bt, bo, ct, co
-
-
-def daemon_process(sock: Path) -> subprocess.Popen[bytes]:
-    """A fake daemon in a process of its own, as greend is: in this process its threads
-    would take the GIL from the training loop being measured."""
-    code = (
-        "import sys, pathlib\n"
-        "from greend.testing.fake_daemon import FakeDaemon\n"
-        f"d = FakeDaemon(pathlib.Path({str(sock)!r}), heartbeat_s=5.0, rows_every_s=0.5).start()\n"
-        "sys.stdin.read()\n"
-        "d.stop()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=ROOT)
-    t_end = time.monotonic() + 30
-    while not sock.exists():
-        if time.monotonic() > t_end or proc.poll() is not None:
-            raise SystemExit(f"the fake daemon process did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-    return proc
-
-
-class FloorCallback:
-    """The least a step wrapper in Python can do, for comparison: two clock reads, the
-    batch's shape, the loss held, one record appended. No daemon, no precision, no
-    guard: what any pure-Python callback with this API pays on the same machine."""
-
-    def __init__(self) -> None:
-        self.records: deque[tuple[Any, ...]] = deque(maxlen=100_000)
-
-    def step(self, *, samples: int | None = None, batch: Any = None) -> FloorStep:
-        return FloorStep(self, samples, batch.shape)
+    def step(self, *, samples: int | None = None, batch: Any = None) -> NullStep:
+        return self._step
 
     def close(self) -> None:
-        self.records.clear()
+        pass
 
 
-class FloorStep:
-    __slots__ = ("cb", "samples", "key", "t0", "held")
+def make_twin(hidden: int) -> tuple[Any, Any]:
+    """An MLP and its AdamW, the same weights every time."""
+    import torch
+    from torch import nn
 
-    def __init__(self, cb: FloorCallback, samples: int | None, key: Any) -> None:
-        self.cb, self.samples, self.key, self.held = cb, samples, key, None
-
-    def __enter__(self) -> FloorStep:
-        self.t0 = time.monotonic()
-        return self
-
-    def loss(self, loss: Any) -> None:
-        self.held = loss
-
-    def __exit__(self, *exc: Any) -> bool:
-        t1 = time.monotonic()
-        self.cb.records.append((self.t0, t1, self.samples, self.key, self.held))
-        return False
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-class Real:
-    """A real torch training step (forward, backward, AdamW) on an MLP, as the README uses
-    the callback (``model=``, ``batch=``, ``step.loss(loss)``), and the same step on twin
-    models that have never seen greend."""
-
-    def __init__(self, sock: Path, hidden: int, batch: int) -> None:
-        self.batch = batch
-        self.twins = [self._make(hidden) for _ in range(3)]  # greend's, and two bare ones
-        self.lossf = nn.CrossEntropyLoss()
-        self.xs = [torch.randn(batch, 256) for _ in range(8)]
-        self.ys = [torch.randint(0, 10, (batch,)) for _ in range(8)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.cb = GreenCallback(job=f"bench-real-{hidden}", model=self.twins[0][0], socket=sock)
-
-    @staticmethod
-    def _make(hidden: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        m = nn.Sequential(
-            nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-        )
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-    def plain(self, i: int, twin: int = 1) -> float:
-        model, opt = self.twins[twin]
-        t = perf()
-        x, y = self.xs[i % 8], self.ys[i % 8]
-        loss = self.lossf(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        del loss  # freeing the loss and its graph belongs to the step (a loop pays it at the next one)
-        return perf() - t
-
-    def green(self, i: int) -> float:
-        model, opt = self.twins[0]
-        cb = self.cb
-        t = perf()
-        x, y = self.xs[i % 8], self.ys[i % 8]
-        with cb.step(samples=self.batch, batch=x) as step:
-            loss = self.lossf(model(x), y)
+def run_block(model: Any, opt: Any, cb: Any, lossf: Any, xs: list[Any], ys: list[Any], batch: int, n: int) -> float:
+    """n steps in the README's usage; the training thread's CPU seconds per step."""
+    t0 = time.thread_time()
+    for i in range(n):
+        x, y = xs[i & 7], ys[i & 7]
+        with cb.step(samples=batch, batch=x) as step:
+            with step.autocast():
+                loss = lossf(model(x), y)
             step.loss(loss)
-            opt.zero_grad()
             loss.backward()
             opt.step()
-        del loss  # (greend holds it until its batched read, which frees it)
-        return perf() - t
-
-    def pairs(self, n: int, control: bool = False) -> tuple[list[float], list[float], list[float]]:
-        """n pairs, the order alternating: (steps without, with, differences). ``control``:
-        the second twin stands in for greend's (an A/A run: the instrument's own bias)."""
-        other = (lambda i: self.plain(i, twin=2)) if control else self.green
-        base, with_cb, diffs = [], [], []
-        for i in range(n):
-            if i % 2:
-                a = self.plain(i)
-                b = other(i)
-            else:
-                b = other(i)
-                a = self.plain(i)
-            base.append(a)
-            with_cb.append(b)
-            diffs.append(b - a)
-        return base, with_cb, diffs
-
-    def direct(self, n: int) -> tuple[list[float], list[float], list[float]]:
-        """greend's own time in each step: the time inside its calls (step(), entering,
-        step.loss, leaving: the batched loss reads included), timed inside the loop; the
-        same clocks read around nothing in the bare loop (their own cost); and those
-        clocks where the bare loop frees its loss and the loss's autograd graph (greend
-        holds the loss until its batched read, so that work, about 3-5 us a step here,
-        moves into greend's calls)."""
-        ns = time.perf_counter_ns
-        model, opt = self.twins[0]
-        bare, bare_opt = self.twins[1]
-        cb, lossf, xs, ys = self.cb, self.lossf, self.xs, self.ys
-        own, clocks, freed = [], [], []
-        for i in range(n):
-            x, y = xs[i % 8], ys[i % 8]
-            a = ns()
-            with cb.step(samples=self.batch, batch=x) as step:
-                b = ns()
-                loss = lossf(model(x), y)
-                c = ns()
-                step.loss(loss)
-                d = ns()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                del loss
-                e = ns()
-            f = ns()
-            own.append((b - a) + (d - c) + (f - e))
-            a = ns()
-            b = ns()
-            loss = lossf(bare(x), y)
-            c = ns()
-            d = ns()
-            bare_opt.zero_grad()
-            loss.backward()
-            bare_opt.step()
-            e = ns()
-            e2 = ns()
-            del loss
-            f = ns()
-            clocks.append((b - a) + (d - c) + (e2 - e))
-            freed.append((b - a) + (d - c) + (f - e2))
-        return [t / 1e9 for t in own], [t / 1e9 for t in clocks], [t / 1e9 for t in freed]
+            opt.zero_grad()
+    del loss
+    return (time.thread_time() - t0) / n
 
 
-def trimmed_mean(xs: list[float], low: float = 0.05, high: float | None = None) -> float:
-    """The mean without the bottom ``low`` and the top ``high`` (default: ``low``) of the
-    values (the VM's pauses, which hit either side of a pair, are milliseconds: one in the
-    mean outweighs a thousand steps)."""
-    xs = sorted(xs)
-    lo = int(len(xs) * low)
-    hi = len(xs) - int(len(xs) * (low if high is None else high))
-    kept = xs[lo:hi]
-    return sum(kept) / len(kept)
+def worker(args: argparse.Namespace) -> None:
+    """One configuration (the daemon, or none): prints JSON."""
+    import torch
+    from torch import nn
 
+    from greend.training.callback import GreenCallback
 
-def real_section(tmp: Path, real_steps: int) -> None:
-    """Real torch training steps beside a bare twin loop (see Real), on this process's
-    hot path (``greend.training.step.HOT_PATH``)."""
-    us = 1e6
     torch.set_num_threads(1)
-    real_sock = tmp / "greend-real.sock"
-    proc = daemon_process(real_sock)
-    print(
-        f"\nreal torch training steps (MLP, forward + backward + AdamW) on greend's {HOT_PATH} hot path"
-        f"{' (GREEND_PURE_PYTHON=1)' if HOT_PATH == 'python' else ''}, the daemon in its own process;"
-    )
-    print("greend's own time in its calls per step (timed inside the loop), and the step time beside")
-    print("a twin loop without greend (per-pair differences, the order alternating; A/A: the same")
-    print("with a second bare twin in greend's place, which is how far this instrument reads on its own)")
-    print(
-        f"{'':14}{'step (ms)':>10}{'greend: median':>16}{'mean':>7}{'p99':>8}{'loss freed: mean':>18}"
-        f"{'pairs: median':>15}{'mean*':>8}{'A/A: median':>13}{'mean*':>8}"
-    )
-    # The floor: the same instrument on the least a Python step wrapper can do, measured
-    # in rounds alternating with greend's on the ~1 ms step, so both see the same machine.
-    floor_real = Real(real_sock, 160, 48)
-    floor_real.cb.close()
-    floor_real.cb = FloorCallback()  # type: ignore[assignment]
-    floor_own: list[float] = []
-    floor_clocks: list[float] = []
-    for i in range(30):
-        floor_real.plain(i)
-        floor_real.green(i)
-    # (rounds > 1: alternating with the floor, on the ~1 ms step)
-    for label, hidden, batch, n, rounds in (
-        ("~1 ms step", 160, 48, real_steps, 10),
-        ("~10 ms step", 768, 128, real_steps // 10, 1),
-    ):
-        real = Real(real_sock, hidden, batch)
-        for i in range(30):  # warm-up (the FLOP count happens here)
-            real.plain(i)
-            real.green(i)
-        own, clocks, freed = [], [], []
-        for _ in range(rounds):
-            o, c, f = real.direct(n // 2 // rounds)
-            own += o
-            clocks += c
-            freed += f
-            if rounds > 1:
-                o, c, _ = floor_real.direct(n // 2 // rounds)
-                floor_own += o
-                floor_clocks += c
-        base, _, diffs = real.pairs(n)
-        _, _, control = real.pairs(n, control=True)
-        real.cb.close()
-        floor = statistics.median(clocks)
-        own = [t - floor for t in own]
-        print(
-            f"  {label:<12}{statistics.median(base) * 1e3:10.3f}{statistics.median(own) * us:16.2f}"
-            f"{trimmed_mean(own, 0.0, 0.01) * us:7.2f}{pct(own, 0.99) * us:8.2f}"
-            f"{(trimmed_mean(freed, 0.0, 0.01) - floor) * us:18.2f}"
-            f"{statistics.median(diffs) * us:15.2f}{trimmed_mean(diffs) * us:8.2f}"
-            f"{statistics.median(control) * us:13.2f}{trimmed_mean(control) * us:8.2f}"
+    lossf = nn.CrossEntropyLoss()
+    out: dict[str, Any] = {"sizes": []}
+    for name, hidden, batch in SIZES:
+        rounds = args.rounds if name == "~1 ms" else args.rounds_10ms
+        block = args.block if name == "~1 ms" else args.block_10ms
+        xs = [torch.randn(batch, 256) for _ in range(8)]
+        ys = [torch.randint(0, 10, (batch,)) for _ in range(8)]
+        twins = {"bare": make_twin(hidden), "greend": make_twin(hidden), "control": make_twin(hidden)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no daemon: the one fail-open warning
+            cb = GreenCallback(job=f"bench-{hidden}", model=twins["greend"][0], socket=args.socket)
+        wrappers: dict[str, Any] = {"bare": NullCallback(), "greend": cb, "control": NullCallback()}
+        sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-bench-{hidden}")
+        for arm, w in wrappers.items():  # warm-up (greend's FLOP count happens here)
+            run_block(*twins[arm], w, lossf, xs, ys, batch, block)
+        arms = list(wrappers)
+        per: dict[str, list[float]] = {a: [] for a in arms}
+        sender_cpu0 = _thread_cpu_s(sender)
+        t_wall0 = time.monotonic()
+        for r in range(rounds):
+            order = arms[r % 3 :] + arms[: r % 3]
+            if (r // 3) % 2:
+                order.reverse()
+            for arm in order:
+                per[arm].append(run_block(*twins[arm], wrappers[arm], lossf, xs, ys, batch, block))
+        wall = time.monotonic() - t_wall0
+        sender_cpu = _thread_cpu_s(sender) - sender_cpu0
+        cb.close()
+        out["sizes"].append(
+            {
+                "name": name,
+                "step_ms": statistics.median(per["bare"]) * 1e3,
+                "greend": [g - b for g, b in zip(per["greend"], per["bare"], strict=True)],
+                "control": [c - b for c, b in zip(per["control"], per["bare"], strict=True)],
+                "connected": cb.stats.connects > 0,
+                "sender_us_per_step": sender_cpu / max(1, rounds * block) * 1e6 if sender_cpu >= 0 else None,
+                "sender_share": sender_cpu / wall if sender_cpu >= 0 else None,
+            }
         )
-    print(
-        f"  {'floor, ~1 ms':<12}{'':10}{(statistics.median(floor_own) - statistics.median(floor_clocks)) * us:16.2f}"
-        "   (a minimal pure-Python step: two clock reads, the batch's shape, one record;"
-    )
-    print(f"{'':28}measured in rounds alternating with greend's ~1 ms step)")
-    print("  (us. greend: the time inside its calls less the clocks' own; loss freed: what the bare loop")
-    print("  spends freeing its loss and graph, which greend's batched read does for it (in greend's mean);")
-    print("  means without the top 1 % (the VM's pauses); * the mean of the middle 90 % of the pairs)")
-    print("  (target: <= 5 us median on the ~1 ms step; the loss is read without a stream sync)")
-    assert proc.stdin is not None
-    proc.stdin.close()
-    proc.wait(10)
+    print(json.dumps(out))
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """Another thread's CPU seconds so far, or -1 where the platform cannot tell."""
+    try:
+        assert thread.ident is not None
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError, AssertionError):
+        return -1.0
+
+
+def summary(diffs: list[float]) -> tuple[float, float, float, float, float]:
+    """(median, p25, p75, bootstrap 95 % low, high) of per-round differences, in us."""
+    us = [d * 1e6 for d in diffs]
+    q = statistics.quantiles(us, n=4)
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(us, k=len(us))) for _ in range(2000))
+    return statistics.median(us), q[0], q[2], boots[50], boots[1949]
+
+
+def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """A real ``greend run --sim 1`` on a temp socket and state dir."""
+    from greend.testing.daemon_proc import daemon_command, wait_until_up
+
+    sock, cfg, log = tmp / "greend.sock", tmp / "greend.toml", tmp / "greend.log"
+    cfg.write_text('[daemon]\nsocket_group = ""\n')
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(
+            daemon_command(cfg, sock, tmp / "state", "--sim", "1", "--sim-dir", str(tmp / "sim")),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+        )
+    wait_until_up(proc, sock, log, timeout_s=60)
+    return proc, sock
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--slow-steps", type=int, default=1000)
-    ap.add_argument("--step-ms", type=float, default=5.0)
-    ap.add_argument(
-        "--real-steps", type=int, default=10000, help="pairs of real ~1 ms training steps (a tenth as many ~10 ms)"
-    )
-    ap.add_argument("--real-only", action="store_true", help="only the real training steps")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of three blocks on the ~1 ms step")
+    ap.add_argument("--block", type=int, default=150, help="steps per block on the ~1 ms step")
+    ap.add_argument("--rounds-10ms", type=int, default=12, help="rounds on the ~10 ms step")
+    ap.add_argument("--block-10ms", type=int, default=50, help="steps per block on the ~10 ms step")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    us = 1e6
-    if a.real_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            real_section(Path(tmp), a.real_steps)
+    if a.worker:
+        worker(a)
         return
+    import torch
+
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, one torch thread")
+    passed = ["--rounds", str(a.rounds), "--block", str(a.block)]
+    passed += ["--rounds-10ms", str(a.rounds_10ms), "--block-10ms", str(a.block_10ms)]
     with tempfile.TemporaryDirectory() as tmp:
-        sock = Path(tmp) / "greend.sock"
-        daemon = FakeDaemon(sock, heartbeat_s=5.0, rows_every_s=0.5).start()  # rows, as greend asks by default
-        # max_pending holds a whole burst: the trivial loop makes steps far faster than any training.
-        cb = GreenCallback(job="bench", socket=sock, flops_per_step=1e9, max_pending=4 * a.steps)
-        print(f"torch {torch.__version__}, python {sys.version.split()[0]}, fake daemon at {sock}")
-
-        trivial(None, 2000)
-        trivial(cb, 2000)  # warm-up
-        while daemon.received() < 2000 and cb.connected:  # the warm-up's reports, delivered
-            time.sleep(0.01)
-        base = trivial(None, a.steps)
-        n0, t0 = daemon.received(), time.monotonic()
-        with_cb = trivial(cb, a.steps)
-        t_loop = time.monotonic() - t0
-        while daemon.received() < n0 + a.steps and time.monotonic() - t0 < t_loop + 30:
-            time.sleep(0.01)
-        t_recv = time.monotonic() - t0
-        received = daemon.received() - n0
-        print(f"\n{a.steps} trivial steps            median us    p99 us")
-        print(f"  without greend                {statistics.median(base) * us:8.2f}  {pct(base, 0.99) * us:8.2f}")
-        print(f"  with GreenCallback            {statistics.median(with_cb) * us:8.2f}  {pct(with_cb, 0.99) * us:8.2f}")
-        over_med = (statistics.median(with_cb) - statistics.median(base)) * us
-        over_p99 = (pct(with_cb, 0.99) - pct(base, 0.99)) * us
-        print(f"  overhead per step             {over_med:8.2f}  {over_p99:8.2f}   (target < 20 us)")
-        print(
-            f"  daemon received {received} of {a.steps} step reports in {t_recv:.2f} s: "
-            f"{received / max(t_recv, 1e-9):,.0f} reports/s "
-            f"(in {daemon.step_messages} messages; the loop produced {a.steps / t_loop:,.0f} steps/s)"
-        )
-
-        step_s = a.step_ms / 1000
-        b_total, b_own, c_total, c_own = slow(cb, a.slow_steps, step_s)
-        own_med = statistics.median(c_own) - statistics.median(b_own)
-        own_p99 = pct(c_own, 0.99) - pct(b_own, 0.99)
-        print(f"\n{a.slow_steps} + {a.slow_steps} steps of {a.step_ms:g} ms, interleaved")
-        print(f"{'':32}median      p99")
-        print(
-            f"  step without greend (ms)      {statistics.median(b_total) * 1e3:8.3f}  {pct(b_total, 0.99) * 1e3:8.3f}"
-        )
-        print(
-            f"  step with GreenCallback (ms)  {statistics.median(c_total) * 1e3:8.3f}  {pct(c_total, 0.99) * 1e3:8.3f}"
-        )
-        # The floor: a nullcontext and two clock reads after 5 ms of other work,
-        # interrupted now and then by the machine (more often, the longer the window).
-        print(f"  wrapper without greend (us)   {statistics.median(b_own) * us:8.2f}  {pct(b_own, 0.99) * us:8.2f}")
-        print(f"  wrapper with GreenCallback    {statistics.median(c_own) * us:8.2f}  {pct(c_own, 0.99) * us:8.2f}")
-        print(f"  callback's own time (us)      {own_med * us:8.2f}  {own_p99 * us:8.2f}")
-        print(
-            f"  as a share of the step        {own_med / step_s * 100:7.4f}%  {own_p99 / step_s * 100:7.4f}%"
-            f"   (target < 0.5%)"
-        )
-        cb.close()
-        print(
-            f"\nsender: {cb.stats.sent} sent, {cb.stats.dropped} dropped, {cb.stats.messages} messages, "
-            f"{cb.stats.connects} registration(s)"
-        )
-
-        # Real training steps, as users pay: forward, backward, AdamW, ~1 ms and ~10 ms,
-        # with the daemon in a process of its own; greend's C hot path (this process) and
-        # its pure-Python one (a child process: the choice is made at import).
-        real_section(Path(tmp), a.real_steps)
-        sys.stdout.flush()
-        child = subprocess.run(
-            [sys.executable, __file__, "--real-only", "--real-steps", str(a.real_steps)],
-            env=dict(os.environ, GREEND_PURE_PYTHON="1"),
-            capture_output=True,
-            text=True,
-        )
-        print(child.stdout.rstrip() or child.stderr[-2000:])
-
-        # The one-time FLOP count (FlopCounterMode) on a small MLP's first step.
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(64, 256)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cb2 = GreenCallback(job="bench-flops", model=model, socket=sock)
-        times = []
-        for _ in range(6):
-            t = perf()
-            with cb2.step(samples=64, batch=x):
-                opt.zero_grad()
-                model(x).sum().backward()
-                opt.step()
-            times.append(perf() - t)
-        cb2.close()
-        last = daemon.rows[-1] if daemon.rows else None
-        flops = last["flops"] / last["steps"] if last else float("nan")
-        print(
-            f"\nMLP 256-1024-256, batch 64: first (counted) step {times[0] * 1e3:.1f} ms, later steps "
-            f"median {statistics.median(times[1:]) * 1e3:.2f} ms; {flops:.3g} FLOPs per step "
-            f"(counted once, cached)"
-        )
-        daemon.stop()
+        proc, sock = start_daemon(Path(tmp))
+        rows: list[tuple[str, dict[str, Any]]] = []
+        try:
+            for daemon, path in (("greend --sim 1", sock), ("none", Path(tmp) / "absent.sock")):
+                child = subprocess.run(
+                    [sys.executable, __file__, "--worker", "--socket", str(path), *passed],
+                    capture_output=True,
+                    text=True,
+                )
+                if child.returncode != 0:
+                    raise SystemExit(child.stderr[-3000:])
+                rows.append((daemon, json.loads(child.stdout.strip().splitlines()[-1])))
+        finally:
+            proc.terminate()
+            proc.wait(20)
+    print(
+        "\ntraining thread's CPU time a step, greend's loop less a same-shape bare loop (us; median over rounds"
+        f" of {a.block}-step blocks ({a.block_10ms} on ~10 ms), [p25, p75], bootstrap 95 % interval of the median);"
+        " A/A: a second bare loop in greend's place"
+    )
+    head = f"{'daemon':<15}{'step':<7}{'ms':>6}{'rounds':>7}"
+    head += f"{'greend':>9}{'[p25, p75]':>17}{'95 % CI':>17}{'A/A':>8}{'[p25, p75]':>17}{'sender us':>10}"
+    print(head)
+    for daemon, res in rows:
+        for s in res["sizes"]:
+            g, c = summary(s["greend"]), summary(s["control"])
+            sender = s["sender_us_per_step"]
+            print(
+                f"{daemon:<15}{s['name']:<7}{s['step_ms']:6.2f}{len(s['greend']):7d}"
+                f"{g[0]:9.2f}{f'[{g[1]:.2f}, {g[2]:.2f}]':>17}{f'[{g[3]:.2f}, {g[4]:.2f}]':>17}"
+                f"{c[0]:8.2f}{f'[{c[1]:.2f}, {c[2]:.2f}]':>17}"
+                f"{(f'{sender:.2f}' if sender is not None else '-'):>10}"
+            )
+            if daemon != "none" and not s["connected"]:
+                print("   (the callback never reached the daemon: this row is not the daemon-answering case)")
+    print("(sender us: the sender thread's own CPU a step, not the training thread's; target <= 5 us on ~1 ms)")
 
 
 if __name__ == "__main__":

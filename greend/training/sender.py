@@ -24,16 +24,15 @@ and the agreed pace, and reads the daemon's pushed ``directive`` and
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 import random
 import select
 import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from greend.ipc.wire import (
     RECV_BYTES,
@@ -49,14 +48,10 @@ from greend.ipc.wire import (
     read_line_blocking,
 )
 from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS
+from greend.training.rows import Row, step_fields
+from greend.training.warn import OnceWarnings, log
 
-if TYPE_CHECKING:
-    from greend.training.callback import GreenCallback
-
-__all__ = ["Sender", "SenderOptions", "SenderStats"]
-
-# The callback's log lines, wherever in greend.training they are made, go to one logger.
-log = logging.getLogger("greend.training.callback")
+__all__ = ["Channel", "Sender", "SenderOptions", "SenderStats"]
 
 # Encoded messages waiting for the socket; step records stay in the callback's queue beyond this.
 OUTBOX_MAX_BYTES = 256 * 1024
@@ -122,6 +117,27 @@ class SenderOptions:
             raise ValueError(f"reconnect_max_s={self.reconnect_max_s} is below reconnect_min_s={self.reconnect_min_s}")
 
 
+@dataclass(eq=False)
+class Channel:
+    """What the training thread and the sender thread share, and nothing else.
+
+    The training thread appends step records to ``queue`` (the sender takes them;
+    the oldest are dropped when it is full: ``stats.dropped``) and precision events to
+    ``events``, and sets ``agreed_pace_s``; the sender writes the daemon's directive
+    into ``requested`` (then calls ``on_directive``) and its pace into ``local_pace_s``.
+    ``register_omit``: register fields the daemon refused as unknown (an older daemon).
+    """
+
+    queue: deque[tuple[Any, ...]]
+    stats: SenderStats = field(default_factory=SenderStats)
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
+    agreed_pace_s: float | None = None
+    local_pace_s: float | None = None
+    requested: str | None = None
+    on_directive: Callable[[], None] = lambda: None
+    register_omit: set[str] = field(default_factory=set)
+
+
 class _ConnectionLost(Exception):
     """The connection is gone or stuck; the message says why."""
 
@@ -129,14 +145,25 @@ class _ConnectionLost(Exception):
 class Sender:
     """Owns the socket: registers, batches steps, heartbeats, reads directives, reconnects.
 
-    It reads the callback's outgoing queues (``_queue`` of step records, ``_events``
-    of precision events, ``_agreed_pace_s``) and writes what the daemon says into it
-    (``_requested``, ``_local_pace_s``, ``stats``); the callback is the only other
-    party to those fields.
+    It reads and writes the :class:`Channel` only; ``register_fields`` makes the
+    ``register`` request's fields at each connect, ``warnings`` reports problems.
     """
 
-    def __init__(self, cb: GreenCallback, options: SenderOptions) -> None:
-        self.cb = cb
+    def __init__(
+        self,
+        channel: Channel,
+        options: SenderOptions,
+        *,
+        job: str,
+        socket_path: str,
+        register_fields: Callable[[], dict[str, Any]],
+        warnings: OnceWarnings,
+    ) -> None:
+        self.ch = channel
+        self.job = job
+        self.socket_path = socket_path
+        self._register_fields = register_fields
+        self._warnings = warnings
         self.options = options
         self.heartbeat_s = options.heartbeat_s  # the daemon's register reply may change it
         self.first_attempt = threading.Event()
@@ -146,7 +173,7 @@ class Sender:
         self._stop_reason: str | None = None
         self._stop_deadline = 0.0
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"greend-sender-{cb.job}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"greend-sender-{job}", daemon=True)
         self._sock: socket.socket | None = None
         self._reader = LineReader(LINE_LIMIT_BYTES)
         self._outbox: deque[list[Any]] = deque()  # [bytes not yet written, step records in them]
@@ -208,7 +235,7 @@ class Sender:
                     next_connect = _monotonic() + opts.reconnect_min_s * random.uniform(0.8, 1.0)
         except Exception as e:
             log.exception("greend sender thread failed; reporting stops (training is unaffected)")
-            self.cb.stats.last_error = f"{type(e).__name__}: {e}"
+            self.ch.stats.last_error = f"{type(e).__name__}: {e}"
         finally:
             self._close_sock()
             self.first_attempt.set()
@@ -219,16 +246,16 @@ class Sender:
         opts = self.options
         now = _monotonic()
         self._queue_steps()
-        events = self.cb._events
+        events = self.ch.events
         while events:
             try:
                 event = events.popleft()
             except IndexError:
                 break
             self._queue_request("precision_event", event)
-        pace = self.cb._agreed_pace_s
+        pace = self.ch.agreed_pace_s
         if pace is not None:
-            self.cb._agreed_pace_s = None
+            self.ch.agreed_pace_s = None
             self._queue_request("pace", {"step_s": pace})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
@@ -250,9 +277,9 @@ class Sender:
 
     # Connecting --------------------------------------------------------------------
     def _connect(self) -> bool:
-        cb = self.cb
+        ch = self.ch
         opts = self.options
-        path = str(cb.socket_path)
+        path = self.socket_path
         try:
             s = connect_unix(path, opts.connect_timeout_s, retry_busy=False)
         except FileNotFoundError:
@@ -272,10 +299,10 @@ class Sender:
         self._outbox_bytes = 0
         self._pending.clear()
         request_id = next(self._request_ids)
-        fields = cb._register_fields()
+        fields = self._register_fields()
         try:
             s.sendall(frame_request(request_id, "register", fields))
-            cb.stats.messages += 1
+            ch.stats.messages += 1
             deadline = _monotonic() + opts.reply_timeout_s
             while True:
                 remaining = deadline - _monotonic()
@@ -304,13 +331,12 @@ class Sender:
             field = err.get("field")
             if field in NEWER_REGISTER_FIELDS and "unknown field" in str(err.get("message")):
                 # An older daemon: register again (at the next attempt) without what it lacks.
-                cb._register_omit.add(field)
+                ch.register_omit.add(field)
                 log.info("greend: the daemon predates register field %r; registering without it", field)
                 self._fail(f"the daemon predates register field {field!r}; registering again without it")
                 return False
-            self._fail(
-                f"the daemon refused to register job {cb.job!r}: {err.get('code', 'error')}: {err.get('message', '?')}"
-            )
+            code, message = err.get("code", "error"), err.get("message", "?")
+            self._fail(f"the daemon refused to register job {self.job!r}: {code}: {message}")
             return False
         result = reply.get("result") or {}
         if isinstance(result, dict):
@@ -333,12 +359,12 @@ class Sender:
         s.setblocking(False)
         now = _monotonic()
         self._last_send_s = self._last_progress_s = now
-        cb.stats.connects += 1
-        cb.stats.connected = True
+        ch.stats.connects += 1
+        ch.stats.connected = True
         if self._ever_connected:
-            log.warning("greend: reconnected to %s; job %s registered again", path, cb.job)
+            log.warning("greend: reconnected to %s; job %s registered again", path, self.job)
         else:
-            log.info("greend: job %s registered with %s (session %s)", cb.job, path, self.session)
+            log.info("greend: job %s registered with %s (session %s)", self.job, path, self.session)
         self._ever_connected = True
         return True
 
@@ -355,11 +381,11 @@ class Sender:
         return self._parse(line)
 
     def _fail(self, message: str) -> None:
-        cb = self.cb
-        cb.stats.last_error = message
-        cb.stats.connected = False
+        ch = self.ch
+        ch.stats.last_error = message
+        ch.stats.connected = False
         if self._failures == 0 and not self._ever_connected:
-            cb._warn_once(
+            self._warnings.warn(
                 "connect",
                 f"{message}; steps are not reported, retrying every "
                 f"{self.options.reconnect_min_s:g}-{self.options.reconnect_max_s:g} s",
@@ -368,15 +394,15 @@ class Sender:
             log.debug("greend: %s", message)
 
     def _lost(self, message: str) -> None:
-        cb = self.cb
+        ch = self.ch
         dropped = sum(n for _, n in self._outbox)
-        cb.stats.dropped += dropped
+        ch.stats.dropped += dropped
         self._close_sock()
-        cb.stats.last_error = message  # before "not connected": a reader of both sees why
-        cb.stats.connected = False
+        ch.stats.last_error = message  # before "not connected": a reader of both sees why
+        ch.stats.connected = False
         self._failures = 1
-        if not cb._first_warning_done:
-            cb._warn_once("lost", f"lost the daemon: {message}; training continues, reconnecting")
+        if not self._warnings.first_done:
+            self._warnings.warn("lost", f"lost the daemon: {message}; training continues, reconnecting")
         else:
             log.warning(
                 "greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
@@ -400,12 +426,12 @@ class Sender:
     def _queue_steps(self, force: bool = False) -> None:
         if self._form == "intervals":
             now = _monotonic()
-            due = now - self._last_rows_s >= self._rows_every_s or len(self.cb._queue) >= MAX_STEPS_PER_MESSAGE
+            due = now - self._last_rows_s >= self._rows_every_s or len(self.ch.queue) >= MAX_STEPS_PER_MESSAGE
             if force or due:
                 self._last_rows_s = now
                 self._queue_rows()
             return
-        queue = self.cb._queue
+        queue = self.ch.queue
         while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
             batch: list[dict[str, Any]] = []
             while queue and len(batch) < MAX_STEPS_PER_MESSAGE:
@@ -432,11 +458,11 @@ class Sender:
         """The queued step records as "intervals" rows: consecutive steps at one
         precision summed into a row of at most MAX_STEPS_PER_MESSAGE steps, up to
         MAX_ROWS_PER_MESSAGE rows a message."""
-        queue = self.cb._queue
+        queue = self.ch.queue
         while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
             rows: list[dict[str, Any]] = []
             counts: list[int] = []
-            row: _Row | None = None
+            row: Row | None = None
             while queue and len(rows) < MAX_ROWS_PER_MESSAGE:
                 try:
                     record = queue.popleft()
@@ -450,7 +476,7 @@ class Sender:
                     if len(rows) >= MAX_ROWS_PER_MESSAGE:
                         queue.appendleft(record)
                         break
-                    row = _Row(record, self._row_losses)
+                    row = Row(record, self._row_losses)
                 else:
                     row.add(record)
             if row is not None:
@@ -491,8 +517,8 @@ class Sender:
                 return
             self._outbox.popleft()
             self._last_send_s = now
-            self.cb.stats.messages += 1
-            self.cb.stats.sent += item[1]
+            self.ch.stats.messages += 1
+            self.ch.stats.sent += item[1]
 
     def _flush_blocking(self, deadline: float) -> bool:
         """Send everything queued (used when closing); False if the deadline passed."""
@@ -541,8 +567,8 @@ class Sender:
             return None
 
     def _malformed(self, what: str) -> None:
-        self.cb.stats.malformed += 1
-        self.cb._warn_once("malformed", f"ignoring a malformed message from the daemon ({what})")
+        self.ch.stats.malformed += 1
+        self._warnings.warn("malformed", f"ignoring a malformed message from the daemon ({what})")
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         if is_event(msg):
@@ -558,7 +584,7 @@ class Sender:
             code, field = err.get("code"), err.get("field")
             if code == "bad_request" and field == "op" and op in (None, "heartbeat"):
                 raise _ConnectionLost("the daemon no longer knows this session (it asks to register)")
-            self.cb._warn_once(
+            self._warnings.warn(
                 f"refused:{code}:{field}",
                 f"the daemon refused a message ({op or 'steps'}): {code}: {err.get('message', '?')}",
             )
@@ -573,7 +599,7 @@ class Sender:
         elif msg.get("event") == "local_pace":
             step_s = msg.get("step_s")
             if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and step_s > 0:
-                self.cb._local_pace_s = float(step_s)
+                self.ch.local_pace_s = float(step_s)
             else:
                 self._malformed(f"a local_pace event with step_s={step_s!r}")
         else:
@@ -583,20 +609,21 @@ class Sender:
         if not isinstance(level, str) or level not in PRECISIONS:
             self._malformed(f"a directive with an unknown precision {level!r}")
             return
-        if level != self.cb._requested:
+        if level != self.ch.requested:
             log.info("greend: directive precision=%s (%s)", level, reason or "no reason given")
-        self.cb._requested = level
+        self.ch.requested = level
+        self.ch.on_directive()
 
     # Closing -----------------------------------------------------------------------
     def _finish(self) -> None:
         deadline = self._stop_deadline
         reason = self._stop_reason or "finished"
         if self._sock is None:
-            self.cb.stats.dropped += len(self.cb._queue)
+            self.ch.stats.dropped += len(self.ch.queue)
             return
         try:
             self._queue_steps(force=True)
-            while self.cb._queue and _monotonic() < deadline:
+            while self.ch.queue and _monotonic() < deadline:
                 if not self._flush_blocking(deadline):
                     break
                 self._queue_steps(force=True)
@@ -610,102 +637,5 @@ class Sender:
         except (_ConnectionLost, OSError) as e:
             log.debug("greend: closing: %s", e)
         finally:
-            self.cb.stats.dropped += len(self.cb._queue) + sum(n for _, n in self._outbox)
-            self.cb.stats.connected = False
-
-
-class _Row:
-    """Consecutive step records at one precision, summed: one "intervals" row."""
-
-    __slots__ = ("first", "last", "steps", "t0", "t1", "busy", "busy_sq", "flops", "samples", "tokens",
-                 "nonfinite", "nonfinite_steps", "loss_n", "loss_sum", "loss_min", "loss_max", "loss_last",
-                 "losses", "precision")  # fmt: skip
-
-    def __init__(self, record: tuple[Any, ...], keep_losses: bool) -> None:
-        self.steps = 0
-        self.first = record[0]
-        self.t0 = record[1]
-        self.busy = self.busy_sq = self.flops = self.loss_sum = 0.0
-        self.samples = self.tokens = self.nonfinite = self.loss_n = 0
-        self.nonfinite_steps: list[int] = []
-        self.loss_min = math.inf
-        self.loss_max = -math.inf
-        self.loss_last = 0.0
-        self.losses: list[float] | None = [] if keep_losses else None
-        self.precision = record[8]
-        self.add(record)
-
-    def add(self, record: tuple[Any, ...]) -> None:
-        index, t0, t1, flops, samples, tokens, loss, nonfinite, _ = record
-        self.steps += 1
-        self.last = index
-        self.t1 = t1
-        d = t1 - t0
-        self.busy += d
-        self.busy_sq += d * d
-        if flops is not None:
-            self.flops += float(flops)
-        if samples is not None:
-            self.samples += int(samples)
-        if tokens is not None:
-            self.tokens += int(tokens)
-        if nonfinite:
-            self.nonfinite += 1
-            if len(self.nonfinite_steps) < 64:
-                self.nonfinite_steps.append(index)
-        elif loss is not None:
-            self.loss_n += 1
-            self.loss_sum += loss
-            self.loss_last = loss
-            if loss < self.loss_min:
-                self.loss_min = loss
-            if loss > self.loss_max:
-                self.loss_max = loss
-            if self.losses is not None:
-                self.losses.append(loss)
-
-    def fields(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "first_step": self.first,
-            "last_step": self.last,
-            "steps": self.steps,
-            "t0_s": self.t0,
-            "t1_s": self.t1,
-            "busy_s": self.busy,
-            "busy_sq_s2": self.busy_sq,
-            "flops": self.flops,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "precision": self.precision,
-        }
-        if self.nonfinite:
-            d["nonfinite"] = self.nonfinite
-            d["nonfinite_steps"] = self.nonfinite_steps
-        if self.loss_n:
-            d.update(loss_n=self.loss_n, loss_sum=self.loss_sum, loss_min=self.loss_min, loss_max=self.loss_max,
-                     loss_last=self.loss_last)  # fmt: skip
-            if self.losses:
-                d["losses"] = self.losses
-        return d
-
-
-def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
-    """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
-    index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
-    d: dict[str, Any] = {
-        "step": index,
-        "t0_s": t0,
-        "t1_s": t1,
-        "flops": float(flops) if flops is not None else 0.0,
-        "precision": precision,
-    }
-    if samples is not None:
-        d["samples"] = int(samples)
-    if tokens is not None:
-        d["tokens"] = int(tokens)
-    if nonfinite:
-        d["loss"] = None
-        d["nonfinite"] = True
-    elif loss is not None:
-        d["loss"] = loss
-    return d
+            self.ch.stats.dropped += len(self.ch.queue) + sum(n for _, n in self._outbox)
+            self.ch.stats.connected = False

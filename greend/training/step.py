@@ -1,15 +1,14 @@
 """One training step: :class:`Step`, the context manager :meth:`GreenCallback.step` returns.
 
 The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
-looks the batch's shape up in the FLOP cache, and puts the ended step on the
-callback's list; :meth:`Step.loss` only holds the tensor. Every 16 steps (or 50 ms)
-the callback reads the losses and records the steps in one pass
-(``GreenCallback._drain``). No locks, no syscalls, no stream sync. The hot path runs
-in C (``_stepfast.c``, built by the install) where it is built, else in the
-pure-Python class :class:`_PyStep` it mirrors; ``HOT_PATH`` says which
-(``bench/bench_callback.py`` measures both). A step whose FLOPs are being counted
-runs slower (FlopCounterMode costs 10-370% of a step); its timing is reported as
-measured.
+looks the batch's shape up in the FLOP cache, and puts the ended step on a list;
+:meth:`Step.loss` only holds the tensor. Every 16 steps (or 50 ms) the callback
+reads the losses and records the steps in one pass
+(:class:`greend.training.book.StepBook`). No locks, no syscalls, no stream sync, no
+tensor op. A step sees its callback through :class:`StepHost` only: the few fields
+it reads on every step and the functions of the rare paths. A step whose FLOPs are
+being counted runs slower (FlopCounterMode costs 10-370% of a step); its timing is
+reported as measured.
 
 Inside the step: :meth:`Step.autocast` for the precision it runs at,
 :meth:`Step.loss` to report the loss, and (recommended, needed for fp16)
@@ -33,155 +32,64 @@ the end of the step's batch later.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from greend.training.mixed_precision import grads_finite, optimizer_params
 
-if TYPE_CHECKING:
-    from greend.training.callback import GreenCallback
-
-__all__ = ["HOT_PATH", "Step"]
+__all__ = ["Step", "StepHost"]
 
 _monotonic = time.monotonic
 _Tensor = torch.Tensor
 
 
-class _PyStep:
-    """The per-step hot path in Python: construction, ``__enter__``, :meth:`loss` and
-    ``__exit__``. ``greend/training/_stepfast.c`` does the same in C (``StepBase``),
-    about half the cost; this class is its reference, and :class:`Step`'s base where
-    that module is not built (``GREEND_PURE_PYTHON=1`` chooses it too)."""
+class StepHost(Protocol):
+    """The callback as its steps see it (:class:`greend.training.book.StepBook`).
 
-    __slots__ = (
-        "_cb",
-        "index",
-        "samples",
-        "tokens",
-        "flops",
-        "_shape_key",
-        "t0_s",
-        "t1_s",
-        "_loss",
-        "_nonfinite",
-        "_nonfinite_cause",
-        "_counting",
-        "_scaled",
-        "precision",
-        "_shape_guessed",
-        "_forward_signature",
-        "_spike_reason",
-        "_pending",
-        "_raw",
-    )
+    The fields are read on every step and written by the training thread only;
+    ``boundary`` is set by whoever has something for the next step's start (the
+    sender thread, when a directive comes)."""
 
-    def __init__(
-        self,
-        cb: GreenCallback,
-        index: int | None,
-        samples: int | None,
-        tokens: int | None,
-        shape_key: Hashable | None,
-        flops: float | None,
-    ) -> None:
-        self._cb = cb
-        self.index = index
-        self.samples = samples
-        self.tokens = tokens
-        self._shape_key = shape_key
-        self.flops = flops
-        self.t0_s = 0.0
-        self.t1_s = 0.0
-        self._loss: float | None = None
-        self._nonfinite = False
-        self._nonfinite_cause = "loss"  # what was non-finite: "loss" or "gradient"
-        self._counting = False  # FlopCounterMode is counting this step
-        self._scaled = False  # backward() went through the GradScaler
-        self.precision = "fp32"
-        # The shape key is a guess (the last step's shape, see GreenCallback._plan_flops):
-        # the model's forward pre-hook records the real one in _forward_signature.
-        self._shape_guessed = False
-        self._forward_signature: Hashable | None = None
-        self._spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
-        self._pending: Any = None  # a loss read still in flight (LossReader handle)
-        self._raw: Any = None  # the reported loss, not read yet (a tensor, or a float)
+    precision: str  # the level the next step runs at
+    boundary: bool  # call at_boundary() at the next step's start
+    flop_cache: dict[Hashable, Any]  # shape key -> FLOPs per step
+    ended: list[Step]  # ended steps whose loss has not been read yet
+    judge_every: int  # read the ended steps when this many have gathered ...
+    judge_by: float  # ... or when a step ends after this (monotonic seconds)
+    judge_within_s: float
 
-    # (self is always a Step here: this class is only ever Step's base.)
-    def __enter__(self) -> Step:
-        self_step: Step = self  # type: ignore[assignment]
-        cb = self._cb
-        requested = cb._requested  # (written by the sender thread: read once)
-        if requested is not cb._seen_request:
-            cb._take_request(requested)
-        if cb._agreeing:
-            cb._enter_agreeing()
-        self.precision = cb._precision
-        if self.flops is None:
-            # The common case inline (this runs every step): a shape counted already.
-            key = self._shape_key
-            try:
-                flops = cb._flop_cache.get(key) if key is not None else None
-            except TypeError:  # an unhashable shape_key=: _plan_flops makes it one
-                flops = None
-            if flops is None:
-                cb._plan_flops(self_step)
-            else:
-                self.flops = flops
-        self.t0_s = _monotonic()
-        return self_step
+    def at_boundary(self) -> None:
+        """A directive or an agreement between ranks, applied before a step starts."""
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
-        t1 = _monotonic()
-        if self._shape_guessed or self._counting:
-            self._end_flops(exc_type is None)  # type: ignore[attr-defined]
-        if exc_type is not None:
-            return False  # the user's error: not ours to swallow, and no record
-        self.t1_s = t1
-        # Read, judged and recorded with the next batch of ended steps (GreenCallback._drain).
-        cb = self._cb
-        ended = cb._ended
-        if not ended:
-            cb._judge_by = t1 + cb._judge_within_s
-        ended.append(self)  # type: ignore[arg-type]
-        if len(ended) >= cb._judge_every or t1 >= cb._judge_by:
-            cb._drain(keep=cb._max_unjudged)
-        return False
+    def plan_flops(self, step: Step) -> None:
+        """Find the FLOPs of a step whose shape is not in the cache (count it, or guess)."""
 
-    def loss(self, loss: Any) -> None:
-        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
-            self._raw = loss
-            return
-        self._loss_other(loss)  # type: ignore[attr-defined]
+    def end_flops(self, step: Step, ok: bool) -> None:
+        """The FLOPs of a step that counted them or guessed its shape, at its end."""
+
+    def read_ended(self) -> None:
+        """Read the ended steps' losses, judge and record them (never waits)."""
+
+    def autocast_for(self, level: str) -> AbstractContextManager[Any]:
+        """The autocast context of a level (a null context where there is nothing to do)."""
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log a problem once per key (the first one also as a GreendWarning)."""
+
+    def loss_scaler(self, level: str) -> Any:
+        """The GradScaler a step at ``level`` scales its loss with, or None; notes that the
+        loop scales its losses (fp16 may then run)."""
+
+    def gradients_watched(self) -> bool:
+        """Whether optimizer_step checks the gradients (the guard is armed); notes the
+        loop's use of it as loss_scaler does."""
 
 
-try:
-    if os.environ.get("GREEND_PURE_PYTHON", "") not in ("", "0"):
-        raise ImportError("GREEND_PURE_PYTHON is set")
-    from greend.training import _stepfast
-
-    _stepfast.set_hooks(_monotonic, _Tensor)
-    _StepBase: type = _stepfast.StepBase
-    _new_step: Any = _stepfast.new_step
-except ImportError:  # not built (no compiler where greend was installed), or not wanted
-    _StepBase = _PyStep
-    _new_step = None
-#: Which implementation runs the per-step hot path: "c" or "python".
-HOT_PATH = "python" if _StepBase is _PyStep else "c"
-
-
-if TYPE_CHECKING:
-    _Base = _PyStep  # (what the type checker reads: the C class has the same fields)
-else:
-    _Base = _StepBase
-
-
-class Step(_Base):
+class Step:
     """One training step: a context manager made by :meth:`GreenCallback.step`.
 
     Inside it: :meth:`autocast` for the precision this step runs at, :meth:`loss`
@@ -202,56 +110,90 @@ class Step(_Base):
     the tensor in place after reporting it.
     """
 
-    __slots__ = ()
+    # Set on every step; the rest are class defaults until a step sets its own.
+    __slots__ = ("_host", "index", "samples", "tokens", "_shape_key", "flops", "t0_s", "t1_s", "precision",
+                 "_raw", "__dict__")  # fmt: skip
 
-    def _end_flops(self, ok: bool) -> None:
-        """The step's FLOPs, where the step had to find them out: from the shape the
-        model's forward saw, or from the count it made."""
-        cb = self._cb
-        if self._shape_guessed:
-            cb._current = None
-            if self._forward_signature is not None:
-                # The model's inputs say which shape this step really had.
-                if self._forward_signature != self._shape_key and not self._counting:
-                    cached = cb._flop_cache.get(self._forward_signature)
-                    if cached is not None:
-                        self.flops = cached
-                    # else: a new shape, counted on the next step that has it (this one
-                    # keeps the estimate it started with)
-                self._shape_key = cb._last_forward_signature = self._forward_signature
-        if self._counting:
-            self._counting = False
-            counted = cb._counter.stop()
-            if ok:
-                self.flops = cb._store_count(self._shape_key, counted)
+    # What fewer steps set: read back from here until they do.
+    _loss: float | None = None  # the loss, once read and finite
+    _nonfinite = False
+    _nonfinite_cause = "loss"  # what was non-finite: "loss" or "gradient"
+    _counting = False  # FlopCounterMode is counting this step
+    _scaled = False  # backward() went through the GradScaler
+    # The shape key is a guess (the last step's shape, see StepBook.plan_flops): the
+    # model's forward pre-hook records the real one in _forward_signature.
+    _shape_guessed = False
+    _forward_signature: Hashable | None = None
+    _spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
+    _pending: Any = None  # a loss read still in flight (LossReader handle)
 
-    def _loss_other(self, loss: Any) -> None:
-        """:meth:`loss` for anything but a tensor: a number, or a warning."""
+    def __init__(
+        self,
+        host: StepHost,
+        index: int | None,
+        samples: int | None,
+        tokens: int | None,
+        shape_key: Hashable | None,
+        flops: float | None,
+    ) -> None:
+        self._host = host
+        self.index = index
+        self.samples = samples
+        self.tokens = tokens
+        self._shape_key = shape_key
+        self.flops = flops
+        self.t0_s = 0.0
+        self.t1_s = 0.0
+        self.precision = "fp32"
+        self._raw: Any = None  # the reported loss, not read yet (a tensor, or a float)
+
+    def __enter__(self) -> Step:
+        host = self._host
+        if host.boundary:
+            host.at_boundary()
+        self.precision = host.precision
+        if self.flops is None:
+            # The common case inline (this runs every step): a shape counted already.
+            try:
+                flops = host.flop_cache.get(self._shape_key)
+            except TypeError:  # an unhashable shape_key=: plan_flops makes it one
+                flops = None
+            if flops is None:
+                host.plan_flops(self)
+            else:
+                self.flops = flops
+        self.t0_s = _monotonic()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
+        t1 = _monotonic()
+        host = self._host
+        if self._shape_guessed or self._counting:
+            host.end_flops(self, exc_type is None)
+        if exc_type is not None:
+            return False  # the user's error: not ours to swallow, and no record
+        self.t1_s = t1
+        ended = host.ended
+        if not ended:
+            host.judge_by = t1 + host.judge_within_s
+        ended.append(self)
+        if len(ended) >= host.judge_every or t1 >= host.judge_by:
+            host.read_ended()
+        return False
+
+    def loss(self, loss: Any) -> None:
+        """Report this step's loss (a tensor, held until its batched read, or a number)."""
+        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
+            self._raw = loss
+            return
         try:
             self._raw = float(loss)
         except Exception:
-            self._cb._warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
+            self._host.warn_once("loss", f"step.loss() got {type(loss).__name__}, not a number: ignored")
 
     def autocast(self) -> AbstractContextManager[Any]:
         """The context for this step's precision (a null context for fp32/tf32)."""
-        return self._cb._autocast_for(self.precision)
-
-    def _judge(self, value: float) -> None:
-        """The guard's look at this step's loss, once its value is known (in step order)."""
-        cb = self._cb
-        if math.isfinite(value):
-            self._loss = value  # (a gradient found non-finite meanwhile stays so)
-            if self.precision != cb._precision:
-                return  # read after a switch: not the trend of the level in force now
-            guard = cb._guard
-            if guard.stack:  # below a level it came down from: is it a spike?
-                index = self.index if self.index is not None else cb._next_index  # judged in order
-                self._spike_reason = guard.spike(value, index)
-                if self._spike_reason is not None:
-                    return  # a spike is not the new level's trend
-            guard.losses.append(value)
-        else:
-            self._loss, self._nonfinite, self._nonfinite_cause, self._spike_reason = None, True, "loss", None
+        return self._host.autocast_for(self.precision)
 
     def mark_nonfinite(self, what: str = "gradient") -> None:
         """Flag this step as non-finite (e.g. a gradient was inf/NaN) without a loss value."""
@@ -264,16 +206,13 @@ class Step(_Base):
 
         Reports the loss too (as :meth:`loss`) if the step has not reported one.
         """
-        cb = self._cb
-        cb._scaling_seen = True
         if self._raw is None and self._loss is None and self._pending is None and not self._nonfinite:
             self.loss(loss)
-        if self.precision == "fp16" and cb.manage_precision:
-            scaler = cb._get_scaler()
-            if scaler is not None:
-                scaler.scale(loss).backward(**kwargs)
-                self._scaled = True
-                return
+        scaler = self._host.loss_scaler(self.precision)
+        if scaler is not None:
+            scaler.scale(loss).backward(**kwargs)
+            self._scaled = True
+            return
         loss.backward(**kwargs)
 
     def optimizer_step(self, optimizer: Any) -> bool:
@@ -286,17 +225,18 @@ class Step(_Base):
         update was skipped here (a scaler may also skip one on its own, as it does
         when it finds inf gradients and lowers its scale).
         """
-        cb = self._cb
-        cb._scaling_seen = True
-        if self._scaled and cb._scaler is not None:
-            cb._scaler.step(optimizer)
-            cb._scaler.update()
-            return True
-        if cb._guard.stack and cb.manage_precision:
+        host = self._host
+        if self._scaled:
+            scaler = host.loss_scaler(self.precision)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+                return True
+        if host.gradients_watched():
             try:
                 finite = grads_finite(optimizer_params(optimizer))
             except Exception as e:
-                cb._warn_once("gradcheck", f"cannot check the gradients for inf/NaN: {e}")
+                host.warn_once("gradcheck", f"cannot check the gradients for inf/NaN: {e}")
                 finite = True
             if not finite:
                 self.mark_nonfinite("gradient")

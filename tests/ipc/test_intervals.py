@@ -19,7 +19,7 @@ from greend.daemon.core import Daemon
 from greend.ipc.client import Client
 from greend.ipc.server import encode
 from greend.jobs.report import ROW_FIELDS
-from greend.training.sender import _Row
+from greend.training.rows import Row as _Row
 from tests.daemon.test_daemon import make_config
 from tests.support import wait_for
 

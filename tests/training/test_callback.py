@@ -128,7 +128,7 @@ def test_flops_recounted_when_the_batch_shape_changes(daemon: FakeDaemon, sock_p
     data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
     with GreenCallback(job="mlp-shapes", model=model, socket=sock_path, **FAST) as cb:
         train(cb, model=model, data=data)
-        assert len(cb._flop_cache) == 2  # two shapes, each counted once
+        assert len(cb._book.flop_cache) == 2  # two shapes, each counted once
     assert wait_for(lambda: len(daemon.steps) == 8)
     flops = [s["flops"] for s in daemon.steps]
     assert flops == [expected_mlp_flops(8)] * 3 + [expected_mlp_flops(16)] * 3 + [expected_mlp_flops(8)] * 2
@@ -445,11 +445,11 @@ def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemo
             with cb.step(samples=len(x)):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
-        assert len(cb._flop_cache) == 2
+        assert len(cb._book.flop_cache) == 2
     assert wait_for(lambda: len(daemon.steps) == 8)
     f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
     assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
-    assert cb._forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off
+    assert cb._book.forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off
 
 
 # GPU and MIG UUIDs in CUDA_VISIBLE_DEVICES -------------------------------------------------

@@ -95,12 +95,12 @@ def test_losses_in_flight_are_recorded_in_order_once_they_land(daemon: FakeDaemo
     reader = InFlight(lag=2)
     with GreenCallback(job="lagged", model=model, socket=sock_path, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
-        cb._losses = reader
+        cb._book.losses = reader
         losses = _train(cb, model, 12)
         # Twelve fast steps at fp32: held, not read yet (a batch is 16 steps or 50 ms).
-        assert len(cb._ended) + len(cb._unjudged) == 12 and reader.calls <= 12
+        assert len(cb._book.ended) + len(cb._book.unjudged) == 12 and reader.calls <= 12
         cb.flush()  # read them now: the last two are still in flight, and nobody waited for them
-        assert len(cb._unjudged) == 2 and reader.waited == 0
+        assert len(cb._book.unjudged) == 2 and reader.waited == 0
     assert reader.waited == 2  # close() takes the last ones (training is over)
     assert wait_for(lambda: len(daemon.steps) == 12)
     steps = sorted(daemon.steps, key=lambda s: s["step"])
@@ -113,9 +113,9 @@ def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(daemon: FakeDaemon, 
     reader = InFlight(lag=100)  # never lands on its own within the run
     with GreenCallback(job="far", model=model, socket=sock_path, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
-        cb._losses = reader
+        cb._book.losses = reader
         _train(cb, model, 20)
-        assert len(cb._unjudged) == 8  # the bound: older ones were taken, the rest stay in flight
+        assert len(cb._book.unjudged) == 8  # the bound: older ones were taken, the rest stay in flight
     assert wait_for(lambda: len(daemon.steps) == 20)
 
 
@@ -169,21 +169,21 @@ def test_losses_are_read_in_batches_and_every_step_while_the_spike_rule_holds(
     reader = Counting()
     with GreenCallback(job="batched", model=model, socket=sock_path, spike_steps=20, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
-        cb._losses = reader
-        cb._judge_within_s = 3600.0  # the batch by count only, whatever this machine's speed
+        cb._book.losses = reader
+        cb._book.judge_within_s = 3600.0  # the batch by count only, whatever this machine's speed
         _bf16_steps(cb, model, 15)
-        assert reader.calls == 0 and len(cb._ended) == 15  # held, not read: no work per step
+        assert reader.calls == 0 and len(cb._book.ended) == 15  # held, not read: no work per step
         _bf16_steps(cb, model, 1)
-        assert reader.calls == 16 and not cb._ended  # the 16th step reads the batch, in order
+        assert reader.calls == 16 and not cb._book.ended  # the 16th step reads the batch, in order
         assert len(cb.precision_events) == 0 and cb.stats.recorded == 16
 
         assert daemon.directive("bf16") == 1
         assert wait_for(lambda: cb.requested_precision == "bf16")
         for k in range(20):  # the spike window: each step is read at its own end
             assert _bf16_steps(cb, model, 1) == ["bf16"]
-            assert reader.calls == 17 + k and not cb._ended
+            assert reader.calls == 17 + k and not cb._book.ended
         _bf16_steps(cb, model, 3)  # past the window: batches again
-        assert len(cb._ended) == 3 and reader.calls == 36
+        assert len(cb._book.ended) == 3 and reader.calls == 36
         # A NaN after the window still rolls back, at the end of its batch at the latest.
         levels = _bf16_steps(cb, model, 16, poison_at=0)
         assert levels[0] == "bf16" and levels[-1] == "fp32"

@@ -88,6 +88,12 @@ def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
     assert JobPeers(server, "j", 0).read("pace", 1) == pytest.approx(max(values))
 
 
+def _directive(cb, level: str) -> None:  # type: ignore[no-untyped-def]
+    """What the sender does when the daemon's directive arrives."""
+    cb._channel.requested = level
+    cb._channel.on_directive()
+
+
 def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2):  # type: ignore[no-untyped-def]
     """n callbacks in one process standing for the ranks of one job, meeting in ``store``."""
     from greend.training.callback import GreenCallback
@@ -98,7 +104,7 @@ def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int 
         monkeypatch.setenv("WORLD_SIZE", str(n))
         cb = GreenCallback(job="agree", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
                            sync_every=5, flush_interval_s=0.02, heartbeat_s=0.2)  # fmt: skip
-        cb._peers = JobPeers(store, "agree", rank)
+        cb._control.peers = JobPeers(store, "agree", rank)
         cbs.append(cb)
     return cbs
 
@@ -114,11 +120,11 @@ def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
     try:
         for i in range(70):
             if i == 7:
-                cbs[0]._requested = "bf16"  # what the sender does when a directive arrives
+                _directive(cbs[0], "bf16")  # what the sender does when a directive arrives
             if i == 23:
-                cbs[1]._requested = "bf16"
+                _directive(cbs[1], "bf16")
             if i == 45:
-                cbs[1]._requested = "fp32"
+                _directive(cbs[1], "fp32")
             for r, cb in enumerate(cbs):  # the ranks in lockstep, as DDP keeps them
                 with cb.step(samples=1) as st:
                     st.loss(torch.tensor(1.0))
@@ -149,12 +155,12 @@ def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPa
     try:
         for i in range(12):
             if i == 2:
-                cb._requested = "bf16"
+                _directive(cb, "bf16")
             with cb.step(samples=1) as st:
                 st.loss(torch.tensor(1.0))
             ran.append(st.precision)
     finally:
         cb.close()
     # The first step's agreement found no process group: the directive at step 2 applies at once.
-    assert cb._agreeing is False
+    assert cb._control.agreeing is False
     assert ran == ["fp32"] * 2 + ["bf16"] * 10, ran

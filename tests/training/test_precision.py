@@ -122,7 +122,7 @@ def test_switching_levels_keeps_parameters_and_optimizer_state(daemon: FakeDaemo
             # The optimizer's state is keyed by the same Parameter objects, and kept counting.
             assert {id(p) for p in loop.opt.state} == set(params)
             assert all(int(s["step"]) == loop.i for s in loop.opt.state.values())
-        scaler = cb._scaler
+        scaler = cb._control.scaler
     assert loop.levels == ["fp32"] * 3 + [lvl for lvl in plan for _ in range(3)]
     by_level = dict(zip(loop.levels, loop.out_dtypes))
     assert by_level["fp32"] == torch.float32
@@ -374,7 +374,7 @@ def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
         assert loop.fp8_layers[bad + 1 :] == [0, 0, 0]
         assert [id(p) for p in model.parameters()] == params
         assert all(torch.isfinite(p).all() for p in model.parameters())
-        assert "fp8-emulated" in cb._guard.barred
+        assert "fp8-emulated" in cb._control.guard.barred
         assert wait_for(lambda: any(e["kind"] == "rollback" for e in daemon.precision_events))
     ev = next(e for e in daemon.precision_events if e["kind"] == "rollback")
     assert ev["from"] == "fp8-emulated" and ev["to"] == "bf16" and ev["step"] == bad

@@ -105,7 +105,7 @@ def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDa
     assert ev["kind"] == "rollback" and (ev["from"], ev["to"]) == ("bf16", "fp32") and ev["step"] == 19
     assert "reference check at step 19" in ev["reason"] and "+10.0%" in ev["reason"] and "barred" in ev["reason"]
     assert ev["loss"] == pytest.approx(checks[-1]["loss"]) and ev["trend"] == pytest.approx(checks[-1]["fp32"])
-    assert "bf16" in cb._guard.barred
+    assert "bf16" in cb._control.guard.barred
 
 
 def test_a_harmless_level_is_kept_and_watched_to_the_end(daemon: FakeDaemon, sock_path: Path) -> None:

@@ -1,0 +1,367 @@
+"""The callback's book of steps: what every step reads, and what happens after it ends.
+
+:class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the
+level in force and the FLOP cache (read on every step), the list of ended steps,
+and the rare paths (a directive at a step boundary, a shape to count). Every 16
+steps or 50 ms it reads the ended steps' losses in one pass (without a stream sync:
+:class:`greend.training.loss_reader.LossReader`), lets the accuracy guard judge
+them (a rollback through :class:`greend.training.precision_control.PrecisionControl`),
+and queues one record per step for the sender thread (``Channel.queue``). Python
+that runs right after a step's torch work finds its caches cold and runs several
+times slower than in a loop: one pass for 16 steps costs a fraction of 16 single
+passes (``bench/bench_callback.py``). Training thread only.
+
+FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
+shape key with FlopCounterMode (see :mod:`greend.training.callback`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Hashable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from greend.training.flops import FlopCounter, batch_signature, model_params
+from greend.training.loss_reader import LossReader
+from greend.training.precision_control import PrecisionControl
+from greend.training.sender import Channel
+from greend.training.step import Step
+from greend.training.warn import OnceWarnings, log
+
+__all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
+
+# Steps whose loss may be in flight at once before the oldest is waited for: a GPU
+# queue this deep behind the CPU is already the user's own back-pressure.
+MAX_UNJUDGED = 8
+# Steps whose losses are read together, in one pass at the end of the last of them,
+# while the guard is not watching for spikes. A non-finite loss then rolls back up to
+# this many steps later; during the spike window after a downgrade every step is read
+# at its end.
+JUDGE_BATCH = 16
+# ... or when the oldest of them ended this long ago (slow steps are read one by one;
+# the daemon hears of a step at most this much later than it would have).
+JUDGE_WITHIN_S = 0.05
+FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
+_isfinite = math.isfinite
+
+
+class StepBook:
+    """The steps' side of the callback (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        control: PrecisionControl,
+        channel: Channel,
+        warnings: OnceWarnings,
+        model: torch.nn.Module | None,
+        flops_per_step: float | None,
+        model_flops: bool,
+        max_flop_counts: int,
+        world_size: int,
+        sync_every: int,
+    ) -> None:
+        self.control = control
+        self.channel = channel
+        self._warnings = warnings
+        # Read by every step (StepHost).
+        self.precision = control.level
+        self.boundary = True  # the first step looks for a directive and agreement
+        self.flop_cache: dict[Hashable, Any] = {}
+        self.ended: list[Step] = []
+        self.judge_every = JUDGE_BATCH
+        self.judge_by = 0.0
+        self.judge_within_s = JUDGE_WITHIN_S
+        # After the steps.
+        self.next_index = 0
+        self.losses = LossReader()  # reads step losses without a stream sync
+        self.max_unjudged = MAX_UNJUDGED
+        self.unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
+        self.closed = False
+        self._entered = 0  # steps entered while the ranks agree: the agreement's clock
+        self._world_size = world_size
+        self.sync_every = sync_every
+        self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
+        # FLOPs: a fixed figure, 6 * params * tokens once the step ends (tokens may be set
+        # late), or None: counted per shape key.
+        self._model = model
+        self.fixed_flops = float(flops_per_step) if flops_per_step is not None else None
+        self._params = model_params(model) if model_flops and model is not None else 0
+        self.default_flops: Any = (
+            self.fixed_flops if self.fixed_flops is not None else FLOPS_FROM_TOKENS if model_flops else None
+        )
+        self._max_flop_counts = max_flop_counts
+        self._counter = FlopCounter()
+        # With a model and counted FLOPs, and steps given neither batch= nor shape_key=,
+        # a forward pre-hook sees each step's input shapes, so a shape change is re-counted.
+        # It is put on the model by the first such step, never before: a module with a
+        # hook takes torch's slower call path on every forward (a few microseconds).
+        self._current: Step | None = None
+        self._last_forward_signature: Hashable | None = None
+        self.forward_hook: Any = None
+        self._hook_failed = False
+        control.attach(self)
+
+    # StepHost: the rare paths of a step -----------------------------------------------
+    def at_boundary(self) -> None:
+        control = self.control
+        self.boundary = False
+        requested = self.channel.requested
+        if requested is not control.seen_request:
+            control.take_request(requested)
+        if control.agreeing:
+            n = self._entered
+            self._entered = n + 1
+            if n % self.sync_every == 0:
+                control.agree(n // self.sync_every)
+        if control.agreeing or self.channel.requested is not control.seen_request:
+            self.boundary = True
+
+    def directive(self) -> None:
+        """The sender has a directive for the next step's start (Channel.on_directive)."""
+        self.boundary = True
+
+    def autocast_for(self, level: str) -> AbstractContextManager[Any]:
+        return self.control.autocast_for(level)
+
+    def warn_once(self, key: str, message: str) -> None:
+        self._warnings.warn(key, message)
+
+    def loss_scaler(self, level: str) -> Any:
+        return self.control.loss_scaler(level)
+
+    def gradients_watched(self) -> bool:
+        control = self.control
+        control.scaling_seen = True
+        return bool(control.guard.stack) and control.manage
+
+    def switched(self, level: str, managed: bool) -> None:
+        self.precision = level
+        if managed:
+            self.judge_every = 1  # read each step from now on while the spike rule holds
+
+    # FLOPs ---------------------------------------------------------------------------
+    def plan_flops(self, step: Step) -> None:
+        key = step._shape_key
+        if key is not None:
+            try:
+                hash(key)
+            except TypeError:
+                key = step._shape_key = repr(key)
+        elif self.forward_hook is not None or self._hook_forward():
+            # Neither batch= nor shape_key=: the model's forward pre-hook tells the shape,
+            # but only once the step runs. Guess the last step's; the step's end corrects it.
+            key = step._shape_key = self._last_forward_signature
+            step._shape_guessed = True
+            self._current = step
+        cached = self.flop_cache.get(key)
+        if cached is not None:
+            step.flops = cached
+            return
+        if len(self.flop_cache) >= self._max_flop_counts:
+            if "flopcache" not in self._warnings:
+                self._warnings.warn(
+                    "flopcache",
+                    f"more than {self._max_flop_counts} distinct input shapes: "
+                    "new shapes reuse the mean FLOP count (pass shape_key= buckets or "
+                    "flops_per_step=)",
+                    level=logging.INFO,
+                )
+            step.flops = sum(self.flop_cache.values()) / len(self.flop_cache)
+            return
+        if self._counter.active:  # a nested step: let the outer one count
+            step.flops = 0
+            return
+        step._counting = self._counter.start()
+        if not step._counting:
+            step.flops = 0
+
+    def end_flops(self, step: Step, ok: bool) -> None:
+        if step._shape_guessed:
+            self._current = None
+            signature = step._forward_signature
+            if signature is not None:
+                # The model's inputs say which shape this step really had.
+                if signature != step._shape_key and not step._counting:
+                    cached = self.flop_cache.get(signature)
+                    if cached is not None:
+                        step.flops = cached
+                    # else: a new shape, counted on the next step that has it (this one
+                    # keeps the estimate it started with)
+                step._shape_key = self._last_forward_signature = signature
+        if step._counting:
+            step._counting = False
+            counted = self._counter.stop()
+            if ok:
+                step.flops = self._store_count(step._shape_key, counted)
+
+    def _hook_forward(self) -> bool:
+        """Put the forward pre-hook on the model (once); whether it is there."""
+        model = self._model
+        if model is None or self._hook_failed:
+            return False
+        try:
+            self.forward_hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        except Exception as e:
+            self._hook_failed = True
+            log.debug("no forward pre-hook on the model: %s", e)
+            return False
+        return True
+
+    def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """The model's forward pre-hook: the signature of the step's first forward inputs."""
+        step = self._current
+        if step is not None and step._shape_guessed and step._forward_signature is None:
+            try:
+                step._forward_signature = batch_signature((*args, *kwargs.values()))
+            except Exception:
+                pass
+
+    def _store_count(self, key: Hashable | None, counted: int | None) -> int:
+        if counted is None:
+            return 0
+        self.flop_cache[key] = counted
+        log.debug("counted %d FLOPs per step for shape key %r", counted, key)
+        return counted
+
+    # After the steps -------------------------------------------------------------------
+    def read_ended(self) -> None:
+        self.drain(keep=self.max_unjudged)
+
+    def flush(self) -> None:
+        """Read the losses of the ended steps and record them now; never waits, never raises."""
+        if self.closed or not (self.ended or self.unjudged):
+            return
+        try:
+            self.drain()  # never waits
+        except Exception as e:  # never the training's problem
+            self._warnings.warn("flush", f"reading the ended steps failed: {type(e).__name__}: {e}")
+
+    def drain(self, keep: int | None = None) -> None:
+        """Start reading the ended steps' losses, then judge and record the steps whose
+        loss has landed, oldest first. ``keep``: wait for the oldest while more than this
+        many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
+        q = self.unjudged
+        ended = self.ended
+        if ended:
+            self.ended = []
+            start = self.losses.start
+            for step in ended:
+                raw = step._raw
+                if raw is not None:
+                    step._raw = None
+                    if type(raw) is float:
+                        step._pending = (raw, None)  # a number: known already
+                    else:
+                        try:
+                            step._pending = start(raw)
+                        except Exception as e:
+                            self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                q.append(step)
+            del raw, ended
+        value_of = self.losses.value
+        control = self.control
+        guard = control.guard
+        queue = self.channel.queue
+        stats = self.channel.stats
+        while q:
+            step = q[0]
+            pending = step._pending
+            if pending is not None:
+                value = value_of(pending, wait=keep is not None and len(q) > keep)
+                if value is None:
+                    break
+                step._pending = None
+                # The guard's look at the loss, in step order.
+                if _isfinite(value):
+                    step._loss = value  # (a gradient found non-finite meanwhile stays so)
+                    if step.precision == self.precision:  # else: read after a switch, not this level's trend
+                        if guard.stack:  # below a level it came down from: is it a spike?
+                            at = step.index if step.index is not None else self.next_index
+                            step._spike_reason = spike = guard.spike(value, at)
+                            if spike is None:
+                                guard.losses.append(value)  # (a spike is not the new level's trend)
+                        else:
+                            guard.losses.append(value)
+                else:
+                    step._loss, step._nonfinite, step._nonfinite_cause, step._spike_reason = None, True, "loss", None
+            q.popleft()
+            # The record, for the sender.
+            index = step.index
+            if index is None:
+                index = self.next_index
+            self.next_index = index + 1
+            flops = step.flops
+            if flops is FLOPS_FROM_TOKENS:
+                flops = step.flops = self._tokens_flops(step.tokens)
+            if len(queue) == queue.maxlen:
+                stats.dropped += 1  # the append below pushes out the oldest record
+            nonfinite = step._nonfinite
+            queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, step._loss, nonfinite,
+                          step.precision))  # fmt: skip
+            stats.recorded += 1
+            if self._world_size > 1 and (index + 1) % self.sync_every == 0:
+                self._sync_pace(index)
+            spike = step._spike_reason
+            if spike and not nonfinite and control.reference is not None:
+                spike = step._spike_reason = control.confirm_spike(spike)
+            if (nonfinite or spike) and step.precision == self.precision:
+                # the next step runs at the level we came down from
+                control.roll_back(index, step._nonfinite_cause, step._loss, None if nonfinite else spike)
+            elif control.reference is not None:
+                control.reference_due(index)
+        # Every step at its end while the spike rule holds (a spike rolls back from the
+        # next step), else in batches.
+        spiking = (
+            guard.stack
+            and guard.spike_tolerance is not None
+            and self.next_index - guard.stack[-1].step < guard.spike_steps
+        )
+        self.judge_every = 1 if spiking else JUDGE_BATCH
+
+    def _tokens_flops(self, tokens: int | None) -> float:
+        if tokens is None:
+            self._warnings.warn("tokens", "model_flops=True needs step(tokens=...): reporting 0 FLOPs")
+            return 0.0
+        return 6.0 * self._params * tokens
+
+    def _sync_pace(self, index: int) -> None:
+        """Agree on the job's pace with the other ranks, at a decision point.
+
+        Each node's daemon measures this rank's uncapped step time and pushes it
+        (event ``local_pace``). Every ``sync_every`` steps each rank writes it to the
+        job's rendezvous store and reads the MAX the ranks wrote one period earlier
+        (:class:`greend.training.peers.JobPeers`): the slowest node sets a synchronous
+        job's pace, so a faster node's daemon may cap its GPUs down to that pace (plus
+        its bound) without making any node the straggler. No collective on the job's
+        process group, so ranks without a callback or at other steps are never waited
+        for; a failure here is logged once and never raised.
+        """
+        try:
+            peers = self.control.job_peers()
+            if peers is None:
+                return
+            agreed = peers.agree_max("pace", (index + 1) // self.sync_every, self.channel.local_pace_s)
+        except Exception as e:
+            self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
+            return
+        if agreed is not None and agreed > 0:
+            self.agreed_pace_s = agreed
+            self.channel.agreed_pace_s = agreed  # the sender sends it as op "pace"
+
+    def close(self) -> None:
+        """The last losses (waited for: training is over), and the model's hook taken off."""
+        self.closed = True
+        try:
+            self.drain(keep=0)
+            self.control.read_reference(wait=True)
+        except Exception as e:
+            log.debug("reading the last losses failed: %s", e)
+        if self.forward_hook is not None:
+            self.forward_hook.remove()
+            self.forward_hook = None

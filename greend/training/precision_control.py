@@ -1,0 +1,441 @@
+"""The callback's precision: the level steps run at, and every way it changes.
+
+:class:`PrecisionControl` holds the level in force and applies the daemon's
+directives at step boundaries (or, in a job of several ranks, agrees on one level
+with the other ranks through the job's rendezvous store), refuses what cannot run
+here, rolls back on the accuracy guard's word (a non-finite or spiking loss) and on
+the reference check's (:mod:`greend.training.reference`), and owns the GradScaler,
+the fp8 conversion and the autocast contexts. The rules themselves (levels, the
+guard) are :mod:`greend.training.mixed_precision`'s. Written by the training thread
+only; the events it reports go to the sender through the callback's channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from greend.protocol import FP8_LEVELS, PRECISIONS
+from greend.training.loss_reader import LossReader
+from greend.training.mixed_precision import (
+    Fp8Converter,
+    PrecisionEvent,
+    PrecisionOptions,
+    fp8_targets,
+    has_te_modules,
+    precision_support,
+    start_torchao_warm_up,
+)
+from greend.training.peers import JobPeers
+from greend.training.reference import ReferenceJudge, excess
+from greend.training.warn import OnceWarnings, log
+
+__all__ = ["PrecisionControl", "StepCount"]
+
+# fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
+_AUTOCAST_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+    "fp8-emulated": torch.bfloat16,
+}
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+class StepCount(Protocol):
+    """What the precision needs of the callback's steps (:class:`greend.training.book.StepBook`)."""
+
+    next_index: int  # the index of the next step recorded
+
+    def flush(self) -> None:
+        """Judge the losses that are in (a rollback among them goes first)."""
+
+    def switched(self, level: str, managed: bool) -> None:
+        """The level in force is now ``level`` (``managed``: by this callback's own switch)."""
+
+
+class PrecisionControl:
+    """The level in force, directives, agreement between ranks, rollbacks, reference checks."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None,
+        device: torch.device,
+        manage: bool,
+        allowed: list[str] | None,
+        initial: str,
+        owner: str | None,
+        loss_scaling: bool | None,
+        options: PrecisionOptions,
+        reference_loss: Callable[[], torch.Tensor] | None,
+        reference_every: int,
+        reference_tolerance: float,
+        job: str,
+        rank: int,
+        world_size: int,
+        events: deque[dict[str, Any]],
+        warnings: OnceWarnings,
+    ) -> None:
+        self.manage = manage
+        self._model = model
+        self._job, self._rank = job, rank
+        self._events = events  # for the sender: sent as op "precision_event"
+        self._warnings = warnings
+        self._steps: StepCount | None = None
+        self.guard = options.guard()
+        self._losses = LossReader()  # the reference batch's losses, read without a stream sync
+        self.scaling_seen = bool(loss_scaling)
+        self.scaler: Any = None  # torch.amp.GradScaler, made on the first fp16 step
+        self.fp8: Fp8Converter | None = None
+        self._fp8_te = False  # fp8 through Transformer Engine's fp8_autocast (no conversion)
+        if manage:
+            self.support = precision_support(device, allowed, model=model, fp8_min_features=options.fp8_min_features)
+            if loss_scaling is False and self.support.get("fp16") is None:
+                self.support["fp16"] = "loss_scaling=False: fp16 needs a GradScaler"
+            fp8_ok = [level for level in FP8_LEVELS if self.support.get(level) is None]
+            if fp8_ok and model is not None:
+                if "fp8" in fp8_ok and has_te_modules(model):
+                    self._fp8_te = True
+                else:
+                    self.fp8 = Fp8Converter(model, fp8_targets(model, options.fp8_min_features), emulate=False)
+                    start_torchao_warm_up()
+        else:
+            why = owner or "the training framework owns autocast; see greend.integrations"
+            self.support = {level: (None if level == initial else f"not switched here: {why}") for level in PRECISIONS}
+        if self.support.get(initial) is not None:
+            raise ValueError(f"initial_precision={initial!r} cannot run here: {self.support[initial]}")
+        self.autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+        self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        self.level = "fp32"
+        self.refused: dict[str, str] = {}  # level -> why the callback did not apply it
+        self.event_log: deque[dict[str, Any]] = deque(maxlen=256)
+        self._apply_level(initial)
+        self.seen_request: str | None = None  # the last directive taken
+        # Precision is one decision per job: in a job of several ranks a directive is a
+        # proposal, and every sync_every steps the ranks agree (through the job's store)
+        # on the most precise level any of them wants, which all apply at the same step.
+        self.agreeing = world_size > 1 and manage
+        self.proposal: str | None = None
+        self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
+        # The reference check: fixed-batch losses in flight (step, level, fp32 handle,
+        # level handle), judged once they have landed.
+        self.reference = reference_loss if manage else None
+        self.reference_every = reference_every
+        self.reference_judge = ReferenceJudge(tolerance=float(reference_tolerance))
+        self._reference_pending: deque[tuple[int, str, Any, Any]] = deque()
+
+    def attach(self, steps: StepCount) -> None:
+        self._steps = steps
+
+    @property
+    def _next_index(self) -> int:
+        return self._steps.next_index if self._steps is not None else 0
+
+    def job_peers(self) -> JobPeers | None:
+        """The job's rendezvous store (None where the ranks have none); raises on failure."""
+        if self.peers is None:
+            self.peers = JobPeers.of_process_group(self._job, self._rank)
+        return self.peers
+
+    # Directives and agreement -------------------------------------------------------
+    def take_request(self, level: str | None) -> None:
+        """Take the daemon's latest directive at a step boundary: apply it (or, in a job
+        of several ranks, propose it to the others), or refuse it with a reason."""
+        self.seen_request = level
+        if self._steps is not None:
+            self._steps.flush()  # the guard decides on every loss that is in
+        if level is None or level == self.level:
+            self.proposal = None  # the daemon no longer asks for another level
+            return
+        step = self._next_index
+        reason = self.support.get(level, f"unknown precision level {level!r}")
+        if reason is None:
+            reason = self.guard.barred_reason(level, step)
+        if reason is None and level == "fp16" and self.manage and not self.scaling_seen:
+            reason = (
+                "fp16 needs loss scaling: run the step's backward and optimizer step through "
+                "step.backward(loss) and step.optimizer_step(opt), or cb.scaler, or pass "
+                "loss_scaling=True"
+            )
+        if reason is None:
+            if self.agreeing:
+                self.proposal = level
+                log.info("precision %s proposed to the job's ranks (greend directive)", level)
+                return
+            reason = self._switch(level, "greend directive")
+            if reason is None:
+                return
+        self.refused[level] = reason
+        self._warnings.warn(f"refuse:{level}", f"greend asked for precision {level}; staying at {self.level}: {reason}")
+        self._send_event(PrecisionEvent("refused", self.level, level, reason, step=step, loss=self._last_loss(),
+                                        trend=self.guard.trend()))  # fmt: skip
+
+    def _last_loss(self) -> float | None:
+        return self.guard.losses[-1] if self.guard.losses else None
+
+    def _switch(self, level: str, why: str) -> str | None:
+        """Run the next steps at ``level``; the reason it could not, or None."""
+        old = self.level
+        try:
+            self._apply_level(level)
+        except Exception as e:
+            reason = f"switching to {level} failed: {type(e).__name__}: {e}"
+            self.support[level] = reason  # never again in this process
+            return reason
+        log.info("precision %s -> %s (%s)", old, level, why)
+        if self.manage:
+            self.guard.on_switch(old, level, self._next_index)
+            if self._steps is not None:
+                self._steps.switched(level, True)  # read each step from now on while the spike rule holds
+        return None
+
+    def agree(self, epoch: int) -> None:
+        """At the start of every ``sync_every``-th step: the job's ranks agree on its level.
+
+        Each rank writes the level it wants (its daemon's directive where it can run it,
+        else the level it runs) for this epoch, and reads what the ranks wrote one epoch
+        ago: the most precise of those levels (a MAX, as for the pace). Ranks in step read
+        the same key at the same step, so they switch together: down only when every
+        rank's daemon asks for it, up (a rollback on any rank) for all. Where the ranks
+        have no store to meet in, a rank applies its own directives, as a single process
+        does; a failure is logged once and never raised."""
+        try:
+            peers = self.job_peers()
+            if peers is not None:
+                wanted = self.proposal or self.level
+                agreed = peers.agree_max("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
+        except Exception as e:
+            self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
+            peers = None
+        if peers is None:
+            self.agreeing = False
+            if self.proposal is not None:
+                self.proposal = None
+                self.seen_request = None  # the directive is taken again, alone, at the next step
+            return
+        if agreed is None:
+            return
+        level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
+        if level == self.proposal:
+            self.proposal = None
+        if self._steps is not None:
+            self._steps.flush()  # a rollback among the losses already in goes first
+        old = self.level
+        if level == old or self.support.get(level) is not None:
+            return
+        step = self._next_index
+        if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
+            PRECISIONS.index(level) < PRECISIONS.index(old)
+        ):
+            # Up: another rank rolled back. This rank's daemon hears it as a rollback.
+            why = f"another rank of the job went back to {level}; the ranks agreed at step {step}"
+            self._send_event(PrecisionEvent("rollback", old, level, why, step=step, loss=self._last_loss(),
+                                            trend=self.guard.trend()))  # fmt: skip
+
+    # Reference checks -----------------------------------------------------------------
+    def reference_due(self, index: int) -> None:
+        """After a recorded step: judge the reference checks that landed, start one when due."""
+        if self._reference_pending:
+            self.read_reference()
+        if self.guard.armed and (index + 1) % self.reference_every == 0 and not self._reference_pending:
+            self._start_reference(index)
+            self.read_reference()  # landed already on the CPU; on a GPU, judged a step or two later
+
+    def _start_reference(self, index: int) -> None:
+        """Evaluate the reference batch in fp32 and at the level in force, on the same
+        weights; the values are read (never waited for) by :meth:`read_reference`."""
+        level = self.level
+        model = self._model
+        modes = [(m, m.training) for m in model.modules()] if model is not None else []
+        try:
+            with torch.no_grad():
+                if model is not None:
+                    model.eval()  # dropout off: the two passes differ only by the precision
+                try:
+                    with self._full_precision():
+                        fp32 = self.reference()  # type: ignore[misc]  # (only called while reference is set)
+                    with self.autocast_for(level):
+                        low = self.reference()  # type: ignore[misc]  # (as above)
+                finally:
+                    for m, training in modes:
+                        m.training = training
+            handles = (self._losses.start(fp32), self._losses.start(low))
+        except Exception as e:
+            self.reference = None
+            self._warnings.warn(
+                "reference", f"reference_loss failed ({type(e).__name__}: {e}); no more reference checks"
+            )
+            if self.fp8 is not None and level in FP8_LEVELS and not self.fp8.active:
+                self._rollback_now(index, "fp8 could not be put back after the reference check", None)
+            return
+        self._reference_pending.append((index, level, *handles))
+
+    def confirm_spike(self, spike: str) -> str | None:
+        """A loss spike, looked at on the reference batch (waiting for the values: a
+        spike is rare): the precision's doing only if the level is worse than fp32 there
+        by more than the reference tolerance; else the data changed, and nothing rolls back."""
+        index = self._next_index - 1
+        self.read_reference(wait=True)
+        self._start_reference(index)
+        if not self._reference_pending:
+            return spike  # the reference failed: the spike rule stands alone
+        _, level, h_fp32, h_low = self._reference_pending.pop()
+        low, fp32 = self._losses.value(h_low, wait=True), self._losses.value(h_fp32, wait=True)
+        if low is None or fp32 is None:
+            return spike
+        self.reference_judge.log.append(
+            {"step": index, "level": level, "fp32": fp32, "loss": low, "excess": None, "spike": True}
+        )
+        worse = excess(fp32, low) if math.isfinite(low) and math.isfinite(fp32) else math.inf
+        if worse > self.reference_judge.tolerance:
+            return f"{spike}; on the reference batch {level} is {worse:+.1%} over fp32"
+        self.guard.data_changed()  # the trend before the switch no longer says anything
+        log.info(
+            "greend: loss spike at step %d not confirmed on the reference batch (%s %+.2f%% over fp32): "
+            "a change in the data, not the precision; staying at %s",
+            index,
+            level,
+            100 * worse,
+            level,
+        )
+        return None
+
+    @contextlib.contextmanager
+    def _full_precision(self) -> Any:
+        """fp32 for the reference pass: no autocast, no TF32, fp8 linears swapped back."""
+        fp8 = self.fp8 if self.fp8 is not None and self.fp8.active else None
+        flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        if fp8 is not None:
+            fp8.revert()
+        try:
+            with torch.autocast(self.autocast_device, enabled=False):
+                yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+            if fp8 is not None:
+                fp8.convert()
+
+    def read_reference(self, wait: bool = False) -> None:
+        """Judge the reference checks whose values have landed (``wait``: all of them)."""
+        q = self._reference_pending
+        while q:
+            index, level, h_fp32, h_low = q[0]
+            low = self._losses.value(h_low, wait=wait)  # queued last: when it is in, both are
+            if low is None:
+                return
+            fp32 = self._losses.value(h_fp32, wait=True)
+            q.popleft()
+            if fp32 is None or level != self.level:
+                continue  # the level changed while the values were in flight
+            why = self.reference_judge.judge(index, level, fp32, low)
+            if why is not None:
+                self._rollback_now(self._next_index - 1, f"reference check at step {index}: {why}", low, fp32)
+
+    # Rollbacks ---------------------------------------------------------------------
+    def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:
+        """The guard's fast rules: a non-finite step, or a loss spike, below a level we
+        came down from."""
+        self._apply_rollback(self.guard.rollback(self.level, index, cause, loss, spike), index)
+
+    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
+        """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
+        ev = self.guard.rollback(self.level, index, "loss", loss, cause=cause)
+        if ev is not None and trend is not None:
+            ev.trend = trend
+        self._apply_rollback(ev, index)
+
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
+        if ev is None:
+            return
+        try:
+            self._apply_level(ev.to_level)
+        except Exception as e:
+            log.error("greend: rolling back to %s failed: %s", ev.to_level, e)
+            return
+        self.guard.on_switch(ev.from_level, ev.to_level, index + 1)
+        log.warning("greend: precision rollback %s -> %s: %s", ev.from_level, ev.to_level, ev.reason)
+        self._send_event(ev)
+
+    def _send_event(self, ev: PrecisionEvent) -> None:
+        fields = ev.fields()
+        self.event_log.append(fields)
+        self._events.append(fields)
+
+    # Levels, scaler, autocast --------------------------------------------------------
+    def loss_scaler(self, level: str) -> Any:
+        """The GradScaler for a step at ``level`` (fp16 under this callback's management), or None."""
+        self.scaling_seen = True
+        if level != "fp16" or not self.manage:
+            return None
+        if self.scaler is None:
+            try:
+                self.scaler = torch.amp.GradScaler(self.autocast_device)
+            except Exception as e:
+                self._warnings.warn("scaler", f"cannot make a GradScaler for {self.autocast_device}: {e}")
+                return None
+        return self.scaler
+
+    def _apply_level(self, level: str) -> None:
+        if self.manage:
+            fp8 = self.fp8
+            if level in FP8_LEVELS and fp8 is not None:
+                emulate = level == "fp8-emulated"
+                if fp8.active and fp8.emulate != emulate:
+                    fp8.revert()
+                fp8.emulate = emulate
+                n = fp8.convert()  # raises (model unchanged) if torchao cannot
+                log.info("greend: %d linear layer(s) run in %s", n, level)
+            elif fp8 is not None and fp8.active:
+                fp8.revert()
+            if level == "tf32":
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
+            elif level == "fp32":
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.allow_tf32 = False
+            else:
+                self.restore_tf32()
+        self.level = level
+        if self._steps is not None:
+            self._steps.switched(level, False)
+
+    def restore_tf32(self) -> None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._saved_tf32
+
+    def autocast_for(self, level: str) -> AbstractContextManager[Any]:
+        if not self.manage:
+            return _NULL_CONTEXT
+        dtype = _AUTOCAST_DTYPES.get(level)
+        if dtype is None:
+            return _NULL_CONTEXT
+        ctx = torch.autocast(self.autocast_device, dtype=dtype)
+        if self._fp8_te and level == "fp8":
+            return _te_fp8_context(ctx)
+        return ctx
+
+    def close(self) -> None:
+        """Give back the torch flags and the model as they were before the callback."""
+        if self.manage:
+            self.restore_tf32()
+            if self.fp8 is not None and self.fp8.active:
+                try:
+                    self.fp8.revert()  # the user gets back the model they gave us
+                except Exception as e:
+                    log.warning("greend: could not undo the fp8 conversion: %s", e)
+
+
+@contextlib.contextmanager
+def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
+    """bf16 autocast plus Transformer Engine's fp8_autocast (models built from TE modules)."""
+    import transformer_engine.pytorch as te  # only reached when TE was found
+
+    with autocast, te.fp8_autocast(enabled=True):
+        yield

@@ -1,0 +1,108 @@
+"""The step records' wire forms: an "intervals" row (consecutive steps at one precision,
+summed) and a ``steps`` entry (one step), as ``docs/protocol.md`` defines them. A
+record is the tuple the callback queues for the sender: (index, t0_s, t1_s, flops,
+samples, tokens, loss, nonfinite, precision)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["Row", "step_fields"]
+
+
+class Row:
+    """Consecutive step records at one precision, summed: one "intervals" row."""
+
+    __slots__ = ("first", "last", "steps", "t0", "t1", "busy", "busy_sq", "flops", "samples", "tokens",
+                 "nonfinite", "nonfinite_steps", "loss_n", "loss_sum", "loss_min", "loss_max", "loss_last",
+                 "losses", "precision")  # fmt: skip
+
+    def __init__(self, record: tuple[Any, ...], keep_losses: bool) -> None:
+        self.steps = 0
+        self.first = record[0]
+        self.t0 = record[1]
+        self.busy = self.busy_sq = self.flops = self.loss_sum = 0.0
+        self.samples = self.tokens = self.nonfinite = self.loss_n = 0
+        self.nonfinite_steps: list[int] = []
+        self.loss_min = math.inf
+        self.loss_max = -math.inf
+        self.loss_last = 0.0
+        self.losses: list[float] | None = [] if keep_losses else None
+        self.precision = record[8]
+        self.add(record)
+
+    def add(self, record: tuple[Any, ...]) -> None:
+        index, t0, t1, flops, samples, tokens, loss, nonfinite, _ = record
+        self.steps += 1
+        self.last = index
+        self.t1 = t1
+        d = t1 - t0
+        self.busy += d
+        self.busy_sq += d * d
+        if flops is not None:
+            self.flops += float(flops)
+        if samples is not None:
+            self.samples += int(samples)
+        if tokens is not None:
+            self.tokens += int(tokens)
+        if nonfinite:
+            self.nonfinite += 1
+            if len(self.nonfinite_steps) < 64:
+                self.nonfinite_steps.append(index)
+        elif loss is not None:
+            self.loss_n += 1
+            self.loss_sum += loss
+            self.loss_last = loss
+            if loss < self.loss_min:
+                self.loss_min = loss
+            if loss > self.loss_max:
+                self.loss_max = loss
+            if self.losses is not None:
+                self.losses.append(loss)
+
+    def fields(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "first_step": self.first,
+            "last_step": self.last,
+            "steps": self.steps,
+            "t0_s": self.t0,
+            "t1_s": self.t1,
+            "busy_s": self.busy,
+            "busy_sq_s2": self.busy_sq,
+            "flops": self.flops,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "precision": self.precision,
+        }
+        if self.nonfinite:
+            d["nonfinite"] = self.nonfinite
+            d["nonfinite_steps"] = self.nonfinite_steps
+        if self.loss_n:
+            d.update(loss_n=self.loss_n, loss_sum=self.loss_sum, loss_min=self.loss_min, loss_max=self.loss_max,
+                     loss_last=self.loss_last)  # fmt: skip
+            if self.losses:
+                d["losses"] = self.losses
+        return d
+
+
+def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
+    """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
+    index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
+    d: dict[str, Any] = {
+        "step": index,
+        "t0_s": t0,
+        "t1_s": t1,
+        "flops": float(flops) if flops is not None else 0.0,
+        "precision": precision,
+    }
+    if samples is not None:
+        d["samples"] = int(samples)
+    if tokens is not None:
+        d["tokens"] = int(tokens)
+    if nonfinite:
+        d["loss"] = None
+        d["nonfinite"] = True
+    elif loss is not None:
+        d["loss"] = loss
+    return d
