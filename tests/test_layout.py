@@ -76,24 +76,37 @@ def _package_of(module: str, packages: set[str]) -> str:
     return module
 
 
-def test_no_import_cycle_between_greends_packages() -> None:
+def _module_graph() -> dict[str, set[str]]:
+    """Which of greend's modules each module imports (lazy and TYPE_CHECKING imports too).
+    The root package ``greend`` only re-exports, lazily, and is left out."""
     mods = _modules()
-    # The units of the picture in docs/ARCHITECTURE.md: each subpackage, and each
-    # top-level module (errors, protocol, config, ...). The root package greend itself
-    # only re-exports, lazily, and is left out.
-    packages = {m for m, p in mods.items() if p.name == "__init__.py" and m != "greend"}
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         if mod == "greend":
             continue
-        src = _package_of(mod, packages)
         for target in _imports(path, mod):
             while target not in mods and "." in target:  # `from pkg import name`: the module is pkg
                 target = target.rpartition(".")[0]
-            if target in mods and target != "greend":
-                dst = _package_of(target, packages)
-                if dst != src:
-                    graph.setdefault(src, set()).add(dst)
+            if target in mods and target not in ("greend", mod):
+                graph.setdefault(mod, set()).add(target)
+    return graph
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """The same between the units of the picture in docs/ARCHITECTURE.md: each subpackage
+    (greend.jobs, greend.probes, ...) and each top-level module (errors, protocol, ...)."""
+    mods = _modules()
+    packages = {m for m, p in mods.items() if p.name == "__init__.py" and m != "greend"}
+    graph: dict[str, set[str]] = {}
+    for src, targets in _module_graph().items():
+        for target in targets:
+            a, b = _package_of(src, packages), _package_of(target, packages)
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     cycles: list[list[str]] = []
 
     def visit(node: str, stack: list[str], on_stack: set[str], done: set[str]) -> None:
@@ -112,7 +125,60 @@ def test_no_import_cycle_between_greends_packages() -> None:
     for n in sorted(graph):
         if n not in done:
             visit(n, [], set(), done)
+    return cycles
+
+
+def test_no_import_cycle_between_greends_packages() -> None:
+    cycles = _cycles(_package_graph())
     assert not cycles, "import cycles between packages:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_between_greends_files() -> None:
+    # A lazy import inside a function, or one under TYPE_CHECKING, that closes a circle
+    # is still a circle: the two files cannot be read, tested or moved one without the other.
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles between files:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _drawn_arrows() -> dict[str, set[str]]:
+    """The arrows listed in docs/ARCHITECTURE.md between its two markers, one line per
+    package: ``jobs -> errors, points, protocol``."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    begin, end = "<!-- import-arrows:begin -->", "<!-- import-arrows:end -->"
+    assert begin in text and end in text, f"docs/ARCHITECTURE.md has lost its {begin} ... {end} block"
+    drawn: dict[str, set[str]] = {}
+    for line in text.split(begin, 1)[1].split(end, 1)[0].splitlines():
+        if "->" not in line:
+            continue
+        src, _, dsts = line.strip().partition("->")
+        drawn[f"greend.{src.strip()}"] = {f"greend.{d.strip()}" for d in dsts.split(",") if d.strip()}
+    return drawn
+
+
+def test_architecture_draws_exactly_the_imports_between_packages() -> None:
+    drawn, real = _drawn_arrows(), _package_graph()
+    pairs = lambda g: {(a, b) for a, bs in g.items() for b in bs}  # noqa: E731 - a one-line helper
+    undrawn = sorted(pairs(real) - pairs(drawn))
+    gone = sorted(pairs(drawn) - pairs(real))
+    short = lambda ab: f"{ab[0].removeprefix('greend.')} -> {ab[1].removeprefix('greend.')}"  # noqa: E731 - as above
+    assert not undrawn, "imports that docs/ARCHITECTURE.md does not draw:\n" + "\n".join(map(short, undrawn))
+    assert not gone, "arrows in docs/ARCHITECTURE.md that no import makes:\n" + "\n".join(map(short, gone))
+
+
+def test_no_product_module_is_over_700_lines() -> None:
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, f"split these by concept (one concept a file): {long}"
+
+
+def test_the_real_nvml_probe_imports_no_fake_and_jobs_no_simulator_nor_socket() -> None:
+    graph = _module_graph()
+    for real in ("greend.probes.nvml", "greend.probes.nvml_device"):
+        fakes = {m for m in graph.get(real, ()) if "fake" in m}
+        assert not fakes, f"{real} imports {fakes}: the fake is injected from above, as the NVML module"
+    for mod, targets in graph.items():
+        if mod.startswith("greend.jobs"):
+            bad = {t for t in targets if t.startswith("greend.probes.sim") or t == "greend.ipc.server"}
+            assert not bad, f"{mod} imports {bad}: jobs/ gets the step executor injected and knows no socket"
 
 
 @pytest.mark.slow
