@@ -253,15 +253,12 @@ class StepBook:
             start = self.losses.start
             for step in ended:
                 raw = step._raw
-                if raw is not None:
+                if isinstance(raw, torch.Tensor):  # (a number is known already)
                     step._raw = None
-                    if type(raw) is float:
-                        step._pending = (raw, None)  # a number: known already
-                    else:
-                        try:
-                            step._pending = start(raw)
-                        except Exception as e:
-                            self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                    try:
+                        step._pending = start(raw)
+                    except Exception as e:
+                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
                 q.append(step)
             del raw, ended
         value_of = self.losses.value
@@ -271,12 +268,15 @@ class StepBook:
         stats = self.channel.stats
         while q:
             step = q[0]
-            pending = step._pending
-            if pending is not None:
+            value = step._raw  # a number given, or read at once
+            if value is not None:
+                step._raw = None
+            elif (pending := step._pending) is not None:
                 value = value_of(pending, wait=keep is not None and len(q) > keep)
                 if value is None:
                     break
                 step._pending = None
+            if value is not None:
                 # The guard's look at the loss, in step order.
                 if _isfinite(value):
                     step._loss = value  # (a gradient found non-finite meanwhile stays so)

@@ -111,11 +111,12 @@ class Step:
     """
 
     # Set on every step; the rest are class defaults until a step sets its own.
+    # Every field a step sets on its common path is a slot: a step then allocates no
+    # __dict__, one object fewer for the cyclic collector to count and to walk.
     __slots__ = ("_host", "index", "samples", "tokens", "_shape_key", "flops", "t0_s", "t1_s", "precision",
-                 "_raw", "__dict__")  # fmt: skip
+                 "_raw", "_loss", "_pending", "__dict__")  # fmt: skip
 
     # What fewer steps set: read back from here until they do.
-    _loss: float | None = None  # the loss, once read and finite
     _nonfinite = False
     _nonfinite_cause = "loss"  # what was non-finite: "loss" or "gradient"
     _counting = False  # FlopCounterMode is counting this step
@@ -125,7 +126,6 @@ class Step:
     _shape_guessed = False
     _forward_signature: Hashable | None = None
     _spike_reason: str | None = None  # why the reported loss is a spike (Guard.spike), if it is
-    _pending: Any = None  # a loss read still in flight (LossReader handle)
 
     def __init__(
         self,
@@ -145,7 +145,9 @@ class Step:
         self.t0_s = 0.0
         self.t1_s = 0.0
         self.precision = "fp32"
-        self._raw: Any = None  # the reported loss, not read yet (a tensor, or a float)
+        self._raw: Any = None  # the reported loss: a float, or a tensor not read yet
+        self._loss: float | None = None  # the loss, once judged and finite
+        self._pending: Any = None  # a tensor's read still in flight (LossReader handle)
 
     def __enter__(self) -> Step:
         host = self._host
@@ -182,8 +184,22 @@ class Step:
         return False
 
     def loss(self, loss: Any) -> None:
-        """Report this step's loss (a tensor, held until its batched read, or a number)."""
-        if type(loss) is _Tensor or isinstance(loss, torch.Tensor):
+        """Report this step's loss: a number, or a tensor (read at once on the CPU, where
+        that waits for nothing; held until its batched read elsewhere)."""
+        if type(loss) is _Tensor:
+            if loss.is_cpu:
+                # A plain CPU tensor's value is in host memory: item() waits for nothing
+                # and costs less than holding the tensor, whose graph and Python object
+                # would then be freed later, by greend, and walked by the cyclic
+                # collector meanwhile (bench/bench_callback.py measures both).
+                try:
+                    self._raw = loss.item()
+                    return
+                except RuntimeError:
+                    pass  # not one number: the batched read names the problem
+            self._raw = loss
+            return
+        if isinstance(loss, torch.Tensor):
             self._raw = loss
             return
         try:

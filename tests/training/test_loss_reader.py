@@ -39,6 +39,15 @@ class NoSync(torch.Tensor):
         raise AssertionError("loss.cpu() called on the training thread")
 
 
+class Held(torch.Tensor):
+    """A loss that is not a plain CPU tensor: greend holds it and reads it in batches,
+    as it does a GPU's (a plain CPU tensor's value is taken at once)."""
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(Held)
+
+
 def _train(cb: GreenCallback, model: nn.Module, n: int, wrap: Any = lambda t: t) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
@@ -96,7 +105,7 @@ def test_losses_in_flight_are_recorded_in_order_once_they_land(daemon: FakeDaemo
     with GreenCallback(job="lagged", model=model, socket=sock_path, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
         cb._book.losses = reader
-        losses = _train(cb, model, 12)
+        losses = _train(cb, model, 12, wrap=_held)
         # Twelve fast steps at fp32: held, not read yet (a batch is 16 steps or 50 ms).
         assert len(cb._book.ended) + len(cb._book.unjudged) == 12 and reader.calls <= 12
         cb.flush()  # read them now: the last two are still in flight, and nobody waited for them
@@ -114,7 +123,7 @@ def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(daemon: FakeDaemon, 
     with GreenCallback(job="far", model=model, socket=sock_path, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
         cb._book.losses = reader
-        _train(cb, model, 20)
+        _train(cb, model, 20, wrap=_held)
         assert len(cb._book.unjudged) == 8  # the bound: older ones were taken, the rest stay in flight
     assert wait_for(lambda: len(daemon.steps) == 20)
 
@@ -130,18 +139,6 @@ def test_a_plain_cpu_loss_is_read_at_once_and_a_wrong_shape_refused_by_name() ->
     # A subclass takes the copy, never its own item() (a DTensor's may gather across ranks).
     value, pending = reader.start(torch.tensor(2.0).as_subclass(NoSync))
     assert pending is None and value == 2.0
-
-
-class Counting(LossReader):
-    """A CPU reader that counts the losses it was asked to read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
-        self.calls += 1
-        return super().start(loss)
 
 
 def _bf16_steps(cb: GreenCallback, model: nn.Module, n: int, poison_at: int | None = None) -> list[str]:
@@ -166,24 +163,24 @@ def test_losses_are_read_in_batches_and_every_step_while_the_spike_rule_holds(
     daemon: FakeDaemon, sock_path: Path
 ) -> None:
     model = nn.Linear(16, 4)
-    reader = Counting()
+    # A CPU loss's value is taken at once (item() waits for nothing there); judging it and
+    # recording the step wait for the batch: cb.stats.recorded counts the steps judged.
     with GreenCallback(job="batched", model=model, socket=sock_path, spike_steps=20, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
-        cb._book.losses = reader
         cb._book.judge_within_s = 3600.0  # the batch by count only, whatever this machine's speed
         _bf16_steps(cb, model, 15)
-        assert reader.calls == 0 and len(cb._book.ended) == 15  # held, not read: no work per step
+        assert cb.stats.recorded == 0 and len(cb._book.ended) == 15  # held, not judged: no work per step
         _bf16_steps(cb, model, 1)
-        assert reader.calls == 16 and not cb._book.ended  # the 16th step reads the batch, in order
-        assert len(cb.precision_events) == 0 and cb.stats.recorded == 16
+        assert cb.stats.recorded == 16 and not cb._book.ended  # the 16th step judges the batch, in order
+        assert len(cb.precision_events) == 0
 
         assert daemon.directive("bf16") == 1
         assert wait_for(lambda: cb.requested_precision == "bf16")
         for k in range(20):  # the spike window: each step is read at its own end
             assert _bf16_steps(cb, model, 1) == ["bf16"]
-            assert reader.calls == 17 + k and not cb._book.ended
+            assert cb.stats.recorded == 17 + k and not cb._book.ended
         _bf16_steps(cb, model, 3)  # past the window: batches again
-        assert len(cb._book.ended) == 3 and reader.calls == 36
+        assert len(cb._book.ended) == 3 and cb.stats.recorded == 36
         # A NaN after the window still rolls back, at the end of its batch at the latest.
         levels = _bf16_steps(cb, model, 16, poison_at=0)
         assert levels[0] == "bf16" and levels[-1] == "fp32"
