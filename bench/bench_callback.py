@@ -1,6 +1,6 @@
 """What GreenCallback costs the training thread: all of it, in the README's usage.
 
-Run:  python bench/bench_callback.py [--rounds 40] [--rounds-10ms 12] [--block 150]
+Run:  python bench/bench_callback.py [--rounds 42] [--rounds-10ms 12] [--block 150]
 
 A real torch training step (an MLP: forward, cross-entropy, backward, AdamW,
 ``torch.set_num_threads(1)``) runs in the README's usage::
@@ -13,7 +13,7 @@ A real torch training step (an MLP: forward, cross-entropy, backward, AdamW,
 
 beside the same loop with a do-nothing wrapper of the same shape (an object with
 ``step()``, ``__enter__``/``__exit__``, ``autocast()`` and ``loss()`` that do
-nothing), on twin models. Each arm runs in blocks of ``--block`` steps, timed by
+nothing), on twin models that rotate between the arms. Each arm runs in blocks of ``--block`` steps, timed by
 the training thread's CPU time (``time.thread_time``): the whole step, the loss
 and whatever greend keeps alive included (its freeing, its batched reads, the
 garbage collections its objects cause). A round runs three blocks in a rotating
@@ -48,15 +48,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (step name, hidden width, batch): ~1 ms and ~10 ms steps on one core of the build VM.
-SIZES = (("~1 ms", 192, 64), ("~10 ms", 896, 128))
+# (step name, hidden width, batch, the job's own precision): ~1 ms and ~10 ms steps on
+# one core of the build VM, in fp32; and the ~1 ms model as a bf16 job trains it (its
+# own loop enters torch.autocast every step; greend's step.autocast() does it instead).
+SIZES = (("~1 ms", 192, 64, "fp32"), ("~10 ms", 896, 128, "fp32"), ("~1 ms", 192, 64, "bf16"))
 
 
 class NullStep:
-    """The do-nothing step: the same calls as greend's, doing nothing."""
+    """The do-nothing step: the same calls as greend's, doing nothing but what the job's
+    own loop does at its precision (a new ``torch.autocast`` every step for bf16)."""
 
-    __slots__ = ()
+    __slots__ = ("_bf16",)
     _null = nullcontext()
+
+    def __init__(self, bf16: bool = False) -> None:
+        self._bf16 = bf16
 
     def __enter__(self) -> NullStep:
         return self
@@ -64,7 +70,11 @@ class NullStep:
     def __exit__(self, *exc: Any) -> bool:
         return False
 
-    def autocast(self) -> nullcontext[None]:
+    def autocast(self) -> Any:
+        if self._bf16:
+            import torch
+
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return self._null
 
     def loss(self, loss: Any) -> None:
@@ -74,7 +84,8 @@ class NullStep:
 class NullCallback:
     """The do-nothing callback: ``step()`` takes the same arguments and returns a NullStep."""
 
-    _step = NullStep()
+    def __init__(self, bf16: bool = False) -> None:
+        self._step = NullStep(bf16)
 
     def step(self, *, samples: int | None = None, batch: Any = None) -> NullStep:
         return self._step
@@ -119,20 +130,27 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     lossf = nn.CrossEntropyLoss()
     out: dict[str, Any] = {"sizes": []}
-    for name, hidden, batch in SIZES:
+    for name, hidden, batch, precision in SIZES:
         rounds = args.rounds if name == "~1 ms" else args.rounds_10ms
         block = args.block if name == "~1 ms" else args.block_10ms
         xs = [torch.randn(batch, 256) for _ in range(8)]
         ys = [torch.randint(0, 10, (batch,)) for _ in range(8)]
-        twins = {"bare": make_twin(hidden), "greend": make_twin(hidden), "control": make_twin(hidden)}
+        # Three twin models. Identical models still run at slightly different speeds (where
+        # their tensors lie in memory): a few us a step on a 1 ms step, as large as the
+        # figure. So the twins rotate between the arms from round to round, and each arm
+        # runs on each twin equally often.
+        twins = [make_twin(hidden) for _ in range(3)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no daemon: the one fail-open warning
-            cb = GreenCallback(job=f"bench-{hidden}", model=twins["greend"][0], socket=args.socket)
-        wrappers: dict[str, Any] = {"bare": NullCallback(), "greend": cb, "control": NullCallback()}
-        sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-bench-{hidden}")
-        for arm, w in wrappers.items():  # warm-up (greend's FLOP count happens here)
-            run_block(*twins[arm], w, lossf, xs, ys, batch, block)
+            job = f"bench-{hidden}-{precision}"
+            cb = GreenCallback(job=job, model=twins[0][0], socket=args.socket, initial_precision=precision)
+        bf16 = precision == "bf16"
+        wrappers: dict[str, Any] = {"bare": NullCallback(bf16), "greend": cb, "control": NullCallback(bf16)}
+        sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-{job}")
         arms = list(wrappers)
+        for twin in twins:  # warm-up (greend's FLOP count happens here)
+            for w in wrappers.values():
+                run_block(*twin, w, lossf, xs, ys, batch, block)
         per: dict[str, list[float]] = {a: [] for a in arms}
         sender_cpu0 = _thread_cpu_s(sender)
         t_wall0 = time.monotonic()
@@ -141,17 +159,20 @@ def worker(args: argparse.Namespace) -> None:
             if (r // 3) % 2:
                 order.reverse()
             for arm in order:
-                per[arm].append(run_block(*twins[arm], wrappers[arm], lossf, xs, ys, batch, block))
+                twin = twins[(arms.index(arm) + r) % 3]
+                per[arm].append(run_block(*twin, wrappers[arm], lossf, xs, ys, batch, block))
         wall = time.monotonic() - t_wall0
         sender_cpu = _thread_cpu_s(sender) - sender_cpu0
         cb.close()
         out["sizes"].append(
             {
                 "name": name,
+                "precision": precision,
                 "step_ms": statistics.median(per["bare"]) * 1e3,
                 "greend": [g - b for g, b in zip(per["greend"], per["bare"], strict=True)],
                 "control": [c - b for c, b in zip(per["control"], per["bare"], strict=True)],
                 "connected": cb.stats.connects > 0,
+                "level_at_end": cb.precision,
                 "sender_us_per_step": sender_cpu / max(1, rounds * block) * 1e6 if sender_cpu >= 0 else None,
                 "sender_share": sender_cpu / wall if sender_cpu >= 0 else None,
             }
@@ -198,7 +219,7 @@ def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=40, help="rounds of three blocks on the ~1 ms step")
+    ap.add_argument("--rounds", type=int, default=42, help="rounds of three blocks on the ~1 ms step")
     ap.add_argument("--block", type=int, default=150, help="steps per block on the ~1 ms step")
     ap.add_argument("--rounds-10ms", type=int, default=12, help="rounds on the ~10 ms step")
     ap.add_argument("--block-10ms", type=int, default=50, help="steps per block on the ~10 ms step")
@@ -234,7 +255,7 @@ def main() -> None:
         f" of {a.block}-step blocks ({a.block_10ms} on ~10 ms), [p25, p75], bootstrap 95 % interval of the median);"
         " A/A: a second bare loop in greend's place"
     )
-    head = f"{'daemon':<15}{'step':<7}{'ms':>6}{'rounds':>7}"
+    head = f"{'daemon':<15}{'step':<7}{'level':<6}{'ms':>6}{'rounds':>7}"
     head += f"{'greend':>9}{'[p25, p75]':>17}{'95 % CI':>17}{'A/A':>8}{'[p25, p75]':>17}{'sender us':>10}"
     print(head)
     for daemon, res in rows:
@@ -242,11 +263,15 @@ def main() -> None:
             g, c = summary(s["greend"]), summary(s["control"])
             sender = s["sender_us_per_step"]
             print(
-                f"{daemon:<15}{s['name']:<7}{s['step_ms']:6.2f}{len(s['greend']):7d}"
+                f"{daemon:<15}{s['name']:<7}{s['precision']:<6}{s['step_ms']:6.2f}{len(s['greend']):7d}"
                 f"{g[0]:9.2f}{f'[{g[1]:.2f}, {g[2]:.2f}]':>17}{f'[{g[3]:.2f}, {g[4]:.2f}]':>17}"
                 f"{c[0]:8.2f}{f'[{c[1]:.2f}, {c[2]:.2f}]':>17}"
                 f"{(f'{sender:.2f}' if sender is not None else '-'):>10}"
             )
+            if s["level_at_end"] != s["precision"]:
+                print(
+                    f"   (greend's loop ended at {s['level_at_end']}, not the job's {s['precision']}: not comparable)"
+                )
             if daemon != "none" and not s["connected"]:
                 print("   (the callback never reached the daemon: this row is not the daemon-answering case)")
     print("(sender us: the sender thread's own CPU a step, not the training thread's; target <= 5 us on ~1 ms)")

@@ -77,6 +77,7 @@ class StepBook:
         self.judge_every = JUDGE_BATCH
         self.judge_by = 0.0
         self.judge_within_s = JUDGE_WITHIN_S
+        self.shared_autocast = control.shared_autocast()
         # After the steps.
         self.next_index = 0
         self.losses = LossReader()  # reads step losses without a stream sync

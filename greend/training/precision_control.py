@@ -410,6 +410,12 @@ class PrecisionControl:
     def restore_tf32(self) -> None:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._saved_tf32
 
+    def shared_autocast(self) -> dict[str, AbstractContextManager[Any]]:
+        """The levels whose autocast context is one shared null context (every level
+        when greend does not manage precision; else fp32 and tf32), with it: a step at
+        such a level takes it without a call (:meth:`Step.autocast`)."""
+        return {level: _NULL_CONTEXT for level in PRECISIONS if not self.manage or level not in _AUTOCAST_DTYPES}
+
     def autocast_for(self, level: str) -> AbstractContextManager[Any]:
         if not self.manage:
             return _NULL_CONTEXT

@@ -61,6 +61,7 @@ class StepHost(Protocol):
     judge_every: int  # read the ended steps when this many have gathered ...
     judge_by: float  # ... or when a step ends after this (monotonic seconds)
     judge_within_s: float
+    shared_autocast: dict[str, AbstractContextManager[Any]]  # level -> its one null context
 
     def at_boundary(self) -> None:
         """A directive or an agreement between ranks, applied before a step starts."""
@@ -209,7 +210,8 @@ class Step:
 
     def autocast(self) -> AbstractContextManager[Any]:
         """The context for this step's precision (a null context for fp32/tf32)."""
-        return self._host.autocast_for(self.precision)
+        ctx = self._host.shared_autocast.get(self.precision)
+        return ctx if ctx is not None else self._host.autocast_for(self.precision)
 
     def mark_nonfinite(self, what: str = "gradient") -> None:
         """Flag this step as non-finite (e.g. a gradient was inf/NaN) without a loss value."""
