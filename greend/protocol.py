@@ -9,7 +9,7 @@ is described in ``docs/protocol.md``.
 Beside each schema, its typed form: the daemon's ops decode a message's entries once
 (:func:`decode_rows`, :func:`decode_steps`, :func:`decode_register`,
 :func:`decode_precision_event`) into frozen records (:class:`StepsRow`,
-:class:`StepEntry`, :class:`Registration`, :class:`PrecisionEvent`), and book those.
+:class:`StepEntry`, :class:`Registration`, :class:`PrecisionEventEntry`), and book those.
 
 Nothing here does I/O, and nothing here imports the daemon or torch.
 """
@@ -45,7 +45,7 @@ __all__ = [
     "STEP_FIELDS",
     "INTERVAL_FIELDS",
     "MAX_ROWS_PER_MESSAGE",
-    "PrecisionEvent",
+    "PrecisionEventEntry",
     "Registration",
     "StepEntry",
     "StepsRow",
@@ -442,7 +442,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
 
 
 @dataclass(frozen=True, slots=True)
-class PrecisionEvent:
+class PrecisionEventEntry:
     """A "precision_event" message, decoded: the callback changed or refused a level on
     its own (``kind``: "rollback", "refused" or "switch")."""
 
@@ -455,9 +455,9 @@ class PrecisionEvent:
     trend: float | None
 
 
-def decode_precision_event(msg: dict[str, Any]) -> PrecisionEvent:
-    """A "precision_event" message that :data:`SCHEMAS` accepted, as a :class:`PrecisionEvent`."""
-    return PrecisionEvent(
+def decode_precision_event(msg: dict[str, Any]) -> PrecisionEventEntry:
+    """A "precision_event" message that :data:`SCHEMAS` accepted, as a :class:`PrecisionEventEntry`."""
+    return PrecisionEventEntry(
         kind=msg["kind"],
         from_level=msg.get("from"),
         to_level=msg.get("to"),

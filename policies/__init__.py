@@ -12,7 +12,7 @@ one-line help and its parameters (:class:`Param`: type, default, allowed values,
 help). :func:`get_policy` builds one from a name and keyword parameters, which
 may be strings (``greenctl policy set efficient --param max_slowdown=0.1``)::
 
-    >>> from policies import get_policy
+    >>> from greend.policies import get_policy
     >>> p = get_policy("efficient", max_slowdown="0.1", knob="clock")
     >>> p.params()["max_slowdown"]
     0.1

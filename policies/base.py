@@ -5,7 +5,7 @@ A policy is pure: ``decide(snapshot, state) -> Decision``. The daemon builds the
 jobs, passes the policy's own ``state`` object back every call (the policy keeps
 its search there), and applies the :class:`Decision` through the actuators.
 Policies never touch devices, files, clocks or sockets, so they are tested by
-replaying traces or by driving the simulator directly (see ``policies/harness.py``).
+replaying traces or by driving the simulator directly (see ``greend/testing/harness.py``).
 
 Settings are per job, not per GPU: all ranks of a job on a node get the same cap,
 since the slowest GPU sets the pace of a synchronous job.

@@ -124,7 +124,7 @@ def ctl_jobs(
     live: list[dict[str, Any]] = []
     daemon_down: str | None = None
     try:
-        live = _tryrequest("jobs")["jobs"]
+        live = _try_request("jobs")["jobs"]
     except DaemonUnavailable as e:
         if not all_jobs:
             fail(str(e), code=3)
@@ -148,8 +148,8 @@ def ctl_jobs(
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
 
 
-def _tryrequest(op: str, **fields: Any) -> Any:
-    """Like _request, but the daemon being away is the caller's to handle."""
+def _try_request(op: str, **fields: Any) -> Any:
+    """Like :func:`greend.cli.common.request`, but the daemon being away is the caller's to handle."""
     try:
         with target.client() as c:
             return c.request(op, **fields)
@@ -167,7 +167,7 @@ def _store_path(store: Path | None) -> Path | None:
     if store is not None:
         return store
     try:
-        urls = [s["url"] for s in _tryrequest("status").get("stores") or []]
+        urls = [s["url"] for s in _try_request("status").get("stores") or []]
     except (DaemonUnavailable, RequestRefused):
         try:
             urls = list(load_config(None).store_urls)
@@ -220,7 +220,7 @@ def ctl_report(
     r: dict[str, Any] | None = None
     why, down = "", False
     try:
-        r = _tryrequest("report", job=job)
+        r = _try_request("report", job=job)
     except (DaemonUnavailable, RequestRefused) as e:
         why, down = str(e), isinstance(e, DaemonUnavailable)
     path = _store_path(store)

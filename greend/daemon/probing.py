@@ -65,7 +65,7 @@ class ProbeStats:
         return d
 
 
-class ReadingsStore(Protocol):
+class ReadingsTarget(Protocol):
     """Where a tick's readings go (the daemon's snapshot)."""
 
     def merge(self, r: Readings) -> None: ...
@@ -114,7 +114,7 @@ class ProbeScheduler:
         st = self.stats.get(name)
         return bool(st and st.open)
 
-    def sample(self, now_s: float, into: ReadingsStore) -> list[Readings]:
+    def sample(self, now_s: float, into: ReadingsTarget) -> list[Readings]:
         """Sample every open probe that is due into ``into`` (a probe not due this tick
         adds its last readings); returns the readings sampled now (the ledger books
         only these)."""

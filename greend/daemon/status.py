@@ -3,7 +3,7 @@ and its rows for GPUs and CPU zones.
 
 The document is made from a :class:`StatusContext`: the parts of the daemon it shows,
 given explicitly by the daemon that runs them (as the control loop gets its
-:class:`~greend.control.loop.ControlContext`), never the daemon itself.
+:class:`~greend.control.context.ControlContext`), never the daemon itself.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]
+        import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]  # the older name of the same package
     except ImportError as e:
         raise ImportError("greend.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 

@@ -31,7 +31,7 @@ from greend.jobs.records import (
     StepAggregate,
     StepRecord,
 )
-from greend.protocol import PrecisionEvent, StepsRow
+from greend.protocol import PrecisionEventEntry, StepsRow
 
 __all__ = [
     "MAX_BASELINE_SPANS",
@@ -207,7 +207,7 @@ def append_bounded(job: Job, log_name: LogName, entry: Any, max_entries: int) ->
 
 
 def book_precision_event(
-    job: Job, event: PrecisionEvent, *, rank: int, t_wall_s: float, now_s: float, max_entries: int
+    job: Job, event: PrecisionEventEntry, *, rank: int, t_wall_s: float, now_s: float, max_entries: int
 ) -> None:
     """A rank changed or refused a level on its own: log it, and follow it (a rollback
     is the job's level from now, measured afresh from ``now_s``; a refusal leaves the

@@ -20,7 +20,7 @@ __all__ = [
     "Baseline",
     "CapChange",
     "Caller",
-    "Channel",
+    "RankChannel",
     "EfficiencySample",
     "Job",
     "JobState",
@@ -35,7 +35,7 @@ __all__ = [
 JobState = Literal["running", "ending", "ended"]
 
 
-class Channel(Protocol):
+class RankChannel(Protocol):
     """The way back to a rank's process (its connection): events pushed to it."""
 
     def send(self, obj: dict[str, Any], timeout_s: float = ...) -> bool:
@@ -53,7 +53,7 @@ class Caller:
     pid: int
     uid: int
     admin: bool = False
-    channel: Channel | None = None
+    channel: RankChannel | None = None
 
 
 @dataclass
@@ -121,7 +121,7 @@ class RankSession:
     host: str
     precisions: list[str]
     mem_share: float | None
-    channel: Channel | None  # to push events to the rank (None: nothing can reach it)
+    channel: RankChannel | None  # to push events to the rank (None: nothing can reach it)
     last_seen_s: float
     steps: int = 0
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked

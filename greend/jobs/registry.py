@@ -1,3 +1,34 @@
+"""Training jobs: who runs on which GPUs, what their steps did, and what it cost.
+
+A job is one or more ranks (training processes) that registered over the socket
+with the same job id. Each rank reports its steps (FLOPs, samples, loss, the
+monotonic window ``[t0_s, t1_s]``); the job's GPUs are the union of its ranks'.
+The registry keeps the sessions, the jobs' lifecycle and the tick; the socket side
+is :mod:`greend.jobs.ops` (the only jobs code that sees connections and message
+dicts), the booking of typed rows is :mod:`greend.jobs.booking` (pure), and the
+jobs under one lock with their figures are :mod:`greend.jobs.table`.
+
+Accounting windows
+------------------
+The job's life runs from its first step's ``t0_s`` to the moment its last rank
+left (``end``, a closed connection, or no heartbeat for ``heartbeat_timeout_s``).
+Its GPU energy is the ledger's energy of the job's GPUs over exactly that
+window, so idle gaps between steps (data loading, checkpoints) are paid for, as
+they are on the electricity bill. GFLOPS/W is the job's FLOPs over the same
+joules (FLOP per joule / 1e9 = GFLOP/s per W). A sliding window (the last
+``window_s``) gives the same figures for the recent past.
+
+The CPU share beside it: the node's counted CPU energy over the window times the
+job processes' share of the node's busy CPU time (from the host probe), or the
+whole node's CPU energy where per-process times are unknown (labelled so).
+
+Where a device model stands for a GPU (the simulator), every reported step is
+executed on it at the GPU's current settings through the injected
+:class:`greend.jobs.execution.StepExecutor` (its time and energy come from the
+model, for the step's FLOPs; the job's ``modelled_*`` figures); the training itself
+runs for real on the CPU.
+"""
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +54,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import Caller, Job, RankLeft, RankSession, StepAggregate
 from greend.jobs.table import JobTable
 from greend.points import Point, decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
-from greend.protocol import PrecisionEvent, Registration, StepEntry, StepsRow
+from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsRow
 
 __all__ = ["HostCpu", "Job", "JobRegistry", "QuotaExceeded", "RankSession", "Registered"]
 
@@ -363,7 +394,7 @@ class JobRegistry(JobTable):
             job.pace_s = step_s
             rs.last_seen_s = self.monotonic()
 
-    def precision_event(self, caller: Caller, event: PrecisionEvent) -> None:
+    def precision_event(self, caller: Caller, event: PrecisionEventEntry) -> None:
         """The callback changed or refused a level on its own (e.g. rolled back after a
         non-finite loss): record it with its reason and loss figures."""
         with self._lock:

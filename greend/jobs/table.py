@@ -229,6 +229,7 @@ class JobTable:
                 job.capped = not setting.uncapped
                 precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
                 checks = [rs.reference_every for rs in job.ranks.values()]
+                known = [c for c in checks if c is not None]
                 out.append(
                     JobView(
                         job=job.job,
@@ -244,7 +245,7 @@ class JobTable:
                         nonfinite_recent=len(job.nonfinite_recent),
                         precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
                         # Every rank checks on a reference batch: their verdicts (rollbacks) rule.
-                        reference_every=max(checks) if checks and None not in checks else None,  # type: ignore[type-var]
+                        reference_every=max(known) if known and len(known) == len(checks) else None,
                     )
                 )
         return out

@@ -33,6 +33,7 @@ __all__ = [
     "Store",
     "StoreKind",
     "StoreOptions",
+    "StoreStatus",
     "check_url",
     "open_store",
     "register_store",

@@ -1,6 +1,6 @@
 """The training side: :class:`GreenCallback` and what it needs inside a
 training process (FLOP counting, precision switching, the accuracy guard).
-It imports torch; the daemon and ``greenctl`` never import this package.
+It imports torch; the daemon never imports this package, and ``greenctl`` only in ``greenctl demo``.
 Framework adapters are in :mod:`greend.integrations`."""
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ them (a rollback through :class:`greend.training.precision_control.PrecisionCont
 and queues one record per step for the sender thread (``Channel.queue``). Python
 that runs right after a step's torch work finds its caches cold and runs several
 times slower than in a loop: one pass for 16 steps costs a fraction of 16 single
-passes (``bench/bench_callback.py``). Training thread only.
+passes (``bench/bench_callback.py``). Training thread only, but for
+:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag).
 
 FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
 shape key with FlopCounterMode (see :mod:`greend.training.callback`).

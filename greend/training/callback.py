@@ -68,7 +68,7 @@ import threading
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,12 +86,15 @@ from greend.training.identity import (
     resolve_socket,
     socket_hostname,
 )
-from greend.training.options import CallbackOptions
+from greend.training.options import CallbackKwargs, CallbackOptions
 from greend.training.peers import default_store
 from greend.training.precision_control import PrecisionControl
 from greend.training.sender import Channel, Sender, SenderStats
 from greend.training.step import Step
 from greend.training.warn import OnceWarnings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack takes **kwargs only from Python 3.12
 
 __all__ = ["DEFAULT_SOCKET", "CallbackOptions", "GreenCallback", "GreendWarning", "SenderStats", "Step"]
 
@@ -117,7 +120,7 @@ class GreenCallback:
         model: torch.nn.Module | None = None,
         *,
         options: CallbackOptions | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[CallbackKwargs],
     ) -> None:
         try:
             opts = dataclasses.replace(options, **kwargs) if options is not None else CallbackOptions(**kwargs)

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -23,7 +23,7 @@ from greend.protocol import PRECISIONS
 from greend.training.mixed_precision import DEFAULT_FP8_MIN_FEATURES, PrecisionOptions
 from greend.training.sender import SenderOptions
 
-__all__ = ["CallbackOptions"]
+__all__ = ["CallbackKwargs", "CallbackOptions"]
 
 
 @dataclass
@@ -169,3 +169,40 @@ def _check_levels(precisions: Iterable[str] | None, initial_precision: str) -> l
     if initial_precision not in PRECISIONS:
         raise ValueError(f"initial_precision={initial_precision!r}: one of {', '.join(PRECISIONS)}")
     return allowed
+
+
+class CallbackKwargs(TypedDict, total=False):
+    """``GreenCallback``'s keyword arguments as a type checker sees them: the fields of
+    :class:`CallbackOptions` (``tests/training/test_callback_options.py`` holds the two
+    to the same names and types)."""
+
+    socket: str | os.PathLike[str] | None
+    gpus: Sequence[int] | None
+    device: str | torch.device | None
+    flops_per_step: float | None
+    model_flops: bool
+    max_flop_counts: int
+    precisions: Iterable[str] | None
+    manage_precision: bool
+    initial_precision: str
+    precision_owner: str | None
+    loss_scaling: bool | None
+    fp8_min_features: int
+    guard_window: int
+    cooldown_steps: int
+    spike_tolerance: float | None
+    spike_steps: int
+    reference_loss: Callable[[], torch.Tensor] | None
+    reference_every: int
+    reference_tolerance: float
+    mem_share: float | None
+    max_pending: int
+    sync_every: int
+    heartbeat_s: float
+    flush_interval_s: float
+    connect_timeout_s: float
+    reply_timeout_s: float
+    stall_timeout_s: float
+    reconnect_min_s: float
+    reconnect_max_s: float
+    close_timeout_s: float

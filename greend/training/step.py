@@ -2,13 +2,13 @@
 
 The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
 looks the batch's shape up in the FLOP cache, and puts the ended step on a list;
-:meth:`Step.loss` only holds the tensor. Every 16 steps (or 50 ms) the callback
-reads the losses and records the steps in one pass
-(:class:`greend.training.book.StepBook`). No locks, no syscalls, no stream sync, no
-tensor op. A step sees its callback through :class:`StepHost` only: the few fields
-it reads on every step and the functions of the rare paths. A step whose FLOPs are
-being counted runs slower (FlopCounterMode costs 10-370% of a step); its timing is
-reported as measured.
+:meth:`Step.loss` takes a CPU tensor's value (``item()``) and only holds a GPU's.
+Every 16 steps (or 50 ms) the callback reads the held losses, judges the steps and
+records them in one pass (:class:`greend.training.book.StepBook`). No locks, no
+syscalls, no stream sync. A step sees its callback through :class:`StepHost` only:
+the few fields it reads on every step and the functions of the rare paths. A step
+whose FLOPs are being counted runs slower (FlopCounterMode costs 10-370% of a step);
+its timing is reported as measured.
 
 Inside the step: :meth:`Step.autocast` for the precision it runs at,
 :meth:`Step.loss` to report the loss, and (recommended, needed for fp16)
@@ -73,7 +73,8 @@ class StepHost(Protocol):
         """The FLOPs of a step that counted them or guessed its shape, at its end."""
 
     def read_ended(self) -> None:
-        """Read the ended steps' losses, judge and record them (never waits)."""
+        """Read the ended steps' losses, judge and record them (waits only for the
+        oldest held loss while more than a few are still in flight)."""
 
     def autocast_for(self, level: str) -> AbstractContextManager[Any]:
         """The autocast context of a level (a null context where there is nothing to do)."""
@@ -99,13 +100,15 @@ class Step:
     let the accuracy guard see the gradients. Attributes after the step:
     ``t0_s``, ``t1_s`` (monotonic seconds), ``flops``, ``precision``, ``index``.
 
-    :meth:`loss`: report this step's loss (a tensor or a number). A tensor is only
-    held there, never read: the callback reads the losses of several steps at once,
-    later, in one pass (copied asynchronously on a GPU, and judged once the copy has
-    landed; :mod:`greend.training.loss_reader`). greend never synchronises the stream
-    for it. While the accuracy guard watches for spikes (the first ``spike_steps``
-    after a downgrade) each step's loss is read at the step's end, so a spike rolls
-    back from the next step or the one after. The tensor is held until then, not its
+    :meth:`loss`: report this step's loss (a tensor or a number). A plain CPU tensor's
+    value is taken at once (``item()`` waits for nothing there); any other tensor is
+    only held, never read there: the callback reads the losses of several steps at
+    once, later, in one pass (copied asynchronously on a GPU, and judged once the copy
+    has landed; :mod:`greend.training.loss_reader`). greend never synchronises the
+    stream for it. The losses are judged in batches either way. While the accuracy
+    guard watches for spikes (the first ``spike_steps`` after a downgrade) each step's
+    loss is judged at the step's end, so a spike rolls back from the next step or the
+    one after. A held tensor is held until then, not its
     activations (``backward`` frees those; a loss that never goes through ``backward``
     keeps its graph until it is read: report ``loss.detach()`` there). Do not change
     the tensor in place after reporting it.
@@ -186,7 +189,9 @@ class Step:
 
     def loss(self, loss: Any) -> None:
         """Report this step's loss: a number, or a tensor (read at once on the CPU, where
-        that waits for nothing; held until its batched read elsewhere)."""
+        that waits for nothing; held until its batched read elsewhere). Report the GPU
+        tensor itself, not a ``non_blocking`` copy of it to the CPU: that copy's value is
+        not there yet when it is read."""
         if type(loss) is _Tensor:
             if loss.is_cpu:
                 # A plain CPU tensor's value is in host memory: item() waits for nothing
@@ -194,7 +199,7 @@ class Step:
                 # would then be freed later, by greend, and walked by the cyclic
                 # collector meanwhile (bench/bench_callback.py measures both).
                 try:
-                    self._raw = loss.item()
+                    self._raw = float(loss.item())  # (an int or bool tensor's too)
                     return
                 except RuntimeError:
                     pass  # not one number: the batched read names the problem

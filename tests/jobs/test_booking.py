@@ -22,7 +22,7 @@ from greend.jobs.booking import (
 )
 from greend.jobs.execution import ExecutedRow
 from greend.jobs.records import EfficiencySample, Job, Measure, RankSession
-from greend.protocol import PrecisionEvent, StepEntry, StepsRow, decode_rows, decode_steps
+from greend.protocol import PrecisionEventEntry, StepEntry, StepsRow, decode_rows, decode_steps
 
 
 def _job(*gpus: int, precision: str = "fp32") -> tuple[Job, RankSession]:
@@ -220,11 +220,11 @@ def test_precision_events_and_switches_move_the_jobs_level() -> None:
         "t": 9.0, "kind": "switch", "from": "bf16", "to": "fp8", "reason": "loss stable", "step": 40, "loss": 1.5,
         "trend": -0.01,
     }  # fmt: skip
-    rollback = PrecisionEvent("rollback", "fp8", "bf16", "non-finite loss", 41, None, None)
+    rollback = PrecisionEventEntry("rollback", "fp8", "bf16", "non-finite loss", 41, None, None)
     book_precision_event(job, rollback, rank=1, t_wall_s=10.0, now_s=60.0, max_entries=10)
     assert job.precision == "bf16" and job.measure.since_s == 60.0
     assert job.precision_log[-1].rank == 1 and job.precision_log[-1].reason == "non-finite loss"
-    refused = PrecisionEvent("refused", "bf16", "fp8", None, 42, None, None)
+    refused = PrecisionEventEntry("refused", "bf16", "fp8", None, 42, None, None)
     book_precision_event(job, refused, rank=0, t_wall_s=11.0, now_s=70.0, max_entries=10)
     assert job.precision == "bf16" and job.measure.since_s == 60.0  # kept; measured on
     assert job.precision_log[-1].reason == ""

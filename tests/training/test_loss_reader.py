@@ -215,3 +215,25 @@ def test_the_forward_hook_goes_on_the_model_only_when_steps_lack_batch(daemon: F
             model(x).sum().backward()
         assert len(model._forward_pre_hooks) == 1  # now the shapes come from the forward
     assert not model._forward_pre_hooks
+
+
+def test_a_held_loss_is_not_read_on_every_step(daemon: FakeDaemon, sock_path: Path) -> None:
+    # A loss that is not a plain CPU tensor (a GPU's) is held, and read only in the batch.
+    class Counting(LossReader):
+        calls = 0
+
+        def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
+            self.calls += 1
+            return super().start(loss)
+
+    model = nn.Linear(16, 4)
+    reader = Counting()
+    with GreenCallback(job="held", model=model, socket=sock_path, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._book.losses = reader
+        cb._book.judge_within_s = 3600.0  # the batch by count only
+        losses = _train(cb, model, 15, wrap=_held)
+        assert reader.calls == 0 and len(cb._book.ended) == 15
+        losses += _train(cb, model, 1, wrap=_held)
+        assert reader.calls == 16 and not cb._book.ended
+    assert wait_for(lambda: len(daemon.steps) == 16)

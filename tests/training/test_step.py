@@ -54,3 +54,29 @@ def test_steps_and_losses_are_freed(daemon: FakeDaemon, sock_path: Path) -> None
     assert sys.getrefcount(loss) == refs  # greend holds no reference to a read loss
     assert not [o for o in gc.get_objects() if type(o) is Step]
     assert wait_for(lambda: len(daemon.steps) == 500)
+
+
+def test_cpu_losses_of_any_dtype_are_reported_as_floats_and_keywords_work(daemon: FakeDaemon, sock_path: Path) -> None:
+    # A CPU tensor's value is taken at once: an int or bool tensor's as a float too (a bool
+    # would be refused by the daemon's schema, and the whole message with it).
+    losses = [torch.tensor(3), torch.tensor(True), torch.tensor([0.5]), torch.tensor(2.0, requires_grad=True)]
+    with GreenCallback(job="dtypes", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        for t in losses:
+            with cb.step() as st:
+                st.loss(loss=t)  # the keyword, as the signature names it
+        cb.flush()
+        assert wait_for(lambda: len(daemon.steps) == 4)
+    got = [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])]
+    assert got == [3.0, 1.0, 0.5, 2.0] and all(type(v) is float for v in got)
+
+
+def test_a_tuple_shape_key_is_counted_once_and_looked_up_after(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = nn.Linear(16, 4)
+    x = torch.randn(8, 16)
+    with GreenCallback(job="tuplekey", model=model, socket=sock_path, **FAST) as cb:
+        for _ in range(3):
+            with cb.step(shape_key=("bucket", 8)) as st:
+                model(x).sum().backward()
+        assert list(cb._book.flop_cache) == [("bucket", 8)]
+        assert st.flops == cb._book.flop_cache[("bucket", 8)] > 0
