@@ -94,6 +94,49 @@ class NullCallback:
         pass
 
 
+class FloorStep:
+    """A minimal step wrapper that does what any per-step instrument must: two clock
+    reads, the batch's shape looked up in a dict, the loss's value taken, one tuple kept."""
+
+    __slots__ = ("_cb", "_samples", "_key", "_t0", "_loss", "_bf16")
+
+    def __init__(self, cb: FloorCallback, samples: int | None, key: Any, bf16: bool) -> None:
+        self._cb, self._samples, self._key, self._loss, self._bf16 = cb, samples, key, None, bf16
+
+    def __enter__(self) -> FloorStep:
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        cb = self._cb
+        cb.rows.append((self._t0, time.monotonic(), cb.flops.get(self._key), self._samples, self._loss))
+        return False
+
+    def autocast(self) -> Any:
+        return NullStep(self._bf16).autocast()
+
+    def loss(self, loss: Any) -> None:
+        self._loss = float(loss.item())
+
+
+class FloorCallback:
+    """``--floor``: the minimal wrapper in the control arm's place (what is left once greend
+    does nothing a minimal Python instrument would not)."""
+
+    def __init__(self, bf16: bool = False) -> None:
+        self.rows: list[tuple[Any, ...]] = []
+        self.flops: dict[Any, float] = {}
+        self._bf16 = bf16
+
+    def step(self, *, samples: int | None = None, batch: Any = None) -> FloorStep:
+        if len(self.rows) > 1000:
+            self.rows = []
+        return FloorStep(self, samples, batch.shape if batch is not None else None, self._bf16)
+
+    def close(self) -> None:
+        pass
+
+
 def make_twin(hidden: int) -> tuple[Any, Any]:
     """An MLP and its AdamW, the same weights every time."""
     import torch
@@ -145,7 +188,8 @@ def worker(args: argparse.Namespace) -> None:
             job = f"bench-{hidden}-{precision}"
             cb = GreenCallback(job=job, model=twins[0][0], socket=args.socket, initial_precision=precision)
         bf16 = precision == "bf16"
-        wrappers: dict[str, Any] = {"bare": NullCallback(bf16), "greend": cb, "control": NullCallback(bf16)}
+        control = FloorCallback(bf16) if args.floor else NullCallback(bf16)
+        wrappers: dict[str, Any] = {"bare": NullCallback(bf16), "greend": cb, "control": control}
         sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-{job}")
         arms = list(wrappers)
         for twin in twins:  # warm-up (greend's FLOP count happens here)
@@ -223,6 +267,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=150, help="steps per block on the ~1 ms step")
     ap.add_argument("--rounds-10ms", type=int, default=12, help="rounds on the ~10 ms step")
     ap.add_argument("--block-10ms", type=int, default=50, help="steps per block on the ~10 ms step")
+    ap.add_argument("--floor", action="store_true", help="a minimal step wrapper in the A/A arm's place")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -234,6 +279,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs, one torch thread")
     passed = ["--rounds", str(a.rounds), "--block", str(a.block)]
     passed += ["--rounds-10ms", str(a.rounds_10ms), "--block-10ms", str(a.block_10ms)]
+    passed += ["--floor"] if a.floor else []
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(Path(tmp))
         rows: list[tuple[str, dict[str, Any]]] = []
@@ -250,13 +296,15 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(20)
+    arm = "floor: a minimal step wrapper" if a.floor else "A/A: a second bare loop"
     print(
         "\ntraining thread's CPU time a step, greend's loop less a same-shape bare loop (us; median over rounds"
         f" of {a.block}-step blocks ({a.block_10ms} on ~10 ms), [p25, p75], bootstrap 95 % interval of the median);"
-        " A/A: a second bare loop in greend's place"
+        f" {arm} in greend's place"
     )
     head = f"{'daemon':<15}{'step':<7}{'level':<6}{'ms':>6}{'rounds':>7}"
-    head += f"{'greend':>9}{'[p25, p75]':>17}{'95 % CI':>17}{'A/A':>8}{'[p25, p75]':>17}{'sender us':>10}"
+    control = "floor" if a.floor else "A/A"
+    head += f"{'greend':>9}{'[p25, p75]':>17}{'95 % CI':>17}{control:>8}{'[p25, p75]':>17}{'sender us':>10}"
     print(head)
     for daemon, res in rows:
         for s in res["sizes"]:
