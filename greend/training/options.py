@@ -11,6 +11,7 @@ The sender's timings and the accuracy guard's settings are handed on as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -101,28 +102,20 @@ class CallbackOptions:
     mem_share: float | None = None
     max_pending: int = 10_000
     sync_every: int = 100
-    heartbeat_s: float = 5.0
-    flush_interval_s: float = 0.1
-    connect_timeout_s: float = 1.0
-    reply_timeout_s: float = 5.0
-    stall_timeout_s: float = 10.0
-    reconnect_min_s: float = 2.0
-    reconnect_max_s: float = 5.0
-    close_timeout_s: float = 2.0
+    # The sender's timings: their defaults are SenderOptions' own (one place for them).
+    heartbeat_s: float = SenderOptions.heartbeat_s
+    flush_interval_s: float = SenderOptions.flush_interval_s
+    connect_timeout_s: float = SenderOptions.connect_timeout_s
+    reply_timeout_s: float = SenderOptions.reply_timeout_s
+    stall_timeout_s: float = SenderOptions.stall_timeout_s
+    reconnect_min_s: float = SenderOptions.reconnect_min_s
+    reconnect_max_s: float = SenderOptions.reconnect_max_s
+    close_timeout_s: float = SenderOptions.close_timeout_s
 
     def checked(self, model: Any) -> tuple[SenderOptions, PrecisionOptions, list[str] | None]:
         """Every option checked (``ValueError`` names the first bad one): the sender's
         timings, the guard's settings, and the levels the caller allows (None: all)."""
-        sender = SenderOptions(
-            heartbeat_s=self.heartbeat_s,
-            flush_interval_s=self.flush_interval_s,
-            connect_timeout_s=self.connect_timeout_s,
-            reply_timeout_s=self.reply_timeout_s,
-            stall_timeout_s=self.stall_timeout_s,
-            reconnect_min_s=self.reconnect_min_s,
-            reconnect_max_s=self.reconnect_max_s,
-            close_timeout_s=self.close_timeout_s,
-        )
+        sender = SenderOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SenderOptions)})
         _check_flops_arguments(self.flops_per_step, self.model_flops, model)
         if self.mem_share is not None and not (0.0 <= self.mem_share <= 0.95):
             raise ValueError(f"mem_share={self.mem_share!r}: must be between 0 and 0.95")
