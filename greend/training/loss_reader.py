@@ -35,9 +35,11 @@ class LossReader:
             # a training loop). Subclasses (a DTensor, whose item() may gather across
             # ranks) take the copy.
             try:
-                return loss.item(), None
+                return float(loss.item()), None
             except RuntimeError as e:
                 raise ValueError(f"a loss of shape {tuple(loss.shape)}: expected one number") from e
+            except TypeError as e:  # a complex value
+                raise ValueError(f"a loss of dtype {loss.dtype}: expected a real number") from e
         t = loss.detach()
         if t.dim() != 0:
             if t.numel() != 1:

@@ -201,8 +201,8 @@ class Step:
                 try:
                     self._raw = float(loss.item())  # (an int or bool tensor's too)
                     return
-                except RuntimeError:
-                    pass  # not one number: the batched read names the problem
+                except Exception:
+                    pass  # not one real number: the batched read names the problem
             self._raw = loss
             return
         if isinstance(loss, torch.Tensor):

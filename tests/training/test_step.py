@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from greend.errors import GreendWarning
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.step import Step
@@ -80,3 +81,17 @@ def test_a_tuple_shape_key_is_counted_once_and_looked_up_after(daemon: FakeDaemo
                 model(x).sum().backward()
         assert list(cb._book.flop_cache) == [("bucket", 8)]
         assert st.flops == cb._book.flop_cache[("bucket", 8)] > 0
+
+
+def test_a_complex_loss_is_refused_by_name_and_training_goes_on(daemon: FakeDaemon, sock_path: Path) -> None:
+    with GreenCallback(job="complex", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        with pytest.warns(GreendWarning, match=r"a loss of dtype torch.complex64: expected a real number"):
+            with cb.step() as st:
+                st.loss(torch.tensor(1 + 2j))
+            cb.flush()
+        with cb.step() as st:
+            st.loss(torch.tensor(0.5))
+        cb.flush()
+        assert wait_for(lambda: len(daemon.steps) == 2)
+    assert [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])] == [None, 0.5]
