@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ __all__ = [
     "ADMIN_OPS",
     "DEFAULT_SOCKET",
     "FP8_LEVELS",
+    "PRECISION_BITS",
+    "not_above",
     "Field",
     "JOB_ID_RE",
     "MAX_CONNECTIONS",
@@ -88,6 +90,15 @@ RESERVED_OWNERS = (NODE_OWNER, POLICY_OWNER, PROFILE_OWNER)
 # torchao's emulation of fp8 numerics for CPU tests; it stands in for "fp8".
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8-emulated")
 FP8_LEVELS: tuple[str, ...] = ("fp8", "fp8-emulated")
+# Mantissa-ish "bits" of each level: a switch to fewer bits is a downgrade.
+PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
+
+
+def not_above(levels: Iterable[str], top: str) -> tuple[str, ...]:
+    """The ``levels`` that keep no more bits than ``top`` (a job's own level): the levels
+    greend may run a job at whose own level is ``top``."""
+    cap = PRECISION_BITS[top]
+    return tuple(level for level in levels if PRECISION_BITS[level] <= cap)
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -401,6 +412,9 @@ class Registration:
     precisions: tuple[str, ...]
     mem_share: float | None
     reference_every: int | None
+    # The level the job runs at on its own (its autocast, its framework's setting): the
+    # top of its ladder. None from an older client: its first steps' level tells.
+    precision: str | None = None
 
 
 def decode_register(msg: dict[str, Any]) -> Registration:
@@ -427,6 +441,12 @@ def decode_register(msg: dict[str, Any]) -> Registration:
     gpus = sorted(set(msg.get("gpus") or []))
     if any(g < 0 for g in gpus):
         raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
+    own = msg.get("precision")
+    if own is not None and msg.get("precisions") and own not in precisions:
+        raise ProtocolError(
+            f"'precision' {own!r} (the job's own level) is not among its 'precisions' {precisions}",
+            field="precision",
+        )
     return Registration(
         job=job_id,
         run=run,
@@ -438,6 +458,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         precisions=tuple(precisions),
         mem_share=msg.get("mem_share"),
         reference_every=msg.get("reference_every"),
+        precision=own,
     )
 
 
@@ -490,6 +511,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "gpus": Field((list,), max_len=64, item_types=(int,)),
         "host": Field((str,), max_len=255),
         "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
+        # The level the job runs at on its own: greend never moves it above this one.
+        "precision": Field((str,), choices=PRECISIONS),
         "mem_share": Field((float,), min=0.0, max=0.95),
         "flops_per_step": Field((float,), min=0.0),
         # The callback checks accuracy on a reference batch every this many steps after a

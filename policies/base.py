@@ -86,7 +86,7 @@ class JobView:
     state: str  # running | ending | ended
     steps: int
     precision: str
-    precisions: tuple[str, ...]  # levels the job can run
+    precisions: tuple[str, ...]  # levels the job can run, none above its own level
     measure: JobMeasure | None  # steps at the setting now in force, since it took effect
     setting: Setting  # the setting now in force for this job's GPUs
     pace_s: float | None = None  # the job's agreed uncapped step time across nodes, if any
@@ -100,6 +100,8 @@ class JobView:
     # fixed batch at the level against fp32, same weights; a failing level comes back as
     # a rollback event), or None where some rank makes none.
     reference_every: int | None = None
+    # The job's own level (where it started), the top of its ladder; None while not known.
+    top_precision: str | None = None
 
 
 @dataclass(frozen=True)

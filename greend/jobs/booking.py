@@ -62,6 +62,10 @@ def book_row(
     n = row.steps
     flops = row.flops
     precision = row.precision or job.precision
+    if job.top_precision is None:
+        # A client that did not say its level (an older one): its first steps run at the
+        # job's own level, the top of its ladder from now on.
+        job.precision = job.top_precision = precision
     t0, t1 = row.t0_s, row.t1_s
     modelled_s = executed.duration_s if executed is not None else None
     modelled_j = executed.energy_j if executed is not None else 0.0

@@ -108,17 +108,19 @@ class JobOps:
     # The ops -------------------------------------------------------------------------
     def register(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         booked = self.jobs.register(decode_register(msg), self.caller(conn))
-        return {
+        reply: dict[str, Any] = {
             "job": booked.job,
             "run": booked.run,
             "session": conn.id,
             "heartbeat_s": max(0.5, self.jobs.heartbeat_timeout_s / 3.0),
-            "directive": {"precision": booked.precision},
             # How to send steps: rows summed at the source, or (with [store]
             # step_detail, which stores each step) one entry per step.
             "report": "steps" if self.jobs.step_detail else "intervals",
             "rows_every_s": self.jobs.rows_every_s,
         }
+        if booked.precision is not None:  # the job's level in force (a new job: its own)
+            reply["directive"] = {"precision": booked.precision}
+        return reply
 
     # Two forms reach one booking path: "intervals" rows, a rank's steps summed at the
     # source (what the callback sends), and the older per-step "steps" entries, each

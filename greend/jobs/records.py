@@ -294,7 +294,11 @@ class Job:
     gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
     modelled_time_s: float = 0.0  # the steps a device model executed (their report's sim_*)
     modelled_energy_j: float = 0.0
-    precision: str = "fp32"
+    precision: str = "fp32"  # the level in force (its ranks' level)
+    # The job's own level (where it started: its autocast or framework setting), the top
+    # of its ladder: greend never moves it above. None until known (a client that did not
+    # say registers without it; its first steps' level is then taken).
+    top_precision: str | None = None
     precision_log: list[PrecisionChange] = field(default_factory=list)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))  # the registry sets the bound
     series: deque[EfficiencySample] = field(default_factory=lambda: deque(maxlen=7200))

@@ -98,7 +98,7 @@ class Registered:
 
     job: str
     run: str
-    precision: str
+    precision: str | None  # the job's level in force; None while not known yet
 
 
 class JobRegistry(JobTable):
@@ -236,6 +236,8 @@ class JobRegistry(JobTable):
                     self._closing.append(old)  # its summary is still to be written
                 job = Job(job_id, caller.uid, now, self.wall(), run=run or uuid.uuid4().hex[:12])
                 job.recent = deque(maxlen=self.max_recent_steps)
+                if reg.precision is not None:
+                    job.precision = job.top_precision = reg.precision
                 self.jobs[job_id] = job
                 self._trim_ended()
                 log.info("job %s registered (uid %d)", job_id, caller.uid)
@@ -263,7 +265,9 @@ class JobRegistry(JobTable):
             job.world_size = max(job.world_size, rs.world_size)
             job.ranks_seen.add(rs.rank)
             self.sessions[caller.session] = rs
-            return Registered(job_id, job.run, job.precision)
+            if job.top_precision is None and reg.precision is not None and not job.steps:
+                job.precision = job.top_precision = reg.precision
+            return Registered(job_id, job.run, job.precision if job.top_precision is not None else None)
 
     @staticmethod
     def _resumable(job: Job, uid: int) -> bool:

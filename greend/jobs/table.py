@@ -21,6 +21,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure
 from greend.jobs.report import JobFigures
 from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
+from greend.protocol import PRECISION_BITS, not_above
 
 if TYPE_CHECKING:
     from greend.policies.base import JobMeasure, JobView
@@ -227,7 +228,11 @@ class JobTable:
                     continue
                 setting = setting_of(min(job.gpus))
                 job.capped = not setting.uncapped
-                precisions = sorted({p for rs in job.ranks.values() for p in rs.precisions}) or ["fp32"]
+                runs = {p for rs in job.ranks.values() for p in rs.precisions} or {"fp32"}
+                # Never above the job's own level; while that is not known (a client that
+                # did not say, before its first steps), only the level in force.
+                top = job.top_precision
+                precisions = sorted(not_above(runs, top)) if top is not None else [job.precision]
                 checks = [rs.reference_every for rs in job.ranks.values()]
                 known = [c for c in checks if c is not None]
                 out.append(
@@ -238,6 +243,7 @@ class JobTable:
                         steps=job.steps,
                         precision=job.precision,
                         precisions=tuple(precisions),
+                        top_precision=top,
                         measure=self.measure(job, setting),
                         setting=setting,
                         pace_s=job.pace_s,
@@ -317,6 +323,17 @@ class JobTable:
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or not job.running or job.precision == level:
+                return False
+            top = job.top_precision
+            if top is None or PRECISION_BITS[level] > PRECISION_BITS[top]:
+                # Never above the job's own level (a rollback returns to it at most).
+                log.warning(
+                    "job %s: not moving it to %s: above its own level %s (%s)",
+                    job_id,
+                    level,
+                    top or "not known yet",
+                    reason,
+                )
                 return False
             book_switch(
                 job,

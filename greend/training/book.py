@@ -107,12 +107,35 @@ class StepBook:
         self._last_forward_signature: Hashable | None = None
         self.forward_hook: Any = None
         self._hook_failed = False
+        # While the job's own level is not known: the first step's start and its model's
+        # first forward look for the job's own autocast (one-shot: the hook goes after).
+        self._detect_step: Step | None = None
+        self._detect_hook: Any = None
+        if control.detecting and model is not None:
+            try:
+                self._detect_hook = model.register_forward_pre_hook(self._on_first_forward)
+            except Exception as e:
+                log.debug("no forward pre-hook on the model to see its autocast: %s", e)
         control.attach(self)
 
     # StepHost: the rare paths of a step -----------------------------------------------
-    def at_boundary(self) -> None:
+    def at_boundary(self, step: Step) -> None:
         control = self.control
         self.boundary = False
+        if control.detecting:
+            # An autocast around the step; else, with a model, its first forward tells
+            # (by the second step's start the level in force is the job's own).
+            final = self._detect_hook is None or self._detect_step is not None
+            if control.detect_own_level(final=final):
+                self.precision = control.level
+            if control.detecting:
+                self._detect_step = step
+                self.boundary = True
+            else:
+                self._detect_step = None
+                hook, self._detect_hook = self._detect_hook, None
+                if hook is not None:
+                    hook.remove()  # a hooked module takes torch's slower call path
         requested = self.channel.requested
         if requested is not control.seen_request:
             control.take_request(requested)
@@ -123,6 +146,19 @@ class StepBook:
                 control.agree(n // self.sync_every)
         if control.agreeing or self.channel.requested is not control.seen_request:
             self.boundary = True
+
+    def _on_first_forward(self, module: Any, args: Any) -> None:
+        """The model's first forward (one-shot pre-hook): an autocast on here is the job's own."""
+        hook, self._detect_hook = self._detect_hook, None
+        if hook is not None:
+            hook.remove()
+        control = self.control
+        if control.detect_own_level(final=True):
+            self.precision = control.level
+            step = self._detect_step
+            if step is not None:
+                step.precision = control.level  # the step in flight runs at it
+        self._detect_step = None
 
     def directive(self) -> None:
         """The sender has a directive for the next step's start (Channel.on_directive)."""
@@ -359,6 +395,9 @@ class StepBook:
     def close(self) -> None:
         """The last losses (waited for: training is over), and the model's hook taken off."""
         self.closed = True
+        hook, self._detect_hook = self._detect_hook, None
+        if hook is not None:
+            hook.remove()
         try:
             self.drain(keep=0)
             self.control.read_reference(wait=True)

@@ -73,7 +73,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from greend.errors import GreendWarning
-from greend.protocol import PRECISIONS
 from greend.training.book import StepBook
 from greend.training.flops import batch_signature
 from greend.training.identity import (
@@ -206,8 +205,11 @@ class GreenCallback:
             "world_size": self.world_size,
             "gpus": self.gpus,
             "host": self.host,
-            "precisions": [level for level in PRECISIONS if self._control.support.get(level) is None],
+            "precisions": self._control.offered(),
         }
+        own = self._control.own
+        if own is not None:  # the job's own level: greend never moves it above
+            fields["precision"] = own
         if self.options.mem_share is not None:
             fields["mem_share"] = self.options.mem_share
         if self._book.fixed_flops is not None:

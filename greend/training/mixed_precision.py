@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from greend.protocol import PRECISIONS
+from greend.protocol import PRECISION_BITS, PRECISIONS
 
 __all__ = [
     "BITS",
@@ -84,8 +84,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Mantissa-ish "bits" of each level: a switch to fewer bits is a downgrade.
-BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
+BITS = PRECISION_BITS  # mantissa-ish bits of each level: a switch to fewer bits is a downgrade
 # Layer names that are an output head: kept out of fp8 (torchao reports fp8 slower on
 # small and output layers; the head also carries the loss's precision).
 _HEAD_NAMES = {"lm_head", "head", "output", "classifier", "score", "fc_out", "decoder"}

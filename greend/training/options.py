@@ -47,7 +47,10 @@ class CallbackOptions:
             here, except ``fp8-emulated``, which is offered only when listed here).
         manage_precision: False for adapters whose framework owns autocast: the
             callback then only reports ``initial_precision`` and changes no torch flag.
-        initial_precision: the level at start (default fp32).
+        initial_precision: the job's own level, where it starts (``"bf16"`` for a job that
+            trains in bf16): the top of its ladder, which greend never goes above. Default:
+            detected at the first step, the ``torch.autocast`` the job runs around its step
+            or (with ``model=``) its model's forward, else fp32.
         precision_owner: with ``manage_precision=False``, who owns precision (for the
             reason a directive is refused).
         loss_scaling: True: the loop runs ``step.backward``/``step.optimizer_step`` (or
@@ -88,7 +91,7 @@ class CallbackOptions:
     max_flop_counts: int = 8
     precisions: Iterable[str] | None = None
     manage_precision: bool = True
-    initial_precision: str = "fp32"
+    initial_precision: str | None = None
     precision_owner: str | None = None
     loss_scaling: bool | None = None
     fp8_min_features: int = DEFAULT_FP8_MIN_FEATURES
@@ -152,14 +155,14 @@ def _check_flops_arguments(flops_per_step: float | None, model_flops: bool, mode
         raise ValueError("model_flops=True counts the model's parameters: pass model=")
 
 
-def _check_levels(precisions: Iterable[str] | None, initial_precision: str) -> list[str] | None:
+def _check_levels(precisions: Iterable[str] | None, initial_precision: str | None) -> list[str] | None:
     """The levels the caller allows (None: every level that runs here), checked."""
     allowed = None if precisions is None else list(precisions)
     if allowed is not None:
         bad = [p for p in allowed if p not in PRECISIONS]
         if bad:
             raise ValueError(f"precisions: unknown level(s) {bad}; known: {', '.join(PRECISIONS)}")
-    if initial_precision not in PRECISIONS:
+    if initial_precision is not None and initial_precision not in PRECISIONS:
         raise ValueError(f"initial_precision={initial_precision!r}: one of {', '.join(PRECISIONS)}")
     return allowed
 
@@ -177,7 +180,7 @@ class CallbackKwargs(TypedDict, total=False):
     max_flop_counts: int
     precisions: Iterable[str] | None
     manage_precision: bool
-    initial_precision: str
+    initial_precision: str | None
     precision_owner: str | None
     loss_scaling: bool | None
     fp8_min_features: int

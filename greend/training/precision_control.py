@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from greend.protocol import FP8_LEVELS, PRECISIONS
+from greend.protocol import FP8_LEVELS, PRECISION_BITS, PRECISIONS, not_above
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
     Fp8Converter,
@@ -95,6 +95,15 @@ class PrecisionControl:
         self.scaler: Any = None  # torch.amp.GradScaler, made on the first fp16 step
         self.fp8: Fp8Converter | None = None
         self._fp8_te = False  # fp8 through Transformer Engine's fp8_autocast (no conversion)
+        # The job's own level: the top of its ladder, never left upwards. Given
+        # (initial_precision=, an adapter from its framework's setting), or, where not,
+        # detected at the first step: the torch.autocast the job runs around its step or
+        # its model's forward (else fp32, or tf32 where the job turned TF32 on).
+        self.detecting = initial is None
+        self.own: str | None = initial
+        if initial is None:
+            tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+            initial = "tf32" if tf32 else "fp32"
         if manage:
             self.support = precision_support(device, allowed, model=model, fp8_min_features=options.fp8_min_features)
             if loss_scaling is False and self.support.get("fp16") is None:
@@ -109,14 +118,19 @@ class PrecisionControl:
         else:
             why = owner or "the training framework owns autocast; see greend.integrations"
             self.support = {level: (None if level == initial else f"not switched here: {why}") for level in PRECISIONS}
-        if self.support.get(initial) is not None:
-            raise ValueError(f"initial_precision={initial!r} cannot run here: {self.support[initial]}")
         self.autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
         self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        if self.detecting and self.support.get(initial) is not None:
+            self.support[initial] = None  # the job's own flags: it runs this level itself
+        if self.support.get(initial) is not None:
+            raise ValueError(f"initial_precision={initial!r} cannot run here: {self.support[initial]}")
         self.level = "fp32"
         self.refused: dict[str, str] = {}  # level -> why the callback did not apply it
         self.event_log: deque[dict[str, Any]] = deque(maxlen=256)
-        self._apply_level(initial)
+        if self.detecting:
+            self.level = initial  # the job's torch flags are its own: left as they are
+        else:
+            self._apply_level(initial)
         self.seen_request: str | None = None  # the last directive taken
         # Precision is one decision per job: in a job of several ranks a directive is a
         # proposal, and every sync_every steps the ranks agree (through the job's store)
@@ -157,6 +171,8 @@ class PrecisionControl:
         step = self._next_index
         reason = self.support.get(level, f"unknown precision level {level!r}")
         if reason is None:
+            reason = self.above_own(level)
+        if reason is None:
             reason = self.guard.barred_reason(level, step)
         if reason is None and level == "fp16" and self.manage and not self.scaling_seen:
             reason = (
@@ -177,6 +193,52 @@ class PrecisionControl:
         self._send_event(PrecisionEvent("refused", self.level, level, reason, step=step, loss=self._last_loss(),
                                         trend=self.guard.trend()))  # fmt: skip
 
+    def detect_own_level(self, final: bool) -> bool:
+        """While the job's own level is not known: is an autocast on here (the job's own,
+        around its step or its model's forward)? Its dtype is then the job's level, which
+        greend runs it at from now; ``final``: else the level in force is. Whether the
+        level changed."""
+        if not self.detecting:
+            return False
+        level = None
+        try:
+            if torch.is_autocast_enabled(self.autocast_device):
+                dtype = torch.get_autocast_dtype(self.autocast_device)
+                level = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+        except Exception as e:  # an older torch without the device argument
+            log.debug("cannot read the autocast state: %s", e)
+        if level is None:
+            if final:
+                self.detecting = False
+                self.own = self.level
+                log.info("greend: the job runs %s on its own (no autocast seen at its first step)", self.level)
+            return False
+        self.detecting = False
+        self.own = level
+        self.support[level] = None  # the job runs it itself
+        changed = level != self.level
+        self.level = level
+        if changed and self._steps is not None:
+            self._steps.switched(level, False)
+        log.info(
+            "greend: the job runs its own torch.autocast(%s): %s is its level, greend never goes above", level, level
+        )
+        return changed
+
+    def offered(self) -> list[str]:
+        """The levels this process offers the daemon: those that run here, none above the
+        job's own level (while that is not known, the daemon takes the first steps' level
+        as the job's own and offers nothing above it)."""
+        levels = PRECISIONS if self.own is None else not_above(PRECISIONS, self.own)
+        return [level for level in levels if self.support.get(level) is None]
+
+    def above_own(self, level: str) -> str | None:
+        """Why ``level`` may not run here because it is above the job's own level, or None."""
+        own = self.own
+        if own is not None and PRECISION_BITS[level] > PRECISION_BITS[own]:
+            return f"{level} is above the job's own level {own}: greend only takes a job down from its own level"
+        return None  # not known here: the daemon knows it (from the job's first steps) and asks nothing above
+
     def _last_loss(self) -> float | None:
         return self.guard.losses[-1] if self.guard.losses else None
 
@@ -190,6 +252,7 @@ class PrecisionControl:
             self.support[level] = reason  # never again in this process
             return reason
         log.info("precision %s -> %s (%s)", old, level, why)
+        self.detecting = False  # a level greend set: an autocast seen from now on is greend's own
         if self.manage:
             self.guard.on_switch(old, level, self._next_index)
             if self._steps is not None:

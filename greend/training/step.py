@@ -63,7 +63,7 @@ class StepHost(Protocol):
     judge_within_s: float
     shared_autocast: dict[str, AbstractContextManager[Any]]  # level -> its one null context
 
-    def at_boundary(self) -> None:
+    def at_boundary(self, step: Step) -> None:
         """A directive or an agreement between ranks, applied before a step starts."""
 
     def plan_flops(self, step: Step) -> None:
@@ -156,7 +156,7 @@ class Step:
     def __enter__(self) -> Step:
         host = self._host
         if host.boundary:
-            host.at_boundary()
+            host.at_boundary(self)
         self.precision = host.precision
         if self.flops is None:
             # The common case inline (this runs every step): a shape counted already.

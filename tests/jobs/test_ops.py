@@ -58,7 +58,8 @@ def test_register_book_and_end_through_the_ops() -> None:
     h = ops.handlers()
     reply = h["register"]({"job": "j1", "gpus": [1, 0, 1], "precisions": ["fp32", "bf16"]}, conn)
     assert reply["job"] == "j1" and reply["session"] == 3 and reply["heartbeat_s"] == 3.0
-    assert reply["directive"] == {"precision": "fp32"} and reply["report"] == "intervals"
+    # No level of its own given (an older client): no directive, its first steps tell.
+    assert "directive" not in reply and reply["report"] == "intervals"
     assert reply["rows_every_s"] == 0.25 and len(reply["run"]) == 12
     assert ops.registered(conn)
     rs = ops.jobs.sessions[3]
@@ -99,3 +100,56 @@ def test_a_quota_refuses_as_the_servers_limit_and_fire_and_forget_sends_nothing(
     intervals = _job_route(h["intervals"], silent=True)
     assert intervals({"rows": [_row(998.0, 999.0)]}, first) is NO_REPLY
     assert ops.jobs.jobs["a"].steps == 2
+
+
+def test_register_carries_the_jobs_own_level_and_nothing_moves_it_above() -> None:
+    ops, _ = _ops()
+    h = ops.handlers()
+    a = _Conn(1, _Peer(pid=0, uid=1000))
+    reply = h["register"]({"job": "b", "precisions": ["fp32", "bf16", "fp8"], "precision": "bf16"}, a)
+    assert reply["directive"] == {"precision": "bf16"}  # its own level, not fp32
+    job = ops.jobs.jobs["b"]
+    assert job.precision == job.top_precision == "bf16"
+    # A second rank of the running job gets the job's level in force.
+    b = _Conn(2, _Peer(pid=0, uid=1000))
+    assert h["register"]({"job": "b", "precision": "bf16"}, b)["directive"] == {"precision": "bf16"}
+    # The own level must be one the job runs.
+    c = _Conn(3, _Peer(pid=0, uid=1000))
+    with pytest.raises(ProtocolError, match="not among its 'precisions'") as e:
+        h["register"]({"job": "c", "precisions": ["fp32"], "precision": "bf16"}, c)
+    assert e.value.field == "precision"
+
+
+def test_an_older_client_s_first_steps_set_its_own_level() -> None:
+    ops, _ = _ops()
+    h = ops.handlers()
+    conn = _Conn(1, _Peer(pid=0, uid=1000))
+    h["register"]({"job": "old", "precisions": ["fp32", "bf16"]}, conn)
+    job = ops.jobs.jobs["old"]
+    assert job.top_precision is None
+    h["intervals"]({"rows": [{**_row(998.0, 999.0), "precision": "bf16"}]}, conn)
+    assert job.precision == job.top_precision == "bf16"
+
+
+def test_policies_see_no_level_above_the_jobs_own_and_no_switch_goes_there() -> None:
+    from greend.policies.base import UNCAPPED
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    conn = _Conn(1, _Peer(pid=0, uid=1000))
+    h["register"]({"job": "b", "gpus": [0], "precisions": ["fp32", "tf32", "bf16", "fp8"], "precision": "bf16"}, conn)
+    (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+    assert view.precisions == ("bf16", "fp8") and view.top_precision == "bf16"
+    jobs = ops.jobs
+    assert not jobs.switch_precision("b", "fp32", "up", settle_until_s=0.0, policy="p")  # above: refused
+    assert not jobs.switch_precision("b", "tf32", "up", settle_until_s=0.0, policy="p")
+    assert jobs.jobs["b"].precision == "bf16" and jobs.jobs["b"].precision_log == []
+    assert jobs.switch_precision("b", "fp8", "down", settle_until_s=0.0, policy="p")
+    assert jobs.switch_precision("b", "bf16", "back", kind="rollback", settle_until_s=0.0, policy="p")
+    assert [(c.from_level, c.to_level) for c in jobs.jobs["b"].precision_log] == [("bf16", "fp8"), ("fp8", "bf16")]
+    # A job whose level is not known yet (no level given, no steps): only its level in force.
+    other = _Conn(2, _Peer(pid=0, uid=1000))
+    h["register"]({"job": "u", "gpus": [1], "precisions": ["fp32", "bf16"]}, other)
+    views = {v.job: v for v in ops.jobs.views(lambda gpu: UNCAPPED)}
+    assert views["u"].precisions == ("fp32",) and views["u"].top_precision is None
+    assert not jobs.switch_precision("u", "bf16", "down", settle_until_s=0.0, policy="p")

@@ -43,7 +43,7 @@ def test_h100_spec_is_like_the_datasheet() -> None:
     assert (H100.power_limit_min_w, H100.power_limit_max_w, H100.power_limit_default_w) == (200, 700, 700)
     assert H100.compute_capability == (9, 0)
     assert H100.peak_flops.for_precision("bf16") == 989e12
-    assert H100.peak_flops.for_precision("fp8-emulated") == H100.peak_flops.bf16
+    assert H100.peak_flops.for_precision("fp8-emulated") == H100.peak_flops.fp8  # priced as the fp8 it stands in for
     with pytest.raises(ValueError, match="precision"):
         H100.peak_flops.for_precision("int4")
 
@@ -467,8 +467,8 @@ def test_lower_precision_shrinks_compute_by_peak_rate_and_memory_by_bytes() -> N
     assert H100.mem_share_at(m, "fp32") == m
     t32 = H100.step_time_s(flops, H100.sm_clock_max_mhz, m, "fp32")
     assert t32 == pytest.approx(fp32_compute + fp32_memory)
-    for level, bytes_ in (("bf16", 2), ("fp8", 1), ("fp8-emulated", 2)):
-        compute = flops / (H100.peak_flops.for_precision(level) * H100.mfu)
+    for level, bytes_ in (("bf16", 2), ("fp8", 2), ("fp8-emulated", 2)):
+        compute = flops / (H100.compute_rate(level) * H100.mfu)
         memory = fp32_memory * bytes_ / 4
         t = H100.step_time_s(flops, H100.sm_clock_max_mhz, m, level)
         assert t == pytest.approx(compute + memory), level
@@ -476,4 +476,29 @@ def test_lower_precision_shrinks_compute_by_peak_rate_and_memory_by_bytes() -> N
     # So bf16 buys less on a memory-bound step than its peak rate says (sim).
     e = {lvl: H100.step_cost(flops, 0.8, lvl).energy_j for lvl in ("fp32", "bf16")}
     assert 0.2 < e["bf16"] / e["fp32"] < 0.5
-    assert H100.mem_share_at(0.0, "bf16") == 0.0 and H100.mem_share_at(0.9, "fp8") == 0.95
+    assert H100.mem_share_at(0.0, "bf16") == 0.0 and H100.mem_share_at(0.95, "fp8") == 0.95
+
+
+def test_fp8_training_is_calibrated_to_published_runs_not_the_datasheet() -> None:
+    """fp8 over bf16 at the same clock (sim): 1.25x on a workload 0.3 memory bound in
+    bf16 (torchao float8, Llama3-8B on 8 H100s: 1.12-1.25x), little on a memory-bound
+    one, and never the datasheet's 2x; the emulated level is priced as fp8."""
+    from greend.probes.sim import H100
+
+    f = H100.sm_clock_max_mhz
+
+    def bf16_share(m32: float) -> float:
+        return H100.mem_share_at(m32, "bf16")
+
+    # Find the fp32 share whose bf16 share is 0.3 (the step time is linear in flops).
+    lo, hi = 0.0, 0.9
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if bf16_share(mid) < 0.3 else (lo, mid)
+    speedup = H100.step_time_s(1e15, f, lo, "bf16") / H100.step_time_s(1e15, f, lo, "fp8")
+    assert speedup == pytest.approx(1.25, abs=0.01)
+    memory_bound = H100.step_time_s(1e15, f, 0.3, "bf16") / H100.step_time_s(1e15, f, 0.3, "fp8")
+    assert 1.0 < memory_bound < 1.1
+    compute_bound = H100.step_time_s(1e15, f, 0.0, "bf16") / H100.step_time_s(1e15, f, 0.0, "fp8")
+    assert compute_bound == pytest.approx(1.4) and compute_bound < 2.0
+    assert H100.step_cost(1e15, 0.05, "fp8-emulated") == H100.step_cost(1e15, 0.05, "fp8")

@@ -235,10 +235,16 @@ def test_fp32_turns_tf32_off_and_close_restores(sock_path: Path) -> None:
         torch.backends.cudnn.allow_tf32 = True
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GreendWarning)
-            cb = GreenCallback(job="tf32", socket=sock_path, **FAST)
+            cb = GreenCallback(job="tf32", socket=sock_path, initial_precision="fp32", **FAST)
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         cb.close()
         assert torch.backends.cudnn.allow_tf32
+        # Without initial_precision the job's own flags are its level: left as they are.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GreendWarning)
+            cb = GreenCallback(job="tf32-own", socket=sock_path, **FAST)
+        assert torch.backends.cudnn.allow_tf32
+        cb.close()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
