@@ -255,10 +255,19 @@ def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
         f"{_num(b.get('joules_per_gflop'), '.4g')} J/GFLOP; {_num(sv.get('expected_gpu_energy_j'), '.1f')} J "
         "expected without greend",
         f"    how sure     {conf.get('level')}"
+        + (" (simulated steps: no measurement noise to bound)" if conf.get("level") == "sim" else "")
         + (f" (95 %: {ci[0]:.1f} .. {ci[1]:.1f} J)" if ci else "")
         + (f"; {sv['note']}" if sv.get("note") else ""),
     ]
     return lines
+
+
+def _saved(j: dict[str, Any]) -> str | None:
+    """A job row's saved %, "(sim)" where the simulator's GPUs gave it."""
+    pct = j.get("saved_pct")
+    if pct is None:
+        return None
+    return f"{pct:.1f}" + (" (sim)" if j.get("sim") else "")
 
 
 def render_jobs(jobs: list[dict[str, Any]]) -> str:
@@ -277,7 +286,7 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
                 j["duration_s"],
                 j["gpu_energy_j"],
                 j["gflops_per_w"],
-                j.get("saved_pct"),
+                _saved(j),
                 j["precision"],
             ]
             for j in jobs

@@ -98,7 +98,7 @@ def _job_table(st: dict[str, Any], frame: Frame) -> Table:
             _num(now_eff, ".2f"),
             _num(j.get("gflops_per_w"), ".2f"),
             _num(j.get("energy_j"), ".0f"),
-            "-" if saved is None else f"{saved:.1f}%",
+            "-" if saved is None else f"{saved:.1f}%" + (" (sim)" if j.get("sim") else ""),
         )
     if not jobs:
         t.add_row("(none)", "", "", "", "", "", "", "", "", "")

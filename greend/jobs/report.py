@@ -19,7 +19,7 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 # The columns of a job's row in ``greenctl jobs`` and ``status`` (JobFigures.row).
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
-    "energy_j", "gflops_per_w", "saved_pct", "precision", "world_size", "ranks_here", "started_at",
+    "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -184,6 +184,21 @@ class JobFigures:
             var = max(0.0, (b.x_sq - b.x_n * mean * mean) / (b.x_n - 1))
             rel_se = (var / b.x_n) ** 0.5 / mean
         half = 1.96 * rel_se * expected_e if rel_se is not None else None
+        if modelled and gpu_energy_j is not None:
+            # The share is of the job's whole GPU energy (the ledger's: its steps and the
+            # GPU's idle time between them), not of the steps' own: a job whose steps are
+            # 1 % of its GPU energy saves at most 1 %. Without greend it would have used
+            # what it used plus what was saved.
+            actual_e = gpu_energy_j
+            expected_e = gpu_energy_j + saved
+        confidence: dict[str, Any] = {
+            "level": savings_level(b.steps, rel_se),
+            "rel_stderr": rel_se,
+            "saved_j_95": [saved - half, saved + half] if half else None,
+        }
+        if modelled:
+            # The simulator's steps carry no noise: a 95 % interval would have no width.
+            confidence = {"level": "sim", "rel_stderr": None, "saved_j_95": None}
         out["baseline"]["joules_per_gflop"] = base_e / b.flops * 1e9
         out.update(
             {
@@ -192,11 +207,7 @@ class JobFigures:
                 "saved_j": saved,
                 "saved_pct": 100.0 * saved / expected_e if expected_e > 0 else None,
                 "slowdown_pct": 100.0 * (actual_t / expected_t - 1.0) if expected_t > 0 else None,
-                "confidence": {
-                    "level": savings_level(b.steps, rel_se),
-                    "rel_stderr": rel_se,
-                    "saved_j_95": [saved - half, saved + half] if half is not None else None,
-                },
+                "confidence": confidence,
             }
         )
         if not moved:
@@ -255,6 +266,7 @@ class JobFigures:
             "energy_j": energy,
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,
             "saved_pct": saving["saved_pct"],
+            "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
             "precision": job.precision,
             "world_size": job.world_size,
             "ranks_here": len(job.ranks_seen),
@@ -324,7 +336,9 @@ class JobFigures:
             # The figures of the steps a device model executed, under the names users know.
             "sim_time_s": job.modelled_time_s if job.modelled_time_s else None,
             "sim_energy_j": job.modelled_energy_j if job.modelled_energy_j else None,
+            "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
             "precision": job.precision,
+            "top_precision": job.top_precision,  # the job's own level: greend never goes above
             "precision_log": [e.to_json() for e in job.precision_log],
             "pace_s": job.pace_s,
             "decisions": [d.to_json() for d in job.decisions[-50:]],

@@ -29,7 +29,7 @@ class FakeDaemon:
         path: Path,
         *,
         heartbeat_s: float = 0.2,
-        initial_precision: str = "fp32",
+        initial_precision: str | None = None,
         rows_every_s: float | None = None,
     ) -> None:
         """``rows_every_s``: offer "intervals" rows at that cadence, as the real daemon
@@ -74,8 +74,12 @@ class FakeDaemon:
             "job": msg["job"],
             "session": conn.id,
             "heartbeat_s": self.heartbeat_s,
-            "directive": {"precision": self.initial_precision},
         }
+        # As the daemon: the job's own level back (or the level given here, for a job
+        # that greend moved already); none where the client did not say its level.
+        level = self.initial_precision or msg.get("precision")
+        if level is not None:
+            reply["directive"] = {"precision": level}
         if self.rows_every_s is not None:
             reply.update(report="intervals", rows_every_s=self.rows_every_s)
         return reply

@@ -3,6 +3,7 @@
     python tests/scripts/precision_trainer.py --socket S --job J [--steps 400] [--no-greend]
         [--precisions fp32,bf16] [--inject-inf-after-switch K | --inject-spike-after-switch K]
         [--step-sleep 0.01] [--task T] [--reference] [--shift-at K]
+        [--initial bf16 | --own-autocast] [--fp8-min-features N] [--mem-share M]
 
 An MLP (32 -> 128 -> 128 -> 8) learns a fixed random linear map plus noise, on
 data this script makes from ``--seed``. Every step goes through
@@ -16,7 +17,11 @@ costs a few percent of a loss this small (the bias starts at 16, so the loss fal
 from the first step). ``--reference``: the callback gets ``reference_loss`` on 256
 held-out samples. ``--shift-at K``: from step K on the data come from another task
 (another random map, or for the classifier another labelling), a data shift;
-``--shift-after-switch K``: from K steps after the first step below fp32.
+``--shift-after-switch K``: from K steps after the first step below the job's own level.
+``--initial L``: ``GreenCallback(initial_precision=L)`` (a bf16 job says so);
+``--own-autocast``: the script runs its forward under its own ``torch.autocast`` at
+bf16 instead of ``step.autocast()``, and tells greend nothing (greend detects it).
+"Switch" here means the first step below the first step's level.
 
 Prints one JSON line: job, steps, final_loss (the mean training loss over the
 last 20 steps), eval_loss (on a held-out set, in fp32, after training), levels
@@ -54,6 +59,10 @@ def main() -> None:
     ap.add_argument("--inject-inf-after-switch", type=int, default=-1)
     ap.add_argument("--inject-spike-after-switch", type=int, default=-1)
     ap.add_argument("--no-greend", action="store_true")
+    ap.add_argument("--initial", default=None, help="GreenCallback(initial_precision=...)")
+    ap.add_argument("--own-autocast", action="store_true", help="the job's own bf16 autocast around its forward")
+    ap.add_argument("--fp8-min-features", type=int, default=None)
+    ap.add_argument("--mem-share", type=float, default=0.3)
     ap.add_argument("--reference", action="store_true", help="give the callback reference_loss")
     ap.add_argument("--reference-every", type=int, default=50)
     ap.add_argument("--shift-at", type=int, default=-1, help="the data change task from this step on")
@@ -119,6 +128,10 @@ def main() -> None:
         kw = {}
         if args.precisions:
             kw["precisions"] = args.precisions.split(",")
+        if args.initial:
+            kw["initial_precision"] = args.initial
+        if args.fp8_min_features is not None:
+            kw["fp8_min_features"] = args.fp8_min_features
         if args.reference:
             kw["reference_loss"] = lambda: loss_of(model(x_ref), y_ref)
             kw["reference_every"] = args.reference_every
@@ -127,7 +140,7 @@ def main() -> None:
             model=model,
             socket=args.socket,
             gpus=[args.gpu],
-            mem_share=0.3,
+            mem_share=args.mem_share,
             heartbeat_s=0.5,
             reconnect_min_s=0.2,
             reconnect_max_s=0.5,
@@ -142,19 +155,29 @@ def main() -> None:
     for i in range(args.steps):
         x, y = batch(i)  # (a shift set at this step applies from the next one)
         if cb is None:
-            loss = loss_of(model(x), y)
+            own = args.initial or ("bf16" if args.own_autocast else "fp32")
+            if own == "bf16":  # the job as it is, at its own level, without greend
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+            else:
+                out = model(x)
+            loss = loss_of(out, y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            levels.append("fp32")
+            levels.append(own)
         else:
             with cb.step(samples=args.batch, batch=x) as st:
-                if st.precision != "fp32" and first_low is None:
+                if st.precision != (levels[0] if levels else st.precision) and first_low is None:
                     first_low = i
                     if args.shift_after_switch >= 0:
                         shift_at = i + args.shift_after_switch
-                with st.autocast():
-                    out = model(x)
+                if args.own_autocast:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = model(x)
+                else:
+                    with st.autocast():
+                        out = model(x)
                 loss = loss_of(out, y)
                 for after, factor in (
                     (args.inject_inf_after_switch, float("inf")),
