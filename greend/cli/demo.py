@@ -5,18 +5,22 @@ a temporary directory) on one simulated H100, or on the real GPUs when NVML and 
 both work and ``--gpus real|auto`` allows it, and trains a small MLP (first 300 steps
 off the clock, then measured) on synthetic data with :class:`greend.GreenCallback`, twice, for the same number of steps:
 
-1. as it is: the ``none`` policy (greend only measures);
+1. as it is: the job at its own level (``--precision``, bf16 by default, as most GPU
+   training runs today) under the ``none`` policy (greend only measures);
 2. with greend's controller on: the ``efficient`` clock policy and the ``precision``
-   policy (fp32 -> bf16 once the loss is stable, rolled back if it is not).
+   policy, which takes the job one level down (bf16 -> fp8, emulated by torchao on the
+   CPU and priced as fp8 on the simulated GPU; fp32 -> bf16 for ``--precision fp32``)
+   once the loss is stable, and rolls back if it is not. Never above the job's level.
 
-Then it prints both runs side by side (time, GPU energy, GFLOPS/W, final loss) and
-the saving in J and %.
+Then it prints both runs side by side (time, GPU energy, GFLOPS/W, final loss), the
+saving in J and %, and the saving the job's own report estimates against its own
+baseline, so the two can be compared.
 
 On simulated GPUs the step's cost is the simulator's, from the FLOPs the step
 reports: the CPU model's counted FLOPs are reported scaled up (``scale``) so a step
-is GPU-sized (0.1 s at fp32 on an H100 at full clock), and the loop is paced to the
-simulated step time, so the simulated GPU is busy, not idling, while the CPU trains
-for real. Every simulated figure is labelled ``(sim)``.
+is GPU-sized (0.1 s at the job's own level on an H100 at full clock, 0.3 memory bound
+there), and the loop is paced to the simulated step time, so the simulated GPU is busy,
+not idling, while the CPU trains for real. Every simulated figure is labelled ``(sim)``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ from greend.testing.daemon_proc import daemon_command, wait_until_up
 
 __all__ = ["BASE_STEP_S", "compare_runs", "render_comparison", "run_demo"]
 
-# A simulated step at fp32 on an H100 at its top clock takes this long (s).
+# A simulated step at the job's own level on an H100 at its top clock takes this long (s),
 BASE_STEP_S = 0.1
+# and is this memory bound there (a transformer's step in bf16 is about this).
 MEM_SHARE = 0.3
+# The levels the demo's job may start at, and the one greend may take it down to.
+NEXT_LEVEL = {"bf16": "fp8-emulated", "fp32": "bf16"}
 # Steps the demo's student is trained before the measured runs (see _train).
 PRETRAIN_STEPS = 300
 
@@ -148,7 +155,21 @@ def _model_flops(model: Any, xb: Any, yb: Any, lossf: Any) -> float:
     return float(fc.get_total_flops())
 
 
-def _train(sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool, label: str) -> dict[str, Any]:
+def fp32_mem_share(level: str, share: float) -> float:
+    """The fp32 memory-bound share (what the simulator's ``mem_share`` takes) of a
+    workload that is ``share`` memory bound at ``level`` on the simulated H100."""
+    from greend.probes.sim import H100
+
+    lo, hi = 0.0, 0.95
+    for _ in range(60):  # mem_share_at rises with the fp32 share
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if H100.mem_share_at(mid, level) < share else (lo, mid)
+    return round((lo + hi) / 2, 4)
+
+
+def _train(
+    sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool, label: str, own: str
+) -> dict[str, Any]:
     import torch
     from torch import nn
 
@@ -184,20 +205,29 @@ def _train(sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool
     x0, y0 = next_batch()
     flops = _model_flops(model, x0, y0, lossf)
     scale = 1.0
+    mem_share = fp32_mem_share(own, MEM_SHARE)
     if not use_cuda:
         from greend.probes.sim import H100
 
-        # A GPU-sized step: BASE_STEP_S at fp32 at the top clock on the simulated H100.
-        gpu_flops = BASE_STEP_S * H100.peak_flops.fp32 * H100.mfu * (1.0 - MEM_SHARE)
-        scale = gpu_flops / flops
+        # A GPU-sized step: BASE_STEP_S at the job's own level at the top clock on the
+        # simulated H100 (the step time is linear in its FLOPs).
+        per_flop_s = H100.step_time_s(1e12, H100.sm_clock_max_mhz, mem_share, own) / 1e12
+        scale = BASE_STEP_S / per_flop_s / flops
+    # The job's own level, and (with greend) the one below it. On the CPU fp8 is torchao's
+    # emulation (listed, as CPU tests must); on a GPU that runs fp8, the callback offers it.
+    lower = NEXT_LEVEL[own]
+    if use_cuda and lower == "fp8-emulated":
+        lower = "fp8"
     cb = GreenCallback(
         job=job,
         model=model,
         socket=sock,
         gpus=None if use_cuda else [0],
-        mem_share=MEM_SHARE,
+        mem_share=mem_share,
         flops_per_step=flops * scale,
-        precisions=["fp32", "bf16"] if controlled else ["fp32"],
+        initial_precision=own,
+        precisions=[own, lower] if controlled else [own],
+        fp8_min_features=256,  # the demo's hidden layers (256 and 512 wide) run in fp8
         heartbeat_s=0.5,
     )
     status = Client(sock, timeout_s=2.0)
@@ -324,7 +354,19 @@ def render_comparison(base: dict[str, Any], ctrl: dict[str, Any], sim: bool) -> 
         f"saved{lab}: {c['saved_j']:.0f} J of GPU energy = {'-' if pct is None else f'{pct:.1f}'} %, "
         f"at {'-' if slow is None else f'{slow:+.1f}'} % time, same steps"
     )
+    sv = ctrl.get("savings") or {}
+    if sv.get("saved_pct") is not None:
+        line += (
+            f"\nthe job's own report{lab}: {sv['saved_pct']:.1f} % of its GPU energy at "
+            f"{_fmt(sv.get('slowdown_pct'), '+.1f')} % time, against its own first steps at "
+            f"{(sv.get('baseline') or {}).get('precision')} uncapped (an estimate from one run; the line above "
+            "compares two runs)"
+        )
     return table + "\n\n" + line
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else f"{v:{spec}}"
 
 
 def _last_cap(r: dict[str, Any]) -> str:
@@ -342,13 +384,17 @@ def _on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise DemoInterrupted(f"stopped by {signal.Signals(signum).name}")
 
 
-def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None) -> int:
+def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None, precision: str = "bf16") -> int:
     from greend.cli.render import render_report
 
     if not (math.isfinite(seconds) and seconds > 0):
         raise GreendError(f"--seconds {seconds}: expected a number of seconds > 0 (the length of each run)")
     if gpus not in ("auto", "sim", "real"):
         raise GreendError(f"--gpus {gpus!r}: expected sim, real or auto")
+    if precision not in NEXT_LEVEL:
+        raise GreendError(
+            f"--precision {precision!r}: expected {' or '.join(NEXT_LEVEL)} (the level the job trains at on its own)"
+        )
     if importlib.util.find_spec("torch") is None:
         raise GreendError(TORCH_MISSING)
     real = gpus == "real" or (gpus == "auto" and _real_gpus_available())
@@ -360,9 +406,9 @@ def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None
     old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     procs: list[subprocess.Popen[bytes]] = []
     print(
-        f"greend demo: the same training ({steps} steps) twice, as it is and with greend's controller on "
-        f"(efficient clocks + precision), on {'the real GPUs' if real else 'a simulated H100 (figures labelled sim)'}; "
-        f"state in {tmp}"
+        f"greend demo: the same {precision} training ({steps} steps) twice, as it is and with greend's controller "
+        f"on (efficient clocks + precision {precision} -> {NEXT_LEVEL[precision]}), on "
+        f"{'the real GPUs' if real else 'a simulated H100 (figures labelled sim)'}; state in {tmp}"
     )
     try:
         reports: list[dict[str, Any]] = []
@@ -373,7 +419,7 @@ def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None
             proc, sock, _log = _start_daemon(tmp / name, sim=not real, config=config)
             procs.append(proc)
             job = f"demo-{name}"
-            trained = _train(sock, steps, use_cuda=real, job=job, controlled=controlled, label=label)
+            trained = _train(sock, steps, use_cuda=real, job=job, controlled=controlled, label=label, own=precision)
             report = _wait_report(sock, job)
             report["final_loss"] = trained["final_loss"]
             report["flops_scale"] = trained["scale"]
@@ -386,8 +432,8 @@ def run_demo(seconds: float = 20.0, gpus: str = "auto", keep: Path | None = None
         if not real and base.get("flops_scale", 1.0) != 1.0:
             print(
                 f"FLOPs: the CPU model's counted FLOPs x {base['flops_scale']:.0f}, so each step is a GPU-sized "
-                f"step ({BASE_STEP_S:g} s at fp32 on an H100 at full clock) for the simulator; the training is real "
-                "torch on the CPU, paced to the simulated GPU"
+                f"step ({BASE_STEP_S:g} s at {precision} on an H100 at full clock) for the simulator; the training "
+                "is real torch on the CPU, paced to the simulated GPU"
             )
         print()
         print(render_comparison(base, ctrl, sim=not real))

@@ -277,13 +277,17 @@ def ctl_demo(
     seconds: float = typer.Option(20.0, "--seconds", help="about how long each of the two runs trains"),
     gpus: str = typer.Option("auto", "--gpus", help="sim, real, or auto (real GPUs if NVML and CUDA work)"),
     keep: Path | None = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
+    precision: str = typer.Option(
+        "bf16", "--precision", help="the level the job trains at on its own: bf16 (most GPU training) or fp32"
+    ),
 ) -> None:
-    """Train a small real torch model twice, as it is and with greend's controller on (efficient
-    clocks + precision), on a simulated H100; print both side by side and the energy saved."""
+    """Train a small real torch model twice at its own precision (bf16 by default), as it is and
+    with greend's controller on (efficient clocks + one precision level down, bf16 -> fp8), on a
+    simulated H100; print both side by side and the energy saved."""
     from greend.cli.demo import run_demo
 
     try:
-        code = run_demo(seconds=seconds, gpus=gpus, keep=keep)
+        code = run_demo(seconds=seconds, gpus=gpus, keep=keep, precision=precision)
     except GreendError as e:
         fail(str(e))
         return
