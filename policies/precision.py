@@ -387,7 +387,11 @@ class PrecisionPolicy:
     ) -> tuple[str, str | None, dict | None]:
         """The end of a probation whose accuracy passed: keep the level if it saves energy."""
         new = self._evidence(js, pb.to_level, j.setting)
-        old = self._evidence(js, pb.from_level, j.setting)
+        old = None
+        shared = self._shared_setting(js, pb.to_level, pb.from_level, j.setting)
+        if shared is not None:
+            # The two levels at one GPU setting: a clock cap's saving is not the level's.
+            new, old = js.evidence[(pb.to_level, shared)], js.evidence[(pb.from_level, shared)]
         if new is None or new.steps < self.min_steps:
             return (
                 f"job {j.job}: probation at {pb.to_level} done, measuring its energy "
@@ -410,7 +414,7 @@ class PrecisionPolicy:
                 return (f"job {j.job}: {why}", pb.from_level, event)
             verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
         else:
-            verdict = f"no {pb.from_level} figure at this GPU setting to compare with"
+            verdict = f"no {pb.from_level} figure at a GPU setting both levels ran at, to compare with"
         js.last_event = f"{pb.to_level} accepted after {steps_in} steps: {accuracy}; {verdict}"
         js.probation = None
         js.level_losses = js.level_losses[-self.window :]
@@ -571,6 +575,23 @@ class PrecisionPolicy:
         e.flops += delta.flops
         e.time_s += delta.time_s
         e.energy_j += delta.energy_j
+
+    def _shared_setting(self, js: _Job, a: str, b: str, now: Setting) -> Setting | None:
+        """A GPU setting at which both levels ran ``min_steps``: the one in force if so,
+        else the one with the most steps of the two; None if there is none."""
+        both = [
+            (setting, ea.steps + eb.steps)
+            for (level, setting), ea in js.evidence.items()
+            if level == a
+            and ea.steps >= self.min_steps
+            and (eb := js.evidence.get((b, setting))) is not None
+            and eb.steps >= self.min_steps
+        ]
+        if not both:
+            return None
+        if any(setting == now for setting, _ in both):
+            return now
+        return max(both, key=lambda x: x[1])[0]
 
     def _evidence(self, js: _Job, level: str, setting: Setting) -> _Evidence | None:
         """The level's evidence at this GPU setting, else at the setting with the most steps."""

@@ -413,3 +413,21 @@ def test_decide_is_pure_given_the_state() -> None:
     _, da = drive(policy(), a, 20)
     _, db = drive(policy(), b, 20)
     assert [d.precision for d in da] == [d.precision for d in db] and a.levels == b.levels
+
+
+def test_levels_are_compared_at_one_gpu_setting_never_across_a_clock_cap() -> None:
+    """fp8 measured under a clock cap against bf16 measured uncapped would credit the cap's
+    saving to fp8: the energy verdict takes both levels at one setting, or none."""
+    from greend.policies.base import Setting
+    from greend.policies.precision import _Evidence, _Job
+
+    p = policy()
+    capped = Setting(clock_cap_mhz=1485)
+    js = _Job(level="fp8", level_since_steps=0)
+    js.evidence[("bf16", UNCAPPED)] = _Evidence(steps=40, flops=40e12, time_s=4.0, energy_j=400.0)
+    js.evidence[("fp8", capped)] = _Evidence(steps=40, flops=40e12, time_s=4.0, energy_j=220.0)
+    assert p._shared_setting(js, "fp8", "bf16", capped) is None  # nothing to compare like for like
+    js.evidence[("bf16", capped)] = _Evidence(steps=8, flops=8e12, time_s=0.8, energy_j=56.0)
+    assert p._shared_setting(js, "fp8", "bf16", capped) == capped
+    js.evidence[("fp8", UNCAPPED)] = _Evidence(steps=8, flops=8e12, time_s=0.8, energy_j=62.0)
+    assert p._shared_setting(js, "fp8", "bf16", UNCAPPED) == UNCAPPED  # the setting in force first
