@@ -108,14 +108,19 @@ def ctl_jobs(
         "(influx://HOST:PORT?... or http://HOST:PORT, victoria-metrics), or a Prometheus that "
         "scrapes every node (prom://HOST:PORT): every job there, summed across its nodes",
     ),
+    since: str = typer.Option(
+        "1d", "--since", help="with a shared --store: the jobs that ended within this long (30m, 12h, 7d)"
+    ),
 ) -> None:
     """Jobs on this node: running, and recently ended (--all: every ended job the store has;
-    --store URL: every ended job of the cluster in a shared store)."""
-    from greend.jobs.history import is_shared_store, shared_jobs, stored_jobs
+    --store URL: every ended job of the cluster in a shared store, the last --since)."""
+    from greend.jobs.history import is_shared_store, parse_duration_s, shared_jobs, stored_jobs
 
     if store is not None and is_shared_store(store):
         try:
-            cluster = shared_jobs(store)
+            cluster = shared_jobs(store, parse_duration_s(since))
+        except ValueError as e:
+            fail(f"--since: {e}")
         except GreendError as e:
             fail(str(e))
         typer.echo(json.dumps({"jobs": cluster}, indent=2) if as_json else render_jobs(cluster))

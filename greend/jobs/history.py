@@ -17,7 +17,28 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
+from greend.points import JOB_SUMMARY_FIELDS
 from greend.stores.sqlite import connect_readonly
+
+# How far back a shared store is read: a job's report looks 30 days back (its label bounds
+# the series), a listing of every job one day (greenctl jobs --store URL --since).
+REPORT_LOOKBACK_S = 30 * 86400.0
+LIST_LOOKBACK_S = 86400.0
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """``30m``, ``12h``, ``7d``, ``2w`` or plain seconds, in seconds; ValueError naming the form."""
+    t = text.strip().lower()
+    unit = _DURATION_UNITS.get(t[-1:]) if t else None
+    try:
+        value = float(t[:-1]) * unit if unit is not None else float(t)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"not a duration: {text!r} (a positive number with s, m, h, d or w: 30m, 12h, 7d)")
+    return value
+
 
 __all__ = [
     "is_shared_store",
@@ -225,11 +246,11 @@ def _check_job_id(job: str | None) -> None:
         raise StoreError(f"job id {job!r} is not one greend accepts")
 
 
-def _job_rows(url: str, job: str | None) -> list[dict[str, Any]]:
-    """The ``greend_job`` rows of a shared store, whichever API it speaks."""
+def _job_rows(url: str, job: str | None, since_s: float = REPORT_LOOKBACK_S) -> list[dict[str, Any]]:
+    """The ``greend_job`` rows of a shared store from the last ``since_s``, whichever API it speaks."""
     if urlsplit(url).scheme in PROMETHEUS_SCHEMES:
-        return prometheus_job_rows(url, job)
-    return shared_job_rows(url, job)
+        return prometheus_job_rows(url, job, lookback=f"{max(1, round(since_s))}s")
+    return shared_job_rows(url, job, since_s=since_s)
 
 
 # greenctl's report field <- the series every node's Prometheus endpoint serves
@@ -283,21 +304,32 @@ def prometheus_job_rows(
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
-def shared_job_rows(url: str, job: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def shared_job_rows(
+    url: str, job: str | None, timeout_s: float = 10.0, since_s: float | None = REPORT_LOOKBACK_S
+) -> list[dict[str, Any]]:
     """The job's ``greend_job`` rows (one per node and run; every job's where ``job`` is
     None) from a shared store that every
     node's ``influx://`` store writes to, read through VictoriaMetrics' export API (each
     field is a series ``greend_job_<field>`` with the point's tags as labels). ``url``:
     the store's ``influx://HOST:PORT?...`` as the daemons have it, or ``http://HOST:PORT``.
-    InfluxDB itself has no such API: docs/stores.md gives its Flux query."""
+    InfluxDB itself has no such API: docs/stores.md gives its Flux query.
+
+    Bounded by labels and time, never a full export: only the ``greend_job`` summary's
+    series (one point per node and run, written at the job's end; not the per-interval
+    ``greend_job_steps`` rows), the job's label where given, from ``since_s`` ago."""
     import json
+    import time
 
     _check_job_id(job)
-    selector = '__name__=~"greend_job_.+"' + ("" if job is None else ',job="' + job + '"')
+    names = "|".join(JOB_SUMMARY_FIELDS)
+    selector = f'__name__=~"greend_job_({names})"' + ("" if job is None else ',job="' + job + '"')
+    params = {"match[]": "{" + selector + "}"}
+    if since_s is not None:
+        params["start"] = f"{time.time() - since_s:.3f}"
     body = _get(
         url,
         "/api/v1/export",
-        {"match[]": "{" + selector + "}"},
+        params,
         timeout_s,
         "VictoriaMetrics' /api/v1/export; greenctl reads a shared store through that API (for "
         "InfluxDB, use the Flux query in docs/stores.md)",
@@ -348,11 +380,11 @@ def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | Non
     return _whole(job, list(seen.values()))
 
 
-def shared_jobs(url: str) -> list[dict[str, Any]]:
-    """Every job a shared store holds, each summed across its nodes (as
-    :func:`whole_job_report`), in ``greenctl jobs``' shape, oldest first."""
+def shared_jobs(url: str, since_s: float = LIST_LOOKBACK_S) -> list[dict[str, Any]]:
+    """Every job a shared store holds that ended within ``since_s``, each summed across
+    its nodes (as :func:`whole_job_report`), in ``greenctl jobs``' shape, oldest first."""
     by_run: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in _job_rows(url, None):
+    for r in _job_rows(url, None, since_s):
         by_run.setdefault((r["job"], r.get("run") or ""), []).append({**r, "store": url})
     out = []
     for (job, _), rows in by_run.items():

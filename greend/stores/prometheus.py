@@ -18,6 +18,15 @@ units (joules, watts, hertz, seconds, ratios 0..1)::
     greend_store_points_*{url}  greend_ticks_total  greend_ticks_skipped_total ...
 
 The full list, with label names, is ``tests/golden/prometheus_names.txt``.
+
+Bounded series: a node exports a fixed number of series whatever its job history
+(:func:`series_bound`). A job's series are on ``/metrics`` while it runs and for
+``JOB_GRACE_S`` after it ends (long enough for a scrape or two to see its end and its
+totals); after that its totals live in the stores as rows (``greend_job``), not as live
+series. At most ``MAX_JOBS_EXPORTED`` jobs are exported at once (running ones first, then
+the most recently ended); ``greend_jobs_not_exported`` counts the ones left out
+(:func:`exported_jobs`).
+
 A status function that raises gives a valid scrape holding ``greend_up 0``.
 ``write()`` is a no-op: the scrape always shows the latest state.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,6 +67,51 @@ _GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
 )
 
 
+# How long an ended job's series stay on /metrics: two scrapes at the usual 15-60 s
+# intervals see its end; after it the job's totals are rows in the stores.
+JOB_GRACE_S = 120.0
+# At most this many jobs' series at once, whatever the churn within the grace.
+MAX_JOBS_EXPORTED = 32
+# Series per GPU (energy and the gauges), per CPU zone, per probe, per store, per job.
+SERIES_PER_GPU = 1 + len(_GPU_GAUGES)
+SERIES_PER_ZONE = 3
+SERIES_PER_PROBE = 2
+SERIES_PER_STORE = 4
+SERIES_PER_JOB = 8
+# greend_up, build_info, start time, uptime, tick duration, tick rate, ticks, ticks
+# skipped, jobs not exported.
+SERIES_PER_NODE = 9
+
+
+def series_bound(gpus: int, cpu_zones: int, probes: int, stores: int, max_jobs: int = MAX_JOBS_EXPORTED) -> int:
+    """The most series one node's ``/metrics`` holds, whatever its job history."""
+    return (
+        SERIES_PER_NODE
+        + SERIES_PER_GPU * gpus
+        + SERIES_PER_ZONE * cpu_zones
+        + SERIES_PER_PROBE * probes
+        + SERIES_PER_STORE * stores
+        + SERIES_PER_JOB * max_jobs
+    )
+
+
+def exported_jobs(
+    jobs: Iterable[Any], now_s: float, grace_s: float = JOB_GRACE_S, max_jobs: int = MAX_JOBS_EXPORTED
+) -> tuple[list[dict[str, Any]], int]:
+    """The jobs whose series a scrape at ``now_s`` (Unix time) shows, and how many jobs
+    that would be shown were left out by ``max_jobs``: the running ones and those that
+    ended within ``grace_s``, running first, then the most recently ended."""
+    live: list[dict[str, Any]] = []
+    for j in jobs:
+        if not isinstance(j, dict):
+            continue
+        ended = _as_float(j.get("ended_at"))
+        if ended is None or now_s - ended <= grace_s:
+            live.append(j)
+    live.sort(key=lambda j: (j.get("ended_at") is not None, -(_as_float(j.get("ended_at")) or 0.0)))
+    return live[:max_jobs], max(0, len(live) - max_jobs)
+
+
 def _as_float(v: Any) -> float | None:
     if isinstance(v, bool):
         return float(v)
@@ -75,6 +130,9 @@ class GreendCollector:
     def __init__(self, status_fn: StatusFn | None = None) -> None:
         self.status_fn = status_fn
         self.errors = 0
+        self.clock: Callable[[], float] = time.time  # Unix time, for the ended jobs' grace
+        self.job_grace_s = JOB_GRACE_S
+        self.max_jobs = MAX_JOBS_EXPORTED
 
     def describe(self) -> Iterable[Any]:
         return []  # unchecked collector: families vary with the hardware found
@@ -184,37 +242,7 @@ class GreendCollector:
                 dur.add_metric([name], v)
         yield from (f for f in (ok, dur) if f.samples)
 
-        # Jobs (this node's share of each; ended jobs stay until the daemon forgets them).
-        # Labelled by job, run and host, so that a Prometheus scraping every node can sum
-        # one run of a job across nodes (greenctl report JOB --store prom://HOST:PORT).
-        jl = ("job", "run", "host")
-        jgf = gauge("greend_job_gflops_per_watt", "Job efficiency: GFLOP per joule over the job so far.", jl)
-        jen = counter("greend_job_energy_joules", "Energy attributed to the job in joules (GPU and CPU).", jl)
-        jge = counter("greend_job_gpu_energy_joules", "GPU energy attributed to the job in joules.", jl)
-        jfl = counter("greend_job_flops", "Floating-point operations the job reported.", jl)
-        jst = counter("greend_job_steps", "Training steps the job reported (each rank's).", jl)
-        jws = gauge("greend_job_world_size", "The job's ranks on all nodes.", jl)
-        jrh = gauge("greend_job_ranks_here", "The job's ranks that ran on this node.", jl)
-        jend = gauge("greend_job_end_time_seconds", "Unix time the job ended on this node (absent while it runs).", jl)
-        host = _label_value(st.get("host"))
-        for j in st.get("jobs") or []:
-            if not isinstance(j, dict):
-                continue
-            labels = [_label_value(j.get("job")), _label_value(j.get("run_id")), host]
-            for fam, key in (
-                (jgf, "gflops_per_w"),
-                (jen, "energy_j"),
-                (jge, "gpu_energy_j"),
-                (jfl, "flops"),
-                (jst, "steps"),
-                (jws, "world_size"),
-                (jrh, "ranks_here"),
-                (jend, "ended_at"),
-            ):
-                v = _as_float(j.get(key))
-                if v is not None:
-                    fam.add_metric(labels, v)
-        yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
+        yield from self._job_families(st)
 
         # Stores
         sup = gauge("greend_store_up", "1 if the store accepts points, else 0.", ("url",))
@@ -231,6 +259,49 @@ class GreendCollector:
                 if v is not None:
                     fam.add_metric([url], v)
         yield from (f for f in (sup, swr, sdr, spe) if f.samples)
+
+    def _job_families(self, st: dict[str, Any]) -> Iterator[Any]:
+        """This node's share of each job shown (:func:`exported_jobs`: running, or ended within
+        the grace). Labelled by job, run and host, so that a Prometheus scraping every node can
+        sum one run of a job across nodes (greenctl report JOB --store prom://HOST:PORT)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return GaugeMetricFamily(name, doc, labels=list(labels))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return CounterMetricFamily(name, doc, labels=list(labels))
+
+        jobs, left_out = exported_jobs(st.get("jobs") or [], self.clock(), self.job_grace_s, self.max_jobs)
+        nx = gauge("greend_jobs_not_exported", "Jobs running or just ended whose series the job cap left out.")
+        nx.add_metric([], float(left_out))
+        yield nx
+        jl = ("job", "run", "host")
+        jgf = gauge("greend_job_gflops_per_watt", "Job efficiency: GFLOP per joule over the job so far.", jl)
+        jen = counter("greend_job_energy_joules", "Energy attributed to the job in joules (GPU and CPU).", jl)
+        jge = counter("greend_job_gpu_energy_joules", "GPU energy attributed to the job in joules.", jl)
+        jfl = counter("greend_job_flops", "Floating-point operations the job reported.", jl)
+        jst = counter("greend_job_steps", "Training steps the job reported (each rank's).", jl)
+        jws = gauge("greend_job_world_size", "The job's ranks on all nodes.", jl)
+        jrh = gauge("greend_job_ranks_here", "The job's ranks that ran on this node.", jl)
+        jend = gauge("greend_job_end_time_seconds", "Unix time the job ended on this node (absent while it runs).", jl)
+        host = _label_value(st.get("host"))
+        for j in jobs:
+            labels = [_label_value(j.get("job")), _label_value(j.get("run_id")), host]
+            for fam, key in (
+                (jgf, "gflops_per_w"),
+                (jen, "energy_j"),
+                (jge, "gpu_energy_j"),
+                (jfl, "flops"),
+                (jst, "steps"),
+                (jws, "world_size"),
+                (jrh, "ranks_here"),
+                (jend, "ended_at"),
+            ):
+                v = _as_float(j.get(key))
+                if v is not None:
+                    fam.add_metric(labels, v)
+        yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
 
 
 class PrometheusStore:

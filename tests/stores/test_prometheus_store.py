@@ -115,6 +115,7 @@ def fake_status() -> dict[str, Any]:
 def store() -> Iterator[PrometheusStore]:
     s = open_store("prometheus://127.0.0.1:0", state_dir=Path("/nonexistent"), host="h")
     assert isinstance(s, PrometheusStore)
+    s.collector.clock = lambda: 1.7e9 + 30.0  # fake_status's job ended 30 s ago: within the grace
     yield s
     s.close()
 
