@@ -357,6 +357,14 @@ def render_comparison(base: dict[str, Any], ctrl: dict[str, Any], sim: bool) -> 
         f"saved{lab}: {c['saved_j']:.0f} J of GPU energy = {'-' if pct is None else f'{pct:.1f}'} %, "
         f"at {'-' if slow is None else f'{slow:+.1f}'} % time, same steps"
     )
+    for name, r in (("as it is", base), ("with greend", ctrl)):
+        gpu_s, wall_s = r.get("sim_time_s"), r.get("duration_s")
+        if sim and gpu_s and wall_s and wall_s > 1.25 * gpu_s:
+            line += (
+                f"\nnote: in the run {name!r} the CPU took {wall_s:.0f} s for {gpu_s:.0f} s of simulated GPU steps "
+                "(a busy machine, or fp8 emulated on the CPU): the simulated GPU idled meanwhile, and that idle "
+                "energy is in the side-by-side figure"
+            )
     sv = ctrl.get("savings") or {}
     if sv.get("saved_pct") is not None:
         line += (
