@@ -116,7 +116,7 @@ class NvmlGpuBackend:
         # (index, knob) -> (reason, the refusal): NO_PERMISSION / NOT_SUPPORTED / MIG mode;
         # not tried again, logged once
         self._refused: dict[tuple[int, str], tuple[str, ProbeError]] = {}
-        self._refusing = threading.Lock()
+        self._refusing = threading.RLock()  # the refusals: the tick, the socket's ops and status
         self._constraints: dict[int, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
@@ -196,14 +196,19 @@ class NvmlGpuBackend:
             raise
 
     def _refuse(self, index: int, knob: str, reason: str, err: ProbeError) -> None:
-        self._refused[(index, knob)] = (reason, err)
+        with self._refusing:
+            if (index, knob) in self._refused:
+                return
+            self._refused[(index, knob)] = (reason, err)
         log.warning("gpu%d %s refused (%s): %s; disabled for this GPU until greend restarts", index, knob, reason, err)
 
     @property
     def refused(self) -> dict[int, dict[str, str]]:
         """Index -> {knob: why} for knobs NVML refused (for status)."""
         out: dict[int, dict[str, str]] = {}
-        for (i, knob), (_, e) in sorted(self._refused.items()):
+        with self._refusing:
+            refused = sorted(self._refused.items())
+        for (i, knob), (_, e) in refused:
             out.setdefault(i, {})[knob] = str(e)
         return out
 
@@ -217,7 +222,9 @@ class NvmlGpuBackend:
                             "(a cap would slow every instance's job)"
                         )
                         self._refuse(index, k, "mig", NotSupported(why))
-        return {k: {"reason": r, "message": str(e)} for (i, k), (r, e) in sorted(self._refused.items()) if i == index}
+        with self._refusing:
+            refused = sorted(self._refused.items())
+        return {k: {"reason": r, "message": str(e)} for (i, k), (r, e) in refused if i == index}
 
     def held_clock_mhz(self, index: int) -> int | None:
         nvml = self.devices.nvml

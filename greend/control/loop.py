@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from greend.control.context import ControlContext, NodeReadings
@@ -86,7 +87,6 @@ class ControlLoop:
         gpu_probe: Probe | None,
         rapl_open: bool,
         *,
-        own_gpu_key: str | None = None,
         nvml_module: Callable[[], Any] | None = None,
     ) -> None:
         """Take control of the CPU zones (if RAPL is readable) and of the GPUs ``gpu_probe``
@@ -94,11 +94,12 @@ class ControlLoop:
         over once their probe opens); then start the configured policies.
 
         What an earlier run left in the saved-settings file (a crash, a SIGKILL) goes
-        back first: the RAPL zones now, the GPUs of ``own_gpu_key`` (this greend's GPU
-        backend, ``"nvml"`` or ``"sim:<dir>"``) through the handles their probe holds once
-        it is open, and any other backend's on a thread of its own (``nvml_module()``:
-        the NVML to open for those)."""
+        back first: the RAPL zones now, this greend's GPUs through the handles their
+        probe holds once it is open, and any other backend's (another sim dir's, NVML's
+        under ``--sim``) on a thread of its own (``nvml_module()``: the NVML to open for
+        those)."""
         from greend.actuators import Controller, RaplBackend
+        from greend.actuators.state import backend_key
 
         cfg = self.ctx.cfg
         try:
@@ -115,7 +116,11 @@ class ControlLoop:
             return
         self._leftover_keys = ctrl.leftover_gpu_keys()
         if ctrl.state_path.exists():
-            self.report_restore(ctrl.restore_saved((), cpus=True), "left by an earlier run")
+            self._report_leftovers(ctrl.restore_saved((), cpus=True))
+        if cfg.sim.gpus > 0:
+            own_gpu_key: str | None = backend_key("sim", str(Path(cfg.sim_dir).resolve()))
+        else:
+            own_gpu_key = "nvml" if "nvml" in cfg.enabled_probes else None
         others = self._leftover_keys - {own_gpu_key}
         if others:
             threading.Thread(
@@ -136,7 +141,7 @@ class ControlLoop:
         from greend.actuators.restore import add_recorded_backends
 
         add_recorded_backends(ctrl, keys, nvml_module() if nvml_module is not None else None)
-        self.report_restore(ctrl.restore_saved(keys, cpus=False), "left by an earlier run")
+        self._report_leftovers(ctrl.restore_saved(keys, cpus=False))
 
     def attach_gpus(self, gpu_probe: Probe) -> None:
         """Drive the GPUs ``gpu_probe`` reads (called when it opens, from the thread that
@@ -156,7 +161,7 @@ class ControlLoop:
         backend = NvmlGpuBackend(gpu_probe)  # type: ignore[arg-type]  # the nvml and sim probes are NvmlProbes
         ctrl.add_gpu_backend(backend)
         if backend.key in self._leftover_keys:
-            self.report_restore(ctrl.restore_saved({backend.key}, cpus=False), "left by an earlier run")
+            self._report_leftovers(ctrl.restore_saved({backend.key}, cpus=False))
         ctrl.set_gpu_backend(backend)
         if isinstance(gpu_probe, ShowsClockCaps):
             gpu_probe.use_cap_lookup(ctrl.clock_cap_mhz)
@@ -422,6 +427,14 @@ class ControlLoop:
         rep = self.ctrl.restore_all()
         self.report_restore(rep, why)
         return rep
+
+    @staticmethod
+    def _report_leftovers(rep: Any) -> None:
+        """Log what the restore of an earlier run's settings did (nothing when nothing was there)."""
+        if not rep.restored and not rep.failed:
+            return
+        for line in rep.lines():
+            (log.warning if not rep.ok else log.info)("restore at start: %s", line)
 
     def report_restore(self, rep: Any, why: str) -> None:
         """Log what a restore put back (or failed to)."""

@@ -233,26 +233,13 @@ class Daemon:
         # the controller when their probe opens (a crashed predecessor's caps go back first).
         self.probing.on_open = self._probe_opened
         self.open_probes()
-        self.control.open(
-            self.probing.gpu_probe(),
-            self.probing.is_open("rapl"),
-            own_gpu_key=self.own_gpu_key(),
-            nvml_module=self.nvml_module,
-        )
+        self.control.open(self.probing.gpu_probe(), self.probing.is_open("rapl"), nvml_module=self.nvml_module)
         self.open_stores()
         self.start_server()
 
     def _probe_opened(self, probe: Probe) -> None:
         if probe.name in ("nvml", "sim") and self.probing.gpu_probe() is probe:
             self.control.attach_gpus(probe)
-
-    def own_gpu_key(self) -> str | None:
-        """The saved-settings backend key of this daemon's GPUs (None: no GPU probe)."""
-        from greend.actuators.state import backend_key
-
-        if self.cfg.sim.gpus > 0:
-            return backend_key("sim", str(Path(self.cfg.sim_dir).resolve()))
-        return "nvml" if "nvml" in self.cfg.enabled_probes else None
 
     # The loop ------------------------------------------------------------------------
     def run(self, max_ticks: int | None = None, on_tick: Callable[[], None] | None = None) -> None:

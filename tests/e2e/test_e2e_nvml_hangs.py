@@ -182,3 +182,42 @@ def test_refused_knobs_are_logged_once_per_gpu_and_shown(tmp_path: Path, daemons
     assert len(gpu2) == 1, gpu2
     assert "cannot apply" not in d.log_text()
     assert d.stop() == 0
+
+
+def test_efficient_on_a_card_without_clock_locks_moves_the_power_limit(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """gpu0 refuses clock locks (NOT_SUPPORTED, as consumer cards do) while a real torch
+    job trains on it under the efficient policy (knob "clock"): the refusal is logged
+    once, the policy says why it tunes the power limit instead, and the power limit
+    moves; no error line per period."""
+    from tests.e2e.test_e2e_jobs import trainer
+
+    cfg = (
+        '[policy]\nname = "efficient"\nperiod_s = 0.2\nsettle_s = 0.05\n'
+        "[policy.params]\nmax_slowdown = 0.05\nmin_steps = 6\n"
+    )
+    d, _ = spawn_on_stub(tmp_path, cfg, no_locked_clocks="0")
+    daemons.append(d)
+    first_status(d)
+    assert wait_for(lambda: len(gpus_of(status_now(d))) == 8, 20)
+    p = trainer(d.socket, "tuned", "--gpu", "0", "--steps", "100000", "--step-sleep", "0.005")
+    try:
+
+        def moved() -> bool:
+            st = status_now(d)
+            reason = (st["policy"].get("last_decision") or {}).get("reason") or ""
+            return "tuning power_limit_w instead" in reason and gpus_of(st)[0]["power_limit_w"] < 700.0
+
+        assert wait_for(moved, 120), (status_now(d)["policy"], d.log_text()[-3000:])
+        st = status_now(d)
+        assert gpus_of(st)[0]["refused_knobs"]["clock_cap_mhz"]["reason"] == "not_supported"
+        assert gpus_of(st)[0]["clock_cap_mhz"] is None
+    finally:
+        p.kill()
+        p.wait(10)
+    log = d.log_text()
+    refused = [ln for ln in log.splitlines() if "gpu0 clock_cap_mhz refused" in ln]
+    assert len(refused) == 1, refused
+    assert "cannot apply" not in log
+    assert d.stop() == 0
