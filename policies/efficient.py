@@ -233,9 +233,9 @@ class EfficientPolicy:
 
     # ------------------------------------------------------------------ per job
 
-    @staticmethod
-    def _tunable(g: GpuView, knob: str) -> bool:
-        if knob == "clock":
+    def _tunable(self, g: GpuView, knob: str | None = None) -> bool:
+        """Whether ``knob`` (default: the policy's) has settings to search on ``g``."""
+        if (knob or self.knob) == "clock":
             return len(g.supported_sm_clocks_mhz) > 1
         return g.power_limit_min_w is not None and g.power_limit_max_w is not None
 
