@@ -43,6 +43,9 @@ class GpuView:
     power_limit_min_w: float | None
     power_limit_max_w: float | None
     power_limit_default_w: float | None
+    # Knobs this GPU refused ("clock_cap_mhz", "power_limit_w") -> why ("not_supported",
+    # "mig", "no_permission"): greend will not write them; a policy uses the other knob.
+    refused_knobs: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import UNCAPPED, Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+from ._evidence import Evidence, antitonic_fit
+from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .params import Param, validate_params
 from .static import same_setting
 
@@ -80,72 +81,7 @@ Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """Sums over the steps measured at one setting (possibly several visits)."""
-
-    steps: int = 0
-    flops: float = 0.0
-    time_s: float = 0.0
-    energy_j: float = 0.0
-    time_sq_s2: float | None = 0.0  # None: unknown (noise assumed)
-    energy_sq_j2: float | None = 0.0
-
-    @staticmethod
-    def of(m: JobMeasure) -> Evidence:
-        return Evidence(m.steps, m.flops, m.time_s, m.energy_j, m.time_sq_s2, m.energy_sq_j2)
-
-    def plus(self, o: Evidence) -> Evidence:
-        if self.steps == 0:
-            return o
-        if o.steps == 0:
-            return self
-
-        def add(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else a + b
-
-        return Evidence(
-            self.steps + o.steps,
-            self.flops + o.flops,
-            self.time_s + o.time_s,
-            self.energy_j + o.energy_j,
-            add(self.time_sq_s2, o.time_sq_s2),
-            add(self.energy_sq_j2, o.energy_sq_j2),
-        )
-
-    def minus(self, o: Evidence) -> Evidence:
-        return Evidence(
-            self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None
-        )
-
-    @property
-    def time_per_flop_s(self) -> float:
-        return self.time_s / self.flops if self.flops > 0 else math.inf
-
-    @property
-    def energy_per_flop_j(self) -> float:
-        return self.energy_j / self.flops if self.flops > 0 else math.inf
-
-    @property
-    def power_w(self) -> float:
-        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
-
-    def _rel_sd(self, total: float, sq: float | None, assumed: float) -> float:
-        n = self.steps
-        if sq is None or n < 2 or total <= 0:
-            return assumed
-        mean = total / n
-        var = max(0.0, sq / n - mean * mean) * n / (n - 1)
-        return math.sqrt(var) / mean
-
-    def se_time(self, assumed: float) -> float:
-        """Relative standard error of the mean step time."""
-        return self._rel_sd(self.time_s, self.time_sq_s2, assumed) / math.sqrt(max(1, self.steps))
-
-    def se_energy(self, assumed: float) -> float:
-        return self._rel_sd(self.energy_j, self.energy_sq_j2, assumed) / math.sqrt(max(1, self.steps))
+_KNOB_NAMES = {"clock": "clock_cap_mhz", "power": "power_limit_w"}
 
 
 @dataclass
@@ -154,6 +90,7 @@ class _Job:
 
     gpus: tuple[int, ...]
     start_steps: int
+    knob: str = "clock"  # what this job's search tunes: the policy's knob, or the other where refused
     phase: str = "baseline"  # baseline | search | settled | recheck
     grid: tuple[Setting, ...] = ()  # ascending; last = UNCAPPED (built after the baseline)
     levels: tuple[float, ...] = ()  # MHz or W of each grid point (top: fmax or uncapped draw)
@@ -171,6 +108,7 @@ class _Job:
     need: int = 0  # steps the current candidate must have before the search moves on
     retunes: int = 0
     last_event: str = ""
+    asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
 
     @property
     def settled_index(self) -> int | None:
@@ -259,18 +197,29 @@ class EfficientPolicy:
                 for other in state.jobs.values():
                     if set(other.gpus) & set(j.gpus):
                         self._retune(other, f"job {j.job} arrived on its GPUs")
-                state.jobs[j.job] = _Job(gpus=tuple(j.gpus), start_steps=j.steps)
+                state.jobs[j.job] = _Job(gpus=tuple(j.gpus), start_steps=j.steps, knob=self.knob)
         reasons: dict[str, str] = {}
         details: dict[str, Any] = {}
         for j in running:
             job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
-            if not views or not self._tunable(views[0]):
-                reasons[j.job] = f"job {j.job}: not tunable ({self.knob} knob unsupported on its GPUs)"
+            knob, why = self._knob_for(job, views)
+            if knob is None:
+                reasons[j.job] = f"job {j.job}: cannot act: {why}"
                 continue
-            reasons[j.job] = self._step_job(snap, j, job, views[0])
+            note = ""
+            if knob != job.knob:
+                base = job.cache.get(UNCAPPED)
+                self._retune(job, why, baseline=base if base is not None and base.steps > 0 else None)
+                job.knob = knob
+            if knob != self.knob:
+                note = f" ({why})"
+            clamp = self._held_instead(j, job)
+            reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
+            job.asked = None
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
+                job.asked = (job.current, j.setting)
             details[j.job] = self._details(job, views[0])
         d.reason = "; ".join(reasons.values()) if reasons else "efficient: no running job"
         d.details = {
@@ -284,10 +233,58 @@ class EfficientPolicy:
 
     # ------------------------------------------------------------------ per job
 
-    def _tunable(self, g: GpuView) -> bool:
-        if self.knob == "clock":
+    def _tunable(self, g: GpuView, knob: str | None = None) -> bool:
+        """Whether ``knob`` (default: the policy's) has settings to search on ``g``."""
+        if (knob or self.knob) == "clock":
             return len(g.supported_sm_clocks_mhz) > 1
         return g.power_limit_min_w is not None and g.power_limit_max_w is not None
+
+    def _knob_for(self, job: _Job, views: list[GpuView]) -> tuple[str | None, str]:
+        """The knob to tune this job's GPUs with, and why not the policy's own: a knob a
+        GPU refused (NOT_SUPPORTED on a consumer card, MIG mode, NO_PERMISSION) is never
+        asked for; the other knob (clock <-> power limit) does the job where it works.
+        (None, why) when neither can act."""
+        if not views:
+            return None, "its GPUs are not read (yet)"
+        why: list[str] = []
+        for knob in (self.knob, "power" if self.knob == "clock" else "clock"):
+            name = _KNOB_NAMES[knob]
+            refusing = {g.index: g.refused_knobs[name] for g in views if name in g.refused_knobs}
+            if refusing:
+                by = ", ".join(f"gpu{i} ({r})" for i, r in sorted(refusing.items()))
+                why.append(f"{name} refused by {by}")
+            elif not all(self._tunable(g, knob) for g in views):
+                why.append(f"{name} not tunable on its GPUs")
+            else:
+                return knob, "; ".join(why) + (f": tuning {name} instead" if why else "")
+        return None, "; ".join(why)
+
+    def _held_instead(self, j: JobView, job: _Job) -> str:
+        """After a setting was asked for: a GPU that holds another one (a driver that
+        clamps a clock lock) is measured at what it holds; the settings it cannot reach
+        leave the grid. Returns a note for the reason ("" when nothing happened)."""
+        asked = job.asked
+        if asked is None or not same_setting(asked[0], job.current) or asked[0].uncapped:
+            return ""
+        held = j.setting
+        if same_setting(held, asked[0]) or same_setting(held, asked[1]) or held.uncapped:
+            return ""  # in force as asked, or not applied (an error the daemon logs)
+        level = _level(held)
+        if level is None or job.live is not None:
+            return ""
+        keep = [i for i, g in enumerate(job.grid) if g.uncapped or (_level(g) or 0.0) <= level + 1e-9]
+        job.grid = tuple(job.grid[i] for i in keep)
+        job.levels = tuple(job.levels[i] for i in keep)
+        if not any(same_setting(g, held) for g in job.grid):
+            at = max((k for k, g in enumerate(job.grid) if not g.uncapped), default=len(job.grid) - 1)
+            job.grid = job.grid[: at + 1] + (held,) + job.grid[at + 1 :]
+            job.levels = job.levels[: at + 1] + (level,) + job.levels[at + 1 :]
+        job.current, job.live = held, None
+        job.last_event = (
+            f"the GPU holds {self._label(held, job)} where {self._label(asked[0], job)} was asked: "
+            f"measured at {self._label(held, job)}; settings above it left out"
+        )
+        return f"; {job.last_event}"
 
     def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}
@@ -329,7 +326,7 @@ class EfficientPolicy:
         return ev
 
     def _build_grid(self, job: _Job, g: GpuView, base: Evidence) -> None:
-        if self.knob == "clock":
+        if job.knob == "clock":
             clocks = sorted(set(g.supported_sm_clocks_mhz))
             job.grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
             job.levels = tuple(float(f) for f in clocks)
@@ -486,7 +483,7 @@ class EfficientPolicy:
             assert e is not None
             ratio[i] = e.time_per_flop_s / base_tpf_s
             ratio_se[i] = 0.0 if i == top else math.hypot(e.se_time(self.noise), se_base) * ratio[i]
-        fit, fit_se = _antitonic_fit(measured, ratio, ratio_se, {i: e.steps for i, e in seen.items()})
+        fit, fit_se = antitonic_fit(measured, ratio, ratio_se, {i: e.steps for i, e in seen.items()})
         cost_mode = self.objective == "cost"
         n_gpus = max(1, len(job.gpus))
         pmax_w = float(g.power_limit_max_w or 0.0) * n_gpus
@@ -654,6 +651,7 @@ class EfficientPolicy:
                 "time_per_flop_change": ev[s].time_per_flop_s / base.time_per_flop_s - 1.0,
             }
         return {
+            "knob": job.knob,
             "phase": job.phase,
             "current": self._label(job.current, job),
             "candidates_measured": self._n_measured(ev),
@@ -670,28 +668,8 @@ class EfficientPolicy:
         }
 
 
-def _antitonic_fit(
-    idx: list[int], value: dict[int, float], se: dict[int, float], weight: dict[int, int]
-) -> tuple[dict[int, float], dict[int, float]]:
-    """The weighted least-squares fit of ``value`` that does not rise with the index
-    (pool adjacent violators): time can only fall as the clock or the limit rises,
-    so a measurement that breaks this is pooled with its neighbours, not trusted
-    alone. Returns the fitted value and its standard error per index."""
-    blocks: list[list[Any]] = []  # [sum w, sum w*v, sum (w*se)^2, members]
-    for i in sorted(idx):
-        w = float(max(1, weight[i]))
-        blocks.append([w, w * value[i], (w * se[i]) ** 2, [i]])
-        while len(blocks) >= 2 and blocks[-2][1] / blocks[-2][0] < blocks[-1][1] / blocks[-1][0]:
-            b = blocks.pop()
-            a = blocks[-1]
-            a[0] += b[0]
-            a[1] += b[1]
-            a[2] += b[2]
-            a[3] += b[3]
-    fit: dict[int, float] = {}
-    fit_se: dict[int, float] = {}
-    for w, wv, w2, members in blocks:
-        for i in members:
-            fit[i] = wv / w
-            fit_se[i] = math.sqrt(w2) / w
-    return fit, fit_se
+def _level(s: Setting) -> float | None:
+    """The clock (MHz) or power limit (W) of a capped setting."""
+    if s.clock_cap_mhz is not None:
+        return float(s.clock_cap_mhz)
+    return None if s.power_limit_w is None else float(s.power_limit_w)

@@ -30,6 +30,7 @@ class GpuFaults:
     reset_required: bool = False
     mig: bool = False
     persistence_off: bool = False
+    hung: bool = False  # every call on the GPU hangs (hang_s, or until cleared)
 
 
 _NO_FAULTS = GpuFaults()  # shared by every GPU without faults; never mutated
@@ -79,6 +80,8 @@ class Faults:
 
     def hangs(self, fn: str, gpu: int | None) -> bool:
         """Whether the call ``fn`` on ``gpu`` (None: node-wide) hangs."""
+        if gpu is not None and self.gpu(gpu).hung:
+            return True
         if not self.hang:
             return False
         name, _, which = self.hang.partition(":")

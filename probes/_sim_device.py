@@ -513,10 +513,20 @@ class SimGpu:
         clamped = (min(max(int(min_mhz), lo), hi), min(max(int(max_mhz), lo), hi))
         with self._mutate() as st:
             st.locked_clocks_mhz = clamped
+            self._follow_settings(st)
 
     def reset_locked_clocks(self) -> None:
         with self._mutate() as st:
             st.locked_clocks_mhz = None
+            self._follow_settings(st)
+
+    def _follow_settings(self, st: SimState) -> None:
+        """A busy GPU's clock follows a new lock or limit at once, as a real one does
+        within milliseconds (what greend reads back after a write), not at the next step."""
+        if st.busy_clock_mhz:
+            st.busy_clock_mhz = self.spec.effective_clock_mhz(
+                st.busy_mem_share, st.power_limit_mw / 1000.0, st.locked_clocks_mhz
+            )
 
     def set_power_limit_w(self, power_w: float) -> None:
         s = self.spec
@@ -524,6 +534,7 @@ class SimGpu:
             raise ValueError(f"power limit {power_w} W outside [{s.power_limit_min_w}, {s.power_limit_max_w}] W")
         with self._mutate() as st:
             st.power_limit_mw = int(round(power_w * 1000))
+            self._follow_settings(st)
 
     @staticmethod
     def _check_load(load: float) -> float:

@@ -31,7 +31,10 @@ Per GPU: ``lost`` (every call on the handle -> ``GPU_IS_LOST``),
 ``no_locked_clocks`` (``Set/ResetGpuLockedClocks`` -> ``NOT_SUPPORTED``),
 ``reset_required`` (every call on the handle -> ``RESET_REQUIRED``), ``mig`` (MIG
 mode on: ``GetMigMode`` -> ``[1, 1]``, no clock locks, no utilisation) and
-``persistence_off`` (``GetPersistenceMode`` -> disabled).
+``persistence_off`` (``GetPersistenceMode`` -> disabled) and ``hung`` (every call on
+the GPU, ``GetHandleByIndex`` of it included, sleeps ``hang_s`` seconds, or until the
+fault is cleared: a GPU that starts hanging mid-run, the stand-in's
+``NVML_STUB_HANG_GPUS`` with ``NVML_STUB_HANG_WHEN``).
 Node-wide: ``init_error`` (``nvmlInit`` raises that code, e.g. ``LIBRARY_NOT_FOUND``
 or ``DRIVER_NOT_LOADED``), ``slow_ms`` (every call sleeps that long first),
 ``hang`` (``"fn"`` or ``"fn:gpu"``: that call sleeps ``hang_s`` seconds, or until the
@@ -279,9 +282,11 @@ class FakeNvml:
         reset_required: bool | None = None,
         mig: bool | None = None,
         persistence_off: bool | None = None,
+        hung: bool | None = None,
     ) -> None:
         """Set (True) or clear (False) faults of GPU ``index``; None leaves one as is."""
         given = {
+            "hung": hung,
             "lost": lost,
             "no_energy_counter": no_energy_counter,
             "no_permission": no_permission,
@@ -385,6 +390,8 @@ class FakeNvml:
         if f.slow_ms > 0:
             time.sleep(f.slow_ms / 1000.0)
         gpu = first_arg.index if isinstance(first_arg, FakeHandle) else None
+        if fn == "nvmlDeviceGetHandleByIndex" and isinstance(first_arg, int):
+            gpu = first_arg
         if not f.hangs(fn, gpu):
             return
         log.debug("FakeNvml: %s hangs (hang fault)", fn)

@@ -44,8 +44,10 @@ by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
@@ -72,6 +74,11 @@ RECOVER_EVERY_S = 5.0
 # Clocks, utilisation, temperature, power limit (and power, where the energy
 # counter works) are re-read at most this often.
 SLOW_FIELDS_EVERY_S = 1.0
+
+# How long the daemon's (background) open waits for NVML's node-wide calls: a driver
+# that is loading answers in seconds; one that does not answer in this long is called
+# unresponsive, and the open is tried again later.
+OPEN_WAIT_S = 120.0
 
 NO_NVML_FIX = (
     "install the NVIDIA driver (it provides libnvidia-ml.so) and the nvidia-ml-py "
@@ -119,6 +126,7 @@ class NvmlProbe:
         nvml: Any | None = None,
         source: str = "nvml",
         cap_lookup: Callable[[int], float | None] | None = None,
+        open_wait_s: float | None = None,
     ) -> None:
         self.name = source
         self.source = source
@@ -134,6 +142,16 @@ class NvmlProbe:
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
         self._recover_at_s = float("-inf")
         self._gone: dict[str, _Gpu] = {}  # UUID -> a GPU not found again whose index another took
+        # How long open() waits for NVML's node-wide calls (the GPU count, the driver's
+        # version); None: the call deadline. The daemon opens in the background and
+        # waits long: a driver still loading answers late, and status says so meanwhile.
+        self.open_wait_s = open_wait_s
+        # Real NVML may hang or take seconds to initialise: the daemon opens it off its
+        # tick thread (greend.daemon.probing), the simulator's fake inline.
+        self.opens_in_background = source == "nvml"
+        self._phase: tuple[str, float] | None = None  # (what open() waits on, since monotonic)
+        self._count: int | None = None  # GPUs NVML listed when it was last enumerated
+        self._unanswered: set[int] = set()  # indices whose calls did not return at open
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -178,10 +196,20 @@ class NvmlProbe:
         if self._opened:
             return
         try:
+            self._open()
+        finally:
+            self._phase = None
+
+    def _at(self, what: str) -> None:
+        self._phase = (what, time.monotonic())
+
+    def _open(self) -> None:
+        try:
             nvml = self._devices.import_module()
         except ImportError as e:
             self._no_nvml("the nvidia-ml-py package (module pynvml) is not installed")
             raise NoData(f"no NVML on this node: {e} (fix: pip install nvidia-ml-py)") from e
+        self._at("nvmlInit")
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as e:
@@ -197,7 +225,7 @@ class NvmlProbe:
         except BaseException:
             self.close()
             raise
-        if not self._gpus and not self._devices.lost:
+        if not self._count:  # GPUs that do not answer are GPUs: "none" is only for none
             self.close()
             self._unavailable = ("NVML found no GPUs on this node", None)
             raise NoData("NVML found no GPUs on this node")
@@ -208,24 +236,49 @@ class NvmlProbe:
         self._unavailable = (f"no NVML on this node: {reason}", NO_NVML_FIX)
 
     def _enumerate(self) -> None:
+        wait_s = self.open_wait_s
+        self._at("nvmlSystemGetDriverVersion")
         try:
-            self._driver_version = _text(self._call("node", "nvmlSystemGetDriverVersion"))
+            self._driver_version = _text(self._devices.call("node", "nvmlSystemGetDriverVersion", wait_s=wait_s))
         except ProbeError:
             self._driver_version = None
-        count = int(self._call("node", "nvmlDeviceGetCount"))
-        self._gpus, self._open_errors = [], {}
+        self._at("nvmlDeviceGetCount")
+        count = int(self._devices.call("node", "nvmlDeviceGetCount", wait_s=wait_s))
+        self._count = count
+        self._at(f"opening {count} GPU(s), each on its own")
+        self._gpus, self._open_errors, self._unanswered = [], {}, set()
         self._devices.forget_all()
+        # Each GPU is opened on its own worker, all at once: one that hangs costs the
+        # others nothing, and the open as a whole at most two call deadlines.
+        opened = self._devices.each(
+            {f"gpu{i}": ("open", partial(self._open_gpu, i)) for i in range(count)},
+            wait_s=2 * self._devices.deadline_s,
+        )
         for i in range(count):
-            try:
-                gpu = self._open_gpu(i)
-            except DeviceLost as e:
-                self._devices.mark_lost(i, str(e))
-            except ProbeError as e:
+            self._opened_one(i, opened[f"gpu{i}"].error, opened[f"gpu{i}"].value)
+
+    def _opened_one(self, i: int, err: BaseException | None, gpu: _Gpu | None) -> bool:
+        """Book the outcome of opening GPU ``i``; True when it opened."""
+        if err is None and gpu is not None:
+            self._gpus.append(gpu)
+            self._gpus.sort(key=lambda g: g.index)
+            self._devices.add(i, gpu.handle, gpu.uuid)
+            self._open_errors.pop(i, None)
+            self._unanswered.discard(i)
+            return True
+        if isinstance(err, DeviceLost):
+            self._devices.mark_lost(i, str(err))
+        elif isinstance(err, Unresponsive):
+            if i not in self._unanswered:
+                log.error("gpu%d does not answer: %s; tried again every %g s", i, err, RECOVER_EVERY_S)
+            self._unanswered.add(i)
+            self._open_errors[i] = str(err)
+        else:
+            e = err if isinstance(err, ProbeError) else ProbeError(f"gpu{i}: {type(err).__name__}: {err}")
+            if self._open_errors.get(i) != str(e):
                 log.error("gpu%d left out: %s", i, e)
-                self._open_errors[i] = str(e)
-            else:
-                self._gpus.append(gpu)
-                self._devices.add(i, gpu.handle, gpu.uuid)
+            self._open_errors[i] = str(e)
+        return False
 
     def _open_gpu(self, i: int) -> _Gpu:
         what = f"gpu{i}"
@@ -273,14 +326,18 @@ class NvmlProbe:
             raise ProbeError(f"probe {self.name!r} sampled before open()")
         out = Readings()
         failures: list[ProbeError] = []
-        if (self._devices.lost or self._gone) and now_s >= self._recover_at_s:
+        if (self._devices.lost or self._gone or self._open_errors) and now_s >= self._recover_at_s:
             self._recover_at_s = now_s + RECOVER_EVERY_S
             self._rematch()
         live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
         reinit = False
+        # Every GPU is read on its own worker, all at once: a GPU that starts hanging
+        # costs this tick one call deadline at most, whatever the number of GPUs, and
+        # later ticks nothing (its calls fail at once until it answers again).
+        read = self._devices.each({f"gpu{g.index}": ("read", partial(self._sample_gpu, g, now_s)) for g in live})
         for gpu in live:
             try:
-                out.gpus.append(self._sample_gpu(gpu, now_s))
+                out.gpus.append(read[f"gpu{gpu.index}"].get())
             except DeviceLost as e:
                 self._devices.mark_lost(gpu.index, str(e))
             except NvmlUninitialized as e:
@@ -313,19 +370,25 @@ class NvmlProbe:
         counts from a new baseline); one not found is lost, at its old index while no
         other GPU holds that index; a GPU never seen is opened. A GPU whose calls are
         stuck (unresponsive) stays as it is: hung is not lost."""
-        try:
-            count = int(self._call("node", "nvmlDeviceGetCount"))
-        except ProbeError as e:
-            log.debug("enumerating the GPUs again failed: %s", e)
-            return
+        if self._count is not None and not (self._devices.lost or self._gone):
+            count = self._count  # only GPUs that did not open to try again: no node-wide call
+        else:
+            try:
+                count = int(self._call("node", "nvmlDeviceGetCount"))
+            except ProbeError as e:
+                log.debug("enumerating the GPUs again failed: %s", e)
+                return
+            self._count = count
         found: dict[str, tuple[int, Any]] = {}
         failed: dict[int, str] = {}
         lost_at: dict[int, str] = {}  # indices that answer GPU_IS_LOST
         hung: set[int] = set()
+        looked = self._devices.each(
+            {f"gpu{i}": ("nvmlDeviceGetHandleByIndex", partial(self._identify, i)) for i in range(count)}
+        )
         for i in range(count):
             try:
-                h = self._call(f"gpu{i}", "nvmlDeviceGetHandleByIndex", i)
-                uuid = _text(self._call(f"gpu{i}", "nvmlDeviceGetUUID", h))
+                h, uuid = looked[f"gpu{i}"].get()
             except Unresponsive:
                 hung.add(i)
                 continue
@@ -357,6 +420,7 @@ class NvmlProbe:
                 gpu.slow_at_s = float("-inf")
             self._gone.pop(uuid, None)
             self._open_errors.pop(i, None)
+            self._unanswered.discard(i)
             gpus.append(gpu)
         taken = {g.index for g in gpus} | hung
         lost: dict[int, str] = {}
@@ -385,6 +449,11 @@ class NvmlProbe:
                 lost[i] = why
         self._gpus = sorted(gpus, key=lambda g: g.index)
         self._devices.renumber({g.index: (g.handle, g.uuid) for g in self._gpus if g.index not in lost}, lost)
+
+    def _identify(self, i: int) -> tuple[Any, str]:
+        """(handle, UUID) of the GPU NVML lists at index ``i`` now."""
+        h = self._call(f"gpu{i}", "nvmlDeviceGetHandleByIndex", i)
+        return h, _text(self._call(f"gpu{i}", "nvmlDeviceGetUUID", h))
 
     def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
@@ -478,8 +547,36 @@ class NvmlProbe:
             return None
         return None if cap is None else float(cap)
 
+    @property
+    def opening(self) -> str | None:
+        """What an open in progress waits on, and for how long (None: not opening)."""
+        phase = self._phase
+        if phase is None:
+            return None
+        return f"{phase[0]} (for {time.monotonic() - phase[1]:.0f} s)"
+
+    def gpu_states(self) -> list[dict[str, Any]]:
+        """Each GPU NVML listed, for ``greenctl status``: ``index``, ``uuid`` (None where
+        it never answered), ``state`` ("ok", "unresponsive", "lost", "not_opened") and
+        ``detail`` (why, where not ok)."""
+        hung = self._devices.unresponsive
+        lost = self._devices.lost
+        rows: dict[int, dict[str, Any]] = {}
+        for g in self._gpus:
+            why = lost.get(g.index) or hung.get(f"gpu{g.index}")
+            state = "lost" if g.index in lost else "unresponsive" if why else "ok"
+            rows[g.index] = {"index": g.index, "uuid": g.uuid, "state": state, "detail": why}
+        for i, why in self._open_errors.items():
+            state = "unresponsive" if i in self._unanswered else "not_opened"
+            rows[i] = {"index": i, "uuid": None, "state": state, "detail": why}
+        for i, why in lost.items():
+            rows.setdefault(i, {"index": i, "uuid": None, "state": "lost", "detail": why})
+        return [rows[i] for i in sorted(rows)]
+
     def info(self) -> ProbeInfo:
         if not self._opened:
+            if self._phase is not None:
+                return ProbeInfo(self.name, available=False, detail=f"initialising: waiting on {self.opening}")
             detail, fix = self._unavailable or ("not opened", None)
             return ProbeInfo(self.name, available=False, detail=detail, fix=fix)
         devices = [
@@ -502,7 +599,10 @@ class NvmlProbe:
             f"{g.uuid} (was gpu{g.index}): LOST (not found again; another GPU is gpu{g.index} now)"
             for g in self._gone.values()
         ]
-        devices += [f"gpu{i}: NOT OPENED ({why})" for i, why in sorted(self._open_errors.items())]
+        devices += [
+            f"gpu{i}: {'UNRESPONSIVE' if i in self._unanswered else 'NOT OPENED'} ({why})"
+            for i, why in sorted(self._open_errors.items())
+        ]
         live = sum(not self._devices.is_lost(g.index) for g in self._gpus)
         if self.source == "sim":  # no driver behind them: say what they are
             parts = [f"{live} simulated GPU(s) (greend's NVML simulator)"]
@@ -512,10 +612,12 @@ class NvmlProbe:
             parts.append(f"driver {self._driver_version}")
         if lost or self._gone:
             parts.append(f"lost: {', '.join([f'gpu{i}' for i in sorted(lost)] + sorted(self._gone))}")
-        if hung:
-            parts.append(f"unresponsive: {', '.join(sorted(hung))}")
-        if self._open_errors:
-            parts.append(f"not opened: {', '.join(f'gpu{i}' for i in sorted(self._open_errors))}")
+        hung_gpus = sorted({w.split()[0] for w in hung if w != "node"} | {f"gpu{i}" for i in self._unanswered})
+        if hung_gpus:
+            parts.append(f"unresponsive: {', '.join(hung_gpus)}")
+        not_opened = sorted(set(self._open_errors) - self._unanswered)
+        if not_opened:
+            parts.append(f"not opened: {', '.join(f'gpu{i}' for i in not_opened)}")
         return ProbeInfo(self.name, available=live > 0, detail=", ".join(parts), devices=devices)
 
     def close(self) -> None:
@@ -568,4 +670,4 @@ def _text(value: Any) -> str:
     help="NVIDIA GPUs through NVML (energy counter, power, clocks, limits)",
 )
 def _nvml_probe(ctx: ProbeContext) -> Probe:
-    return NvmlProbe(nvml=ctx.nvml_module, source="nvml")
+    return NvmlProbe(nvml=ctx.nvml_module, source="nvml", open_wait_s=OPEN_WAIT_S)

@@ -28,6 +28,7 @@ from greend.errors import DeviceLost, InvalidArgument, NoData, NoPermission, Not
 
 __all__ = [
     "NVML_ERROR_FIX",
+    "Outcome",
     "NVML_ERROR_MAP",
     "DriverMismatch",
     "NvmlDevices",
@@ -72,6 +73,28 @@ def _default_deadline_s() -> float:
 # (GREEND_NVML_DEADLINE_S overrides). Healthy calls take well under 10 ms; a
 # power-limit write up to a few hundred.
 DEFAULT_DEADLINE_S = 5.0
+
+
+class Outcome:
+    """What one call of :meth:`NvmlDevices.each` gave: its value or its error."""
+
+    __slots__ = ("error", "value")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    @classmethod
+    def of(cls, call: Callable[[], Any]) -> Outcome:
+        try:
+            return cls(value=call())
+        except BaseException as e:  # handed to the caller
+            return cls(error=e)
+
+    def get(self) -> Any:
+        """The value, or the error raised (without this frame's traceback noise)."""
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class _Worker:
@@ -209,44 +232,65 @@ class NvmlDevices:
         if self._unresponsive.pop(what, None) is not None:
             log.warning("%s answers NVML calls again", what)
 
-    def deadline(self, what: str, fn: str, call: Callable[[], Any]) -> Any:
-        """``call()`` on ``what``'s worker thread, waited for at most ``deadline_s``:
-        :class:`Unresponsive` past it, and at once while an earlier call there is stuck.
-        ``what`` is ``"gpu3"``, ``"node"``, or ``"gpu3 setters"``: a GPU's setters have a
-        worker of their own, so a write stuck in the driver never queues the readings."""
-        w = self._worker(what)
-        if threading.current_thread() is w.thread:  # a call made from within a call
-            return call()
-        since = w.busy_since
-        if what in self._unresponsive and since is not None:
-            raise Unresponsive(
-                f"{what} {fn}: not called: {self._unresponsive[what]} "
-                f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
-                "a hung driver needs a GPU reset or a reboot)"
-            )
-        call.__name__ = fn
-        fut = w.submit(what, call)
-        try:
-            return fut.result(timeout=self.deadline_s)
-        except FutureTimeout:
-            why = f"{fn} did not return within {self.deadline_s:g} s"
-            if what not in self._unresponsive:
-                log.error("%s is unresponsive: %s; its calls fail until it returns", what, why)
-            self._unresponsive[what] = why
-            raise Unresponsive(f"{what} {fn}: {why} (the driver may be hung)") from None
+    def deadline(self, what: str, fn: str, call: Callable[[], Any], wait_s: float | None = None) -> Any:
+        """``call()`` on ``what``'s worker thread, waited for at most ``wait_s`` (default
+        ``deadline_s``): :class:`Unresponsive` past it, and at once while an earlier call
+        there is stuck. ``what`` is ``"gpu3"``, ``"node"``, or ``"gpu3 setters"``: a GPU's
+        setters have a worker of their own, so a write stuck in the driver never queues
+        the readings."""
+        return self.each({what: (fn, call)}, wait_s)[what].get()
+
+    def each(self, calls: dict[str, tuple[str, Callable[[], Any]]], wait_s: float | None = None) -> dict[str, Outcome]:
+        """Every ``what -> (fn, call)`` on its own worker at once, all waited for together
+        at most ``wait_s`` (default ``deadline_s``): one GPU that hangs costs the others
+        nothing, and the whole costs at most one deadline, never one per GPU."""
+        limit_s = self.deadline_s if wait_s is None else float(wait_s)
+        out: dict[str, Outcome] = {}
+        pending: dict[str, tuple[str, Future[Any]]] = {}
+        for what, (fn, call) in calls.items():
+            w = self._worker(what)
+            if threading.current_thread() is w.thread:  # a call made from within a call
+                out[what] = Outcome.of(call)
+                continue
+            since = w.busy_since
+            if what in self._unresponsive and since is not None:
+                out[what] = Outcome(
+                    error=Unresponsive(
+                        f"{what} {fn}: not called: {self._unresponsive[what]} "
+                        f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
+                        "a hung driver needs a GPU reset or a reboot)"
+                    )
+                )
+                continue
+            call.__name__ = fn
+            pending[what] = (fn, w.submit(what, call))
+        end = time.monotonic() + limit_s
+        for what, (fn, fut) in pending.items():
+            try:
+                out[what] = Outcome(value=fut.result(timeout=max(0.0, end - time.monotonic())))
+            except FutureTimeout:
+                fut.cancel()  # queued behind a stuck call: never run it late
+                why = f"{fn} did not return within {limit_s:g} s"
+                if what not in self._unresponsive:
+                    log.error("%s is unresponsive: %s; its calls fail until it returns", what, why)
+                self._unresponsive[what] = why
+                out[what] = Outcome(error=Unresponsive(f"{what} {fn}: {why} (the driver may be hung)"))
+            except BaseException as e:  # the call's own error, handed to the caller
+                out[what] = Outcome(error=e)
+        return out
 
     @property
     def unresponsive(self) -> dict[str, str]:
         """``"gpu3"`` / ``"gpu3 setters"`` / ``"node"`` -> why, for whose calls do not return."""
         return dict(self._unresponsive)
 
-    def call(self, what: str, fn: str, *args: Any) -> Any:
-        """``nvml.<fn>(*args)`` within the deadline; an NVML error arrives as the greend
-        error it means."""
+    def call(self, what: str, fn: str, *args: Any, wait_s: float | None = None) -> Any:
+        """``nvml.<fn>(*args)`` within the deadline (``wait_s``: another); an NVML error
+        arrives as the greend error it means."""
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
         try:
-            return self.deadline(what, fn, lambda: getattr(nvml, fn)(*args))
+            return self.deadline(what, fn, lambda: getattr(nvml, fn)(*args), wait_s)
         except ProbeError:
             raise
         except nvml.NVMLError as e:
@@ -305,22 +349,40 @@ class NvmlDevices:
             log.error("gpu%d is lost and left out of readings: %s", index, why)
         self._lost[index] = why
 
+    def held_index(self, uuid: str) -> int | None:
+        """The index of the GPU with ``uuid`` as greend enumerated it (no driver call),
+        or None when greend holds no handle of it."""
+        with self._lock:
+            return next(
+                (i for i, u in self._uuids.items() if u == uuid and i in self._handles and i not in self._lost), None
+            )
+
     def index_of_uuid(self, uuid: str) -> int | None:
-        """The index NVML gives the GPU with ``uuid`` now, or None if there is none."""
+        """The index of the GPU with ``uuid``: the one greend holds a handle of (no driver
+        call), else the index NVML gives it now (None: there is none), looked up on a
+        worker of that UUID's own, so one GPU whose lookup hangs never holds another's."""
+        held = self.held_index(uuid)
+        if held is not None:
+            return held
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
+
+        def lookup() -> tuple[int, Any]:
+            h = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            return int(nvml.nvmlDeviceGetIndex(h)), h
+
         try:
-            return int(
-                self.deadline(
-                    "node",
-                    "nvmlDeviceGetHandleByUUID",
-                    lambda: nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(uuid)),
-                )
-            )
+            index, handle = self.deadline(f"lookup {uuid}", "nvmlDeviceGetHandleByUUID", lookup)
         except nvml.NVMLError as e:
             if getattr(e, "value", None) == NVML_ERROR_NOT_FOUND:
                 return None
             raise translate_nvml_error(e, f"GPU {uuid} nvmlDeviceGetHandleByUUID") from e
+        with self._lock:
+            if self._uuids.get(index) == uuid and index in self._lost:  # it answers again: a fresh handle
+                log.warning("gpu%d answers again (found by its UUID)", index)
+                self._handles[index] = handle
+                del self._lost[index]
+        return index
 
     # ---- settings
 

@@ -44,6 +44,12 @@ def gpu_lock_wait_s(deadline_s: float) -> float:
 RESTORE_WAIT_S = 2.0
 
 
+def restore_wait_s(deadline_s: float) -> float:
+    """The longest a restore of every GPU (all at once) waits for one: the GPU's lock,
+    then one call that may hang to its deadline, the others failing at once after it."""
+    return RESTORE_WAIT_S + 2.0 * deadline_s + 1.0
+
+
 def _setting_text(value: float | None, unit: str) -> str:
     if value is None:
         return "unlocked" if unit == "MHz" else "original"
@@ -61,8 +67,15 @@ class GpuKnobs:
         self.backends: dict[str, GpuBackend] = {}
         self.unavailable: dict[str, str] = {}
         self._locks: dict[tuple[str, int], threading.RLock] = {}  # (backend key, index)
+        # (index, knob) -> (asked, held) of the primary's GPUs that hold another value
+        # than greend asked for, as read back after the write
+        self._held: dict[tuple[int, str], tuple[float, float]] = {}
         if primary is not None:
             self.add_backend(primary)
+
+    def deadline_s(self) -> float:
+        """The longest call deadline of the backends (5 s when there are none)."""
+        return max((b.deadline_s for b in self.backends.values()), default=5.0)
 
     def add_backend(self, backend: GpuBackend) -> None:
         self.backends[backend_key(backend.kind, backend.sim_dir)] = backend
@@ -229,6 +242,7 @@ class GpuKnobs:
             if entry is None or ks is None:
                 return  # greend never set it: nothing to restore
             self._restore_knob(backend, index, entry, knob, ks)
+            self._held.pop((index, knob), None)
             with self.book.lock:
                 entry.knobs.pop(knob, None)
                 self.book.drop_empty()
@@ -264,13 +278,17 @@ class GpuKnobs:
             in_force = ks.set == value
         else:
             assert current is not None
-            in_force = w_to_mw(current) == w_to_mw(float(value))
+            # In force: the GPU holds what was asked, or what it answered the same request with.
+            in_force = w_to_mw(current) == w_to_mw(float(value)) or (
+                ks.set == value and self._held.get((index, knob)) == (float(value), current)
+            )
         if in_force:
             if ks.set != value or ks.owner != owner:
                 with self.book.lock:
                     ks.set, ks.owner, ks.updated_at = value, owner, time.time()
                     self.book.save()
             return
+        self._held.pop((index, knob), None)
         if knob == CLOCK_KNOB:
             lo = lowest if lowest is not None else int(value)
             guarded(
@@ -288,6 +306,46 @@ class GpuKnobs:
         with self.book.lock:
             ks.set, ks.owner, ks.updated_at = value, owner, time.time()
             self.book.save()
+        self._read_back(backend, index, dev, knob, float(value))
+
+    def _read_back(self, backend: GpuBackend, index: int, dev: str, knob: str, asked: float) -> None:
+        """After a write: what the GPU holds. A GPU that holds another value than asked
+        (a driver that clamps a lock, a limit rounded) is reported with what it holds,
+        flagged, logged once per value, and the policies measure against what it holds.
+        Called with the GPU's own lock held; a read that fails leaves the request as it is."""
+        held: float | None
+        try:
+            if knob == CLOCK_KNOB:
+                mhz = backend.held_clock_mhz(index)
+                held = None if mhz is None else float(mhz)
+            else:
+                held = backend.power_limit_w(index)
+        except (ProbeError, ActuatorError) as e:
+            log.debug("%s %s: cannot read back what the GPU holds: %s", dev, knob, e)
+            return
+        if held is None or (round(held * 1000) == round(asked * 1000)):
+            self._held.pop((index, knob), None)
+            return
+        unit = "MHz" if knob == CLOCK_KNOB else "W"
+        if self._held.get((index, knob)) != (asked, held):
+            log.warning(
+                "%s %s: asked %g %s, the GPU holds %g %s (the driver changed the request); "
+                "greend reports and measures %g %s",
+                dev,
+                knob,
+                asked,
+                unit,
+                held,
+                unit,
+                held,
+                unit,
+            )
+        self._held[(index, knob)] = (asked, held)
+
+    def mismatches(self, index: int) -> dict[str, dict[str, float]]:
+        """Knob -> {"asked", "held"} where GPU ``index`` holds another value than greend
+        asked for (read back after the write)."""
+        return {k: {"asked": a, "held": h} for (i, k), (a, h) in sorted(self._held.items()) if i == index}
 
     def _restore_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
         """Put one knob back to its original; returns a line for the report."""
@@ -371,6 +429,7 @@ class GpuKnobs:
                     with self.book.lock:
                         if entry.knobs.get(k) is ks:
                             del entry.knobs[k]
+                    self._held.pop((index, k), None)
                     report.restored.append(line)
         finally:
             lock.release()
@@ -406,7 +465,14 @@ class GpuKnobs:
                 return UNCAPPED
             clock = entry.knobs.get(CLOCK_KNOB)
             power = entry.knobs.get(POWER_KNOB)
+            # What the GPU holds where it differs from the request (read back after the write).
+            held_clock = self._held.get((index, CLOCK_KNOB))
+            held_power = self._held.get((index, POWER_KNOB))
             return Setting(
-                clock_cap_mhz=None if clock is None or clock.set is None else int(clock.set),
-                power_limit_w=None if power is None or power.set is None else float(power.set),
+                clock_cap_mhz=None
+                if clock is None or clock.set is None
+                else int(held_clock[1] if held_clock is not None and held_clock[0] == clock.set else clock.set),
+                power_limit_w=None
+                if power is None or power.set is None
+                else float(held_power[1] if held_power is not None and held_power[0] == power.set else power.set),
             )

@@ -30,8 +30,9 @@ Rules the Controller keeps:
   a lock set outside greend before its first write cannot be known, and is
   replaced by "unlocked" on restore. A clock knob whose first write failed is
   never reset (nothing of greend's is there to undo).
-- Restore puts each device in its own ``try``: one lost GPU or a missing
-  permission is reported and never stops the others; entries that failed stay
+- Restore puts each device in its own ``try``, and each GPU on a thread of its
+  own, found by the index and handle greend holds (no node-wide lookup): one lost
+  or hung GPU or a missing permission is reported and never stops the others; entries that failed stay
   in the state file (a later ``greend restore`` retries), the restored ones are
   dropped, and the file is removed once empty.
 - Dry-run logs "would set ..." and records the intended setting in memory (for
@@ -56,12 +57,14 @@ the knob and the fix (:mod:`greend.actuators.knob_errors`).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from greend.actuators._book import SettingsBook
-from greend.actuators._gpu_knobs import GpuKnobs, gpu_lock_wait_s
+from greend.actuators._gpu_knobs import GpuKnobs, gpu_lock_wait_s, restore_wait_s
 from greend.actuators._rapl_knobs import RaplKnobs
 from greend.actuators.gpu import GpuBackend
 from greend.actuators.rapl import RaplBackend
@@ -128,6 +131,32 @@ class Controller:
 
     def add_gpu_backend(self, backend: GpuBackend) -> None:
         self._gpus.add_backend(backend)
+
+    def set_gpu_backend(self, backend: GpuBackend) -> None:
+        """Drive this node's GPUs through ``backend`` from now on (the daemon opens NVML
+        in the background and hands its backend over once it is open)."""
+        self._gpus.add_backend(backend)
+        self._gpus.primary = backend
+        self.gpu_backend = backend
+
+    def leftover_gpu_keys(self) -> set[str]:
+        """The backends (``"nvml"``, ``"sim:<dir>"``) of the GPUs the saved-settings file holds."""
+        with self._book.lock:
+            return {e.backend_key for e in self._book.state.gpus}
+
+    def restore_saved(self, gpu_keys: Iterable[str], cpus: bool) -> RestoreReport:
+        """Restore what the file holds for the GPUs of the backends ``gpu_keys`` (and every
+        RAPL zone when ``cpus``): what an earlier run left (a crash, a SIGKILL), restored
+        at start through the backends this greend holds, each device on its own."""
+        keys = set(gpu_keys)
+        book = self._book
+        report = RestoreReport(dry_run=book.dry_run)
+        if book.dry_run:
+            return report
+        self._restore_each(report, lambda e: list(GPU_KNOBS) if e.backend_key in keys else [], lambda cpu: cpus)
+        with book.lock:
+            book.finish(report)
+        return report
 
     def gpu_backend_unavailable(self, key: str, why: str) -> None:
         """Record why the backend for ``key`` could not be opened (restore reports it)."""
@@ -208,15 +237,36 @@ class Controller:
         RAPL zones (sysfs writes) under it."""
         book = self._book
         with book.lock:
-            gpus = [(e, gpu_knobs(e)) for e in book.state.gpus]
-        for entry, knobs in gpus:
+            gpus = [(e, knobs) for e in book.state.gpus if (knobs := gpu_knobs(e))]
+        # Each GPU on a thread of its own: a GPU whose driver calls hang holds only its
+        # own restore (bounded by the call deadline), never another GPU's.
+        parts = [RestoreReport(dry_run=book.dry_run) for _ in gpus]
+
+        def one(entry: GpuEntry, knobs: list[str], part: RestoreReport) -> None:
             try:
-                self._gpus.restore_entry(entry, knobs, report)
+                self._gpus.restore_entry(entry, knobs, part)
             except Exception as e:
                 log.exception("restore of %s failed", entry.device)
-                report.failed += [
+                part.failed += [
                     RestoreFailure(entry.device, k, f"{type(e).__name__}: {e}") for k in knobs if k in entry.knobs
                 ]
+
+        threads = [
+            threading.Thread(target=one, args=(e, k, part), name=f"restore-{e.device}", daemon=True)
+            for (e, k), part in zip(gpus, parts, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + restore_wait_s(self._gpus.deadline_s())
+        for (entry, knobs), t, part in zip(gpus, threads, parts, strict=True):
+            t.join(max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                report.failed += [
+                    RestoreFailure(entry.device, k, "not restored: the GPU did not answer in time; it stays saved")
+                    for k in knobs
+                ]
+            else:
+                report.extend(part)
         with book.lock:
             for cpu in list(book.state.cpus):
                 if not cpu_wanted(cpu):
@@ -258,8 +308,19 @@ class Controller:
         return self._gpus.current(index)
 
     def clock_cap_mhz(self, index: int) -> int | None:
-        """For ``NvmlProbe(cap_lookup=...)``: the locked max clock greend set."""
+        """For ``NvmlProbe(cap_lookup=...)``: the locked max clock greend set, as the GPU
+        holds it (read back after the write)."""
         return self.current(index).clock_cap_mhz
+
+    def mismatches(self, index: int) -> dict[str, dict[str, float]]:
+        """Knob -> {"asked", "held"} where GPU ``index`` holds another value than asked."""
+        return self._gpus.mismatches(index)
+
+    def refused_knobs(self, index: int) -> dict[str, dict[str, str]]:
+        """Knob -> {"reason", "message"} for the knobs GPU ``index`` refused (NOT_SUPPORTED,
+        MIG mode, NO_PERMISSION): recorded once, never tried again."""
+        backend = self.gpu_backend
+        return backend.refused_knobs(index) if backend is not None else {}
 
     def current_cpu_limit_w(self, zone_path: str | Path) -> float | None:
         """The long-term RAPL limit greend has in force on a zone, or None."""

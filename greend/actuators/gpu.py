@@ -12,6 +12,7 @@ which only reads. Real NVML and the simulator's fake of it run the same code.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,6 +68,23 @@ class GpuBackend(Protocol):
 
     def set_power_limit_w(self, index: int, power_w: float) -> None: ...
 
+    def held_clock_mhz(self, index: int) -> int | None:
+        """The max SM clock the GPU holds now, read back after a lock (NVML has no getter
+        for locked clocks: the SM clock while the locked clocks are all that hold it);
+        None when the GPU cannot tell now (idle, or held by power or heat as well)."""
+        ...
+
+    def refused_knobs(self, index: int) -> dict[str, dict[str, str]]:
+        """Knob -> {"reason": "not_supported" | "mig" | "no_permission", "message"} for the
+        knobs GPU ``index`` refused (never tried again)."""
+        ...
+
+
+# The bits of NVML's clocks-event reasons (nvmlClocksEventReason*): the locked or
+# application clocks hold the clock (0x2); anything else (idle, power, heat, sync
+# boost...) means the clock read says nothing of the lock.
+_HELD_BY_CLOCK_SETTING = 0x2
+
 
 def _text(value: Any) -> str:
     """Old pynvml versions return bytes for names and UUIDs."""
@@ -95,8 +113,10 @@ class NvmlGpuBackend:
         self.sim_dir: str | None = str(Path(nvml.state_dir).resolve()) if sim else None
         self._owns_probe = owns_probe
         self._clocks: dict[int, tuple[int, ...]] = {}
-        # (index, setter) -> the refusal (NO_PERMISSION / NOT_SUPPORTED): not tried again
-        self._refused: dict[tuple[int, str], ProbeError] = {}
+        # (index, knob) -> (reason, the refusal): NO_PERMISSION / NOT_SUPPORTED / MIG mode;
+        # not tried again, logged once
+        self._refused: dict[tuple[int, str], tuple[str, ProbeError]] = {}
+        self._refusing = threading.RLock()  # the refusals: the tick, the socket's ops and status
         self._constraints: dict[int, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
@@ -150,32 +170,82 @@ class NvmlGpuBackend:
         return self.devices.call(f"gpu{index}", fn, self._handle(index), *args)
 
     def _write(self, index: int, fn: str, *args: Any) -> None:
-        """A setter, unless it was refused before: a knob NVML refused with
-        NO_PERMISSION or NOT_SUPPORTED stays refused (it will not start working
-        between two policy periods) and is not called, or logged, again."""
+        """A setter, unless its knob was refused before: a knob NVML refused with
+        NO_PERMISSION or NOT_SUPPORTED, or any knob of a GPU in MIG mode, stays refused
+        (it will not start working between two policy periods): recorded and logged
+        once per GPU and knob, never called again."""
         self._handle(index)
+        knob = _knob_group(fn)
+        refused = self._refused.get((index, knob))
+        if refused is not None:
+            raise type(refused[1])(f"{refused[1]} (refused before: not tried again)")
         if self.probe.is_mig(index):
-            raise NotSupported(
+            err: ProbeError = NotSupported(
                 f"gpu{index} {fn}: the GPU is in MIG mode: greend does not cap a GPU shared "
                 "by MIG instances (a cap would slow every instance's job)"
             )
-        refused = self._refused.get((index, _knob_group(fn)))
-        if refused is not None:
-            raise type(refused)(f"{refused} (refused before: not tried again)")
+            self._refuse(index, knob, "mig", err)
+            raise err
         try:
             self.devices.write(index, fn, *args)
-        except (NoPermission, NotSupported) as e:
-            self._refused[(index, _knob_group(fn))] = e
-            log.warning("gpu%d: %s: disabled for this GPU until greend restarts", index, e)
+        except NoPermission as e:
+            self._refuse(index, knob, "no_permission", e)
             raise
+        except NotSupported as e:
+            self._refuse(index, knob, "not_supported", e)
+            raise
+
+    def _refuse(self, index: int, knob: str, reason: str, err: ProbeError) -> None:
+        with self._refusing:
+            if (index, knob) in self._refused:
+                return
+            self._refused[(index, knob)] = (reason, err)
+        log.warning("gpu%d %s refused (%s): %s; disabled for this GPU until greend restarts", index, knob, reason, err)
 
     @property
     def refused(self) -> dict[int, dict[str, str]]:
         """Index -> {knob: why} for knobs NVML refused (for status)."""
         out: dict[int, dict[str, str]] = {}
-        for (i, knob), e in sorted(self._refused.items()):
+        with self._refusing:
+            refused = sorted(self._refused.items())
+        for (i, knob), (_, e) in refused:
             out.setdefault(i, {})[knob] = str(e)
         return out
+
+    def refused_knobs(self, index: int) -> dict[str, dict[str, str]]:
+        if self.probe.is_mig(index):  # known from enumeration: refused before any write is tried
+            with self._refusing:
+                for k in ("clock_cap_mhz", "power_limit_w"):
+                    if (index, k) not in self._refused:
+                        why = (
+                            f"gpu{index} is in MIG mode: greend does not cap a GPU shared by MIG instances "
+                            "(a cap would slow every instance's job)"
+                        )
+                        self._refuse(index, k, "mig", NotSupported(why))
+        with self._refusing:
+            refused = sorted(self._refused.items())
+        return {k: {"reason": r, "message": str(e)} for (i, k), (r, e) in refused if i == index}
+
+    def held_clock_mhz(self, index: int) -> int | None:
+        nvml = self.devices.nvml
+        fn = next(
+            (
+                f
+                for f in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+                if hasattr(nvml, f)
+            ),
+            None,
+        )
+        if fn is None:
+            return None
+        try:
+            reasons = int(self._call(index, fn))
+            if reasons & ~_HELD_BY_CLOCK_SETTING:
+                return None  # idle, or power or heat hold it too: the clock says nothing of the lock
+            return int(self._call(index, "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM))
+        except ProbeError as e:
+            log.debug("gpu%d: the clock held cannot be read back: %s", index, e)
+            return None
 
     # ---- GpuBackend
 

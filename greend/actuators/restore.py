@@ -36,7 +36,7 @@ from greend.config import DEFAULT_STATE_DIR
 from greend.errors import GreendError, NoData, StateError
 from greend.fsutil import lock_holder
 
-__all__ = ["main", "reset_gpus_to_defaults", "restore_from_state_dir"]
+__all__ = ["add_recorded_backends", "main", "reset_gpus_to_defaults", "restore_from_state_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,7 @@ def restore_from_state_dir(
 
     ctrl = Controller(state_dir)
     try:
-        seen: set[str] = set()
-        for g in state.gpus:
-            key = g.backend_key
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                ctrl.add_gpu_backend(_open_gpu_backend(g.backend, g.sim_dir, nvml_module))
-            except GreendError as e:
-                what = "NVML" if g.backend == "nvml" else f"the simulated GPUs in {g.sim_dir}"
-                ctrl.gpu_backend_unavailable(key, f"cannot open {what}: {e}")
+        add_recorded_backends(ctrl, {g.backend_key for g in state.gpus}, nvml_module)
         for root in {c.sysfs_root for c in state.cpus}:
             if Path(root).is_dir():
                 ctrl.add_rapl_backend(RaplBackend(root))
@@ -103,6 +93,22 @@ def restore_from_state_dir(
         return ctrl.restore_all()
     finally:
         ctrl.close()
+
+
+def add_recorded_backends(ctrl: Controller, keys: set[str], nvml_module: Any | None) -> None:
+    """Open a GPU backend for each of ``keys`` (``"nvml"``, ``"sim:<dir>"``) that the
+    saved-settings file records, and add it to ``ctrl``; one that cannot be opened is
+    recorded with why (its entries' restore reports it)."""
+    entries = {g.backend_key: g for g in ctrl.state_file.load().gpus}
+    for key in sorted(keys):
+        g = entries.get(key)
+        if g is None:
+            continue
+        try:
+            ctrl.add_gpu_backend(_open_gpu_backend(g.backend, g.sim_dir, nvml_module))
+        except GreendError as e:
+            what = "NVML" if g.backend == "nvml" else f"the simulated GPUs in {g.sim_dir}"
+            ctrl.gpu_backend_unavailable(key, f"cannot open {what}: {e}")
 
 
 def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:

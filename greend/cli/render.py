@@ -63,7 +63,19 @@ def render_status(st: dict[str, Any]) -> str:
         )
         if st.get("dry_run"):
             out.append("DRY RUN: CAP_MHZ and LIMIT_W are what greend recorded; the devices were not touched")
-    else:
+        for g in st["gpus"]:
+            for knob, m in (g.get("cap_mismatch") or {}).items():
+                out.append(f"gpu{g['index']} {knob}: asked {m['asked']:g}, the GPU holds {m['held']:g} (shown above)")
+            for knob, r in (g.get("refused_knobs") or {}).items():
+                out.append(f"gpu{g['index']} {knob}: refused ({r['reason']}), not tried again: {r['message']}")
+    gp = st.get("gpu_probe")
+    if gp and gp.get("state") == "initialising":
+        out.append(f"GPUs: initialising ({gp['probe']}): {gp.get('detail')}")
+    elif gp:
+        for row in gp.get("gpus") or []:
+            if row["state"] != "ok":
+                out.append(f"gpu{row['index']}: {row['state'].upper()} ({row.get('detail')})")
+    if not st["gpus"] and not (gp and gp.get("state") == "initialising"):
         out.append("no GPUs (see: greenctl probes)")
     out.append("")
     if st["cpus"]:

@@ -14,7 +14,8 @@ while a job runs, from the same period; the loop runs it through its
 
 Restores: a job's settings are lifted when it ends (its client said so, hung up or
 stopped heartbeating); everything is restored on SIGTERM, on ``greenctl cap reset``
-and, after a crash, at the next start (and by systemd's ``ExecStopPost``).
+and, after a crash, at the next start (the GPUs once their probe is open, through the
+handles it holds) and by systemd's ``ExecStopPost``.
 
 One failing device never stops a tick: every apply is caught and logged on its own.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from greend.control.context import ControlContext, NodeReadings
@@ -70,41 +72,40 @@ class ControlLoop:
         self._pushed_pace: dict[str, float] = {}
         self._lock = threading.RLock()  # the policies and their states: the tick and the socket ops
         self.profiler = ProfileRecorder(ctx, self, self._lock)  # greenctl profile record
+        self._attach_lock = threading.Lock()
+        self._pending_probe: Probe | None = None  # a GPU probe that opened before the controller existed
+        self._attached: Probe | None = None
+        self._leftover_keys: set[str] = set()
 
     # Set-up --------------------------------------------------------------------------
     @property
     def policy_name(self) -> str:
         return getattr(self.policy, "name", "none")
 
-    def restore_leftovers(self, nvml_module: Callable[[], Any]) -> None:
-        """A previous daemon died without restoring: put its settings back first
-        (``nvml_module()``: the NVML the probes use, asked for only then)."""
-        from greend.actuators.restore import restore_from_state_dir
-        from greend.actuators.state import StateFile
+    def open(
+        self,
+        gpu_probe: Probe | None,
+        rapl_open: bool,
+        *,
+        nvml_module: Callable[[], Any] | None = None,
+    ) -> None:
+        """Take control of the CPU zones (if RAPL is readable) and of the GPUs ``gpu_probe``
+        reads (an open nvml or sim probe; None: none yet, :meth:`attach_gpus` hands them
+        over once their probe opens); then start the configured policies.
 
-        state_dir = self.ctx.cfg.daemon.state_dir
-        if not StateFile(state_dir).path.exists():
-            return
-        rep = restore_from_state_dir(state_dir, nvml_module=nvml_module())
-        for line in rep.lines():
-            (log.warning if not rep.ok else log.info)("restore at start: %s", line)
-
-    def open(self, gpu_probe: Probe | None, rapl_open: bool) -> None:
-        """Take control of the GPUs ``gpu_probe`` reads (an open nvml or sim probe) and,
-        if RAPL is readable, of the CPU zones; then start the configured policies."""
-        from greend.actuators import Controller, NvmlGpuBackend, RaplBackend
-        from greend.probes.base import ShowsClockCaps
+        What an earlier run left in the saved-settings file (a crash, a SIGKILL) goes
+        back first: the RAPL zones now, this greend's GPUs through the handles their
+        probe holds once it is open, and any other backend's (another sim dir's, NVML's
+        under ``--sim``) on a thread of its own (``nvml_module()``: the NVML to open for
+        those)."""
+        from greend.actuators import Controller, RaplBackend
+        from greend.actuators.state import backend_key
 
         cfg = self.ctx.cfg
         try:
-            gpu_backend = (
-                NvmlGpuBackend(gpu_probe)  # type: ignore[arg-type]  # the nvml and sim probes are NvmlProbes
-                if gpu_probe is not None
-                else None
-            )
-            self.ctrl = Controller(
+            ctrl = Controller(
                 cfg.daemon.state_dir,
-                gpu_backend,
+                None,
                 RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
                 dry_run=cfg.daemon.dry_run,
             )
@@ -113,10 +114,57 @@ class ControlLoop:
             self.disabled = f"control is off: {e}"
             log.error("%s", self.disabled)
             return
-        if isinstance(gpu_probe, ShowsClockCaps):
-            gpu_probe.use_cap_lookup(self.ctrl.clock_cap_mhz)
+        self._leftover_keys = ctrl.leftover_gpu_keys()
+        if ctrl.state_path.exists():
+            self._report_leftovers(ctrl.restore_saved((), cpus=True))
+        if cfg.sim.gpus > 0:
+            own_gpu_key: str | None = backend_key("sim", str(Path(cfg.sim_dir).resolve()))
+        else:
+            own_gpu_key = "nvml" if "nvml" in cfg.enabled_probes else None
+        others = self._leftover_keys - {own_gpu_key}
+        if others:
+            threading.Thread(
+                target=self._restore_other_backends,
+                args=(ctrl, others, nvml_module),
+                name="restore-leftovers",
+                daemon=True,
+            ).start()
+        with self._attach_lock:
+            self.ctrl = ctrl
+            pending = gpu_probe or self._pending_probe
+        if pending is not None:
+            self.attach_gpus(pending)
         self.set_policy(cfg.policy.name, dict(cfg.policy.params))
         self.set_precision_policy(cfg.policy.precision, dict(cfg.policy.precision_params))
+
+    def _restore_other_backends(self, ctrl: Controller, keys: set[str], nvml_module: Callable[[], Any] | None) -> None:
+        from greend.actuators.restore import add_recorded_backends
+
+        add_recorded_backends(ctrl, keys, nvml_module() if nvml_module is not None else None)
+        self._report_leftovers(ctrl.restore_saved(keys, cpus=False))
+
+    def attach_gpus(self, gpu_probe: Probe) -> None:
+        """Drive the GPUs ``gpu_probe`` reads (called when it opens, from the thread that
+        opened it): what an earlier run left on them is restored first, through the
+        handles the probe holds, then the policies may act on them."""
+        from greend.actuators import NvmlGpuBackend
+        from greend.probes.base import ShowsClockCaps
+
+        with self._attach_lock:
+            ctrl = self.ctrl
+            if ctrl is None:
+                self._pending_probe = gpu_probe  # open() attaches it
+                return
+            if self._attached is gpu_probe:
+                return
+            self._attached = gpu_probe
+        backend = NvmlGpuBackend(gpu_probe)  # type: ignore[arg-type]  # the nvml and sim probes are NvmlProbes
+        ctrl.add_gpu_backend(backend)
+        if backend.key in self._leftover_keys:
+            self._report_leftovers(ctrl.restore_saved({backend.key}, cpus=False))
+        ctrl.set_gpu_backend(backend)
+        if isinstance(gpu_probe, ShowsClockCaps):
+            gpu_probe.use_cap_lookup(ctrl.clock_cap_mhz)
 
     def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
         from greend.policies import get_policy
@@ -223,6 +271,7 @@ class ControlLoop:
                     power_limit_min_w=g.power_limit_min_w,
                     power_limit_max_w=g.power_limit_max_w,
                     power_limit_default_w=g.power_limit_default_w,
+                    refused_knobs={k: r["reason"] for k, r in ctrl.refused_knobs(g.index).items()},
                 )
             )
         jobs = self.ctx.jobs.views(ctrl.current)
@@ -314,15 +363,24 @@ class ControlLoop:
         admin capped (``greenctl cap set``) is left alone, in force and still the admin's."""
         assert self.ctrl is not None
         admin = self.ctrl.owners().get(NODE_OWNER, [])
+        # A knob the GPU refused (recorded and logged once) is left alone: asking again
+        # every period would only log the same refusal again.
+        refused = self.ctrl.refused_knobs(gpu)
         keep = tuple(
             knob
             for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz), ("power_limit_w", setting.power_limit_w))
-            if value is None and f"gpu{gpu}.{knob}" in admin
+            if knob in refused or (value is None and f"gpu{gpu}.{knob}" in admin)
         )
+        if len(keep) == 2 and refused:
+            return self.ctrl.current(gpu)
         try:
             return self.ctrl.apply_gpu(gpu, setting, owner, keep=keep)
         except (ActuatorError, StateError) as e:
-            log.error("gpu%d: cannot apply %s for %s: %s", gpu, setting_json(setting), owner, e)
+            refused_now = set(self.ctrl.refused_knobs(gpu)) - set(refused)
+            # A knob refused just now was logged once where it was refused; not twice.
+            (log.debug if refused_now else log.error)(
+                "gpu%d: cannot apply %s for %s: %s", gpu, setting_json(setting), owner, e
+            )
             return None
 
     def cap_point(self, ts: int, in_force: Setting, reason: str, *, gpu: int, job: str = "") -> Point:
@@ -369,6 +427,14 @@ class ControlLoop:
         rep = self.ctrl.restore_all()
         self.report_restore(rep, why)
         return rep
+
+    @staticmethod
+    def _report_leftovers(rep: Any) -> None:
+        """Log what the restore of an earlier run's settings did (nothing when nothing was there)."""
+        if not rep.restored and not rep.failed:
+            return
+        for line in rep.lines():
+            (log.warning if not rep.ok else log.info)("restore at start: %s", line)
 
     def report_restore(self, rep: Any, why: str) -> None:
         """Log what a restore put back (or failed to)."""

@@ -228,11 +228,18 @@ class Daemon:
         except BlockingIOError as e:
             self.refused = True
             raise OSError(str(e)) from None
-        self.control.restore_leftovers(self.nvml_module)  # a crashed predecessor's caps go back first
+        # Real NVML opens on a thread of its own (status says "initialising" meanwhile):
+        # the socket serves at once whatever the driver does, and the GPUs are handed to
+        # the controller when their probe opens (a crashed predecessor's caps go back first).
+        self.probing.on_open = self._probe_opened
         self.open_probes()
-        self.control.open(self.probing.gpu_probe(), self.probing.is_open("rapl"))
+        self.control.open(self.probing.gpu_probe(), self.probing.is_open("rapl"), nvml_module=self.nvml_module)
         self.open_stores()
         self.start_server()
+
+    def _probe_opened(self, probe: Probe) -> None:
+        if probe.name in ("nvml", "sim") and self.probing.gpu_probe() is probe:
+            self.control.attach_gpus(probe)
 
     # The loop ------------------------------------------------------------------------
     def run(self, max_ticks: int | None = None, on_tick: Callable[[], None] | None = None) -> None:

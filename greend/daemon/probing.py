@@ -2,7 +2,10 @@
 
 Each probe is timed and isolated: one that raises is marked failed for that tick and
 the others go on; one that is closed (absent hardware, no permission) is tried again
-every ``PROBE_RETRY_S``. A probe may ask to be sampled less often than the tick
+every ``PROBE_RETRY_S``. A probe that says it ``opens_in_background`` (real NVML, whose
+``nvmlInit`` may take seconds after a driver load and whose calls may hang) is opened,
+and opened again, on a thread of its own, never on the tick: it reads "initialising"
+meanwhile, and ``on_open`` is told once it is open. A probe may ask to be sampled less often than the tick
 (``interval_s``): its last readings stand in until it is due.
 
 Where a probe stands in front of simulated GPUs, the scheduler is also the node's step
@@ -13,6 +16,7 @@ steps that ranks report, to be run on the device models.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,10 +52,19 @@ class ProbeStats:
     next_open_s: float = 0.0
     next_due_s: float = float("-inf")
     last: Readings | None = None  # carried into ticks where the probe is not due
+    opening_since: float | None = None  # monotonic; an open in progress on its own thread
+
+    @property
+    def state(self) -> str:
+        """ "initialising" while an open runs, "open", or "unavailable"."""
+        if self.opening_since is not None and not self.open:
+            return "initialising"
+        return "open" if self.open else "unavailable"
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,
+            "state": self.state,
             "open": self.open,
             "success": self.success,
             "duration_s": self.duration_s,
@@ -78,6 +91,8 @@ class ProbeScheduler:
         self.monotonic = monotonic
         self.probes: list[Probe] = []
         self.stats: dict[str, ProbeStats] = {}
+        self.on_open: Callable[[Probe], None] | None = None  # told of every probe that opens
+        self._closed = False
 
     def open_all(self, enabled: list[str], ctx: ProbeContext) -> None:
         try:
@@ -89,6 +104,21 @@ class ProbeScheduler:
             self.try_open(p, first=True)
 
     def try_open(self, p: Probe, *, first: bool) -> None:
+        """Open ``p`` now, or start opening it on a thread of its own where it says it
+        ``opens_in_background`` (once: an open in progress is left to finish)."""
+        st = self.stats[p.name]
+        if not getattr(p, "opens_in_background", False):
+            self._open_now(p, first=first)
+            return
+        if st.opening_since is not None:
+            return
+        st.opening_since = self.monotonic()
+        st.next_open_s = float("inf")  # the opener sets the next try when it is done
+        threading.Thread(
+            target=self._open_now, args=(p,), kwargs={"first": first}, name=f"open-{p.name}", daemon=True
+        ).start()
+
+    def _open_now(self, p: Probe, *, first: bool) -> None:
         st = self.stats[p.name]
         try:
             p.open()
@@ -109,6 +139,18 @@ class ProbeScheduler:
             st.info = p.info()
         except Exception as e:
             st.info = ProbeInfo(p.name, False, f"info() failed: {e}")
+        st.opening_since = None
+        if not st.open:
+            return
+        if self._closed:  # the daemon stopped while this opened: nothing may use it now
+            self._close_one(p)
+            st.open = False
+            return
+        if self.on_open is not None:
+            try:
+                self.on_open(p)
+            except Exception:
+                log.exception("after probe %s opened", p.name)
 
     def is_open(self, name: str) -> bool:
         st = self.stats.get(name)
@@ -121,6 +163,9 @@ class ProbeScheduler:
         fresh: list[Readings] = []
         for p in self.probes:
             st = self.stats[p.name]
+            if st.opening_since is not None and not st.open:
+                st.success = False  # opening on its own thread: nothing to read yet
+                continue
             if not st.open:
                 if now_s >= st.next_open_s:
                     self.try_open(p, first=False)
@@ -160,7 +205,7 @@ class ProbeScheduler:
         mid-run shows up here)."""
         for p in self.probes:
             st = self.stats[p.name]
-            if st.open:
+            if st.open or st.opening_since is not None:
                 try:
                     st.info = p.info()
                 except Exception as e:
@@ -238,9 +283,37 @@ class ProbeScheduler:
             log.debug("compute processes of GPU %d: %s", index, e)
             return None
 
+    def gpu_states(self) -> dict[str, Any] | None:
+        """The GPU probe's state for ``status``: ``probe``, ``state`` ("initialising",
+        "open", "unavailable"), ``detail`` and, per GPU NVML listed, its ``state`` ("ok",
+        "unresponsive", "lost", "not_opened"); None where no GPU probe is enabled."""
+        p = next((p for p in self.probes if p.name in ("nvml", "sim")), None)
+        if p is None:
+            return None
+        st = self.stats[p.name]
+        opening = getattr(p, "opening", None)
+        if st.state == "initialising":
+            detail = f"opening NVML: waiting on {opening}" if opening else "opening NVML"
+        else:
+            detail = st.info.detail if st.info is not None else (st.last_error or "")
+        states = getattr(p, "gpu_states", None)
+        return {
+            "probe": p.name,
+            "state": st.state,
+            "detail": detail,
+            "gpus": states() if st.open and states is not None else [],
+        }
+
     def close(self) -> None:
+        self._closed = True
         for p in self.probes:
-            try:
-                p.close()
-            except Exception as e:
-                log.warning("probe %s: close failed: %s", p.name, e)
+            if self.stats.get(p.name) is not None and self.stats[p.name].opening_since is not None:
+                continue  # its opener closes it when it is done
+            self._close_one(p)
+
+    @staticmethod
+    def _close_one(p: Probe) -> None:
+        try:
+            p.close()
+        except Exception as e:
+            log.warning("probe %s: close failed: %s", p.name, e)

@@ -23,7 +23,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.registry import JobRegistry
 from greend.probes import CpuReading, GpuReading
 
-__all__ = ["StatusContext", "cpu_row", "gpu_origins", "gpu_row", "lateness", "status_document"]
+__all__ = ["StatusContext", "cpu_row", "gpu_origins", "gpu_row", "knob_states", "lateness", "status_document"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,16 @@ def gpu_row(g: GpuReading, ledger: Ledger, origins: dict[str, str] | None = None
     }
 
 
+def knob_states(ctrl: Any, index: int) -> dict[str, Any]:
+    """``refused_knobs`` (knob -> {"reason", "message"}: what the GPU refused, not tried
+    again) and ``cap_mismatch`` (knob -> {"asked", "held"}: what the GPU holds where it
+    differs from what greend asked; ``clock_cap_mhz`` and ``power_limit_w`` show what it
+    holds) of GPU ``index``."""
+    if ctrl is None:
+        return {"refused_knobs": {}, "cap_mismatch": {}}
+    return {"refused_knobs": ctrl.refused_knobs(index), "cap_mismatch": ctrl.mismatches(index)}
+
+
 def cpu_row(c: CpuReading, ledger: Ledger) -> dict[str, Any]:
     power = c.power_w if c.power_w is not None else ledger.power_w(c.key)
     return {
@@ -114,6 +124,7 @@ def status_document(d: StatusContext) -> dict[str, Any]:
     held = {
         g.index: ctrl.current(g.index) for g in snap.gpus if ctrl is not None and not ctrl.dry_run
     }  # greend's settings in force (none under dry-run: nothing is written)
+    knobs = {g.index: knob_states(ctrl, g.index) for g in snap.gpus}
     return {
         "version": __version__,
         "host": d.hostname,
@@ -137,8 +148,13 @@ def status_document(d: StatusContext) -> dict[str, Any]:
                     held[g.index].power_limit_w if g.index in held else None,
                 ),
             )
+            | knobs[g.index]
             for g in snap.gpus
         ],
+        # The GPU probe's state: "initialising" while NVML opens (in the background: the
+        # socket serves meanwhile), then each GPU NVML lists, "ok" or "unresponsive",
+        # "lost", "not_opened" with why.
+        "gpu_probe": d.probing.gpu_states(),
         "cpus": [cpu_row(c, d.ledger) for c in snap.cpus],
         "host_load": None
         if h is None

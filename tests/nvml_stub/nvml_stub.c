@@ -13,13 +13,25 @@
  *   NVML_STUB_INIT_ERROR=code        nvmlInit returns this code (9, 12, 18...)
  *   NVML_STUB_LOST=1,3               every call on these GPUs: GPU_IS_LOST
  *   NVML_STUB_NO_PERMISSION=all|0,2  setters: NO_PERMISSION
- *   NVML_STUB_NO_LOCKED_CLOCKS=...   SetGpuLockedClocks: NOT_SUPPORTED
+ *   NVML_STUB_NO_LOCKED_CLOCKS=...   Set/ResetGpuLockedClocks: NOT_SUPPORTED (a
+ *                                    consumer card); the power limit still works
  *   NVML_STUB_NO_ENERGY=...          GetTotalEnergyConsumption: NOT_SUPPORTED
  *   NVML_STUB_RESET_REQUIRED=...     every call on these GPUs: RESET_REQUIRED
  *   NVML_STUB_MIG=...                MIG mode on (no clock locks, no utilisation)
  *   NVML_STUB_PERSISTENCE_OFF=1      persistence mode reads disabled
  *   NVML_STUB_HANG=fn[:gpu]          that call (e.g. nvmlDeviceGetPowerUsage)
  *                                    sleeps NVML_STUB_HANG_S seconds (default: forever)
+ *   NVML_STUB_HANG_GPUS=all|3,5      every call on these GPUs (GetHandleByIndex of
+ *                                    them included) sleeps NVML_STUB_HANG_S seconds
+ *   NVML_STUB_HANG_NODE=1            every node-wide call (GetCount, GetDriverVersion,
+ *                                    GetHandleByUUID) does too: with HANG_GPUS=all,
+ *                                    every NVML call but nvmlInit and nvmlShutdown hangs
+ *   NVML_STUB_HANG_WHEN=path         HANG_GPUS and HANG_NODE hang only while this file
+ *                                    exists (a GPU that starts hanging mid-run)
+ *   NVML_STUB_INIT_S=s               nvmlInit takes this long (as after a driver load)
+ *   NVML_STUB_CLOCK_CLAMP=mhz        SetGpuLockedClocks holds at most this max clock
+ *                                    (the driver clamps the request); the SM clock and
+ *                                    the clocks-event reasons show what is held
  *   NVML_STUB_SLOW_MS=ms             every call sleeps this long first
  *   NVML_STUB_UNINIT_AFTER=n         after n calls the init count drops to 0 (as
  *                                    after someone's unbalanced nvmlShutdown)
@@ -77,7 +89,7 @@ typedef struct {
     unsigned lock_min, lock_max; /* 0: unlocked */
     double energy_mj;
     double last_s;
-    int lost, no_perm, no_lock, no_energy, reset_required, mig;
+    int lost, no_perm, no_lock, no_energy, reset_required, mig, hang;
 } gpu_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -92,6 +104,10 @@ static char hang_fn[128] = "";
 static int hang_gpu = -1;
 static double hang_s = -1;
 static long slow_ms = 0;
+static int hang_node = 0;
+static const char *hang_when = NULL;
+static double init_s = 0;
+static unsigned clock_clamp = 0;
 static long uninit_after = -1;
 static int reset_gpu = -1;
 static long reset_after = -1;
@@ -180,6 +196,11 @@ static void configure(void) {
     }
     if ((v = getenv("NVML_STUB_HANG_S"))) hang_s = atof(v);
     if ((v = getenv("NVML_STUB_SLOW_MS"))) slow_ms = atol(v);
+    mark_list("NVML_STUB_HANG_GPUS", offsetof(gpu_t, hang));
+    if ((v = getenv("NVML_STUB_HANG_NODE")) && *v && *v != '0') hang_node = 1;
+    if ((v = getenv("NVML_STUB_HANG_WHEN")) && *v) hang_when = v;
+    if ((v = getenv("NVML_STUB_INIT_S"))) init_s = atof(v);
+    if ((v = getenv("NVML_STUB_CLOCK_CLAMP"))) clock_clamp = (unsigned)atoi(v);
     if ((v = getenv("NVML_STUB_UNINIT_AFTER"))) uninit_after = atol(v);
     if ((v = getenv("NVML_STUB_RESET")) && *v) {
         int g = -1, d = 2;
@@ -192,10 +213,19 @@ static void configure(void) {
     }
 }
 
+static void sleep_s(double s) {
+    if (s < 0)
+        for (;;) sleep(3600);
+    usleep((useconds_t)(s * 1e6));
+}
+
 /* Outside the lock: a hung or slow call must not stop calls from other threads
-   (on a real node one stuck GPU leaves the others' calls answering). */
+   (on a real node one stuck GPU leaves the others' calls answering). gpu -1: a
+   node-wide call, -2 nvmlInit (which HANG_NODE leaves alone). */
 static void maybe_wait(const char *fn, int gpu) {
     if (slow_ms > 0) usleep((useconds_t)slow_ms * 1000);
+    int hung = gpu >= 0 && gpu < MAX_GPUS ? gpus[gpu].hang : (gpu == -1 && hang_node);
+    if (hung && (!hang_when || access(hang_when, F_OK) == 0)) sleep_s(hang_s);
     if (hang_fn[0] && strcmp(hang_fn, fn) == 0 && (hang_gpu < 0 || hang_gpu == gpu)) {
         if (hang_s < 0)
             for (;;) sleep(3600);
@@ -271,9 +301,12 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, gpu_t **out) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
-    maybe_wait("nvmlInit", -1);
     pthread_mutex_lock(&mu);
     configure();
+    pthread_mutex_unlock(&mu);
+    if (init_s > 0) usleep((useconds_t)(init_s * 1e6));
+    maybe_wait("nvmlInit", -2);
+    pthread_mutex_lock(&mu);
     if (init_error) LEAVE(init_error);
     init_count++;
     LEAVE(NVML_SUCCESS);
@@ -313,8 +346,8 @@ static nvmlReturn_t copy_str(const char *s, char *buf, unsigned len) {
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t node_enter(const char *fn) {
-    maybe_wait(fn, -1);
+static nvmlReturn_t node_enter_gpu(const char *fn, int gpu) {
+    maybe_wait(fn, gpu);
     pthread_mutex_lock(&mu);
     tick();
     if (init_count == 0) {
@@ -323,6 +356,8 @@ static nvmlReturn_t node_enter(const char *fn) {
     }
     return NVML_SUCCESS;
 }
+
+static nvmlReturn_t node_enter(const char *fn) { return node_enter_gpu(fn, -1); }
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     nvmlReturn_t r = node_enter("nvmlSystemGetDriverVersion");
@@ -356,7 +391,7 @@ static nvmlDevice_t new_handle(int i) {
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
-    nvmlReturn_t r = node_enter("nvmlDeviceGetHandleByIndex");
+    nvmlReturn_t r = node_enter_gpu("nvmlDeviceGetHandleByIndex", index < MAX_GPUS ? (int)index : -1);
     if (r) return r;
     if (!device || index >= (unsigned)n_gpus) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     gpu_t *g = &gpus[index];
@@ -518,6 +553,18 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned 
     LEAVE(NVML_SUCCESS);
 }
 
+/* What holds the clocks now: the locked clocks (ApplicationsClocksSetting, 0x2)
+   when a lock below the top is in force; the stand-in's GPUs are always busy. */
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons) {
+    DEVICE_CALL("nvmlDeviceGetCurrentClocksEventReasons");
+    if (!reasons) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    *reasons = (g->lock_max && g->lock_max < SM_MAX) ? 0x2ull : 0ull;
+    LEAVE(NVML_SUCCESS);
+}
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons) {
+    return nvmlDeviceGetCurrentClocksEventReasons(device, reasons);
+}
+
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
     DEVICE_CALL("nvmlDeviceGetMigMode");
     *current = *pending = g->mig ? 1 : 0;
@@ -540,6 +587,8 @@ nvmlReturn_t nvmlDeviceSetGpuLockedClocks(nvmlDevice_t device, unsigned int lo, 
     advance(g);
     g->lock_min = lo;
     g->lock_max = hi > SM_MAX ? SM_MAX : hi;
+    if (clock_clamp && g->lock_max > clock_clamp) g->lock_max = clock_clamp; /* the driver's clamp */
+    if (g->lock_min > g->lock_max) g->lock_min = g->lock_max;
     save_state();
     LEAVE(NVML_SUCCESS);
 }

@@ -1,0 +1,106 @@
+"""The evidence the ``efficient`` policy keeps per setting (:class:`Evidence`: sums of
+a job's steps, FLOPs, time and energy, with their squares for the noise) and the
+monotone fit of step times over the settings (:func:`antitonic_fit`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .base import JobMeasure
+
+__all__ = ["Evidence", "antitonic_fit"]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Sums over the steps measured at one setting (possibly several visits)."""
+
+    steps: int = 0
+    flops: float = 0.0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    time_sq_s2: float | None = 0.0  # None: unknown (noise assumed)
+    energy_sq_j2: float | None = 0.0
+
+    @staticmethod
+    def of(m: JobMeasure) -> Evidence:
+        return Evidence(m.steps, m.flops, m.time_s, m.energy_j, m.time_sq_s2, m.energy_sq_j2)
+
+    def plus(self, o: Evidence) -> Evidence:
+        if self.steps == 0:
+            return o
+        if o.steps == 0:
+            return self
+
+        def add(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a + b
+
+        return Evidence(
+            self.steps + o.steps,
+            self.flops + o.flops,
+            self.time_s + o.time_s,
+            self.energy_j + o.energy_j,
+            add(self.time_sq_s2, o.time_sq_s2),
+            add(self.energy_sq_j2, o.energy_sq_j2),
+        )
+
+    def minus(self, o: Evidence) -> Evidence:
+        return Evidence(
+            self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None
+        )
+
+    @property
+    def time_per_flop_s(self) -> float:
+        return self.time_s / self.flops if self.flops > 0 else math.inf
+
+    @property
+    def energy_per_flop_j(self) -> float:
+        return self.energy_j / self.flops if self.flops > 0 else math.inf
+
+    @property
+    def power_w(self) -> float:
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+    def _rel_sd(self, total: float, sq: float | None, assumed: float) -> float:
+        n = self.steps
+        if sq is None or n < 2 or total <= 0:
+            return assumed
+        mean = total / n
+        var = max(0.0, sq / n - mean * mean) * n / (n - 1)
+        return math.sqrt(var) / mean
+
+    def se_time(self, assumed: float) -> float:
+        """Relative standard error of the mean step time."""
+        return self._rel_sd(self.time_s, self.time_sq_s2, assumed) / math.sqrt(max(1, self.steps))
+
+    def se_energy(self, assumed: float) -> float:
+        return self._rel_sd(self.energy_j, self.energy_sq_j2, assumed) / math.sqrt(max(1, self.steps))
+
+
+def antitonic_fit(
+    idx: list[int], value: dict[int, float], se: dict[int, float], weight: dict[int, int]
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The weighted least-squares fit of ``value`` that does not rise with the index
+    (pool adjacent violators): time can only fall as the clock or the limit rises,
+    so a measurement that breaks this is pooled with its neighbours, not trusted
+    alone. Returns the fitted value and its standard error per index."""
+    blocks: list[list[Any]] = []  # [sum w, sum w*v, sum (w*se)^2, members]
+    for i in sorted(idx):
+        w = float(max(1, weight[i]))
+        blocks.append([w, w * value[i], (w * se[i]) ** 2, [i]])
+        while len(blocks) >= 2 and blocks[-2][1] / blocks[-2][0] < blocks[-1][1] / blocks[-1][0]:
+            b = blocks.pop()
+            a = blocks[-1]
+            a[0] += b[0]
+            a[1] += b[1]
+            a[2] += b[2]
+            a[3] += b[3]
+    fit: dict[int, float] = {}
+    fit_se: dict[int, float] = {}
+    for w, wv, w2, members in blocks:
+        for i in members:
+            fit[i] = wv / w
+            fit_se[i] = math.sqrt(w2) / w
+    return fit, fit_se

@@ -1,0 +1,106 @@
+"""``efficient`` when the GPU does not do what it is asked: a knob it refuses (a card
+without clock locks, MIG mode) and a clock lock the driver clamps. Driven period by
+period on a small deterministic model of a GPU (no noise), the way the daemon calls it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from greend.policies import get_policy
+from greend.policies.base import UNCAPPED, Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
+
+FMAX = 1980
+CLOCKS = tuple(range(FMAX, 344, -15))  # descending, as NVML lists them
+FLOPS = 1e12
+
+
+def step_cost(s: Setting) -> tuple[float, float]:
+    """(time s, energy J) of one step at ``s``: half of the step scales with 1/clock; the
+    power limit holds the clock down where the draw at full clock is above it."""
+    clock = float(s.clock_cap_mhz or FMAX)
+    if s.power_limit_w is not None:
+        while clock > 345 and 100 + 300 * (clock / FMAX) ** 2 > s.power_limit_w:
+            clock -= 15
+    time_s = 0.1 * (0.5 + 0.5 * FMAX / clock)
+    power_w = 100 + 300 * (clock / FMAX) ** 2
+    return time_s, power_w * time_s
+
+
+def gpu(refused: dict[str, str] | None = None) -> GpuView:
+    return GpuView(
+        index=0,
+        source="nvml",
+        power_w=400.0,
+        sm_clock_mhz=float(FMAX),
+        clock_cap_mhz=None,
+        power_limit_w=700.0,
+        supported_sm_clocks_mhz=CLOCKS,
+        power_limit_min_w=200.0,
+        power_limit_max_w=700.0,
+        power_limit_default_w=700.0,
+        refused_knobs=refused or {},
+    )
+
+
+def drive(
+    g: GpuView, hold: Callable[[Setting], Setting] = lambda s: s, periods: int = 300, steps: int = 4
+) -> list[Decision]:
+    """Run the policy for ``periods`` periods of ``steps`` steps each; a setting asked for
+    is put in force as ``hold`` says the GPU holds it (the measure restarts there)."""
+    policy = get_policy("efficient", min_steps=4)
+    state = policy.new_state()
+    in_force, n, t, e, total = UNCAPPED, 0, 0.0, 0.0, 0
+    decisions = []
+    for k in range(periods):
+        m = JobMeasure(
+            in_force, n, n * FLOPS, t, e, None, n * (t / n) ** 2 if n else 0.0, n * (e / n) ** 2 if n else 0.0
+        )
+        job = JobView("j", (0,), "running", total, "bf16", ("bf16",), m if n else None, in_force)
+        d = policy.decide(Snapshot(t_s=float(k), gpus=(g,), jobs=(job,)), state)
+        decisions.append(d)
+        asked = d.settings.get("j")
+        if asked is not None and hold(asked) != in_force:
+            in_force, n, t, e = hold(asked), 0, 0.0, 0.0
+        dt, de = step_cost(in_force)
+        n, t, e, total = n + steps, t + steps * dt, e + steps * de, total + steps
+    return decisions
+
+
+def test_a_card_without_clock_locks_is_tuned_by_its_power_limit() -> None:
+    ds = drive(gpu({"clock_cap_mhz": "not_supported"}))
+    asked = [s for d in ds for s in d.settings.values()]
+    assert asked and all(s.clock_cap_mhz is None for s in asked)  # never a clock lock
+    assert any(s.power_limit_w is not None for s in asked)  # the power limit moves
+    last = ds[-1]
+    assert "clock_cap_mhz refused by gpu0 (not_supported): tuning power_limit_w instead" in last.reason
+    assert "settled" in last.reason, last.reason
+    assert last.details["jobs"]["j"]["knob"] == "power"
+    assert last.details["jobs"]["j"]["candidates_measured"] > 0
+
+
+def test_a_mig_gpu_is_left_alone_and_the_reason_says_why() -> None:
+    ds = drive(gpu({"clock_cap_mhz": "mig", "power_limit_w": "mig"}), periods=20)
+    assert all(not d.settings for d in ds)
+    assert ds[-1].reason == (
+        "job j: cannot act: clock_cap_mhz refused by gpu0 (mig); power_limit_w refused by gpu0 (mig)"
+    )
+
+
+def test_a_clamped_clock_is_measured_at_what_the_gpu_holds() -> None:
+    """The driver holds at most 1095 MHz whatever lock is asked: the search measures at
+    what is in force (it never stays at "0 candidates measured"), stops asking for
+    clocks above 1095 MHz once it saw the clamp, and says so."""
+
+    def clamp(s: Setting) -> Setting:
+        if s.clock_cap_mhz is not None and s.clock_cap_mhz > 1095:
+            return Setting(clock_cap_mhz=1095)
+        return s
+
+    ds = drive(gpu(), hold=clamp)
+    notes = [d.reason for d in ds if "the GPU holds 1095 MHz" in d.reason]
+    assert notes, [d.reason for d in ds[:40]]
+    first = next(i for i, d in enumerate(ds) if "the GPU holds 1095 MHz" in d.reason)
+    later = [s for d in ds[first + 1 :] for s in d.settings.values()]
+    assert all(s.clock_cap_mhz is None or s.clock_cap_mhz <= 1095 for s in later), later
+    assert ds[-1].details["jobs"]["j"]["candidates_measured"] > 0
+    assert "settled" in ds[-1].reason, ds[-1].reason
