@@ -196,8 +196,9 @@ class JobFigures:
             "rel_stderr": rel_se,
             "saved_j_95": [saved - half, saved + half] if half else None,
         }
-        if modelled:
-            # The simulator's steps carry no noise: a 95 % interval would have no width.
+        if modelled and (half is None or half < 0.05 + 1e-3 * abs(saved)):
+            # The simulator's steps at one setting carry no noise: a 95 % interval of no
+            # width says nothing, so none is given.
             confidence = {"level": "sim", "rel_stderr": None, "saved_j_95": None}
         out["baseline"]["joules_per_gflop"] = base_e / b.flops * 1e9
         out.update(

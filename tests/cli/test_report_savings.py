@@ -121,3 +121,32 @@ def test_render_setting_in_words() -> None:
     assert render_setting({"clock_cap_mhz": 1395, "power_limit_w": None}) == "clock cap 1395 MHz"
     assert render_setting({"clock_cap_mhz": None, "power_limit_w": 450.0}) == "power limit 450 W"
     assert render_setting({"clock_cap_mhz": None, "power_limit_w": None}) == "uncapped"
+
+
+def test_a_saving_is_a_share_of_the_jobs_whole_gpu_energy() -> None:
+    """Simulated steps that are ~1 % of the GPU's energy over the job (the rest: the GPU
+    idle between CPU-paced steps) save at most ~1 % of it, not the steps' own 40 %."""
+    ledger = Ledger()
+    reg = _registry(sim=True, ledger=ledger)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    t = 0.0
+    for _ in range(40):
+        _step(reg, job, t, 0.1, 1e12, "fp32", 60.0)
+        t += 0.1
+    reg.record_cap_change("j", clock_cap_mhz=1200, power_limit_w=None, reason="settled")
+    for _ in range(60):
+        _step(reg, job, t, 0.11, 1e12, "bf16", 20.0)
+        t += 0.11
+    steps_j = 40 * 60.0 + 60 * 20.0
+    ledger.record("gpu0", 0.0, 0.0)
+    ledger.record("gpu0", t, 100 * steps_j)  # the job's GPU energy: 100x its steps' own
+    r = reg.report(job)
+    sv = r["savings"]
+    assert sv["saved_j"] == pytest.approx(2400.0)  # the steps' saving, as before
+    assert sv["gpu_energy_j"] == pytest.approx(100 * steps_j)
+    assert sv["expected_gpu_energy_j"] == pytest.approx(100 * steps_j + 2400.0)
+    assert sv["saved_pct"] == pytest.approx(100 * 2400.0 / (100 * steps_j + 2400.0))
+    assert sv["saved_pct"] < 1.0  # the steps were 1-2 % of the energy: no more can be saved
+    assert sv["confidence"]["saved_j_95"] is None and sv["confidence"]["level"] == "sim"  # no zero-width interval
+    assert r["sim"] is True and reg.list_jobs()[0]["sim"] is True  # jobs and top label it (sim)
