@@ -56,6 +56,7 @@ the knob and the fix (:mod:`greend.actuators.knob_errors`).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -93,7 +94,7 @@ class Controller:
 
     def __init__(
         self,
-        state_dir: Path | str,
+        state_dir: str | os.PathLike[str],
         gpu_backend: GpuBackend | None = None,
         rapl_backend: RaplBackend | None = None,
         dry_run: bool = False,

@@ -82,8 +82,8 @@ class ControlLoop:
         from greend.actuators.restore import restore_from_state_dir
         from greend.actuators.state import StateFile
 
-        state_dir = self.ctx.cfg.daemon.state_dir
-        if not StateFile(state_dir).path.exists():
+        state_dir = self.ctx.state_dir or self.ctx.cfg.daemon.state_dir
+        if not StateFile(state_dir).exists():
             return
         rep = restore_from_state_dir(state_dir, nvml_module=nvml_module())
         for line in rep.lines():
@@ -103,7 +103,7 @@ class ControlLoop:
                 else None
             )
             self.ctrl = Controller(
-                cfg.daemon.state_dir,
+                self.ctx.state_dir or cfg.daemon.state_dir,
                 gpu_backend,
                 RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
                 dry_run=cfg.daemon.dry_run,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from greend.config import Config
@@ -33,6 +34,7 @@ class StoreSet:
         self.hostname = hostname
         self.monotonic = monotonic
         self.status = status  # the daemon's status document, which Prometheus scrapes
+        self.state_dir: Path = cfg.daemon.state_dir  # where stores keep their spools
         # The open ones (replaced, never mutated, so that write() on the tick thread may
         # iterate while a retry adds one), and the ones that failed to open.
         self.opened: list[Store] = []
@@ -57,7 +59,7 @@ class StoreSet:
         try:
             store = open_store(
                 url,
-                state_dir=self.cfg.daemon.state_dir,
+                state_dir=self.state_dir,
                 host=self.hostname,
                 retention_days=self.cfg.store.retention_days,
                 raw_hours=self.cfg.store.raw_hours,
