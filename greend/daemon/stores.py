@@ -17,7 +17,7 @@ from typing import Any
 from greend.config import Config
 from greend.errors import StoreError
 from greend.points import Point
-from greend.stores import Store, open_store
+from greend.stores import Store, open_store, redact_url
 
 __all__ = ["StoreSet"]
 
@@ -158,6 +158,8 @@ class StoreSet:
             )
         order = {u: i for i, u in enumerate(self.cfg.store_urls)}
         rows.sort(key=lambda r: order.get(r.get("url", ""), len(order)))
+        for r in rows:  # (status is readable by the socket's group: a store's password never shows)
+            r["url"] = redact_url(str(r.get("url", "")))
         return rows
 
     def close(self) -> None:
