@@ -1,5 +1,6 @@
 """Small durable-file helpers: the one atomic write, fsync of a directory, the state
-dir's lock and the check that a directory is greend's own."""
+dir (opened once, every file in it opened through its descriptor), its lock and the
+check that a directory is greend's own."""
 
 from __future__ import annotations
 
@@ -8,14 +9,29 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "StateDirLock", "check_private_dir", "fsync_dir", "lock_holder", "write_atomic"]
+__all__ = [
+    "LOCK_FILE",
+    "StateDir",
+    "StateDirLock",
+    "check_private_dir",
+    "fsync_dir",
+    "lock_holder",
+    "write_atomic",
+]
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so a rename or unlink in it survives a power cut.
+def fsync_dir(path: Path, dir_fd: int | None = None) -> None:
+    """fsync a directory (``dir_fd``: the directory open as that descriptor, ``path``
+    then only names it), so a rename or unlink in it survives a power cut.
 
     Best effort: a filesystem that cannot fsync directories is not an error.
     """
+    if dir_fd is not None:
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass
+        return
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -35,6 +51,7 @@ def write_atomic(
     mode: int = 0o666,
     exact_mode: bool = False,
     durable: bool = True,
+    dir_fd: int | None = None,
 ) -> None:
     """Replace ``path`` with ``data`` so a reader sees the old file or the new one,
     never a torn one: a temporary file in the same directory, then ``os.replace``.
@@ -46,16 +63,19 @@ def write_atomic(
     a given path (callers hold their lock); it is removed when the write fails, and
     the OSError is raised. It is created with ``O_EXCL | O_NOFOLLOW``: a file or a
     symlink someone planted at that name is removed first and never written through.
+    ``dir_fd``: ``path`` is a name in the directory open as that descriptor (a
+    :class:`StateDir`'s), which a later rename or symlink of the directory cannot move.
     """
     path = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    at = {} if dir_fd is None else {"dir_fd": dir_fd}
     try:
         try:
-            os.unlink(tmp)  # a leftover (or a planted symlink): unlink removes the link itself
+            os.unlink(tmp, **at)  # a leftover (or a planted symlink): unlink removes the link itself
         except FileNotFoundError:
             pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, **at)
         try:
             view = memoryview(raw)
             while view:
@@ -66,15 +86,72 @@ def write_atomic(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            tmp.unlink()
+            os.unlink(tmp, **at)
         except OSError:
             pass
         raise
     if durable:
-        fsync_dir(path.parent)
+        fsync_dir(path.parent, dir_fd)
+
+
+class StateDir:
+    """The state dir, opened once (``O_DIRECTORY | O_NOFOLLOW``) after it was checked
+    (:func:`check_private_dir`), and checked again through the descriptor: greend's
+    files in it (the saved settings, the lock) are opened relative to :attr:`fd`. Its
+    path is checked only at start; whoever owns a directory above it could later swap
+    it for a symlink, and a write of root's by path would follow that link. Through the
+    descriptor it goes on reaching the directory that was checked.
+
+    Before :meth:`open` (and after :meth:`close`) :attr:`fd` is None and the files are
+    opened by path (the one-shot tools: ``greend restore``)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.fd: int | None = None
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def open(self, *, create: bool = True) -> StateDir:
+        """Create the directory (0700) if missing, check it, and open it. Raises
+        PermissionError naming what is wrong (a symlink, another owner, writable by others)."""
+        if create:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_dir(self.path, "the state dir")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:  # swapped between the check and the open
+            raise PermissionError(f"the state dir {self.path} cannot be opened as a directory: {e}") from None
+        try:
+            _check_private_stat(os.fstat(fd), self.path, "the state dir")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.close()
+        self.fd = fd
+        return self
+
+    def inside(self, *parts: str) -> Path:
+        """A path in the opened directory for what takes only paths (the simulator's
+        device files, a store's spool): through ``/proc/self/fd/<fd>`` it resolves via
+        the descriptor, wherever the configured path points now. Before :meth:`open`,
+        or without /proc, the configured path."""
+        if self.fd is not None:
+            held = Path(f"/proc/self/fd/{self.fd}")
+            if held.is_dir():
+                return held.joinpath(*parts)
+        return self.path.joinpath(*parts)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 LOCK_FILE = "greend.lock"
@@ -85,13 +162,17 @@ class StateDirLock:
     per state dir. The file holds the owner's pid; the kernel drops the lock when the
     process dies, so a crash never leaves a stale lock behind."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path | StateDir) -> None:
+        self.state_dir = state_dir
         self.path = Path(state_dir) / LOCK_FILE
         self._fd: int | None = None
 
     def acquire(self) -> None:
         """Take the lock or raise ``BlockingIOError`` naming the running daemon's pid."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        dir_fd = self.state_dir.fd if isinstance(self.state_dir, StateDir) else None
+        name = LOCK_FILE if dir_fd is not None else self.path
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -136,7 +217,10 @@ def lock_holder(state_dir: Path) -> int | None:
 def check_private_dir(path: Path, what: str) -> None:
     """Refuse a directory that is not owned by this process's uid or that others may
     write to (anyone who can write there could plant symlinks or files greend trusts)."""
-    st = os.lstat(path)
+    _check_private_stat(os.lstat(path), path, what)
+
+
+def _check_private_stat(st: os.stat_result, path: Path, what: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"{what} {path} is not a directory (a symlink?); greend refuses it")
     if st.st_uid != os.geteuid():

@@ -35,8 +35,13 @@ __all__ = [
     "Field",
     "JOB_ID_RE",
     "MAX_CONNECTIONS",
+    "MAX_FLOPS_PER_ROW",
+    "MAX_FLOPS_PER_STEP",
+    "MAX_INT",
+    "MAX_LOSS",
     "MAX_MESSAGE_BYTES",
     "MAX_STEPS_PER_MESSAGE",
+    "MAX_TIME_S",
     "NODE_OWNER",
     "POLICY_OWNER",
     "PROFILE_OWNER",
@@ -69,6 +74,16 @@ MAX_MESSAGE_BYTES = 64 * 1024  # one JSON line, the newline included
 MAX_CONNECTIONS = 256
 MAX_STEPS_PER_MESSAGE = 1024
 MAX_ROWS_PER_MESSAGE = 64  # "intervals" rows; a row carries at most MAX_STEPS_PER_MESSAGE losses
+
+# The range of every number a message carries. What the daemon adds up and divides
+# (a job's totals, its baseline, its GFLOPS/W) stays finite only if what comes in is
+# bounded: one integer of 310 digits or a FLOP count of 5e-324 is enough otherwise to
+# put inf into every later reply about the job (or to stop the daemon).
+MAX_INT = 1 << 53  # any integer field (and list item), unless its schema says less: exact in a double
+MAX_TIME_S = 1e10  # a monotonic time or a duration, s (317 years)
+MAX_LOSS = 1e30  # a loss's magnitude; the callback counts a larger one as non-finite (diverged)
+MAX_FLOPS_PER_STEP = 1e21  # a "steps" entry's FLOPs
+MAX_FLOPS_PER_ROW = 1e24  # an "intervals" row's FLOPs (its steps' sum)
 
 # Where the daemon listens unless told otherwise ($GREEND_SOCKET, --socket, [daemon] socket).
 DEFAULT_SOCKET = Path("/run/greend/greend.sock")
@@ -116,6 +131,8 @@ class Field:
     max: float | None = None
     max_len: int | None = None  # strings and lists
     item_types: tuple[type, ...] | None = None  # for lists
+    item_min: float | None = None  # for lists of integers (default: -MAX_INT)
+    item_max: float | None = None  # (default: MAX_INT)
     choices: tuple[Any, ...] | None = None
 
     def describe(self) -> str:
@@ -151,16 +168,24 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"{name!r} must be a finite number, not {value!r}", field=name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if spec.min is not None and value < spec.min:
-                raise ProtocolError(f"{name!r} = {value!r} is below the minimum {spec.min}", field=name)
-            if spec.max is not None and value > spec.max:
-                raise ProtocolError(f"{name!r} = {value!r} is above the maximum {spec.max}", field=name)
+            lo, hi = spec.min, spec.max
+            if isinstance(value, int):  # every integer is within +-MAX_INT unless the schema says less
+                lo = -MAX_INT if lo is None else lo
+                hi = MAX_INT if hi is None else hi
+            if lo is not None and value < lo:
+                raise ProtocolError(f"{name!r} = {_short(value)} is below the minimum {lo:g}", field=name)
+            if hi is not None and value > hi:
+                raise ProtocolError(f"{name!r} = {_short(value)} is above the maximum {hi:g}", field=name)
         if isinstance(value, (str, list)) and spec.max_len is not None and len(value) > spec.max_len:
             raise ProtocolError(f"{name!r} is longer than {spec.max_len}", field=name)
         if isinstance(value, list) and spec.item_types is not None:
+            lo = -MAX_INT if spec.item_min is None else spec.item_min
+            hi = MAX_INT if spec.item_max is None else spec.item_max
             for i, item in enumerate(value):
                 if isinstance(item, bool) and bool not in spec.item_types or not isinstance(item, spec.item_types):
                     raise ProtocolError(f"{name}[{i}] has the wrong type {type(item).__name__}", field=name)
+                if isinstance(item, int) and not lo <= item <= hi:
+                    raise ProtocolError(f"{name}[{i}] = {_short(item)} is outside {lo:g}..{hi:g}", field=name)
         if spec.choices is not None and value not in spec.choices:
             raise ProtocolError(f"{name!r} = {value!r} is not one of {', '.join(map(str, spec.choices))}", field=name)
         msg[name] = value
@@ -175,15 +200,25 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
     return msg
 
 
+def _short(value: float) -> str:
+    """A number as an error message quotes it: a huge integer by its digits' count."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"an integer of {len(text.lstrip('-'))} digits"
+
+
+_TIME = Field((float,), required=True, min=0.0, max=MAX_TIME_S)
+_LOSS = Field((float,), min=-MAX_LOSS, max=MAX_LOSS)
+_LOSS_SUM = Field((float,), min=-MAX_LOSS * (1 << 31), max=MAX_LOSS * (1 << 31))  # steps <= 2**31 losses
+
 # One entry of a "steps" message (validated entry by entry, so one bad step names its index).
 STEP_FIELDS: dict[str, Field] = {
     "step": Field((int,), required=True, min=0),
-    "t0_s": Field((float,), required=True, min=0.0),
-    "t1_s": Field((float,), required=True, min=0.0),
-    "flops": Field((float,), required=True, min=0.0, max=1e21),
+    "t0_s": _TIME,
+    "t1_s": _TIME,
+    "flops": Field((float,), required=True, min=0.0, max=MAX_FLOPS_PER_STEP),  # 0 (unknown) or >= 1
     "samples": Field((int,), min=0),
     "tokens": Field((int,), min=0),
-    "loss": Field((float,)),
+    "loss": _LOSS,
     "nonfinite": Field((bool,)),
     "precision": Field((str,), choices=PRECISIONS),
 }
@@ -196,20 +231,20 @@ INTERVAL_FIELDS: dict[str, Field] = {
     "first_step": Field((int,), required=True, min=0),
     "last_step": Field((int,), required=True, min=0),
     "steps": Field((int,), required=True, min=1, max=1 << 31),
-    "t0_s": Field((float,), required=True, min=0.0),  # the first step's start
-    "t1_s": Field((float,), required=True, min=0.0),  # the last step's end
-    "busy_s": Field((float,), required=True, min=0.0),  # sum of the steps' durations
-    "busy_sq_s2": Field((float,), required=True, min=0.0),  # sum of their squares
-    "flops": Field((float,), required=True, min=0.0, max=1e24),
+    "t0_s": _TIME,  # the first step's start
+    "t1_s": _TIME,  # the last step's end
+    "busy_s": Field((float,), required=True, min=0.0, max=MAX_TIME_S),  # sum of the steps' durations
+    "busy_sq_s2": Field((float,), required=True, min=0.0, max=MAX_TIME_S * MAX_TIME_S),  # sum of their squares
+    "flops": Field((float,), required=True, min=0.0, max=MAX_FLOPS_PER_ROW),  # 0 (unknown) or >= 1 a step
     "samples": Field((int,), min=0),
     "tokens": Field((int,), min=0),
     "nonfinite": Field((int,), min=0),  # steps whose loss or a gradient was inf/NaN
-    "nonfinite_steps": Field((list,), max_len=64, item_types=(int,)),  # their indices (the first 64)
+    "nonfinite_steps": Field((list,), max_len=64, item_types=(int,), item_min=0),  # their indices (the first 64)
     "loss_n": Field((int,), min=0),  # finite losses reported
-    "loss_sum": Field((float,)),
-    "loss_min": Field((float,)),
-    "loss_max": Field((float,)),
-    "loss_last": Field((float,)),
+    "loss_sum": _LOSS_SUM,
+    "loss_min": _LOSS,
+    "loss_max": _LOSS,
+    "loss_last": _LOSS,
     "losses": Field((list,), max_len=MAX_STEPS_PER_MESSAGE),  # numbers: check_row checks them in one pass
     "precision": Field((str,), choices=PRECISIONS),
 }
@@ -238,7 +273,18 @@ def check_step(s: dict[str, Any]) -> dict[str, Any]:
     validate(s, STEP_FIELDS)
     if s["t1_s"] < s["t0_s"]:
         raise ProtocolError("t1_s is before t0_s", field="t1_s")
+    _check_flops(s["flops"], 1)
     return s
+
+
+def _check_flops(flops: float, steps: int) -> None:
+    """FLOPs are 0 (not counted) or at least one a step: a count below that is no count
+    (and a divisor that takes a job's joules per FLOP, and its report, to inf)."""
+    if 0 < flops < steps:
+        raise ProtocolError(
+            f"'flops' = {flops!r} for {steps} step(s): send 0 where FLOPs are not counted, else at least 1 a step",
+            field="flops",
+        )
 
 
 def check_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +295,7 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     if r["last_step"] < r["first_step"]:
         raise ProtocolError("last_step is before first_step", field="last_step")
     n = r["steps"]
+    _check_flops(r["flops"], n)
     for name in ("nonfinite", "loss_n"):
         if (r.get(name) or 0) > n:
             raise ProtocolError(f"{name!r} = {r[name]} is more than the row's {n} steps", field=name)
@@ -259,15 +306,22 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     if losses:
         if len(losses) > n:
             raise ProtocolError(f"'losses' has {len(losses)} values for the row's {n} steps", field="losses")
-        # One C-speed pass instead of a check per value: sum() refuses a non-number, and
-        # the sum is finite only if every value is (a sum beyond 1e308 is refused too).
+        # C-speed passes instead of a check per value: sum() refuses a non-number, and
+        # the sum is finite only if every value is (a sum beyond 1e308 is refused too);
+        # max(map(abs)) finds the largest magnitude.
         try:
             if not math.isfinite(sum(losses)):
                 raise TypeError
-        except TypeError:
+            biggest = max(map(abs, losses))
+        except (TypeError, OverflowError):  # (an integer past a double's range: OverflowError)
             raise ProtocolError(
                 "'losses' must be finite numbers (count the others in 'nonfinite')", field="losses"
             ) from None
+        if biggest > MAX_LOSS:
+            raise ProtocolError(
+                f"'losses' has a value of magnitude {biggest:g}, beyond {MAX_LOSS:g} (count it in 'nonfinite')",
+                field="losses",
+            )
     return r
 
 
@@ -500,21 +554,21 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "probes": {},
     "energy": {
         "key": Field((str,), required=True, max_len=128),
-        "t0_s": Field((float,), required=True),
-        "t1_s": Field((float,), required=True),
+        "t0_s": Field((float,), required=True, min=-MAX_TIME_S, max=MAX_TIME_S),
+        "t1_s": Field((float,), required=True, min=-MAX_TIME_S, max=MAX_TIME_S),
     },
     "register": {
         "job": _JOB,
         "rank": Field((int,), min=0, max=1 << 20),
         "local_rank": Field((int,), min=0, max=1 << 16),
         "world_size": Field((int,), min=1, max=1 << 20),
-        "gpus": Field((list,), max_len=64, item_types=(int,)),
+        "gpus": Field((list,), max_len=64, item_types=(int,), item_min=0, item_max=_GPU_INDEX.max),
         "host": Field((str,), max_len=255),
         "precisions": Field((list,), max_len=len(PRECISIONS), item_types=(str,)),
         # The level the job runs at on its own: greend never moves it above this one.
         "precision": Field((str,), choices=PRECISIONS),
         "mem_share": Field((float,), min=0.0, max=0.95),
-        "flops_per_step": Field((float,), min=0.0),
+        "flops_per_step": Field((float,), min=0.0, max=MAX_FLOPS_PER_STEP),
         # The callback checks accuracy on a reference batch every this many steps after a
         # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
         "reference_every": Field((int,), min=1, max=1 << 30),
@@ -534,8 +588,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "to": Field((str,), choices=PRECISIONS),
         "reason": Field((str,), max_len=512),
         "step": Field((int,), min=0),
-        "loss": Field((float,)),
-        "trend": Field((float,)),
+        "loss": _LOSS,
+        "trend": _LOSS,
     },
     "cap_set": {
         "gpu": _GPU_INDEX,

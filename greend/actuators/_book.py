@@ -10,9 +10,9 @@ the driver.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from greend.actuators.report import RestoreFailure, RestoreReport
@@ -26,7 +26,7 @@ class SettingsBook:
     :class:`~greend.errors.StateError`) and, under ``dry_run``, the intended ones, which
     live in memory only: nothing is written to the file then."""
 
-    def __init__(self, state_dir: Path | str, dry_run: bool) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], dry_run: bool) -> None:
         self.state_file = StateFile(state_dir)
         self.dry_run = dry_run
         self.lock = threading.RLock()  # the state only: never held across a driver call

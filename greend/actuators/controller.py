@@ -57,6 +57,7 @@ the knob and the fix (:mod:`greend.actuators.knob_errors`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -96,7 +97,7 @@ class Controller:
 
     def __init__(
         self,
-        state_dir: Path | str,
+        state_dir: str | os.PathLike[str],
         gpu_backend: GpuBackend | None = None,
         rapl_backend: RaplBackend | None = None,
         dry_run: bool = False,

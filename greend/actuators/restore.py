@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -49,7 +50,7 @@ def _open_gpu_backend(kind: str, sim_dir: str | None, nvml_module: Any | None) -
 
 
 def restore_from_state_dir(
-    state_dir: Path | str,
+    state_dir: str | os.PathLike[str],
     *,
     nvml_module: Any | None = None,
     force_defaults: bool = False,

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from greend.errors import StateError
-from greend.fsutil import fsync_dir, write_atomic
+from greend.fsutil import StateDir, fsync_dir, write_atomic
 
 __all__ = [
     "CLOCK_KNOB",
@@ -339,9 +339,24 @@ def parse_state(data: Any) -> SavedState:
 class StateFile:
     """``<state_dir>/saved-settings.json``: strict load, atomic save, removal when empty."""
 
-    def __init__(self, state_dir: Path | str) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        # A StateDir once open: the file is opened through its descriptor (fsutil.StateDir).
+        self._dir = state_dir if isinstance(state_dir, StateDir) else None
         self.state_dir = Path(state_dir)
         self.path = self.state_dir / STATE_FILE
+
+    def _at(self, name: str = STATE_FILE) -> tuple[str | Path, int | None]:
+        """(what to open, the directory descriptor it is relative to, if any)."""
+        fd = self._dir.fd if self._dir is not None else None
+        return (name, fd) if fd is not None else (self.state_dir / name, None)
+
+    def _exists(self, name: str = STATE_FILE) -> bool:
+        where, fd = self._at(name)
+        try:
+            os.stat(where, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"StateFile({str(self.path)!r})"
@@ -357,12 +372,13 @@ class StateFile:
         )
 
     def exists(self) -> bool:
-        return self.path.exists()
+        return self._exists()
 
     def load(self) -> SavedState:
         """The saved state; an empty one when there is no file. Raises :class:`StateError`."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never through a symlink
+            where, dir_fd = self._at()
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)  # never through a symlink
             with os.fdopen(fd, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
@@ -393,8 +409,10 @@ class StateFile:
             return
         text = json.dumps(state.to_json(), indent=1, sort_keys=True) + "\n"
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, text, mode=0o600)
+            where, dir_fd = self._at()
+            if dir_fd is None:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(where), text, mode=0o600, dir_fd=dir_fd)
         except OSError as e:
             raise StateError(
                 f"cannot write the saved-settings file {self.path}: {e.strerror or e} "
@@ -404,26 +422,28 @@ class StateFile:
 
     def remove(self) -> None:
         """Delete the file (nothing left to restore)."""
+        where, dir_fd = self._at()
         try:
-            self.path.unlink()
+            os.unlink(where, dir_fd=dir_fd)
         except FileNotFoundError:
             return
         except OSError as e:
             raise StateError(f"cannot remove the saved-settings file {self.path}: {e}") from e
-        fsync_dir(self.state_dir)
+        fsync_dir(self.state_dir, dir_fd)
 
     def move_aside(self) -> Path | None:
         """Rename the file to ``<name>.corrupt-<timestamp>`` (only on the user's
         ``--force-defaults``); returns the new path, None if there was no file."""
-        if not self.path.exists():
+        if not self._exists():
             return None
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         n = 1
-        while dest.exists():
+        while self._exists(dest.name):
             dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
             n += 1
-        os.replace(self.path, dest)
-        fsync_dir(self.state_dir)
+        (src, dir_fd), (dst, _) = self._at(), self._at(dest.name)
+        os.replace(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        fsync_dir(self.state_dir, dir_fd)
         log.warning("moved the saved-settings file %s aside to %s", self.path, dest)
         return dest

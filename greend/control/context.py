@@ -4,6 +4,7 @@ explicitly by whoever runs the loop, never the daemon itself."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -41,3 +42,6 @@ class ControlContext:
     emit: Callable[[list[Point]], None]  # to the stores
     wall: Callable[[], float]
     monotonic: Callable[[], float]
+    # The state dir the daemon opened (a greend.fsutil.StateDir: its saved settings are
+    # written through its descriptor); None: by the configured path.
+    state_dir: os.PathLike[str] | None = None

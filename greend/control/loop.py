@@ -104,7 +104,7 @@ class ControlLoop:
         cfg = self.ctx.cfg
         try:
             ctrl = Controller(
-                cfg.daemon.state_dir,
+                self.ctx.state_dir or cfg.daemon.state_dir,
                 None,
                 RaplBackend(cfg.probes.sysfs_root) if rapl_open else None,
                 dry_run=cfg.daemon.dry_run,

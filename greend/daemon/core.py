@@ -34,7 +34,7 @@ from greend.daemon.sdnotify import WatchdogPinger
 from greend.daemon.status import StatusContext, status_document
 from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
-from greend.fsutil import StateDirLock, check_private_dir
+from greend.fsutil import StateDir, StateDirLock, check_private_dir
 from greend.ipc.server import IpcServer, Limits
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
@@ -81,7 +81,9 @@ class Daemon:
         self.probing = ProbeScheduler(monotonic)
         self.stores = StoreSet(cfg, hostname=self.hostname, monotonic=monotonic, status=self.status)
         self.server: IpcServer | None = None
-        self.lock = StateDirLock(cfg.daemon.state_dir)
+        # Opened once at start; the saved settings and the lock go through its descriptor.
+        self.state_dir = StateDir(cfg.daemon.state_dir)
+        self.lock = StateDirLock(self.state_dir)
         self.refused = False  # start() found another daemon: close() then touches nothing
         # systemd's WatchdogSec=: pinged from the tick loop itself, so that a tick stuck
         # in a driver call stops the pings and systemd restarts the daemon.
@@ -121,6 +123,7 @@ class Daemon:
                 emit=lambda points: self.emit(points),
                 wall=wall,
                 monotonic=monotonic,
+                state_dir=self.state_dir,
             )
         )
         self.jobs.on_job_end.append(self.control.job_ended)
@@ -167,7 +170,8 @@ class Daemon:
         return ProbeContext(
             sysfs_root=cfg.probes.sysfs_root,
             sim_gpus=cfg.sim.gpus,
-            sim_dir=cfg.sim_dir,
+            # <state_dir>/sim by default: through the state dir's descriptor, like its other files.
+            sim_dir=Path(cfg.sim.dir) if cfg.sim.dir else self.state_dir.inside("sim"),
             sim_params={
                 "background_load": cfg.sim.load,
                 "mem_share": cfg.sim.mem_share,
@@ -191,6 +195,7 @@ class Daemon:
         self.probing.open_all(self.cfg.enabled_probes, self.probe_context())
 
     def open_stores(self) -> None:
+        self.stores.state_dir = self.state_dir.inside()  # spools: through the state dir's descriptor
         self.stores.open_all()
 
     def start_server(self) -> None:
@@ -219,14 +224,14 @@ class Daemon:
 
     def start(self) -> None:
         d = self.cfg.daemon
-        d.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private_dir(d.state_dir, "the state dir")  # nobody else may plant files in it
+        self.state_dir.open()  # checked, then held open: nobody else may plant files in it
         d.socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         check_private_dir(d.socket.parent, "the socket's directory")
         try:
             self.lock.acquire()  # one daemon per state dir, before anything is touched
         except BlockingIOError as e:
             self.refused = True
+            self.state_dir.close()
             raise OSError(str(e)) from None
         # Real NVML opens on a thread of its own (status says "initialising" meanwhile):
         # the socket serves at once whatever the driver does, and the GPUs are handed to
@@ -343,3 +348,4 @@ class Daemon:
         self.stores.close()
         self.probing.close()
         self.lock.release()
+        self.state_dir.close()

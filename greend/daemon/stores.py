@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from greend.config import Config
 from greend.errors import StoreError
 from greend.points import Point
-from greend.stores import Store, open_store
+from greend.stores import Store, open_store, redact_url
 
 __all__ = ["StoreSet"]
 
@@ -33,6 +34,7 @@ class StoreSet:
         self.hostname = hostname
         self.monotonic = monotonic
         self.status = status  # the daemon's status document, which Prometheus scrapes
+        self.state_dir: Path = cfg.daemon.state_dir  # where stores keep their spools
         # The open ones (replaced, never mutated, so that write() on the tick thread may
         # iterate while a retry adds one), and the ones that failed to open.
         self.opened: list[Store] = []
@@ -57,7 +59,7 @@ class StoreSet:
         try:
             store = open_store(
                 url,
-                state_dir=self.cfg.daemon.state_dir,
+                state_dir=self.state_dir,
                 host=self.hostname,
                 retention_days=self.cfg.store.retention_days,
                 raw_hours=self.cfg.store.raw_hours,
@@ -156,6 +158,8 @@ class StoreSet:
             )
         order = {u: i for i, u in enumerate(self.cfg.store_urls)}
         rows.sort(key=lambda r: order.get(r.get("url", ""), len(order)))
+        for r in rows:  # (status is readable by the socket's group: a store's password never shows)
+            r["url"] = redact_url(str(r.get("url", "")))
         return rows
 
     def close(self) -> None:

@@ -94,8 +94,12 @@ class Connection:
     closed: bool = False
 
     def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
-        """Send one message; False (and the connection marked closed) if the peer is gone or stuck."""
-        data = encode(obj)
+        """Send one message; False (and the connection marked closed) if the peer is gone or stuck.
+        A message that cannot be encoded raises ValueError (and nothing is sent)."""
+        return self.send_bytes(encode(obj), timeout_s)
+
+    def send_bytes(self, data: bytes, timeout_s: float = 1.0) -> bool:
+        """Send one encoded message (see :meth:`send`)."""
         with self._send_lock:
             if self.closed:
                 return False
@@ -459,9 +463,22 @@ class IpcServer:
     def _reply(self, conn: Connection, reply: dict[str, Any] | None) -> None:
         if reply is None:
             return
+        try:
+            data = encode(reply)
+        except (ValueError, TypeError, RecursionError) as e:
+            # A result that JSON cannot carry (inf, NaN, a foreign object) is a bug of the
+            # op's handler: answered as an error to this request alone, while the
+            # connection, the daemon and every other client carry on.
+            log.error("a reply could not be encoded (%s: %s); answering an error instead", type(e).__name__, e)
+            reply = _error(
+                reply.get("id"),
+                "internal",
+                f"the daemon's answer could not be encoded ({type(e).__name__}: {e}); please report it",
+            )
+            data = encode(reply)
         if not reply.get("ok", True):
             self.errors_sent += 1
-        conn.send(reply, timeout_s=2.0)
+        conn.send_bytes(data, timeout_s=2.0)
 
     def dispatch(self, line: bytes, conn: Connection) -> dict[str, Any] | None:
         """Parse, validate and run one request; always returns a reply, never raises."""

@@ -135,7 +135,7 @@ def book_baseline(job: Job, row: StepsRow, precision: str, executed: ExecutedRow
     b.flops += flops
     b.time_s += executed.duration_s if executed is not None else row.busy_s
     b.modelled_energy_j += executed.energy_j if executed is not None else 0.0
-    if flops > 0:
+    if flops >= n:  # at least one FLOP a step (the protocol's floor): a per-step cost is defined
         per_step = flops / n
         if executed is not None:
             x = executed.energy_j / flops

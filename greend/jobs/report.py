@@ -179,8 +179,8 @@ class JobFigures:
         expected_t = base_t / b.flops * job.flops
         saved = expected_e - actual_e
         rel_se = None
-        if b.x_n >= 2 and b.x_sum > 0:
-            mean = b.x_sum / b.x_n
+        mean = b.x_sum / b.x_n if b.x_n >= 2 else 0.0
+        if mean > 0:  # (a sum of a few denormals over x_n is 0)
             var = max(0.0, (b.x_sq - b.x_n * mean * mean) / (b.x_n - 1))
             rel_se = (var / b.x_n) ** 0.5 / mean
         half = 1.96 * rel_se * expected_e if rel_se is not None else None

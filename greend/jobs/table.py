@@ -11,6 +11,7 @@ one lock (:attr:`JobTable._lock`) whichever side changes them.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,24 @@ __all__ = ["MAX_NOTE_CHARS", "JobTable"]
 log = logging.getLogger(__name__)
 
 MAX_NOTE_CHARS = 1000  # a policy's note on a job is cut to this many characters
+
+
+def finite(figures: dict[str, Any]) -> dict[str, Any]:
+    """A job's figures with every float that is not finite as None ("not known"). The
+    protocol bounds every number that comes in, so none should be; this is the guarantee
+    that a figure gone wrong reads as unknown rather than breaking every reply, point and
+    report that carries it."""
+    return {k: _finite(v) for k, v in figures.items()}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class JobTable:
@@ -74,12 +93,12 @@ class JobTable:
     # Figures (greend/jobs/report.py computes them) -------------------------------------
     def window(self, job: Job, now_s: float) -> dict[str, Any]:
         """The job's figures over the last ``window_s``, up to ``now_s``."""
-        return self.figures.window(job, now_s)
+        return finite(self.figures.window(job, now_s))
 
     def report(self, job: Job) -> dict[str, Any]:
         """The job's figures over its life (so far, while it runs), with the count of
         log entries dropped at [daemon] max_log_entries where there were any."""
-        r = self.figures.report(job)
+        r = finite(self.figures.report(job))
         dropped = {
             k: n
             for k, n in (
@@ -144,7 +163,7 @@ class JobTable:
         with self._lock:
             out = []
             for job in self.jobs.values():
-                row = self.figures.row(job)
+                row = finite(self.figures.row(job))
                 # Once its figures are final (not while it is ending).
                 t_end = job.t_end_s if job.state == "ended" else None
                 row["ended_at"] = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else None
@@ -159,8 +178,12 @@ class JobTable:
             for job in self.jobs.values():
                 if job.state != "running" or job.t_start_s is None:
                     continue
-                win = self.window(job, now_s)
-                life = self.report(job)
+                try:
+                    win = self.window(job, now_s)
+                    life = self.report(job)
+                except Exception:  # one job's figures gone wrong never stop the tick (a bug: logged)
+                    log.exception("job %s: its figures failed; no efficiency point this tick", job.job)
+                    continue
                 job.series.append(
                     EfficiencySample(
                         t_s=now_s - (job.t_start_s or now_s),

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from greend.errors import ConfigError
 from greend.points import Point
@@ -36,6 +36,7 @@ __all__ = [
     "StoreStatus",
     "check_url",
     "open_store",
+    "redact_url",
     "register_store",
     "registered_schemes",
     "require_host_port",
@@ -143,6 +144,38 @@ def require_host_port(url: str, parts: SplitResult) -> None:
     """A URL check for stores that connect to or serve on ``HOST:PORT``."""
     if not parts.hostname or parts.port is None:
         raise ConfigError(f"store URL {url!r}: expected HOST:PORT, e.g. {parts.scheme}://127.0.0.1:8086")
+
+
+_SECRET_PARAMS = ("token", "password", "passwd", "secret", "apikey", "api_key")
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown (status, labels, logs): a password in it
+    (``influx://alice:pw@host``) and query values that look secret (``token=``,
+    ``password=``, ...) become ``<secret>``; the rest is kept."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, sep, _ = userinfo.partition(":")
+            netloc = f"{user}:<secret>@{hostport}" if sep else f"{user}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_PARAMS or k.lower().endswith(_SECRET_PARAMS) for k, _ in pairs):
+                query = urlencode(
+                    [
+                        (k, "<secret>" if k.lower() in _SECRET_PARAMS or k.lower().endswith(_SECRET_PARAMS) else v)
+                        for k, v in pairs
+                    ],
+                    safe="<>/",
+                )
+        if netloc == parts.netloc and query == parts.query:
+            return url
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return "<an unreadable URL>"
 
 
 def check_url(url: str) -> None:

@@ -1,6 +1,11 @@
 """The Prometheus store: serves ``/metrics`` for a Prometheus server to scrape.
 
-URL: ``prometheus://HOST:PORT`` (port 0 picks a free one; see :attr:`PrometheusStore.port`).
+URL: ``prometheus://HOST:PORT`` (port 0 picks a free one; see :attr:`PrometheusStore.port`);
+``prometheus://:PORT`` listens on 127.0.0.1 only. Query options (the exporter-toolkit's
+web config, as a URL): ``basic_auth_file=PATH`` (``user:password`` lines, the file
+mode 0600), ``tls_cert=PATH&tls_key=PATH``, and the bounds ``max_connections`` (8),
+``read_timeout_s`` (5), ``max_scrapes_per_s`` (10; 0: none): see
+:mod:`greend.stores._http`. A store URL's password never reaches a label.
 
 Nothing is pushed: at every scrape a custom collector reads the daemon's current
 status (``store.attach(daemon.status)``, the same dict ``greenctl status --json``
@@ -37,12 +42,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
-from greend.errors import StoreError
+from greend.errors import ConfigError, StoreError
 from greend.points import Point
-from greend.stores import StoreOptions, StoreStatus, check_url, register_store, require_host_port
+from greend.stores import StoreOptions, StoreStatus, check_url, redact_url, register_store
+from greend.stores._http import MetricsHttpOptions, MetricsServer, read_basic_auth_file
 
 __all__ = ["GreendCollector", "PrometheusStore"]
 
@@ -252,7 +259,7 @@ class GreendCollector:
         for s in st.get("stores") or []:
             if not isinstance(s, dict):
                 continue
-            url = _label_value(s.get("url"))
+            url = redact_url(_label_value(s.get("url")))  # (a password never goes into a label)
             sup.add_metric([url], 1.0 if s.get("ok") else 0.0)
             for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending")):
                 v = _as_float(s.get(key))
@@ -304,8 +311,52 @@ class GreendCollector:
         yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
 
 
+_OPTIONS = {"basic_auth_file", "tls_cert", "tls_key", "max_connections", "read_timeout_s", "max_scrapes_per_s"}
+
+
+def _check_prometheus_url(url: str, parts: SplitResult) -> None:
+    """``prometheus://[HOST]:PORT[?options]``: the options known, the bounds numbers."""
+    if parts.port is None:
+        raise ConfigError(
+            f"store URL {redact_url(url)!r}: expected prometheus://HOST:PORT (e.g. prometheus://127.0.0.1:9464; "
+            "an empty HOST is 127.0.0.1)"
+        )
+    _http_options(url, parts)
+
+
+def _http_options(url: str, parts: SplitResult) -> MetricsHttpOptions:
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = sorted(set(query) - _OPTIONS)
+    if unknown:
+        raise ConfigError(
+            f"store URL {redact_url(url)!r}: unknown option {unknown[0]!r}; known: {', '.join(sorted(_OPTIONS))}"
+        )
+
+    def number(key: str, default: float, lo: float, hi: float) -> float:
+        if key not in query:
+            return default
+        try:
+            v = float(query[key])
+        except ValueError:
+            v = float("nan")
+        if not lo <= v <= hi:
+            raise ConfigError(f"store URL {redact_url(url)!r}: {key} = {query[key]!r}; expected {lo:g}..{hi:g}")
+        return v
+
+    return MetricsHttpOptions(
+        addr=parts.hostname or "127.0.0.1",
+        port=parts.port or 0,
+        max_connections=int(number("max_connections", 8, 1, 1024)),
+        read_timeout_s=number("read_timeout_s", 5.0, 0.1, 300.0),
+        max_scrapes_per_s=number("max_scrapes_per_s", 10.0, 0.0, 10_000.0),
+        tls_cert=query.get("tls_cert") or None,
+        tls_key=query.get("tls_key") or None,
+    )
+
+
 class PrometheusStore:
-    """Serves ``/metrics`` from a thread of prometheus-client's own, on its own registry."""
+    """Serves ``/metrics`` from a bounded server of its own (:mod:`greend.stores._http`),
+    on its own registry."""
 
     name = "prometheus"
 
@@ -313,22 +364,37 @@ class PrometheusStore:
         check_url(url)
         parts = urlsplit(url)
         self.url = url
-        self.addr = parts.hostname or "127.0.0.1"
-        from prometheus_client import CollectorRegistry, start_http_server
+        opts = _http_options(url, parts)
+        auth_file = {k: v[-1] for k, v in parse_qs(parts.query).items()}.get("basic_auth_file")
+        if auth_file:
+            from dataclasses import replace
+
+            opts = replace(opts, basic_auth=read_basic_auth_file(Path(auth_file)))
+        self.addr = opts.addr
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
         self.collector = GreendCollector(status_fn)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         try:
-            self._server, self._thread = start_http_server(parts.port or 0, addr=self.addr, registry=self.registry)
+            self._server = MetricsServer(opts, lambda: (generate_latest(self.registry), CONTENT_TYPE_LATEST))
         except OSError as e:
             raise StoreError(
                 f"prometheus store: cannot listen on {self.addr}:{parts.port}: {e} (is another exporter on that port?)"
             ) from e
+        self._server.thread.start()
+        self._thread = self._server.thread
         self.port: int = self._server.server_address[1]
+        self.scheme = "https" if self._server.ssl_context is not None else "http"
         self._lock = threading.Lock()
         self._last_points = 0
-        log.info("prometheus: serving /metrics on http://%s:%d/metrics", self.addr, self.port)
+        log.info(
+            "prometheus: serving /metrics on %s://%s:%d/metrics%s",
+            self.scheme,
+            self.addr,
+            self.port,
+            " (basic auth)" if opts.basic_auth else "",
+        )
 
     def attach(self, status_fn: StatusFn) -> None:
         """Give the store the function it reads at every scrape (``Daemon.status``)."""
@@ -356,10 +422,14 @@ class PrometheusStore:
             url=self.url,
             ok=self.collector.status_fn is not None,
             last_error=None if self.collector.status_fn is not None else "not attached to the daemon",
-            extra={"listen": f"http://{self.addr}:{self.port}/metrics", "scrape_errors": self.collector.errors},
+            extra={
+                "listen": f"{self.scheme}://{self.addr}:{self.port}/metrics",
+                "scrape_errors": self.collector.errors,
+                **self._server.stats(),
+            },
         )
 
 
-@register_store("prometheus", form="prometheus://HOST:PORT", check=require_host_port)
+@register_store("prometheus", form="prometheus://HOST:PORT", check=_check_prometheus_url)
 def _open_prometheus(url: str, options: StoreOptions) -> PrometheusStore:
     return PrometheusStore(url)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from greend.protocol import MAX_LOSS
+
 __all__ = ["Row", "step_fields"]
 
 
@@ -46,7 +48,7 @@ class Row:
             self.samples += int(samples)
         if tokens is not None:
             self.tokens += int(tokens)
-        if nonfinite:
+        if nonfinite or (loss is not None and not -MAX_LOSS <= loss <= MAX_LOSS):  # (a diverged loss)
             self.nonfinite += 1
             if len(self.nonfinite_steps) < 64:
                 self.nonfinite_steps.append(index)
@@ -70,7 +72,7 @@ class Row:
             "t1_s": self.t1,
             "busy_s": self.busy,
             "busy_sq_s2": self.busy_sq,
-            "flops": self.flops,
+            "flops": self.flops if self.flops >= self.steps else 0.0,  # (less than 1 a step: not a count)
             "samples": self.samples,
             "tokens": self.tokens,
             "precision": self.precision,
@@ -93,14 +95,14 @@ def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
         "step": index,
         "t0_s": t0,
         "t1_s": t1,
-        "flops": float(flops) if flops is not None else 0.0,
+        "flops": float(flops) if flops is not None and flops >= 1 else 0.0,  # (less than 1: not a count)
         "precision": precision,
     }
     if samples is not None:
         d["samples"] = int(samples)
     if tokens is not None:
         d["tokens"] = int(tokens)
-    if nonfinite:
+    if nonfinite or (loss is not None and not -MAX_LOSS <= loss <= MAX_LOSS):  # (a diverged loss)
         d["loss"] = None
         d["nonfinite"] = True
     elif loss is not None:

@@ -1,0 +1,185 @@
+"""``/metrics`` is safe to expose: loopback unless configured, no password in a label,
+a read timeout, a connection cap, a scrape rate limit, optional basic auth and TLS.
+Real sockets, real HTTP (urllib), a real TLS handshake with a certificate openssl made."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greend.errors import ConfigError, StoreError
+from greend.stores import check_url, redact_url
+from greend.stores.prometheus import PrometheusStore
+
+
+def _status() -> dict[str, Any]:
+    return {
+        "host": "node-1",
+        "stores": [
+            {"url": "influx://alice:hunter2@db:8086?org=o&bucket=b&token=tok123", "ok": True, "written": 3},
+            {"url": "sqlite:///var/lib/greend/greend.db", "ok": True, "written": 5},
+        ],
+    }
+
+
+@pytest.fixture
+def stores() -> Iterator[list[PrometheusStore]]:
+    opened: list[PrometheusStore] = []
+    yield opened
+    for s in opened:
+        s.close()
+
+
+def _open(stores: list[PrometheusStore], url: str, status: Any = _status) -> PrometheusStore:
+    s = PrometheusStore(url, status)
+    stores.append(s)
+    return s
+
+
+def _get(s: PrometheusStore, path: str = "/metrics", **headers: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{s.port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_an_empty_host_listens_on_loopback_only(stores: list[PrometheusStore]) -> None:
+    s = _open(stores, "prometheus://:0")
+    assert s.addr == "127.0.0.1" and s._server.server_address[0] == "127.0.0.1"
+    assert s.status().extra["listen"] == f"http://127.0.0.1:{s.port}/metrics"
+    code, body = _get(s)
+    assert code == 200 and b"greend_up 1.0" in body
+
+
+def test_no_password_or_token_of_a_store_url_reaches_a_label(stores: list[PrometheusStore]) -> None:
+    s = _open(stores, "prometheus://127.0.0.1:0")
+    code, body = _get(s)
+    assert code == 200
+    text = body.decode()
+    assert "hunter2" not in text and "tok123" not in text
+    assert 'url="influx://alice:<secret>@db:8086?org=o&bucket=b&token=<secret>"' in text
+    assert 'url="sqlite:///var/lib/greend/greend.db"' in text
+    assert redact_url("influx://bob@h:1") == "influx://bob@h:1"
+
+
+def test_a_silent_connection_is_closed_after_the_read_timeout(stores: list[PrometheusStore]) -> None:
+    s = _open(stores, "prometheus://127.0.0.1:0?read_timeout_s=0.3")
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+        t0 = time.monotonic()
+        assert c.recv(1024) == b""  # closed by the server, not by our timeout
+        assert time.monotonic() - t0 < 3.0
+    assert s._server.open_connections() == 0 or _settles(lambda: s._server.open_connections() == 0)
+
+
+def _settles(cond: Any, timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def test_connections_beyond_the_cap_are_closed_at_once_and_scrapes_resume(stores: list[PrometheusStore]) -> None:
+    s = _open(stores, "prometheus://127.0.0.1:0?max_connections=4&read_timeout_s=1")
+    threads_before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
+    assert _settles(lambda: s._server.open_connections() == 4)
+    extra = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(20)]
+    for c in extra:
+        assert c.recv(1024) == b""  # refused: closed without a thread of its own
+    assert s._server.refused == 20
+    assert threading.active_count() <= threads_before + 4
+    for c in held + extra:
+        c.close()
+    assert _settles(lambda: s._server.open_connections() == 0)
+    assert _get(s)[0] == 200
+
+
+def test_scrapes_beyond_the_rate_are_answered_429_without_reading_status(stores: list[PrometheusStore]) -> None:
+    calls = []
+
+    def status() -> dict[str, Any]:
+        calls.append(1)
+        return _status()
+
+    s = _open(stores, "prometheus://127.0.0.1:0?max_scrapes_per_s=2", status)
+    codes = [_get(s)[0] for _ in range(12)]
+    assert codes.count(200) >= 2 and codes.count(429) >= 8, codes
+    assert len(calls) == codes.count(200)  # a refused scrape costs no status()
+    time.sleep(1.1)
+    assert _get(s)[0] == 200
+
+
+def test_basic_auth(stores: list[PrometheusStore], tmp_path: Path) -> None:
+    auth = tmp_path / "metrics.auth"
+    auth.write_text("# scrapers\nprom:s3cret\nother:sha256:" + __import__("hashlib").sha256(b"pw2").hexdigest() + "\n")
+    auth.chmod(0o600)
+    s = _open(stores, f"prometheus://127.0.0.1:0?basic_auth_file={auth}")
+
+    def basic(user: str, pw: str) -> str:
+        return "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+
+    assert _get(s)[0] == 401
+    assert _get(s, Authorization=basic("prom", "wrong"))[0] == 401
+    assert _get(s, Authorization=basic("nobody", "s3cret"))[0] == 401
+    assert _get(s, Authorization="Basic !!!")[0] == 401
+    code, body = _get(s, Authorization=basic("prom", "s3cret"))
+    assert code == 200 and b"greend_up 1.0" in body
+    assert _get(s, Authorization=basic("other", "pw2"))[0] == 200
+    assert s.status().extra["unauthorized"] == 4
+    auth.chmod(0o644)
+    with pytest.raises(StoreError, match="chmod 600"):
+        PrometheusStore(f"prometheus://127.0.0.1:0?basic_auth_file={auth}", _status)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls(stores: list[PrometheusStore], tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    os.chmod(key, 0o600)
+    s = _open(stores, f"prometheus://127.0.0.1:0?tls_cert={cert}&tls_key={key}")
+    assert s.status().extra["listen"].startswith("https://")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/metrics", context=ctx, timeout=5) as r:
+        assert r.status == 200 and b"greend_up 1.0" in r.read()
+    # Plain HTTP to a TLS port: that connection fails, the server carries on.
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5).read()
+    with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/metrics", context=ctx, timeout=5) as r:
+        assert r.status == 200
+    with pytest.raises(StoreError, match="both tls_cert and tls_key"):
+        PrometheusStore(f"prometheus://127.0.0.1:0?tls_cert={cert}", _status)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("prometheus://127.0.0.1:9464?bind=0.0.0.0", "unknown option 'bind'"),
+        ("prometheus://127.0.0.1:9464?max_connections=0", "max_connections"),
+        ("prometheus://127.0.0.1:9464?max_scrapes_per_s=abc", "max_scrapes_per_s"),
+        ("prometheus://127.0.0.1", "HOST:PORT"),
+    ],
+)
+def test_bad_options_are_refused_by_name(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_url(url)
