@@ -316,6 +316,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f'[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like "0660"') from None
     if mode & ~0o777:
         raise ConfigError(f"[daemon] socket_mode = {d.socket_mode!r}: permission bits only (0000-0777)")
+    if mode & 0o006 and d.socket_group:
+        # Others' bits make the group moot: every local user reaches the socket.
+        raise ConfigError(
+            f"[daemon] socket_mode = {d.socket_mode!r} lets every local user use the socket, beside "
+            f"socket_group {d.socket_group!r}: give 0660 (the group's members only), or set "
+            'socket_group = "" to open it to everyone on purpose'
+        )
     if d.hostname and not _HOSTNAME_RE.match(d.hostname):
         raise ConfigError(
             f"[daemon] hostname = {d.hostname!r}: expected a host name (letters, digits, '.', '-', '_'; "

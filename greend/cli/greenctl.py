@@ -41,7 +41,7 @@ def _ctl_root(
     ),
     timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon (> 0)"),
     version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
+        False, "--version", metavar="", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
     ),
 ) -> None:
     if not (math.isfinite(timeout) and timeout > 0):
@@ -52,7 +52,7 @@ def _ctl_root(
 
 
 @ctl_app.command("status")
-def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def ctl_status(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """GPUs, CPU zones, jobs and policy, live."""
     st = request("status")
     typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
@@ -61,7 +61,9 @@ def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
 @ctl_app.command("top")
 def ctl_top(
     interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes (>= 0.1)"),
-    once: bool = typer.Option(False, "--once", help="print one frame (two readings an interval apart) and exit"),
+    once: bool = typer.Option(
+        False, "--once", metavar="", help="print one frame (two readings an interval apart) and exit"
+    ),
 ) -> None:
     """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits)."""
     from greend.cli.top import run_top
@@ -80,7 +82,7 @@ def ctl_top(
 
 
 @ctl_app.command("probes")
-def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def ctl_probes(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """What was detected, what is missing and why."""
     res = request("probes")
     if as_json:
@@ -99,8 +101,10 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
 
 @ctl_app.command("jobs")
 def ctl_jobs(
-    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
-    all_jobs: bool = typer.Option(False, "--all", help="also the ended jobs in the SQLite store (kept over restarts)"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
+    all_jobs: bool = typer.Option(
+        False, "--all", metavar="", help="also the ended jobs in the SQLite store (kept over restarts)"
+    ),
     store: str | None = typer.Option(
         None,
         "--store",
@@ -180,7 +184,7 @@ def _store_path(store: Path | None) -> Path | None:
 @ctl_app.command("report")
 def ctl_report(
     job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
     stores: list[str] | None = typer.Option(
         None,
@@ -298,7 +302,7 @@ def ctl_measure(
         None, "--gpus", help="GPU indices, e.g. 0,1 (default $CUDA_VISIBLE_DEVICES, else every GPU)"
     ),
     flops: float | None = typer.Option(None, "--flops", help="the FLOPs the whole command does, if known"),
-    as_json: bool = typer.Option(False, "--json", help="the report, machine-readable"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="the report, machine-readable"),
 ) -> None:
     """Run a command as a greend job, no code change: its GPUs' energy, power, CO2 (and
     GFLOPS/W with --flops) over its life. Exits with the command's status."""
@@ -418,7 +422,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 
 
 @policy_app.command("show")
-def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def ctl_policy_show(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """The policy in force, its parameters and its last decision."""
     r = request("policy_show")
     if as_json:
@@ -482,7 +486,9 @@ def ctl_policy_set(
 def ctl_doctor(
     config: Path | None = typer.Option(None, "--config", help="config file to check"),
     sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable: each check's level, name, detail, fix"),
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="machine-readable: each check's level, name, detail, fix"
+    ),
 ) -> None:
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
     from greend.cli.doctor import run_checks
@@ -513,10 +519,13 @@ def ctl_doctor(
 @ctl_app.command("install-systemd")
 def ctl_install_systemd(
     prefix: Path = typer.Option(Path("/"), "--prefix", help="root of the OS tree to install into"),
-    enable: bool = typer.Option(False, "--enable", help="also run systemctl enable --now greend"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be done, touch nothing"),
+    enable: bool = typer.Option(False, "--enable", metavar="", help="also run systemctl enable --now greend"),
+    dry_run: bool = typer.Option(False, "--dry-run", metavar="", help="print what would be done, touch nothing"),
     greend_bin: str | None = typer.Option(
         None, "--greend-bin", help="greend for ExecStart= (default: beside this Python, else PATH)"
+    ),
+    force: bool = typer.Option(
+        False, "--force", metavar="", help="install even where the unit's sandbox hides greend (/home, /root, /tmp)"
     ),
 ) -> None:
     """Install greend.service, its sysusers/tmpfiles snippets, /etc/default/greend and an example config."""
@@ -527,13 +536,54 @@ def ctl_install_systemd(
         fail("cannot find the greend executable: give --greend-bin /path/to/greend")
         return
     try:
-        actions = install_systemd(prefix, greend_bin=binary, enable=enable, dry_run=dry_run)
+        actions = install_systemd(prefix, greend_bin=binary, enable=enable, dry_run=dry_run, hidden_ok=force)
     except GreendError as e:
         fail(str(e))
         return
     for a in actions:
         typer.echo(("would " if dry_run and not a.startswith(("skip", "keep")) else "") + a)
+    if force:
+        from greend.cli.install import hidden_from_unit
+
+        for h in hidden_from_unit(binary):
+            typer.echo(f"warning: the service cannot reach {h}: it will not start", err=True)
+
+
+_ROOT_OPTIONS = ("--socket", "--timeout")
+
+
+def hoist_root_options(argv: list[str]) -> list[str]:
+    """``greenctl status --socket X`` as ``greenctl --socket X status``: greenctl's own
+    options (which take a value) are moved before the command wherever they stand, up to
+    a ``--`` (what follows it is a measured command's, untouched)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head, rest = argv[:end], argv[end:]
+    hoisted: list[str] = []
+    kept: list[str] = []
+    i = 0
+    while i < len(head):
+        a = head[i]
+        name = a.split("=", 1)[0]
+        if name in _ROOT_OPTIONS and kept:  # after the command: move it
+            if "=" in a:
+                hoisted.append(a)
+                i += 1
+            else:
+                hoisted += head[i : i + 2]
+                i += 2
+            continue
+        if name in _ROOT_OPTIONS and "=" not in a:  # before the command: keep it with its value
+            kept += head[i : i + 2]
+            hoisted += kept[-2:]
+            del kept[-2:]
+            i += 2
+            continue
+        kept.append(a)
+        i += 1
+    return hoisted + kept + rest
 
 
 def ctl_main() -> None:
-    ctl_app()
+    import sys
+
+    ctl_app(args=hoist_root_options(sys.argv[1:]))

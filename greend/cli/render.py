@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,13 @@ __all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status"
 
 
 def fmt(v: Any, digits: int = 1) -> str:
-    """A cell: "-" for None, floats to ``digits`` places."""
+    """A cell: "-" for None, floats to ``digits`` places, or to two significant digits
+    where those places would round a small figure to 0 (0.038 GFLOPS/W stays 0.038)."""
     if v is None:
         return "-"
     if isinstance(v, float):
+        if v != 0 and math.isfinite(v) and abs(v) < 10.0**-digits:
+            digits = min(12, 1 - math.floor(math.log10(abs(v))))
         return f"{v:.{digits}f}"
     return str(v)
 

@@ -34,7 +34,7 @@ from greend.daemon.sdnotify import WatchdogPinger
 from greend.daemon.status import StatusContext, status_document
 from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
-from greend.fsutil import StateDirLock, check_private_dir
+from greend.fsutil import StateDirLock, check_private_dir, check_socket_slot
 from greend.ipc.server import IpcServer, Limits
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
@@ -222,7 +222,10 @@ class Daemon:
         d.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private_dir(d.state_dir, "the state dir")  # nobody else may plant files in it
         d.socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        check_private_dir(d.socket.parent, "the socket's directory")
+        # A sticky directory such as /tmp is accepted for the socket alone (why it is safe:
+        # check_private_dir's docstring), so `greend run --socket /tmp/g.sock` works for a try.
+        check_private_dir(d.socket.parent, "the socket's directory", shared_sticky=True)
+        check_socket_slot(d.socket)
         try:
             self.lock.acquire()  # one daemon per state dir, before anything is touched
         except BlockingIOError as e:
