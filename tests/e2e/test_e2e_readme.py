@@ -99,7 +99,7 @@ def test_every_command_of_the_section_succeeds(section: str, tmp_path: Path) -> 
         for block in blocks:
             daemons: list[tuple[str, subprocess.Popen[bytes], Path]] = []
             try:
-                for n, cmd in enumerate(block):
+                for cmd in block:
                     if cmd in NOT_HERE:
                         ran.append(f"(not here: {cmd}: {NOT_HERE[cmd]})")
                         continue
