@@ -52,10 +52,49 @@ def _ctl_root(
 
 
 @ctl_app.command("status")
-def ctl_status(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
-    """GPUs, CPU zones, jobs and policy, live."""
-    st = request("status")
-    typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
+def ctl_status(
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
+    fmt_: str | None = typer.Option(
+        None, "--format", help="csv or json: one row per GPU and CPU zone (json: one object a line)"
+    ),
+    interval: float | None = typer.Option(
+        None, "--interval", help="repeat every S seconds until Ctrl-C (as nvidia-smi -l); rows only"
+    ),
+    count: int | None = typer.Option(None, "--count", help="with --interval: stop after N readings"),
+    output: Path | None = typer.Option(None, "--output", help="append the rows to FILE instead of printing them"),
+) -> None:
+    """GPUs, CPU zones, jobs and policy, live. --format/--interval/--output: device rows
+    for scripts and logs (nvidia-smi --query-gpu ... --format=csv -l)."""
+    if fmt_ is None and interval is None and output is None and count is None:
+        st = request("status")
+        typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
+        return
+    import sys
+    import time
+
+    from greend.cli.sample_log import SampleLog, status_rows
+
+    if interval is not None and not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
+    if count is not None and (count < 1 or interval is None):
+        fail(f"--count {count}: expected N >= 1, with --interval")
+    try:
+        log = SampleLog(fmt_ or ("json" if as_json else "csv"), out=sys.stdout, path=output)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+        return
+    n = 0
+    try:
+        while True:
+            log.write(status_rows(request("status")))
+            n += 1
+            if interval is None or (count is not None and n >= count):
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.close()
 
 
 @ctl_app.command("top")
@@ -303,11 +342,28 @@ def ctl_measure(
     ),
     flops: float | None = typer.Option(None, "--flops", help="the FLOPs the whole command does, if known"),
     as_json: bool = typer.Option(False, "--json", metavar="", help="the report, machine-readable"),
+    interval: float = typer.Option(1.0, "--interval", help="seconds between readings (>= 0.1)"),
+    output: Path | None = typer.Option(
+        None, "--output", help="append a reading of the command's devices every --interval to FILE"
+    ),
+    fmt_: str = typer.Option("csv", "--format", help="--output's format: csv or json (one object a line)"),
+    local: bool = typer.Option(
+        False, "--local", metavar="", help="measure in this process from NVML/RAPL even if a daemon answers"
+    ),
+    sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="where RAPL is read, in-process"),
 ) -> None:
     """Run a command as a greend job, no code change: its GPUs' energy, power, CO2 (and
-    GFLOPS/W with --flops) over its life. Exits with the command's status."""
+    GFLOPS/W with --flops) over its life. Exits with the command's status. The command
+    always runs: with no daemon answering it is measured in this process, from NVML and
+    RAPL directly."""
     from greend.cli.measure import run_measure
+    from greend.cli.measure_local import measure_locally, render_local
+    from greend.cli.sample_log import SampleLog, status_rows
 
+    if not cmd:
+        fail("give the command after --: greenctl measure -- python train.py")
+    if not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
     gpu_list: list[int] | None = None
     if gpus is not None:
         try:
@@ -315,27 +371,65 @@ def ctl_measure(
         except ValueError:
             fail(f"--gpus {gpus!r}: expected GPU indices like 0,1")
     try:
-        res = run_measure(
-            target.path(), list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=target.timeout_s
-        )
-    except DaemonUnavailable as e:
-        fail(str(e), code=3)
+        log = SampleLog(fmt_, path=output) if output is not None else None
+    except (ValueError, OSError) as e:
+        fail(f"--output {output}: {e}")
         return
-    except RequestRefused as e:
-        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
-        return
+
+    def on_sample(st: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(status_rows(st, gpus=gpu_list))
+
+    job_id = job or f"measure-{os.getpid()}"
+    report: dict[str, Any]
+    try:
+        res = None
+        why_local = "--local"
+        if not local:
+            try:
+                res = run_measure(
+                    target.path(),
+                    list(cmd),
+                    job=job_id,
+                    gpus=gpu_list,
+                    flops=flops,
+                    interval_s=interval,
+                    timeout_s=target.timeout_s,
+                    on_sample=on_sample if log is not None else None,
+                )
+            except DaemonUnavailable as e:
+                why_local = f"no daemon ({e})"
+        if res is None:
+            lres = measure_locally(
+                list(cmd),
+                job=job_id,
+                gpus=gpu_list,
+                flops=flops,
+                interval_s=interval,
+                sysfs_root=sysfs_root,
+                on_sample=on_sample if log is not None else None,
+                why_local=why_local,
+            )
+            returncode, report, notes = lres.returncode, lres.report, lres.notes
+            text = render_local(report)
+        else:
+            returncode, report, notes = res.returncode, res.report, res.notes
+            text = render_report(report) if report else ""
     except GreendError as e:
         fail(str(e))
         return
-    for n in res.notes:
+    finally:
+        if log is not None:
+            log.close()
+    for n in notes:
         typer.echo(f"note: {n}", err=True)
     if as_json:
-        out = dict(res.report)
+        out = dict(report)
         out.pop("series", None)
         typer.echo(json.dumps(out, indent=2))
-    else:
-        typer.echo(render_report(res.report))
-    raise typer.Exit(res.returncode if 0 <= res.returncode < 256 else 1)
+    elif text:
+        typer.echo(text)
+    raise typer.Exit(returncode if 0 <= returncode < 256 else 1)
 
 
 cap_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU clock caps and power limits (admin).")

@@ -125,8 +125,12 @@ def render_report(r: dict[str, Any]) -> str:
     lines = [
         f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
         f"host {r.get('host')}  GPUs {r.get('gpus')}{label}" + (f"  run {r['run_id']}" if r.get("run_id") else ""),
-        f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
-        f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))",
+        (
+            "  steps            - (a command measured whole by greenctl measure: no steps of its own)"
+            if r.get("measured_whole")
+            else f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
+            f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))"
+        ),
         f"  duration         {_num(r['duration_s'], '.1f', 's')}",
         f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
@@ -180,8 +184,12 @@ def render_report(r: dict[str, Any]) -> str:
     if r.get("tokens"):
         lines.append(f"  tokens           {r['tokens']}   ({_num(r.get('tokens_per_j'), '.3g')} per J)")
     lines.append(f"  CO2              {_num(r.get('co2_g'), '.3g', 'g')}   ({r.get('co2_method')})")
-    lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
-    lines += render_savings(r.get("savings"), label)
+    if r.get("measured_whole"):
+        lines.append("  precision        - (the command's own: not known to greend)")
+    else:
+        lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
+    if not r.get("measured_whole"):  # a command measured whole has no steps to form a baseline
+        lines += render_savings(r.get("savings"), label)
     world, here = r.get("world_size") or 1, r.get("ranks_here") or 0
     if world > 1 and here < world:
         lines.append(
