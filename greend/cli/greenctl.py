@@ -178,14 +178,14 @@ def ctl_jobs(
         if path is not None:
             try:
                 stored = stored_jobs(path)
-                # A job the daemon still lists is in the store once it ended: its last run there.
-                for j in live:
-                    same = [i for i, k in enumerate(stored) if k["job"] == j["job"]]
-                    if same and j["state"] == "ended":
-                        stored.pop(same[-1])
-                jobs = stored + live
+                # A run the daemon still lists (or kept from before a restart) is in the store
+                # once it ended: listed once, as the daemon has it.
+                listed = {(j["job"], j.get("run_id")) for j in live if j["state"] == "ended"}
+                jobs = [k for k in stored if (k["job"], k.get("run_id")) not in listed] + live
             except GreendError as e:
-                fail(str(e))
+                if daemon_down or store is not None:
+                    fail(str(e))
+                typer.echo(f"note: {e}; the daemon's list follows (its latest ended runs)", err=True)
         elif daemon_down:
             fail(f"{daemon_down}; and no SQLite store to read: give --store FILE")
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
@@ -217,7 +217,10 @@ def _store_path(store: Path | None) -> Path | None:
         except GreendError:
             return None
     path = sqlite_path(urls)
-    return path if path is not None and path.exists() else None
+    try:
+        return path if path is not None and path.exists() else None
+    except PermissionError:  # the daemon's state dir is its uid's alone: it is asked instead
+        return path
 
 
 @ctl_app.command("report")
@@ -278,6 +281,10 @@ def ctl_report(
             fail(f"{why}{where}", code=3 if down else 2)
         assert r is not None
         typer.echo(f"(from the store {r['from_store']}: the daemon no longer knows this job)", err=True)
+    elif r.get("from_history"):
+        typer.echo("(from the daemon's history: this run ended before the daemon last started)", err=True)
+        if r.get("earlier_runs"):
+            typer.echo(f"note: job id {job!r} ran {r['earlier_runs']} time(s) before this run", err=True)
     elif path is not None:
         try:
             from greend.jobs.history import stored_jobs

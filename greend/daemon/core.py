@@ -36,6 +36,7 @@ from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
 from greend.fsutil import StateDirLock, check_private_dir, check_socket_slot
 from greend.ipc.server import IpcServer, Limits
+from greend.jobs.archive import ARCHIVE_DIR, JobArchive
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
@@ -124,7 +125,8 @@ class Daemon:
             )
         )
         self.jobs.on_job_end.append(self.control.job_ended)
-        self.job_ops = JobOps(self.jobs)  # the jobs' socket ops
+        # the jobs' socket ops; ended runs kept in the state dir, for history after a restart
+        self.job_ops = JobOps(self.jobs, JobArchive(cfg.daemon.state_dir / ARCHIVE_DIR))
         self.status_context = StatusContext(
             cfg=cfg,
             hostname=self.hostname,
