@@ -12,6 +12,7 @@ table per concern; every key has a default, so an empty file is valid::
     dry_run = false                    # record what would be set, touch nothing
     heartbeat_timeout_s = 15.0
     admin_group = "greend-admin"       # besides root: may set caps and policy
+    root_is_admin = true               # false: uid 0 is no admin by itself (containers: a pod's root)
     log_level = "info"
     hostname = ""                      # the node's name in every point and report (default: the
                                        # machine's; under Kubernetes the node's, not the pod's)
@@ -116,6 +117,7 @@ class DaemonConfig:
     dry_run: bool = False
     heartbeat_timeout_s: float = 15.0
     admin_group: str = "greend-admin"
+    root_is_admin: bool = True
     log_level: str = "info"
     hostname: str = ""
     max_connections: int = 256
