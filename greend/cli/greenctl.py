@@ -103,6 +103,9 @@ def ctl_top(
     once: bool = typer.Option(
         False, "--once", metavar="", help="print one frame (two readings an interval apart) and exit"
     ),
+    sort: str = typer.Option(
+        "job", "--sort", help="the jobs' order: job, energy, now (GFLOPS/W), run (GFLOPS/W), steps, rate"
+    ),
 ) -> None:
     """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits)."""
     from greend.cli.top import run_top
@@ -115,7 +118,7 @@ def ctl_top(
             return dict(c.request("status"))
 
     try:
-        run_top(status, socket=str(target.path()), interval_s=interval, once=once)
+        run_top(status, socket=str(target.path()), interval_s=interval, once=once, sort=sort)
     except GreendError as e:
         fail(str(e), code=3)
 
