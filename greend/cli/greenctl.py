@@ -14,6 +14,7 @@ import typer
 from greend.cli.common import fail, request, target
 from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
+from greend.cli.shell import complete_clock_policy, complete_job, hoist_root_options
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
 
@@ -228,7 +229,7 @@ def _store_path(store: Path | None) -> Path | None:
 
 @ctl_app.command("report")
 def ctl_report(
-    job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
+    job: str = typer.Argument(..., help="job id (see greenctl jobs)", autocompletion=complete_job),
     as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
     stores: list[str] | None = typer.Option(
@@ -561,6 +562,7 @@ def ctl_policy_set(
         ...,
         help="a clock policy: none, static, efficient, budget (the precision policy runs beside it: "
         "--precision precision, or the config's policy.precision key)",
+        autocompletion=complete_clock_policy,
     ),
     param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
     precision: str | None = typer.Option(
@@ -651,40 +653,6 @@ def ctl_install_systemd(
 
         for h in hidden_from_unit(binary):
             typer.echo(f"warning: the service cannot reach {h}: it will not start", err=True)
-
-
-_ROOT_OPTIONS = ("--socket", "--timeout")
-
-
-def hoist_root_options(argv: list[str]) -> list[str]:
-    """``greenctl status --socket X`` as ``greenctl --socket X status``: greenctl's own
-    options (which take a value) are moved before the command wherever they stand, up to
-    a ``--`` (what follows it is a measured command's, untouched)."""
-    end = argv.index("--") if "--" in argv else len(argv)
-    head, rest = argv[:end], argv[end:]
-    hoisted: list[str] = []
-    kept: list[str] = []
-    i = 0
-    while i < len(head):
-        a = head[i]
-        name = a.split("=", 1)[0]
-        if name in _ROOT_OPTIONS and kept:  # after the command: move it
-            if "=" in a:
-                hoisted.append(a)
-                i += 1
-            else:
-                hoisted += head[i : i + 2]
-                i += 2
-            continue
-        if name in _ROOT_OPTIONS and "=" not in a:  # before the command: keep it with its value
-            kept += head[i : i + 2]
-            hoisted += kept[-2:]
-            del kept[-2:]
-            i += 2
-            continue
-        kept.append(a)
-        i += 1
-    return hoisted + kept + rest
 
 
 def ctl_main() -> None:

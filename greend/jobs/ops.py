@@ -13,6 +13,7 @@ called with those. A connection comes in as anything shaped like
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -172,8 +173,15 @@ class JobOps:
             kept = self.archive.report(msg["job"]) if self.archive is not None else None
             if kept is not None:
                 return kept
+            ids = (
+                sorted(self.jobs.jobs) + [r["job"] for r in self.archive.rows()]
+                if self.archive
+                else sorted(self.jobs.jobs)
+            )
+            close = difflib.get_close_matches(msg["job"], ids, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
-            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
+            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known}){hint}", field="job")
         return self.jobs.report_with_series(job)
 
     def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:

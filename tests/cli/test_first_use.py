@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from greend.cli.greenctl import hoist_root_options
 from greend.cli.install import hidden_from_unit, install_systemd
 from greend.cli.render import fmt
+from greend.cli.shell import hoist_root_options
 from greend.config import load_config
 from greend.errors import ConfigError, DaemonUnavailable
 from greend.fsutil import check_private_dir, check_socket_slot
@@ -183,3 +183,35 @@ def test_import_from_the_folder_that_holds_the_checkout(tmp_path: Path) -> None:
         r = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip()
+
+
+# Completion and "did you mean" -------------------------------------------------------
+
+
+def test_policy_names_complete_and_a_typo_is_answered_with_the_name() -> None:
+    from greend.cli.shell import complete_clock_policy
+    from greend.errors import PolicyError
+    from greend.policies import get_policy
+
+    assert complete_clock_policy("e") == ["efficient"]
+    assert "precision" not in complete_clock_policy("")  # not a clock policy
+    with pytest.raises(PolicyError, match=r"unknown policy 'efficent' \(did you mean 'efficient'\?\)"):
+        get_policy("efficent")
+
+
+def test_job_ids_complete_from_the_daemon(tmp_path: Path) -> None:
+    from greend.cli.common import target
+    from greend.cli.shell import complete_job
+    from greend.testing.fake_daemon import FakeDaemon
+
+    sock = tmp_path / "g.sock"
+    target.socket = tmp_path / "nobody.sock"
+    assert complete_job("") == []  # no daemon: nothing, quietly
+    d = FakeDaemon(sock).start()
+    try:
+        d.server.route("jobs", lambda msg, conn: {"jobs": [{"job": "resnet-7"}, {"job": "resnet-8"}, {"job": "gpt"}]})
+        target.socket = sock
+        assert complete_job("res") == ["resnet-7", "resnet-8"]
+    finally:
+        d.stop()
+        target.socket = None

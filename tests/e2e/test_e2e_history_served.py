@@ -79,6 +79,8 @@ def test_history_after_a_restart_is_the_live_report(tmp_path: Path, daemons: lis
     listed = json.loads(d2.ctl("jobs", "--json").stdout)["jobs"]
     assert [(j["job"], j["state"], j["steps"]) for j in listed] == [("hist-1", "ended", live["steps"])]
     assert "no jobs yet" not in d2.ctl("jobs").stdout
+    typo = d2.ctl("report", "hist-l", check=False)
+    assert typo.returncode == 2 and "did you mean 'hist-1'?" in typo.stderr
     pytest.importorskip("matplotlib")
     plot = tmp_path / "after.png"
     d2.ctl("report", "hist-1", "--plot", str(plot))
