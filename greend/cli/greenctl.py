@@ -124,6 +124,23 @@ def ctl_top(
         fail(str(e), code=3)
 
 
+@ctl_app.command("events")
+def ctl_events(
+    interval: float = typer.Option(0.5, "--interval", help="seconds between looks at the daemon (>= 0.1)"),
+    count: int | None = typer.Option(None, "--count", help="stop after N events"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="one JSON object a line"),
+) -> None:
+    """A live feed of the controller's decisions, jobs starting and ending, and policy
+    changes, one line each (Ctrl-C quits)."""
+    from greend.cli.events import run_events
+
+    if not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
+    if count is not None and count < 1:
+        fail(f"--count {count}: expected N >= 1")
+    run_events(lambda: request("status"), typer.echo, interval_s=interval, as_json=as_json, count=count)
+
+
 @ctl_app.command("probes")
 def ctl_probes(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """What was detected, what is missing and why."""
