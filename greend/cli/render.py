@@ -124,7 +124,8 @@ def render_report(r: dict[str, Any]) -> str:
     no_cpu = r.get("cpu_energy_method") == "unmeasured"
     lines = [
         f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
-        f"host {r.get('host')}  GPUs {r.get('gpus')}{label}" + (f"  run {r['run_id']}" if r.get("run_id") else ""),
+        f"host {r.get('host')}  GPUs {r.get('gpus') if r.get('gpus') is not None else '-'}{label}"
+        + (f"  run {r['run_id']}" if r.get("run_id") else ""),
         (
             "  steps            - (a command measured whole by greenctl measure: no steps of its own)"
             if r.get("measured_whole")
@@ -197,7 +198,8 @@ def render_report(r: dict[str, Any]) -> str:
             "node's share (the whole job: greenctl report JOB --store NODE1.db --store NODE2.db ...)"
         )
     for ev in r.get("precision_log") or []:
-        lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
+        frm = f"{ev['from']} -> " if ev.get("from") else ""  # a store keeps only where it went
+        lines.append(f"    {ev.get('kind', 'switch')}: {frm}{ev.get('to')}  ({ev.get('reason')})")
     for ev in r.get("decisions") or []:
         lines.append(f"    cap: {render_setting(ev.get('setting'))}  ({ev.get('reason')})")
     notes = r.get("notes") or []
@@ -260,6 +262,11 @@ def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
         return [f"  saved{label:9} -   ({sv.get('note')})"]
     conf = sv.get("confidence") or {}
     ci = conf.get("saved_j_95")
+    if not b:  # from an SQLite store: the figures only, its baseline was not kept there
+        return [
+            f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
+            f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %   (the baseline's details are not in the store)"
+        ]
     lines = [
         f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
         f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %",

@@ -153,7 +153,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "end_reason": r.get("end_reason") or None,
         "host": r.get("host"),
         "gpus": None,
-        "gpu_source": None,
+        "gpu_source": r.get("gpu_source") or None,  # stored since greend_job carries it
         "steps": r.get("steps") or 0,
         "step_reports": r.get("steps") or 0,
         "ranks": 0,

@@ -85,6 +85,12 @@ def test_history_after_a_restart_is_the_live_report(tmp_path: Path, daemons: lis
     plot = tmp_path / "after.png"
     d2.ctl("report", "hist-1", "--plot", str(plot))
     assert plot.stat().st_size > 10_000
+    # With no daemon, from the SQLite store alone: fewer details, and no "None" for them.
+    d2.stop()
+    stored = d2.ctl("report", "hist-1", "--store", str(state / "greend.db"))
+    assert "from the store" in stored.stderr
+    assert "None" not in stored.stdout, stored.stdout
+    assert "GPU energy (sim)" in stored.stdout and "saved (sim)" in stored.stdout  # still labelled sim
     # The files behind it are the daemon's alone.
     kept = list((state / "jobs").iterdir())
     assert len(kept) == 1 and (kept[0].stat().st_mode & 0o077) == 0
