@@ -6,7 +6,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
+# torch's CPU build: its +cpu version exists only on PyTorch's CPU index (or as a local
+# wheel), so it can never resolve to the multi-GB CUDA build. On a GPU machine: TORCH=torch==2.13.0
+TORCH  ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: venv demo test check bench clean nvml-stub
 
@@ -14,8 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: a bare `torch` requirement pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q "$(TORCH)"
+	# From the indexes pip already knows (a local wheel), else from PyTorch's CPU index.
+	$(PY) -m pip install -q "$(TORCH)" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" --extra-index-url "$(TORCH_INDEX)"
 	$(PY) -m pip install -q -e '.[train,test,plot,lightning,hf,fp8,dev]' "$(TORCH)"
+	# An editable install's finder runs after Python's path finder, so a folder named greend
+	# in the current directory (the checkout, seen from the folder that holds it) would
+	# shadow the package as an empty namespace package: put greend's finder first.
+	$(PY) -c 'import shutil, sysconfig; shutil.copy(".ci/greend-editable-first.pth", sysconfig.get_paths()["purelib"])'
 	touch $@
 
 venv: $(VENV)/.installed

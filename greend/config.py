@@ -12,6 +12,7 @@ table per concern; every key has a default, so an empty file is valid::
     dry_run = false                    # record what would be set, touch nothing
     heartbeat_timeout_s = 15.0
     admin_group = "greend-admin"       # besides root: may set caps and policy
+    root_is_admin = true               # false: uid 0 is no admin by itself (containers: a pod's root)
     log_level = "info"
     hostname = ""                      # the node's name in every point and report (default: the
                                        # machine's; under Kubernetes the node's, not the pod's)
@@ -116,6 +117,7 @@ class DaemonConfig:
     dry_run: bool = False
     heartbeat_timeout_s: float = 15.0
     admin_group: str = "greend-admin"
+    root_is_admin: bool = True
     log_level: str = "info"
     hostname: str = ""
     max_connections: int = 256
@@ -316,6 +318,13 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f'[daemon] socket_mode = {d.socket_mode!r}: expected an octal mode like "0660"') from None
     if mode & ~0o777:
         raise ConfigError(f"[daemon] socket_mode = {d.socket_mode!r}: permission bits only (0000-0777)")
+    if mode & 0o006 and d.socket_group:
+        # Others' bits make the group moot: every local user reaches the socket.
+        raise ConfigError(
+            f"[daemon] socket_mode = {d.socket_mode!r} lets every local user use the socket, beside "
+            f"socket_group {d.socket_group!r}: give 0660 (the group's members only), or set "
+            'socket_group = "" to open it to everyone on purpose'
+        )
     if d.hostname and not _HOSTNAME_RE.match(d.hostname):
         raise ConfigError(
             f"[daemon] hostname = {d.hostname!r}: expected a host name (letters, digits, '.', '-', '_'; "

@@ -14,6 +14,7 @@ __all__ = [
     "StateDir",
     "StateDirLock",
     "check_private_dir",
+    "check_socket_slot",
     "fsync_dir",
     "lock_holder",
     "write_atomic",
@@ -214,22 +215,60 @@ def lock_holder(state_dir: Path) -> int | None:
         os.close(fd)
 
 
-def check_private_dir(path: Path, what: str) -> None:
+def check_private_dir(path: Path, what: str, *, shared_sticky: bool = False) -> None:
     """Refuse a directory that is not owned by this process's uid or that others may
-    write to (anyone who can write there could plant symlinks or files greend trusts)."""
-    _check_private_stat(os.lstat(path), path, what)
+    write to (anyone who can write there could plant symlinks or files greend trusts).
+
+    ``shared_sticky``: also accept a sticky directory (mode ``+t``, as ``/tmp`` is 1777)
+    owned by root or by greend's uid, for the socket's directory only. It is safe there
+    because of what greend puts in it and how: one socket file, which it binds itself
+    (``bind`` never follows a symlink and fails on any name that exists), after refusing
+    any file already at the path that another uid owns (:func:`check_socket_slot`). In a
+    sticky directory only the file's owner, the directory's owner and root may unlink or
+    rename a file, so once bound, nobody else can swap the socket for a link that the
+    following ``chmod`` would follow, or remove it under the daemon. What a sticky
+    directory cannot give is a name nobody else may take first: someone may bind the
+    path while no greend runs (greend then refuses to start: the path is theirs), and
+    clients cannot tell an impostor there; so a shared directory is for trying greend,
+    and a service keeps its socket in a directory of its own (``/run/greend``). The
+    state dir is never shared: greend writes many files there and reads them back.
+    """
+    _check_private_stat(os.lstat(path), path, what, shared_sticky=shared_sticky)
 
 
-def _check_private_stat(st: os.stat_result, path: Path, what: str) -> None:
+def _check_private_stat(st: os.stat_result, path: Path, what: str, *, shared_sticky: bool = False) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"{what} {path} is not a directory (a symlink?); greend refuses it")
+    sticky_ok = shared_sticky and bool(st.st_mode & stat.S_ISVTX) and st.st_uid in (0, os.geteuid())
+    if sticky_ok:
+        return
     if st.st_uid != os.geteuid():
         raise PermissionError(
             f"{what} {path} is owned by uid {st.st_uid}, not by greend's uid {os.geteuid()}: "
             f"greend refuses it (anyone who owns it could plant files there); chown it or choose another"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        hint = (
+            "use a directory of greend's own (mkdir -m 700 DIR)"
+            if not shared_sticky
+            else "use a directory of greend's own (mkdir -m 755 DIR), or a sticky one such as /tmp"
+        )
         raise PermissionError(
             f"{what} {path} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o}): "
-            f"greend refuses it; chmod go-w {path}"
+            f"greend refuses it; {hint}"
+        )
+
+
+def check_socket_slot(path: Path) -> None:
+    """Refuse a file at the socket's path that another uid owns: in a shared directory
+    it is someone else's name, and greend neither replaces it nor listens in its place.
+    (A leftover socket of greend's own uid is for the server to judge: live or stale.)"""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{path} exists and belongs to uid {st.st_uid}, not to greend's uid {os.geteuid()}: greend leaves it "
+            f"alone; choose another --socket (e.g. in a directory of your own)"
         )

@@ -210,7 +210,10 @@ def job_point(ts: int, host: str, *, job: str, precision: str, end_reason: str, 
         v = summary.get(k)
         if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
             fields[k] = v
-    return Point("greend_job", {"host": host, "job": job, "precision": precision, "end_reason": end_reason}, fields, ts)
+    tags = {"host": host, "job": job, "precision": precision, "end_reason": end_reason}
+    if summary.get("gpu_source"):  # "sim", "nvml" or both: a report from the store keeps its (sim) label
+        tags["gpu_source"] = str(summary["gpu_source"])
+    return Point("greend_job", tags, fields, ts)
 
 
 def decision_point(

@@ -25,6 +25,7 @@ a policy, copy ``none.py``, give the class ``name``, ``help`` and ``PARAMS``
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -87,7 +88,9 @@ def get_policy(name: str, **params: Any) -> Any:
     """
     info = POLICIES.get(name)
     if info is None:
-        raise PolicyError(f"unknown policy {name!r}; allowed: {', '.join(sorted(POLICIES))}")
+        close = difflib.get_close_matches(name, list(POLICIES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PolicyError(f"unknown policy {name!r}{hint}; allowed: {', '.join(sorted(POLICIES))}")
     return info.cls(**params)
 
 

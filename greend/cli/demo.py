@@ -275,14 +275,15 @@ def _train(
             loss_value = float(loss.detach())
             losses.append(loss_value)
             elapsed = time.monotonic() - t_start
-            if elapsed - last_shown >= 0.5 or step == steps - 1:
+            tty = sys.stderr.isatty()  # a pipe or a log: a line every 5 s, not one endless \r line
+            if elapsed - last_shown >= (0.5 if tty else 5.0) or step == steps - 1:
                 last_shown = elapsed
                 w, g = shown.get("w"), shown.get("g")
                 sys.stderr.write(
-                    f"\r{label:12} [{_bar((step + 1) / steps)}] step {step + 1:4d}/{steps}  {elapsed:5.1f} s  "
-                    f"loss {loss_value:.3f}  {st.precision if hasattr(st, 'precision') else ''}  "
+                    ("\r" if tty else "") + f"{label:12} [{_bar((step + 1) / steps)}] step {step + 1:4d}/{steps}  "
+                    f"{elapsed:5.1f} s  loss {loss_value:.3f}  {st.precision if hasattr(st, 'precision') else ''}  "
                     f"GPU {'-' if w is None else f'{w:.0f}'} W{sim}  "
-                    f"GFLOPS/W {'-' if g is None else f'{g:.1f}'}{sim}   "
+                    f"GFLOPS/W {'-' if g is None else f'{g:.1f}'}{sim}" + ("   " if tty else "\n")
                 )
                 sys.stderr.flush()
     finally:

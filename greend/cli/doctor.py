@@ -216,7 +216,7 @@ def _socket(path: Path, timeout_s: float, seen: dict[str, Any]) -> list[Check]:
                 "socket",
                 "fail",
                 f"cannot reach {path}: permission denied on a parent directory",
-                "join the greend group: usermod -aG greend $USER",
+                "join the greend group: sudo usermod -aG greend $USER (then log in again)",
             )
         ]
     if not stat.S_ISSOCK(st.st_mode):

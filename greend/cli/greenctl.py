@@ -14,6 +14,7 @@ import typer
 from greend.cli.common import fail, request, target
 from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
+from greend.cli.shell import complete_clock_policy, complete_job, hoist_root_options
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
 
@@ -41,7 +42,7 @@ def _ctl_root(
     ),
     timeout: float = typer.Option(5.0, "--timeout", help="seconds to wait for the daemon (> 0)"),
     version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
+        False, "--version", metavar="", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
     ),
 ) -> None:
     if not (math.isfinite(timeout) and timeout > 0):
@@ -52,16 +53,60 @@ def _ctl_root(
 
 
 @ctl_app.command("status")
-def ctl_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
-    """GPUs, CPU zones, jobs and policy, live."""
-    st = request("status")
-    typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
+def ctl_status(
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
+    fmt_: str | None = typer.Option(
+        None, "--format", help="csv or json: one row per GPU and CPU zone (json: one object a line)"
+    ),
+    interval: float | None = typer.Option(
+        None, "--interval", help="repeat every S seconds until Ctrl-C (as nvidia-smi -l); rows only"
+    ),
+    count: int | None = typer.Option(None, "--count", help="with --interval: stop after N readings"),
+    output: Path | None = typer.Option(None, "--output", help="append the rows to FILE instead of printing them"),
+) -> None:
+    """GPUs, CPU zones, jobs and policy, live. --format/--interval/--output: device rows
+    for scripts and logs (nvidia-smi --query-gpu ... --format=csv -l)."""
+    if fmt_ is None and interval is None and output is None and count is None:
+        st = request("status")
+        typer.echo(json.dumps(st, indent=2) if as_json else render_status(st))
+        return
+    import sys
+    import time
+
+    from greend.cli.sample_log import SampleLog, status_rows
+
+    if interval is not None and not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
+    if count is not None and (count < 1 or interval is None):
+        fail(f"--count {count}: expected N >= 1, with --interval")
+    try:
+        log = SampleLog(fmt_ or ("json" if as_json else "csv"), out=sys.stdout, path=output)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+        return
+    n = 0
+    try:
+        while True:
+            log.write(status_rows(request("status")))
+            n += 1
+            if interval is None or (count is not None and n >= count):
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.close()
 
 
 @ctl_app.command("top")
 def ctl_top(
     interval: float = typer.Option(1.0, "--interval", help="seconds between refreshes (>= 0.1)"),
-    once: bool = typer.Option(False, "--once", help="print one frame (two readings an interval apart) and exit"),
+    once: bool = typer.Option(
+        False, "--once", metavar="", help="print one frame (two readings an interval apart) and exit"
+    ),
+    sort: str = typer.Option(
+        "job", "--sort", help="the jobs' order: job, energy, now (GFLOPS/W), run (GFLOPS/W), steps, rate"
+    ),
 ) -> None:
     """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits)."""
     from greend.cli.top import run_top
@@ -74,13 +119,30 @@ def ctl_top(
             return dict(c.request("status"))
 
     try:
-        run_top(status, socket=str(target.path()), interval_s=interval, once=once)
+        run_top(status, socket=str(target.path()), interval_s=interval, once=once, sort=sort)
     except GreendError as e:
         fail(str(e), code=3)
 
 
+@ctl_app.command("events")
+def ctl_events(
+    interval: float = typer.Option(0.5, "--interval", help="seconds between looks at the daemon (>= 0.1)"),
+    count: int | None = typer.Option(None, "--count", help="stop after N events"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="one JSON object a line"),
+) -> None:
+    """A live feed of the controller's decisions, jobs starting and ending, and policy
+    changes, one line each (Ctrl-C quits)."""
+    from greend.cli.events import run_events
+
+    if not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
+    if count is not None and count < 1:
+        fail(f"--count {count}: expected N >= 1")
+    run_events(lambda: request("status"), typer.echo, interval_s=interval, as_json=as_json, count=count)
+
+
 @ctl_app.command("probes")
-def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def ctl_probes(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """What was detected, what is missing and why."""
     res = request("probes")
     if as_json:
@@ -99,8 +161,10 @@ def ctl_probes(as_json: bool = typer.Option(False, "--json", help="machine-reada
 
 @ctl_app.command("jobs")
 def ctl_jobs(
-    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
-    all_jobs: bool = typer.Option(False, "--all", help="also the ended jobs in the SQLite store (kept over restarts)"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
+    all_jobs: bool = typer.Option(
+        False, "--all", metavar="", help="also the ended jobs in the SQLite store (kept over restarts)"
+    ),
     store: str | None = typer.Option(
         None,
         "--store",
@@ -140,14 +204,14 @@ def ctl_jobs(
         if path is not None:
             try:
                 stored = stored_jobs(path)
-                # A job the daemon still lists is in the store once it ended: its last run there.
-                for j in live:
-                    same = [i for i, k in enumerate(stored) if k["job"] == j["job"]]
-                    if same and j["state"] == "ended":
-                        stored.pop(same[-1])
-                jobs = stored + live
+                # A run the daemon still lists (or kept from before a restart) is in the store
+                # once it ended: listed once, as the daemon has it.
+                listed = {(j["job"], j.get("run_id")) for j in live if j["state"] == "ended"}
+                jobs = [k for k in stored if (k["job"], k.get("run_id")) not in listed] + live
             except GreendError as e:
-                fail(str(e))
+                if daemon_down or store is not None:
+                    fail(str(e))
+                typer.echo(f"note: {e}; the daemon's list follows (its latest ended runs)", err=True)
         elif daemon_down:
             fail(f"{daemon_down}; and no SQLite store to read: give --store FILE")
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
@@ -179,13 +243,16 @@ def _store_path(store: Path | None) -> Path | None:
         except GreendError:
             return None
     path = sqlite_path(urls)
-    return path if path is not None and path.exists() else None
+    try:
+        return path if path is not None and path.exists() else None
+    except PermissionError:  # the daemon's state dir is its uid's alone: it is asked instead
+        return path
 
 
 @ctl_app.command("report")
 def ctl_report(
-    job: str = typer.Argument(..., help="job id (see greenctl jobs)"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable"),
+    job: str = typer.Argument(..., help="job id (see greenctl jobs)", autocompletion=complete_job),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable"),
     plot: Path | None = typer.Option(None, "--plot", help="write power and GFLOPS/W over time to FILE.png"),
     stores: list[str] | None = typer.Option(
         None,
@@ -240,6 +307,10 @@ def ctl_report(
             fail(f"{why}{where}", code=3 if down else 2)
         assert r is not None
         typer.echo(f"(from the store {r['from_store']}: the daemon no longer knows this job)", err=True)
+    elif r.get("from_history"):
+        typer.echo("(from the daemon's history: this run ended before the daemon last started)", err=True)
+        if r.get("earlier_runs"):
+            typer.echo(f"note: job id {job!r} ran {r['earlier_runs']} time(s) before this run", err=True)
     elif path is not None:
         try:
             from greend.jobs.history import stored_jobs
@@ -307,12 +378,29 @@ def ctl_measure(
         None, "--gpus", help="GPU indices, e.g. 0,1 (default $CUDA_VISIBLE_DEVICES, else every GPU)"
     ),
     flops: float | None = typer.Option(None, "--flops", help="the FLOPs the whole command does, if known"),
-    as_json: bool = typer.Option(False, "--json", help="the report, machine-readable"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="the report, machine-readable"),
+    interval: float = typer.Option(1.0, "--interval", help="seconds between readings (>= 0.1)"),
+    output: Path | None = typer.Option(
+        None, "--output", help="append a reading of the command's devices every --interval to FILE"
+    ),
+    fmt_: str = typer.Option("csv", "--format", help="--output's format: csv or json (one object a line)"),
+    local: bool = typer.Option(
+        False, "--local", metavar="", help="measure in this process from NVML/RAPL even if a daemon answers"
+    ),
+    sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="where RAPL is read, in-process"),
 ) -> None:
     """Run a command as a greend job, no code change: its GPUs' energy, power, CO2 (and
-    GFLOPS/W with --flops) over its life. Exits with the command's status."""
+    GFLOPS/W with --flops) over its life. Exits with the command's status. The command
+    always runs: with no daemon answering it is measured in this process, from NVML and
+    RAPL directly."""
     from greend.cli.measure import run_measure
+    from greend.cli.measure_local import measure_locally, render_local
+    from greend.cli.sample_log import SampleLog, status_rows
 
+    if not cmd:
+        fail("give the command after --: greenctl measure -- python train.py")
+    if not (math.isfinite(interval) and interval >= 0.1):
+        fail(f"--interval {interval:g}: expected seconds >= 0.1")
     gpu_list: list[int] | None = None
     if gpus is not None:
         try:
@@ -320,27 +408,65 @@ def ctl_measure(
         except ValueError:
             fail(f"--gpus {gpus!r}: expected GPU indices like 0,1")
     try:
-        res = run_measure(
-            target.path(), list(cmd or []), job=job, gpus=gpu_list, flops=flops, timeout_s=target.timeout_s
-        )
-    except DaemonUnavailable as e:
-        fail(str(e), code=3)
+        log = SampleLog(fmt_, path=output) if output is not None else None
+    except (ValueError, OSError) as e:
+        fail(f"--output {output}: {e}")
         return
-    except RequestRefused as e:
-        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
-        return
+
+    def on_sample(st: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(status_rows(st, gpus=gpu_list))
+
+    job_id = job or f"measure-{os.getpid()}"
+    report: dict[str, Any]
+    try:
+        res = None
+        why_local = "--local"
+        if not local:
+            try:
+                res = run_measure(
+                    target.path(),
+                    list(cmd),
+                    job=job_id,
+                    gpus=gpu_list,
+                    flops=flops,
+                    interval_s=interval,
+                    timeout_s=target.timeout_s,
+                    on_sample=on_sample if log is not None else None,
+                )
+            except DaemonUnavailable as e:
+                why_local = f"no daemon ({e})"
+        if res is None:
+            lres = measure_locally(
+                list(cmd),
+                job=job_id,
+                gpus=gpu_list,
+                flops=flops,
+                interval_s=interval,
+                sysfs_root=sysfs_root,
+                on_sample=on_sample if log is not None else None,
+                why_local=why_local,
+            )
+            returncode, report, notes = lres.returncode, lres.report, lres.notes
+            text = render_local(report)
+        else:
+            returncode, report, notes = res.returncode, res.report, res.notes
+            text = render_report(report) if report else ""
     except GreendError as e:
         fail(str(e))
         return
-    for n in res.notes:
+    finally:
+        if log is not None:
+            log.close()
+    for n in notes:
         typer.echo(f"note: {n}", err=True)
     if as_json:
-        out = dict(res.report)
+        out = dict(report)
         out.pop("series", None)
         typer.echo(json.dumps(out, indent=2))
-    else:
-        typer.echo(render_report(res.report))
-    raise typer.Exit(res.returncode if 0 <= res.returncode < 256 else 1)
+    elif text:
+        typer.echo(text)
+    raise typer.Exit(returncode if 0 <= returncode < 256 else 1)
 
 
 cap_app = typer.Typer(add_completion=False, no_args_is_help=True, help="GPU clock caps and power limits (admin).")
@@ -427,7 +553,7 @@ def _parse_param(text: str) -> tuple[str, Any]:
 
 
 @policy_app.command("show")
-def ctl_policy_show(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def ctl_policy_show(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """The policy in force, its parameters and its last decision."""
     r = request("policy_show")
     if as_json:
@@ -462,6 +588,7 @@ def ctl_policy_set(
         ...,
         help="a clock policy: none, static, efficient, budget (the precision policy runs beside it: "
         "--precision precision, or the config's policy.precision key)",
+        autocompletion=complete_clock_policy,
     ),
     param: list[str] | None = typer.Option(None, "--param", help="KEY=VALUE (JSON values: 0.05, true, [0,1])"),
     precision: str | None = typer.Option(
@@ -491,7 +618,9 @@ def ctl_policy_set(
 def ctl_doctor(
     config: Path | None = typer.Option(None, "--config", help="config file to check"),
     sysfs_root: Path = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root to check"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable: each check's level, name, detail, fix"),
+    as_json: bool = typer.Option(
+        False, "--json", metavar="", help="machine-readable: each check's level, name, detail, fix"
+    ),
 ) -> None:
     """Check permissions, NVML, RAPL, socket and store, and say what to fix."""
     from greend.cli.doctor import run_checks
@@ -522,10 +651,13 @@ def ctl_doctor(
 @ctl_app.command("install-systemd")
 def ctl_install_systemd(
     prefix: Path = typer.Option(Path("/"), "--prefix", help="root of the OS tree to install into"),
-    enable: bool = typer.Option(False, "--enable", help="also run systemctl enable --now greend"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be done, touch nothing"),
+    enable: bool = typer.Option(False, "--enable", metavar="", help="also run systemctl enable --now greend"),
+    dry_run: bool = typer.Option(False, "--dry-run", metavar="", help="print what would be done, touch nothing"),
     greend_bin: str | None = typer.Option(
         None, "--greend-bin", help="greend for ExecStart= (default: beside this Python, else PATH)"
+    ),
+    force: bool = typer.Option(
+        False, "--force", metavar="", help="install even where the unit's sandbox hides greend (/home, /root, /tmp)"
     ),
 ) -> None:
     """Install greend.service, its sysusers/tmpfiles snippets, /etc/default/greend and an example config."""
@@ -536,13 +668,20 @@ def ctl_install_systemd(
         fail("cannot find the greend executable: give --greend-bin /path/to/greend")
         return
     try:
-        actions = install_systemd(prefix, greend_bin=binary, enable=enable, dry_run=dry_run)
+        actions = install_systemd(prefix, greend_bin=binary, enable=enable, dry_run=dry_run, hidden_ok=force)
     except GreendError as e:
         fail(str(e))
         return
     for a in actions:
         typer.echo(("would " if dry_run and not a.startswith(("skip", "keep")) else "") + a)
+    if force:
+        from greend.cli.install import hidden_from_unit
+
+        for h in hidden_from_unit(binary):
+            typer.echo(f"warning: the service cannot reach {h}: it will not start", err=True)
 
 
 def ctl_main() -> None:
-    ctl_app()
+    import sys
+
+    ctl_app(args=hoist_root_options(sys.argv[1:]))

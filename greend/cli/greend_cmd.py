@@ -37,7 +37,7 @@ def _print_version(value: bool) -> None:
 @daemon_app.callback()
 def _daemon_root(
     version: bool = typer.Option(
-        False, "--version", is_eager=True, callback=_print_version, help="print greend's version and exit"
+        False, "--version", metavar="", is_eager=True, callback=_print_version, help="print greend's version and exit"
     ),
 ) -> None:
     """greend: the per-node energy controller daemon."""
@@ -140,12 +140,18 @@ def daemon_run(
 def daemon_restore(
     state_dir: Path = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="where saved-settings.json lives"),
     force_defaults: bool = typer.Option(
-        False, "--force-defaults", help="state file unreadable: reset every GPU to its default clocks and limit"
+        False,
+        "--force-defaults",
+        metavar="",
+        help="state file unreadable: reset every GPU to its default clocks and limit",
     ),
     sim_dir: Path | None = typer.Option(None, "--sim-dir", help="simulated devices, if not the recorded dir"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable report"),
     force: bool = typer.Option(
-        False, "--force", help="restore even while the daemon that owns the state dir runs (it may set them again)"
+        False,
+        "--force",
+        metavar="",
+        help="restore even while the daemon that owns the state dir runs (it may set them again)",
     ),
 ) -> None:
     """Put back every setting greend changed (systemd runs this as ExecStopPost).

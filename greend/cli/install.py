@@ -48,7 +48,14 @@ from pathlib import Path
 
 from greend.errors import ConfigError, GreendError
 
-__all__ = ["UNIT_BIN", "default_greend_bin", "find_systemd_dir", "install_systemd", "render_unit"]
+__all__ = [
+    "UNIT_BIN",
+    "default_greend_bin",
+    "find_systemd_dir",
+    "hidden_from_unit",
+    "install_systemd",
+    "render_unit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +210,45 @@ def _is_live(prefix: Path) -> bool:
         return False
 
 
+# What the unit's sandbox hides from the service (greend.service: ProtectHome=yes makes
+# these inaccessible; PrivateTmp=yes gives the service empty /tmp and /var/tmp of its own).
+_HIDDEN_BY_UNIT = {
+    "/home": "ProtectHome=yes",
+    "/root": "ProtectHome=yes",
+    "/run/user": "ProtectHome=yes",
+    "/tmp": "PrivateTmp=yes",
+    "/var/tmp": "PrivateTmp=yes",
+}
+
+
+def hidden_from_unit(greend_bin: str) -> list[str]:
+    """Why the unit could not run ``greend_bin``: each path it needs (the script, where
+    its links lead, its interpreter from the ``#!`` line) that the unit's sandbox hides,
+    as ``PATH (under DIR, hidden by SETTING)``. Empty when the service can reach them."""
+    needed: list[str] = [greend_bin]
+    try:
+        needed.append(os.path.realpath(greend_bin))
+        with open(greend_bin, "rb") as fh:
+            first = fh.readline(512)
+        if first.startswith(b"#!"):
+            interp = first[2:].decode("utf-8", "replace").split()
+            if interp:
+                needed += [interp[0], os.path.realpath(interp[0])]
+    except OSError:
+        pass  # not readable here (another prefix): judge the path alone
+    out: list[str] = []
+    for p in dict.fromkeys(needed):
+        for top, setting in _HIDDEN_BY_UNIT.items():
+            if p == top or p.startswith(top + "/"):
+                out.append(f"{p} (under {top}, hidden by {setting})")
+    return out
+
+
 def install_systemd(
     prefix: Path = Path("/"),
     *,
     greend_bin: str,
+    hidden_ok: bool = False,
     enable: bool = False,
     dry_run: bool = False,
     source_dir: Path | None = None,
@@ -218,12 +260,24 @@ def install_systemd(
     Each action is one line: ``write PATH``, ``keep PATH (exists)``,
     ``run CMD ...`` or ``skip CMD ...: why``. With ``dry_run`` nothing is written
     or run and the lines say what would be done. ``network``: install the network
-    drop-in (True), remove it (False), or decide from the stores configured (None). Raises :class:`ConfigError` for
+    drop-in (True), remove it (False), or decide from the stores configured (None).
+    ``hidden_ok``: install even when the unit's sandbox hides ``greend_bin`` or its
+    interpreter (:func:`hidden_from_unit`; refused otherwise). Raises :class:`ConfigError` for
     bad arguments and :class:`GreendError` when a file cannot be written or a
     command fails (the message says which, and what it printed).
     """
     src = find_systemd_dir(source_dir)
     unit = render_unit((src / "greend.service").read_text(), greend_bin)
+    hidden = hidden_from_unit(greend_bin)
+    if hidden and not hidden_ok:
+        raise ConfigError(
+            f"ExecStart={greend_bin} would not start: the unit's sandbox hides "
+            + "; ".join(hidden)
+            + ". Install greend where the service can reach it, e.g. "
+            "sudo python3 -m venv /opt/greend && sudo /opt/greend/bin/pip install . && "
+            "sudo /opt/greend/bin/greenctl install-systemd (or give --greend-bin /usr/local/bin/greend); "
+            "--force installs the unit anyway"
+        )
     run = runner or _default_runner
     prefix = Path(prefix)
     actions: list[str] = []

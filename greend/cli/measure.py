@@ -8,6 +8,12 @@ FLOP-less "step" every interval (the job's window: its GPUs' energy over the
 command's life), and ends the job with the command's exit status. Then it prints the
 job's report: energy, power, CO2, and GFLOPS/W where FLOPs are known (``--flops``:
 the FLOPs the whole command does, if you know them).
+
+The command always runs: with no daemon answering, :mod:`greend.cli.measure_local`
+measures it in this process from the probes; a daemon lost or refusing mid-run leaves
+it running to its end. Its time goes to the daemon in windows of ``interval_s``,
+which the daemon books as steps; the report (``measured_whole``) says the command has
+no steps nor a precision of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +61,14 @@ def run_measure(
     flops: float | None = None,
     interval_s: float = 1.0,
     timeout_s: float = 5.0,
+    on_sample: Callable[[dict[str, Any]], None] | None = None,
 ) -> MeasureResult:
-    """Run ``cmd`` as job ``job`` (default ``measure-<pid>``) on ``gpus``; its report."""
+    """Run ``cmd`` as job ``job`` (default ``measure-<pid>``) on ``gpus``; its report.
+
+    Raises :class:`DaemonUnavailable` only before the command starts (the caller then
+    measures in-process); once it runs, a daemon that goes away or refuses the job
+    leaves the command running to its end, and the result says why there is no
+    report. ``on_sample`` gets the daemon's ``status`` at every interval (logging)."""
     if not cmd:
         raise GreendError("give the command after --: greenctl measure -- python train.py")
     notes: list[str] = []
@@ -83,52 +96,86 @@ def run_measure(
         except OSError as e:
             s.close()
             raise GreendError(f"cannot run {cmd[0]!r}: {e.strerror or e}") from None
-        try:
-            s.getpeername()
-        except OSError:
-            s.connect(str(sock_path))
-            notes.append("registered from greenctl's own process: the job's CPU share is not the command's")
-        s.settimeout(timeout_s)
         client = Client(sock_path, timeout_s=timeout_s)
-        client._sock = s  # the connection the child made: the daemon sees the command's pid
-        reg = client.request("register", job=job, gpus=gpus, precisions=["fp32"], world_size=1, rank=0, local_rank=0)
-        interval = min(interval_s, float(reg.get("heartbeat_s") or interval_s))
-        t_prev = time.monotonic()
-        step = 0
-        while True:
+        try:
             try:
-                rc = proc.wait(timeout=interval)
-                done = True
-            except subprocess.TimeoutExpired:
-                rc, done = 0, False
-            now = time.monotonic()
-            if now > t_prev:
-                s.sendall(
-                    frame_message("steps", {"steps": [{"step": step, "t0_s": t_prev, "t1_s": now, "flops": 0.0}]})
-                )
-                step += 1
-                t_prev = now
-            if done:
-                break
-            client.request("heartbeat")
-        if flops:
-            s.sendall(frame_message("steps", {"steps": [{"step": step, "t0_s": now, "t1_s": now, "flops": flops}]}))
-        client.request("end", reason=f"command exited with {rc}")
-        client.close()
-    except (DaemonUnavailable, RequestRefused):
-        if "proc" in locals() and proc.poll() is None:
-            proc.wait()
-        raise
+                s.getpeername()
+            except OSError:
+                s.connect(str(sock_path))
+                notes.append("registered from greenctl's own process: the job's CPU share is not the command's")
+            s.settimeout(timeout_s)
+            client._sock = s  # the connection the child made: the daemon sees the command's pid
+            rc = _through_daemon(client, s, proc, job, gpus, flops, interval_s, on_sample)
+        except (DaemonUnavailable, RequestRefused, OSError) as e:
+            # The command runs on: a wrapped training never fails because of greend.
+            notes.append(
+                f"the daemon {'refused the job' if isinstance(e, RequestRefused) else 'went away'}: {e}; "
+                "the command ran to its end, unmeasured"
+            )
+            return MeasureResult(proc.wait(), {}, notes)
+        finally:
+            client.close()
     finally:
         signal.signal(signal.SIGINT, old_int)
     report: dict[str, Any] = {}
     deadline = time.monotonic() + 15
-    with Client(sock_path, timeout_s=timeout_s) as c:
-        while time.monotonic() < deadline:
-            report = c.request("report", job=job)
-            if report["state"] == "ended":
-                break
-            time.sleep(0.1)
+    try:
+        with Client(sock_path, timeout_s=timeout_s) as c:
+            while time.monotonic() < deadline:
+                report = c.request("report", job=job)
+                if report["state"] == "ended":
+                    break
+                time.sleep(0.1)
+    except (DaemonUnavailable, RequestRefused) as e:
+        notes.append(f"the command ended (exit {rc}) but its report could not be read: {e}")
+        return MeasureResult(rc, {}, notes)
     if not flops:
         notes.append("FLOPs unknown: GFLOPS/W needs --flops N or GreenCallback in the code")
+    if report:
+        # A command measured whole has no steps nor a precision of its own: the daemon's
+        # windows are kept apart as "windows", never shown as steps (render_report).
+        report["measured_whole"] = True
+        report["windows"] = report.get("steps")
+        report["steps"] = None
+        report["precision"] = None
     return MeasureResult(rc, report, notes)
+
+
+def _through_daemon(
+    client: Client,
+    s: socket.socket,
+    proc: subprocess.Popen[bytes],
+    job: str,
+    gpus: list[int],
+    flops: float | None,
+    interval_s: float,
+    on_sample: Callable[[dict[str, Any]], None] | None,
+) -> int:
+    """The job's life at the daemon while the command runs: its time in windows of
+    ``interval_s`` (the daemon's steps; the report says they are not the command's),
+    a heartbeat between them, the end with the command's exit status."""
+    reg = client.request("register", job=job, gpus=gpus, precisions=["fp32"], world_size=1, rank=0, local_rank=0)
+    interval = min(interval_s, float(reg.get("heartbeat_s") or interval_s))
+    t_prev = time.monotonic()
+    now = t_prev
+    step = 0
+    while True:
+        try:
+            rc = proc.wait(timeout=interval)
+            done = True
+        except subprocess.TimeoutExpired:
+            rc, done = 0, False
+        now = time.monotonic()
+        if now > t_prev:
+            s.sendall(frame_message("steps", {"steps": [{"step": step, "t0_s": t_prev, "t1_s": now, "flops": 0.0}]}))
+            step += 1
+            t_prev = now
+        if on_sample is not None:
+            on_sample(client.request("status"))
+        if done:
+            break
+        client.request("heartbeat")
+    if flops:
+        s.sendall(frame_message("steps", {"steps": [{"step": step, "t0_s": now, "t1_s": now, "flops": flops}]}))
+    client.request("end", reason=f"command exited with {rc}")
+    return rc

@@ -71,7 +71,7 @@ def profile_record(
     step_w: float | None = typer.Option(None, "--step", help="W between limits; default an eighth of the range"),
     steps_per_limit: int = typer.Option(20, "--steps-per-limit", help="job steps measured at each limit (>= 2)"),
     name: str | None = typer.Option(None, "--name", help="the profile's name (default: the job id and GPU)"),
-    as_json: bool = typer.Option(False, "--json", help="print the daemon's final status as JSON"),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="print the daemon's final status as JSON"),
 ) -> None:
     """Step GPU --gpu's power limit down while --job runs; write step time and power per limit."""
     if steps_per_limit < 2:
@@ -126,7 +126,7 @@ def profile_record(
 
 
 @profile_app.command("status")
-def profile_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+def profile_status(as_json: bool = typer.Option(False, "--json", metavar="", help="machine-readable")) -> None:
     """The running (or last) recording: its limits, the rows measured so far."""
     st = request("profile", action="status")
     if as_json:

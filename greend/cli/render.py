@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,13 @@ __all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status"
 
 
 def fmt(v: Any, digits: int = 1) -> str:
-    """A cell: "-" for None, floats to ``digits`` places."""
+    """A cell: "-" for None, floats to ``digits`` places, or to two significant digits
+    where those places would round a small figure to 0 (0.038 GFLOPS/W stays 0.038)."""
     if v is None:
         return "-"
     if isinstance(v, float):
+        if v != 0 and math.isfinite(v) and abs(v) < 10.0**-digits:
+            digits = min(12, 1 - math.floor(math.log10(abs(v))))
         return f"{v:.{digits}f}"
     return str(v)
 
@@ -132,9 +136,14 @@ def render_report(r: dict[str, Any]) -> str:
     no_cpu = r.get("cpu_energy_method") == "unmeasured"
     lines = [
         f"job {r['job']}  [{r['state']}{', ' + r['end_reason'] if r.get('end_reason') else ''}]  "
-        f"host {r.get('host')}  GPUs {r.get('gpus')}{label}" + (f"  run {r['run_id']}" if r.get("run_id") else ""),
-        f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
-        f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))",
+        f"host {r.get('host')}  GPUs {r.get('gpus') if r.get('gpus') is not None else '-'}{label}"
+        + (f"  run {r['run_id']}" if r.get("run_id") else ""),
+        (
+            "  steps            - (a command measured whole by greenctl measure: no steps of its own)"
+            if r.get("measured_whole")
+            else f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
+            f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))"
+        ),
         f"  duration         {_num(r['duration_s'], '.1f', 's')}",
         f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
@@ -188,8 +197,12 @@ def render_report(r: dict[str, Any]) -> str:
     if r.get("tokens"):
         lines.append(f"  tokens           {r['tokens']}   ({_num(r.get('tokens_per_j'), '.3g')} per J)")
     lines.append(f"  CO2              {_num(r.get('co2_g'), '.3g', 'g')}   ({r.get('co2_method')})")
-    lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
-    lines += render_savings(r.get("savings"), label)
+    if r.get("measured_whole"):
+        lines.append("  precision        - (the command's own: not known to greend)")
+    else:
+        lines.append(f"  precision        {r.get('precision')}   last loss {_num(r.get('last_loss'), '.4g')}")
+    if not r.get("measured_whole"):  # a command measured whole has no steps to form a baseline
+        lines += render_savings(r.get("savings"), label)
     world, here = r.get("world_size") or 1, r.get("ranks_here") or 0
     if world > 1 and here < world:
         lines.append(
@@ -197,7 +210,8 @@ def render_report(r: dict[str, Any]) -> str:
             "node's share (the whole job: greenctl report JOB --store NODE1.db --store NODE2.db ...)"
         )
     for ev in r.get("precision_log") or []:
-        lines.append(f"    {ev.get('kind', 'switch')}: {ev.get('from')} -> {ev.get('to')}  ({ev.get('reason')})")
+        frm = f"{ev['from']} -> " if ev.get("from") else ""  # a store keeps only where it went
+        lines.append(f"    {ev.get('kind', 'switch')}: {frm}{ev.get('to')}  ({ev.get('reason')})")
     for ev in r.get("decisions") or []:
         lines.append(f"    cap: {render_setting(ev.get('setting'))}  ({ev.get('reason')})")
     notes = r.get("notes") or []
@@ -260,6 +274,11 @@ def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
         return [f"  saved{label:9} -   ({sv.get('note')})"]
     conf = sv.get("confidence") or {}
     ci = conf.get("saved_j_95")
+    if not b:  # from an SQLite store: the figures only, its baseline was not kept there
+        return [
+            f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
+            f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %   (the baseline's details are not in the store)"
+        ]
     lines = [
         f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
         f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %",

@@ -8,11 +8,13 @@ is shown in the frame, and ``top`` keeps trying until it is back or Ctrl-C.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -20,7 +22,7 @@ from rich.text import Text
 
 from greend.errors import GreendError
 
-__all__ = ["Frame", "render_frame", "run_top"]
+__all__ = ["SORT_KEYS", "Frame", "render_frame", "run_top"]
 
 
 @dataclass
@@ -58,9 +60,14 @@ def measure(prev: Frame | None, status: dict[str, Any] | None, at_s: float, erro
     return frame
 
 
+def _table(title: str) -> Table:
+    """A table that fits 80 columns: no vertical rules, one space between columns."""
+    return Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+
+
 def _gpu_table(st: dict[str, Any]) -> Table:
-    t = Table(title="GPUs", title_justify="left", expand=False)
-    for h in ("GPU", "name", "power W", "limit W", "SM MHz", "cap MHz", "util %", "temp C", "energy J"):
+    t = _table("GPUs")
+    for h in ("GPU", "name", "power\nW", "limit\nW", "SM\nMHz", "cap\nMHz", "util\n%", "temp\nC", "energy\nJ"):
         t.add_column(h, justify="left" if h in ("GPU", "name") else "right")
     for g in st.get("gpus", []):
         rng = g.get("power_limit_range_w") or [None, None]
@@ -68,7 +75,7 @@ def _gpu_table(st: dict[str, Any]) -> Table:
         capped_power = limit is not None and rng[1] is not None and limit < rng[1]
         t.add_row(
             f"gpu{g['index']}" + (" (sim)" if g.get("source") == "sim" else ""),
-            str(g.get("name") or "-"),
+            _short_name(g.get("name")),
             _num(g.get("power_w"), ".1f"),
             Text(_num(limit), style="bold yellow" if capped_power else ""),
             _num(g.get("sm_clock_mhz")),
@@ -80,18 +87,54 @@ def _gpu_table(st: dict[str, Any]) -> Table:
     return t
 
 
-def _job_table(st: dict[str, Any], frame: Frame) -> Table:
-    t = Table(title="Jobs", title_justify="left", expand=False)
-    for h in ("job", "state", "ranks", "GPUs", "steps", "steps/s", "GFLOPS/W now", "GFLOPS/W run", "energy J", "saved"):
-        t.add_column(h, justify="left" if h in ("job", "state") else "right")
-    jobs = st.get("jobs", [])
+def _short_name(name: Any) -> str:
+    """A GPU's name in a narrow column: "H100 80GB HBM3" (the vendor and "(simulated)"
+    are said by the GPU column's "(sim)")."""
+    text = str(name or "-").removeprefix("NVIDIA ")
+    return text.replace(" (simulated)", "")
+
+
+# --sort: the jobs table's order (largest first but for the job's name).
+SORT_KEYS: dict[str, str] = {
+    "job": "the job's name",
+    "energy": "the job's energy so far",
+    "now": "GFLOPS/W over the last interval",
+    "run": "GFLOPS/W over the job's run",
+    "steps": "steps so far",
+    "rate": "steps/s over the last interval",
+}
+
+
+def _sorted_jobs(jobs: list[dict[str, Any]], frame: Frame, sort: str) -> list[dict[str, Any]]:
+    if sort == "job":
+        return sorted(jobs, key=lambda j: str(j["job"]))
+
+    def key(j: dict[str, Any]) -> float:
+        now_eff, rate = frame.current.get(j["job"], (None, None))
+        v = {
+            "energy": j.get("energy_j"),
+            "now": now_eff,
+            "run": j.get("gflops_per_w"),
+            "steps": j.get("steps"),
+            "rate": rate,
+        }[sort]
+        return -(v if isinstance(v, (int, float)) else float("-inf"))
+
+    return sorted(jobs, key=key)
+
+
+def _job_table(st: dict[str, Any], frame: Frame, sort: str = "job") -> Table:
+    t = _table(f"Jobs (by {SORT_KEYS[sort]})")
+    t.add_column("job", overflow="fold")  # a long id folds onto a second line, never cut
+    for h in ("state", "GPUs", "steps", "steps\n/s", "GFLOPS/W\nnow", "GFLOPS/W\nrun", "energy\nJ", "saved"):
+        t.add_column(h, justify="left" if h == "state" else "right")
+    jobs = _sorted_jobs(st.get("jobs", []), frame, sort)
     for j in jobs:
         now_eff, rate = frame.current.get(j["job"], (None, None))
         saved = j.get("saved_pct")
         t.add_row(
             str(j["job"]),
             str(j.get("state")),
-            str(j.get("ranks") if not isinstance(j.get("ranks"), list) else len(j["ranks"])),
             ",".join(str(x) for x in j.get("gpus") or []) or "-",
             str(j.get("steps", 0)),
             _num(rate, ".1f"),
@@ -101,11 +144,11 @@ def _job_table(st: dict[str, Any], frame: Frame) -> Table:
             "-" if saved is None else f"{saved:.1f}%" + (" (sim)" if j.get("sim") else ""),
         )
     if not jobs:
-        t.add_row("(none)", "", "", "", "", "", "", "", "", "")
+        t.add_row("(none)", "", "", "", "", "", "", "", "")
     return t
 
 
-def render_frame(frame: Frame, *, socket: str, interval_s: float) -> RenderableType:
+def render_frame(frame: Frame, *, socket: str, interval_s: float, sort: str = "job") -> RenderableType:
     head = Text(f"greend top  {socket}  every {interval_s:g} s  (Ctrl-C to quit)", style="bold")
     if frame.status is None:
         return Group(head, Text(f"daemon unavailable: {frame.error}; retrying", style="bold red"))
@@ -119,7 +162,7 @@ def render_frame(frame: Frame, *, socket: str, interval_s: float) -> RenderableT
         + (f"  CPU energy {_num(tot.get('cpu_energy_j'), '.0f')} J" if tot.get("cpu_energy_j") else "")
         + ("  DRY RUN (caps not applied)" if st.get("dry_run") else "")
     )
-    parts: list[RenderableType] = [head, Text(line), _gpu_table(st), _job_table(st, frame)]
+    parts: list[RenderableType] = [head, Text(line), _gpu_table(st), _job_table(st, frame, sort)]
     last = pol.get("last_decision") or {}
     if last.get("reason"):
         parts.append(Text(f"last decision: {last['reason']}"))
@@ -138,13 +181,17 @@ def run_top(
     console: Console | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    sort: str = "job",
 ) -> None:
     """Refresh until Ctrl-C. ``once``: take two readings ``interval_s`` apart (so the
-    current figures exist) and print that one frame (for scripts and pipes)."""
+    current figures exist) and print that one frame (for scripts and pipes). ``sort``:
+    the jobs' order (:data:`SORT_KEYS`)."""
+    if sort not in SORT_KEYS:
+        raise GreendError(f"--sort {sort!r}: expected one of {', '.join(SORT_KEYS)}")
     if console is None:
         console = Console()
-        if not console.is_terminal:  # a pipe or a file: rows whole, not wrapped at 80 columns
-            console = Console(width=200)
+        if not console.is_terminal:  # a pipe or a file: $COLUMNS if set, else 80, as a terminal
+            console = Console(width=shutil.get_terminal_size((80, 24)).columns)
 
     def read(prev: Frame | None) -> Frame:
         try:
@@ -159,11 +206,11 @@ def run_top(
             frame = read(frame)
         if frame.status is None:
             raise GreendError(frame.error or "daemon unavailable")
-        console.print(render_frame(frame, socket=socket, interval_s=interval_s))
+        console.print(render_frame(frame, socket=socket, interval_s=interval_s, sort=sort))
         return
     try:
         with Live(
-            render_frame(frame, socket=socket, interval_s=interval_s),
+            render_frame(frame, socket=socket, interval_s=interval_s, sort=sort),
             console=console,
             auto_refresh=False,
             transient=False,
@@ -171,6 +218,6 @@ def run_top(
             while True:
                 sleep(interval_s)
                 frame = read(frame)
-                live.update(render_frame(frame, socket=socket, interval_s=interval_s), refresh=True)
+                live.update(render_frame(frame, socket=socket, interval_s=interval_s, sort=sort), refresh=True)
     except KeyboardInterrupt:
         return

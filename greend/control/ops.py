@@ -136,6 +136,12 @@ class ControlOps:
                 "limit: wait for it or abort it (greenctl profile abort)",
                 field="name",
             )
+        if msg["name"] == "precision":  # the config refuses it as [policy] name too
+            raise ProtocolError(
+                "'precision' is not a clock policy: it runs beside one "
+                "(greenctl policy set NAME --precision precision; NAME: none, static, efficient or budget)",
+                field="name",
+            )
         precision = msg.get("precision")
         if precision is not None:
             # Both are checked before either changes: a bad one leaves the policies as they were.

@@ -34,8 +34,9 @@ from greend.daemon.sdnotify import WatchdogPinger
 from greend.daemon.status import StatusContext, status_document
 from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
-from greend.fsutil import StateDir, StateDirLock, check_private_dir
+from greend.fsutil import StateDir, StateDirLock, check_private_dir, check_socket_slot
 from greend.ipc.server import IpcServer, Limits
+from greend.jobs.archive import ARCHIVE_DIR, JobArchive
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
@@ -127,7 +128,8 @@ class Daemon:
             )
         )
         self.jobs.on_job_end.append(self.control.job_ended)
-        self.job_ops = JobOps(self.jobs)  # the jobs' socket ops
+        # the jobs' socket ops; ended runs kept in the state dir, for history after a restart
+        self.job_ops = JobOps(self.jobs, JobArchive(cfg.daemon.state_dir / ARCHIVE_DIR))
         self.status_context = StatusContext(
             cfg=cfg,
             hostname=self.hostname,
@@ -204,8 +206,8 @@ class Daemon:
             daemon_cfg.socket,
             mode=int(daemon_cfg.socket_mode, 8),
             group=daemon_cfg.socket_group or None,
-            is_admin=lambda peer: is_admin(peer, daemon_cfg.admin_group),
-            admin_needs=admin_needs(daemon_cfg.admin_group),
+            is_admin=lambda peer: is_admin(peer, daemon_cfg.admin_group, daemon_cfg.root_is_admin),
+            admin_needs=admin_needs(daemon_cfg.admin_group, daemon_cfg.root_is_admin),
             on_disconnect=self.job_ops.disconnected,
             limits=Limits.of(daemon_cfg),
             registered=self.job_ops.registered,
@@ -226,7 +228,10 @@ class Daemon:
         d = self.cfg.daemon
         self.state_dir.open()  # checked, then held open: nobody else may plant files in it
         d.socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        check_private_dir(d.socket.parent, "the socket's directory")
+        # A sticky directory such as /tmp is accepted for the socket alone (why it is safe:
+        # check_private_dir's docstring), so `greend run --socket /tmp/g.sock` works for a try.
+        check_private_dir(d.socket.parent, "the socket's directory", shared_sticky=True)
+        check_socket_slot(d.socket)
         try:
             self.lock.acquire()  # one daemon per state dir, before anything is touched
         except BlockingIOError as e:

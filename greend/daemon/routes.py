@@ -35,9 +35,12 @@ class RouteContext:
     control: ControlOps
 
 
-def is_admin(peer: Peer, admin_group: str) -> bool:
-    """Root, or a member of ``admin_group`` (its primary group or a listed member)."""
-    if peer.uid == 0:
+def is_admin(peer: Peer, admin_group: str, root_is_admin: bool = True) -> bool:
+    """Root (unless ``root_is_admin`` is off), or a member of ``admin_group`` (its
+    primary group or a listed member). Off where uid 0 means little: under Kubernetes
+    every container's root is uid 0 on the socket, so the shipped manifests grant the
+    node to the admin group's gid alone."""
+    if peer.uid == 0 and root_is_admin:
         return True
     if not admin_group:
         return False
@@ -54,8 +57,15 @@ def is_admin(peer: Peer, admin_group: str) -> bool:
     return user in group.gr_mem
 
 
-def admin_needs(admin_group: str) -> str:
+def admin_needs(admin_group: str, root_is_admin: bool = True) -> str:
     """Who passes :func:`is_admin`, as a refusal says it."""
+    if not root_is_admin:
+        if admin_group:
+            return (
+                f"a member of the group {admin_group!r} ([daemon] admin_group; uid 0 alone is not "
+                "an admin here: [daemon] root_is_admin = false)"
+            )
+        return "an admin, and none can be: [daemon] root_is_admin = false and no admin_group is set"
     if admin_group:
         return f"root or a member of the group {admin_group!r} ([daemon] admin_group)"
     return "root (no [daemon] admin_group is set)"

@@ -8,8 +8,11 @@ The wire itself (connecting, framing, reading lines) is :mod:`greend.ipc.wire`.
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +65,10 @@ class Client:
         except PermissionError:
             raise DaemonUnavailable(
                 f"permission denied on {self.path}: join the socket's group "
-                "(usermod -aG greend $USER, then log in again) or use sudo"
+                "(sudo usermod -aG greend $USER, then log in again) or use sudo"
             ) from None
         except OSError as e:
-            raise DaemonUnavailable(f"cannot connect to {self.path}: {e.strerror or e}") from None
+            raise DaemonUnavailable(f"cannot connect to {self.path}: {_what_is_there(self.path, e)}") from None
         self._sock = s
 
     def close(self) -> None:
@@ -106,3 +109,19 @@ class Client:
         except LineTooLong:
             raise DaemonUnavailable("reply too large") from None
         return decode(line)
+
+
+def _what_is_there(path: Path, e: OSError) -> str:
+    """Why a connect failed, said by what is at the path: a directory or a plain file
+    is not a daemon's socket, whatever errno the kernel gave."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return e.strerror or str(e)
+    if stat.S_ISDIR(st.st_mode):
+        return "it is a directory, not a socket (the socket is a file in it, e.g. greend.sock)"
+    if not stat.S_ISSOCK(st.st_mode):
+        return "it is not a socket (a regular file?); point --socket at the daemon's socket"
+    if e.errno == errno.ECONNREFUSED:
+        return "connection refused: a socket is there but no daemon listens (a daemon that stopped uncleanly?)"
+    return e.strerror or str(e)

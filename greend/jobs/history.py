@@ -11,6 +11,7 @@ read-only: the daemon may be writing it.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,17 @@ def _rows(db: sqlite3.Connection, table: str, where: str = "", params: tuple[Any
 
 def _open(path: Path) -> sqlite3.Connection:
     try:
-        return connect_readonly(path)
-    except sqlite3.Error as e:
+        if path.exists() and not os.access(path, os.R_OK):
+            raise PermissionError(path)
+        db = connect_readonly(path)
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # opens the file now, not at the first query
+        return db
+    except PermissionError:
+        raise StoreError(
+            f"the store {path} is readable by greend's uid only (it holds every user's jobs): "
+            "greenctl report JOB and greenctl jobs ask the daemon instead, or read it as root"
+        ) from None
+    except (sqlite3.Error, OSError) as e:
         raise StoreError(f"cannot read the store {path}: {e}") from e
 
 
@@ -164,7 +174,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "end_reason": r.get("end_reason") or None,
         "host": r.get("host"),
         "gpus": None,
-        "gpu_source": None,
+        "gpu_source": r.get("gpu_source") or None,  # stored since greend_job carries it
         "steps": r.get("steps") or 0,
         "step_reports": r.get("steps") or 0,
         "ranks": 0,

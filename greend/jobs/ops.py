@@ -13,12 +13,15 @@ called with those. A connection comes in as anything shaped like
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from greend.errors import ProtocolError
-from greend.jobs.records import Caller
+from greend.jobs.archive import JobArchive
+from greend.jobs.records import Caller, Job
 from greend.jobs.registry import JobRegistry
+from greend.jobs.report import ROW_FIELDS
 from greend.protocol import (
     decode_precision_event,
     decode_register,
@@ -70,8 +73,11 @@ class JobOps:
 
     SILENT = frozenset({"steps", "intervals"})
 
-    def __init__(self, jobs: JobRegistry) -> None:
+    def __init__(self, jobs: JobRegistry, archive: JobArchive | None = None) -> None:
         self.jobs = jobs
+        self.archive = archive  # ended runs kept across restarts (history for everyone)
+        if archive is not None:
+            jobs.on_job_end.append(self._keep)
 
     def handlers(self) -> dict[str, JobHandler]:
         return {
@@ -80,7 +86,7 @@ class JobOps:
             "intervals": self.intervals,
             "heartbeat": self.heartbeat,
             "end": self.end,
-            "jobs": lambda msg, conn: {"jobs": self.jobs.list_jobs()},
+            "jobs": self.list_jobs,
             "report": self.report,
             "pace": self.pace,
             "precision_event": self.precision_event,
@@ -166,6 +172,37 @@ class JobOps:
     def report(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         job = self.jobs.get(msg["job"])
         if job is None:
+            kept = self.archive.report(msg["job"]) if self.archive is not None else None
+            if kept is not None:
+                return kept
+            ids = (
+                sorted(self.jobs.jobs) + [r["job"] for r in self.archive.rows()]
+                if self.archive
+                else sorted(self.jobs.jobs)
+            )
+            close = difflib.get_close_matches(msg["job"], ids, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
-            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known})", field="job")
+            raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known}){hint}", field="job")
         return self.jobs.report_with_series(job)
+
+    def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
+        """The jobs the daemon holds, after the ended runs it kept from before (a restart
+        does not empty ``greenctl jobs``)."""
+        live = self.jobs.list_jobs()
+        if self.archive is None:
+            return {"jobs": live}
+        held = {(j["job"], j.get("run_id")) for j in live}
+        kept = [r for r in self.archive.rows(self.jobs.keep_ended) if (r["job"], r.get("run_id")) not in held]
+        return {"jobs": kept + live}
+
+    def _keep(self, job: Job) -> None:
+        """At a job's end (the registry's hook, outside its lock): its report to the archive."""
+        assert self.archive is not None
+        report = self.jobs.report_with_series(job)
+        row = {k: report.get(k) for k in ROW_FIELDS}
+        row["state"] = "ended"
+        t_end = job.t_end_s
+        ended_at = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else self.jobs.wall()
+        row["ended_at"] = ended_at
+        self.archive.save(row, report, int(ended_at * 1e9))

@@ -15,9 +15,13 @@ __all__ = ["daemon_command", "wait_until_up"]
 
 
 def daemon_command(config: Path, socket: Path, state_dir: Path, *extra: str) -> list[str]:
-    """``python -m greend.daemon_main run`` with this config, socket and state dir."""
+    """``python -P -m greend.daemon_main run`` with this config, socket and state dir.
+    ``-P``: the current directory is not put on the daemon's path, so a folder named
+    greend there (the checkout, run from the folder that holds it) is never imported
+    in the package's place."""
     return [
         sys.executable,
+        "-P",
         "-m",
         "greend.daemon_main",
         "run",

@@ -240,6 +240,8 @@ class GreenCallback:
         ``flops``: this step's FLOPs, overriding everything else.
         """
         book = self._book
+        if samples is not None and samples <= 4 and type(batch) in (tuple, list):
+            self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:
             flops = book.default_flops
             if flops is None and shape_key is None and batch is not None:
@@ -247,6 +249,23 @@ class GreenCallback:
                 # change the model's FLOPs), else the batch's signature.
                 shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
         return Step(book, index, samples, tokens, shape_key, flops)
+
+    def _check_samples(self, samples: int, batch: tuple[Any, ...] | list[Any]) -> None:
+        """``samples=len(batch)`` on an ``(inputs, targets)`` batch counts its parts, not
+        its samples: warn once when ``samples`` is the tuple's length and its first part
+        holds more rows."""
+        if len(batch) != samples or "samples-tuple" in self._warnings or not batch:
+            return
+        first = batch[0]
+        shape = getattr(first, "shape", None)
+        rows = shape[0] if shape else (len(first) if hasattr(first, "__len__") else None)
+        if isinstance(rows, int) and rows > samples:
+            self._warnings.warn(
+                "samples-tuple",
+                f"samples={samples} is the length of the batch's tuple of {len(batch)} parts, whose first "
+                f"part holds {rows} rows: give samples=len(inputs) (e.g. for x, y in loader: "
+                "cb.step(samples=len(x), batch=x)), or samples/J and throughput read low",
+            )
 
     @property
     def precision(self) -> str:

@@ -288,7 +288,7 @@ class Sender:
             )
             return False
         except PermissionError:
-            self._fail(f"permission denied on {path} (join the socket's group: usermod -aG greend $USER)")
+            self._fail(f"permission denied on {path} (join the socket's group: sudo usermod -aG greend $USER)")
             return False
         except OSError as e:
             self._fail(f"cannot connect to {path}: {e.strerror or e}")

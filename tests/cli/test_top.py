@@ -126,8 +126,44 @@ def test_top_once_against_a_daemon_with_a_training_job(tmp_path: Path, daemons: 
         t.join(10)
     assert "topjob" in r.stdout and "running" in r.stdout, r.stdout
     row = next(line for line in r.stdout.splitlines() if "topjob" in line)
-    cells = [c.strip() for c in row.split("│") if c.strip()]
-    assert cells[5] != "-" and float(cells[5]) > 0, row  # steps/s measured between the two readings
+    cells = row.split()  # job, state, GPUs, steps, steps/s, ...
+    assert cells[4] != "-" and float(cells[4]) > 0, row  # steps/s measured between the two readings
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80, r.stdout  # a pipe: 80 columns
     assert "gpu0 (sim)" in r.stdout
     bad = d.ctl("top", "--interval", "0", check=False)
     assert bad.returncode == 2 and "--interval 0: expected seconds >= 0.1" in bad.stderr
+
+
+def _busy_node(n_jobs: int = 3) -> dict:
+    st = _status(flops=1e15, gpu_j=10_000.0, steps=100)
+    st["gpus"] = [
+        {**st["gpus"][0], "index": i, "name": "NVIDIA H100 80GB HBM3 (simulated)", "energy_j": 123456.0}
+        for i in range(4)
+    ]
+    st["jobs"] = [
+        {**st["jobs"][0], "job": f"llama-70b-finetune-run-{i}", "energy_j": 1000.0 * (i + 1), "steps": 100 * (3 - i)}
+        for i in range(n_jobs)
+    ]
+    return st
+
+
+def test_top_once_fits_80_columns_without_cutting_a_job_id() -> None:
+    frame = measure(measure(None, _busy_node(), at_s=0.0), _busy_node(), at_s=1.0)
+    buf = io.StringIO()
+    Console(file=buf, width=80, color_system=None).print(
+        render_frame(frame, socket="/run/greend/greend.sock", interval_s=1.0)
+    )
+    lines = buf.getvalue().splitlines()
+    assert max(len(x) for x in lines) <= 80, "\n".join(lines)
+    assert "…" not in buf.getvalue()  # nothing truncated
+    assert sum("llama-70b-finetune-run-" in x for x in lines) == 3
+    assert "gpu3 (sim)" in buf.getvalue() and "H100 80GB HBM3" in buf.getvalue()
+
+
+@pytest.mark.parametrize(("sort", "first"), [("job", "run-0"), ("energy", "run-2"), ("steps", "run-0")])
+def test_top_sorts_the_jobs(sort: str, first: str) -> None:
+    frame = measure(None, _busy_node(), at_s=0.0)
+    buf = io.StringIO()
+    Console(file=buf, width=80, color_system=None).print(render_frame(frame, socket="S", interval_s=1.0, sort=sort))
+    rows = [x for x in buf.getvalue().splitlines() if "llama-70b" in x]
+    assert first in rows[0], rows

@@ -33,12 +33,12 @@ def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[Daemon
 
     d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state, name="d2")
     daemons.append(d2)
-    # The new daemon does not know the job: its list is empty, --all reads the store.
-    assert "old-job" not in d2.ctl("jobs").stdout
+    # The new daemon serves the ended run it kept (its history), and --all the store too.
+    assert "old-job" in d2.ctl("jobs").stdout
     listed = d2.ctl("jobs", "--all").stdout
-    assert "old-job" in listed and "ended (store)" in listed
+    assert listed.count("old-job") == 1, listed
     r = d2.ctl("report", "old-job")
-    assert "from the store" in r.stderr
+    assert "from the daemon's history" in r.stderr
     text = r.stdout
     assert "job old-job  [ended, finished]" in text
     # Every decision with its reason, and the saving, as the live report had them.

@@ -41,7 +41,10 @@ def test_measure_without_a_command_or_a_daemon_says_what_to_do(tmp_path: Path) -
 
     from greend.cli.greenctl import ctl_app
 
-    r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--", "true"])
-    assert r.exit_code == 3 and "no greend socket" in r.output
+    # No daemon: the command runs all the same, measured in-process, and says so.
+    r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--", "false"])
+    assert r.exit_code == 1 and "no greend socket" in r.output and "in this process" in r.output
+    r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure"])
+    assert r.exit_code == 2 and "give the command after --" in r.output
     r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--gpus", "a,b", "--", "true"])
     assert r.exit_code == 2 and "--gpus" in r.output

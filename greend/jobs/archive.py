@@ -1,0 +1,96 @@
+"""Ended jobs' reports, kept by the daemon across its restarts and served through it.
+
+When a job ends the daemon writes the report it would give live (figures, labels such as
+``gpu_source``, the baseline and the saving, the decisions, the thinned series a plot
+draws) to ``<state_dir>/jobs/``, one JSON file per run, mode 0600. After a restart the
+``report`` op answers from there for a job the daemon no longer holds, and ``jobs``
+lists the latest ended runs, so history reads the same before and after a restart for
+everyone who may use the socket, while the files (like ``greend.db``) stay readable by
+greend's uid only. The newest ``keep`` runs are kept; older files are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from greend.fsutil import write_atomic
+
+__all__ = ["ARCHIVE_DIR", "JobArchive"]
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_DIR = "jobs"
+
+
+class JobArchive:
+    """``<state_dir>/jobs/<ended ns>-<job, quoted>-<run>.json``: ``{"row": the job's
+    row in ``jobs``, "report": its report with its series}``."""
+
+    def __init__(self, directory: Path, *, keep: int = 1000) -> None:
+        self.dir = Path(directory)
+        self.keep = keep
+
+    def save(self, row: dict[str, Any], report: dict[str, Any], ended_ns: int) -> None:
+        """Write one ended run (never raises: a full disk costs history, not the tick)."""
+        name = f"{ended_ns:020d}-{quote(str(row['job']), safe='')}-{quote(str(row.get('run_id') or ''), safe='')}.json"
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+            doc = json.dumps({"row": row, "report": report}, allow_nan=False, default=str)
+            write_atomic(self.dir / name, doc, mode=0o600, exact_mode=True, durable=False)
+            files = self._files()
+            for old in files[: max(0, len(files) - self.keep)]:
+                (self.dir / old).unlink(missing_ok=True)
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("cannot keep job %s's report in %s: %s (its history after a restart is the store's)",
+                        row.get("job"), self.dir, e)  # fmt: skip
+
+    def _files(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.dir) if n.endswith(".json") and not n.startswith("."))
+        except OSError:
+            return []
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            fd = os.open(self.dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                doc = json.loads(fh.read())
+            return doc if isinstance(doc, dict) else None
+        except (OSError, ValueError) as e:
+            log.warning("skipping %s: %s", self.dir / name, e)
+            return None
+
+    def runs(self, job: str) -> list[dict[str, Any]]:
+        """Every kept run of ``job``, oldest first."""
+        tag = f"-{quote(job, safe='')}-"
+        out = []
+        for name in self._files():
+            if tag in name:
+                doc = self._read(name)
+                if doc is not None and doc.get("row", {}).get("job") == job:
+                    out.append(doc)
+        return out
+
+    def report(self, job: str) -> dict[str, Any] | None:
+        """The latest kept run's report, as the daemon gave it when the run ended."""
+        runs = self.runs(job)
+        if not runs:
+            return None
+        rep = dict(runs[-1]["report"])
+        rep["earlier_runs"] = len(runs) - 1
+        rep["from_history"] = True  # the daemon's archive, not its live table
+        return rep
+
+    def rows(self, limit: int = 200) -> list[dict[str, Any]]:
+        """The latest ``limit`` ended runs' rows, oldest first."""
+        out = []
+        for name in self._files()[-limit:]:
+            doc = self._read(name)
+            if doc is not None and isinstance(doc.get("row"), dict):
+                out.append({**doc["row"], "from_history": True})
+        return out

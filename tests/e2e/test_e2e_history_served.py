@@ -1,0 +1,157 @@
+"""History after a daemon restart reads as the live report did (labels such as ``(sim)``,
+the GPUs' source, the baseline and saving, the plot), for root and for a member of the
+socket's group, served through the daemon: the state dir's files stay root's."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from greend.ipc.client import Client
+from greend.ipc.wire import frame_message
+from tests.e2e.test_e2e_jobs import wait_ended
+from tests.e2e.test_e2e_shared_node import USER_PY
+from tests.support import DaemonProc, env, start_daemon
+
+pytestmark = pytest.mark.e2e
+
+GROUP = "greend-hist"
+MEMBER = "greend-hist-member"
+
+
+def run_job(d: DaemonProc, job: str, steps: int = 30, step_s: float = 0.04) -> None:
+    """A job on simulated GPU 0, stepping with FLOPs (so it has a baseline), then ended."""
+    with Client(d.socket) as c:
+        c.request("register", job=job, gpus=[0], precisions=["fp32"], world_size=1, rank=0, local_rank=0)
+        assert c._sock is not None
+        for i in range(steps):
+            t0 = time.monotonic()
+            time.sleep(step_s)
+            entry = {"step": i, "t0_s": t0, "t1_s": time.monotonic(), "flops": 4e12, "samples": 64}
+            c._sock.sendall(frame_message("steps", {"steps": [entry]}))
+        c.request("end", reason="finished")
+
+
+def comparable(r: dict[str, Any]) -> dict[str, Any]:
+    """A report without what only says where it came from."""
+    return {k: v for k, v in r.items() if k not in ("from_history", "earlier_runs")}
+
+
+@pytest.fixture()
+def shared_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="greend-hist-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_history_after_a_restart_is_the_live_report(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    state = tmp_path / "state"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state)
+    daemons.append(d)
+    run_job(d, "hist-1")
+    live = wait_ended(d, "hist-1")
+    live_text = d.ctl("report", "hist-1").stdout
+    assert live["gpu_source"] == "sim" and "(sim)" in live_text
+    assert live["savings"]["baseline"] is not None  # measured uncapped steps
+    d.stop()
+
+    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, name="d2")
+    daemons.append(d2)
+    with Client(d2.socket) as c:
+        again = c.request("report", job="hist-1")
+    assert again["from_history"] is True
+    assert comparable(again) == comparable(live)  # every figure, label, source, baseline, series
+    r = d2.ctl("report", "hist-1")
+    assert r.stdout == live_text and "from the daemon's history" in r.stderr
+    assert "GPUs None" not in r.stdout and "None steps" not in r.stdout
+    listed = json.loads(d2.ctl("jobs", "--json").stdout)["jobs"]
+    assert [(j["job"], j["state"], j["steps"]) for j in listed] == [("hist-1", "ended", live["steps"])]
+    assert "no jobs yet" not in d2.ctl("jobs").stdout
+    typo = d2.ctl("report", "hist-l", check=False)
+    assert typo.returncode == 2 and "did you mean 'hist-1'?" in typo.stderr
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "after.png"
+    d2.ctl("report", "hist-1", "--plot", str(plot))
+    assert plot.stat().st_size > 10_000
+    # With no daemon, from the SQLite store alone: fewer details, and no "None" for them.
+    d2.stop()
+    stored = d2.ctl("report", "hist-1", "--store", str(state / "greend.db"))
+    assert "from the store" in stored.stderr
+    assert "None" not in stored.stdout, stored.stdout
+    assert "GPU energy (sim)" in stored.stdout and "saved (sim)" in stored.stdout  # still labelled sim
+    # The files behind it are the daemon's alone.
+    kept = list((state / "jobs").iterdir())
+    assert len(kept) == 1 and (kept[0].stat().st_mode & 0o077) == 0
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("useradd") is None or USER_PY is None,
+    reason="needs root, useradd and /usr/bin/python3: the member is a real unprivileged user",
+)
+def test_a_group_member_reads_history_through_the_daemon(
+    tmp_path: Path, shared_dir: Path, daemons: list[DaemonProc]
+) -> None:
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", GROUP], check=True)
+    try:
+        pwd.getpwnam(MEMBER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "-G", GROUP, MEMBER],
+            check=True,
+        )
+    cfg = f'[daemon]\nsocket_group = "{GROUP}"\nsocket_mode = "0660"\nadmin_group = ""\n'
+    state = tmp_path / "state"
+    sock = shared_dir / "g.sock"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, config=cfg, socket=sock)
+    daemons.append(d)
+    run_job(d, "hist-m")
+    live = wait_ended(d, "hist-m")
+    d.stop()
+    d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, config=cfg, socket=sock, name="d2")
+    daemons.append(d2)
+    code = (
+        "import json, socket, sys\n"
+        "def req(op, **f):\n"
+        "    s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
+        "    s.sendall(json.dumps({'v': 1, 'op': op, **f}).encode() + b'\\n'); buf = b''\n"
+        "    while b'\\n' not in buf: buf += s.recv(1 << 20)\n"
+        "    return json.loads(buf.split(b'\\n')[0])\n"
+        "rep = req('report', job='hist-m'); jobs = req('jobs')\n"
+        "try:\n"
+        "    open(sys.argv[2], 'rb'); direct = 'read'\n"
+        "except PermissionError:\n"
+        "    direct = 'refused'\n"
+        "print(json.dumps({'report': rep, 'jobs': jobs, 'direct': direct}))\n"
+    )
+    out = subprocess.run(
+        [str(USER_PY), "-c", code, str(sock), str(state / "greend.db")],
+        user=MEMBER,
+        group=GROUP,
+        extra_groups=[GROUP],  # as after login: the socket group's member
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env=env(),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["report"].get("ok", True) is not False and "result" in got["report"], got["report"]
+    assert comparable(got["report"]["result"]) == comparable(live)
+    assert [j["job"] for j in got["jobs"]["result"]["jobs"]] == ["hist-m"]
+    assert got["direct"] == "refused"  # the store itself stays root's

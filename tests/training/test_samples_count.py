@@ -1,0 +1,65 @@
+"""``samples=`` counts the step's samples: the README's ``(x, y)`` loop gives
+``len(x)``, and ``len()`` of the tuple itself (2) is caught with one warning."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from greend.errors import GreendWarning
+from greend.testing.fake_daemon import FakeDaemon
+from greend.training.callback import GreenCallback
+from tests.support import wait_for
+from tests.training.test_callback import FAST
+
+
+def _loop(cb: GreenCallback, model: nn.Module, samples_of: str, steps: int = 3) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(steps)]
+    for batch in loader:
+        x, y = batch
+        n = len(batch) if samples_of == "tuple" else len(x)
+        with cb.step(samples=n, batch=batch if samples_of == "tuple" else x) as step:
+            with step.autocast():
+                loss = nn.functional.mse_loss(model(x), y)
+            step.loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_len_of_the_batch_tuple_is_warned_once(sock_path: Path, daemon: FakeDaemon) -> None:
+    model = nn.Linear(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GreenCallback(job="tuple-len", model=model, socket=sock_path, **FAST) as cb:
+            _loop(cb, model, "tuple")
+    ours = [w for w in caught if issubclass(w.category, GreendWarning) and "samples=2" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "first part holds 16 rows: give samples=len(inputs)" in str(ours[0].message)
+
+
+def test_the_readme_loop_counts_its_samples_without_a_warning(sock_path: Path, daemon: FakeDaemon) -> None:
+    model = nn.Linear(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GreenCallback(job="readme", model=model, socket=sock_path, **FAST) as cb:
+            _loop(cb, model, "inputs")
+    assert not [w for w in caught if "samples=" in str(w.message)]
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert [s["samples"] for s in daemon.steps] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("batch", [(torch.zeros(2, 3), torch.zeros(2)), [[1, 2], [3, 4]]])
+def test_a_batch_of_as_many_rows_as_parts_is_not_warned(sock_path: Path, batch: object) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cb = GreenCallback(job="small", socket=sock_path, **FAST)
+        with cb.step(samples=2, batch=batch):
+            pass
+        cb.close()
+    assert not [w for w in caught if "samples=2" in str(w.message)]
