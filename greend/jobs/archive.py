@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -31,9 +32,17 @@ class JobArchive:
     """``<state_dir>/jobs/<ended ns>-<job, quoted>-<run>.json``: ``{"row": the job's
     row in ``jobs``, "report": its report with its series}``."""
 
-    def __init__(self, directory: Path, *, keep: int = 1000) -> None:
-        self.dir = Path(directory)
+    def __init__(self, directory: Path | Callable[[], Path], *, keep: int = 1000) -> None:
+        """``directory``: the folder, or what gives it at each use (the daemon's: through
+        the state dir's held descriptor, so a state dir swapped after start is not
+        followed)."""
+        self._where = directory
         self.keep = keep
+
+    @property
+    def dir(self) -> Path:
+        where = self._where
+        return Path(where() if callable(where) else where)
 
     def save(self, row: dict[str, Any], report: dict[str, Any], ended_ns: int) -> None:
         """Write one ended run (never raises: a full disk costs history, not the tick)."""
