@@ -70,7 +70,7 @@ class PrecisionControl:
         device: torch.device,
         manage: bool,
         allowed: list[str] | None,
-        initial: str,
+        initial: str | None,
         owner: str | None,
         loss_scaling: bool | None,
         options: PrecisionOptions,

@@ -128,8 +128,12 @@ p = NvmlProbe()
 p.open()
 seen = []
 for k in range(60):
-    r = p.sample(k * 0.5)
-    seen.append(sorted(g.index for g in r.gpus))
+    try:
+        r = p.sample(k * 0.5)
+    except Exception:  # every GPU failed this tick: the daemon's scheduler counts a failed probe
+        seen.append([])
+    else:
+        seen.append(sorted(g.index for g in r.gpus))
     time.sleep(0.002)
 last = {g.index: g.energy_j for g in p.sample(31.0).gpus}
 print(json.dumps({"seen": seen, "last": sorted(last), "lost": sorted(p.lost_gpus)}))
