@@ -225,6 +225,7 @@ class ControlLoop:
                     power_limit_default_w=g.power_limit_default_w,
                 )
             )
+        self.ctx.jobs.proposals_not_taken()  # logged once each, before the policy looks
         jobs = self.ctx.jobs.views(ctrl.current)
         cpu_power = None
         zones: dict[str, float] = {}

@@ -145,8 +145,15 @@ def test_policies_see_no_level_above_the_jobs_own_and_no_switch_goes_there() -> 
     assert not jobs.switch_precision("b", "tf32", "up", settle_until_s=0.0, policy="p")
     assert jobs.jobs["b"].precision == "bf16" and jobs.jobs["b"].precision_log == []
     assert jobs.switch_precision("b", "fp8", "down", settle_until_s=0.0, policy="p")
+    assert not jobs.switch_precision("b", "fp8", "down", settle_until_s=0.0, policy="p")  # asked already
+    # A proposal until the ranks run it; asking the level in force again withdraws it.
+    assert jobs.jobs["b"].precision == "bf16" and jobs.jobs["b"].proposal is not None
     assert jobs.switch_precision("b", "bf16", "back", kind="rollback", settle_until_s=0.0, policy="p")
-    assert [(c.from_level, c.to_level) for c in jobs.jobs["b"].precision_log] == [("bf16", "fp8"), ("fp8", "bf16")]
+    assert [(c.kind, c.from_level, c.to_level) for c in jobs.jobs["b"].precision_log] == [
+        ("proposed", "bf16", "fp8"),
+        ("withdrawn", "bf16", "fp8"),
+    ]
+    assert jobs.jobs["b"].proposal is None
     # A job whose level is not known yet (no level given, no steps): only its level in force.
     other = _Conn(2, _Peer(pid=0, uid=1000))
     h["register"]({"job": "u", "gpus": [1], "precisions": ["fp32", "bf16"]}, other)
