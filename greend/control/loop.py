@@ -295,7 +295,6 @@ class ControlLoop:
                 reason,
                 kind=kind,
                 trend=event.get("trend"),
-                settle_until_s=ctx.monotonic() + settle_s,
                 policy=self.policy_name,
             )
         self._push_paces(decision)

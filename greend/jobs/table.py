@@ -312,7 +312,6 @@ class JobTable:
         *,
         kind: str = "switch",
         trend: float | None = None,
-        settle_until_s: float | None = None,
         policy: str,
     ) -> bool:
         """Propose ``level`` to a running job's ranks (a pushed directive they apply at a
@@ -322,11 +321,9 @@ class JobTable:
         The proposal is logged as such ("proposed"); the job's level, its measure and
         the "switch" (or, ``kind`` "rollback", the policy found the loss worse than its
         pre-switch ``trend``) in its log follow once its ranks' rows arrive at ``level``
-        (:func:`greend.jobs.booking.follow_ranks`). Asking the level in force again
-        withdraws a standing proposal. ``settle_until_s`` is no longer used (the rows
-        say where the level changed); kept for callers that pass it.
+        (:func:`greend.jobs.booking.follow_ranks`), from the first of their steps at it.
+        Asking the level in force again withdraws a standing proposal.
         """
-        del settle_until_s
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or not job.running:

@@ -214,20 +214,21 @@ def policy_defaults(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:
 @pytest.mark.slow
 def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """A regression whose targets sit near 16, where bf16 rounds the outputs to 1/8: bf16
-    costs it a few percent, too little for the probation to see while the loss still
-    falls (without a reference batch the level is accepted and the run ends worse than its
-    fp32 twin). With ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch
-    every 50 steps and roll back; the run ends as close to its twin as the tolerance asks."""
+    costs it a few percent (a run at bf16 throughout ends worse than its fp32 twin), too
+    little for the probation to be sure of while the loss still falls (without a reference
+    batch the level is sometimes kept: bench_precision measures how often). With
+    ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch every 50 steps
+    and roll back; the run ends as close to its twin as the tolerance asks."""
     d = policy_defaults(tmp_path, daemons)
     args = ["--task", "offset-regression", "--steps", "1200", "--precisions", "fp32,bf16"]
     twin = run_trainer(tmp_path / "none.sock", "offset-fp32", *args, "--no-greend")
-    blind = run_trainer(d.socket, "offset-blind", *args, "--step-sleep", "0.005")
+    # bf16 throughout, without greend: the penalty the reference check is there to see.
+    blind = run_trainer(tmp_path / "none.sock", "offset-bf16", *args, "--no-greend", "--initial", "bf16")
     r = run_trainer(d.socket, "offset", *args, "--step-sleep", "0.005", "--reference")
     wait_ended(d, "offset")
 
-    # The penalty is real: accepted without a reference, the run ends worse than fp32.
-    blind_log = json.loads(d.ctl("report", "offset-blind", "--json").stdout)["precision_log"]
-    assert blind["levels"][-1] == "bf16" and blind["precision_events"] == [], blind_log
+    # The penalty is real: at bf16 the run ends worse than fp32.
+    assert set(blind["levels"]) == {"bf16"}
     penalty = tail_mean(blind) / tail_mean(twin) - 1
     assert penalty > 0.03, penalty
 
