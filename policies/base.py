@@ -105,6 +105,11 @@ class JobView:
     reference_every: int | None = None
     # The job's own level (where it started), the top of its ladder; None while not known.
     top_precision: str | None = None
+    # A level the daemon proposed that the job's ranks have not applied yet (None: none
+    # stands). ``precision`` is the level the ranks report running, never a proposal.
+    proposed_precision: str | None = None
+    # The job's steps when ``precision`` took effect (None: not known; its steps since are that level's).
+    precision_since_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,16 @@ there, during probation and for the rest of the run, and a falling loss or a cha
 the data does not move that figure. Its probation lasts ``probation_steps`` or three
 checks, whichever is longer, with no loss comparison; then the energy is judged.
 
+*Proposals.* Each level the policy asks for (a step down, a rollback, a level that
+bought nothing left) is a proposal until the job's ranks run it: the daemon's
+``JobView.precision`` is the level the ranks' steps report, ``proposed_precision``
+the one asked for and not yet applied. Meanwhile the job's losses and energy stay
+the old level's and nothing is judged at the new one; the probation starts at the
+step the new level took effect (``precision_since_step``), against the old level's
+last window up to there. In a job of several ranks the ranks agree on the most
+precise level any of them asks, so a proposal may never take: the policy then waits
+(it does not ask again, roll back or bar anything); the daemon logs it as not taken.
+
 *The callback's own rollbacks.* The callback rolls back at once on a
 non-finite loss or gradient and reports it (``precision_events``, kind
 ``rollback``); a level it refused comes back as kind ``refused``. The policy
@@ -68,97 +78,30 @@ the state object from :meth:`PrecisionPolicy.new_state`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from greend.errors import PolicyError
 from greend.protocol import PRECISIONS
 
-from .base import Decision, JobMeasure, JobView, Setting, Snapshot
+from .base import Decision, JobView, Setting, Snapshot
 from .params import Param, validate_params
+from .precision_state import (
+    GUARD_Z,
+    PROBATION_EXTEND,
+    REFERENCE_CHECKS,
+    SEEN_KEEP,
+    STABILITY_WINDOWS,
+    STAND_INS,
+    Evidence,
+    JobMemory,
+    Pending,
+    PrecisionState,
+    Probation,
+    loss_trend,
+    mean_text,
+)
 
-__all__ = ["PrecisionPolicy", "PrecisionState", "loss_trend"]
-
-# A rung that the job does not run may be stood in for by these (in order).
-STAND_INS: dict[str, tuple[str, ...]] = {"bf16": ("tf32",), "fp8": ("fp8-emulated",)}
-_SEEN_KEEP = 256
-
-
-@dataclass
-class _Evidence:
-    steps: int = 0
-    flops: float = 0.0
-    time_s: float = 0.0
-    energy_j: float = 0.0
-
-    @property
-    def epf(self) -> float:
-        return self.energy_j / self.flops if self.flops > 0 else math.inf
-
-
-@dataclass
-class _Probation:
-    from_level: str
-    to_level: str
-    start_steps: int  # job steps when the switch was made
-    start_losses: int  # how many losses the job had shown when the switch was made
-    trend: float  # the loss level before the switch: the mean of its last window
-    noise: float  # residual spread before the switch (absolute)
-    trend_se: float = 0.0  # the standard error of ``trend`` (absolute)
-
-
-@dataclass
-class _Job:
-    level: str
-    level_since_steps: int
-    losses_seen: int = 0  # losses counted so far (from JobView.steps deltas)
-    last_steps: int = 0
-    last_nonfinite: int = 0
-    last_measure: JobMeasure | None = None
-    last_setting: Setting | None = None
-    skip: int = 1  # decision intervals still to skip before booking evidence
-    level_losses: list[float] = field(default_factory=list)  # losses at the current level
-    nonfinite_at_start: int = 0
-    evidence: dict[tuple[str, Setting], _Evidence] = field(default_factory=dict)
-    probation: _Probation | None = None
-    barred: dict[str, tuple[float, str]] = field(default_factory=dict)  # level -> (until t_s, why)
-    no_gain: dict[str, float] = field(default_factory=dict)  # level -> until t_s
-    seen_events: list[tuple[Any, ...]] = field(default_factory=list)
-    last_event: str = ""
-
-
-@dataclass
-class PrecisionState:
-    jobs: dict[str, _Job] = field(default_factory=dict)
-
-
-def loss_trend(losses: list[float]) -> tuple[float, float, float, float]:
-    """Least-squares line through ``losses``: (mean, slope per step, fitted value at the
-    last point, residual standard deviation)."""
-    n = len(losses)
-    if n == 0:
-        return (math.nan, 0.0, math.nan, 0.0)
-    mean = sum(losses) / n
-    if n < 2:
-        return (mean, 0.0, mean, 0.0)
-    xm = (n - 1) / 2.0
-    sxx = sum((i - xm) ** 2 for i in range(n))
-    slope = sum((i - xm) * (v - mean) for i, v in enumerate(losses)) / sxx
-    resid = [v - (mean + slope * (i - xm)) for i, v in enumerate(losses)]
-    sd = math.sqrt(sum(r * r for r in resid) / max(1, n - 2))
-    return (mean, slope, mean + slope * (n - 1 - xm), sd)
-
-
-def _mean_text(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.6g}" if values else "n/a"
-
-
-# The callback's reference rule needs this many checks for a verdict
-# (greend.training.reference.MIN_CHECKS; a test keeps the two equal).
-REFERENCE_CHECKS = 3
-STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
-PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
-GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count
+__all__ = ["REFERENCE_CHECKS", "PrecisionPolicy", "PrecisionState", "loss_trend"]
 
 
 class PrecisionPolicy:
@@ -261,7 +204,7 @@ class PrecisionPolicy:
         for j in running:
             js = state.jobs.get(j.job)
             if js is None:
-                js = state.jobs[j.job] = _Job(
+                js = state.jobs[j.job] = JobMemory(
                     level=j.precision,
                     level_since_steps=j.steps,
                     last_steps=j.steps,
@@ -297,12 +240,16 @@ class PrecisionPolicy:
                     break
         return out
 
-    def _step_job(self, snap: Snapshot, j: JobView, js: _Job) -> tuple[str, str | None, dict[str, Any] | None]:
+    def _step_job(self, snap: Snapshot, j: JobView, js: JobMemory) -> tuple[str, str | None, dict[str, Any] | None]:
         """One decision for one job: (reason, level to ask or None, event details or None)."""
         t = snap.t_s
         self._expire(js, t)
         self._read_events(j, js, t)
         new_losses = self._take_losses(j, js)
+        if js.pending is not None:
+            waiting = self._pending(snap, j, js, new_losses)
+            if waiting is not None:
+                return waiting
         if j.precision != js.level:
             # Someone else moved the level (the callback rolled back, an operator): follow it.
             self._enter_level(js, j, j.precision)
@@ -317,13 +264,76 @@ class PrecisionPolicy:
             return self._watch(snap, j, js, pb)
         return self._maybe_step_down(snap, j, js)
 
-    def _watch(self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation) -> tuple[str, str | None, dict | None]:
+    def _pending(
+        self, snap: Snapshot, j: JobView, js: JobMemory, new_losses: list[float]
+    ) -> tuple[str, str | None, dict[str, Any] | None] | None:
+        """A level asked for and not yet applied: a decision while it is awaited (the
+        job runs its old level: its losses and energy stay that level's); once the ranks
+        run it, the new level begins (a step down's probation: None, watched at once;
+        ``new_losses`` are booked then and emptied); None when it is gone (refused,
+        withdrawn, overtaken), to decide afresh."""
+        pd = js.pending
+        assert pd is not None
+        if j.precision == pd.to_level:
+            # The ranks run it: the level's evidence starts where it took effect. This
+            # interval's losses since then are its own (where the daemon does not say
+            # when, the interval is left out); those before are the old level's.
+            js.pending = None
+            since = j.precision_since_step
+            own = 0 if since is None else max(0, min(len(new_losses), j.steps - since))
+            js.level_losses.extend(new_losses[: len(new_losses) - own])
+            old_losses = js.level_losses[-STABILITY_WINDOWS * self.window :]
+            nonfinite_before = js.last_nonfinite_prev
+            self._enter_level(js, j, pd.to_level)
+            js.level_losses = new_losses[len(new_losses) - own :]
+            new_losses.clear()  # (booked here)
+            if pd.kind != "switch":
+                js.probation = None
+                js.last_event = f"the ranks run {pd.to_level} again ({pd.why})"
+                return (f"job {j.job}: {js.last_event}", None, None)
+            # A step down: its probation, against the old level's last window up to the
+            # last step it ran. A non-finite step in this interval counts against it.
+            js.nonfinite_at_start = nonfinite_before
+            _, _, _, sd = loss_trend(old_losses)
+            last = old_losses[-self.window :] or [math.nan]
+            start = since if since is not None else j.steps
+            js.probation = Probation(
+                pd.from_level, pd.to_level, start, js.losses_seen, sum(last) / len(last), sd, sd / math.sqrt(len(last))
+            )
+            js.last_event = f"the ranks run {pd.to_level} from step {start} (asked at step {pd.steps}: {pd.why})"
+            return None  # the probation watches from this look on
+        if j.precision == js.level and j.proposed_precision == pd.to_level and pd.to_level not in js.barred:
+            # Standing: the ranks have not applied it (in a job of several ranks, every
+            # rank's daemon must ask it). Its old level goes on being measured as such.
+            js.level_losses.extend(new_losses)
+            del js.level_losses[: -STABILITY_WINDOWS * self.window]
+            self._book(j, js)
+            return (
+                f"job {j.job}: {pd.to_level} proposed {j.steps - pd.steps} steps ago, the ranks still run "
+                f"{j.precision}",
+                None,
+                None,
+            )
+        js.pending = None  # refused, withdrawn or overtaken: decide afresh
+        if j.precision == js.level:
+            js.level_losses.extend(new_losses)
+            self._book(j, js)
+            reason = f"job {j.job}: {pd.to_level} was not applied ({js.last_event or 'the proposal is gone'})"
+            return (reason, None, None)
+        return None
+
+    def _propose(self, js: JobMemory, j: JobView, level: str, kind: str, why: str) -> str:
+        """Ask ``level``: the level in force (and its evidence) stays until the ranks run it."""
+        js.pending = Pending(j.precision, level, kind, j.steps, why)
+        js.probation = None
+        return level
+
+    def _watch(self, snap: Snapshot, j: JobView, js: JobMemory, pb: Probation) -> tuple[str, str | None, dict | None]:
         steps_in = j.steps - pb.start_steps
         if pb.to_level in js.barred:  # the job refused the level (its event came in)
             why = js.barred[pb.to_level][1]
             js.last_event = f"back to {pb.from_level}: {why}"
-            self._enter_level(js, j, pb.from_level)
-            js.probation = None
+            self._propose(js, j, pb.from_level, "back", js.last_event)
             return (f"job {j.job}: {js.last_event}", pb.from_level, None)
         if j.nonfinite_recent > js.nonfinite_at_start:
             why = (
@@ -380,10 +390,10 @@ class PrecisionPolicy:
                 None,
                 None,
             )
-        return self._judge_energy(snap, j, js, pb, steps_in, f"loss {_mean_text(after)} vs trend {pb.trend:.6g}")
+        return self._judge_energy(snap, j, js, pb, steps_in, f"loss {mean_text(after)} vs trend {pb.trend:.6g}")
 
     def _judge_energy(
-        self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, steps_in: int, accuracy: str
+        self, snap: Snapshot, j: JobView, js: JobMemory, pb: Probation, steps_in: int, accuracy: str
     ) -> tuple[str, str | None, dict | None]:
         """The end of a probation whose accuracy passed: keep the level if it saves energy."""
         new = self._evidence(js, pb.to_level, j.setting)
@@ -408,8 +418,7 @@ class PrecisionPolicy:
                     f"(needs {self.min_saving:.0%}): going back"
                 )
                 js.last_event = why
-                self._enter_level(js, j, pb.from_level)
-                js.probation = None
+                self._propose(js, j, pb.from_level, "back", why)
                 event = {"kind": "switch", "from": pb.to_level, "to": pb.from_level, "reason": why}
                 return (f"job {j.job}: {why}", pb.from_level, event)
             verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
@@ -420,7 +429,7 @@ class PrecisionPolicy:
         js.level_losses = js.level_losses[-self.window :]
         return (f"job {j.job}: {js.last_event}", None, None)
 
-    def _maybe_step_down(self, snap: Snapshot, j: JobView, js: _Job) -> tuple[str, str | None, dict | None]:
+    def _maybe_step_down(self, snap: Snapshot, j: JobView, js: JobMemory) -> tuple[str, str | None, dict | None]:
         rungs = self._rungs(j)
         if j.precision not in rungs:
             return (f"job {j.job}: runs {j.precision}, not on the ladder {','.join(rungs) or '-'}; holding", None, None)
@@ -474,22 +483,19 @@ class PrecisionPolicy:
         # (its mean, known to sd / sqrt(window)), not the fitted line's end: training
         # losses flatten as they fall, and a line through a flattening curve ends below
         # it, so the first losses after a switch looked worse than they were.
-        last = recent[-self.window :]
-        ref = sum(last) / len(last)
-        pb = _Probation(j.precision, nxt, j.steps, js.losses_seen, ref, sd, sd / math.sqrt(len(last)))
-        self._enter_level(js, j, nxt)
-        js.probation = pb
+        # (The probation's reference is taken when the ranks run the new level: the old
+        # level's losses up to then, :meth:`_pending`.)
+        self._propose(js, j, nxt, "switch", why)
         event = {"kind": "switch", "from": j.precision, "to": nxt, "reason": why, "loss": recent[-1], "trend": fitted}
         return (f"job {j.job}: {why}", nxt, event)
 
     def _roll_back(
-        self, snap: Snapshot, j: JobView, js: _Job, pb: _Probation, why: str, loss: float | None
+        self, snap: Snapshot, j: JobView, js: JobMemory, pb: Probation, why: str, loss: float | None
     ) -> tuple[str, str, dict[str, Any]]:
         js.barred[pb.to_level] = (snap.t_s + self.cooldown_s, why)
         text = f"rollback {pb.to_level} -> {pb.from_level}: {why}; {pb.to_level} barred for {self.cooldown_s:g} s"
         js.last_event = text
-        self._enter_level(js, j, pb.from_level)
-        js.probation = None
+        self._propose(js, j, pb.from_level, "rollback", text)
         event = {
             "kind": "rollback",
             "from": pb.to_level,
@@ -502,26 +508,26 @@ class PrecisionPolicy:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _enter_level(self, js: _Job, j: JobView, level: str) -> None:
+    def _enter_level(self, js: JobMemory, j: JobView, level: str) -> None:
         js.level = level
         js.level_since_steps = j.steps
         js.level_losses = []
         js.skip = 1
         js.nonfinite_at_start = j.nonfinite_recent
 
-    def _expire(self, js: _Job, t: float) -> None:
+    def _expire(self, js: JobMemory, t: float) -> None:
         for table in (js.barred, js.no_gain):
             for level in [lv for lv, v in table.items() if (v[0] if isinstance(v, tuple) else v) <= t]:
                 del table[level]
 
-    def _read_events(self, j: JobView, js: _Job, t: float) -> None:
+    def _read_events(self, j: JobView, js: JobMemory, t: float) -> None:
         """Rollbacks and refusals the callback made on its own bar the level."""
         for ev in j.precision_events:
             key = (ev.get("t"), ev.get("kind"), ev.get("from"), ev.get("to"), ev.get("step"))
             if key in js.seen_events:
                 continue
             js.seen_events.append(key)
-            del js.seen_events[:-_SEEN_KEEP]
+            del js.seen_events[:-SEEN_KEEP]
             kind, why = ev.get("kind"), ev.get("reason") or "?"
             if kind == "rollback" and ev.get("from"):
                 level = str(ev["from"])
@@ -533,14 +539,14 @@ class PrecisionPolicy:
                 js.barred[level] = (t + self.cooldown_s, f"the job refused it: {why}")
                 js.last_event = f"the job refused {level}: {why}"
 
-    def _take_losses(self, j: JobView, js: _Job) -> list[float]:
+    def _take_losses(self, j: JobView, js: JobMemory) -> list[float]:
         """The losses reported since the previous look (the tail of ``loss_recent``).
 
         Steps minus non-finite steps since the last look (non-finite steps carry no
         loss). With several ranks per job this is approximate: their losses interleave.
         """
         nonfinite = max(0, j.nonfinite_recent - js.last_nonfinite)
-        js.last_nonfinite = j.nonfinite_recent
+        js.last_nonfinite_prev, js.last_nonfinite = js.last_nonfinite, j.nonfinite_recent
         new = max(0, j.steps - js.last_steps - nonfinite)
         js.last_steps = j.steps
         if new == 0 or not j.loss_recent:
@@ -549,7 +555,7 @@ class PrecisionPolicy:
         js.losses_seen += len(got)
         return got
 
-    def _book(self, j: JobView, js: _Job) -> None:
+    def _book(self, j: JobView, js: JobMemory) -> None:
         """Book the measure's increment since the last look to the level in force."""
         m = j.measure
         prev, prev_setting = js.last_measure, js.last_setting
@@ -557,11 +563,11 @@ class PrecisionPolicy:
         if m is None:
             return
         if prev is None or prev_setting != j.setting or m.steps < prev.steps:
-            delta = _Evidence(m.steps, m.flops, m.time_s, m.energy_j)  # a fresh measure
+            delta = Evidence(m.steps, m.flops, m.time_s, m.energy_j)  # a fresh measure
             if prev is not None and prev_setting != j.setting:
                 js.skip = max(js.skip, 1)
         else:
-            delta = _Evidence(
+            delta = Evidence(
                 m.steps - prev.steps, m.flops - prev.flops, m.time_s - prev.time_s, m.energy_j - prev.energy_j
             )
         if js.skip > 0:
@@ -570,13 +576,13 @@ class PrecisionPolicy:
         if delta.steps <= 0:
             return
         key = (js.level, j.setting)
-        e = js.evidence.setdefault(key, _Evidence())
+        e = js.evidence.setdefault(key, Evidence())
         e.steps += delta.steps
         e.flops += delta.flops
         e.time_s += delta.time_s
         e.energy_j += delta.energy_j
 
-    def _shared_setting(self, js: _Job, a: str, b: str, now: Setting) -> Setting | None:
+    def _shared_setting(self, js: JobMemory, a: str, b: str, now: Setting) -> Setting | None:
         """A GPU setting at which both levels ran ``min_steps``: the one in force if so,
         else the one with the most steps of the two; None if there is none."""
         both = [
@@ -593,7 +599,7 @@ class PrecisionPolicy:
             return now
         return max(both, key=lambda x: x[1])[0]
 
-    def _evidence(self, js: _Job, level: str, setting: Setting) -> _Evidence | None:
+    def _evidence(self, js: JobMemory, level: str, setting: Setting) -> Evidence | None:
         """The level's evidence at this GPU setting, else at the setting with the most steps."""
         here = js.evidence.get((level, setting))
         if here is not None and here.steps >= self.min_steps:
@@ -601,7 +607,7 @@ class PrecisionPolicy:
         others = [e for (lv, _), e in js.evidence.items() if lv == level]
         return max(others, key=lambda e: e.steps) if others else here
 
-    def _details(self, j: JobView, js: _Job, event: dict[str, Any] | None) -> dict[str, Any]:
+    def _details(self, j: JobView, js: JobMemory, event: dict[str, Any] | None) -> dict[str, Any]:
         levels: dict[str, dict[str, Any]] = {}
         for (level, _), e in js.evidence.items():
             agg = levels.setdefault(level, {"steps": 0, "flops": 0.0, "energy_j": 0.0})

@@ -274,6 +274,7 @@ class ControlLoop:
                     refused_knobs={k: r["reason"] for k, r in ctrl.refused_knobs(g.index).items()},
                 )
             )
+        self.ctx.jobs.proposals_not_taken()  # logged once each, before the policy looks
         jobs = self.ctx.jobs.views(ctrl.current)
         cpu_power = None
         zones: dict[str, float] = {}
@@ -343,7 +344,6 @@ class ControlLoop:
                 reason,
                 kind=kind,
                 trend=event.get("trend"),
-                settle_until_s=ctx.monotonic() + settle_s,
                 policy=self.policy_name,
             )
         self._push_paces(decision)

@@ -27,6 +27,7 @@ from greend.jobs.records import (
     Job,
     Measure,
     PrecisionChange,
+    Proposal,
     RankSession,
     StepAggregate,
     StepRecord,
@@ -35,6 +36,7 @@ from greend.protocol import PrecisionEventEntry, StepsRow
 
 __all__ = [
     "MAX_BASELINE_SPANS",
+    "NOT_TAKEN_STEPS",
     "add_to_aggregate",
     "append_bounded",
     "book_baseline",
@@ -43,22 +45,41 @@ __all__ = [
     "book_precision_event",
     "book_process_cpu",
     "book_row",
-    "book_switch",
+    "book_proposal",
+    "book_proposals_not_taken",
+    "book_withdrawal",
+    "follow_ranks",
     "shed_step_records",
     "thinned",
 ]
 
 MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its steps
+# A proposal the job ran this many steps past at its old level is logged as not taken
+# (ranks agree every sync_every steps, 10 by default: many chances to agree).
+NOT_TAKEN_STEPS = 100
 LogName = Literal["precision_log", "decisions", "gone"]
 
 
 def book_row(
-    job: Job, rank: RankSession, row: StepsRow, executed: ExecutedRow | None, now_s: float
+    job: Job,
+    rank: RankSession,
+    row: StepsRow,
+    executed: ExecutedRow | None,
+    now_s: float,
+    *,
+    t_wall_s: float = 0.0,
+    max_entries: int = 256,
 ) -> StepAggregate | None:
     """Book a row of ``row.steps`` consecutive steps of ``rank`` (one of ``job``'s ranks),
     executed by a device model as ``executed`` (None: on a real GPU). ``now_s``
     (monotonic) starts the rank's next aggregate. Returns the rank's aggregate that this
-    row closed (a precision change starts a new one), for the stores, or None."""
+    row closed (a precision change starts a new one), for the stores, or None.
+
+    The job's level follows its ranks' rows: once every rank of the job here has run a
+    row at a new level, that is the job's level (logged at ``t_wall_s``, as the switch
+    or rollback the daemon proposed, else as the ranks' own switch) and its measure
+    starts afresh with this row. Rows at another level than the job's are left out of
+    the measure (no level's evidence is another's)."""
     n = row.steps
     flops = row.flops
     precision = row.precision or job.precision
@@ -66,6 +87,9 @@ def book_row(
         # A client that did not say its level (an older one): its first steps run at the
         # job's own level, the top of its ladder from now on.
         job.precision = job.top_precision = precision
+    if row.precision is not None:
+        rank.precision = row.precision
+        follow_ranks(job, row, t_wall_s=t_wall_s, max_entries=max_entries)
     t0, t1 = row.t0_s, row.t1_s
     modelled_s = executed.duration_s if executed is not None else None
     modelled_j = executed.energy_j if executed is not None else 0.0
@@ -96,7 +120,7 @@ def book_row(
         else:
             job.losses.append(row.loss_sum / row.loss_n)
     m = job.measure
-    if t0 >= m.since_s:
+    if t0 >= m.since_s and precision == job.precision:
         # Evidence for the setting now in force (rows that began before it settled are
         # left out). Where a model executed the steps, its time and energy; else the
         # measured step time and, at decision time, the ledger's joules.
@@ -117,6 +141,30 @@ def book_row(
         rank.agg = StepAggregate(precision, now_s)
     add_to_aggregate(rank.agg, row, executed)
     return closed
+
+
+def follow_ranks(job: Job, row: StepsRow, *, t_wall_s: float, max_entries: int) -> None:
+    """The job's level is the level every one of its ranks here reports running (see
+    :func:`book_row`); a move there is logged, and the measure starts at ``row``."""
+    levels = {rs.precision for rs in job.ranks.values() if rs.precision is not None}
+    if len(levels) != 1:
+        return  # ranks in transition (or none known): the job's level stays
+    (level,) = levels
+    if level == job.precision:
+        return
+    p = job.proposal
+    if p is not None and p.level == level:
+        change = PrecisionChange(
+            t_wall_s, p.kind, job.precision, level, p.reason, row.first_step, job.last_loss, p.trend
+        )
+        append_bounded(job, "precision_log", change, max_entries)
+    # Else a move this daemon did not ask: the ranks report it themselves (a rollback of
+    # their own or another rank's, as a precision_event, logged when it comes), or it is
+    # the job's own level seen at its first steps. The level is followed either way.
+    job.precision = level
+    job.precision_since_steps = job.steps  # (this row's steps are not counted yet: they are the level's)
+    job.proposal = None
+    job.measure = Measure(since_s=row.t0_s)
 
 
 def book_baseline(job: Job, row: StepsRow, precision: str, executed: ExecutedRow | None) -> None:
@@ -228,14 +276,22 @@ def book_precision_event(
         rank=rank,
     )
     append_bounded(job, "precision_log", change, max_entries)
+    rs = next((r for r in job.ranks.values() if r.rank == rank), None)
     if event.kind == "rollback" and event.to_level:
         job.precision = event.to_level
+        job.precision_since_steps = job.steps
         job.measure = Measure(since_s=now_s)
+        if rs is not None:
+            rs.precision = event.to_level  # (its next rows say so too)
+        if job.proposal is not None and job.proposal.level != event.to_level:
+            job.proposal = None  # the ranks decided otherwise
     elif event.kind == "refused" and event.from_level:
         job.precision = event.from_level  # the rank kept running at its old level
+        if job.proposal is not None and job.proposal.level == event.to_level:
+            job.proposal = None
 
 
-def book_switch(
+def book_proposal(
     job: Job,
     level: str,
     reason: str,
@@ -243,15 +299,42 @@ def book_switch(
     kind: str,
     trend: float | None,
     t_wall_s: float,
-    settle_until_s: float,
     max_entries: int,
 ) -> None:
-    """The daemon moves the job to ``level``: log it; the job's measure starts afresh at
-    ``settle_until_s`` (evidence at one level must not be booked to the next)."""
-    change = PrecisionChange(t_wall_s, kind, job.precision, level, reason, job.steps, job.last_loss, trend)
-    job.precision = level
+    """The daemon asks the job's ranks to run ``level``: log the proposal. The job's level
+    and measure stay until the ranks' rows arrive at ``level`` (:func:`follow_ranks`)."""
+    change = PrecisionChange(
+        t_wall_s, "proposed", job.precision, level, f"{kind}: {reason}", job.steps, job.last_loss, trend
+    )
     append_bounded(job, "precision_log", change, max_entries)
-    job.measure = Measure(since_s=settle_until_s)
+    job.proposal = Proposal(level, job.precision, kind, reason, trend, job.steps, t_wall_s)
+
+
+def book_withdrawal(job: Job, reason: str, *, t_wall_s: float, max_entries: int) -> None:
+    """The daemon asks the job's level in force again: its standing proposal is withdrawn."""
+    p = job.proposal
+    if p is None:
+        return
+    change = PrecisionChange(t_wall_s, "withdrawn", job.precision, p.level, reason, job.steps, job.last_loss, None)
+    append_bounded(job, "precision_log", change, max_entries)
+    job.proposal = None
+
+
+def book_proposals_not_taken(job: Job, *, t_wall_s: float, max_entries: int) -> PrecisionChange | None:
+    """A proposal the job ran ``NOT_TAKEN_STEPS`` steps past without its ranks applying
+    it: logged once as not taken (no rollback, no bar: its level never ran). It stands:
+    the ranks may still agree on it (another rank's daemon may ask it later)."""
+    p = job.proposal
+    if p is None or p.not_taken_logged or job.steps - p.step < NOT_TAKEN_STEPS:
+        return None
+    p.not_taken_logged = True
+    reason = (
+        f"the job's ranks ran {job.steps - p.step} steps at {job.precision} since {p.level} was proposed "
+        f"(in a job of several ranks, the ranks agree on the most precise level any of them asks)"
+    )
+    change = PrecisionChange(t_wall_s, "not taken", job.precision, p.level, reason, job.steps, job.last_loss, None)
+    append_bounded(job, "precision_log", change, max_entries)
+    return change
 
 
 def book_cap_change(

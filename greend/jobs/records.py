@@ -26,6 +26,7 @@ __all__ = [
     "JobState",
     "Measure",
     "PrecisionChange",
+    "Proposal",
     "RankLeft",
     "RankSession",
     "StepAggregate",
@@ -127,6 +128,7 @@ class RankSession:
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
     agg: StepAggregate | None = None  # its steps since the last store interval
     reference_every: int | None = None  # steps between its reference checks (None: it makes none)
+    precision: str | None = None  # the level its latest row ran at (None: no row said yet)
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,27 @@ class PrecisionChange:
         if self.rank is not None:
             d["rank"] = self.rank
         return d
+
+
+@dataclass
+class Proposal:
+    """A level the daemon asked the job's ranks to run, not yet applied by them.
+
+    A directive is a proposal: in a job of several ranks the ranks agree on one level
+    (the most precise any of them asks), so a daemon's directive may never take. The
+    job's level moves when its ranks' rows arrive at the level (then it is logged as
+    ``kind``); a proposal the ranks ran ``NOT_TAKEN_STEPS`` steps past is logged once
+    as not taken and stands (the ranks hold it until the daemon asks another level).
+    """
+
+    level: str
+    from_level: str
+    kind: str  # "switch" or "rollback": what it is logged as once the ranks apply it
+    reason: str
+    trend: float | None
+    step: int  # the job's steps when it was made
+    t_wall_s: float
+    not_taken_logged: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,7 +317,9 @@ class Job:
     gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
     modelled_time_s: float = 0.0  # the steps a device model executed (their report's sim_*)
     modelled_energy_j: float = 0.0
-    precision: str = "fp32"  # the level in force (its ranks' level)
+    precision: str = "fp32"  # the level in force: the level its ranks' rows report running
+    proposal: Proposal | None = None  # a level the daemon asked for that the ranks have not applied yet
+    precision_since_steps: int = 0  # the job's steps when its level in force took effect
     # The job's own level (where it started: its autocast or framework setting), the top
     # of its ladder: greend never moves it above. None until known (a client that did not
     # say registers without it; its first steps' level is then taken).

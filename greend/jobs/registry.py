@@ -340,7 +340,10 @@ class JobRegistry(JobTable):
             booked_s = self.monotonic()
             for i, row in enumerate(rows):
                 ex = executed[i] if executed else None
-                closed = book_row(job, rs, row, ex, booked_s)
+                logged = len(job.precision_log) + job.precision_log_dropped
+                closed = book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries)
+                if len(job.precision_log) + job.precision_log_dropped > logged:
+                    points += self.precision_points(job, [job.precision_log[-1]])  # the ranks ran a proposal
                 if closed is not None:
                     flushed.append(self._steps_point(job, rs.rank, closed))
                 if detail is not None and self.step_detail:

@@ -340,6 +340,8 @@ class JobFigures:
             "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
             "precision": job.precision,
             "top_precision": job.top_precision,  # the job's own level: greend never goes above
+            # A level the daemon proposed that the ranks have not applied (None: none stands).
+            "proposed_precision": job.proposal.level if job.proposal is not None else None,
             "precision_log": [e.to_json() for e in job.precision_log],
             "pace_s": job.pace_s,
             "decisions": [d.to_json() for d in job.decisions[-50:]],

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from greend.jobs.booking import book_cap_change, book_switch
+from greend.jobs.booking import book_cap_change, book_proposal, book_proposals_not_taken, book_withdrawal
 from greend.jobs.ledger import Ledger
-from greend.jobs.records import EfficiencySample, Job, Measure
+from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
 from greend.jobs.report import JobFigures
 from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
 from greend.protocol import PRECISION_BITS, not_above
@@ -267,6 +267,8 @@ class JobTable:
                         precision=job.precision,
                         precisions=tuple(precisions),
                         top_precision=top,
+                        proposed_precision=job.proposal.level if job.proposal is not None else None,
+                        precision_since_step=job.precision_since_steps,
                         measure=self.measure(job, setting),
                         setting=setting,
                         pace_s=job.pace_s,
@@ -333,41 +335,45 @@ class JobTable:
         *,
         kind: str = "switch",
         trend: float | None = None,
-        settle_until_s: float,
         policy: str,
     ) -> bool:
-        """Ask a running job's ranks to run at ``level`` from their next step (a pushed
-        directive); False if the job is not running or already there.
+        """Propose ``level`` to a running job's ranks (a pushed directive they apply at a
+        step boundary, or, in a job of several ranks, agree on); False if the job is not
+        running, already there, or already asked for it.
 
-        ``kind`` is "switch" or "rollback" (the policy found the loss worse than its
-        pre-switch ``trend``). The job's measure starts afresh at ``settle_until_s``:
-        evidence at one level must not be booked to the next.
+        The proposal is logged as such ("proposed"); the job's level, its measure and
+        the "switch" (or, ``kind`` "rollback", the policy found the loss worse than its
+        pre-switch ``trend``) in its log follow once its ranks' rows arrive at ``level``
+        (:func:`greend.jobs.booking.follow_ranks`), from the first of their steps at it.
+        Asking the level in force again withdraws a standing proposal.
         """
         with self._lock:
             job = self.jobs.get(job_id)
-            if job is None or not job.running or job.precision == level:
+            if job is None or not job.running:
                 return False
-            top = job.top_precision
-            if top is None or PRECISION_BITS[level] > PRECISION_BITS[top]:
-                # Never above the job's own level (a rollback returns to it at most).
-                log.warning(
-                    "job %s: not moving it to %s: above its own level %s (%s)",
-                    job_id,
-                    level,
-                    top or "not known yet",
-                    reason,
+            if job.precision == level:
+                if job.proposal is None:
+                    return False
+                book_withdrawal(job, reason, t_wall_s=self.wall(), max_entries=self.max_log_entries)
+                log_kind = "withdrawn"
+            elif job.proposal is not None and job.proposal.level == level:
+                return False  # asked already: the ranks hold it
+            else:
+                top = job.top_precision
+                if top is None or PRECISION_BITS[level] > PRECISION_BITS[top]:
+                    # Never above the job's own level (a rollback returns to it at most).
+                    log.warning(
+                        "job %s: not moving it to %s: above its own level %s (%s)",
+                        job_id,
+                        level,
+                        top or "not known yet",
+                        reason,
+                    )
+                    return False
+                book_proposal(
+                    job, level, reason, kind=kind, trend=trend, t_wall_s=self.wall(), max_entries=self.max_log_entries
                 )
-                return False
-            book_switch(
-                job,
-                level,
-                reason,
-                kind=kind,
-                trend=trend,
-                t_wall_s=self.wall(),
-                settle_until_s=settle_until_s,
-                max_entries=self.max_log_entries,
-            )
+                log_kind = "proposed"
             steps, last_loss = job.steps, job.last_loss
         self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
@@ -376,8 +382,8 @@ class JobTable:
                 decision_point(
                     ts_ns(self.wall()),
                     self.hostname,
-                    kind=kind,
-                    reason=reason,
+                    kind=log_kind,
+                    reason=reason if log_kind == "withdrawn" else f"{kind}: {reason}",
                     policy=policy,
                     job=job_id,
                     precision=level,
@@ -385,8 +391,42 @@ class JobTable:
                 )
             ]
         )
-        log.info("job %s: precision -> %s (%s)", job_id, level, reason)
+        log.info("job %s: precision %s %s (%s)", job_id, log_kind, level, reason)
         return True
+
+    def precision_points(self, job: Job, changes: list[PrecisionChange]) -> list[Point]:
+        """``greend_decision`` points of entries of the job's precision log that the
+        daemon booked from its ranks' rows (switches applied, proposals not taken)."""
+        out = []
+        for change in changes:
+            fields = precision_fields(step=change.step or 0, loss=change.loss, trend=change.trend)
+            out.append(
+                decision_point(
+                    ts_ns(change.t_wall_s),
+                    self.hostname,
+                    kind=change.kind,
+                    reason=change.reason,
+                    policy="ranks",
+                    job=job.job,
+                    precision=change.to_level or "",
+                    fields=fields,
+                )
+            )
+        return out
+
+    def proposals_not_taken(self) -> None:
+        """Log once each standing proposal its job ran far past without applying it."""
+        points: list[Point] = []
+        with self._lock:
+            for job in self.jobs.values():
+                if not job.running or job.proposal is None:
+                    continue
+                change = book_proposals_not_taken(job, t_wall_s=self.wall(), max_entries=self.max_log_entries)
+                if change is not None:
+                    log.info("job %s: %s not taken: %s", job.job, change.to_level, change.reason)
+                    points += self.precision_points(job, [change])
+        if points:
+            self.emit(points)
 
     def push(self, job_id: str, event: dict[str, Any]) -> int:
         """Send an event to every rank of a job; returns how many got it."""

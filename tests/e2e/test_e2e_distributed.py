@@ -248,17 +248,48 @@ def test_both_ranks_switch_precision_at_the_same_step(
     assert outs[0]["levels"] == outs[1]["levels"], "the ranks ran different precisions at some step"
     first = [o["first_low"] for o in outs]
     assert first[0] is not None and first[0] == first[1], first
-    # Each daemon made its own decision, at its own step; the job switched after the later.
+    # Each daemon made its own decision (a proposal), at its own step; the job switched
+    # after the later, and each daemon logged the switch at the step its rank made it.
     decided = []
     for d in nodes:
         rep = json.loads(d.ctl("report", "ddp-precision", "--json").stdout)
+        proposed = [e["step"] for e in rep["precision_log"] if e["kind"] == "proposed"]
         switches = [e["step"] for e in rep["precision_log"] if e["kind"] == "switch"]
-        assert switches, rep["precision_log"]
-        decided.append(switches[0])
+        assert proposed and switches, rep["precision_log"]
+        decided.append(proposed[0])
+        assert switches[0] == first[0], (switches, first)
     assert max(decided) <= first[0], (decided, first)
     figure(
         f"the two daemons decided bf16 at steps {decided[0]} and {decided[1]}; both ranks switched at step {first[0]}"
     )
+
+
+def test_a_level_one_daemon_asks_and_the_ranks_never_agree_is_logged_as_a_proposal_only(
+    tmp_path: Path, daemons: list[DaemonProc], figure: Callable[[str], None]
+) -> None:
+    """Two nodes, the precision policy on one of them only: its daemon proposes bf16, the
+    other rank's daemon never asks it, so the ranks (agreeing on the most precise level
+    any of them asks) run fp32 throughout. That daemon's record follows what its rank
+    runs: a proposal, then "not taken", and no switch, no rollback, no barred level."""
+    from tests.e2e.test_e2e_precision import CONFIG
+
+    asking = start_daemon(tmp_path, "--sim", "1", name="asking", config=CONFIG)
+    other = start_daemon(
+        tmp_path, "--sim", "1", name="other", config=CONFIG.replace('precision = "precision"', 'precision = "none"')
+    )
+    daemons += [asking, other]
+    outs = _run_ranks(
+        tmp_path, [asking.socket, other.socket], "all", 300, "ddp-disagree", "--precisions", "fp32,bf16", sync_every=10
+    )
+    assert [set(o["levels"]) for o in outs] == [{"fp32"}, {"fp32"}]  # no rank ran a bf16 step
+    rep = json.loads(asking.ctl("report", "ddp-disagree", "--json").stdout)
+    kinds = [(e["kind"], e["from"], e["to"]) for e in rep["precision_log"]]
+    assert kinds == [("proposed", "fp32", "bf16"), ("not taken", "fp32", "bf16")], rep["precision_log"]
+    assert rep["precision"] == "fp32" and rep["proposed_precision"] == "bf16"  # it stands
+    assert not any("rollback" in n["reason"] for n in rep.get("notes") or [])
+    # The other daemon was asked nothing and saw its rank run fp32.
+    assert json.loads(other.ctl("report", "ddp-disagree", "--json").stdout)["precision_log"] == []
+    figure(f"one daemon proposed bf16 at step {rep['precision_log'][0]['step']}; the ranks ran fp32 throughout")
 
 
 def test_two_torchrun_jobs_without_a_run_id_stay_two_jobs(tmp_path: Path, daemons: list[DaemonProc]) -> None:

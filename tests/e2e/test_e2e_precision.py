@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 torch = pytest.importorskip("torch")
 
 TRAINER = REPO / "tests" / "scripts" / "precision_trainer.py"
+PROPOSALS = ("proposed", "withdrawn", "not taken")  # the daemon's asks, beside the levels the ranks ran
 TOLERANCE = 0.1
 
 CONFIG = f"""
@@ -139,9 +140,10 @@ def test_an_instability_after_the_switch_is_rolled_back_within_one_step(
     assert ev["kind"] == "rollback" and ev["from"] == "bf16" and ev["to"] == "fp32" and ev["step"] == bad
 
     log = json.loads(d.ctl("report", "unstable", "--json").stdout)["precision_log"]
-    kinds = [(e["kind"], e["from"], e["to"]) for e in log]
+    moves = [e for e in log if e["kind"] not in PROPOSALS]
+    kinds = [(e["kind"], e["from"], e["to"]) for e in moves]
     assert kinds == [("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")], log
-    rb = log[1]
+    rb = moves[1]
     assert cause in rb["reason"] and rb["step"] == bad and isinstance(rb["trend"], float)
     assert rep["precision"] == "fp32"
     text = d.ctl("report", "unstable").stdout
@@ -191,7 +193,9 @@ def test_noisy_real_losses_step_down_and_end_within_tolerance(
     tolerance = 0.05  # the policy's default
     assert abs(r["eval_loss"] - base["eval_loss"]) <= tolerance * base["eval_loss"], (r["eval_loss"], base)
     log = json.loads(d.ctl("report", task, "--json").stdout)["precision_log"]
-    assert [(e["kind"], e["from"], e["to"]) for e in log] == [("switch", "fp32", "bf16")], log
+    assert [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS] == [
+        ("switch", "fp32", "bf16")
+    ], log
 
 
 def tail_mean(r: dict[str, Any], n: int = 300) -> float:
@@ -210,19 +214,21 @@ def policy_defaults(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:
 @pytest.mark.slow
 def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """A regression whose targets sit near 16, where bf16 rounds the outputs to 1/8: bf16
-    costs it a few percent, too little for the probation to see while the loss still
-    falls (without a reference batch the level is accepted and the run ends worse than its
-    fp32 twin). With ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch
-    every 50 steps and roll back; the run ends as close to its twin as the tolerance asks."""
+    costs it a few percent (a run at bf16 throughout ends worse than its fp32 twin), too
+    little for the probation to be sure of while the loss still falls (without a reference
+    batch the level is sometimes kept: bench_precision measures how often). With
+    ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch every 50 steps
+    and roll back; the run ends as close to its twin as the tolerance asks."""
     d = policy_defaults(tmp_path, daemons)
     args = ["--task", "offset-regression", "--steps", "1200", "--precisions", "fp32,bf16"]
     twin = run_trainer(tmp_path / "none.sock", "offset-fp32", *args, "--no-greend")
-    blind = run_trainer(d.socket, "offset-blind", *args, "--step-sleep", "0.005")
+    # bf16 throughout, without greend: the penalty the reference check is there to see.
+    blind = run_trainer(tmp_path / "none.sock", "offset-bf16", *args, "--no-greend", "--initial", "bf16")
     r = run_trainer(d.socket, "offset", *args, "--step-sleep", "0.005", "--reference")
     wait_ended(d, "offset")
 
-    # The penalty is real: accepted without a reference, the run ends worse than fp32.
-    assert blind["levels"][-1] == "bf16" and blind["precision_events"] == [], blind["precision_events"]
+    # The penalty is real: at bf16 the run ends worse than fp32.
+    assert set(blind["levels"]) == {"bf16"}
     penalty = tail_mean(blind) / tail_mean(twin) - 1
     assert penalty > 0.03, penalty
 
@@ -233,8 +239,12 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
     checks = [c for c in r["reference_checks"] if c["excess"] is not None]
     assert len(checks) >= 3 and sum(c["excess"] for c in checks) / len(checks) > 0.02, checks
     log = json.loads(d.ctl("report", "offset", "--json").stdout)["precision_log"]
-    assert [(e["kind"], e["from"], e["to"]) for e in log] == [("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")]
-    assert "reference check" in log[1]["reason"]
+    moves = [e for e in log if e["kind"] not in PROPOSALS]
+    assert [(e["kind"], e["from"], e["to"]) for e in moves] == [
+        ("switch", "fp32", "bf16"),
+        ("rollback", "bf16", "fp32"),
+    ]
+    assert "reference check" in moves[1]["reason"]
     assert abs(tail_mean(r) / tail_mean(twin) - 1) <= 0.05 < penalty + 0.02, (tail_mean(r), tail_mean(twin), penalty)
 
 
@@ -259,4 +269,6 @@ def test_a_data_shift_right_after_the_switch_is_not_a_rollback_with_a_reference_
     assert r["precision_events"] == []
     assert any(c.get("spike") and c["step"] >= r["shift_at"] for c in r["reference_checks"])
     log = json.loads(d.ctl("report", "shift", "--json").stdout)["precision_log"]
-    assert [(e["kind"], e["from"], e["to"]) for e in log] == [("switch", "fp32", "bf16")], log
+    assert [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS] == [
+        ("switch", "fp32", "bf16")
+    ], log

@@ -10,13 +10,16 @@ import pytest
 
 from greend.errors import ProtocolError
 from greend.jobs.booking import (
+    NOT_TAKEN_STEPS,
     append_bounded,
     book_cap_change,
     book_host_cpu,
     book_precision_event,
     book_process_cpu,
+    book_proposal,
+    book_proposals_not_taken,
     book_row,
-    book_switch,
+    book_withdrawal,
     shed_step_records,
     thinned,
 )
@@ -117,8 +120,12 @@ def test_a_precision_change_closes_the_ranks_aggregate() -> None:
     assert rs.agg is not None and rs.agg.precision == "bf16" and rs.agg.since_s == 2.0 and rs.agg.steps == 4
     # The baseline stays at the first level: the bf16 steps are not in it.
     assert job.baseline.precision == "fp32" and job.baseline.steps == 4 and not job.baseline.span_open
+    # Its one rank runs bf16: so does the job (a move the daemon did not ask: the rank
+    # reports it itself, as an event, so the rows log nothing).
+    assert job.precision == "bf16" and job.measure.since_s == 102.0 and job.measure.steps == 4
+    assert job.precision_log == []
     # A row naming no level runs at the job's.
-    assert book_row(job, rs, _row(104.0), None, now_s=3.0) is not None
+    assert book_row(job, rs, _row(104.0), None, now_s=3.0) is None and rs.agg.steps == 8
 
 
 def test_rows_before_the_setting_settled_stay_out_of_the_measure() -> None:
@@ -210,24 +217,76 @@ def test_bounded_logs_drop_the_oldest_and_count_them() -> None:
     assert len(job.gone) == 1 and job.gone_dropped == 1
 
 
-def test_precision_events_and_switches_move_the_jobs_level() -> None:
-    job, _ = _job(0, precision="bf16")
+def test_a_proposal_moves_the_jobs_level_only_once_its_ranks_run_it() -> None:
+    job, rs = _job(0, precision="bf16")
+    job.top_precision = "bf16"
+    other = RankSession(8, "j", 1, 1, 2, [1], 4243, 1000, "h", ["fp32", "bf16", "fp8"], None, None, 0.0)
+    job.ranks[other.session] = other
     job.steps, job.last_loss = 40, 1.5
-    book_switch(job, "fp8", "loss stable", kind="switch", trend=-0.01, t_wall_s=9.0, settle_until_s=50.0,
-                max_entries=10)  # fmt: skip
-    assert job.precision == "fp8" and job.measure.since_s == 50.0
+    book_proposal(job, "fp8", "loss stable", kind="switch", trend=1.4, t_wall_s=9.0, max_entries=10)
+    # Proposed: logged as such; the job's level and its measure stay.
+    assert job.precision == "bf16" and job.proposal is not None and job.proposal.level == "fp8"
     assert job.precision_log[-1].to_json() == {
-        "t": 9.0, "kind": "switch", "from": "bf16", "to": "fp8", "reason": "loss stable", "step": 40, "loss": 1.5,
-        "trend": -0.01,
+        "t": 9.0, "kind": "proposed", "from": "bf16", "to": "fp8", "reason": "switch: loss stable", "step": 40,
+        "loss": 1.5, "trend": 1.4,
     }  # fmt: skip
+    # Rows at the old level are its evidence still.
+    book_row(job, rs, _row(100.0, precision="bf16"), None, now_s=0.0, t_wall_s=10.0)
+    book_row(job, other, _row(100.0, precision="bf16"), None, now_s=0.0, t_wall_s=10.0)
+    assert job.precision == "bf16" and job.measure.steps == 8
+    # One rank of two runs fp8: the job is in transition; that row is no level's evidence.
+    book_row(job, rs, _row(102.0, precision="fp8"), None, now_s=0.0, t_wall_s=11.0)
+    book_row(job, other, _row(101.0, precision="bf16"), None, now_s=0.0, t_wall_s=11.0)
+    assert job.precision == "bf16" and job.measure.steps == 12 and len(job.precision_log) == 1
+    # Both run it: the switch, as proposed, and the measure starts with that row.
+    book_row(job, other, _row(103.0, precision="fp8"), None, now_s=0.0, t_wall_s=12.0)
+    assert job.precision == "fp8" and job.proposal is None
+    assert (job.measure.since_s, job.measure.steps) == (103.0, 4)  # (rank 0's fp8 row came before it)
+    change = job.precision_log[-1]
+    assert (change.kind, change.from_level, change.to_level, change.reason, change.t_wall_s, change.trend) == (
+        "switch", "bf16", "fp8", "loss stable", 12.0, 1.4,
+    )  # fmt: skip
+
+
+def test_a_proposal_the_ranks_never_run_is_logged_once_as_not_taken_and_stands() -> None:
+    job, rs = _job(0)
+    job.top_precision = "fp32"
+    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
+    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    start = job.steps
+    t = 102.0
+    while job.steps - start < NOT_TAKEN_STEPS - 4:
+        book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)
+        t += 2.0
+        assert book_proposals_not_taken(job, t_wall_s=t, max_entries=10) is None
+    book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)
+    change = book_proposals_not_taken(job, t_wall_s=50.0, max_entries=10)
+    assert change is not None and (change.kind, change.from_level, change.to_level) == ("not taken", "fp32", "bf16")
+    assert f"ran {NOT_TAKEN_STEPS} steps at fp32" in change.reason
+    assert book_proposals_not_taken(job, t_wall_s=51.0, max_entries=10) is None  # once
+    assert [c.kind for c in job.precision_log] == ["proposed", "not taken"]  # no switch, no rollback
+    assert job.precision == "fp32" and job.proposal is not None  # it stands: the ranks may still agree on it
+    # Asking the level in force again withdraws it.
+    book_withdrawal(job, "loss moved", t_wall_s=52.0, max_entries=10)
+    assert job.proposal is None and job.precision_log[-1].kind == "withdrawn"
+
+
+def test_precision_events_move_the_jobs_level() -> None:
+    job, rs = _job(0, precision="bf16")
+    job.top_precision = "bf16"
+    job.steps, job.last_loss = 40, 1.5
+    book_proposal(job, "fp8", "loss stable", kind="switch", trend=-0.01, t_wall_s=9.0, max_entries=10)
+    book_row(job, rs, _row(45.0, precision="fp8"), None, now_s=0.0, t_wall_s=9.5)
+    assert job.precision == "fp8" and job.measure.since_s == 45.0
     rollback = PrecisionEventEntry("rollback", "fp8", "bf16", "non-finite loss", 41, None, None)
-    book_precision_event(job, rollback, rank=1, t_wall_s=10.0, now_s=60.0, max_entries=10)
-    assert job.precision == "bf16" and job.measure.since_s == 60.0
-    assert job.precision_log[-1].rank == 1 and job.precision_log[-1].reason == "non-finite loss"
+    book_precision_event(job, rollback, rank=0, t_wall_s=10.0, now_s=60.0, max_entries=10)
+    assert job.precision == "bf16" and job.measure.since_s == 60.0 and rs.precision == "bf16"
+    assert job.precision_log[-1].rank == 0 and job.precision_log[-1].reason == "non-finite loss"
     refused = PrecisionEventEntry("refused", "bf16", "fp8", None, 42, None, None)
+    book_proposal(job, "fp8", "again", kind="switch", trend=None, t_wall_s=10.5, max_entries=10)
     book_precision_event(job, refused, rank=0, t_wall_s=11.0, now_s=70.0, max_entries=10)
     assert job.precision == "bf16" and job.measure.since_s == 60.0  # kept; measured on
-    assert job.precision_log[-1].reason == ""
+    assert job.precision_log[-1].reason == "" and job.proposal is None  # the refused proposal is gone
 
 
 def test_an_ended_job_sheds_its_step_records() -> None:

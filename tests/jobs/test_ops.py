@@ -141,15 +141,49 @@ def test_policies_see_no_level_above_the_jobs_own_and_no_switch_goes_there() -> 
     (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
     assert view.precisions == ("bf16", "fp8") and view.top_precision == "bf16"
     jobs = ops.jobs
-    assert not jobs.switch_precision("b", "fp32", "up", settle_until_s=0.0, policy="p")  # above: refused
-    assert not jobs.switch_precision("b", "tf32", "up", settle_until_s=0.0, policy="p")
+    assert not jobs.switch_precision("b", "fp32", "up", policy="p")  # above: refused
+    assert not jobs.switch_precision("b", "tf32", "up", policy="p")
     assert jobs.jobs["b"].precision == "bf16" and jobs.jobs["b"].precision_log == []
-    assert jobs.switch_precision("b", "fp8", "down", settle_until_s=0.0, policy="p")
-    assert jobs.switch_precision("b", "bf16", "back", kind="rollback", settle_until_s=0.0, policy="p")
-    assert [(c.from_level, c.to_level) for c in jobs.jobs["b"].precision_log] == [("bf16", "fp8"), ("fp8", "bf16")]
+    assert jobs.switch_precision("b", "fp8", "down", policy="p")
+    assert not jobs.switch_precision("b", "fp8", "down", policy="p")  # asked already
+    # A proposal until the ranks run it; asking the level in force again withdraws it.
+    assert jobs.jobs["b"].precision == "bf16" and jobs.jobs["b"].proposal is not None
+    assert jobs.switch_precision("b", "bf16", "back", kind="rollback", policy="p")
+    assert [(c.kind, c.from_level, c.to_level) for c in jobs.jobs["b"].precision_log] == [
+        ("proposed", "bf16", "fp8"),
+        ("withdrawn", "bf16", "fp8"),
+    ]
+    assert jobs.jobs["b"].proposal is None
     # A job whose level is not known yet (no level given, no steps): only its level in force.
     other = _Conn(2, _Peer(pid=0, uid=1000))
     h["register"]({"job": "u", "gpus": [1], "precisions": ["fp32", "bf16"]}, other)
     views = {v.job: v for v in ops.jobs.views(lambda gpu: UNCAPPED)}
     assert views["u"].precisions == ("fp32",) and views["u"].top_precision is None
-    assert not jobs.switch_precision("u", "bf16", "down", settle_until_s=0.0, policy="p")
+    assert not jobs.switch_precision("u", "bf16", "down", policy="p")
+
+
+def test_the_store_hears_a_proposal_then_the_switch_when_the_ranks_run_it() -> None:
+    points: list[Any] = []
+    ops, _ = _ops(emit=points.extend)
+    h = ops.handlers()
+    conn = _Conn(1, _Peer(pid=0, uid=1000))
+    h["register"]({"job": "p", "gpus": [0], "precisions": ["fp32", "bf16"], "precision": "fp32"}, conn)
+    h["intervals"]({"rows": [{**_row(990.0, 991.0), "precision": "fp32"}]}, conn)
+    jobs = ops.jobs
+    assert jobs.switch_precision("p", "bf16", "loss stable", policy="precision")
+
+    def decisions() -> list[tuple[str, str, str]]:
+        return [
+            (p.tags["kind"], p.tags["policy"], p.tags["precision"])
+            for p in points
+            if p.measurement == "greend_decision"
+        ]
+
+    assert decisions() == [("proposed", "precision", "bf16")]
+    h["intervals"]({"rows": [{**_row(992.0, 993.0), "precision": "fp32"}]}, conn)  # not yet
+    assert len(decisions()) == 1 and jobs.jobs["p"].precision == "fp32"
+    h["intervals"]({"rows": [_row(994.0, 995.0)]}, conn)  # (bf16)
+    assert decisions()[1:] == [("switch", "ranks", "bf16")] and jobs.jobs["p"].precision == "bf16"
+    # A move the daemon did not ask (the rank reports it as an event): no point from the rows.
+    h["intervals"]({"rows": [{**_row(996.0, 997.0), "precision": "fp32"}]}, conn)
+    assert len(decisions()) == 2 and jobs.jobs["p"].precision == "fp32"

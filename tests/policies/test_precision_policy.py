@@ -3,8 +3,9 @@
 :class:`FakeJob` plays the daemon's part: each period it runs some steps at the
 level in force (energy per FLOP per level as given, losses from a function of the
 step and the level), builds the :class:`JobView` the daemon would, and applies
-the policy's decision as the daemon does (the job's level changes at once, a
-``switch`` entry goes to its precision log).
+the policy's decision as a rank does (from its next step; the daemon's record follows
+the rows, so the policy sees the level in force at its next look, with the step it took
+effect at; a ``switch`` entry goes to its precision log).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class FakeJob:
     inject: Callable[[int, str], bool] = lambda step, level: False  # a non-finite step here?
     reference_every: int | None = None  # its ranks make reference checks (GreenCallback(reference_loss=))
     t: float = 0.0
+    since: int = 0  # steps when the level in force took effect
+    applies: Callable[[str], bool] = lambda level: True  # do its ranks apply a directive to this level?
+    proposed: str | None = None  # a level asked for and not applied (the daemon's standing proposal)
 
     def run(self) -> None:
         for _ in range(self.steps_per_period):
@@ -79,12 +83,21 @@ class FakeJob:
             nonfinite_recent=len(self.nonfinite[-256:]),
             precision_events=tuple(self.log[-32:]),
             reference_every=self.reference_every,
+            precision_since_step=self.since,
+            proposed_precision=self.proposed,
         )
 
     def apply(self, d: Decision) -> None:
         level = d.precision.get("j")
         if level is not None and level != self.precision:
             assert level in self.precisions, f"the policy asked for {level}, which the job does not run"
+            assert level != self.proposed, f"the policy asked for {level} again while it stands"
+            if not self.applies(level):  # e.g. the other ranks' daemons do not ask it
+                self.proposed = level
+                self.log.append({"t": self.t, "kind": "proposed", "from": self.precision, "to": level,
+                                 "reason": d.details["reasons"]["j"], "step": self.steps})  # fmt: skip
+                return
+            self.proposed = None
             self.log.append(
                 {
                     "t": self.t,
@@ -96,6 +109,7 @@ class FakeJob:
                 }
             )
             self.precision = level
+            self.since = self.steps
 
 
 def drive(
@@ -304,6 +318,52 @@ def test_nonfinite_during_probation_rolls_back_at_once() -> None:
     assert "non-finite" in job.log[1]["reason"]
 
 
+def test_a_proposal_the_ranks_do_not_apply_starts_no_probation_and_no_rollback() -> None:
+    """A rank's daemon asks bf16, the job's ranks never agree (another rank's daemon does
+    not ask it): the job runs fp32 throughout, so there is nothing to judge at bf16: no
+    probation over fp32 steps, no rollback, no bar, even when the fp32 loss then moves
+    10 % (what a probation over those steps read as bf16's penalty)."""
+
+    def moving(step: int, level: str) -> float:
+        return (1.0 if step < 300 else 1.1) + 0.01 * math.sin(step)
+
+    job = FakeJob(loss=moving, applies=lambda level: False)
+    p = policy()
+    state, ds = drive(p, job, 80)
+    assert [e["kind"] for e in job.log] == ["proposed"]  # asked once; it stands
+    assert set(job.levels) == {"fp32"}
+    details = ds[-1].details["jobs"]["j"]
+    assert details["probation"] is None and details["barred"] == {} and details["level"] == "fp32"
+    assert not any("rollback" in d.reason for d in ds)
+    assert "bf16 proposed" in ds[-1].reason and "the ranks still run fp32" in ds[-1].reason
+    # Its fp32 losses and energy stay fp32's, for when the ranks agree later: they do,
+    # and the probation starts then, at the step they switched.
+    job.applies = lambda level: True
+    job.precision, job.since, job.proposed = "bf16", job.steps, None  # the other daemon asked too
+    switched_at = job.steps
+    _, ds2 = drive(p, job, 1, state)
+    pb = ds2[-1].details["jobs"]["j"]["probation"]
+    assert pb is not None and pb["to"] == "bf16" and pb["steps"] == 10 and pb["trend"] == pytest.approx(1.1, abs=0.02)
+    assert switched_at + 10 == job.steps
+    _, ds3 = drive(p, job, 10, state)
+    assert not any("rollback" in d.reason for d in ds3)  # flat after the switch: kept
+    assert "bf16 accepted" in ds3[-1].details["jobs"]["j"]["last_event"]
+
+
+def test_a_rollback_waits_for_the_ranks_to_run_the_level_again() -> None:
+    # bf16 is 20 % worse: rolled back; until the ranks run fp32 again the policy waits
+    # (it does not ask again, and does not judge).
+    job = FakeJob(loss=lambda s, lv: 1.2 if lv == "bf16" else 1.0, applies=lambda level: level != "fp32")
+    p = policy()
+    state, ds = drive(p, job, 12)
+    assert [e["kind"] for e in job.log] == ["switch", "proposed"] and job.proposed == "fp32"
+    assert "fp32 proposed" in ds[-1].reason and "bf16" in ds[-1].details["jobs"]["j"]["barred"]
+    job.applies = lambda level: True
+    job.precision, job.since, job.proposed = "fp32", job.steps, None
+    _, ds = drive(p, job, 3, state)
+    assert ds[0].details["jobs"]["j"]["level"] == "fp32" and "the ranks run fp32 again" in ds[0].reason
+
+
 def test_callback_rollback_bars_the_level() -> None:
     job = FakeJob()
     p = policy(cooldown_s=30.0)
@@ -419,7 +479,8 @@ def test_levels_are_compared_at_one_gpu_setting_never_across_a_clock_cap() -> No
     """fp8 measured under a clock cap against bf16 measured uncapped would credit the cap's
     saving to fp8: the energy verdict takes both levels at one setting, or none."""
     from greend.policies.base import Setting
-    from greend.policies.precision import _Evidence, _Job
+    from greend.policies.precision_state import Evidence as _Evidence
+    from greend.policies.precision_state import JobMemory as _Job
 
     p = policy()
     capped = Setting(clock_cap_mhz=1485)
