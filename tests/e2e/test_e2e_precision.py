@@ -150,14 +150,17 @@ def test_an_instability_after_the_switch_is_rolled_back_within_one_step(
     assert "rollback" in text
 
 
-def test_as_the_only_policy_its_decisions_keep_their_kind_and_trend(tmp_path: Path, daemons: list[DaemonProc]) -> None:
-    """Under ``greenctl policy set precision`` the policy's details are the decision's own,
-    not under "precision": switches keep their trend (it was null) in the report."""
+def test_set_at_run_time_its_decisions_keep_their_kind_and_trend(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """Set at run time beside the clock policy (``greenctl policy set none --precision
+    precision``; it is not a clock policy of its own, and ``policy set precision`` is
+    refused): switches keep their trend (it was null) in the report."""
     d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config='[daemon]\nsocket_group = ""\n')
     daemons.append(d)
     params = ["window=16", "min_steps=8", "max_slope=0.1", "max_noise=0.2", "probation_steps=40"]
-    d.ctl("policy", "set", "precision", *[a for p in params for a in ("--param", p)])
-    assert d.status()["policy"]["name"] == "precision"
+    refused = d.ctl("policy", "set", "precision", check=False)
+    assert refused.returncode != 0 and "not a clock policy" in refused.stderr + refused.stdout
+    d.ctl("policy", "set", "none", "--precision", "precision", *[a for p in params for a in ("--precision-param", p)])
+    assert (d.status()["policy"].get("precision") or {}).get("name") == "precision"
     r = run_trainer(d.socket, "solo", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
     wait_ended(d, "solo")
     assert r["levels"][-1] == "bf16", r["levels"]
