@@ -453,7 +453,8 @@ def start_daemon(ctx: Ctx) -> Path:
         "device_check.guard_nvml(pynvml, sys.argv.pop(1)); "
         "from greend.cli.greend_cmd import daemon_main; sys.argv[0] = 'greend'; daemon_main()"
     )
-    cmd = [sys.executable, "-c", launch, str(BENCH), str(ctx.guard_log), *args[3:]]
+    # The daemon's own arguments: what follows "-m greend.daemon_main" in its command.
+    cmd = [sys.executable, "-c", launch, str(BENCH), str(ctx.guard_log), *args[args.index("greend.daemon_main") + 1 :]]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "ab") as fh:
         ctx.daemon_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
