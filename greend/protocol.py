@@ -469,6 +469,8 @@ class Registration:
     # The level the job runs at on its own (its autocast, its framework's setting): the
     # top of its ladder. None from an older client: its first steps' level tells.
     precision: str | None = None
+    # Steps between the job's ranks' agreements on its level (a job of several ranks).
+    sync_every: int | None = None
 
 
 def decode_register(msg: dict[str, Any]) -> Registration:
@@ -513,6 +515,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         mem_share=msg.get("mem_share"),
         reference_every=msg.get("reference_every"),
         precision=own,
+        sync_every=msg.get("sync_every"),
     )
 
 
@@ -572,6 +575,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # The callback checks accuracy on a reference batch every this many steps after a
         # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
         "reference_every": Field((int,), min=1, max=1 << 30),
+        # A job of several ranks agrees on its precision every this many steps.
+        "sync_every": Field((int,), min=1, max=1 << 30),
         # The run id every rank of one run shares (a rerun or a reused job id has another).
         "run": Field((str,), max_len=64),
     },

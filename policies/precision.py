@@ -215,6 +215,8 @@ class PrecisionPolicy:
             if target is not None and target != j.precision:
                 if target not in j.precisions:  # never ask what the job cannot run
                     reason = f"job {j.job}: {target} is not a level it runs; holding {j.precision}"
+                    if js.pending is not None and js.pending.to_level == target:
+                        js.pending = None  # not asked: nothing to wait for
                 else:
                     d.precision[j.job] = target
             reasons.append(reason)
@@ -277,7 +279,7 @@ class PrecisionPolicy:
         if j.precision == pd.to_level:
             # The ranks run it: the level's evidence starts where it took effect. This
             # interval's losses since then are its own (where the daemon does not say
-            # when, the interval is left out); those before are the old level's.
+            # when, all of them are booked to the old level); those before are the old level's.
             js.pending = None
             since = j.precision_since_step
             own = 0 if since is None else max(0, min(len(new_losses), j.steps - since))

@@ -54,9 +54,11 @@ __all__ = [
 ]
 
 MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its steps
-# A proposal the job ran this many steps past at its old level is logged as not taken
-# (ranks agree every sync_every steps, 10 by default: many chances to agree).
+# A proposal the job ran this many steps past at its old level is logged as not taken,
+# or three of its ranks' agreement periods (sync_every, 100 by default: a switch waits up
+# to two periods after the last daemon's word) where they said it, whichever is longer.
 NOT_TAKEN_STEPS = 100
+NOT_TAKEN_PERIODS = 3
 LogName = Literal["precision_log", "decisions", "gone"]
 
 
@@ -321,11 +323,14 @@ def book_withdrawal(job: Job, reason: str, *, t_wall_s: float, max_entries: int)
 
 
 def book_proposals_not_taken(job: Job, *, t_wall_s: float, max_entries: int) -> PrecisionChange | None:
-    """A proposal the job ran ``NOT_TAKEN_STEPS`` steps past without its ranks applying
+    """A proposal the job ran ``NOT_TAKEN_STEPS`` steps past (or three of its ranks'
+    agreement periods, if longer) without its ranks applying
     it: logged once as not taken (no rollback, no bar: its level never ran). It stands:
     the ranks may still agree on it (another rank's daemon may ask it later)."""
     p = job.proposal
-    if p is None or p.not_taken_logged or job.steps - p.step < NOT_TAKEN_STEPS:
+    periods = [rs.sync_every for rs in job.ranks.values() if rs.sync_every]
+    wait = max([NOT_TAKEN_STEPS, *(NOT_TAKEN_PERIODS * n for n in periods)])
+    if p is None or p.not_taken_logged or job.steps - p.step < wait:
         return None
     p.not_taken_logged = True
     reason = (

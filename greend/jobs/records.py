@@ -128,6 +128,7 @@ class RankSession:
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
     agg: StepAggregate | None = None  # its steps since the last store interval
     reference_every: int | None = None  # steps between its reference checks (None: it makes none)
+    sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
 
 

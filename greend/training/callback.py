@@ -216,6 +216,8 @@ class GreenCallback:
             fields["flops_per_step"] = self._book.fixed_flops
         if self._control.reference is not None:
             fields["reference_every"] = self._control.reference_every
+        if self._control.agreeing:
+            fields["sync_every"] = self.sync_every  # how long a directive may wait for the ranks
         for name in self._channel.register_omit:  # fields an older daemon does not know
             fields.pop(name, None)
         return fields
@@ -257,8 +259,11 @@ class GreenCallback:
         if len(batch) != samples or "samples-tuple" in self._warnings or not batch:
             return
         first = batch[0]
-        shape = getattr(first, "shape", None)
-        rows = shape[0] if shape else (len(first) if hasattr(first, "__len__") else None)
+        try:  # (a 0-d tensor or a scalar has no rows: nothing to warn about)
+            shape = getattr(first, "shape", None)
+            rows = shape[0] if shape else (len(first) if hasattr(first, "__len__") else None)
+        except Exception:
+            return
         if isinstance(rows, int) and rows > samples:
             self._warnings.warn(
                 "samples-tuple",

@@ -298,3 +298,21 @@ def test_an_ended_job_sheds_its_step_records() -> None:
     assert len(job.series) == 101 and job.series[-1].t_s == 999.0 and job.series.maxlen == 7200
     short = deque([EfficiencySample(0.0, 1.0, 1.0, 1.0)])
     assert thinned(short, 100) is short
+
+
+def test_a_proposal_waits_three_of_the_ranks_agreement_periods_before_not_taken() -> None:
+    """Ranks that agree every 100 steps (the default) may take up to two periods to apply
+    a level: 'not taken' comes after three, not after 100 steps."""
+    job, rs = _job(0)
+    rs.sync_every = 100
+    job.top_precision = "fp32"
+    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
+    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    start, t = job.steps, 102.0
+    while job.steps - start < 296:
+        book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)
+        t += 2.0
+        assert book_proposals_not_taken(job, t_wall_s=t, max_entries=10) is None
+    book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)
+    change = book_proposals_not_taken(job, t_wall_s=t, max_entries=10)
+    assert change is not None and change.kind == "not taken" and "ran 300 steps" in change.reason
