@@ -9,22 +9,19 @@ policy beside them.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.test_e2e_jobs import wait_ended
-from tests.support import REPO, DaemonProc, env, start_daemon
+from tests.e2e.test_e2e_precision import run_trainer as precision_trainer
+from tests.support import DaemonProc, start_daemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchao")
 
-TRAINER = REPO / "tests" / "scripts" / "precision_trainer.py"
 BITS = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
 
 
@@ -50,17 +47,8 @@ cooldown_s = 600.0
 """
 
 
-def run_trainer(sock: Path, job: str, *args: str, timeout: float = 180) -> dict[str, Any]:
-    p = subprocess.run(
-        [sys.executable, str(TRAINER), "--socket", str(sock), "--job", job, *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env(),
-        timeout=timeout,
-    )
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def run_trainer(sock: Path, job: str, *args: str) -> dict[str, Any]:
+    return precision_trainer(sock, job, *args, timeout=180)
 
 
 def start(tmp_path: Path, daemons: list[DaemonProc], clock: str, precision: str) -> DaemonProc:
