@@ -133,9 +133,7 @@ class StepBook:
                 self.boundary = True
             else:
                 self._detect_step = None
-                hook, self._detect_hook = self._detect_hook, None
-                if hook is not None:
-                    hook.remove()  # a hooked module takes torch's slower call path
+                self._drop_detect_hook()
         requested = self.channel.requested
         if requested is not control.seen_request:
             control.take_request(requested)
@@ -149,9 +147,7 @@ class StepBook:
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
         """The model's first forward (one-shot pre-hook): an autocast on here is the job's own."""
-        hook, self._detect_hook = self._detect_hook, None
-        if hook is not None:
-            hook.remove()
+        self._drop_detect_hook()
         control = self.control
         if control.detect_own_level(final=True):
             self.precision = control.level
@@ -159,6 +155,13 @@ class StepBook:
             if step is not None:
                 step.precision = control.level  # the step in flight runs at it
         self._detect_step = None
+
+    def _drop_detect_hook(self) -> None:
+        """Take the one-shot detection hook off the model (a hooked module takes torch's
+        slower call path on every forward)."""
+        hook, self._detect_hook = self._detect_hook, None
+        if hook is not None:
+            hook.remove()
 
     def directive(self) -> None:
         """The sender has a directive for the next step's start (Channel.on_directive)."""
@@ -395,9 +398,7 @@ class StepBook:
     def close(self) -> None:
         """The last losses (waited for: training is over), and the model's hook taken off."""
         self.closed = True
-        hook, self._detect_hook = self._detect_hook, None
-        if hook is not None:
-            hook.remove()
+        self._drop_detect_hook()
         try:
             self.drain(keep=0)
             self.control.read_reference(wait=True)
