@@ -286,6 +286,15 @@ class SimSpec:
         memory = m / (1.0 - m) * BYTES_PER_ELEMENT[level] / BYTES_PER_ELEMENT["fp32"]
         return min(MAX_MEM_SHARE, memory / (compute + memory))
 
+    def fp32_mem_share(self, share: float, precision: str) -> float:
+        """The inverse of :meth:`mem_share_at`: the fp32 share (what ``mem_share`` takes)
+        of a workload that is ``share`` memory bound at ``precision``."""
+        s = check_mem_share(share)
+        level = PRECISION_ALIASES.get(precision, precision)
+        compute = self.peak_flops.fp32 / self.compute_rate(precision)
+        ratio = s / (1.0 - s) * compute * BYTES_PER_ELEMENT["fp32"] / BYTES_PER_ELEMENT[level]  # m / (1 - m)
+        return ratio / (1.0 + ratio)
+
     def _time_at(self, flops: float, clock_mhz: float, m: float, precision: str, speed_factor: float) -> float:
         if flops < 0:
             raise ValueError(f"flops must be >= 0, got {flops}")

@@ -155,18 +155,6 @@ def _model_flops(model: Any, xb: Any, yb: Any, lossf: Any) -> float:
     return float(fc.get_total_flops())
 
 
-def fp32_mem_share(level: str, share: float) -> float:
-    """The fp32 memory-bound share (what the simulator's ``mem_share`` takes) of a
-    workload that is ``share`` memory bound at ``level`` on the simulated H100."""
-    from greend.probes.sim import H100
-
-    lo, hi = 0.0, 0.95
-    for _ in range(60):  # mem_share_at rises with the fp32 share
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if H100.mem_share_at(mid, level) < share else (lo, mid)
-    return round((lo + hi) / 2, 4)
-
-
 def _train(
     sock: Path, steps: int, use_cuda: bool, job: str, *, controlled: bool, label: str, own: str
 ) -> dict[str, Any]:
@@ -205,10 +193,10 @@ def _train(
     x0, y0 = next_batch()
     flops = _model_flops(model, x0, y0, lossf)
     scale = 1.0
-    mem_share = fp32_mem_share(own, MEM_SHARE)
-    if not use_cuda:
-        from greend.probes.sim import H100
+    from greend.probes.sim import H100
 
+    mem_share = round(H100.fp32_mem_share(MEM_SHARE, own), 4)
+    if not use_cuda:
         # A GPU-sized step: BASE_STEP_S at the job's own level at the top clock on the
         # simulated H100 (the step time is linear in its FLOPs).
         per_flop_s = H100.step_time_s(1e12, H100.sm_clock_max_mhz, mem_share, own) / 1e12

@@ -486,15 +486,8 @@ def test_fp8_training_is_calibrated_to_published_runs_not_the_datasheet() -> Non
     from greend.probes.sim import H100
 
     f = H100.sm_clock_max_mhz
-
-    def bf16_share(m32: float) -> float:
-        return H100.mem_share_at(m32, "bf16")
-
-    # Find the fp32 share whose bf16 share is 0.3 (the step time is linear in flops).
-    lo, hi = 0.0, 0.9
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if bf16_share(mid) < 0.3 else (lo, mid)
+    lo = H100.fp32_mem_share(0.3, "bf16")  # the fp32 share of a workload 0.3 memory bound in bf16
+    assert H100.mem_share_at(lo, "bf16") == pytest.approx(0.3)
     speedup = H100.step_time_s(1e15, f, lo, "bf16") / H100.step_time_s(1e15, f, lo, "fp8")
     assert speedup == pytest.approx(1.25, abs=0.01)
     memory_bound = H100.step_time_s(1e15, f, 0.3, "bf16") / H100.step_time_s(1e15, f, 0.3, "fp8")
