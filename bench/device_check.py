@@ -559,10 +559,22 @@ def count_flops(ctx: Ctx, model: Any, x: Any, y: Any) -> float:
     return float(fc.get_total_flops())
 
 
+def gpt_step(step: Any, model: Any, x: Any, y: Any, opt: Any) -> None:
+    """One training step of the tiny GPT inside greend's ``step``: forward at the level
+    in force, the loss reported, backward, the optimizer."""
+    from torch.nn import functional as F
+
+    with step.autocast():
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    step.loss(loss)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def part_daemon(ctx: Ctx) -> list[Figure]:
     ctx.need_nvml()
     ctx.need_gpu()
-    from torch.nn import functional as F
 
     from greend.ipc.client import Client
     from greend.training.callback import GreenCallback
@@ -586,12 +598,7 @@ def part_daemon(ctx: Ctx) -> list[Figure]:
     e0, t0 = ctx.energy_j(), time.monotonic()
     while time.monotonic() - t0 < run_s or steps < 3:
         with cb.step(samples=x.shape[0], batch=x) as step:
-            with step.autocast():
-                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            step.loss(loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            gpt_step(step, model, x, y, opt)
         steps += 1
     ctx.sync()
     t1 = time.monotonic()
@@ -734,7 +741,6 @@ def part_hotpath(ctx: Ctx) -> list[Figure]:
 
 def part_precision(ctx: Ctx) -> list[Figure]:
     ctx.need_gpu()
-    from torch.nn import functional as F
 
     from greend.testing.fake_daemon import FakeDaemon
     from greend.training.callback import GreenCallback
@@ -779,12 +785,7 @@ def part_precision(ctx: Ctx) -> list[Figure]:
                         ctx.sync()
                         t0, e0 = time.monotonic(), ctx.energy_j()
                     with cb.step(samples=x.shape[0]) as st:
-                        with st.autocast():
-                            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-                        st.loss(loss)
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
+                        gpt_step(st, model, x, y, opt)
                     if st.precision != level:
                         raise RuntimeError(f"asked for {level}, the step ran at {st.precision}")
                     i += 1
