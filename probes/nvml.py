@@ -31,10 +31,12 @@ settings writes that tells the probe to read a GPU's settings again.
 Failure isolation: a GPU that answers ``GPU_IS_LOST`` is logged once as an error,
 marked lost and left out of later readings while the others carry on.
 
-Recovery: while a GPU is lost (every ``RECOVER_EVERY_S``) and after NVML answered
-``UNINITIALIZED`` and was initialised again, the GPUs are enumerated again and
-matched by UUID, never by index: a GPU that comes back at another index (a driver
-reload renumbers them) keeps its energy and is read at its new index.
+Recovery: while a GPU is lost or did not answer (every ``RECOVER_EVERY_S``) and after
+NVML answered ``UNINITIALIZED`` (initialised again first), the GPUs are enumerated again
+and matched by UUID, never by index: a GPU that comes back at another index (a driver
+reload renumbers them) keeps its energy and is read at its new index. With real NVML
+the driver calls of a recovery run on a thread of their own and the tick applies their
+result when it is there (``probes/_nvml_state.py``): the tick never waits on them.
 
 Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
 by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
@@ -46,7 +48,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -54,6 +55,8 @@ from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
 from greend.units import mj_to_j, mw_to_w
 
 from . import ProbeContext, register
+from ._nvml_state import Look, Looks, TrackedGpu
+from ._nvml_state import as_text as _text
 from .base import GpuReading, Probe, ProbeInfo, Readings
 from .nvml_device import (
     NVML_ERROR_MAP,
@@ -86,32 +89,6 @@ NO_NVML_FIX = (
 )
 
 
-@dataclass
-class _Gpu:
-    """One device as the probe tracks it: static facts read once, plus counters."""
-
-    index: int
-    handle: Any
-    name: str
-    uuid: str
-    energy_method: str  # "counter" or "power_integration"
-    supported_sm_clocks_mhz: tuple[int, ...] = ()
-    sm_clock_max_mhz: float | None = None
-    power_limit_min_w: float | None = None
-    power_limit_max_w: float | None = None
-    power_limit_default_w: float | None = None
-    compute_capability: tuple[int, int] | None = None
-    mig: bool = False  # MIG mode on: the readings are the whole GPU's, shared by its instances
-    energy_j: float = 0.0  # cumulative since open
-    last_counter_mj: int | None = None
-    last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
-    errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
-    slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
-    slow_at_s: float = float("-inf")
-    slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
-    power_w: float | None = None  # the last power read (with the slow fields, or every tick)
-
-
 class NvmlProbe:
     """GPUs through NVML. See the module docstring for what and how.
 
@@ -136,12 +113,12 @@ class NvmlProbe:
         # protocol check costs microseconds, and the daemon asks per step report).
         self._simulated = nvml if source == "sim" and isinstance(nvml, SimulatedNvml) else None
         self._opened = False
-        self._gpus: list[_Gpu] = []
+        self._gpus: list[TrackedGpu] = []
         self._open_errors: dict[int, str] = {}  # index -> why it was not enumerated
         self._driver_version: str | None = None
         self._unavailable: tuple[str, str | None] | None = None  # (detail, fix)
         self._recover_at_s = float("-inf")
-        self._gone: dict[str, _Gpu] = {}  # UUID -> a GPU not found again whose index another took
+        self._gone: dict[str, TrackedGpu] = {}  # UUID -> a GPU not found again whose index another took
         # How long open() waits for NVML's node-wide calls (the GPU count, the driver's
         # version); None: the call deadline. The daemon opens in the background and
         # waits long: a driver still loading answers late, and status says so meanwhile.
@@ -152,6 +129,8 @@ class NvmlProbe:
         self._phase: tuple[str, float] | None = None  # (what open() waits on, since monotonic)
         self._count: int | None = None  # GPUs NVML listed when it was last enumerated
         self._unanswered: set[int] = set()  # indices whose calls did not return at open
+        # Recoveries (NVML initialised again, the GPUs looked for again) in the background
+        self._looks = Looks(self._look_again)
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -175,7 +154,7 @@ class NvmlProbe:
     def _call(self, what: str, fn: str, *args: Any) -> Any:
         return self._devices.call(what, fn, *args)
 
-    def _optional(self, gpu: _Gpu, fn: str, *args: Any) -> Any | None:
+    def _optional(self, gpu: TrackedGpu, fn: str, *args: Any) -> Any | None:
         """A call whose failure costs one field: None on NOT_SUPPORTED and on other
         errors (recorded and logged once); a lost GPU still raises."""
         try:
@@ -248,6 +227,7 @@ class NvmlProbe:
         self._at(f"opening {count} GPU(s), each on its own")
         self._gpus, self._open_errors, self._unanswered = [], {}, set()
         self._devices.forget_all()
+        self._looks.take()  # a look from before this open is stale
         # Each GPU is opened on its own worker, all at once: one that hangs costs the
         # others nothing, and the open as a whole at most two call deadlines.
         opened = self._devices.each(
@@ -257,7 +237,7 @@ class NvmlProbe:
         for i in range(count):
             self._opened_one(i, opened[f"gpu{i}"].error, opened[f"gpu{i}"].value)
 
-    def _opened_one(self, i: int, err: BaseException | None, gpu: _Gpu | None) -> bool:
+    def _opened_one(self, i: int, err: BaseException | None, gpu: TrackedGpu | None) -> bool:
         """Book the outcome of opening GPU ``i``; True when it opened."""
         if err is None and gpu is not None:
             self._gpus.append(gpu)
@@ -280,10 +260,10 @@ class NvmlProbe:
             self._open_errors[i] = str(e)
         return False
 
-    def _open_gpu(self, i: int) -> _Gpu:
+    def _open_gpu(self, i: int) -> TrackedGpu:
         what = f"gpu{i}"
         handle = self._call(what, "nvmlDeviceGetHandleByIndex", i)
-        gpu = _Gpu(
+        gpu = TrackedGpu(
             index=i,
             handle=handle,
             name=_text(self._call(what, "nvmlDeviceGetName", handle)),
@@ -326,9 +306,12 @@ class NvmlProbe:
             raise ProbeError(f"probe {self.name!r} sampled before open()")
         out = Readings()
         failures: list[ProbeError] = []
+        look = self._looks.take()  # a look that finished in the background since the last tick
+        if look is not None:
+            self._apply_look(look)
         if (self._devices.lost or self._gone or self._open_errors) and now_s >= self._recover_at_s:
             self._recover_at_s = now_s + RECOVER_EVERY_S
-            self._rematch()
+            self._recover(reinit=False)
         live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
         reinit = False
         # Every GPU is read on its own worker, all at once: a GPU that starts hanging
@@ -352,40 +335,82 @@ class NvmlProbe:
                 gpu.errors[key] = str(e)
                 failures.append(e)
         if reinit:  # NVML was shut down under us: initialise it again, read next tick
-            try:
-                self._call("node", "nvmlInit")
-                log.warning("NVML was shut down under greend; initialised it again")
-            except ProbeError as e:
-                log.error("NVML could not be initialised again: %s", e)
-            else:
-                self._rematch()  # a driver reload may have renumbered the GPUs
+            self._recover(reinit=True)
         if failures and not out.gpus:
             raise failures[0]  # every live GPU failed: the probe failed this tick
         return out
 
-    def _rematch(self) -> None:
-        """Enumerate again and match every GPU by its UUID, never by its index: after a
-        driver reload NVML may number them differently. A GPU found again keeps its
-        energy and follows its UUID to its index now (with a fresh handle; a lost one
-        counts from a new baseline); one not found is lost, at its old index while no
-        other GPU holds that index; a GPU never seen is opened. A GPU whose calls are
-        stuck (unresponsive) stays as it is: hung is not lost."""
-        if self._count is not None and not (self._devices.lost or self._gone):
+    def _recover(self, *, reinit: bool) -> None:
+        """Initialise NVML again (``reinit``) and enumerate the GPUs again: real NVML on a
+        thread of its own (:class:`Looks`; the tick applies the result, never waits on
+        it, and ``status`` says "initialising" meanwhile), the simulator's inline."""
+        if self.opens_in_background:
+            self._looks.start(reinit)
+        else:
+            self._rematch(reinit)
+
+    @property
+    def reopening(self) -> str | None:
+        """While NVML is initialised again in the background: what on, for how long."""
+        return self.opening if self._opened and self._looks.reinitialising else None
+
+    def _look_again(self, reinit: bool) -> Look | None:
+        """The driver calls of a recovery: ``nvmlInit`` again where asked, the GPU count
+        where GPUs were lost, each GPU's handle and UUID and the opening of GPUs never
+        seen (each GPU on its own worker). None: NVML could not be initialised or counted."""
+        try:
+            return self._look_calls(reinit)
+        finally:
+            if reinit:
+                self._phase = None
+
+    def _look_calls(self, reinit: bool) -> Look | None:
+        if reinit:
+            self._at("nvmlInit (again)")
+            try:
+                self._call("node", "nvmlInit")
+            except ProbeError as e:
+                log.error("NVML could not be initialised again: %s", e)
+                return None
+            log.warning("NVML was shut down under greend; initialised it again")
+            self._at("nvmlDeviceGetCount (again)")
+        if not reinit and self._count is not None and not (self._devices.lost or self._gone):
             count = self._count  # only GPUs that did not open to try again: no node-wide call
         else:
             try:
                 count = int(self._call("node", "nvmlDeviceGetCount"))
             except ProbeError as e:
                 log.debug("enumerating the GPUs again failed: %s", e)
-                return
-            self._count = count
+                return None
+        if reinit:
+            self._at(f"looking for {count} GPU(s) again, each on its own")
+        looked = self._devices.each(
+            {f"gpu{i}": ("nvmlDeviceGetHandleByIndex", partial(self._identify, i)) for i in range(count)}
+        )
+        known = {g.uuid for g in self._gpus} | set(self._gone)
+        new = [i for i in range(count) if looked[f"gpu{i}"].error is None and looked[f"gpu{i}"].value[1] not in known]
+        opened = self._devices.each({f"gpu{i}": ("open", partial(self._open_gpu, i)) for i in new})
+        return Look(count, looked, {i: opened[f"gpu{i}"] for i in new})
+
+    def _rematch(self, reinit: bool = False) -> None:
+        """:meth:`_look_again` and :meth:`_apply_look`, inline."""
+        look = self._look_again(reinit)
+        if look is not None:
+            self._apply_look(look)
+
+    def _apply_look(self, look: Look) -> None:
+        """Match every GPU the look found by its UUID, never by its index: after a
+        driver reload NVML may number them differently. A GPU found again keeps its
+        energy and follows its UUID to its index now (with a fresh handle; a lost one
+        counts from a new baseline); one not found is lost, at its old index while no
+        other GPU holds that index; a GPU never seen is opened. A GPU whose calls are
+        stuck (unresponsive) stays as it is: hung is not lost."""
+        count, looked = look.count, look.looked
+        self._count = count
         found: dict[str, tuple[int, Any]] = {}
         failed: dict[int, str] = {}
         lost_at: dict[int, str] = {}  # indices that answer GPU_IS_LOST
         hung: set[int] = set()
-        looked = self._devices.each(
-            {f"gpu{i}": ("nvmlDeviceGetHandleByIndex", partial(self._identify, i)) for i in range(count)}
-        )
         for i in range(count):
             try:
                 h, uuid = looked[f"gpu{i}"].get()
@@ -401,15 +426,15 @@ class NvmlProbe:
                 continue
             found[uuid] = (i, h)
         known = {g.uuid: g for g in self._gpus} | self._gone
-        gpus: list[_Gpu] = []
+        gpus: list[TrackedGpu] = []
         for uuid, (i, h) in sorted(found.items(), key=lambda kv: kv[1][0]):
             gpu = known.get(uuid)
             if gpu is None:
-                try:
-                    gpu = self._open_gpu(i)
-                except ProbeError as e:
-                    failed[i] = str(e)
+                opened = look.fresh.get(i)
+                if opened is None or opened.error is not None:
+                    failed[i] = str(opened.error if opened is not None else f"gpu{i} was not opened")
                     continue
+                gpu = opened.value
                 log.warning("gpu%d (%s) appeared: measured from now", i, uuid)
             else:
                 if self._devices.is_lost(gpu.index) or uuid in self._gone:
@@ -455,7 +480,7 @@ class NvmlProbe:
         h = self._call(f"gpu{i}", "nvmlDeviceGetHandleByIndex", i)
         return h, _text(self._call(f"gpu{i}", "nvmlDeviceGetUUID", h))
 
-    def _sample_gpu(self, gpu: _Gpu, now_s: float) -> GpuReading:
+    def _sample_gpu(self, gpu: TrackedGpu, now_s: float) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
         # Energy is read every tick (it prices the steps); the rest once a second:
         # one NVML call per GPU per tick instead of eight, which is most of the
@@ -507,7 +532,7 @@ class NvmlProbe:
             compute_capability=gpu.compute_capability,
         )
 
-    def _account_energy(self, gpu: _Gpu, what: str, power_w: float | None, now_s: float) -> None:
+    def _account_energy(self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float) -> None:
         if gpu.energy_method == "counter":
             try:
                 raw = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
@@ -561,10 +586,13 @@ class NvmlProbe:
         ``detail`` (why, where not ok)."""
         hung = self._devices.unresponsive
         lost = self._devices.lost
+        reopening = self.reopening
         rows: dict[int, dict[str, Any]] = {}
         for g in self._gpus:
             why = lost.get(g.index) or hung.get(f"gpu{g.index}")
             state = "lost" if g.index in lost else "unresponsive" if why else "ok"
+            if state == "ok" and reopening:
+                state, why = "initialising", f"NVML is initialised again: waiting on {reopening}"
             rows[g.index] = {"index": g.index, "uuid": g.uuid, "state": state, "detail": why}
         for i, why in self._open_errors.items():
             state = "unresponsive" if i in self._unanswered else "not_opened"
@@ -610,6 +638,8 @@ class NvmlProbe:
             parts = [f"{live} GPU(s) via NVML"]
         if self._driver_version and self.source != "sim":
             parts.append(f"driver {self._driver_version}")
+        if self.reopening:
+            parts.append(f"initialising NVML again (waiting on {self.reopening})")
         if lost or self._gone:
             parts.append(f"lost: {', '.join([f'gpu{i}' for i in sorted(lost)] + sorted(self._gone))}")
         hung_gpus = sorted({w.split()[0] for w in hung if w != "node"} | {f"gpu{i}" for i in self._unanswered})
@@ -657,11 +687,6 @@ class NvmlProbe:
         if self._simulated is None:
             return None
         return self._simulated.sim_gpu(index)
-
-
-def _text(value: Any) -> str:
-    """Old pynvml versions return bytes for names and UUIDs."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 @register(

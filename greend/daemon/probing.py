@@ -292,14 +292,18 @@ class ProbeScheduler:
             return None
         st = self.stats[p.name]
         opening = getattr(p, "opening", None)
-        if st.state == "initialising":
+        reopening = getattr(p, "reopening", None) if st.open else None
+        state = st.state
+        if state == "initialising":
             detail = f"opening NVML: waiting on {opening}" if opening else "opening NVML"
+        elif reopening:  # UNINITIALIZED mid-run: initialised again in the background
+            state, detail = "initialising", f"initialising NVML again: waiting on {reopening}"
         else:
             detail = st.info.detail if st.info is not None else (st.last_error or "")
         states = getattr(p, "gpu_states", None)
         return {
             "probe": p.name,
-            "state": st.state,
+            "state": state,
             "detail": detail,
             "gpus": states() if st.open and states is not None else [],
         }

@@ -114,9 +114,9 @@ def test_socket_and_status_answer_at_once_while_every_nvml_call_hangs(
     assert "found no GPUs" not in str(st)
     ticks = st["ticks"]
     time.sleep(3.0)
-    # 10 Hz: ~30 ticks; the GPUs that do not answer are looked for again every 5 s, which
-    # may hold one tick for a call deadline (1 s here), never longer
-    assert status_now(d)["ticks"] >= ticks + 10
+    # 10 Hz: ~30 ticks; the GPUs that do not answer are looked for again every 5 s on a
+    # thread of their own: no tick waits for those looks (a call deadline is 1 s here)
+    assert status_now(d)["ticks"] >= ticks + 20
     t1 = time.monotonic()
     assert d.stop(timeout=40) == 0
     assert time.monotonic() - t1 < 30

@@ -40,14 +40,16 @@ print(json.dumps(out, default=str))
 """
 
 
-def run_py(code: str, timeout: float = 60.0, **faults: object) -> dict[str, Any]:
+def run_py(
+    code: str, timeout: float = 60.0, env_extra: dict[str, str] | None = None, **faults: object
+) -> dict[str, Any]:
     r = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
-        env=stub_env(**faults),
+        env={**stub_env(**faults), **(env_extra or {})},
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -135,7 +137,15 @@ for k in range(60):
     else:
         seen.append(sorted(g.index for g in r.gpus))
     time.sleep(0.002)
-last = {g.index: g.energy_j for g in p.sample(31.0).gpus}
+end = time.monotonic() + 20  # the last look may still run in the background
+while True:
+    try:
+        last = {g.index: g.energy_j for g in p.sample(31.0).gpus}
+    except Exception:
+        last = {}
+    if len(last) == 8 or time.monotonic() > end:
+        break
+    time.sleep(0.05)
 print(json.dumps({"seen": seen, "last": sorted(last), "lost": sorted(p.lost_gpus)}))
 """
 
@@ -150,6 +160,50 @@ def test_a_reset_gpu_comes_back_without_a_restart() -> None:
     out = run_py(RECOVERY_SCRIPT, reset="2:150:2")
     assert any(2 not in s for s in out["seen"])  # lost for a while
     assert out["last"] == list(range(8)) and out["lost"] == []
+
+
+OFF_THE_TICK_SCRIPT = """
+import json, time
+from greend.probes.nvml import NvmlProbe
+import greend.probes.nvml as m
+m.RECOVER_EVERY_S = 0.0
+p = NvmlProbe(open_wait_s=30)
+p.open()
+longest, states, details, n = 0.0, set(), set(), 0
+end = time.monotonic() + SECONDS
+while time.monotonic() < end:
+    t = time.monotonic()
+    try:
+        n = len(p.sample(t).gpus)
+    except Exception:  # every GPU failed this tick (UNINITIALIZED): the scheduler counts it
+        n = 0
+    longest = max(longest, time.monotonic() - t)
+    states |= {g["state"] for g in p.gpu_states()}
+    if p.reopening:
+        details.add(p.info().detail)
+    time.sleep(0.02)
+print(json.dumps({"longest_s": longest, "states": sorted(states), "details": sorted(details), "last": n}))
+"""
+
+
+def test_nvml_initialised_again_off_the_tick() -> None:
+    """NVML is shut down under greend mid-run and nvmlInit takes 3 s (a driver load):
+    no sample waits for it (the re-init and the new enumeration run in the background),
+    the GPUs read "initialising" meanwhile, and all eight are read again after it."""
+    out = run_py(OFF_THE_TICK_SCRIPT.replace("SECONDS", "7"), uninit_after=400, init_s=3)
+    assert out["longest_s"] < 1.0, out
+    assert "initialising" in out["states"], out
+    assert any("initialising NVML again (waiting on nvmlInit" in d for d in out["details"]), out
+    assert out["last"] == 8, out
+
+
+def test_gpus_that_do_not_answer_are_looked_for_off_the_tick() -> None:
+    """gpu3 never answers in time (every call 2 s, deadline 0.5 s): the looks for it run
+    in the background, so no sample waits on them; the seven others are read throughout."""
+    env = {"GREEND_NVML_DEADLINE_S": "0.5"}
+    out = run_py(OFF_THE_TICK_SCRIPT.replace("SECONDS", "5"), hang_gpus="3", hang_s=2, env_extra=env)
+    assert out["longest_s"] < 0.4, out
+    assert out["states"] == ["ok", "unresponsive"] and out["last"] == 7, out
 
 
 OLDEST_NVML_PY = "12.535.77"  # pyproject's lower bound for nvidia-ml-py

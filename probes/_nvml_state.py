@@ -1,0 +1,121 @@
+"""What the NVML probe (:mod:`greend.probes.nvml`) keeps of each GPU, and its recoveries
+in the background.
+
+:class:`TrackedGpu` is one device as the probe tracks it. :class:`Looks` runs a recovery
+(NVML initialised again after ``UNINITIALIZED``, the GPUs enumerated again after one was
+lost or did not answer) on a thread of its own, one at a time, and hands its result,
+a :class:`Look`, to the tick that asks for it: the tick never waits on a driver that
+may hang, it applies the last look when there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .nvml_device import Outcome
+
+__all__ = ["Look", "Looks", "TrackedGpu", "as_text"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrackedGpu:
+    """One device as the probe tracks it: static facts read once, plus counters."""
+
+    index: int
+    handle: Any
+    name: str
+    uuid: str
+    energy_method: str  # "counter" or "power_integration"
+    supported_sm_clocks_mhz: tuple[int, ...] = ()
+    sm_clock_max_mhz: float | None = None
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+    compute_capability: tuple[int, int] | None = None
+    mig: bool = False  # MIG mode on: the readings are the whole GPU's, shared by its instances
+    energy_j: float = 0.0  # cumulative since open
+    last_counter_mj: int | None = None
+    last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
+    errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
+    slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
+    slow_at_s: float = float("-inf")
+    slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
+    power_w: float | None = None  # the last power read (with the slow fields, or every tick)
+
+
+@dataclass
+class Look:
+    """What a recovery's driver calls found: the GPU count, each ``"gpuI"``'s
+    (handle, UUID) or error, and the GPUs never seen before, opened (or the error)."""
+
+    count: int
+    looked: dict[str, Outcome]
+    fresh: dict[int, Outcome]
+
+
+class Looks:
+    """Recoveries on a thread of their own, one at a time.
+
+    ``look(reinit)`` makes the driver calls and returns a :class:`Look` (None: nothing
+    to apply, NVML could not be initialised or counted). :meth:`start` starts one unless
+    one runs (a re-initialisation asked meanwhile is remembered for the next);
+    :meth:`take` hands over a finished look once."""
+
+    def __init__(self, look: Callable[[bool], Look | None]) -> None:
+        self._look = look
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._reinit = False  # the running look initialises NVML again
+        self._reinit_next = False  # asked while a look ran
+        self._done: Look | None = None
+
+    def start(self, reinit: bool) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._reinit_next |= reinit
+                return
+            self._reinit = reinit or self._reinit_next
+            self._reinit_next = False
+            self._thread = threading.Thread(target=self._run, args=(self._reinit,), name="nvml-look", daemon=True)
+            self._thread.start()
+
+    def _run(self, reinit: bool) -> None:
+        look: Look | None = None
+        try:
+            look = self._look(reinit)
+        except Exception:  # a bug here must not stop the next look
+            log.exception("looking for the GPUs again failed")
+        with self._lock:
+            self._done, self._thread, self._reinit = look, None, False
+
+    def take(self) -> Look | None:
+        """The look that finished since the last call, once (None: none)."""
+        with self._lock:
+            done, self._done = self._done, None
+        return done
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def reinitialising(self) -> bool:
+        """A look that initialises NVML again is running."""
+        return self._thread is not None and self._reinit
+
+    def join(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` for a running look (tests, and close)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+
+
+def as_text(value: Any) -> str:
+    """Old pynvml versions return bytes for names and UUIDs."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
