@@ -12,10 +12,14 @@ NVML call deadline ``--deadline`` (``GREEND_NVML_DEADLINE_S``):
 - ``nvmlInit`` takes 4 s (as after a driver load): the same;
 - gpu3 of 8 starts hanging (60 s a call) after caps were set on gpu0 and gpu3: how
   long until status shows gpu3 unresponsive, how long SIGTERM takes, and whether gpu0
-  was unlocked (and gpu3 left, named, for ``greend restore``).
+  was unlocked (and gpu3 left, named, for ``greend restore``);
+- ``greend restore`` (the unit's ExecStopPost) after a SIGKILL left caps on gpu0 and
+  gpu3, while gpu3 hangs, while every call but nvmlInit hangs, and while nvmlInit
+  hangs: how long it takes, its exit status, what it restored and whom it named.
 
 Targets: status answers within 2 s of the daemon's start whatever NVML does; the
-stop within the unit's TimeoutStopSec (30 s); gpu0 restored while gpu3 hangs.
+stop and ``greend restore`` within the unit's TimeoutStopSec (30 s); gpu0 restored
+while gpu3 hangs.
 """
 
 from __future__ import annotations
@@ -135,6 +139,32 @@ def main() -> None:
             f"(rc {rc}; target < 30 s); gpu0 lock after stop {locked(gpu_file, 0)} (target (0, 0)), "
             f"gpu3 {locked(gpu_file, 3)}, named as not restored: {'FAILED gpu3' in log}"
         )
+
+    for name, faults in (
+        ("gpu3 hangs", {"hang_gpus": "3", "hang_s": 60}),
+        ("every call but nvmlInit hangs", {"hang_gpus": "all", "hang_node": 1, "hang_s": 60}),
+        ("nvmlInit hangs", {"init_s": 60}),
+    ):
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            gpu_file = tmp / "gpus.txt"
+            proc, sock, _ = spawn(tmp, a.deadline, state=gpu_file)
+            until(lambda s=sock: len(states(status(s))) == 8, 60)
+            ctl(sock, "cap", "set", "--gpu", "0", "--max-clock", "1200")
+            ctl(sock, "cap", "set", "--gpu", "3", "--max-clock", "1200")
+            proc.kill()
+            proc.wait(10)
+            env = {**stub_env(state=gpu_file, **faults), "GREEND_NVML_DEADLINE_S": a.deadline}
+            args = [sys.executable, "-P", "-m", "greend.daemon_main", "restore", "--state-dir", str(tmp / "state")]
+            t = time.monotonic()
+            r = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+            took_s = time.monotonic() - t
+            last = (r.stdout + r.stderr).strip().splitlines()[-1]
+            named = last.split(": ", 1)[1].split(";")[0] if last.startswith("not restored") else "none"
+            print(
+                f"greend restore after SIGKILL, {name}: {took_s:.2f} s (target < 30 s), exit {r.returncode}; "
+                f"gpu0 lock {locked(gpu_file, 0)}, gpu3 lock {locked(gpu_file, 3)}; named as not restored: {named}"
+            )
 
 
 if __name__ == "__main__":

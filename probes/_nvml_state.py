@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from greend.units import mj_to_j
+
 from .nvml_device import Outcome
 
 __all__ = ["Look", "Looks", "TrackedGpu", "as_text"]
@@ -47,6 +49,30 @@ class TrackedGpu:
     slow_at_s: float = float("-inf")
     slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
     power_w: float | None = None  # the last power read (with the slow fields, or every tick)
+
+    def book_counter(self, raw_mj: int, what: str) -> None:
+        """A read of the energy counter (mJ since the driver loaded)."""
+        last = self.last_counter_mj
+        if last is None:
+            pass  # first good read: the baseline
+        elif raw_mj >= last:
+            self.energy_j += mj_to_j(raw_mj - last)
+        else:  # the counter restarted (driver reload): it counts from 0 again
+            log.warning("%s: energy counter went back (%d -> %d mJ)", what, last, raw_mj)
+            self.energy_j += mj_to_j(raw_mj)
+        self.last_counter_mj = raw_mj
+
+    def integrate_power(self, power_w: float | None, now_s: float) -> None:
+        """Trapezoid rule over the tick times; a tick without power leaves a gap that the
+        next two known points bridge."""
+        if power_w is None:
+            return
+        if self.last_power is not None:
+            t0, p0 = self.last_power
+            if now_s <= t0:
+                return  # same or earlier tick time: nothing to integrate
+            self.energy_j += 0.5 * (p0 + power_w) * (now_s - t0)
+        self.last_power = (now_s, power_w)
 
 
 @dataclass

@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
 from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
-from greend.units import mj_to_j, mw_to_w
+from greend.units import mw_to_w
 
 from . import ProbeContext, register
 from ._nvml_state import Look, Looks, TrackedGpu
@@ -129,6 +129,7 @@ class NvmlProbe:
         self._phase: tuple[str, float] | None = None  # (what open() waits on, since monotonic)
         self._count: int | None = None  # GPUs NVML listed when it was last enumerated
         self._unanswered: set[int] = set()  # indices whose calls did not return at open
+        self._only: tuple[list[int], float] | None = None  # open_only(): the GPUs, nvmlInit's wait
         # Recoveries (NVML initialised again, the GPUs looked for again) in the background
         self._looks = Looks(self._look_again)
 
@@ -190,7 +191,10 @@ class NvmlProbe:
             raise NoData(f"no NVML on this node: {e} (fix: pip install nvidia-ml-py)") from e
         self._at("nvmlInit")
         try:
-            nvml.nvmlInit()
+            if self._only is None:
+                nvml.nvmlInit()
+            else:  # greend restore: bounded, a hung driver may hang nvmlInit too
+                self._devices.call("node", "nvmlInit", wait_s=self._only[1])
         except nvml.NVMLError as e:
             err = translate_nvml_error(e, "nvmlInit")
             if isinstance(err, NoData):
@@ -214,16 +218,26 @@ class NvmlProbe:
             log.debug("no NVML on this node: %s", reason)
         self._unavailable = (f"no NVML on this node: {reason}", NO_NVML_FIX)
 
+    def open_only(self, indices: Iterable[int], init_wait_s: float | None = None) -> None:
+        """Open only the GPUs at ``indices``, each on its own, with no node-wide call but
+        ``nvmlInit`` (waited for at most ``init_wait_s``, default two call deadlines):
+        ``greend restore`` reaches the GPUs it saved while others, or the node, hang."""
+        wait_s = 2 * self._devices.deadline_s if init_wait_s is None else float(init_wait_s)
+        self._only = (sorted(set(indices)), wait_s)
+        self.open()
+
     def _enumerate(self) -> None:
         wait_s = self.open_wait_s
-        self._at("nvmlSystemGetDriverVersion")
-        try:
-            self._driver_version = _text(self._devices.call("node", "nvmlSystemGetDriverVersion", wait_s=wait_s))
-        except ProbeError:
-            self._driver_version = None
-        self._at("nvmlDeviceGetCount")
-        count = int(self._devices.call("node", "nvmlDeviceGetCount", wait_s=wait_s))
-        self._count = count
+        if self._only is None:
+            self._at("nvmlSystemGetDriverVersion")
+            try:
+                self._driver_version = _text(self._devices.call("node", "nvmlSystemGetDriverVersion", wait_s=wait_s))
+            except ProbeError:
+                self._driver_version = None
+            self._at("nvmlDeviceGetCount")
+            count = int(self._devices.call("node", "nvmlDeviceGetCount", wait_s=wait_s))
+        indices = range(count) if self._only is None else self._only[0]
+        self._count = count = len(indices)
         self._at(f"opening {count} GPU(s), each on its own")
         self._gpus, self._open_errors, self._unanswered = [], {}, set()
         self._devices.forget_all()
@@ -231,10 +245,10 @@ class NvmlProbe:
         # Each GPU is opened on its own worker, all at once: one that hangs costs the
         # others nothing, and the open as a whole at most two call deadlines.
         opened = self._devices.each(
-            {f"gpu{i}": ("open", partial(self._open_gpu, i)) for i in range(count)},
+            {f"gpu{i}": ("open", partial(self._open_gpu, i)) for i in indices},
             wait_s=2 * self._devices.deadline_s,
         )
-        for i in range(count):
+        for i in indices:
             self._opened_one(i, opened[f"gpu{i}"].error, opened[f"gpu{i}"].value)
 
     def _opened_one(self, i: int, err: BaseException | None, gpu: TrackedGpu | None) -> bool:
@@ -250,7 +264,8 @@ class NvmlProbe:
             self._devices.mark_lost(i, str(err))
         elif isinstance(err, Unresponsive):
             if i not in self._unanswered:
-                log.error("gpu%d does not answer: %s; tried again every %g s", i, err, RECOVER_EVERY_S)
+                again = f"; tried again every {RECOVER_EVERY_S:g} s" if self._only is None else ""
+                log.error("gpu%d does not answer: %s%s", i, err, again)
             self._unanswered.add(i)
             self._open_errors[i] = str(err)
         else:
@@ -540,27 +555,9 @@ class NvmlProbe:
                 log.warning("%s: energy counter stopped working; integrating power instead", what)
                 gpu.energy_method = "power_integration"
             else:
-                last = gpu.last_counter_mj
-                if last is None:
-                    pass  # first good read: the baseline
-                elif raw >= last:
-                    gpu.energy_j += mj_to_j(raw - last)
-                else:  # the counter restarted (driver reload): it counts from 0 again
-                    log.warning("%s: energy counter went back (%d -> %d mJ)", what, last, raw)
-                    gpu.energy_j += mj_to_j(raw)
-                gpu.last_counter_mj = raw
+                gpu.book_counter(raw, what)
                 return
-        # Trapezoid rule over the tick times; a tick without power leaves a gap
-        # that the next two known points bridge.
-        if power_w is None:
-            return
-        if gpu.last_power is not None:
-            t0, p0 = gpu.last_power
-            if now_s > t0:
-                gpu.energy_j += 0.5 * (p0 + power_w) * (now_s - t0)
-            else:
-                return  # same or earlier tick time: nothing to integrate
-        gpu.last_power = (now_s, power_w)
+        gpu.integrate_power(power_w, now_s)
 
     def _clock_cap(self, index: int) -> float | None:
         if self._cap_lookup is None:

@@ -65,11 +65,14 @@ class GpuKnobs:
         self.book = book
         self.primary = primary
         self.backends: dict[str, GpuBackend] = {}
-        self.unavailable: dict[str, str] = {}
+        self.unavailable: dict[str, tuple[str, str]] = {}  # backend key -> (why, reason)
         self._locks: dict[tuple[str, int], threading.RLock] = {}  # (backend key, index)
         # (index, knob) -> (asked, held) of the primary's GPUs that hold another value
         # than greend asked for, as read back after the write
         self._held: dict[tuple[int, str], tuple[float, float]] = {}
+        # (index, knob) -> asked, for writes whose value the GPU could not show yet (an
+        # idle GPU, or one that power or heat hold below the lock): read back later
+        self._unverified: dict[tuple[int, str], float] = {}
         if primary is not None:
             self.add_backend(primary)
 
@@ -80,9 +83,10 @@ class GpuKnobs:
     def add_backend(self, backend: GpuBackend) -> None:
         self.backends[backend_key(backend.kind, backend.sim_dir)] = backend
 
-    def backend_unavailable(self, key: str, why: str) -> None:
-        """Record why the backend for ``key`` could not be opened (restore reports it)."""
-        self.unavailable[key] = why
+    def backend_unavailable(self, key: str, why: str, reason: str = "failed") -> None:
+        """Record why the backend for ``key`` could not be opened (restore reports it);
+        ``reason``: "unresponsive" where NVML did not answer in time."""
+        self.unavailable[key] = (why, reason)
 
     def _backend(self) -> GpuBackend:
         if self.primary is None:
@@ -243,6 +247,7 @@ class GpuKnobs:
                 return  # greend never set it: nothing to restore
             self._restore_knob(backend, index, entry, knob, ks)
             self._held.pop((index, knob), None)
+            self._unverified.pop((index, knob), None)
             with self.book.lock:
                 entry.knobs.pop(knob, None)
                 self.book.drop_empty()
@@ -289,6 +294,7 @@ class GpuKnobs:
                     self.book.save()
             return
         self._held.pop((index, knob), None)
+        self._unverified.pop((index, knob), None)
         if knob == CLOCK_KNOB:
             lo = lowest if lowest is not None else int(value)
             guarded(
@@ -312,7 +318,9 @@ class GpuKnobs:
         """After a write: what the GPU holds. A GPU that holds another value than asked
         (a driver that clamps a lock, a limit rounded) is reported with what it holds,
         flagged, logged once per value, and the policies measure against what it holds.
-        Called with the GPU's own lock held; a read that fails leaves the request as it is."""
+        A GPU that cannot show it now (idle, or held below the lock by power or heat; a
+        read that fails) leaves the request in force, unverified: :meth:`verify` reads
+        it back again. Called with the GPU's own lock held."""
         held: float | None
         try:
             if knob == CLOCK_KNOB:
@@ -322,8 +330,12 @@ class GpuKnobs:
                 held = backend.power_limit_w(index)
         except (ProbeError, ActuatorError) as e:
             log.debug("%s %s: cannot read back what the GPU holds: %s", dev, knob, e)
+            held = None
+        if held is None:
+            self._unverified[(index, knob)] = asked
             return
-        if held is None or (round(held * 1000) == round(asked * 1000)):
+        self._unverified.pop((index, knob), None)
+        if round(held * 1000) == round(asked * 1000):
             self._held.pop((index, knob), None)
             return
         unit = "MHz" if knob == CLOCK_KNOB else "W"
@@ -341,6 +353,32 @@ class GpuKnobs:
                 unit,
             )
         self._held[(index, knob)] = (asked, held)
+
+    def verify(self, index: int) -> bool:
+        """Read back a setting of GPU ``index`` that the GPU could not show at its write
+        (the control loop asks before a policy books a measurement of a job on it, when
+        the GPU is busy). True when what greend reports as in force changed. Never waits
+        for a GPU another operation holds."""
+        pending = {k: a for (i, k), a in list(self._unverified.items()) if i == index}
+        if not pending or self.primary is None or self.book.dry_run:
+            return False
+        backend = self.primary
+        try:
+            lock = self._acquire(backend, index, 0.0)
+        except KnobError:
+            return False  # a write runs on it now: it reads back itself
+        try:
+            before = self.current(index)
+            for knob, asked in pending.items():
+                if self._unverified.get((index, knob)) == asked:
+                    self._read_back(backend, index, f"gpu{index}", knob, asked)
+            return self.current(index) != before
+        finally:
+            lock.release()
+
+    def unverified(self, index: int) -> list[str]:
+        """The knobs of GPU ``index`` whose value the GPU has not shown since greend wrote it."""
+        return sorted(k for (i, k) in list(self._unverified) if i == index)
 
     def mismatches(self, index: int) -> dict[str, dict[str, float]]:
         """Knob -> {"asked", "held"} where GPU ``index`` holds another value than greend
@@ -380,21 +418,22 @@ class GpuKnobs:
             return
         backend = self.backends.get(entry.backend_key)
         if backend is None:
-            why = self.unavailable.get(entry.backend_key) or (
+            why, reason = self.unavailable.get(entry.backend_key) or (
                 f"it was set through the {entry.backend} backend"
                 + (f" (sim dir {entry.sim_dir})" if entry.sim_dir else "")
                 + ", which this greend does not drive; run "
-                f"`greend restore --state-dir {self.book.state_file.state_dir}`"
+                f"`greend restore --state-dir {self.book.state_file.state_dir}`",
+                "failed",
             )
             for k in knobs:
-                report.failed.append(RestoreFailure(entry.device, k, f"cannot restore: {why}"))
+                report.failed.append(RestoreFailure(entry.device, k, f"cannot restore: {why}", reason))
             return
         try:
             index = backend.index_of_uuid(entry.uuid)
         except (ProbeError, ActuatorError) as e:
             err = knob_error(entry.device, "/".join(knobs), "find the GPU by UUID", e)
             for k in knobs:
-                report.failed.append(RestoreFailure(entry.device, k, str(err)))
+                report.failed.append(RestoreFailure(entry.device, k, str(err), err.reason))
             return
         if index is None:
             for k in knobs:
@@ -424,12 +463,13 @@ class GpuKnobs:
                     line = self._restore_knob(backend, index, entry, k, ks)
                 except GreendError as e:
                     log.error("restore: %s", e)
-                    report.failed.append(RestoreFailure(entry.device, k, str(e)))
+                    report.failed.append(RestoreFailure(entry.device, k, str(e), getattr(e, "reason", "failed")))
                 else:
                     with self.book.lock:
                         if entry.knobs.get(k) is ks:
                             del entry.knobs[k]
                     self._held.pop((index, k), None)
+                    self._unverified.pop((index, k), None)
                     report.restored.append(line)
         finally:
             lock.release()

@@ -159,9 +159,10 @@ class Controller:
             book.finish(report)
         return report
 
-    def gpu_backend_unavailable(self, key: str, why: str) -> None:
-        """Record why the backend for ``key`` could not be opened (restore reports it)."""
-        self._gpus.backend_unavailable(key, why)
+    def gpu_backend_unavailable(self, key: str, why: str, reason: str = "failed") -> None:
+        """Record why the backend for ``key`` could not be opened (restore reports it);
+        ``reason``: "unresponsive" where NVML did not answer in time."""
+        self._gpus.backend_unavailable(key, why, reason)
 
     def add_rapl_backend(self, backend: RaplBackend) -> None:
         self._rapl.add_backend(backend)
@@ -263,7 +264,9 @@ class Controller:
             t.join(max(0.0, end - time.monotonic()))
             if t.is_alive():
                 report.failed += [
-                    RestoreFailure(entry.device, k, "not restored: the GPU did not answer in time; it stays saved")
+                    RestoreFailure(
+                        entry.device, k, "not restored: the GPU did not answer in time; it stays saved", "unresponsive"
+                    )
                     for k in knobs
                 ]
             else:
@@ -316,6 +319,15 @@ class Controller:
     def mismatches(self, index: int) -> dict[str, dict[str, float]]:
         """Knob -> {"asked", "held"} where GPU ``index`` holds another value than asked."""
         return self._gpus.mismatches(index)
+
+    def verify(self, index: int) -> bool:
+        """Read back a setting GPU ``index`` could not show when it was written (idle,
+        or held below it by power or heat); True when what is in force changed."""
+        return self._gpus.verify(index)
+
+    def unverified(self, index: int) -> list[str]:
+        """Knobs of GPU ``index`` greend wrote whose value the GPU has not shown yet."""
+        return self._gpus.unverified(index)
 
     def refused_knobs(self, index: int) -> dict[str, dict[str, str]]:
         """Knob -> {"reason", "message"} for the knobs GPU ``index`` refused (NOT_SUPPORTED,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -123,11 +124,19 @@ class NvmlGpuBackend:
         return f"NvmlGpuBackend(kind={self.kind!r}, sim_dir={self.sim_dir!r})"
 
     @classmethod
-    def open_nvml(cls, nvml_module: Any | None = None) -> NvmlGpuBackend:
+    def open_nvml(
+        cls, nvml_module: Any | None = None, *, only: Iterable[int] | None = None, init_wait_s: float | None = None
+    ) -> NvmlGpuBackend:
         """Open NVML (``import pynvml`` unless a module is given). Raises ``NoData``
-        when there is no driver, and other probe errors as the probe does."""
+        when there is no driver, and other probe errors as the probe does. ``only``:
+        open just these GPUs, each on its own, with no node-wide call but ``nvmlInit``
+        (waited for at most ``init_wait_s``, default twice the call deadline; ``Unresponsive``
+        past it)."""
         probe = NvmlProbe(nvml=nvml_module, source="nvml")
-        probe.open()
+        if only is None:
+            probe.open()
+        else:
+            probe.open_only(only, init_wait_s)
         return cls(probe, owns_probe=True)
 
     @classmethod

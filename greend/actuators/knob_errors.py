@@ -19,8 +19,9 @@ from greend.errors import (
     NotSupported,
     ProbeError,
 )
+from greend.probes.nvml_device import Unresponsive
 
-__all__ = ["LOST_FIX", "NOT_SUPPORTED_FIX", "NO_PERMISSION_FIX", "guarded", "knob_error"]
+__all__ = ["LOST_FIX", "NOT_SUPPORTED_FIX", "NO_PERMISSION_FIX", "UNRESPONSIVE_FIX", "guarded", "knob_error"]
 
 T = TypeVar("T")
 
@@ -29,6 +30,11 @@ LOST_FIX = (
     "the GPU fell off the bus or the driver reset: check `nvidia-smi` and `dmesg` for Xid "
     "errors; its original setting stays in the saved-settings file and "
     "`greend restore --state-dir DIR` retries"
+)
+UNRESPONSIVE_FIX = (
+    "the GPU's driver calls hang: check `nvidia-smi` and `dmesg` for Xid errors, reset the GPU "
+    "(`nvidia-smi -r -i <index>`, no processes on it) or reboot; its original setting stays in the "
+    "saved-settings file and `greend restore --state-dir DIR` retries"
 )
 NOT_SUPPORTED_FIX = "this GPU or driver does not support the knob; leave it to the other knobs"
 INVALID_FIX = "the value is outside what this GPU accepts"
@@ -44,6 +50,8 @@ def knob_error(device: str, knob: str, action: str, exc: BaseException) -> KnobE
         reason, fix = "no_permission", NO_PERMISSION_FIX
     elif isinstance(exc, DeviceLost):
         reason, fix = "lost", LOST_FIX
+    elif isinstance(exc, Unresponsive):
+        reason, fix = "unresponsive", UNRESPONSIVE_FIX
     elif isinstance(exc, NotSupported):
         reason, fix = "not_supported", NOT_SUPPORTED_FIX
     elif isinstance(exc, ActuatorError):

@@ -16,15 +16,18 @@ class RestoreFailure:
     device: str
     knob: str
     message: str
+    reason: str = "failed"  # "unresponsive": the GPU (or NVML) did not answer in time
 
     def to_json(self) -> dict[str, str]:
-        return {"device": self.device, "knob": self.knob, "message": self.message}
+        return {"device": self.device, "knob": self.knob, "message": self.message, "reason": self.reason}
 
 
 @dataclass
 class RestoreReport:
     """What a restore did. ``exit_code``: 0 nothing to do or all restored, 1 some
-    device failed (listed in ``failed``), 2 the state file is corrupt (``state_error``)."""
+    device failed (listed in ``failed``), 2 the state file is corrupt (``state_error``),
+    3 some GPU (or NVML itself) did not answer within its deadline (a hung driver: the
+    GPUs that answered are restored, the others listed and kept for the next try)."""
 
     restored: list[str] = field(default_factory=list)
     failed: list[RestoreFailure] = field(default_factory=list)
@@ -40,7 +43,14 @@ class RestoreReport:
     def exit_code(self) -> int:
         if self.state_error is not None:
             return 2
+        if any(f.reason == "unresponsive" for f in self.failed):
+            return 3
         return 1 if self.failed else 0
+
+    @property
+    def unanswered(self) -> list[str]:
+        """The devices not restored because they (or NVML) did not answer in time."""
+        return sorted({f.device for f in self.failed if f.reason == "unresponsive"})
 
     def extend(self, other: RestoreReport) -> None:
         self.restored += other.restored

@@ -7,12 +7,21 @@ a SIGKILL). It needs nothing from the daemon process: the saved-settings file
 the simulator and its directory), each GPU's UUID and each RAPL zone's path
 under its sysfs root, and the originals.
 
+Every NVML call may hang on a node whose driver is stuck, and ExecStopPost runs under
+the unit's ``TimeoutStopSec`` (30 s): the restore is bounded. ``nvmlInit`` is waited
+for at most twice the call deadline; only the GPUs the file names are opened, by their
+saved index, each on its own worker with no node-wide call (a GPU found at another index
+is looked up by UUID); each GPU's calls have the call deadline (``GREEND_NVML_DEADLINE_S``,
+5 s) and each GPU is restored on a thread of its own. A GPU that does not answer costs
+the others nothing; it is named, with what to do, and stays in the file.
+
 Exit codes: 0 nothing to restore or everything restored; 1 some device failed
 (each listed; those entries stay in the file for the next try); 2 the state
 file is corrupt or unreadable (the message says what to do; the file is left in
 place unless ``--force-defaults`` is given, which moves it aside as
 ``.corrupt-<timestamp>`` and resets every GPU to its default clocks and power
-limit).
+limit); 3 some GPU, or NVML itself, did not answer in time (a hung driver): the
+others are restored, and the last line names the GPUs left and what to do.
 """
 
 from __future__ import annotations
@@ -36,17 +45,23 @@ from greend.actuators.state import StateFile
 from greend.config import DEFAULT_STATE_DIR
 from greend.errors import GreendError, NoData, StateError
 from greend.fsutil import lock_holder
+from greend.probes.nvml_device import Unresponsive
 
-__all__ = ["add_recorded_backends", "main", "reset_gpus_to_defaults", "restore_from_state_dir"]
+__all__ = [
+    "add_recorded_backends",
+    "main",
+    "reset_gpus_to_defaults",
+    "restore_from_state_dir",
+]
 
 log = logging.getLogger(__name__)
 
 
-def _open_gpu_backend(kind: str, sim_dir: str | None, nvml_module: Any | None) -> NvmlGpuBackend:
+def _open_gpu_backend(kind: str, sim_dir: str | None, nvml_module: Any | None, only: list[int]) -> NvmlGpuBackend:
     if kind == "sim":
         assert sim_dir is not None
         return NvmlGpuBackend.open_sim(sim_dir)
-    return NvmlGpuBackend.open_nvml(nvml_module)
+    return NvmlGpuBackend.open_nvml(nvml_module, only=only)
 
 
 def restore_from_state_dir(
@@ -91,25 +106,35 @@ def restore_from_state_dir(
                 ctrl.add_rapl_backend(RaplBackend(root))
             else:
                 ctrl.rapl_backend_unavailable(root, f"the sysfs root {root} does not exist")
-        return ctrl.restore_all()
+        report = ctrl.restore_all()
     finally:
         ctrl.close()
+    if report.unanswered:
+        report.notes.append(
+            f"not restored, did not answer in time: {', '.join(report.unanswered)}; their originals stay in "
+            f"{sf.path}. Check `nvidia-smi` and `dmesg` for Xid errors, reset those GPUs (`nvidia-smi -r -i "
+            f"<index>`, no processes on them) or reboot, then run `greend restore --state-dir {sf.state_dir}` again"
+        )
+    return report
 
 
 def add_recorded_backends(ctrl: Controller, keys: set[str], nvml_module: Any | None) -> None:
     """Open a GPU backend for each of ``keys`` (``"nvml"``, ``"sim:<dir>"``) that the
     saved-settings file records, and add it to ``ctrl``; one that cannot be opened is
     recorded with why (its entries' restore reports it)."""
-    entries = {g.backend_key: g for g in ctrl.state_file.load().gpus}
+    saved = ctrl.state_file.load().gpus
+    entries = {g.backend_key: g for g in saved}
     for key in sorted(keys):
         g = entries.get(key)
         if g is None:
             continue
+        only = sorted({e.index for e in saved if e.backend_key == key})
         try:
-            ctrl.add_gpu_backend(_open_gpu_backend(g.backend, g.sim_dir, nvml_module))
+            ctrl.add_gpu_backend(_open_gpu_backend(g.backend, g.sim_dir, nvml_module, only))
         except GreendError as e:
             what = "NVML" if g.backend == "nvml" else f"the simulated GPUs in {g.sim_dir}"
-            ctrl.gpu_backend_unavailable(key, f"cannot open {what}: {e}")
+            reason = "unresponsive" if isinstance(e, Unresponsive) else "failed"
+            ctrl.gpu_backend_unavailable(key, f"cannot open {what}: {e}", reason)
 
 
 def reset_gpus_to_defaults(backend: NvmlGpuBackend) -> RestoreReport:

@@ -157,7 +157,9 @@ def daemon_restore(
     """Put back every setting greend changed (systemd runs this as ExecStopPost).
 
     Exit 0: nothing to restore, or all restored; 1: some device failed (kept in the
-    file for the next try); 2: the state file is corrupt (see the message).
+    file for the next try); 2: the state file is corrupt (see the message); 3: some
+    GPU, or NVML, did not answer in time (a hung driver; each GPU has its own deadline,
+    the others are restored, the last line names those left and what to do).
     """
     from greend.actuators.restore import main as restore_main
 

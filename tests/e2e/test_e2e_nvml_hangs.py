@@ -7,6 +7,7 @@ call deadline small (``GREEND_NVML_DEADLINE_S=1``), so the whole file runs in se
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,63 @@ def test_efficient_on_a_card_without_clock_locks_moves_the_power_limit(
     assert len(refused) == 1, refused
     assert "cannot apply" not in log
     assert d.stop() == 0
+
+
+def caps_left_by_a_killed_daemon(tmp: Path, gpu_file: Path) -> Path:
+    """A daemon on the stand-in caps gpu0 and gpu3 and is SIGKILLed: the locks stay on
+    the GPUs and in its saved-settings file. Returns its state dir."""
+    d = start_on_stub(tmp, state=gpu_file, env_extra=FAST)
+    try:
+        d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1200")
+        d.ctl("cap", "set", "--gpu", "3", "--max-clock", "1200")
+    finally:
+        d.proc.kill()
+        d.proc.wait(10)
+    assert locked_clocks(gpu_file, 0)[1] == 1200 and locked_clocks(gpu_file, 3)[1] == 1200
+    return d.state_dir
+
+
+def greend_restore(state_dir: Path, **faults: object) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``greend restore`` on the stand-in with ``faults``; (its result, seconds taken)."""
+    args = [sys.executable, "-P", "-m", "greend.daemon_main", "restore", "--state-dir", str(state_dir)]
+    t0 = time.monotonic()
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=REPO, env={**stub_env(**faults), **FAST})
+    return r, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    ("fault", "faults", "restored"),
+    [
+        ("gpu3 hangs", {"hang_gpus": "3", "hang_s": 30}, [0]),
+        ("every call hangs", {"hang_gpus": "all", "hang_node": 1, "hang_s": 30}, []),
+        ("nvmlInit hangs", {"init_s": 30}, []),
+    ],
+)
+def test_greend_restore_is_bounded_per_gpu_while_nvml_hangs(
+    tmp_path: Path, fault: str, faults: dict[str, object], restored: list[int]
+) -> None:
+    """After a SIGKILL left caps on gpu0 and gpu3, ``greend restore`` (ExecStopPost) runs
+    while NVML hangs (call deadline 1 s here): it returns within a few deadlines, well
+    under the unit's TimeoutStopSec (30 s); every GPU that answers is restored; exit 3
+    and a last line naming each GPU not restored and what to do; those stay saved."""
+    gpu_file = tmp_path / "gpus.txt"
+    state_dir = caps_left_by_a_killed_daemon(tmp_path, gpu_file)
+    r, took_s = greend_restore(state_dir, state=gpu_file, **faults)
+    out = r.stdout + r.stderr
+    assert took_s < 12.0, (fault, took_s, out)
+    assert r.returncode == 3, (fault, out)
+    for i in (0, 3):
+        uuid = f"GPU-5ab1e000-0000-4000-8000-00000000000{i}"
+        if i in restored:
+            assert locked_clocks(gpu_file, i) == (0, 0), out
+            assert f"restored gpu{i} ({uuid}) clock_cap_mhz: unlocked" in out
+        else:
+            assert locked_clocks(gpu_file, i)[1] == 1200, out
+            assert uuid in (state_dir / "saved-settings.json").read_text()
+    last = out.strip().splitlines()[-1]
+    named = [f"gpu{i}" for i in (0, 3) if i not in restored]
+    assert last.startswith("not restored, did not answer in time: "), out
+    assert all(n in last for n in named) and ("gpu0" in last) == (0 not in restored), last
+    assert "nvidia-smi -r -i" in last and f"greend restore --state-dir {state_dir}" in last
+    if fault == "nvmlInit hangs":
+        assert "nvmlInit did not return within 2 s" in out, out
