@@ -46,6 +46,9 @@ class GpuView:
     # Knobs this GPU refused ("clock_cap_mhz", "power_limit_w") -> why ("not_supported",
     # "mig", "no_permission"): greend will not write them; a policy uses the other knob.
     refused_knobs: Mapping[str, str] = field(default_factory=dict)
+    # The clock cap greend asked for where the GPU holds another one (``clock_cap_mhz``,
+    # read back: a driver that clamps a lock); None where it holds what was asked.
+    clock_cap_asked_mhz: float | None = None
 
 
 @dataclass(frozen=True)

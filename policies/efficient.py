@@ -214,7 +214,7 @@ class EfficientPolicy:
                 job.knob = knob
             if knob != self.knob:
                 note = f" ({why})"
-            clamp = self._held_instead(j, job)
+            clamp = self._held_instead(j, job, views)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
             job.asked = None
             if not same_setting(j.setting, job.current):
@@ -259,11 +259,17 @@ class EfficientPolicy:
                 return knob, "; ".join(why) + (f": tuning {name} instead" if why else "")
         return None, "; ".join(why)
 
-    def _held_instead(self, j: JobView, job: _Job) -> str:
+    def _held_instead(self, j: JobView, job: _Job, views: list[GpuView]) -> str:
         """After a setting was asked for: a GPU that holds another one (a driver that
         clamps a clock lock) is measured at what it holds; the settings it cannot reach
-        leave the grid. Returns a note for the reason ("" when nothing happened)."""
+        leave the grid. Returns a note for the reason ("" when nothing happened).
+        A lock read back late (the GPU was idle at the write) shows as the GPU asked
+        ``job.current`` holding another cap: what was booked meanwhile ran at what it
+        holds, and is booked there again from the daemon's measure."""
         asked = job.asked
+        cap = job.current.clock_cap_mhz
+        if asked is None and cap is not None and any(v.clock_cap_asked_mhz == cap for v in views):
+            asked, job.live = (job.current, job.current), None
         if asked is None or not same_setting(asked[0], job.current) or asked[0].uncapped:
             return ""
         held = j.setting

@@ -256,9 +256,11 @@ class ControlLoop:
         assert self.ctrl is not None
         ctrl = self.ctrl
         readings = self.ctx.latest()
+        self._read_back([g.index for g in readings.gpus])
         gpus = []
         for g in readings.gpus:
             cur = self.ctrl.current(g.index)
+            asked = ctrl.mismatches(g.index).get("clock_cap_mhz")
             gpus.append(
                 GpuView(
                     index=g.index,
@@ -272,6 +274,7 @@ class ControlLoop:
                     power_limit_max_w=g.power_limit_max_w,
                     power_limit_default_w=g.power_limit_default_w,
                     refused_knobs={k: r["reason"] for k, r in ctrl.refused_knobs(g.index).items()},
+                    clock_cap_asked_mhz=None if asked is None else asked["asked"],
                 )
             )
         self.ctx.jobs.proposals_not_taken()  # logged once each, before the policy looks
@@ -286,6 +289,26 @@ class ControlLoop:
             if c.counted:
                 cpu_power = (cpu_power or 0.0) + p
         return Snapshot(t_s=now_s, gpus=tuple(gpus), jobs=tuple(jobs), cpu_power_w=cpu_power, cpu_zones=zones)
+
+    def _read_back(self, gpus: list[int]) -> None:
+        """Each period, before the policies book a measurement: on each GPU whose
+        setting the GPU could not show when it was written (idle then, or held below it
+        by power or heat), read back what it holds now. A cap found to differ (a driver
+        that clamped the lock) is what the GPU ran at since the write: recorded as a cap
+        change (for the jobs on it too), and every measure carries the setting in force."""
+        assert self.ctrl is not None
+        jobs = self.ctx.jobs
+        for gpu in gpus:
+            if not self.ctrl.unverified(gpu) or not self.ctrl.verify(gpu):
+                continue
+            held = self.ctrl.current(gpu)
+            reason = f"read back: gpu{gpu} holds a clock cap of {held.clock_cap_mhz} MHz, not the one asked for"
+            on_it = [j for j in jobs.running_ids() if gpu in getattr(jobs.get(j), "gpus", ())]
+            self.ctx.emit([self.cap_point(ts_ns(self.ctx.wall()), held, reason, gpu=gpu, job=",".join(on_it))])
+            for job_id in on_it:
+                jobs.record_cap_change(
+                    job_id, clock_cap_mhz=held.clock_cap_mhz, power_limit_w=held.power_limit_w, reason=reason
+                )
 
     def apply(self, decision: Decision, now_s: float) -> None:
         assert self.ctrl is not None

@@ -159,6 +159,34 @@ def test_the_reported_cap_is_the_clock_the_gpu_holds(tmp_path: Path, daemons: li
     assert wait_for(lambda: row()["clock_cap_mhz"] is None and row()["cap_mismatch"] == {}, 5), row()
 
 
+def test_a_clamp_on_an_idle_gpu_is_read_back_once_it_runs(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """gpu2 is idle when a lock of 1200 MHz is written (the driver clamps it to 1095 MHz):
+    its clock says nothing of the lock, so status reports the request, unverified, with
+    no mismatch claimed. Once the GPU runs (busy), the daemon reads back what it holds:
+    status reports 1095 MHz and flags the mismatch, and the cap change is logged once."""
+    idle = tmp_path / "idle"
+    idle.touch()
+    cfg = "[policy]\nperiod_s = 0.2\n"
+    d, _ = spawn_on_stub(tmp_path, cfg, clock_clamp=1095, idle="2", idle_when=idle)
+    daemons.append(d)
+    first_status(d)
+    assert wait_for(lambda: len(gpus_of(status_now(d))) == 8, 20)
+    d.ctl("cap", "set", "--gpu", "2", "--max-clock", "1200")
+
+    def row() -> dict[str, Any]:
+        return next(g for g in gpus_of(status_now(d)) if g["index"] == 2)
+
+    time.sleep(1.0)  # 5 policy periods, the GPU still idle: nothing to read back yet
+    assert row()["clock_cap_mhz"] == 1200.0 and row()["cap_mismatch"] == {}, row()
+    idle.unlink()  # the GPU runs
+    assert wait_for(lambda: row()["clock_cap_mhz"] == 1095.0, 10), row()
+    assert row()["cap_mismatch"] == {"clock_cap_mhz": {"asked": 1200.0, "held": 1095.0}}
+    time.sleep(0.6)
+    log = d.log_text()
+    assert log.count("asked 1200 MHz, the GPU holds 1095 MHz") == 1, log[-2000:]
+    assert d.stop() == 0
+
+
 def test_refused_knobs_are_logged_once_per_gpu_and_shown(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     """A static policy caps every GPU's clock and power limit every 0.2 s. gpu4 is in MIG
     mode (both knobs refused), gpu2 refuses clock locks (a consumer card): each refused

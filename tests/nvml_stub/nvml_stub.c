@@ -32,6 +32,10 @@
  *   NVML_STUB_CLOCK_CLAMP=mhz        SetGpuLockedClocks holds at most this max clock
  *                                    (the driver clamps the request); the SM clock and
  *                                    the clocks-event reasons show what is held
+ *   NVML_STUB_IDLE=all|0,2           these GPUs run no work: the SM clock drops to the
+ *                                    lowest the lock allows (345 MHz unlocked), the
+ *                                    clocks-event reasons say GpuIdle (0x1), no load
+ *   NVML_STUB_IDLE_WHEN=path         IDLE holds only while this file exists
  *   NVML_STUB_SLOW_MS=ms             every call sleeps this long first
  *   NVML_STUB_UNINIT_AFTER=n         after n calls the init count drops to 0 (as
  *                                    after someone's unbalanced nvmlShutdown)
@@ -40,6 +44,11 @@
  *                                    GPU_IS_LOST `down` more times (default 2), then
  *                                    a fresh handle works; energy restarts from 0
  *                                    and the settings go back to their defaults
+ *
+ * A busy GPU runs at its locked max clock (the top clock unlocked), unless the power
+ * limit holds it lower: then it runs at the highest supported clock whose power fits
+ * the limit and the reasons say SwPowerCap (0x4), as a real GPU's do; a lock below the
+ * top that holds the clock shows as ApplicationsClocksSetting (0x2).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -89,7 +98,7 @@ typedef struct {
     unsigned lock_min, lock_max; /* 0: unlocked */
     double energy_mj;
     double last_s;
-    int lost, no_perm, no_lock, no_energy, reset_required, mig, hang;
+    int lost, no_perm, no_lock, no_energy, reset_required, mig, hang, idle;
 } gpu_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -106,6 +115,7 @@ static double hang_s = -1;
 static long slow_ms = 0;
 static int hang_node = 0;
 static const char *hang_when = NULL;
+static const char *idle_when = NULL;
 static double init_s = 0;
 static unsigned clock_clamp = 0;
 static long uninit_after = -1;
@@ -197,6 +207,8 @@ static void configure(void) {
     if ((v = getenv("NVML_STUB_HANG_S"))) hang_s = atof(v);
     if ((v = getenv("NVML_STUB_SLOW_MS"))) slow_ms = atol(v);
     mark_list("NVML_STUB_HANG_GPUS", offsetof(gpu_t, hang));
+    mark_list("NVML_STUB_IDLE", offsetof(gpu_t, idle));
+    if ((v = getenv("NVML_STUB_IDLE_WHEN")) && *v) idle_when = v;
     if ((v = getenv("NVML_STUB_HANG_NODE")) && *v && *v != '0') hang_node = 1;
     if ((v = getenv("NVML_STUB_HANG_WHEN")) && *v) hang_when = v;
     if ((v = getenv("NVML_STUB_INIT_S"))) init_s = atof(v);
@@ -249,10 +261,46 @@ static void tick(void) {
     }
 }
 
-static unsigned sm_clock(const gpu_t *g) { return g->lock_max ? g->lock_max : SM_MAX; }
+#define SM_MIN (SM_MAX - 15 * (N_SM_CLOCKS - 1))
+#define REASON_IDLE 0x1ull
+#define REASON_CLOCK_SETTING 0x2ull
+#define REASON_SW_POWER_CAP 0x4ull
+
+static int is_idle(const gpu_t *g) { return g->idle && (!idle_when || access(idle_when, F_OK) == 0); }
+
+static double busy_mw(unsigned mhz) { return IDLE_MW + 230000.0 * mhz / SM_MAX; }
+
+/* The highest supported clock whose busy power fits the power limit. */
+static unsigned power_fit_clock(const gpu_t *g) {
+    unsigned mhz = SM_MAX;
+    while (mhz > SM_MIN && busy_mw(mhz) > g->limit_mw) mhz -= 15;
+    return mhz;
+}
+
+/* The SM clock now, and why (the clocks-event reasons' bits). */
+static unsigned sm_clock_why(const gpu_t *g, unsigned long long *why) {
+    unsigned top = g->lock_max ? g->lock_max : SM_MAX;
+    if (is_idle(g)) {
+        *why = REASON_IDLE;
+        return g->lock_min > SM_MIN ? g->lock_min : SM_MIN;
+    }
+    unsigned fit = power_fit_clock(g);
+    if (fit < top) {
+        *why = REASON_SW_POWER_CAP;
+        return fit;
+    }
+    *why = top < SM_MAX ? REASON_CLOCK_SETTING : 0ull;
+    return top;
+}
+
+static unsigned sm_clock(const gpu_t *g) {
+    unsigned long long why;
+    return sm_clock_why(g, &why);
+}
 
 static double power_mw(const gpu_t *g) {
-    double p = IDLE_MW + 230000.0 * sm_clock(g) / SM_MAX;
+    if (is_idle(g)) return IDLE_MW;
+    double p = busy_mw(sm_clock(g));
     return p > g->limit_mw ? g->limit_mw : p;
 }
 
@@ -541,8 +589,8 @@ nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *
 nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util) {
     DEVICE_CALL("nvmlDeviceGetUtilizationRates");
     if (g->mig) LEAVE(NVML_ERROR_NOT_SUPPORTED);
-    util->gpu = 97;
-    util->memory = 41;
+    util->gpu = is_idle(g) ? 0 : 97;
+    util->memory = is_idle(g) ? 0 : 41;
     LEAVE(NVML_SUCCESS);
 }
 
@@ -553,12 +601,12 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned 
     LEAVE(NVML_SUCCESS);
 }
 
-/* What holds the clocks now: the locked clocks (ApplicationsClocksSetting, 0x2)
-   when a lock below the top is in force; the stand-in's GPUs are always busy. */
+/* What holds the clocks now: idle (GpuIdle, 0x1), the power limit (SwPowerCap, 0x4),
+   or the locked clocks (ApplicationsClocksSetting, 0x2) when a lock below the top holds. */
 nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device, unsigned long long *reasons) {
     DEVICE_CALL("nvmlDeviceGetCurrentClocksEventReasons");
     if (!reasons) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
-    *reasons = (g->lock_max && g->lock_max < SM_MAX) ? 0x2ull : 0ull;
+    sm_clock_why(g, reasons);
     LEAVE(NVML_SUCCESS);
 }
 nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device, unsigned long long *reasons) {

@@ -104,3 +104,52 @@ def test_a_clamped_clock_is_measured_at_what_the_gpu_holds() -> None:
     assert all(s.clock_cap_mhz is None or s.clock_cap_mhz <= 1095 for s in later), later
     assert ds[-1].details["jobs"]["j"]["candidates_measured"] > 0
     assert "settled" in ds[-1].reason, ds[-1].reason
+
+
+def test_a_clamp_read_back_late_is_measured_at_what_the_gpu_holds() -> None:
+    """The GPU was idle when the first lock above 1095 MHz was written: the daemon could
+    not read back what it holds and reported the request for 2 periods, while the steps
+    ran at 1095 MHz; then the read-back shows the clamp (the measure, relabelled, goes on).
+    The policy moves to what the GPU holds at once, books its measure there, never asks
+    above 1095 MHz again, and settles (it does not ask the same lock forever)."""
+    policy = get_policy("efficient", min_steps=4)
+    state = policy.new_state()
+    reported = held = UNCAPPED
+    asked_cap: float | None = None  # what the GPU was asked where it holds another cap
+    late: int | None = None  # periods until the late read-back; None: no clamp seen yet
+    n, t, e, total = 0, 0.0, 0.0, 0
+    last_asked = UNCAPPED
+    decisions = []
+    for k in range(600):
+        if late is not None and late >= 0:
+            if late == 0:  # the read-back: what the GPU holds, and what was asked
+                asked_cap, reported = float(reported.clock_cap_mhz or 0), held
+            late -= 1
+        shown = asked_cap if reported == held and asked_cap is not None else None
+        g = GpuView(**{**gpu().__dict__, "clock_cap_mhz": reported.clock_cap_mhz, "clock_cap_asked_mhz": shown})
+        m = JobMeasure(
+            reported, n, n * FLOPS, t, e, None, n * (t / n) ** 2 if n else 0.0, n * (e / n) ** 2 if n else 0.0
+        )
+        job = JobView("j", (0,), "running", total, "bf16", ("bf16",), m if n else None, reported)
+        d = policy.decide(Snapshot(t_s=float(k), gpus=(g,), jobs=(job,)), state)
+        decisions.append(d)
+        s = d.settings.get("j")
+        if s is not None and s != reported:
+            clamped = s.clock_cap_mhz is not None and s.clock_cap_mhz > 1095
+            if s != last_asked:  # the controller writes only a new request
+                last_asked = s
+                held = Setting(clock_cap_mhz=1095) if clamped else s
+                asked_cap = float(s.clock_cap_mhz or 0) if clamped else None
+                if clamped and late is None:  # the first clamp: read back late
+                    reported, late = s, 2
+                else:
+                    reported = held
+                n, t, e = 0, 0.0, 0.0
+        dt, de = step_cost(held)
+        n, t, e, total = n + 1, t + dt, e + de, total + 1  # a step a period: a candidate takes 4
+    first = next((i for i, d in enumerate(decisions) if "the GPU holds 1095 MHz" in d.reason), None)
+    assert first is not None, decisions[-1].reason  # not stuck asking the same lock
+    later = [s for d in decisions[first + 1 :] for s in d.settings.values()]
+    assert all(s.clock_cap_mhz is None or s.clock_cap_mhz <= 1095 for s in later), later
+    assert decisions[-1].details["jobs"]["j"]["candidates_measured"] > 0
+    assert "settled" in decisions[-1].reason, decisions[-1].reason
