@@ -34,6 +34,7 @@ __all__ = [
     "not_above",
     "Field",
     "JOB_ID_RE",
+    "JOB_KINDS",
     "MAX_CONNECTIONS",
     "MAX_FLOPS_PER_ROW",
     "MAX_FLOPS_PER_STEP",
@@ -90,6 +91,7 @@ DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 
 # A job id: what `job=`, $GREEND_JOB or the scheduler gives, as the daemon accepts it.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
+JOB_KINDS = ("training", "measure")  # register's "kind"
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # a run of a job id (register's "run")
 
 # Owners of saved settings that are not jobs, so no job may take these ids:
@@ -471,6 +473,9 @@ class Registration:
     precision: str | None = None
     # Steps between the job's ranks' agreements on its level (a job of several ranks).
     sync_every: int | None = None
+    # "training" (a training process), or "measure": a command measured whole by
+    # `greenctl measure`, with no training level and windows in place of steps.
+    kind: str = "training"
 
 
 def decode_register(msg: dict[str, Any]) -> Registration:
@@ -516,6 +521,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         reference_every=msg.get("reference_every"),
         precision=own,
         sync_every=msg.get("sync_every"),
+        kind=msg.get("kind") or "training",
     )
 
 
@@ -579,6 +585,9 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "sync_every": Field((int,), min=1, max=1 << 30),
         # The run id every rank of one run shares (a rerun or a reused job id has another).
         "run": Field((str,), max_len=64),
+        # "measure": a command measured whole (greenctl measure): no precision, windows
+        # in place of steps. An older daemon refuses the field: greenctl registers again without.
+        "kind": Field((str,), choices=JOB_KINDS),
     },
     "steps": {"steps": Field((list,), required=True)},
     "intervals": {"rows": Field((list,), required=True)},

@@ -154,7 +154,14 @@ def _through_daemon(
     """The job's life at the daemon while the command runs: its time in windows of
     ``interval_s`` (the daemon's steps; the report says they are not the command's),
     a heartbeat between them, the end with the command's exit status."""
-    reg = client.request("register", job=job, gpus=gpus, precisions=["fp32"], world_size=1, rank=0, local_rank=0)
+    fields: dict[str, Any] = {"job": job, "gpus": gpus, "world_size": 1, "rank": 0, "local_rank": 0}
+    try:  # a measured command: no training level, windows not steps (the daemon says so)
+        reg = client.request("register", kind="measure", **fields)
+    except RequestRefused as e:
+        if e.code != "bad_request" or e.field != "kind":
+            raise
+        # An older daemon, without job kinds: a training job at fp32 (the report is corrected below).
+        reg = client.request("register", precisions=["fp32"], **fields)
     interval = min(interval_s, float(reg.get("heartbeat_s") or interval_s))
     t_prev = time.monotonic()
     now = t_prev

@@ -139,7 +139,9 @@ def render_report(r: dict[str, Any]) -> str:
         f"host {r.get('host')}  GPUs {r.get('gpus') if r.get('gpus') is not None else '-'}{label}"
         + (f"  run {r['run_id']}" if r.get("run_id") else ""),
         (
-            "  steps            - (a command measured whole by greenctl measure: no steps of its own)"
+            "  steps            - (a command measured whole by greenctl measure: no steps of its own"
+            + (f"; {r['windows']} windows" if r.get("windows") is not None else "")
+            + ")"
             if r.get("measured_whole")
             else f"  steps            {r['steps']}  ({r.get('step_reports', r['steps'])} step reports from "
             f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))"
@@ -301,6 +303,11 @@ def _saved(j: dict[str, Any]) -> str | None:
     return f"{pct:.1f}" + (" (sim)" if j.get("sim") else "")
 
 
+def _measured(j: dict[str, Any]) -> bool:
+    """A command measured whole by ``greenctl measure``: no steps, no precision of its own."""
+    return j.get("kind") == "measure" or bool(j.get("measured_whole"))
+
+
 def render_jobs(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs yet"
@@ -313,12 +320,12 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
                 # An ended job's ranks have all left: its count says nothing.
                 j["ranks"] if j["state"] != "ended" else "-",
                 ",".join(map(str, j.get("gpus") or [])) or "-",
-                j["steps"],
+                "-" if _measured(j) else j["steps"],
                 j["duration_s"],
                 j["gpu_energy_j"],
                 j["gflops_per_w"],
                 _saved(j),
-                j["precision"],
+                "- (measure)" if _measured(j) else j["precision"],
             ]
             for j in jobs
         ],

@@ -136,8 +136,8 @@ def _job_table(st: dict[str, Any], frame: Frame, sort: str = "job") -> Table:
             str(j["job"]),
             str(j.get("state")),
             ",".join(str(x) for x in j.get("gpus") or []) or "-",
-            str(j.get("steps", 0)),
-            _num(rate, ".1f"),
+            "-" if j.get("kind") == "measure" else str(j.get("steps", 0)),  # windows, not steps
+            "-" if j.get("kind") == "measure" else _num(rate, ".1f"),
             _num(now_eff, ".2f"),
             _num(j.get("gflops_per_w"), ".2f"),
             _num(j.get("energy_j"), ".0f"),

@@ -297,6 +297,9 @@ class Job:
     registered_s: float
     registered_wall_s: float
     run: str = ""  # the run id its ranks share (tags every point of the job)
+    # "training", or "measure": a command measured whole (greenctl measure), whose
+    # "steps" are the windows it reports its time in; it has no precision of its own
+    kind: str = "training"
     ranks: dict[int, RankSession] = field(default_factory=dict)
     gone: list[RankLeft] = field(default_factory=list)
     gpus: set[int] = field(default_factory=set)

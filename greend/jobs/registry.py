@@ -234,7 +234,7 @@ class JobRegistry(JobTable):
                 old = self.jobs.get(job_id)
                 if old is not None and old.state == "ending":
                     self._closing.append(old)  # its summary is still to be written
-                job = Job(job_id, caller.uid, now, self.wall(), run=run or uuid.uuid4().hex[:12])
+                job = Job(job_id, caller.uid, now, self.wall(), run=run or uuid.uuid4().hex[:12], kind=reg.kind)
                 job.recent = deque(maxlen=self.max_recent_steps)
                 if reg.precision is not None:
                     job.precision = job.top_precision = reg.precision

@@ -20,6 +20,7 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
     "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
+    "kind", "windows",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -272,7 +273,7 @@ class JobFigures:
             "world_size": job.world_size,
             "ranks_here": len(job.ranks_seen),
             "started_at": job.registered_wall_s,
-        }
+        } | _kind_fields(job)
 
     def report(self, job: Job) -> dict[str, Any]:
         """The job's figures over its life (so far, while it runs)."""
@@ -286,72 +287,94 @@ class JobFigures:
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
         sources = sorted({"sim" if self.modelled_gpu(g) else "nvml" for g in job.gpus})
         saving = self.savings(job, gpu_e, duration)
-        return {
-            "job": job.job,
-            "run_id": job.run,
-            "state": job.state,
-            "end_reason": job.end_reason,
-            "uid": job.uid,
-            "host": self.hostname,
-            "started_at": job.registered_wall_s,
-            # The first step on the wall clock (where a plot's time axis starts).
-            "first_step_at": job.registered_wall_s + (t0 - job.registered_s) if t0 is not None else None,
-            "ranks": len(job.ranks),
-            # The job's size across nodes and its ranks here: a job with ranks elsewhere
-            # gets a partial figure from this node (greenctl report --store A --store B sums).
-            "world_size": job.world_size,
-            "ranks_here": len(job.ranks_seen),
-            "ranks_gone": [g.to_json() for g in job.gone],
-            "gpus": sorted(job.gpus),
-            "gpu_source": ",".join(sources) if sources else None,
-            "steps": job.steps,
-            "step_reports": job.step_reports,
-            "flops": job.flops,
-            "samples": job.samples,
-            "tokens": job.tokens,
-            "duration_s": duration,
-            "window": {"t0_s": t0, "t1_s": t1},
-            "gpu_energy_j": gpu_e or 0.0,
-            "cpu_energy_j": cpu_e or 0.0,
-            "cpu_energy_method": cpu_method,
-            "node_cpu_energy_j": node_cpu_e or 0.0,
-            "energy_j": energy,
-            "energy_kwh": j_to_kwh(energy),
-            "avg_power_w": energy / duration if duration > 0 else None,
-            "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
-            "flop_per_s": job.flops / duration if duration > 0 else None,
-            "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,  # None: FLOPs unknown
-            "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
-            "gflops_per_w_busy": job.flops / job.modelled_energy_j / 1e9 if job.modelled_energy_j else None,
-            "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
-            "per_gpu": per_gpu,
-            # The last [report] window_s of a running job (its last window once it ended).
-            "recent": self.window(job, t1) if t1 is not None else None,
-            "samples_per_j": job.samples / energy if energy else None,
-            "tokens_per_j": job.tokens / energy if energy else None,
-            "co2_g": co2,
-            "co2_method": f"estimate: {self.grid_gco2_per_kwh:g} gCO2/kWh configured grid intensity",
-            "last_loss": job.last_loss,
-            "nonfinite_steps": job.nonfinite_steps,
-            "step_time_s": job.step_time_s,
-            # The figures of the steps a device model executed, under the names users know.
-            "sim_time_s": job.modelled_time_s if job.modelled_time_s else None,
-            "sim_energy_j": job.modelled_energy_j if job.modelled_energy_j else None,
-            "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
-            "precision": job.precision,
-            "top_precision": job.top_precision,  # the job's own level: greend never goes above
-            # A level the daemon proposed that the ranks have not applied (None: none stands).
-            "proposed_precision": job.proposal.level if job.proposal is not None else None,
-            "precision_log": [e.to_json() for e in job.precision_log],
-            "pace_s": job.pace_s,
-            "decisions": [d.to_json() for d in job.decisions[-50:]],
-            "cap_changes": job.cap_changes,
-            # Each policy's latest word on the job: why it is (or was) capped or not,
-            # switched or not.
-            "notes": list(job.notes.values()),
-            "savings": saving,
-            # Flat copies for the stores' job summary (greend_job).
-            "saved_gpu_energy_j": saving["saved_j"],
-            "saved_pct": saving["saved_pct"],
-            "slowdown_pct": saving["slowdown_pct"],
-        }
+        return (
+            {
+                "job": job.job,
+                "run_id": job.run,
+                "state": job.state,
+                "end_reason": job.end_reason,
+                "uid": job.uid,
+                "host": self.hostname,
+                "started_at": job.registered_wall_s,
+                # The first step on the wall clock (where a plot's time axis starts).
+                "first_step_at": job.registered_wall_s + (t0 - job.registered_s) if t0 is not None else None,
+                "ranks": len(job.ranks),
+                # The job's size across nodes and its ranks here: a job with ranks elsewhere
+                # gets a partial figure from this node (greenctl report --store A --store B sums).
+                "world_size": job.world_size,
+                "ranks_here": len(job.ranks_seen),
+                "ranks_gone": [g.to_json() for g in job.gone],
+                "gpus": sorted(job.gpus),
+                "gpu_source": ",".join(sources) if sources else None,
+                "steps": job.steps,
+                "step_reports": job.step_reports,
+                "flops": job.flops,
+                "samples": job.samples,
+                "tokens": job.tokens,
+                "duration_s": duration,
+                "window": {"t0_s": t0, "t1_s": t1},
+                "gpu_energy_j": gpu_e or 0.0,
+                "cpu_energy_j": cpu_e or 0.0,
+                "cpu_energy_method": cpu_method,
+                "node_cpu_energy_j": node_cpu_e or 0.0,
+                "energy_j": energy,
+                "energy_kwh": j_to_kwh(energy),
+                "avg_power_w": energy / duration if duration > 0 else None,
+                "avg_gpu_power_w": (gpu_e or 0.0) / duration if duration > 0 else None,
+                "flop_per_s": job.flops / duration if duration > 0 else None,
+                "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,  # None: FLOPs unknown
+                "gflops_per_w_with_cpu": job.flops / energy / 1e9 if energy and cpu_e is not None else None,
+                "gflops_per_w_busy": job.flops / job.modelled_energy_j / 1e9 if job.modelled_energy_j else None,
+                "gpu_energy_per_step_j": gpu_e / job.steps if gpu_e is not None and job.steps else None,
+                "per_gpu": per_gpu,
+                # The last [report] window_s of a running job (its last window once it ended).
+                "recent": self.window(job, t1) if t1 is not None else None,
+                "samples_per_j": job.samples / energy if energy else None,
+                "tokens_per_j": job.tokens / energy if energy else None,
+                "co2_g": co2,
+                "co2_method": f"estimate: {self.grid_gco2_per_kwh:g} gCO2/kWh configured grid intensity",
+                "last_loss": job.last_loss,
+                "nonfinite_steps": job.nonfinite_steps,
+                "step_time_s": job.step_time_s,
+                # The figures of the steps a device model executed, under the names users know.
+                "sim_time_s": job.modelled_time_s if job.modelled_time_s else None,
+                "sim_energy_j": job.modelled_energy_j if job.modelled_energy_j else None,
+                "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
+                "precision": job.precision,
+                "top_precision": job.top_precision,  # the job's own level: greend never goes above
+                # A level the daemon proposed that the ranks have not applied (None: none stands).
+                "proposed_precision": job.proposal.level if job.proposal is not None else None,
+                "precision_log": [e.to_json() for e in job.precision_log],
+                "pace_s": job.pace_s,
+                "decisions": [d.to_json() for d in job.decisions[-50:]],
+                "cap_changes": job.cap_changes,
+                # Each policy's latest word on the job: why it is (or was) capped or not,
+                # switched or not.
+                "notes": list(job.notes.values()),
+                "savings": saving,
+                # Flat copies for the stores' job summary (greend_job).
+                "saved_gpu_energy_j": saving["saved_j"],
+                "saved_pct": saving["saved_pct"],
+                "slowdown_pct": saving["slowdown_pct"],
+            }
+            | _kind_fields(job)
+        )
+
+
+def _kind_fields(job: Job) -> dict[str, Any]:
+    """What a job's kind changes in its row and report: a command measured whole
+    (``greenctl measure``) has no steps and no precision of its own; the windows it
+    reported its time in are ``windows``, never steps."""
+    if job.kind != "measure":
+        return {"kind": job.kind, "windows": None}
+    return {
+        "kind": "measure",
+        "measured_whole": True,
+        "windows": job.steps,
+        "steps": None,
+        "step_reports": None,
+        "gpu_energy_per_step_j": None,
+        "precision": None,
+        "top_precision": None,
+        "proposed_precision": None,
+    }

@@ -247,7 +247,9 @@ class JobTable:
         out = []
         with self._lock:
             for job in self.jobs.values():
-                if not job.running or not job.gpus:
+                # A command measured whole has no training level and reports windows, not
+                # steps: no policy tunes or switches it.
+                if not job.running or not job.gpus or job.kind == "measure":
                     continue
                 setting = setting_of(min(job.gpus))
                 job.capped = not setting.uncapped

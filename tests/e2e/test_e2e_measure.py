@@ -29,6 +29,18 @@ def test_measure_runs_a_command_as_a_job_and_prints_its_report(tmp_path: Path, d
     assert rep["gpus"] == [0] and rep["duration_s"] >= 1.4
     assert rep["gpu_energy_j"] >= 0.95 * 70.0 * 1.4  # a simulated H100 idles at 70 W
     assert rep["gflops_per_w"] is None  # no FLOPs: no figure, not 0
+    # The daemon itself knows the job for a measured command: windows, not steps; no
+    # precision of its own, so none proposed; every view says so, none says fp32.
+    assert rep["kind"] == "measure" and rep["measured_whole"] is True
+    assert rep["steps"] is None and rep["windows"] >= 1 and rep["precision"] is None
+    assert rep["top_precision"] is None and rep["proposed_precision"] is None
+    text = d.ctl("report", "m1").stdout
+    assert "no steps of its own" in text and "windows" in text and "fp32" not in text
+    jobs = d.ctl("jobs").stdout
+    m1 = next(line for line in jobs.splitlines() if line.startswith("m1"))
+    assert "- (measure)" in m1 and "fp32" not in m1, jobs
+    row = next(j for j in d.status()["jobs"] if j["job"] == "m1")
+    assert row["kind"] == "measure" and row["steps"] is None and row["precision"] is None
 
     # With the FLOPs known: GFLOPS/W; --gpus picks the GPUs.
     r = d.ctl("measure", "--job", "m2", "--gpus", "0", "--flops", "1e12", "--json", "--", sys.executable, "-c", "pass")

@@ -107,6 +107,16 @@ def test_other_ops_bound_their_numbers(op: str, msg: dict[str, Any], bad: str) -
     assert e.value.field == bad
 
 
+def test_register_kind_is_training_unless_a_measured_command_says_so() -> None:
+    from greend.protocol import decode_register
+
+    assert decode_register(validate({"job": "j"}, SCHEMAS["register"])).kind == "training"  # older clients
+    assert decode_register(validate({"job": "j", "kind": "measure"}, SCHEMAS["register"])).kind == "measure"
+    with pytest.raises(ProtocolError) as e:
+        validate({"job": "j", "kind": "inference"}, SCHEMAS["register"])
+    assert e.value.field == "kind" and "training, measure" in str(e.value)
+
+
 def test_every_number_field_of_every_op_has_a_range() -> None:
     """A new number field without bounds is the next break: integers get +-MAX_INT by
     default; a float field must say its own range."""
