@@ -1,10 +1,11 @@
-"""What a fleet of greend nodes costs a shared VictoriaMetrics: ingest, series, disk, memory
-and the cluster report's latency, for N simulated nodes.
+"""What a fleet of greend nodes costs a shared VictoriaMetrics or InfluxDB: ingest, series,
+disk, memory and the cluster report's latency, for N simulated nodes.
 
-    python bench/bench_fleet.py [--nodes 10 50 100] [--minutes 10] [--reports 40]
+    python bench/bench_fleet.py [--nodes 10 50 100] [--minutes 10] [--reports 40] [--engine vm|influxdb]
 
-For each N, a fresh victoria-metrics (Debian's ``/usr/bin/victoria-metrics``, own port and
-data dir) receives what N nodes' ``influx://`` stores would send over ``--minutes`` of
+For each N, a fresh engine (``vm``: Debian's ``/usr/bin/victoria-metrics``; ``influxdb``:
+Debian's ``/usr/bin/influxd``, InfluxDB 1.6, TSI index; each with its own port and data
+dir) receives what N nodes' ``influx://`` stores would send over ``--minutes`` of
 simulated time, at the default ``[store] interval_s`` of 1 s: the real points
 (``greend.points`` constructors) in the real line protocol (the InfluxDB store's encoder),
 with the real label sets. Each node has 8 GPUs and 2 RAPL zones, 3 probes, and runs one
@@ -23,18 +24,27 @@ the simulated minutes to a day: an estimate, compression improves on longer runs
 engine's RSS, and the cluster report's latency: ``greenctl report JOB --store URL``'s
 reads (:func:`greend.jobs.history.whole_job_report`, one random ended job each) and
 ``greenctl jobs --store URL``'s (:func:`greend.jobs.history.shared_jobs`, the last day),
-p50 and p99. Prints; asserts nothing. docs/scale.md holds the figures and the
+p50 and p99. InfluxDB 1.6 takes the same line protocol on its ``/write`` (it has no
+``/api/v2/write``, so the ``influx://`` store's client cannot talk to it; the bytes are the
+same) and has no export API for greenctl: its rows time the InfluxQL that reads the same
+rows (``SELECT last(*) FROM greend_job WHERE job = ... GROUP BY host, run`` over 30 days, and
+the day's listing grouped by job), and its series are ``SHOW SERIES EXACT CARDINALITY``.
+Prints; asserts nothing. docs/scale.md holds the figures and the
 extrapolation to 1,000 and 10,000 nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -192,11 +202,92 @@ def _get(url: str) -> str:
 
 
 def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes allocated on disk under ``path`` (sparse, preallocated files count what they hold)."""
+    return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
 
 
-def run(n: int, minutes: float, reports: int, tmp: Path) -> dict[str, Any]:
-    vm = vmserver.VmServer(tmp / f"vm-{n}", dedup=False).start()
+INFLUXD = shutil.which("influxd")
+
+
+class InfluxServer:
+    """One InfluxDB 1.x process (``influxd``) with its own port, data dir and a ``greend``
+    database; the VmServer's shape, so that :func:`run` drives either engine."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir, self.port = base_dir, vmserver.free_port()
+        self.data_dir = base_dir / "influx"
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.write_url = f"{self.http}/write?db=greend&precision=ns"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> InfluxServer:
+        assert INFLUXD is not None
+        self.data_dir.mkdir(parents=True)
+        conf = self.base_dir / "influxdb.conf"
+        conf.write_text(
+            f'reporting-disabled = true\nbind-address = "127.0.0.1:{vmserver.free_port()}"\n'
+            f'[meta]\n  dir = "{self.data_dir / "meta"}"\n'
+            f'[data]\n  dir = "{self.data_dir / "data"}"\n  wal-dir = "{self.data_dir / "wal"}"\n'
+            '  index-version = "tsi1"\n  max-series-per-database = 0\n  max-values-per-tag = 0\n'
+            # the cache goes to compressed TSM files a second after the writes stop, so
+            # that the disk figure is the stored data's, not the raw WAL's
+            '  cache-snapshot-write-cold-duration = "1s"\n  compact-full-write-cold-duration = "1s"\n'
+            f'[http]\n  bind-address = "127.0.0.1:{self.port}"\n  log-enabled = false\n'
+            "  max-body-size = 0\n[monitor]\n  store-enabled = false\n"
+        )
+        log = open(self.base_dir / "influxd.log", "ab")
+        self.proc = subprocess.Popen([INFLUXD, "-config", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.query("CREATE DATABASE greend")
+                return self
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"influxd did not start on port {self.port}") from None
+                time.sleep(0.3)
+
+    def query(self, q: str) -> dict[str, Any]:
+        data = urllib.parse.urlencode({"q": q, "db": "greend"}).encode()
+        with urllib.request.urlopen(f"{self.http}/query", data=data, timeout=120) as r:
+            body: dict[str, Any] = json.loads(r.read())
+        return body
+
+    def force_flush(self) -> None:
+        """Wait (60 s at most) until the cold cache went to TSM files and the WAL emptied."""
+        wal, deadline = self.data_dir / "wal", time.monotonic() + 60
+        while time.monotonic() < deadline and _du(wal) > 1 << 20:
+            time.sleep(1.0)
+
+    def series(self) -> int:
+        res = self.query("SHOW SERIES EXACT CARDINALITY")["results"][0]
+        return sum(int(s["values"][0][0]) for s in res.get("series", []))
+
+    def report(self, job: str) -> int:
+        q = f"SELECT last(*) FROM greend_job WHERE job = '{job}' AND time > now() - 30d GROUP BY host, run"
+        return len(self.query(q)["results"][0].get("series", []))
+
+    def listing(self) -> int:
+        q = "SELECT last(*) FROM greend_job WHERE time > now() - 1d GROUP BY job, host, run"
+        return len(self.query(q)["results"][0].get("series", []))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def run(n: int, minutes: float, reports: int, tmp: Path, engine: str = "vm") -> dict[str, Any]:
+    vm: Any
+    if engine == "influxdb":
+        vm = InfluxServer(tmp / f"influx-{n}")
+        vm.base_dir.mkdir()
+        vm.start()
+        write_url = vm.write_url
+    else:
+        vm = vmserver.VmServer(tmp / f"vm-{n}", dedup=False).start()
+        write_url = f"{vm.http}/write"
     try:
         rng = random.Random(n)
         sim_s = int(minutes * 60)
@@ -213,27 +304,34 @@ def run(n: int, minutes: float, reports: int, tmp: Path) -> dict[str, Any]:
             samples += sum(len(p.fields) for p in pts)
             p0 = time.perf_counter()
             for part in _parts(body):
-                req = urllib.request.Request(f"{vm.http}/write", data=part, method="POST")
+                req = urllib.request.Request(write_url, data=part, method="POST")
                 with urllib.request.urlopen(req, timeout=120) as r:
                     r.read()
             post_s += time.perf_counter() - p0
         vm.force_flush()
         time.sleep(2.0)
-        series = int(__import__("json").loads(_get(f"{vm.http}/api/v1/series/count"))["data"][0])
+        if engine == "influxdb":
+            series = vm.series()
+        else:
+            series = int(json.loads(_get(f"{vm.http}/api/v1/series/count"))["data"][0])
         rss = psutil.Process(vm.proc.pid).memory_info().rss if vm.proc else 0
         disk = _du(vm.data_dir)
         ended = [j for node in nodes for j in node.ended]
         lat: list[float] = []
         for job in rng.sample(ended, min(reports, len(ended))):
             a = time.perf_counter()
-            rep = whole_job_report([vm.http], job)
+            if engine == "influxdb":
+                found = vm.report(job)
+            else:
+                rep = whole_job_report([vm.http], job)
+                found = len(rep["nodes"]) if rep else 0
             lat.append(time.perf_counter() - a)
-            assert rep is not None and rep["nodes"], job
+            assert found, job
         lst: list[float] = []
         listed = 0
         for _ in range(5):
             a = time.perf_counter()
-            listed = len(shared_jobs(vm.http))
+            listed = vm.listing() if engine == "influxdb" else len(shared_jobs(vm.http))
             lst.append(time.perf_counter() - a)
         return {
             "nodes": n,
@@ -269,14 +367,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, nargs="+", default=[10, 50, 100])
     ap.add_argument("--minutes", type=float, default=10.0, help="simulated minutes per N")
     ap.add_argument("--reports", type=int, default=40, help="cluster reports timed per N")
+    ap.add_argument("--engine", choices=("vm", "influxdb"), default="vm", help="VictoriaMetrics or InfluxDB 1.x")
     a = ap.parse_args(argv)
-    if not vmserver.available():
+    if a.engine == "influxdb" and INFLUXD is None:
+        print("InfluxDB is not installed (influxd): apt-get install influxdb")
+        return 1
+    if a.engine == "vm" and not vmserver.available():
         print("victoria-metrics is not installed (/usr/bin/victoria-metrics): apt-get install victoria-metrics")
         return 1
-    print(
-        f"{a.minutes:g} simulated minutes per N; 8 GPUs a node; one VictoriaMetrics "
-        f"({vmserver.VM_BIN}) on {psutil.cpu_count()} CPUs"
+    engine = (
+        subprocess.run([INFLUXD, "version"], capture_output=True, text=True).stdout.strip()
+        if a.engine == "influxdb" and INFLUXD
+        else f"VictoriaMetrics ({vmserver.VM_BIN})"
     )
+    print(f"{a.minutes:g} simulated minutes per N; 8 GPUs a node; one {engine} on {psutil.cpu_count()} CPUs")
     head = (
         f"{'nodes':>6}{'points':>10}{'points/s':>11}{'samples/s':>11}{'series':>9}{'series/node':>12}"
         f"{'disk MB/day':>12}{'RSS MB':>8}{'jobs':>6}{'report p50/p99 ms':>19}{'list p50/p99 ms':>17}"
@@ -284,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.nodes:
-            r = run(n, a.minutes, a.reports, Path(tmp))
+            r = run(n, a.minutes, a.reports, Path(tmp), a.engine)
             rows.append(r)
             if len(rows) == 1:
                 print(head)
