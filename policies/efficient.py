@@ -60,6 +60,9 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    the job) starts the search again. A new job that shares a job's GPUs
    re-tunes it too.
 
+6. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
+   one on the node (less busy) get deeper settings, until they just keep its pace.
+
 The policy is pure: no I/O, no clocks (``snap.t_s`` only); all memory lives in
 the state object from :meth:`EfficientPolicy.new_state`.
 """
@@ -71,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._evidence import Evidence, antitonic_fit
+from ._pacing import Pacer, PaceState, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .params import Param, validate_params
 from .static import same_setting
@@ -109,6 +113,8 @@ class _Job:
     retunes: int = 0
     last_event: str = ""
     asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
+    pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
+    live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
 
     @property
     def settled_index(self) -> int | None:
@@ -175,6 +181,7 @@ class EfficientPolicy:
         self.noise: float = p["noise"]
         self.baseline_steps = 4 * self.min_steps
         self.max_steps = 4 * self.min_steps  # a setting still unsure after this many counts as over
+        self._pacer = Pacer(self.min_steps, Z, self.noise)
 
     def params(self) -> dict[str, Any]:
         return dict(self._p)
@@ -203,6 +210,7 @@ class EfficientPolicy:
         for j in running:
             job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
+            j = as_job(j, job.pace, job.grid, job.current)
             knob, why = self._knob_for(job, views)
             if knob is None:
                 reasons[j.job] = f"job {j.job}: cannot act: {why}"
@@ -216,6 +224,10 @@ class EfficientPolicy:
                 note = f" ({why})"
             clamp = self._held_instead(j, job)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
+            paced = self._pace(snap, job, views)
+            if paced:
+                d.job_gpu_settings[j.job] = paced
+                reasons[j.job] += f"; {job.pace.last_event}"
             job.asked = None
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
@@ -286,6 +298,17 @@ class EfficientPolicy:
         )
         return f"; {job.last_event}"
 
+    def _pace(self, snap: Snapshot, job: _Job, views: list[GpuView]) -> dict[int, Setting]:
+        """Pacing within the node (policies/_pacing.py), once the job is settled; any
+        other phase has every GPU at the job's setting."""
+        at = job.settled_index
+        if job.phase != "settled" or at is None or job.settled is None or not same_setting(job.current, job.settled):
+            return self._pacer.release(job.pace, job.current, f"the job is {job.phase}")
+        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live)
+        if moves:
+            job.ref, job.samples = None, []  # the drift watch starts again from the paced steps
+        return moves
+
     def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}
         job.grid, job.levels = (), ()
@@ -301,7 +324,7 @@ class EfficientPolicy:
         """Want ``s`` from now on; bank what the current visit measured."""
         if same_setting(s, job.current):
             return
-        if job.live is not None and job.phase != "recheck":
+        if job.live is not None and job.phase != "recheck" and not job.live_paced:
             job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
         job.live = None
         job.current = s
@@ -311,17 +334,19 @@ class EfficientPolicy:
         if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
         ev = Evidence.of(m)
-        if job.live is not None and ev.steps < job.live.steps:
+        if job.live is not None and ev.steps < job.live.steps and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
                 job.recheck = (job.recheck or Evidence()).plus(job.live)
             else:
                 job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
+        if job.live is None or ev.steps < job.live.steps:
+            job.live_paced = bool(job.pace.held)  # a new measure: paced or not from its start
         job.live = ev
 
     def _evidence(self, job: _Job) -> dict[Setting, Evidence]:
         ev = dict(job.cache)
-        if job.live is not None and job.phase != "recheck" and job.live.steps > 0:
+        if job.live is not None and job.phase != "recheck" and job.live.steps > 0 and not job.live_paced:
             ev[job.current] = ev.get(job.current, Evidence()).plus(job.live)
         return ev
 
@@ -403,8 +428,8 @@ class EfficientPolicy:
                 job.settled_job_steps = j.steps - job.start_steps
         self._switch(job, target)
         here = self._evidence(job).get(target, Evidence())
-        if job.ref is None and job.live is not None and job.live.steps >= self.min_steps:
-            job.ref = here
+        if job.ref is None and job.live is not None and job.live.steps >= self.min_steps and job.pace.ref is None:
+            job.ref = job.live if job.pace.held else here  # (paced: once its move is checked)
         if job.live is not None:
             job.samples.append(job.live)
             del job.samples[:-_SAMPLES_KEEP]
@@ -661,6 +686,7 @@ class EfficientPolicy:
             "allowed_slowdown": None if self.objective == "cost" else job.allowed - 1.0,
             "search_steps": job.settled_job_steps,
             "retunes": job.retunes,
+            "paced": {str(i): self._label(job.grid[k], job) for i, k in sorted(job.pace.held.items())},
             "last_event": job.last_event,
             # This node's uncapped time per FLOP: the daemon turns it into the job's local
             # step time and the ranks agree the job's pace from it (docs/protocol.md).
@@ -670,6 +696,5 @@ class EfficientPolicy:
 
 def _level(s: Setting) -> float | None:
     """The clock (MHz) or power limit (W) of a capped setting."""
-    if s.clock_cap_mhz is not None:
-        return float(s.clock_cap_mhz)
-    return None if s.power_limit_w is None else float(s.power_limit_w)
+    level = s.clock_cap_mhz if s.clock_cap_mhz is not None else s.power_limit_w
+    return None if level is None else float(level)
