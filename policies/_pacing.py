@@ -60,6 +60,9 @@ class PaceState:
     ref: Evidence | None = None  # the job's steps just before the last move
     wait_until_s: float = 0.0
     backoff_s: float = BACKOFF_S
+    seen: list[Evidence] = field(default_factory=list)  # the job's measure, period by period
+    fresh: bool = True  # the measure started again since the last move
+    mark: Evidence | None = None  # the job's measure when the slack showed
     moves: int = 0
     undos: int = 0
     last_event: str = ""
@@ -103,6 +106,10 @@ class Pacer:
         if top <= 0.0:
             return {}
         out: dict[int, Setting] = {}
+        if live is None or (ps.seen and live.steps < ps.seen[-1].steps):
+            ps.seen, ps.fresh = [], True  # the daemon's measure started again (after a move)
+        if live is not None:
+            ps.seen = [*ps.seen[-63:], live]
         # ---- paced GPUs now on the critical path: the job's setting back, at once
         for i in list(ps.held):
             if busy.get(i, top) >= NEAR * top:
@@ -114,8 +121,8 @@ class Pacer:
             return out
         # ---- the last move's check: slower by more than the noise undoes it
         if ps.ref is not None:
-            if live is None or live is ps.ref or live.steps < self.min_steps:
-                return {}  # (until the daemon's measure restarts after the move, it is ps.ref)
+            if live is None or not ps.fresh or live.steps < self.min_steps:
+                return {}  # (until the daemon's measure restarts after the move, it is the old one)
             se = math.hypot(live.se_time(self.noise), ps.ref.se_time(self.noise))
             slower = live.time_per_flop_s / ps.ref.time_per_flop_s - 1.0
             if slower > max(UNDO_MIN, self.z * se):
@@ -130,7 +137,15 @@ class Pacer:
                 ps.before, ps.ref = None, None
                 return out
             ps.before, ps.ref = None, None
-        if t_s < ps.wait_until_s or live is None or live.steps < self.min_steps:
+        # The reference: the job's steps since the slack showed (not older ones: a straggler
+        # that just came would read as the move's slowdown), at least min_steps of them.
+        if live is None or not any(u / top < 1.0 - SLACK for u in busy.values()):
+            ps.mark = None
+            return {}
+        if ps.mark is None or ps.mark.steps > live.steps:
+            ps.mark = live if len(ps.seen) < 2 else ps.seen[-2]
+        recent = live.minus(ps.mark) if live.steps > ps.mark.steps else live
+        if t_s < ps.wait_until_s or recent.steps < self.min_steps:
             return {}
         # ---- GPUs with slack: deeper, to just keep the pace
         before = dict(ps.held)
@@ -147,7 +162,7 @@ class Pacer:
             ps.held[i] = k
             out[i] = grid[k]
         if out:
-            ps.before, ps.ref = before, live
+            ps.before, ps.ref, ps.fresh, ps.mark = before, recent, False, None
             ps.moves += 1
             ps.last_event = "pacing: " + ", ".join(f"gpu{i} to {_label(grid[k])}" for i, k in sorted(ps.held.items()))
         return out

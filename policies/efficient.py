@@ -62,7 +62,6 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
 
 6. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
    one on the node (less busy) get deeper settings, until they just keep its pace.
-
 The policy is pure: no I/O, no clocks (``snap.t_s`` only); all memory lives in
 the state object from :meth:`EfficientPolicy.new_state`.
 """
@@ -73,7 +72,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._evidence import Evidence, antitonic_fit
+from ._evidence import Evidence, antitonic_fit, n_measured
 from ._pacing import Pacer, PaceState, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .params import Param, validate_params
@@ -115,6 +114,7 @@ class _Job:
     asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
     pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
     live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
+    stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
 
     @property
     def settled_index(self) -> int | None:
@@ -313,6 +313,7 @@ class EfficientPolicy:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}
         job.grid, job.levels = (), ()
         job.phase = "baseline" if baseline is None else "search"
+        job.stale = job.live if job.current.uncapped and not job.live_paced else None
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
         job.rechecked_once = False
@@ -333,7 +334,9 @@ class EfficientPolicy:
         m = j.measure
         if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
-        ev = Evidence.of(m)
+        if job.stale is not None and m.steps < job.stale.steps:
+            job.stale = None  # the daemon's measure started again since
+        ev = Evidence.of(m).after(job.stale)
         if job.live is not None and ev.steps < job.live.steps and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
@@ -403,7 +406,7 @@ class EfficientPolicy:
             if have < job.need:
                 return (
                     f"job {j.job}: searching, measuring {self._label(job.current, job)} "
-                    f"({have}/{job.need} steps; {self._n_measured(ev)} candidates measured)"
+                    f"({have}/{job.need} steps; {n_measured(ev)} candidates measured)"
                 )
         action = self._plan(job, ev, g, j)
         target = job.grid[action.index]
@@ -417,7 +420,7 @@ class EfficientPolicy:
             have = ev.get(target, Evidence()).steps if same_setting(target, job.current) else 0
             return (
                 f"job {j.job}: searching, measuring {self._label(target, job)} "
-                f"({have}/{action.steps} steps; {self._n_measured(ev)} candidates measured)"
+                f"({have}/{action.steps} steps; {n_measured(ev)} candidates measured)"
             )
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
@@ -633,10 +636,6 @@ class EfficientPolicy:
 
     # ------------------------------------------------------------------ display
 
-    @staticmethod
-    def _n_measured(ev: dict[Setting, Evidence]) -> int:
-        return sum(1 for s, e in ev.items() if not s.uncapped and e.steps > 0)
-
     def _label(self, s: Setting, job: _Job) -> str:
         if s.uncapped:
             return "uncapped"
@@ -679,7 +678,7 @@ class EfficientPolicy:
             "knob": job.knob,
             "phase": job.phase,
             "current": self._label(job.current, job),
-            "candidates_measured": self._n_measured(ev),
+            "candidates_measured": n_measured(ev),
             "measured_steps": measured,
             "best": best,
             "bound": None if self.objective == "cost" else self.max_slowdown,
