@@ -22,5 +22,18 @@ class Setting:
     def uncapped(self) -> bool:
         return self.clock_cap_mhz is None and self.power_limit_w is None
 
+    @property
+    def label(self) -> str:
+        """How a person reads it: "1410 MHz", "250 W" or "uncapped"."""
+        if self.clock_cap_mhz is not None:
+            return f"{self.clock_cap_mhz} MHz"
+        return "uncapped" if self.power_limit_w is None else f"{self.power_limit_w:g} W"
+
+    @property
+    def level(self) -> float | None:
+        """The clock (MHz) or power limit (W) of a capped setting; None uncapped."""
+        level = self.clock_cap_mhz if self.clock_cap_mhz is not None else self.power_limit_w
+        return None if level is None else float(level)
+
 
 UNCAPPED = Setting()

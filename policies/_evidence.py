@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import JobMeasure
 
-__all__ = ["Evidence", "antitonic_fit"]
+__all__ = ["Evidence", "antitonic_fit", "n_measured"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class Evidence:
         return Evidence(
             self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None
         )
+
+    def after(self, earlier: Evidence | None) -> Evidence:
+        """These sums less ``earlier``'s, where ``earlier`` is a part of the same measure
+        (fewer steps); else these sums as they are."""
+        return self if earlier is None or earlier.steps > self.steps else self.minus(earlier)
 
     @property
     def time_per_flop_s(self) -> float:
@@ -104,3 +109,8 @@ def antitonic_fit(
             fit[i] = wv / w
             fit_se[i] = math.sqrt(w2) / w
     return fit, fit_se
+
+
+def n_measured(ev: dict[Any, Evidence]) -> int:
+    """How many capped settings (keys with ``uncapped`` false) have steps measured."""
+    return sum(1 for s, e in ev.items() if not s.uncapped and e.steps > 0)

@@ -7,8 +7,10 @@ its search there), and applies the :class:`Decision` through the actuators.
 Policies never touch devices, files, clocks or sockets, so they are tested by
 replaying traces or by driving the simulator directly (see ``greend/testing/harness.py``).
 
-Settings are per job, not per GPU: all ranks of a job on a node get the same cap,
-since the slowest GPU sets the pace of a synchronous job.
+Settings are per job: all ranks of a job on a node get the same cap, since the
+slowest GPU sets the pace of a synchronous job. A policy that paces a job's GPUs
+(gives those off its critical path a deeper cap) names them in
+``Decision.job_gpu_settings``; they stay the job's settings, lifted when it ends.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class GpuView:
     # The clock cap greend asked for where the GPU holds another one (``clock_cap_mhz``,
     # read back: a driver that clamps a lock); None where it holds what was asked.
     clock_cap_asked_mhz: float | None = None
+    # Percent of the last sample period a kernel ran (NVML utilization.gpu; the simulator:
+    # its busy time). Within a synchronous job a GPU that waits for a slower one shows
+    # less: the slack that pacing (policies/_pacing.py) turns into a deeper cap.
+    util_pct: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,13 +136,17 @@ class Decision:
 
     ``settings``: job id -> Setting for all that job's GPUs on this node.
     ``gpu_settings``: GPU index -> Setting, for node-level policies (static, budget)
-    that act on GPUs regardless of jobs. ``cpu_power_limit_w``: RAPL zone path -> W
+    that act on GPUs regardless of jobs. ``job_gpu_settings``: job id -> GPU index ->
+    Setting, for some of that job's GPUs (pacing: a GPU off the critical path held
+    below the job's setting, or given the job's setting back); applied after
+    ``settings`` and owned by the job like them. ``cpu_power_limit_w``: RAPL zone path -> W
     (None: restore the zone's original limit). ``precision``: job -> level.
     ``reason``: one line a human can read in ``greenctl status``.
     """
 
     settings: dict[str, Setting] = field(default_factory=dict)
     gpu_settings: dict[int, Setting] = field(default_factory=dict)
+    job_gpu_settings: dict[str, dict[int, Setting]] = field(default_factory=dict)
     cpu_power_limit_w: dict[str, float | None] = field(default_factory=dict)
     precision: dict[str, str] = field(default_factory=dict)
     reason: str = ""

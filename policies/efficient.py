@@ -60,6 +60,8 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    the job) starts the search again. A new job that shares a job's GPUs
    re-tunes it too.
 
+6. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
+   one on the node (less busy) get deeper settings, until they just keep its pace.
 The policy is pure: no I/O, no clocks (``snap.t_s`` only); all memory lives in
 the state object from :meth:`EfficientPolicy.new_state`.
 """
@@ -70,7 +72,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._evidence import Evidence, antitonic_fit
+from ._evidence import Evidence, antitonic_fit, n_measured
+from ._pacing import Pacer, PaceState, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .params import Param, validate_params
 from .static import same_setting
@@ -109,6 +112,9 @@ class _Job:
     retunes: int = 0
     last_event: str = ""
     asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
+    pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
+    live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
+    stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
 
     @property
     def settled_index(self) -> int | None:
@@ -175,6 +181,7 @@ class EfficientPolicy:
         self.noise: float = p["noise"]
         self.baseline_steps = 4 * self.min_steps
         self.max_steps = 4 * self.min_steps  # a setting still unsure after this many counts as over
+        self._pacer = Pacer(self.min_steps, Z, self.noise)
 
     def params(self) -> dict[str, Any]:
         return dict(self._p)
@@ -203,6 +210,7 @@ class EfficientPolicy:
         for j in running:
             job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
+            j = as_job(j, job.pace, job.grid, job.current)
             knob, why = self._knob_for(job, views)
             if knob is None:
                 reasons[j.job] = f"job {j.job}: cannot act: {why}"
@@ -216,6 +224,10 @@ class EfficientPolicy:
                 note = f" ({why})"
             clamp = self._held_instead(j, job, views)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
+            paced = self._pace(snap, job, views)
+            if paced:
+                d.job_gpu_settings[j.job] = paced
+                reasons[j.job] += f"; {job.pace.last_event}"
             job.asked = None
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
@@ -275,10 +287,10 @@ class EfficientPolicy:
         held = j.setting
         if same_setting(held, asked[0]) or same_setting(held, asked[1]) or held.uncapped:
             return ""  # in force as asked, or not applied (an error the daemon logs)
-        level = _level(held)
+        level = held.level
         if level is None or job.live is not None:
             return ""
-        keep = [i for i, g in enumerate(job.grid) if g.uncapped or (_level(g) or 0.0) <= level + 1e-9]
+        keep = [i for i, g in enumerate(job.grid) if g.uncapped or (g.level or 0.0) <= level + 1e-9]
         job.grid = tuple(job.grid[i] for i in keep)
         job.levels = tuple(job.levels[i] for i in keep)
         if not any(same_setting(g, held) for g in job.grid):
@@ -287,15 +299,27 @@ class EfficientPolicy:
             job.levels = job.levels[: at + 1] + (level,) + job.levels[at + 1 :]
         job.current, job.live = held, None
         job.last_event = (
-            f"the GPU holds {self._label(held, job)} where {self._label(asked[0], job)} was asked: "
-            f"measured at {self._label(held, job)}; settings above it left out"
+            f"the GPU holds {held.label} where {asked[0].label} was asked: "
+            f"measured at {held.label}; settings above it left out"
         )
         return f"; {job.last_event}"
+
+    def _pace(self, snap: Snapshot, job: _Job, views: list[GpuView]) -> dict[int, Setting]:
+        """Pacing within the node (policies/_pacing.py), once the job is settled; any
+        other phase has every GPU at the job's setting."""
+        at = job.settled_index
+        if job.phase != "settled" or at is None or job.settled is None or not same_setting(job.current, job.settled):
+            return self._pacer.release(job.pace, job.current, f"the job is {job.phase}")
+        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live)
+        if moves:
+            job.ref, job.samples = None, []  # the drift watch starts again from the paced steps
+        return moves
 
     def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}
         job.grid, job.levels = (), ()
         job.phase = "baseline" if baseline is None else "search"
+        job.stale = job.live if job.current.uncapped and not job.live_paced else None
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
         job.rechecked_once = False
@@ -307,7 +331,7 @@ class EfficientPolicy:
         """Want ``s`` from now on; bank what the current visit measured."""
         if same_setting(s, job.current):
             return
-        if job.live is not None and job.phase != "recheck":
+        if job.live is not None and job.phase != "recheck" and not job.live_paced:
             job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
         job.live = None
         job.current = s
@@ -316,18 +340,22 @@ class EfficientPolicy:
         m = j.measure
         if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
-        ev = Evidence.of(m)
-        if job.live is not None and ev.steps < job.live.steps:
+        if job.stale is not None and m.steps < job.stale.steps:
+            job.stale = None  # the daemon's measure started again since
+        ev = Evidence.of(m).after(job.stale)
+        if job.live is not None and ev.steps < job.live.steps and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
                 job.recheck = (job.recheck or Evidence()).plus(job.live)
             else:
                 job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
+        if job.live is None or ev.steps < job.live.steps:
+            job.live_paced = bool(job.pace.held)  # a new measure: paced or not from its start
         job.live = ev
 
     def _evidence(self, job: _Job) -> dict[Setting, Evidence]:
         ev = dict(job.cache)
-        if job.live is not None and job.phase != "recheck" and job.live.steps > 0:
+        if job.live is not None and job.phase != "recheck" and job.live.steps > 0 and not job.live_paced:
             ev[job.current] = ev.get(job.current, Evidence()).plus(job.live)
         return ev
 
@@ -383,8 +411,8 @@ class EfficientPolicy:
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
                 return (
-                    f"job {j.job}: searching, measuring {self._label(job.current, job)} "
-                    f"({have}/{job.need} steps; {self._n_measured(ev)} candidates measured)"
+                    f"job {j.job}: searching, measuring {job.current.label} "
+                    f"({have}/{job.need} steps; {n_measured(ev)} candidates measured)"
                 )
         action = self._plan(job, ev, g, j)
         target = job.grid[action.index]
@@ -397,8 +425,8 @@ class EfficientPolicy:
             job.need = action.steps
             have = ev.get(target, Evidence()).steps if same_setting(target, job.current) else 0
             return (
-                f"job {j.job}: searching, measuring {self._label(target, job)} "
-                f"({have}/{action.steps} steps; {self._n_measured(ev)} candidates measured)"
+                f"job {j.job}: searching, measuring {target.label} "
+                f"({have}/{action.steps} steps; {n_measured(ev)} candidates measured)"
             )
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
@@ -409,8 +437,8 @@ class EfficientPolicy:
                 job.settled_job_steps = j.steps - job.start_steps
         self._switch(job, target)
         here = self._evidence(job).get(target, Evidence())
-        if job.ref is None and job.live is not None and job.live.steps >= self.min_steps:
-            job.ref = here
+        if job.ref is None and job.live is not None and job.live.steps >= self.min_steps and job.pace.ref is None:
+            job.ref = job.live if job.pace.held else here  # (paced: once its move is checked)
         if job.live is not None:
             job.samples.append(job.live)
             del job.samples[:-_SAMPLES_KEEP]
@@ -614,17 +642,6 @@ class EfficientPolicy:
 
     # ------------------------------------------------------------------ display
 
-    @staticmethod
-    def _n_measured(ev: dict[Setting, Evidence]) -> int:
-        return sum(1 for s, e in ev.items() if not s.uncapped and e.steps > 0)
-
-    def _label(self, s: Setting, job: _Job) -> str:
-        if s.uncapped:
-            return "uncapped"
-        if s.clock_cap_mhz is not None:
-            return f"{s.clock_cap_mhz} MHz"
-        return f"{s.power_limit_w:g} W"
-
     def _bound_text(self, job: _Job | None = None) -> str:
         if self.objective == "cost":
             return f"cost eta={self.eta:g}"
@@ -635,47 +652,38 @@ class EfficientPolicy:
     def _settled_line(self, name: str, job: _Job, ev: dict[Setting, Evidence], s: Setting) -> str:
         base, here = ev.get(UNCAPPED), ev.get(s)
         if s.uncapped or base is None or here is None or here.steps == 0:
-            return f"job {name} settled at {self._label(s, job)} ({self._bound_text(job)})"
+            return f"job {name} settled at {s.label} ({self._bound_text(job)})"
         de = here.energy_per_flop_j / base.energy_per_flop_j - 1.0
         dt = here.time_per_flop_s / base.time_per_flop_s - 1.0
-        return (
-            f"job {name} settled at {self._label(s, job)}: {de:+.0%} energy/FLOP, "
-            f"{dt:+.1%} time ({self._bound_text(job)})"
-        )
+        return f"job {name} settled at {s.label}: {de:+.0%} energy/FLOP, {dt:+.1%} time ({self._bound_text(job)})"
 
     def _details(self, job: _Job, g: GpuView) -> dict[str, Any]:
         ev = self._evidence(job)
         base = ev.get(UNCAPPED)
-        measured = {self._label(s, job): e.steps for s, e in ev.items() if e.steps > 0}
+        measured = {s.label: e.steps for s, e in ev.items() if e.steps > 0}
         best: dict[str, Any] | None = None
         s = job.settled
         if s is not None and base is not None and s in ev and ev[s].steps > 0 and base.steps > 0:
             best = {
                 "setting": {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w},
-                "label": self._label(s, job),
+                "label": s.label,
                 "energy_per_flop_change": ev[s].energy_per_flop_j / base.energy_per_flop_j - 1.0,
                 "time_per_flop_change": ev[s].time_per_flop_s / base.time_per_flop_s - 1.0,
             }
         return {
             "knob": job.knob,
             "phase": job.phase,
-            "current": self._label(job.current, job),
-            "candidates_measured": self._n_measured(ev),
+            "current": job.current.label,
+            "candidates_measured": n_measured(ev),
             "measured_steps": measured,
             "best": best,
             "bound": None if self.objective == "cost" else self.max_slowdown,
             "allowed_slowdown": None if self.objective == "cost" else job.allowed - 1.0,
             "search_steps": job.settled_job_steps,
             "retunes": job.retunes,
+            "paced": {str(i): job.grid[k].label for i, k in sorted(job.pace.held.items())},
             "last_event": job.last_event,
             # This node's uncapped time per FLOP: the daemon turns it into the job's local
             # step time and the ranks agree the job's pace from it (docs/protocol.md).
             "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.steps > 0 else None,
         }
-
-
-def _level(s: Setting) -> float | None:
-    """The clock (MHz) or power limit (W) of a capped setting."""
-    if s.clock_cap_mhz is not None:
-        return float(s.clock_cap_mhz)
-    return None if s.power_limit_w is None else float(s.power_limit_w)

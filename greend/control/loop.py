@@ -275,6 +275,7 @@ class ControlLoop:
                     power_limit_default_w=g.power_limit_default_w,
                     refused_knobs={k: r["reason"] for k, r in ctrl.refused_knobs(g.index).items()},
                     clock_cap_asked_mhz=None if asked is None else asked["asked"],
+                    util_pct=g.util_gpu_pct,
                 )
             )
         self.ctx.jobs.proposals_not_taken()  # logged once each, before the policy looks
@@ -318,15 +319,20 @@ class ControlLoop:
         changed: list[str] = []
         points: list[Point] = []
         ts = ts_ns(ctx.wall())
-        for job_id, setting in decision.settings.items():
+        for job_id in list(decision.settings) + [k for k in decision.job_gpu_settings if k not in decision.settings]:
             job = jobs.get(job_id)
             if job is None or not job.running:
                 continue
             job_gpus = sorted(job.gpus)
             moved = False
+            setting = decision.settings.get(job_id)
+            per_gpu = decision.job_gpu_settings.get(job_id, {})
             for gpu in job_gpus:
+                want = per_gpu.get(gpu, setting)  # a paced GPU's own, else the job's
+                if want is None:
+                    continue
                 before = self.ctrl.current(gpu)
-                in_force = self._apply_gpu(gpu, setting, owner=job_id)
+                in_force = self._apply_gpu(gpu, want, owner=job_id)
                 if in_force is not None and in_force != before:
                     moved = True
                     points.append(self.cap_point(ts, in_force, decision.reason, gpu=gpu, job=job_id))

@@ -14,8 +14,10 @@
    ``set_locked_clocks`` / ``reset_locked_clocks`` / ``set_power_limit_w``;
    a job whose GPUs' setting changed gets a fresh measure.
 
-Phase changes (a job's FLOPs or memory share switching at a step) and jobs that
-arrive later are described by :class:`SimJob`. The result holds a per-step
+Phase changes (a job's FLOPs or memory share switching at a step), jobs that
+arrive later, and stragglers are described by :class:`SimJob`: a GPU that is slower
+from the start or throttles for a span of the job's steps (:class:`Straggle`), and an
+uneven stage (``work``: one GPU's share of the FLOPs above the others'). The result holds a per-step
 trace, totals, and per job the steps its search took (until the policy first
 said ``settled``) and the final setting. Everything is ``source="sim"``.
 
@@ -36,7 +38,16 @@ from typing import Any
 from greend.policies.base import Decision, GpuView, JobMeasure, JobView, Setting, Snapshot
 from greend.probes.sim import H100, SimGpu, SimSpec
 
-__all__ = ["FakeClock", "HarnessResult", "JobResult", "SimJob", "StepRecord", "make_sim_gpus", "run_policy"]
+__all__ = [
+    "FakeClock",
+    "HarnessResult",
+    "JobResult",
+    "SimJob",
+    "StepRecord",
+    "Straggle",
+    "make_sim_gpus",
+    "run_policy",
+]
 
 
 class FakeClock:
@@ -70,6 +81,27 @@ class Phase:
     mem_share: float
 
 
+@dataclass(frozen=True)
+class Straggle:
+    """One of a job's GPUs runs ``factor`` times slower (its speed factor: a GPU that runs
+    hot and throttles) from the job's step ``start_step`` until ``stop_step`` (None: to
+    the end). Start 0 and no stop: a GPU slower all along."""
+
+    gpu: int
+    factor: float
+    start_step: int = 0
+    stop_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"straggle on gpu{self.gpu}: factor must be > 0, got {self.factor}")
+        if self.stop_step is not None and self.stop_step <= self.start_step:
+            raise ValueError(f"straggle on gpu{self.gpu}: stop_step {self.stop_step} <= start_step {self.start_step}")
+
+    def active(self, step: int) -> bool:
+        return step >= self.start_step and (self.stop_step is None or step < self.stop_step)
+
+
 @dataclass
 class SimJob:
     """A simulated training job: where it runs, what its steps are, when it runs."""
@@ -83,6 +115,16 @@ class SimJob:
     steps: int | None = None  # how many steps it runs (None: to the end)
     phases: tuple[Phase, ...] = ()  # later phases (at the job's own step count)
     pace_s: float | None = None
+    straggles: tuple[Straggle, ...] = ()  # slower or throttling GPUs (their speed factor)
+    work: dict[int, float] = field(default_factory=dict)  # GPU -> FLOPs multiplier (an uneven stage)
+
+    def speed_of(self, gpu: int, step: int) -> float:
+        """The speed factor of ``gpu`` at the job's step ``step`` (1: at full speed)."""
+        f = 1.0
+        for s in self.straggles:
+            if s.gpu == gpu and s.active(step):
+                f *= s.factor
+        return f
 
     def workload(self, step: int) -> tuple[float, float]:
         flops, m = self.flops_per_step, self.mem_share
@@ -267,6 +309,9 @@ def run_policy(
     def job_setting(sj: SimJob) -> Setting:
         return _in_force(by_index[sj.gpus[0]])
 
+    def job_settings(sj: SimJob) -> tuple[Setting, ...]:
+        return tuple(_in_force(by_index[i]) for i in sj.gpus)
+
     for it in range(steps):
         # ---- run one step of every active job
         dt_iter = 0.0
@@ -280,7 +325,11 @@ def run_policy(
                 acc = accs[sj.job] = _Acc(setting, skip=0)
             dur, en, clk_mhz = 0.0, 0.0, 0
             for i in sj.gpus:
-                c = by_index[i].run_step(flops, m, sj.precision)
+                g = by_index[i]
+                speed = sj.speed_of(i, job_steps[sj.job])
+                if sj.straggles and abs(g.speed_factor() - speed) > 1e-12:
+                    g.set_speed_factor(speed)
+                c = g.run_step(flops * sj.work.get(i, 1.0), m, sj.precision)
                 dur = max(dur, c.duration_s)
                 en += c.energy_j
                 period_energy[i] += c.energy_j
@@ -349,6 +398,7 @@ def run_policy(
             period_busy,
             last_clock,
             cpu_power_w,
+            period_time,
         )
         period_energy = {g.index: 0.0 for g in gpus}
         period_busy = {g.index: 0.0 for g in gpus}
@@ -357,7 +407,7 @@ def run_policy(
         decisions.append((snap.t_s, decision))
         jd = decision.details.get("jobs", {}) if isinstance(decision.details, dict) else {}
         # ---- apply
-        before = {sj.job: job_setting(sj) for sj in jobs}
+        before = {sj.job: job_settings(sj) for sj in jobs}
         for job, s in decision.settings.items():
             target = next((x for x in jobs if x.job == job), None)
             if target is None:
@@ -365,13 +415,17 @@ def run_policy(
             sj = target
             for i in sj.gpus:
                 _apply(by_index[i], s)
+        for job, per_gpu in decision.job_gpu_settings.items():
+            target = next((x for x in jobs if x.job == job), None)
+            for i, s in per_gpu.items():
+                if target is not None and i in target.gpus:
+                    _apply(by_index[i], s)
         for i, s in decision.gpu_settings.items():
             if i in by_index:
                 _apply(by_index[i], s)
         for sj in jobs:
-            now = job_setting(sj)
-            if now != before[sj.job]:
-                accs[sj.job] = _Acc(now, skip=settle_steps)
+            if job_settings(sj) != before[sj.job]:
+                accs[sj.job] = _Acc(job_setting(sj), skip=settle_steps)
                 results[sj.job].settings_applied += 1
             info = jd.get(sj.job) if isinstance(jd, dict) else None
             ph = info.get("phase", "") if isinstance(info, dict) else ""
@@ -406,6 +460,7 @@ def _snapshot(
     period_busy: dict[int, float],
     last_clock: dict[int, int],
     cpu_power_w: float | None,
+    period_time: float = 0.0,
 ) -> Snapshot:
     views = []
     for g in gpus:
@@ -414,6 +469,7 @@ def _snapshot(
         # bookkeeping): a busy GPU shows its power while busy, an idle one idle_w.
         busy = period_busy[g.index]
         power = period_energy[g.index] / busy if busy > 0 else g.spec.idle_w
+        util = min(100.0, 100.0 * busy / period_time) if period_time > 0 else None
         views.append(
             GpuView(
                 index=g.index,
@@ -426,6 +482,7 @@ def _snapshot(
                 power_limit_min_w=g.spec.power_limit_min_w,
                 power_limit_max_w=g.spec.power_limit_max_w,
                 power_limit_default_w=g.spec.power_limit_default_w,
+                util_pct=util,
             )
         )
     jvs = []

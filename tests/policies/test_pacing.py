@@ -1,0 +1,127 @@
+"""Pacing within a node (policies/_pacing.py): the GPUs of one job that wait for a slower
+one are slowed to its pace, through the harness on simulated H100s (figures: source=sim)."""
+
+from __future__ import annotations
+
+import pytest
+
+from greend.policies import get_policy
+from greend.policies._evidence import Evidence
+from greend.policies._pacing import Pacer, PaceState
+from greend.policies.base import UNCAPPED, GpuView, Setting
+from greend.probes.sim import H100
+from greend.testing.harness import HarnessResult, SimJob, Straggle, make_sim_gpus, run_policy
+
+FLOPS = 1e12
+N = 8
+
+
+def run(policy: str, steps: int, straggles=(), work=None, **params) -> tuple[HarnessResult, list[float]]:
+    gpus, _ = make_sim_gpus(N)
+    job = SimJob("j", tuple(range(N)), FLOPS, 0.4, straggles=tuple(straggles), work=dict(work or {}))
+    pol = get_policy(policy, **params) if params else get_policy(policy)
+    r = run_policy(pol, gpus, steps=steps, jobs=[job], settle_steps=1)
+    return r, [g.energy_j() for g in gpus]
+
+
+def paced(r: HarnessResult, at: int) -> dict[str, str]:
+    return r.decisions[at][1].details["jobs"]["j"]["paced"]
+
+
+@pytest.mark.parametrize("how", ["slower GPU", "uneven stage"])
+def test_gpus_off_the_critical_path_are_paced_without_slowing_the_job(how: str) -> None:
+    kw = {"straggles": [Straggle(7, 1.2)]} if how == "slower GPU" else {"work": {7: 1.2}}
+    none, e_none = run("none", 400, **kw)
+    eff, e_eff = run("efficient", 400, max_slowdown=0.0, **kw)
+    held = paced(eff, -1)
+    assert set(held) == {str(i) for i in range(7)}, held  # every GPU but the slow one
+    assert "7" not in held
+    # Settled and paced, the job steps exactly at the slow GPU's pace (sim: no noise).
+    last_none = [x.duration_s for x in none.trace[-100:]]
+    last_eff = [x.duration_s for x in eff.trace[-100:]]
+    assert sum(last_eff) / sum(last_none) - 1 < 0.002
+    assert eff.total_time_s / none.total_time_s - 1 < 0.01  # the search included
+    saved_fast = 1 - sum(e_eff[:7]) / sum(e_none[:7])
+    assert saved_fast > 0.15, saved_fast
+    assert abs(e_eff[7] / e_none[7] - 1) < 0.05  # the critical GPU keeps the job's setting
+
+
+def test_a_straggler_that_comes_and_goes_is_followed() -> None:
+    straggle = Straggle(7, 1.3, start_step=150, stop_step=400)
+    eff, _ = run("efficient", 600, straggles=[straggle], max_slowdown=0.0)
+    assert paced(eff, 140) == {}  # no straggler yet: nothing to pace
+    assert len(paced(eff, 380)) == 7  # while it lasts: the others keep its pace
+    # It heals at the job's step 400: the paced GPUs are the critical path then, and get
+    # the job's setting back within one period (every step here).
+    after = next(k for k in range(400, 600) if paced(eff, k) == {})
+    assert after <= 401
+    assert "back on the critical path" in eff.decisions[after][1].reason
+    # Never left slower than policy none would run it, once the straggler is gone.
+    none, _ = run("none", 600, straggles=[straggle])
+    heal_eff = [x.duration_s for x in eff.trace[402:]]
+    heal_none = [x.duration_s for x in none.trace[402:]]
+    paced_slower = [a for a, b in zip(heal_eff, heal_none) if a > b * 1.001]
+    settled = [x for x in eff.trace[402:] if x.phase == "settled"]
+    assert settled and not [x for x in settled if x.duration_s > heal_none[0] * 1.001], paced_slower[:3]
+
+
+def _views(utils: list[float]) -> list[GpuView]:
+    clocks = H100.supported_sm_clocks_mhz
+    return [
+        GpuView(i, "sim", 500.0, 1980.0, None, 700.0, clocks, 200.0, 700.0, 700.0, util_pct=u)
+        for i, u in enumerate(utils)
+    ]
+
+
+def _ev(steps: int, time_s: float) -> Evidence:
+    return Evidence(steps, steps * FLOPS, time_s, steps * 500.0, None, None)
+
+
+def test_a_measured_slowdown_undoes_the_move_and_backs_off() -> None:
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    before = _ev(16, 16.0)
+    moved = p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0]), before)
+    assert list(moved) == [0] and moved[0].clock_cap_mhz is not None and moved[0].clock_cap_mhz < 1980
+    assert p.step(ps, 11.0, grid, levels, base, _views([95.0, 100.0]), before) == {}  # not measured yet
+    assert p.step(ps, 12.0, grid, levels, base, _views([95.0, 100.0]), _ev(4, 4.0)) == {}  # too few steps
+    undone = p.step(ps, 13.0, grid, levels, base, _views([95.0, 100.0]), _ev(16, 16.0 * 1.04))  # 4 % slower
+    assert undone == {0: UNCAPPED} and ps.held == {} and ps.undos == 1
+    assert "undone" in ps.last_event
+    # It waits (30 s) before it tries again, then tries.
+    assert p.step(ps, 20.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0)) == {}
+    assert list(p.step(ps, 44.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0))) == [0]
+
+
+def test_a_move_within_the_noise_stands() -> None:
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    p.step(ps, 10.0, grid, levels, len(grid) - 1, _views([80.0, 100.0]), _ev(16, 16.0))
+    assert p.step(ps, 12.0, grid, levels, len(grid) - 1, _views([97.0, 100.0]), _ev(16, 16.0 * 1.003)) == {}
+    assert ps.held and ps.undos == 0
+
+
+def test_without_utilisation_nothing_is_paced() -> None:
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    views = [
+        GpuView(i, "nvml", 500.0, 1980.0, None, 700.0, H100.supported_sm_clocks_mhz, 200.0, 700.0, 700.0)
+        for i in range(2)
+    ]
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    assert p.step(ps, 10.0, grid, [float(f) for f in clocks], len(grid) - 1, views, _ev(16, 16.0)) == {}
+
+
+def test_straggle_checks_its_span() -> None:
+    with pytest.raises(ValueError, match="factor"):
+        Straggle(0, 0.0)
+    with pytest.raises(ValueError, match="stop_step"):
+        Straggle(0, 1.2, start_step=10, stop_step=10)
+    job = SimJob("j", (0, 1), FLOPS, 0.4, straggles=(Straggle(1, 1.3, 5, 9),))
+    assert [job.speed_of(1, s) for s in (4, 5, 8, 9)] == [1.0, 1.3, 1.3, 1.0]
+    assert job.speed_of(0, 6) == 1.0
