@@ -374,13 +374,21 @@ class NvmlDevices:
                 (i for i, u in self._uuids.items() if u == uuid and i in self._handles and i not in self._lost), None
             )
 
-    def index_of_uuid(self, uuid: str) -> int | None:
+    def index_of_uuid(self, uuid: str, was_at: int | None = None) -> int | None:
         """The index of the GPU with ``uuid``: the one greend holds a handle of (no driver
         call), else the index NVML gives it now (None: there is none), looked up on a
-        worker of that UUID's own, so one GPU whose lookup hangs never holds another's."""
+        worker of that UUID's own, so one GPU whose lookup hangs never holds another's.
+        ``was_at``: the index it was last known at; while a call there is stuck (its open
+        did not return) it is not looked up (the lookup would wait a call deadline on the
+        same GPU): :class:`Unresponsive` at once."""
         held = self.held_index(uuid)
         if held is not None:
             return held
+        stuck = None if was_at is None else f"gpu{was_at}"
+        if stuck in self._unresponsive and self._worker(stuck).busy_since is not None:
+            raise Unresponsive(
+                f"{stuck} ({uuid}): not looked up by its UUID: {self._unresponsive[stuck]} (the driver may be hung)"
+            )
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
 
