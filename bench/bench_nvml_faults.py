@@ -10,6 +10,11 @@ NVML call deadline ``--deadline`` (``GREEND_NVML_DEADLINE_S``):
   uptime then, and the seconds since the process was spawned), and what it says;
   when all eight GPUs are listed (as unresponsive); the stop;
 - ``nvmlInit`` takes 4 s (as after a driver load): the same;
+- gpu3 of 8 starts hanging (60 s a call) mid-run: how late the daemon's ticks run from
+  2 s before to 8 s after (for each due time of the 10 Hz grid, the delay until a tick
+  starts; p50, p99, max), with the tick waiting at most a quarter period for the GPUs'
+  reads (greend now) and, for comparison, up to the call deadline
+  (``GREEND_NVML_READ_WAIT_S`` = the deadline: the tick as it was);
 - gpu3 of 8 starts hanging (60 s a call) after caps were set on gpu0 and gpu3: how
   long until status shows gpu3 unresponsive, how long SIGTERM takes, and whether gpu0
   was unlocked (and gpu3 left, named, for ``greend restore``);
@@ -17,7 +22,9 @@ NVML call deadline ``--deadline`` (``GREEND_NVML_DEADLINE_S``):
   gpu3, while gpu3 hangs, while every call but nvmlInit hangs, and while nvmlInit
   hangs: how long it takes, its exit status, what it restored and whom it named.
 
-Targets: status answers within 2 s of the daemon's start whatever NVML does; the
+Targets: no tick waits on a GPU that starts hanging (lateness max about the read wait,
+25 ms at 10 Hz, not a call deadline); status answers within 2 s of the daemon's start
+whatever NVML does; the
 stop and ``greend restore`` within the unit's TimeoutStopSec (30 s); gpu0 restored
 while gpu3 hangs.
 """
@@ -25,6 +32,7 @@ while gpu3 hangs.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -40,14 +48,30 @@ from greend.ipc.client import Client  # noqa: E402  # after the path above
 from greend.testing.daemon_proc import daemon_command  # noqa: E402  # after the path above
 from tests.nvml_stub import stub_env  # noqa: E402  # after the path above
 
+# The daemon with each tick's start (monotonic, the clock it ticks on) written to a file at exit.
+TICK_TIMES = """
+import atexit, json, sys
+from greend.daemon.core import Daemon
+starts, out = [], sys.argv.pop()
+tick = Daemon.tick
+Daemon.tick = lambda self, now_s: (starts.append(now_s), tick(self, now_s))[1]
+atexit.register(lambda: open(out, "w").write(json.dumps(starts)))
+from greend.cli.greend_cmd import daemon_main
+daemon_main()
+"""
 
-def spawn(tmp: Path, deadline_s: str, **faults: object) -> tuple[subprocess.Popen[bytes], Path, float]:
+
+def spawn(
+    tmp: Path, deadline_s: str, env_extra: dict[str, str] | None = None, ticks_to: Path | None = None, **faults: object
+) -> tuple[subprocess.Popen[bytes], Path, float]:
     cfg = tmp / "d.toml"
     cfg.write_text('[daemon]\nsocket_group = ""\n')
     sock = tmp / "d.sock"
     faults.setdefault("state", tmp / "gpus.txt")
     args = daemon_command(cfg, sock, tmp / "state", "--sysfs-root", str(tmp / "no-sysfs"), "--hz", "10")
-    env = {**stub_env(**faults), "GREEND_NVML_DEADLINE_S": deadline_s}
+    if ticks_to is not None:  # python -P -c TICK_TIMES run ... FILE
+        args = [args[0], "-P", "-c", TICK_TIMES, *args[4:], str(ticks_to)]
+    env = {**stub_env(**faults), "GREEND_NVML_DEADLINE_S": deadline_s, **(env_extra or {})}
     t0 = time.monotonic()
     with open(tmp / "d.log", "ab") as log:  # the daemon keeps its own copy of the descriptor
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -101,10 +125,44 @@ def ctl(sock: Path, *args: str) -> None:
     )
 
 
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def tick_lateness(deadline_s: str, read_wait_s: str | None) -> str:
+    """gpu3 starts hanging mid-run: the lateness of each due tick from 2 s before to 8 s after."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        hang, ticks = tmp / "hang-now", tmp / "ticks.json"
+        env = {} if read_wait_s is None else {"GREEND_NVML_READ_WAIT_S": read_wait_s}
+        proc, sock, _ = spawn(tmp, deadline_s, env, ticks, hang_gpus="3", hang_when=hang, hang_s=60)
+        until(lambda: len(states(status(sock))) == 8, 60)
+        time.sleep(3.0)
+        hang.touch()
+        t_hang = time.monotonic()
+        time.sleep(8.5)
+        skipped = status(sock)["ticks_skipped"]
+        stop(proc)
+        starts = json.loads(ticks.read_text())
+    period = 0.1
+    dues = [starts[0] + k * period for k in range(int((starts[-1] - starts[0]) / period))]
+    late = [next(s for s in starts if s >= due) - due for due in dues if t_hang - 2.0 <= due <= t_hang + 8.0]
+    return (
+        f"p50 {pct(late, 0.5) * 1e3:.1f} ms, p99 {pct(late, 0.99) * 1e3:.0f} ms, max {max(late) * 1e3:.0f} ms "
+        f"over {len(late)} due ticks; ticks skipped since start: {skipped}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--deadline", default="5", help="GREEND_NVML_DEADLINE_S (s)")
+    ap.add_argument("--only-ticks", action="store_true", help="only the tick lateness while a GPU starts hanging")
     a = ap.parse_args()
+    for label, wait in (("up to the call deadline (as before)", a.deadline), ("a quarter period (now)", None)):
+        print(f"gpu3 starts hanging mid-run, tick waits for reads {label}: {tick_lateness(a.deadline, wait)}")
+    if a.only_ticks:
+        return
     for name, faults in (
         ("every NVML call hangs 3 s", {"hang_gpus": "all", "hang_node": 1, "hang_s": 3}),
         ("nvmlInit takes 4 s", {"init_s": 4}),

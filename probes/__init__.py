@@ -65,6 +65,7 @@ class ProbeContext:
     nvml_module: ModuleType | Any | None = None  # None: import pynvml
     job_pids: Callable[[], list[int]] = lambda: []
     rapl_present: Callable[[], bool] = lambda: False
+    tick_period_s: float = 0.1  # the daemon's tick period: how long its tick may wait for reads
 
 
 ProbeFactory = Callable[[ProbeContext], Probe]

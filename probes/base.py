@@ -53,6 +53,9 @@ class GpuReading:
     sm_clock_max_mhz: float | None = None
     supported_sm_clocks_mhz: tuple[int, ...] = ()
     compute_capability: tuple[int, int] | None = None
+    # Seconds since this reading was taken, where the GPU's read this tick was still out
+    # (its last reading stands in; the ledger books no energy from it); None: read now.
+    stale_s: float | None = None
 
     @property
     def key(self) -> str:

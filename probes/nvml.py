@@ -29,7 +29,8 @@ The probe only reads. Settings are written by the GPU actuator
 settings writes that tells the probe to read a GPU's settings again.
 
 Failure isolation: a GPU that answers ``GPU_IS_LOST`` is logged once as an error,
-marked lost and left out of later readings while the others carry on.
+marked lost and left out of later readings while the others carry on. The daemon's tick
+never waits on a GPU that hangs: its last reading stands in, stale (``_nvml_reads.py``).
 
 Recovery: while a GPU is lost or did not answer (every ``RECOVER_EVERY_S``) and after
 NVML answered ``UNINITIALIZED`` (initialised again first), the GPUs are enumerated again
@@ -55,6 +56,7 @@ from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
 from greend.units import mw_to_w
 
 from . import ProbeContext, register
+from ._nvml_reads import Reads, tick_read_wait_s
 from ._nvml_state import Look, Looks, TrackedGpu
 from ._nvml_state import as_text as _text
 from .base import GpuReading, Probe, ProbeInfo, Readings
@@ -104,6 +106,7 @@ class NvmlProbe:
         source: str = "nvml",
         cap_lookup: Callable[[int], float | None] | None = None,
         open_wait_s: float | None = None,
+        read_wait_s: float | None = None,
     ) -> None:
         self.name = source
         self.source = source
@@ -132,6 +135,8 @@ class NvmlProbe:
         self._only: tuple[list[int], float] | None = None  # open_only(): the GPUs, nvmlInit's wait
         # Recoveries (NVML initialised again, the GPUs looked for again) in the background
         self._looks = Looks(self._look_again)
+        # The GPUs' reads, each on its own worker: a read still out is taken by a later tick
+        self._reads = Reads(self._devices, self._sample_gpu, read_wait_s)
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -329,13 +334,12 @@ class NvmlProbe:
             self._recover(reinit=False)
         live = [g for g in self._gpus if not self._devices.is_lost(g.index)]
         reinit = False
-        # Every GPU is read on its own worker, all at once: a GPU that starts hanging
-        # costs this tick one call deadline at most, whatever the number of GPUs, and
-        # later ticks nothing (its calls fail at once until it answers again).
-        read = self._devices.each({f"gpu{g.index}": ("read", partial(self._sample_gpu, g, now_s)) for g in live})
-        for gpu in live:
+        for gpu, got in self._reads.take(live, now_s):
+            if isinstance(got, GpuReading):
+                out.gpus.append(got)
+                continue
             try:
-                out.gpus.append(read[f"gpu{gpu.index}"].get())
+                raise got
             except DeviceLost as e:
                 self._devices.mark_lost(gpu.index, str(e))
             except NvmlUninitialized as e:
@@ -692,4 +696,4 @@ class NvmlProbe:
     help="NVIDIA GPUs through NVML (energy counter, power, clocks, limits)",
 )
 def _nvml_probe(ctx: ProbeContext) -> Probe:
-    return NvmlProbe(nvml=ctx.nvml_module, source="nvml", open_wait_s=OPEN_WAIT_S)
+    return NvmlProbe(nvml=ctx.nvml_module, source="nvml", open_wait_s=OPEN_WAIT_S, read_wait_s=tick_read_wait_s(ctx))

@@ -245,39 +245,56 @@ class NvmlDevices:
         at most ``wait_s`` (default ``deadline_s``): one GPU that hangs costs the others
         nothing, and the whole costs at most one deadline, never one per GPU."""
         limit_s = self.deadline_s if wait_s is None else float(wait_s)
-        out: dict[str, Outcome] = {}
-        pending: dict[str, tuple[str, Future[Any]]] = {}
-        for what, (fn, call) in calls.items():
-            w = self._worker(what)
-            if threading.current_thread() is w.thread:  # a call made from within a call
-                out[what] = Outcome.of(call)
-                continue
-            since = w.busy_since
-            if what in self._unresponsive and since is not None:
-                out[what] = Outcome(
-                    error=Unresponsive(
-                        f"{what} {fn}: not called: {self._unresponsive[what]} "
-                        f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
-                        "a hung driver needs a GPU reset or a reboot)"
-                    )
-                )
-                continue
-            call.__name__ = fn
-            pending[what] = (fn, w.submit(what, call))
+        pending = {what: (fn, self.submit(what, fn, call)) for what, (fn, call) in calls.items()}
         end = time.monotonic() + limit_s
+        out: dict[str, Outcome] = {}
         for what, (fn, fut) in pending.items():
             try:
                 out[what] = Outcome(value=fut.result(timeout=max(0.0, end - time.monotonic())))
             except FutureTimeout:
-                fut.cancel()  # queued behind a stuck call: never run it late
-                why = f"{fn} did not return within {limit_s:g} s"
-                if what not in self._unresponsive:
-                    log.error("%s is unresponsive: %s; its calls fail until it returns", what, why)
-                self._unresponsive[what] = why
-                out[what] = Outcome(error=Unresponsive(f"{what} {fn}: {why} (the driver may be hung)"))
+                out[what] = Outcome(error=self.overdue(what, fn, fut, limit_s))
             except BaseException as e:  # the call's own error, handed to the caller
                 out[what] = Outcome(error=e)
         return out
+
+    def submit(self, what: str, fn: str, call: Callable[[], Any]) -> Future[Any]:
+        """``call()`` on ``what``'s worker, not waited for: the caller waits as long as it
+        may and calls :meth:`overdue` for a call still out past its deadline. While an
+        earlier call there is stuck the future fails at once with :class:`Unresponsive`;
+        a call made from within a call runs inline (its future is done on return)."""
+        w = self._worker(what)
+        if threading.current_thread() is w.thread:
+            fut: Future[Any] = Future()
+            outcome = Outcome.of(call)
+            if outcome.error is None:
+                fut.set_result(outcome.value)
+            else:
+                fut.set_exception(outcome.error)
+            return fut
+        since = w.busy_since
+        if what in self._unresponsive and since is not None:
+            fut = Future()
+            fut.set_exception(
+                Unresponsive(
+                    f"{what} {fn}: not called: {self._unresponsive[what]} "
+                    f"(for {time.monotonic() - since:.0f} s; fix: check `nvidia-smi` and dmesg for Xid errors; "
+                    "a hung driver needs a GPU reset or a reboot)"
+                )
+            )
+            return fut
+        call.__name__ = fn
+        return w.submit(what, call)
+
+    def overdue(self, what: str, fn: str, fut: Future[Any], waited_s: float) -> Unresponsive:
+        """A call still out after ``waited_s``: cancelled if it has not started (queued
+        behind a stuck call: never run late), ``what`` marked unresponsive (logged
+        once) until a call there returns; the error to hand on."""
+        fut.cancel()
+        why = f"{fn} did not return within {waited_s:g} s"
+        if what not in self._unresponsive:
+            log.error("%s is unresponsive: %s; its calls fail until it returns", what, why)
+        self._unresponsive[what] = why
+        return Unresponsive(f"{what} {fn}: {why} (the driver may be hung)")
 
     @property
     def unresponsive(self) -> dict[str, str]:
@@ -357,13 +374,21 @@ class NvmlDevices:
                 (i for i, u in self._uuids.items() if u == uuid and i in self._handles and i not in self._lost), None
             )
 
-    def index_of_uuid(self, uuid: str) -> int | None:
+    def index_of_uuid(self, uuid: str, was_at: int | None = None) -> int | None:
         """The index of the GPU with ``uuid``: the one greend holds a handle of (no driver
         call), else the index NVML gives it now (None: there is none), looked up on a
-        worker of that UUID's own, so one GPU whose lookup hangs never holds another's."""
+        worker of that UUID's own, so one GPU whose lookup hangs never holds another's.
+        ``was_at``: the index it was last known at; while a call there is stuck (its open
+        did not return) it is not looked up (the lookup would wait a call deadline on the
+        same GPU): :class:`Unresponsive` at once."""
         held = self.held_index(uuid)
         if held is not None:
             return held
+        stuck = None if was_at is None else f"gpu{was_at}"
+        if stuck in self._unresponsive and self._worker(stuck).busy_since is not None:
+            raise Unresponsive(
+                f"{stuck} ({uuid}): not looked up by its UUID: {self._unresponsive[stuck]} (the driver may be hung)"
+            )
         nvml = self._nvml
         assert nvml is not None, "NVML is not loaded"
 

@@ -429,7 +429,7 @@ class GpuKnobs:
                 report.failed.append(RestoreFailure(entry.device, k, f"cannot restore: {why}", reason))
             return
         try:
-            index = backend.index_of_uuid(entry.uuid)
+            index = backend.index_of_uuid(entry.uuid, entry.index)
         except (ProbeError, ActuatorError) as e:
             err = knob_error(entry.device, "/".join(knobs), "find the GPU by UUID", e)
             for k in knobs:

@@ -53,7 +53,10 @@ class GpuBackend(Protocol):
         (None: not known)."""
         ...
 
-    def index_of_uuid(self, uuid: str) -> int | None: ...
+    def index_of_uuid(self, uuid: str, was_at: int | None = None) -> int | None:
+        """The index of the GPU with ``uuid`` now (None: none); ``was_at``, the index it
+        was saved at, lets a backend answer at once for a GPU there that does not answer."""
+        ...
 
     def power_limit_w(self, index: int) -> float: ...
 
@@ -267,8 +270,8 @@ class NvmlGpuBackend:
     def known_uuid(self, index: int) -> str | None:
         return self.devices.uuid_at(index)
 
-    def index_of_uuid(self, uuid: str) -> int | None:
-        return self.devices.index_of_uuid(uuid)
+    def index_of_uuid(self, uuid: str, was_at: int | None = None) -> int | None:
+        return self.devices.index_of_uuid(uuid, was_at)
 
     def power_limit_w(self, index: int) -> float:
         return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementLimit"))

@@ -108,8 +108,10 @@ def ctl_top(
         "job", "--sort", help="the jobs' order: job, energy, now (GFLOPS/W), run (GFLOPS/W), steps, rate"
     ),
 ) -> None:
-    """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits)."""
+    """GPUs, caps and jobs with their current GFLOPS/W, refreshed in place (Ctrl-C quits;
+    on a terminal: q quits, s or < > change the jobs' sort, p pauses, ? explains)."""
     from greend.cli.top import run_top
+    from greend.cli.top_keys import TerminalKeys
 
     if not (math.isfinite(interval) and interval >= 0.1):
         fail(f"--interval {interval:g}: expected seconds >= 0.1")
@@ -119,7 +121,8 @@ def ctl_top(
             return dict(c.request("status"))
 
     try:
-        run_top(status, socket=str(target.path()), interval_s=interval, once=once, sort=sort)
+        keys = None if once else TerminalKeys.for_stdin()
+        run_top(status, socket=str(target.path()), interval_s=interval, once=once, sort=sort, keys=keys)
     except GreendError as e:
         fail(str(e), code=3)
 

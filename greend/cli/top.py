@@ -20,9 +20,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from greend.cli.top_keys import HELP_LINE, KEYS_LINE, TerminalKeys
 from greend.errors import GreendError
 
-__all__ = ["SORT_KEYS", "Frame", "render_frame", "run_top"]
+__all__ = ["SORT_KEYS", "Frame", "KeysShown", "render_frame", "run_top"]
 
 
 @dataclass
@@ -148,8 +149,17 @@ def _job_table(st: dict[str, Any], frame: Frame, sort: str = "job") -> Table:
     return t
 
 
-def render_frame(frame: Frame, *, socket: str, interval_s: float, sort: str = "job") -> RenderableType:
-    head = Text(f"greend top  {socket}  every {interval_s:g} s  (Ctrl-C to quit)", style="bold")
+def render_frame(
+    frame: Frame, *, socket: str, interval_s: float, sort: str = "job", keys: KeysShown | None = None
+) -> RenderableType:
+    """One frame; ``keys``: what the keys did, on a terminal that has them (None: no keys)."""
+    if keys is None:
+        head = Text(f"greend top  {socket}  every {interval_s:g} s  (Ctrl-C to quit)", style="bold")
+    else:
+        state = "PAUSED (p resumes)" if keys.paused else f"every {interval_s:g} s"
+        head = Text(f"greend top  {socket}  {state}  ({KEYS_LINE})", style="bold")
+        if keys.help:
+            head = Text.assemble(head, "\n", Text(HELP_LINE, style="dim"))
     if frame.status is None:
         return Group(head, Text(f"daemon unavailable: {frame.error}; retrying", style="bold red"))
     st = frame.status
@@ -172,6 +182,14 @@ def render_frame(frame: Frame, *, socket: str, interval_s: float, sort: str = "j
     return Group(*parts)
 
 
+@dataclass
+class KeysShown:
+    """What the keys have done (``top`` on a terminal): refreshes paused, help shown."""
+
+    paused: bool = False
+    help: bool = False
+
+
 def run_top(
     request: Callable[[], dict[str, Any]],
     *,
@@ -182,10 +200,12 @@ def run_top(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     sort: str = "job",
+    keys: TerminalKeys | None = None,
 ) -> None:
     """Refresh until Ctrl-C. ``once``: take two readings ``interval_s`` apart (so the
     current figures exist) and print that one frame (for scripts and pipes). ``sort``:
-    the jobs' order (:data:`SORT_KEYS`)."""
+    the jobs' order (:data:`SORT_KEYS`). ``keys``: the terminal's keys (q, s < >, p, ?:
+    :mod:`greend.cli.top_keys`), None where stdin is not a terminal."""
     if sort not in SORT_KEYS:
         raise GreendError(f"--sort {sort!r}: expected one of {', '.join(SORT_KEYS)}")
     if console is None:
@@ -208,6 +228,9 @@ def run_top(
             raise GreendError(frame.error or "daemon unavailable")
         console.print(render_frame(frame, socket=socket, interval_s=interval_s, sort=sort))
         return
+    if keys is not None:
+        _run_with_keys(read, frame, keys, console, clock, socket=socket, interval_s=interval_s, sort=sort)
+        return
     try:
         with Live(
             render_frame(frame, socket=socket, interval_s=interval_s, sort=sort),
@@ -219,5 +242,50 @@ def run_top(
                 sleep(interval_s)
                 frame = read(frame)
                 live.update(render_frame(frame, socket=socket, interval_s=interval_s, sort=sort), refresh=True)
+    except KeyboardInterrupt:
+        return
+
+
+def _run_with_keys(
+    read: Callable[[Frame | None], Frame],
+    frame: Frame,
+    keys: TerminalKeys,
+    console: Console,
+    clock: Callable[[], float],
+    *,
+    socket: str,
+    interval_s: float,
+    sort: str,
+) -> None:
+    """The live frame on a terminal: a key acts at once (the frame drawn again with what
+    it changed, no new reading); readings every ``interval_s`` unless paused. The
+    terminal is given back as it was on ``q``, Ctrl-C and any error."""
+    shown = KeysShown()
+    order = list(SORT_KEYS)
+
+    def draw() -> RenderableType:
+        return render_frame(frame, socket=socket, interval_s=interval_s, sort=sort, keys=shown)
+
+    try:
+        with keys, Live(draw(), console=console, auto_refresh=False, transient=False) as live:
+            due = clock() + interval_s
+            while True:
+                pressed = keys.wait(due - clock())
+                for key in pressed:
+                    if key in "qQ":
+                        return
+                    if key in "sS>" or key == "<":
+                        step = -1 if key == "<" else 1
+                        sort = order[(order.index(sort) + step) % len(order)]
+                    elif key in "pP":
+                        shown.paused = not shown.paused
+                    elif key == "?":
+                        shown.help = not shown.help
+                if not pressed and clock() >= due:
+                    due = clock() + interval_s
+                    if shown.paused:
+                        continue
+                    frame = read(frame)
+                live.update(draw(), refresh=True)
     except KeyboardInterrupt:
         return

@@ -183,6 +183,7 @@ class Daemon:
             nvml_module=self.nvml_module(),
             job_pids=self.jobs.job_pids,
             rapl_present=lambda: self.probing.is_open("rapl"),
+            tick_period_s=1.0 / cfg.daemon.hz,
         )
 
     def nvml_module(self) -> Any | None:
@@ -290,10 +291,12 @@ class Daemon:
         # A probe that was not due this tick (the host probe's estimate, once a second)
         # stands in the snapshot with its last readings, but its energy is booked only at
         # the time it was read: booked again now, the ledger would see no energy flow
-        # between its samples, then a jump.
+        # between its samples, then a jump. So is a GPU whose read is still out (stale):
+        # its last reading stands in the snapshot, and the late read books the energy.
         for r in fresh:
             for g in r.gpus:
-                self.ledger.record(g.key, now_s, g.energy_j)
+                if g.stale_s is None:
+                    self.ledger.record(g.key, now_s, g.energy_j)
             for c in r.cpus:
                 self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
         with self._snapshot_lock:

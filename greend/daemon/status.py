@@ -87,6 +87,7 @@ def gpu_row(g: GpuReading, ledger: Ledger, origins: dict[str, str] | None = None
         "power_limit_w": g.power_limit_w,
         "power_limit_range_w": [g.power_limit_min_w, g.power_limit_max_w],
         "sm_clock_max_mhz": g.sm_clock_max_mhz,
+        "stale_s": g.stale_s,  # its read is still out: the reading is this old (None: read this tick)
         **(origins or gpu_origins(g, None, None)),
     }
 

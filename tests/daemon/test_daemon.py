@@ -326,3 +326,29 @@ def test_a_hung_tick_starves_the_watchdog(tmp_path: Path, monkeypatch: pytest.Mo
         t.join(5)
         d.close()
         rx.close()
+
+
+def test_a_stale_gpu_reading_stands_in_but_books_no_energy(daemon: Daemon) -> None:
+    """A GPU whose read is still out stands in the snapshot with its last reading,
+    marked stale; the ledger books nothing from it, so the late read's energy is spread
+    over the ticks it spans (priced as it flowed), and counted once."""
+    from greend.probes import GpuReading
+
+    plan = [(0.0, None), (0.0, 0.1), (0.0, 0.2), (300.0, None)]  # (energy J, stale_s) per tick
+
+    class LateGpu(CountingProbe):
+        def sample(self, now_s: float) -> Readings:
+            energy_j, stale_s = plan[int(now_s)]
+            return Readings(gpus=[GpuReading(0, "g", "GPU-x", "nvml", energy_j, "counter", stale_s=stale_s)])
+
+    p = LateGpu("nvml", 0.0)
+    daemon.probes = [p]
+    daemon.stats["nvml"] = ProbeStats("nvml")
+    daemon._try_open(p, first=True)
+    for t in range(3):
+        daemon.tick(float(t))
+    assert daemon.status()["gpus"][0]["stale_s"] == 0.2
+    daemon.tick(3.0)
+    assert daemon.status()["gpus"][0]["stale_s"] is None
+    assert daemon.ledger.total_j("gpu0") == 300.0
+    assert daemon.ledger.cumulative_at("gpu0", 1.5) == pytest.approx(150.0)  # not 0: no flat stretch

@@ -60,3 +60,52 @@ def test_measure_without_a_command_or_a_daemon_says_what_to_do(tmp_path: Path) -
     assert r.exit_code == 2 and "give the command after --" in r.output
     r = CliRunner().invoke(ctl_app, ["--socket", str(tmp_path / "none.sock"), "measure", "--gpus", "a,b", "--", "true"])
     assert r.exit_code == 2 and "--gpus" in r.output
+
+
+# A real daemon as one from before job kinds: its register takes no "kind" (an unknown
+# field is refused as bad_request naming it, as every daemon refuses unknown fields).
+OLDER_DAEMON = """
+from greend import protocol
+del protocol.SCHEMAS["register"]["kind"]
+from greend.cli.greend_cmd import daemon_main
+daemon_main()
+"""
+
+
+def test_measure_registers_again_without_kind_at_an_older_daemon(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """An older daemon refuses register's ``kind``: greenctl measure registers again
+    without it, the command runs and is measured, and its report still says windows,
+    not steps, and no precision (the older daemon books the job as training at fp32)."""
+    import subprocess
+
+    from greend.testing.daemon_proc import daemon_command
+    from tests.support import REPO, env, wait_for_socket
+
+    cfg, sock, state, log = tmp_path / "d.toml", tmp_path / "d.sock", tmp_path / "state", tmp_path / "d.log"
+    cfg.write_text('[daemon]\nsocket_group = ""\n')
+    args = daemon_command(cfg, sock, state, "--sim", "1", "--hz", "20")
+    args = [args[0], "-P", "-c", OLDER_DAEMON, *args[4:]]  # python -P -c OLDER_DAEMON run ...
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env())
+    d = DaemonProc(proc, sock, state, state / "greend.db", log, args)
+    daemons.append(d)
+    wait_for_socket(d)
+    from greend.errors import RequestRefused
+    from greend.ipc.client import Client
+
+    with Client(sock) as c, pytest.raises(RequestRefused) as refused:  # what greenctl meets first
+        c.request("register", job="probe", gpus=[0], kind="measure")
+    assert refused.value.code == "bad_request" and refused.value.field == "kind"
+
+    code = "import time; time.sleep(1.0); print('child ran'); raise SystemExit(4)"
+    r = d.ctl("measure", "--job", "old1", "--", sys.executable, "-c", code, check=False)
+    assert r.returncode == 4, r.stdout + r.stderr  # the command ran, its own status
+    assert "child ran" in r.stdout
+    assert "job old1  [ended, command exited with 4]" in r.stdout
+    text = r.stdout
+    assert "no steps of its own" in text and "windows" in text and "fp32" not in text, text
+    row = next(j for j in d.status()["jobs"] if j["job"] == "old1")
+    assert row["precision"] == "fp32" and row.get("kind") in (None, "training")  # booked as the older daemon does
+    rep = json.loads(d.ctl("measure", "--job", "old2", "--json", "--", sys.executable, "-c", "pass").stdout)
+    assert rep["job"] == "old2" and rep["measured_whole"] is True and rep["steps"] is None
+    assert rep["windows"] >= 1 and rep["precision"] is None and rep["gpu_energy_j"] > 0

@@ -312,3 +312,5 @@ def test_greend_restore_is_bounded_per_gpu_while_nvml_hangs(
     assert "nvidia-smi -r -i" in last and f"greend restore --state-dir {state_dir}" in last
     if fault == "nvmlInit hangs":
         assert "nvmlInit did not return within 2 s" in out, out
+    if fault == "gpu3 hangs":  # its open did not return: not looked up again by UUID (one more deadline)
+        assert "gpu3 (GPU-5ab1e000-0000-4000-8000-000000000003): not looked up by its UUID" in out, out

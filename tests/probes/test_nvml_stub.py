@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,63 @@ def test_gpus_that_do_not_answer_are_looked_for_off_the_tick() -> None:
     out = run_py(OFF_THE_TICK_SCRIPT.replace("SECONDS", "5"), hang_gpus="3", hang_s=2, env_extra=env)
     assert out["longest_s"] < 0.4, out
     assert out["states"] == ["ok", "unresponsive"] and out["last"] == 7, out
+
+
+READ_AHEAD_SCRIPT = """
+import json, os, pathlib, time
+import pynvml
+from greend.probes.nvml import NvmlProbe
+hang = pathlib.Path(os.environ["NVML_STUB_HANG_WHEN"])
+pynvml.nvmlInit()
+raw = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(3))
+raw0 = raw()
+p = NvmlProbe(read_wait_s=READ_WAIT)
+p.open()
+t0 = time.monotonic()
+ticks = []
+while time.monotonic() - t0 < 6.0:
+    t = time.monotonic()
+    if 1.0 < t - t0 < 1.6:
+        hang.touch()  # gpu3's next call hangs (2 s)
+    elif t - t0 >= 1.6:
+        hang.unlink(missing_ok=True)  # the call under way still takes its 2 s
+    g3 = next((g for g in p.sample(t).gpus if g.index == 3), None)
+    ticks.append({"at": t - t0, "took": time.monotonic() - t,
+                  "g3": None if g3 is None else [g3.stale_s, g3.energy_j],
+                  "states": sorted({s["state"] for s in p.gpu_states()})})
+    time.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
+raw1 = raw()
+print(json.dumps({"ticks": ticks, "counted_j": (raw1 - raw0) / 1000.0}))
+"""
+
+
+@pytest.mark.parametrize("read_wait_s", [0.02, None])
+def test_a_gpu_that_starts_hanging_never_holds_the_sample(read_wait_s: float | None) -> None:
+    """gpu3 starts hanging mid-run (its next call takes 2 s; the call deadline is 1 s).
+    Waiting at most 20 ms for the reads, no sample waits on it: gpu3's last reading
+    stands in, stale and with the same energy, until the deadline; then gpu3 is left
+    out, unresponsive; once its call returns it is read again, and its energy is what
+    its counter counted over the whole run (the late read lost nothing, nothing counted
+    twice). Waiting up to the deadline (None, as greend did), one sample takes it."""
+    env = {"GREEND_NVML_DEADLINE_S": "1"}
+    script = READ_AHEAD_SCRIPT.replace("READ_WAIT", repr(read_wait_s))
+    with tempfile.TemporaryDirectory() as d:
+        hang = Path(d) / "hang-now"
+        out = run_py(script, hang_gpus="3", hang_when=hang, hang_s=2, env_extra=env)
+    ticks = out["ticks"]
+    longest = max(t["took"] for t in ticks)
+    assert ticks[-1]["g3"] is not None and ticks[-1]["g3"][0] is None, ticks[-1]  # read again, fresh
+    assert ticks[-1]["g3"][1] == pytest.approx(out["counted_j"], rel=0.02), out["counted_j"]
+    assert any(t["states"] == ["ok", "unresponsive"] and t["g3"] is None for t in ticks), ticks
+    if read_wait_s is None:
+        assert longest > 0.9, longest  # the sample that met the hang waited the deadline out
+        return
+    assert longest < 0.3, [t for t in ticks if t["took"] >= 0.3]
+    stale = [t["g3"] for t in ticks if t["g3"] is not None and t["g3"][0] is not None]
+    assert len(stale) >= 5, ticks  # about one deadline of ticks at 10 Hz
+    before = [t["g3"][1] for t in ticks if t["g3"] is not None and t["g3"][0] is None and t["at"] < 1.0][-1]
+    assert all(s[1] == before for s in stale)  # the last reading stands in: no energy made up
+    assert max(s[0] for s in stale) < 1.1
 
 
 OLDEST_NVML_PY = "12.535.77"  # pyproject's lower bound for nvidia-ml-py
