@@ -173,6 +173,12 @@ class ProfileRecorder:
                 raise ProtocolError(
                     f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})", field="gpu"
                 )
+            if gpu not in self.ctx.jobs.steered_gpus(job_id):
+                raise ProtocolError(
+                    f"job {job_id} claims GPU {gpu} but does not compute there (its claim is "
+                    f"{job.claims.get(gpu, 'pending')}), or shares it with another job: start its work first",
+                    field="gpu",
+                )
             held = [
                 f"{k} ({owner})" for owner, knobs in ctrl.owners().items() for k in knobs if k.startswith(f"gpu{gpu}.")
             ]

@@ -303,6 +303,9 @@ class JobFigures:
             "ranks_here": len(job.ranks_seen),
             "ranks_gone": [g.to_json() for g in job.gone],
             "gpus": sorted(job.gpus),
+            # Each claim's state (greend.jobs.claims): "pending" GPUs show none of the
+            # job's processes and are never steered for it.
+            "gpu_claims": {str(g): job.claims[g] for g in sorted(job.claims)},
             "gpu_source": ",".join(sources) if sources else None,
             "steps": job.steps,
             "step_reports": job.step_reports,
