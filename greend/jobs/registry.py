@@ -130,6 +130,7 @@ class JobRegistry(JobTable):
         step_interval_s: float = 1.0,
         step_detail: bool = False,
         rows_every_s: float = 0.5,
+        check_owner: Callable[[str, int], None] = lambda job, uid: None,
     ) -> None:
         super().__init__(
             ledger,
@@ -147,6 +148,9 @@ class JobRegistry(JobTable):
         self.step_interval_s = step_interval_s
         self.step_detail = step_detail
         self.rows_every_s = rows_every_s  # how often callbacks send their rows (register reply)
+        # Raises PermissionError where a job id is not its caller's to take (a Slurm job
+        # of another user's: greend.jobs.slurm).
+        self.check_owner = check_owner
         # The node's GPU indices (None: no GPU probe, nothing to claim or cap), and the
         # pids of compute processes on one GPU (None: the device cannot say).
         self.gpu_indices = gpu_indices
@@ -187,6 +191,8 @@ class JobRegistry(JobTable):
             raise ProtocolError("this connection already registered a rank; open another connection", field="op")
         job_id, run, gpus = reg.job, reg.run, list(reg.gpus)
         self._check_gpus_exist(gpus)
+        if caller.uid != 0:
+            self.check_owner(job_id, caller.uid)
         claims = self._claims(gpus, caller, job_id)
         now = self.monotonic()
         cpu_now_s = self._process_cpu(caller.pid)

@@ -19,7 +19,7 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 # The columns of a job's row in ``greenctl jobs`` and ``status`` (JobFigures.row).
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
-    "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
+    "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at", "uid",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -272,6 +272,7 @@ class JobFigures:
             "world_size": job.world_size,
             "ranks_here": len(job.ranks_seen),
             "started_at": job.registered_wall_s,
+            "uid": job.uid,  # whose run (the Slurm Epilog saves only its job owner's)
         }
 
     def report(self, job: Job) -> dict[str, Any]:
