@@ -173,10 +173,11 @@ class ProfileRecorder:
                 raise ProtocolError(
                     f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})", field="gpu"
                 )
-            if gpu not in self.ctx.jobs.steered_gpus(job_id):
+            others = self.ctx.jobs.other_users(gpu, job_id)
+            if others:  # a sweep of the power limit would slow their work (greend.jobs.claims)
                 raise ProtocolError(
-                    f"job {job_id} claims GPU {gpu} but does not compute there (its claim is "
-                    f"{job.claims.get(gpu, 'pending')}), or shares it with another job: start its work first",
+                    f"GPU {gpu} is in use by job(s) {', '.join(others)} too: a profile recording needs a GPU "
+                    f"that job {job_id} does not share",
                     field="gpu",
                 )
             held = [

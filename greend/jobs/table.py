@@ -294,6 +294,16 @@ class JobTable:
                 return []
             return sorted(steered_gpus(job, [j for j in self.jobs.values() if j.running]))
 
+    def other_users(self, gpu: int, job_id: str) -> list[str]:
+        """The running jobs other than ``job_id`` whose claim on ``gpu`` is in use
+        (active or trusted: greend.jobs.claims)."""
+        with self._lock:
+            return sorted(
+                j.job
+                for j in self.jobs.values()
+                if j.running and j.job != job_id and j.claims.get(gpu, "pending") != "pending"
+            )
+
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
