@@ -389,6 +389,10 @@ class JobRegistry(JobTable):
         with self._lock:
             rs = self._session(session)
             job = self.jobs[rs.job]
+            if executed and PENDING in job.claims.values():
+                # A device model ran the rows and listed the rank on its GPUs just now:
+                # the use the next look would see (greend.jobs.claims), booked at once.
+                self._merge_claims(job, {g: "active" for g in gpus if self.modelled_gpu(g)})
             booked_s = self.monotonic()
             for i, row in enumerate(rows):
                 ex = executed[i] if executed else None
