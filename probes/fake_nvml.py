@@ -632,6 +632,16 @@ class FakeNvml:
             out.append(obj)
         return out
 
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        """None: a simulated GPU draws nothing (a data-centre GPU's usual answer)."""
+        self._gpu(handle)
+        return []
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        """None: the simulator runs no MPS server."""
+        self._gpu(handle)
+        return []
+
     def nvmlDeviceGetMigMode(self, handle: FakeHandle) -> list[int]:
         """[current, pending]: 1 with the ``mig`` fault, else 0."""
         self._gpu(handle)

@@ -9,11 +9,15 @@
 # Those files from all nodes, or the nodes' SQLite stores, give the whole job:
 #   greenctl report JOBID.0 --store node1.db --store node2.db
 #
+# Only the runs of the job's owner (SLURM_JOB_UID, set by slurmd) are waited for and saved:
+# a run another uid registered under this job's id (greend refuses that where scontrol is on
+# its PATH; see greend/jobs/slurm.py) is named in the log and left alone.
+#
 # It always exits 0: an Epilog that fails drains the node. What went wrong goes to syslog
 # (logger -t greend-epilog) or to stderr.
 #
-# Environment: SLURM_JOB_ID (set by slurmd); GREENCTL (default: greenctl), PYTHON
-# (default: python3), GREEND_REPORT_DIR, GREEND_EPILOG_WAIT_S (default 15).
+# Environment: SLURM_JOB_ID and SLURM_JOB_UID (set by slurmd); GREENCTL (default: greenctl),
+# PYTHON (default: python3), GREEND_REPORT_DIR, GREEND_EPILOG_WAIT_S (default 15).
 
 GREENCTL=${GREENCTL:-greenctl}
 PYTHON=${PYTHON:-python3}
@@ -30,25 +34,36 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
     exit 0
 fi
 
-# The job's runs: "<state> <id>" lines from greenctl jobs --json.
+# The job owner's runs: "<state> <id>" lines from greenctl jobs --json (with "others", the
+# runs of other uids under the job's id, as "<uid> <id>").
 runs() {
     $GREENCTL jobs --json 2>/dev/null | "$PYTHON" -c '
 import json, os, sys
 job = os.environ["SLURM_JOB_ID"]
+owner = os.environ.get("SLURM_JOB_UID", "")
 try:
     jobs = json.load(sys.stdin)["jobs"]
 except ValueError:
     sys.exit(0)
 for j in jobs:
     if j["job"] == job or j["job"].startswith(job + "."):
-        print(j["state"], j["job"])
-'
+        theirs = owner.isdigit() and j.get("uid") is not None and j["uid"] != int(owner)
+        if theirs == (sys.argv[1:] == ["others"]):
+            print(j["uid"] if theirs else j["state"], j["job"])
+' "$@"
 }
 
 if ! $GREENCTL status >/dev/null 2>&1; then
     say "job $SLURM_JOB_ID: greend is not reachable; nothing saved (its caps are restored when it stops: greend restore)"
     exit 0
 fi
+
+if [ -z "${SLURM_JOB_UID:-}" ]; then
+    say "job $SLURM_JOB_ID: SLURM_JOB_UID is not set: every run under the job's id is saved"
+fi
+runs others | while read -r uid run; do
+    say "job $SLURM_JOB_ID: run $run is uid $uid's, not the job owner's (uid $SLURM_JOB_UID): not saved"
+done
 
 waited=0
 while runs | grep -qv '^ended '; do

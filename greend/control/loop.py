@@ -323,7 +323,7 @@ class ControlLoop:
             job = jobs.get(job_id)
             if job is None or not job.running:
                 continue
-            job_gpus = sorted(job.gpus)
+            job_gpus = jobs.steered_gpus(job_id)  # its GPUs in use, none that is idle or shared
             moved = False
             setting = decision.settings.get(job_id)
             per_gpu = decision.job_gpu_settings.get(job_id, {})

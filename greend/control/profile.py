@@ -173,6 +173,13 @@ class ProfileRecorder:
                 raise ProtocolError(
                     f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})", field="gpu"
                 )
+            others = self.ctx.jobs.other_users(gpu, job_id)
+            if others:  # a sweep of the power limit would slow their work (greend.jobs.claims)
+                raise ProtocolError(
+                    f"GPU {gpu} is in use by job(s) {', '.join(others)} too: a profile recording needs a GPU "
+                    f"that job {job_id} does not share",
+                    field="gpu",
+                )
             held = [
                 f"{k} ({owner})" for owner, knobs in ctrl.owners().items() for k in knobs if k.startswith(f"gpu{gpu}.")
             ]

@@ -40,6 +40,7 @@ from greend.jobs.archive import ARCHIVE_DIR, JobArchive
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry
+from greend.jobs.slurm import SlurmOwners
 from greend.points import Point, cpu_point, gpu_point, host_point, probe_point, ts_ns
 from greend.probes import Probe, ProbeContext
 
@@ -113,6 +114,8 @@ class Daemon:
             # most every 0.5 s: fresh enough for both, and a node of 64 ranks sends the
             # daemon 128 messages a second whatever their step rate.
             rows_every_s=min(0.5, cfg.policy.period_s / 2, cfg.store.interval_s / 2),
+            # On a Slurm node (scontrol on PATH): a job id naming a Slurm job is its owner's.
+            check_owner=SlurmOwners().check,
         )
         self.control = ControlLoop(
             ControlContext(

@@ -269,19 +269,28 @@ class ProbeScheduler:
         return list(indices) if indices is not None else None
 
     def gpu_processes(self, index: int) -> set[int] | None:
-        """The pids of compute processes on GPU ``index`` (nvmlDeviceGetComputeRunningProcesses;
-        on simulated GPUs the simulator's process table, through the fake NVML); None
-        where the device cannot say."""
+        """The pids of the processes on GPU ``index``, as NVML lists them (host pids):
+        its compute processes (nvmlDeviceGetComputeRunningProcesses), with its graphics
+        and MPS clients where NVML lists those (an error there is no answer: those lists
+        are left out). On simulated GPUs, the simulator's process table through the fake
+        NVML. None where the device cannot say (NOT_SUPPORTED, a lost GPU, an old driver):
+        greend.jobs.claims then trusts a job's claim."""
         p = self.gpu_probe()
         devices = getattr(p, "devices", None)
         if p is None or getattr(p, "source", None) not in ("nvml", "sim") or devices is None:
             return None
         try:
-            procs = devices.call(f"gpu{index}", "nvmlDeviceGetComputeRunningProcesses", devices.handle(index))
-            return {int(x.pid) for x in procs}
+            handle = devices.handle(index)
+            pids = {int(x.pid) for x in devices.call(f"gpu{index}", "nvmlDeviceGetComputeRunningProcesses", handle)}
         except Exception as e:  # not supported, a lost GPU, an old driver: cannot say
             log.debug("compute processes of GPU %d: %s", index, e)
             return None
+        for fn in ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+            try:
+                pids |= {int(x.pid) for x in devices.call(f"gpu{index}", fn, handle)}
+            except Exception as e:  # a list this device or binding does not have
+                log.debug("%s of GPU %d: %s", fn, index, e)
+        return pids
 
     def gpu_states(self) -> dict[str, Any] | None:
         """The GPU probe's state for ``status``: ``probe``, ``state`` ("initialising",

@@ -64,6 +64,7 @@ class StoreSet:
                 retention_days=self.cfg.store.retention_days,
                 raw_hours=self.cfg.store.raw_hours,
                 rollup_s=self.cfg.store.rollup_s,
+                state_dir_path=self.cfg.daemon.state_dir,
             )
             attach = getattr(store, "attach", None)
             if attach is not None:

@@ -16,9 +16,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+# A job's claim on a GPU (greend.jobs.claims says what each means).
+ClaimState = Literal["pending", "active", "trusted"]
+
 __all__ = [
     "Baseline",
     "CapChange",
+    "ClaimState",
     "Caller",
     "RankChannel",
     "EfficiencySample",
@@ -303,6 +307,9 @@ class Job:
     ranks: dict[int, RankSession] = field(default_factory=dict)
     gone: list[RankLeft] = field(default_factory=list)
     gpus: set[int] = field(default_factory=set)
+    # Each claimed GPU's claim: "pending" (no process of the job's seen there: steers
+    # nothing), "active" or "trusted" (greend.jobs.claims).
+    claims: dict[int, ClaimState] = field(default_factory=dict)
     world_size: int = 1  # the job's ranks on all nodes, as its ranks registered it
     ranks_seen: set[int] = field(default_factory=set)  # rank ids that ran on this node
     state: JobState = "running"

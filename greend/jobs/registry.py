@@ -37,7 +37,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from greend.errors import ProtocolError
@@ -49,9 +48,10 @@ from greend.jobs.booking import (
     book_row,
     shed_step_records,
 )
+from greend.jobs.claims import PENDING, claim_state, merge, note_use, process_tree, strangers
 from greend.jobs.execution import ExecutedRow, StepExecutor, no_model
 from greend.jobs.ledger import Ledger
-from greend.jobs.records import Caller, Job, RankLeft, RankSession, StepAggregate
+from greend.jobs.records import Caller, ClaimState, Job, RankLeft, RankSession, StepAggregate
 from greend.jobs.table import JobTable
 from greend.points import Point, decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
 from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsRow
@@ -68,6 +68,7 @@ CPU_END_WAIT_S = 3.0
 # A gap this long between two ticks is the daemon's own stall (SIGSTOP, a paused VM, a
 # stuck driver call), not its clients': the stall's length is not held against them.
 STALL_GAP_S = 2.0
+CLAIM_LOOK_S = 1.0  # pending GPU claims are looked at again this often (greend.jobs.claims)
 ENDED_SERIES_POINTS = 600  # an ended job's series (its report's plot) is thinned to this
 EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
 
@@ -129,6 +130,7 @@ class JobRegistry(JobTable):
         step_interval_s: float = 1.0,
         step_detail: bool = False,
         rows_every_s: float = 0.5,
+        check_owner: Callable[[str, int], None] = lambda job, uid: None,
     ) -> None:
         super().__init__(
             ledger,
@@ -146,6 +148,9 @@ class JobRegistry(JobTable):
         self.step_interval_s = step_interval_s
         self.step_detail = step_detail
         self.rows_every_s = rows_every_s  # how often callbacks send their rows (register reply)
+        # Raises PermissionError where a job id is not its caller's to take (a Slurm job
+        # of another user's: greend.jobs.slurm).
+        self.check_owner = check_owner
         # The node's GPU indices (None: no GPU probe, nothing to claim or cap), and the
         # pids of compute processes on one GPU (None: the device cannot say).
         self.gpu_indices = gpu_indices
@@ -169,6 +174,7 @@ class JobRegistry(JobTable):
         # Jobs whose id a new run took while they were still ending: the tick closes them.
         self._closing: list[Job] = []
         self.sessions: dict[int, RankSession] = {}  # by session (the connection's id)
+        self._claims_looked_s = float("-inf")  # the tick's last look at pending claims
         self._last_host_t: float | None = None
         self.on_job_end: list[Callable[[Job], None]] = []
 
@@ -186,7 +192,8 @@ class JobRegistry(JobTable):
         job_id, run, gpus = reg.job, reg.run, list(reg.gpus)
         self._check_gpus_exist(gpus)
         if caller.uid != 0:
-            self._check_gpus_used(gpus, caller.pid, job_id)
+            self.check_owner(job_id, caller.uid)
+        claims = self._claims(gpus, caller, job_id)
         now = self.monotonic()
         cpu_now_s = self._process_cpu(caller.pid)
         with self._lock:
@@ -208,17 +215,10 @@ class JobRegistry(JobTable):
                     f"job {job_id!r} belongs to uid {job.uid}; a process of uid {caller.uid} "
                     "cannot join it (use another job id)"
                 )
-            if caller.uid != 0:
-                # A job's client steers its own GPUs only: GPUs that a running job of
-                # another user holds cannot be claimed (caps would follow the claim).
-                for other in self.jobs.values():
-                    held = sorted(other.gpus.intersection(gpus))
-                    if other.state == "running" and other.uid != caller.uid and held:
-                        raise PermissionError(
-                            f"GPU(s) {held} are in use by job {other.job!r} of uid {other.uid}; a "
-                            f"process of uid {caller.uid} cannot register them (check "
-                            "CUDA_VISIBLE_DEVICES, or ask an admin)"
-                        )
+            # Another job's claim never refuses this one by itself: where that job
+            # computes on the GPU and this one does not, _claims refused it already (the
+            # GPU lists the other's processes); a claim of its that is pending or trusted
+            # keeps no one off (greend.jobs.claims).
             if job is None and not caller.admin:
                 mine = sum(1 for j in self.jobs.values() if j.uid == caller.uid and j.state != "ended")
                 if mine >= self.max_jobs_per_uid:
@@ -263,6 +263,7 @@ class JobRegistry(JobTable):
                 job.cpu_busy0_s = self._node_cpu_busy_s
             job.ranks[caller.session] = rs
             job.gpus.update(gpus)
+            self._merge_claims(job, claims)
             job.world_size = max(job.world_size, rs.world_size)
             job.ranks_seen.add(rs.rank)
             self.sessions[caller.session] = rs
@@ -289,27 +290,77 @@ class JobRegistry(JobTable):
                 f"GPU(s) {missing} do not exist on this node (its GPUs: {sorted(present) or 'none'})", field="gpus"
             )
 
-    def _check_gpus_used(self, gpus: list[int], pid: int, job_id: str) -> None:
-        """A rank may claim a GPU only where the job's processes run: where the device
-        lists compute processes and none is this rank's or a child's, the claim is refused
-        (a GPU with no process yet is accepted: CUDA may start after registration)."""
-        mine: set[int] | None = None
+    def _claims(self, gpus: list[int], caller: Caller, job_id: str) -> dict[int, ClaimState]:
+        """Each GPU's claim state for this rank (greend.jobs.claims). A non-root rank may
+        not claim a GPU that runs other processes and none of this job's (the rank's,
+        its children's, or the job's other ranks')."""
+        if not gpus:
+            return {}
+        mine = process_tree(caller.pid)
+        with self._lock:
+            job = self.jobs.get(job_id)
+            for rs in job.ranks.values() if job is not None and job.running else ():
+                mine |= process_tree(rs.pid)
+        out: dict[int, ClaimState] = {}
         for g in gpus:
             procs = self.gpu_processes(g)
-            if not procs:
-                continue
-            if mine is None:
-                mine = _process_tree(pid)
-                with self._lock:
-                    job = self.jobs.get(job_id)
-                    if job is not None:
-                        for rs in job.ranks.values():
-                            mine |= _process_tree(rs.pid)
-            if not procs & mine:
+            if caller.uid != 0 and strangers(procs, mine):
                 raise PermissionError(
-                    f"GPU {g} runs other processes and none of this job's (pid {pid} and its children): "
+                    f"GPU {g} runs other processes and none of this job's (pid {caller.pid} and its children): "
                     "a job may claim only the GPUs it uses (check CUDA_VISIBLE_DEVICES)"
                 )
+            out[g] = claim_state(procs, mine)
+        return out
+
+    def _merge_claims(self, job: Job, claims: Mapping[int, ClaimState]) -> None:
+        """Book a rank's claims on its job (the lock held), saying what a claim means."""
+        for g, state in claims.items():
+            old = job.claims.get(g)
+            new = merge(old, state)
+            if new == old:
+                continue
+            job.claims[g] = new
+            if new == PENDING:
+                log.info(
+                    "job %s: claim on GPU %d pending (none of its processes computes there yet): not steered",
+                    job.job,
+                    g,
+                )
+            else:
+                log.info("job %s: claim on GPU %d %s", job.job, g, new)
+                note_use(job, g, self.jobs.values())
+
+    def refresh_claims(self) -> None:
+        """Look again at the GPUs of pending claims: a claim whose job's process now
+        computes there becomes active. NVML is asked outside the registry's lock."""
+        with self._lock:
+            todo = [
+                (
+                    job,
+                    [g for g, st in job.claims.items() if st == PENDING],
+                    [rs.pid for rs in job.ranks.values()],
+                )
+                for job in self.jobs.values()
+                if job.running and PENDING in job.claims.values()
+            ]
+        if not todo:
+            return
+        listed: dict[int, set[int] | None] = {}
+        seen: list[tuple[Job, dict[int, ClaimState]]] = []
+        for job, pending, pids in todo:
+            mine = set().union(*(process_tree(p) for p in pids)) if pids else set()
+            if not mine:
+                continue  # no rank here now: nothing can show up
+            states = {}
+            for g in pending:
+                if g not in listed:
+                    listed[g] = self.gpu_processes(g)
+                states[g] = claim_state(listed[g], mine)
+            seen.append((job, states))
+        with self._lock:
+            for job, states in seen:
+                if job.running:
+                    self._merge_claims(job, states)
 
     def _session(self, session: int) -> RankSession:
         rs = self.sessions.get(session)
@@ -338,6 +389,10 @@ class JobRegistry(JobTable):
         with self._lock:
             rs = self._session(session)
             job = self.jobs[rs.job]
+            if executed and PENDING in job.claims.values():
+                # A device model ran the rows and listed the rank on its GPUs just now:
+                # the use the next look would see (greend.jobs.claims), booked at once.
+                self._merge_claims(job, {g: "active" for g in gpus if self.modelled_gpu(g)})
             booked_s = self.monotonic()
             for i, row in enumerate(rows):
                 ex = executed[i] if executed else None
@@ -513,6 +568,9 @@ class JobRegistry(JobTable):
         """Expire silent ranks, account CPU time, finish jobs whose end the ledger has seen."""
         points: list[Point] = []
         ended: list[Job] = []
+        if now_s - self._claims_looked_s >= CLAIM_LOOK_S:
+            self._claims_looked_s = now_s
+            self.refresh_claims()
         with self._lock:
             if host is not None:
                 if self._last_host_t is not None:
@@ -589,23 +647,3 @@ def _summary_line(s: dict[str, Any]) -> str:
         f"{s.get('steps', 0)} steps, {s.get('flops', 0):.3g} FLOP, {s.get('gpu_energy_j', 0):.1f} J GPU, "
         f"{'-' if g is None else f'{g:.2f}'} GFLOPS/W"
     )
-
-
-def _process_tree(pid: int) -> set[int]:
-    """``pid`` and its descendants (from /proc; just ``pid`` where /proc cannot say)."""
-    out: set[int] = set()
-    todo = [pid]
-    while todo and len(out) < 4096:
-        p = todo.pop()
-        if p in out or p <= 0:
-            continue
-        out.add(p)
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                try:
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-                except (OSError, ValueError):
-                    pass
-        except OSError:
-            pass
-    return out

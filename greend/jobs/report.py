@@ -20,7 +20,7 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
     "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
-    "kind", "windows",
+    "kind", "windows", "uid",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -273,6 +273,7 @@ class JobFigures:
             "world_size": job.world_size,
             "ranks_here": len(job.ranks_seen),
             "started_at": job.registered_wall_s,
+            "uid": job.uid,  # whose run (the Slurm Epilog saves only its job owner's)
         } | _kind_fields(job)
 
     def report(self, job: Job) -> dict[str, Any]:
@@ -305,6 +306,9 @@ class JobFigures:
                 "ranks_here": len(job.ranks_seen),
                 "ranks_gone": [g.to_json() for g in job.gone],
                 "gpus": sorted(job.gpus),
+                # Each claim's state (greend.jobs.claims): "pending" GPUs show none of the
+                # job's processes and are never steered for it.
+                "gpu_claims": {str(g): job.claims[g] for g in sorted(job.claims)},
                 "gpu_source": ",".join(sources) if sources else None,
                 "steps": job.steps,
                 "step_reports": job.step_reports,

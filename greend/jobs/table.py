@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from greend.jobs.booking import book_cap_change, book_proposal, book_proposals_not_taken, book_withdrawal
+from greend.jobs.claims import steered_gpus
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
 from greend.jobs.report import JobFigures
@@ -246,12 +247,16 @@ class JobTable:
 
         out = []
         with self._lock:
-            for job in self.jobs.values():
+            running = [j for j in self.jobs.values() if j.running]
+            for job in running:
                 # A command measured whole has no training level and reports windows, not
-                # steps: no policy tunes or switches it.
-                if not job.running or not job.gpus or job.kind == "measure":
+                # steps: no policy tunes or switches it. Only the GPUs its work is seen on,
+                # not shared with another job in use (greend.jobs.claims): a claim on an
+                # idle GPU is never capped.
+                steered = steered_gpus(job, running)
+                if not steered or job.kind == "measure":
                     continue
-                setting = setting_of(min(job.gpus))
+                setting = setting_of(min(steered))
                 job.capped = not setting.uncapped
                 runs = {p for rs in job.ranks.values() for p in rs.precisions} or {"fp32"}
                 # Never above the job's own level; while that is not known (a client that
@@ -263,7 +268,7 @@ class JobTable:
                 out.append(
                     JobView(
                         job=job.job,
-                        gpus=tuple(sorted(job.gpus)),
+                        gpus=tuple(sorted(steered)),
                         state=job.state,
                         steps=job.steps,
                         precision=job.precision,
@@ -282,6 +287,24 @@ class JobTable:
                     )
                 )
         return out
+
+    def steered_gpus(self, job_id: str) -> list[int]:
+        """The GPUs a policy's setting for ``job_id`` is applied on (greend.jobs.claims)."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or not job.running:
+                return []
+            return sorted(steered_gpus(job, [j for j in self.jobs.values() if j.running]))
+
+    def other_users(self, gpu: int, job_id: str) -> list[str]:
+        """The running jobs other than ``job_id`` whose claim on ``gpu`` is in use
+        (active or trusted: greend.jobs.claims)."""
+        with self._lock:
+            return sorted(
+                j.job
+                for j in self.jobs.values()
+                if j.running and j.job != job_id and j.claims.get(gpu, "pending") != "pending"
+            )
 
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)

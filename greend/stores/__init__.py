@@ -90,6 +90,10 @@ class StoreOptions:
     retention_days: float = 30.0
     raw_hours: float = 24.0  # SQLite: rows older than this are rolled up ...
     rollup_s: float = 300.0  # ... to one per series per rollup_s
+    # The state dir as configured, where ``state_dir`` reaches it through the daemon's
+    # held descriptor (``/proc/self/fd/N``): a store file configured inside it (the
+    # default ``sqlite:///<state_dir>/greend.db``) is opened through the descriptor too.
+    state_dir_path: Path | None = None
 
 
 StoreFactory = Callable[[str, StoreOptions], Store]
@@ -197,6 +201,7 @@ def open_store(
     retention_days: float = 30.0,
     raw_hours: float = 24.0,
     rollup_s: float = 300.0,
+    state_dir_path: Path | None = None,
 ) -> Store:
     """The store for ``url``, by its scheme's registered factory."""
     check_url(url)
@@ -206,5 +211,6 @@ def open_store(
         retention_days=retention_days,
         raw_hours=raw_hours,
         rollup_s=rollup_s,
+        state_dir_path=state_dir_path,
     )
     return REGISTRY[urlsplit(url).scheme].factory(url, options)

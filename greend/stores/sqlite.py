@@ -104,8 +104,13 @@ class SqliteStore:
         batch_s: float = 0.5,
         batch_max: int = 5000,
         queue_max: int = 200_000,
+        held_dir: Path | None = None,
     ) -> None:
         self.path = path
+        # Where the file is opened: through the daemon's held state dir
+        # (``/proc/self/fd/N/<name>``, see :meth:`_open`) when ``held_dir`` is given.
+        self.held_dir = held_dir
+        self.file = held_dir / path.name if held_dir is not None else path
         self.url = url or f"sqlite:///{path}"
         self.retention_days = retention_days
         self.raw_hours = raw_hours
@@ -120,7 +125,8 @@ class SqliteStore:
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if held_dir is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self._open()
             except sqlite3.DatabaseError as e:
@@ -137,11 +143,35 @@ class SqliteStore:
         self._thread.start()
 
     def _open(self) -> None:
-        # The store is greend's own (0600, whatever the umask): created here, never through
-        # a link; SQLite gives its -wal and -shm files the same mode.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Open the file (and its -wal and -shm), in the held state dir where there is one.
+
+        The store is greend's own (0600, whatever the umask): created here, never through
+        a link (``O_NOFOLLOW``); SQLite gives its -wal and -shm files the same mode.
+
+        In the daemon, the default store lives in the state dir, which greend holds open
+        (:class:`greend.fsutil.StateDir`) because whoever owns a directory above it could
+        swap it for a symlink after start. Why the store cannot be redirected then:
+
+        * The name SQLite is given is ``/proc/self/fd/N/greend.db``: ``/proc/self/fd/N``
+          is the kernel's link to the held directory itself, not a path walked by name,
+          so a swapped path above it is never followed; the file name is created with
+          ``O_NOFOLLOW`` first, so a link planted in its place is refused. Nobody but
+          greend's uid (and root) can plant one: the state dir was checked to be private
+          (0700, greend's) when it was opened.
+        * SQLite turns the name into a full path of its own (it resolves links: the
+          held directory's current name, as the kernel reports it) and opens that, and
+          names its -wal and -shm files after it. Between that resolution and the open,
+          an owner of a parent directory could still move the directory and put a link
+          there. So after the open, every descriptor SQLite opened for these three
+          files is checked (``fstat``) to be the very file inside the held directory
+          (device and inode of the name looked up through the descriptor, without
+          following a link); any other file is refused (StoreError, the connection
+          closed) and the store retried as a store that failed to open.
+        """
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.close(fd)
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        before = _open_fds() if self.held_dir is not None else {}
+        self._db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
         # Pages freed by the retention go back to the file system (incremental vacuum
         # after each prune); settable only while the file has no tables, so a store made
         # by an older greend keeps its size until a manual VACUUM.
@@ -150,8 +180,36 @@ class SqliteStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
+        if self.held_dir is not None:
+            try:
+                self._check_opened_inside(before)
+            except StoreError:
+                self._db.close()
+                raise
         self._columns = {}
         self._load_schema()
+
+    def _check_opened_inside(self, before: dict[int, tuple[int, int]]) -> None:
+        """Each descriptor opened since ``before`` for the store's files (the database,
+        -wal, -shm: by the name the kernel gives it) is the file of that name inside the
+        held state dir (see :meth:`_open`)."""
+        assert self.held_dir is not None
+        names = {self.path.name + suffix for suffix in ("", "-wal", "-shm")}
+        for n, file_id in sorted(_open_fds().items()):
+            if before.get(n) == file_id:
+                continue
+            try:
+                target = os.readlink(f"/proc/self/fd/{n}")
+                if os.path.basename(target) not in names:
+                    continue
+                want = os.lstat(self.held_dir / os.path.basename(target))
+            except FileNotFoundError:
+                continue  # a descriptor closed meanwhile (another thread's)
+            if file_id != (want.st_dev, want.st_ino):
+                raise StoreError(
+                    f"the SQLite store {self.path}: SQLite opened {target}, not the file in the state dir greend "
+                    "holds open (the state dir was moved or replaced by a link after greend started): refused"
+                )
 
     def _move_aside(self, e: Exception) -> None:
         """The file is corrupt: rename it (and its WAL) aside and start a fresh one."""
@@ -161,10 +219,11 @@ class SqliteStore:
             pass
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        moved = self.file.with_name(dest.name)  # in the held state dir, where there is one
         for suffix in ("", "-wal", "-shm"):
-            src = Path(str(self.path) + suffix)
+            src = Path(str(self.file) + suffix)
             if src.exists():
-                os.replace(src, Path(str(dest) + suffix))
+                os.replace(src, Path(str(moved) + suffix))
         self.moved_aside.append(str(dest))
         msg = (
             f"the SQLite store {self.path} is corrupt ({e}): moved aside to {dest} (inspect or delete it), "
@@ -484,6 +543,31 @@ def _check_sqlite_url(url: str, parts: SplitResult) -> None:
 def _open_sqlite(url: str, options: StoreOptions) -> SqliteStore:
     # sqlite:///ABS and sqlite:////ABS alike (a path with two leading slashes stays so in Python)
     path = Path("/" + urlsplit(url).path.lstrip("/"))
+    held = options.state_dir_path
+    inside = held is not None and options.state_dir != held and path.parent == Path(os.path.abspath(held))
     return SqliteStore(
-        path, url=url, retention_days=options.retention_days, raw_hours=options.raw_hours, rollup_s=options.rollup_s
+        path,
+        url=url,
+        retention_days=options.retention_days,
+        raw_hours=options.raw_hours,
+        rollup_s=options.rollup_s,
+        held_dir=options.state_dir if inside else None,
     )
+
+
+def _open_fds() -> dict[int, tuple[int, int]]:
+    """This process's open descriptors and the (device, inode) each refers to (empty
+    without /proc). By file, not by number alone: a number freed (the listing's own
+    descriptor) and taken again by SQLite is a new file."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for n in names:
+        try:
+            st = os.stat(f"/proc/self/fd/{n}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, another thread's)
+        out[int(n)] = (st.st_dev, st.st_ino)
+    return out

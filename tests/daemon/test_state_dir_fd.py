@@ -103,3 +103,45 @@ def test_the_default_sim_dir_is_reached_through_the_opened_dir(tmp_path: Path, d
     d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1200")  # the simulated GPU is still there
     assert os.listdir(target) == []
     assert {"saved-settings.json", "sim"} <= set(os.listdir(moved))
+
+
+def test_the_sqlite_store_in_the_state_dir_opens_through_the_held_dir(tmp_path: Path) -> None:
+    # The daemon's default store, sqlite:///<state_dir>/greend.db, opened (or opened
+    # again, after a corrupt file was moved aside) once the state dir was swapped.
+    from greend.stores import open_store
+
+    state = tmp_path / "parent" / "state"
+    sd = StateDir(state).open()
+    moved = _swap(state, tmp_path / "attacker")
+    store = open_store(f"sqlite:///{state}/greend.db", state_dir=sd.inside(), state_dir_path=state, host="n")
+    try:
+        assert os.listdir(tmp_path / "attacker") == []
+        assert {"greend.db", "greend.db-wal"} <= set(os.listdir(moved))
+        assert str(store.url).endswith(f"{state}/greend.db")  # named as configured
+    finally:
+        store.close(timeout_s=2.0)  # type: ignore[attr-defined]  # SqliteStore.close, not on the Store protocol
+    sd.close()
+
+
+def test_a_store_file_sqlite_opened_elsewhere_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The race left after SQLite resolves /proc/self/fd/N to the directory's name: the
+    # directory moved and a link put there between the resolution and the open. Here
+    # SQLite is made to open a file of the same name elsewhere; the check refuses it.
+    import sqlite3
+
+    from greend.errors import StoreError
+    from greend.stores import sqlite as sqlite_store
+
+    state = tmp_path / "state"
+    sd = StateDir(state).open()
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir()
+    real_connect = sqlite3.connect
+
+    def connect_elsewhere(name: str, **kw: object) -> sqlite3.Connection:
+        return real_connect(str(elsewhere / Path(name).name), **kw)  # type: ignore[arg-type]  # the test's redirect
+
+    monkeypatch.setattr(sqlite_store.sqlite3, "connect", connect_elsewhere)
+    with pytest.raises(StoreError, match="not the file in the state dir greend holds open"):
+        sqlite_store.SqliteStore(state / "greend.db", held_dir=sd.inside())
+    sd.close()

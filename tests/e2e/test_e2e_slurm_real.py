@@ -257,3 +257,16 @@ def test_a_slurm_job_shows_its_energy_in_slurm_and_in_greend(slurm: tuple[Slurm,
     saved = s.tmp / "reports" / f"{run}.{s.host}.json"
     _wait("the epilog's report", saved.exists, 30)
     assert json.loads(saved.read_text())["gpu_energy_j"] == pytest.approx(rep["gpu_energy_j"])
+
+    # Ownership, as greend asks this controller (greend.jobs.slurm): the job is root's, so
+    # another uid may not register under its id; a job id Slurm does not know is refused.
+    from greend.jobs.slurm import SlurmOwners
+
+    owners = SlurmOwners(run=lambda cmd, **kw: subprocess.run(cmd, env=s.env, **kw))
+    assert owners.owner(jid) == 0
+    owners.check(f"{jid}.9", 0)
+    with pytest.raises(PermissionError, match=f"names Slurm job {jid} of uid 0; a process of uid 65534"):
+        owners.check(f"{jid}.9", 65534)
+    with pytest.raises(PermissionError, match="which Slurm does not know"):
+        owners.check("987654321", 65534)
+    owners.check("not-a-slurm-id", 65534)  # not a Slurm job's name: nothing to ask

@@ -671,3 +671,120 @@ int nvmlStubGetLockedClocks(unsigned int index, unsigned int *lo, unsigned int *
     *hi = gpus[index].lock_max;
     LEAVE(NVML_SUCCESS);
 }
+
+/* ---- running processes (nvmlDevice{Compute,Graphics,MPSCompute}RunningProcesses)
+ *
+ * Environment (read at every call, so a test can change who runs where mid-run):
+ *   NVML_STUB_PROCS=path        lines "gpu pid [compute|graphics|mps] [used_mib]"
+ *                               (default kind compute, memory 0): the processes on each
+ *                               GPU. As the driver drops an exited process's context, a
+ *                               pid that no longer exists is not listed.
+ *   NVML_STUB_NO_PROCS=all|0,2  these lists answer NOT_SUPPORTED on these GPUs
+ *
+ * The three ABI variants pynvml calls: the unversioned name fills nvmlProcessInfo_v1_t
+ * (pid, usedGpuMemory); _v2 and _v3 fill nvmlProcessInfo_v2_t (plus gpuInstanceId and
+ * computeInstanceId, 0xFFFFFFFF off MIG). The size protocol is NVML's: *count in is the
+ * room in infos; with too little room (or infos NULL) *count out is the number needed
+ * and the call returns INSUFFICIENT_SIZE, except that no process at all is SUCCESS with
+ * *count 0.
+ */
+#include <errno.h>
+#include <signal.h>
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_v2_t;
+
+#define STUB_MAX_PROCS 256
+
+static int procs_unsupported(int gi) {
+    const char *v = getenv("NVML_STUB_NO_PROCS");
+    if (!v || !*v) return 0;
+    if (strcmp(v, "all") == 0) return 1;
+    char *copy = strdup(v), *save = NULL;
+    int hit = 0;
+    for (char *tok = strtok_r(copy, ",", &save); tok && !hit; tok = strtok_r(NULL, ",", &save))
+        hit = atoi(tok) == gi;
+    free(copy);
+    return hit;
+}
+
+/* The live processes of `kind` on GPU gi: pids[] and bytes[], their number returned. */
+static unsigned read_procs(int gi, const char *kind, unsigned *pids, unsigned long long *bytes) {
+    const char *path = getenv("NVML_STUB_PROCS");
+    if (!path || !*path) return 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    unsigned n = 0;
+    char line[256];
+    while (n < STUB_MAX_PROCS && fgets(line, sizeof line, f)) {
+        int g = -1;
+        unsigned pid = 0;
+        char k[16] = "compute";
+        double mib = 0;
+        if (sscanf(line, "%d %u %15s %lf", &g, &pid, k, &mib) < 2 || g != gi || pid == 0) continue;
+        if (strcmp(k, kind) != 0) continue;
+        if (kill((pid_t)pid, 0) != 0 && errno != EPERM) continue; /* exited: its context is gone */
+        pids[n] = pid;
+        bytes[n] = (unsigned long long)(mib * 1048576.0);
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
+static nvmlReturn_t running_processes(const char *fn, const char *kind, nvmlDevice_t device, unsigned int *count,
+                                      void *infos, int version) {
+    DEVICE_CALL(fn);
+    if (!count) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (procs_unsupported(device->gpu)) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    unsigned pids[STUB_MAX_PROCS];
+    unsigned long long bytes[STUB_MAX_PROCS];
+    unsigned n = read_procs(device->gpu, kind, pids, bytes);
+    if (n == 0) {
+        *count = 0;
+        LEAVE(NVML_SUCCESS);
+    }
+    if (!infos || *count < n) {
+        *count = n;
+        LEAVE(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (unsigned i = 0; i < n; i++) {
+        if (version == 1) {
+            nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+            p->pid = pids[i];
+            p->usedGpuMemory = bytes[i];
+        } else {
+            nvmlProcessInfo_v2_t *p = (nvmlProcessInfo_v2_t *)infos + i;
+            p->pid = pids[i];
+            p->usedGpuMemory = bytes[i];
+            p->gpuInstanceId = 0xFFFFFFFFu;
+            p->computeInstanceId = 0xFFFFFFFFu;
+        }
+    }
+    *count = n;
+    LEAVE(NVML_SUCCESS);
+}
+
+#define RUNNING_PROCESSES(name, kind, version)                                               \
+    nvmlReturn_t name(nvmlDevice_t device, unsigned int *count, void *infos) {               \
+        return running_processes(#name, kind, device, count, infos, version);                 \
+    }
+
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses, "compute", 1)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v2, "compute", 2)
+RUNNING_PROCESSES(nvmlDeviceGetComputeRunningProcesses_v3, "compute", 3)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses, "graphics", 1)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v2, "graphics", 2)
+RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, "graphics", 3)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, "mps", 1)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, "mps", 2)
+RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps", 3)

@@ -324,3 +324,57 @@ def test_the_oldest_nvidia_ml_py_allowed_runs_the_probe_and_the_setters(tmp_path
     assert out["gpus"] == 8 and out["name"] == "NVIDIA H100 80GB HBM3"
     assert out["energy_j"] > 0 and 60 < out["power_w"] < 701
     assert out["limit"] == 450.0 and out["clocks"] == 110
+
+
+PROCS_SCRIPT = """
+import ctypes, json, os, sys
+import pynvml
+pynvml.nvmlInit()
+h0, h1 = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlDeviceGetHandleByIndex(1)
+out = {}
+def pids(fn, h):
+    try:
+        return sorted((p.pid, p.usedGpuMemory, p.gpuInstanceId) for p in fn(h))
+    except pynvml.NVMLError as e:
+        return str(e)
+out["compute0"] = pids(pynvml.nvmlDeviceGetComputeRunningProcesses, h0)
+out["compute0_v2"] = pids(pynvml.nvmlDeviceGetComputeRunningProcesses_v2, h0)
+out["graphics0"] = pids(pynvml.nvmlDeviceGetGraphicsRunningProcesses, h0)
+out["mps0"] = pids(pynvml.nvmlDeviceGetMPSComputeRunningProcesses, h0)
+out["compute1"] = pids(pynvml.nvmlDeviceGetComputeRunningProcesses, h1)
+# The unversioned (v1) symbol through ctypes, as older bindings call it: 16-byte records,
+# and the size protocol: no room -> INSUFFICIENT_SIZE with the count needed.
+lib = pynvml.nvmlLib
+class V1(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+n = ctypes.c_uint(0)
+out["v1_probe"] = [lib.nvmlDeviceGetComputeRunningProcesses(h0, ctypes.byref(n), None), n.value]
+arr = (V1 * n.value)()
+rc = lib.nvmlDeviceGetComputeRunningProcesses(h0, ctypes.byref(n), arr)
+out["v1"] = [rc, [(r.pid, r.usedGpuMemory) for r in arr]]
+print(json.dumps(out))
+"""
+
+
+def test_the_stub_lists_running_processes_as_nvml_does(tmp_path: Path) -> None:
+    import subprocess as sp
+
+    alive = sp.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = sp.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        table = tmp_path / "procs"
+        table.write_text(
+            f"0 {alive.pid} compute 512\n0 {os.getpid()}\n0 {gone.pid} compute 1\n0 {alive.pid} graphics\n# junk line\n"
+        )
+        out = run_py(PROCS_SCRIPT, procs=table, no_procs="1")
+        na = 0xFFFFFFFF  # gpuInstanceId off MIG
+        assert out["compute0"] == sorted([[alive.pid, 512 * 2**20, na], [os.getpid(), 0, na]])  # the exited one is gone
+        assert out["compute0_v2"] == out["compute0"]
+        assert out["graphics0"] == [[alive.pid, 0, na]] and out["mps0"] == []
+        assert out["compute1"] == "Not Supported"
+        assert out["v1_probe"] == [7, 2]  # NVML_ERROR_INSUFFICIENT_SIZE, the count needed
+        assert out["v1"][0] == 0 and sorted(out["v1"][1]) == sorted([[alive.pid, 512 * 2**20], [os.getpid(), 0]])
+    finally:
+        alive.kill()
+        alive.wait(10)
