@@ -25,7 +25,6 @@ pytestmark = [pytest.mark.e2e]
 def test_demo_runs_twice_and_ends_with_the_saving(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     keep = tmp_path / "demo"
-    t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "greend.ctl", "demo", "--seconds", "8", "--gpus", "sim", "--keep", str(keep)],
         capture_output=True,
@@ -34,8 +33,9 @@ def test_demo_runs_twice_and_ends_with_the_saving(tmp_path: Path) -> None:
         cwd=REPO,
         env=env(),
     )
+    # (How long the demo takes is the README's measured figure, not a timed assertion here:
+    # a loaded machine runs it several times slower; the timeout above bounds a hang.)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert time.monotonic() - t0 < 60
     out = r.stdout
     assert "a simulated H100" in out
     # The closing table: both runs, every simulated figure labelled, and the saving.
