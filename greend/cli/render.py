@@ -281,18 +281,35 @@ def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
             f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
             f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %   (the baseline's details are not in the store)"
         ]
+    ref = sv.get("reference") or {}
     lines = [
         f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
-        f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %",
+        f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %" + (f" against {ref['label']}" if ref.get("label") else ""),
         f"    against      its own baseline: {b.get('steps')} steps uncapped at {b.get('precision')}, "
         f"{_num(b.get('joules_per_gflop'), '.4g')} J/GFLOP; {_num(sv.get('expected_gpu_energy_j'), '.1f')} J "
         "expected without greend",
+        *_pace_lines(ref),
         f"    how sure     {conf.get('level')}"
         + (" (simulated steps: no measurement noise to bound)" if conf.get("level") == "sim" else "")
         + (f" (95 %: {ci[0]:.1f} .. {ci[1]:.1f} J)" if ci else "")
         + (f"; {sv['note']}" if sv.get("note") else ""),
     ]
     return lines
+
+
+def _pace_lines(ref: dict[str, Any]) -> list[str]:
+    """The pace a job's slowdown and saving are judged by, where one is known."""
+    if ref.get("pace_s") is None:
+        return []
+    line = (
+        f"    pace         the job's {ref['pace_s']:.4g} s/step (agreed across nodes); this node uncapped "
+        f"{_num(ref.get('node_uncapped_step_s'), '.4g')} s/step"
+    )
+    if ref.get("kind") == "job_pace":
+        line += "; under policy none its GPUs would have waited for the slower node"
+        if ref.get("wait_j") is not None:
+            line += f" ({ref['wait_j']:.1f} J of that wait counted as saved)"
+    return [line]
 
 
 def _saved(j: dict[str, Any]) -> str | None:

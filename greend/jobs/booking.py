@@ -98,6 +98,8 @@ def book_row(
     if executed is not None:
         job.modelled_time_s += executed.duration_s
         job.modelled_energy_j += executed.energy_j
+        for g in rank.gpus:
+            job.gpu_modelled_s[g] = job.gpu_modelled_s.get(g, 0.0) + executed.duration_s
     if job.t_start_s is None or t0 < job.t_start_s:
         job.t_start_s = t0
     job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
@@ -134,7 +136,7 @@ def book_row(
         m.energy_sq_j2 += modelled_j * modelled_j / n
         m.t0_s = t0 if m.t0_s is None else min(m.t0_s, t0)
         m.t1_s = t1 if m.t1_s is None else max(m.t1_s, t1)
-        book_baseline(job, row, precision, executed)
+        book_baseline(job, row, precision, executed, rank.gpus)
     job.recent.append(StepRecord(t0, t1, flops, row.samples, row.tokens, modelled_s))
     closed = None
     if rank.agg is not None and rank.agg.precision != precision:  # one precision per aggregate
@@ -169,7 +171,9 @@ def follow_ranks(job: Job, row: StepsRow, *, t_wall_s: float, max_entries: int) 
     job.measure = Measure(since_s=row.t0_s)
 
 
-def book_baseline(job: Job, row: StepsRow, precision: str, executed: ExecutedRow | None) -> None:
+def book_baseline(
+    job: Job, row: StepsRow, precision: str, executed: ExecutedRow | None, gpus: list[int] | None = None
+) -> None:
     """A settled row: book it to the job's baseline if it ran uncapped at the level the
     job started at (the first row's). The per-step cost per FLOP (the model's joules,
     else seconds) feeds the baseline's standard error: a modelled row's steps are equal;
@@ -185,6 +189,10 @@ def book_baseline(job: Job, row: StepsRow, precision: str, executed: ExecutedRow
     b.flops += flops
     b.time_s += executed.duration_s if executed is not None else row.busy_s
     b.modelled_energy_j += executed.energy_j if executed is not None else 0.0
+    if executed is not None and gpus:
+        for g in gpus:  # (the rank's FLOPs split evenly over its GPUs, as the job's are)
+            b.gpu_flops[g] = b.gpu_flops.get(g, 0.0) + flops / len(gpus)
+            b.gpu_modelled_s[g] = b.gpu_modelled_s.get(g, 0.0) + executed.duration_s
     if flops >= n:  # at least one FLOP a step (the protocol's floor): a per-step cost is defined
         per_step = flops / n
         if executed is not None:

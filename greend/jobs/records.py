@@ -290,6 +290,10 @@ class Baseline:
     x_sq: float = 0.0
     spans: list[list[float]] = field(default_factory=list)
     span_open: bool = False  # the last settled step was a baseline step (a new one extends its span)
+    # Per GPU, where a device model executed the steps: each GPU's share of the FLOPs and
+    # its rank's modelled seconds (the node's critical path is its slowest GPU's).
+    gpu_flops: dict[int, float] = field(default_factory=dict)
+    gpu_modelled_s: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -328,6 +332,7 @@ class Job:
     gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
     modelled_time_s: float = 0.0  # the steps a device model executed (their report's sim_*)
     modelled_energy_j: float = 0.0
+    gpu_modelled_s: dict[int, float] = field(default_factory=dict)  # each GPU's rank's modelled seconds
     precision: str = "fp32"  # the level in force: the level its ranks' rows report running
     proposal: Proposal | None = None  # a level the daemon asked for that the ranks have not applied yet
     precision_since_steps: int = 0  # the job's steps when its level in force took effect

@@ -25,6 +25,9 @@ ROW_FIELDS = (
 
 # Below this many baseline steps the saving is not estimated.
 MIN_BASELINE_STEPS = 3
+# A job's pace within this share of this node's own uncapped step is this node's own
+# (the daemon pushes its step to the ranks again only once it moved more than 1 %).
+PACE_MARGIN = 0.01
 
 
 def savings_level(steps: int, rel_stderr: float | None) -> str:
@@ -156,6 +159,7 @@ class JobFigures:
             "saved_j": None,
             "saved_pct": None,
             "slowdown_pct": None,
+            "reference": None,
             "confidence": {"level": "none", "rel_stderr": None, "saved_j_95": None},
             "note": None,
         }
@@ -177,8 +181,9 @@ class JobFigures:
             base_e, actual_e = sum(known), gpu_energy_j
             base_t, actual_t = sum(t1 - t0 for t0, t1 in b.spans), duration_s
         expected_e = base_e / b.flops * job.flops
-        expected_t = base_t / b.flops * job.flops
-        saved = expected_e - actual_e
+        ref = self._reference(job, base_t, actual_t, modelled)
+        expected_t, actual_t = ref["time_s"], ref["actual_time_s"]
+        saved = expected_e - actual_e + (ref["wait_j"] or 0.0)
         rel_se = None
         mean = b.x_sum / b.x_n if b.x_n >= 2 else 0.0
         if mean > 0:  # (a sum of a few denormals over x_n is 0)
@@ -209,12 +214,76 @@ class JobFigures:
                 "saved_j": saved,
                 "saved_pct": 100.0 * saved / expected_e if expected_e > 0 else None,
                 "slowdown_pct": 100.0 * (actual_t / expected_t - 1.0) if expected_t > 0 else None,
+                "reference": ref,
                 "confidence": confidence,
             }
         )
         if not moved:
             out["note"] = "greend's controller did not move this job: it ran at its baseline throughout"
         return out
+
+    def _reference(self, job: Job, base_t: float, actual_t: float, modelled: bool) -> dict[str, Any]:
+        """What the job's time (and, paced, its GPUs' wait) is judged against: the time it
+        would have run under policy ``none``. That is this node's uncapped step, unless
+        the job's pace (agreed across nodes, ``pace_s``) is slower: then a slower node
+        sets it, and under ``none`` this node's GPUs would have run uncapped and waited
+        for it. Where a device model executed the steps, the node's time is its slowest
+        GPU's (its critical path): a GPU paced to a slower one on the node is judged
+        against that pace too.
+
+        ``wait_j``: the energy this node's GPUs would have spent waiting for the pace
+        under ``none`` beyond what they waited paced, at the power they drew outside
+        their steps (the ledger's joules less the modelled steps' over the time outside
+        them); None where that power is not known or nothing waits. On real GPUs the
+        baseline's joules are the ledger's over the baseline steps' windows, their
+        waits included, so no term is added."""
+        b = job.baseline
+        own_t = base_t / b.flops * job.flops
+        per_gpu_own: dict[int, float] = {}
+        if modelled and b.gpu_flops and job.gpu_modelled_s:
+            per_gpu_own = {
+                g: b.gpu_modelled_s[g] / f * job.gpu_flops.get(g, 0.0) for g, f in b.gpu_flops.items() if f > 0
+            }
+            if per_gpu_own:
+                own_t = max(per_gpu_own.values())
+                actual_t = max(job.gpu_modelled_s.values())
+        ranks = max(1, len(job.ranks_seen))
+        # The job's FLOPs per step on one rank (as the policy converts the pace: per FLOP).
+        step_flops = b.flops / b.steps
+        steps = job.flops / ranks / step_flops
+        own_step_s = own_t / steps if steps > 0 else None
+        pace = job.pace_s if job.pace_s is not None and job.pace_s > 0 else None
+        by_pace = pace is not None and own_step_s is not None and pace > own_step_s * (1.0 + PACE_MARGIN)
+        expected_t = pace * steps if by_pace and pace is not None else own_t
+        wait_j = None
+        if by_pace:
+            # Paced, the node's GPUs still wait for the slower node where their steps
+            # took less than its pace: the job ran at the pace, not faster.
+            job_t = max(actual_t, expected_t)
+            t0, t1, duration = self._span(job)
+            gpu_e = self.gpu_energy(job, t0, t1) if t0 is not None and t1 is not None else None
+            outside_s = duration * len(job.gpus) - sum(job.gpu_modelled_s.values())
+            if per_gpu_own and gpu_e is not None and outside_s > 0.01 * duration * len(job.gpus):
+                wait_w = max(0.0, gpu_e - job.modelled_energy_j) / outside_s
+                none_wait_s = sum(max(0.0, expected_t - t) for t in per_gpu_own.values())
+                paced_wait_s = sum(max(0.0, job_t - job.gpu_modelled_s.get(g, 0.0)) for g in per_gpu_own)
+                wait_j = wait_w * (none_wait_s - paced_wait_s)
+            actual_t = job_t
+        if by_pace:
+            label = "the job's pace (a slower node sets it)"
+        elif pace is not None:
+            label = "the job's pace (this node sets it: its uncapped step)"
+        else:
+            label = "this node's uncapped step" + (" (its slowest GPU's)" if len(per_gpu_own) > 1 else "")
+        return {
+            "kind": "job_pace" if by_pace else "node_uncapped",
+            "label": label,
+            "pace_s": pace,
+            "node_uncapped_step_s": own_step_s,
+            "time_s": expected_t,
+            "actual_time_s": actual_t,  # paced: the job's time here (its steps', or the pace's)
+            "wait_j": wait_j,
+        }
 
     def _span(self, job: Job) -> tuple[float | None, float | None, float]:
         """The job's life so far: (first step, last reading or step, seconds)."""
@@ -288,6 +357,12 @@ class JobFigures:
         co2 = j_to_kwh(energy) * self.grid_gco2_per_kwh if energy else 0.0
         sources = sorted({"sim" if self.modelled_gpu(g) else "nvml" for g in job.gpus})
         saving = self.savings(job, gpu_e, duration)
+        ref = saving["reference"]
+        for g in per_gpu:
+            t = job.gpu_modelled_s.get(g["gpu"])
+            g["sim_time_s"] = t
+            # Each GPU's time against the job's: at or under 0 it kept the pace.
+            g["slowdown_pct"] = 100.0 * (t / ref["time_s"] - 1.0) if t is not None and ref and ref["time_s"] else None
         return (
             {
                 "job": job.job,

@@ -150,3 +150,102 @@ def test_a_saving_is_a_share_of_the_jobs_whole_gpu_energy() -> None:
     assert sv["saved_pct"] < 1.0  # the steps were 1-2 % of the energy: no more can be saved
     assert sv["confidence"]["saved_j_95"] is None and sv["confidence"]["level"] == "sim"  # no zero-width interval
     assert r["sim"] is True and reg.list_jobs()[0]["sim"] is True  # jobs and top label it (sim)
+
+
+def _paced_job(pace_s: float | None) -> tuple[JobRegistry, Job]:
+    """Node A of a 2-node job whose node B is 1.3x slower (pace 0.13 s/step, sim): 40
+    uncapped steps of 0.1 s and 60 J, then 60 steps capped to 0.128 s and 40 J; every
+    step waits for the pace (the steps start 0.13 s apart) and the GPU draws 50 W
+    outside its steps."""
+    ledger = Ledger()
+    reg = _registry(sim=True, ledger=ledger)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    job.pace_s = pace_s
+    t, e = 0.0, 0.0
+    ledger.record("gpu0", 0.0, 0.0)
+    for i in range(100):
+        if i == 40:
+            reg.record_cap_change("j", clock_cap_mhz=1200, power_limit_w=None, reason="paced")
+        dt, joules = (0.1, 60.0) if i < 40 else (0.128, 40.0)
+        _step(reg, job, t, dt, 1e12, "fp32", joules)
+        t += 0.13
+        e += joules + 50.0 * (0.13 - dt)
+        ledger.record("gpu0", t, e)
+    job.ranks_seen.add(0)
+    job.t_end_s = t
+    return reg, job
+
+
+def test_a_paced_job_is_judged_against_the_jobs_pace_not_its_own_uncapped_step() -> None:
+    """The slow node sets the job's pace: node A capped to it did not slow the job, and
+    under `none` its GPU would have computed uncapped and waited for node B."""
+    reg, job = _paced_job(0.13)
+    r = reg.report(job)
+    sv = r["savings"]
+    ref = sv["reference"]
+    assert ref["kind"] == "job_pace" and "a slower node sets it" in ref["label"]
+    assert ref["node_uncapped_step_s"] == pytest.approx(0.1)
+    assert ref["time_s"] == pytest.approx(100 * 0.13)
+    # Its steps (11.68 s of compute) fit within the pace: the job lost nothing here.
+    assert sv["slowdown_pct"] == pytest.approx(0.0, abs=1e-9)
+    # Under none: 100 uncapped steps (6000 J) and 3 s of waiting at 50 W; paced: 4800 J
+    # of steps and 1.32 s of waiting. The wait it no longer makes is saved too.
+    assert ref["wait_j"] == pytest.approx(50.0 * (3.0 - 1.32))
+    assert sv["saved_j"] == pytest.approx(1200.0 + 84.0)
+    assert sv["gpu_energy_j"] == pytest.approx(4800.0 + 66.0)
+    assert sv["saved_pct"] == pytest.approx(100 * 1284.0 / (4866.0 + 1284.0))
+    # Its GPU's time against the pace: under it (it kept the pace with slack to spare).
+    (g,) = r["per_gpu"]
+    assert g["sim_time_s"] == pytest.approx(11.68) and g["slowdown_pct"] == pytest.approx(100 * (11.68 / 13 - 1))
+    text = render_report(r)
+    assert "slowdown +0.0 % against the job's pace (a slower node sets it)" in text
+    assert "pace         the job's 0.13 s/step" in text and "this node uncapped 0.1 s/step" in text
+
+
+def test_without_a_pace_the_same_job_reads_as_slowed_against_its_own_step() -> None:
+    reg, job = _paced_job(None)
+    sv = reg.report(job)["savings"]
+    assert sv["reference"]["kind"] == "node_uncapped" and sv["reference"]["label"] == "this node's uncapped step"
+    assert sv["slowdown_pct"] == pytest.approx(100 * (11.68 / 10.0 - 1))  # what a report said before: +16.8 %
+    assert sv["saved_j"] == pytest.approx(1200.0) and sv["reference"]["wait_j"] is None
+    assert "against this node's uncapped step" in render_report(reg.report(job))
+
+
+def test_a_pace_this_node_sets_is_its_own_uncapped_step() -> None:
+    reg, job = _paced_job(0.1005)  # within 1 %: this node's own step, pushed to the ranks
+    sv = reg.report(job)["savings"]
+    assert sv["reference"]["kind"] == "node_uncapped" and "this node sets it" in sv["reference"]["label"]
+    assert sv["slowdown_pct"] == pytest.approx(16.8)
+
+
+def test_within_a_node_a_gpu_paced_to_a_slower_one_is_not_a_slowdown() -> None:
+    """Two ranks on one node: GPU 1 is 1.3x slower; GPU 0 is capped to its pace. The
+    node's time is its slowest GPU's: the job did not slow, and GPU 0's time is judged
+    against that pace."""
+    from greend.jobs.records import RankSession
+
+    reg = _registry(sim=True)
+    job = Job("j", 1, 0.0, 0.0)
+    reg.jobs["j"] = job
+    for r in (0, 1):
+        job.ranks[r + 1] = RankSession(r + 1, "j", r, r, 2, [r], 1, 1, "h", ["fp32"], 0.3, None, 0.0)
+        job.gpus.add(r)
+        job.ranks_seen.add(r)
+    t = 0.0
+    for i in range(100):
+        if i == 40:
+            reg.record_cap_change("j", clock_cap_mhz=1200, power_limit_w=None, reason="paced")
+        for r in (0, 1):
+            dt, joules = (0.13, 60.0) if r == 1 else ((0.1, 60.0) if i < 40 else (0.128, 40.0))
+            s = StepEntry(step=i, t0_s=t, t1_s=t + dt, flops=1e12, precision="fp32", loss=1.0)
+            book_row(job, job.ranks[r + 1], s.as_row(), ExecutedRow(dt, joules), 0.0)
+        t += 0.13
+    rep = reg.report(job)
+    sv = rep["savings"]
+    assert sv["reference"]["label"] == "this node's uncapped step (its slowest GPU's)"
+    assert sv["reference"]["time_s"] == pytest.approx(13.0) and sv["slowdown_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert sv["saved_j"] == pytest.approx(60 * 20.0)
+    by_gpu = {g["gpu"]: g for g in rep["per_gpu"]}
+    assert by_gpu[1]["slowdown_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert by_gpu[0]["slowdown_pct"] == pytest.approx(100 * (11.68 / 13.0 - 1))

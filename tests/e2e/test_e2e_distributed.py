@@ -149,6 +149,16 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     for d, share in zip((fast, slow), shares, strict=True):
         assert share["world_size"] == 2 and share["ranks_here"] == 1, share
         assert "1 of the job's 2 ranks ran on this node" in d.ctl("report", "ddp").stdout
+    # The fast node's report judges its share against the job's pace (the slow node's),
+    # not its own uncapped step: capped to that pace it did not slow the job (within the
+    # policy's 5 % bound over the pace), where its own step would read over +25 %.
+    sv = shares[0]["savings"]
+    ref = sv["reference"]
+    assert sv["saved_j"] is not None and ref is not None, sv  # it settled: its baseline was measured
+    assert ref["kind"] == "job_pace" and ref["pace_s"] > 1.25 * ref["node_uncapped_step_s"], sv
+    assert sv["slowdown_pct"] <= 5.0 + 1.0, sv
+    assert "against the job's pace (a slower node sets it)" in fast.ctl("report", "ddp").stdout
+    figure(f"(sim) fast node's report: slowdown {sv['slowdown_pct']:+.2f} % against the job's pace")
     # One run: both ranks, on two nodes, agreed on its id through the rendezvous store.
     assert shares[0]["run_id"] == shares[1]["run_id"] and len(shares[0]["run_id"]) == 12, shares
     fast.stop()
