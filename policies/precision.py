@@ -88,6 +88,7 @@ from .params import Param, validate_params
 from .precision_state import (
     GUARD_Z,
     PROBATION_EXTEND,
+    PROBE_PROBATION_STEPS,
     REFERENCE_CHECKS,
     SEEN_KEEP,
     STABILITY_WINDOWS,
@@ -208,6 +209,7 @@ class PrecisionPolicy:
                     level=j.precision,
                     level_since_steps=j.steps,
                     last_steps=j.steps,
+                    last_probe_steps=j.probe_steps,
                     last_nonfinite=j.nonfinite_recent,
                     nonfinite_at_start=j.nonfinite_recent,
                 )
@@ -344,6 +346,22 @@ class PrecisionPolicy:
             )
             return self._roll_back(snap, j, js, pb, why, None)
         after = js.level_losses[self.grace_steps :]
+        if j.probe_every is not None:
+            # Every rank runs probe blocks at the level above (greend.training.probe): the
+            # level against the level above at the same point in training, where a falling
+            # loss, a change in the data and noise move both alike. The ranks roll back
+            # themselves on them (their rollback comes back as an event, with the probes'
+            # figures), for as long as the level is in force; the probation waits for
+            # their first verdict, then judges the energy.
+            need_steps = max(self.probation_steps, PROBE_PROBATION_STEPS)
+            if steps_in < need_steps:
+                return (
+                    f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: the "
+                    f"job's probes at {pb.from_level})",
+                    None,
+                    None,
+                )
+            return self._judge_energy(snap, j, js, pb, steps_in, f"no rollback from the probes at {pb.from_level}")
         if j.reference_every is not None:
             # Every rank checks the level against fp32 on a fixed batch (the same weights):
             # a like-for-like figure that a falling loss or a change in the data does not
@@ -544,12 +562,14 @@ class PrecisionPolicy:
     def _take_losses(self, j: JobView, js: JobMemory) -> list[float]:
         """The losses reported since the previous look (the tail of ``loss_recent``).
 
-        Steps minus non-finite steps since the last look (non-finite steps carry no
-        loss). With several ranks per job this is approximate: their losses interleave.
+        Steps minus non-finite steps and probe steps since the last look (neither
+        carries a loss there). With several ranks per job this is approximate: their losses interleave.
         """
         nonfinite = max(0, j.nonfinite_recent - js.last_nonfinite)
         js.last_nonfinite_prev, js.last_nonfinite = js.last_nonfinite, j.nonfinite_recent
-        new = max(0, j.steps - js.last_steps - nonfinite)
+        probes = max(0, j.probe_steps - js.last_probe_steps)  # (their losses are not the level's)
+        js.last_probe_steps = j.probe_steps
+        new = max(0, j.steps - js.last_steps - nonfinite - probes)
         js.last_steps = j.steps
         if new == 0 or not j.loss_recent:
             return []

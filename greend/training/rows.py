@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from greend.protocol import MAX_LOSS
+from greend.training.probe import probe_level
 
 __all__ = ["Row", "step_fields"]
 
@@ -77,6 +78,10 @@ class Row:
             "tokens": self.tokens,
             "precision": self.precision,
         }
+        level, probe = probe_level(self.precision)
+        if probe:
+            d["precision"] = level
+            d["probe"] = True
         if self.nonfinite:
             d["nonfinite"] = self.nonfinite
             d["nonfinite_steps"] = self.nonfinite_steps
@@ -96,7 +101,7 @@ def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
         "t0_s": t0,
         "t1_s": t1,
         "flops": float(flops) if flops is not None and flops >= 1 else 0.0,  # (less than 1: not a count)
-        "precision": precision,
+        "precision": probe_level(precision)[0],  # (an older daemon's form: a probe step as its level)
     }
     if samples is not None:
         d["samples"] = int(samples)
