@@ -584,7 +584,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # The callback checks accuracy on a reference batch every this many steps after a
         # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
         "reference_every": Field((int,), min=1, max=1 << 30),
-    "probe_every": Field((int,), min=1, max=1 << 30),
+        "probe_every": Field((int,), min=1, max=1 << 30),
         # A job of several ranks agrees on its precision every this many steps.
         "sync_every": Field((int,), min=1, max=1 << 30),
         # The run id every rank of one run shares (a rerun or a reused job id has another).

@@ -164,8 +164,10 @@ class Prober:
 
     def _next_block(self) -> None:
         b = self.blocks_done
-        offset = DENSE_EVERY * (b + 1) if b < DENSE_BLOCKS else DENSE_EVERY * DENSE_BLOCKS + self.every * (
-            b - DENSE_BLOCKS + 1
+        offset = (
+            DENSE_EVERY * (b + 1)
+            if b < DENSE_BLOCKS
+            else DENSE_EVERY * DENSE_BLOCKS + self.every * (b - DENSE_BLOCKS + 1)
         )
         self.block = _Block(self.anchor + offset - PROBE_STEPS)
         self.watch_from = self.block.start - WINDOW_STEPS
@@ -218,7 +220,8 @@ class Prober:
         rel_var = (ss1 + ss2) / dof / (scale * scale)
         penalty = ((m1 + m2) / 2 - mu) / scale
         # Each side with its own spread: a level that moved (a shift) is noisier after it.
-        se_sides = math.sqrt(ss1 / (len(blk.before) - 1) / len(blk.before) + ss2 / (len(blk.after) - 1) / len(blk.after))
+        n1, n2 = len(blk.before), len(blk.after)
+        se_sides = math.sqrt(ss1 / (n1 - 1) / n1 + ss2 / (n2 - 1) / n2)
         shifted = abs(m2 - m1) > SHIFT_Z * se_sides
         v = Verdict(blk.start, penalty, rel_var, dof, len(blk.upper), min(len(blk.before), len(blk.after)), shifted)
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,

@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
+from greend.policies.precision_state import PROBE_PROBATION_STEPS
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, Prober, probe_level, probe_tag
 from greend.training.rows import Row
-from policies.precision_state import PROBE_PROBATION_STEPS
 from tests.support import wait_for
 from tests.training.test_precision import FAST
 
