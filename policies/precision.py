@@ -32,7 +32,8 @@ small batches near convergence, is stable once enough steps pin its slope down; 
 falling loss is not, however quiet); no non-finite step since the level began; the next rung is not
 barred; and it has not been seen to save less than ``min_saving`` before.
 
-*Probation.* A new level is held for ``probation_steps`` steps. Meanwhile the
+*Probation.* (A job that probes is judged by its probes instead, below.) A new level
+is held for ``probation_steps`` steps. Meanwhile the
 mean loss after the switch (skipping ``grace_steps``) is compared with the level
 before it (the mean of the last ``window`` losses: a line's end would undershoot a
 loss that flattens as it falls), with the standard error of that excess (the
@@ -47,6 +48,17 @@ back. At the end of probation the energy per FLOP of the two
 levels is compared: a saving below ``min_saving`` goes back up too (and bars
 the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
 accepted and the policy may step further.
+
+*Jobs that probe.* A job whose ranks all run probe blocks (``JobView.probe_every``,
+:mod:`greend.training.probe`: while below its own level, a few steps at the level above
+every few hundred steps, compared with the steps around them) is judged on them: the
+ranks roll back themselves when the level is surely worse than their tolerance against
+the level above at the same point in training, for as long as it is in force, and a
+falling loss, a change in the data or noise moves both sides of that comparison alike.
+Its probation lasts ``probation_steps`` or :data:`PROBE_PROBATION_STEPS` (the first two
+blocks), whichever is longer, with no loss comparison; then the energy is judged. The
+probe steps come as probe rows: they never move the job's level, and their losses are
+not the level's (``JobView.probe_steps`` counts them).
 
 *Jobs with a reference batch.* A job whose ranks all check the level against fp32
 on a fixed batch (``GreenCallback(reference_loss=...)``, :mod:`greend.training.reference`;
