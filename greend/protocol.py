@@ -221,6 +221,7 @@ STEP_FIELDS: dict[str, Field] = {
     "loss": _LOSS,
     "nonfinite": Field((bool,)),
     "precision": Field((str,), choices=PRECISIONS),
+    "probe": Field((bool,)),  # a probe step (see INTERVAL_FIELDS)
 }
 
 # One row of an "intervals" message: a rank's consecutive steps at one precision,
@@ -374,6 +375,7 @@ class StepEntry:
     loss: float | None = None
     nonfinite: bool = False
     precision: str | None = None
+    probe: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -402,6 +404,7 @@ class StepEntry:
             samples=self.samples,
             tokens=self.tokens,
             precision=self.precision,
+            probe=self.probe,
             **losses,
         )
 
@@ -444,6 +447,7 @@ def decode_step(s: dict[str, Any]) -> StepEntry:
         loss=s.get("loss"),
         nonfinite=bool(s.get("nonfinite")),
         precision=s.get("precision"),
+        probe=bool(s.get("probe")),
     )
 
 

@@ -96,13 +96,16 @@ class Row:
 def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
     """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
     index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
+    level, probe = probe_level(precision)
     d: dict[str, Any] = {
         "step": index,
         "t0_s": t0,
         "t1_s": t1,
         "flops": float(flops) if flops is not None and flops >= 1 else 0.0,  # (less than 1: not a count)
-        "precision": probe_level(precision)[0],  # (an older daemon's form: a probe step as its level)
+        "precision": level,
     }
+    if probe:
+        d["probe"] = True
     if samples is not None:
         d["samples"] = int(samples)
     if tokens is not None:

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from greend.policies.precision_state import PROBE_PROBATION_STEPS
+from greend.protocol import decode_steps
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, Prober, probe_level, probe_tag
-from greend.training.rows import Row
+from greend.training.rows import Row, step_fields
 from tests.support import wait_for
 from tests.training.test_precision import FAST
 
@@ -102,6 +103,10 @@ def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
     fields = Row(record, True).fields()
     assert fields["precision"] == "fp32" and fields["probe"] is True
     assert "probe" not in Row((8, 1.0, 1.1, 1e9, 16, None, 0.5, False, "bf16"), True).fields()
+    entry = step_fields(record)  # the "steps" form (a daemon that keeps a row per step)
+    assert entry["precision"] == "fp32" and entry["probe"] is True
+    (decoded,) = decode_steps([entry])
+    assert decoded.probe and decoded.as_row().probe
     assert PROBE_PROBATION_STEPS == 2 * DENSE_EVERY  # the policy waits for the first two blocks
 
 
