@@ -223,6 +223,7 @@ STEP_FIELDS: dict[str, Field] = {
     "loss": _LOSS,
     "nonfinite": Field((bool,)),
     "precision": Field((str,), choices=PRECISIONS),
+    "probe": Field((bool,)),  # a probe step (see INTERVAL_FIELDS)
 }
 
 # One row of an "intervals" message: a rank's consecutive steps at one precision,
@@ -249,6 +250,9 @@ INTERVAL_FIELDS: dict[str, Field] = {
     "loss_last": _LOSS,
     "losses": Field((list,), max_len=MAX_STEPS_PER_MESSAGE),  # numbers: check_row checks them in one pass
     "precision": Field((str,), choices=PRECISIONS),
+    # Probe steps: run at the level above the job's level to judge it (a client that
+    # registered probe_every); booked as that level's energy, never as a switch.
+    "probe": Field((bool,)),
 }
 
 
@@ -357,6 +361,7 @@ class StepsRow:
     loss_last: float | None = None
     losses: tuple[float, ...] = ()  # each finite loss in order, where sent
     precision: str | None = None  # None: the job's level in force
+    probe: bool = False  # probe steps at the level above the job's (not a switch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +377,7 @@ class StepEntry:
     loss: float | None = None
     nonfinite: bool = False
     precision: str | None = None
+    probe: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -400,6 +406,7 @@ class StepEntry:
             samples=self.samples,
             tokens=self.tokens,
             precision=self.precision,
+            probe=self.probe,
             **losses,
         )
 
@@ -426,6 +433,7 @@ def decode_row(r: dict[str, Any]) -> StepsRow:
         loss_last=r.get("loss_last"),
         losses=tuple(r.get("losses") or ()),
         precision=r.get("precision"),
+        probe=bool(r.get("probe")),
     )
 
 
@@ -441,6 +449,7 @@ def decode_step(s: dict[str, Any]) -> StepEntry:
         loss=s.get("loss"),
         nonfinite=bool(s.get("nonfinite")),
         precision=s.get("precision"),
+        probe=bool(s.get("probe")),
     )
 
 
@@ -468,6 +477,9 @@ class Registration:
     precisions: tuple[str, ...]
     mem_share: float | None
     reference_every: int | None
+    # Steps between the probe blocks the rank runs at the level above while below its own
+    # level (it sends them as rows with "probe"); None: it runs none.
+    probe_every: int | None = None
     # The level the job runs at on its own (its autocast, its framework's setting): the
     # top of its ladder. None from an older client: its first steps' level tells.
     precision: str | None = None
@@ -519,6 +531,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         precisions=tuple(precisions),
         mem_share=msg.get("mem_share"),
         reference_every=msg.get("reference_every"),
+        probe_every=msg.get("probe_every"),
         precision=own,
         sync_every=msg.get("sync_every"),
         kind=msg.get("kind") or "training",
@@ -581,6 +594,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # The callback checks accuracy on a reference batch every this many steps after a
         # downgrade (GreenCallback(reference_loss=...)): its rollbacks are then the verdict.
         "reference_every": Field((int,), min=1, max=1 << 30),
+        "probe_every": Field((int,), min=1, max=1 << 30),
         # A job of several ranks agrees on its precision every this many steps.
         "sync_every": Field((int,), min=1, max=1 << 30),
         # The run id every rank of one run shares (a rerun or a reused job id has another).

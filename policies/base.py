@@ -112,6 +112,13 @@ class JobView:
     # fixed batch at the level against fp32, same weights; a failing level comes back as
     # a rollback event), or None where some rank makes none.
     reference_every: int | None = None
+    # Steps between the probe blocks every rank runs at the level above while the job is
+    # below its own level (greend.training.probe: the level against the level above at
+    # the same steps; a failing level comes back as a rollback event), or None where
+    # some rank runs none. ``probe_steps``: the probe steps so far (they carry no loss
+    # in ``loss_recent``).
+    probe_every: int | None = None
+    probe_steps: int = 0
     # The job's own level (where it started), the top of its ladder; None while not known.
     top_precision: str | None = None
     # A level the daemon proposed that the job's ranks have not applied yet (None: none

@@ -32,7 +32,8 @@ small batches near convergence, is stable once enough steps pin its slope down; 
 falling loss is not, however quiet); no non-finite step since the level began; the next rung is not
 barred; and it has not been seen to save less than ``min_saving`` before.
 
-*Probation.* A new level is held for ``probation_steps`` steps. Meanwhile the
+*Probation.* (A job that probes is judged by its probes instead, below.) A new level
+is held for ``probation_steps`` steps. Meanwhile the
 mean loss after the switch (skipping ``grace_steps``) is compared with the level
 before it (the mean of the last ``window`` losses: a line's end would undershoot a
 loss that flattens as it falls), with the standard error of that excess (the
@@ -47,6 +48,17 @@ back. At the end of probation the energy per FLOP of the two
 levels is compared: a saving below ``min_saving`` goes back up too (and bars
 the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
 accepted and the policy may step further.
+
+*Jobs that probe.* A job whose ranks all run probe blocks (``JobView.probe_every``,
+:mod:`greend.training.probe`: while below its own level, a few steps at the level above
+every few hundred steps, compared with the steps around them) is judged on them: the
+ranks roll back themselves when the level is surely worse than their tolerance against
+the level above at the same point in training, for as long as it is in force, and a
+falling loss, a change in the data or noise moves both sides of that comparison alike.
+Its probation lasts ``probation_steps`` or :data:`PROBE_PROBATION_STEPS` (the first two
+blocks), whichever is longer, with no loss comparison; then the energy is judged. The
+probe steps come as probe rows: they never move the job's level, and their losses are
+not the level's (``JobView.probe_steps`` counts them).
 
 *Jobs with a reference batch.* A job whose ranks all check the level against fp32
 on a fixed batch (``GreenCallback(reference_loss=...)``, :mod:`greend.training.reference`;
@@ -88,6 +100,7 @@ from .params import Param, validate_params
 from .precision_state import (
     GUARD_Z,
     PROBATION_EXTEND,
+    PROBE_PROBATION_STEPS,
     REFERENCE_CHECKS,
     SEEN_KEEP,
     STABILITY_WINDOWS,
@@ -208,6 +221,7 @@ class PrecisionPolicy:
                     level=j.precision,
                     level_since_steps=j.steps,
                     last_steps=j.steps,
+                    last_probe_steps=j.probe_steps,
                     last_nonfinite=j.nonfinite_recent,
                     nonfinite_at_start=j.nonfinite_recent,
                 )
@@ -344,6 +358,22 @@ class PrecisionPolicy:
             )
             return self._roll_back(snap, j, js, pb, why, None)
         after = js.level_losses[self.grace_steps :]
+        if j.probe_every is not None:
+            # Every rank runs probe blocks at the level above (greend.training.probe): the
+            # level against the level above at the same point in training, where a falling
+            # loss, a change in the data and noise move both alike. The ranks roll back
+            # themselves on them (their rollback comes back as an event, with the probes'
+            # figures), for as long as the level is in force; the probation waits for
+            # their first verdict, then judges the energy.
+            need_steps = max(self.probation_steps, PROBE_PROBATION_STEPS)
+            if steps_in < need_steps:
+                return (
+                    f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: the "
+                    f"job's probes at {pb.from_level})",
+                    None,
+                    None,
+                )
+            return self._judge_energy(snap, j, js, pb, steps_in, f"no rollback from the probes at {pb.from_level}")
         if j.reference_every is not None:
             # Every rank checks the level against fp32 on a fixed batch (the same weights):
             # a like-for-like figure that a falling loss or a change in the data does not
@@ -544,12 +574,14 @@ class PrecisionPolicy:
     def _take_losses(self, j: JobView, js: JobMemory) -> list[float]:
         """The losses reported since the previous look (the tail of ``loss_recent``).
 
-        Steps minus non-finite steps since the last look (non-finite steps carry no
-        loss). With several ranks per job this is approximate: their losses interleave.
+        Steps minus non-finite steps and probe steps since the last look (neither
+        carries a loss there). With several ranks per job this is approximate: their losses interleave.
         """
         nonfinite = max(0, j.nonfinite_recent - js.last_nonfinite)
         js.last_nonfinite_prev, js.last_nonfinite = js.last_nonfinite, j.nonfinite_recent
-        new = max(0, j.steps - js.last_steps - nonfinite)
+        probes = max(0, j.probe_steps - js.last_probe_steps)  # (their losses are not the level's)
+        js.last_probe_steps = j.probe_steps
+        new = max(0, j.steps - js.last_steps - nonfinite - probes)
         js.last_steps = j.steps
         if new == 0 or not j.loss_recent:
             return []

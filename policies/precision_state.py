@@ -17,6 +17,7 @@ from .base import JobMeasure, Setting
 __all__ = [
     "GUARD_Z",
     "PROBATION_EXTEND",
+    "PROBE_PROBATION_STEPS",
     "REFERENCE_CHECKS",
     "SEEN_KEEP",
     "STABILITY_WINDOWS",
@@ -76,6 +77,7 @@ class JobMemory:
     losses_seen: int = 0  # losses counted so far (from JobView.steps deltas)
     last_steps: int = 0
     last_nonfinite: int = 0
+    last_probe_steps: int = 0  # the job's probe steps at the last look
     last_nonfinite_prev: int = 0  # the count a look before (a level's first interval judges from it)
     last_measure: JobMeasure | None = None
     last_setting: Setting | None = None
@@ -122,4 +124,8 @@ def mean_text(values: list[float]) -> str:
 REFERENCE_CHECKS = 3
 STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
 PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
+# A job whose ranks probe (JobView.probe_every) is on probation until the callback's
+# first two probe blocks are in (greend.training.probe: 2 * DENSE_EVERY;
+# a test keeps the two equal).
+PROBE_PROBATION_STEPS = 200
 GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count

@@ -85,11 +85,16 @@ def book_row(
     n = row.steps
     flops = row.flops
     precision = row.precision or job.precision
-    if job.top_precision is None:
+    probe = row.probe and row.precision is not None
+    if probe:
+        # Probe steps at the level above the job's: billed at their level, never a
+        # switch, and their losses are not the job's level's (the rank judges them).
+        job.probe_steps += n
+    elif job.top_precision is None:
         # A client that did not say its level (an older one): its first steps run at the
         # job's own level, the top of its ladder from now on.
         job.precision = job.top_precision = precision
-    if row.precision is not None:
+    if row.precision is not None and not probe:
         rank.precision = row.precision
         follow_ranks(job, row, t_wall_s=t_wall_s, max_entries=max_entries)
     t0, t1 = row.t0_s, row.t1_s
@@ -115,7 +120,7 @@ def book_row(
     if row.nonfinite:
         job.nonfinite_steps += row.nonfinite
         job.nonfinite_recent.extend(row.nonfinite_steps or [row.last_step] * min(row.nonfinite, 64))
-    if row.loss_n:
+    if row.loss_n and not probe:
         job.last_loss = row.loss_last if row.loss_last is not None else row.loss_sum / row.loss_n
         # Per-step losses where the client sent them (a job whose precision greend may
         # change), else the row's mean stands for its steps.
@@ -124,7 +129,7 @@ def book_row(
         else:
             job.losses.append(row.loss_sum / row.loss_n)
     m = job.measure
-    if t0 >= m.since_s and precision == job.precision:
+    if t0 >= m.since_s and precision == job.precision and not probe:
         # Evidence for the setting now in force (rows that began before it settled are
         # left out). Where a model executed the steps, its time and energy; else the
         # measured step time and, at decision time, the ledger's joules.

@@ -132,6 +132,7 @@ class RankSession:
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
     agg: StepAggregate | None = None  # its steps since the last store interval
     reference_every: int | None = None  # steps between its reference checks (None: it makes none)
+    probe_every: int | None = None  # steps between its probe blocks (None: it runs none)
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
 
@@ -328,6 +329,7 @@ class Job:
     tokens: int = 0
     last_loss: float | None = None
     nonfinite_steps: int = 0
+    probe_steps: int = 0  # steps its ranks ran at the level above the job's, as probes
     step_time_s: float = 0.0  # measured, summed over reports
     gpu_flops: dict[int, float] = field(default_factory=dict)  # each step's FLOPs split over its rank's GPUs
     modelled_time_s: float = 0.0  # the steps a device model executed (their report's sim_*)

@@ -254,6 +254,7 @@ class JobRegistry(JobTable):
                 precisions=list(reg.precisions),
                 mem_share=reg.mem_share,
                 reference_every=reg.reference_every,
+                probe_every=reg.probe_every,
                 sync_every=reg.sync_every,
                 channel=caller.channel,
                 last_seen_s=now,

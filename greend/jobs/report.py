@@ -414,6 +414,8 @@ class JobFigures:
                 "co2_method": f"estimate: {self.grid_gco2_per_kwh:g} gCO2/kWh configured grid intensity",
                 "last_loss": job.last_loss,
                 "nonfinite_steps": job.nonfinite_steps,
+                # Steps run at the level above the job's to judge it (probes): energy not saved.
+                "probe_steps": job.probe_steps,
                 "step_time_s": job.step_time_s,
                 # The figures of the steps a device model executed, under the names users know.
                 "sim_time_s": job.modelled_time_s if job.modelled_time_s else None,

@@ -265,6 +265,8 @@ class JobTable:
                 precisions = sorted(not_above(runs, top)) if top is not None else [job.precision]
                 checks = [rs.reference_every for rs in job.ranks.values()]
                 known = [c for c in checks if c is not None]
+                probing = [rs.probe_every for rs in job.ranks.values()]
+                probe_every = max(p for p in probing if p is not None) if probing and None not in probing else None
                 out.append(
                     JobView(
                         job=job.job,
@@ -284,6 +286,9 @@ class JobTable:
                         precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),
                         # Every rank checks on a reference batch: their verdicts (rollbacks) rule.
                         reference_every=max(known) if known and len(known) == len(checks) else None,
+                        # Every rank probes the level above: their verdicts (rollbacks) rule.
+                        probe_every=probe_every,
+                        probe_steps=job.probe_steps,
                     )
                 )
         return out

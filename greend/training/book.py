@@ -30,6 +30,7 @@ import torch
 from greend.training.flops import FlopCounter, batch_signature, model_params
 from greend.training.loss_reader import LossReader
 from greend.training.precision_control import PrecisionControl
+from greend.training.probe import NEVER, probe_tag
 from greend.training.sender import Channel
 from greend.training.step import Step
 from greend.training.warn import OnceWarnings, log
@@ -89,6 +90,9 @@ class StepBook:
         self._world_size = world_size
         self.sync_every = sync_every
         self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
+        # Probes (greend.training.probe): the first step index the prober wants to see
+        # recorded (one compare per step; NEVER while the run is at its own level).
+        self.probe_watch = NEVER
         # FLOPs: a fixed figure, 6 * params * tokens once the step ends (tokens may be set
         # late), or None: counted per shape key.
         self._model = model
@@ -144,6 +148,21 @@ class StepBook:
                 control.agree(n // self.sync_every)
         if control.agreeing or self.channel.requested is not control.seen_request:
             self.boundary = True
+        if self.probe_watch != NEVER:
+            self._probe_boundary()
+
+    def _probe_boundary(self) -> None:
+        """Near a probe block: the level the next step runs at (the level above inside
+        the block, else the level in force), looked at each step until the block ends."""
+        prober = self.control.prober
+        block = prober.block if prober is not None else None
+        if block is None:
+            return
+        index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
+        probe = prober.level_at(index)  # type: ignore[union-attr]  # (block is not None: prober is set)
+        self.precision = probe if probe is not None else self.control.level
+        if index < block.end:
+            self.boundary = True  # (the step after the block goes back to the level in force)
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
         """The model's first forward (one-shot pre-hook): an autocast on here is the job's own."""
@@ -185,6 +204,23 @@ class StepBook:
         self.precision = level
         if managed:
             self.judge_every = 1  # read each step from now on while the spike rule holds
+        self._arm_probes()
+
+    def _arm_probes(self) -> None:
+        """Probe blocks while the run is below a level it came down from (and the daemon
+        takes probe rows: it registered ``probe_every``), from the step about to start."""
+        control = self.control
+        prober = control.prober
+        if prober is None:
+            return
+        upper = control.probe_upper()
+        if upper is None or "probe_every" in self.channel.register_omit:
+            prober.disarm()
+        elif prober.lower != control.level or prober.upper != upper:
+            prober.arm(upper, control.level, self.next_index + len(self.ended) + len(self.unjudged))
+        self.probe_watch = prober.watch_from
+        if prober.block is not None:
+            self.boundary = True
 
     # FLOPs ---------------------------------------------------------------------------
     def plan_flops(self, step: Step) -> None:
@@ -307,6 +343,7 @@ class StepBook:
         value_of = self.losses.value
         control = self.control
         guard = control.guard
+        level_in_force = control.level  # (self.precision is the level above during a probe)
         queue = self.channel.queue
         stats = self.channel.stats
         full = queue.maxlen
@@ -325,10 +362,12 @@ class StepBook:
                 # The guard's look at the loss, in step order.
                 if _isfinite(value):
                     step._loss = value  # (a gradient found non-finite meanwhile stays so)
-                    if step.precision == self.precision:  # else: read after a switch, not this level's trend
+                    if step.precision == level_in_force:  # else: read after a switch (or a probe step)
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
                             step._spike_reason = spike = guard.spike(value, at)
+                            if spike is not None and at >= self.probe_watch and self._probe_settling(at):
+                                step._spike_reason = spike = None  # the weights settle back after a probe
                             if spike is None:
                                 guard.losses.append(value)  # (a spike is not the new level's trend)
                         else:
@@ -347,17 +386,25 @@ class StepBook:
             if len(queue) == full:
                 stats.dropped += 1  # the append below pushes out the oldest record
             nonfinite = step._nonfinite
+            level = step.precision
+            probe_why = None
+            if index >= self.probe_watch:
+                level, probe_why = self._probe_record(index, level, step._loss)
             queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, step._loss, nonfinite,
-                          step.precision))  # fmt: skip
+                          level))  # fmt: skip
             stats.recorded += 1
             if pace_every and (index + 1) % pace_every == 0:
                 self._sync_pace(index)
             spike = step._spike_reason
             if spike and not nonfinite and control.reference is not None:
                 spike = step._spike_reason = control.confirm_spike(spike)
-            if (nonfinite or spike) and step.precision == self.precision:
+            if (nonfinite or spike) and step.precision == level_in_force:
                 # the next step runs at the level we came down from
                 control.roll_back(index, step._nonfinite_cause, step._loss, None if nonfinite else spike)
+                level_in_force = control.level
+            elif probe_why is not None:
+                control.probe_rollback(index, probe_why, step._loss)
+                level_in_force = control.level
             elif control.reference is not None:
                 control.reference_due(index)
         # Every step at its end while the spike rule holds (a spike rolls back from the
@@ -368,6 +415,35 @@ class StepBook:
             and self.next_index - guard.stack[-1].step < guard.spike_steps
         )
         self.judge_every = 1 if spiking else JUDGE_BATCH
+        if self.probe_watch != NEVER:
+            prober = control.prober
+            block = prober.block if prober is not None else None
+            if block is not None and self.next_index + len(q) + JUDGE_BATCH + 1 >= block.start:
+                self.boundary = True  # the block may start within the next batch of steps
+
+    def _probe_settling(self, index: int) -> bool:
+        """Whether step ``index`` is one of the few right after a probe block, where the
+        weights settle back to the level in force (a jump there is the probe's, not a spike)."""
+        prober = self.control.prober
+        block = prober.block if prober is not None else None
+        return block is not None and block.end <= index < block.after_from
+
+    def _probe_record(self, index: int, level: str, loss: float | None) -> tuple[str, str | None]:
+        """A recorded step the prober watches: its record's level (a probe step's is
+        tagged) and the reason to roll back, if the probes give one. Never raises."""
+        prober = self.control.prober
+        if prober is None:
+            self.probe_watch = NEVER
+            return level, None
+        probe = prober.block is not None and prober.level_at(index) == level and level != self.control.level
+        try:
+            why = prober.record(index, level, loss)
+        except Exception as e:  # a probe never breaks training
+            self._warnings.warn("probe", f"greend's precision probes failed ({type(e).__name__}: {e}); no more probes")
+            self.control.prober = None
+            why = None
+        self.probe_watch = prober.watch_from if self.control.prober is not None else NEVER
+        return (probe_tag(level) if probe else level), why
 
     def _tokens_flops(self, tokens: int | None) -> float:
         if tokens is None:

@@ -158,6 +158,8 @@ class GreenCallback:
             reference_loss=opts.reference_loss,
             reference_every=opts.reference_every,
             reference_tolerance=opts.reference_tolerance,
+            probe_every=opts.probe_every,
+            probe_tolerance=opts.probe_tolerance,
             job=self.job,
             rank=self.rank,
             world_size=self.world_size,
@@ -216,6 +218,8 @@ class GreenCallback:
             fields["flops_per_step"] = self._book.fixed_flops
         if self._control.reference is not None:
             fields["reference_every"] = self._control.reference_every
+        if self._control.prober is not None:
+            fields["probe_every"] = self._control.prober.every  # the daemon takes probe rows
         if self._control.agreeing:
             fields["sync_every"] = self.sync_every  # how long a directive may wait for the ranks
         for name in self._channel.register_omit:  # fields an older daemon does not know
@@ -314,6 +318,13 @@ class GreenCallback:
     def reference_checks(self) -> list[dict[str, Any]]:
         """The reference checks made (step, level, fp32 and level losses, excess), oldest first."""
         return list(self._control.reference_judge.log)
+
+    @property
+    def probe_checks(self) -> list[dict[str, Any]]:
+        """The probe blocks judged (start step, level, the level above, penalty, its
+        standard error, whether the data moved across it), oldest first."""
+        prober = self._control.prober
+        return list(prober.log) if prober is not None else []
 
     @property
     def precision_events(self) -> list[dict[str, Any]]:

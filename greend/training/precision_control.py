@@ -33,6 +33,7 @@ from greend.training.mixed_precision import (
     start_torchao_warm_up,
 )
 from greend.training.peers import JobPeers
+from greend.training.probe import Prober
 from greend.training.reference import ReferenceJudge, excess
 from greend.training.warn import OnceWarnings, log
 
@@ -46,6 +47,7 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
     "fp8-emulated": torch.bfloat16,
 }
 _NULL_CONTEXT = contextlib.nullcontext()
+_PROBED = frozenset({"bf16", "fp16"})  # levels probed against the level above (an autocast apart)
 
 
 class StepCount(Protocol):
@@ -77,6 +79,8 @@ class PrecisionControl:
         reference_loss: Callable[[], torch.Tensor] | None,
         reference_every: int,
         reference_tolerance: float,
+        probe_every: int | None,
+        probe_tolerance: float,
         job: str,
         rank: int,
         world_size: int,
@@ -144,6 +148,9 @@ class PrecisionControl:
         self.reference_every = reference_every
         self.reference_judge = ReferenceJudge(tolerance=float(reference_tolerance))
         self._reference_pending: deque[tuple[int, str, Any, Any]] = deque()
+        # Probe blocks at the level above while the run is below its own level
+        # (greend.training.probe); None: none (turned off, or they failed).
+        self.prober = Prober(tolerance=probe_tolerance, every=probe_every) if manage and probe_every else None
 
     def attach(self, steps: StepCount) -> None:
         self._steps = steps
@@ -401,6 +408,23 @@ class PrecisionControl:
             why = self.reference_judge.judge(index, level, fp32, low)
             if why is not None:
                 self._rollback_now(self._next_index - 1, f"reference check at step {index}: {why}", low, fp32)
+
+    # Probes -------------------------------------------------------------------------
+    def probe_upper(self) -> str | None:
+        """The level a probe block runs at: the level the latest downgrade in force came
+        from, where the two differ only by the autocast (no fp8 conversion to undo for a
+        few steps); None where there is nothing to probe."""
+        stack = self.guard.stack
+        if not stack or stack[-1].to_level != self.level:
+            return None
+        upper = stack[-1].from_level
+        if self.level not in _PROBED or upper in FP8_LEVELS or self.support.get(upper) is not None:
+            return None
+        return upper
+
+    def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
+        """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""
+        self._rollback_now(index, why, loss)
 
     # Rollbacks ---------------------------------------------------------------------
     def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:

@@ -17,9 +17,12 @@ over the last :data:`KEEP` checks at the level: the level is rolled back when th
 excess is over ``tolerance`` and also at least :data:`GUARD_Z` standard errors above 0
 (surely worse, not just unlucky), after at least :data:`MIN_CHECKS` checks. A non-finite
 loss at the level where fp32's is finite rolls back at once. The checks go on for as
-long as the level is in force: a penalty that grows as the model converges (the fp32
-loss shrinks and the rounding error does not) is caught after the daemon's probation
-has accepted the level.
+long as the level is in force. They compare the same weights at two levels: what
+evaluating at the lower level costs, not what training there costs (weights trained at
+bf16 adapt to its rounding), so a penalty to the trajectory, such as one that grows as the
+model converges toward a loss floor, is the probes' to find
+(:mod:`greend.training.probe`: the level against the level above at the same point in
+training).
 
 What it costs: two forward passes of the reference batch every ``reference_every``
 steps, read without a stream synchronisation (the values are judged once they have

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from greend.protocol import MAX_LOSS
+from greend.training.probe import probe_level
 
 __all__ = ["Row", "step_fields"]
 
@@ -77,6 +78,10 @@ class Row:
             "tokens": self.tokens,
             "precision": self.precision,
         }
+        level, probe = probe_level(self.precision)
+        if probe:
+            d["precision"] = level
+            d["probe"] = True
         if self.nonfinite:
             d["nonfinite"] = self.nonfinite
             d["nonfinite_steps"] = self.nonfinite_steps
@@ -91,13 +96,16 @@ class Row:
 def step_fields(record: tuple[Any, ...]) -> dict[str, Any]:
     """One queued step record as the ``steps`` message carries it (``docs/protocol.md``)."""
     index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
+    level, probe = probe_level(precision)
     d: dict[str, Any] = {
         "step": index,
         "t0_s": t0,
         "t1_s": t1,
         "flops": float(flops) if flops is not None and flops >= 1 else 0.0,  # (less than 1: not a count)
-        "precision": precision,
+        "precision": level,
     }
+    if probe:
+        d["probe"] = True
     if samples is not None:
         d["samples"] = int(samples)
     if tokens is not None:

@@ -316,3 +316,31 @@ def test_a_proposal_waits_three_of_the_ranks_agreement_periods_before_not_taken(
     book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)
     change = book_proposals_not_taken(job, t_wall_s=t, max_entries=10)
     assert change is not None and change.kind == "not taken" and "ran 300 steps" in change.reason
+
+
+def test_probe_rows_are_billed_at_their_level_and_never_move_the_jobs_level() -> None:
+    """A rank below the job's own level runs a few steps at the level above to judge it
+    (greend.training.probe): its probe row counts in the job's steps and FLOPs, is
+    executed at its own level, but moves neither the job's level nor its measure, and its
+    losses are not the level's."""
+    job, rs = _job(0, precision="fp32")
+    job.top_precision = "fp32"
+    book_row(job, rs, _row(100.0, precision="bf16", loss_n=4, loss_sum=4.0, losses=(1.0,) * 4), None, now_s=0.0)
+    assert job.precision == "bf16" and job.measure.steps == 4 and list(job.losses) == [1.0] * 4
+    probe = _row(102.0, precision="fp32", probe=True, loss_n=4, loss_sum=3.6, losses=(0.9,) * 4)
+    book_row(job, rs, probe, ExecutedRow(duration_s=2.0, energy_j=40.0), now_s=0.0, t_wall_s=5.0)
+    assert job.precision == "bf16" and rs.precision == "bf16" and not job.precision_log
+    assert job.probe_steps == 4 and job.steps == 8 and job.modelled_energy_j == 40.0
+    assert job.measure.steps == 4 and list(job.losses) == [1.0] * 4  # neither the level's evidence
+    book_row(job, rs, _row(104.0, precision="bf16"), None, now_s=0.0)
+    assert job.precision == "bf16" and job.measure.steps == 8
+    # On the wire: "probe" is a row's flag, checked and decoded.
+    (decoded,) = decode_rows([{**_wire_row(), "precision": "fp32", "probe": True}])
+    assert decoded.probe and decoded.precision == "fp32"
+    with pytest.raises(ProtocolError, match="probe"):
+        decode_rows([{**_wire_row(), "probe": "yes"}])
+
+
+def _wire_row() -> dict[str, Any]:
+    return {"first_step": 0, "last_step": 3, "steps": 4, "t0_s": 1.0, "t1_s": 2.0, "busy_s": 1.0, "busy_sq_s2": 0.25,
+            "flops": 4e9}  # fmt: skip

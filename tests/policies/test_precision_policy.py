@@ -46,6 +46,8 @@ class FakeJob:
     levels: list[str] = field(default_factory=list)  # the level of every step run
     inject: Callable[[int, str], bool] = lambda step, level: False  # a non-finite step here?
     reference_every: int | None = None  # its ranks make reference checks (GreenCallback(reference_loss=))
+    probe_every: int | None = None  # its ranks run probe blocks at the level above (greend.training.probe)
+    probe_steps: int = 0  # probe steps so far (their losses are not the job's level's: not in losses)
     t: float = 0.0
     since: int = 0  # steps when the level in force took effect
     applies: Callable[[str], bool] = lambda level: True  # do its ranks apply a directive to this level?
@@ -53,6 +55,10 @@ class FakeJob:
 
     def run(self) -> None:
         for _ in range(self.steps_per_period):
+            if self.probe_every is not None and self.precision != self.precisions[0] and self.steps % 50 == 0:
+                self.probe_steps += 1  # a probe step at the level above: counted, its loss not the level's
+                self.steps += 1
+                continue
             self.levels.append(self.precision)
             if self.inject(self.steps, self.precision):
                 self.nonfinite.append(self.steps)
@@ -83,6 +89,8 @@ class FakeJob:
             nonfinite_recent=len(self.nonfinite[-256:]),
             precision_events=tuple(self.log[-32:]),
             reference_every=self.reference_every,
+            probe_every=self.probe_every,
+            probe_steps=self.probe_steps,
             precision_since_step=self.since,
             proposed_precision=self.proposed,
         )
@@ -416,6 +424,43 @@ def test_with_reference_checks_the_training_losses_do_not_judge_accuracy() -> No
     accepted = next(r for r in reasons if "accepted" in r)
     assert "no rollback from the reference checks" in accepted
     assert job.levels.index("bf16") + 150 <= len(job.levels) - job.levels[::-1].index("bf16")
+
+
+def test_with_probes_a_shift_after_the_switch_is_not_judged_as_the_level() -> None:
+    """A job whose ranks probe the level against the level above: a loss 20 % worse after
+    the switch (the data moved: the ranks' probes see it at both levels) rolls nothing
+    back; the probation waits for the probes' first verdict, then judges the energy. The
+    probe steps' losses are never booked as the level's."""
+
+    def shift(s: int, lv: str) -> float:
+        return 1.0 + (0.2 if s >= shift_at[0] else 0.0) + 0.005 * math.sin(s)
+
+    shift_at = [10**9]
+    job = FakeJob(loss=shift, probe_every=400, precisions=("fp32", "bf16"))
+
+    def hook(k: int, j: FakeJob) -> None:
+        if j.precision == "bf16" and shift_at[0] > j.steps:
+            shift_at[0] = j.steps + 5  # 5 steps after the switch, both levels alike
+
+    state, ds = drive(policy(tolerance=0.1), job, 40, hook=hook)
+    assert switches(job) == [("fp32", "bf16")] and job.precision == "bf16"
+    assert not [e for e in job.log if e["kind"] == "rollback"]
+    reasons = [d.reason for d in ds]
+    waiting = [r for r in reasons if "accuracy: the job's probes at fp32" in r]
+    assert waiting and "/200 steps" in waiting[0]  # max(probation 40, the first two probe blocks)
+    accepted = next(r for r in reasons if "accepted" in r)
+    assert "no rollback from the probes at fp32" in accepted
+    assert job.probe_steps > 0
+    # Every loss the level has is one of its own steps' (the probe steps' are not taken).
+    js = state.jobs["j"]
+    own = [v for v, lv in zip(job.losses, job.levels, strict=True) if lv == "bf16"]
+    assert js.level_losses == own[-len(js.level_losses) :]
+
+    # Without probes the same shift reads as the level's penalty and rolls back.
+    shift_at[0] = 10**9
+    plain = FakeJob(loss=shift, precisions=("fp32", "bf16"))
+    drive(policy(tolerance=0.1), plain, 40, hook=hook)
+    assert switches(plain) == [("fp32", "bf16"), ("bf16", "fp32")]
 
 
 def test_the_policy_waits_for_as_many_checks_as_the_callback_needs() -> None:

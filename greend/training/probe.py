@@ -1,0 +1,272 @@
+"""Probes: a level below the job's own, judged against the level above at the same steps.
+
+A training loss cannot tell a precision penalty of a few percent from the loss still
+falling, from a change in the data or from noise, when it is compared with the loss
+*before* a switch. And the same weights evaluated at two levels (the reference check,
+:mod:`greend.training.reference`) measure what evaluating at the lower level costs, not
+what training there costs: weights trained at bf16 adapt to its rounding.
+
+So, for as long as the run is below a level it came down from, the callback runs
+short **probe blocks** at the level above, as real training steps: :data:`PROBE_STEPS`
+steps at a time, the first :data:`DENSE_BLOCKS` blocks every :data:`DENSE_EVERY` steps
+after the switch (the probation, when evidence is wanted soon), then every
+``probe_every`` steps (400 by default) until the run goes back up. Each block is
+compared with the :data:`WINDOW_STEPS` steps at the lower level just before it and
+just after it (after :data:`SETTLE_STEPS` steps to settle): a falling trend and a
+change in the data move both sides alike and cancel in the mean of the two, noise
+averages out over blocks. One block gives the **penalty**
+``(mean of the lower steps around it - mean of the probe steps) / mean of the probe steps``,
+with a standard error from the job's own step-to-step noise (the spread of the lower
+steps around their window means, pooled over the blocks), so a noisy job needs more
+blocks for a verdict and a quiet one fewer. A block whose two sides differ by more
+than :data:`SHIFT_Z` standard errors straddles a move of the data and is left out.
+
+The level is rolled back when, over the last 2 to :data:`KEEP_BLOCKS` blocks (every
+suffix is tried, so a penalty that appears late is not diluted by the early blocks),
+the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard errors
+(surely worse than the tolerance), or, over at least :data:`SURE_BLOCKS` blocks, it is
+over ``tolerance`` and more than :data:`SURE_Z` standard errors over 0 (worse than the
+tolerance, and surely worse: a penalty of 1.5 times the tolerance in a job with 5 %
+step-to-step noise needs some 50 probe steps for the first rule, 12 for the second). The rollback's reason names the
+blocks, the penalty, its error and the noise it used.
+
+What it costs: the probe steps run at the upper level (their energy is not saved:
+about 2 % of the steps during the probation, 1 % after); nothing else. The judge sees
+only the steps inside its windows (one integer compare per step elsewhere), and a
+probe step is an ordinary step at the upper level: the user's model, batch and
+optimizer, never a step above the job's own level.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DENSE_BLOCKS",
+    "DENSE_EVERY",
+    "GUARD_Z",
+    "KEEP_BLOCKS",
+    "MIN_BLOCKS",
+    "PROBE_STEPS",
+    "SETTLE_STEPS",
+    "SHIFT_Z",
+    "SURE_BLOCKS",
+    "SURE_Z",
+    "WINDOW_STEPS",
+    "Prober",
+    "probe_level",
+    "probe_tag",
+]
+
+PROBE_STEPS = 4  # steps of one probe block at the level above
+DENSE_EVERY = 100  # steps between the first blocks after a switch ...
+DENSE_BLOCKS = 4  # ... this many of them; then probe_every
+WINDOW_STEPS = 16  # lower-level steps compared on either side of a block
+SETTLE_STEPS = 8  # lower-level steps after a block left out (the weights settle back)
+KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
+MIN_BLOCKS = 2  # one block alone is never a verdict (a few unlucky probe steps)
+GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
+SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
+SURE_BLOCKS = 3
+SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift
+NEVER = sys.maxsize
+
+# A probe step's record names its level with this suffix (the sender sends it as the
+# row's level with "probe": true); a step record's level is otherwise a plain level.
+_TAG = ":probe"
+
+
+def probe_tag(level: str) -> str:
+    """The record's level for a probe step run at ``level``."""
+    return level + _TAG
+
+
+def probe_level(tagged: str) -> tuple[str, bool]:
+    """(level, is a probe) of a step record's level."""
+    if tagged.endswith(_TAG):
+        return tagged[: -len(_TAG)], True
+    return tagged, False
+
+
+@dataclass
+class _Block:
+    start: int  # the first probe step
+    before: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:  # one past the last probe step
+        return self.start + PROBE_STEPS
+
+    @property
+    def after_from(self) -> int:
+        return self.end + SETTLE_STEPS
+
+    @property
+    def last(self) -> int:  # the last step the block looks at
+        return self.after_from + WINDOW_STEPS - 1
+
+
+@dataclass
+class Verdict:
+    """One judged block: its penalty (relative) and the spread it was judged with."""
+
+    start: int
+    penalty: float
+    rel_var: float  # the lower steps' squared spread around their window means, over the scale squared
+    dof: int  # its degrees of freedom
+    n_upper: int
+    n_lower: int  # per side (the smaller)
+    shifted: bool
+
+
+class Prober:
+    """Probe blocks below a level the run came down from, and the rule that judges them.
+
+    The callback asks :meth:`level_at` at a step's start while :attr:`watch_from` has
+    come (the next block's first window step), and :meth:`record` with each recorded
+    step from :attr:`watch_from` on; everything else costs one integer compare."""
+
+    def __init__(self, *, tolerance: float, every: int) -> None:
+        self.tolerance = float(tolerance)
+        self.every = int(every)
+        self.upper: str | None = None
+        self.lower: str | None = None
+        self.anchor = 0  # the first step at the lower level
+        self.blocks_done = 0
+        self.block: _Block | None = None
+        self.watch_from = NEVER  # the first step index record() wants
+        self.verdicts: deque[Verdict] = deque(maxlen=KEEP_BLOCKS)
+        self.log: deque[dict[str, Any]] = deque(maxlen=256)
+        self.probe_steps = 0  # steps run at the upper level for the probes
+
+    @property
+    def armed(self) -> bool:
+        return self.block is not None
+
+    def arm(self, upper: str, lower: str, anchor: int) -> None:
+        """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now."""
+        self.upper, self.lower, self.anchor = upper, lower, anchor
+        self.blocks_done = 0
+        self.verdicts.clear()
+        self._next_block()
+
+    def disarm(self) -> None:
+        self.upper = self.lower = None
+        self.block = None
+        self.watch_from = NEVER
+        self.verdicts.clear()
+
+    def _next_block(self) -> None:
+        b = self.blocks_done
+        offset = (
+            DENSE_EVERY * (b + 1)
+            if b < DENSE_BLOCKS
+            else DENSE_EVERY * DENSE_BLOCKS + self.every * (b - DENSE_BLOCKS + 1)
+        )
+        self.block = _Block(self.anchor + offset - PROBE_STEPS)
+        self.watch_from = self.block.start - WINDOW_STEPS
+
+    def level_at(self, index: int) -> str | None:
+        """The level step ``index`` runs at for a probe, or None (the level in force)."""
+        blk = self.block
+        if blk is not None and blk.start <= index < blk.end:
+            return self.upper
+        return None
+
+    def record(self, index: int, level: str, loss: float | None) -> str | None:
+        """A recorded step (``level``: as it ran; ``loss``: None where non-finite or
+        not reported). The reason to roll back, or None."""
+        blk = self.block
+        if blk is None or index < blk.start - WINDOW_STEPS:
+            return None
+        if loss is not None and math.isfinite(loss):
+            if index < blk.start:
+                if level == self.lower:
+                    blk.before.append(loss)
+            elif index < blk.end:
+                if level == self.upper:
+                    blk.upper.append(loss)
+                    self.probe_steps += 1
+            elif blk.after_from <= index <= blk.last and level == self.lower:
+                blk.after.append(loss)
+        if index < blk.last:
+            return None
+        self.blocks_done += 1
+        why = self._judge(blk)
+        if self.upper is not None:
+            self._next_block()
+        return why
+
+    def _judge(self, blk: _Block) -> str | None:
+        half = WINDOW_STEPS // 2
+        if not blk.upper or len(blk.before) < half or len(blk.after) < half:
+            self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": None,
+                             "why": "too few losses around the block"})  # fmt: skip
+            return None
+        m1, m2 = _mean(blk.before), _mean(blk.after)
+        mu = _mean(blk.upper)
+        # Relative to the lower level's loss around the block: 2 * WINDOW_STEPS losses, a
+        # steadier scale than the few probe steps (a ratio to a noisy mean is skewed).
+        scale = max(abs(m1 + m2) / 2, 1e-12)
+        ss1 = sum((v - m1) ** 2 for v in blk.before)
+        ss2 = sum((v - m2) ** 2 for v in blk.after)
+        dof = len(blk.before) + len(blk.after) - 2
+        rel_var = (ss1 + ss2) / dof / (scale * scale)
+        penalty = ((m1 + m2) / 2 - mu) / scale
+        # Each side with its own spread: a level that moved (a shift) is noisier after it.
+        n1, n2 = len(blk.before), len(blk.after)
+        se_sides = math.sqrt(ss1 / (n1 - 1) / n1 + ss2 / (n2 - 1) / n2)
+        shifted = abs(m2 - m1) > SHIFT_Z * se_sides
+        v = Verdict(blk.start, penalty, rel_var, dof, len(blk.upper), min(len(blk.before), len(blk.after)), shifted)
+        self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
+                         "se": math.sqrt(rel_var * (1 / len(blk.upper) + 0.25 / len(blk.before)
+                                                    + 0.25 / len(blk.after))),
+                         "shifted": shifted})  # fmt: skip
+        if shifted:
+            return None  # the data moved across the block: the two sides say different things
+        self.verdicts.append(v)
+        return self._rule()
+
+    def _rule(self) -> str | None:
+        vs = list(self.verdicts)
+        # The job's noise, pooled over the blocks kept (relative to each block's scale).
+        dof = sum(v.dof for v in vs)
+        rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
+        for n in range(MIN_BLOCKS, len(vs) + 1):
+            tail = vs[-n:]
+            mean = sum(v.penalty for v in tail) / n
+            var = sum(rel_var * (1 / v.n_upper + 0.5 / v.n_lower) for v in tail) / (n * n)
+            se = math.sqrt(var)
+            clearly = mean - GUARD_Z * se > self.tolerance
+            surely = n >= SURE_BLOCKS and mean > self.tolerance and mean - SURE_Z * se > 0
+            if clearly or surely:
+                steps = ", ".join(str(v.start) for v in tail)
+                return (
+                    f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
+                    f"same point in training, over {n} probe blocks of {PROBE_STEPS} steps (at steps {steps}), each "
+                    f"against the {WINDOW_STEPS} {self.lower} steps on either side (step-to-step noise "
+                    f"{math.sqrt(rel_var):.1%}; tolerance {self.tolerance:.0%})"
+                )
+        return None
+
+    def summary(self) -> dict[str, Any] | None:
+        """The blocks judged at the level in force: count, mean penalty and its standard error."""
+        vs = list(self.verdicts)
+        if not vs:
+            return None
+        dof = sum(v.dof for v in vs)
+        rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.nan
+        n = len(vs)
+        mean = sum(v.penalty for v in vs) / n
+        se = math.sqrt(sum(rel_var * (1 / v.n_upper + 0.5 / v.n_lower) for v in vs)) / n
+        return {"level": self.lower, "upper": self.upper, "blocks": n, "mean_penalty": mean, "se": se}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)

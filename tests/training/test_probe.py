@@ -1,0 +1,226 @@
+"""Probes (:mod:`greend.training.probe`): below its own level, a run judged against the
+level above at the same point in training, for as long as it stays below.
+
+The rule on made-up loss streams (a falling trend, noise, a shift both levels see, a
+penalty only the lower level pays, late), then real torch training on the CPU against
+:class:`greend.testing.fake_daemon.FakeDaemon`: a penalty that appears only after the
+probation is rolled back, with the probes' figures in the reason; a shift of the data
+that both levels see is kept; the probe steps go to the daemon as probe rows.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from greend.policies.precision_state import PROBE_PROBATION_STEPS
+from greend.protocol import decode_steps
+from greend.testing.fake_daemon import FakeDaemon
+from greend.training.callback import GreenCallback
+from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, Prober, probe_level, probe_tag
+from greend.training.rows import Row, step_fields
+from tests.support import wait_for
+from tests.training.test_precision import FAST
+
+# The rule, on loss streams --------------------------------------------------------------
+
+
+def feed(prober: Prober, steps: int, loss_at: object, start: int = 0) -> tuple[str | None, int | None, int]:
+    """Run ``steps`` steps through ``prober`` as the callback does (each step at the level
+    level_at() gives, else the lower one); ``loss_at(i, level)``. Returns (the rollback
+    reason, the step it came at, probe steps run)."""
+    probes = 0
+    for i in range(start, start + steps):
+        level = prober.level_at(i) or prober.lower
+        assert level is not None
+        probes += level == prober.upper
+        why = prober.record(i, level, loss_at(i, level))  # type: ignore[operator]
+        if why is not None:
+            return why, i, probes
+    return None, None, probes
+
+
+def noisy(rng: random.Random, sd: float) -> float:
+    return 1.0 + rng.gauss(0.0, sd)
+
+
+def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None:
+    rng = random.Random(1)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0)
+    late = 1500  # long after the probation (and the dense blocks)
+
+    def loss(i: int, level: str) -> float:
+        base = 2.0 * (1 + i / 300) ** -0.5  # still falling, as training losses do
+        penalty = 0.25 if level == "bf16" and i >= late else 0.0
+        return base * (1 + penalty) * noisy(rng, 0.05)
+
+    why, at, probes = feed(prober, 4000, loss)
+    assert why is not None and at is not None and at > late, (why, at)
+    assert at < late + 3 * 400, at  # caught within a few of the sparse blocks
+    assert "probes at fp32: bf16 is +" in why and "tolerance 5%" in why and "step-to-step noise" in why
+    # Cheap: 4 steps a block, 2 % of the steps during the probation, 1 % after.
+    assert probes <= PROBE_STEPS * (DENSE_BLOCKS + (at - DENSE_BLOCKS * DENSE_EVERY) // 400 + 1)
+    assert probes / at < 0.02
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: int) -> None:
+    rng = random.Random(seed)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0)
+    # The data's own moves: the loss jumps by 70 % (a click rate that moves) at steps
+    # that land next to, inside and far from the probe blocks; and it falls fast.
+    shifts = [96 + 10, 300, 496 - 3, 1300 + 2]
+
+    def loss(i: int, level: str) -> float:
+        base = 0.1 * (1 + i / 100) ** -0.3 * (1.7 ** sum(i >= s for s in shifts))
+        return base * noisy(rng, 0.4)  # a rare-label loss: 40 % step to step
+
+    why, _, _ = feed(prober, 4000, loss)
+    assert why is None, why
+    assert any(c.get("shifted") for c in prober.log), "a block straddling a shift is left out"
+
+
+def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
+    rng = random.Random(7)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0)
+    why, _, _ = feed(prober, 4000, lambda i, level: (1.02 if level == "bf16" else 1.0) * noisy(rng, 0.05))
+    assert why is None, why
+    summary = prober.summary()
+    assert summary is not None and abs(summary["mean_penalty"] - 0.02) < 0.03
+
+
+def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
+    assert probe_level(probe_tag("fp32")) == ("fp32", True) and probe_level("bf16") == ("bf16", False)
+    record = (7, 1.0, 1.1, 1e9, 16, None, 0.5, False, probe_tag("fp32"))
+    fields = Row(record, True).fields()
+    assert fields["precision"] == "fp32" and fields["probe"] is True
+    assert "probe" not in Row((8, 1.0, 1.1, 1e9, 16, None, 0.5, False, "bf16"), True).fields()
+    entry = step_fields(record)  # the "steps" form (a daemon that keeps a row per step)
+    assert entry["precision"] == "fp32" and entry["probe"] is True
+    (decoded,) = decode_steps([entry])
+    assert decoded.probe and decoded.as_row().probe
+    assert PROBE_PROBATION_STEPS == 2 * DENSE_EVERY  # the policy waits for the first two blocks
+
+
+# Real training ----------------------------------------------------------------------------
+
+IN, HID, OUT, BATCH = 16, 32, 4, 64
+
+
+def plant(i: int, quiet_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sensor regression with targets near 72 (bf16 rounds the outputs to 0.5, a mean
+    square of ~0.02: 2 % of the loss under the sensor's noise of 1.0): the noise falls to
+    0.05 at ``quiet_from``, a change both levels see, after which bf16's rounding is
+    several times the loss floor."""
+    g = torch.Generator().manual_seed(5000 + i)
+    x = torch.randn(BATCH, IN, generator=g)
+    noise = 0.05 if i >= quiet_from else 1.0
+    return x, 72.0 + x[:, :OUT] * 0.5 + noise * torch.randn(BATCH, OUT, generator=g)
+
+
+def train(cb: GreenCallback, model: nn.Module, steps: int, quiet_from: int) -> tuple[list[str], list[float]]:
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    levels: list[str] = []
+    losses: list[float] = []
+    for i in range(steps):
+        x, y = plant(i, quiet_from)
+        with cb.step(samples=BATCH, flops=1e9) as st:
+            with st.autocast():
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            st.backward(loss)
+            st.optimizer_step(opt)
+            opt.zero_grad(set_to_none=True)
+        levels.append(st.precision)
+        losses.append(float(loss.detach()))
+    return levels, losses
+
+
+def model_near(offset: float) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+    with torch.no_grad():
+        model[-1].bias.fill_(offset)
+    return model
+
+
+@pytest.fixture()
+def rows_daemon(sock_path: Path) -> FakeDaemon:
+    d = FakeDaemon(sock_path, rows_every_s=0.05).start()
+    yield d  # type: ignore[misc]
+    d.stop()
+
+
+def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon: FakeDaemon, sock_path: Path) -> None:
+    model = model_near(72.0)
+    with GreenCallback(job="late", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        train(cb, model, 300, quiet_from=10_000)  # converge at fp32
+        assert rows_daemon.directive("bf16") == 1
+        assert wait_for(lambda: cb.requested_precision == "bf16")
+        quiet_from = 300 + PROBE_PROBATION_STEPS + 300  # the noise falls long after the probation
+        levels, _ = train(cb, model, 1100, quiet_from=quiet_from - 300)
+        events = cb.precision_events
+        checks = cb.probe_checks
+    assert rows_daemon.registers[0]["probe_every"] == 400  # the daemon hears that the ranks probe
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1, events
+    rb = rollbacks[0]
+    assert rb["from"] == "bf16" and rb["to"] == "fp32"
+    assert rb["step"] >= quiet_from, (rb, quiet_from)  # nothing to roll back before the penalty
+    assert "probes at fp32: bf16 is +" in rb["reason"] and "probe blocks" in rb["reason"]
+    # Before the penalty the probes saw bf16 within the tolerance.
+    early = [c for c in checks if c["penalty"] is not None and c["start"] < quiet_from]
+    assert len(early) >= DENSE_BLOCKS and all(c["penalty"] < 0.05 + 3 * c["se"] for c in early)
+    # The probe steps ran at fp32 and went to the daemon as probe rows, their level named.
+    first_low = levels.index("bf16")
+    probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and first_low < i < rb["step"] - 300]
+    assert probes and len(probes) % PROBE_STEPS == 0
+    assert wait_for(lambda: any(r.get("probe") for r in rows_daemon.rows))
+    probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
+    assert all(r["precision"] == "fp32" for r in probe_rows)
+    assert sum(r["steps"] for r in probe_rows) >= len(early) * PROBE_STEPS
+
+
+def test_a_shift_both_levels_see_is_kept(rows_daemon: FakeDaemon, sock_path: Path) -> None:
+    """Targets near 4 (bf16's rounding, 1/64, costs nothing under this noise); the noise
+    doubles 250 steps after the switch, after the spike rule's window: both levels see it."""
+    model = model_near(0.0)
+
+    def data(i: int, noisy_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(9000 + i)
+        x = torch.randn(BATCH, IN, generator=g)
+        noise = 1.0 if i >= noisy_from else 0.5
+        return x, 4.0 + x[:, :OUT] + noise * torch.randn(BATCH, OUT, generator=g)
+
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    levels: list[str] = []
+    with GreenCallback(job="shift", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        for i in range(1000):
+            if i == 300:
+                assert rows_daemon.directive("bf16") == 1
+                assert wait_for(lambda: cb.requested_precision == "bf16")
+            x, y = data(i, noisy_from=550)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                with st.autocast():
+                    out = model(x)
+                st.backward(nn.functional.mse_loss(out.float(), y))
+                st.optimizer_step(opt)
+                opt.zero_grad(set_to_none=True)
+            levels.append(st.precision)
+        events = cb.precision_events
+        checks = cb.probe_checks
+    assert not [e for e in events if e["kind"] == "rollback"], events
+    assert levels[-1] == "bf16" and levels.count("bf16") > 600
+    judged = [c for c in checks if c["penalty"] is not None]
+    assert len(judged) >= DENSE_BLOCKS - 1  # (a block straddling the shift may be left out)
+    assert not math.isnan(sum(c["penalty"] for c in judged))
