@@ -228,11 +228,14 @@ def test_efficient_on_a_card_without_clock_locks_moves_the_power_limit(
         '[policy]\nname = "efficient"\nperiod_s = 0.2\nsettle_s = 0.05\n'
         "[policy.params]\nmax_slowdown = 0.05\nmin_steps = 6\n"
     )
-    d, _ = spawn_on_stub(tmp_path, cfg, no_locked_clocks="0")
+    procs = tmp_path / "procs"
+    procs.write_text("")
+    d, _ = spawn_on_stub(tmp_path, cfg, no_locked_clocks="0", procs=procs)
     daemons.append(d)
     first_status(d)
     assert wait_for(lambda: len(gpus_of(status_now(d))) == 8, 20)
     p = trainer(d.socket, "tuned", "--gpu", "0", "--steps", "100000", "--step-sleep", "0.005")
+    procs.write_text(f"0 {p.pid} compute 2048\n")  # its CUDA context: NVML lists it on gpu0, so its claim steers
     try:
 
         def moved() -> bool:
