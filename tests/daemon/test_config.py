@@ -133,7 +133,7 @@ def test_one_simulated_gpu_may_run_slower(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "table, needle",
     [
-        ('{ gpu1 = 1.3 }', "gpu_speed_factors.gpu1 = 1.3: the key must be a GPU index"),
+        ("{ gpu1 = 1.3 }", "gpu_speed_factors.gpu1 = 1.3: the key must be a GPU index"),
         ("{ 1 = 0 }", "gpu_speed_factors.1 = 0: expected a number from 0.1 to 10"),
         ("{ 1 = nan }", "gpu_speed_factors.1 = nan: expected a number from 0.1 to 10"),
         ('{ 1 = "slow" }', "gpu_speed_factors.1 = 'slow': expected a number from 0.1 to 10"),
