@@ -368,12 +368,8 @@ class SimGpu:
         dt = max(0.0, now - st.updated_s)
         idle_dt = max(0.0, dt - st.busy_credit_s)
         energy = st.energy_mj + self._background_power_w(st) * idle_dt * 1000.0
-        return _View(
-            now_s=max(now, st.updated_s),
-            energy_mj=energy,
-            credit_left_s=max(0.0, st.busy_credit_s - dt),
-            busy_s=st.busy_s + min(dt, st.busy_credit_s),
-        )
+        left, busy = max(0.0, st.busy_credit_s - dt), st.busy_s + min(dt, st.busy_credit_s)
+        return _View(now_s=max(now, st.updated_s), energy_mj=energy, credit_left_s=left, busy_s=busy)
 
     def _advanced(self, st: SimState, now: float) -> SimState:
         v = self._view(st, now)
