@@ -38,6 +38,8 @@ table per concern; every key has a default, so an empty file is valid::
     load = 0.0                         # background load 0..1 when no job runs
     mem_share = 0.3                    # memory-bound share of a simulated step
     speed_factor = 1.0                 # > 1: slower GPUs (a straggler node, in tests)
+    gpu_speed_factors = {}             # one GPU's own, in place of speed_factor: { 1 = 1.3 }
+                                       # (a straggler GPU within the node)
     trace = ""                         # a measured power-limit profile the GPUs follow (greend.probes.trace)
 
     [store]
@@ -146,7 +148,13 @@ class SimConfig:
     load: float = 0.0
     mem_share: float = 0.3
     speed_factor: float = 1.0
+    gpu_speed_factors: dict[str, Any] = field(default_factory=dict)  # GPU index -> its factor
     trace: str = ""
+
+    def speed_factors(self, n: int) -> list[float]:
+        """The speed factor of each of ``n`` simulated GPUs (0..n-1)."""
+        own = {int(k): float(v) for k, v in self.gpu_speed_factors.items()}
+        return [own.get(i, self.speed_factor) for i in range(n)]
 
 
 @dataclass
@@ -287,6 +295,24 @@ def _check_policies(cfg: Config) -> None:
         )
 
 
+def _check_gpu_speed_factors(s: SimConfig) -> None:
+    """[sim] gpu_speed_factors: GPU indices (of the simulated ones, when their number is
+    known) to factors in the range speed_factor allows."""
+    for key, value in s.gpu_speed_factors.items():
+        where = f"[sim] gpu_speed_factors.{key} = {value!r}"
+        if not key.isdigit():
+            raise ConfigError(
+                f"{where}: the key must be a GPU index (0, 1, ...), e.g. gpu_speed_factors = {{ 1 = 1.3 }}"
+            )
+        if s.gpus > 0 and int(key) >= s.gpus:
+            raise ConfigError(
+                f"{where}: there are {s.gpus} simulated GPUs (0 to {s.gpus - 1}); "
+                f"drop GPU {key} or simulate more ([sim] gpus or --sim)"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.1 <= value <= 10.0:
+            raise ConfigError(f"{where}: expected a number from 0.1 to 10 (1 = an H100, > 1 slower)")
+
+
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 
@@ -345,6 +371,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"[sim] load = {s.load!r}: expected a fraction from 0.0 to 1.0")
     if not 0.1 <= s.speed_factor <= 10.0:
         raise ConfigError(f"[sim] speed_factor = {s.speed_factor!r}: expected 0.1 to 10 (1 = an H100)")
+    _check_gpu_speed_factors(s)
     if not 0.0 <= s.mem_share <= 0.95:
         raise ConfigError(f"[sim] mem_share = {s.mem_share!r}: expected a fraction from 0.0 to 0.95")
     if s.trace:

@@ -32,7 +32,10 @@ background load) over wall-clock time. :meth:`SimGpu.run_step` adds a step's
 model energy at once and books its simulated duration as *busy credit*: the
 next ``duration_s`` wall-clock seconds are not integrated again at background
 power (``counter += P_bg * max(0, dt - credit)``; ``credit = max(0, credit - dt)``).
-During that credit the device reports itself busy (clock, utilisation, power).
+During that credit the device reports itself busy (clock, power). The time spent
+busy is counted too (``busy_s``), so utilisation is, as NVML's, the share of the last
+sample period (``UTIL_WINDOW_S``) during which a step ran: a GPU that waits for a slower
+one at each step reads less busy than it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 POWER_WINDOW_S = 1.0  # NVML power on Ampere+ is a ~1 s average
+UTIL_WINDOW_S = 1.0  # NVML's utilisation sample period (1/6 s to 1 s by product)
 _HISTORY_KEEP_S = 5.0
 _HISTORY_STEP_S = 0.02
 _HISTORY_MAX = 256
@@ -85,6 +89,7 @@ class SimState:
     energy_mj: float = 0.0
     updated_s: float = 0.0  # wall time the counter was integrated to
     busy_credit_s: float = 0.0
+    busy_s: float = 0.0  # seconds spent running steps, ever (utilisation is its rate)
     busy_power_w: float = 0.0  # of the steps in the current credit (for readings)
     busy_clock_mhz: int = 0
     busy_mem_share: float = 0.0
@@ -110,6 +115,7 @@ class SimState:
             energy_mj=float(d["energy_mj"]),
             updated_s=float(d["updated_s"]),
             busy_credit_s=float(d.get("busy_credit_s", 0.0)),
+            busy_s=float(d.get("busy_s", 0.0)),
             busy_power_w=float(d.get("busy_power_w", 0.0)),
             busy_clock_mhz=int(d.get("busy_clock_mhz", 0)),
             busy_mem_share=float(d.get("busy_mem_share", 0.0)),
@@ -129,6 +135,7 @@ class _View:
     now_s: float
     energy_mj: float
     credit_left_s: float
+    busy_s: float
 
     @property
     def busy(self) -> bool:
@@ -181,7 +188,7 @@ class SimGpu:
         self._cache: SimState | None = None
         self._cache_checked_s = -1e18
         self.refresh_s = refresh_s  # how stale another process's changes may be seen (see _read)
-        self._history: deque[tuple[float, float]] = deque(maxlen=_HISTORY_MAX)
+        self._history: deque[tuple[float, float, float]] = deque(maxlen=_HISTORY_MAX)  # (t, mJ, busy s)
         self._last_now_s = float("-inf")
         self._mem_lock = threading.Lock()  # guards the in-memory history and clock
         self._attached: set[int] = set()  # pids this process put in the process table
@@ -361,11 +368,12 @@ class SimGpu:
         dt = max(0.0, now - st.updated_s)
         idle_dt = max(0.0, dt - st.busy_credit_s)
         energy = st.energy_mj + self._background_power_w(st) * idle_dt * 1000.0
-        return _View(now_s=max(now, st.updated_s), energy_mj=energy, credit_left_s=max(0.0, st.busy_credit_s - dt))
+        left, busy = max(0.0, st.busy_credit_s - dt), st.busy_s + min(dt, st.busy_credit_s)
+        return _View(now_s=max(now, st.updated_s), energy_mj=energy, credit_left_s=left, busy_s=busy)
 
     def _advanced(self, st: SimState, now: float) -> SimState:
         v = self._view(st, now)
-        st.energy_mj, st.busy_credit_s, st.updated_s = v.energy_mj, v.credit_left_s, v.now_s
+        st.energy_mj, st.busy_credit_s, st.updated_s, st.busy_s = v.energy_mj, v.credit_left_s, v.now_s, v.busy_s
         return st
 
     def _booked(self) -> SimState:
@@ -398,7 +406,7 @@ class SimGpu:
             # One point per _HISTORY_STEP_S is plenty for a 1 s average, and keeps
             # power_w()'s scan short however many questions a tick asks.
             if not h or v.now_s >= h[-1][0] + _HISTORY_STEP_S:
-                h.append((v.now_s, v.energy_mj))
+                h.append((v.now_s, v.energy_mj, v.busy_s))
                 while len(h) > 2 and h[1][0] < v.now_s - _HISTORY_KEEP_S:
                     h.popleft()
         return st, v
@@ -432,20 +440,20 @@ class SimGpu:
         Falls back to the instantaneous power until this object has history.
         """
         st, v = self._current()
-        # The newest point at least a window old; else the oldest point we have.
-        ref: tuple[float, float] | None = None
-        with self._mem_lock:
-            h = self._history
-            for point in reversed(h):  # newest first: the window's start is near the end
-                if point[0] <= v.now_s - POWER_WINDOW_S:
-                    ref = point
-                    break
-            else:
-                if h and h[0][0] < v.now_s:
-                    ref = h[0]
+        ref = self._window_start(v, POWER_WINDOW_S)
         if ref is None:
             return st.busy_power_w if v.busy else self._background_power_w(st)
         return (v.energy_mj - ref[1]) / 1000.0 / (v.now_s - ref[0])
+
+    def _window_start(self, v: _View, window_s: float) -> tuple[float, float, float] | None:
+        """The newest history point at least ``window_s`` before ``v``; else the oldest
+        one before it; None without one."""
+        with self._mem_lock:
+            h = self._history
+            for point in reversed(h):  # newest first: the window's start is near the end
+                if point[0] <= v.now_s - window_s:
+                    return point
+            return h[0] if h and h[0][0] < v.now_s else None
 
     def busy(self) -> bool:
         """True while a step's simulated duration is still running."""
@@ -463,11 +471,17 @@ class SimGpu:
         return self.spec.mem_clock_mhz
 
     def utilization_pct(self) -> tuple[float, float]:
-        """(GPU busy %, memory busy %) as NVML's utilisation rates."""
+        """(GPU busy %, memory busy %) as NVML's utilisation rates: the share of the last
+        ``UTIL_WINDOW_S`` during which a step ran (the background load the rest of it).
+        Until this object has history, the instant's (busy: 100 %)."""
         st, v = self._current()
-        if v.busy:
-            return 100.0, 100.0 * st.busy_mem_share
-        return 100.0 * st.background_load, 100.0 * st.background_load * st.mem_share
+        ref = self._window_start(v, UTIL_WINDOW_S)
+        if ref is None:
+            frac = 1.0 if v.busy else 0.0
+        else:
+            frac = min(1.0, max(0.0, (v.busy_s - ref[2]) / (v.now_s - ref[0])))
+        bg = st.background_load * (1.0 - frac)
+        return 100.0 * (frac + bg), 100.0 * (frac * st.busy_mem_share + bg * st.mem_share)
 
     def temperature_c(self) -> float:
         return self.spec.temp_ambient_c + self.spec.temp_c_per_w * self.instant_power_w()

@@ -180,7 +180,11 @@ class Daemon:
             sim_params={
                 "background_load": cfg.sim.load,
                 "mem_share": cfg.sim.mem_share,
-                "speed_factor": cfg.sim.speed_factor,
+                # One per GPU where some GPU has its own ([sim] gpu_speed_factors); a fleet
+                # found in the sim dir ("sim" enabled, no count) has at most 64 GPUs.
+                "speed_factor": cfg.sim.speed_factors(cfg.sim.gpus or 64)
+                if cfg.sim.gpu_speed_factors
+                else cfg.sim.speed_factor,
             },
             cpu_tdp_w=cfg.probes.cpu_tdp_w,
             nvml_module=self.nvml_module(),

@@ -118,3 +118,29 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.store_urls == ["sqlite:///x/y.db"]
     with pytest.raises(ConfigError):
         apply_overrides(cfg, hz=0.0)
+
+
+def test_one_simulated_gpu_may_run_slower(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "[sim]\ngpus = 3\nspeed_factor = 1.1\ngpu_speed_factors = { 1 = 1.3 }\n"))
+    assert cfg.sim.speed_factors(3) == [1.1, 1.3, 1.1]  # GPU 1's own, the node's for the others
+    # A table works as well; the count may come from --sim after the file is read.
+    cfg = load_config(write(tmp_path, "[sim.gpu_speed_factors]\n3 = 2.0\n"))
+    assert apply_overrides(cfg, sim=4).sim.speed_factors(4) == [1.0, 1.0, 1.0, 2.0]
+    with pytest.raises(ConfigError, match=r"gpu_speed_factors.3 = 2.0: there are 2 simulated GPUs \(0 to 1\)"):
+        apply_overrides(cfg, sim=2)
+
+
+@pytest.mark.parametrize(
+    "table, needle",
+    [
+        ("{ gpu1 = 1.3 }", "gpu_speed_factors.gpu1 = 1.3: the key must be a GPU index"),
+        ("{ 1 = 0 }", "gpu_speed_factors.1 = 0: expected a number from 0.1 to 10"),
+        ("{ 1 = nan }", "gpu_speed_factors.1 = nan: expected a number from 0.1 to 10"),
+        ('{ 1 = "slow" }', "gpu_speed_factors.1 = 'slow': expected a number from 0.1 to 10"),
+        ("[1.0, 1.3]", "gpu_speed_factors = [1.0, 1.3]: expected a table ([sim.gpu_speed_factors])"),
+    ],
+)
+def test_bad_gpu_speed_factors_are_refused_naming_the_gpu(tmp_path: Path, table: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"[sim]\ngpu_speed_factors = {table}\n"))
+    assert needle in str(e.value)

@@ -89,6 +89,22 @@ def test_speed_factor_makes_a_straggler(tmp_path: Path, clock: ManualClock) -> N
     assert b.duration_s == pytest.approx(1.3 * a.duration_s)
 
 
+def test_utilisation_is_the_busy_share_of_the_last_second(tmp_path: Path, clock: ManualClock) -> None:
+    """As NVML's: the share of the sample period a step ran, so a GPU that waits at each
+    step for a slower one (a synchronous job) reads less busy than it."""
+    fast, slow = open_sim_gpus(tmp_path, 2, clock=clock, speed_factor=[1.0, 1.3])
+    flops = 2e12  # ~5 ms on the fast GPU (fp32, compute bound)
+    for _ in range(400):  # the job's step: both GPUs compute, then wait for the slower
+        d = max(g.run_step(flops, 0.0, "fp32").duration_s for g in (fast, slow))
+        clock.advance(2 * d)  # the step: the computing, then data, the host, the collective
+        fast.utilization_pct(), slow.utilization_pct()  # (readings, as the daemon's ticks)
+    u_fast, u_slow = fast.utilization_pct()[0], slow.utilization_pct()[0]
+    assert u_slow == pytest.approx(50.0, rel=0.03)
+    assert u_fast / u_slow == pytest.approx(1 / 1.3, rel=0.03)
+    clock.advance(1.5)  # a second without steps: idle
+    assert fast.utilization_pct() == (0.0, 0.0)
+
+
 # ---------------------------------------------------------------- power limit and clocks
 
 
