@@ -62,6 +62,7 @@ class PaceState:
     backoff_s: float = BACKOFF_S
     seen: list[Evidence] = field(default_factory=list)  # the job's measure, period by period
     fresh: bool = True  # the measure started again since the last move
+    since_s: float | None = None  # when the measure in ``seen`` started (the daemon's word)
     mark: Evidence | None = None  # the job's measure when the slack showed
     moves: int = 0
     undos: int = 0
@@ -93,8 +94,11 @@ class Pacer:
         base: int,
         views: Sequence[GpuView],
         live: Evidence | None,
+        since_s: float | None = None,
     ) -> dict[int, Setting]:
-        """This period's per-GPU changes (GPU -> setting); {} when nothing moves."""
+        """This period's per-GPU changes (GPU -> setting); {} when nothing moves.
+        ``since_s``: when the daemon's measure behind ``live`` started; a new value is a
+        new measure even where it already holds more steps than the old one."""
         if ps.base is not None and ps.base != base:
             return self.release(ps, grid[base], "the job's setting changed")
         ps.base = base
@@ -106,8 +110,10 @@ class Pacer:
         if top <= 0.0:
             return {}
         out: dict[int, Setting] = {}
-        if live is None or (ps.seen and live.steps < ps.seen[-1].steps):
+        restarted = since_s is not None and ps.since_s is not None and since_s != ps.since_s
+        if live is None or restarted or (ps.seen and live.steps < ps.seen[-1].steps):
             ps.seen, ps.fresh = [], True  # the daemon's measure started again (after a move)
+        ps.since_s = since_s
         if live is not None:
             ps.seen = [*ps.seen[-63:], live]
         # ---- paced GPUs now on the critical path: the job's setting back, at once

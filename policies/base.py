@@ -77,6 +77,10 @@ class JobMeasure:
     # a policy knows how noisy the steps are (None: unknown, the policy assumes).
     time_sq_s2: float | None = None
     energy_sq_j2: float | None = None
+    # When this measure started (the daemon's clock). A new value says the daemon measures
+    # afresh (after a setting changed), even where the new measure already holds more
+    # steps than the old one did. None: unknown (a policy falls back on the step count).
+    since_s: float | None = None
 
     @property
     def time_per_flop_s(self) -> float:

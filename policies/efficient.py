@@ -224,7 +224,7 @@ class EfficientPolicy:
                 note = f" ({why})"
             clamp = self._held_instead(j, job, views)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
-            paced = self._pace(snap, job, views)
+            paced = self._pace(snap, j, job, views)
             if paced:
                 d.job_gpu_settings[j.job] = paced
                 reasons[j.job] += f"; {job.pace.last_event}"
@@ -304,13 +304,14 @@ class EfficientPolicy:
         )
         return f"; {job.last_event}"
 
-    def _pace(self, snap: Snapshot, job: _Job, views: list[GpuView]) -> dict[int, Setting]:
+    def _pace(self, snap: Snapshot, j: JobView, job: _Job, views: list[GpuView]) -> dict[int, Setting]:
         """Pacing within the node (policies/_pacing.py), once the job is settled; any
         other phase has every GPU at the job's setting."""
         at = job.settled_index
         if job.phase != "settled" or at is None or job.settled is None or not same_setting(job.current, job.settled):
             return self._pacer.release(job.pace, job.current, f"the job is {job.phase}")
-        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live)
+        since = j.measure.since_s if j.measure is not None else None
+        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live, since)
         if moves:
             job.ref, job.samples = None, []  # the drift watch starts again from the paced steps
         return moves

@@ -238,6 +238,7 @@ class JobTable:
             power_w=energy / m.time_s if m.time_s > 0 else None,
             time_sq_s2=m.time_sq_s2,
             energy_sq_j2=m.energy_sq_j2 if modelled else None,
+            since_s=m.since_s,
         )
 
     def views(self, setting_of: Callable[[int], Setting]) -> list[JobView]:

@@ -196,6 +196,7 @@ class _Acc:
     time_sq: float = 0.0
     energy_sq: float = 0.0
     skip: int = 0
+    since_s: float = 0.0  # the simulated time it started: a new measure, as the daemon's
 
     def measure(self) -> JobMeasure | None:
         if self.steps == 0:
@@ -209,6 +210,7 @@ class _Acc:
             power_w=self.energy_j / self.time_s if self.time_s > 0 else None,
             time_sq_s2=self.time_sq,
             energy_sq_j2=self.energy_sq,
+            since_s=self.since_s,
         )
 
 
@@ -322,7 +324,7 @@ def run_policy(
             setting = job_setting(sj)
             acc = accs.get(sj.job)
             if acc is None:
-                acc = accs[sj.job] = _Acc(setting, skip=0)
+                acc = accs[sj.job] = _Acc(setting, skip=0, since_s=sim_t)
             dur, en, clk_mhz = 0.0, 0.0, 0
             for i in sj.gpus:
                 g = by_index[i]
@@ -425,7 +427,7 @@ def run_policy(
                 _apply(by_index[i], s)
         for sj in jobs:
             if job_settings(sj) != before[sj.job]:
-                accs[sj.job] = _Acc(job_setting(sj), skip=settle_steps)
+                accs[sj.job] = _Acc(job_setting(sj), skip=settle_steps, since_s=sim_t)
                 results[sj.job].settings_applied += 1
             info = jd.get(sj.job) if isinstance(jd, dict) else None
             ph = info.get("phase", "") if isinstance(info, dict) else ""

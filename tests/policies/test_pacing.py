@@ -96,6 +96,21 @@ def test_a_measured_slowdown_undoes_the_move_and_backs_off() -> None:
     assert list(p.step(ps, 44.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0))) == [0]
 
 
+def test_a_measure_that_restarted_with_more_steps_is_still_checked() -> None:
+    """The daemon's measure restarts after a move; one policy period later it may already
+    hold more steps than the old one did (16 before, 36 after). Its start time says it
+    is new, so the move is checked and, 4 % slower, undone (a move that went too deep is
+    never left standing)."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    assert list(p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0), since_s=0.0)) == [0]
+    undone = p.step(ps, 11.0, grid, levels, base, _views([95.0, 100.0]), _ev(36, 36.0 * 1.04), since_s=10.05)
+    assert undone == {0: UNCAPPED} and ps.undos == 1, ps.last_event
+
+
 def test_a_move_within_the_noise_stands() -> None:
     clocks = sorted(set(H100.supported_sm_clocks_mhz))
     grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
