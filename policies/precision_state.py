@@ -127,5 +127,5 @@ PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probat
 # A job whose ranks probe (JobView.probe_every) is on probation until the callback's
 # first two probe blocks are in (greend.training.probe: 2 * DENSE_EVERY;
 # a test keeps the two equal).
-PROBE_PROBATION_STEPS = 200
+PROBE_PROBATION_STEPS = 100
 GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count

@@ -166,6 +166,16 @@ class ControlLoop:
         if isinstance(gpu_probe, ShowsClockCaps):
             gpu_probe.use_cap_lookup(ctrl.clock_cap_mhz)
 
+    def precision_tolerance(self) -> float | None:
+        """The running precision policy's ``tolerance`` (``[policy.precision_params]``, or
+        the main policy's own where that is the precision policy), or None where none runs."""
+        with self._lock:
+            for policy in (self.precision_policy, self.policy):
+                if policy is not None and policy.name == "precision":
+                    tolerance = policy.params().get("tolerance")
+                    return float(tolerance) if isinstance(tolerance, (int, float)) else None
+        return None
+
     def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
         from greend.policies import get_policy
 

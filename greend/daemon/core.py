@@ -132,7 +132,11 @@ class Daemon:
         )
         self.jobs.on_job_end.append(self.control.job_ended)
         # the jobs' socket ops; ended runs kept in the state dir, for history after a restart
-        self.job_ops = JobOps(self.jobs, JobArchive(lambda: self.state_dir.inside(ARCHIVE_DIR)))
+        self.job_ops = JobOps(
+            self.jobs,
+            JobArchive(lambda: self.state_dir.inside(ARCHIVE_DIR)),
+            precision_tolerance=self.control.precision_tolerance,
+        )
         self.status_context = StatusContext(
             cfg=cfg,
             hostname=self.hostname,

@@ -73,9 +73,17 @@ class JobOps:
 
     SILENT = frozenset({"steps", "intervals"})
 
-    def __init__(self, jobs: JobRegistry, archive: JobArchive | None = None) -> None:
+    def __init__(
+        self,
+        jobs: JobRegistry,
+        archive: JobArchive | None = None,
+        precision_tolerance: Callable[[], float | None] | None = None,
+    ) -> None:
         self.jobs = jobs
         self.archive = archive  # ended runs kept across restarts (history for everyone)
+        # The precision policy's tolerance, told to each rank at registration (its probes
+        # judge a level against it); None: no precision policy runs.
+        self.precision_tolerance = precision_tolerance
         if archive is not None:
             jobs.on_job_end.append(self._keep)
 
@@ -126,6 +134,9 @@ class JobOps:
         }
         if booked.precision is not None:  # the job's level in force (a new job: its own)
             reply["directive"] = {"precision": booked.precision}
+        tolerance = self.precision_tolerance() if self.precision_tolerance is not None else None
+        if tolerance is not None:
+            reply["precision_tolerance"] = tolerance
         return reply
 
     # Two forms reach one booking path: "intervals" rows, a rank's steps summed at the

@@ -31,12 +31,14 @@ class FakeDaemon:
         heartbeat_s: float = 0.2,
         initial_precision: str | None = None,
         rows_every_s: float | None = None,
+        precision_tolerance: float | None = None,
     ) -> None:
         """``rows_every_s``: offer "intervals" rows at that cadence, as the real daemon
         does (recorded in ``rows``); None: take one "steps" entry per step, as an older
         daemon (recorded in ``steps``, what most tests look at)."""
         self.path = path
         self.rows_every_s = rows_every_s
+        self.precision_tolerance = precision_tolerance  # sent in the register reply where set
         self.rows: list[dict[str, Any]] = []
         self.heartbeat_s = heartbeat_s
         self.initial_precision = initial_precision
@@ -82,6 +84,8 @@ class FakeDaemon:
             reply["directive"] = {"precision": level}
         if self.rows_every_s is not None:
             reply.update(report="intervals", rows_every_s=self.rows_every_s)
+        if self.precision_tolerance is not None:
+            reply["precision_tolerance"] = self.precision_tolerance
         return reply
 
     def _intervals(self, msg: dict[str, Any], conn: Connection) -> Any:

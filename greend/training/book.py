@@ -422,11 +422,12 @@ class StepBook:
                 self.boundary = True  # the block may start within the next batch of steps
 
     def _probe_settling(self, index: int) -> bool:
-        """Whether step ``index`` is one of the few right after a probe block, where the
-        weights settle back to the level in force (a jump there is the probe's, not a spike)."""
+        """Whether step ``index`` is after a probe block, up to the block's last window step:
+        the weights settle back to the level in force (a jump there is the probe's, not a
+        spike), and the block itself judges those steps against the level above."""
         prober = self.control.prober
         block = prober.block if prober is not None else None
-        return block is not None and block.end <= index < block.after_from
+        return block is not None and block.end <= index <= block.last
 
     def _probe_record(self, index: int, level: str, loss: float | None) -> tuple[str, str | None]:
         """A recorded step the prober watches: its record's level (a probe step's is

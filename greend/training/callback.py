@@ -178,6 +178,7 @@ class GreenCallback:
             sync_every=opts.sync_every,
         )
         self._channel.on_directive = self._book.directive
+        self._channel.on_tolerance = self._control.follow_tolerance
         self.sync_every = opts.sync_every
         self.stats = self._channel.stats
         self._closed = False

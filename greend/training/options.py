@@ -72,13 +72,14 @@ class CallbackOptions:
         reference_every: steps between reference checks (default 50).
         reference_tolerance: the mean excess over fp32 a level may have (default 0.02).
         probe_every: while the run is below its own level, every this many steps (after
-            four blocks 100 steps apart right after the switch) a few steps run at the
+            four blocks 50 steps apart right after the switch) a few steps run at the
             level above, and the level is rolled back when it is surely more than
             ``probe_tolerance`` worse than the level above at the same point in training
             (:mod:`greend.training.probe`; default 400; None: no probes). The probes run
             only where the daemon asks for them (it registers them).
         probe_tolerance: the penalty (relative training loss) a level may have against
-            the level above (default 0.05, the daemon policy's own default).
+            the level above (default None: the daemon precision policy's ``tolerance``,
+            which its register reply tells, else 0.05, that policy's own default).
 
     Reporting:
         mem_share: memory-bound share of a step, for simulated GPUs (0..0.95).
@@ -111,7 +112,7 @@ class CallbackOptions:
     reference_every: int = 50
     reference_tolerance: float = 0.02
     probe_every: int | None = 400
-    probe_tolerance: float = 0.05
+    probe_tolerance: float | None = None
     mem_share: float | None = None
     max_pending: int = 10_000
     sync_every: int = 100
@@ -145,9 +146,11 @@ class CallbackOptions:
         probe = self.probe_every
         if probe is not None and (not isinstance(probe, int) or isinstance(probe, bool) or probe < 1):
             raise ValueError(f"probe_every={probe!r}: must be a whole number of steps >= 1, or None (no probes)")
-        tolerance = self.probe_tolerance
-        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0):
-            raise ValueError(f"probe_tolerance={tolerance!r}: must be a number > 0 (a fraction)")
+        probe_tol = self.probe_tolerance
+        if probe_tol is not None and not (
+            isinstance(probe_tol, (int, float)) and math.isfinite(probe_tol) and probe_tol > 0
+        ):
+            raise ValueError(f"probe_tolerance={probe_tol!r}: must be a number > 0 (a fraction), or None")
         if self.max_pending < 1 or self.max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
         precision = PrecisionOptions(
@@ -208,7 +211,7 @@ class CallbackKwargs(TypedDict, total=False):
     reference_every: int
     reference_tolerance: float
     probe_every: int | None
-    probe_tolerance: float
+    probe_tolerance: float | None
     mem_share: float | None
     max_pending: int
     sync_every: int

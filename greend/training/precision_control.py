@@ -80,7 +80,7 @@ class PrecisionControl:
         reference_every: int,
         reference_tolerance: float,
         probe_every: int | None,
-        probe_tolerance: float,
+        probe_tolerance: float | None,
         job: str,
         rank: int,
         world_size: int,
@@ -421,6 +421,13 @@ class PrecisionControl:
         if self.level not in _PROBED or upper in FP8_LEVELS or self.support.get(upper) is not None:
             return None
         return upper
+
+    def follow_tolerance(self, tolerance: float | None) -> None:
+        """The daemon's precision tolerance (its register reply; None: it sent none): the
+        probes judge against it unless the job gave ``probe_tolerance`` itself. Called
+        from the sender's thread: one attribute the prober reads."""
+        if self.prober is not None:
+            self.prober.policy_tolerance = tolerance
 
     def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
         """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""

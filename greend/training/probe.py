@@ -21,14 +21,24 @@ steps around their window means, pooled over the blocks), so a noisy job needs m
 blocks for a verdict and a quiet one fewer. A block whose two sides differ by more
 than :data:`SHIFT_Z` standard errors straddles a move of the data and is left out.
 
-The level is rolled back when, over the last 2 to :data:`KEEP_BLOCKS` blocks (every
+The level is rolled back when, over the last 1 to :data:`KEEP_BLOCKS` blocks (every
 suffix is tried, so a penalty that appears late is not diluted by the early blocks),
 the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard errors
-(surely worse than the tolerance), or, over at least :data:`SURE_BLOCKS` blocks, it is
-over ``tolerance`` and more than :data:`SURE_Z` standard errors over 0 (worse than the
-tolerance, and surely worse: a penalty of 1.5 times the tolerance in a job with 5 %
-step-to-step noise needs some 50 probe steps for the first rule, 12 for the second). The rollback's reason names the
-blocks, the penalty, its error and the noise it used.
+(surely worse than the tolerance; :data:`ONE_Z` for one block alone), or, over at
+least :data:`SURE_BLOCKS` blocks, it is over ``tolerance`` and more than :data:`SURE_Z`
+standard errors over 0 (worse than the tolerance, and surely worse: a penalty of 1.5
+times the tolerance in a job with 5 % step-to-step noise needs some 50 probe steps for
+the first rule, 8 for the second). The rollback's reason names the blocks, the
+penalty, its error and the noise it used. ``tolerance`` is the job's
+``probe_tolerance``, else the daemon precision policy's (its register reply), else
+:data:`TOLERANCE`.
+
+Why soon: the time a harmful level runs is not undone by the rollback. On a regression
+near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
+fp32 to the end left the held-out loss +0.4 / +2.0 / +5.1 % over the fp32 twin (one
+seed; the gap is ~0 right after the rollback and grows as training goes on, carried in
+the weights and the optimizer's state alike); hence dense blocks right after a switch,
+and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved:
 about 2 % of the steps during the probation, 1 % after); nothing else. The judge sees
@@ -51,11 +61,13 @@ __all__ = [
     "GUARD_Z",
     "KEEP_BLOCKS",
     "MIN_BLOCKS",
+    "ONE_Z",
     "PROBE_STEPS",
     "SETTLE_STEPS",
     "SHIFT_Z",
     "SURE_BLOCKS",
     "SURE_Z",
+    "TOLERANCE",
     "WINDOW_STEPS",
     "Prober",
     "probe_level",
@@ -63,15 +75,18 @@ __all__ = [
 ]
 
 PROBE_STEPS = 4  # steps of one probe block at the level above
-DENSE_EVERY = 100  # steps between the first blocks after a switch ...
+DENSE_EVERY = 50  # steps between the first blocks after a switch ...
 DENSE_BLOCKS = 4  # ... this many of them; then probe_every
 WINDOW_STEPS = 16  # lower-level steps compared on either side of a block
-SETTLE_STEPS = 8  # lower-level steps after a block left out (the weights settle back)
+SETTLE_STEPS = 12  # lower-level steps after a block left out (the weights settle back; the
+# spike rule ignores the steps from the block's end to its last window step)
 KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
-MIN_BLOCKS = 2  # one block alone is never a verdict (a few unlucky probe steps)
+MIN_BLOCKS = 2  # fewer blocks are a verdict only under ONE_Z (a few unlucky probe steps)
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
 SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
-SURE_BLOCKS = 3
+SURE_BLOCKS = 2
+ONE_Z = 5.0  # one block alone: a verdict when its penalty is this many standard errors over the tolerance
+TOLERANCE = 0.05  # the penalty a level may have where neither the job nor the daemon says (the policy's default)
 SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift
 NEVER = sys.maxsize
 
@@ -132,8 +147,10 @@ class Prober:
     come (the next block's first window step), and :meth:`record` with each recorded
     step from :attr:`watch_from` on; everything else costs one integer compare."""
 
-    def __init__(self, *, tolerance: float, every: int) -> None:
-        self.tolerance = float(tolerance)
+    def __init__(self, *, tolerance: float | None, every: int) -> None:
+        # The job's own tolerance, else the daemon policy's (told at registration), else the default.
+        self.given = float(tolerance) if tolerance is not None else None
+        self.policy_tolerance: float | None = None
         self.every = int(every)
         self.upper: str | None = None
         self.lower: str | None = None
@@ -144,6 +161,15 @@ class Prober:
         self.verdicts: deque[Verdict] = deque(maxlen=KEEP_BLOCKS)
         self.log: deque[dict[str, Any]] = deque(maxlen=256)
         self.probe_steps = 0  # steps run at the upper level for the probes
+
+    @property
+    def tolerance(self) -> float:
+        """The penalty the level may have: ``probe_tolerance`` where the job gave one, else
+        the daemon policy's (:meth:`PrecisionControl.follow_tolerance`), else :data:`TOLERANCE`."""
+        if self.given is not None:
+            return self.given
+        told = self.policy_tolerance
+        return told if told is not None else TOLERANCE
 
     @property
     def armed(self) -> bool:
@@ -238,12 +264,12 @@ class Prober:
         # The job's noise, pooled over the blocks kept (relative to each block's scale).
         dof = sum(v.dof for v in vs)
         rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
-        for n in range(MIN_BLOCKS, len(vs) + 1):
+        for n in range(1, len(vs) + 1):
             tail = vs[-n:]
             mean = sum(v.penalty for v in tail) / n
             var = sum(rel_var * (1 / v.n_upper + 0.5 / v.n_lower) for v in tail) / (n * n)
             se = math.sqrt(var)
-            clearly = mean - GUARD_Z * se > self.tolerance
+            clearly = mean - (GUARD_Z if n >= MIN_BLOCKS else ONE_Z) * se > self.tolerance
             surely = n >= SURE_BLOCKS and mean > self.tolerance and mean - SURE_Z * se > 0
             if clearly or surely:
                 steps = ", ".join(str(v.start) for v in tail)

@@ -135,6 +135,8 @@ class Channel:
     local_pace_s: float | None = None
     requested: str | None = None
     on_directive: Callable[[], None] = lambda: None
+    # The daemon's precision tolerance from its register reply (None: it sent none).
+    on_tolerance: Callable[[float | None], None] = lambda _: None
     register_omit: set[str] = field(default_factory=set)
 
 
@@ -345,6 +347,13 @@ class Sender:
                 self.heartbeat_s = float(heartbeat_s)
             session = result.get("session")
             self.session = session if isinstance(session, int) else None
+            tolerance = result.get("precision_tolerance")
+            told = (
+                float(tolerance)
+                if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and 0 < tolerance < 10
+                else None
+            )
+            ch.on_tolerance(told)  # absent (an older daemon, no precision policy): the callback's own
             directive = result.get("directive")
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))

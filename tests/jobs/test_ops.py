@@ -187,3 +187,18 @@ def test_the_store_hears_a_proposal_then_the_switch_when_the_ranks_run_it() -> N
     # A move the daemon did not ask (the rank reports it as an event): no point from the rows.
     h["intervals"]({"rows": [{**_row(996.0, 997.0), "precision": "fp32"}]}, conn)
     assert len(decisions()) == 2 and jobs.jobs["p"].precision == "fp32"
+
+
+def test_register_tells_the_precision_policy_s_tolerance_where_one_runs() -> None:
+    told: list[float | None] = [0.08]
+    ops = JobOps(
+        JobRegistry(Ledger(), hostname="h", monotonic=_Clock(), wall=lambda: 1.7e9),
+        precision_tolerance=lambda: told[0],
+    )
+    reply = ops.handlers()["register"]({"job": "j1", "precisions": ["fp32", "bf16"]}, _Conn(1, _Peer(0, 1000)))
+    assert reply["precision_tolerance"] == 0.08
+    told[0] = None  # no precision policy (any more): the reply says nothing, the callback keeps its own
+    reply = ops.handlers()["register"]({"job": "j2", "precisions": ["fp32", "bf16"]}, _Conn(2, _Peer(0, 1000)))
+    assert "precision_tolerance" not in reply
+    plain, _ = _ops()  # a daemon built without the hook: nothing either
+    assert "precision_tolerance" not in plain.handlers()["register"]({"job": "j3"}, _Conn(3, _Peer(0, 1000)))

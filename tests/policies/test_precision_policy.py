@@ -22,6 +22,7 @@ from greend.errors import PolicyError
 from greend.policies import get_policy
 from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
 from greend.policies.precision import PrecisionPolicy, loss_trend
+from greend.policies.precision_state import PROBE_PROBATION_STEPS
 
 EPF = {"fp32": 15e-12, "tf32": 2e-12, "bf16": 1e-12, "fp16": 1e-12, "fp8": 0.6e-12, "fp8-emulated": 1e-12}
 FLOPS = 1e12
@@ -447,7 +448,7 @@ def test_with_probes_a_shift_after_the_switch_is_not_judged_as_the_level() -> No
     assert not [e for e in job.log if e["kind"] == "rollback"]
     reasons = [d.reason for d in ds]
     waiting = [r for r in reasons if "accuracy: the job's probes at fp32" in r]
-    assert waiting and "/200 steps" in waiting[0]  # max(probation 40, the first two probe blocks)
+    assert waiting and f"/{PROBE_PROBATION_STEPS} steps" in waiting[0]  # max(probation 40, the first two probe blocks)
     accepted = next(r for r in reasons if "accepted" in r)
     assert "no rollback from the probes at fp32" in accepted
     assert job.probe_steps > 0

@@ -22,7 +22,7 @@ from greend.policies.precision_state import PROBE_PROBATION_STEPS
 from greend.protocol import decode_steps
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
-from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, Prober, probe_level, probe_tag
+from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, TOLERANCE, Prober, probe_level, probe_tag
 from greend.training.rows import Row, step_fields
 from tests.support import wait_for
 from tests.training.test_precision import FAST
@@ -224,3 +224,51 @@ def test_a_shift_both_levels_see_is_kept(rows_daemon: FakeDaemon, sock_path: Pat
     judged = [c for c in checks if c["penalty"] is not None]
     assert len(judged) >= DENSE_BLOCKS - 1  # (a block straddling the shift may be left out)
     assert not math.isnan(sum(c["penalty"] for c in judged))
+
+
+# The tolerance the probes judge against ---------------------------------------------------
+
+
+def test_the_probes_follow_the_daemon_policy_s_tolerance(tmp_path: Path) -> None:
+    """The daemon's register reply tells its precision policy's ``tolerance``; the probes
+    judge against it unless the job gave ``probe_tolerance``; a daemon that tells none
+    (an older one, or no precision policy) leaves the callback's own default."""
+    from greend.daemon.core import Daemon
+    from tests.daemon.test_daemon import make_config
+
+    cfg = make_config(tmp_path, sim_gpus=1)
+    cfg.policy.precision = "precision"
+    cfg.policy.precision_params = {"tolerance": 0.08}
+    d = Daemon(cfg)
+    d.start()
+    try:
+        d.control.open(None, False)  # the policies start as in run() (no GPU probe here)
+        assert d.control.precision_tolerance() == 0.08
+        sock = cfg.daemon.socket
+        model = model_near(0.0)
+        with GreenCallback(job="told", model=model, socket=sock, precisions=["fp32", "bf16"], **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            assert cb._control.prober is not None and cb._control.prober.tolerance == 0.08
+        with GreenCallback(job="own", model=model, socket=sock, precisions=["fp32", "bf16"], probe_tolerance=0.03,
+                           **FAST) as cb:  # fmt: skip
+            assert wait_for(lambda: cb.connected)
+            assert cb._control.prober is not None and cb._control.prober.tolerance == 0.03  # the job's word
+        d.control.set_precision_policy("none", {})
+        assert d.control.precision_tolerance() is None
+        with GreenCallback(job="none", model=model, socket=sock, precisions=["fp32", "bf16"], **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            assert cb._control.prober is not None and cb._control.prober.tolerance == TOLERANCE == 0.05
+    finally:
+        d.close()
+
+
+def test_a_daemon_without_the_field_leaves_the_default_and_a_told_one_is_taken(sock_path: Path) -> None:
+    for told, expected in ((None, TOLERANCE), (0.11, 0.11)):
+        d = FakeDaemon(sock_path, rows_every_s=0.05, precision_tolerance=told).start()
+        try:
+            model = model_near(0.0)
+            with GreenCallback(job="t", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+                assert wait_for(lambda: cb.connected)
+                assert cb._control.prober is not None and cb._control.prober.tolerance == expected
+        finally:
+            d.stop()
