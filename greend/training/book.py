@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
@@ -47,6 +48,9 @@ JUDGE_BATCH = 16
 # ... or when the oldest of them ended this long ago (slow steps are read one by one;
 # the daemon hears of a step at most this much later than it would have).
 JUDGE_WITHIN_S = 0.05
+# Batches handed to the sender thread and not booked yet beyond which the training
+# thread books them itself (a sender thread that died or is starved).
+MAX_HANDED = 64
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
 
@@ -84,6 +88,16 @@ class StepBook:
         self.losses = LossReader()  # reads step losses without a stream sync
         self.max_unjudged = MAX_UNJUDGED
         self.unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
+        # Batches of ended steps with nothing to judge (see read_ended), handed to the
+        # sender thread to book: (steps, the first one's index, the level then in force).
+        # Whoever books them holds the lock; the training thread books what is left
+        # before it judges, reads or changes the guard (drain, flush).
+        self.handed: deque[tuple[list[Step], int, str]] = channel.handed
+        self.lock = threading.Lock()
+        # Set for good by the first step that holds a loss tensor (Step.loss) or is given
+        # index= (GreenCallback.step): such a job's batches are judged here.
+        self.held = False
+        self.indexed = False
         self.closed = False
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
@@ -272,11 +286,83 @@ class StepBook:
 
     # After the steps -------------------------------------------------------------------
     def read_ended(self) -> None:
-        self.drain(keep=self.max_unjudged)
+        """A batch of ended steps (StepHost): judged here, or handed to the sender thread.
+
+        While the run is at a level it never came down from (the guard's stack empty)
+        with no reference check, every loss of the batch already a number, and greend
+        counting the steps, judging a step is only feeding the guard's trend and making
+        its record: the batch goes to the sender thread whole (one append), which books
+        it at its next round; the training thread books it itself first whenever it
+        judges, reads or changes the guard. Else (a loss tensor in flight, the guard
+        watching, a reference check, ``index=`` given, ``model_flops``) it is judged here."""
+        control = self.control
+        if (
+            self.held
+            or self.indexed
+            or self.unjudged
+            or control.guard.stack
+            or control.reference is not None
+            or self.default_flops is FLOPS_FROM_TOKENS
+        ):
+            self.drain(keep=self.max_unjudged)
+            return
+        ended = self.ended
+        self.ended = []
+        first = self.next_index
+        n = len(ended)
+        self.next_index = first + n
+        self.channel.stats.recorded += n
+        self.handed.append((ended, first, self.precision))
+        if self._world_size > 1:
+            every = self.sync_every
+            for index in range(first + (-(first + 1)) % every, first + n, every):
+                self._sync_pace(index)  # (index + 1) is a multiple of sync_every
+        if len(self.handed) > MAX_HANDED:
+            self.book_handed()
+
+    def book_handed(self) -> None:
+        """Book the batches handed over (read_ended), oldest first: the guard's trend and
+        one record per step for the sender. Either thread; never raises."""
+        handed = self.handed
+        if not handed:
+            return
+        with self.lock:
+            while handed:
+                steps, first, level = handed.popleft()
+                try:
+                    self._book(steps, first, level)
+                except Exception as e:  # never the training's problem
+                    self._warnings.warn("book", f"booking the ended steps failed: {type(e).__name__}: {e}")
+
+    def _book(self, steps: list[Step], index: int, level: str) -> None:
+        """A handed batch: what drain does for steps whose loss is a number (or none),
+        with the guard's stack empty (nothing to roll back to) and no reference check."""
+        trend = self.control.guard.losses
+        queue = self.channel.queue
+        stats = self.channel.stats
+        full = queue.maxlen
+        for step in steps:
+            value = step._raw
+            loss = None
+            nonfinite = step._nonfinite
+            if value is not None:
+                step._raw = None
+                if _isfinite(value):
+                    loss = step._loss = value
+                    if step.precision == level:  # else: read after a switch, not this level's trend
+                        trend.append(value)
+                else:
+                    step._loss, step._nonfinite, step._nonfinite_cause = None, True, "loss"
+                    nonfinite = True
+            if len(queue) == full:
+                stats.dropped += 1  # the append below pushes out the oldest record
+            queue.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens, loss, nonfinite,
+                          step.precision))  # fmt: skip
+            index += 1
 
     def flush(self) -> None:
         """Read the losses of the ended steps and record them now; never waits, never raises."""
-        if self.closed or not (self.ended or self.unjudged):
+        if self.closed or not (self.ended or self.unjudged or self.handed):
             return
         try:
             self.drain()  # never waits
@@ -287,6 +373,8 @@ class StepBook:
         """Start reading the ended steps' losses, then judge and record the steps whose
         loss has landed, oldest first. ``keep``: wait for the oldest while more than this
         many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
+        if self.handed:
+            self.book_handed()  # the batches handed over go first, in step order
         q = self.unjudged
         ended = self.ended
         if ended:

@@ -176,6 +176,7 @@ class GreenCallback:
             sync_every=opts.sync_every,
         )
         self._channel.on_directive = self._book.directive
+        self._channel.book_handed = self._book.book_handed
         self.sync_every = opts.sync_every
         self.stats = self._channel.stats
         self._closed = False
@@ -242,6 +243,8 @@ class GreenCallback:
         ``flops``: this step's FLOPs, overriding everything else.
         """
         book = self._book
+        if index is not None:
+            book.indexed = True  # its batch is judged on the training thread, in step order
         if samples is not None and samples <= 4 and type(batch) in (tuple, list):
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:

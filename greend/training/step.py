@@ -58,6 +58,7 @@ class StepHost(Protocol):
     boundary: bool  # call at_boundary() at the next step's start
     flop_cache: dict[Hashable, Any]  # shape key -> FLOPs per step
     ended: list[Step]  # ended steps whose loss has not been read yet
+    held: bool  # a step held a loss tensor (set by Step.loss): batches are read here
     judge_every: int  # read the ended steps when this many have gathered ...
     judge_by: float  # ... or when a step ends after this (monotonic seconds)
     judge_within_s: float
@@ -204,9 +205,11 @@ class Step:
                 except Exception:
                     pass  # not one real number: the batched read names the problem
             self._raw = loss
+            self._host.held = True  # its batch is read on the training thread
             return
         if isinstance(loss, torch.Tensor):
             self._raw = loss
+            self._host.held = True
             return
         try:
             self._raw = float(loss)
