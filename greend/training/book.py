@@ -32,7 +32,7 @@ from greend.training.flops import FlopCounter, batch_signature, model_params
 from greend.training.loss_reader import LossReader
 from greend.training.precision_control import PrecisionControl
 from greend.training.sender import Channel
-from greend.training.step import Step
+from greend.training.step import ReusedAutocast, Step
 from greend.training.warn import OnceWarnings, log
 
 __all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
@@ -182,7 +182,18 @@ class StepBook:
         self.boundary = True
 
     def autocast_for(self, level: str) -> AbstractContextManager[Any]:
-        return self.control.autocast_for(level)
+        ctx = self.control.autocast_for(level)
+        if type(ctx) is torch.autocast:
+            # A plain autocast: made once for the level and reused by its steps (making
+            # one costs about what entering it does; the job's own loop pays that).
+            try:
+                reused = ReusedAutocast.like(ctx)
+            except Exception as e:  # (a torch whose autocast keeps its settings elsewhere)
+                log.debug("a new autocast for every step: %s", e)
+                return ctx
+            self.shared_autocast[level] = reused
+            return reused
+        return ctx
 
     def warn_once(self, key: str, message: str) -> None:
         self._warnings.warn(key, message)
@@ -348,11 +359,11 @@ class StepBook:
             if value is not None:
                 step._raw = None
                 if _isfinite(value):
-                    loss = step._loss = value
+                    loss = value
                     if step.precision == level:  # else: read after a switch, not this level's trend
                         trend.append(value)
                 else:
-                    step._loss, step._nonfinite, step._nonfinite_cause = None, True, "loss"
+                    step._nonfinite, step._nonfinite_cause = True, "loss"
                     nonfinite = True
             if len(queue) == full:
                 stats.dropped += 1  # the append below pushes out the oldest record
@@ -388,7 +399,7 @@ class StepBook:
                 if raw is not None and type(raw) is not float and isinstance(raw, torch.Tensor):
                     step._raw = None
                     try:
-                        step._pending = start(raw)
+                        step._raw = start(raw)  # a read in flight: the LossReader's handle (a tuple)
                     except Exception as e:
                         self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
             del raw, ended
@@ -401,18 +412,17 @@ class StepBook:
         pace_every = self.sync_every if self._world_size > 1 else 0
         while q:
             step = q[0]
-            value = step._raw  # a number given, or read at once
-            if value is not None:
-                step._raw = None
-            elif (pending := step._pending) is not None:
-                value = value_of(pending, wait=keep is not None and len(q) > keep)
+            value = step._raw  # a number given or read at once, or a read in flight
+            if type(value) is tuple:
+                value = value_of(value, wait=keep is not None and len(q) > keep)
                 if value is None:
                     break
-                step._pending = None
+            loss = None
             if value is not None:
+                step._raw = None
                 # The guard's look at the loss, in step order.
                 if _isfinite(value):
-                    step._loss = value  # (a gradient found non-finite meanwhile stays so)
+                    loss = value  # (a gradient found non-finite meanwhile stays so)
                     if step.precision == self.precision:  # else: read after a switch, not this level's trend
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
@@ -422,7 +432,7 @@ class StepBook:
                         else:
                             guard.losses.append(value)
                 else:
-                    step._loss, step._nonfinite, step._nonfinite_cause, step._spike_reason = None, True, "loss", None
+                    step._nonfinite, step._nonfinite_cause, step._spike_reason = True, "loss", None
             q.popleft()
             # The record, for the sender.
             index = step.index
@@ -435,7 +445,7 @@ class StepBook:
             if len(queue) == full:
                 stats.dropped += 1  # the append below pushes out the oldest record
             nonfinite = step._nonfinite
-            queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, step._loss, nonfinite,
+            queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, loss, nonfinite,
                           step.precision))  # fmt: skip
             stats.recorded += 1
             if pace_every and (index + 1) % pace_every == 0:
@@ -445,7 +455,7 @@ class StepBook:
                 spike = step._spike_reason = control.confirm_spike(spike)
             if (nonfinite or spike) and step.precision == self.precision:
                 # the next step runs at the level we came down from
-                control.roll_back(index, step._nonfinite_cause, step._loss, None if nonfinite else spike)
+                control.roll_back(index, step._nonfinite_cause, loss, None if nonfinite else spike)
             elif control.reference is not None:
                 control.reference_due(index)
         # Every step at its end while the spike rule holds (a spike rolls back from the

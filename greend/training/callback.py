@@ -89,7 +89,7 @@ from greend.training.options import CallbackKwargs, CallbackOptions
 from greend.training.peers import default_store
 from greend.training.precision_control import PrecisionControl
 from greend.training.sender import Channel, Sender, SenderStats
-from greend.training.step import Step
+from greend.training.step import Step, new_step
 from greend.training.warn import OnceWarnings
 
 if TYPE_CHECKING:
@@ -253,7 +253,7 @@ class GreenCallback:
                 # The key FLOPs are cached under: a tensor's shape (its dtype does not
                 # change the model's FLOPs), else the batch's signature.
                 shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
-        return Step(book, index, samples, tokens, shape_key, flops)
+        return new_step(book, index, samples, tokens, shape_key, flops)
 
     def _check_samples(self, samples: int, batch: tuple[Any, ...] | list[Any]) -> None:
         """``samples=len(batch)`` on an ``(inputs, targets)`` batch counts its parts, not

@@ -41,10 +41,11 @@ import torch
 
 from greend.training.mixed_precision import grads_finite, optimizer_params
 
-__all__ = ["Step", "StepHost"]
+__all__ = ["ReusedAutocast", "Step", "StepHost", "new_step"]
 
 _monotonic = time.monotonic
 _Tensor = torch.Tensor
+_new = object.__new__
 
 
 class StepHost(Protocol):
@@ -119,7 +120,7 @@ class Step:
     # Every field a step sets on its common path is a slot: a step then allocates no
     # __dict__, one object fewer for the cyclic collector to count and to walk.
     __slots__ = ("_host", "index", "samples", "tokens", "_shape_key", "flops", "t0_s", "t1_s", "precision",
-                 "_raw", "_loss", "_pending", "__dict__")  # fmt: skip
+                 "_raw", "__dict__")  # fmt: skip
 
     # What fewer steps set: read back from here until they do.
     _nonfinite = False
@@ -150,25 +151,17 @@ class Step:
         self.t0_s = 0.0
         self.t1_s = 0.0
         self.precision = "fp32"
-        self._raw: Any = None  # the reported loss: a float, or a tensor not read yet
-        self._loss: float | None = None  # the loss, once judged and finite
-        self._pending: Any = None  # a tensor's read still in flight (LossReader handle)
+        # The reported loss: a float, a tensor not read yet, or its read in flight (the
+        # LossReader's handle, a tuple); None once judged.
+        self._raw: Any = None
 
     def __enter__(self) -> Step:
         host = self._host
         if host.boundary:
             host.at_boundary(self)
         self.precision = host.precision
-        if self.flops is None:
-            # The common case inline (this runs every step): a shape counted already.
-            try:
-                flops = host.flop_cache.get(self._shape_key)
-            except TypeError:  # an unhashable shape_key=: plan_flops makes it one
-                flops = None
-            if flops is None:
-                host.plan_flops(self)
-            else:
-                self.flops = flops
+        if self.flops is None:  # (new_step looked the shape up in the cache already)
+            host.plan_flops(self)
         self.t0_s = _monotonic()
         return self
 
@@ -232,7 +225,7 @@ class Step:
 
         Reports the loss too (as :meth:`loss`) if the step has not reported one.
         """
-        if self._raw is None and self._loss is None and self._pending is None and not self._nonfinite:
+        if self._raw is None and not self._nonfinite:
             self.loss(loss)
         scaler = self._host.loss_scaler(self.precision)
         if scaler is not None:
@@ -269,3 +262,64 @@ class Step:
                 return False
         optimizer.step()
         return True
+
+
+def new_step(
+    host: StepHost,
+    index: int | None,
+    samples: int | None,
+    tokens: int | None,
+    shape_key: Hashable | None,
+    flops: float | None,
+) -> Step:
+    """``Step(host, index, samples, tokens, shape_key, flops)``, the FLOPs looked up in the
+    host's cache, without the class call's cost (a type call and an ``__init__`` frame:
+    a few hundred ns a step, more right after torch's work). The fields are
+    ``Step.__init__``'s (tests/training/test_step.py holds the two alike)."""
+    if flops is None:
+        # The common case (every step): a shape counted already. Else __enter__ plans it.
+        try:
+            flops = host.flop_cache.get(shape_key)
+        except TypeError:  # an unhashable shape_key=: plan_flops makes it one
+            pass
+    step: Step = _new(Step)
+    step._host = host
+    step.index = index
+    step.samples = samples
+    step.tokens = tokens
+    step._shape_key = shape_key
+    step.flops = flops
+    step.t0_s = step.t1_s = 0.0
+    step.precision = "fp32"
+    step._raw = None
+    return step
+
+
+class ReusedAutocast(torch.autocast):
+    """A ``torch.autocast`` made once per level and entered by step after step (making one
+    costs about as much as entering it), nested too: the state an outer entry restores
+    is kept aside while an inner one runs."""
+
+    _depth = 0
+    _outer: list[tuple[Any, Any, Any]]  # the outer entries' state to restore, innermost last
+
+    def __enter__(self) -> ReusedAutocast:
+        depth = self._depth
+        if depth:
+            self._outer.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
+        self._depth = depth + 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        depth = self._depth = self._depth - 1
+        if depth:
+            self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._outer.pop()
+
+    @classmethod
+    def like(cls, ctx: torch.autocast) -> ReusedAutocast:
+        """One entered again and again with ``ctx``'s settings."""
+        reused = cls(ctx.device, dtype=ctx.fast_dtype, enabled=ctx._enabled, cache_enabled=ctx._cache_enabled)
+        reused._outer = []
+        return reused
