@@ -98,6 +98,7 @@ class StepBook:
         # index= (GreenCallback.step): such a job's batches are judged here.
         self.held = False
         self.indexed = False
+        self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
         self.closed = False
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
@@ -130,6 +131,7 @@ class StepBook:
                 self._detect_hook = model.register_forward_pre_hook(self._on_first_forward)
             except Exception as e:
                 log.debug("no forward pre-hook on the model to see its autocast: %s", e)
+        self.hold_cpu = self._light()
         control.attach(self)
 
     # StepHost: the rare paths of a step -----------------------------------------------
@@ -210,6 +212,7 @@ class StepBook:
         self.precision = level
         if managed:
             self.judge_every = 1  # read each step from now on while the spike rule holds
+            self.hold_cpu = False
 
     # FLOPs ---------------------------------------------------------------------------
     def plan_flops(self, step: Step) -> None:
@@ -306,17 +309,11 @@ class StepBook:
         it at its next round; the training thread books it itself first whenever it
         judges, reads or changes the guard. Else (a loss tensor in flight, the guard
         watching, a reference check, ``index=`` given, ``model_flops``) it is judged here."""
-        control = self.control
-        if (
-            self.held
-            or self.indexed
-            or self.unjudged
-            or control.guard.stack
-            or control.reference is not None
-            or self.default_flops is FLOPS_FROM_TOKENS
-        ):
+        if not self._light():
+            self.hold_cpu = False
             self.drain(keep=self.max_unjudged)
             return
+        self.hold_cpu = True
         ended = self.ended
         self.ended = []
         first = self.next_index
@@ -330,6 +327,18 @@ class StepBook:
                 self._sync_pace(index)  # (index + 1) is a multiple of sync_every
         if len(self.handed) > MAX_HANDED:
             self.book_handed()
+
+    def _light(self) -> bool:
+        """Whether judging the ended steps is only booking them (see read_ended)."""
+        control = self.control
+        return not (
+            self.held
+            or self.indexed
+            or self.unjudged
+            or control.guard.stack
+            or control.reference is not None
+            or self.default_flops is FLOPS_FROM_TOKENS
+        )
 
     def book_handed(self) -> None:
         """Book the batches handed over (read_ended), oldest first: the guard's trend and
@@ -349,6 +358,7 @@ class StepBook:
         """A handed batch: what drain does for steps whose loss is a number (or none),
         with the guard's stack empty (nothing to roll back to) and no reference check."""
         trend = self.control.guard.losses
+        read = self.losses.start  # (a plain CPU tensor: item(), on this thread)
         queue = self.channel.queue
         stats = self.channel.stats
         full = queue.maxlen
@@ -358,6 +368,13 @@ class StepBook:
             nonfinite = step._nonfinite
             if value is not None:
                 step._raw = None
+                if type(value) is not float:  # a CPU tensor held for this read (Step.loss)
+                    try:
+                        value = read(value)[0]
+                    except Exception as e:
+                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                        value = None
+            if value is not None:
                 if _isfinite(value):
                     loss = value
                     if step.precision == level:  # else: read after a switch, not this level's trend

@@ -245,6 +245,7 @@ class GreenCallback:
         book = self._book
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
+            book.hold_cpu = False
         if samples is not None and samples <= 4 and type(batch) in (tuple, list):
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:

@@ -60,6 +60,7 @@ class StepHost(Protocol):
     flop_cache: dict[Hashable, Any]  # shape key -> FLOPs per step
     ended: list[Step]  # ended steps whose loss has not been read yet
     held: bool  # a step held a loss tensor (set by Step.loss): batches are read here
+    hold_cpu: bool  # the batch goes to the sender thread: a CPU loss is held, read there
     judge_every: int  # read the ended steps when this many have gathered ...
     judge_by: float  # ... or when a step ends after this (monotonic seconds)
     judge_within_s: float
@@ -182,16 +183,21 @@ class Step:
         return False
 
     def loss(self, loss: Any) -> None:
-        """Report this step's loss: a number, or a tensor (read at once on the CPU, where
-        that waits for nothing; held until its batched read elsewhere). Report the GPU
-        tensor itself, not a ``non_blocking`` copy of it to the CPU: that copy's value is
-        not there yet when it is read."""
+        """Report this step's loss: a number, or a tensor (held until its batched read;
+        on the CPU, while the guard watches, read at once). Report the GPU tensor itself,
+        not a ``non_blocking`` copy of it to the CPU: that copy's value is not there yet
+        when it is read."""
         if type(loss) is _Tensor:
             if loss.is_cpu:
-                # A plain CPU tensor's value is in host memory: item() waits for nothing
-                # and costs less than holding the tensor, whose graph and Python object
-                # would then be freed later, by greend, and walked by the cyclic
-                # collector meanwhile (bench/bench_callback.py measures both).
+                if self._host.hold_cpu:
+                    # Its batch goes to the sender thread, which reads it there (item(): a
+                    # CPU tensor's value waits for nothing) and frees it and its graph:
+                    # neither on the training thread (bench/bench_callback.py).
+                    self._raw = loss
+                    return
+                # The batch is judged on the training thread: item() at once costs less
+                # than holding the tensor, freeing it there later and the cyclic
+                # collector's walks of it meanwhile.
                 try:
                     self._raw = float(loss.item())  # (an int or bool tensor's too)
                     return
