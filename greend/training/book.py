@@ -408,18 +408,19 @@ class StepBook:
         if ended:
             self.ended = []
             q.extend(ended)
-            start = self.losses.start
-            for step in ended:
-                raw = step._raw
-                # A number is known already. (`type() is float` first: isinstance() with
-                # torch.Tensor costs 6x more, and this runs for every step.)
-                if raw is not None and type(raw) is not float and isinstance(raw, torch.Tensor):
-                    step._raw = None
-                    try:
-                        step._raw = start(raw)  # a read in flight: the LossReader's handle (a tuple)
-                    except Exception as e:
-                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
-            del raw, ended
+            # A number is known already. (`type() is float` first: isinstance() with
+            # torch.Tensor costs 6x more, and this runs for every step.)
+            held = [step for step in ended if type(step._raw) is not float and isinstance(step._raw, torch.Tensor)]
+            if held:
+                # Their reads start together: a GPU's losses in one copy (LossReader.start_many).
+                handles = self.losses.start_many([step._raw for step in held])
+                for step, handle in zip(held, handles, strict=True):
+                    if isinstance(handle, Exception):
+                        step._raw = None
+                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({handle}): ignored")
+                    else:
+                        step._raw = handle  # a read in flight: the LossReader's handle (a tuple)
+            del held, ended
         value_of = self.losses.value
         control = self.control
         guard = control.guard
