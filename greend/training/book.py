@@ -3,14 +3,20 @@
 :class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the
 level in force and the FLOP cache (read on every step), the list of ended steps,
 and the rare paths (a directive at a step boundary, a shape to count). Every 16
-steps or 50 ms it reads the ended steps' losses in one pass (without a stream sync:
-:class:`greend.training.loss_reader.LossReader`), lets the accuracy guard judge
-them (a rollback through :class:`greend.training.precision_control.PrecisionControl`),
-and queues one record per step for the sender thread (``Channel.queue``). Python
-that runs right after a step's torch work finds its caches cold and runs several
-times slower than in a loop: one pass for 16 steps costs a fraction of 16 single
-passes (``bench/bench_callback.py``). Training thread only, but for
-:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag).
+steps or 50 ms the ended steps are booked: one record per step for the sender
+(``Channel.queue``) and the accuracy guard's look at each loss. A batch with nothing
+to judge (the guard not watching, every loss a number or a CPU tensor) goes to the
+sender thread whole, which books it (:meth:`StepBook.book_handed`: the training
+thread books what is left first, under the same lock, whenever it judges, reads or
+changes the guard). Else the training thread reads the losses in one pass (without a
+stream sync: :class:`greend.training.loss_reader.LossReader`), lets the guard judge
+them (a rollback through :class:`greend.training.precision_control.PrecisionControl`)
+and queues the records. Python that runs right after a step's torch work finds its
+caches cold and runs several times slower than in a loop: one pass for 16 steps
+costs a fraction of 16 single passes, and none on the training thread costs least
+(``bench/bench_callback.py``). Training thread only, but for
+:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag), and
+:meth:`StepBook.book_handed`.
 
 FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
 shape key with FlopCounterMode (see :mod:`greend.training.callback`).

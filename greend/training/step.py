@@ -1,12 +1,15 @@
 """One training step: :class:`Step`, the context manager :meth:`GreenCallback.step` returns.
 
-The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
-looks the batch's shape up in the FLOP cache, and puts the ended step on a list;
-:meth:`Step.loss` takes a CPU tensor's value (``item()``) and only holds a GPU's.
-Every 16 steps (or 50 ms) the callback reads the held losses, judges the steps and
-records them in one pass (:class:`greend.training.book.StepBook`). No locks, no
-syscalls, no stream sync. A step sees its callback through :class:`StepHost` only:
-the few fields it reads on every step and the functions of the rare paths. A step
+The hot path is :func:`new_step` (what :meth:`GreenCallback.step` returns, the batch's
+shape looked up in the FLOP cache, made without a class call) and
+``__enter__``/``__exit__``: ``time.monotonic()`` twice, and the ended step put on a
+list; :meth:`Step.loss` holds the loss (a CPU tensor's value is taken at once, with
+``item()``, only while its batch is judged on the training thread). Every 16 steps
+(or 50 ms) the batch goes whole to the sender thread, which books it, or is judged
+here in one pass (:class:`greend.training.book.StepBook`). No locks, no syscalls, no
+stream sync. :meth:`Step.autocast` hands out one :class:`ReusedAutocast` per level.
+A step sees its callback through :class:`StepHost` only: the few fields it reads on
+every step and the functions of the rare paths. A step
 whose FLOPs are being counted runs slower (FlopCounterMode costs 10-370% of a step);
 its timing is reported as measured.
 
