@@ -34,7 +34,8 @@ resolves a few microseconds on a noisy shared machine:
 On a ~1 ms and a ~10 ms step, a bf16 job (the ``initial_precision="bf16"`` user's
 ``step.autocast()``) and an fp32 one, with a real ``greend run --sim 1`` answering
 and with no daemon at all (fail-open). The sender thread's own CPU time (the
-socket, summing rows) is not the training thread's and is printed apart, with the
+socket, booking the handed-over steps, summing rows) is not the training thread's and
+is printed apart, with the
 garbage collections per 1000 steps in greend's blocks and the bare loop's.
 
 ``--attribute`` adds, on the ~1 ms bf16 step without a daemon, the same design with

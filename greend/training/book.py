@@ -3,14 +3,20 @@
 :class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the
 level in force and the FLOP cache (read on every step), the list of ended steps,
 and the rare paths (a directive at a step boundary, a shape to count). Every 16
-steps or 50 ms it reads the ended steps' losses in one pass (without a stream sync:
-:class:`greend.training.loss_reader.LossReader`), lets the accuracy guard judge
-them (a rollback through :class:`greend.training.precision_control.PrecisionControl`),
-and queues one record per step for the sender thread (``Channel.queue``). Python
-that runs right after a step's torch work finds its caches cold and runs several
-times slower than in a loop: one pass for 16 steps costs a fraction of 16 single
-passes (``bench/bench_callback.py``). Training thread only, but for
-:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag).
+steps or 50 ms the ended steps are booked: one record per step for the sender
+(``Channel.queue``) and the accuracy guard's look at each loss. A batch with nothing
+to judge (the guard not watching, every loss a number or a CPU tensor) goes to the
+sender thread whole, which books it (:meth:`StepBook.book_handed`: the training
+thread books what is left first, under the same lock, whenever it judges, reads or
+changes the guard). Else the training thread reads the losses in one pass (without a
+stream sync: :class:`greend.training.loss_reader.LossReader`), lets the guard judge
+them (a rollback through :class:`greend.training.precision_control.PrecisionControl`)
+and queues the records. Python that runs right after a step's torch work finds its
+caches cold and runs several times slower than in a loop: one pass for 16 steps
+costs a fraction of 16 single passes, and none on the training thread costs least
+(``bench/bench_callback.py``). Training thread only, but for
+:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag), and
+:meth:`StepBook.book_handed`.
 
 FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
 shape key with FlopCounterMode (see :mod:`greend.training.callback`).
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
@@ -32,7 +39,7 @@ from greend.training.loss_reader import LossReader
 from greend.training.precision_control import PrecisionControl
 from greend.training.probe import NEVER, probe_tag
 from greend.training.sender import Channel
-from greend.training.step import Step
+from greend.training.step import ReusedAutocast, Step
 from greend.training.warn import OnceWarnings, log
 
 __all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
@@ -48,6 +55,9 @@ JUDGE_BATCH = 16
 # ... or when the oldest of them ended this long ago (slow steps are read one by one;
 # the daemon hears of a step at most this much later than it would have).
 JUDGE_WITHIN_S = 0.05
+# Batches handed to the sender thread and not booked yet beyond which the training
+# thread books them itself (a sender thread that died or is starved).
+MAX_HANDED = 64
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
 
@@ -85,6 +95,17 @@ class StepBook:
         self.losses = LossReader()  # reads step losses without a stream sync
         self.max_unjudged = MAX_UNJUDGED
         self.unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
+        # Batches of ended steps with nothing to judge (see read_ended), handed to the
+        # sender thread to book: (steps, the first one's index, the level then in force).
+        # Whoever books them holds the lock; the training thread books what is left
+        # before it judges, reads or changes the guard (drain, flush).
+        self.handed: deque[tuple[list[Step], int, str]] = channel.handed
+        self.lock = threading.Lock()
+        # Set for good by the first step that holds a loss tensor (Step.loss) or is given
+        # index= (GreenCallback.step): such a job's batches are judged here.
+        self.held = False
+        self.indexed = False
+        self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
         self.closed = False
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
@@ -120,6 +141,7 @@ class StepBook:
                 self._detect_hook = model.register_forward_pre_hook(self._on_first_forward)
             except Exception as e:
                 log.debug("no forward pre-hook on the model to see its autocast: %s", e)
+        self.hold_cpu = self._light()
         control.attach(self)
 
     # StepHost: the rare paths of a step -----------------------------------------------
@@ -187,7 +209,18 @@ class StepBook:
         self.boundary = True
 
     def autocast_for(self, level: str) -> AbstractContextManager[Any]:
-        return self.control.autocast_for(level)
+        ctx = self.control.autocast_for(level)
+        if type(ctx) is torch.autocast:
+            # A plain autocast: made once for the level and reused by its steps (making
+            # one costs about what entering it does; the job's own loop pays that).
+            try:
+                reused = ReusedAutocast.like(ctx)
+            except Exception as e:  # (a torch whose autocast keeps its settings elsewhere)
+                log.debug("a new autocast for every step: %s", e)
+                return ctx
+            self.shared_autocast[level] = reused
+            return reused
+        return ctx
 
     def warn_once(self, key: str, message: str) -> None:
         self._warnings.warn(key, message)
@@ -204,6 +237,7 @@ class StepBook:
         self.precision = level
         if managed:
             self.judge_every = 1  # read each step from now on while the spike rule holds
+            self.hold_cpu = False
         self._arm_probes()
 
     def _arm_probes(self) -> None:
@@ -308,11 +342,97 @@ class StepBook:
 
     # After the steps -------------------------------------------------------------------
     def read_ended(self) -> None:
-        self.drain(keep=self.max_unjudged)
+        """A batch of ended steps (StepHost): judged here, or handed to the sender thread.
+
+        While the run is at a level it never came down from (the guard's stack empty)
+        with no reference check, every loss of the batch already a number, and greend
+        counting the steps, judging a step is only feeding the guard's trend and making
+        its record: the batch goes to the sender thread whole (one append), which books
+        it at its next round; the training thread books it itself first whenever it
+        judges, reads or changes the guard. Else (a loss tensor in flight, the guard
+        watching, a reference check, ``index=`` given, ``model_flops``) it is judged here."""
+        if not self._light():
+            self.hold_cpu = False
+            self.drain(keep=self.max_unjudged)
+            return
+        self.hold_cpu = True
+        ended = self.ended
+        self.ended = []
+        first = self.next_index
+        n = len(ended)
+        self.next_index = first + n
+        self.channel.stats.recorded += n
+        self.handed.append((ended, first, self.precision))
+        if self._world_size > 1:
+            every = self.sync_every
+            for index in range(first + (-(first + 1)) % every, first + n, every):
+                self._sync_pace(index)  # (index + 1) is a multiple of sync_every
+        if len(self.handed) > MAX_HANDED:
+            self.book_handed()
+
+    def _light(self) -> bool:
+        """Whether judging the ended steps is only booking them (see read_ended)."""
+        control = self.control
+        return not (
+            self.held
+            or self.indexed
+            or self.unjudged
+            or control.guard.stack
+            or control.reference is not None
+            or self.default_flops is FLOPS_FROM_TOKENS
+        )
+
+    def book_handed(self) -> None:
+        """Book the batches handed over (read_ended), oldest first: the guard's trend and
+        one record per step for the sender. Either thread; never raises."""
+        handed = self.handed
+        if not handed:
+            return
+        with self.lock:
+            while handed:
+                steps, first, level = handed.popleft()
+                try:
+                    self._book(steps, first, level)
+                except Exception as e:  # never the training's problem
+                    self._warnings.warn("book", f"booking the ended steps failed: {type(e).__name__}: {e}")
+
+    def _book(self, steps: list[Step], index: int, level: str) -> None:
+        """A handed batch: what drain does for steps whose loss is a number (or none),
+        with the guard's stack empty (nothing to roll back to) and no reference check."""
+        trend = self.control.guard.losses
+        read = self.losses.start  # (a plain CPU tensor: item(), on this thread)
+        queue = self.channel.queue
+        stats = self.channel.stats
+        full = queue.maxlen
+        for step in steps:
+            value = step._raw
+            loss = None
+            nonfinite = step._nonfinite
+            if value is not None:
+                step._raw = None
+                if type(value) is not float:  # a CPU tensor held for this read (Step.loss)
+                    try:
+                        value = read(value)[0]
+                    except Exception as e:
+                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
+                        value = None
+            if value is not None:
+                if _isfinite(value):
+                    loss = value
+                    if step.precision == level:  # else: read after a switch, not this level's trend
+                        trend.append(value)
+                else:
+                    step._nonfinite, step._nonfinite_cause = True, "loss"
+                    nonfinite = True
+            if len(queue) == full:
+                stats.dropped += 1  # the append below pushes out the oldest record
+            queue.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens, loss, nonfinite,
+                          step.precision))  # fmt: skip
+            index += 1
 
     def flush(self) -> None:
         """Read the losses of the ended steps and record them now; never waits, never raises."""
-        if self.closed or not (self.ended or self.unjudged):
+        if self.closed or not (self.ended or self.unjudged or self.handed):
             return
         try:
             self.drain()  # never waits
@@ -323,23 +443,26 @@ class StepBook:
         """Start reading the ended steps' losses, then judge and record the steps whose
         loss has landed, oldest first. ``keep``: wait for the oldest while more than this
         many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
+        if self.handed:
+            self.book_handed()  # the batches handed over go first, in step order
         q = self.unjudged
         ended = self.ended
         if ended:
             self.ended = []
             q.extend(ended)
-            start = self.losses.start
-            for step in ended:
-                raw = step._raw
-                # A number is known already. (`type() is float` first: isinstance() with
-                # torch.Tensor costs 6x more, and this runs for every step.)
-                if raw is not None and type(raw) is not float and isinstance(raw, torch.Tensor):
-                    step._raw = None
-                    try:
-                        step._pending = start(raw)
-                    except Exception as e:
-                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({e}): ignored")
-            del raw, ended
+            # A number is known already. (`type() is float` first: isinstance() with
+            # torch.Tensor costs 6x more, and this runs for every step.)
+            held = [step for step in ended if type(step._raw) is not float and isinstance(step._raw, torch.Tensor)]
+            if held:
+                # Their reads start together: a GPU's losses in one copy (LossReader.start_many).
+                handles = self.losses.start_many([step._raw for step in held])
+                for step, handle in zip(held, handles, strict=True):
+                    if isinstance(handle, Exception):
+                        step._raw = None
+                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({handle}): ignored")
+                    else:
+                        step._raw = handle  # a read in flight: the LossReader's handle (a tuple)
+            del held, ended
         value_of = self.losses.value
         control = self.control
         guard = control.guard
@@ -350,18 +473,17 @@ class StepBook:
         pace_every = self.sync_every if self._world_size > 1 else 0
         while q:
             step = q[0]
-            value = step._raw  # a number given, or read at once
-            if value is not None:
-                step._raw = None
-            elif (pending := step._pending) is not None:
-                value = value_of(pending, wait=keep is not None and len(q) > keep)
+            value = step._raw  # a number given or read at once, or a read in flight
+            if type(value) is tuple:
+                value = value_of(value, wait=keep is not None and len(q) > keep)
                 if value is None:
                     break
-                step._pending = None
+            loss = None
             if value is not None:
+                step._raw = None
                 # The guard's look at the loss, in step order.
                 if _isfinite(value):
-                    step._loss = value  # (a gradient found non-finite meanwhile stays so)
+                    loss = value  # (a gradient found non-finite meanwhile stays so)
                     if step.precision == level_in_force:  # else: read after a switch (or a probe step)
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
@@ -373,7 +495,7 @@ class StepBook:
                         else:
                             guard.losses.append(value)
                 else:
-                    step._loss, step._nonfinite, step._nonfinite_cause, step._spike_reason = None, True, "loss", None
+                    step._nonfinite, step._nonfinite_cause, step._spike_reason = True, "loss", None
             q.popleft()
             # The record, for the sender.
             index = step.index
@@ -389,8 +511,8 @@ class StepBook:
             level = step.precision
             probe_why = None
             if index >= self.probe_watch:
-                level, probe_why = self._probe_record(index, level, step._loss)
-            queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, step._loss, nonfinite,
+                level, probe_why = self._probe_record(index, level, loss)
+            queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, loss, nonfinite,
                           level))  # fmt: skip
             stats.recorded += 1
             if pace_every and (index + 1) % pace_every == 0:
@@ -400,10 +522,10 @@ class StepBook:
                 spike = step._spike_reason = control.confirm_spike(spike)
             if (nonfinite or spike) and step.precision == level_in_force:
                 # the next step runs at the level we came down from
-                control.roll_back(index, step._nonfinite_cause, step._loss, None if nonfinite else spike)
+                control.roll_back(index, step._nonfinite_cause, loss, None if nonfinite else spike)
                 level_in_force = control.level
             elif probe_why is not None:
-                control.probe_rollback(index, probe_why, step._loss)
+                control.probe_rollback(index, probe_why, loss)
                 level_in_force = control.level
             elif control.reference is not None:
                 control.reference_due(index)

@@ -89,7 +89,7 @@ from greend.training.options import CallbackKwargs, CallbackOptions
 from greend.training.peers import default_store
 from greend.training.precision_control import PrecisionControl
 from greend.training.sender import Channel, Sender, SenderStats
-from greend.training.step import Step
+from greend.training.step import Step, new_step
 from greend.training.warn import OnceWarnings
 
 if TYPE_CHECKING:
@@ -179,6 +179,7 @@ class GreenCallback:
         )
         self._channel.on_directive = self._book.directive
         self._channel.on_tolerance = self._control.follow_tolerance
+        self._channel.book_handed = self._book.book_handed
         self.sync_every = opts.sync_every
         self.stats = self._channel.stats
         self._closed = False
@@ -247,6 +248,9 @@ class GreenCallback:
         ``flops``: this step's FLOPs, overriding everything else.
         """
         book = self._book
+        if index is not None:
+            book.indexed = True  # its batch is judged on the training thread, in step order
+            book.hold_cpu = False
         if samples is not None and samples <= 4 and type(batch) in (tuple, list):
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:
@@ -255,7 +259,7 @@ class GreenCallback:
                 # The key FLOPs are cached under: a tensor's shape (its dtype does not
                 # change the model's FLOPs), else the batch's signature.
                 shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
-        return Step(book, index, samples, tokens, shape_key, flops)
+        return new_step(book, index, samples, tokens, shape_key, flops)
 
     def _check_samples(self, samples: int, batch: tuple[Any, ...] | list[Any]) -> None:
         """``samples=len(batch)`` on an ``(inputs, targets)`` batch counts its parts, not

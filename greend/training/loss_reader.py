@@ -5,10 +5,12 @@ CPU waits until every queued kernel has run, and the GPU idles until the CPU que
 more. An energy tool must not add that to every step. So the loss is copied into a
 pinned host buffer with ``non_blocking=True`` and a CUDA event is recorded behind the
 copy; the value is read when that event has completed (``Event.query()``, which never
-blocks), usually by the end of the next step. On the CPU the value is read at once
-(``item()`` on a plain CPU tensor, which waits for nothing). Only the daemon-side
-figures and the precision guard wait for the value, never the training loop (the guard
-rolls back from the step after the value lands).
+blocks), usually by the end of the next step. The losses of a batch of steps on one
+device go together (:meth:`LossReader.start_many`): stacked there, one copy and one
+event for all of them, where each alone would take a copy and an event. On the CPU the
+value is read at once (``item()`` on a plain CPU tensor, which waits for nothing). Only
+the daemon-side figures and the precision guard wait for the value, never the training
+loop (the guard rolls back from the step after the value lands).
 """
 
 from __future__ import annotations
@@ -19,6 +21,20 @@ import torch
 
 __all__ = ["LossReader"]
 
+# A pinned buffer holds this many losses at least (a batch of steps: greend.training.book).
+ROWS = 16
+
+
+class _Landing:
+    """Several losses stacked on their device and copied to the host in one go: ``buf``
+    (its first ``n`` values), landed once ``event`` has completed (None: at once)."""
+
+    __slots__ = ("buf", "n", "event", "values")
+
+    def __init__(self, buf: torch.Tensor, n: int, event: Any) -> None:
+        self.buf, self.n, self.event = buf, n, event
+        self.values: list[float] | None = None
+
 
 class LossReader:
     """Starts reads of loss tensors and answers them once they have landed."""
@@ -26,6 +42,65 @@ class LossReader:
     def __init__(self) -> None:
         self._cpu = torch.empty((), dtype=torch.float64)
         self._pinned: list[torch.Tensor] = []  # free pinned buffers, reused
+        self._pinned_rows: list[torch.Tensor] = []  # free pinned buffers of ROWS values or more
+
+    def batched(self, loss: Any) -> bool:
+        """Whether ``loss`` is read with the others of its device and dtype (start_many):
+        a plain CUDA tensor."""
+        return type(loss) is torch.Tensor and loss.is_cuda
+
+    def start_many(self, losses: list[torch.Tensor]) -> list[tuple[Any, Any] | Exception]:
+        """Begin reading several losses (a batch of steps, oldest first): a handle for
+        :meth:`value` each, or the error that names why that one cannot be read. The
+        :meth:`batched` ones of one device and dtype are stacked there and copied in one
+        go; any other goes through :meth:`start` alone."""
+        handles: list[tuple[Any, Any] | Exception] = []
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for i, loss in enumerate(losses):
+            handles.append(ValueError("not read"))
+            if self.batched(loss):
+                if loss.numel() != 1:
+                    handles[i] = ValueError(f"a loss of shape {tuple(loss.shape)}: expected one number")
+                elif loss.is_complex():
+                    handles[i] = ValueError(f"a loss of dtype {loss.dtype}: expected a real number")
+                else:
+                    groups.setdefault((loss.device, loss.dtype), []).append(i)
+                continue
+            try:
+                handles[i] = self.start(loss)
+            except Exception as e:
+                handles[i] = e
+        for (device, _), idx in groups.items():
+            try:
+                if len(idx) == 1:
+                    handles[idx[0]] = self.start(losses[idx[0]])
+                    continue
+                stacked = torch.stack([losses[i].detach().reshape(()) for i in idx])
+                landing = self._land(stacked.to(torch.float64), device)
+            except Exception as e:
+                for i in idx:
+                    handles[i] = e
+                continue
+            for k, i in enumerate(idx):
+                handles[i] = (landing, k)
+        return handles
+
+    def _land(self, stacked: torch.Tensor, device: torch.device) -> _Landing:
+        """One copy of ``stacked`` (float64, on ``device``) to the host, with its event."""
+        n = stacked.numel()
+        if device.type != "cuda":  # a device that copies synchronously: landed now
+            buf = torch.empty(n, dtype=torch.float64)
+            buf.copy_(stacked)
+            return _Landing(buf, n, None)
+        free = self._pinned_rows
+        if free and free[-1].numel() >= n:
+            buf = free.pop()
+        else:
+            buf = torch.empty(max(n, ROWS), dtype=torch.float64, pin_memory=True)
+        buf[:n].copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Landing(buf, n, event)
 
     def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
         """Begin reading ``loss`` (one element); returns a handle for :meth:`value`."""
@@ -58,6 +133,17 @@ class LossReader:
         """The loss, or None while the copy is still in flight (``wait``: block for it,
         only where a wait costs nothing, as at the end of training)."""
         held, event = handle
+        if type(held) is _Landing:  # one of several copied together (start_many)
+            values = held.values
+            if values is None:
+                if held.event is not None and not held.event.query():
+                    if not wait:
+                        return None
+                    held.event.synchronize()
+                values = held.values = held.buf[: held.n].tolist()
+                if held.event is not None:
+                    self._pinned_rows.append(held.buf)  # (the values are kept: free to reuse)
+            return values[event]
         if event is None:
             return float(held)
         if not event.query():

@@ -126,6 +126,8 @@ class Channel:
     ``events``, and sets ``agreed_pace_s``; the sender writes the daemon's directive
     into ``requested`` (then calls ``on_directive``) and its pace into ``local_pace_s``.
     ``register_omit``: register fields the daemon refused as unknown (an older daemon).
+    ``handed``: batches of ended steps the training thread hands over whole; the sender
+    calls ``book_handed`` at each round to turn them into records on ``queue``.
     """
 
     queue: deque[tuple[Any, ...]]
@@ -138,6 +140,8 @@ class Channel:
     # The daemon's precision tolerance from its register reply (None: it sent none).
     on_tolerance: Callable[[float | None], None] = lambda _: None
     register_omit: set[str] = field(default_factory=set)
+    handed: deque[Any] = field(default_factory=deque)
+    book_handed: Callable[[], None] = lambda: None
 
 
 class _ConnectionLost(Exception):
@@ -214,6 +218,7 @@ class Sender:
         next_connect = 0.0
         try:
             while True:
+                self.ch.book_handed()  # the training thread's ended steps, as records
                 if self._stop_reason is not None:
                     self._finish()
                     return

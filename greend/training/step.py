@@ -1,12 +1,15 @@
 """One training step: :class:`Step`, the context manager :meth:`GreenCallback.step` returns.
 
-The hot path is ``__enter__``/``__exit__``: it reads ``time.monotonic()`` twice,
-looks the batch's shape up in the FLOP cache, and puts the ended step on a list;
-:meth:`Step.loss` takes a CPU tensor's value (``item()``) and only holds a GPU's.
-Every 16 steps (or 50 ms) the callback reads the held losses, judges the steps and
-records them in one pass (:class:`greend.training.book.StepBook`). No locks, no
-syscalls, no stream sync. A step sees its callback through :class:`StepHost` only:
-the few fields it reads on every step and the functions of the rare paths. A step
+The hot path is :func:`new_step` (what :meth:`GreenCallback.step` returns, the batch's
+shape looked up in the FLOP cache, made without a class call) and
+``__enter__``/``__exit__``: ``time.monotonic()`` twice, and the ended step put on a
+list; :meth:`Step.loss` holds the loss (a CPU tensor's value is taken at once, with
+``item()``, only while its batch is judged on the training thread). Every 16 steps
+(or 50 ms) the batch goes whole to the sender thread, which books it, or is judged
+here in one pass (:class:`greend.training.book.StepBook`). No locks, no syscalls, no
+stream sync. :meth:`Step.autocast` hands out one :class:`ReusedAutocast` per level.
+A step sees its callback through :class:`StepHost` only: the few fields it reads on
+every step and the functions of the rare paths. A step
 whose FLOPs are being counted runs slower (FlopCounterMode costs 10-370% of a step);
 its timing is reported as measured.
 
@@ -41,10 +44,11 @@ import torch
 
 from greend.training.mixed_precision import grads_finite, optimizer_params
 
-__all__ = ["Step", "StepHost"]
+__all__ = ["ReusedAutocast", "Step", "StepHost", "new_step"]
 
 _monotonic = time.monotonic
 _Tensor = torch.Tensor
+_new = object.__new__
 
 
 class StepHost(Protocol):
@@ -58,6 +62,8 @@ class StepHost(Protocol):
     boundary: bool  # call at_boundary() at the next step's start
     flop_cache: dict[Hashable, Any]  # shape key -> FLOPs per step
     ended: list[Step]  # ended steps whose loss has not been read yet
+    held: bool  # a step held a loss tensor (set by Step.loss): batches are read here
+    hold_cpu: bool  # the batch goes to the sender thread: a CPU loss is held, read there
     judge_every: int  # read the ended steps when this many have gathered ...
     judge_by: float  # ... or when a step ends after this (monotonic seconds)
     judge_within_s: float
@@ -118,7 +124,7 @@ class Step:
     # Every field a step sets on its common path is a slot: a step then allocates no
     # __dict__, one object fewer for the cyclic collector to count and to walk.
     __slots__ = ("_host", "index", "samples", "tokens", "_shape_key", "flops", "t0_s", "t1_s", "precision",
-                 "_raw", "_loss", "_pending", "__dict__")  # fmt: skip
+                 "_raw", "__dict__")  # fmt: skip
 
     # What fewer steps set: read back from here until they do.
     _nonfinite = False
@@ -149,25 +155,17 @@ class Step:
         self.t0_s = 0.0
         self.t1_s = 0.0
         self.precision = "fp32"
-        self._raw: Any = None  # the reported loss: a float, or a tensor not read yet
-        self._loss: float | None = None  # the loss, once judged and finite
-        self._pending: Any = None  # a tensor's read still in flight (LossReader handle)
+        # The reported loss: a float, a tensor not read yet, or its read in flight (the
+        # LossReader's handle, a tuple); None once judged.
+        self._raw: Any = None
 
     def __enter__(self) -> Step:
         host = self._host
         if host.boundary:
             host.at_boundary(self)
         self.precision = host.precision
-        if self.flops is None:
-            # The common case inline (this runs every step): a shape counted already.
-            try:
-                flops = host.flop_cache.get(self._shape_key)
-            except TypeError:  # an unhashable shape_key=: plan_flops makes it one
-                flops = None
-            if flops is None:
-                host.plan_flops(self)
-            else:
-                self.flops = flops
+        if self.flops is None:  # (new_step looked the shape up in the cache already)
+            host.plan_flops(self)
         self.t0_s = _monotonic()
         return self
 
@@ -188,25 +186,32 @@ class Step:
         return False
 
     def loss(self, loss: Any) -> None:
-        """Report this step's loss: a number, or a tensor (read at once on the CPU, where
-        that waits for nothing; held until its batched read elsewhere). Report the GPU
-        tensor itself, not a ``non_blocking`` copy of it to the CPU: that copy's value is
-        not there yet when it is read."""
+        """Report this step's loss: a number, or a tensor (held until its batched read;
+        on the CPU, while the guard watches, read at once). Report the GPU tensor itself,
+        not a ``non_blocking`` copy of it to the CPU: that copy's value is not there yet
+        when it is read."""
         if type(loss) is _Tensor:
             if loss.is_cpu:
-                # A plain CPU tensor's value is in host memory: item() waits for nothing
-                # and costs less than holding the tensor, whose graph and Python object
-                # would then be freed later, by greend, and walked by the cyclic
-                # collector meanwhile (bench/bench_callback.py measures both).
+                if self._host.hold_cpu:
+                    # Its batch goes to the sender thread, which reads it there (item(): a
+                    # CPU tensor's value waits for nothing) and frees it and its graph:
+                    # neither on the training thread (bench/bench_callback.py).
+                    self._raw = loss
+                    return
+                # The batch is judged on the training thread: item() at once costs less
+                # than holding the tensor, freeing it there later and the cyclic
+                # collector's walks of it meanwhile.
                 try:
                     self._raw = float(loss.item())  # (an int or bool tensor's too)
                     return
                 except Exception:
                     pass  # not one real number: the batched read names the problem
             self._raw = loss
+            self._host.held = True  # its batch is read on the training thread
             return
         if isinstance(loss, torch.Tensor):
             self._raw = loss
+            self._host.held = True
             return
         try:
             self._raw = float(loss)
@@ -229,7 +234,7 @@ class Step:
 
         Reports the loss too (as :meth:`loss`) if the step has not reported one.
         """
-        if self._raw is None and self._loss is None and self._pending is None and not self._nonfinite:
+        if self._raw is None and not self._nonfinite:
             self.loss(loss)
         scaler = self._host.loss_scaler(self.precision)
         if scaler is not None:
@@ -266,3 +271,64 @@ class Step:
                 return False
         optimizer.step()
         return True
+
+
+def new_step(
+    host: StepHost,
+    index: int | None,
+    samples: int | None,
+    tokens: int | None,
+    shape_key: Hashable | None,
+    flops: float | None,
+) -> Step:
+    """``Step(host, index, samples, tokens, shape_key, flops)``, the FLOPs looked up in the
+    host's cache, without the class call's cost (a type call and an ``__init__`` frame:
+    a few hundred ns a step, more right after torch's work). The fields are
+    ``Step.__init__``'s (tests/training/test_step.py holds the two alike)."""
+    if flops is None:
+        # The common case (every step): a shape counted already. Else __enter__ plans it.
+        try:
+            flops = host.flop_cache.get(shape_key)
+        except TypeError:  # an unhashable shape_key=: plan_flops makes it one
+            pass
+    step: Step = _new(Step)
+    step._host = host
+    step.index = index
+    step.samples = samples
+    step.tokens = tokens
+    step._shape_key = shape_key
+    step.flops = flops
+    step.t0_s = step.t1_s = 0.0
+    step.precision = "fp32"
+    step._raw = None
+    return step
+
+
+class ReusedAutocast(torch.autocast):
+    """A ``torch.autocast`` made once per level and entered by step after step (making one
+    costs about as much as entering it), nested too: the state an outer entry restores
+    is kept aside while an inner one runs."""
+
+    _depth = 0
+    _outer: list[tuple[Any, Any, Any]]  # the outer entries' state to restore, innermost last
+
+    def __enter__(self) -> ReusedAutocast:
+        depth = self._depth
+        if depth:
+            self._outer.append((self.prev, self.prev_fastdtype, self.prev_cache_enabled))
+        self._depth = depth + 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        depth = self._depth = self._depth - 1
+        if depth:
+            self.prev, self.prev_fastdtype, self.prev_cache_enabled = self._outer.pop()
+
+    @classmethod
+    def like(cls, ctx: torch.autocast) -> ReusedAutocast:
+        """One entered again and again with ``ctx``'s settings."""
+        reused = cls(ctx.device, dtype=ctx.fast_dtype, enabled=ctx._enabled, cache_enabled=ctx._cache_enabled)
+        reused._outer = []
+        return reused

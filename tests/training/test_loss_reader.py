@@ -237,3 +237,58 @@ def test_a_held_loss_is_not_read_on_every_step(daemon: FakeDaemon, sock_path: Pa
         _train(cb, model, 1, wrap=_held)
         assert reader.calls == 16 and not cb._book.ended
     assert wait_for(lambda: len(daemon.steps) == 16)
+
+
+class Batching(LossReader):
+    """A reader that batches CPU tensors as it batches a GPU's (stacked, one copy for
+    all of them; on the CPU the copy lands at once): ``lands`` counts the copies."""
+
+    def __init__(self, batched: Any) -> None:
+        super().__init__()
+        self._batched = batched
+        self.lands = 0
+
+    def batched(self, loss: Any) -> bool:
+        return bool(self._batched(loss))
+
+    def _land(self, stacked: torch.Tensor, device: torch.device) -> Any:
+        self.lands += 1
+        return super()._land(stacked, device)
+
+
+def test_losses_of_one_device_and_dtype_are_read_in_one_copy_each_named_when_wrong() -> None:
+    reader = Batching(lambda t: type(t) is torch.Tensor)
+    losses = [
+        torch.tensor(1.5),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.tensor([3.5]),
+        torch.tensor([1.0, 2.0]),
+        torch.tensor(4, dtype=torch.int64),
+        torch.tensor(1 + 2j),
+        torch.tensor(5.5, requires_grad=True),
+        torch.tensor(6.5, dtype=torch.float64),
+        torch.tensor(7.5).as_subclass(Held),  # not batched: read alone
+    ]
+    handles = reader.start_many(losses)
+    assert reader.lands == 2  # float32 (three), float64 (two); the int64 alone goes through start()
+    errors = {i: str(h) for i, h in enumerate(handles) if isinstance(h, Exception)}
+    assert errors == {
+        3: "a loss of shape (2,): expected one number",
+        5: "a loss of dtype torch.complex64: expected a real number",
+    }
+    values = [reader.value(h) for h in handles if not isinstance(h, Exception)]  # type: ignore[arg-type]  # (filtered)
+    assert values == [1.5, 2.5, 3.5, 4.0, 5.5, 6.5, 7.5]
+
+
+def test_a_batch_of_held_losses_is_read_in_one_copy_through_the_callback(daemon: FakeDaemon, sock_path: Path) -> None:
+    model = nn.Linear(16, 4)
+    reader = Batching(lambda t: isinstance(t, Held))
+    with GreenCallback(job="stacked", model=model, socket=sock_path, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._book.losses = reader
+        cb._book.judge_within_s = 3600.0  # batches by count only
+        losses = _train(cb, model, 32, wrap=_held)
+        assert reader.lands == 2  # one copy a batch of 16
+    assert wait_for(lambda: len(daemon.steps) == 32)
+    got = [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])]
+    assert got == pytest.approx(losses)

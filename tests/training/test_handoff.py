@@ -1,0 +1,141 @@
+"""The ended steps' booking on the sender thread: batches handed over whole, booked in
+step order by whichever thread comes first, the guard's trend complete at a switch, the
+training thread booking itself when the sender does not; and the hot path's helpers
+(new_step, the reused autocast)."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from greend.testing.fake_daemon import FakeDaemon
+from greend.training.book import MAX_HANDED
+from greend.training.callback import GreenCallback
+from greend.training.step import ReusedAutocast, Step, new_step
+from tests.support import wait_for
+
+FAST = dict(flush_interval_s=0.02, heartbeat_s=0.2, close_timeout_s=2.0, connect_timeout_s=1.0)
+
+
+def test_a_batch_goes_to_the_sender_thread_whole_and_is_booked_there_in_order(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    with GreenCallback(job="handed", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._book.judge_within_s = 3600.0  # batches by count only
+        for i in range(48):
+            with cb.step(samples=2) as st:
+                # numbers and plain CPU tensors (held for the sender thread to read)
+                st.loss(0.5 * i if i % 2 else torch.tensor(0.5 * i, requires_grad=True))
+        assert cb.stats.recorded == 48 and not cb._book.ended  # three batches handed over
+        # No flush: the sender thread books them on its own and sends them.
+        assert wait_for(lambda: len(daemon.steps) == 48)
+        assert not cb._book.handed
+    got = sorted(daemon.steps, key=lambda s: s["step"])
+    assert [s["step"] for s in got] == list(range(48))
+    assert [s["loss"] for s in got] == [0.5 * i for i in range(48)]
+    assert all(type(s["loss"]) is float for s in got)
+
+
+@pytest.mark.parametrize("sender_books", [True, False], ids=["sender-books", "sender-idle"])
+def test_the_trend_at_a_switch_holds_every_loss_handed_over(
+    daemon: FakeDaemon, sock_path: Path, sender_books: bool
+) -> None:
+    model = nn.Linear(4, 2)
+    losses = [2.0 + 0.01 * i for i in range(40)]
+    with GreenCallback(job="trend", model=model, socket=sock_path, initial_precision="fp32", **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        if not sender_books:
+            cb._channel.book_handed = lambda: None  # the sender never books: the training thread must
+        cb._book.judge_within_s = 3600.0
+        for v in losses:
+            with cb.step(samples=1) as st:
+                st.loss(v)
+        assert cb._book.handed or sender_books  # (idle: the batches wait for the training thread)
+        assert daemon.directive("bf16") == 1
+        assert wait_for(lambda: cb.requested_precision == "bf16")
+        with cb.step(samples=1) as st:  # its start takes the directive: the guard first books all
+            assert st.precision == "bf16"
+        assert not cb._book.handed
+        downgrade = cb._control.guard.stack[-1]
+        assert downgrade.step == 40
+        assert downgrade.trend == pytest.approx(statistics.fmean(losses[-32:]), rel=1e-12)  # window 32
+        assert downgrade.spread == pytest.approx(statistics.stdev(losses[-32:]), rel=1e-9)
+
+
+def test_a_sender_that_never_books_leaves_the_batches_to_the_training_thread(sock_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no daemon: the one fail-open warning
+        cb = GreenCallback(job="stalled", socket=sock_path, flops_per_step=1.0, max_pending=100_000, **FAST)
+    cb._channel.book_handed = lambda: None
+    cb._book.judge_within_s = 3600.0
+    n = (MAX_HANDED + 3) * 16
+    for i in range(n):
+        with cb.step(samples=1) as st:
+            st.loss(float(i))
+    assert len(cb._book.handed) <= MAX_HANDED  # bounded: booked on the training thread beyond it
+    assert len(cb._channel.queue) >= n - MAX_HANDED * 16
+    cb.close()
+    assert cb.stats.recorded == n
+
+
+def test_an_unreadable_cpu_loss_handed_over_is_named_and_the_batch_booked(daemon: FakeDaemon, sock_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with GreenCallback(job="badshape", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            cb._book.judge_within_s = 3600.0
+            for i in range(16):
+                with cb.step() as st:
+                    st.loss(torch.tensor([1.0, 2.0]) if i == 3 else torch.tensor(float(i)))
+            assert wait_for(lambda: len(daemon.steps) == 16)  # booked by the sender thread
+    assert any("cannot read this tensor (a loss of shape (2,)" in str(x.message) for x in w)
+    got = sorted(daemon.steps, key=lambda s: s["step"])
+    assert [s.get("loss") for s in got] == [None if i == 3 else float(i) for i in range(16)]
+
+
+def test_new_step_sets_what_init_sets() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cb = GreenCallback(job="fields", socket="/nonexistent/greend.sock", connect_timeout_s=0.01)
+    try:
+        book = cb._book
+        book.flop_cache["k"] = 7.0
+        made, init = new_step(book, 3, 4, 5, "k", None), Step(book, 3, 4, 5, "k", 7.0)
+        slots = [s for s in Step.__slots__ if s != "__dict__"]
+        assert [getattr(made, s) for s in slots] == [getattr(init, s) for s in slots]
+        assert made.flops == 7.0  # looked up in the cache
+        assert new_step(book, None, None, None, ["unhashable"], None).flops is None  # planned at __enter__
+    finally:
+        cb.close()
+
+
+def test_the_reused_autocast_is_one_a_level_and_nests() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cb = GreenCallback(job="ac", socket="/nonexistent/greend.sock", connect_timeout_s=0.01,
+                           initial_precision="bf16", flops_per_step=1.0)  # fmt: skip
+    try:
+        with cb.step() as a:
+            ctx = a.autocast()
+            assert isinstance(ctx, ReusedAutocast)
+            with ctx:
+                assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                with a.autocast():  # the same object, entered again inside itself
+                    with torch.autocast("cpu", enabled=False):
+                        with a.autocast():
+                            assert torch.is_autocast_enabled("cpu")
+                        assert not torch.is_autocast_enabled("cpu")
+                    assert torch.is_autocast_enabled("cpu")
+                assert torch.is_autocast_enabled("cpu")
+            assert not torch.is_autocast_enabled("cpu")
+        with cb.step() as b:
+            assert b.autocast() is ctx  # made once for the level
+    finally:
+        cb.close()
+    assert not torch.is_autocast_enabled("cpu")
