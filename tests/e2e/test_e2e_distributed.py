@@ -155,7 +155,8 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     sv = shares[0]["savings"]
     ref = sv["reference"]
     assert sv["saved_j"] is not None and ref is not None, sv  # it settled: its baseline was measured
-    assert ref["kind"] == "job_pace" and ref["pace_s"] > 1.25 * ref["node_uncapped_step_s"], sv
+    # (the pace is the slow node's measured steps: 1.3x in the model, 1.2-1.3x as measured)
+    assert ref["kind"] == "job_pace" and ref["pace_s"] > 1.1 * ref["node_uncapped_step_s"], sv
     assert sv["slowdown_pct"] <= 5.0 + 1.0, sv
     assert "against the job's pace (a slower node sets it)" in fast.ctl("report", "ddp").stdout
     figure(f"(sim) fast node's report: slowdown {sv['slowdown_pct']:+.2f} % against the job's pace")
