@@ -386,9 +386,9 @@ class StepBook:
         """Book the batches handed over (read_ended), oldest first: the guard's trend and
         one record per step for the sender. Either thread; never raises."""
         handed = self.handed
-        if not handed:
-            return
-        with self.lock:
+        if not handed and not self.lock.locked():
+            return  # nothing handed and nothing being booked (the sender pops under the lock)
+        with self.lock:  # (a batch the sender took is booked whole before this thread goes on)
             while handed:
                 steps, first, level = handed.popleft()
                 try:
@@ -432,7 +432,7 @@ class StepBook:
 
     def flush(self) -> None:
         """Read the losses of the ended steps and record them now; never waits, never raises."""
-        if self.closed or not (self.ended or self.unjudged or self.handed):
+        if self.closed or not (self.ended or self.unjudged or self.handed or self.lock.locked()):
             return
         try:
             self.drain()  # never waits
@@ -443,8 +443,8 @@ class StepBook:
         """Start reading the ended steps' losses, then judge and record the steps whose
         loss has landed, oldest first. ``keep``: wait for the oldest while more than this
         many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
-        if self.handed:
-            self.book_handed()  # the batches handed over go first, in step order
+        if self.handed or self.lock.locked():
+            self.book_handed()  # the batches handed over go first, in step order (and whole)
         q = self.unjudged
         ended = self.ended
         if ended:

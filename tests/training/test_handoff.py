@@ -139,3 +139,51 @@ def test_the_reused_autocast_is_one_a_level_and_nests() -> None:
     finally:
         cb.close()
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_switch_waits_for_the_batch_the_sender_is_booking() -> None:
+    """The sender has taken the last handed batch off the queue and is still booking it
+    when a directive arrives at the next step's start: the switch waits for that batch, so
+    the old level's trend holds all 32 losses, the new level's holds none of them, and
+    the records stay in step order."""
+    import threading
+    import time
+
+    warnings.simplefilter("ignore")
+    cb = GreenCallback(
+        job="race", socket="/nonexistent/g.sock", connect_timeout_s=0.01, model=nn.Linear(4, 2),
+        initial_precision="fp32",
+    )  # fmt: skip
+    try:
+        book = cb._book
+        cb._channel.book_handed = lambda: None  # the real sender thread stays out: the test plays it
+        book.judge_within_s = 3600.0
+        losses = [2.0 + 0.01 * i for i in range(32)]
+        for v in losses:
+            with cb.step(samples=1) as st:
+                st.loss(v)
+        assert len(book.handed) == 2
+        real_book, started = book._book, threading.Event()
+
+        def slow_book(steps: list[Step], first: int, level: str) -> None:
+            if first == 16:
+                started.set()
+                time.sleep(0.3)  # mid-way through the last batch, already taken off the queue
+            real_book(steps, first, level)
+
+        book._book = slow_book  # type: ignore[method-assign]  # the slow sender, for this test
+        sender = threading.Thread(target=book.book_handed)
+        sender.start()
+        assert started.wait(5)
+        cb._control.support["bf16"] = None
+        cb._channel.requested, book.boundary = "bf16", True  # a directive at the next step
+        with cb.step(samples=1):
+            pass
+        sender.join(5)
+        came_from = cb._control.guard.stack[-1]
+        assert cb._control.level == "bf16"
+        assert came_from.trend == pytest.approx(statistics.fmean(losses))
+        assert len(cb._control.guard.losses) == 0  # none of fp32's losses in bf16's trend
+        assert [r[0] for r in cb._channel.queue] == list(range(33))
+    finally:
+        cb.close()
