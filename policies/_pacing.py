@@ -112,7 +112,9 @@ class Pacer:
         out: dict[int, Setting] = {}
         restarted = since_s is not None and ps.since_s is not None and since_s != ps.since_s
         if live is None or restarted or (ps.seen and live.steps < ps.seen[-1].steps):
-            ps.seen, ps.fresh = [], True  # the daemon's measure started again (after a move)
+            # the daemon's measure started again (after a move): nothing of the old one is
+            # a reference for the new one
+            ps.seen, ps.fresh, ps.mark = [], True, None
         ps.since_s = since_s
         if live is not None:
             ps.seen = [*ps.seen[-63:], live]

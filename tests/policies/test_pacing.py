@@ -111,6 +111,19 @@ def test_a_measure_that_restarted_with_more_steps_is_still_checked() -> None:
     assert undone == {0: UNCAPPED} and ps.undos == 1, ps.last_event
 
 
+def test_a_move_is_judged_against_the_measure_it_was_made_in() -> None:
+    """The slack showed while the old measure ran (1 s a step); the daemon's measure then
+    started again (faster steps, 0.5 s) and holds more steps than the old one did: the
+    move's reference is the new measure alone, never the new one less the old one."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    p, ps = Pacer(20, 2.0, 0.05), PaceState()
+    assert p.step(ps, 10.0, grid, levels, len(grid) - 1, _views([80.0, 100.0]), _ev(10, 10.0), since_s=100.0) == {}
+    assert p.step(ps, 20.0, grid, levels, len(grid) - 1, _views([80.0, 100.0]), _ev(40, 20.0), since_s=115.0)
+    assert ps.ref is not None and ps.ref.time_s / ps.ref.steps == pytest.approx(0.5)
+
+
 def test_a_move_within_the_noise_stands() -> None:
     clocks = sorted(set(H100.supported_sm_clocks_mhz))
     grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
