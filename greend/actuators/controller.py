@@ -204,24 +204,28 @@ class Controller:
 
     # ---- restore everything / by owner
 
-    def restore_owner(self, owner: str) -> RestoreReport:
-        """Everything ``owner`` set (a job that ended, a client that stopped answering)."""
+    def restore_owner(self, owner: str, gpus: Iterable[int] | None = None) -> RestoreReport:
+        """Everything ``owner`` set (a job that ended, a client that stopped answering);
+        ``gpus``: only on these GPUs (and no RAPL zone), e.g. GPUs a job no longer steers."""
         book = self._book
         report = RestoreReport(dry_run=book.dry_run)
+        only = None if gpus is None else set(gpus)
         if book.dry_run:
             with book.lock:
-                for i in [i for i, o in book.dry_gpu_owner.items() if o == owner]:
+                for i in [i for i, o in book.dry_gpu_owner.items() if o == owner and (only is None or i in only)]:
                     book.dry_gpu.pop(i, None)
                     book.dry_gpu_owner.pop(i, None)
                     report.restored.append(f"gpu{i}")
-                for z in [z for z, (_, o) in book.dry_cpu.items() if o == owner]:
+                for z in [z for z, (_, o) in book.dry_cpu.items() if o == owner and only is None]:
                     del book.dry_cpu[z]
                     report.restored.append(z)
                 if report.restored:
                     log.info("dry-run: would restore %s for %s", ", ".join(report.restored), owner)
             return report
         self._restore_each(
-            report, lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner], lambda cpu: cpu.owner == owner
+            report,
+            lambda e: [k for k, ks in e.knobs.items() if ks.owner == owner] if only is None or e.index in only else [],
+            lambda cpu: cpu.owner == owner and only is None,
         )
         with book.lock:
             book.finish(report)

@@ -321,6 +321,23 @@ class ControlLoop:
                     job_id, clock_cap_mhz=held.clock_cap_mhz, power_limit_w=held.power_limit_w, reason=reason
                 )
 
+    def _lift_unsteered(self, now_s: float) -> None:
+        """A running job's caps on a GPU it no longer steers (another job's work came there:
+        a GPU two jobs use is steered by neither) are lifted: no job's setting slows
+        another's work. Its caps on the GPUs it still steers stay."""
+        assert self.ctrl is not None
+        jobs = self.ctx.jobs
+        owners = self.ctrl.owners()
+        for job_id in jobs.running_ids():
+            owned = {int(k[3:].split(".")[0]) for k in owners.get(job_id, []) if k.startswith("gpu")}
+            gone = owned - set(jobs.steered_gpus(job_id))
+            if not gone:
+                continue
+            report = self.ctrl.restore_owner(job_id, gpus=gone)
+            if report.restored:
+                log.info("job %s: caps lifted on %s: another job uses the GPU now", job_id, ", ".join(report.restored))
+                jobs.reset_measure(job_id, now_s + self.ctx.cfg.policy.settle_s)
+
     def apply(self, decision: Decision, now_s: float) -> None:
         assert self.ctrl is not None
         ctx = self.ctx
@@ -329,6 +346,7 @@ class ControlLoop:
         changed: list[str] = []
         points: list[Point] = []
         ts = ts_ns(ctx.wall())
+        self._lift_unsteered(now_s)
         for job_id in list(decision.settings) + [k for k in decision.job_gpu_settings if k not in decision.settings]:
             job = jobs.get(job_id)
             if job is None or not job.running:
