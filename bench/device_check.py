@@ -765,6 +765,7 @@ def part_precision(ctx: Ctx) -> list[Figure]:
                 flops_per_step=flops,
                 flush_interval_s=0.02,
                 spike_tolerance=None,
+                probe_every=None,  # each level's own steps only: no probe blocks at the level above
             )
         support = cb.supported_precisions()
         levels = [lvl for lvl in wanted if support.get(lvl) is None]
