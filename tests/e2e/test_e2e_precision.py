@@ -226,8 +226,9 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
     costs it a few percent (a run at bf16 throughout ends worse than its fp32 twin), too
     little for the probation to be sure of while the loss still falls (without a reference
     batch the level is sometimes kept: bench_precision measures how often). With
-    ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch every 50 steps
-    and roll back; the run ends as close to its twin as the tolerance asks."""
+    ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch every 50 steps,
+    and the probe blocks compare them at the same steps: whichever is sure first rolls
+    back; the run ends as close to its twin as the tolerance asks."""
     d = policy_defaults(tmp_path, daemons)
     args = ["--task", "offset-regression", "--steps", "1200", "--precisions", "fp32,bf16"]
     twin = run_trainer(tmp_path / "none.sock", "offset-fp32", *args, "--no-greend")
@@ -243,17 +244,22 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
 
     levels = r["levels"]
     assert "bf16" in levels and levels[-1] == "fp32", [(i, lv) for i, lv in enumerate(levels) if lv != levels[i - 1]]
+    # Rolled back on evidence taken at fp32 at the same point in training: the reference
+    # batch every 50 steps, or the probe blocks (which may see it first), never the trend.
     (ev,) = r["precision_events"]
-    assert ev["kind"] == "rollback" and "reference check" in ev["reason"] and "over fp32" in ev["reason"], ev
+    by_reference = "reference check" in ev["reason"]
+    assert ev["kind"] == "rollback" and (by_reference or "probes at fp32" in ev["reason"]), ev
+    assert "over fp32" in ev["reason"], ev
     checks = [c for c in r["reference_checks"] if c["excess"] is not None]
-    assert len(checks) >= 3 and sum(c["excess"] for c in checks) / len(checks) > 0.02, checks
+    if by_reference:
+        assert len(checks) >= 3 and sum(c["excess"] for c in checks) / len(checks) > 0.02, checks
     log = json.loads(d.ctl("report", "offset", "--json").stdout)["precision_log"]
     moves = [e for e in log if e["kind"] not in PROPOSALS]
     assert [(e["kind"], e["from"], e["to"]) for e in moves] == [
         ("switch", "fp32", "bf16"),
         ("rollback", "bf16", "fp32"),
     ]
-    assert "reference check" in moves[1]["reason"]
+    assert ("reference check" if by_reference else "probes at fp32") in moves[1]["reason"]
     assert abs(tail_mean(r) / tail_mean(twin) - 1) <= 0.05 < penalty + 0.02, (tail_mean(r), tail_mean(twin), penalty)
 
 
