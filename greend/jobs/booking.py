@@ -94,7 +94,9 @@ def book_row(
         # A client that did not say its level (an older one): its first steps run at the
         # job's own level, the top of its ladder from now on.
         job.precision = job.top_precision = precision
-    if row.precision is not None and not probe:
+    if row.precision is not None and not probe and row.last_step >= rank.precision_from_step:
+        # (A row of steps before the rank's own rollback, arriving after its event, is
+        # that rollback's past: it moves no level.)
         rank.precision = row.precision
         follow_ranks(job, row, t_wall_s=t_wall_s, max_entries=max_entries)
     t0, t1 = row.t0_s, row.t1_s
@@ -290,6 +292,12 @@ def book_precision_event(
         event.trend,
         rank=rank,
     )
+    p = job.proposal
+    if event.kind == "rollback" and p is not None and p.level == event.from_level != job.precision:
+        # The rank ran the proposed level (it rolls back from it) before its rows there
+        # arrived: the switch is logged first, so the log tells the whole move.
+        switched = PrecisionChange(t_wall_s, p.kind, job.precision, p.level, p.reason, None, job.last_loss, p.trend)
+        append_bounded(job, "precision_log", switched, max_entries)
     append_bounded(job, "precision_log", change, max_entries)
     rs = next((r for r in job.ranks.values() if r.rank == rank), None)
     if event.kind == "rollback" and event.to_level:
@@ -298,6 +306,8 @@ def book_precision_event(
         job.measure = Measure(since_s=now_s)
         if rs is not None:
             rs.precision = event.to_level  # (its next rows say so too)
+            if event.step is not None:
+                rs.precision_from_step = event.step + 1  # the rolled-back step ran the old level
         if job.proposal is not None and job.proposal.level != event.to_level:
             job.proposal = None  # the ranks decided otherwise
     elif event.kind == "refused" and event.from_level:

@@ -135,6 +135,7 @@ class RankSession:
     probe_every: int | None = None  # steps between its probe blocks (None: it runs none)
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
+    precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class FakeDaemon:
         self.heartbeats = 0
         self.ends: list[dict[str, Any]] = []
         self.precision_events: list[dict[str, Any]] = []
+        self.received_at_events: list[int] = []  # steps received when each precision event came
         self.step_messages = 0
         self.hang = threading.Event()  # set: the steps handler blocks, so nothing more is read
         self.unhang = threading.Event()
@@ -132,6 +133,7 @@ class FakeDaemon:
     def _precision_event(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         with self.lock:
             self.precision_events.append({k: v for k, v in msg.items() if k not in ("v", "id", "op")})
+            self.received_at_events.append(self._received())
         return {"ok": True}
 
     def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:

@@ -252,14 +252,14 @@ class Sender:
         """One round: queue steps, events, pace, maybe a heartbeat; then wait for I/O up to flush_interval_s."""
         opts = self.options
         now = _monotonic()
-        self._queue_steps()
         events = self.ch.events
-        while events:
-            try:
-                event = events.popleft()
-            except IndexError:
-                break
-            self._queue_request("precision_event", event)
+        n_events = len(events)
+        # The steps before the events go first, held rows too: the training thread queues
+        # a step's record before the event it caused, and the daemon follows a rank's
+        # level by its rows, so a rollback must never overtake the steps it rolls back.
+        self._queue_steps(force=n_events > 0)
+        for _ in range(n_events):
+            self._queue_request("precision_event", events.popleft())
         pace = self.ch.agreed_pace_s
         if pace is not None:
             self.ch.agreed_pace_s = None

@@ -289,6 +289,25 @@ def test_precision_events_move_the_jobs_level() -> None:
     assert job.precision_log[-1].reason == "" and job.proposal is None  # the refused proposal is gone
 
 
+def test_a_rollback_that_overtakes_its_rows_is_one_switch_and_one_rollback() -> None:
+    """A rank's rollback event that reaches the daemon before its rows at the level it rolls
+    back from: the switch is logged from the standing proposal, and the late rows move no level."""
+    job, rs = _job(0)
+    job.top_precision = "fp32"
+    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)  # steps 10-13
+    book_proposal(job, "bf16", "loss stable", kind="switch", trend=1.2, t_wall_s=9.0, max_entries=10)
+    rollback = PrecisionEventEntry("rollback", "bf16", "fp32", "loss spike", 16, 3.0, 1.2)
+    book_precision_event(job, rollback, rank=0, t_wall_s=10.0, now_s=110.0, max_entries=10)
+    late = StepsRow(14, 16, 3, 102.0, 103.5, 1.5, 0.75, 6e12, precision="bf16")  # ran before the event
+    book_row(job, rs, late, None, now_s=0.0, t_wall_s=11.0)
+    after = StepsRow(17, 20, 4, 103.5, 105.5, 2.0, 1.0, 8e12, precision="fp32")
+    book_row(job, rs, after, None, now_s=0.0, t_wall_s=12.0)
+    moves = [(c.kind, c.from_level, c.to_level) for c in job.precision_log if c.kind != "proposed"]
+    assert moves == [("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")]
+    assert job.precision == "fp32" and rs.precision == "fp32" and job.proposal is None
+    assert job.measure.since_s == 110.0 and job.measure.steps == 0  # (the fp32 row began before the rollback)
+
+
 def test_an_ended_job_sheds_its_step_records() -> None:
     job, rs = _job(0)
     book_row(job, rs, _row(100.0, loss_n=1, loss_sum=1.0, nonfinite=1), None, now_s=0.0)

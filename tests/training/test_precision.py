@@ -287,6 +287,32 @@ def test_nonfinite_right_after_a_switch_rolls_back_within_one_step(
     assert loop.losses[-1] < loop.losses[0]
 
 
+@pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")
+def test_a_rollback_never_overtakes_the_steps_it_rolls_back(sock_path: Path) -> None:
+    """Rows held for the daemon's cadence (5 s here, its longest) go out before a precision event:
+    the daemon follows a rank's level by its rows, so steps at bf16 that arrived after the
+    rollback would read as a second move."""
+    d = FakeDaemon(sock_path, rows_every_s=5.0).start()
+    try:
+        model = make_model()
+        with GreenCallback(job="held-rows", model=model, socket=sock_path, cooldown_steps=1000, **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            loop = Loop(cb, model)
+            loop.run(6)
+            switch(d, cb, "bf16")
+            bad = loop.i + 1
+            loop.run(4, poison=lambda i: "loss" if i == bad else None)
+            assert loop.levels[bad : bad + 2] == ["bf16", "fp32"]
+            assert wait_for(lambda: len(d.precision_events) == 1)
+        (ev,) = d.precision_events
+        assert ev["kind"] == "rollback" and ev["step"] == bad
+        # Every step up to the rolled-back one was in the daemon's hands before the event.
+        assert d.received_at_events[0] >= bad + 1, (d.received_at_events, bad)
+        assert [r["precision"] for r in d.rows if r["first_step"] <= bad][-1] == "bf16"
+    finally:
+        d.stop()
+
+
 def test_nonfinite_at_the_starting_level_is_not_a_rollback(daemon: FakeDaemon, sock_path: Path) -> None:
     model = make_model()
     with GreenCallback(job="inf-fp32", model=model, socket=sock_path, **FAST) as cb:
