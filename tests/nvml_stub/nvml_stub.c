@@ -17,7 +17,9 @@
  *                                    consumer card); the power limit still works
  *   NVML_STUB_NO_ENERGY=...          GetTotalEnergyConsumption: NOT_SUPPORTED
  *   NVML_STUB_RESET_REQUIRED=...     every call on these GPUs: RESET_REQUIRED
- *   NVML_STUB_MIG=...                MIG mode on (no clock locks, no utilisation)
+ *   NVML_STUB_MIG=...                MIG mode on (no clock locks, no utilisation, no GPM)
+ *   NVML_STUB_PRE_HOPPER=...         these GPUs model an A100 (compute capability 8.0):
+ *                                    no GPM (see the GPM section below)
  *   NVML_STUB_PERSISTENCE_OFF=1      persistence mode reads disabled
  *   NVML_STUB_HANG=fn[:gpu]          that call (e.g. nvmlDeviceGetPowerUsage)
  *                                    sleeps NVML_STUB_HANG_S seconds (default: forever)
@@ -98,7 +100,8 @@ typedef struct {
     unsigned lock_min, lock_max; /* 0: unlocked */
     double energy_mj;
     double last_s;
-    int lost, no_perm, no_lock, no_energy, reset_required, mig, hang, idle;
+    int lost, no_perm, no_lock, no_energy, reset_required, mig, hang, idle, pre_hopper;
+    double sm_active_s, sm_last_s; /* GPM: SM-busy seconds so far (SMs busy x time), when booked */
 } gpu_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -184,6 +187,7 @@ static void configure(void) {
         memset(&gpus[i], 0, sizeof gpus[i]);
         gpus[i].limit_mw = LIMIT_DEFAULT;
         gpus[i].last_s = t;
+        gpus[i].sm_last_s = t;
         gpus[i].energy_mj = 1e6 * (i + 1); /* counters since driver load differ per GPU */
     }
     state_path = getenv("NVML_STUB_STATE");
@@ -196,6 +200,7 @@ static void configure(void) {
     mark_list("NVML_STUB_NO_ENERGY", offsetof(gpu_t, no_energy));
     mark_list("NVML_STUB_RESET_REQUIRED", offsetof(gpu_t, reset_required));
     mark_list("NVML_STUB_MIG", offsetof(gpu_t, mig));
+    mark_list("NVML_STUB_PRE_HOPPER", offsetof(gpu_t, pre_hopper));
     if ((v = getenv("NVML_STUB_HANG")) && *v) {
         snprintf(hang_fn, sizeof hang_fn, "%s", v);
         char *colon = strchr(hang_fn, ':');
@@ -254,7 +259,8 @@ static void tick(void) {
         g->gen++;
         g->down = reset_down;
         g->energy_mj = 0;
-        g->last_s = now_s();
+        g->last_s = g->sm_last_s = now_s();
+        g->sm_active_s = 0; /* the GPM counters restart too */
         g->limit_mw = LIMIT_DEFAULT;
         g->lock_min = g->lock_max = 0;
         save_state();
@@ -497,7 +503,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
     DEVICE_CALL("nvmlDeviceGetCudaComputeCapability");
-    *major = g->no_energy ? 6 : 9;
+    *major = g->no_energy ? 6 : g->pre_hopper ? 8 : 9;
     *minor = 0;
     LEAVE(NVML_SUCCESS);
 }
@@ -788,3 +794,205 @@ RUNNING_PROCESSES(nvmlDeviceGetGraphicsRunningProcesses_v3, "graphics", 3)
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses, "mps", 1)
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v2, "mps", 2)
 RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps", 3)
+
+/* ---- GPM: GPU performance monitoring (nvmlGpm*, Hopper and newer)
+ *
+ * The structs and version numbers are nvml.h's: nvmlGpmSupport_t {version,
+ * isSupportedDevice} at NVML_GPM_SUPPORT_VERSION 1; nvmlGpmMetricsGet_t {version,
+ * numMetrics, sample1, sample2, metrics[NVML_GPM_METRIC_MAX]} at
+ * NVML_GPM_METRICS_GET_VERSION 1, each nvmlGpmMetric_t {metricId, nvmlReturn, value,
+ * metricInfo {shortName, longName, unit}}. A sample is an opaque buffer the library
+ * allocates; nvmlGpmSampleGet fills it with the device's counters; nvmlGpmMetricsGet
+ * computes each metric over the time between two samples of one device.
+ *
+ * What the stand-in models: NVML_GPM_METRIC_SM_UTIL (percent of the SMs busy over the
+ * interval); any other metric answers NOT_SUPPORTED in its own nvmlReturn.
+ * A GPU configured pre-Hopper (NVML_STUB_PRE_HOPPER, or pre-Volta: NVML_STUB_NO_ENERGY)
+ * reads isSupportedDevice 0 and its samples NOT_SUPPORTED; so do a MIG-mode GPU's
+ * whole-device samples (nvmlGpmMigSampleGet is for its instances, of which the stand-in
+ * has none: NOT_FOUND). A wrong struct version is INVALID_ARGUMENT, as are samples not
+ * filled, of two devices, of two generations of one device (a reset between them) or
+ * in the wrong order.
+ *
+ * Environment:
+ *   NVML_STUB_SM_ACTIVE=0:97,1:40    each GPU's SM activity in percent (default 97 busy,
+ *                                    0 idle); or a path to a file of "gpu percent" lines,
+ *                                    read at every sample (a test changes it mid-run).
+ *                                    utilization.gpu does not follow it: a GPU that
+ *                                    only waits in NCCL's few-CTA kernels reads 97 there
+ *   NVML_STUB_GPM_ERROR=code[:gpu]   nvmlGpmSampleGet answers this code (all GPUs, or one)
+ *   NVML_STUB_GPM_ERROR_WHEN=path    ... only while this file exists (an error mid-run)
+ * nvmlStubGpmLiveSamples() says how many samples are allocated and not freed.
+ */
+#define NVML_GPM_METRIC_SM_UTIL 2
+#define NVML_GPM_METRIC_MAX 98 /* nvml.h r525-r550; newer headers allow more metrics */
+#define NVML_GPM_METRICS_GET_VERSION 1
+#define NVML_GPM_SUPPORT_VERSION 1
+#define GPM_MAGIC 0x47504d53u
+
+typedef struct stub_gpm_sample {
+    unsigned magic;
+    int gpu, gen, filled;
+    double t_s, sm_active_s;
+} stub_gpm_sample;
+typedef stub_gpm_sample *nvmlGpmSample_t;
+
+typedef struct {
+    unsigned int metricId;
+    nvmlReturn_t nvmlReturn;
+    double value;
+    struct {
+        char *shortName;
+        char *longName;
+        char *unit;
+    } metricInfo;
+} nvmlGpmMetric_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int numMetrics;
+    nvmlGpmSample_t sample1;
+    nvmlGpmSample_t sample2;
+    nvmlGpmMetric_t metrics[NVML_GPM_METRIC_MAX];
+} nvmlGpmMetricsGet_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int isSupportedDevice;
+} nvmlGpmSupport_t;
+
+static long gpm_live = 0;
+
+static int gpm_device(const gpu_t *g) { return !g->pre_hopper && !g->no_energy; }
+
+static int valid_sample(const stub_gpm_sample *s) { return s && s->magic == GPM_MAGIC; }
+
+/* GPU gi's SM activity now, in percent. */
+static double sm_active_pct(int gi, const gpu_t *g) {
+    double pct = is_idle(g) ? 0.0 : 97.0;
+    const char *v = getenv("NVML_STUB_SM_ACTIVE");
+    if (!v || !*v) return pct;
+    if (v[0] == '/') {
+        FILE *f = fopen(v, "r");
+        if (!f) return pct;
+        int i;
+        double p;
+        while (fscanf(f, "%d %lf", &i, &p) == 2)
+            if (i == gi) pct = p;
+        fclose(f);
+        return pct;
+    }
+    char *copy = strdup(v), *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int i;
+        double p;
+        if (sscanf(tok, "%d:%lf", &i, &p) == 2 && i == gi) pct = p;
+    }
+    free(copy);
+    return pct;
+}
+
+/* The error NVML_STUB_GPM_ERROR asks of GPU gi's samples now (0: none). */
+static nvmlReturn_t gpm_fault(int gi) {
+    const char *v = getenv("NVML_STUB_GPM_ERROR");
+    if (!v || !*v) return NVML_SUCCESS;
+    const char *when = getenv("NVML_STUB_GPM_ERROR_WHEN");
+    if (when && *when && access(when, F_OK) != 0) return NVML_SUCCESS;
+    int code = 0, gpu = -1;
+    if (sscanf(v, "%d:%d", &code, &gpu) < 1) return NVML_SUCCESS;
+    return gpu < 0 || gpu == gi ? code : NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *gpmSupport) {
+    DEVICE_CALL("nvmlGpmQueryDeviceSupport");
+    if (!gpmSupport || gpmSupport->version != NVML_GPM_SUPPORT_VERSION) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    gpmSupport->isSupportedDevice = gpm_device(g) ? 1 : 0;
+    LEAVE(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample) {
+    nvmlReturn_t r = node_enter("nvmlGpmSampleAlloc");
+    if (r) return r;
+    if (!gpmSample) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    stub_gpm_sample *s = calloc(1, sizeof *s);
+    s->magic = GPM_MAGIC;
+    s->gpu = -1;
+    *gpmSample = s;
+    gpm_live++;
+    LEAVE(NVML_SUCCESS);
+}
+
+/* A freed sample's memory is kept (its magic cleared): a second free, or a use after
+   the free, is INVALID_ARGUMENT rather than a crash. */
+nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample) {
+    pthread_mutex_lock(&mu);
+    if (!valid_sample(gpmSample)) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    gpmSample->magic = 0;
+    gpm_live--;
+    LEAVE(NVML_SUCCESS);
+}
+
+static nvmlReturn_t gpm_sample(gpu_t *g, nvmlGpmSample_t s) {
+    int gi = (int)(g - gpus);
+    if (!valid_sample(s)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!gpm_device(g) || g->mig) return NVML_ERROR_NOT_SUPPORTED;
+    nvmlReturn_t fault = gpm_fault(gi);
+    if (fault) return fault;
+    double t = now_s();
+    g->sm_active_s += sm_active_pct(gi, g) / 100.0 * (t - g->sm_last_s);
+    g->sm_last_s = t;
+    s->gpu = gi;
+    s->gen = g->gen;
+    s->filled = 1;
+    s->t_s = t;
+    s->sm_active_s = g->sm_active_s;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t gpmSample) {
+    DEVICE_CALL("nvmlGpmSampleGet");
+    LEAVE(gpm_sample(g, gpmSample));
+}
+
+nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId, nvmlGpmSample_t gpmSample) {
+    DEVICE_CALL("nvmlGpmMigSampleGet");
+    (void)gpuInstanceId;
+    if (!valid_sample(gpmSample)) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (!gpm_device(g) || !g->mig) LEAVE(NVML_ERROR_NOT_SUPPORTED);
+    LEAVE(NVML_ERROR_NOT_FOUND); /* no GPU instances are modelled */
+}
+
+nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) {
+    nvmlReturn_t r = node_enter("nvmlGpmMetricsGet");
+    if (r) return r;
+    if (!m || m->version != NVML_GPM_METRICS_GET_VERSION || m->numMetrics > NVML_GPM_METRIC_MAX)
+        LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    const stub_gpm_sample *a = m->sample1, *b = m->sample2;
+    if (!valid_sample(a) || !valid_sample(b) || !a->filled || !b->filled || a->gpu != b->gpu ||
+        a->gen != b->gen || b->t_s <= a->t_s)
+        LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    double dt = b->t_s - a->t_s;
+    for (unsigned i = 0; i < m->numMetrics; i++) {
+        nvmlGpmMetric_t *x = &m->metrics[i];
+        x->value = 0.0;
+        x->metricInfo.shortName = x->metricInfo.longName = x->metricInfo.unit = NULL;
+        x->nvmlReturn = NVML_SUCCESS;
+        if (x->metricId != NVML_GPM_METRIC_SM_UTIL) {
+            x->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        double v = 100.0 * (b->sm_active_s - a->sm_active_s) / dt;
+        x->value = v < 0.0 ? 0.0 : v > 100.0 ? 100.0 : v;
+        x->metricInfo.shortName = "sm_util";
+        x->metricInfo.longName = "SM utilization";
+        x->metricInfo.unit = "%";
+    }
+    LEAVE(NVML_SUCCESS);
+}
+
+long nvmlStubGpmLiveSamples(void) {
+    pthread_mutex_lock(&mu);
+    long n = gpm_live;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
