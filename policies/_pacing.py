@@ -9,9 +9,8 @@ critical pace, without slowing the job.
 
 How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled):
 
-* **Who is critical.** Each GPU's utilisation over the last period
-  (``GpuView.util_pct``: the share of time a kernel ran) against the job's busiest
-  GPU. A GPU below ``1 - SLACK`` of it has slack.
+* **Who is critical.** Each GPU's busy share over the last period against the job's
+  busiest GPU (:func:`busy_shares`). A GPU below ``1 - SLACK`` of it has slack.
 * **How deep.** A GPU with slack ``r = util / util_max`` is moved to the grid level
   ``level * r / TARGET`` (or the next one down, at least): a compute-bound step
   stretches as ``1 / clock``, so this is the deepest setting that keeps the pace for
@@ -39,7 +38,7 @@ from ._evidence import Evidence
 from .base import GpuView, JobView, Setting
 from .static import same_setting
 
-__all__ = ["PaceState", "Pacer", "as_job"]
+__all__ = ["PaceState", "Pacer", "as_job", "busy_shares"]
 
 SLACK = 0.03  # a GPU less busy than 1 - SLACK of the busiest has slack to give
 TARGET = 0.985  # pace a GPU to this share of the busiest one's busy time
@@ -102,7 +101,7 @@ class Pacer:
         if ps.base is not None and ps.base != base:
             return self.release(ps, grid[base], "the job's setting changed")
         ps.base = base
-        utils = {g.index: g.util_pct for g in views}
+        utils = busy_shares(views)
         if len(views) < 2 or any(u is None for u in utils.values()):
             return self.release(ps, grid[base], "its GPUs' utilisation is not read")
         busy = {i: float(u or 0.0) for i, u in utils.items()}
@@ -184,3 +183,13 @@ def as_job(j: JobView, ps: PaceState, grid: Sequence[Setting], current: Setting)
         return j
     m = j.measure
     return replace(j, setting=current, measure=None if m is None else replace(m, setting=current))
+
+
+def busy_shares(views: Sequence[GpuView]) -> dict[int, float | None]:
+    """Each GPU's busy share in percent: its SM activity (``GpuView.sm_active_pct``, NVML's
+    GPM, Hopper and newer) where every GPU of the job has it, else its utilisation
+    (``GpuView.util_pct``: the share of time a kernel ran). Never a mix: the two are not on
+    one scale. On real GPUs only SM activity finds slack: NCCL's wait kernels keep a
+    waiting GPU's utilisation near 100 %, while few of its SMs are busy."""
+    gpm = bool(views) and all(g.sm_active_pct is not None for g in views)
+    return {g.index: g.sm_active_pct if gpm else g.util_pct for g in views}

@@ -55,6 +55,10 @@ class GpuView:
     # its busy time). Within a synchronous job a GPU that waits for a slower one shows
     # less: the slack that pacing (policies/_pacing.py) turns into a deeper cap.
     util_pct: float | None = None
+    # Percent of the SMs busy over the last second (NVML GPM SM_UTIL, Hopper and newer; the
+    # simulator: its busy share); None where the GPU has no GPM. A GPU that only waits in an
+    # NCCL collective reads low here while util_pct stays near 100 %.
+    sm_active_pct: float | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ class GpuReading:
     mem_clock_mhz: float | None = None
     util_gpu_pct: float | None = None
     util_mem_pct: float | None = None
+    # Percent of the SMs busy since the last slow read (NVML GPM SM_UTIL, Hopper and newer;
+    # the simulator: its busy share). Unlike util_gpu_pct it drops on a GPU that only runs
+    # NCCL's wait kernels. None where the GPU has no GPM (pre-Hopper, MIG) or it failed.
+    sm_active_pct: float | None = None
     temperature_c: float | None = None
     clock_cap_mhz: float | None = None  # locked max SM clock, None = uncapped
     power_limit_w: float | None = None

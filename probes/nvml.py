@@ -19,6 +19,8 @@ What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
   ``SLOW_FIELDS_EVERY_S`` (1 s), power included while the counter works: NVML's
   power is itself a ~1 s average, and the energy (what prices the steps) comes
   from the counter. A GPU that integrates power reads it every tick.
+- SM activity (``sm_active_pct``), where the GPU has NVML's GPM metrics (Hopper and
+  newer): the share of its SMs busy since the last slow read (``_nvml_gpm.py``).
 - ``clock_cap_mhz``: NVML has no getter for locked clocks, so the actuator layer
   (which set them) answers through the ``cap_lookup(index)`` given to the constructor
   or to :meth:`NvmlProbe.use_cap_lookup`.
@@ -38,10 +40,6 @@ and matched by UUID, never by index: a GPU that comes back at another index (a d
 reload renumbers them) keeps its energy and is read at its new index. With real NVML
 the driver calls of a recovery run on a thread of their own and the tick applies their
 result when it is there (``probes/_nvml_state.py``): the tick never waits on them.
-
-Every NVML error is translated through one table (:data:`NVML_ERROR_MAP`, used
-by :func:`translate_nvml_error`, both in :mod:`greend.probes.nvml_device`) into
-:mod:`greend.errors`, raised ``from`` the original.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ from greend.errors import DeviceLost, NoData, NotSupported, ProbeError
 from greend.units import mw_to_w
 
 from . import ProbeContext, register
+from ._nvml_gpm import Gpm
 from ._nvml_reads import Reads, tick_read_wait_s
 from ._nvml_state import Look, Looks, TrackedGpu
 from ._nvml_state import as_text as _text
@@ -137,6 +136,7 @@ class NvmlProbe:
         self._looks = Looks(self._look_again)
         # The GPUs' reads, each on its own worker: a read still out is taken by a later tick
         self._reads = Reads(self._devices, self._sample_gpu, read_wait_s)
+        self._gpm = Gpm(self._devices)  # SM activity where the GPUs have GPM, read with the slow fields
 
     def __repr__(self) -> str:
         return f"NvmlProbe(source={self.source!r}, gpus={len(self._gpus)}, opened={self._opened})"
@@ -540,6 +540,7 @@ class NvmlProbe:
             mem_clock_mhz=None if mem is None else float(mem),
             util_gpu_pct=None if util is None else float(util.gpu),
             util_mem_pct=None if util is None else float(util.memory),
+            sm_active_pct=self._gpm.read(gpu, slow),
             temperature_c=None if temp is None else float(temp),
             clock_cap_mhz=self._clock_cap(gpu.index),
             power_limit_w=None if limit is None else mw_to_w(limit),
@@ -577,9 +578,7 @@ class NvmlProbe:
     def opening(self) -> str | None:
         """What an open in progress waits on, and for how long (None: not opening)."""
         phase = self._phase
-        if phase is None:
-            return None
-        return f"{phase[0]} (for {time.monotonic() - phase[1]:.0f} s)"
+        return None if phase is None else f"{phase[0]} (for {time.monotonic() - phase[1]:.0f} s)"
 
     def gpu_states(self) -> list[dict[str, Any]]:
         """Each GPU NVML listed, for ``greenctl status``: ``index``, ``uuid`` (None where
@@ -655,6 +654,7 @@ class NvmlProbe:
         if not self._opened:
             return
         self._opened = False
+        self._gpm.close()  # its sample buffers, before NVML goes
         try:
             self._call("node", "nvmlShutdown")
         except Exception as e:  # closing must not fail the daemon's shutdown

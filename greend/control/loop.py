@@ -286,6 +286,7 @@ class ControlLoop:
                     refused_knobs={k: r["reason"] for k, r in ctrl.refused_knobs(g.index).items()},
                     clock_cap_asked_mhz=None if asked is None else asked["asked"],
                     util_pct=g.util_gpu_pct,
+                    sm_active_pct=g.sm_active_pct,
                 )
             )
         self.ctx.jobs.proposals_not_taken()  # logged once each, before the policy looks

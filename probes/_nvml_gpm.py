@@ -1,0 +1,164 @@
+"""SM activity from NVML's GPM metrics (Hopper and newer), for the NVML probe
+(:mod:`greend.probes.nvml`): ``GpuReading.sm_active_pct``.
+
+Why: NVML's ``utilization.gpu`` (``util_gpu_pct``) is the share of time *some* kernel
+ran. A rank that waits in an NCCL collective runs NCCL's wait kernels (a few CTAs
+spinning on a flag) all that time, so a GPU that only waits for a slower peer reads near
+100 % there. GPM's ``NVML_GPM_METRIC_SM_UTIL`` is the share of the SMs busy over the
+interval between two samples: the same GPU reads low, which is the slack within-node
+pacing (:mod:`greend.policies._pacing`) looks for.
+
+How: at a GPU's first read, where ``nvmlGpmQueryDeviceSupport`` says it supports GPM
+(Hopper and newer, not in MIG mode), two sample buffers are allocated for it, once. Each
+read of the GPU's slow fields (at most once a second, with utilisation) takes a sample
+(``nvmlGpmSampleGet``) into the buffer that does not hold the last one and computes
+SM_UTIL over the two (``nvmlGpmMetricsGet``): the figure covers the time since the last
+read, about the policy's period. The buffers are freed at :meth:`Gpm.close` (the probe's
+close), on each GPU's own worker, after any read still out there.
+
+Faults never leave this module as anything but ``None``, except a lost GPU (its read
+raises ``DeviceLost`` as every other read does): unsupported (pre-Hopper, MIG, a driver
+or ``pynvml`` without GPM, ``NOT_SUPPORTED``) reads None with no error; any other NVML
+error reads None, is logged once and kept in the GPU's errors until GPM answers again,
+and starts the pair again (the next read takes a first sample, the one after gives a
+figure). A GPU found again with a new handle (a reset, NVML initialised again) starts
+the pair again too: samples of two handles are not compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from greend.errors import DeviceLost, NotSupported, ProbeError
+
+from ._nvml_state import TrackedGpu
+from .nvml_device import NvmlDevices
+
+__all__ = ["Gpm"]
+
+log = logging.getLogger(__name__)
+
+_FAILED = object()  # a call that failed (a call may answer None)
+_CALLS = ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMetricsGet")
+
+
+@dataclass
+class _GpuGpm:
+    """One GPU's GPM buffers: ``last`` is which of the two holds the last sample (None:
+    none yet), taken with ``handle``; ``value`` the last figure."""
+
+    gpu: TrackedGpu
+    samples: list[Any] = field(default_factory=list)
+    last: int | None = None
+    handle: Any = None
+    value: float | None = None
+
+
+class Gpm:
+    """GPM SM activity of the GPUs that support it, by UUID. See the module docstring."""
+
+    def __init__(self, devices: NvmlDevices) -> None:
+        self._devices = devices
+        self._gpus: dict[str, _GpuGpm] = {}
+        self._asked: set[str] = set()  # UUIDs whose support was asked (and answered)
+        self._lock = threading.Lock()  # each GPU's reads run on its own worker, at once
+
+    def supported(self, uuid: str) -> bool:
+        """Whether the GPU with ``uuid`` has GPM buffers (its SM activity is read)."""
+        return uuid in self._gpus
+
+    def _call(self, gpu: TrackedGpu, fn: str, *args: Any) -> Any:
+        """``nvml.<fn>(*args)`` on the GPU's worker: ``_FAILED`` where it failed (NOT_SUPPORTED
+        quietly, another error logged once and kept in ``gpu.errors``); a lost GPU raises."""
+        try:
+            return self._devices.call(f"gpu{gpu.index}", fn, *args)
+        except DeviceLost:
+            raise
+        except NotSupported:
+            return _FAILED
+        except ProbeError as e:
+            if gpu.errors.get(fn) != str(e):
+                log.warning("%s (its SM activity is not read meanwhile)", e)
+            gpu.errors[fn] = str(e)
+            return _FAILED
+
+    def _open(self, gpu: TrackedGpu) -> _GpuGpm | None:
+        """The GPU's two sample buffers where it supports GPM (asked once per UUID; again
+        after an error other than NOT_SUPPORTED)."""
+        nvml = self._devices.nvml
+        self._asked.add(gpu.uuid)
+        if gpu.mig or not all(hasattr(nvml, fn) for fn in (*_CALLS, "nvmlGpmSampleFree")):
+            return None  # MIG: GPM is per GPU instance there; or an nvidia-ml-py without GPM
+        support = self._call(gpu, "nvmlGpmQueryDeviceSupport", gpu.handle)
+        if support is _FAILED or not int(getattr(support, "isSupportedDevice", 0)):
+            if "nvmlGpmQueryDeviceSupport" in gpu.errors:
+                self._asked.discard(gpu.uuid)  # an error, not an answer: asked again
+            else:
+                log.info("gpu%d (%s) has no GPM metrics: its SM activity is not read", gpu.index, gpu.name)
+            return None
+        st = _GpuGpm(gpu)
+        for _ in range(2):
+            sample = self._call(gpu, "nvmlGpmSampleAlloc")
+            if sample is _FAILED:
+                self._free(st)
+                self._asked.discard(gpu.uuid)
+                return None
+            st.samples.append(sample)
+        with self._lock:
+            self._gpus[gpu.uuid] = st
+        return st
+
+    def read(self, gpu: TrackedGpu, fresh: bool) -> float | None:
+        """The GPU's SM activity in percent (None: not read). ``fresh``: take a sample and
+        compute the figure over the last two (the slow fields are read this tick); else
+        the last figure. On the GPU's worker."""
+        st = self._gpus.get(gpu.uuid)
+        if st is None and fresh and gpu.uuid not in self._asked:
+            st = self._open(gpu)
+        if st is None or not fresh:
+            return None if st is None else st.value
+        st.gpu = gpu
+        if st.handle is not gpu.handle:  # found again with a fresh handle: a new pair
+            st.last, st.handle = None, gpu.handle
+        k = 0 if st.last is None else 1 - st.last
+        if self._call(gpu, "nvmlGpmSampleGet", gpu.handle, st.samples[k]) is _FAILED:
+            st.last, st.value = None, None  # the next read starts a new pair
+            return None
+        prev, st.last = st.last, k
+        st.value = None if prev is None else self._sm_util(gpu, st.samples[prev], st.samples[k])
+        if st.value is not None:
+            for fn in _CALLS:
+                gpu.errors.pop(fn, None)  # it answers again
+        return st.value
+
+    def _sm_util(self, gpu: TrackedGpu, older: Any, newer: Any) -> float | None:
+        nvml = self._devices.nvml
+        query = nvml.c_nvmlGpmMetricsGet_t()
+        query.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        query.numMetrics = 1
+        query.sample1, query.sample2 = older, newer
+        query.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
+        if self._call(gpu, "nvmlGpmMetricsGet", query) is _FAILED:
+            return None
+        metric = query.metrics[0]
+        if int(metric.nvmlReturn) != 0:  # this metric's own status: its value is not valid
+            return None
+        return min(100.0, max(0.0, float(metric.value)))
+
+    def _free(self, st: _GpuGpm) -> None:
+        for sample in st.samples:
+            try:
+                self._devices.call(f"gpu{st.gpu.index}", "nvmlGpmSampleFree", sample)
+            except Exception as e:  # a hung or lost GPU keeps its buffers: freeing must not fail close
+                log.debug("gpu%d nvmlGpmSampleFree: %s", st.gpu.index, e)
+        st.samples, st.last, st.value = [], None, None
+
+    def close(self) -> None:
+        """Free every GPU's buffers (before ``nvmlShutdown``)."""
+        with self._lock:
+            gpus, self._gpus, self._asked = list(self._gpus.values()), {}, set()
+        for st in gpus:
+            self._free(st)
