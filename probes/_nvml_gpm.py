@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _FAILED = object()  # a call that failed (a call may answer None)
 _CALLS = ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMetricsGet")
+_NEEDED = (*_CALLS, "nvmlGpmSampleFree", "c_nvmlGpmMetricsGet_t")  # what the module must have
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Gpm:
         after an error other than NOT_SUPPORTED)."""
         nvml = self._devices.nvml
         self._asked.add(gpu.uuid)
-        if gpu.mig or not all(hasattr(nvml, fn) for fn in (*_CALLS, "nvmlGpmSampleFree")):
+        if gpu.mig or not all(hasattr(nvml, name) for name in _NEEDED):
             return None  # MIG: GPM is per GPU instance there; or an nvidia-ml-py without GPM
         support = self._call(gpu, "nvmlGpmQueryDeviceSupport", gpu.handle)
         if support is _FAILED or not int(getattr(support, "isSupportedDevice", 0)):
@@ -114,7 +115,22 @@ class Gpm:
     def read(self, gpu: TrackedGpu, fresh: bool) -> float | None:
         """The GPU's SM activity in percent (None: not read). ``fresh``: take a sample and
         compute the figure over the last two (the slow fields are read this tick); else
-        the last figure. On the GPU's worker."""
+        the last figure. On the GPU's worker; raises only ``DeviceLost``."""
+        try:
+            return self._read(gpu, fresh)
+        except DeviceLost:
+            raise
+        except Exception as e:  # a binding's or this module's bug costs the figure only
+            key = "gpm"
+            if gpu.errors.get(key) != f"{type(e).__name__}: {e}":
+                log.warning("gpu%d: reading SM activity (GPM) failed: %s: %s", gpu.index, type(e).__name__, e)
+            gpu.errors[key] = f"{type(e).__name__}: {e}"
+            st = self._gpus.get(gpu.uuid)
+            if st is not None:
+                st.last, st.value = None, None
+            return None
+
+    def _read(self, gpu: TrackedGpu, fresh: bool) -> float | None:
         st = self._gpus.get(gpu.uuid)
         if st is None and fresh and gpu.uuid not in self._asked:
             st = self._open(gpu)
@@ -130,8 +146,8 @@ class Gpm:
         prev, st.last = st.last, k
         st.value = None if prev is None else self._sm_util(gpu, st.samples[prev], st.samples[k])
         if st.value is not None:
-            for fn in _CALLS:
-                gpu.errors.pop(fn, None)  # it answers again
+            for key in (*_CALLS, "gpm"):
+                gpu.errors.pop(key, None)  # it answers again
         return st.value
 
     def _sm_util(self, gpu: TrackedGpu, older: Any, newer: Any) -> float | None:

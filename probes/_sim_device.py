@@ -403,8 +403,7 @@ class SimGpu:
         v = self._view(st, self._now())
         with self._mem_lock:
             h = self._history
-            # One point per _HISTORY_STEP_S is plenty for a 1 s average, and keeps
-            # power_w()'s scan short however many questions a tick asks.
+            # One point per _HISTORY_STEP_S: plenty for a 1 s average, and power_w()'s scan stays short
             if not h or v.now_s >= h[-1][0] + _HISTORY_STEP_S:
                 h.append((v.now_s, v.energy_mj, v.busy_s))
                 while len(h) > 2 and h[1][0] < v.now_s - _HISTORY_KEEP_S:
@@ -476,12 +475,13 @@ class SimGpu:
         Until this object has history, the instant's (busy: 100 %)."""
         st, v = self._current()
         ref = self._window_start(v, UTIL_WINDOW_S)
-        if ref is None:
-            frac = 1.0 if v.busy else 0.0
-        else:
-            frac = min(1.0, max(0.0, (v.busy_s - ref[2]) / (v.now_s - ref[0])))
+        frac = float(v.busy) if ref is None else min(1.0, max(0.0, (v.busy_s - ref[2]) / (v.now_s - ref[0])))
         bg = st.background_load * (1.0 - frac)
         return 100.0 * (frac + bg), 100.0 * (frac * st.busy_mem_share + bg * st.mem_share)
+
+    def busy_time_s(self) -> tuple[float, float]:
+        """(now, the seconds spent running steps so far): a busy share is its rate (GPM's SM activity)."""
+        return (v := self._current()[1]).now_s, v.busy_s
 
     def temperature_c(self) -> float:
         return self.spec.temp_ambient_c + self.spec.temp_c_per_w * self.instant_power_w()

@@ -76,6 +76,7 @@ from typing import Any, NoReturn
 import pynvml
 
 from ._fake_nvml_faults import FAULTS_FILE, Faults, GpuFaults, error_code, read_faults, write_faults
+from ._fake_nvml_gpm import FakeGpm
 from ._sim_device import SimGpu
 from ._sim_files import file_lock
 from ._sim_fleet import discover_sim_gpus, open_sim_gpus
@@ -161,7 +162,7 @@ def _device_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class FakeNvml:
+class FakeNvml(FakeGpm):  # the nvmlGpm* calls: _fake_nvml_gpm.py
     """The ``pynvml`` API over the simulated GPUs in ``state_dir``.
 
     ``n``: how many GPUs (created where missing); None: the ``gpu<i>.json`` files
