@@ -80,6 +80,7 @@ _GPU_FIELDS = (
     "mem_clock_mhz",
     "util_gpu_pct",
     "util_mem_pct",
+    "sm_active_pct",
     "temperature_c",
     "clock_cap_mhz",
     "power_limit_w",

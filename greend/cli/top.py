@@ -68,7 +68,9 @@ def _table(title: str) -> Table:
 
 def _gpu_table(st: dict[str, Any]) -> Table:
     t = _table("GPUs")
-    for h in ("GPU", "name", "power\nW", "limit\nW", "SM\nMHz", "cap\nMHz", "util\n%", "temp\nC", "energy\nJ"):
+    # "SMs %": the share of the SMs busy (NVML's GPM, Hopper and newer; "-" elsewhere)
+    heads = ("GPU", "name", "power\nW", "limit\nW", "SM\nMHz", "cap\nMHz", "util\n%", "SMs\n%", "temp\nC", "energy\nJ")
+    for h in heads:
         t.add_column(h, justify="left" if h in ("GPU", "name") else "right")
     for g in st.get("gpus", []):
         rng = g.get("power_limit_range_w") or [None, None]
@@ -82,6 +84,7 @@ def _gpu_table(st: dict[str, Any]) -> Table:
             _num(g.get("sm_clock_mhz")),
             Text(_num(g.get("clock_cap_mhz")), style="bold yellow" if g.get("clock_cap_mhz") else ""),
             _num(g.get("util_gpu_pct")),
+            _num(g.get("sm_active_pct")),
             _num(g.get("temperature_c")),
             _num(g.get("energy_j"), ".0f"),
         )

@@ -82,6 +82,7 @@ def gpu_row(g: GpuReading, ledger: Ledger, origins: dict[str, str] | None = None
         "sm_clock_mhz": g.sm_clock_mhz,
         "mem_clock_mhz": g.mem_clock_mhz,
         "util_gpu_pct": g.util_gpu_pct,
+        "sm_active_pct": g.sm_active_pct,  # GPM SM activity (Hopper and newer); None elsewhere
         "temperature_c": g.temperature_c,
         "clock_cap_mhz": g.clock_cap_mhz,
         "power_limit_w": g.power_limit_w,

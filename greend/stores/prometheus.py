@@ -71,6 +71,12 @@ _GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("power_limit_w", "power_limit_watts", "Power limit in force in watts.", 1.0),
     ("temperature_c", "temperature_celsius", "GPU temperature in degrees Celsius.", 1.0),
     ("util_gpu_pct", "utilization_ratio", "GPU utilisation, 0 to 1.", 0.01),
+    (
+        "sm_active_pct",
+        "sm_active_ratio",
+        "Share of the SMs busy (NVML GPM SM_UTIL, Hopper and newer; absent elsewhere), 0 to 1.",
+        0.01,
+    ),
 )
 
 

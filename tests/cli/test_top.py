@@ -137,7 +137,13 @@ def test_top_once_against_a_daemon_with_a_training_job(tmp_path: Path, daemons: 
 def _busy_node(n_jobs: int = 3) -> dict:
     st = _status(flops=1e15, gpu_j=10_000.0, steps=100)
     st["gpus"] = [
-        {**st["gpus"][0], "index": i, "name": "NVIDIA H100 80GB HBM3 (simulated)", "energy_j": 123456.0}
+        {
+            **st["gpus"][0],
+            "index": i,
+            "name": "NVIDIA H100 80GB HBM3 (simulated)",
+            "energy_j": 123456.0,
+            "sm_active_pct": 40.0 + i if i else None,  # gpu0: no GPM
+        }
         for i in range(4)
     ]
     st["jobs"] = [
@@ -158,6 +164,8 @@ def test_top_once_fits_80_columns_without_cutting_a_job_id() -> None:
     assert "…" not in buf.getvalue()  # nothing truncated
     assert sum("llama-70b-finetune-run-" in x for x in lines) == 3
     assert "gpu3 (sim)" in buf.getvalue() and "H100 80GB HBM3" in buf.getvalue()
+    gpu_rows = {x.split()[0]: x.split() for x in lines if x.strip().startswith("gpu")}
+    assert gpu_rows["gpu3"][-3] == "43" and gpu_rows["gpu0"][-3] == "-"  # the SMs-busy column
 
 
 @pytest.mark.parametrize(("sort", "first"), [("job", "run-0"), ("energy", "run-2"), ("steps", "run-0")])

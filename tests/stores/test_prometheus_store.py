@@ -46,6 +46,7 @@ def fake_status() -> dict[str, Any]:
                 "sm_clock_mhz": 1980,
                 "mem_clock_mhz": 2619,
                 "util_gpu_pct": 87.0,
+                "sm_active_pct": 41.0 if i == 1 else None,  # gpu0: no GPM
                 "temperature_c": 61.0,
                 "clock_cap_mhz": 1500 if i == 0 else None,
                 "power_limit_w": 700.0,
@@ -159,6 +160,8 @@ def test_scrape_has_base_units_and_values(store: PrometheusStore) -> None:
     assert value(text, "greend_gpu_clock_cap_hertz", gpu="0") == 1500e6
     assert 'greend_gpu_clock_cap_hertz{gpu="1"' not in text  # no cap: no sample
     assert value(text, "greend_gpu_utilization_ratio", gpu="1") == pytest.approx(0.87)
+    assert value(text, "greend_gpu_sm_active_ratio", gpu="1") == pytest.approx(0.41)
+    assert 'greend_gpu_sm_active_ratio{gpu="0"' not in text  # no GPM: no sample
     assert value(text, "greend_gpu_energy_joules_total", gpu="1", uuid="GPU-0001") == 1234.5
     assert value(text, "greend_cpu_energy_joules_total", zone="dram") == 80.0
     assert value(text, "greend_probe_success", probe="rapl") == 0
