@@ -16,13 +16,14 @@ SM_UTIL over the two (``nvmlGpmMetricsGet``): the figure covers the time since t
 read, about the policy's period. The buffers are freed at :meth:`Gpm.close` (the probe's
 close), on each GPU's own worker, after any read still out there.
 
-Faults never leave this module as anything but ``None``, except a lost GPU (its read
-raises ``DeviceLost`` as every other read does): unsupported (pre-Hopper, MIG, a driver
-or ``pynvml`` without GPM, ``NOT_SUPPORTED``) reads None with no error; any other NVML
-error reads None, is logged once and kept in the GPU's errors until GPM answers again,
-and starts the pair again (the next read takes a first sample, the one after gives a
-figure). A GPU found again with a new handle (a reset, NVML initialised again) starts
-the pair again too: samples of two handles are not compared.
+Faults never leave this module as anything but ``None``, except a lost GPU and NVML shut
+down under greend (``DeviceLost``, ``NvmlUninitialized``, as from every other read).
+Unsupported (pre-Hopper, MIG, a driver or ``pynvml`` without GPM, ``NOT_SUPPORTED``)
+reads None with no error; any other NVML error (or a binding's bug) reads None, is
+logged once and kept in the GPU's errors until GPM answers again, and starts the pair
+again (the next read takes a first sample, the one after gives a figure). A GPU found
+again with a new handle (a reset, NVML initialised again) starts the pair again too:
+samples of two handles are not compared.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 from greend.errors import DeviceLost, NotSupported, ProbeError
 
 from ._nvml_state import TrackedGpu
-from .nvml_device import NvmlDevices
+from .nvml_device import NvmlDevices, NvmlUninitialized
 
 __all__ = ["Gpm"]
 
@@ -67,16 +68,13 @@ class Gpm:
         self._asked: set[str] = set()  # UUIDs whose support was asked (and answered)
         self._lock = threading.Lock()  # each GPU's reads run on its own worker, at once
 
-    def supported(self, uuid: str) -> bool:
-        """Whether the GPU with ``uuid`` has GPM buffers (its SM activity is read)."""
-        return uuid in self._gpus
-
     def _call(self, gpu: TrackedGpu, fn: str, *args: Any) -> Any:
         """``nvml.<fn>(*args)`` on the GPU's worker: ``_FAILED`` where it failed (NOT_SUPPORTED
-        quietly, another error logged once and kept in ``gpu.errors``); a lost GPU raises."""
+        quietly, another error logged once and kept in ``gpu.errors``); a lost GPU raises,
+        and so does NVML shut down under greend (the probe initialises it again)."""
         try:
             return self._devices.call(f"gpu{gpu.index}", fn, *args)
-        except DeviceLost:
+        except (DeviceLost, NvmlUninitialized):
             raise
         except NotSupported:
             return _FAILED
@@ -115,10 +113,11 @@ class Gpm:
     def read(self, gpu: TrackedGpu, fresh: bool) -> float | None:
         """The GPU's SM activity in percent (None: not read). ``fresh``: take a sample and
         compute the figure over the last two (the slow fields are read this tick); else
-        the last figure. On the GPU's worker; raises only ``DeviceLost``."""
+        the last figure. On the GPU's worker; raises only ``DeviceLost`` and
+        ``NvmlUninitialized``, as every read does."""
         try:
             return self._read(gpu, fresh)
-        except DeviceLost:
+        except (DeviceLost, NvmlUninitialized):
             raise
         except Exception as e:  # a binding's or this module's bug costs the figure only
             key = "gpm"
