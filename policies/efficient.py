@@ -100,6 +100,7 @@ class _Job:
     cache: dict[Setting, Evidence] = field(default_factory=dict)  # banked evidence per setting
     current: Setting = UNCAPPED  # the setting we want in force
     live: Evidence | None = None  # the daemon's measure for `current`, this visit
+    live_since_s: float | None = None  # when the daemon's measure behind `live` started (its since_s)
     recheck: Evidence | None = None  # the baseline re-check being measured
     rechecked_once: bool = False
     next_recheck_s: float = math.inf
@@ -115,6 +116,7 @@ class _Job:
     pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
     live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
     stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
+    stale_since_s: float | None = None  # when the measure behind `stale` started
 
     @property
     def settled_index(self) -> int | None:
@@ -134,6 +136,12 @@ class _Action:
     kind: str  # "measure" | "settle"
     index: int
     steps: int = 0
+
+
+def _new_since(since_s: float | None, before_s: float | None) -> bool:
+    """Whether a measure that started at ``since_s`` is another one than the one that
+    started at ``before_s`` (unknown start times: not known to be)."""
+    return since_s is not None and before_s is not None and since_s != before_s
 
 
 class EfficientPolicy:
@@ -321,6 +329,7 @@ class EfficientPolicy:
         job.grid, job.levels = (), ()
         job.phase = "baseline" if baseline is None else "search"
         job.stale = job.live if job.current.uncapped and not job.live_paced else None
+        job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
         job.rechecked_once = False
@@ -341,18 +350,21 @@ class EfficientPolicy:
         m = j.measure
         if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
-        if job.stale is not None and m.steps < job.stale.steps:
+        # A new start time is a new measure, even one that already holds more steps than
+        # the old one did; without start times, fewer steps than before say so.
+        if job.stale is not None and (m.steps < job.stale.steps or _new_since(m.since_s, job.stale_since_s)):
             job.stale = None  # the daemon's measure started again since
         ev = Evidence.of(m).after(job.stale)
-        if job.live is not None and ev.steps < job.live.steps and not job.live_paced:
+        restarted = job.live is not None and (_new_since(m.since_s, job.live_since_s) or ev.steps < job.live.steps)
+        if job.live is not None and restarted and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
                 job.recheck = (job.recheck or Evidence()).plus(job.live)
             else:
                 job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
-        if job.live is None or ev.steps < job.live.steps:
+        if job.live is None or restarted:
             job.live_paced = bool(job.pace.held)  # a new measure: paced or not from its start
-        job.live = ev
+        job.live, job.live_since_s = ev, m.since_s
 
     def _evidence(self, job: _Job) -> dict[Setting, Evidence]:
         ev = dict(job.cache)
