@@ -69,12 +69,14 @@ the state object from :meth:`EfficientPolicy.new_state`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._evidence import Evidence, antitonic_fit, n_measured
-from ._pacing import Pacer, PaceState, as_job
+from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
+from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
+from .efficient_state import JobSearch as _Job
 from .params import Param, validate_params
 from .static import same_setting
 
@@ -87,61 +89,11 @@ _SAMPLES_KEEP = 64
 _KNOB_NAMES = {"clock": "clock_cap_mhz", "power": "power_limit_w"}
 
 
-@dataclass
-class _Job:
-    """One job's search: the grid, the evidence, and where we are."""
-
-    gpus: tuple[int, ...]
-    start_steps: int
-    knob: str = "clock"  # what this job's search tunes: the policy's knob, or the other where refused
-    phase: str = "baseline"  # baseline | search | settled | recheck
-    grid: tuple[Setting, ...] = ()  # ascending; last = UNCAPPED (built after the baseline)
-    levels: tuple[float, ...] = ()  # MHz or W of each grid point (top: fmax or uncapped draw)
-    cache: dict[Setting, Evidence] = field(default_factory=dict)  # banked evidence per setting
-    current: Setting = UNCAPPED  # the setting we want in force
-    live: Evidence | None = None  # the daemon's measure for `current`, this visit
-    live_since_s: float | None = None  # when the daemon's measure behind `live` started (its since_s)
-    recheck: Evidence | None = None  # the baseline re-check being measured
-    rechecked_once: bool = False
-    next_recheck_s: float = math.inf
-    settled: Setting | None = None
-    settled_job_steps: int | None = None  # job steps before the first settle
-    ref: Evidence | None = None  # the settled setting's evidence when watching began
-    samples: list[Evidence] = field(default_factory=list)  # live cumulatives while settled
-    allowed: float = 1.0  # the allowed time ratio to our uncapped baseline (last plan)
-    need: int = 0  # steps the current candidate must have before the search moves on
-    retunes: int = 0
-    last_event: str = ""
-    asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
-    pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
-    live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
-    stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
-    stale_since_s: float | None = None  # when the measure behind `stale` started
-
-    @property
-    def settled_index(self) -> int | None:
-        """Where in the grid the setting we settled on is (None: not settled)."""
-        if self.settled is None:
-            return None
-        return next((i for i, s in enumerate(self.grid) if same_setting(s, self.settled)), None)
-
-
-@dataclass
-class EfficientState:
-    jobs: dict[str, _Job] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class _Action:
     kind: str  # "measure" | "settle"
     index: int
     steps: int = 0
-
-
-def _new_since(since_s: float | None, before_s: float | None) -> bool:
-    """Whether a measure that started at ``since_s`` is another one than the one that
-    started at ``before_s`` (unknown start times: not known to be)."""
-    return since_s is not None and before_s is not None and since_s != before_s
 
 
 class EfficientPolicy:
@@ -231,6 +183,7 @@ class EfficientPolicy:
             if knob != self.knob:
                 note = f" ({why})"
             clamp = self._held_instead(j, job, views)
+            follow_straggle(job, j, views)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
             paced = self._pace(snap, j, job, views)
             if paced:
@@ -332,6 +285,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
+        job.rebase = False
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -352,10 +306,10 @@ class EfficientPolicy:
             return
         # A new start time is a new measure, even one that already holds more steps than
         # the old one did; without start times, fewer steps than before say so.
-        if job.stale is not None and (m.steps < job.stale.steps or _new_since(m.since_s, job.stale_since_s)):
+        if job.stale is not None and (m.steps < job.stale.steps or new_since(m.since_s, job.stale_since_s)):
             job.stale = None  # the daemon's measure started again since
         ev = Evidence.of(m).after(job.stale)
-        restarted = job.live is not None and (_new_since(m.since_s, job.live_since_s) or ev.steps < job.live.steps)
+        restarted = job.live is not None and (new_since(m.since_s, job.live_since_s) or ev.steps < job.live.steps)
         if job.live is not None and restarted and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
@@ -404,6 +358,12 @@ class EfficientPolicy:
             if recheck_ev.steps < need:
                 return f"job {j.job}: re-checking the uncapped baseline ({recheck_ev.steps}/{need} steps)"
             self._finish_recheck(snap, job, recheck_ev)
+        if job.phase == "settled" and job.settled is not None and rebase_waits(job, self.min_steps):
+            n = 0 if job.live is None else job.live.steps
+            return (
+                f"job {j.job} settled at {job.settled.label}; a GPU's pace changed: "
+                f"re-basing its evidence ({n}/{self.min_steps} steps)"
+            )
         ev = self._evidence(job)
         base = ev.get(UNCAPPED)
         need = self._baseline_need(base)
