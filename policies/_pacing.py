@@ -86,20 +86,24 @@ def _shares(busy: dict[int, float], held: dict[int, int]) -> dict[int, float] | 
     return {i: b / ref for i, b in busy.items()}
 
 
-def straggle_shown(ps: PaceState, views: Sequence[GpuView]) -> bool | None:
+def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = None) -> bool | None:
     """Whether the job's GPUs run at different paces this period (a GPU at the job's
     setting with slack, or a paced GPU that still keeps under the critical pace); None
     where it is not read. A change from one period to the next is a straggler that came
-    or healed (or work that moved between the GPUs), not a change of the job's work."""
+    or healed (or work that moved between the GPUs), not a change of the job's work.
+    ``was``: last period's answer; a straggler once shown is gone only when every GPU at
+    the job's setting is within ``SLACK / 2`` of the pace (a share near the line does not
+    flicker between the two)."""
     busy = busy_of(views)
     if busy is None or len(busy) < 2:
         return None
     r = _shares(busy, ps.held)
     if r is None:
         return None
+    line = 1.0 - (SLACK / 2 if was else SLACK)
     pending = ps.before if ps.ref is not None else None  # (a GPU the last move took too deep still keeps its straggler)
     return any(
-        x < 1.0 - SLACK if i not in ps.held else x < NEAR or (pending is not None and pending.get(i) != ps.held[i])
+        x < line if i not in ps.held else x < NEAR or (pending is not None and pending.get(i) != ps.held[i])
         for i, x in r.items()
     )
 

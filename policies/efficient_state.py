@@ -76,7 +76,7 @@ def follow_straggle(job: JobSearch, j: JobView, views: list[GpuView]) -> None:
     settled job keeps its setting (the pacer follows the straggler) and what its search
     measured, re-based on the steps since (:func:`rebase_waits`), instead of a re-tune
     from scratch."""
-    shown = straggle_shown(job.pace, views)
+    shown = straggle_shown(job.pace, views, job.straggle)
     changed = shown is not None and job.straggle is not None and shown != job.straggle
     job.straggle = shown if shown is not None else job.straggle
     m = j.measure

@@ -220,3 +220,24 @@ def test_a_move_too_deep_steps_back_one_move_and_is_not_tried_again() -> None:
 
 def _ev_at(steps: int, time_s: float) -> Evidence:
     return Evidence(steps, steps * FLOPS, time_s, steps * 500.0, None, None)
+
+
+def test_a_straggler_shows_and_heals_without_flicker() -> None:
+    """``straggle_shown``: a GPU at the job's setting 5 % less busy than the critical one
+    is a straggler's sign; once shown it is gone only when every GPU is within 1.5 % of
+    the pace, so a share near the 3 % line does not flip the answer period by period."""
+    from greend.policies._pacing import straggle_shown
+
+    ps = PaceState()
+    assert straggle_shown(ps, _views([100.0, 100.0])) is False
+    assert straggle_shown(ps, _views([95.0, 100.0])) is True
+    assert straggle_shown(ps, _views([97.5, 100.0]), was=False) is False
+    assert straggle_shown(ps, _views([97.5, 100.0]), was=True) is True
+    assert straggle_shown(ps, _views([99.0, 100.0]), was=True) is False
+    views = [GpuView(i, "nvml", 500.0, 1980.0, None, 700.0, (1980, 345), 200.0, 700.0, 700.0) for i in range(2)]
+    assert straggle_shown(ps, views) is None  # utilisation not read: nothing known
+    # A paced GPU under the pace keeps the straggler shown; one at the pace (no move of
+    # its own just made) says it healed.
+    ps.held = {0: 50}
+    assert straggle_shown(ps, _views([98.0, 100.0])) is True
+    assert straggle_shown(ps, _views([100.0, 100.0])) is False
