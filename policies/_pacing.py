@@ -24,6 +24,12 @@ How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled
   over ``WORST`` of the pace; a GPU with more than ``SLACK`` left where nothing is
   predicted to fit goes one notch. After each checked move the next one needs no new
   reference: moves follow each other every ``min_steps`` steps.
+* **Room.** Where the job's setting runs faster than its bound allows (a power limit
+  both cheaper and quicker than uncapped), ``efficient`` passes the room left
+  (``room``: the allowed step over the critical GPU's, at least 1): the paced GPUs are
+  paced to ``TARGET * room`` of the critical pace, and a move is undone only when the
+  job runs slower by more than the room and the noise. The critical GPU, and any GPU
+  at the job's setting without slack, is never paced.
 * **Too deep.** A GPU the last move took past the pace (its share at or over
   ``NEAR``) goes back where it was, and that level is its floor while the straggler
   lasts: it converges on the deepest level that keeps the pace and does not start over.
@@ -103,7 +109,7 @@ def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = N
     line = 1.0 - (SLACK / 2 if was else SLACK)
     pending = ps.before if ps.ref is not None else None  # (a GPU the last move took too deep still keeps its straggler)
     return any(
-        x < line if i not in ps.held else x < NEAR or (pending is not None and pending.get(i) != ps.held[i])
+        x < line if i not in ps.held else x < NEAR * ps.room or (pending is not None and pending.get(i) != ps.held[i])
         for i, x in r.items()
     )
 
@@ -130,6 +136,7 @@ class PaceState:
     floor: dict[int, int] = field(default_factory=dict)  # GPU -> a grid index found too deep (this straggler)
     from_: dict[int, tuple[int, float]] = field(default_factory=dict)  # GPU -> (index, share) before its last move
     jump: dict[int, int] = field(default_factory=dict)  # GPU -> grid notches of its last move
+    room: float = 1.0  # the job's allowed step time over the critical GPU's at the job's setting (>= 1)
     moves: int = 0
     undos: int = 0
     last_event: str = ""
@@ -191,15 +198,16 @@ class Pacer:
         return vb + slope * (xk - xb)
 
     def _deeper(self, ps: PaceState, i: int, share: float, levels: Sequence[float], base: int) -> int | None:
-        """Where GPU ``i`` (now ``share`` of the critical pace) goes next: the deepest grid
+        """Where GPU ``i`` (now ``share`` of the critical pace) goes next, if paced already
+        or at the job's setting with more than ``SLACK`` to give: the deepest grid
         index predicted to keep it under ``TARGET`` of the pace, above any found too
         deep, at most twice its last move's notches further and never where a step that
         stretches as ``1 / level`` would run over ``WORST`` of the pace; else one notch
         where it has more than ``SLACK`` to give; None: it stays."""
         at = ps.held.get(i, base)
         low = ps.floor.get(i, -1) + 1
-        if at - 1 < low:
-            return None
+        if at - 1 < low or (i not in ps.held and share >= 1.0 - SLACK):
+            return None  # (a GPU at the job's setting with no slack: the critical path, or as busy)
         if i in ps.jump:
             low = max(low, at - 2 * ps.jump[i])
         # at worst a step stretches as 1 / level (compute-bound, on a clock): a move too
@@ -207,7 +215,7 @@ class Pacer:
         low = max(low, next((k for k in range(at) if share * levels[at] / max(levels[k], 1e-9) <= WORST), at - 1))
         s_at = self._stretch_at(ps, i, at, levels, base)
         for k in range(low, at):
-            if share * self._stretch_at(ps, i, k, levels, base) / s_at <= TARGET:
+            if share * self._stretch_at(ps, i, k, levels, base) / s_at <= TARGET * ps.room:
                 return k
         return at - 1 if share < 1.0 - SLACK else None
 
@@ -221,10 +229,15 @@ class Pacer:
         views: Sequence[GpuView],
         live: Evidence | None,
         since_s: float | None = None,
+        room: float = 1.0,
     ) -> dict[int, Setting]:
         """This period's per-GPU changes (GPU -> setting); {} when nothing moves.
         ``since_s``: when the daemon's measure behind ``live`` started; a new value is a
-        new measure even where it already holds more steps than the old one."""
+        new measure even where it already holds more steps than the old one. ``room``:
+        how much longer than the critical GPU's step at the job's setting the job may
+        step (its bound: a job whose setting runs faster than uncapped leaves room that
+        the paced GPUs may take); paced GPUs are paced to it and moves checked against it."""
+        ps.room = max(1.0, room)
         if ps.base is not None and ps.base != base:
             return self.release(ps, grid[base], "the job's setting changed")
         ps.base = base
@@ -244,7 +257,7 @@ class Pacer:
         if live is not None:
             ps.seen = [*ps.seen[-63:], live]
         # ---- paced GPUs now on the critical path
-        critical = [i for i in sorted(ps.held) if r.get(i, 1.0) >= NEAR]
+        critical = [i for i in sorted(ps.held) if r.get(i, 1.0) >= NEAR * ps.room]
         if critical:
             before = ps.before if ps.ref is not None else None
             stepped = [i for i in critical if before is not None and before.get(i, base) != ps.held[i]]
@@ -285,7 +298,7 @@ class Pacer:
                 return {}  # (until the daemon's measure restarts after the move, it is the old one)
             se = math.hypot(live.se_time(self.noise), ps.ref.se_time(self.noise))
             slower = live.time_per_flop_s / ps.ref.time_per_flop_s - 1.0
-            if slower > max(UNDO_MIN, self.z * se):
+            if slower > ps.room - 1.0 + max(UNDO_MIN, self.z * se):
                 prev = ps.before or {}
                 for i in set(ps.held) | set(prev):
                     out[i] = grid[prev.get(i, base)]

@@ -272,10 +272,20 @@ class EfficientPolicy:
         if job.phase != "settled" or at is None or job.settled is None or not same_setting(job.current, job.settled):
             return self._pacer.release(job.pace, job.current, f"the job is {job.phase}")
         since = j.measure.since_s if j.measure is not None else None
-        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live, since)
+        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live, since, self._room(job))
         if moves:
             job.ref, job.samples = None, []  # the drift watch starts again from the paced steps
         return moves
+
+    def _room(self, job: _Job) -> float:
+        """The job's allowed step time over its step at its setting, less the noise: room
+        the paced GPUs may take where the setting runs faster than the bound (1: none)."""
+        ev = self._evidence(job)
+        base, here = ev.get(UNCAPPED), ev.get(job.settled) if job.settled is not None else None
+        if base is None or here is None or base.steps <= 0 or here.steps <= 0 or here.time_per_flop_s <= 0:
+            return 1.0
+        se = math.hypot(base.se_time(self.noise), here.se_time(self.noise))
+        return max(1.0, job.allowed * base.time_per_flop_s / here.time_per_flop_s * (1.0 - Z * se))
 
     def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}

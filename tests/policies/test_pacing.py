@@ -241,3 +241,23 @@ def test_a_straggler_shows_and_heals_without_flicker() -> None:
     ps.held = {0: 50}
     assert straggle_shown(ps, _views([98.0, 100.0])) is True
     assert straggle_shown(ps, _views([100.0, 100.0])) is False
+
+
+def test_room_under_the_bound_is_taken_by_the_paced_gpus_never_by_the_critical_one() -> None:
+    """A job whose setting runs faster than its bound allows (a power limit that is both
+    cheaper and quicker than uncapped) leaves room: a GPU with slack is paced to it,
+    deeper than to the critical GPU's pace alone; the critical GPU, and GPUs as busy as
+    it, are never paced whatever the room."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    caps = {}
+    for room in (1.0, 1.05):
+        p, ps = Pacer(8, 1.64, 0.02), PaceState()
+        moved = p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0, 99.0]), _ev(16, 16.0), room=room)
+        assert set(moved) == {0}, moved  # gpu1 sets the pace, gpu2 has no slack to give
+        caps[room] = moved[0].clock_cap_mhz
+    assert caps[1.05] is not None and caps[1.0] is not None and caps[1.05] < caps[1.0], caps
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    assert p.step(ps, 10.0, grid, levels, base, _views([100.0, 100.0]), _ev(16, 16.0), room=1.3) == {}
