@@ -137,6 +137,7 @@ class PaceState:
     from_: dict[int, tuple[int, float]] = field(default_factory=dict)  # GPU -> (index, share) before its last move
     jump: dict[int, int] = field(default_factory=dict)  # GPU -> grid notches of its last move
     room: float = 1.0  # the job's allowed step time over the critical GPU's at the job's setting (>= 1)
+    unpaced_tpf: float | None = None  # the job's time per FLOP before its first paced GPU (for ``room``)
     moves: int = 0
     undos: int = 0
     last_event: str = ""
@@ -158,6 +159,7 @@ class Pacer:
             ps.last_event = f"pacing lifted: {why}"
         ps.held, ps.before, ps.ref, ps.base = {}, None, None, None
         ps.stretch, ps.floor, ps.from_, ps.jump = {}, {}, {}, {}
+        ps.unpaced_tpf = None
         return out
 
     # ---- what the moves taught
@@ -283,6 +285,7 @@ class Pacer:
                 ps.jump.clear()
                 ps.from_.clear()
                 ps.before, ps.ref = None, None  # (nothing left to check: the job's pace rules)
+                ps.unpaced_tpf = None if not ps.held else ps.unpaced_tpf
             else:
                 ps.fresh = False  # the move's check waits for the measure after the step back
             ps.last_event = "pacing: " + "; ".join(
@@ -298,7 +301,10 @@ class Pacer:
                 return {}  # (until the daemon's measure restarts after the move, it is the old one)
             se = math.hypot(live.se_time(self.noise), ps.ref.se_time(self.noise))
             slower = live.time_per_flop_s / ps.ref.time_per_flop_s - 1.0
-            if slower > ps.room - 1.0 + max(UNDO_MIN, self.z * se):
+            # the room is the job's whole: what earlier moves took of it is not left
+            base_tpf = ps.unpaced_tpf or ps.ref.time_per_flop_s
+            left = max(0.0, ps.room * base_tpf / ps.ref.time_per_flop_s - 1.0)
+            if slower > left + max(UNDO_MIN, self.z * se):
                 prev = ps.before or {}
                 for i in set(ps.held) | set(prev):
                     out[i] = grid[prev.get(i, base)]
@@ -331,6 +337,8 @@ class Pacer:
         if t_s < ps.wait_until_s or recent.steps < self.min_steps:
             return {}
         before = dict(ps.held)
+        if not before:
+            ps.unpaced_tpf = recent.time_per_flop_s
         for i, k in want.items():
             at = ps.held.get(i, base)
             ps.from_[i] = (at, r[i])
