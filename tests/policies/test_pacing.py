@@ -261,3 +261,21 @@ def test_room_under_the_bound_is_taken_by_the_paced_gpus_never_by_the_critical_o
     assert caps[1.05] is not None and caps[1.0] is not None and caps[1.05] < caps[1.0], caps
     p, ps = Pacer(8, 1.64, 0.02), PaceState()
     assert p.step(ps, 10.0, grid, levels, base, _views([100.0, 100.0]), _ev(16, 16.0), room=1.3) == {}
+
+
+def test_the_room_is_spent_once_over_all_moves() -> None:
+    """Room 3 %: a first move that slows the job 2 % stands; a second that slows it 3 %
+    more (5 % against the job before any pacing) is undone, though each alone is within
+    the room."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    first = p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0), 0.0, 1.03)
+    assert list(first) == [0]
+    second = p.step(ps, 11.0, grid, levels, base, _views([90.0, 100.0]), _ev(16, 16.0 * 1.02), 10.5, 1.03)
+    assert list(second) == [0] and ps.undos == 0, ps.last_event  # checked, stands; the next move
+    undone = p.step(ps, 12.0, grid, levels, base, _views([95.0, 100.0]), _ev(16, 16.0 * 1.05), 11.5, 1.03)
+    assert ps.undos == 1 and "undone" in ps.last_event, ps.last_event
+    assert undone == first  # back where the first move left it
