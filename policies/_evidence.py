@@ -47,14 +47,41 @@ class Evidence:
         )
 
     def minus(self, o: Evidence) -> Evidence:
+        """The steps of this measure after ``o`` (an earlier part of it): the sums, their
+        squares too where both are known."""
+
+        def sub(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else max(0.0, a - b)
+
         return Evidence(
-            self.steps - o.steps, self.flops - o.flops, self.time_s - o.time_s, self.energy_j - o.energy_j, None, None
+            self.steps - o.steps,
+            self.flops - o.flops,
+            self.time_s - o.time_s,
+            self.energy_j - o.energy_j,
+            sub(self.time_sq_s2, o.time_sq_s2),
+            sub(self.energy_sq_j2, o.energy_sq_j2),
         )
 
     def after(self, earlier: Evidence | None) -> Evidence:
         """These sums less ``earlier``'s, where ``earlier`` is a part of the same measure
         (fewer steps); else these sums as they are."""
         return self if earlier is None or earlier.steps > self.steps else self.minus(earlier)
+
+    def scaled(self, time_k: float, energy_k: float) -> Evidence:
+        """The same steps, their times ``time_k`` and energies ``energy_k`` times as long
+        and as large (the spread scales with them)."""
+
+        def sq(v: float | None, k: float) -> float | None:
+            return None if v is None else v * k * k
+
+        return Evidence(
+            self.steps,
+            self.flops,
+            self.time_s * time_k,
+            self.energy_j * energy_k,
+            sq(self.time_sq_s2, time_k),
+            sq(self.energy_sq_j2, energy_k),
+        )
 
     @property
     def time_per_flop_s(self) -> float:

@@ -69,12 +69,14 @@ the state object from :meth:`EfficientPolicy.new_state`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._evidence import Evidence, antitonic_fit, n_measured
-from ._pacing import Pacer, PaceState, as_job
+from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
+from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
+from .efficient_state import JobSearch as _Job
 from .params import Param, validate_params
 from .static import same_setting
 
@@ -85,48 +87,6 @@ COARSE_POINTS = 4  # the coarse pass measures about this many settings below the
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
 _KNOB_NAMES = {"clock": "clock_cap_mhz", "power": "power_limit_w"}
-
-
-@dataclass
-class _Job:
-    """One job's search: the grid, the evidence, and where we are."""
-
-    gpus: tuple[int, ...]
-    start_steps: int
-    knob: str = "clock"  # what this job's search tunes: the policy's knob, or the other where refused
-    phase: str = "baseline"  # baseline | search | settled | recheck
-    grid: tuple[Setting, ...] = ()  # ascending; last = UNCAPPED (built after the baseline)
-    levels: tuple[float, ...] = ()  # MHz or W of each grid point (top: fmax or uncapped draw)
-    cache: dict[Setting, Evidence] = field(default_factory=dict)  # banked evidence per setting
-    current: Setting = UNCAPPED  # the setting we want in force
-    live: Evidence | None = None  # the daemon's measure for `current`, this visit
-    recheck: Evidence | None = None  # the baseline re-check being measured
-    rechecked_once: bool = False
-    next_recheck_s: float = math.inf
-    settled: Setting | None = None
-    settled_job_steps: int | None = None  # job steps before the first settle
-    ref: Evidence | None = None  # the settled setting's evidence when watching began
-    samples: list[Evidence] = field(default_factory=list)  # live cumulatives while settled
-    allowed: float = 1.0  # the allowed time ratio to our uncapped baseline (last plan)
-    need: int = 0  # steps the current candidate must have before the search moves on
-    retunes: int = 0
-    last_event: str = ""
-    asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
-    pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
-    live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
-    stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
-
-    @property
-    def settled_index(self) -> int | None:
-        """Where in the grid the setting we settled on is (None: not settled)."""
-        if self.settled is None:
-            return None
-        return next((i for i, s in enumerate(self.grid) if same_setting(s, self.settled)), None)
-
-
-@dataclass
-class EfficientState:
-    jobs: dict[str, _Job] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -223,6 +183,7 @@ class EfficientPolicy:
             if knob != self.knob:
                 note = f" ({why})"
             clamp = self._held_instead(j, job, views)
+            follow_straggle(job, j, views)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
             paced = self._pace(snap, j, job, views)
             if paced:
@@ -311,18 +272,30 @@ class EfficientPolicy:
         if job.phase != "settled" or at is None or job.settled is None or not same_setting(job.current, job.settled):
             return self._pacer.release(job.pace, job.current, f"the job is {job.phase}")
         since = j.measure.since_s if j.measure is not None else None
-        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live, since)
+        moves = self._pacer.step(job.pace, snap.t_s, job.grid, job.levels, at, views, job.live, since, self._room(job))
         if moves:
             job.ref, job.samples = None, []  # the drift watch starts again from the paced steps
         return moves
+
+    def _room(self, job: _Job) -> float:
+        """The job's allowed step time over its step at its setting, less the noise: room
+        the paced GPUs may take where the setting runs faster than the bound (1: none)."""
+        ev = self._evidence(job)
+        base, here = ev.get(UNCAPPED), ev.get(job.settled) if job.settled is not None else None
+        if base is None or here is None or base.steps <= 0 or here.steps <= 0 or here.time_per_flop_s <= 0:
+            return 1.0
+        se = math.hypot(base.se_time(self.noise), here.se_time(self.noise))
+        return max(1.0, job.allowed * base.time_per_flop_s / here.time_per_flop_s * (1.0 - Z * se))
 
     def _retune(self, job: _Job, why: str, baseline: Evidence | None = None) -> None:
         job.cache = {UNCAPPED: baseline} if baseline is not None else {}
         job.grid, job.levels = (), ()
         job.phase = "baseline" if baseline is None else "search"
         job.stale = job.live if job.current.uncapped and not job.live_paced else None
+        job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
+        job.rebase = False
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -341,18 +314,21 @@ class EfficientPolicy:
         m = j.measure
         if m is None or not same_setting(m.setting, job.current) or not same_setting(j.setting, job.current):
             return
-        if job.stale is not None and m.steps < job.stale.steps:
+        # A new start time is a new measure, even one that already holds more steps than
+        # the old one did; without start times, fewer steps than before say so.
+        if job.stale is not None and (m.steps < job.stale.steps or new_since(m.since_s, job.stale_since_s)):
             job.stale = None  # the daemon's measure started again since
         ev = Evidence.of(m).after(job.stale)
-        if job.live is not None and ev.steps < job.live.steps and not job.live_paced:
+        restarted = job.live is not None and (new_since(m.since_s, job.live_since_s) or ev.steps < job.live.steps)
+        if job.live is not None and restarted and not job.live_paced:
             # The daemon started the measure again at the same setting: bank the old one.
             if job.phase == "recheck":
                 job.recheck = (job.recheck or Evidence()).plus(job.live)
             else:
                 job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)
-        if job.live is None or ev.steps < job.live.steps:
+        if job.live is None or restarted:
             job.live_paced = bool(job.pace.held)  # a new measure: paced or not from its start
-        job.live = ev
+        job.live, job.live_since_s = ev, m.since_s
 
     def _evidence(self, job: _Job) -> dict[Setting, Evidence]:
         ev = dict(job.cache)
@@ -392,6 +368,12 @@ class EfficientPolicy:
             if recheck_ev.steps < need:
                 return f"job {j.job}: re-checking the uncapped baseline ({recheck_ev.steps}/{need} steps)"
             self._finish_recheck(snap, job, recheck_ev)
+        if job.phase == "settled" and job.settled is not None and rebase_waits(job, self.min_steps):
+            n = 0 if job.live is None else job.live.steps
+            return (
+                f"job {j.job} settled at {job.settled.label}; a GPU's pace changed: "
+                f"re-basing its evidence ({n}/{self.min_steps} steps)"
+            )
         ev = self._evidence(job)
         base = ev.get(UNCAPPED)
         need = self._baseline_need(base)

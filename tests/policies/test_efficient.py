@@ -144,3 +144,28 @@ def test_cost_objective(m: float) -> None:
     assert j(cost_at(r.final_setting, m)) <= best * 1.02
     assert r.search_steps * 3 <= SWEEP_STEPS
     assert "cost eta=0.5" in r.decisions[-1][1].reason
+
+
+def test_a_restarted_measure_with_more_steps_is_a_new_one() -> None:
+    """The daemon's measure of the uncapped baseline starts again (at t = 5 s) and, when
+    the policy next looks, already holds more steps (15) than the old one did (14). Its
+    start time says it is new: the old 14 steps are banked, not lost, and the baseline
+    (16 steps for quiet steps) is complete; read as the old measure grown, 15 steps
+    would be all there is."""
+    from greend.policies.base import UNCAPPED, GpuView, JobMeasure, JobView, Snapshot
+
+    pol = get_policy("efficient", min_steps=MIN_STEPS)
+    state = pol.new_state()
+    gpu = GpuView(0, "sim", 500.0, 1980.0, None, 700.0, H100.supported_sm_clocks_mhz, 200.0, 700.0, 700.0)
+
+    def snap(t_s: float, steps: int, since_s: float, job_steps: int) -> Snapshot:
+        m = JobMeasure(
+            UNCAPPED, steps, steps * FLOPS, steps * 0.05, steps * 25.0, 500.0, steps * 0.0025, steps * 625.0, since_s
+        )
+        j = JobView("j", (0,), "running", job_steps, "fp32", ("fp32",), m, UNCAPPED)
+        return Snapshot(t_s=t_s, gpus=(gpu,), jobs=(j,))
+
+    first = pol.decide(snap(5.0, 14, 0.0, 14), state)
+    assert "(14/32 steps)" in first.reason, first.reason
+    second = pol.decide(snap(6.0, 15, 5.0, 29), state)
+    assert "baseline" not in second.reason and "searching" in second.reason, second.reason

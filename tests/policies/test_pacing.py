@@ -50,6 +50,12 @@ def test_a_straggler_that_comes_and_goes_is_followed() -> None:
     straggle = Straggle(7, 1.3, start_step=150, stop_step=400)
     eff, _ = run("efficient", 600, straggles=[straggle], max_slowdown=0.0)
     assert paced(eff, 140) == {}  # no straggler yet: nothing to pace
+    # Its coming and its healing are no change of the job's work: the job keeps its
+    # setting and what its search measured (no re-tune), and the others are paced within
+    # a few checks (min_steps = 8 steps each) of its coming.
+    assert all(d.details["jobs"]["j"]["phase"] == "settled" for _, d in eff.decisions[140:])
+    assert not [d.reason for _, d in eff.decisions if "re-tune" in d.reason or "phase change" in d.reason]
+    assert len(paced(eff, 150 + 3 * 8)) == 7
     assert len(paced(eff, 380)) == 7  # while it lasts: the others keep its pace
     # It heals at the job's step 400: the paced GPUs are the critical path then, and get
     # the job's setting back within one period (every step here).
@@ -153,3 +159,123 @@ def test_straggle_checks_its_span() -> None:
     job = SimJob("j", (0, 1), FLOPS, 0.4, straggles=(Straggle(1, 1.3, 5, 9),))
     assert [job.speed_of(1, s) for s in (4, 5, 8, 9)] == [1.0, 1.3, 1.3, 1.0]
     assert job.speed_of(0, 6) == 1.0
+
+
+@pytest.mark.parametrize("factor", [1.1, 1.2, 1.3])
+def test_the_fast_gpus_end_near_the_ideal_cap(factor: float) -> None:
+    """One GPU ``factor`` times slower: the seven others end at a cap whose energy saving
+    is at least 90 % of the ideal's (the best static cap that keeps the slow GPU's pace,
+    from a sweep), and the job keeps that pace (sim: no noise)."""
+    none, e_none = run("none", 300, straggles=[Straggle(7, factor)])
+    eff, e_eff = run("efficient", 300, straggles=[Straggle(7, factor)], max_slowdown=0.0)
+    slow = H100.step_cost(FLOPS, 0.4, speed_factor=factor).duration_s
+    fits = [
+        H100.step_cost(FLOPS, 0.4, locked_clocks_mhz=(H100.sm_clock_min_mhz, f))
+        for f in sorted(set(H100.supported_sm_clocks_mhz))
+    ]
+    ideal = min((c for c in fits if c.duration_s <= slow * (1 + 1e-9)), key=lambda c: c.energy_j)
+    base = H100.step_cost(FLOPS, 0.4)
+    held = paced(eff, -1)
+    assert len(held) == 7, held
+    # the last 100 steps, settled: each fast GPU's energy a step against the ideal's
+    tail = [x.duration_s for x in eff.trace[-100:]]
+    assert max(tail) <= slow * 1.001  # the job keeps the slow GPU's pace
+    saved = 1 - sum(e_eff[:7]) / sum(e_none[:7])
+    assert saved > 0, saved
+    clocks = {int(v.split()[0]) for v in held.values()}
+    assert len(clocks) == 1, held  # alike GPUs, alike caps
+    paced_e = H100.step_cost(FLOPS, 0.4, locked_clocks_mhz=(H100.sm_clock_min_mhz, clocks.pop())).energy_j
+    assert (base.energy_j - paced_e) >= 0.9 * (base.energy_j - ideal.energy_j), (paced_e, ideal.energy_j)
+
+
+def test_a_move_too_deep_steps_back_one_move_and_is_not_tried_again() -> None:
+    """A measured power-limit profile stretches little at first and much later, so a
+    move sized from the first ones can go too deep: the GPU falls behind the pace. It
+    goes back to where it kept the pace (not to the job's setting, to start over), and
+    that depth is not tried again while the straggler lasts."""
+    grid = tuple(Setting(power_limit_w=w) for w in (100.0, 125.0, 150.0, 175.0, 200.0, 225.0, 250.0, 275.0)) + (
+        UNCAPPED,
+    )
+    levels = (100.0, 125.0, 150.0, 175.0, 200.0, 225.0, 250.0, 275.0, 300.0)
+    base = len(grid) - 1
+    stretch = {8: 1.0, 7: 1.002, 6: 1.006, 5: 1.022, 4: 1.049, 3: 1.164, 2: 1.535, 1: 2.35, 0: 2.89}  # A40 ResNet-50
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    at, t, since, steps, time_s = base, 0.0, 0.0, 0, 0.0
+    history = []
+    for _ in range(80):
+        t += 1.0
+        fast = stretch[at] / 1.1  # its busy time over the slow GPU's (index 1, 10 % slower)
+        utils = [100.0 * min(1.0, fast), 100.0 * min(1.0, 1.0 / fast)]
+        steps += 4
+        time_s += 4 * max(1.0, fast)  # the job's step: the slower of the two
+        out = p.step(ps, t, grid, levels, base, _views(utils), _ev(steps, time_s), since_s=since)
+        if 0 in out:
+            at = grid.index(out[0])
+            history.append(levels[at])
+            since, steps, time_s = t, 0, 0.0  # the daemon measures afresh at the new setting
+    assert levels[at] == 200.0, history  # the deepest limit that keeps a 10 % slower pace
+    assert history.count(300.0) == 0, history  # never back to the job's setting to start over
+    assert len([w for w in history if w < 200.0]) <= 2, history  # each too-deep limit tried at most once
+
+
+def _ev_at(steps: int, time_s: float) -> Evidence:
+    return Evidence(steps, steps * FLOPS, time_s, steps * 500.0, None, None)
+
+
+def test_a_straggler_shows_and_heals_without_flicker() -> None:
+    """``straggle_shown``: a GPU at the job's setting 5 % less busy than the critical one
+    is a straggler's sign; once shown it is gone only when every GPU is within 1.5 % of
+    the pace, so a share near the 3 % line does not flip the answer period by period."""
+    from greend.policies._pacing import straggle_shown
+
+    ps = PaceState()
+    assert straggle_shown(ps, _views([100.0, 100.0])) is False
+    assert straggle_shown(ps, _views([95.0, 100.0])) is True
+    assert straggle_shown(ps, _views([97.5, 100.0]), was=False) is False
+    assert straggle_shown(ps, _views([97.5, 100.0]), was=True) is True
+    assert straggle_shown(ps, _views([99.0, 100.0]), was=True) is False
+    views = [GpuView(i, "nvml", 500.0, 1980.0, None, 700.0, (1980, 345), 200.0, 700.0, 700.0) for i in range(2)]
+    assert straggle_shown(ps, views) is None  # utilisation not read: nothing known
+    # A paced GPU under the pace keeps the straggler shown; one at the pace (no move of
+    # its own just made) says it healed.
+    ps.held = {0: 50}
+    assert straggle_shown(ps, _views([98.0, 100.0])) is True
+    assert straggle_shown(ps, _views([100.0, 100.0])) is False
+
+
+def test_room_under_the_bound_is_taken_by_the_paced_gpus_never_by_the_critical_one() -> None:
+    """A job whose setting runs faster than its bound allows (a power limit that is both
+    cheaper and quicker than uncapped) leaves room: a GPU with slack is paced to it,
+    deeper than to the critical GPU's pace alone; the critical GPU, and GPUs as busy as
+    it, are never paced whatever the room."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    caps = {}
+    for room in (1.0, 1.05):
+        p, ps = Pacer(8, 1.64, 0.02), PaceState()
+        moved = p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0, 99.0]), _ev(16, 16.0), room=room)
+        assert set(moved) == {0}, moved  # gpu1 sets the pace, gpu2 has no slack to give
+        caps[room] = moved[0].clock_cap_mhz
+    assert caps[1.05] is not None and caps[1.0] is not None and caps[1.05] < caps[1.0], caps
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    assert p.step(ps, 10.0, grid, levels, base, _views([100.0, 100.0]), _ev(16, 16.0), room=1.3) == {}
+
+
+def test_the_room_is_spent_once_over_all_moves() -> None:
+    """Room 3 %: a first move that slows the job 2 % stands; a second that slows it 3 %
+    more (5 % against the job before any pacing) is undone, though each alone is within
+    the room."""
+    clocks = sorted(set(H100.supported_sm_clocks_mhz))
+    grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
+    levels = tuple(float(f) for f in clocks)
+    base = len(grid) - 1
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    first = p.step(ps, 10.0, grid, levels, base, _views([80.0, 100.0]), _ev(16, 16.0), 0.0, 1.03)
+    assert list(first) == [0]
+    second = p.step(ps, 11.0, grid, levels, base, _views([90.0, 100.0]), _ev(16, 16.0 * 1.02), 10.5, 1.03)
+    assert list(second) == [0] and ps.undos == 0, ps.last_event  # checked, stands; the next move
+    undone = p.step(ps, 12.0, grid, levels, base, _views([95.0, 100.0]), _ev(16, 16.0 * 1.05), 11.5, 1.03)
+    assert ps.undos == 1 and "undone" in ps.last_event, ps.last_event
+    assert undone == first  # back where the first move left it

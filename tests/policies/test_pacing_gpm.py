@@ -4,7 +4,7 @@ and newer) where every GPU of the job has it, else utilisation, never a mix."""
 from __future__ import annotations
 
 from greend.policies._evidence import Evidence
-from greend.policies._pacing import Pacer, PaceState, busy_shares
+from greend.policies._pacing import Pacer, PaceState, busy_of
 from greend.policies.base import UNCAPPED, GpuView, Setting
 from greend.probes.sim import H100
 
@@ -40,14 +40,14 @@ def step(vs: list[GpuView]) -> dict[int, Setting]:
 
 
 def test_sm_activity_is_used_where_every_gpu_has_it() -> None:
-    assert busy_shares(views([100.0, 100.0], [97.0, 40.0])) == {0: 97.0, 1: 40.0}
+    assert busy_of(views([100.0, 100.0], [97.0, 40.0])) == {0: 97.0, 1: 40.0}
 
 
 def test_utilisation_is_used_where_a_gpu_has_no_sm_activity() -> None:
     """One GPU without GPM (or whose read failed this tick): the job's utilisation,
     never SM activity on some GPUs against utilisation on others."""
-    assert busy_shares(views([100.0, 80.0, 100.0], [97.0, 40.0, None])) == {0: 100.0, 1: 80.0, 2: 100.0}
-    assert busy_shares([]) == {}
+    assert busy_of(views([100.0, 80.0, 100.0], [97.0, 40.0, None])) == {0: 100.0, 1: 80.0, 2: 100.0}
+    assert busy_of([]) == {}
 
 
 def test_a_gpu_that_only_waits_is_paced_on_its_sm_activity() -> None:

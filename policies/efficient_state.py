@@ -1,0 +1,111 @@
+"""The ``efficient`` policy's memory per job, and how it follows a straggler.
+
+What :mod:`greend.policies.efficient` keeps between decisions for each job (its grid,
+the evidence per setting, the daemon's measure now, its phase, the pacing of its GPUs)
+and the two steps that keep that evidence when a GPU of the job starts or stops
+running slower than the others (:func:`follow_straggle`, :func:`rebase_waits`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ._evidence import Evidence
+from ._pacing import PaceState, straggle_shown
+from .base import UNCAPPED, GpuView, JobView, Setting
+from .static import same_setting
+
+__all__ = ["EfficientState", "JobSearch", "follow_straggle", "new_since", "rebase_waits"]
+
+
+@dataclass
+class JobSearch:
+    """One job's search: the grid, the evidence, and where we are."""
+
+    gpus: tuple[int, ...]
+    start_steps: int
+    knob: str = "clock"  # what this job's search tunes: the policy's knob, or the other where refused
+    phase: str = "baseline"  # baseline | search | settled | recheck
+    grid: tuple[Setting, ...] = ()  # ascending; last = UNCAPPED (built after the baseline)
+    levels: tuple[float, ...] = ()  # MHz or W of each grid point (top: fmax or uncapped draw)
+    cache: dict[Setting, Evidence] = field(default_factory=dict)  # banked evidence per setting
+    current: Setting = UNCAPPED  # the setting we want in force
+    live: Evidence | None = None  # the daemon's measure for `current`, this visit
+    live_since_s: float | None = None  # when the daemon's measure behind `live` started (its since_s)
+    recheck: Evidence | None = None  # the baseline re-check being measured
+    rechecked_once: bool = False
+    next_recheck_s: float = math.inf
+    settled: Setting | None = None
+    settled_job_steps: int | None = None  # job steps before the first settle
+    ref: Evidence | None = None  # the settled setting's evidence when watching began
+    samples: list[Evidence] = field(default_factory=list)  # live cumulatives while settled
+    allowed: float = 1.0  # the allowed time ratio to our uncapped baseline (last plan)
+    need: int = 0  # steps the current candidate must have before the search moves on
+    retunes: int = 0
+    last_event: str = ""
+    asked: tuple[Setting, Setting] | None = None  # (asked for, in force then) when last sent
+    pace: PaceState = field(default_factory=PaceState)  # GPUs held below the job's setting
+    live_paced: bool = False  # `live` ran with GPUs paced: not `current`'s evidence
+    stale: Evidence | None = None  # a re-tune at the setting in force: the measure's steps before it
+    stale_since_s: float | None = None  # when the measure behind `stale` started
+    straggle: bool | None = None  # its GPUs ran at different paces last period (None: not read)
+    rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
+
+    @property
+    def settled_index(self) -> int | None:
+        """Where in the grid the setting we settled on is (None: not settled)."""
+        if self.settled is None:
+            return None
+        return next((i for i, s in enumerate(self.grid) if same_setting(s, self.settled)), None)
+
+
+@dataclass
+class EfficientState:
+    jobs: dict[str, JobSearch] = field(default_factory=dict)
+
+
+def new_since(since_s: float | None, before_s: float | None) -> bool:
+    """Whether a measure that started at ``since_s`` is another one than the one that
+    started at ``before_s`` (unknown start times: not known to be)."""
+    return since_s is not None and before_s is not None and since_s != before_s
+
+
+def follow_straggle(job: JobSearch, j: JobView, views: list[GpuView]) -> None:
+    """A straggler that came or healed changes the job's step time, not its work: a
+    settled job keeps its setting (the pacer follows the straggler) and what its search
+    measured, re-based on the steps since (:func:`rebase_waits`), instead of a re-tune
+    from scratch."""
+    shown = straggle_shown(job.pace, views, job.straggle)
+    changed = shown is not None and job.straggle is not None and shown != job.straggle
+    job.straggle = shown if shown is not None else job.straggle
+    m = j.measure
+    if not changed or job.phase != "settled" or m is None or not same_setting(m.setting, job.current):
+        return
+    if job.live is not None and not job.live_paced and job.live.steps > 0:
+        job.cache[job.current] = job.cache.get(job.current, Evidence()).plus(job.live)  # the steps before
+    job.stale, job.stale_since_s = Evidence.of(m), m.since_s
+    job.live, job.rebase = None, True
+    job.ref, job.samples = None, []
+    job.last_event = "a GPU's pace changed (a straggler " + ("came" if shown else "healed") + "): setting kept"
+
+
+def rebase_waits(job: JobSearch, min_steps: int) -> bool:
+    """After a straggler came or healed: once ``min_steps`` steps ran unpaced at the
+    job's setting, every setting's evidence is scaled by what they show against the
+    evidence before (the critical GPU's curve keeps its shape: a speed factor). True
+    while it waits for them; a paced measure is never mixed with the evidence, so the
+    job runs on meanwhile."""
+    live = job.live
+    if not job.rebase or job.live_paced:
+        return False
+    if live is None or live.steps < min_steps:
+        return True
+    old = job.cache.get(job.current)
+    if old is not None and old.steps > 0 and old.time_s > 0 and old.energy_j > 0:
+        kt = live.time_per_flop_s / old.time_per_flop_s
+        ke = live.energy_per_flop_j / old.energy_per_flop_j
+        job.cache = {s: e.scaled(kt, ke) for s, e in job.cache.items()}
+    job.rebase = False
+    job.ref, job.samples = None, []
+    return False
