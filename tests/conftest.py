@@ -5,6 +5,7 @@ tests/support.py."""
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,17 @@ def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
     d = FakeDaemon(sock_path).start()
     yield d
     d.stop()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """torch in this process computes on one thread. The tests' models are small, and on a
+    machine of few cores shared with daemons, trainers and other runs, torch's default
+    thread per core spins at every op's barrier while the others hold the cores: a
+    training loop of these tests took 2 s alone and 15 s beside other work. (The trainer
+    scripts under tests/scripts set one thread for themselves.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

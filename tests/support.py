@@ -14,9 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from greend.ipc.client import Client
+from greend.protocol import encode
 from greend.testing.daemon_proc import daemon_command, wait_until_up
 
-__all__ = ["REPO", "DaemonProc", "ManualClock", "env", "start_daemon", "wait_for", "wait_for_socket", "wait_ready"]
+__all__ = [
+    "REPO",
+    "DaemonProc",
+    "ManualClock",
+    "efficient_config",
+    "env",
+    "send_step",
+    "start_client_as",
+    "start_daemon",
+    "stop_procs",
+    "wait_for",
+    "wait_for_socket",
+    "wait_ready",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,3 +152,45 @@ def wait_ready(path: Path, timeout_s: float = 60.0) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear in {timeout_s} s"
         time.sleep(0.05)
+
+
+def efficient_config(max_slowdown: float, *, daemon: str = 'socket_group = ""\n', extra: str = "") -> str:
+    """A daemon config for end-to-end policy tests: the efficient policy deciding every
+    0.2 s (settling 50 ms) once a job has 6 steps; ``daemon``: the ``[daemon]`` section's
+    lines; ``extra``: sections after the policy's (``[sim]``)."""
+    return (
+        f'[daemon]\n{daemon}[policy]\nname = "efficient"\nperiod_s = 0.2\nsettle_s = 0.05\n'
+        f"[policy.params]\nmax_slowdown = {max_slowdown!r}\nmin_steps = 6\n{extra}"
+    )
+
+
+def send_step(c: Client, step: int, *, flops: float = 1e11, took_s: float = 0.003) -> None:
+    """One step row, ending now, on a registered client's connection, as a training rank
+    sends it (steps have no reply)."""
+    now = time.monotonic()
+    assert c._sock is not None, "register the client first"
+    row = {"step": step, "t0_s": now - took_s, "t1_s": now, "flops": flops}
+    c._sock.sendall(encode({"v": 1, "op": "steps", "steps": [row]}))
+
+
+def start_client_as(user: str, python: str, script: str, *args: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """``python -c script args`` as ``user`` (the tests run as root), a client that prints
+    the daemon's reply to its register first: the process and that reply."""
+    p = subprocess.Popen(
+        [python, "-c", script, *args], user=user, env=env(), cwd="/", stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    try:
+        return p, dict(json.loads(line))
+    except ValueError:
+        stop_procs(p)
+        raise AssertionError(f"{script.strip().splitlines()[0]}...: no register reply, got {line!r}") from None
+
+
+def stop_procs(*procs: subprocess.Popen[bytes] | None) -> None:
+    """Kill and reap the processes that were started (None: one that was not)."""
+    for p in procs:
+        if p is not None:
+            p.kill()
+            p.wait(10)

@@ -35,7 +35,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def server() -> Iterator[tuple[str, type[_Handler]]]:
     handler = type("H", (_Handler,), {"paths": []})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t = threading.Thread(target=srv.serve_forever, args=(0.02,), daemon=True)  # shutdown() within 20 ms
     t.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", handler
     srv.shutdown()

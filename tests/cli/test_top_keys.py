@@ -25,6 +25,13 @@ from tests.support import REPO, DaemonProc, env, start_daemon
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
+def _default_sigint() -> None:
+    """Ctrl-C's default action, as a terminal's foreground job has it: a test run started in
+    the background by a shell without job control inherits SIGINT ignored, and so would
+    greenctl top (Python installs no KeyboardInterrupt handler for an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Tty:
     """``greenctl top`` on a pseudo-terminal of 100x40 that is its controlling terminal."""
 
@@ -33,6 +40,7 @@ class Tty:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: exec at once
             os.chdir(REPO)
+            _default_sigint()
             os.execve(sys.executable, args, env())
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
         self.out = ""
@@ -159,7 +167,13 @@ def test_no_keys_from_a_pipe(daemon: DaemonProc) -> None:
     """stdin not a terminal: top is as it was (the Ctrl-C line, no keys, no terminal mode)."""
     args = [sys.executable, "-P", "-m", "greend.ctl", "--socket", str(daemon.socket), "top", "--interval", "0.3"]
     p = subprocess.Popen(
-        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=REPO
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+        cwd=REPO,
+        preexec_fn=_default_sigint,
     )
     try:
         time.sleep(2.5)

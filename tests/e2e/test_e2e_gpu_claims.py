@@ -16,22 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_e2e_shared_node import USER_PY, needs_root, shared_dir, user  # noqa: F401  # fixtures used by name
-from tests.support import DaemonProc, env, start_daemon, wait_for
+from tests.support import DaemonProc, efficient_config, start_client_as, start_daemon, stop_procs, wait_for
 
 pytestmark = pytest.mark.e2e
 
-CFG = """[daemon]
-socket_group = ""
-socket_mode = "0666"
-admin_group = ""
-[policy]
-name = "efficient"
-period_s = 0.2
-settle_s = 0.05
-[policy.params]
-max_slowdown = 0.05
-min_steps = 6
-"""
+CFG = efficient_config(0.05, daemon='socket_group = ""\nsocket_mode = "0666"\nadmin_group = ""\n')
 
 # Registers the given GPUs and computes nothing; heartbeats until its stdin closes.
 IDLE = """
@@ -79,26 +68,17 @@ def test_an_idle_claim_caps_nothing_and_keeps_no_user_off(
 ) -> None:
     d = start_daemon(tmp_path, "--sim", "2", "--hz", "20", config=CFG, socket=shared_dir / "g.sock")
     daemons.append(d)
-    squatter = subprocess.Popen(
-        [str(USER_PY), "-c", IDLE, str(d.socket), "squat", "[0, 1]"],
-        user="nobody", env=env(), cwd="/", stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    squatter, reply = start_client_as("nobody", str(USER_PY), IDLE, str(d.socket), "squat", "[0, 1]")
     trainer: subprocess.Popen[bytes] | None = None
     try:
-        assert squatter.stdout is not None
-        assert json.loads(squatter.stdout.readline())["ok"]
+        assert reply["ok"], reply
         time.sleep(3.0)  # 15 policy periods
         assert _locks(d) == [None, None], "an idle claim was capped"
         squat = json.loads(d.ctl("report", "squat", "--json").stdout)
         assert squat["gpu_claims"] == {"0": "pending", "1": "pending"}
 
         # A second user trains on GPU 1: registered beside the stale claim, and capped.
-        trainer = subprocess.Popen(
-            [str(USER_PY), "-c", TRAIN, str(d.socket)],
-            user=user, env=env(), cwd="/", stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        assert trainer.stdout is not None
-        reply = json.loads(trainer.stdout.readline())
+        trainer, reply = start_client_as(user, str(USER_PY), TRAIN, str(d.socket))
         assert reply["ok"], reply
         assert wait_for(lambda: _locks(d)[1] is not None, 60), f"the trainer's GPU was never capped: {d.status()}"
         assert _locks(d)[0] is None, "the idle claim's other GPU was capped"
@@ -107,10 +87,7 @@ def test_an_idle_claim_caps_nothing_and_keeps_no_user_off(
         assert json.loads(d.ctl("report", "squat", "--json").stdout)["gpu_claims"] == {"0": "pending", "1": "pending"}
         assert "the claim of job squat (uid 65534) on it is pending" in d.log_text()
     finally:
-        for p in (trainer, squatter):
-            if p is not None:
-                p.kill()
-                p.wait(10)
+        stop_procs(trainer, squatter)
 
 
 def _start_on_stub(tmp: Path, sock: Path, **faults: object) -> DaemonProc:
@@ -150,20 +127,11 @@ def test_on_nvml_a_claimer_that_only_reports_steps_caps_nothing(
     d = _start_on_stub(tmp_path, shared_dir / "g.sock", state=gpu_file, procs=table)
     daemons.append(d)
     # Reports steps on GPUs 0 and 1 as a trainer would, but has no process on either.
-    squatter = subprocess.Popen(
-        [str(USER_PY), "-c", TRAIN, str(d.socket), "squat", "[0, 1]"],
-        user="nobody", env=env(), cwd="/", stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    squatter, reply = start_client_as("nobody", str(USER_PY), TRAIN, str(d.socket), "squat", "[0, 1]")
     trainer: subprocess.Popen[bytes] | None = None
     try:
-        assert squatter.stdout is not None
-        assert json.loads(squatter.stdout.readline())["ok"]
-        trainer = subprocess.Popen(
-            [str(USER_PY), "-c", TRAIN, str(d.socket)],
-            user=user, env=env(), cwd="/", stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        assert trainer.stdout is not None
-        reply = json.loads(trainer.stdout.readline())
+        assert reply["ok"], reply
+        trainer, reply = start_client_as(user, str(USER_PY), TRAIN, str(d.socket))
         assert reply["ok"], reply  # beside the squatter's claim on GPU 1
         table.write_text(f"1 {trainer.pid} compute 2048\n")  # its CUDA context: NVML lists it on GPU 1
         assert wait_for(lambda: _locked(gpu_file, 1), 60), f"the trainer's GPU was never capped: {d.log_text()[-3000:]}"
@@ -171,7 +139,4 @@ def test_on_nvml_a_claimer_that_only_reports_steps_caps_nothing(
         assert json.loads(d.ctl("report", "train", "--json").stdout)["gpu_claims"] == {"1": "active"}
         assert json.loads(d.ctl("report", "squat", "--json").stdout)["gpu_claims"] == {"0": "pending", "1": "pending"}
     finally:
-        for p in (trainer, squatter):
-            if p is not None:
-                p.kill()
-                p.wait(10)
+        stop_procs(trainer, squatter)

@@ -13,25 +13,13 @@ from typing import Any
 import pytest
 
 from greend.ipc.client import Client
-from greend.ipc.server import encode
 from greend.probes.sim import H100, SimGpu
 from tests.e2e.test_e2e_jobs import wait_ended
-from tests.support import DaemonProc, start_daemon, wait_for
+from tests.support import DaemonProc, efficient_config, send_step, start_daemon, wait_for
 
 pytestmark = pytest.mark.e2e
 
-PACED = """[daemon]
-socket_group = ""
-[policy]
-name = "efficient"
-period_s = 0.2
-settle_s = 0.05
-[policy.params]
-max_slowdown = 0.0
-min_steps = 6
-[sim]
-gpu_speed_factors = { 1 = 1.3 }
-"""
+PACED = efficient_config(0.0, extra="[sim]\ngpu_speed_factors = { 1 = 1.3 }\n")
 FLOPS = 1e11  # a step, split over the two GPUs: ~2.1 ms on the fast one, ~2.8 ms on the slow (sim)
 PERIOD_S = 0.01  # the job's step on the wall clock: the GPUs compute, then wait (data, the host)
 
@@ -46,13 +34,10 @@ def test_the_gpu_that_waits_for_a_slower_one_gets_a_deeper_cap(
     seen: dict[str, Any] = {}
     with Client(d.socket) as c, Client(d.socket) as ask:
         c.request("register", job="uneven", gpus=[0, 1], mem_share=0.3)
-        assert c._sock is not None
         deadline = time.monotonic() + 60
         step = 0
         while time.monotonic() < deadline:
-            now = time.monotonic()
-            row = {"step": step, "t0_s": now - 0.003, "t1_s": now, "flops": FLOPS}
-            c._sock.sendall(encode({"v": 1, "op": "steps", "steps": [row]}))
+            send_step(c, step, flops=FLOPS)
             step += 1
             time.sleep(PERIOD_S)
             if step % 25:

@@ -12,30 +12,12 @@ from pathlib import Path
 import pytest
 
 from greend.ipc.client import Client
-from greend.ipc.server import encode
 from greend.probes.sim import SimGpu
-from tests.support import DaemonProc, start_daemon, wait_for
+from tests.support import DaemonProc, efficient_config, send_step, start_daemon, wait_for
 
 pytestmark = pytest.mark.e2e
 
-CONFIG = """[daemon]
-socket_group = ""
-[policy]
-name = "efficient"
-period_s = 0.2
-settle_s = 0.05
-[policy.params]
-max_slowdown = 0.1
-min_steps = 6
-"""
-
-
-def _step(c: Client, i: int) -> None:
-    now = time.monotonic()
-    assert c._sock is not None
-    c._sock.sendall(
-        encode({"v": 1, "op": "steps", "steps": [{"step": i, "t0_s": now - 0.003, "t1_s": now, "flops": 1e11}]})
-    )
+CONFIG = efficient_config(0.1)
 
 
 def test_a_cap_is_lifted_when_a_second_job_works_on_the_gpu(tmp_path: Path, daemons: list[DaemonProc]) -> None:
@@ -46,7 +28,7 @@ def test_a_cap_is_lifted_when_a_second_job_works_on_the_gpu(tmp_path: Path, daem
         a.request("register", job="a", gpus=[0], mem_share=0.3)
         i, deadline = 0, time.monotonic() + 60
         while gpu.locked_clocks_mhz() is None and time.monotonic() < deadline:
-            _step(a, i)
+            send_step(a, i)
             i += 1
             time.sleep(0.01)
         assert gpu.locked_clocks_mhz() is not None, f"job a was never capped: {d.status()['policy']}"
@@ -54,13 +36,13 @@ def test_a_cap_is_lifted_when_a_second_job_works_on_the_gpu(tmp_path: Path, daem
         # Job b works on GPU 0 too (the simulator runs its steps there: its claim is active).
         b.request("register", job="b", gpus=[0], mem_share=0.3)
         for j in range(20):
-            _step(a, i + j)
-            _step(b, j)
+            send_step(a, i + j)
+            send_step(b, j)
             time.sleep(0.01)
 
         def lifted() -> bool:
-            _step(a, i + 100)
-            _step(b, 100)
+            send_step(a, i + 100)
+            send_step(b, 100)
             return gpu.locked_clocks_mhz() is None and not d.status()["policy"]["owners"]
 
         assert wait_for(lifted, 10), (gpu.locked_clocks_mhz(), d.status()["policy"]["owners"], d.log_text()[-2000:])

@@ -12,7 +12,12 @@ import pytest
 from tests import vmserver
 from tests.support import REPO
 
-pytestmark = pytest.mark.skipif(not vmserver.available(), reason="victoria-metrics is not installed")
+# A real victoria-metrics subprocess fed 12 simulated minutes for two fleet sizes: an
+# end-to-end run of the benchmark, in the full suite (``slow``), not in the fast tests.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not vmserver.available(), reason="victoria-metrics is not installed"),
+]
 
 
 def test_prints_a_row_per_fleet_size(capsys: pytest.CaptureFixture[str]) -> None:

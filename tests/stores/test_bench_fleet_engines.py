@@ -15,6 +15,10 @@ import pytest
 
 from tests.support import REPO
 
+# Each test starts a real server (Prometheus scraping for 16 s, influxd) as a subprocess: an
+# end-to-end run of a benchmark, in the full suite (``slow``), not in the fast tests.
+pytestmark = pytest.mark.slow
+
 
 def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
