@@ -35,6 +35,7 @@ from greend.errors import StoreError
 __all__ = ["MetricsHttpOptions", "MetricsServer", "read_basic_auth_file"]
 
 log = logging.getLogger(__name__)
+SHUTDOWN_POLL_S = 0.1  # how often the serving thread looks for a stop (a select timeout, as often as a tick)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,11 @@ class MetricsServer(ThreadingHTTPServer):
         # Every read of a connection times out after read_timeout_s (StreamRequestHandler.timeout).
         handler = type("_TimedHandler", (_Handler,), {"timeout": opts.read_timeout_s})
         super().__init__((opts.addr, opts.port), handler)
-        self.thread = threading.Thread(target=self.serve_forever, name="metrics-http", daemon=True)
+        # Polled for shutdown every SHUTDOWN_POLL_S (serve_forever's 0.5 s default held every
+        # stop of the daemon, and of each test's, for up to half a second).
+        self.thread = threading.Thread(
+            target=self.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics-http", daemon=True
+        )
 
     def get_request(self) -> tuple[Any, Any]:
         sock, addr = super().get_request()
