@@ -258,6 +258,8 @@ class Sender:
         # a step's record before the event it caused, and the daemon follows a rank's
         # level by its rows, so a rollback must never overtake the steps it rolls back.
         self._queue_steps(force=n_events > 0)
+        if self.ch.queue and self._outbox_bytes >= OUTBOX_MAX_BYTES:
+            n_events = 0  # steps left behind by a full outbox (a slow daemon): the events wait for them
         for _ in range(n_events):
             self._queue_request("precision_event", events.popleft())
         pace = self.ch.agreed_pace_s
