@@ -22,7 +22,16 @@ from greend.policies.precision_state import PROBE_PROBATION_STEPS
 from greend.protocol import decode_steps
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
-from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, TOLERANCE, Prober, probe_level, probe_tag
+from greend.training.probe import (
+    DENSE_BLOCKS,
+    PROBE_STEPS,
+    TOLERANCE,
+    Prober,
+    block_start,
+    judged_by,
+    probe_level,
+    probe_tag,
+)
 from greend.training.rows import Row, step_fields
 from tests.support import wait_for
 from tests.training.test_precision import FAST
@@ -64,9 +73,10 @@ def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None
     assert why is not None and at is not None and at > late, (why, at)
     assert at < late + 3 * 400, at  # caught within a few of the sparse blocks
     assert "probes at fp32: bf16 is +" in why and "tolerance 5%" in why and "step-to-step noise" in why
-    # Cheap: 4 steps a block, 2 % of the steps during the probation, 1 % after.
-    assert probes <= PROBE_STEPS * (DENSE_BLOCKS + (at - DENSE_BLOCKS * DENSE_EVERY) // 400 + 1)
-    assert probes / at < 0.02
+    # Cheap: the dense blocks right after the switch, then one block every 400 steps (1.25 %).
+    dense_end = judged_by(DENSE_BLOCKS - 1, 400)
+    assert probes <= PROBE_STEPS * (DENSE_BLOCKS + (at - dense_end) // 400 + 1)
+    assert (probes - PROBE_STEPS * DENSE_BLOCKS) / (at - dense_end) < 0.02
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -74,12 +84,12 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
     rng = random.Random(seed)
     prober = Prober(tolerance=0.05, every=400)
     prober.arm("fp32", "bf16", anchor=0)
-    # The data's own moves: the loss jumps by 70 % (a click rate that moves) at steps
-    # that land next to, inside and far from the probe blocks; and it falls fast.
-    shifts = [96 + 10, 300, 496 - 3, 1300 + 2]
+    # The data's own moves: the loss doubles (a click rate that moves) at steps that land
+    # between two blocks back to back, inside a block and far from the blocks; and it falls fast.
+    shifts = [block_start(1, 400) + 10, 300, block_start(4, 400) + 2, block_start(5, 400) + 10, 1300 + 2]
 
     def loss(i: int, level: str) -> float:
-        base = 0.1 * (1 + i / 100) ** -0.3 * (1.7 ** sum(i >= s for s in shifts))
+        base = 0.1 * (1 + i / 100) ** -0.3 * (2.0 ** sum(i >= s for s in shifts))
         return base * noisy(rng, 0.4)  # a rare-label loss: 40 % step to step
 
     why, _, _ = feed(prober, 4000, loss)
@@ -88,13 +98,24 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
 
 
 def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
-    rng = random.Random(7)
-    prober = Prober(tolerance=0.05, every=400)
-    prober.arm("fp32", "bf16", anchor=0)
-    why, _, _ = feed(prober, 4000, lambda i, level: (1.02 if level == "bf16" else 1.0) * noisy(rng, 0.05))
-    assert why is None, why
-    summary = prober.summary()
-    assert summary is not None and abs(summary["mean_penalty"] - 0.02) < 0.03
+    """A 2 % penalty (tolerance 5 %) under 5 % step-to-step noise: kept in most runs (the
+    rule leans to the safe side near the tolerance: about 1 run in 9 rolls back), and
+    measured near 2 % where kept."""
+    rolled_back = 0
+    kept: list[float] = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        prober = Prober(tolerance=0.05, every=400)
+        prober.arm("fp32", "bf16", anchor=0)
+        why, _, _ = feed(prober, 4000, lambda i, level, r=rng: (1.02 if level == "bf16" else 1.0) * noisy(r, 0.05))
+        if why is not None:
+            rolled_back += 1
+            continue
+        summary = prober.summary()
+        assert summary is not None
+        kept.append(summary["mean_penalty"])
+    assert rolled_back <= 5, rolled_back
+    assert abs(sum(kept) / len(kept) - 0.02) < 0.01, kept
 
 
 def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
@@ -107,7 +128,7 @@ def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
     assert entry["precision"] == "fp32" and entry["probe"] is True
     (decoded,) = decode_steps([entry])
     assert decoded.probe and decoded.as_row().probe
-    assert PROBE_PROBATION_STEPS == 2 * DENSE_EVERY  # the policy waits for the first two blocks
+    assert judged_by(1, 400) <= PROBE_PROBATION_STEPS < judged_by(2, 400)  # the policy waits for the first two blocks
 
 
 # Real training ----------------------------------------------------------------------------
