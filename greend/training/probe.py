@@ -69,9 +69,9 @@ __all__ = [
     "ONE_Z",
     "PROBE_STEPS",
     "SETTLE_STEPS",
+    "SHIFT_MIN",
     "SHIFT_Z",
     "SURE_BLOCKS",
-    "SURE_OVER",
     "SURE_Z",
     "TOLERANCE",
     "WINDOW_STEPS",
@@ -97,10 +97,12 @@ MIN_BLOCKS = 2  # fewer blocks are a verdict only under ONE_Z (a few unlucky pro
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
 SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
 SURE_BLOCKS = 2
-SURE_OVER = 0.5  # ... and over the tolerance by this many
 ONE_Z = 5.0  # one block alone: a verdict when its penalty is this many standard errors over the tolerance
 TOLERANCE = 0.05  # the penalty a level may have where neither the job nor the daemon says (the policy's default)
-SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift
+SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift ...
+SHIFT_MIN = 1.0  # ... where they differ by this share of the tolerance or more (a smaller move, such
+# as a quiet job's falling trend, biases a block's penalty by half of it at most, and the trend
+# cancels in the mean of the two sides)
 GROW_BLOCKS = 4  # a penalty that grows: judged over at least this many blocks ...
 GROW_Z = 3.0  # ... its rise per step this many standard errors over 0 ...
 GROW_SHARE = 0.5  # ... and its value on the line at the latest block over this share of the tolerance ...
@@ -272,11 +274,12 @@ class Prober:
         # Each side with its own spread: a level that moved (a shift) is noisier after it.
         n1, n2 = len(blk.before), len(after)
         se_sides = math.sqrt(ss1 / (n1 - 1) / n1 + ss2 / (n2 - 1) / n2)
-        shifted = abs(m2 - m1) > SHIFT_Z * se_sides
+        move = (m2 - m1) / scale
+        shifted = abs(m2 - m1) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
         v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(blk.upper), min(n1, n2), shifted, blk.shared)
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
                          "se": math.sqrt(rel_var * (1 / len(blk.upper) + 0.25 / n1 + 0.25 / n2)),
-                         "shifted": shifted})  # fmt: skip
+                         "move": move, "shifted": shifted})  # fmt: skip
         if shifted:
             return None  # the data moved across the block: the two sides say different things
         self.verdicts.append(v)
@@ -292,7 +295,7 @@ class Prober:
             tail = vs[-n:]
             mean, se = _mean_se(tail, [1.0 / n] * n, rel_var)
             clearly = mean - (GUARD_Z if n >= MIN_BLOCKS else ONE_Z) * se > tol
-            surely = n >= SURE_BLOCKS and mean - SURE_OVER * se > tol and mean - SURE_Z * se > 0
+            surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
             if clearly or surely:
                 steps = ", ".join(str(v.start) for v in tail)
                 return (

@@ -99,11 +99,11 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
 
 def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
     """A 2 % penalty (tolerance 5 %) under 5 % step-to-step noise: kept in most runs (the
-    rule leans to the safe side near the tolerance: about 1 run in 9 rolls back), and
-    measured near 2 % where kept."""
+    rule leans to the safe side near the tolerance: about 1 run in 6 rolls back over 4000
+    steps), and measured near 2 % where kept."""
     rolled_back = 0
     kept: list[float] = []
-    for seed in range(20):
+    for seed in range(40):
         rng = random.Random(seed)
         prober = Prober(tolerance=0.05, every=400)
         prober.arm("fp32", "bf16", anchor=0)
@@ -114,7 +114,7 @@ def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
         summary = prober.summary()
         assert summary is not None
         kept.append(summary["mean_penalty"])
-    assert rolled_back <= 5, rolled_back
+    assert rolled_back <= 12, rolled_back
     assert abs(sum(kept) / len(kept) - 0.02) < 0.01, kept
 
 
@@ -209,6 +209,65 @@ def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon:
     probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
     assert all(r["precision"] == "fp32" for r in probe_rows)
     assert sum(r["steps"] for r in probe_rows) >= len(early) * PROBE_STEPS
+
+
+def floor_regression(cb: GreenCallback, daemon: FakeDaemon, offset: float, switch_at: int, steps: int) -> list[str]:
+    """A noiseless regression with targets near ``offset`` and a decaying learning rate:
+    its loss falls as a long power law toward its floor. Near 5, bf16 rounds the outputs
+    to 1/32, a penalty that grows as the loss falls (a few percent at the switch here, tens
+    of percent a few hundred steps later); near 0 its rounding costs nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with torch.no_grad():
+        model[-1].bias.fill_(offset)
+    w_true = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) / 32**0.5
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    levels: list[str] = []
+    for i in range(steps):
+        if i == switch_at:
+            assert daemon.directive("bf16") == 1
+            assert wait_for(lambda: cb.requested_precision == "bf16")
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 / (1 + i / 200)
+        x = torch.randn(128, 32, generator=torch.Generator().manual_seed(7000 + i))
+        with cb.step(samples=128, flops=1e9) as st:
+            with st.autocast():
+                out = model(x)
+            st.backward(nn.functional.mse_loss(out.float(), 0.5 * (x @ w_true) + offset))
+            st.optimizer_step(opt)
+            opt.zero_grad(set_to_none=True)
+        levels.append(st.precision)
+    return levels
+
+
+@pytest.mark.parametrize("offset", [5.0, 0.0])
+def test_a_penalty_that_grows_as_the_loss_converges_is_rolled_back_soon(
+    rows_daemon: FakeDaemon, sock_path: Path, offset: float
+) -> None:
+    """The floor regression switched to bf16 near its floor is rolled back by the probes
+    within its blocks back to back (159 steps; on the benchmark's floor regression, 100
+    steps at bf16 leave ~0.4 % on the held-out loss, 200 steps ~2 %); the same training
+    with targets near 0 is kept."""
+    switch_at = 600
+    with GreenCallback(job="floor", socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        levels = floor_regression(cb, rows_daemon, offset, switch_at, switch_at + judged_by(DENSE_BLOCKS - 1, 400) + 40)
+        events = cb.precision_events
+        checks = cb.probe_checks
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    judged = [c for c in checks if c["penalty"] is not None]
+    if offset == 0.0:
+        assert not rollbacks, rollbacks
+        assert levels[-1] == "bf16" and len(judged) >= DENSE_BLOCKS
+        mean = sum(c["penalty"] for c in judged) / len(judged)
+        assert abs(mean) < 0.03, judged  # no penalty: the blocks' mean near 0
+        return
+    assert len(rollbacks) == 1, events
+    rb = rollbacks[0]
+    assert rb["from"] == "bf16" and rb["to"] == "fp32"
+    assert rb["step"] - switch_at <= judged_by(DENSE_BLOCKS - 1, 400), (rb, judged)
+    assert "probes at fp32: bf16 is +" in rb["reason"] and "probe blocks of 5 steps" in rb["reason"]
+    assert levels[rb["step"] + 1 :].count("bf16") == 0  # fp32 from the next step, to the end (barred)
 
 
 def test_a_shift_both_levels_see_is_kept(rows_daemon: FakeDaemon, sock_path: Path) -> None:
