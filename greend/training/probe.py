@@ -104,7 +104,7 @@ SHIFT_MIN = 1.0  # ... where they differ by this share of the tolerance or more 
 # as a quiet job's falling trend, biases a block's penalty by half of it at most, and the trend
 # cancels in the mean of the two sides)
 GROW_BLOCKS = 4  # a penalty that grows: judged over at least this many blocks ...
-GROW_Z = 3.0  # ... its rise per step this many standard errors over 0 ...
+GROW_Z = 3.5  # ... its rise per step this many standard errors over 0 ...
 GROW_SHARE = 0.5  # ... and its value on the line at the latest block over this share of the tolerance ...
 GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy blocks swings widely)
 NEVER = sys.maxsize
@@ -364,11 +364,14 @@ def _mean_se(vs: list[Verdict], coef: list[float], rel_var: float) -> tuple[floa
 def block_start(b: int, every: int) -> int:
     """The first step of probe block ``b`` (0: the first after the switch), counted from
     the switch: its lower window before starts once the switch has settled; the first
-    :data:`DENSE_BLOCKS` run back to back, then one every ``every`` steps."""
-    first = SETTLE_STEPS + WINDOW_STEPS
-    if b < DENSE_BLOCKS:
-        return first + DENSE_EVERY * b
-    return first + DENSE_EVERY * (DENSE_BLOCKS - 1) + every * (b - DENSE_BLOCKS + 1)
+    :data:`DENSE_BLOCKS` run back to back, then the gaps double (a penalty that starts
+    small and grows is looked at again soon) up to ``every`` steps."""
+    start = SETTLE_STEPS + WINDOW_STEPS + DENSE_EVERY * min(b, DENSE_BLOCKS - 1)
+    gap = DENSE_EVERY
+    for _ in range(DENSE_BLOCKS, b + 1):
+        gap = max(DENSE_EVERY, min(2 * gap, every))
+        start += gap
+    return start
 
 
 def judged_by(b: int, every: int) -> int:
