@@ -8,18 +8,24 @@ what training there costs: weights trained at bf16 adapt to its rounding.
 
 So, for as long as the run is below a level it came down from, the callback runs
 short **probe blocks** at the level above, as real training steps: :data:`PROBE_STEPS`
-steps at a time, the first :data:`DENSE_BLOCKS` blocks every :data:`DENSE_EVERY` steps
-after the switch (the probation, when evidence is wanted soon), then every
-``probe_every`` steps (400 by default) until the run goes back up. Each block is
-compared with the :data:`WINDOW_STEPS` steps at the lower level just before it and
-just after it (after :data:`SETTLE_STEPS` steps to settle): a falling trend and a
-change in the data move both sides alike and cancel in the mean of the two, noise
-averages out over blocks. One block gives the **penalty**
-``(mean of the lower steps around it - mean of the probe steps) / mean of the probe steps``,
+steps at a time, the first :data:`LEAD_STEPS` of them not judged (their losses are
+taken before the steps at the upper level have moved the weights: what evaluating there
+costs, and weights trained at the lower level score worse there, which hides part of the
+penalty). The first :data:`DENSE_BLOCKS` blocks run back to back from
+:data:`SETTLE_STEPS` steps after the switch (:data:`DENSE_EVERY` steps apart, each
+block's lower window after being the next one's before), then the gaps double up to
+``probe_every`` steps (400 by default) until the run goes back up (:func:`block_start`).
+Each block is compared with the :data:`WINDOW_STEPS` steps at the lower level just
+before it and just after it (after :data:`SETTLE_STEPS` steps to settle): a falling
+trend and a change in the data move both sides alike and cancel in the mean of the two,
+noise averages out over blocks. One block gives the **penalty**
+``(mean of the lower steps around it - mean of the probe steps) / mean of the lower steps``,
 with a standard error from the job's own step-to-step noise (the spread of the lower
-steps around their window means, pooled over the blocks), so a noisy job needs more
-blocks for a verdict and a quiet one fewer. A block whose two sides differ by more
-than :data:`SHIFT_Z` standard errors straddles a move of the data and is left out.
+steps around their window means, pooled over the blocks; two blocks back to back share
+a window, and their covariance is counted), so a noisy job needs more blocks for a
+verdict and a quiet one fewer. A block whose two sides differ by more than
+:data:`SHIFT_Z` standard errors and by :data:`SHIFT_MIN` times the tolerance or more
+straddles a move of the data and is left out.
 
 The level is rolled back when, over the last 1 to :data:`KEEP_BLOCKS` blocks (every
 suffix is tried, so a penalty that appears late is not diluted by the early blocks),
@@ -28,23 +34,26 @@ the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard err
 least :data:`SURE_BLOCKS` blocks, it is over ``tolerance`` and more than :data:`SURE_Z`
 standard errors over 0 (worse than the tolerance, and surely worse: a penalty of 1.5
 times the tolerance in a job with 5 % step-to-step noise needs some 50 probe steps for
-the first rule, 8 for the second). The rollback's reason names the blocks, the
-penalty, its error and the noise it used. ``tolerance`` is the job's
-``probe_tolerance``, else the daemon precision policy's (its register reply), else
-:data:`TOLERANCE`.
+the first rule, 8 for the second), or when the penalty grows: over at least
+:data:`GROW_BLOCKS` blocks, a line through their penalties rises by :data:`GROW_Z`
+standard errors and its value at the latest block is over :data:`GROW_SHARE` of the
+tolerance by :data:`GROW_NOW_Z` standard errors. The rollback's reason names the blocks,
+the penalty (or its rise per 100 steps), its error and the noise it used.
+``tolerance`` is the job's ``probe_tolerance``, else the daemon precision policy's (its
+register reply), else :data:`TOLERANCE`.
 
 Why soon: the time a harmful level runs is not undone by the rollback. On a regression
 near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
 fp32 to the end left the held-out loss +0.4 / +2.0 / +5.1 % over the fp32 twin (one
 seed; the gap is ~0 right after the rollback and grows as training goes on, carried in
-the weights and the optimizer's state alike); hence dense blocks right after a switch,
-and a verdict from the first blocks where the evidence is strong.
+the weights and the optimizer's state alike); hence blocks back to back right after a
+switch, and a verdict from the first blocks where the evidence is strong.
 
-What it costs: the probe steps run at the upper level (their energy is not saved:
-about 2 % of the steps during the probation, 1 % after); nothing else. The judge sees
-only the steps inside its windows (one integer compare per step elsewhere), and a
-probe step is an ordinary step at the upper level: the user's model, batch and
-optimizer, never a step above the job's own level.
+What it costs: the probe steps run at the upper level (their energy is not saved: 20
+steps in the first 159 after a switch, 30 in the first 621, then 5 every 400 steps, 1.25 %
+in the long run); nothing else. The judge sees only the steps inside its windows (one
+integer compare per step elsewhere), and a probe step is an ordinary step at the upper
+level: the user's model, batch and optimizer, never a step above the job's own level.
 """
 
 from __future__ import annotations
