@@ -50,8 +50,8 @@ the weights and the optimizer's state alike); hence blocks back to back right af
 switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
-steps in the first 159 after a switch, 30 in the first 621, then 5 every 400 steps, 1.25 %
-in the long run); nothing else. The judge sees only the steps inside its windows (one
+steps in the first 159 after a switch, 30 in the first 357, 35 in the first 621, then 5
+every 400 steps, 1.25 % in the long run); nothing else. The judge sees only the steps inside its windows (one
 integer compare per step elsewhere), and a probe step is an ordinary step at the upper
 level: the user's model, batch and optimizer, never a step above the job's own level.
 """
