@@ -182,6 +182,7 @@ class StepBook:
             return
         index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
         probe = prober.level_at(index)  # type: ignore[union-attr]  # (block is not None: prober is set)
+        self.control.probe_model(probe is not None, index)  # (below fp8: the linears as the step runs them)
         self.precision = probe if probe is not None else self.control.level
         if index < block.end:
             self.boundary = True  # (the step after the block goes back to the level in force)

@@ -34,7 +34,7 @@ from greend.training.probe import (
 )
 from greend.training.rows import Row, step_fields
 from tests.support import wait_for
-from tests.training.test_precision import FAST
+from tests.training.test_precision import FAST, needs_torchao
 
 # The rule, on loss streams --------------------------------------------------------------
 
@@ -355,3 +355,53 @@ def test_a_daemon_without_the_field_leaves_the_default_and_a_told_one_is_taken(s
                 assert cb._control.prober is not None and cb._control.prober.tolerance == expected
         finally:
             d.stop()
+
+
+# Below fp8 ----------------------------------------------------------------------------------
+
+
+@needs_torchao
+def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
+    rows_daemon: FakeDaemon, sock_path: Path
+) -> None:
+    """A bf16 job taken to fp8 (torchao's emulation here): its probe blocks run at bf16
+    with the fp8 linears back to nn.Linear, the same Parameter objects, and converted
+    again after each block; the blocks are judged fp8 against bf16 and go to the daemon as
+    probe rows at bf16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
+    params = [id(p) for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    levels: list[str] = []
+    fp8_layers: list[int] = []
+    switch_at = 50
+    with GreenCallback(job="fp8", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
+                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        for i in range(switch_at + judged_by(DENSE_BLOCKS - 1, 400) + 10):
+            if i == switch_at:
+                assert rows_daemon.directive("fp8-emulated") == 1
+                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
+            x, y = plant(i, quiet_from=10_000)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                fp8_layers.append(sum(type(m).__name__ == "Float8Linear" for m in model.modules()))
+                with st.autocast():
+                    out = model(x)
+                st.backward(nn.functional.mse_loss(out.float(), y - 72.0))
+                st.optimizer_step(opt)
+                opt.zero_grad(set_to_none=True)
+            levels.append(st.precision)
+        checks = cb.probe_checks
+        events = cb.precision_events
+    assert [id(p) for p in model.parameters()] == params
+    low = [i for i, lvl in enumerate(levels) if lvl == "fp8-emulated"]
+    probes = [i for i, lvl in enumerate(levels) if lvl == "bf16" and i > low[0]]
+    assert low and low[0] == switch_at and len(probes) == PROBE_STEPS * DENSE_BLOCKS, (probes, events)
+    assert all(fp8_layers[i] == 0 for i in probes)  # the probe steps ran plain bf16 linears ...
+    assert all(fp8_layers[i] == 2 for i in low)  # ... and every fp8 step its Float8Linear ones
+    judged = [c for c in checks if c["penalty"] is not None]
+    assert len(judged) >= DENSE_BLOCKS - 1 and all(
+        c["upper"] == "bf16" and c["level"] == "fp8-emulated" for c in judged
+    )
+    assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= len(probes))
+    assert all(r["precision"] == "bf16" for r in rows_daemon.rows if r.get("probe"))
