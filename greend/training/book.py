@@ -182,6 +182,7 @@ class StepBook:
             return
         index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
         probe = prober.level_at(index)  # type: ignore[union-attr]  # (block is not None: prober is set)
+        self.control.probe_model(probe is not None, index)  # (below fp8: the linears as the step runs them)
         self.precision = probe if probe is not None else self.control.level
         if index < block.end:
             self.boundary = True  # (the step after the block goes back to the level in force)
@@ -544,12 +545,13 @@ class StepBook:
                 self.boundary = True  # the block may start within the next batch of steps
 
     def _probe_settling(self, index: int) -> bool:
-        """Whether step ``index`` is after a probe block, up to the block's last window step:
-        the weights settle back to the level in force (a jump there is the probe's, not a
-        spike), and the block itself judges those steps against the level above."""
+        """Whether step ``index`` is one of the steps right after a probe block where the
+        weights settle back to the level in force (a jump there is the probe's, not a
+        spike). The block's lower window after them is the spike rule's again: with the
+        first blocks back to back, the windows span most of the first steps after a switch."""
         prober = self.control.prober
         block = prober.block if prober is not None else None
-        return block is not None and block.end <= index <= block.last
+        return block is not None and block.end <= index < block.after_from
 
     def _probe_record(self, index: int, level: str, loss: float | None) -> tuple[str, str | None]:
         """A recorded step the prober watches: its record's level (a probe step's is

@@ -412,15 +412,36 @@ class PrecisionControl:
     # Probes -------------------------------------------------------------------------
     def probe_upper(self) -> str | None:
         """The level a probe block runs at: the level the latest downgrade in force came
-        from, where the two differ only by the autocast (no fp8 conversion to undo for a
-        few steps); None where there is nothing to probe."""
+        from (bf16, or the job's own, above an fp8 level: the fp8 linears go back to
+        ``nn.Linear`` for the block, :meth:`probe_model`); None where there is nothing to
+        probe."""
         stack = self.guard.stack
         if not stack or stack[-1].to_level != self.level:
             return None
         upper = stack[-1].from_level
-        if self.level not in _PROBED or upper in FP8_LEVELS or self.support.get(upper) is not None:
+        if upper in FP8_LEVELS or self.support.get(upper) is not None:
             return None
-        return upper
+        if self.level in FP8_LEVELS:
+            return upper if self.fp8 is not None or self._fp8_te else None
+        return upper if self.level in _PROBED else None
+
+    def probe_model(self, probing: bool, index: int) -> None:
+        """At the start of step ``index`` near a probe block below an fp8 level converted
+        by torchao: the fp8 linears back to ``nn.Linear`` for the block's steps
+        (``probing``), converted again after it (the same Parameter objects, as for the
+        reference check). Where they cannot be put back, the level rolls back."""
+        fp8 = self.fp8
+        if fp8 is None or self.level not in FP8_LEVELS:
+            return
+        if probing:
+            if fp8.active:
+                fp8.revert()
+        elif not fp8.active:
+            try:
+                fp8.convert()
+            except Exception as e:
+                self._rollback_now(index - 1, f"fp8 could not be put back after a probe block: {type(e).__name__}: {e}",
+                                   None)  # fmt: skip
 
     def follow_tolerance(self, tolerance: float | None) -> None:
         """The daemon's precision tolerance (its register reply; None: it sent none): the

@@ -81,12 +81,16 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     why = [(e.get("kind"), e.get("reason")) for e in rep.get("precision_log") or []]
     first = levels.index("bf16") if "bf16" in levels else None
     assert levels[0] == "fp32" and first is not None, (levels[::20], why)
-    # One step down, kept: every later step at bf16 but the probes' (blocks of 4 steps at
-    # fp32 judging bf16 against it, greend.training.probe), which the daemon counts as such.
+    # One step down, kept: every later step at bf16 but the probes' (blocks of PROBE_STEPS
+    # steps at fp32 judging bf16 against it, greend.training.probe), which the daemon counts
+    # as such.
+    from greend.training.probe import PROBE_STEPS  # (with torch, which this module needs)
+
     after = levels[first:]
     probes = [i for i, lvl in enumerate(after) if lvl != "bf16"]
-    assert set(after) <= {"bf16", "fp32"} and len(probes) % 4 == 0, after
-    assert all(probes[k + 3] - probes[k] == 3 for k in range(0, len(probes), 4)), probes
+    n = PROBE_STEPS
+    assert set(after) <= {"bf16", "fp32"} and len(probes) % n == 0, after
+    assert all(probes[k + n - 1] - probes[k] == n - 1 for k in range(0, len(probes), n)), probes
     assert rep.get("probe_steps") == len(probes), (rep.get("probe_steps"), probes)
     assert r["precision_events"] == []  # the callback had nothing to roll back or refuse
     # The same accuracy as the fp32 run, within the tolerance.

@@ -22,10 +22,19 @@ from greend.policies.precision_state import PROBE_PROBATION_STEPS
 from greend.protocol import decode_steps
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
-from greend.training.probe import DENSE_BLOCKS, DENSE_EVERY, PROBE_STEPS, TOLERANCE, Prober, probe_level, probe_tag
+from greend.training.probe import (
+    DENSE_BLOCKS,
+    PROBE_STEPS,
+    TOLERANCE,
+    Prober,
+    block_start,
+    judged_by,
+    probe_level,
+    probe_tag,
+)
 from greend.training.rows import Row, step_fields
 from tests.support import wait_for
-from tests.training.test_precision import FAST
+from tests.training.test_precision import FAST, needs_torchao
 
 # The rule, on loss streams --------------------------------------------------------------
 
@@ -64,9 +73,13 @@ def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None
     assert why is not None and at is not None and at > late, (why, at)
     assert at < late + 3 * 400, at  # caught within a few of the sparse blocks
     assert "probes at fp32: bf16 is +" in why and "tolerance 5%" in why and "step-to-step noise" in why
-    # Cheap: 4 steps a block, 2 % of the steps during the probation, 1 % after.
-    assert probes <= PROBE_STEPS * (DENSE_BLOCKS + (at - DENSE_BLOCKS * DENSE_EVERY) // 400 + 1)
-    assert probes / at < 0.02
+    # Cheap: the blocks back to back right after the switch, gaps that double, then one
+    # block every 400 steps (1.25 % of the steps in the long run).
+    started = sum(block_start(b, 400) <= at for b in range(100))
+    assert probes <= PROBE_STEPS * started
+    assert PROBE_STEPS * (started - 2) <= probes
+    assert [block_start(b + 1, 400) - block_start(b, 400) for b in range(DENSE_BLOCKS + 5)][-3:] == [400] * 3
+    assert PROBE_STEPS / 400 < 0.02
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -74,12 +87,12 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
     rng = random.Random(seed)
     prober = Prober(tolerance=0.05, every=400)
     prober.arm("fp32", "bf16", anchor=0)
-    # The data's own moves: the loss jumps by 70 % (a click rate that moves) at steps
-    # that land next to, inside and far from the probe blocks; and it falls fast.
-    shifts = [96 + 10, 300, 496 - 3, 1300 + 2]
+    # The data's own moves: the loss doubles (a click rate that moves) at steps that land
+    # between two blocks back to back, inside a block and far from the blocks; and it falls fast.
+    shifts = [block_start(1, 400) + 10, 300, block_start(4, 400) + 2, block_start(5, 400) + 10, 1300 + 2]
 
     def loss(i: int, level: str) -> float:
-        base = 0.1 * (1 + i / 100) ** -0.3 * (1.7 ** sum(i >= s for s in shifts))
+        base = 0.1 * (1 + i / 100) ** -0.3 * (2.0 ** sum(i >= s for s in shifts))
         return base * noisy(rng, 0.4)  # a rare-label loss: 40 % step to step
 
     why, _, _ = feed(prober, 4000, loss)
@@ -88,13 +101,24 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
 
 
 def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
-    rng = random.Random(7)
-    prober = Prober(tolerance=0.05, every=400)
-    prober.arm("fp32", "bf16", anchor=0)
-    why, _, _ = feed(prober, 4000, lambda i, level: (1.02 if level == "bf16" else 1.0) * noisy(rng, 0.05))
-    assert why is None, why
-    summary = prober.summary()
-    assert summary is not None and abs(summary["mean_penalty"] - 0.02) < 0.03
+    """A 2 % penalty (tolerance 5 %) under 5 % step-to-step noise: kept in most runs (the
+    rule leans to the safe side near the tolerance: about 1 run in 3 rolls back over 4000
+    steps, 63 of 200), and measured near 2 % where kept."""
+    rolled_back = 0
+    kept: list[float] = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        prober = Prober(tolerance=0.05, every=400)
+        prober.arm("fp32", "bf16", anchor=0)
+        why, _, _ = feed(prober, 4000, lambda i, level, r=rng: (1.02 if level == "bf16" else 1.0) * noisy(r, 0.05))
+        if why is not None:
+            rolled_back += 1
+            continue
+        summary = prober.summary()
+        assert summary is not None
+        kept.append(summary["mean_penalty"])
+    assert rolled_back <= 20, rolled_back
+    assert abs(sum(kept) / len(kept) - 0.02) < 0.01, kept
 
 
 def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
@@ -107,7 +131,7 @@ def test_probe_rows_carry_their_level_and_the_probe_mark() -> None:
     assert entry["precision"] == "fp32" and entry["probe"] is True
     (decoded,) = decode_steps([entry])
     assert decoded.probe and decoded.as_row().probe
-    assert PROBE_PROBATION_STEPS == 2 * DENSE_EVERY  # the policy waits for the first two blocks
+    assert judged_by(1, 400) <= PROBE_PROBATION_STEPS < judged_by(2, 400)  # the policy waits for the first two blocks
 
 
 # Real training ----------------------------------------------------------------------------
@@ -188,6 +212,65 @@ def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon:
     probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
     assert all(r["precision"] == "fp32" for r in probe_rows)
     assert sum(r["steps"] for r in probe_rows) >= len(early) * PROBE_STEPS
+
+
+def floor_regression(cb: GreenCallback, daemon: FakeDaemon, offset: float, switch_at: int, steps: int) -> list[str]:
+    """A noiseless regression with targets near ``offset`` and a decaying learning rate:
+    its loss falls as a long power law toward its floor. Near 5, bf16 rounds the outputs
+    to 1/32, a penalty that grows as the loss falls (a few percent at the switch here, tens
+    of percent a few hundred steps later); near 0 its rounding costs nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with torch.no_grad():
+        model[-1].bias.fill_(offset)
+    w_true = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) / 32**0.5
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    levels: list[str] = []
+    for i in range(steps):
+        if i == switch_at:
+            assert daemon.directive("bf16") == 1
+            assert wait_for(lambda: cb.requested_precision == "bf16")
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 / (1 + i / 200)
+        x = torch.randn(128, 32, generator=torch.Generator().manual_seed(7000 + i))
+        with cb.step(samples=128, flops=1e9) as st:
+            with st.autocast():
+                out = model(x)
+            st.backward(nn.functional.mse_loss(out.float(), 0.5 * (x @ w_true) + offset))
+            st.optimizer_step(opt)
+            opt.zero_grad(set_to_none=True)
+        levels.append(st.precision)
+    return levels
+
+
+@pytest.mark.parametrize("offset", [5.0, 0.0])
+def test_a_penalty_that_grows_as_the_loss_converges_is_rolled_back_soon(
+    rows_daemon: FakeDaemon, sock_path: Path, offset: float
+) -> None:
+    """The floor regression switched to bf16 near its floor is rolled back by the probes
+    within its blocks back to back (159 steps; on the benchmark's floor regression, 100
+    steps at bf16 leave ~0.4 % on the held-out loss, 200 steps ~2 %); the same training
+    with targets near 0 is kept."""
+    switch_at = 600
+    with GreenCallback(job="floor", socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        levels = floor_regression(cb, rows_daemon, offset, switch_at, switch_at + judged_by(DENSE_BLOCKS - 1, 400) + 40)
+        events = cb.precision_events
+        checks = cb.probe_checks
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    judged = [c for c in checks if c["penalty"] is not None]
+    if offset == 0.0:
+        assert not rollbacks, rollbacks
+        assert levels[-1] == "bf16" and len(judged) >= DENSE_BLOCKS
+        mean = sum(c["penalty"] for c in judged) / len(judged)
+        assert abs(mean) < 0.03, judged  # no penalty: the blocks' mean near 0
+        return
+    assert len(rollbacks) == 1, events
+    rb = rollbacks[0]
+    assert rb["from"] == "bf16" and rb["to"] == "fp32"
+    assert rb["step"] - switch_at <= judged_by(DENSE_BLOCKS - 1, 400), (rb, judged)
+    assert "probes at fp32: bf16 is +" in rb["reason"] and "probe blocks of 5 steps" in rb["reason"]
+    assert levels[rb["step"] + 1 :].count("bf16") == 0  # fp32 from the next step, to the end (barred)
 
 
 def test_a_shift_both_levels_see_is_kept(rows_daemon: FakeDaemon, sock_path: Path) -> None:
@@ -272,3 +355,53 @@ def test_a_daemon_without_the_field_leaves_the_default_and_a_told_one_is_taken(s
                 assert cb._control.prober is not None and cb._control.prober.tolerance == expected
         finally:
             d.stop()
+
+
+# Below fp8 ----------------------------------------------------------------------------------
+
+
+@needs_torchao
+def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
+    rows_daemon: FakeDaemon, sock_path: Path
+) -> None:
+    """A bf16 job taken to fp8 (torchao's emulation here): its probe blocks run at bf16
+    with the fp8 linears back to nn.Linear, the same Parameter objects, and converted
+    again after each block; the blocks are judged fp8 against bf16 and go to the daemon as
+    probe rows at bf16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
+    params = [id(p) for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    levels: list[str] = []
+    fp8_layers: list[int] = []
+    switch_at = 50
+    with GreenCallback(job="fp8", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
+                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        for i in range(switch_at + judged_by(DENSE_BLOCKS - 1, 400) + 10):
+            if i == switch_at:
+                assert rows_daemon.directive("fp8-emulated") == 1
+                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
+            x, y = plant(i, quiet_from=10_000)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                fp8_layers.append(sum(type(m).__name__ == "Float8Linear" for m in model.modules()))
+                with st.autocast():
+                    out = model(x)
+                st.backward(nn.functional.mse_loss(out.float(), y - 72.0))
+                st.optimizer_step(opt)
+                opt.zero_grad(set_to_none=True)
+            levels.append(st.precision)
+        checks = cb.probe_checks
+        events = cb.precision_events
+    assert [id(p) for p in model.parameters()] == params
+    low = [i for i, lvl in enumerate(levels) if lvl == "fp8-emulated"]
+    probes = [i for i, lvl in enumerate(levels) if lvl == "bf16" and i > low[0]]
+    assert low and low[0] == switch_at and len(probes) == PROBE_STEPS * DENSE_BLOCKS, (probes, events)
+    assert all(fp8_layers[i] == 0 for i in probes)  # the probe steps ran plain bf16 linears ...
+    assert all(fp8_layers[i] == 2 for i in low)  # ... and every fp8 step its Float8Linear ones
+    judged = [c for c in checks if c["penalty"] is not None]
+    assert len(judged) >= DENSE_BLOCKS - 1 and all(
+        c["upper"] == "bf16" and c["level"] == "fp8-emulated" for c in judged
+    )
+    assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= len(probes))
+    assert all(r["precision"] == "bf16" for r in rows_daemon.rows if r.get("probe"))

@@ -21,6 +21,7 @@ from greend.errors import GreendWarning
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.mixed_precision import Guard
+from greend.training.probe import PROBE_STEPS, block_start
 from greend.training.reference import MIN_CHECKS, ReferenceJudge
 from tests.support import wait_for
 from tests.training.test_precision import FAST, IN, batch, make_model, switch
@@ -118,7 +119,13 @@ def test_a_harmless_level_is_kept_and_watched_to_the_end(daemon: FakeDaemon, soc
         loop.run(3)
         switch(daemon, cb, "bf16")
         loop.run(40)
-    assert set(loop.levels[4:]) == {"bf16"} and daemon.precision_events == []
+    # bf16 to the end, but for the first probe block's steps at fp32 (greend.training.probe).
+    first = loop.levels.index("bf16")
+    block = range(first + block_start(0, 400), first + block_start(0, 400) + PROBE_STEPS)
+    assert first <= 4 and daemon.precision_events == []
+    assert [lvl for i, lvl in enumerate(loop.levels) if i >= first] == [
+        "fp32" if i in block else "bf16" for i in range(first, len(loop.levels))
+    ]
     checks = cb.reference_checks
     assert len(checks) == 10 and all(abs(c["excess"]) < 0.02 for c in checks)  # real bf16 on this MLP
 
