@@ -386,6 +386,7 @@ class NvmlProbe:
     def _look_calls(self, reinit: bool) -> Look | None:
         if reinit:
             self._at("nvmlInit (again)")
+            self._gpm.forget()  # GPM buffers of before the shutdown are not used again
             try:
                 self._call("node", "nvmlInit")
             except ProbeError as e:

@@ -107,6 +107,18 @@ typedef struct {
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int configured = 0;
 static int init_count = 0;
+/* GPM samples live within one NVML session (see the GPM section): the session's number,
+   the samples allocated in it and not freed, the frees of an unknown or ended sample. */
+static int gpm_session = 0;
+static long gpm_live = 0, gpm_bad_frees = 0;
+
+/* The init count drops to 0 (the last nvmlShutdown, or NVML_STUB_UNINIT_AFTER): the
+   session ends, and so do its GPM samples. Called with mu held. */
+static void end_session(void) {
+    init_count = 0;
+    gpm_session++;
+    gpm_live = 0;
+}
 static int n_gpus = 8;
 static gpu_t gpus[MAX_GPUS];
 static const char *state_path = NULL;
@@ -253,7 +265,7 @@ static void maybe_wait(const char *fn, int gpu) {
 /* Counts calls; fires the mid-run faults. Called with mu held. */
 static void tick(void) {
     calls++;
-    if (uninit_after >= 0 && calls == uninit_after) init_count = 0;
+    if (uninit_after >= 0 && calls == uninit_after) end_session();
     if (reset_gpu >= 0 && reset_gpu < n_gpus && calls == reset_after) {
         gpu_t *g = &gpus[reset_gpu];
         g->gen++;
@@ -370,7 +382,7 @@ nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void) {
     pthread_mutex_lock(&mu);
-    if (init_count > 0) init_count--; /* an extra shutdown is not an error */
+    if (init_count > 0 && --init_count == 0) end_session(); /* an extra shutdown is not an error */
     LEAVE(NVML_SUCCESS);
 }
 
@@ -813,6 +825,10 @@ RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps", 3)
  * has none: NOT_FOUND). A wrong struct version is INVALID_ARGUMENT, as are samples not
  * filled, of two devices, of two generations of one device (a reset between them) or
  * in the wrong order.
+ * nvml.h does not say that a sample outlives nvmlShutdown; the stand-in takes the strict
+ * reading: the session's end (the init count down to 0) ends its samples, and using or
+ * freeing one after it is INVALID_ARGUMENT (counted: nvmlStubGpmBadFrees) where the real
+ * library might crash.
  *
  * Environment:
  *   NVML_STUB_SM_ACTIVE=0:97,1:40    each GPU's SM activity in percent (default 97 busy,
@@ -822,7 +838,8 @@ RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps", 3)
  *                                    only waits in NCCL's few-CTA kernels reads 97 there
  *   NVML_STUB_GPM_ERROR=code[:gpu]   nvmlGpmSampleGet answers this code (all GPUs, or one)
  *   NVML_STUB_GPM_ERROR_WHEN=path    ... only while this file exists (an error mid-run)
- * nvmlStubGpmLiveSamples() says how many samples are allocated and not freed.
+ * nvmlStubGpmLiveSamples() says how many samples of this session are allocated and not
+ * freed; nvmlStubGpmBadFrees() how many frees were of a sample freed or ended before.
  */
 #define NVML_GPM_METRIC_SM_UTIL 2
 #define NVML_GPM_METRIC_MAX 98 /* nvml.h r525-r550; newer headers allow more metrics */
@@ -832,7 +849,7 @@ RUNNING_PROCESSES(nvmlDeviceGetMPSComputeRunningProcesses_v3, "mps", 3)
 
 typedef struct stub_gpm_sample {
     unsigned magic;
-    int gpu, gen, filled;
+    int session, gpu, gen, filled;
     double t_s, sm_active_s;
 } stub_gpm_sample;
 typedef stub_gpm_sample *nvmlGpmSample_t;
@@ -861,11 +878,9 @@ typedef struct {
     unsigned int isSupportedDevice;
 } nvmlGpmSupport_t;
 
-static long gpm_live = 0;
-
 static int gpm_device(const gpu_t *g) { return !g->pre_hopper && !g->no_energy; }
 
-static int valid_sample(const stub_gpm_sample *s) { return s && s->magic == GPM_MAGIC; }
+static int valid_sample(const stub_gpm_sample *s) { return s && s->magic == GPM_MAGIC && s->session == gpm_session; }
 
 /* GPU gi's SM activity now, in percent. */
 static double sm_active_pct(int gi, const gpu_t *g) {
@@ -916,6 +931,7 @@ nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample) {
     if (!gpmSample) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
     stub_gpm_sample *s = calloc(1, sizeof *s);
     s->magic = GPM_MAGIC;
+    s->session = gpm_session;
     s->gpu = -1;
     *gpmSample = s;
     gpm_live++;
@@ -926,7 +942,10 @@ nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample) {
    the free, is INVALID_ARGUMENT rather than a crash. */
 nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample) {
     pthread_mutex_lock(&mu);
-    if (!valid_sample(gpmSample)) LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    if (!valid_sample(gpmSample)) {
+        gpm_bad_frees++;
+        LEAVE(NVML_ERROR_INVALID_ARGUMENT);
+    }
     gpmSample->magic = 0;
     gpm_live--;
     LEAVE(NVML_SUCCESS);
@@ -988,6 +1007,13 @@ nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) {
         x->metricInfo.unit = "%";
     }
     LEAVE(NVML_SUCCESS);
+}
+
+long nvmlStubGpmBadFrees(void) {
+    pthread_mutex_lock(&mu);
+    long n = gpm_bad_frees;
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 long nvmlStubGpmLiveSamples(void) {

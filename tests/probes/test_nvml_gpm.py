@@ -11,6 +11,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from greend.errors import ProbeError
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.nvml import NvmlProbe
 from greend.probes.trace import A40_MODEL
@@ -204,3 +205,79 @@ def test_an_nvidia_ml_py_without_gpm_reads_none(tmp_path: Path, clock: ManualClo
     sm(p, 0.0)
     run_for(fake, clock, 1.0, {0: 1.0})
     assert sm(p, 1.0) == {0: None} and p.device_errors == {}
+
+
+class Once:
+    """The fake NVML where call ``fn`` fails once, at its ``at``-th call (1: the first),
+    with ``code``; ``then`` runs first (the fault itself, e.g. NVML shut down). ``calls``:
+    each GPM call, its arguments and what it answered."""
+
+    def __init__(self, fake: FakeNvml, fn: str, code: int, at: int = 1, then: Any = None) -> None:
+        self._fake, self._fn, self._code, self._at, self._then = fake, fn, code, at, then
+        self.calls: list[tuple[str, tuple[Any, ...], Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._fake, name)
+        if "Gpm" not in name:
+            return target
+
+        def call(*args: Any) -> Any:
+            if name == self._fn and sum(1 for c in self.calls if c[0] == name) + 1 == self._at:
+                self.calls.append((name, args, None))
+                if self._then is not None:
+                    self._then()
+                raise pynvml.NVMLError(self._code)
+            got = target(*args)
+            self.calls.append((name, args, got))
+            return got
+
+        return call
+
+
+def test_a_gpu_lost_while_its_gpm_support_is_asked_reads_sm_activity_once_back(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """The GPU answers GPU_IS_LOST to its first nvmlGpmQueryDeviceSupport: it is lost,
+    with no GPM buffers; found again (a fresh handle), its support is asked again and its
+    SM activity reads from a new pair of samples."""
+    fake = FakeNvml(tmp_path, n=1, clock=clock)
+    nvml = Once(fake, "nvmlGpmQueryDeviceSupport", pynvml.NVML_ERROR_GPU_IS_LOST)
+    p = open_probe(nvml)
+    assert sm(p, 0.0) == {}  # lost at its first query
+    assert 0 in p.lost_gpus and not p._gpm._gpus
+    readings: list[dict[int, float | None]] = []
+    for t in range(1, 10):
+        run_for(fake, clock, 1.0, {0: 0.5})
+        readings.append(sm(p, float(t)))
+    assert readings[-1][0] == pytest.approx(50.0, abs=1.0), readings
+    assert not p.lost_gpus and p.device_errors == {}
+    queries = [c for c in nvml.calls if c[0] == "nvmlGpmQueryDeviceSupport"]
+    assert len(queries) == 2  # the lost one, and once back
+    p.close()
+    assert not p._gpm._gpus
+
+
+def test_nvml_shut_down_between_the_two_buffers_drops_the_first_and_asks_again(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """NVML is shut down under greend as GPU 0's second buffer is allocated: the read
+    raises UNINITIALIZED (the probe initialises NVML again), the first buffer is
+    dropped, never handed to NVML again, and the GPU is asked again: SM activity reads."""
+    fake = FakeNvml(tmp_path, n=1, clock=clock)
+    nvml = Once(fake, "nvmlGpmSampleAlloc", pynvml.NVML_ERROR_UNINITIALIZED, at=2, then=fake.drop_init)
+    p = open_probe(nvml)
+    with pytest.raises(ProbeError):
+        p.sample(0.0)  # every GPU failed this tick: NVML was shut down
+    first = nvml.calls[-2]
+    assert first[0] == "nvmlGpmSampleAlloc" and nvml.calls[-1][0] == "nvmlGpmSampleAlloc"
+    readings = []
+    for t in range(1, 5):
+        run_for(fake, clock, 1.0, {0: 0.5})
+        readings.append(sm(p, float(t)))
+    assert readings[-1][0] == pytest.approx(50.0, abs=1.0), readings
+    p.close()
+    later = [c for c in nvml.calls[nvml.calls.index(first) + 2 :]]
+    assert not any(first[2] in args for _, args, _ in later)  # not used, not freed
+    freed = [args[0] for name, args, _ in later if name == "nvmlGpmSampleFree"]
+    allocated = [got for name, _, got in later if name == "nvmlGpmSampleAlloc"]
+    assert len(freed) == 2 and freed == allocated  # the two allocated after the shutdown

@@ -18,7 +18,7 @@ from greend.probes.nvml import NvmlProbe
 import greend.probes.nvml as m
 m.RECOVER_EVERY_S = 0.0
 lib = ctypes.CDLL("libnvidia-ml.so.1")  # the library pynvml loaded: one set of globals
-lib.nvmlStubGpmLiveSamples.restype = ctypes.c_long
+lib.nvmlStubGpmLiveSamples.restype = lib.nvmlStubGpmBadFrees.restype = ctypes.c_long
 p = NvmlProbe()
 p.open()
 ticks, errors = [], []
@@ -38,7 +38,8 @@ for k in range(TICKS):
     time.sleep(0.05)
 live = lib.nvmlStubGpmLiveSamples()
 p.close()
-print(json.dumps({"ticks": ticks, "errors": errors, "live_open": live, "live_closed": lib.nvmlStubGpmLiveSamples()}))
+closed, bad_frees = lib.nvmlStubGpmLiveSamples(), lib.nvmlStubGpmBadFrees()
+print(json.dumps({"ticks": ticks, "errors": errors, "live_open": live, "live_closed": closed, "bad_frees": bad_frees}))
 """
 
 
@@ -148,6 +149,23 @@ def test_a_gpu_lost_and_back_reads_sm_activity_again_from_a_new_pair(tmp_path: P
     back = [t["1"][1] for t in ticks[gone[-1] + 1 :]]
     assert back[0] is None and back[-1] == 40.0, back
     assert out["live_open"] == 4 and out["live_closed"] == 0
+
+
+def test_nvml_shut_down_under_greend_gives_every_gpu_new_buffers() -> None:
+    """NVML's init count drops to 0 mid-run (someone's unbalanced nvmlShutdown); the
+    stand-in ends the session's GPM samples with it (nvml.h does not say they outlive
+    it). The probe initialises NVML again and allocates new buffers: SM activity reads
+    again from a new pair, and no buffer of the old session is used or freed."""
+    out = gpm_run(10, gpus=2, sm_active="1:40", uninit_after=150)
+    ticks = out["ticks"]
+    hit = [k for k, t in enumerate(ticks) if "error" in t or len(t) < 2]
+    assert hit and hit[-1] < len(ticks) - 3, ticks  # NVML shut down mid-run, and time after it
+    assert ticks[hit[0] + 1] == {"0": [97.0, None], "1": [97.0, None]}  # the first sample of a new pair
+    assert ticks[-1] == {"0": [97.0, 97.0], "1": [97.0, 40.0]}
+    assert not any(
+        k.startswith("nvmlGpm") or k == "gpm" for e in out["errors"][hit[0] + 1 :] for v in e.values() for k in v
+    )
+    assert out["live_open"] == 4 and out["live_closed"] == 0 and out["bad_frees"] == 0
 
 
 PACING_SCRIPT = """
