@@ -64,21 +64,29 @@ __all__ = ["PaceState", "Pacer", "as_job", "busy_of", "straggle_shown"]
 
 SLACK = 0.03  # a GPU at its job's setting less busy than 1 - SLACK of the busiest has slack to give
 TARGET = 0.99  # pace a GPU up to this share of the critical GPU's busy time
-NEAR = 0.995  # a paced GPU this busy is on the critical path
+NEAR = 0.995  # a paced GPU this busy (at least, and beyond the readings' noise) is on the critical path
+CLEAR = 4.0  # standard deviations of the readings' spread that make a paced GPU's share clearly over TARGET
+WINDOW = 8  # periods of a GPU's share kept since its setting last changed (its mean is read, not one period)
+GPM_HOLD = 30  # periods a job that had SM activity on every GPU waits for it back before it reads utilisation
 WORST = 1.25  # a move never risks a paced GPU's step longer than this share of the pace, at worst
 UNDO_MIN = 0.01  # a slowdown below this is never read as one (noise)
 BACKOFF_S = 30.0
 BACKOFF_MAX_S = 600.0
 
 
-def busy_of(views: Sequence[GpuView]) -> dict[int, float] | None:
+def busy_of(views: Sequence[GpuView], gpm_seen: bool = False) -> dict[int, float] | None:
     """Each GPU's busy share over the last period in percent (the one signal pacing
     reads); None where a GPU's is not read. Its SM activity (``GpuView.sm_active_pct``,
     NVML's GPM, Hopper and newer) where every GPU of the job has it, else its utilisation
     (``GpuView.util_pct``: the share of time a kernel ran). Never a mix: the two are not
     on one scale. On real GPUs only SM activity finds slack: NCCL's wait kernels keep a
-    waiting GPU's utilisation near 100 %, while few of its SMs are busy."""
+    waiting GPU's utilisation near 100 %, while few of its SMs are busy. ``gpm_seen``:
+    the job had SM activity on every GPU before; a period where some GPU's is missing (a
+    failed GPM read) is not read (None), not one of utilisation (which reads ~100 % on
+    every GPU, as if a straggler healed)."""
     gpm = bool(views) and all(g.sm_active_pct is not None for g in views)
+    if gpm_seen and not gpm:
+        return None
     out: dict[int, float] = {}
     for g in views:
         u = g.sm_active_pct if gpm else g.util_pct
@@ -98,6 +106,75 @@ def _shares(busy: dict[int, float], held: dict[int, int]) -> dict[int, float] | 
     return {i: b / ref for i, b in busy.items()}
 
 
+def _busy(ps: PaceState, views: Sequence[GpuView], count: bool = False) -> dict[int, float] | None:
+    """:func:`busy_of` for the job whose pacing is ``ps``; it remembers that the job's
+    GPUs all had SM activity, and (``count``: once a period) forgets it after
+    ``GPM_HOLD`` periods without."""
+    if views and all(g.sm_active_pct is not None for g in views):
+        ps.gpm_seen, ps.gpm_missing = True, 0
+    elif ps.gpm_seen and count:
+        ps.gpm_missing += 1
+        if ps.gpm_missing > GPM_HOLD:
+            # gone for good: utilisation from now on, on its own scale
+            ps.gpm_seen, ps.gpm_missing = False, 0
+            ps.window, ps.win_at, ps.spread, ps.spread_n = {}, {}, 0.0, 0
+    return busy_of(views, ps.gpm_seen)
+
+
+def _window(ps: PaceState, i: int, at: int, x: float | None = None) -> list[float]:
+    """GPU ``i``'s shares since its setting (grid index ``at``) last changed, with ``x``
+    (this period's, not yet kept) last."""
+    w = ps.window.get(i, []) if ps.win_at.get(i) == at else []
+    return w if x is None else [*w, x]
+
+
+def _over(ps: PaceState, w: Sequence[float]) -> bool:
+    """Whether a paced GPU whose shares since its last change are ``w`` runs on the
+    critical path: this period's share clearly over the pace (at least ``NEAR`` and 1
+    plus ``CLEAR`` spreads of the readings), or, in this period and the one before, the
+    mean of its last periods (one or more) at or over ``NEAR`` and clearly over
+    ``TARGET`` (``CLEAR`` spreads of that mean). Noise-free, a share at ``NEAR`` is
+    enough; with noise, a reading over the line by chance is not (nor one period's low
+    reading of the critical GPU, which lifts every paced GPU's share at once). Until
+    the spread is learnt (two periods), only a share ``SLACK`` over the pace counts."""
+    if ps.spread_n < 2:  # (the spread not learnt yet: only a share off by a straggler's margin)
+        return bool(w) and w[-1] >= (1.0 + SLACK) * ps.room
+    if w and w[-1] >= max(NEAR, 1.0 + CLEAR * ps.spread) * ps.room:
+        return True
+    return len(w) >= 2 and _mean_over(ps, w) and _mean_over(ps, w[:-1])
+
+
+def _mean_over(ps: PaceState, w: Sequence[float]) -> bool:
+    total = 0.0
+    for m, x in enumerate(reversed(w), start=1):
+        total += x
+        if total / m >= max(NEAR, TARGET + CLEAR * ps.spread / math.sqrt(m)) * ps.room:
+            return True
+    return False
+
+
+def _observe(ps: PaceState, r: dict[int, float], at: dict[int, int]) -> None:
+    """Keep this period's shares (GPU -> its share, ``at``: its grid index) in each GPU's
+    window, and learn the readings' spread from the change of each GPU's share since the
+    last period at an unchanged setting (the reference GPU, share 1 by its definition,
+    aside). A jump (a straggler that came) counts no more than ``4`` spreads (or 2 %)."""
+    free = [i for i in r if i not in ps.held] or list(r)
+    ref = max(free, key=lambda i: r[i])
+    diffs = []
+    for i, x in r.items():
+        w = _window(ps, i, at[i])
+        if w and i != ref:
+            diffs.append(x - w[-1])
+        ps.window[i], ps.win_at[i] = [*w, x][-WINDOW:], at[i]
+    if not diffs:
+        return
+    cap = max(4.0 * ps.spread, 0.02)
+    var = sum(min(abs(d), cap) ** 2 for d in diffs) / len(diffs) / 2.0  # (a difference of two readings)
+    ps.spread_n += 1
+    a = max(0.05, 1.0 / ps.spread_n)
+    ps.spread = math.sqrt((1.0 - a) * ps.spread**2 + a * var)
+
+
 def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = None) -> bool | None:
     """Whether the job's GPUs run at different paces this period (a GPU at the job's
     setting with slack, or a paced GPU that still keeps under the critical pace); None
@@ -106,7 +183,7 @@ def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = N
     ``was``: last period's answer; a straggler once shown is gone only when every GPU at
     the job's setting is within ``SLACK / 2`` of the pace (a share near the line does not
     flicker between the two)."""
-    busy = busy_of(views)
+    busy = _busy(ps, views)
     if busy is None or len(busy) < 2:
         return None
     r = _shares(busy, ps.held)
@@ -115,7 +192,9 @@ def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = N
     line = 1.0 - (SLACK / 2 if was else SLACK)
     pending = ps.before if ps.ref is not None else None  # (a GPU the last move took too deep still keeps its straggler)
     return any(
-        x < line if i not in ps.held else x < NEAR * ps.room or (pending is not None and pending.get(i) != ps.held[i])
+        x < line
+        if i not in ps.held
+        else not _over(ps, _window(ps, i, ps.held[i], x)) or (pending is not None and pending.get(i) != ps.held[i])
         for i, x in r.items()
     )
 
@@ -143,6 +222,12 @@ class PaceState:
     from_: dict[int, tuple[int, float]] = field(default_factory=dict)  # GPU -> (index, share) before its last move
     jump: dict[int, int] = field(default_factory=dict)  # GPU -> grid notches of its last move
     room: float = 1.0  # the job's allowed step time over the critical GPU's at the job's setting (>= 1)
+    window: dict[int, list[float]] = field(default_factory=dict)  # GPU -> its shares since its setting changed
+    win_at: dict[int, int] = field(default_factory=dict)  # GPU -> the grid index its window is at
+    spread: float = 0.0  # standard deviation of one period's share reading (learnt; 0: noise-free)
+    spread_n: int = 0  # periods the spread was learnt from
+    gpm_seen: bool = False  # every GPU of the job had SM activity (a period without is not read)
+    gpm_missing: int = 0  # periods since, without it on every GPU
     unpaced_tpf: float | None = None  # the job's time per FLOP before its first paced GPU (for ``room``)
     moves: int = 0
     undos: int = 0
@@ -249,12 +334,17 @@ class Pacer:
         if ps.base is not None and ps.base != base:
             return self.release(ps, grid[base], "the job's setting changed")
         ps.base = base
-        busy = busy_of(views)
+        busy = _busy(ps, views, count=True)
+        if busy is None and len(views) >= 2 and ps.gpm_seen:
+            return {}  # (some GPU's SM activity not read this period: it holds, for a while)
         if len(views) < 2 or busy is None:
             return self.release(ps, grid[base], "its GPUs' utilisation is not read")
         r = _shares(busy, ps.held)
         if r is None:
             return {}
+        _observe(ps, r, {i: ps.held.get(i, base) for i in r})
+        # a paced GPU's share is the mean since its setting last changed (one period's is noisy)
+        share = {i: sum(ps.window[i]) / len(ps.window[i]) if i in ps.held else x for i, x in r.items()}
         out: dict[int, Setting] = {}
         restarted = since_s is not None and ps.since_s is not None and since_s != ps.since_s
         if live is None or restarted or (ps.seen and live.steps < ps.seen[-1].steps):
@@ -265,7 +355,7 @@ class Pacer:
         if live is not None:
             ps.seen = [*ps.seen[-63:], live]
         # ---- paced GPUs now on the critical path
-        critical = [i for i in sorted(ps.held) if r.get(i, 1.0) >= NEAR * ps.room]
+        critical = [i for i in sorted(ps.held) if i in r and _over(ps, ps.window[i])]
         if critical:
             before = ps.before if ps.ref is not None else None
             stepped = [i for i in critical if before is not None and before.get(i, base) != ps.held[i]]
@@ -274,7 +364,7 @@ class Pacer:
                 # the last move took it too deep: back to where it kept the pace, and
                 # never as deep again while this straggler lasts
                 k, back = ps.held[i], (before or {}).get(i, base)
-                self._learn(ps, i, k, r[i])
+                self._learn(ps, i, k, share[i])
                 ps.floor[i] = max(ps.floor.get(i, -1), k)
                 ps.jump[i] = 1
                 if back == base:
@@ -326,11 +416,11 @@ class Pacer:
                 return out
             for i, at in ps.held.items():
                 if i in ps.from_:
-                    self._learn(ps, i, at, r[i])
+                    self._learn(ps, i, at, share[i])
             # kept: the steps since the move are the reference for the next one
             ps.before, ps.ref, ps.mark = None, None, Evidence()
         # ---- GPUs with slack: deeper, to just keep the pace
-        deeper = {i: self._deeper(ps, i, r[i], levels, base) for i in sorted(r)}
+        deeper = {i: self._deeper(ps, i, share[i], levels, base) for i in sorted(r)}
         want = {i: k for i, k in deeper.items() if k is not None}
         if live is None or not want:
             ps.mark = None
@@ -347,7 +437,7 @@ class Pacer:
             ps.unpaced_tpf = recent.time_per_flop_s
         for i, k in want.items():
             at = ps.held.get(i, base)
-            ps.from_[i] = (at, r[i])
+            ps.from_[i] = (at, share[i])
             ps.jump[i] = at - k
             ps.held[i] = k
             out[i] = grid[k]
