@@ -11,9 +11,10 @@ How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled
 
 * **Who is critical.** Each GPU's busy share over the last period (:func:`busy_of`: its
   SM activity where every GPU of the job has NVML's GPM, else ``GpuView.util_pct``, the
-  share of time a kernel ran) against the busiest GPU at the job's setting (the
-  critical pace). A GPU at the job's setting below ``1 - SLACK`` of
-  it has slack.
+  share of time a kernel ran; a job that had SM activity on every GPU holds its pacing
+  through a period where some GPU's read failed, for up to ``GPM_HOLD`` periods)
+  against the busiest GPU at the job's setting (the critical pace). A GPU at the job's
+  setting below ``1 - SLACK`` of it has slack.
 * **How deep.** Each move takes a GPU to the deepest grid level predicted to keep its
   share under ``TARGET``. The prediction is the GPU's own stretch curve (its busy time
   per level over its time at the job's setting), learnt from its moves: measured
@@ -31,8 +32,17 @@ How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled
   paced to ``TARGET * room`` of the critical pace, and a move is undone only when the
   job runs slower by more than the room and the noise. The critical GPU, and any GPU
   at the job's setting without slack, is never paced.
-* **Too deep.** A GPU the last move took past the pace (its share at or over
-  ``NEAR``) goes back where it was, and that level is its floor while the straggler
+* **Noise.** A period's busy share varies on real GPUs (by a percent or more): a
+  paced GPU's share is the mean of its periods since its setting last changed, and
+  the readings' spread (``PaceState.spread``) is learnt from how each GPU's share
+  changes from one period to the next at an unchanged setting. A paced GPU is on the
+  critical path when its share is at or over ``NEAR`` and beyond that noise: in two
+  periods in a row its mean over its last periods is over ``TARGET`` by ``CLEAR``
+  spreads of that mean, or in one period it is over the pace by ``CLEAR`` spreads
+  (noise-free: one period at ``NEAR``). A paced GPU goes deeper only where its mean
+  share is under the line by more than ``Z`` spreads of that mean.
+* **Too deep.** A GPU the last move took past the pace (on the critical path, as
+  above) goes back where it was, and that level is its floor while the straggler
   lasts: it converges on the deepest level that keeps the pace and does not start over.
 * **Followed.** A paced GPU that becomes as busy as the pace without a move of its own
   (the straggler healed, or the paced GPU became one) gets the job's setting back at
@@ -420,7 +430,13 @@ class Pacer:
             # kept: the steps since the move are the reference for the next one
             ps.before, ps.ref, ps.mark = None, None, Evidence()
         # ---- GPUs with slack: deeper, to just keep the pace
-        deeper = {i: self._deeper(ps, i, share[i], levels, base) for i in sorted(r)}
+        # (a paced GPU goes deeper only where its mean share is under the line by more than
+        # the noise of that mean: a low reading by chance would take it too deep)
+        upper = {
+            i: x + (self.z * ps.spread / math.sqrt(len(ps.window[i])) if i in ps.held else 0.0)
+            for i, x in share.items()
+        }
+        deeper = {i: self._deeper(ps, i, upper[i], levels, base) for i in sorted(r)}
         want = {i: k for i, k in deeper.items() if k is not None}
         if live is None or not want:
             ps.mark = None
