@@ -11,9 +11,10 @@ How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled
 
 * **Who is critical.** Each GPU's busy share over the last period (:func:`busy_of`: its
   SM activity where every GPU of the job has NVML's GPM, else ``GpuView.util_pct``, the
-  share of time a kernel ran) against the busiest GPU at the job's setting (the
-  critical pace). A GPU at the job's setting below ``1 - SLACK`` of
-  it has slack.
+  share of time a kernel ran; a job that had SM activity on every GPU holds its pacing
+  through a period where some GPU's read failed, for up to ``GPM_HOLD`` periods)
+  against the busiest GPU at the job's setting (the critical pace). A GPU at the job's
+  setting below ``1 - SLACK`` of it has slack.
 * **How deep.** Each move takes a GPU to the deepest grid level predicted to keep its
   share under ``TARGET``. The prediction is the GPU's own stretch curve (its busy time
   per level over its time at the job's setting), learnt from its moves: measured
@@ -31,8 +32,17 @@ How (``efficient`` calls :meth:`Pacer.step` each period, once the job is settled
   paced to ``TARGET * room`` of the critical pace, and a move is undone only when the
   job runs slower by more than the room and the noise. The critical GPU, and any GPU
   at the job's setting without slack, is never paced.
-* **Too deep.** A GPU the last move took past the pace (its share at or over
-  ``NEAR``) goes back where it was, and that level is its floor while the straggler
+* **Noise.** A period's busy share varies on real GPUs (by a percent or more): a
+  paced GPU's share is the mean of its periods since its setting last changed, and
+  the readings' spread (``PaceState.spread``) is learnt from how each GPU's share
+  changes from one period to the next at an unchanged setting. A paced GPU is on the
+  critical path when its share is at or over ``NEAR`` and beyond that noise: in two
+  periods in a row its mean over its last periods is over ``TARGET`` by ``CLEAR``
+  spreads of that mean, or in one period it is over the pace by ``CLEAR`` spreads
+  (noise-free: one period at ``NEAR``). A paced GPU goes deeper only where its mean
+  share is under the line by more than ``Z`` spreads of that mean.
+* **Too deep.** A GPU the last move took past the pace (on the critical path, as
+  above) goes back where it was, and that level is its floor while the straggler
   lasts: it converges on the deepest level that keeps the pace and does not start over.
 * **Followed.** A paced GPU that becomes as busy as the pace without a move of its own
   (the straggler healed, or the paced GPU became one) gets the job's setting back at
@@ -64,21 +74,29 @@ __all__ = ["PaceState", "Pacer", "as_job", "busy_of", "straggle_shown"]
 
 SLACK = 0.03  # a GPU at its job's setting less busy than 1 - SLACK of the busiest has slack to give
 TARGET = 0.99  # pace a GPU up to this share of the critical GPU's busy time
-NEAR = 0.995  # a paced GPU this busy is on the critical path
+NEAR = 0.995  # a paced GPU this busy (at least, and beyond the readings' noise) is on the critical path
+CLEAR = 4.0  # standard deviations of the readings' spread that make a paced GPU's share clearly over TARGET
+WINDOW = 8  # periods of a GPU's share kept since its setting last changed (its mean is read, not one period)
+GPM_HOLD = 30  # periods a job that had SM activity on every GPU waits for it back before it reads utilisation
 WORST = 1.25  # a move never risks a paced GPU's step longer than this share of the pace, at worst
 UNDO_MIN = 0.01  # a slowdown below this is never read as one (noise)
 BACKOFF_S = 30.0
 BACKOFF_MAX_S = 600.0
 
 
-def busy_of(views: Sequence[GpuView]) -> dict[int, float] | None:
+def busy_of(views: Sequence[GpuView], gpm_seen: bool = False) -> dict[int, float] | None:
     """Each GPU's busy share over the last period in percent (the one signal pacing
     reads); None where a GPU's is not read. Its SM activity (``GpuView.sm_active_pct``,
     NVML's GPM, Hopper and newer) where every GPU of the job has it, else its utilisation
     (``GpuView.util_pct``: the share of time a kernel ran). Never a mix: the two are not
     on one scale. On real GPUs only SM activity finds slack: NCCL's wait kernels keep a
-    waiting GPU's utilisation near 100 %, while few of its SMs are busy."""
+    waiting GPU's utilisation near 100 %, while few of its SMs are busy. ``gpm_seen``:
+    the job had SM activity on every GPU before; a period where some GPU's is missing (a
+    failed GPM read) is not read (None), not one of utilisation (which reads ~100 % on
+    every GPU, as if a straggler healed)."""
     gpm = bool(views) and all(g.sm_active_pct is not None for g in views)
+    if gpm_seen and not gpm:
+        return None
     out: dict[int, float] = {}
     for g in views:
         u = g.sm_active_pct if gpm else g.util_pct
@@ -98,6 +116,75 @@ def _shares(busy: dict[int, float], held: dict[int, int]) -> dict[int, float] | 
     return {i: b / ref for i, b in busy.items()}
 
 
+def _busy(ps: PaceState, views: Sequence[GpuView], count: bool = False) -> dict[int, float] | None:
+    """:func:`busy_of` for the job whose pacing is ``ps``; it remembers that the job's
+    GPUs all had SM activity, and (``count``: once a period) forgets it after
+    ``GPM_HOLD`` periods without."""
+    if views and all(g.sm_active_pct is not None for g in views):
+        ps.gpm_seen, ps.gpm_missing = True, 0
+    elif ps.gpm_seen and count:
+        ps.gpm_missing += 1
+        if ps.gpm_missing > GPM_HOLD:
+            # gone for good: utilisation from now on, on its own scale
+            ps.gpm_seen, ps.gpm_missing = False, 0
+            ps.window, ps.win_at, ps.spread, ps.spread_n = {}, {}, 0.0, 0
+    return busy_of(views, ps.gpm_seen)
+
+
+def _window(ps: PaceState, i: int, at: int, x: float | None = None) -> list[float]:
+    """GPU ``i``'s shares since its setting (grid index ``at``) last changed, with ``x``
+    (this period's, not yet kept) last."""
+    w = ps.window.get(i, []) if ps.win_at.get(i) == at else []
+    return w if x is None else [*w, x]
+
+
+def _over(ps: PaceState, w: Sequence[float]) -> bool:
+    """Whether a paced GPU whose shares since its last change are ``w`` runs on the
+    critical path: this period's share clearly over the pace (at least ``NEAR`` and 1
+    plus ``CLEAR`` spreads of the readings), or, in this period and the one before, the
+    mean of its last periods (one or more) at or over ``NEAR`` and clearly over
+    ``TARGET`` (``CLEAR`` spreads of that mean). Noise-free, a share at ``NEAR`` is
+    enough; with noise, a reading over the line by chance is not (nor one period's low
+    reading of the critical GPU, which lifts every paced GPU's share at once). Until
+    the spread is learnt (two periods), only a share ``SLACK`` over the pace counts."""
+    if ps.spread_n < 2:  # (the spread not learnt yet: only a share off by a straggler's margin)
+        return bool(w) and w[-1] >= (1.0 + SLACK) * ps.room
+    if w and w[-1] >= max(NEAR, 1.0 + CLEAR * ps.spread) * ps.room:
+        return True
+    return len(w) >= 2 and _mean_over(ps, w) and _mean_over(ps, w[:-1])
+
+
+def _mean_over(ps: PaceState, w: Sequence[float]) -> bool:
+    total = 0.0
+    for m, x in enumerate(reversed(w), start=1):
+        total += x
+        if total / m >= max(NEAR, TARGET + CLEAR * ps.spread / math.sqrt(m)) * ps.room:
+            return True
+    return False
+
+
+def _observe(ps: PaceState, r: dict[int, float], at: dict[int, int]) -> None:
+    """Keep this period's shares (GPU -> its share, ``at``: its grid index) in each GPU's
+    window, and learn the readings' spread from the change of each GPU's share since the
+    last period at an unchanged setting (the reference GPU, share 1 by its definition,
+    aside). A jump (a straggler that came) counts no more than ``4`` spreads (or 2 %)."""
+    free = [i for i in r if i not in ps.held] or list(r)
+    ref = max(free, key=lambda i: r[i])
+    diffs = []
+    for i, x in r.items():
+        w = _window(ps, i, at[i])
+        if w and i != ref:
+            diffs.append(x - w[-1])
+        ps.window[i], ps.win_at[i] = [*w, x][-WINDOW:], at[i]
+    if not diffs:
+        return
+    cap = max(4.0 * ps.spread, 0.02)
+    var = sum(min(abs(d), cap) ** 2 for d in diffs) / len(diffs) / 2.0  # (a difference of two readings)
+    ps.spread_n += 1
+    a = max(0.05, 1.0 / ps.spread_n)
+    ps.spread = math.sqrt((1.0 - a) * ps.spread**2 + a * var)
+
+
 def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = None) -> bool | None:
     """Whether the job's GPUs run at different paces this period (a GPU at the job's
     setting with slack, or a paced GPU that still keeps under the critical pace); None
@@ -106,7 +193,7 @@ def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = N
     ``was``: last period's answer; a straggler once shown is gone only when every GPU at
     the job's setting is within ``SLACK / 2`` of the pace (a share near the line does not
     flicker between the two)."""
-    busy = busy_of(views)
+    busy = _busy(ps, views)
     if busy is None or len(busy) < 2:
         return None
     r = _shares(busy, ps.held)
@@ -115,7 +202,9 @@ def straggle_shown(ps: PaceState, views: Sequence[GpuView], was: bool | None = N
     line = 1.0 - (SLACK / 2 if was else SLACK)
     pending = ps.before if ps.ref is not None else None  # (a GPU the last move took too deep still keeps its straggler)
     return any(
-        x < line if i not in ps.held else x < NEAR * ps.room or (pending is not None and pending.get(i) != ps.held[i])
+        x < line
+        if i not in ps.held
+        else not _over(ps, _window(ps, i, ps.held[i], x)) or (pending is not None and pending.get(i) != ps.held[i])
         for i, x in r.items()
     )
 
@@ -143,6 +232,12 @@ class PaceState:
     from_: dict[int, tuple[int, float]] = field(default_factory=dict)  # GPU -> (index, share) before its last move
     jump: dict[int, int] = field(default_factory=dict)  # GPU -> grid notches of its last move
     room: float = 1.0  # the job's allowed step time over the critical GPU's at the job's setting (>= 1)
+    window: dict[int, list[float]] = field(default_factory=dict)  # GPU -> its shares since its setting changed
+    win_at: dict[int, int] = field(default_factory=dict)  # GPU -> the grid index its window is at
+    spread: float = 0.0  # standard deviation of one period's share reading (learnt; 0: noise-free)
+    spread_n: int = 0  # periods the spread was learnt from
+    gpm_seen: bool = False  # every GPU of the job had SM activity (a period without is not read)
+    gpm_missing: int = 0  # periods since, without it on every GPU
     unpaced_tpf: float | None = None  # the job's time per FLOP before its first paced GPU (for ``room``)
     moves: int = 0
     undos: int = 0
@@ -249,12 +344,17 @@ class Pacer:
         if ps.base is not None and ps.base != base:
             return self.release(ps, grid[base], "the job's setting changed")
         ps.base = base
-        busy = busy_of(views)
+        busy = _busy(ps, views, count=True)
+        if busy is None and len(views) >= 2 and ps.gpm_seen:
+            return {}  # (some GPU's SM activity not read this period: it holds, for a while)
         if len(views) < 2 or busy is None:
             return self.release(ps, grid[base], "its GPUs' utilisation is not read")
         r = _shares(busy, ps.held)
         if r is None:
             return {}
+        _observe(ps, r, {i: ps.held.get(i, base) for i in r})
+        # a paced GPU's share is the mean since its setting last changed (one period's is noisy)
+        share = {i: sum(ps.window[i]) / len(ps.window[i]) if i in ps.held else x for i, x in r.items()}
         out: dict[int, Setting] = {}
         restarted = since_s is not None and ps.since_s is not None and since_s != ps.since_s
         if live is None or restarted or (ps.seen and live.steps < ps.seen[-1].steps):
@@ -265,7 +365,7 @@ class Pacer:
         if live is not None:
             ps.seen = [*ps.seen[-63:], live]
         # ---- paced GPUs now on the critical path
-        critical = [i for i in sorted(ps.held) if r.get(i, 1.0) >= NEAR * ps.room]
+        critical = [i for i in sorted(ps.held) if i in r and _over(ps, ps.window[i])]
         if critical:
             before = ps.before if ps.ref is not None else None
             stepped = [i for i in critical if before is not None and before.get(i, base) != ps.held[i]]
@@ -274,7 +374,7 @@ class Pacer:
                 # the last move took it too deep: back to where it kept the pace, and
                 # never as deep again while this straggler lasts
                 k, back = ps.held[i], (before or {}).get(i, base)
-                self._learn(ps, i, k, r[i])
+                self._learn(ps, i, k, share[i])
                 ps.floor[i] = max(ps.floor.get(i, -1), k)
                 ps.jump[i] = 1
                 if back == base:
@@ -326,11 +426,17 @@ class Pacer:
                 return out
             for i, at in ps.held.items():
                 if i in ps.from_:
-                    self._learn(ps, i, at, r[i])
+                    self._learn(ps, i, at, share[i])
             # kept: the steps since the move are the reference for the next one
             ps.before, ps.ref, ps.mark = None, None, Evidence()
         # ---- GPUs with slack: deeper, to just keep the pace
-        deeper = {i: self._deeper(ps, i, r[i], levels, base) for i in sorted(r)}
+        # (a paced GPU goes deeper only where its mean share is under the line by more than
+        # the noise of that mean: a low reading by chance would take it too deep)
+        upper = {
+            i: x + (self.z * ps.spread / math.sqrt(len(ps.window[i])) if i in ps.held else 0.0)
+            for i, x in share.items()
+        }
+        deeper = {i: self._deeper(ps, i, upper[i], levels, base) for i in sorted(r)}
         want = {i: k for i, k in deeper.items() if k is not None}
         if live is None or not want:
             ps.mark = None
@@ -347,7 +453,7 @@ class Pacer:
             ps.unpaced_tpf = recent.time_per_flop_s
         for i, k in want.items():
             at = ps.held.get(i, base)
-            ps.from_[i] = (at, r[i])
+            ps.from_[i] = (at, share[i])
             ps.jump[i] = at - k
             ps.held[i] = k
             out[i] = grid[k]

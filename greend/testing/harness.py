@@ -249,6 +249,7 @@ def run_policy(
     decision_period_s: float | None = None,
     settle_steps: int = 1,
     noise: float = 0.0,
+    util_noise: float = 0.0,
     seed: int = 0,
     phase_change_at: int | None = None,
     phase_flops_per_step: float | None = None,
@@ -264,6 +265,8 @@ def run_policy(
     (per GPU), ``mem_share`` and, optionally, a phase change at step
     ``phase_change_at``. ``noise``: relative standard deviation of the
     multiplicative noise on each measured step time and energy (seeded).
+    ``util_noise``: the same on each GPU's busy share per period (``util_pct``, at
+    most 100: a real reading over a ~1 s window varies by a percent or more).
     Decisions every ``decision_every_steps`` iterations, or every
     ``decision_period_s`` simulated seconds when that is given.
     """
@@ -289,6 +292,7 @@ def run_policy(
             raise ValueError(f"job {sj.job}: GPU(s) {missing} not among the harness GPUs")
     clk = clock if clock is not None else _find_clock(gpus)
     rng = random.Random(seed)
+    util_rng = random.Random(seed + 1)  # (its own stream: runs without it draw as before)
     state = policy.new_state()
     trace: list[StepRecord] = []
     decisions: list[tuple[float, Decision]] = []
@@ -401,6 +405,7 @@ def run_policy(
             last_clock,
             cpu_power_w,
             period_time,
+            (util_noise, util_rng),
         )
         period_energy = {g.index: 0.0 for g in gpus}
         period_busy = {g.index: 0.0 for g in gpus}
@@ -463,6 +468,7 @@ def _snapshot(
     last_clock: dict[int, int],
     cpu_power_w: float | None,
     period_time: float = 0.0,
+    util_noise: tuple[float, random.Random] | None = None,
 ) -> Snapshot:
     views = []
     for g in gpus:
@@ -472,6 +478,8 @@ def _snapshot(
         busy = period_busy[g.index]
         power = period_energy[g.index] / busy if busy > 0 else g.spec.idle_w
         util = min(100.0, 100.0 * busy / period_time) if period_time > 0 else None
+        if util is not None and util_noise is not None and util_noise[0] > 0:
+            util = min(100.0, max(0.0, util * (1.0 + util_noise[1].gauss(0.0, util_noise[0]))))
         views.append(
             GpuView(
                 index=g.index,

@@ -63,3 +63,34 @@ def test_a_gpu_that_only_waits_is_paced_on_its_sm_activity() -> None:
 def test_without_sm_activity_pacing_is_as_before() -> None:
     moved = step(views([80.0, 100.0], [None, None]))
     assert list(moved) == [0]
+
+
+def test_a_failed_sm_activity_read_holds_the_pacing() -> None:
+    """A job whose GPUs all had SM activity: a period where one GPU's read failed is not
+    read (utilisation, ~100 % on every GPU, would look like a healed straggler). The
+    pacing holds (no release, no move) and goes on when SM activity is back; a job that
+    never had it on every GPU reads utilisation as before."""
+    from greend.policies._pacing import GPM_HOLD, straggle_shown
+
+    p, ps = Pacer(8, 1.64, 0.02), PaceState()
+    live = Evidence(16, 16 * FLOPS, 16.0, 16 * 500.0, None, None)
+    base = len(GRID) - 1
+    moved = p.step(ps, 10.0, GRID, LEVELS, base, views([100.0, 100.0], [60.0, 97.0]), live)
+    assert list(moved) == [0]
+    held = dict(ps.held)
+    gap = views([100.0, 100.0], [None, 97.0])
+    assert busy_of(gap, gpm_seen=True) is None
+    assert straggle_shown(ps, gap, True) is None  # (the job keeps its straggler)
+    for t in range(5):
+        assert p.step(ps, 11.0 + t, GRID, LEVELS, base, gap, live) == {}
+        assert ps.held == held
+    assert ps.gpm_seen
+    # Gone for good: after GPM_HOLD periods without it, utilisation is read.
+    for t in range(GPM_HOLD):
+        p.step(ps, 20.0 + t, GRID, LEVELS, base, gap, live)
+    assert not ps.gpm_seen
+    for t in range(3):  # (utilisation: every GPU as busy, on a new scale whose spread is learnt first)
+        p.step(ps, 60.0 + t, GRID, LEVELS, base, gap, live)
+    assert ps.held == {}, ps.last_event  # the pacing lifted
+    # A job that never had SM activity everywhere reads utilisation.
+    assert busy_of(gap) == {0: 100.0, 1: 100.0}
