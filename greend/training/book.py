@@ -489,9 +489,12 @@ class StepBook:
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
                             step._spike_reason = spike = guard.spike(value, at)
-                            if spike is not None and at >= self.probe_watch and self._probe_settling(at):
-                                step._spike_reason = spike = None  # the weights settle back after a probe
-                            if spike is None:
+                            if at >= self.probe_watch and self._probe_settling(at):
+                                # The weights settle back after a probe: a jump here is the
+                                # probe's, and these losses are not the level's trend either
+                                # (a jump that lasts past them is judged as one then).
+                                step._spike_reason = None
+                            elif spike is None:
                                 guard.losses.append(value)  # (a spike is not the new level's trend)
                         else:
                             guard.losses.append(value)
