@@ -85,11 +85,20 @@ GREEND_DIR = str(ROOT / "greend")  # frames from here (or the installed package)
 # is refused.
 _NVML_OBJECTS = {"Device", "System", "Unit", "Vgpu", "Gpu", "Instance", "Compute", "Event", "Gpm", "Nv", "Link"}
 _NVML_READ_VERBS = {"Get", "Init", "Shutdown", "Error", "Query", "Validate", "Is", "On"}
+# GPM (SM activity): samples are host buffers NVML fills from the GPU's counters; taking,
+# reading and freeing them changes no setting (nvmlGpmSetStreamingEnabled does, and is refused).
+_NVML_READERS = {
+    "nvmlGpmSampleAlloc",
+    "nvmlGpmSampleFree",
+    "nvmlGpmSampleGet",
+    "nvmlGpmMigSampleGet",
+    "nvmlGpmMetricsGet",
+}
 
 
 def is_nvml_writer(name: str) -> bool:
     """True for an NVML function that may change the GPU or the driver's state."""
-    if not name.startswith("nvml") or len(name) < 5 or not name[4].isupper():
+    if not name.startswith("nvml") or len(name) < 5 or not name[4].isupper() or name in _NVML_READERS:
         return False
     for word in re.findall(r"[A-Z][a-z0-9]*", name[4:]):
         if word in _NVML_OBJECTS:

@@ -114,10 +114,14 @@ def test_every_nvml_writer_greend_knows_is_refused_and_no_reader() -> None:
                "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetMigMode", "nvmlDeviceSetApplicationsClocks",
                "nvmlDeviceResetApplicationsClocks", "nvmlDeviceClearEccErrorCounts", "nvmlDeviceSetComputeMode",
                "nvmlGpuInstanceCreateComputeInstance", "nvmlDeviceCreateGpuInstance", "nvmlUnitSetLedState",
-               "nvmlDeviceModifyDrainState", "nvmlDeviceDiscoverGpus", "nvmlEventSetCreate"]  # fmt: skip
+               "nvmlDeviceModifyDrainState", "nvmlDeviceDiscoverGpus", "nvmlEventSetCreate",
+               "nvmlGpmSetStreamingEnabled"]  # fmt: skip
     readers = ["nvmlInit", "nvmlShutdown", "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage",
                "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetMigMode", "nvmlSystemGetDriverVersion",
-               "nvmlDeviceGetPowerManagementLimitConstraints", "nvmlErrorString", "nvmlDeviceGetCount"]  # fmt: skip
+               "nvmlDeviceGetPowerManagementLimitConstraints", "nvmlErrorString", "nvmlDeviceGetCount",
+               # GPM (SM activity): host buffers filled from the counters, no setting changed
+               "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMetricsGet",
+               "nvmlGpmSampleFree"]  # fmt: skip
     assert [w for w in writers if not dc.is_nvml_writer(w)] == []
     assert [r for r in readers if dc.is_nvml_writer(r)] == []
 

@@ -280,7 +280,9 @@ class ProfileRecorder:
         jobs = self.ctx.jobs
         job = jobs.get(rec.job)
         if job is None or not job.running:
-            self._finish("aborted", f"job {rec.job} is not running")
+            # (The same words as job_ended's, which may come just after this period.)
+            why = f"job {rec.job} ended ({job.end_reason})" if job is not None else f"job {rec.job} is not running"
+            self._finish("aborted", why)
             return
         limit = rec.limits_w[rec.index]
         m = jobs.measure(job, Setting(power_limit_w=limit))
