@@ -366,14 +366,10 @@ class PrecisionPolicy:
             # figures), for as long as the level is in force; the probation waits for
             # their first verdict, then judges the energy.
             need_steps = max(self.probation_steps, PROBE_PROBATION_STEPS)
-            if steps_in < need_steps:
-                return (
-                    f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: the "
-                    f"job's probes at {pb.from_level})",
-                    None,
-                    None,
-                )
-            return self._judge_energy(snap, j, js, pb, steps_in, f"no rollback from the probes at {pb.from_level}")
+            return self._after_ranks_verdict(
+                snap, j, js, pb, steps_in, need_steps, f"the job's probes at {pb.from_level}",
+                f"no rollback from the probes at {pb.from_level}",
+            )  # fmt: skip
         if j.reference_every is not None:
             # Every rank checks the level against fp32 on a fixed batch (the same weights):
             # a like-for-like figure that a falling loss or a change in the data does not
@@ -382,14 +378,10 @@ class PrecisionPolicy:
             # and in _read_events), for as long as the level is in force; the probation
             # waits for their first verdict, then judges the energy.
             need_steps = max(self.probation_steps, REFERENCE_CHECKS * j.reference_every)
-            if steps_in < need_steps:
-                return (
-                    f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: the "
-                    f"job's reference checks every {j.reference_every} steps)",
-                    None,
-                    None,
-                )
-            return self._judge_energy(snap, j, js, pb, steps_in, "no rollback from the reference checks")
+            return self._after_ranks_verdict(
+                snap, j, js, pb, steps_in, need_steps, f"the job's reference checks every {j.reference_every} steps",
+                "no rollback from the reference checks",
+            )  # fmt: skip
         need = min(self.probation_steps, self.window)
         longest = PROBATION_EXTEND * self.probation_steps
         worse = se = math.nan
@@ -423,6 +415,28 @@ class PrecisionPolicy:
                 None,
             )
         return self._judge_energy(snap, j, js, pb, steps_in, f"loss {mean_text(after)} vs trend {pb.trend:.6g}")
+
+    def _after_ranks_verdict(
+        self,
+        snap: Snapshot,
+        j: JobView,
+        js: JobMemory,
+        pb: Probation,
+        steps_in: int,
+        need_steps: int,
+        judged_by: str,
+        accuracy: str,
+    ) -> tuple[str, str | None, dict | None]:
+        """A probation whose accuracy the ranks judge (``judged_by``: probes or reference
+        checks; they roll back themselves): wait ``need_steps`` for their first verdict,
+        then judge the energy."""
+        if steps_in < need_steps:
+            return (
+                f"job {j.job}: probation at {pb.to_level} ({steps_in}/{need_steps} steps; accuracy: {judged_by})",
+                None,
+                None,
+            )
+        return self._judge_energy(snap, j, js, pb, steps_in, accuracy)
 
     def _judge_energy(
         self, snap: Snapshot, j: JobView, js: JobMemory, pb: Probation, steps_in: int, accuracy: str
