@@ -52,7 +52,12 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    settings whose time cost exceeds the uncapped cost; golden-section search on
    the measured cost narrows the rest.
 
-5. **Settled.** We hold the best setting and keep watching: once after settling,
+5. **A second look** (``_finer.py``), once settled with the baseline re-checked:
+   where a setting below would save over 2 % more and may be within the bound, the
+   baseline and that setting are measured longer (judged once, by ``Z_LONG``); with
+   the power knob, a limit between the settled one and the one below is tried.
+
+6. **Settled.** We hold the best setting and keep watching: once after settling,
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
    makes first steps slow, and the budget depends on it); while settled, a
    window of recent steps is compared with what the setting showed when we
@@ -60,7 +65,7 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    the job) starts the search again. A new job that shares a job's GPUs
    re-tunes it too.
 
-6. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
+7. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
    one on the node (less busy) get deeper settings, until they just keep its pace.
 The policy is pure: no I/O, no clocks (``snap.t_s`` only); all memory lives in
 the state object from :meth:`EfficientPolicy.new_state`.
@@ -73,6 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._evidence import Evidence, antitonic_fit, n_measured
+from ._finer import GAIN_LONG, LONG, MAX_FINE, Z_LONG, Bracket, insert_finer, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -295,7 +301,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase = False
+        job.rebase, job.fine, job.looking = False, 0, False
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -390,7 +396,7 @@ class EfficientPolicy:
             if drift is not None:
                 self._retune(job, drift)
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
-        if job.phase == "search" and not job.current.uncapped:
+        if job.phase == "search" and (not job.current.uncapped or job.looking):
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
                 return (
@@ -413,7 +419,7 @@ class EfficientPolicy:
             )
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
-            job.phase = "settled"
+            job.phase, job.looking = "settled", False
             job.settled = target
             job.ref, job.samples = None, []
             if job.settled_job_steps is None:
@@ -532,9 +538,10 @@ class EfficientPolicy:
             held = job.settled_index
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
+                z = Z if seen[i].steps <= self.max_steps else Z_LONG  # (a longer look: a stricter test)
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
-                if i == top or r <= allowed * (1 + 1e-9) - Z * se or (i == held and r <= allowed + Z * se):
+                if i == top or r <= allowed * (1 + 1e-9) - z * se or (i == held and r <= allowed + Z * se):
                     status[i] = "ok"
                 elif r > allowed + Z * se or seen[i].steps >= self.max_steps:
                     status[i] = "over"  # a point still unsure after max_steps: the safe side
@@ -602,6 +609,25 @@ class EfficientPolicy:
             e = at[least]
             if least != best and e is not None and e.steps < self.max_steps:
                 return _Action("measure", least, min(self.max_steps, e.steps + self.min_steps))
+        # ---- a second look, once settled with the baseline re-checked (policies/_finer.py)
+        if not cost_mode and (job.looking or may_look(job, best)):
+            n, job.looking = LONG * self.max_steps, True
+            gain = {i: objective(i) < objective(best) * (1 - GAIN_LONG) for i in measured}
+            prize = [i for i in measured if i < best and status[i] != "ok" and gain[i]]
+            if prize and base.steps < LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
+                return _Action("measure", top, LONG * self.baseline_steps)  # every ratio leans on it
+            for i in prize:  # near the bound: measured longer (judged once, at the end)
+                if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
+                    return _Action("measure", i, n)
+            if job.knob == "power" and best > 0 and best - 1 in seen and status[best - 1] != "ok":
+                sd = seen[best].se_time(self.noise) * math.sqrt(seen[best].steps)  # one step's spread
+                lv, lo = job.levels, best - 1
+                fine = Bracket(lv[best], lv[lo], ratio[best], ratio[lo], objective(best), objective(lo))
+                if job.fine < MAX_FINE and insert_finer(
+                    job, best, fine, allowed, math.hypot(sd / math.sqrt(n), se_base)
+                ):
+                    return _Action("measure", best, n)
+            job.looking = False
         return _Action("settle", best)
 
     @staticmethod

@@ -51,6 +51,8 @@ class JobSearch:
     stale_since_s: float | None = None  # when the measure behind `stale` started
     straggle: bool | None = None  # its GPUs ran at different paces last period (None: not read)
     rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
+    fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
+    looking: bool = False  # a second look below the settled setting is under way (policies/_finer.py)
 
     @property
     def settled_index(self) -> int | None:
