@@ -82,11 +82,15 @@ def finer_limit(b: Bracket, allowed: float, se_new: float, z: float) -> float | 
 
 
 def may_look(job: JobSearch, best: int) -> bool:
-    """Whether the search may take a second look below ``best``: settled there, with the
+    """Whether the search may take a second look below ``best``: power knob (the clock
+    knob's grid is the GPU's own clocks, and on the simulated H100 its second look cost
+    more run energy than it won), settled there, with the
     baseline re-checked (so it is precise; uncapped, the baseline grows on its own) and
     no GPU paced (the grid may grow, and the pacing holds grid indices)."""
     checked = job.rechecked_once or best == len(job.grid) - 1
-    return job.phase == "settled" and job.settled_index == best and checked and not job.pace.held
+    return (
+        job.knob == "power" and job.phase == "settled" and job.settled_index == best and checked and not job.pace.held
+    )
 
 
 def insert_finer(job: JobSearch, best: int, b: Bracket, allowed: float, se_new: float) -> bool:

@@ -52,10 +52,10 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    settings whose time cost exceeds the uncapped cost; golden-section search on
    the measured cost narrows the rest.
 
-5. **A second look** (``_finer.py``), once settled with the baseline re-checked:
-   where a setting below would save over 2 % more and may be within the bound, the
-   baseline and that setting are measured longer (judged once, by ``Z_LONG``); with
-   the power knob, a limit between the settled one and the one below is tried.
+5. **A second look** (power knob, ``_finer.py``), once settled with the baseline
+   re-checked: where a limit below would save over 2 % more and may be within the
+   bound, the baseline and that limit are measured longer (judged once, by
+   ``Z_LONG``); then a limit between the settled one and the one below is tried.
 
 6. **Settled.** We hold the best setting and keep watching: once after settling,
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
@@ -538,7 +538,7 @@ class EfficientPolicy:
             held = job.settled_index
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
-                z = Z if seen[i].steps <= self.max_steps else Z_LONG  # (a longer look: a stricter test)
+                z = Z_LONG if job.knob == "power" and seen[i].steps > self.max_steps else Z  # (second look)
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
                 if i == top or r <= allowed * (1 + 1e-9) - z * se or (i == held and r <= allowed + Z * se):
@@ -619,7 +619,7 @@ class EfficientPolicy:
             for i in prize:  # near the bound: measured longer (judged once, at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
-            if job.knob == "power" and best > 0 and best - 1 in seen and status[best - 1] != "ok":
+            if best > 0 and best - 1 in seen and status[best - 1] != "ok":
                 sd = seen[best].se_time(self.noise) * math.sqrt(seen[best].steps)  # one step's spread
                 lv, lo = job.levels, best - 1
                 fine = Bracket(lv[best], lv[lo], ratio[best], ratio[lo], objective(best), objective(lo))
