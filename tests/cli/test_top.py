@@ -12,7 +12,8 @@ from rich.console import Console
 
 from greend.cli.top import measure, render_frame, run_top
 from greend.errors import DaemonUnavailable
-from tests.support import DaemonProc, start_daemon
+from greend.ipc.client import Client
+from tests.support import DaemonProc, start_daemon, wait_for
 
 
 def _status(flops: float, gpu_j: float, steps: int, *, state: str = "running") -> dict:
@@ -114,12 +115,14 @@ def test_top_once_against_a_daemon_with_a_training_job(tmp_path: Path, daemons: 
                     opt.zero_grad()
                 time.sleep(0.002)
 
+    def registered() -> bool:
+        with Client(d.socket) as c:
+            return any(j.get("job") == "topjob" for j in c.request("status")["jobs"])
+
     t = threading.Thread(target=train, daemon=True)
     t.start()
     try:
-        deadline = time.monotonic() + 20
-        while "topjob" not in d.ctl("jobs").stdout and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert wait_for(registered, 20)
         r = d.ctl("top", "--once", "--interval", "0.5")
     finally:
         stop.set()

@@ -9,18 +9,21 @@ import pty
 import re
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from greend.cli.top import run_top
 from greend.cli.top_keys import HELP_LINE, KEYS_LINE, TerminalKeys
-from tests.support import REPO, DaemonProc, env, start_daemon
+from tests.support import REPO, DaemonProc, env, start_daemon, wait_for
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -90,11 +93,14 @@ class Tty:
         os.close(self.fd)
 
 
-@pytest.fixture()
-def daemon(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:
-    d = start_daemon(tmp_path, "--sim", "1")
-    daemons.append(d)
-    return d
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon for the module: top only reads its status, so the tests share it."""
+    d = start_daemon(tmp_path_factory.mktemp("top-keys"), "--sim", "1")
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 def test_keys_sort_pause_help_and_quit_on_a_terminal(daemon: DaemonProc) -> None:
@@ -163,9 +169,12 @@ def test_an_error_gives_the_terminal_back() -> None:
         os.close(slave)
 
 
-def test_no_keys_from_a_pipe(daemon: DaemonProc) -> None:
-    """stdin not a terminal: top is as it was (the Ctrl-C line, no keys, no terminal mode)."""
-    args = [sys.executable, "-P", "-m", "greend.ctl", "--socket", str(daemon.socket), "top", "--interval", "0.3"]
+def test_no_keys_from_a_pipe(daemon: DaemonProc, tmp_path: Path) -> None:
+    """stdin not a terminal: top is as it was (the Ctrl-C line, no keys, no terminal mode).
+    top talks to the daemon through a relay that counts its status requests, so the test
+    waits for top's own refreshes instead of a fixed time."""
+    relay = _Relay(tmp_path / "relay.sock", daemon.socket)
+    args = [sys.executable, "-P", "-m", "greend.ctl", "--socket", str(relay.path), "top", "--interval", "0.3"]
     p = subprocess.Popen(
         args,
         stdin=subprocess.PIPE,
@@ -176,14 +185,52 @@ def test_no_keys_from_a_pipe(daemon: DaemonProc) -> None:
         preexec_fn=_default_sigint,
     )
     try:
-        time.sleep(2.5)
         assert p.stdin is not None
-        p.stdin.write(b"q")  # not a key here: top goes on
+        p.stdin.write(b"q")  # not a key here: top goes on (a top that read keys would find it)
         p.stdin.flush()
-        time.sleep(0.8)
+        # The first reading, then three refreshes: top's loop has run three times since the q.
+        assert wait_for(lambda: relay.requests >= 4 or p.poll() is not None, 20), relay.requests
         assert p.poll() is None
     finally:
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=10)
+        relay.close()
     text = re.sub(r"\s+", "", ANSI.sub("", out.decode()))
     assert "(Ctrl-Ctoquit)" in text and "pause" not in text, (text[-2000:], err.decode()[-2000:])
+
+
+class _Relay:
+    """A Unix socket that passes each connection on to ``target`` and counts them (greenctl
+    top makes one connection per status request)."""
+
+    def __init__(self, path: Path, target: Path) -> None:
+        self.path, self.target, self.requests = path, target, 0
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            up.connect(str(self.target))
+            self.requests += 1
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    """Copy ``src`` to ``dst`` until ``src`` ends, then end ``dst``'s writing side."""
+    try:
+        while chunk := src.recv(65536):
+            dst.sendall(chunk)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass

@@ -31,6 +31,8 @@
  *   NVML_STUB_HANG_WHEN=path         HANG_GPUS and HANG_NODE hang only while this file
  *                                    exists (a GPU that starts hanging mid-run)
  *   NVML_STUB_INIT_S=s               nvmlInit takes this long (as after a driver load)
+ *   NVML_STUB_REINIT_S=s             every nvmlInit but the process's first takes this
+ *                                    long (NVML initialised again after a driver load)
  *   NVML_STUB_CLOCK_CLAMP=mhz        SetGpuLockedClocks holds at most this max clock
  *                                    (the driver clamps the request); the SM clock and
  *                                    the clocks-event reasons show what is held
@@ -132,6 +134,8 @@ static int hang_node = 0;
 static const char *hang_when = NULL;
 static const char *idle_when = NULL;
 static double init_s = 0;
+static double reinit_s = 0;
+static long inits = 0; /* nvmlInit calls so far */
 static unsigned clock_clamp = 0;
 static long uninit_after = -1;
 static int reset_gpu = -1;
@@ -229,6 +233,7 @@ static void configure(void) {
     if ((v = getenv("NVML_STUB_HANG_NODE")) && *v && *v != '0') hang_node = 1;
     if ((v = getenv("NVML_STUB_HANG_WHEN")) && *v) hang_when = v;
     if ((v = getenv("NVML_STUB_INIT_S"))) init_s = atof(v);
+    if ((v = getenv("NVML_STUB_REINIT_S"))) reinit_s = atof(v);
     if ((v = getenv("NVML_STUB_CLOCK_CLAMP"))) clock_clamp = (unsigned)atoi(v);
     if ((v = getenv("NVML_STUB_UNINIT_AFTER"))) uninit_after = atol(v);
     if ((v = getenv("NVML_STUB_RESET")) && *v) {
@@ -369,8 +374,9 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
     pthread_mutex_lock(&mu);
     configure();
+    double wait_s = inits++ ? (reinit_s > 0 ? reinit_s : init_s) : init_s;
     pthread_mutex_unlock(&mu);
-    if (init_s > 0) usleep((useconds_t)(init_s * 1e6));
+    if (wait_s > 0) usleep((useconds_t)(wait_s * 1e6));
     maybe_wait("nvmlInit", -2);
     pthread_mutex_lock(&mu);
     if (init_error) LEAVE(init_error);
