@@ -1,16 +1,18 @@
 """The evidence the ``efficient`` policy keeps per setting (:class:`Evidence`: sums of
 a job's steps, FLOPs, time and energy, with their squares for the noise) and the
-monotone fit of step times over the settings (:func:`antitonic_fit`)."""
+monotone fit of step times over the settings (:func:`antitonic_fit`); which candidate is best
+within the noise (:func:`best_candidate`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .base import JobMeasure
 
-__all__ = ["Evidence", "antitonic_fit", "n_measured"]
+__all__ = ["Evidence", "antitonic_fit", "best_candidate", "n_measured"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +143,19 @@ def antitonic_fit(
 def n_measured(ev: dict[Any, Evidence]) -> int:
     """How many capped settings (keys with ``uncapped`` false) have steps measured."""
     return sum(1 for s, e in ev.items() if not s.uncapped and e.steps > 0)
+
+
+def best_candidate(
+    candidates: list[int],
+    objective: Callable[[int], float],
+    tol: Callable[[int, int], float],
+    incumbent: int | None,
+) -> int:
+    """The candidate with the least objective; among those within the noise of it
+    (``tol``, relative), the one we hold (hysteresis), else the highest setting (the
+    fastest)."""
+    least = min(candidates, key=objective)
+    close = [i for i in candidates if objective(i) <= objective(least) * (1 + tol(i, least))]
+    if incumbent is not None and incumbent in close:
+        return incumbent
+    return max(close)

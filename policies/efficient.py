@@ -39,7 +39,9 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    Noise: a setting is *feasible* when its time ratio is below the budget by
    ``Z`` standard errors, *over* when above by as much; in between we keep
    measuring it (up to ``4 * min_steps`` steps) and then call it over. So a
-   noisy run errs to the safe side.
+   noisy run errs to the safe side. With the power knob, settings below are ruled
+   out only by two neighbours clearly over by their own steps (measured power-limit
+   curves zig-zag): the search goes on down past a lone one.
 
 3. **Energy.** Energy per FLOP is convex in the clock (power grows faster than
    linearly, time shrinks as 1/clock): the best feasible setting is at the
@@ -77,7 +79,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._evidence import Evidence, antitonic_fit, n_measured
+from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
 from ._finer import GAIN_LONG, LONG, MAX_FINE, Z_LONG, Bracket, insert_finer, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
@@ -548,7 +550,7 @@ class EfficientPolicy:
                 else:
                     status[i] = "unsure"
         candidates = [i for i in measured if status[i] == "ok"]
-        best = self._best(candidates, objective, tol, job.settled_index)
+        best = best_candidate(candidates, objective, tol, job.settled_index)
         # ---- a challenger to the setting we hold is measured again before we move: among
         # several candidates one beats the held setting by chance more often than one
         # comparison's noise margin says; measured twice as long, a fluke falls back.
@@ -566,10 +568,15 @@ class EfficientPolicy:
                 return lower > objective(best) * (1 + MIN_ENERGY_TOL)
             return status[i] == "over" and fit[i] - Z * fit_se[i] > allowed
 
+        zig = job.knob == "power" and not cost_mode  # measured power-limit curves zig-zag
+
+        def own(i: int) -> bool:  # over by its own steps too, where curves zig-zag
+            return over(i) and (not zig or ratio[i] - Z * ratio_se[i] > allowed)
+
         # ---- the floor: two neighbouring settings both over rule out everything below
         floor = 0
         for i in measured:
-            if i < top and over(i) and (i == 0 or (i - 1 in fit and over(i - 1))):
+            if i < top and own(i) and (i == 0 or (i - 1 in fit and own(i - 1))):
                 floor = max(floor, i + 1)
         # ---- a setting too close to the bound to call, that might be the best: measure more
         for i in measured:
@@ -602,6 +609,9 @@ class EfficientPolicy:
         slow = max((i for i in measured if floor <= i < best and bad(i)), default=None)
         if slow is not None and slow - 1 >= floor and slow - 1 not in fit:
             return _Action("measure", slow - 1, self.min_steps)
+        low = min(measured)  # the lowest measured, bad, and no floor yet below it: the next one down
+        if zig and floor < low < best and bad(low):
+            return _Action("measure", low - 1, self.min_steps)
         # ---- before settling first: the least-cost candidate, if it lost only to the
         # noise margin, is measured longer (up to max_steps), so that a move later is rare
         if job.settled_index is None:
@@ -629,16 +639,6 @@ class EfficientPolicy:
                     return _Action("measure", best, n)
             job.looking = False
         return _Action("settle", best)
-
-    @staticmethod
-    def _best(candidates: list[int], objective: Any, tol: Any, incumbent: int | None) -> int:
-        """The candidate with the least objective; among those within the noise of it,
-        the one we hold (hysteresis), else the highest setting (the fastest)."""
-        least = min(candidates, key=objective)
-        close = [i for i in candidates if objective(i) <= objective(least) * (1 + tol(i, least))]
-        if incumbent is not None and incumbent in close:
-            return incumbent
-        return max(close)
 
     def _allowed(self, base: Evidence, j: JobView) -> float:
         """The allowed time ratio to the local uncapped baseline."""

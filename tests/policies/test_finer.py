@@ -70,3 +70,22 @@ def test_the_second_look_closes_most_of_the_gap_on_a_measured_profile_under_nois
         assert prof.energy_ratio(w) / prof.energy_ratio(200) - 1 < 0.05  # 225 W: +9.6 %
         settled = r.settled_steps()
         assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.05 for s in settled)
+
+
+def test_a_limit_in_a_dip_of_a_zigzag_profile_is_found_below_limits_over_the_bound() -> None:
+    """A40 ResNet-18 on 4 GPUs (measured): at 100-250 W the step runs 1.09-1.15x,
+    zig-zagging; under a 10 % bound the best measured limit is 125 W (1.092x), below 150
+    and 200 W (1.147x, 1.119x: over). With the power knob a setting rules the ones below
+    it out only when two neighbours are over by their own steps, so the search goes on
+    down past a lone one. (Before, seeds 2 and 4 stopped above 200 W and held 300 W:
+    7.8 % more energy.)"""
+    spec = trace_spec(TRACE_DIR / "zeus-gplo-a40" / "A40+resnet18+gpu0,1,2,3.csv")
+    prof = spec.profile
+    for seed in (2, 4):
+        gpus, _ = make_sim_gpus(1, spec=spec)
+        pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.10)
+        r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
+        w = r.final_setting.power_limit_w
+        assert w is not None and w <= 125
+        assert prof.time_ratio(w) <= 1.10
+        assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.10 for s in r.settled_steps())
