@@ -72,6 +72,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         torch.set_num_threads(1)
 
 
+def _deselects_e2e(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` leaves out every e2e test whatever its other markers: a
+    plain conjunction with ``not e2e`` among its terms ("not e2e and not slow")."""
+    terms = [t.strip() for t in markexpr.split(" and ")]
+    return "not e2e" in terms and not any(" or " in f" {t} " or "(" in t or ")" in t for t in terms)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not e2e ..."`` the tests/e2e folder is not even imported: its tests
+    would all be deselected, and importing its modules (torch, torchao, their assertion
+    rewriting) cost the fast tests about 4 s."""
+    if collection_path.name == "e2e" and collection_path.parent == Path(__file__).parent:
+        if _deselects_e2e(str(config.getoption("markexpr", "") or "")):
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/tests/e2e/" in str(item.path).replace("\\", "/"):

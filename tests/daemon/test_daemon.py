@@ -201,9 +201,9 @@ def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
             for i in range(20):
                 send_steps(a, i, 4e12)
                 send_steps(b, i, 1e12)
-                time.sleep(0.05)
-            assert time.monotonic() - t0 > 0.5
-            time.sleep(0.2)  # a tick after the last step
+                time.sleep(0.03)
+            assert time.monotonic() - t0 > 0.5  # steps over ten ticks or more
+            assert wait_for(lambda: a.request("report", job="two")["steps"] == 20, 5)  # a tick after the last step
             rep = a.request("report", job="two")
         per = {g["gpu"]: g for g in rep["per_gpu"]}
         assert sorted(per) == [0, 1]

@@ -51,9 +51,13 @@ def send_steps(c: Client, n: int, flops: float) -> None:
 
 
 @contextlib.contextmanager
-def running(tmp_path: Path, sim_gpus: int) -> Iterator[Daemon]:
-    """An in-process daemon with ``sim_gpus`` simulated GPUs, ticking in a thread."""
-    d = Daemon(make_config(tmp_path, hz=20.0, sim_gpus=sim_gpus))
+def running(tmp_path: Path, sim_gpus: int, store_interval_s: float | None = None) -> Iterator[Daemon]:
+    """An in-process daemon with ``sim_gpus`` simulated GPUs, ticking in a thread (its
+    store rows every ``store_interval_s``, default the config's)."""
+    cfg = make_config(tmp_path, hz=20.0, sim_gpus=sim_gpus)
+    if store_interval_s is not None:
+        cfg.store.interval_s = store_interval_s
+    d = Daemon(cfg)
     d.start()
     t = threading.Thread(target=d.run, daemon=True)
     t.start()
@@ -68,7 +72,7 @@ def test_two_runs_under_one_job_id_are_never_merged(tmp_path: Path) -> None:
     """Two launches given one job id at once: the second run is booked as <id>.<run>, with
     its own steps; a rank of the first run joins the first. Every store row of a job is
     tagged with its run, and a rerun after the end is a fresh record with its own tag."""
-    with running(tmp_path, 2) as d:
+    with running(tmp_path, 2, store_interval_s=0.25) as d:  # rows every 0.25 s: the last ones sooner
         cfg = d.cfg
         assert wait_for(lambda: d.ledger.last_time("gpu1") is not None, 5)
         with Client(cfg.daemon.socket) as a0, Client(cfg.daemon.socket) as a1, Client(cfg.daemon.socket) as b:

@@ -223,8 +223,8 @@ def test_the_callback_sends_rows_to_this_daemon_and_steps_to_an_older_one(daemon
                        flush_interval_s=0.05, precisions=["fp32"])  # fmt: skip
     t0 = time.monotonic()
     try:
-        for _ in range(300):
-            time.sleep(0.004)
+        for _ in range(300):  # over 0.6 s or more: a message per flush would be 12 or more
+            time.sleep(0.002)
             x = torch.randn(4, 8)
             with cb.step(samples=4, batch=x) as st:
                 loss = model(x).pow(2).mean()
