@@ -286,10 +286,10 @@ def test_a_data_shift_right_after_the_switch_is_not_a_rollback_with_a_reference_
 
     r = run_trainer(d.socket, "shift", *args, "--reference")
     wait_ended(d, "shift")
-    assert r["shift_at"] is not None and r["levels"][-1] == "bf16", r["precision_events"]
+    log = json.loads(d.ctl("report", "shift", "--json").stdout)["precision_log"]
+    assert r["shift_at"] is not None and r["levels"][-1] == "bf16", (r["precision_events"], log)
     assert r["precision_events"] == []
     assert any(c.get("spike") and c["step"] >= r["shift_at"] for c in r["reference_checks"])
-    log = json.loads(d.ctl("report", "shift", "--json").stdout)["precision_log"]
     assert [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS] == [
         ("switch", "fp32", "bf16")
     ], log
