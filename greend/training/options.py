@@ -70,7 +70,8 @@ class CallbackOptions:
             the rest of the run, and rolls back a level that is surely more than
             ``reference_tolerance`` worse (:mod:`greend.training.reference`).
         reference_every: steps between reference checks (default 50).
-        reference_tolerance: the mean excess over fp32 a level may have (default 0.02).
+        reference_tolerance: the mean excess over fp32 a level may have (default None:
+            the daemon precision policy's ``tolerance``, at most 0.02; 0.02 without one).
         probe_every: while the run is below its own level, every this many steps (after
             four blocks 50 steps apart right after the switch) a few steps run at the
             level above, and the level is rolled back when it is surely more than
@@ -110,7 +111,7 @@ class CallbackOptions:
     spike_steps: int = 200
     reference_loss: Callable[[], torch.Tensor] | None = None
     reference_every: int = 50
-    reference_tolerance: float = 0.02
+    reference_tolerance: float | None = None
     probe_every: int | None = 400
     probe_tolerance: float | None = None
     mem_share: float | None = None
@@ -141,8 +142,10 @@ class CallbackOptions:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"reference_every={every!r}: must be a whole number of steps >= 1")
         tolerance = self.reference_tolerance
-        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0):
-            raise ValueError(f"reference_tolerance={tolerance!r}: must be a number > 0 (a fraction)")
+        if tolerance is not None and not (
+            isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0
+        ):
+            raise ValueError(f"reference_tolerance={tolerance!r}: must be a number > 0 (a fraction), or None")
         probe = self.probe_every
         if probe is not None and (not isinstance(probe, int) or isinstance(probe, bool) or probe < 1):
             raise ValueError(f"probe_every={probe!r}: must be a whole number of steps >= 1, or None (no probes)")
@@ -209,7 +212,7 @@ class CallbackKwargs(TypedDict, total=False):
     spike_steps: int
     reference_loss: Callable[[], torch.Tensor] | None
     reference_every: int
-    reference_tolerance: float
+    reference_tolerance: float | None
     probe_every: int | None
     probe_tolerance: float | None
     mem_share: float | None

@@ -34,7 +34,7 @@ from greend.training.mixed_precision import (
 )
 from greend.training.peers import JobPeers
 from greend.training.probe import Prober
-from greend.training.reference import ReferenceJudge, excess
+from greend.training.reference import REFERENCE_TOLERANCE, ReferenceJudge, excess
 from greend.training.warn import OnceWarnings, log
 
 __all__ = ["PrecisionControl", "StepCount"]
@@ -78,7 +78,7 @@ class PrecisionControl:
         options: PrecisionOptions,
         reference_loss: Callable[[], torch.Tensor] | None,
         reference_every: int,
-        reference_tolerance: float,
+        reference_tolerance: float | None,
         probe_every: int | None,
         probe_tolerance: float | None,
         job: str,
@@ -146,7 +146,11 @@ class PrecisionControl:
         # level handle), judged once they have landed.
         self.reference = reference_loss if manage else None
         self.reference_every = reference_every
-        self.reference_judge = ReferenceJudge(tolerance=float(reference_tolerance))
+        # (None: the daemon's tolerance, at most REFERENCE_TOLERANCE: follow_tolerance)
+        self._reference_own = reference_tolerance is not None
+        self.reference_judge = ReferenceJudge(
+            tolerance=float(reference_tolerance) if reference_tolerance is not None else REFERENCE_TOLERANCE
+        )
         self._reference_pending: deque[tuple[int, str, Any, Any]] = deque()
         # Probe blocks at the level above while the run is below its own level
         # (greend.training.probe); None: none (turned off, or they failed).
@@ -445,10 +449,16 @@ class PrecisionControl:
 
     def follow_tolerance(self, tolerance: float | None) -> None:
         """The daemon's precision tolerance (its register reply; None: it sent none): the
-        probes judge against it unless the job gave ``probe_tolerance`` itself. Called
-        from the sender's thread: one attribute the prober reads."""
+        probes judge against it unless the job gave ``probe_tolerance`` itself, and the
+        reference check against it, at most :data:`REFERENCE_TOLERANCE` (the check sees
+        only what evaluating at the level costs, less than training there does), unless
+        the job gave ``reference_tolerance``. Called from the sender's thread: one
+        attribute each that the judges read."""
         if self.prober is not None:
             self.prober.policy_tolerance = tolerance
+        if not self._reference_own:
+            own = REFERENCE_TOLERANCE if tolerance is None else min(REFERENCE_TOLERANCE, tolerance)
+            self.reference_judge.tolerance = own
 
     def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
         """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""

@@ -36,10 +36,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GUARD_Z", "KEEP", "MIN_CHECKS", "ReferenceJudge", "excess"]
+__all__ = ["GUARD_Z", "KEEP", "MIN_CHECKS", "REFERENCE_TOLERANCE", "ReferenceJudge", "excess"]
 
 KEEP = 8  # the checks the rule looks at: the latest, so a penalty that grows shows
 MIN_CHECKS = 3
+REFERENCE_TOLERANCE = 0.02  # the default: at most this, else the daemon's tolerance when lower
 GUARD_Z = 2.0
 
 
@@ -52,7 +53,7 @@ def excess(fp32: float, loss: float) -> float:
 class ReferenceJudge:
     """Books the reference checks of one level and says when it must go."""
 
-    tolerance: float = 0.02
+    tolerance: float = REFERENCE_TOLERANCE
     level: str | None = None
     excess: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))
     log: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))

@@ -359,6 +359,25 @@ def test_a_daemon_without_the_field_leaves_the_default_and_a_told_one_is_taken(s
             d.stop()
 
 
+def test_the_reference_check_follows_a_stricter_daemon_tolerance_unless_the_job_set_its_own(
+    sock_path: Path,
+) -> None:
+    """reference_tolerance left at None: the daemon's tolerance where it is under 2 %, else
+    2 % (the check sees what evaluating at the level costs, less than what training there
+    costs, so a looser daemon does not loosen it); the job's own value always wins."""
+    cases = ((None, None, 0.02), (0.01, None, 0.01), (0.11, None, 0.02), (0.01, 0.04, 0.04), (None, 0.03, 0.03))
+    for told, own, expected in cases:
+        d = FakeDaemon(sock_path, rows_every_s=0.05, precision_tolerance=told).start()
+        try:
+            model = model_near(0.0)
+            with GreenCallback(job="t", model=model, socket=sock_path, precisions=["fp32", "bf16"],
+                               reference_tolerance=own, **FAST) as cb:  # fmt: skip
+                assert wait_for(lambda: cb.connected)
+                assert cb._control.reference_judge.tolerance == expected, (told, own)
+        finally:
+            d.stop()
+
+
 # Below fp8 ----------------------------------------------------------------------------------
 
 
