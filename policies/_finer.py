@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._pacing import PaceState
 from .base import Setting
 from .efficient_state import JobSearch
 
@@ -103,4 +104,5 @@ def insert_finer(job: JobSearch, best: int, b: Bracket, allowed: float, se_new: 
     job.grid = job.grid[:best] + (Setting(power_limit_w=w),) + job.grid[best:]
     job.levels = job.levels[:best] + (w,) + job.levels[best:]
     job.fine += 1
+    job.pace = PaceState()  # what the pacer learnt is kept by grid index (no GPU is paced now)
     return True

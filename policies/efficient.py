@@ -303,7 +303,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase, job.fine, job.looking = False, 0, False
+        job.rebase, job.fine, job.looking, job.look_from = False, 0, False, None
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -537,10 +537,10 @@ class EfficientPolicy:
             allowed = self._allowed(base, j)
             job.allowed = allowed
             status = {}
-            held = job.settled_index
+            held = job.held_index
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
-                z = Z_LONG if job.knob == "power" and seen[i].steps > self.max_steps else Z  # (second look)
+                z = Z_LONG if job.knob == "power" and seen[i].steps >= LONG * self.max_steps else Z  # (a long look)
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
                 if i == top or r <= allowed * (1 + 1e-9) - z * se or (i == held and r <= allowed + Z * se):
@@ -550,11 +550,11 @@ class EfficientPolicy:
                 else:
                     status[i] = "unsure"
         candidates = [i for i in measured if status[i] == "ok"]
-        best = best_candidate(candidates, objective, tol, job.settled_index)
+        best = best_candidate(candidates, objective, tol, job.held_index)
         # ---- a challenger to the setting we hold is measured again before we move: among
         # several candidates one beats the held setting by chance more often than one
         # comparison's noise margin says; measured twice as long, a fluke falls back.
-        held = job.settled_index
+        held = job.held_index
         if held is not None and best != held and held in candidates:
             steps = seen[best].steps
             if steps < 2 * self.min_steps:
@@ -621,7 +621,8 @@ class EfficientPolicy:
                 return _Action("measure", least, min(self.max_steps, e.steps + self.min_steps))
         # ---- a second look, once settled with the baseline re-checked (policies/_finer.py)
         if not cost_mode and (job.looking or may_look(job, best)):
-            n, job.looking = LONG * self.max_steps, True
+            was, n = job.looking, LONG * self.max_steps
+            job.looking, job.look_from = True, job.look_from if was else job.settled
             gain = {i: objective(i) < objective(best) * (1 - GAIN_LONG) for i in measured}
             prize = [i for i in measured if i < best and status[i] != "ok" and gain[i]]
             if prize and base.steps < LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
@@ -637,7 +638,8 @@ class EfficientPolicy:
                     job, best, fine, allowed, math.hypot(sd / math.sqrt(n), se_base)
                 ):
                     return _Action("measure", best, n)
-            job.looking = False
+            job.looking, job.look_from = False, None
+            job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)
 
     def _allowed(self, base: Evidence, j: JobView) -> float:

@@ -53,13 +53,23 @@ class JobSearch:
     rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
     fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
     looking: bool = False  # a second look below the settled setting is under way (policies/_finer.py)
+    look_from: Setting | None = None  # the setting settled on when the look began (held meanwhile)
 
     @property
     def settled_index(self) -> int | None:
         """Where in the grid the setting we settled on is (None: not settled)."""
-        if self.settled is None:
+        return self._index(self.settled)
+
+    @property
+    def held_index(self) -> int | None:
+        """Where the setting we hold is: the settled one, or during a second look the one
+        it began from (it keeps its margin at the bound and its place among equals)."""
+        return self._index(self.settled if self.settled is not None else self.look_from if self.looking else None)
+
+    def _index(self, setting: Setting | None) -> int | None:
+        if setting is None:
             return None
-        return next((i for i, s in enumerate(self.grid) if same_setting(s, self.settled)), None)
+        return next((i for i, s in enumerate(self.grid) if same_setting(s, setting)), None)
 
 
 @dataclass
