@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,19 @@ def test_replays_a_measured_profile(capsys: pytest.CaptureFixture[str]) -> None:
         for noise in ("0%", "1%", "2%"):
             assert any(ln.split()[:4] == ["A40+resnet50+gpu0", *objective, noise] for ln in lines), (objective, noise)
     assert sum(ln.startswith("summary (A40 profiles)") for ln in lines) == 4
+
+
+def test_a_remeasured_profile_moves_each_limit_by_about_a_percent(tmp_path: Path) -> None:
+    from greend.probes.trace import TRACE_DIR, load_trace
+
+    bench = _bench()
+    src = TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv"
+    a, b = load_trace(src), load_trace(bench.remeasured(src, 0, tmp_path))
+    assert a.limits_w == b.limits_w
+    moved = [
+        b.time_ratio(w) * b.points[-1].step_time_s / (a.time_ratio(w) * a.points[-1].step_time_s) - 1
+        for w in a.limits_w
+    ]
+    assert all(abs(m) < 0.05 for m in moved) and any(abs(m) > 1e-4 for m in moved)
+    assert bench.remeasured(src, 0, tmp_path).read_text() == bench.remeasured(src, 0, tmp_path).read_text()  # seeded
+    assert bench.remeasured(src, 1, tmp_path).read_text() != bench.remeasured(src, 0, tmp_path).read_text()
