@@ -28,13 +28,25 @@ from ._pacing import PaceState
 from .base import Setting
 from .efficient_state import JobSearch
 
-__all__ = ["GAIN_LONG", "GAIN_MIN", "LONG", "MAX_FINE", "Z_LONG", "Bracket", "finer_limit", "insert_finer", "may_look"]
+__all__ = [
+    "GAIN_LONG",
+    "GAIN_MIN",
+    "LONG",
+    "MAX_FINE",
+    "PLATEAU",
+    "Z_LONG",
+    "Bracket",
+    "finer_limit",
+    "insert_finer",
+    "may_look",
+]
 
 GAIN_MIN = 0.005  # a finer limit is tried only where it is predicted to save this much energy
 MAX_FINE = 3  # finer limits tried per search
 MIN_STEP_W = 1.0  # nearer than this to a measured level: not worth a try
 GAIN_LONG = 0.02  # a setting still unsure after max_steps that would save this much more energy...
 LONG = 4  # ...is measured up to this many times max_steps
+PLATEAU = 1.1  # a limit over the bound by less than this factor may sit in a zig-zag: look below it
 Z_LONG = 2.6  # one-sided 99.5 %: a setting measured beyond max_steps is judged by this many standard errors
 
 

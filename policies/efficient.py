@@ -41,7 +41,7 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    measuring it (up to ``4 * min_steps`` steps) and then call it over. So a
    noisy run errs to the safe side. With the power knob, settings below are ruled
    out only by two neighbours clearly over by their own steps (measured power-limit
-   curves zig-zag): the search goes on down past a lone one.
+   curves zig-zag): the search goes on down past a lone one under ``PLATEAU`` x the bound.
 
 3. **Energy.** Energy per FLOP is convex in the clock (power grows faster than
    linearly, time shrinks as 1/clock): the best feasible setting is at the
@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
-from ._finer import GAIN_LONG, LONG, MAX_FINE, Z_LONG, Bracket, insert_finer, may_look
+from ._finer import GAIN_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Bracket, insert_finer, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -609,8 +609,8 @@ class EfficientPolicy:
         slow = max((i for i in measured if floor <= i < best and bad(i)), default=None)
         if slow is not None and slow - 1 >= floor and slow - 1 not in fit:
             return _Action("measure", slow - 1, self.min_steps)
-        low = min(measured)  # the lowest measured, bad, and no floor yet below it: the next one down
-        if zig and floor < low < best and bad(low):
+        low = min(measured)  # the lowest measured, bad but near the bound, no floor below it: the next down
+        if zig and floor < low < best and bad(low) and ratio[low] <= allowed * PLATEAU:
             return _Action("measure", low - 1, self.min_steps)
         # ---- before settling first: the least-cost candidate, if it lost only to the
         # noise margin, is measured longer (up to max_steps), so that a move later is rare
