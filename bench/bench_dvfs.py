@@ -239,11 +239,8 @@ def trace_run(job: tuple) -> dict:
     # settled phase, and how many ran over the bound (truth), with the worst excess.
     first = next((k for k, s in enumerate(r.trace) if s.phase == "settled"), len(r.trace))
     after = r.trace[first:]
-    excess = [
-        prof.time_ratio(s.setting.power_limit_w or prof.max_w) - (1 + x)
-        for s in after
-        if objective == "slowdown" and prof.time_ratio(s.setting.power_limit_w or prof.max_w) > 1 + x + 1e-9
-    ]
+    ratios = [prof.time_ratio(s.setting.power_limit_w or prof.max_w) for s in after] if objective == "slowdown" else []
+    excess = [r - (1 + x) for r in ratios if r > 1 + x + 1e-9]
     # The sweep: every limit, SWEEP_STEPS_PER_LIMIT steps (the first 10 not counted), same noise.
     rng = random.Random(seed + 7919)
     meas = {}

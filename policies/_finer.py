@@ -12,11 +12,13 @@ A power limit is a continuous knob (NVML takes milliwatts), so once the job has
 settled and its baseline has been re-checked, :func:`finer_limit` proposes a limit
 between the two: the lowest one that a straight line through the two measured levels
 predicts to run under the bound by a margin the measurement can confirm. Real
-time-versus-limit curves are convex (time rises faster the lower the limit), so the
-straight line over-estimates the time between two measured levels: the error is on
+time-versus-limit curves are mostly convex (time rises faster the lower the limit), so
+the straight line over-estimates the time between two measured levels: the error is on
 the safe side. The policy measures the new limit like any other setting; if it is
 over, it becomes the lower level of the next try; at most :data:`MAX_FINE` tries a
-search.
+search. Before the tries, the baseline and a limit below that may be within the bound
+are measured :data:`LONG` times longer, and judged once, by :data:`Z_LONG`
+(:meth:`greend.policies.efficient.EfficientPolicy._plan`; :func:`may_look` says when).
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ def finer_limit(b: Bracket, allowed: float, se_new: float, z: float) -> float | 
 def may_look(job: JobSearch, best: int) -> bool:
     """Whether the search may take a second look below ``best``: power knob (the clock
     knob's grid is the GPU's own clocks, and on the simulated H100 its second look cost
-    more run energy than it won), settled there, with the
-    baseline re-checked (so it is precise; uncapped, the baseline grows on its own) and
-    no GPU paced (the grid may grow, and the pacing holds grid indices)."""
+    more run energy than it won), settled there, with the baseline re-checked (so it is
+    precise; uncapped, the baseline grows on its own) and no GPU paced (the grid may
+    grow, and the pacing holds grid indices)."""
     checked = job.rechecked_once or best == len(job.grid) - 1
     return (
         job.knob == "power" and job.phase == "settled" and job.settled_index == best and checked and not job.pace.held

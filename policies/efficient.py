@@ -303,7 +303,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase, job.fine, job.looking, job.look_from = False, 0, False, None
+        job.rebase, job.fine, job.look_from = False, 0, None
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -421,7 +421,7 @@ class EfficientPolicy:
             )
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
-            job.phase, job.looking = "settled", False
+            job.phase, job.look_from = "settled", None
             job.settled = target
             job.ref, job.samples = None, []
             if job.settled_job_steps is None:
@@ -622,7 +622,7 @@ class EfficientPolicy:
         # ---- a second look, once settled with the baseline re-checked (policies/_finer.py)
         if not cost_mode and (job.looking or may_look(job, best)):
             was, n = job.looking, LONG * self.max_steps
-            job.looking, job.look_from = True, job.look_from if was else job.settled
+            job.look_from = job.look_from if was else job.settled  # (settled there: may_look)
             gain = {i: objective(i) < objective(best) * (1 - GAIN_LONG) for i in measured}
             prize = [i for i in measured if i < best and status[i] != "ok" and gain[i]]
             if prize and base.steps < LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
@@ -630,15 +630,13 @@ class EfficientPolicy:
             for i in prize:  # near the bound: measured longer (judged once, at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
-            if best > 0 and best - 1 in seen and status[best - 1] != "ok":
+            if job.fine < MAX_FINE and best > 0 and best - 1 in seen and status[best - 1] != "ok":
                 sd = seen[best].se_time(self.noise) * math.sqrt(seen[best].steps)  # one step's spread
                 lv, lo = job.levels, best - 1
                 fine = Bracket(lv[best], lv[lo], ratio[best], ratio[lo], objective(best), objective(lo))
-                if job.fine < MAX_FINE and insert_finer(
-                    job, best, fine, allowed, math.hypot(sd / math.sqrt(n), se_base)
-                ):
+                if insert_finer(job, best, fine, allowed, math.hypot(sd / math.sqrt(n), se_base)):
                     return _Action("measure", best, n)
-            job.looking, job.look_from = False, None
+            job.look_from = None
             job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)
 

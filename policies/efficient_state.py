@@ -52,8 +52,12 @@ class JobSearch:
     straggle: bool | None = None  # its GPUs ran at different paces last period (None: not read)
     rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
     fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
-    looking: bool = False  # a second look below the settled setting is under way (policies/_finer.py)
-    look_from: Setting | None = None  # the setting settled on when the look began (held meanwhile)
+    look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
+
+    @property
+    def looking(self) -> bool:
+        """Whether a second look below the settled setting is under way (policies/_finer.py)."""
+        return self.look_from is not None
 
     @property
     def settled_index(self) -> int | None:
@@ -64,7 +68,7 @@ class JobSearch:
     def held_index(self) -> int | None:
         """Where the setting we hold is: the settled one, or during a second look the one
         it began from (it keeps its margin at the bound and its place among equals)."""
-        return self._index(self.settled if self.settled is not None else self.look_from if self.looking else None)
+        return self._index(self.settled if self.settled is not None else self.look_from)
 
     def _index(self, setting: Setting | None) -> int | None:
         if setting is None:
