@@ -306,12 +306,10 @@ class Prober:
             clearly = mean - (GUARD_Z if n >= MIN_BLOCKS else ONE_Z) * se > tol
             surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
             if clearly or surely:
-                steps = ", ".join(str(v.start) for v in tail)
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
-                    f"same point in training, over {n} probe blocks of {PROBE_STEPS} steps (at steps {steps}), each "
-                    f"against the {WINDOW_STEPS} {self.lower} steps on either side (step-to-step noise "
-                    f"{math.sqrt(rel_var):.1%}; tolerance {tol:.0%})"
+                    f"same point in training, over {_blocks(tail)}), each against the {WINDOW_STEPS} {self.lower} "
+                    f"steps on either side {_noise(rel_var, tol)}"
                 )
         return self._growth(vs, rel_var, tol)
 
@@ -335,12 +333,11 @@ class Prober:
         now, now_se = _mean_se(vs, now_c, rel_var)
         if slope - GROW_Z * slope_se <= 0 or now - GROW_NOW_Z * now_se < GROW_SHARE * tol:
             return None
-        steps = ", ".join(str(v.start) for v in vs)
         return (
             f"probes at {self.upper}: {self.lower}'s penalty over {self.upper} grows by {100 * slope:+.1%} per 100 "
-            f"steps (+/- {100 * slope_se:.1%}) over {n} probe blocks of {PROBE_STEPS} steps (at steps {steps}; "
-            f"{vs[0].penalty:+.1%} at the first, {vs[-1].penalty:+.1%} at the latest), {now:+.1%} (+/- {now_se:.1%}) "
-            f"now on the line through them (step-to-step noise {math.sqrt(rel_var):.1%}; tolerance {tol:.0%})"
+            f"steps (+/- {100 * slope_se:.1%}) over {_blocks(vs)}; {vs[0].penalty:+.1%} at the first, "
+            f"{vs[-1].penalty:+.1%} at the latest), {now:+.1%} (+/- {now_se:.1%}) now on the line through them "
+            f"{_noise(rel_var, tol)}"
         )
 
     def summary(self) -> dict[str, Any] | None:
@@ -368,6 +365,17 @@ def _mean_se(vs: list[Verdict], coef: list[float], rel_var: float) -> tuple[floa
         if vs[i].shared and vs[i].seq == vs[i - 1].seq + 1:
             var += 2 * coef[i] * coef[i - 1] * rel_var * 0.25 / vs[i].n_lower
     return value, math.sqrt(max(var, 0.0))
+
+
+def _blocks(vs: list[Verdict]) -> str:
+    """Which blocks a rollback's reason rests on ("N probe blocks of 5 steps (at steps
+    a, b", its parenthesis left open for the caller to go on or close)."""
+    return f"{len(vs)} probe blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
+
+
+def _noise(rel_var: float, tol: float) -> str:
+    """The noise and the tolerance a rollback's reason was judged with."""
+    return f"(step-to-step noise {math.sqrt(rel_var):.1%}; tolerance {tol:.0%})"
 
 
 def block_start(b: int, every: int) -> int:
