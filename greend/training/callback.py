@@ -89,7 +89,7 @@ from greend.training.options import CallbackKwargs, CallbackOptions
 from greend.training.peers import default_store
 from greend.training.precision_control import PrecisionControl
 from greend.training.sender import Channel, Sender, SenderStats
-from greend.training.step import Step, new_step
+from greend.training.step import Step
 from greend.training.warn import OnceWarnings
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ __all__ = ["DEFAULT_SOCKET", "CallbackOptions", "GreenCallback", "GreendWarning"
 log = logging.getLogger(__name__)
 
 _Tensor = torch.Tensor
+_new = object.__new__
 
 
 class GreenCallback:
@@ -247,6 +248,10 @@ class GreenCallback:
         ``batch``). ``index``: the step number (default: a counter from 0).
         ``flops``: this step's FLOPs, overriding everything else.
         """
+        # The hot path: every step runs it. It makes the Step here, without a call of
+        # its own (Step.__init__ sets the same fields; tests/training/test_handoff.py
+        # holds the two alike): each Python frame costs about a microsecond of a real
+        # step, caches cold after torch's work (bench/bench_callback.py).
         book = self._book
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
@@ -255,11 +260,28 @@ class GreenCallback:
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:
             flops = book.default_flops
-            if flops is None and shape_key is None and batch is not None:
-                # The key FLOPs are cached under: a tensor's shape (its dtype does not
-                # change the model's FLOPs), else the batch's signature.
-                shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
-        return new_step(book, index, samples, tokens, shape_key, flops)
+            if flops is None:
+                if shape_key is None and batch is not None:
+                    # The key FLOPs are cached under: a tensor's shape (its dtype does not
+                    # change the model's FLOPs), else the batch's signature.
+                    shape_key = batch.shape if type(batch) is _Tensor else _signature_or_none(batch)
+                # A shape counted already (every step but the first of each shape); else
+                # Step.__enter__ plans it (plan_flops: count it, or guess).
+                try:
+                    flops = book.flop_cache.get(shape_key)
+                except TypeError:  # an unhashable shape_key=: plan_flops makes it one
+                    pass
+        step: Step = _new(Step)
+        step._host = book
+        step.index = index
+        step.samples = samples
+        step.tokens = tokens
+        step._shape_key = shape_key
+        step.flops = flops
+        step.t0_s = step.t1_s = 0.0
+        step.precision = "fp32"
+        step._raw = None
+        return step
 
     def _check_samples(self, samples: int, batch: tuple[Any, ...] | list[Any]) -> None:
         """``samples=len(batch)`` on an ``(inputs, targets)`` batch counts its parts, not

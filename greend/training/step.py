@@ -1,7 +1,7 @@
 """One training step: :class:`Step`, the context manager :meth:`GreenCallback.step` returns.
 
-The hot path is :func:`new_step` (what :meth:`GreenCallback.step` returns, the batch's
-shape looked up in the FLOP cache, made without a class call) and
+The hot path is :meth:`GreenCallback.step` (which makes the step without a call of
+its own, the batch's shape looked up in the FLOP cache) and
 ``__enter__``/``__exit__``: ``time.monotonic()`` twice, and the ended step put on a
 list; :meth:`Step.loss` holds the loss (a CPU tensor's value is taken at once, with
 ``item()``, only while its batch is judged on the training thread). Every 16 steps
@@ -44,11 +44,10 @@ import torch
 
 from greend.training.mixed_precision import grads_finite, optimizer_params
 
-__all__ = ["ReusedAutocast", "Step", "StepHost", "new_step"]
+__all__ = ["ReusedAutocast", "Step", "StepHost"]
 
 _monotonic = time.monotonic
 _Tensor = torch.Tensor
-_new = object.__new__
 
 
 class StepHost(Protocol):
@@ -164,7 +163,7 @@ class Step:
         if host.boundary:
             host.at_boundary(self)
         self.precision = host.precision
-        if self.flops is None:  # (new_step looked the shape up in the cache already)
+        if self.flops is None:  # (GreenCallback.step looked the shape up in the cache already)
             host.plan_flops(self)
         self.t0_s = _monotonic()
         return self
@@ -271,37 +270,6 @@ class Step:
                 return False
         optimizer.step()
         return True
-
-
-def new_step(
-    host: StepHost,
-    index: int | None,
-    samples: int | None,
-    tokens: int | None,
-    shape_key: Hashable | None,
-    flops: float | None,
-) -> Step:
-    """``Step(host, index, samples, tokens, shape_key, flops)``, the FLOPs looked up in the
-    host's cache, without the class call's cost (a type call and an ``__init__`` frame:
-    a few hundred ns a step, more right after torch's work). The fields are
-    ``Step.__init__``'s (tests/training/test_step.py holds the two alike)."""
-    if flops is None:
-        # The common case (every step): a shape counted already. Else __enter__ plans it.
-        try:
-            flops = host.flop_cache.get(shape_key)
-        except TypeError:  # an unhashable shape_key=: plan_flops makes it one
-            pass
-    step: Step = _new(Step)
-    step._host = host
-    step.index = index
-    step.samples = samples
-    step.tokens = tokens
-    step._shape_key = shape_key
-    step.flops = flops
-    step.t0_s = step.t1_s = 0.0
-    step.precision = "fp32"
-    step._raw = None
-    return step
 
 
 class ReusedAutocast(torch.autocast):

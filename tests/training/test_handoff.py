@@ -1,7 +1,7 @@
 """The ended steps' booking on the sender thread: batches handed over whole, booked in
 step order by whichever thread comes first, the guard's trend complete at a switch, the
 training thread booking itself when the sender does not; and the hot path's helpers
-(new_step, the reused autocast)."""
+(the step GreenCallback.step makes, the reused autocast)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.book import MAX_HANDED
 from greend.training.callback import GreenCallback
-from greend.training.step import ReusedAutocast, Step, new_step
+from greend.training.step import ReusedAutocast, Step
 from tests.support import wait_for
 
 FAST = dict(flush_interval_s=0.02, heartbeat_s=0.2, close_timeout_s=2.0, connect_timeout_s=1.0)
@@ -99,18 +99,23 @@ def test_an_unreadable_cpu_loss_handed_over_is_named_and_the_batch_booked(daemon
     assert [s.get("loss") for s in got] == [None if i == 3 else float(i) for i in range(16)]
 
 
-def test_new_step_sets_what_init_sets() -> None:
+def test_the_callbacks_step_sets_what_init_sets() -> None:
+    """GreenCallback.step makes its Step without Step.__init__ (a frame fewer on every
+    step): the same fields, the FLOPs looked up in the cache."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cb = GreenCallback(job="fields", socket="/nonexistent/greend.sock", connect_timeout_s=0.01)
     try:
         book = cb._book
         book.flop_cache["k"] = 7.0
-        made, init = new_step(book, 3, 4, 5, "k", None), Step(book, 3, 4, 5, "k", 7.0)
+        made, init = cb.step(index=3, samples=4, tokens=5, shape_key="k"), Step(book, 3, 4, 5, "k", 7.0)
         slots = [s for s in Step.__slots__ if s != "__dict__"]
         assert [getattr(made, s) for s in slots] == [getattr(init, s) for s in slots]
         assert made.flops == 7.0  # looked up in the cache
-        assert new_step(book, None, None, None, ["unhashable"], None).flops is None  # planned at __enter__
+        assert cb.step(shape_key=["unhashable"]).flops is None  # planned at __enter__
+        book.flop_cache[torch.Size([2, 3])] = 11.0
+        assert cb.step(batch=torch.zeros(2, 3)).flops == 11.0  # a tensor batch: its shape is the key
+        assert cb.step(batch=torch.zeros(2, 3), flops=5.0).flops == 5.0  # flops= wins
     finally:
         cb.close()
 
