@@ -107,6 +107,11 @@ class StepBook:
         self.indexed = False
         self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
         self.closed = False
+        # Step.backward/optimizer_step call loss_scaler/gradients_watched only until one of
+        # them has noted that the loop scales its losses, then only where it matters (fp16;
+        # the guard armed): two calls fewer on every step.
+        self.scaling_noted = False
+        self.guard = control.guard
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
         self.sync_every = sync_every
@@ -227,11 +232,13 @@ class StepBook:
         self._warnings.warn(key, message)
 
     def loss_scaler(self, level: str) -> Any:
+        self.scaling_noted = True  # (steps then call this only at fp16: Step.backward)
         return self.control.loss_scaler(level)
 
     def gradients_watched(self) -> bool:
         control = self.control
         control.scaling_seen = True
+        self.scaling_noted = True  # (steps then call this only while the guard is armed)
         return bool(control.guard.stack) and control.manage
 
     def switched(self, level: str, managed: bool) -> None:

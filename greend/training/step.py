@@ -67,6 +67,8 @@ class StepHost(Protocol):
     judge_by: float  # ... or when a step ends after this (monotonic seconds)
     judge_within_s: float
     shared_autocast: dict[str, AbstractContextManager[Any]]  # level -> its one null context
+    scaling_noted: bool  # loss_scaler() or gradients_watched() was called: the loop scales its losses
+    guard: Any  # the accuracy guard (its ``stack``: the downgrades in force; armed while not empty)
 
     def at_boundary(self, step: Step) -> None:
         """A directive or an agreement between ranks, applied before a step starts."""
@@ -89,7 +91,7 @@ class StepHost(Protocol):
 
     def loss_scaler(self, level: str) -> Any:
         """The GradScaler a step at ``level`` scales its loss with, or None; notes that the
-        loop scales its losses (fp16 may then run)."""
+        loop scales its losses (fp16 may then run) and sets ``scaling_noted``."""
 
     def gradients_watched(self) -> bool:
         """Whether optimizer_step checks the gradients (the guard is armed); notes the
@@ -235,11 +237,14 @@ class Step:
         """
         if self._raw is None and not self._nonfinite:
             self.loss(loss)
-        scaler = self._host.loss_scaler(self.precision)
-        if scaler is not None:
-            scaler.scale(loss).backward(**kwargs)
-            self._scaled = True
-            return
+        host = self._host
+        # Only fp16 scales; the first call notes that the loop scales its losses.
+        if self.precision == "fp16" or not host.scaling_noted:
+            scaler = host.loss_scaler(self.precision)
+            if scaler is not None:
+                scaler.scale(loss).backward(**kwargs)
+                self._scaled = True
+                return
         loss.backward(**kwargs)
 
     def optimizer_step(self, optimizer: Any) -> bool:
@@ -259,7 +264,8 @@ class Step:
                 scaler.step(optimizer)
                 scaler.update()
                 return True
-        if host.gradients_watched():
+        # Checked only while the guard is armed (the first call notes the loop's use of it).
+        if (host.guard.stack or not host.scaling_noted) and host.gradients_watched():
             try:
                 finite = grads_finite(optimizer_params(optimizer))
             except Exception as e:

@@ -192,3 +192,39 @@ def test_a_switch_waits_for_the_batch_the_sender_is_booking() -> None:
         assert [r[0] for r in cb._channel.queue] == list(range(33))
     finally:
         cb.close()
+
+
+def test_backward_and_optimizer_step_ask_the_callback_only_where_it_matters() -> None:
+    """step.backward/optimizer_step note once that the loop scales its losses, then ask
+    for a GradScaler only at fp16 and check the gradients only while the guard is armed:
+    two calls fewer on every other step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        cb = GreenCallback(job="scaling", model=model, socket="/nonexistent/greend.sock", connect_timeout_s=0.01)
+    try:
+        book = cb._book
+        calls: list[str] = []
+        scaler, watched = book.loss_scaler, book.gradients_watched
+        book.loss_scaler = lambda level: calls.append(f"scaler {level}") or scaler(level)  # type: ignore[method-assign]
+        book.gradients_watched = lambda: calls.append("watched") or watched()  # type: ignore[method-assign]
+        x = torch.randn(8, 4)
+        for _ in range(5):
+            with cb.step(samples=8, batch=x) as st:
+                loss = model(x).pow(2).mean()
+                st.backward(loss)
+                assert st.optimizer_step(opt)
+                opt.zero_grad()
+        assert calls == ["scaler fp32"]  # the first step's backward only (it noted the scaling)
+        assert cb._control.scaling_seen  # noted: fp16 may run
+        book.guard.stack.append(object())  # armed (as after a downgrade): checked on every step
+        try:
+            with cb.step(samples=8, batch=x) as st:
+                st.backward(model(x).pow(2).mean())
+                st.optimizer_step(opt)
+        finally:
+            book.guard.stack.clear()
+        assert calls[1:] == ["watched"]
+    finally:
+        cb.close()
