@@ -694,5 +694,7 @@ class EfficientPolicy:
             "last_event": job.last_event,
             # This node's uncapped time per FLOP: the daemon turns it into the job's local
             # step time and the ranks agree the job's pace from it (docs/protocol.md).
-            "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.steps > 0 else None,
+            "baseline_time_per_flop_s": (
+                base.time_per_flop_s if base is not None and base.steps > 0 and base.flops > 0 else None
+            ),
         }

@@ -27,6 +27,7 @@ socket ops are in :mod:`greend.control.ops`.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -249,7 +250,13 @@ class ControlLoop:
             self.last_error = msg
             return
         self.last_error = None
-        self.apply(decision, now_s)
+        try:
+            self.apply(decision, now_s)
+        except Exception as e:  # the daemon goes on; the next tick decides again
+            msg = f"applying {getattr(self.policy, 'name', '?')}'s decision: {type(e).__name__}: {e}"
+            if msg != self.last_error:
+                log.exception("applying policy %s's decision failed", getattr(self.policy, "name", "?"))
+            self.last_error = msg
 
     def _note(self, snap: Snapshot, policy: str, per_job: dict[str, str], reason: str) -> None:
         """Keep each running job's latest word from ``policy`` (its own line in
@@ -462,9 +469,11 @@ class ControlLoop:
         for job_id, details in (decision.details.get("jobs") or {}).items():
             time_per_flop_s = details.get("baseline_time_per_flop_s")
             flops_per_step = jobs.flops_per_step(job_id) if time_per_flop_s else None
-            if not time_per_flop_s or flops_per_step is None:
+            if not time_per_flop_s or not flops_per_step:  # (a job that counts no FLOPs has no pace here)
                 continue
             step_s = float(time_per_flop_s) * flops_per_step
+            if not (math.isfinite(step_s) and step_s > 0):
+                continue
             last = self._pushed_pace.get(job_id)
             if last is not None and abs(step_s - last) <= 0.01 * last:
                 continue
@@ -557,7 +566,7 @@ def _jsonable(v: Any) -> Any:
         return [_jsonable(x) for x in v]
     if isinstance(v, Setting):
         return setting_json(v)
-    if isinstance(v, float) and v != v:
+    if isinstance(v, float) and not math.isfinite(v):  # (JSON has no NaN or infinity)
         return None
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v

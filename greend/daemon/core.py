@@ -72,6 +72,8 @@ class Daemon:
         self.started_s = monotonic()
         self.ticks = 0
         self.ticks_skipped = 0
+        self.tick_errors = 0  # ticks that raised (logged; the daemon goes on with the next)
+        self._tick_error: str | None = None  # the last one's message (a repeat is not logged again)
         self.tick_duration_s = 0.0
         # How late each of the last 600 ticks started after it was due (s): what client
         # load, a slow probe or a starved thread costs the sampling cadence.
@@ -283,7 +285,10 @@ class Daemon:
                     continue
             started = self.monotonic()
             self.tick_lateness_s.append(max(0.0, started - due))
-            self.tick(started)
+            try:
+                self.tick(started)
+            except Exception as e:  # a bug met by one tick never takes the node's daemon down
+                self._tick_failed(e)
             self.watchdog.tick()
             self.tick_duration_s = self.monotonic() - started
             if on_tick is not None:
@@ -295,6 +300,13 @@ class Daemon:
             next_k = max(k + 1, math.floor((self.monotonic() - t0) / period) + 1)
             self.ticks_skipped += next_k - k - 1
             k = next_k
+
+    def _tick_failed(self, e: Exception) -> None:
+        self.tick_errors += 1
+        msg = f"{type(e).__name__}: {e}"
+        if msg != self._tick_error:
+            log.exception("a tick failed (%d so far); the next tick runs as usual", self.tick_errors)
+        self._tick_error = msg
 
     def tick(self, now_s: float) -> None:
         snap = TickReadings(t_s=now_s, wall_s=self.wall())

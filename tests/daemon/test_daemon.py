@@ -353,3 +353,59 @@ def test_a_stale_gpu_reading_stands_in_but_books_no_energy(daemon: Daemon) -> No
     assert daemon.status()["gpus"][0]["stale_s"] is None
     assert daemon.ledger.total_j("gpu0") == 300.0
     assert daemon.ledger.cumulative_at("gpu0", 1.5) == pytest.approx(150.0)  # not 0: no flat stretch
+
+
+def test_a_job_that_counts_no_flops_under_efficient_never_takes_the_daemon_down(tmp_path: Path) -> None:
+    """Rows with flops 0 ("not counted", as the protocol allows) gave the efficient policy
+    an infinite time per FLOP, and the daemon a NaN pace to push to the job's ranks: the
+    push could not be encoded and the exception ended the daemon's loop. Now no pace is
+    pushed for such a job, and the daemon answers throughout."""
+    import threading
+
+    from greend.ipc.client import Client
+    from greend.ipc.server import encode
+
+    cfg = make_config(tmp_path, hz=20.0, sim_gpus=1)
+    cfg.policy.name = "efficient"
+    d = Daemon(cfg)
+    d.start()
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: d.ledger.last_time("gpu0") is not None, 5)
+        with Client(cfg.daemon.socket) as c:
+            c.request("register", job="noflops", gpus=[0])
+            assert c._sock is not None
+            for i in range(10):
+                now = time.monotonic()
+                row = {"first_step": 10 * i, "last_step": 10 * i + 9, "steps": 10, "t0_s": now - 0.3,
+                       "t1_s": now - 0.01, "busy_s": 0.29, "busy_sq_s2": 0.0085, "flops": 0.0}  # fmt: skip
+                c._sock.sendall(encode({"v": 1, "op": "intervals", "rows": [row]}))
+                time.sleep(0.1)
+            assert wait_for(lambda: c.request("report", job="noflops")["steps"] == 100, 5)
+            ticks = d.ticks
+            assert wait_for(lambda: d.ticks > ticks + 5, 5)  # still ticking
+            assert any(j.get("job") == "noflops" for j in c.request("status")["jobs"])  # status answers
+        assert t.is_alive() and d.tick_errors == 0 and d.control.last_error is None
+    finally:
+        d.stop()
+        t.join(5)
+        d.close()
+
+
+def test_a_tick_that_raises_is_logged_and_the_next_tick_runs(daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:
+    step = daemon.control.step
+    calls = {"n": 0}
+
+    def failing_once(now_s: float) -> None:
+        calls["n"] += 1
+        if calls["n"] in (3, 4):
+            raise RuntimeError("a bug met by one tick")
+        step(now_s)
+
+    daemon.control.step = failing_once  # type: ignore[method-assign]  # a fault in place of the real step
+    with caplog.at_level("ERROR"):
+        daemon.run(max_ticks=10)
+    assert daemon.ticks == 10 and daemon.tick_errors == 2 and calls["n"] == 10
+    # The same error twice is logged once.
+    assert sum("a tick failed" in r.getMessage() for r in caplog.records) == 1
