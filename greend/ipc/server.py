@@ -493,6 +493,10 @@ class IpcServer:
             return _error(None, "bad_json", "the message is nested too deeply")
         if not isinstance(msg, dict):
             return _error(None, "bad_json", f"expected a JSON object, got {type(msg).__name__}")
+        if b"\\u" in line and not _all_text(msg):
+            # A "\\udcff" escape alone is valid JSON but no character: no store, log or
+            # report could hold it (UTF-8 has no lone surrogates).
+            return _error(None, "bad_json", "a string holds a lone surrogate escape (\\ud800-\\udfff without its pair)")
         mid = msg.get("id")
         if mid is not None and (isinstance(mid, bool) or not isinstance(mid, (int, str))):
             return _error(None, "bad_request", "'id' must be an integer or a string", field="id")
@@ -550,6 +554,15 @@ def error_reply(mid: Any, op: str, e: Exception) -> dict[str, Any]:
         return _error(mid, "refused", str(e))
     log.exception("handler for %r failed", op, exc_info=e)
     return _error(mid, "internal", f"{type(e).__name__}: {e}")
+
+
+def _all_text(obj: Any) -> bool:
+    """Whether every string in a decoded message (keys too) is text UTF-8 can hold."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _error(mid: Any, code: str, message: str, field: str | None = None) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class SqliteStore:
         self._queue: queue.Queue[Point | None] = queue.Queue(maxsize=queue_max)
         self._columns: dict[str, set[str]] = {}
         self._written = 0
-        self._dropped = 0
+        self._dropped = 0  # points lost, all causes (status: dropped)
+        self._queue_full = 0  # of them, refused by a full queue
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
@@ -234,13 +235,18 @@ class SqliteStore:
 
     # Public API ----------------------------------------------------------------------
     def write(self, points: list[Point]) -> None:
+        full = 0
         for p in points:
             try:
                 self._queue.put_nowait(p)
             except queue.Full:
-                self._dropped += 1
-        if self._dropped and self._dropped % 10_000 == 1:
-            log.error("sqlite store queue full: %d points dropped so far", self._dropped)
+                full += 1
+        if full:
+            before = self._queue_full
+            self._queue_full += full
+            self._dropped += full
+            if before == 0 or before // 10_000 != self._queue_full // 10_000:  # the first, then every 10,000
+                log.error("sqlite store queue full: %d points dropped so far", self._queue_full)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued point is committed (or has failed and been counted)."""

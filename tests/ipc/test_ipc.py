@@ -91,6 +91,8 @@ def test_socket_mode_is_applied(server: IpcServer) -> None:
         (b"\xff\xfe\n", "bad_json", None),
         (b'{"v":1,"op":"add","a":' + b"9" * 5000 + b"}\n", "bad_json", None),  # > int_max_str_digits
         (b"[" * 5000 + b"]" * 5000 + b"\n", "bad_json", None),  # deeper than the recursion limit
+        (b'{"v":1,"op":"add","a":1,"id":"\\udcff"}\n', "bad_json", None),  # a lone surrogate: no text
+        (b'{"v":1,"op":"add","a":1,"\\ud800":1}\n', "bad_json", None),  # (in a key too)
     ],
 )
 def test_bad_messages_get_error_replies_naming_the_field(
@@ -224,3 +226,10 @@ def test_an_idle_connection_is_closed_and_a_push_does_not_shorten_its_wait(tmp_p
         s.close()
     finally:
         srv.stop()
+
+
+def test_escaped_text_and_surrogate_pairs_are_text(server: IpcServer) -> None:
+    s = raw(server.path)
+    s.sendall(b'{"v":1,"id":"\\u00e9\\ud83d\\ude00","op":"add","a":2,"b":3}\n')  # e-acute and an emoji
+    assert read_reply(s) == {"v": 1, "id": "\u00e9\U0001f600", "ok": True, "result": {"sum": 5}}
+    s.close()

@@ -4,6 +4,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 from greend.points import Point
 from greend.stores.sqlite import SqliteStore, read_rows
 
@@ -94,4 +96,25 @@ def test_flush_returns_only_once_every_point_is_committed(tmp_path: Path) -> Non
         assert store.flush(5.0)
         assert store.status().written == i + 1, f"flush returned with point {i} not yet committed"
     assert len(read_rows(db, "greend_host")) == 300
+    store.close()
+
+
+def test_a_point_lost_to_a_write_error_is_not_reported_as_a_full_queue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A point SQLite cannot hold (here a lone surrogate in a tag) is lost alone and
+    counted; the queue is not full, and the log does not say it is on later writes."""
+    store = SqliteStore(tmp_path / "e.db", batch_s=0.05)
+    t0 = time.time_ns()
+    with caplog.at_level("ERROR"):
+        store.write([Point("greend_host", {"host": "h"}, {"load_1m": 1.0}, t0),
+                     Point("greend_host", {"host": "\udcff"}, {"load_1m": 2.0}, t0 + 1)])  # fmt: skip
+        assert store.flush(5.0)
+        for i in range(3):
+            store.write([Point("greend_host", {"host": "h"}, {"load_1m": 3.0}, t0 + 10 + i)])
+        assert store.flush(5.0)
+    st = store.status()
+    assert st.written == 4 and st.dropped == 1
+    assert not [r for r in caplog.records if "queue full" in r.getMessage()]
+    assert any("1 of a batch of 2 points lost" in r.getMessage() for r in caplog.records)
     store.close()
