@@ -45,6 +45,8 @@ def render_status(st: dict[str, Any]) -> str:
         + ("  DRY RUN" if st.get("dry_run") else ""),
         "",
     ]
+    if st.get("tick_errors"):
+        out[1:1] = [f"{st['tick_errors']} tick(s) failed; the last: {st.get('last_tick_error')} (see the daemon's log)"]
     if st["gpus"]:
         out.append(
             render_table(

@@ -361,7 +361,14 @@ class Daemon:
         return status_document(self.status_context)
 
     def tick_counts(self) -> TickCounts:
-        return TickCounts(self.ticks, self.ticks_skipped, self.tick_duration_s, tuple(self.tick_lateness_s))
+        return TickCounts(
+            self.ticks,
+            self.ticks_skipped,
+            self.tick_errors,
+            self._tick_error,
+            self.tick_duration_s,
+            tuple(self.tick_lateness_s),
+        )
 
     def probe_rows(self) -> list[dict[str, Any]]:
         return self.probing.rows()

@@ -138,6 +138,8 @@ def status_document(d: StatusContext) -> dict[str, Any]:
         "state_dir": str(d.cfg.daemon.state_dir),
         "ticks": ticks.ticks,
         "ticks_skipped": ticks.skipped,
+        "tick_errors": ticks.errors,
+        "last_tick_error": ticks.last_error,
         "tick_duration_s": ticks.duration_s,
         "tick_lateness_s": lateness(list(ticks.lateness_s)),
         "gpus": [

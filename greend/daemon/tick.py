@@ -34,5 +34,7 @@ class TickCounts:
 
     ticks: int  # ticks run
     skipped: int  # ticks an overrun skipped
+    errors: int  # ticks that raised (logged; the next ran as usual)
+    last_error: str | None  # the last one's exception
     duration_s: float  # the last tick's
     lateness_s: tuple[float, ...]  # how late each recent tick started after it was due

@@ -20,7 +20,7 @@ units (joules, watts, hertz, seconds, ratios 0..1)::
     greend_cpu_energy_joules_total{zone,path,source}  greend_cpu_power_watts{...}
     greend_probe_success{probe}  greend_probe_duration_seconds{probe}
     greend_job_gflops_per_watt{job}  greend_job_energy_joules_total{job}  greend_job_flops_total{job}
-    greend_store_points_*{url}  greend_ticks_total  greend_ticks_skipped_total ...
+    greend_store_points_*{url}  greend_ticks_total  greend_ticks_skipped_total  greend_tick_errors_total ...
 
 The full list, with label names, is ``tests/golden/prometheus_names.txt``.
 
@@ -198,6 +198,7 @@ class GreendCollector:
         for key, name, doc in (
             ("ticks", "greend_ticks", "Ticks run since the daemon started."),
             ("ticks_skipped", "greend_ticks_skipped", "Ticks skipped because a tick overran its period."),
+            ("tick_errors", "greend_tick_errors", "Ticks that raised an error (logged; the next tick ran as usual)."),
         ):
             v = _as_float(st.get(key))
             if v is not None:

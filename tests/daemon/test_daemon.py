@@ -407,5 +407,10 @@ def test_a_tick_that_raises_is_logged_and_the_next_tick_runs(daemon: Daemon, cap
     with caplog.at_level("ERROR"):
         daemon.run(max_ticks=10)
     assert daemon.ticks == 10 and daemon.tick_errors == 2 and calls["n"] == 10
-    # The same error twice is logged once.
+    # The same error twice is logged once; status and greenctl status say so.
     assert sum("a tick failed" in r.getMessage() for r in caplog.records) == 1
+    st = daemon.status()
+    assert st["tick_errors"] == 2 and st["last_tick_error"] == "RuntimeError: a bug met by one tick"
+    from greend.cli.render import render_status
+
+    assert "2 tick(s) failed; the last: RuntimeError: a bug met by one tick" in render_status(st)
