@@ -33,6 +33,8 @@ def fake_status() -> dict[str, Any]:
         "dry_run": False,
         "ticks": 125,
         "ticks_skipped": 2,
+        "tick_errors": 1,
+        "last_tick_error": "RuntimeError: a bug",
         "tick_duration_s": 0.0012,
         "gpus": [
             {
