@@ -21,11 +21,10 @@ The settings form a *grid*, ascending: the supported clocks below the maximum
 (or power limits every ``power_step_w`` from the minimum up to what the job
 draws uncapped; higher limits change nothing), and on top "uncapped".
 
-1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps). Its time
-   per FLOP sets the time budget ``(1 + max_slowdown) * baseline``; when the job
-   has a ``pace_s`` (the step time agreed across nodes) slower than our own
-   uncapped step, the budget is ``(1 + max_slowdown) * pace_s`` instead: a fast
-   node may cap deeper without becoming the straggler.
+1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps; a job that reports
+   no FLOPs is left uncapped). Its time per FLOP sets the time budget ``(1 +
+   max_slowdown) * baseline``; with a ``pace_s`` (the step time agreed across nodes)
+   slower than our own uncapped step, the budget is ``(1 + max_slowdown) * pace_s``.
 
 2. **Boundary (slowdown mode).** Time grows monotonically as the clock goes
    down, so the feasible settings are the top of the grid, down to a boundary.
@@ -112,11 +111,7 @@ class EfficientPolicy:
     PARAMS: tuple[Param, ...] = (
         Param("knob", "str", "clock", "what to tune: the SM clock cap or the power limit", choices=("clock", "power")),
         Param(
-            "objective",
-            "str",
-            "slowdown",
-            "minimise energy under max_slowdown, or the Zeus cost",
-            choices=("slowdown", "cost"),
+            "objective", "str", "slowdown", "energy under max_slowdown, or Zeus's cost", choices=("slowdown", "cost")
         ),
         Param("max_slowdown", "float", 0.05, "allowed step-time increase over uncapped (or pace)", lo=0, hi=1),
         Param("eta", "float", 0.5, "cost objective: weight of energy vs time (1 = energy only)", lo=0, hi=1),
@@ -390,6 +385,10 @@ class EfficientPolicy:
             self._switch(job, UNCAPPED)
             n = 0 if base is None else base.steps
             return f"job {j.job}: measuring the uncapped baseline ({n}/{need} steps)"
+        if base.flops <= 0:  # every comparison here is of time (and energy) per FLOP
+            job.phase = "baseline"
+            self._switch(job, UNCAPPED)
+            return f"job {j.job}: not steered: no FLOPs reported (model= or flops_per_step= in its GreenCallback)"
         if not job.grid:
             self._build_grid(job, g, base)
         # ---- drift while settled: a new phase of the job
@@ -694,7 +693,5 @@ class EfficientPolicy:
             "last_event": job.last_event,
             # This node's uncapped time per FLOP: the daemon turns it into the job's local
             # step time and the ranks agree the job's pace from it (docs/protocol.md).
-            "baseline_time_per_flop_s": (
-                base.time_per_flop_s if base is not None and base.steps > 0 and base.flops > 0 else None
-            ),
+            "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.flops > 0 else None,
         }
