@@ -153,7 +153,10 @@ class BudgetPolicy:
             curve = state.curves[i]
             m = j.measure
             lim = self._limit(g)
-            ok = m is not None and m.steps >= self.min_steps and m.time_s > 0 and _same_limit(m.setting, lim, g)
+            # (a job that reports no FLOPs teaches nothing of FLOP/s per watt: its GPU stays
+            # unknown, with an equal share, not read as one that gains nothing from watts)
+            ok = m is not None and m.steps >= self.min_steps and m.time_s > 0 and m.flops > 0
+            ok = ok and _same_limit(m.setting, lim, g)
             fresh[i] = ok
             if ok:
                 assert m is not None

@@ -113,3 +113,42 @@ def test_equal_share_when_nothing_is_known() -> None:
     )
     d = p.decide(Snapshot(t_s=0.0, gpus=tuple(v), jobs=jobs, cpu_power_w=100.0), p.new_state())
     assert d.gpu_settings == {0: Setting(power_limit_w=450.0), 1: Setting(power_limit_w=450.0)}
+
+
+def test_a_job_that_reports_no_flops_is_unknown_not_a_job_that_gains_nothing() -> None:
+    """Its GPU keeps an equal share of the budget: no FLOP/s at some watts would read as a
+    GPU that gains nothing from them and leave it the least of the budget."""
+    from greend.policies.base import JobMeasure, JobView
+
+    v = tuple(
+        GpuView(
+            index=i,
+            source="sim",
+            power_w=650.0,
+            sm_clock_mhz=1980.0,
+            clock_cap_mhz=None,
+            power_limit_w=700.0,
+            supported_sm_clocks_mhz=H100.supported_sm_clocks_mhz,
+            power_limit_min_w=200.0,
+            power_limit_max_w=700.0,
+            power_limit_default_w=700.0,
+        )
+        for i in range(2)
+    )
+    p = get_policy("budget", node_budget_w=1000, margin=0.0)
+    state = p.new_state()
+    jobs = tuple(
+        JobView(
+            job=f"j{i}",
+            gpus=(i,),
+            state="running",
+            steps=100,
+            precision="fp32",
+            precisions=("fp32",),
+            measure=JobMeasure(Setting(), steps=100, flops=1e14 if i == 0 else 0.0, time_s=10.0, energy_j=6500.0),
+            setting=Setting(),
+        )
+        for i in range(2)
+    )
+    p.decide(Snapshot(t_s=0.0, gpus=v, jobs=jobs, cpu_power_w=100.0), state)
+    assert state.curves[0].points and not state.curves[1].points
