@@ -92,7 +92,7 @@ class GreenHFCallback(TrainerCallback):
         return self.cb.precision if self.cb is not None else "fp32"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.cb is None:
+        if self.cb is None or self.cb.closed:  # (a second train() is a new run: a new callback)
             self.cb = GreenCallback(
                 job=self.job,
                 model=model,

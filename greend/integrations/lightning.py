@@ -115,7 +115,7 @@ class GreenLightningCallback(pl.Callback):
 
     # Hooks -----------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.cb is None:
+        if self.cb is None or self.cb.closed:  # (a second fit() is a new run: a new callback)
             kwargs = dict(self.kwargs)
             level = _LIGHTNING_LEVELS.get(str(getattr(trainer, "precision", "32-true")))
             if level is not None and "manage_precision" not in kwargs:

@@ -377,6 +377,11 @@ class GreenCallback:
         training thread only, between steps. Never raises (a failure is logged once)."""
         self._book.flush()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the run's end was sent; steps are no longer reported)."""
+        return self._closed
+
     def close(self, reason: str = "finished") -> None:
         """Flush the remaining steps, send ``end``, stop the sender. Safe to call twice."""
         if self._closed:

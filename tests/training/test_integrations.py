@@ -118,6 +118,45 @@ class HFTiny(nn.Module):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
+def test_lightning_a_second_fit_with_the_same_callback_is_reported(sock_path: Path) -> None:
+    pl = (
+        pytest.importorskip("pytorch_lightning")
+        if importlib.util.find_spec("lightning") is None
+        else pytest.importorskip("lightning.pytorch")
+    )
+    from greend.integrations.lightning import GreenLightningCallback
+
+    daemon = FakeDaemon(sock_path).start()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    gcb = GreenLightningCallback(job="refit", socket=sock_path, flops_per_step=1e6, **FAST)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+            quiet.update(enable_model_summary=False)
+            for fit in (1, 2):
+                trainer = pl.Trainer(max_epochs=1, callbacks=[gcb], accelerator="cpu", **quiet)
+                trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+                ends = fit
+                assert wait_for(lambda ends=ends: len(daemon.ends) == ends)
+        assert len(daemon.registers) == 2 and daemon.received() == 16  # 8 steps a fit
+    finally:
+        daemon.stop()
+
+
 def test_hf_trainer_reports_steps_and_refuses_precision_switching(
     daemon: FakeDaemon, sock_path: Path, tmp_path: Path
 ) -> None:
@@ -167,3 +206,11 @@ def test_hf_trainer_reports_steps_and_refuses_precision_switching(
     assert got[0] is None and got[1:] == pytest.approx(logged[:4], rel=1e-3)  # one step behind
     assert cb.cb is not None and "Trainer subclass" in cb.cb.refused["bf16"]
     assert daemon.registers[0]["precisions"] == ["fp32"]
+    # A second train() with the same callback (a new Trainer, a search trial) is a run of
+    # its own, reported too: the first run's callback was closed at its end.
+    first = cb.cb
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        transformers.Trainer(model=HFTiny(), args=args, train_dataset=rows, callbacks=[cb]).train()
+    assert cb.cb is not first and wait_for(lambda: len(daemon.ends) == 2)
+    assert len(daemon.registers) == 2 and daemon.received() == 10
