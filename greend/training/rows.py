@@ -6,12 +6,53 @@ samples, tokens, loss, nonfinite, precision)."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from greend.protocol import MAX_LOSS
 from greend.training.probe import probe_level
 
-__all__ = ["Row", "step_fields"]
+__all__ = ["Row", "clean", "step_fields"]
+
+
+def _count(v: Any) -> int | None:
+    """A samples or tokens count as the wire takes it: a whole number >= 0 (a numpy or
+    0-d tensor one too), else None (not counted)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return int(f) if 0 <= f < 2**63 else None  # (NaN fails both compares)
+
+
+def _flops(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if 0 <= f < math.inf else None
+
+
+def clean(record: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A record whose user-given fields the wire can hold: the step index as an int
+    (``index=`` may be a numpy integer or a 0-d tensor), counts and FLOPs that are finite
+    and not negative (else not counted); None where the index is no whole number. Records
+    greend made itself pass unchanged."""
+    index, t0, t1, flops, samples, tokens, loss, nonfinite, precision = record
+    if type(index) is not int:
+        try:
+            index = operator.index(index)
+        except TypeError:
+            return None
+    if flops is not None and type(flops) is not float:
+        flops = _flops(flops)
+    elif flops is not None and not 0 <= flops < math.inf:
+        flops = None
+    if samples is not None and (type(samples) is not int or samples < 0):
+        samples = _count(samples)
+    if tokens is not None and (type(tokens) is not int or tokens < 0):
+        tokens = _count(tokens)
+    return index, t0, t1, flops, samples, tokens, loss, nonfinite, precision
 
 
 class Row:

@@ -48,7 +48,7 @@ from greend.ipc.wire import (
     read_line_blocking,
 )
 from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS
-from greend.training.rows import Row, step_fields
+from greend.training.rows import Row, clean, step_fields
 from greend.training.warn import OnceWarnings, log
 
 __all__ = ["Channel", "Sender", "SenderOptions", "SenderStats"]
@@ -214,39 +214,55 @@ class Sender:
 
     # Main loop -------------------------------------------------------------------
     def _run(self) -> None:
-        opts = self.options
-        next_connect = 0.0
         try:
             while True:
-                self.ch.book_handed()  # the training thread's ended steps, as records
-                if self._stop_reason is not None:
-                    self._finish()
-                    return
-                if self._sock is None:
-                    now = _monotonic()
-                    if now >= next_connect:
-                        if self._connect():
-                            self._failures = 0
-                        else:
-                            self._failures += 1
-                            delay = min(opts.reconnect_max_s, opts.reconnect_min_s * (2 ** (self._failures - 1)))
-                            next_connect = _monotonic() + delay * random.uniform(0.8, 1.0)
-                        self.first_attempt.set()
-                        continue
-                    self._wake.wait(min(next_connect - now, 0.5))
-                    continue
                 try:
-                    self._run_once()
-                except _ConnectionLost as e:
-                    self._lost(str(e))
-                    next_connect = _monotonic() + opts.reconnect_min_s * random.uniform(0.8, 1.0)
-        except Exception as e:
-            log.exception("greend sender thread failed; reporting stops (training is unaffected)")
-            self.ch.stats.last_error = f"{type(e).__name__}: {e}"
+                    self._loop()
+                    return
+                except Exception as e:  # a bug here never ends the reporting for good
+                    msg = f"{type(e).__name__}: {e}"
+                    if msg != self.ch.stats.last_error:
+                        log.exception("greend sender thread failed; it starts again in 1 s (training is unaffected)")
+                    ch = self.ch
+                    ch.stats.dropped += sum(n for _, n in self._outbox)
+                    self._close_sock()
+                    ch.stats.last_error = msg
+                    ch.stats.connected = False
+                    if self._stop_reason is not None:
+                        return
+                    self._wake.wait(1.0)
         finally:
             self._close_sock()
             self.first_attempt.set()
             self._done.set()
+
+    def _loop(self) -> None:
+        """Connect, send and read until stopped (returns) or a bug raises."""
+        opts = self.options
+        next_connect = 0.0
+        while True:
+            self.ch.book_handed()  # the training thread's ended steps, as records
+            if self._stop_reason is not None:
+                self._finish()
+                return
+            if self._sock is None:
+                now = _monotonic()
+                if now >= next_connect:
+                    if self._connect():
+                        self._failures = 0
+                    else:
+                        self._failures += 1
+                        delay = min(opts.reconnect_max_s, opts.reconnect_min_s * (2 ** (self._failures - 1)))
+                        next_connect = _monotonic() + delay * random.uniform(0.8, 1.0)
+                    self.first_attempt.set()
+                    continue
+                self._wake.wait(min(next_connect - now, 0.5))
+                continue
+            try:
+                self._run_once()
+            except _ConnectionLost as e:
+                self._lost(str(e))
+                next_connect = _monotonic() + opts.reconnect_min_s * random.uniform(0.8, 1.0)
 
     def _run_once(self) -> None:
         """One round: queue steps, events, pace, maybe a heartbeat; then wait for I/O up to flush_interval_s."""
@@ -452,17 +468,39 @@ class Sender:
             batch: list[dict[str, Any]] = []
             while queue and len(batch) < MAX_STEPS_PER_MESSAGE:
                 try:
-                    record = queue.popleft()
+                    raw = queue.popleft()
                 except IndexError:
                     break
-                batch.append(step_fields(record))
+                record = self._clean(raw)
+                if record is not None:
+                    batch.append(step_fields(record))
             if batch:
                 self._queue_message("steps", "steps", batch, [1] * len(batch))
 
+    def _clean(self, record: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The record as the wire can hold it (rows.clean); a step whose index is no whole
+        number is dropped, with one warning."""
+        cleaned = clean(record)
+        if cleaned is None:
+            self.ch.stats.dropped += 1
+            self._warnings.warn("index", f"step index={record[0]!r} is not a whole number: that step is not reported")
+        return cleaned
+
     def _queue_message(self, op: str, key: str, items: list[dict[str, Any]], counts: list[int]) -> None:
         """``items`` (steps, or rows of ``counts`` steps each) as one ``op`` message, halved
-        until each part fits MAX_MESSAGE_BYTES."""
-        data = frame_message(op, {key: items})
+        until each part fits MAX_MESSAGE_BYTES; an item that cannot be encoded is dropped
+        alone (one warning), never the sender."""
+        try:
+            data = frame_message(op, {key: items})
+        except (TypeError, ValueError) as e:  # (a value JSON cannot hold: found by halving)
+            if len(items) > 1:
+                half = len(items) // 2
+                self._queue_message(op, key, items[:half], counts[:half])
+                self._queue_message(op, key, items[half:], counts[half:])
+                return
+            self.ch.stats.dropped += sum(counts)
+            self._warnings.warn("encode", f"a {op} entry cannot be sent ({e}): dropped, {items[0]!r:.300}")
+            return
         if len(data) > MAX_MESSAGE_BYTES and len(items) > 1:
             half = len(items) // 2
             self._queue_message(op, key, items[:half], counts[:half])
@@ -481,9 +519,12 @@ class Sender:
             row: Row | None = None
             while queue and len(rows) < MAX_ROWS_PER_MESSAGE:
                 try:
-                    record = queue.popleft()
+                    raw = queue.popleft()
                 except IndexError:
                     break
+                record = self._clean(raw)
+                if record is None:
+                    continue
                 if row is not None and (row.precision != record[8] or row.steps >= MAX_STEPS_PER_MESSAGE):
                     rows.append(row.fields())
                     counts.append(row.steps)
