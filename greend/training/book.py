@@ -193,7 +193,11 @@ class StepBook:
             self.boundary = True  # (the step after the block goes back to the level in force)
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
-        """The model's first forward (one-shot pre-hook): an autocast on here is the job's own."""
+        """The model's first forward inside a step (one-shot pre-hook): an autocast on here
+        is the job's own. A forward outside any step (an evaluation or a check before the
+        training, under an autocast of its own or none) says nothing of the training's level."""
+        if self._detect_step is None or self._detect_step.t1_s:  # (t1_s: set when the step ended)
+            return
         self._drop_detect_hook()
         control = self.control
         if control.detect_own_level(final=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -404,3 +405,40 @@ def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
         assert wait_for(lambda: any(e["kind"] == "rollback" for e in daemon.precision_events))
     ev = next(e for e in daemon.precision_events if e["kind"] == "rollback")
     assert ev["from"] == "fp8-emulated" and ev["to"] == "bf16" and ev["step"] == bad
+
+
+@pytest.mark.parametrize("before", ["bf16", "plain"])
+def test_a_forward_before_the_first_step_does_not_set_the_jobs_own_level(before: str) -> None:
+    """The job's own level is what its steps run: a forward outside any step (an
+    evaluation or a check before training, under an autocast of its own or none) neither
+    moves an fp32 job to bf16 nor fixes a bf16 job (its own torch.autocast around each
+    step) at fp32."""
+    own_bf16 = before == "plain"  # the bf16 job checks its model with a plain forward first
+    model = nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cb = GreenCallback(job=f"pre-{before}", model=model, socket="/nonexistent/g.sock", connect_timeout_s=0.01)
+    try:
+        with torch.no_grad():
+            if before == "bf16":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x)
+            else:
+                model(x)
+        dtypes = []
+        for _ in range(3):
+            with cb.step(samples=16, batch=x) as st:
+                if own_bf16:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = model(x)
+                else:
+                    with st.autocast():
+                        out = model(x)
+                dtypes.append(out.dtype)
+                st.loss(out.float().pow(2).mean())
+        want = "bf16" if own_bf16 else "fp32"
+        assert cb._control.own == want and cb.precision == want
+        assert dtypes == [torch.bfloat16 if own_bf16 else torch.float32] * 3
+    finally:
+        cb.close()
