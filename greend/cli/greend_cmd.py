@@ -8,6 +8,8 @@ import gc
 import logging
 import os
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +98,7 @@ def daemon_run(
     os.umask(0o077)
     daemon = Daemon(cfg)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %s: stopping", signal.Signals(signum).name)
-        sdnotify.stopping()
-        daemon.stop()
-
+    on_signal = signal_stopper(daemon)
     faulthandler.enable()  # a watchdog SIGABRT puts the Python traceback in the journal
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -134,6 +132,23 @@ def daemon_run(
         daemon.close()
         gc.unfreeze()  # (a process that embeds this command gets its collector back whole)
     log.info("stopped")
+
+
+def signal_stopper(daemon: Any) -> Callable[[int, Any], None]:
+    """The SIGTERM/SIGINT handler: stop the daemon. A handler runs on the main thread
+    between two bytecodes, which may be inside ``stop_event.wait()`` holding the Event's
+    lock (not reentrant): setting the Event there could wait on itself for ever (a double
+    SIGTERM did, now and then). A short thread of its own sets it."""
+
+    def stop(signum: int) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        sdnotify.stopping()
+        daemon.stop()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        threading.Thread(target=stop, args=(signum,), name="greend-stop", daemon=True).start()
+
+    return on_signal
 
 
 @daemon_app.command("restore")
