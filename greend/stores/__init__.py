@@ -185,12 +185,17 @@ def redact_url(url: str) -> str:
 def check_url(url: str) -> None:
     """Refuse a malformed store URL with a message that says the allowed forms."""
     _load_builtin_stores()
-    parts = urlsplit(url)
-    kind = REGISTRY.get(parts.scheme)
-    if kind is None:
-        forms = ", ".join(REGISTRY[s].form for s in registered_schemes())
-        raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
-    kind.check(url, parts)
+    scheme = url.partition("://")[0] if "://" in url else ""
+    try:
+        parts = urlsplit(url)
+        kind = REGISTRY.get(parts.scheme)
+        if kind is None:
+            forms = ", ".join(REGISTRY[s].form for s in registered_schemes())
+            raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
+        kind.check(url, parts)
+    except ValueError as e:  # (urllib's: a port that is no number or out of range, a broken [IPv6])
+        form = REGISTRY[scheme].form if scheme in REGISTRY else f"{scheme or 'SCHEME'}://HOST:PORT"
+        raise ConfigError(f"store URL {redact_url(url)!r}: {e}; expected {form}") from None
 
 
 def open_store(

@@ -144,3 +144,21 @@ def test_bad_gpu_speed_factors_are_refused_naming_the_gpu(tmp_path: Path, table:
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, f"[sim]\ngpu_speed_factors = {table}\n"))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("influx://127.0.0.1:99999?org=a&bucket=b", "Port out of range"),
+        ("influx://127.0.0.1:abc?org=a&bucket=b", "could not be cast to integer"),
+        ("prometheus://127.0.0.1:70000", "Port out of range"),
+        ("prometheus://[::1:9100", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_store_url_that_urllib_cannot_read_is_a_config_error(url: str, says: str) -> None:
+    """(It was a ValueError: a traceback from `greend run`, exit 1, instead of the message.)"""
+    from greend.stores import check_url
+
+    with pytest.raises(ConfigError, match=says) as e:
+        check_url(url)
+    assert "expected" in str(e.value)
