@@ -423,6 +423,11 @@ def load_config(path: Path | None, *, required: bool | None = None) -> Config:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # (TOML is UTF-8: a Latin-1 comment, or not a text file)
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+            "save it as UTF-8 (TOML files are)"
+        ) from None
     sections = {name: getattr(cfg, name) for name in SECTIONS}
     for key, value in raw.items():
         if key not in sections:

@@ -552,6 +552,8 @@ def _parse_param(text: str) -> tuple[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw  # a bare string
+    if isinstance(value, float) and not math.isfinite(value):  # (NaN, Infinity, 1e309)
+        fail(f"--param {text!r}: {key.strip()} must be a finite number")
     return key.strip(), value
 
 

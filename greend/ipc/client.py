@@ -20,6 +20,7 @@ from greend.errors import DaemonUnavailable, RequestRefused
 from greend.ipc.wire import (
     LineReader,
     LineTooLong,
+    MalformedMessage,
     PeerClosed,
     connect_retrying,
     connect_unix,
@@ -108,7 +109,12 @@ class Client:
             raise DaemonUnavailable(f"greend at {self.path} closed the connection") from None
         except LineTooLong:
             raise DaemonUnavailable("reply too large") from None
-        return decode(line)
+        try:
+            return decode(line)
+        except MalformedMessage as e:
+            raise DaemonUnavailable(
+                f"what answers at {self.path} does not speak greend's protocol ({e}): is it greend's socket?"
+            ) from None
 
 
 def _what_is_there(path: Path, e: OSError) -> str:

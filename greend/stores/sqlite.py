@@ -416,11 +416,19 @@ class SqliteStore:
         if now - self._last_prune < 3600:
             return
         self._last_prune = now
-        try:
-            if self.retention_days > 0:
-                cutoff_ns = int((now - self.retention_days * 86400) * 1e9)
-                for table in list(self._columns):
+        if self.retention_days > 0:
+            cutoff_ns = int((now - self.retention_days * 86400) * 1e9)
+            # greend's own tables only (greend_*, with their ts_ns): a file shared with
+            # another program keeps that program's rows, and one table that fails is
+            # skipped alone.
+            for table, columns in list(self._columns.items()):
+                if not table.startswith("greend_") or "ts_ns" not in columns:
+                    continue
+                try:
                     self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+                except sqlite3.Error as e:
+                    log.warning("sqlite store: retention prune of %s failed: %s", table, e)
+        try:
             if self.raw_hours > 0:
                 self.roll_up(now)
             # sqlite3_exec steps it to the end (execute() frees a single page per call)

@@ -52,3 +52,38 @@ def test_a_bad_plot_path_is_refused_in_one_line(plot: str, said: str, tmp_path: 
     code, out = run("--socket", str(tmp_path / "s.sock"), "report", "j", "--plot", plot)
     assert code == 2 and said in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("reply", [b"HTTP/1.1 200 OK\r\n\r\n", b"[1,2,3]\n"])
+def test_a_socket_that_is_not_greends_is_said_so_not_a_traceback(tmp_path: Path, reply: bytes) -> None:
+    import socket
+    import threading
+
+    path = tmp_path / "other.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve() -> None:
+        for _ in range(2):
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.recv(4096)
+            c.sendall(reply)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        code, out = run("--socket", str(path), "--timeout", "2", "status", "--json")
+    finally:
+        srv.close()
+    assert code == 3, out
+    assert "does not speak greend's protocol" in out and "is it greend's socket?" in out
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "1e309"])
+def test_a_policy_parameter_that_is_no_finite_number_is_refused_here(value: str) -> None:
+    code, out = run("--socket", "/nonexistent/g.sock", "policy", "set", "efficient", "--param", f"max_slowdown={value}")
+    assert code == 2 and "max_slowdown must be a finite number" in out, out

@@ -162,3 +162,10 @@ def test_a_store_url_that_urllib_cannot_read_is_a_config_error(url: str, says: s
     with pytest.raises(ConfigError, match=says) as e:
         check_url(url)
     assert "expected" in str(e.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    p = tmp_path / "greend.toml"
+    p.write_bytes(b"# owner: J\xfcrgen\n[daemon]\nhz = 10\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0xfc at offset 10\)"):
+        load_config(p)

@@ -118,3 +118,28 @@ def test_a_point_lost_to_a_write_error_is_not_reported_as_a_full_queue(
     assert not [r for r in caplog.records if "queue full" in r.getMessage()]
     assert any("1 of a batch of 2 points lost" in r.getMessage() for r in caplog.records)
     store.close()
+
+
+def test_retention_prunes_greends_tables_only_and_one_failing_table_stops_nothing(tmp_path: Path) -> None:
+    """A file shared with another program keeps that program's rows (it lost them), and a
+    table of its own without ts_ns no longer stops greend's prune."""
+    db = tmp_path / "shared.db"
+    now = time.time_ns()
+    old = now - 3 * 86400 * 10**9
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE app_events (ts_ns INTEGER, what TEXT)")
+    con.execute("INSERT INTO app_events VALUES (?, 'not greend data')", (old,))
+    con.execute("CREATE TABLE notes (note TEXT)")
+    con.commit()
+    con.close()
+    store = SqliteStore(db, batch_s=0.05, retention_days=1.0)
+    store.write([Point("greend_host", {"host": "h"}, {"load_1m": 1.0}, old),
+                 Point("greend_host", {"host": "h"}, {"load_1m": 2.0}, now)])  # fmt: skip
+    assert store.flush()
+    store._last_prune = 0.0  # due now
+    store._maybe_prune()
+    assert [r["load_1m"] for r in read_rows(db, "greend_host")] == [2.0]
+    store.close()
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT what FROM app_events").fetchall() == [("not greend data",)]
+    con.close()
