@@ -133,6 +133,11 @@ class SqliteStore:
             except sqlite3.DatabaseError as e:
                 if not _corrupt(e):
                     raise
+                if not _sqlite_header(self.file):  # not a damaged store: someone's file (a typo'd path)
+                    raise StoreError(
+                        f"the store path {path} holds a file that is not an SQLite database ({e}): greend leaves it "
+                        "as it is; give the SQLite store a path of its own (sqlite:///var/lib/greend/greend.db)"
+                    ) from None
                 self._move_aside(e)
                 self._open()
         except (OSError, sqlite3.Error) as e:
@@ -212,7 +217,7 @@ class SqliteStore:
                     "holds open (the state dir was moved or replaced by a link after greend started): refused"
                 )
 
-    def _move_aside(self, e: Exception) -> None:
+    def _move_aside(self, e: Exception) -> None:  # (only a file with SQLite's header: _sqlite_header)
         """The file is corrupt: rename it (and its WAL) aside and start a fresh one."""
         try:
             self._db.close()
@@ -585,3 +590,14 @@ def _open_fds() -> dict[int, tuple[int, int]]:
             continue  # closed meanwhile (the listing's own descriptor, another thread's)
         out[int(n)] = (st.st_dev, st.st_ino)
     return out
+
+
+def _sqlite_header(path: Path) -> bool:
+    """Whether the file starts as every SQLite database does (an empty file counts too):
+    a damaged store keeps its header, another program's file has none."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError:
+        return True  # (cannot tell: as before)
+    return not head or head == b"SQLite format 3\x00"

@@ -71,7 +71,7 @@ def test_a_batch_with_one_bad_point_loses_only_that_point(tmp_path: Path) -> Non
 
 def test_a_corrupt_file_is_moved_aside_and_a_fresh_store_started(tmp_path: Path) -> None:
     db = tmp_path / "c.db"
-    db.write_bytes(b"this is not an SQLite file at all" * 200)
+    db.write_bytes(b"SQLite format 3\x00" + b"its pages overwritten" * 200)  # a damaged store keeps its header
     store = SqliteStore(db, batch_s=0.02)
     st = store.status()
     assert st.extra["moved_aside"] and Path(st.extra["moved_aside"][0]).exists()
@@ -81,3 +81,17 @@ def test_a_corrupt_file_is_moved_aside_and_a_fresh_store_started(tmp_path: Path)
     assert store.status().ok and store.status().written == 1
     store.close()
     assert len(read_rows(db, "greend_job_step")) == 1
+
+
+def test_a_file_that_is_no_sqlite_database_is_left_as_it_is(tmp_path: Path) -> None:
+    """A store path that names someone's file (a typo: the config file) is refused; the
+    file was moved aside and an SQLite database put in its place."""
+    import pytest
+
+    from greend.errors import StoreError
+
+    cfg = tmp_path / "greend.toml"
+    cfg.write_text("[daemon]\nhz = 10\n")
+    with pytest.raises(StoreError, match="not an SQLite database .*greend leaves it as it is"):
+        SqliteStore(cfg, batch_s=0.02)
+    assert cfg.read_text() == "[daemon]\nhz = 10\n" and sorted(p.name for p in tmp_path.iterdir()) == ["greend.toml"]
