@@ -151,6 +151,8 @@ class Param:
             for key, v in caps.items():
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise bad(f"GPU {gpu}: {key} = {v!r} is not a positive number")
+                if v > 10_000:  # (MHz or W: no GPU comes near; a typo, not a cap)
+                    raise bad(f"GPU {gpu}: {key} = {v!r} is over 10000")
                 entry[key] = int(v) if key == "clock_cap_mhz" else float(v)
             out[gpu] = entry
         return out

@@ -209,3 +209,17 @@ def test_harness_second_job_and_phase_change() -> None:
     gpus, _ = make_sim_gpus(1)
     r = run_policy(get_policy("none"), gpus, 1e12, 0.05, steps=20, phase_change_at=10, phase_mem_share=0.8)
     assert {x.mem_share for x in r.trace[:10]} == {0.05} and {x.mem_share for x in r.trace[10:]} == {0.8}
+
+
+@pytest.mark.parametrize(
+    "params, says",
+    [
+        ({"clock_cap_mhz": 99999999999999999999999}, "<= 10000"),
+        ({"power_limit_w": 1e9}, "<= 10000"),
+        ({"per_gpu": {"0": {"clock_cap_mhz": 20000}}}, "over 10000"),
+    ],
+)
+def test_static_refuses_a_cap_no_gpu_could_have(params: dict[str, object], says: str) -> None:
+    """(It was accepted, reported as set, and the GPU ran uncapped at its top clock.)"""
+    with pytest.raises(PolicyError, match=says):
+        get_policy("static", **params)
