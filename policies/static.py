@@ -65,7 +65,7 @@ class StaticPolicy:
     help = "a fixed SM clock cap and/or power limit on the given GPUs (default all)"
     PARAMS: tuple[Param, ...] = (
         Param("clock_cap_mhz", "int", None, "max SM clock, MHz (snapped down to a supported clock)", lo=1, hi=10_000),
-        Param("power_limit_w", "float", None, "power limit, W (clamped to the GPU's range)", lo=0, lo_open=True, hi=1e4),
+        Param("power_limit_w", "float", None, "power limit, W (clamped to the GPU range)", lo=0, lo_open=True, hi=1e4),
         Param("gpus", "int_list", None, "GPU indices to cap (default: every GPU, or per_gpu's)"),
         Param(
             "per_gpu",
