@@ -338,6 +338,12 @@ def validate(cfg: Config) -> Config:
             f"[daemon] reserved_admin_connections = {d.reserved_admin_connections!r}: "
             f"expected 0 up to max_connections - 1 ({d.max_connections - 1})"
         )
+    n = len(os.fsencode(str(d.socket)))
+    if n > 107:  # (sun_path holds 108 bytes with its NUL)
+        raise ConfigError(
+            f"[daemon] socket = {str(d.socket)!r}: {n} bytes, over the 107 a Unix socket's path may have; "
+            "choose a shorter path (--socket)"
+        )
     try:
         mode = int(d.socket_mode, 8)
     except ValueError:

@@ -169,3 +169,12 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> Non
     p.write_bytes(b"# owner: J\xfcrgen\n[daemon]\nhz = 10\n")
     with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0xfc at offset 10\)"):
         load_config(p)
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(tmp_path: Path) -> None:
+    cfg = load_config(None, required=False)
+    cfg.daemon.socket = tmp_path / ("s" * 120 + ".sock")
+    from greend.config import validate
+
+    with pytest.raises(ConfigError, match=r"over the 107 a Unix socket's path may have"):
+        validate(cfg)
