@@ -79,8 +79,9 @@ def test_never_below_min_limit_and_says_so() -> None:
     assert "below the GPUs' minimum" in r.decisions[-1][1].reason
 
 
-def test_equal_share_when_nothing_is_known() -> None:
-    v = [
+def two_h100_views() -> tuple[GpuView, ...]:
+    """Two uncapped H100s drawing 650 W each (limits 200-700 W)."""
+    return tuple(
         GpuView(
             index=i,
             source="sim",
@@ -94,7 +95,11 @@ def test_equal_share_when_nothing_is_known() -> None:
             power_limit_default_w=700.0,
         )
         for i in range(2)
-    ]
+    )
+
+
+def test_equal_share_when_nothing_is_known() -> None:
+    v = two_h100_views()
     p = get_policy("budget", node_budget_w=1000, margin=0.0)
     from greend.policies.base import JobView
 
@@ -111,7 +116,7 @@ def test_equal_share_when_nothing_is_known() -> None:
         )
         for i in range(2)
     )
-    d = p.decide(Snapshot(t_s=0.0, gpus=tuple(v), jobs=jobs, cpu_power_w=100.0), p.new_state())
+    d = p.decide(Snapshot(t_s=0.0, gpus=v, jobs=jobs, cpu_power_w=100.0), p.new_state())
     assert d.gpu_settings == {0: Setting(power_limit_w=450.0), 1: Setting(power_limit_w=450.0)}
 
 
@@ -120,21 +125,7 @@ def test_a_job_that_reports_no_flops_is_unknown_not_a_job_that_gains_nothing() -
     GPU that gains nothing from them and leave it the least of the budget."""
     from greend.policies.base import JobMeasure, JobView
 
-    v = tuple(
-        GpuView(
-            index=i,
-            source="sim",
-            power_w=650.0,
-            sm_clock_mhz=1980.0,
-            clock_cap_mhz=None,
-            power_limit_w=700.0,
-            supported_sm_clocks_mhz=H100.supported_sm_clocks_mhz,
-            power_limit_min_w=200.0,
-            power_limit_max_w=700.0,
-            power_limit_default_w=700.0,
-        )
-        for i in range(2)
-    )
+    v = two_h100_views()
     p = get_policy("budget", node_budget_w=1000, margin=0.0)
     state = p.new_state()
     jobs = tuple(

@@ -38,54 +38,46 @@ def test_clean_makes_user_values_what_the_wire_holds() -> None:
     assert clean(record(index=3.5)) is None and clean(record(index="3")) is None  # no whole number: dropped
 
 
-def test_odd_step_values_never_stop_the_reporting(sock_path: Path) -> None:
+def test_odd_step_values_never_stop_the_reporting(daemon: FakeDaemon, sock_path: Path) -> None:
     """index= as numpy integers, one NaN samples= and one infinite flops= ended the sender
     thread: nothing more was reported for the rest of the run."""
-    daemon = FakeDaemon(sock_path).start()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with GreenCallback(job="odd", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
-                assert wait_for(lambda: cb.connected)
-                for i in np.arange(40):
-                    samples = math.nan if i == 5 else 8
-                    flops = math.inf if i == 6 else None
-                    with cb.step(index=i, samples=samples, flops=flops) as st:
-                        st.loss(0.5)
-                cb.flush()
-                assert wait_for(lambda: daemon.received() == 40)
-        assert wait_for(lambda: len(daemon.ends) == 1)
-        assert cb.stats.last_error is None
-    finally:
-        daemon.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with GreenCallback(job="odd", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            for i in np.arange(40):
+                samples = math.nan if i == 5 else 8
+                flops = math.inf if i == 6 else None
+                with cb.step(index=i, samples=samples, flops=flops) as st:
+                    st.loss(0.5)
+            cb.flush()
+            assert wait_for(lambda: daemon.received() == 40)
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert cb.stats.last_error is None
 
 
 def test_a_bug_in_the_sender_thread_pauses_the_reporting_and_it_goes_on(
-    sock_path: Path, caplog: pytest.LogCaptureFixture
+    daemon: FakeDaemon, sock_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    daemon = FakeDaemon(sock_path).start()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with GreenCallback(job="bug", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
-                assert wait_for(lambda: cb.connected)
-                sender = cb._sender
-                real, calls = sender._run_once, {"n": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with GreenCallback(job="bug", socket=sock_path, flops_per_step=1.0, **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            sender = cb._sender
+            real, calls = sender._run_once, {"n": 0}
 
-                def once_broken() -> None:
-                    calls["n"] += 1
-                    if calls["n"] == 1:
-                        raise RuntimeError("a bug in a round")
-                    real()
+            def once_broken() -> None:
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise RuntimeError("a bug in a round")
+                real()
 
-                sender._run_once = once_broken  # type: ignore[method-assign]  # a fault in one round
-                for _ in range(20):
-                    with cb.step(samples=8) as st:
-                        st.loss(0.5)
-                cb.flush()
-                assert wait_for(lambda: daemon.received() == 20, 10)  # after the pause, reconnected
-                assert calls["n"] > 1 and sender._thread.is_alive() and len(daemon.registers) == 2
-        assert wait_for(lambda: len(daemon.ends) == 1)
-    finally:
-        daemon.stop()
+            sender._run_once = once_broken  # type: ignore[method-assign]  # a fault in one round
+            for _ in range(20):
+                with cb.step(samples=8) as st:
+                    st.loss(0.5)
+            cb.flush()
+            assert wait_for(lambda: daemon.received() == 20, 10)  # after the pause, reconnected
+            assert calls["n"] > 1 and sender._thread.is_alive() and len(daemon.registers) == 2
+    assert wait_for(lambda: len(daemon.ends) == 1)
     assert any("sender thread failed; it starts again" in r.getMessage() for r in caplog.records)
