@@ -185,7 +185,6 @@ def redact_url(url: str) -> str:
 def check_url(url: str) -> None:
     """Refuse a malformed store URL with a message that says the allowed forms."""
     _load_builtin_stores()
-    scheme = url.partition("://")[0] if "://" in url else ""
     try:
         parts = urlsplit(url)
         kind = REGISTRY.get(parts.scheme)
@@ -194,6 +193,7 @@ def check_url(url: str) -> None:
             raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
         kind.check(url, parts)
     except ValueError as e:  # (urllib's: a port that is no number or out of range, a broken [IPv6])
+        scheme = url.partition("://")[0] if "://" in url else ""
         form = REGISTRY[scheme].form if scheme in REGISTRY else f"{scheme or 'SCHEME'}://HOST:PORT"
         raise ConfigError(f"store URL {redact_url(url)!r}: {e}; expected {form}") from None
 

@@ -15,22 +15,19 @@ from greend.training.probe import probe_level
 __all__ = ["Row", "clean", "step_fields"]
 
 
+def _amount(v: Any) -> float | None:
+    """``v`` as a float where it is a finite number >= 0 (a numpy or 0-d tensor one too), else None."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if 0 <= f < math.inf else None  # (NaN fails both compares)
+
+
 def _count(v: Any) -> int | None:
-    """A samples or tokens count as the wire takes it: a whole number >= 0 (a numpy or
-    0-d tensor one too), else None (not counted)."""
-    try:
-        f = float(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return int(f) if 0 <= f < 2**63 else None  # (NaN fails both compares)
-
-
-def _flops(v: Any) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return f if 0 <= f < math.inf else None
+    """A samples or tokens count as the wire takes it: a whole number >= 0, else None (not counted)."""
+    f = _amount(v)
+    return int(f) if f is not None and f < 2**63 else None
 
 
 def clean(record: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -44,10 +41,8 @@ def clean(record: tuple[Any, ...]) -> tuple[Any, ...] | None:
             index = operator.index(index)
         except TypeError:
             return None
-    if flops is not None and type(flops) is not float:
-        flops = _flops(flops)
-    elif flops is not None and not 0 <= flops < math.inf:
-        flops = None
+    if flops is not None and not (type(flops) is float and 0 <= flops < math.inf):
+        flops = _amount(flops)
     if samples is not None and (type(samples) is not int or samples < 0):
         samples = _count(samples)
     if tokens is not None and (type(tokens) is not int or tokens < 0):

@@ -223,11 +223,7 @@ class Sender:
                     msg = f"{type(e).__name__}: {e}"
                     if msg != self.ch.stats.last_error:
                         log.exception("greend sender thread failed; it starts again in 1 s (training is unaffected)")
-                    ch = self.ch
-                    ch.stats.dropped += sum(n for _, n in self._outbox)
-                    self._close_sock()
-                    ch.stats.last_error = msg
-                    ch.stats.connected = False
+                    self._disconnect(msg)
                     if self._stop_reason is not None:
                         return
                     self._wake.wait(1.0)
@@ -425,13 +421,16 @@ class Sender:
         else:
             log.debug("greend: %s", message)
 
-    def _lost(self, message: str) -> None:
-        ch = self.ch
-        dropped = sum(n for _, n in self._outbox)
-        ch.stats.dropped += dropped
+    def _disconnect(self, message: str) -> None:
+        """Drop the connection: what its outbox held is counted dropped, and why is said."""
+        stats = self.ch.stats
+        stats.dropped += sum(n for _, n in self._outbox)
         self._close_sock()
-        ch.stats.last_error = message  # before "not connected": a reader of both sees why
-        ch.stats.connected = False
+        stats.last_error = message  # before "not connected": a reader of both sees why
+        stats.connected = False
+
+    def _lost(self, message: str) -> None:
+        self._disconnect(message)
         self._failures = 1
         if not self._warnings.first_done:
             self._warnings.warn("lost", f"lost the daemon: {message}; training continues, reconnecting")
