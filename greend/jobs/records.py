@@ -44,7 +44,8 @@ class RankChannel(Protocol):
     """The way back to a rank's process (its connection): events pushed to it."""
 
     def send(self, obj: dict[str, Any], timeout_s: float = ...) -> bool:
-        """Send one message; False if the process is gone or stuck."""
+        """Send one message; False if the process is gone or stuck; ValueError (nothing
+        sent) if it cannot be encoded."""
         ...
 
 

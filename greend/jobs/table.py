@@ -23,7 +23,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
 from greend.jobs.report import JobFigures
 from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
-from greend.protocol import PRECISION_BITS, encode, not_above
+from greend.protocol import PRECISION_BITS, not_above
 
 if TYPE_CHECKING:
     from greend.policies.base import JobMeasure, JobView
@@ -465,9 +465,11 @@ class JobTable:
             job = self.jobs.get(job_id)
             channels = [rs.channel for rs in job.ranks.values() if rs.channel is not None] if job else []
         msg = {"v": 1, "job": job_id, **event}
-        try:
-            encode(msg)  # (checked once here: a send that cannot encode raises)
-        except ValueError as e:  # (a NaN or an infinity: a bug upstream, not the ranks' problem)
-            log.error("job %s: not sent to its ranks, cannot be encoded (%s): %r", job_id, e, event)
-            return 0
-        return sum(1 for c in channels if c.send(msg, timeout_s=0.2))
+        sent = 0
+        for c in channels:
+            try:
+                sent += bool(c.send(msg, timeout_s=0.2))
+            except ValueError as e:  # cannot be encoded (a NaN, an infinity): a bug upstream, not the ranks'
+                log.error("job %s: not sent to its ranks, cannot be encoded (%s): %r", job_id, e, event)
+                break  # (the same message fails on every channel)
+        return sent

@@ -3,6 +3,7 @@ registry called with typed values; a connection is anything shaped like one."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from greend.ipc.server import NO_REPLY, LimitExceeded
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry, QuotaExceeded
+from greend.protocol import encode
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class _Conn:
     sent: list[dict[str, Any]] = field(default_factory=list)
 
     def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
+        encode(obj)  # as the socket's Connection: a message that cannot be encoded raises, unsent
         self.sent.append(obj)
         return True
 
@@ -79,6 +82,9 @@ def test_register_book_and_end_through_the_ops() -> None:
     assert h["pace"]({"step_s": 0.4}, conn) == {"ok": True} and job.pace_s == 0.4
     assert ops.jobs.push("j1", {"event": "directive", "precision": "bf16"}) == 1
     assert conn.sent == [{"v": 1, "job": "j1", "event": "directive", "precision": "bf16"}]
+    # A push that cannot be encoded (a NaN pace) is logged and sent to no one; nothing raises.
+    assert ops.jobs.push("j1", {"event": "local_pace", "step_s": math.nan}) == 0
+    assert len(conn.sent) == 1
     report = h["end"]({"reason": "done"}, conn)
     assert report["job"] == "j1" and report["steps"] == 3
     assert not ops.registered(conn) and job.state == "ending" and job.end_reason == "done"
