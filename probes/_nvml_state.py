@@ -43,6 +43,10 @@ class TrackedGpu:
     mig: bool = False  # MIG mode on: the readings are the whole GPU's, shared by its instances
     energy_j: float = 0.0  # cumulative since open
     last_counter_mj: int | None = None
+    last_counter_s: float | None = None  # when last_counter_mj was read
+    counter_dropped: tuple[int, float | None] | None = None  # (the value, its time) before a read went back
+    _before_mj: int | None = None  # the counter's read before the last
+    _booked_mj: int = 0  # what the last read booked
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
@@ -50,17 +54,55 @@ class TrackedGpu:
     slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
     power_w: float | None = None  # the last power read (with the slow fields, or every tick)
 
-    def book_counter(self, raw_mj: int, what: str) -> None:
-        """A read of the energy counter (mJ since the driver loaded)."""
-        last = self.last_counter_mj
+    def book_counter(self, raw_mj: int, what: str, now_s: float | None = None) -> None:
+        """A read of the energy counter (mJ since the driver loaded), at ``now_s``.
+
+        The counter only goes forward. One bad read loses at most the interval around it,
+        never the whole count since the driver loaded:
+
+        - a read below the last starts a new baseline and books nothing; if the next read
+          is back at or above the value before it, the low read was a glitch and the
+          interval across it is booked (after a reset or a driver reload the counter
+          starts from 0 and stays below: it goes on from its new baseline);
+        - a read ahead that the next read contradicts (it lands between the two before)
+          was a glitch: what it booked is taken back;
+        - with ``now_s`` (real NVML; simulated GPUs run faster than the clock), a jump
+          forward by more than the GPU can draw meanwhile (:meth:`_most_mj`) is not booked.
+        """
+        last, was_s, before, booked = self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj
+        dropped, self.counter_dropped = self.counter_dropped, None
+        self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj = raw_mj, now_s, last, 0
         if last is None:
-            pass  # first good read: the baseline
-        elif raw_mj >= last:
-            self.energy_j += mj_to_j(raw_mj - last)
-        else:  # the counter restarted (driver reload): it counts from 0 again
-            log.warning("%s: energy counter went back (%d -> %d mJ)", what, last, raw_mj)
-            self.energy_j += mj_to_j(raw_mj)
-        self.last_counter_mj = raw_mj
+            return  # first good read: the baseline
+        if raw_mj < last:
+            if before is not None and before <= raw_mj:
+                log.warning("%s: energy counter read %d mJ ahead of the reads around it: taken back", what, last)
+                self.energy_j -= mj_to_j(booked)
+                self._book(raw_mj - before)
+                return
+            log.warning("%s: energy counter went back (%d -> %d mJ): a new baseline", what, last, raw_mj)
+            self.counter_dropped = (last, was_s)
+            return
+        if dropped is not None and dropped[0] <= raw_mj:
+            self._book(raw_mj - dropped[0])  # the low read was a glitch
+            return
+        if raw_mj - last > self._most_mj(was_s, now_s):
+            log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)
+            return
+        self._book(raw_mj - last)
+
+    def _book(self, mj: int) -> None:
+        self.energy_j += mj_to_j(mj)
+        self._booked_mj = mj
+
+    def _most_mj(self, since_s: float | None, now_s: float | None) -> float:
+        """The most energy (mJ) the GPU can plausibly draw between two reads: twice its
+        highest power limit (1,500 W where that is unknown) over the time between them
+        plus a second; unbounded where the times are unknown."""
+        if since_s is None or now_s is None:
+            return float("inf")
+        peak_w = 2.0 * (self.power_limit_max_w or 1500.0)
+        return peak_w * (max(0.0, now_s - since_s) + 1.0) * 1000.0
 
     def integrate_power(self, power_w: float | None, now_s: float) -> None:
         """Trapezoid rule over the tick times; a tick without power leaves a gap that the
@@ -78,11 +120,13 @@ class TrackedGpu:
 @dataclass
 class Look:
     """What a recovery's driver calls found: the GPU count, each ``"gpuI"``'s
-    (handle, UUID) or error, and the GPUs never seen before, opened (or the error)."""
+    (handle, UUID) or error, the GPUs never seen before, opened (or the error), and
+    whether NVML was initialised again first (after a driver reload)."""
 
     count: int
     looked: dict[str, Outcome]
     fresh: dict[int, Outcome]
+    reinit: bool = False
 
 
 class Looks:

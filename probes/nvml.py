@@ -410,7 +410,7 @@ class NvmlProbe:
         known = {g.uuid for g in self._gpus} | set(self._gone)
         new = [i for i in range(count) if looked[f"gpu{i}"].error is None and looked[f"gpu{i}"].value[1] not in known]
         opened = self._devices.each({f"gpu{i}": ("open", partial(self._open_gpu, i)) for i in new})
-        return Look(count, looked, {i: opened[f"gpu{i}"] for i in new})
+        return Look(count, looked, {i: opened[f"gpu{i}"] for i in new}, reinit)
 
     def _rematch(self, reinit: bool = False) -> None:
         """:meth:`_look_again` and :meth:`_apply_look`, inline."""
@@ -493,7 +493,7 @@ class NvmlProbe:
             if i not in taken:
                 lost[i] = why
         self._gpus = sorted(gpus, key=lambda g: g.index)
-        self._devices.renumber({g.index: (g.handle, g.uuid) for g in self._gpus if g.index not in lost}, lost)
+        self._devices.renumber({g.index: (g.handle, g.uuid) for g in gpus if g.index not in lost}, lost, look.reinit)
 
     def _identify(self, i: int) -> tuple[Any, str]:
         """(handle, UUID) of the GPU NVML lists at index ``i`` now."""
@@ -561,7 +561,7 @@ class NvmlProbe:
                 log.warning("%s: energy counter stopped working; integrating power instead", what)
                 gpu.energy_method = "power_integration"
             else:
-                gpu.book_counter(raw, what)
+                gpu.book_counter(raw, what, now_s if self.source == "nvml" else None)  # (sim: its own clock)
                 return
         gpu.integrate_power(power_w, now_s)
 

@@ -203,6 +203,9 @@ class NvmlDevices:
         self._uuids: dict[int, str] = {}  # index -> UUID, as enumerated
         self._lost: dict[int, str] = {}  # index -> why
         self._writes: dict[int, int] = {}  # index -> settings writes so far
+        # UUID -> times the GPU was found again after a loss, a reset or a driver reload,
+        # each of which may have dropped its clock lock and power limit
+        self._epochs: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -330,12 +333,17 @@ class NvmlDevices:
         """The UUID of the GPU at ``index`` when it was last enumerated (no driver call)."""
         return self._uuids.get(index)
 
-    def renumber(self, gpus: dict[int, tuple[Any, str]], lost: dict[int, str]) -> None:
+    def renumber(self, gpus: dict[int, tuple[Any, str]], lost: dict[int, str], reinit: bool = False) -> None:
         """After enumerating again: index -> (handle, UUID) of every GPU that answers,
         and index -> why for those that do not. The settings-write counts follow each
-        GPU's UUID to its new index."""
+        GPU's UUID to its new index. A GPU that was lost, or every GPU where NVML was
+        initialised again (``reinit``: a driver reload), starts a new :meth:`epoch`."""
         with self._lock:
             old_writes = {self._uuids[i]: n for i, n in self._writes.items() if i in self._uuids}
+            was_lost = {self._uuids.get(i) for i in self._lost}
+            for _, u in gpus.values():
+                if reinit or u in was_lost:
+                    self._epochs[u] = self._epochs.get(u, 0) + 1
             self._handles = {i: h for i, (h, _) in gpus.items()}
             self._uuids = {i: u for i, (_, u) in gpus.items()}
             self._writes = {i: old_writes.get(u, 0) + 1 for i, (_, u) in gpus.items()}
@@ -410,6 +418,12 @@ class NvmlDevices:
         return index
 
     # ---- settings
+
+    def epoch(self, index: int) -> int:
+        """How many times GPU ``index`` was found again after a loss or a driver reload
+        (0: never, since NVML was opened): settings written before it changed may be gone."""
+        uuid = self._uuids.get(index)
+        return 0 if uuid is None else self._epochs.get(uuid, 0)
 
     def settings_writes(self, index: int) -> int:
         """How many settings writes GPU ``index`` has had: a reader that saw this

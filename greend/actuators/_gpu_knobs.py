@@ -73,6 +73,10 @@ class GpuKnobs:
         # (index, knob) -> asked, for writes whose value the GPU could not show yet (an
         # idle GPU, or one that power or heat hold below the lock): read back later
         self._unverified: dict[tuple[int, str], float] = {}
+        # (index, knob) whose last write outlived its deadline: it may have landed, or not
+        self._in_doubt: set[tuple[int, str]] = set()
+        # (UUID, knob) -> the GPU's epoch (GpuBackend.epoch) when greend last wrote the knob
+        self._epochs: dict[tuple[str, str], int] = {}
         if primary is not None:
             self.add_backend(primary)
 
@@ -248,6 +252,7 @@ class GpuKnobs:
             self._restore_knob(backend, index, entry, knob, ks)
             self._held.pop((index, knob), None)
             self._unverified.pop((index, knob), None)
+            self._in_doubt.discard((index, knob))
             with self.book.lock:
                 entry.knobs.pop(knob, None)
                 self.book.drop_empty()
@@ -279,7 +284,9 @@ class GpuKnobs:
                 knob,
                 _setting_text(ks.original, "MHz" if knob == CLOCK_KNOB else "W"),
             )
-        if knob == CLOCK_KNOB:
+        if (index, knob) in self._in_doubt:
+            in_force = False  # the last write may not have landed: write it again
+        elif knob == CLOCK_KNOB:
             in_force = ks.set == value
         else:
             assert current is not None
@@ -295,20 +302,38 @@ class GpuKnobs:
             return
         self._held.pop((index, knob), None)
         self._unverified.pop((index, knob), None)
-        if knob == CLOCK_KNOB:
-            lo = lowest if lowest is not None else int(value)
-            guarded(
-                dev,
-                knob,
-                f"lock the SM clock to {lo}..{int(value)} MHz",
-                lambda: backend.set_locked_clocks_mhz(index, lo, int(value)),
-            )
-            log.info("%s: SM clock locked to %d..%d MHz (owner %s)", dev, lo, int(value), owner)
-        else:
-            guarded(
-                dev, knob, f"set the power limit to {value:g} W", lambda: backend.set_power_limit_w(index, float(value))
-            )
-            log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
+        try:
+            if knob == CLOCK_KNOB:
+                lo = lowest if lowest is not None else int(value)
+                guarded(
+                    dev,
+                    knob,
+                    f"lock the SM clock to {lo}..{int(value)} MHz",
+                    lambda: backend.set_locked_clocks_mhz(index, lo, int(value)),
+                )
+                log.info("%s: SM clock locked to %d..%d MHz (owner %s)", dev, lo, int(value), owner)
+            else:
+                guarded(
+                    dev,
+                    knob,
+                    f"set the power limit to {value:g} W",
+                    lambda: backend.set_power_limit_w(index, float(value)),
+                )
+                log.info("%s: power limit %g -> %g W (owner %s)", dev, current, value, owner)
+        except KnobError as e:
+            if e.reason == "unresponsive":
+                # The call outlived its deadline and may still land: recorded as set, so
+                # that a restore undoes it (undoing a write that never landed changes
+                # nothing), and written again at the next request.
+                self._in_doubt.add((index, knob))
+                self._unverified[(index, knob)] = float(value)
+                with self.book.lock:
+                    ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+                    self.book.save()
+            raise
+        self._in_doubt.discard((index, knob))
+        assert entry is not None  # (made above, before the first write)
+        self._epochs[(entry.uuid, knob)] = backend.epoch(index)
         with self.book.lock:
             ks.set, ks.owner, ks.updated_at = value, owner, time.time()
             self.book.save()
@@ -376,6 +401,38 @@ class GpuKnobs:
         finally:
             lock.release()
 
+    def reassert(self, index: int) -> list[str]:
+        """Write greend's settings on GPU ``index`` again where the GPU was found again
+        (after a loss, a reset or a driver reload, which drop a clock lock and a power
+        limit) since greend wrote them; the knobs written, [] where none was due. A
+        write that fails is logged and tried again at the next call."""
+        backend = self.primary
+        if backend is None or self.book.dry_run:
+            return []
+        with self.book.lock:
+            entry = self.entry(index)
+            if entry is None:
+                return []
+            uuid, due = entry.uuid, {k: (ks.set, ks.owner) for k, ks in entry.knobs.items() if ks.set is not None}
+        epoch = backend.epoch(index)
+        stale = [k for k in due if self._epochs.setdefault((uuid, k), epoch) != epoch]
+        done: list[str] = []
+        for knob in stale:
+            value, owner = due[knob]
+            self._in_doubt.add((index, knob))  # (written again, not taken as in force)
+            setting = Setting(clock_cap_mhz=int(value)) if knob == CLOCK_KNOB else Setting(power_limit_w=value)
+            other = [k for k in GPU_KNOBS if k != knob]
+            log.warning("gpu%d (%s) was found again since greend set its %s: writing it again", index, uuid, knob)
+            try:
+                self.apply(index, setting, owner, keep=other)
+            except (GreendError, ProbeError) as e:
+                # Not tried again until the GPU is found anew; its next request writes it.
+                self._epochs[(uuid, knob)] = epoch
+                log.warning("gpu%d %s: cannot write it again now: %s", index, knob, e)
+                continue
+            done.append(knob)
+        return done
+
     def unverified(self, index: int) -> list[str]:
         """The knobs of GPU ``index`` whose value the GPU has not shown since greend wrote it."""
         return sorted(k for (i, k) in list(self._unverified) if i == index)
@@ -397,6 +454,11 @@ class GpuKnobs:
             guarded(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
             log.info("%s: locked clocks reset (unlocked, as before greend)", dev)
             return f"{dev} {knob}: unlocked"
+        if ks.set is None:
+            # greend's write never took (it failed, or greend stopped before it): the limit
+            # the GPU has now is not greend's doing (an operator's, perhaps); leave it.
+            log.info("%s: greend never changed the power limit; the limit there stays", dev)
+            return f"{dev} {knob}: left as it is (greend's limit never took)"
         original = ks.original
         assert original is not None
         current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))

@@ -329,6 +329,11 @@ class Controller:
         or held below it by power or heat); True when what is in force changed."""
         return self._gpus.verify(index)
 
+    def reassert(self, index: int) -> list[str]:
+        """Write greend's settings on GPU ``index`` again if the GPU was found again since
+        (after a loss, a reset or a driver reload, which drop them); the knobs written."""
+        return self._gpus.reassert(index)
+
     def unverified(self, index: int) -> list[str]:
         """Knobs of GPU ``index`` greend wrote whose value the GPU has not shown yet."""
         return self._gpus.unverified(index)

@@ -58,6 +58,11 @@ class GpuBackend(Protocol):
         was saved at, lets a backend answer at once for a GPU there that does not answer."""
         ...
 
+    def epoch(self, index: int) -> int:
+        """A count that changes when GPU ``index`` is found again after a loss, a reset
+        or a driver reload, any of which may have dropped greend's settings on it."""
+        ...
+
     def power_limit_w(self, index: int) -> float: ...
 
     def default_power_limit_w(self, index: int) -> float: ...
@@ -116,12 +121,15 @@ class NvmlGpuBackend:
         sim = self.kind == "sim" and isinstance(nvml, SimulatedNvml)
         self.sim_dir: str | None = str(Path(nvml.state_dir).resolve()) if sim else None
         self._owns_probe = owns_probe
-        self._clocks: dict[int, tuple[int, ...]] = {}
-        # (index, knob) -> (reason, the refusal): NO_PERMISSION / NOT_SUPPORTED / MIG mode;
+        # What is learnt of a GPU is kept by its UUID (``_gpu``): after a reset or a driver
+        # reload the driver may number the GPUs otherwise, and an index then names another GPU.
+        self._clocks: dict[str, tuple[int, ...]] = {}
+        # (GPU, knob) -> (reason, the refusal): NO_PERMISSION / NOT_SUPPORTED / MIG mode;
         # not tried again, logged once
-        self._refused: dict[tuple[int, str], tuple[str, ProbeError]] = {}
+        self._refused: dict[tuple[str, str], tuple[str, ProbeError]] = {}
+        self._written: set[tuple[str, str]] = set()  # (GPU, knob) greend has written once: never refused
         self._refusing = threading.RLock()  # the refusals: the tick, the socket's ops and status
-        self._constraints: dict[int, tuple[float, float]] = {}
+        self._constraints: dict[str, tuple[float, float]] = {}
 
     def __repr__(self) -> str:
         return f"NvmlGpuBackend(kind={self.kind!r}, sim_dir={self.sim_dir!r})"
@@ -181,17 +189,26 @@ class NvmlGpuBackend:
     def _call(self, index: int, fn: str, *args: Any) -> Any:
         return self.devices.call(f"gpu{index}", fn, self._handle(index), *args)
 
+    def _gpu(self, index: int) -> str:
+        """The key of GPU ``index`` in what this backend learns of it: its UUID as
+        enumerated (the index only where none is known)."""
+        return self.devices.uuid_at(index) or f"#{index}"
+
     def _write(self, index: int, fn: str, *args: Any) -> None:
         """A setter, unless its knob was refused before: a knob NVML refused with
         NO_PERMISSION or NOT_SUPPORTED, or any knob of a GPU in MIG mode, stays refused
         (it will not start working between two policy periods): recorded and logged
-        once per GPU and knob, never called again."""
+        once per GPU and knob, never called again. A knob greend has written before is
+        never taken as refused (a refusal then is of that one value, or passing), and
+        undoing a lock (``nvmlDeviceResetGpuLockedClocks``) is always tried: greend must
+        be able to take back what it did."""
         self._handle(index)
-        knob = _knob_group(fn)
-        refused = self._refused.get((index, knob))
+        knob, gpu = _knob_group(fn), self._gpu(index)
+        undo = fn == "nvmlDeviceResetGpuLockedClocks"
+        refused = None if undo else self._refused.get((gpu, knob))
         if refused is not None:
             raise type(refused[1])(f"{refused[1]} (refused before: not tried again)")
-        if self.probe.is_mig(index):
+        if not undo and self.probe.is_mig(index):
             err: ProbeError = NotSupported(
                 f"gpu{index} {fn}: the GPU is in MIG mode: greend does not cap a GPU shared "
                 "by MIG instances (a cap would slow every instance's job)"
@@ -201,26 +218,36 @@ class NvmlGpuBackend:
         try:
             self.devices.write(index, fn, *args)
         except NoPermission as e:
-            self._refuse(index, knob, "no_permission", e)
+            if not undo:
+                self._refuse(index, knob, "no_permission", e)
             raise
         except NotSupported as e:
-            self._refuse(index, knob, "not_supported", e)
+            if not undo:
+                self._refuse(index, knob, "not_supported", e)
             raise
+        with self._refusing:
+            self._written.add((gpu, knob))
 
     def _refuse(self, index: int, knob: str, reason: str, err: ProbeError) -> None:
+        gpu = self._gpu(index)
         with self._refusing:
-            if (index, knob) in self._refused:
+            if (gpu, knob) in self._refused or (gpu, knob) in self._written:
                 return
-            self._refused[(index, knob)] = (reason, err)
+            self._refused[(gpu, knob)] = (reason, err)
         log.warning("gpu%d %s refused (%s): %s; disabled for this GPU until greend restarts", index, knob, reason, err)
+
+    def _refusals(self) -> list[tuple[int, str, str, ProbeError]]:
+        """(index, knob, reason, refusal) of every refused knob of a GPU enumerated now."""
+        with self._refusing:
+            refused = sorted(self._refused.items())
+        where = {self._gpu(i): i for i in self.indices()}
+        return sorted((where[g], k, r, e) for (g, k), (r, e) in refused if g in where)
 
     @property
     def refused(self) -> dict[int, dict[str, str]]:
         """Index -> {knob: why} for knobs NVML refused (for status)."""
         out: dict[int, dict[str, str]] = {}
-        with self._refusing:
-            refused = sorted(self._refused.items())
-        for (i, knob), (_, e) in refused:
+        for i, knob, _, e in self._refusals():
             out.setdefault(i, {})[knob] = str(e)
         return out
 
@@ -228,15 +255,13 @@ class NvmlGpuBackend:
         if self.probe.is_mig(index):  # known from enumeration: refused before any write is tried
             with self._refusing:
                 for k in ("clock_cap_mhz", "power_limit_w"):
-                    if (index, k) not in self._refused:
+                    if (self._gpu(index), k) not in self._refused:
                         why = (
                             f"gpu{index} is in MIG mode: greend does not cap a GPU shared by MIG instances "
                             "(a cap would slow every instance's job)"
                         )
                         self._refuse(index, k, "mig", NotSupported(why))
-        with self._refusing:
-            refused = sorted(self._refused.items())
-        return {k: {"reason": r, "message": str(e)} for (i, k), (r, e) in refused if i == index}
+        return {k: {"reason": r, "message": str(e)} for i, k, r, e in self._refusals() if i == index}
 
     def held_clock_mhz(self, index: int) -> int | None:
         nvml = self.devices.nvml
@@ -270,6 +295,11 @@ class NvmlGpuBackend:
     def known_uuid(self, index: int) -> str | None:
         return self.devices.uuid_at(index)
 
+    def epoch(self, index: int) -> int:
+        """Changes when GPU ``index`` is found again after a loss, a reset or a driver
+        reload (which may drop its settings): see :meth:`NvmlDevices.epoch`."""
+        return self.devices.epoch(index)
+
     def index_of_uuid(self, uuid: str, was_at: int | None = None) -> int | None:
         return self.devices.index_of_uuid(uuid, was_at)
 
@@ -280,18 +310,20 @@ class NvmlGpuBackend:
         return mw_to_w(self._call(index, "nvmlDeviceGetPowerManagementDefaultLimit"))
 
     def power_limit_constraints_w(self, index: int) -> tuple[float, float]:
-        if index not in self._constraints:
+        gpu = self._gpu(index)
+        if gpu not in self._constraints:
             lo, hi = self._call(index, "nvmlDeviceGetPowerManagementLimitConstraints")
-            self._constraints[index] = (mw_to_w(lo), mw_to_w(hi))
-        return self._constraints[index]
+            self._constraints[gpu] = (mw_to_w(lo), mw_to_w(hi))
+        return self._constraints[gpu]
 
     def supported_sm_clocks_mhz(self, index: int) -> tuple[int, ...]:
         """Descending, as NVML lists them (at the highest memory clock)."""
-        if index not in self._clocks:
+        gpu = self._gpu(index)
+        if gpu not in self._clocks:
             mem = self._call(index, "nvmlDeviceGetSupportedMemoryClocks")
             sm = self._call(index, "nvmlDeviceGetSupportedGraphicsClocks", max(mem)) if mem else []
-            self._clocks[index] = tuple(sorted({int(f) for f in sm}, reverse=True))
-        return self._clocks[index]
+            self._clocks[gpu] = tuple(sorted({int(f) for f in sm}, reverse=True))
+        return self._clocks[gpu]
 
     def set_locked_clocks_mhz(self, index: int, min_mhz: int, max_mhz: int) -> None:
         """``nvmlDeviceSetGpuLockedClocks``; NVML errors arrive as greend errors."""

@@ -397,9 +397,11 @@ class StateFile:
             raise self._error(f"is not UTF-8 text ({e})") from e
         except json.JSONDecodeError as e:
             raise self._error(f"is not valid JSON, truncated or corrupt ({e})") from e
+        except (ValueError, RecursionError) as e:  # a number of over 4300 digits; nesting too deep
+            raise self._error(f"is not a saved-settings file greend wrote ({type(e).__name__}: {e})") from e
         try:
             return parse_state(data)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise self._error(str(e)) from e
 
     def save(self, state: SavedState) -> None:

@@ -318,6 +318,7 @@ class ControlLoop:
         assert self.ctrl is not None
         jobs = self.ctx.jobs
         for gpu in gpus:
+            self.ctrl.reassert(gpu)  # a GPU found again after a reset: greend's settings again
             if not self.ctrl.unverified(gpu) or not self.ctrl.verify(gpu):
                 continue
             held = self.ctrl.current(gpu)

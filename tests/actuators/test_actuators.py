@@ -16,7 +16,7 @@ from greend.actuators.controller import Controller
 from greend.actuators.gpu import NvmlGpuBackend
 from greend.actuators.rapl import RaplBackend
 from greend.actuators.state import STATE_FILE
-from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, StateError
+from greend.errors import ActuatorError, DeviceLost, KnobError, NoPermission, ProbeError, StateError
 from greend.probes.fake_nvml import FakeNvml
 from greend.probes.fake_sysfs import make_standard_tree
 from greend.probes.nvml import NvmlProbe
@@ -436,3 +436,148 @@ def test_a_gpu_whose_setter_hung_fails_its_next_write_at_once(tmp_path: Path, si
         assert ctl.apply_gpu(0, Setting(power_limit_w=300.0), "job-1").power_limit_w == 300.0
     finally:
         fake.set_hang(None)
+
+
+def test_a_refused_write_does_not_stop_greend_undoing_what_it_set_before(tmp_path: Path, sim: Any) -> None:
+    """A knob greend has written once is never taken as refused for good: one refused
+    write later (NO_PERMISSION) does not stop greend from resetting its own lock."""
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+    ctl.apply_gpu(0, Setting(clock_cap_mhz=1400), "job-1")
+    assert fake.sim_gpu(0).locked_clocks_mhz() == (345, 1395)  # (the nearest supported clock)
+    fake.inject(0, no_permission=True)
+    with pytest.raises(KnobError) as ei:
+        ctl.apply_gpu(0, Setting(clock_cap_mhz=1200), "job-1")
+    assert ei.value.reason == "no_permission"
+    fake.inject(0, no_permission=False)
+    counting.calls.clear()
+    report = ctl.restore_all()
+    assert report.ok, report.failed
+    assert [c[0] for c in counting.calls] == ["nvmlDeviceResetGpuLockedClocks"]
+    assert fake.sim_gpu(0).locked_clocks_mhz() is None
+    assert backend.refused == {}
+
+
+def test_a_refusal_stays_with_its_gpu_when_the_driver_numbers_the_gpus_anew(tmp_path: Path) -> None:
+    """Refusals are kept by UUID: after a driver reload that swaps two GPUs' indices, the
+    GPU that refused clock locks is still the refused one, at its new index, and the
+    other one's lock is reset at exit."""
+    fake = FakeNvml(tmp_path / "sim", n=2)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    backend = NvmlGpuBackend(probe)
+    ctl = Controller(tmp_path / "state", backend)
+    fake.inject(0, no_locked_clocks=True)  # a card without clock locks
+    with pytest.raises(KnobError):
+        ctl.apply_gpu(0, Setting(clock_cap_mhz=1400), "job-1")
+    ctl.apply_gpu(1, Setting(clock_cap_mhz=1400), "job-1")
+    refused_uuid = fake.sim_gpu(0).uuid
+    fake.reorder([1, 0])  # NVML's gpu0 is the locked one now, gpu1 the one that refuses
+    with pytest.raises(ProbeError):
+        probe.sample(1.0)  # NVML was shut down under the probe: it enumerates again
+    probe.sample(2.0)
+    assert backend.known_uuid(1) == refused_uuid
+    assert set(backend.refused) == {1} and backend.refused_knobs(0) == {}
+    report = ctl.restore_all()
+    assert report.ok, report.failed
+    assert all(fake.sim_gpu(i).locked_clocks_mhz() is None for i in (0, 1))
+    probe.close()
+
+
+def test_a_power_limit_greend_never_changed_is_not_restored_over_the_operators(tmp_path: Path, sim: Any) -> None:
+    """greend's only write of the limit failed; an operator then sets one by hand: at
+    exit greend leaves it (it never changed the limit), and forgets the entry."""
+    fake, counting, backend = sim
+    fake.inject(0, no_permission=True)
+    state = tmp_path / "state"
+    ctl = Controller(state, backend)
+    with pytest.raises(KnobError):
+        ctl.apply_gpu(0, Setting(power_limit_w=400.0), "job-1")
+    fake.inject(0, no_permission=False)
+    assert gpu_entry(state, 0)["knobs"]["power_limit_w"]["set"] is None
+    fake.sim_gpu(0).set_power_limit_w(500.0)  # the operator, by hand
+    counting.calls.clear()
+    report = ctl.restore_all()
+    assert report.ok and counting.calls == []
+    assert fake.sim_gpu(0).power_limit_w() == 500.0
+    assert not (state / STATE_FILE).exists()
+
+
+def test_a_lock_whose_write_outlived_its_deadline_is_undone_at_exit(tmp_path: Path, sim: Any) -> None:
+    """A setter that does not return within the deadline may still land (a driver that
+    answers late): greend counts it as set, so the restore resets it."""
+    fake, _counting, backend = sim
+    backend.devices.deadline_s = 0.3
+    fake.set_hang("nvmlDeviceSetGpuLockedClocks", gpu=1, seconds=0.8)  # lands after the deadline
+    state = tmp_path / "state"
+    ctl = Controller(state, backend)
+    with pytest.raises(KnobError) as ei:
+        ctl.apply_gpu(1, Setting(clock_cap_mhz=1400), "job-1")
+    assert ei.value.reason == "unresponsive"
+    assert gpu_entry(state, 1)["knobs"]["clock_cap_mhz"]["set"] == 1395  # (the nearest supported clock)
+    fake.set_hang(None)
+    assert wait_for(lambda: fake.sim_gpu(1).locked_clocks_mhz() is not None, timeout_s=10)  # the late write landed
+    assert "clock_cap_mhz" in ctl.unverified(1)
+    assert wait_for(lambda: _answers(backend, 1), timeout_s=30)  # its calls answer again
+    report = ctl.restore_all()
+    assert report.ok, report.failed
+    assert fake.sim_gpu(1).locked_clocks_mhz() is None
+    assert not (state / STATE_FILE).exists()
+
+
+def _answers(backend: NvmlGpuBackend, index: int) -> bool:
+    try:
+        backend.power_limit_w(index)
+        return True
+    except Exception:
+        return False
+
+
+def test_a_gpu_found_again_after_a_reset_gets_greends_settings_written_again(tmp_path: Path) -> None:
+    """A GPU reset (lost, then found again) drops its clock lock and power limit: the
+    next check writes greend's settings again, once; a GPU never lost is not written."""
+    fake = FakeNvml(tmp_path / "sim", n=2)
+    counting = CountingNvml(fake)
+    probe = NvmlProbe(nvml=counting, source="sim")
+    probe.open()
+    ctl = Controller(tmp_path / "state", NvmlGpuBackend(probe))
+    for i in (0, 1):
+        ctl.apply_gpu(i, Setting(1400, 450.0), "job-1")
+    assert ctl.reassert(0) == [] and ctl.reassert(1) == []
+    fake.inject(0, lost=True)
+    probe.sample(1.0)
+    assert probe.lost_gpus.keys() == {0}
+    gpu = fake.sim_gpu(0)
+    gpu.reset_locked_clocks()  # what the reset did to the device
+    gpu.set_power_limit_w(700.0)
+    fake.inject(0, lost=False)
+    assert wait_for(lambda: probe.sample(2.0) is not None and not probe.lost_gpus, timeout_s=10)
+    counting.calls.clear()
+    assert ctl.reassert(1) == []  # found again with its settings never lost: not written
+    assert sorted(ctl.reassert(0)) == ["clock_cap_mhz", "power_limit_w"]
+    assert gpu.locked_clocks_mhz() == (345, 1395) and gpu.power_limit_w() == 450.0
+    assert ctl.current(0) == Setting(1395, 450.0)
+    assert ctl.reassert(0) == []  # once
+    assert [c[0] for c in counting.calls] == ["nvmlDeviceSetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit"]
+    probe.close()
+
+
+def test_after_a_driver_reload_every_gpu_gets_greends_settings_written_again(tmp_path: Path) -> None:
+    """A driver reload (NVML shut down under greend, the GPUs numbered anew) drops every
+    GPU's settings: each is written again, at the GPU's new index."""
+    fake = FakeNvml(tmp_path / "sim", n=2)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    ctl = Controller(tmp_path / "state", NvmlGpuBackend(probe))
+    ctl.apply_gpu(0, Setting(clock_cap_mhz=1400), "job-1")
+    ctl.apply_gpu(1, Setting(power_limit_w=450.0), "job-1")
+    locked, limited = fake.sim_gpu(0), fake.sim_gpu(1)
+    fake.reorder([1, 0])
+    locked.reset_locked_clocks()  # what the reload did to the devices
+    limited.set_power_limit_w(700.0)
+    with pytest.raises(ProbeError):
+        probe.sample(1.0)  # NVML was shut down under the probe: it enumerates again
+    probe.sample(2.0)
+    assert ctl.reassert(0) == ["power_limit_w"] and ctl.reassert(1) == ["clock_cap_mhz"]
+    assert locked.locked_clocks_mhz() == (345, 1395) and limited.power_limit_w() == 450.0
+    probe.close()

@@ -118,3 +118,17 @@ def test_move_aside_only_when_asked(tmp_path: Path) -> None:
     moved = sf.move_aside()
     assert moved is not None and moved.name.startswith(f"{STATE_FILE}.corrupt-")
     assert moved.read_text() == "{broken" and not sf.path.exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"format": "greend-saved-settings", "version": 1, "gpus": [' + b"9" * 5000 + b"]}",  # over 4300 digits
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion limit
+    ],
+    ids=["huge-number", "deep-nesting"],
+)
+def test_a_file_python_cannot_parse_as_plain_json_is_refused_like_any_corrupt_one(
+    tmp_path: Path, content: bytes
+) -> None:
+    _expect_refusal(tmp_path, content, "is not a saved-settings file greend wrote")

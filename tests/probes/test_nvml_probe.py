@@ -452,3 +452,63 @@ def test_a_gpu_lost_then_back_at_another_index_is_found_by_uuid(tmp_path: Path, 
         probe.sample(2.0)
     gpus = {g.index: g.uuid for g in probe.sample(10.0).gpus}
     assert gpus == {0: uuids[1], 1: uuids[0]} and probe.lost_gpus == {}
+
+
+class GlitchingCounter:
+    """A FakeNvml whose energy counter answers ``glitch(true_mJ)`` on GPU 0 when ``armed``
+    (once): a read of 0, or one that went back, as real nodes show now and then."""
+
+    def __init__(self, inner: FakeNvml) -> None:
+        self._inner = inner
+        self.armed: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        raw = int(self._inner.nvmlDeviceGetTotalEnergyConsumption(handle))
+        if self.armed is not None and self._inner.nvmlDeviceGetUUID(handle) == self._inner.sim_gpu(0).uuid:
+            raw, self.armed = self.armed(raw), None
+        return raw
+
+
+@pytest.mark.parametrize(
+    "glitch", [lambda mj: 0, lambda mj: mj - 1_000_000, lambda mj: mj + 10**12], ids=["zero", "back", "jump"]
+)
+def test_one_bad_read_of_the_energy_counter_loses_an_interval_at_most(
+    fake: FakeNvml, clock: ManualClock, glitch: Any
+) -> None:
+    """One read of 0, one that went back 1 kJ, or one far ahead of what the GPU can
+    draw: the energy booked stays within an interval of the truth; the counter's whole
+    count since the driver loaded (123 kJ here) is never booked."""
+    nvml = GlitchingCounter(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    truth0 = fake.sim_gpu(0).energy_j()
+    now = 0.0
+    probe.sample(now)
+    for k in range(20):
+        fake.sim_gpu(0).run_step(3e14, 0.2, "bf16")
+        clock.advance(0.5)
+        now += 0.5
+        if k == 8:
+            nvml.armed = glitch
+        probe.sample(now)
+    truth = fake.sim_gpu(0).energy_j() - truth0
+    booked = by_index(probe, now)[0].energy_j
+    per_interval = truth / 20
+    assert truth - 2.5 * per_interval <= booked <= truth * 1.001, (booked, truth)
+
+
+def test_on_a_real_node_a_jump_beyond_what_the_gpu_can_draw_is_not_booked() -> None:
+    """With read times (real NVML), a step forward of more than twice the highest power
+    limit over the interval is not energy: not booked; the reads after it go on."""
+    from greend.probes._nvml_state import TrackedGpu
+
+    gpu = TrackedGpu(index=0, handle=None, name="H100", uuid="GPU-x", energy_method="counter")
+    gpu.power_limit_max_w = 700.0
+    gpu.book_counter(5_000_000, "gpu0", 100.0)
+    gpu.book_counter(5_350_000, "gpu0", 101.0)  # 350 J in 1 s: booked
+    gpu.book_counter(9_000_000_000, "gpu0", 102.0)  # 9 MJ in 1 s: not
+    gpu.book_counter(9_000_400_000, "gpu0", 103.0)  # the counter goes on from there
+    assert gpu.energy_j == pytest.approx(350.0 + 400.0)
