@@ -282,9 +282,7 @@ class PrecisionControl:
         does; a failure is logged once and never raised."""
         try:
             peers = self.job_peers()
-            if peers is not None:
-                wanted = self.proposal or self.level
-                agreed = peers.agree_max("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
+            agreed = None if peers is None else peers.agree_max("precision", epoch, None)  # (reads only)
         except Exception as e:
             self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
             peers = None
@@ -294,15 +292,26 @@ class PrecisionControl:
                 self.proposal = None
                 self.seen_request = None  # the directive is taken again, alone, at the next step
             return
-        if agreed is None:
-            return
-        level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
+        if agreed is not None:
+            self._take_agreed(PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))])
+        # This rank's word for the epoch, written after the agreed level is applied (so it
+        # never names the level left behind); none while the job's own level is not known
+        # yet (the level in force then says nothing of what the job runs).
+        if not self.detecting:
+            wanted = self.proposal or self.level
+            try:
+                peers.raise_to("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
+            except Exception as e:
+                self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
+
+    def _take_agreed(self, level: str) -> None:
+        """Run the level the ranks agreed on, never above the job's own level."""
         if level == self.proposal:
             self.proposal = None
         if self._steps is not None:
             self._steps.flush()  # a rollback among the losses already in goes first
         old = self.level
-        if level == old or self.support.get(level) is not None:
+        if level == old or self.support.get(level) is not None or self.above_own(level) is not None:
             return
         step = self._next_index
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (

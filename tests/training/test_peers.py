@@ -164,3 +164,36 @@ def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPa
     # The first step's agreement found no process group: the directive at step 2 applies at once.
     assert cb._control.agreeing is False
     assert ran == ["fp32"] * 2 + ["bf16"] * 10, ran
+
+
+def test_ranks_of_a_bf16_job_stay_at_bf16_while_they_agree(monkeypatch: pytest.MonkeyPatch, daemon, sock_path) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks of a job that trains in bf16 with its own autocast inside the step: the
+    first steps, before greend has seen the job's level, say nothing of it; the ranks
+    never move the job up to fp32 (nor flip back and forth), and report no rollback."""
+    from greend.training.callback import GreenCallback
+
+    store = dist.HashStore()
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    cbs = []
+    for rank, model in enumerate(models):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        cb = GreenCallback(job="own-bf16", model=model, socket=sock_path, sync_every=5, flush_interval_s=0.02)
+        cb._control.peers = JobPeers(store, "own-bf16", rank)
+        cbs.append(cb)
+    ran: list[list[str]] = [[], []]
+    try:
+        for _ in range(40):
+            for r, (cb, model) in enumerate(zip(cbs, models)):  # the ranks in lockstep
+                with cb.step(samples=1) as st:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):  # the job's own level
+                        out = model(torch.randn(3, 4))
+                    st.loss(out.float().pow(2).mean())
+                ran[r].append(st.precision)
+    finally:
+        for cb in cbs:
+            cb.close()
+    for r in (0, 1):
+        assert cbs[r]._control.own == "bf16"
+        assert set(ran[r][1:]) == {"bf16"}, ran[r]
+        assert cbs[r].precision_events == [], cbs[r].precision_events
