@@ -92,6 +92,11 @@ class GreenHFCallback(TrainerCallback):
         return self.cb.precision if self.cb is not None else "fp32"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._step is not None:  # the last train() raised inside a step (no hook tells an adapter)
+            step, self._step = self._step, None
+            step.__exit__(RuntimeError, None, None)  # not a step: its FLOP count, if one ran, stops
+        if self.cb is not None and not self.cb.closed:
+            self.cb.close("error")  # that run ended there
         if self.cb is None or self.cb.closed:  # (a second train() is a new run: a new callback)
             self.cb = GreenCallback(
                 job=self.job,

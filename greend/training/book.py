@@ -615,9 +615,13 @@ class StepBook:
             self.channel.agreed_pace_s = agreed  # the sender sends it as op "pace"
 
     def close(self) -> None:
-        """The last losses (waited for: training is over), and the model's hook taken off."""
+        """The last losses (waited for: training is over), the model's hook taken off, and a
+        FLOP count a step left running (a step never exited: the training raised between
+        two hooks of a trainer) stopped: it would slow every torch call after it."""
         self.closed = True
         self._drop_detect_hook()
+        if self._counter.active:
+            self._counter.stop()
         try:
             self.drain(keep=0)
             self.control.read_reference(wait=True)

@@ -214,3 +214,41 @@ def test_hf_trainer_reports_steps_and_refuses_precision_switching(
         transformers.Trainer(model=HFTiny(), args=args, train_dataset=rows, callbacks=[cb]).train()
     assert cb.cb is not first and wait_for(lambda: len(daemon.ends) == 2)
     assert len(daemon.registers) == 2 and daemon.received() == 10
+
+
+def test_hf_a_train_that_raised_inside_a_step_leaves_no_flop_count_running_after_the_next(
+    daemon: FakeDaemon, sock_path: Path, tmp_path: Path
+) -> None:
+    """A Trainer's train() that raises between on_step_begin and on_step_end (no hook tells
+    an adapter) leaves the step open, counting FLOPs: the next train() ends that run as an
+    error and stops the count (it would slow every torch call), and the new run counts afresh."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from greend.integrations.hf import GreenHFCallback
+
+    data = make_data(3)
+    rows = [{"x": x[i], "labels": y[i]} for x, y in data for i in range(BATCH)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=BATCH, report_to=[],
+        use_cpu=True, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, optim="sgd",
+    )  # fmt: skip
+
+    class Failing(HFTiny):  # type: ignore[misc,valid-type]
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+            super().forward(x, labels)  # (counted: the step's FLOP count is running)
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    cb = GreenHFCallback(job="hf-fail", socket=sock_path, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            transformers.Trainer(model=Failing(), args=args, train_dataset=rows, callbacks=[cb]).train()
+        failed = cb.cb
+        assert failed is not None and not failed.closed
+        transformers.Trainer(model=HFTiny(), args=args, train_dataset=rows, callbacks=[cb]).train()
+    assert failed.closed and cb.cb is not failed
+    assert not [m for m in _get_current_dispatch_mode_stack() if type(m).__name__ == "FlopCounterMode"]
+    assert wait_for(lambda: len(daemon.ends) == 2)
+    assert [e.get("reason") for e in daemon.ends] == ["error", "finished"]
+    assert all(s["flops"] == expected_mlp_flops(BATCH) for s in daemon.steps)
