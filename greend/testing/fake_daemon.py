@@ -143,10 +143,11 @@ class FakeDaemon:
         return {"job": conn.state.get("job"), "steps": n}
 
     def push(self, **event: Any) -> int:
-        """Send an event to every registered connection; return how many got it."""
+        """Send an event to every registered connection, each naming the connection's job
+        as the daemon does (unless ``job=`` is given); return how many got it."""
         n = 0
         for c in self.server.connections():
-            if "job" in c.state and c.send({"v": 1, **event}):
+            if "job" in c.state and c.send({"v": 1, "job": c.state["job"], **event}):
                 n += 1
         return n
 
@@ -156,7 +157,7 @@ class FakeDaemon:
                 c.sock.sendall(data)
 
     def directive(self, precision: str, reason: str = "test") -> int:
-        return self.push(event="directive", job="", precision=precision, reason=reason)
+        return self.push(event="directive", precision=precision, reason=reason)
 
 
 class SilentDaemon:

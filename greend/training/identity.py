@@ -136,8 +136,14 @@ def _env_int(name: str, default: int) -> int:
 
 
 def resolve_ranks() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torch.distributed or the launcher's env."""
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    """(rank, local_rank, world_size) from torch.distributed, else the launcher's env:
+    torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID``/
+    ``SLURM_LOCALID``/``SLURM_NTASKS`` (the tasks of one ``srun`` step are the ranks of one
+    job, before or without a process group)."""
+    slurm = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
+    rank = _env_int("SLURM_PROCID" if slurm else "RANK", 0)
+    world = _env_int("SLURM_NTASKS" if slurm else "WORLD_SIZE", 1)
+    local = _env_int("SLURM_LOCALID" if slurm else "LOCAL_RANK", 0)
     try:
         import torch.distributed as dist
 
@@ -145,7 +151,6 @@ def resolve_ranks() -> tuple[int, int, int]:
             rank, world = dist.get_rank(), dist.get_world_size()
     except Exception:
         pass
-    local = _env_int("LOCAL_RANK", 0)
     return max(rank, 0), max(local, 0), max(world, 1)
 
 

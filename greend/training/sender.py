@@ -59,6 +59,7 @@ OUTBOX_MAX_BYTES = 256 * 1024
 NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every", "probe_every"})
 # A line from the daemon longer than this (without a newline) is dropped as malformed.
 LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
+HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.1, 60.0  # the heartbeat period a daemon's reply may set (its own floor: 0.5 s)
 
 _monotonic = time.monotonic
 
@@ -172,6 +173,7 @@ class Sender:
         self._warnings = warnings
         self.options = options
         self.heartbeat_s = options.heartbeat_s  # the daemon's register reply may change it
+        self.booked_job: str | None = None  # the job id the daemon booked the session under
         self.first_attempt = threading.Event()
         self.session: int | None = None
         self.end_result: dict[str, Any] | None = None
@@ -363,7 +365,11 @@ class Sender:
         if isinstance(result, dict):
             heartbeat_s = result.get("heartbeat_s")
             if isinstance(heartbeat_s, (int, float)) and not isinstance(heartbeat_s, bool) and heartbeat_s > 0:
-                self.heartbeat_s = float(heartbeat_s)
+                # Within what a daemon can mean (its own floor is 0.5 s): a figure far below
+                # would turn the sender into a busy loop beside the training.
+                self.heartbeat_s = min(max(float(heartbeat_s), HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
+            booked = result.get("job")
+            self.booked_job = booked if isinstance(booked, str) else None  # what its events name
             session = result.get("session")
             self.session = session if isinstance(session, int) else None
             tolerance = result.get("precision_tolerance")
@@ -649,6 +655,10 @@ class Sender:
             self.end_result = result if isinstance(result, dict) else None
 
     def _on_event(self, msg: dict[str, Any]) -> None:
+        job = msg.get("job")
+        if job is not None and self.booked_job is not None and job != self.booked_job:
+            self._malformed(f"an event for another job ({job!r}, this is {self.booked_job!r})")
+            return
         if msg.get("event") == "directive":
             if "precision" in msg:
                 self._on_directive(msg.get("precision"), msg.get("reason"))

@@ -282,6 +282,31 @@ def test_malformed_reply_is_ignored_once(daemon: FakeDaemon, sock_path: Path) ->
     assert wait_for(lambda: len(daemon.steps) == 5)
 
 
+def test_a_directive_for_another_job_is_ignored(daemon: FakeDaemon, sock_path: Path) -> None:
+    """An event that names another job (a daemon's bug) is counted as malformed and
+    changes nothing; the same directive naming this job is applied."""
+    with GreenCallback(job="mine", socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        daemon.push(event="directive", job="someone-else", precision="bf16")
+        assert wait_for(lambda: cb.stats.malformed >= 1)
+        assert cb.requested_precision is None and cb.precision == "fp32"
+        daemon.directive("bf16")
+        assert wait_for(lambda: cb.requested_precision == "bf16")
+
+
+def test_a_heartbeat_period_far_below_the_daemons_own_floor_is_not_taken(sock_path: Path) -> None:
+    """A register reply asking for a heartbeat every nanosecond (a daemon's bug) would make
+    the sender a busy loop beside the training: it heartbeats at most every 0.1 s."""
+    d = FakeDaemon(sock_path, heartbeat_s=1e-9).start()
+    try:
+        with GreenCallback(job="hb", socket=sock_path, **FAST) as cb:
+            assert wait_for(lambda: cb.connected)
+            time.sleep(1.0)
+        assert d.heartbeats <= 12, d.heartbeats
+    finally:
+        d.stop()
+
+
 def test_identity() -> None:
     assert resolve_job("a.b:c@d/e-1") == "a.b:c@d/e-1"
     with pytest.raises(ValueError):

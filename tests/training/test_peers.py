@@ -24,6 +24,31 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+def test_the_tasks_of_one_srun_step_are_the_ranks_of_one_run_without_a_process_group(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """srun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, not RANK: two tasks of step 0 of
+    job 777 are ranks 0 and 1 of 2, of one job and one run."""
+    from greend.training.identity import resolve_ranks, resolve_run
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GREEND_RUN", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        clean_env.delenv(var, raising=False)
+    clean_env.setenv("SLURM_JOB_ID", "777")
+    clean_env.setenv("SLURM_STEP_ID", "0")
+    clean_env.setenv("SLURM_NTASKS", "2")
+    seen = []
+    for task in (0, 1):
+        clean_env.setenv("SLURM_PROCID", str(task))
+        clean_env.setenv("SLURM_LOCALID", str(task))
+        rank, local, world = resolve_ranks()
+        seen.append((rank, local, world, resolve_job(None), resolve_run(resolve_job(None), world)))
+    assert [s[:3] for s in seen] == [(0, 0, 2), (1, 1, 2)]
+    assert seen[0][3:] == seen[1][3:] and seen[0][3] == "777.0"
+    clean_env.setenv("RANK", "5")  # a launcher's RANK wins over Slurm's
+    clean_env.setenv("WORLD_SIZE", "8")
+    assert resolve_ranks()[::2] == (5, 8)
+
+
 def test_torchrun_without_a_run_id_is_named_by_its_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every job: two jobs
     # on one node must not merge into a job "none".
