@@ -313,7 +313,7 @@ def _check_gpu_speed_factors(s: SimConfig) -> None:
             raise ConfigError(f"{where}: expected a number from 0.1 to 10 (1 = an H100, > 1 slower)")
 
 
-_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
 
 
 def validate(cfg: Config) -> Config:
@@ -389,6 +389,10 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"[sim] trace = {s.trace!r}: {e}") from None
     _positive("store", "interval_s", st.interval_s)
     _positive("store", "retention_days", st.retention_days, zero_ok=True)
+    if st.retention_days > 36500.0:
+        raise ConfigError(
+            f"[store] retention_days = {st.retention_days!r}: expected at most 36500 (100 years); 0 keeps every row"
+        )
     _positive("store", "raw_hours", st.raw_hours, zero_ok=True)
     if not st.interval_s <= st.rollup_s <= 86400.0:
         raise ConfigError(

@@ -90,9 +90,9 @@ MAX_FLOPS_PER_ROW = 1e24  # an "intervals" row's FLOPs (its steps' sum)
 DEFAULT_SOCKET = Path("/run/greend/greend.sock")
 
 # A job id: what `job=`, $GREEND_JOB or the scheduler gives, as the daemon accepts it.
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}$")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@/\-]{1,128}\Z")
 JOB_KINDS = ("training", "measure")  # register's "kind"
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # a run of a job id (register's "run")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")  # a run of a job id (register's "run")
 
 # Owners of saved settings that are not jobs, so no job may take these ids:
 # NODE_OWNER holds what an admin set (greenctl cap set; outlives policies),

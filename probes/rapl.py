@@ -79,7 +79,7 @@ ReadText = Callable[[Path], str]
 WriteText = Callable[[Path, str], None]
 
 #: ``intel-rapl:0``, ``intel-rapl:0:1``, ``intel-rapl:a``, ``intel-rapl-mmio:0``.
-_ZONE_RE = re.compile(r"^(?P<control>intel-rapl(?:-mmio)?):(?P<zone>[0-9a-f]+)(?::(?P<sub>[0-9a-f]+))?$")
+_ZONE_RE = re.compile(r"^(?P<control>intel-rapl(?:-mmio)?):(?P<zone>[0-9a-f]+)(?::(?P<sub>[0-9a-f]+))?\Z")
 
 #: Subzone names whose energy is outside their package (and so is added to it).
 _SEPARATE_SUBZONES = frozenset({"dram"})

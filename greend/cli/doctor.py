@@ -270,8 +270,10 @@ def _stores_offline(cfg: Config, timeout_s: float) -> list[Check]:
     from urllib.parse import urlsplit
 
     out: list[Check] = []
-    for url in cfg.store_urls:
-        parts = urlsplit(url)
+    for raw_url in cfg.store_urls:
+        parts = urlsplit(raw_url)
+        # As printed: without a password or query (a token there would reach the terminal).
+        url = f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
         if parts.scheme == "sqlite":
             path = Path(parts.path)
             d = path.parent

@@ -73,13 +73,14 @@ class StoreSet:
             if first and not isinstance(e, StoreError):
                 raise
             msg = str(e) if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            msg = msg.replace(url, redact_url(url))  # (its secrets: the message goes to the log and status)
             with self._lock:
                 self._attempts[url] = self._attempts.get(url, 0) + 1
                 same = self.open_errors.get(url) == msg
                 self.open_errors[url] = msg
                 self._retry_due_s[url] = self.monotonic() + self.retry_s
             (log.error if first else log.debug if same else log.warning)(
-                "store %s: %s (retrying every %g s)", url, msg, self.retry_s
+                "store %s: %s (retrying every %g s)", redact_url(url), msg, self.retry_s
             )
             return False
         attempts = 0
@@ -94,10 +95,10 @@ class StoreSet:
             try:
                 store.close(timeout_s=1.0)
             except Exception as e:
-                log.warning("store %s: close failed: %s", url, e)
+                log.warning("store %s: close failed: %s", redact_url(url), e)
             return False
         if attempts:
-            log.info("store %s: open after %d failed attempt%s", url, attempts, "s" * (attempts > 1))
+            log.info("store %s: open after %d failed attempt%s", redact_url(url), attempts, "s" * (attempts > 1))
         return True
 
     @property
@@ -129,7 +130,7 @@ class StoreSet:
             try:
                 store.write(points)
             except Exception as e:
-                log.error("store %s: write failed: %s", store.url, e)
+                log.error("store %s: write failed: %s", redact_url(store.url), e)
 
     def rows(self) -> list[dict[str, Any]]:
         """Every configured store, in config order: the open ones' own status, and the
@@ -171,4 +172,4 @@ class StoreSet:
             try:
                 store.close(timeout_s=5.0)
             except Exception as e:
-                log.error("store %s: close failed: %s", store.url, e)
+                log.error("store %s: close failed: %s", redact_url(store.url), e)

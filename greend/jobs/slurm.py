@@ -31,7 +31,7 @@ __all__ = ["SlurmOwners", "slurm_job_of"]
 
 log = logging.getLogger(__name__)
 
-_SLURM_ID = re.compile(r"^(\d{1,12})(?:[._+].*)?$")
+_SLURM_ID = re.compile(r"^(\d{1,12})(?:[._+].*)?\Z")
 _USER_ID = re.compile(r"\bUserId=[^(\s]*\((\d+)\)")
 UNKNOWN = -1  # the controller could not be asked
 NO_JOB = -2  # Slurm does not know the job

@@ -147,7 +147,7 @@ def registered_schemes() -> list[str]:
 def require_host_port(url: str, parts: SplitResult) -> None:
     """A URL check for stores that connect to or serve on ``HOST:PORT``."""
     if not parts.hostname or parts.port is None:
-        raise ConfigError(f"store URL {url!r}: expected HOST:PORT, e.g. {parts.scheme}://127.0.0.1:8086")
+        raise ConfigError(f"store URL {redact_url(url)!r}: expected HOST:PORT, e.g. {parts.scheme}://127.0.0.1:8086")
 
 
 _SECRET_PARAMS = ("token", "password", "passwd", "secret", "apikey", "api_key")
@@ -190,7 +190,8 @@ def check_url(url: str) -> None:
         kind = REGISTRY.get(parts.scheme)
         if kind is None:
             forms = ", ".join(REGISTRY[s].form for s in registered_schemes())
-            raise ConfigError(f"store URL {url!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
+            shown = redact_url(url)
+            raise ConfigError(f"store URL {shown!r}: unknown scheme {parts.scheme!r}; expected one of {forms}")
         kind.check(url, parts)
     except ValueError as e:  # (urllib's: a port that is no number or out of range, a broken [IPv6])
         scheme = url.partition("://")[0] if "://" in url else ""

@@ -120,10 +120,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         # (self.timeout: the server's read_timeout_s, set on its handler class, for every read)
+        # The whole request head (and a TLS handshake) within read_timeout_s of the accept, not
+        # only each read: a client that trickles a byte now and then would hold its slot for good.
+        # (MetricsServer.service_actions ends one past its deadline.)
+        self.server.head_due(self.request, float(self.timeout or 10.0))
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(self.timeout)
             self.request.do_handshake()  # in this connection's thread, under its timeout
         super().setup()
+
+    def parse_request(self) -> bool:
+        self.server.head_in(self.request)
+        return super().parse_request()
+
+    def finish(self) -> None:
+        self.server.head_in(self.request)
+        super().finish()
 
     def handle(self) -> None:
         try:
@@ -189,6 +201,10 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
 
+def _peer(client_address: Any) -> str:
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else str(client_address)
+
+
 class MetricsServer(ThreadingHTTPServer):
     """Serves ``render()`` at ``/metrics`` within :class:`MetricsHttpOptions`' bounds."""
 
@@ -201,6 +217,7 @@ class MetricsServer(ThreadingHTTPServer):
         self.render = render
         self.bucket = _Bucket(opts.max_scrapes_per_s)
         self._open = 0  # connections being served
+        self._heads: dict[Any, float] = {}  # connection -> when its request head is due
         self._open_lock = threading.Lock()
         self.scrapes = self.limited = self.unauthorized = self.refused = 0
         self.ssl_context: ssl.SSLContext | None = None
@@ -257,6 +274,36 @@ class MetricsServer(ThreadingHTTPServer):
     def _done(self) -> None:
         with self._open_lock:
             self._open -= 1
+
+    def head_due(self, request: Any, within_s: float) -> None:
+        """The connection ``request`` must have sent its request head within ``within_s``."""
+        with self._open_lock:
+            self._heads[request] = time.monotonic() + within_s
+
+    def head_in(self, request: Any) -> None:
+        with self._open_lock:
+            self._heads.pop(request, None)
+
+    def service_actions(self) -> None:
+        """Each poll of the serving loop: connections whose request head is late are ended
+        (their reads fail at once), so a client that trickles a byte now and then cannot
+        hold a connection, and the scrapes behind it, for good."""
+        now = time.monotonic()
+        with self._open_lock:
+            late = [r for r, due in self._heads.items() if due <= now]
+            for r in late:
+                del self._heads[r]
+        for r in late:
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed outside its handler's own handling (a client speaking no
+        TLS to a TLS port, a handshake that timed out): that connection alone, logged at
+        debug, not a traceback on the journal for every port scan."""
+        log.debug("metrics %s: connection failed", _peer(client_address), exc_info=True)
 
     def open_connections(self) -> int:
         """Connections being served now."""

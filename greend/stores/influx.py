@@ -45,7 +45,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
-from greend.stores import StoreOptions, StoreStatus, check_url, register_store, require_host_port
+from greend.stores import StoreOptions, StoreStatus, check_url, redact_url, register_store, require_host_port
 from greend.stores.spool import Segment, Spool
 
 __all__ = ["InfluxStore", "encode_points", "parse_influx_url"]
@@ -58,8 +58,10 @@ _INT64 = (-(2**63), 2**63 - 1)
 _SLOW = object()  # template marker: this shape of point needs the checking encoder
 
 # Line protocol escaping ------------------------------------------------------------
-_MEASUREMENT_ESCAPES = str.maketrans({",": r"\,", " ": r"\ ", "\n": " ", "\r": " "})
-_KEY_ESCAPES = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": " ", "\r": " "})
+# A line break cannot be written in a key: it becomes an escaped space (a bare space
+# would end the key, and the server would refuse the whole batch).
+_MEASUREMENT_ESCAPES = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\ ", "\r": r"\ "})
+_KEY_ESCAPES = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": r"\ ", "\r": r"\ "})
 _NEEDS_ESCAPING = re.compile(r"[,= \n\r\\]")
 
 
@@ -212,7 +214,7 @@ def parse_influx_url(url: str) -> dict[str, Any]:
     q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     precision = q.get("precision", "ns")
     if precision not in TIMESTAMP_UNITS:
-        raise ConfigError(f"store URL {url!r}: precision={precision!r}; expected one of s, ms, us, ns")
+        raise ConfigError(f"store URL {redact_url(url)!r}: precision={precision!r}; expected one of s, ms, us, ns")
     tls = q.get("tls", "0").lower() in ("1", "true", "yes", "on")
     host = parts.hostname or ""
     if ":" in host:
@@ -586,13 +588,34 @@ def _short(x: Any, n: int = 200) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+_URL_OPTIONS = ("org", "bucket", "tls", "ca", "verify", "precision")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _check_influx_url(url: str, parts: SplitResult) -> None:
-    require_host_port(url, parts)
-    q = parse_qs(parts.query)
-    missing = [k for k in ("org", "bucket") if not q.get(k)]
+    shown = redact_url(url)
+    require_host_port(shown, parts)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(
+            f"store URL {shown!r}: credentials in the URL are not used (and would be logged): "
+            f"give the InfluxDB token in ${TOKEN_ENV} (the systemd unit reads it from /etc/default/greend)"
+        )
+    q = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(k for k in q if k not in _URL_OPTIONS)
+    if unknown:
+        hint = f"; give the token in ${TOKEN_ENV}, not in the URL" if any("token" in k.lower() for k in unknown) else ""
+        raise ConfigError(
+            f"store URL {shown!r}: unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+            f"expected {', '.join(_URL_OPTIONS)}{hint}"
+        )
+    for flag in ("tls", "verify"):
+        value = q.get(flag, ["1"])[-1].lower()
+        if value not in _TRUE + _FALSE:
+            raise ConfigError(f"store URL {shown!r}: {flag}={value!r}; expected 1 or 0 (true/false, yes/no, on/off)")
+    missing = [k for k in ("org", "bucket") if not q.get(k) or not q[k][-1]]
     if missing:
         raise ConfigError(
-            f"store URL {url!r}: missing {' and '.join(missing)}; expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
+            f"store URL {shown!r}: missing {' and '.join(missing)}; expected influx://HOST:PORT?org=ORG&bucket=BUCKET"
         )
 
 

@@ -61,7 +61,7 @@ __all__ = ["Segment", "Spool"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(\d{16})\.([A-Za-z0-9_-]+)\.(lp|open)$")
+_NAME = re.compile(r"^(\d{16})\.([A-Za-z0-9_-]+)\.(lp|open)\Z")
 _MAX_REJECTED_FILES = 32
 
 

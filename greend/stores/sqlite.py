@@ -33,13 +33,13 @@ from urllib.parse import SplitResult, urlsplit
 
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
-from greend.stores import StoreOptions, StoreStatus, register_store
+from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
 log = logging.getLogger(__name__)
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 
 
 def _ident(name: str) -> str:
@@ -269,7 +269,10 @@ class SqliteStore:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.flush(timeout_s)
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout_s)  # (a full queue of a writer that stopped: never wait for good)
+        except queue.Full:
+            log.warning("sqlite store %s: closed with %d points not written", self.path, self._queue.qsize())
         self._thread.join(timeout_s)
         try:
             self._db.close()
@@ -319,6 +322,10 @@ class SqliteStore:
                 batch.append(p)
             try:
                 self._commit(batch)
+            except Exception as e:  # a bug: the batch is lost, counted, and the writer goes on
+                self._dropped += len(batch)
+                self._last_error = f"writing {len(batch)} points failed: {type(e).__name__}: {e}"
+                log.exception("sqlite store: writing %d points failed", len(batch))
             finally:
                 for _ in batch:
                     self._queue.task_done()
@@ -417,6 +424,13 @@ class SqliteStore:
                     known.add(name)
 
     def _maybe_prune(self) -> None:
+        """The hourly upkeep (retention, roll-up, vacuum); a failure is logged, never raised."""
+        try:
+            self._prune()
+        except Exception as e:
+            log.warning("sqlite store: the hourly upkeep failed: %s: %s", type(e).__name__, e)
+
+    def _prune(self) -> None:
         now = time.time()
         if now - self._last_prune < 3600:
             return
@@ -555,7 +569,7 @@ def read_rows(path: Path, measurement: str, where: str = "", params: tuple[Any, 
 
 def _check_sqlite_url(url: str, parts: SplitResult) -> None:
     if parts.netloc or not parts.path.startswith("/"):
-        raise ConfigError(f"store URL {url!r}: expected sqlite:///ABSOLUTE/PATH.db (three slashes)")
+        raise ConfigError(f"store URL {redact_url(url)!r}: expected sqlite:///ABSOLUTE/PATH.db (three slashes)")
 
 
 @register_store("sqlite", form="sqlite:///ABSOLUTE/PATH.db", check=_check_sqlite_url)

@@ -59,7 +59,9 @@ OUTBOX_MAX_BYTES = 256 * 1024
 NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every", "probe_every"})
 # A line from the daemon longer than this (without a newline) is dropped as malformed.
 LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
-HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.1, 60.0  # the heartbeat period a daemon's reply may set (its own floor: 0.5 s)
+# The heartbeat period a daemon's reply may set (its own floor: 0.5 s): far below, the
+# sender would be a busy loop beside the training.
+HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.1, 60.0
 
 _monotonic = time.monotonic
 
@@ -365,19 +367,12 @@ class Sender:
         if isinstance(result, dict):
             heartbeat_s = result.get("heartbeat_s")
             if isinstance(heartbeat_s, (int, float)) and not isinstance(heartbeat_s, bool) and heartbeat_s > 0:
-                # Within what a daemon can mean (its own floor is 0.5 s): a figure far below
-                # would turn the sender into a busy loop beside the training.
                 self.heartbeat_s = min(max(float(heartbeat_s), HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
-            booked = result.get("job")
-            self.booked_job = booked if isinstance(booked, str) else None  # what its events name
+            self.booked_job = result["job"] if isinstance(result.get("job"), str) else None  # what its events name
             session = result.get("session")
             self.session = session if isinstance(session, int) else None
-            tolerance = result.get("precision_tolerance")
-            told = (
-                float(tolerance)
-                if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and 0 < tolerance < 10
-                else None
-            )
+            tol = result.get("precision_tolerance")
+            told = float(tol) if isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < 10 else None
             ch.on_tolerance(told)  # absent (an older daemon, no precision policy): the callback's own
             directive = result.get("directive")
             if isinstance(directive, dict):
@@ -441,12 +436,9 @@ class Sender:
         if not self._warnings.first_done:
             self._warnings.warn("lost", f"lost the daemon: {message}; training continues, reconnecting")
         else:
-            log.warning(
-                "greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
-                message,
-                self.options.reconnect_min_s,
-                self.options.reconnect_max_s,
-            )
+            opts = self.options
+            log.warning("greend: lost the daemon: %s; training continues, reconnecting every %g-%g s",
+                        message, opts.reconnect_min_s, opts.reconnect_max_s)  # fmt: skip
 
     def _close_sock(self) -> None:
         if self._sock is not None:

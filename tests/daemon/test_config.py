@@ -62,6 +62,7 @@ interval_s = 2
         ("[daemon]\nhz = nan\n", "hz = nan: expected a finite number"),
         ("[store]\ninterval_s = nan\n", "interval_s = nan: expected a finite number"),
         ("[store]\nraw_hours = -1\n", "raw_hours = -1.0"),
+        ("[store]\nretention_days = 1e6\n", "retention_days = 1000000.0: expected at most 36500 (100 years); 0 keeps"),
         ('[daemon]\nhostname = "node 1"\n', "hostname = 'node 1': expected a host name"),
         ("[store]\nrollup_s = 0.5\n", "rollup_s = 0.5: expected from interval_s (1) to 86400 seconds"),
         ("[daemon]\nheartbeat_timeout_s = inf\n", "heartbeat_timeout_s = inf: expected a finite number"),

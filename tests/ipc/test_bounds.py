@@ -117,6 +117,17 @@ def test_register_kind_is_training_unless_a_measured_command_says_so() -> None:
     assert e.value.field == "kind" and "training, measure" in str(e.value)
 
 
+@pytest.mark.parametrize("msg", [{"job": "evil\n"}, {"job": "j", "run": "r1\n"}], ids=["job", "run"])
+def test_an_id_with_a_trailing_line_break_is_refused(msg: dict[str, str]) -> None:
+    """A trailing newline passed a ``^...$`` match: written to InfluxDB it broke every
+    point of the node while the job ran."""
+    from greend.protocol import decode_register
+
+    with pytest.raises(ProtocolError) as e:
+        decode_register(validate(msg, SCHEMAS["register"]))
+    assert e.value.field == ("run" if "run" in msg else "job")
+
+
 def test_every_number_field_of_every_op_has_a_range() -> None:
     """A new number field without bounds is the next break: integers get +-MAX_INT by
     default; a float field must say its own range."""

@@ -65,6 +65,9 @@ def test_line_protocol_escapes_and_types() -> None:
     line = encode_points([p], host="node-1").decode()
     assert line == r"m\ x\,y,host=node-1,job=j,zone=a\ b\,c\=d f=1.5,i=3i,b=true,k\ y=2.0 123" + "\n"
     assert encode_points([Point("m", {}, {"s": "only strings"}, 1)]) == b""
+    # A line break in a tag (a job named "evil\n") is an escaped space: one valid line.
+    broken = encode_points([Point("m\r", {"job": "evil\n", "run": "r1\n"}, {"v": 1.0}, 7)], host="h").decode()
+    assert broken == r"m\ ,host=h,job=evil\ ,run=r1\  v=1.0 7" + "\n"
     assert (
         encode_points([Point("m", {"host": "mine"}, {"v": 1.0}, 5_000_000)], "other", "ms") == b"m,host=mine v=1.0 5\n"
     )
@@ -379,3 +382,26 @@ def test_the_docs_whole_job_query_sums_the_nodes(vm: vmserver.VmServer, tmp_path
     got = float(result[0]["value"][1])
     assert got == pytest.approx(6e12 / 300.0 / 1e9)  # 20 GFLOPS/W
     assert got != pytest.approx((3e12 / 100 + 3e12 / 200) / 2 / 1e9)  # the nodes' mean, 22.5: wrong
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("influx://h:8086?org=o&bucket=b&tsl=1", "unknown option tsl; expected org, bucket, tls"),
+        ("influx://h:8086?org=o&bucket=b&precison=s", "unknown option precison"),
+        ("influx://h:8086?org=o&bucket=b&token=SECRET", "give the token in $GREEND_INFLUX_TOKEN"),
+        ("influx://alice:SECRET@h:8086?org=o&bucket=b", "credentials in the URL are not used"),
+        ("influx://h:8086?org=o&bucket=b&tls=ture", "tls='ture'; expected 1 or 0"),
+        ("influx://h:8086?org=o&bucket=b&verify=flase", "verify='flase'"),
+        ("influx://h:8086?org=&bucket=b", "missing org"),
+    ],
+)
+def test_a_url_option_greend_would_not_use_is_refused_and_no_secret_is_shown(url: str, needle: str) -> None:
+    """A misspelt option (tsl=1: plain HTTP), a boolean that is none, a token or a password
+    in the URL: refused, naming what is wrong, and the message shows no secret."""
+    from greend.errors import ConfigError
+    from greend.stores import check_url
+
+    with pytest.raises(ConfigError) as e:
+        check_url(url)
+    assert needle in str(e.value) and "SECRET" not in str(e.value)

@@ -5,6 +5,8 @@ Real sockets, real HTTP (urllib), a real TLS handshake with a certificate openss
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import os
 import shutil
 import socket
@@ -86,6 +88,30 @@ def test_a_silent_connection_is_closed_after_the_read_timeout(stores: list[Prome
     assert s._server.open_connections() == 0 or _settles(lambda: s._server.open_connections() == 0)
 
 
+def test_a_client_that_trickles_its_request_is_closed_after_the_read_timeout_in_all(
+    stores: list[PrometheusStore],
+) -> None:
+    """A byte every 0.2 s keeps each read under a 0.5 s read timeout: the request head
+    must still be in within 0.5 s of the accept, or the connection ends."""
+    s = _open(stores, "prometheus://127.0.0.1:0?read_timeout_s=0.5")
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+        t0 = time.monotonic()
+        closed = False
+        for b in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"a" * 40:
+            try:
+                c.sendall(bytes([b]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.2)
+            if time.monotonic() - t0 > 3.0:
+                break
+        took = time.monotonic() - t0
+        assert closed or c.recv(1024) == b"", "the server still reads a request that trickles"
+        assert took < 3.0, took
+    assert _get(s)[0] == 200
+
+
 def _settles(cond: Any, timeout_s: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -161,9 +187,14 @@ def test_tls(stores: list[PrometheusStore], tmp_path: Path) -> None:
     ctx = ssl.create_default_context(cafile=str(cert))
     with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/metrics", context=ctx, timeout=5) as r:
         assert r.status == 200 and b"greend_up 1.0" in r.read()
-    # Plain HTTP to a TLS port: that connection fails, the server carries on.
-    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
-        urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5).read()
+    # Plain HTTP to a TLS port: that connection fails, the server carries on, and nothing
+    # is printed (a port scanner would fill the journal with tracebacks).
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5).read()
+        time.sleep(0.3)  # (the server's thread meets the failure after the client)
+    assert "Traceback" not in err.getvalue(), err.getvalue()
     with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/metrics", context=ctx, timeout=5) as r:
         assert r.status == 200
     with pytest.raises(StoreError, match="both tls_cert and tls_key"):

@@ -95,3 +95,29 @@ def test_a_file_that_is_no_sqlite_database_is_left_as_it_is(tmp_path: Path) -> N
     with pytest.raises(StoreError, match="not an SQLite database .*greend leaves it as it is"):
         SqliteStore(cfg, batch_s=0.02)
     assert cfg.read_text() == "[daemon]\nhz = 10\n" and sorted(p.name for p in tmp_path.iterdir()) == ["greend.toml"]
+
+
+def test_a_bug_met_while_writing_loses_that_batch_only_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """An error no one foresaw in a write (here an OverflowError, as a prune's cut-off past
+    SQLite's integers gave) loses its batch, counted and shown in status; the writer
+    thread lives on, and the next points are written."""
+    store = SqliteStore(tmp_path / "w.db", batch_s=0.02)
+    real = store._transaction
+    calls = {"n": 0}
+
+    def once(batch: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OverflowError("Python int too large to convert to SQLite INTEGER")
+        return real(batch)
+
+    store._transaction = once  # type: ignore[method-assign]
+    store.write([step(0), step(1)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.dropped == 2 and not st.ok and "OverflowError" in (st.last_error or "")
+    store.write([step(2)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.ok and st.written == 1 and store._thread.is_alive()
+    store.close()
