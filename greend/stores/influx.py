@@ -274,6 +274,7 @@ class InfluxStore:
         host: str,
         token: str | None = None,
         spool_dir: Path | None = None,
+        shown_state_dir: Path | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
         segment_bytes: int = 1024 * 1024,
         segment_age_s: float = 1.0,
@@ -290,12 +291,17 @@ class InfluxStore:
         self.host = host
         self.precision: str = self.cfg["precision"]
         self.spool_dir = Path(spool_dir) if spool_dir else Path(state_dir) / "spool" / _spool_name(self.cfg)
+        # As a person knows it (status, logs): the configured state dir, not the daemon's
+        # descriptor of it (/proc/self/fd/N) through which it is reached.
+        shown = Path(shown_state_dir) / "spool" / _spool_name(self.cfg) if shown_state_dir and not spool_dir else None
+        self.spool_dir_shown = shown or self.spool_dir
         self._spool = Spool(
             self.spool_dir,
             tag=self.precision,
             max_bytes=spool_max_bytes,
             segment_bytes=segment_bytes,
             segment_age_s=segment_age_s,
+            shown=self.spool_dir_shown,
         )
         self._enc = _Encoder(host, TIMESTAMP_UNITS[self.precision])
         self._enc_lock = threading.Lock()
@@ -319,6 +325,7 @@ class InfluxStore:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._sending = threading.Event()  # set while a segment is being sent
+        self._sending_since = 0.0  # (monotonic) when the segment in flight went out
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if post is None:
             post = self._make_client_post(token, gzip)
@@ -390,10 +397,9 @@ class InfluxStore:
                 self._last_error = f"cannot encode points: {type(e).__name__}: {e}"
             log.error("influx: %s", self._last_error)
             return
-        before = self._spool.sealed_count
         self._spool.append(data)
-        if self._spool.sealed_count != before:
-            self._wake.set()
+        if self._spool.segment_full:
+            self._wake.set()  # the sender seals it (the disk is never waited for here) and sends it
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Seal what is buffered and wait until the spool is empty (True) or ``timeout_s``."""
@@ -432,6 +438,11 @@ class InfluxStore:
             ok = self._ok and self._alert is None
             last_error = self._alert or self._last_error or self._spool.last_error
             last_rejected = self._last_rejected
+        # A server that answers a byte now and then never trips the per-read timeout: a
+        # request in flight for longer than twice the timeout is no answer.
+        stuck_s = time.monotonic() - self._sending_since if self._sending.is_set() else 0.0
+        if stuck_s > 2 * self._timeout_s:
+            ok, last_error = False, f"the store has not finished answering a request for {stuck_s:.0f} s"
         return StoreStatus(
             name=self.name,
             url=self.url,
@@ -441,7 +452,7 @@ class InfluxStore:
             dropped=self._spool.dropped + self._enc.points_skipped,
             last_error=last_error,
             extra={
-                "spool_dir": str(self.spool_dir),
+                "spool_dir": str(self.spool_dir_shown),
                 "spool_bytes": self._spool.pending_bytes,
                 "rejected": self._spool.rejected,
                 "last_rejected": last_rejected,
@@ -466,6 +477,7 @@ class InfluxStore:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._sending_since = time.monotonic()
                 self._sending.set()
                 try:
                     self._send_segment(seg)
@@ -537,8 +549,8 @@ class InfluxStore:
             else:
                 if detail != self._last_error:
                     log.warning("influx %s: %s; points keep spooling, retrying", self.cfg["http_url"], detail)
-                with self._health:
-                    self._ok, self._last_error = False, detail
+                with self._health:  # (an earlier 401's alert is no longer what happens)
+                    self._ok, self._last_error, self._alert = False, detail, None
             self._backoff(retry_after)
             self._spool.release()
             return
@@ -621,4 +633,4 @@ def _check_influx_url(url: str, parts: SplitResult) -> None:
 
 @register_store("influx", form="influx://HOST:PORT?org=ORG&bucket=BUCKET", check=_check_influx_url)
 def _open_influx(url: str, options: StoreOptions) -> InfluxStore:
-    return InfluxStore(url, state_dir=options.state_dir, host=options.host)
+    return InfluxStore(url, state_dir=options.state_dir, host=options.host, shown_state_dir=options.state_dir_path)

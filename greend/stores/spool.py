@@ -45,6 +45,7 @@ sent again at the next start.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import re
@@ -94,10 +95,14 @@ class Spool:
         segment_age_s: float = 1.0,
         fsync_s: float = 1.0,
         clock: Callable[[], float] | None = None,
+        shown: Path | None = None,
     ) -> None:
+        # ``shown``: the directory as a person knows it, where ``directory`` reaches it
+        # through the daemon's held descriptor (/proc/self/fd/N/...).
         if not re.fullmatch(r"[A-Za-z0-9_-]+", tag):
             raise StoreError(f"spool tag {tag!r}: letters, digits, '_' and '-' only")
         self.directory = Path(directory)
+        self.shown = Path(shown) if shown is not None else self.directory  # in messages (see __init__)
         self.rejected_dir = self.directory / "rejected"
         self.tag = tag
         self.max_bytes = max_bytes
@@ -129,7 +134,7 @@ class Spool:
             self._recover()
         except OSError as e:
             raise StoreError(
-                f"cannot use the spool directory {self.directory}: {e} "
+                f"cannot use the spool directory {self.shown}: {e} "
                 "(check that the state dir exists and is writable by greend)"
             ) from e
 
@@ -163,6 +168,9 @@ class Spool:
                 self._progress_path(seq, tag).unlink(missing_ok=True)
                 continue
             done = self._read_progress(seq, tag, len(good))
+            if done and good[done - 1 : done] != b"\n":
+                log.warning("spool %s: its progress file points inside a line: sent again from the start", path.name)
+                done = 0  # (a duplicate point or two beats a torn line, which the server refuses)
             points = good.count(b"\n", done)
             if points == 0:
                 path.unlink()
@@ -174,7 +182,7 @@ class Spool:
         if self.recovered:
             log.info(
                 "spool %s: %d points in %d segments left from an earlier run; replaying them first",
-                self.directory,
+                self.shown,
                 self.recovered,
                 len(self._sealed),
             )
@@ -246,13 +254,21 @@ class Spool:
             except OSError as e:
                 self.dropped += n
                 self.last_error = f"spool append failed: {e}"
-                log.error("spool %s: append of %d points failed: %s", self.directory, n, e)
+                log.error("spool %s: append of %d points failed: %s", self.shown, n, e)
+                if self._fd is not None:
+                    try:
+                        os.ftruncate(self._fd, self._open_bytes)  # no part of these lines stays (a full disk)
+                    except OSError:
+                        pass
                 self._abandon_open()
                 return 0
             self._open_bytes += len(data)
             self._open_points += n
             self._dirty = True
-            if self._open_bytes >= self.segment_bytes:
+            self.last_error = None  # (the disk takes points again)
+            if self._open_bytes >= 4 * self.segment_bytes:
+                # A full segment is sealed by maintain(), on the sender thread, so the tick
+                # never waits for the disk; a sender that has not come by in this long: here.
                 self._seal_locked()
                 self._enforce_bound()
         return n
@@ -283,54 +299,86 @@ class Spool:
     def seal(self) -> None:
         """Seal the open segment now (if it holds anything), e.g. before a flush."""
         with self._lock:
-            self._seal_locked()
-            self._enforce_bound()
+            detached = self._detach()
+        self._finish_seal(detached)
+
+    @property
+    def segment_full(self) -> bool:
+        """The open segment has reached ``segment_bytes``: :meth:`maintain` seals it."""
+        return self._open_bytes >= self.segment_bytes
 
     def _seal_locked(self) -> None:
+        """Seal the open segment (called with the lock held; waits for the disk)."""
+        self._finish_seal(self._detach())
+
+    def _detach(self) -> tuple[int, Path, int, int, int] | None:
+        """Under the lock: take the open segment off (fd, path, seq, bytes, points); the
+        next append opens a new one. None where none is open."""
         if self._fd is None or self._open_path is None:
-            return
-        fd, path = self._fd, self._open_path
+            return None
+        out = (self._fd, self._open_path, self._open_seq, self._open_bytes, self._open_points)
         self._fd = None
+        self._open_bytes = self._open_points = 0
+        self._dirty = False
+        return out
+
+    def _finish_seal(self, detached: tuple[int, Path, int, int, int] | None) -> None:
+        """The disk work of a seal (fsync, rename, the directory's fsync), without the lock
+        where the caller holds none; then the segment is listed, in order."""
+        if detached is None:
+            return
+        fd, path, seq, nbytes, points = detached
         try:
             os.fsync(fd)
         except OSError as e:
             log.warning("spool %s: fsync failed: %s", path, e)
         os.close(fd)
-        if self._open_points == 0:
+        if points == 0:
             path.unlink(missing_ok=True)
             return
-        sealed = path.with_name(f"{self._open_seq:016d}.{self.tag}.lp")
+        sealed = path.with_name(f"{seq:016d}.{self.tag}.lp")
         try:
             os.replace(path, sealed)
         except OSError as e:
-            self.last_error = f"spool seal failed: {e}"
-            log.error("spool %s: seal failed: %s", path, e)
+            with self._lock:
+                self.dropped += points
+                self.last_error = f"spool seal failed: {e}"
+            log.error("spool %s: seal failed, %d points lost: %s", path, points, e)
             return
         fsync_dir(self.directory)
-        self._sealed.append(Segment(self._open_seq, self.tag, sealed, self._open_bytes, self._open_points))
-        self._open_bytes = self._open_points = 0
-        self._dirty = False
-        self._last_fsync = self._clock()
+        with self._lock:
+            bisect.insort(self._sealed, Segment(seq, self.tag, sealed, nbytes, points), key=lambda g: g.seq)
+            self._last_fsync = self._clock()
+            self._enforce_bound()
 
     def maintain(self) -> None:
-        """Seal the open segment when old enough; fsync it every ``fsync_s``.
+        """Seal the open segment when full or old enough; fsync it every ``fsync_s``.
 
-        Called from the sender thread, so the tick path never waits for a disk.
+        Called from the sender thread; the disk is waited for without the lock, so an
+        append on the tick path never waits for a slow disk.
         """
+        detached = None
+        fd = None
         with self._lock:
             if self._fd is None:
                 return
             now = self._clock()
-            if self._open_points and now - self._open_since >= self.segment_age_s:
-                self._seal_locked()
-                self._enforce_bound()
+            full = self._open_bytes >= self.segment_bytes
+            if self._open_points and (full or now - self._open_since >= self.segment_age_s):
+                detached = self._detach()
             elif self._dirty and now - self._last_fsync >= self.fsync_s:
-                try:
-                    os.fsync(self._fd)
-                except OSError as e:
-                    log.warning("spool %s: fsync failed: %s", self.directory, e)
+                fd = os.dup(self._fd)  # (its own descriptor: the segment may be sealed meanwhile)
                 self._dirty = False
                 self._last_fsync = now
+        if detached is not None:
+            self._finish_seal(detached)
+        elif fd is not None:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                log.warning("spool %s: fsync failed: %s", self.shown, e)
+            finally:
+                os.close(fd)
 
     # The bound -----------------------------------------------------------------------
     def _enforce_bound(self) -> None:
@@ -347,7 +395,7 @@ class Spool:
             log.error(
                 "spool %s is over its bound of %d bytes: dropped the oldest segment "
                 "(%d points); %d points dropped so far",
-                self.directory,
+                self.shown,
                 self.max_bytes,
                 victim.points,
                 self.dropped,
@@ -371,8 +419,8 @@ class Spool:
             self._enforce_bound()
 
     def read(self, seg: Segment) -> bytes:
-        """The undelivered part of a segment."""
-        return _read_nofollow(seg.path, seg.done_bytes)
+        """The undelivered part of a segment (never past the size it was sealed at)."""
+        return _read_nofollow(seg.path, seg.done_bytes)[: seg.pending_bytes]
 
     def advance(self, seg: Segment, nbytes: int, npoints: int) -> None:
         """Record that the next ``nbytes`` (``npoints`` lines) of ``seg`` were delivered.
@@ -416,7 +464,7 @@ class Spool:
                     old.unlink(missing_ok=True)
                     old.with_suffix(".reason").unlink(missing_ok=True)
             except OSError as e:
-                log.warning("spool %s: cannot keep the rejected segment: %s", self.directory, e)
+                log.warning("spool %s: cannot keep the rejected segment: %s", self.shown, e)
             self.rejected += n
             if data is None or len(data) >= seg.pending_bytes:
                 self.ack(seg)
@@ -456,7 +504,7 @@ class Spool:
             try:
                 self._seal_locked()
             except OSError as e:
-                log.error("spool %s: close failed: %s", self.directory, e)
+                log.error("spool %s: close failed: %s", self.shown, e)
 
 
 def _read_nofollow(path: Path, offset: int = 0) -> bytes:

@@ -38,6 +38,7 @@ from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
 log = logging.getLogger(__name__)
+IDENTITY_CHECK_S = 5.0  # how often the writer checks that the store's file is still the one open
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 
@@ -122,6 +123,7 @@ class SqliteStore:
         self._columns: dict[str, set[str]] = {}
         self._written = 0
         self._dropped = 0  # points lost, all causes (status: dropped)
+        self._reopened: str | None = None  # why the file was opened anew, said with the next batch
         self._queue_full = 0  # of them, refused by a full queue
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
@@ -194,6 +196,32 @@ class SqliteStore:
                 raise
         self._columns = {}
         self._load_schema()
+        st = os.stat(self.file, follow_symlinks=False)
+        self._identity, self._identity_checked = (st.st_dev, st.st_ino), time.monotonic()
+
+    def _still_there(self) -> None:
+        """Every few seconds, on the writer thread: the file at the store's path is still
+        the one open. One deleted or replaced under greend (rows written to it would be
+        lost at close, unseen) is said in status and the log, and a new one is opened."""
+        now = time.monotonic()
+        if now - self._identity_checked < IDENTITY_CHECK_S:
+            return
+        self._identity_checked = now
+        try:
+            st = os.stat(self.file, follow_symlinks=False)
+            same = (st.st_dev, st.st_ino) == self._identity
+        except OSError:
+            same = False
+        if same:
+            return
+        why = f"the SQLite store {self.path} was deleted or replaced while greend wrote to it: opened anew"
+        log.error("sqlite store: %s", why)
+        try:
+            self._db.close()
+        except sqlite3.Error:
+            pass
+        self._open()
+        self._reopened = self._last_error = why
 
     def _check_opened_inside(self, before: dict[int, tuple[int, int]]) -> None:
         """Each descriptor opened since ``before`` for the store's files (the database,
@@ -334,10 +362,18 @@ class SqliteStore:
                 return
 
     def _commit(self, batch: list[Point]) -> None:
+        try:
+            self._still_there()
+        except (OSError, sqlite3.Error, StoreError) as e:
+            self._dropped += len(batch)
+            self._last_error = f"the SQLite store {self.path} cannot be opened again: {e}"
+            log.error("sqlite store: %s", self._last_error)
+            return
+        reopened, self._reopened = self._reopened, None
         error = self._transaction(batch)
         if error is None:
             self._written += len(batch)
-            self._last_error = None
+            self._last_error = reopened  # (said once more in status, cleared at the next batch)
             return
         if _corrupt(error):
             try:

@@ -405,3 +405,49 @@ def test_a_url_option_greend_would_not_use_is_refused_and_no_secret_is_shown(url
     with pytest.raises(ConfigError) as e:
         check_url(url)
     assert needle in str(e.value) and "SECRET" not in str(e.value)
+
+
+def test_an_auth_alert_gives_way_to_the_error_that_follows(scripted: Scripted, tmp_path: Path) -> None:
+    """A 401 and then 500s: the status says what happens now (HTTP 500), not the token."""
+    scripted.script = [(401, {})] + [(500, {})] * 200
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store.write(pts("r", 0, 5, 0))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(r["status"] == 500 for r in scripted.requests):
+        time.sleep(0.01)
+    st = store.status()
+    assert not st.ok and "500" in (st.last_error or "") and "token" not in (st.last_error or ""), st.last_error
+    scripted.script = []
+    assert store.flush(10) and store.status().ok
+    store.close()
+
+
+def test_a_request_that_never_finishes_is_no_answer_in_status(tmp_path: Path) -> None:
+    """A server that trickles its reply keeps each read under the timeout: a request in
+    flight for over twice the timeout shows in status as not ok, saying so."""
+    release = threading.Event()
+    store = InfluxStore("influx://127.0.0.1:9?org=o&bucket=b", state_dir=tmp_path, host="h", timeout_s=0.2,
+                        segment_age_s=0.01, post=lambda body, precision: release.wait(10))  # fmt: skip
+    try:
+        store.write(pts("r", 0, 5, 0))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and store.status().ok:
+            time.sleep(0.02)
+        st = store.status()
+        assert not st.ok and "has not finished answering a request" in (st.last_error or "")
+    finally:
+        release.set()
+        store.close()
+    assert store.status().ok
+
+
+def test_the_spool_is_shown_where_the_operator_configured_the_state_dir(tmp_path: Path) -> None:
+    """The daemon reaches its state dir through a held descriptor (/proc/self/fd/N): the
+    status names the directory as configured."""
+    store = InfluxStore("influx://127.0.0.1:9?org=o&bucket=b", state_dir=tmp_path, host="h",
+                        shown_state_dir=Path("/var/lib/greend"), post=lambda body, precision: None)  # fmt: skip
+    try:
+        assert store.status().extra["spool_dir"].startswith("/var/lib/greend/spool/influx-")
+        assert store.spool_dir.is_relative_to(tmp_path)
+    finally:
+        store.close()

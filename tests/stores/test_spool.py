@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 from greend.stores.spool import Spool
 from tests.support import REPO
@@ -31,6 +32,7 @@ def test_append_seal_and_send_oldest_first(tmp_path: Path) -> None:
     sp = Spool(tmp_path, segment_bytes=200)
     for i in range(0, 100, 10):
         assert sp.append(lines(i, i + 10)) == 10
+        sp.maintain()  # (the sender thread's part: it seals a full segment)
     assert sp.sealed_count >= 4  # sealed by size
     assert sp.pending_points == 100
     sp.seal()  # the open rest
@@ -115,6 +117,7 @@ def test_in_flight_segment_is_never_dropped(tmp_path: Path) -> None:
     assert seg is not None
     for i in range(5, 100, 5):
         sp.append(lines(i, i + 5))
+        sp.maintain()
     assert sp.dropped > 0  # the bound was reached...
     assert seg.path.exists()  # ...but the segment the sender holds was kept
     sp.ack(seg)
@@ -131,6 +134,72 @@ def test_progress_after_partial_delivery_survives_a_restart(tmp_path: Path) -> N
     sp2 = Spool(tmp_path)
     assert sp2.pending_points == 6
     assert drain(sp2) == lines(4, 10).splitlines()
+
+
+def test_a_progress_file_that_points_inside_a_line_sends_the_segment_again_whole(tmp_path: Path) -> None:
+    """A .progress offset in the middle of a line (a damaged file) would send a torn line,
+    which the server refuses with the valid rest: the segment goes again from its start."""
+    sp = Spool(tmp_path)
+    sp.append(lines(0, 8))
+    sp.seal()
+    seg = sp.oldest()
+    assert seg is not None
+    (tmp_path / f"{seg.seq:016d}.{seg.tag}.progress").write_text(f"{len(lines(0, 3)) + 5}\n")
+    del sp
+    assert drain(Spool(tmp_path)) == lines(0, 8).splitlines()
+
+
+def test_a_disk_that_fills_mid_append_leaves_no_part_of_a_line(tmp_path: Path, monkeypatch: Any) -> None:
+    """os.write takes half the lines, then the disk is full: those points are counted lost,
+    the segment keeps only whole lines (nothing torn is sent), and once the disk takes
+    points again the error is cleared."""
+    import greend.stores.spool as spool_mod
+
+    sp = Spool(tmp_path)
+    sp.append(lines(0, 5))
+    real_write, calls = os.write, {"n": 0}
+
+    def full_disk(fd: int, data: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fd, bytes(data[: len(data) // 2 + 3]))  # (mid-line)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spool_mod.os, "write", full_disk)
+    assert sp.append(lines(5, 10)) == 0
+    monkeypatch.setattr(spool_mod.os, "write", real_write)
+    assert sp.dropped == 5 and "No space" in (sp.last_error or "")
+    assert sp.append(lines(10, 12)) == 2 and sp.last_error is None
+    sp.seal()
+    sent = drain(sp)
+    assert sent == lines(0, 5).splitlines() + lines(10, 12).splitlines()
+
+
+def test_an_append_never_waits_for_a_slow_fsync(tmp_path: Path, monkeypatch: Any) -> None:
+    """The sender thread's fsync (1 s here: NFS, a saturated disk) runs without the spool's
+    lock: appends on the tick path go on meanwhile."""
+    import threading
+
+    import greend.stores.spool as spool_mod
+
+    now = [0.0]
+    sp = Spool(tmp_path, segment_age_s=1.0, clock=lambda: now[0])
+    sp.append(lines(0, 3))
+    real_fsync = os.fsync
+    monkeypatch.setattr(spool_mod.os, "fsync", lambda fd: (time.sleep(1.0), real_fsync(fd))[1])
+    now[0] = 2.0
+    t = threading.Thread(target=sp.maintain)  # seals the aged segment: fsync, rename
+    t.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    for i in range(3, 30):
+        sp.append(lines(i, i + 1))
+    took = time.monotonic() - t0
+    t.join()
+    assert took < 0.5, took
+    monkeypatch.setattr(spool_mod.os, "fsync", real_fsync)
+    sp.seal()
+    assert drain(sp) == lines(0, 30).splitlines()
 
 
 def test_reject_moves_the_segment_aside(tmp_path: Path) -> None:

@@ -121,3 +121,27 @@ def test_a_bug_met_while_writing_loses_that_batch_only_and_the_writer_goes_on(tm
     st = store.status()
     assert st.ok and st.written == 1 and store._thread.is_alive()
     store.close()
+
+
+def test_a_store_file_deleted_under_greend_is_opened_anew_and_said(tmp_path: Path, monkeypatch: Any) -> None:
+    """rm greend.db while the daemon writes: the rows would go to a deleted file, lost at
+    close, with status ok. The writer sees the path no longer names its file, says so, and
+    writes the next points to a new file at the path."""
+    import greend.stores.sqlite as sqlite_mod
+
+    monkeypatch.setattr(sqlite_mod, "IDENTITY_CHECK_S", 0.0)
+    db = tmp_path / "g.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    for p in tmp_path.glob("g.db*"):
+        p.unlink()
+    store.write([step(1)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert not st.ok and "deleted or replaced" in (st.last_error or "")
+    store.write([step(2)])
+    assert store.flush(5.0)
+    assert store.status().ok
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == [1, 2]
