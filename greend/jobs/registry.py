@@ -71,6 +71,7 @@ STALL_GAP_S = 2.0
 CLAIM_LOOK_S = 1.0  # pending GPU claims are looked at again this often (greend.jobs.claims)
 ENDED_SERIES_POINTS = 600  # an ended job's series (its report's plot) is thinned to this
 EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
+DISCONNECTED = "client disconnected"  # a rank whose connection closed without an end
 
 
 class QuotaExceeded(Exception):
@@ -207,7 +208,7 @@ class JobRegistry(JobTable):
                     job = self.jobs.get(job_id)
                 else:
                     job = None  # a rerun of an ended job's id: a fresh record, never resumed
-            if job is not None and job.state != "running" and not self._resumable(job, caller.uid):
+            if job is not None and job.state != "running" and not self._resumable(job, caller.uid, run):
                 # A new run under an ended job's id: start a fresh record.
                 job = None
             if job is not None and job.uid != caller.uid and caller.uid != 0:
@@ -273,13 +274,17 @@ class JobRegistry(JobTable):
             return Registered(job_id, job.run, job.precision if job.top_precision is not None else None)
 
     @staticmethod
-    def _resumable(job: Job, uid: int) -> bool:
+    def _resumable(job: Job, uid: int, run: str | None = None) -> bool:
         """A job record that a re-registration of the same job continues: one that
-        ended (or is ending) only because its ranks' heartbeats stopped; a job that
-        ended or disconnected leaves its id to a new run and a fresh record."""
+        ended (or is ending) only because its ranks' heartbeats stopped, or whose
+        connections dropped and that comes back with its own run id (a client that gave
+        up on a daemon stalled for a while, then reconnected: one run, one record); a job
+        that ended, or disconnected and comes back without its run id, leaves its id to
+        a new run and a fresh record."""
         if job.uid != uid and uid != 0:
             return False
-        return (job.end_reason or "").startswith(EXPIRED)
+        reason = job.end_reason or ""
+        return reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None and run == job.run)
 
     def _check_gpus_exist(self, gpus: list[int]) -> None:
         present = self.gpu_indices()
@@ -547,7 +552,7 @@ class JobRegistry(JobTable):
             rs = self.sessions.get(session)
             if rs is not None:
                 self._final_cpu(rs)  # None if the process is gone already
-                self._leave(rs, "client disconnected")
+                self._leave(rs, DISCONNECTED)
 
     def _leave(self, rs: RankSession, reason: str) -> None:
         job = self.jobs.get(rs.job)

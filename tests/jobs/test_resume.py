@@ -1,0 +1,30 @@
+"""Which registration continues a job's record and which starts a new one."""
+
+from __future__ import annotations
+
+from greend.jobs.ledger import Ledger
+from greend.jobs.records import Caller
+from greend.jobs.registry import JobRegistry
+from greend.protocol import Registration
+
+
+def test_a_run_that_reconnects_with_its_run_id_continues_its_record() -> None:
+    """A client that gave up on a stalled daemon (SIGSTOP) and reconnected registers again
+    with its run id: the same record goes on, not a second one for the same run; a new run
+    (another run id) under the id gets a fresh record."""
+    reg = JobRegistry(Ledger(), hostname="h")
+
+    def register(run: str, session: int) -> None:
+        r = Registration(job="train", run=run, rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                         precisions=("fp32",), mem_share=None, reference_every=None)  # fmt: skip
+        reg.register(r, Caller(session=session, pid=0, uid=1000))
+
+    register("run-a", 1)
+    first = reg.jobs["train"]
+    reg.disconnected(1)
+    assert first.state == "ending" and first.end_reason == "client disconnected"
+    register("run-a", 2)
+    assert reg.jobs["train"] is first and first.state == "running" and first.end_reason is None
+    reg.disconnected(2)
+    register("run-b", 3)
+    assert reg.jobs["train"] is not first and reg.jobs["train"].run == "run-b"
