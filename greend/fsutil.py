@@ -123,7 +123,17 @@ class StateDir:
         """Create the directory (0700) if missing, check it, and open it. Raises
         PermissionError naming what is wrong (a symlink, another owner, writable by others)."""
         if create:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except FileExistsError:  # (exist_ok covers a directory only)
+                raise PermissionError(
+                    f"the state dir {self.path} exists and is not a directory: move it away, or give "
+                    "--state-dir (or [daemon] state_dir) a directory of greend's own"
+                ) from None
+            except NotADirectoryError:
+                raise PermissionError(
+                    f"the state dir {self.path} cannot be made: a part of its path is a file, not a directory"
+                ) from None
         check_private_dir(self.path, "the state dir")
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -74,6 +74,15 @@ def test_a_symlinked_or_shared_state_dir_is_refused_at_open(tmp_path: Path) -> N
         StateDir(shared).open()
 
 
+def test_a_state_dir_that_is_a_file_is_refused_saying_so(tmp_path: Path) -> None:
+    """Not "[Errno 17] File exists": what the path is, and what to do."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PermissionError, match="exists and is not a directory: move it away"):
+        StateDir(tmp_path / "afile").open()
+    with pytest.raises(PermissionError, match="a part of its path is a file"):
+        StateDir(tmp_path / "afile" / "state").open()
+
+
 @pytest.mark.e2e
 def test_a_running_daemon_never_writes_through_a_swapped_state_dir(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     # The issue's attack: the state dir inside a parent the attacker owns, swapped for
