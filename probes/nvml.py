@@ -164,7 +164,9 @@ class NvmlProbe:
         """A call whose failure costs one field: None on NOT_SUPPORTED and on other
         errors (recorded and logged once); a lost GPU still raises."""
         try:
-            return self._call(f"gpu{gpu.index}", fn, *args)
+            value = self._call(f"gpu{gpu.index}", fn, *args)
+            gpu.errors.pop(fn, None)  # (an error shown until the call answers again, not for good)
+            return value
         except DeviceLost:
             raise
         except NotSupported:
@@ -307,11 +309,8 @@ class NvmlProbe:
         mig = self._optional(gpu, "nvmlDeviceGetMigMode", handle)
         gpu.mig = bool(mig and int(mig[0]) == 1)
         if gpu.mig:
-            log.warning(
-                "gpu%d is in MIG mode: its energy is the whole GPU's (NVML has no per-instance "
-                "counter) and greend will not cap it",
-                i,
-            )
+            log.warning("gpu%d is in MIG mode: its energy is the whole GPU's (NVML has no per-instance "
+                        "counter) and greend will not cap it", i)  # fmt: skip
         cc = self._optional(gpu, "nvmlDeviceGetCudaComputeCapability", handle)
         gpu.compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
         try:
@@ -337,6 +336,7 @@ class NvmlProbe:
         for gpu, got in self._reads.take(live, now_s):
             if isinstance(got, GpuReading):
                 out.gpus.append(got)
+                gpu.errors.pop("sample", None)
                 continue
             try:
                 raise got
@@ -475,11 +475,8 @@ class NvmlProbe:
             if gpu.index in hung and not self._devices.is_lost(gpu.index):
                 gpus.append(gpu)  # its calls hang: still there, reported unresponsive
                 continue
-            why = (
-                self._devices.lost.get(gpu.index)
-                or failed.get(gpu.index)
-                or f"{gpu.uuid} not found when NVML enumerated the GPUs again"
-            )
+            why = (self._devices.lost.get(gpu.index) or failed.get(gpu.index)
+                   or f"{gpu.uuid} not found when NVML enumerated the GPUs again")  # fmt: skip
             if gpu.index in taken:
                 log.error("gpu%d (%s) is gone: another GPU is gpu%d now", gpu.index, gpu.uuid, gpu.index)
                 self._gone[gpu.uuid] = gpu
@@ -670,7 +667,8 @@ class NvmlProbe:
 
     @property
     def device_errors(self) -> dict[int, dict[str, str]]:
-        """Index -> {call: message} for per-device errors seen so far."""
+        """Index -> {call: message} for per-device errors that have not cleared (a call that
+        answers again clears its error)."""
         out = {g.index: dict(g.errors) for g in self._gpus if g.errors}
         for i, why in self._open_errors.items():
             out.setdefault(i, {})["open"] = why

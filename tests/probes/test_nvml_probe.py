@@ -512,3 +512,27 @@ def test_on_a_real_node_a_jump_beyond_what_the_gpu_can_draw_is_not_booked() -> N
     gpu.book_counter(9_000_000_000, "gpu0", 102.0)  # 9 MJ in 1 s: not
     gpu.book_counter(9_000_400_000, "gpu0", 103.0)  # the counter goes on from there
     assert gpu.energy_j == pytest.approx(350.0 + 400.0)
+
+
+def test_an_error_of_one_field_is_shown_until_the_call_answers_again(fake: FakeNvml, clock: ManualClock) -> None:
+    """A temperature read that fails (NVML_ERROR_UNKNOWN, as real nodes answer now and then)
+    is listed among the GPU's errors while it fails, and no longer once it answers."""
+
+    class FailingTemperature(GlitchingCounter):
+        failing = True
+
+        def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+            if self.failing:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return int(self._inner.nvmlDeviceGetTemperature(handle, sensor))
+
+    nvml = FailingTemperature(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    probe.sample(0.0)
+    assert "nvmlDeviceGetTemperature" in probe.device_errors[0]
+    nvml.failing = False
+    clock.advance(5.0)
+    probe.sample(5.0)
+    assert "nvmlDeviceGetTemperature" not in probe.device_errors.get(0, {})
+    assert by_index(probe, 10.0)[0].temperature_c is not None
