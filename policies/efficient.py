@@ -62,8 +62,9 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
    makes first steps slow, and the budget depends on it); while settled, a
    window of recent steps is compared with what the setting showed when we
-   settled: a FLOP/s or power drift beyond ``retune_drift`` (a new phase of
-   the job) starts the search again. A new job that shares a job's GPUs
+   settled: a FLOP/s or power drift beyond ``retune_drift`` and beyond the
+   job's own noise (a new phase of the job, not a checkpoint step; ``_drift.py``)
+   starts the search again. A new job that shares a job's GPUs
    re-tunes it too.
 
 7. **Pacing** (``_pacing.py``): once settled, a job's GPUs that wait for a slower
@@ -78,6 +79,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ._drift import phase_change
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
 from ._finer import GAIN_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Bracket, insert_finer, may_look
 from ._pacing import Pacer, as_job
@@ -385,15 +387,18 @@ class EfficientPolicy:
             self._switch(job, UNCAPPED)
             n = 0 if base is None else base.steps
             return f"job {j.job}: measuring the uncapped baseline ({n}/{need} steps)"
-        if base.flops <= 0:  # every comparison here is of time (and energy) per FLOP
+        if base.flops <= 0 or base.time_s <= 0 or base.energy_j <= 0:  # every comparison divides by these
             job.phase = "baseline"
             self._switch(job, UNCAPPED)
-            return f"job {j.job}: not steered: no FLOPs reported (model= or flops_per_step= in its GreenCallback)"
+            if base.flops <= 0:
+                return f"job {j.job}: not steered: no FLOPs reported (model= or flops_per_step= in its GreenCallback)"
+            job.cache.pop(UNCAPPED, None)  # (never banked: measured again)
+            return f"job {j.job}: not steered yet: its uncapped steps read no time or energy (GPU readings stalled?)"
         if not job.grid:
             self._build_grid(job, g, base)
         # ---- drift while settled: a new phase of the job
         if job.phase == "settled" and job.settled is not None and same_setting(job.current, job.settled):
-            drift = self._drift(job, ev)
+            drift = phase_change(job, self.min_steps, self.retune_drift, self.noise)
             if drift is not None:
                 self._retune(job, drift)
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
@@ -453,9 +458,14 @@ class EfficientPolicy:
         job.rechecked_once = True
         job.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
         job.phase = "search"
-        if base.steps == 0:
+        if min(recheck_ev.flops, recheck_ev.time_s, recheck_ev.energy_j) <= 0:
+            job.last_event = "baseline re-check read no FLOPs, time or energy: not taken"
+        elif base.steps == 0 or min(base.time_s, base.energy_j) <= 0:
             job.cache[UNCAPPED] = recheck_ev
-            return
+        else:
+            self._judge_recheck(job, base, recheck_ev)
+
+    def _judge_recheck(self, job: _Job, base: Evidence, recheck_ev: Evidence) -> None:
         dt = recheck_ev.time_per_flop_s / base.time_per_flop_s - 1.0
         dp = recheck_ev.power_w / base.power_w - 1.0 if base.power_w > 0 else 0.0
         if abs(dt) > self.retune_drift or abs(dp) > self.retune_drift:
@@ -469,23 +479,6 @@ class EfficientPolicy:
         else:
             job.cache[UNCAPPED] = base.plus(recheck_ev)
             job.last_event = "baseline confirmed"
-
-    def _drift(self, job: _Job, ev: dict[Setting, Evidence]) -> str | None:
-        if job.ref is None or job.live is None or not job.samples:
-            return None
-        now = job.live
-        window = None
-        for s in reversed(job.samples):
-            if now.steps - s.steps >= self.min_steps:
-                window = now.minus(s)
-                break
-        if window is None or window.flops <= 0 or window.time_s <= 0:
-            return None
-        dfps = job.ref.time_per_flop_s / window.time_per_flop_s - 1.0
-        dp = window.power_w / job.ref.power_w - 1.0 if job.ref.power_w > 0 else 0.0
-        if abs(dfps) > self.retune_drift or abs(dp) > self.retune_drift:
-            return f"phase change ({dfps:+.0%} FLOP/s, {dp:+.0%} power)"
-        return None
 
     # ------------------------------------------------------------------ the search
 
@@ -642,7 +635,7 @@ class EfficientPolicy:
     def _allowed(self, base: Evidence, j: JobView) -> float:
         """The allowed time ratio to the local uncapped baseline."""
         allowed = 1.0 + self.max_slowdown
-        if j.pace_s is not None and j.pace_s > 0 and base.steps > 0 and base.flops > 0:
+        if j.pace_s is not None and j.pace_s > 0 and base.time_s > 0 and base.flops > 0:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:
                 allowed *= pace_tpf / base.time_per_flop_s
@@ -659,7 +652,7 @@ class EfficientPolicy:
 
     def _settled_line(self, name: str, job: _Job, ev: dict[Setting, Evidence], s: Setting) -> str:
         base, here = ev.get(UNCAPPED), ev.get(s)
-        if s.uncapped or base is None or here is None or here.steps == 0:
+        if s.uncapped or base is None or here is None or here.steps == 0 or min(base.energy_j, base.time_s) <= 0:
             return f"job {name} settled at {s.label} ({self._bound_text(job)})"
         de = here.energy_per_flop_j / base.energy_per_flop_j - 1.0
         dt = here.time_per_flop_s / base.time_per_flop_s - 1.0
@@ -671,7 +664,7 @@ class EfficientPolicy:
         measured = {s.label: e.steps for s, e in ev.items() if e.steps > 0}
         best: dict[str, Any] | None = None
         s = job.settled
-        if s is not None and base is not None and s in ev and ev[s].steps > 0 and base.steps > 0:
+        if s is not None and base is not None and s in ev and ev[s].steps > 0 and min(base.energy_j, base.time_s) > 0:
             best = {
                 "setting": {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w},
                 "label": s.label,

@@ -43,26 +43,31 @@ def gpu(refused: dict[str, str] | None = None) -> GpuView:
 
 
 def drive(
-    g: GpuView, hold: Callable[[Setting], Setting] = lambda s: s, periods: int = 300, steps: int = 4
+    g: GpuView,
+    hold: Callable[[Setting], Setting] = lambda s: s,
+    periods: int = 300,
+    steps: int = 4,
+    read: Callable[[int, float, float], tuple[float, float]] = lambda i, dt, de: (dt, de),
 ) -> list[Decision]:
     """Run the policy for ``periods`` periods of ``steps`` steps each; a setting asked for
-    is put in force as ``hold`` says the GPU holds it (the measure restarts there)."""
+    is put in force as ``hold`` says the GPU holds it (the measure restarts there).
+    ``read(step, time, energy)``: what the job's step number ``step`` reads as (a slow
+    checkpoint step, an energy reading that stalled)."""
     policy = get_policy("efficient", min_steps=4)
     state = policy.new_state()
-    in_force, n, t, e, total = UNCAPPED, 0, 0.0, 0.0, 0
+    in_force, n, t, e, tsq, esq, total = UNCAPPED, 0, 0.0, 0.0, 0.0, 0.0, 0
     decisions = []
     for k in range(periods):
-        m = JobMeasure(
-            in_force, n, n * FLOPS, t, e, None, n * (t / n) ** 2 if n else 0.0, n * (e / n) ** 2 if n else 0.0
-        )
+        m = JobMeasure(in_force, n, n * FLOPS, t, e, None, tsq, esq)
         job = JobView("j", (0,), "running", total, "bf16", ("bf16",), m if n else None, in_force)
         d = policy.decide(Snapshot(t_s=float(k), gpus=(g,), jobs=(job,)), state)
         decisions.append(d)
         asked = d.settings.get("j")
         if asked is not None and hold(asked) != in_force:
-            in_force, n, t, e = hold(asked), 0, 0.0, 0.0
-        dt, de = step_cost(in_force)
-        n, t, e, total = n + steps, t + steps * dt, e + steps * de, total + steps
+            in_force, n, t, e, tsq, esq = hold(asked), 0, 0.0, 0.0, 0.0, 0.0
+        for _ in range(steps):
+            dt, de = read(total, *step_cost(in_force))
+            n, t, e, tsq, esq, total = n + 1, t + dt, e + de, tsq + dt * dt, esq + de * de, total + 1
     return decisions
 
 
@@ -153,3 +158,28 @@ def test_a_clamp_read_back_late_is_measured_at_what_the_gpu_holds() -> None:
     assert all(s.clock_cap_mhz is None or s.clock_cap_mhz <= 1095 for s in later), later
     assert decisions[-1].details["jobs"]["j"]["candidates_measured"] > 0
     assert "settled" in decisions[-1].reason, decisions[-1].reason
+
+
+def test_a_baseline_whose_energy_read_nothing_is_measured_again_not_divided_by() -> None:
+    """The job's first 16 steps read no energy (the GPU's readings stalled): the policy
+    raised ZeroDivisionError every period after that, which stopped control on the node.
+    It measures the baseline again and tunes the job."""
+    ds = drive(gpu(), read=lambda i, dt, de: (dt, 0.0 if i < 16 else de))
+    assert any("read no time or energy" in d.reason for d in ds[:10])
+    assert "settled at" in ds[-1].reason and "energy/FLOP" in ds[-1].reason, ds[-1].reason
+
+
+def test_a_checkpoint_every_50_steps_is_no_new_phase() -> None:
+    """One step in 50 takes ten times as long (a checkpoint): the drift watch took each for
+    a new phase and started the search again, 48 times in 2,400 steps. The job's own noise
+    says a single long step is none."""
+    ds = drive(gpu(), periods=600, read=lambda i, dt, de: (10 * dt, 10 * de) if i % 50 == 49 else (dt, de))
+    assert sum("phase change" in d.reason for d in ds) <= 1
+    assert "settled at" in ds[-1].reason, ds[-1].reason
+
+
+def test_a_real_new_phase_is_still_seen() -> None:
+    """From step 1,200 every step takes twice as long (a new phase): the search starts again."""
+    ds = drive(gpu(), periods=500, read=lambda i, dt, de: (2 * dt, 2 * de) if i >= 1200 else (dt, de))
+    changes = [k for k, d in enumerate(ds) if "phase change" in d.reason]
+    assert changes and 300 <= changes[0] <= 305, changes
