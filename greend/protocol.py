@@ -142,6 +142,9 @@ class Field:
         return " or ".join(names.get(t, t.__name__) for t in self.types)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 control characters
+
+
 def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool = False) -> dict[str, Any]:
     """Check ``msg`` against ``schema``; raise ProtocolError naming the field."""
     base = {"v", "id", "op"}
@@ -180,6 +183,10 @@ def validate(msg: dict[str, Any], schema: dict[str, Field], *, allow_extra: bool
                 raise ProtocolError(f"{name!r} = {_short(value)} is above the maximum {hi:g}", field=name)
         if isinstance(value, (str, list)) and spec.max_len is not None and len(value) > spec.max_len:
             raise ProtocolError(f"{name!r} is longer than {spec.max_len}", field=name)
+        if isinstance(value, str) and _CONTROL.search(value):
+            # A line break or an escape sequence in a reason would forge log lines and
+            # reach an admin's terminal through greenctl: each becomes a space.
+            value = _CONTROL.sub(" ", value)
         if isinstance(value, list) and spec.item_types is not None:
             lo = -MAX_INT if spec.item_min is None else spec.item_min
             hi = MAX_INT if spec.item_max is None else spec.item_max

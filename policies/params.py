@@ -82,7 +82,7 @@ class Param:
                 raise bad()
             try:
                 v: Any = float(value) if self.kind == "float" else _to_int(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # (an integer of 400 digits is no float)
                 raise bad() from None
             if isinstance(v, float) and not math.isfinite(v):
                 raise bad("not finite")
@@ -149,7 +149,7 @@ class Param:
                 raise bad(f"GPU {gpu}: unknown key(s) {', '.join(sorted(map(str, extra)))}")
             entry: dict[str, float | None] = {"clock_cap_mhz": None, "power_limit_w": None}
             for key, v in caps.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v <= 0:
                     raise bad(f"GPU {gpu}: {key} = {v!r} is not a positive number")
                 if v > 10_000:  # (MHz or W: no GPU comes near; a typo, not a cap)
                     raise bad(f"GPU {gpu}: {key} = {v!r} is over 10000")
@@ -179,3 +179,11 @@ def validate_params(policy: str, specs: Sequence[Param], given: Mapping[str, Any
         allowed = ", ".join(sorted(known)) or "(none)"
         raise PolicyError(f"policy {policy!r}: unknown parameter(s) {', '.join(unknown)}; allowed: {allowed}")
     return {name: p.coerce(policy, given.get(name, p.default)) for name, p in known.items()}
+
+
+def _finite(v: float) -> bool:
+    """A finite number, an integer too large for a float included (not finite)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False

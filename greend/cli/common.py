@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from greend.errors import DaemonUnavailable, RequestRefused
 from greend.ipc.client import Client
 
-__all__ = ["DaemonTarget", "fail", "request", "setup_logging", "target"]
+__all__ = ["DaemonTarget", "ReplyShapeGroup", "fail", "request", "setup_logging", "target"]
 
 
 @dataclass
@@ -26,6 +27,7 @@ class DaemonTarget:
     socket: Path | None = None
     named: bool = False
     timeout_s: float = 5.0
+    replied: bool = False  # a reply came back in this command (see ReplyShapeGroup)
 
     def path(self) -> Path:
         if self.socket is None:
@@ -58,8 +60,29 @@ def request(op: str, **fields: Any) -> Any:
     message and greenctl's exit code (3: no daemon, 4: forbidden, 2: refused)."""
     try:
         with target.client() as c:
-            return c.request(op, **fields)
+            result = c.request(op, **fields)
+            target.replied = True
+            return result
     except DaemonUnavailable as e:
         fail(str(e), code=3)
     except RequestRefused as e:
         fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+
+
+class ReplyShapeGroup(TyperGroup):
+    """greenctl's command group: a reply of a shape a command does not expect (a greend of
+    another version, or not greend) ends the command with a message, not a traceback."""
+
+    def invoke(self, ctx: Any) -> Any:  # (a typer Context: typer vendors its own click)
+        target.replied = False
+        try:
+            return super().invoke(ctx)
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+            if not target.replied:
+                raise  # greenctl's own bug: its traceback helps
+            typer.echo(
+                f"error: unexpected reply from the daemon ({type(e).__name__}: {e}): a greend of another "
+                "version? compare `greenctl --version` with `greend --version`",
+                err=True,
+            )
+            raise typer.Exit(2) from None

@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from greend.cli.common import fail, request, target
+from greend.cli.common import ReplyShapeGroup, fail, request, target
 from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
 from greend.cli.shell import complete_clock_policy, complete_job, hoist_root_options
@@ -23,7 +23,10 @@ __all__ = ["ctl_app", "ctl_main"]
 log = logging.getLogger("greend")
 
 ctl_app = typer.Typer(
-    add_completion=True, no_args_is_help=True, help="greenctl: show and steer the greend daemon on this node."
+    add_completion=True,
+    no_args_is_help=True,
+    help="greenctl: show and steer the greend daemon on this node.",
+    cls=ReplyShapeGroup,
 )
 
 
@@ -404,6 +407,8 @@ def ctl_measure(
         fail("give the command after --: greenctl measure -- python train.py")
     if not (math.isfinite(interval) and interval >= 0.1):
         fail(f"--interval {interval:g}: expected seconds >= 0.1")
+    if flops is not None and not (math.isfinite(flops) and 0 <= flops <= 1e27):
+        fail(f"--flops {flops:g}: expected the command's FLOPs, a number from 0 to 1e27")
     gpu_list: list[int] | None = None
     if gpus is not None:
         try:

@@ -18,6 +18,7 @@ no steps nor a precision of its own.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from typing import Any
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
 from greend.ipc.client import Client
 from greend.ipc.wire import frame_message
+from greend.protocol import MAX_FLOPS_PER_STEP, MAX_STEPS_PER_MESSAGE
 
 __all__ = ["MeasureResult", "run_measure"]
 
@@ -183,6 +185,11 @@ def _through_daemon(
             break
         client.request("heartbeat")
     if flops:
-        s.sendall(frame_message("steps", {"steps": [{"step": step, "t0_s": now, "t1_s": now, "flops": flops}]}))
+        # The whole command's FLOPs, as entries of at most a step's limit (a large run does
+        # 1e22 and more), in messages of at most MAX_STEPS_PER_MESSAGE entries.
+        n = math.ceil(flops / MAX_FLOPS_PER_STEP)
+        entries = [{"step": step + i, "t0_s": now, "t1_s": now, "flops": flops / n} for i in range(n)]
+        for k in range(0, n, MAX_STEPS_PER_MESSAGE):
+            s.sendall(frame_message("steps", {"steps": entries[k : k + MAX_STEPS_PER_MESSAGE]}))
     client.request("end", reason=f"command exited with {rc}")
     return rc

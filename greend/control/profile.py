@@ -151,18 +151,18 @@ class ProfileRecorder:
         the GPU's range."""
         ctrl = self.control.need_ctrl()
         if ctrl.dry_run:
-            raise ProtocolError("the daemon runs --dry-run: a sweep that sets nothing measures nothing")
+            raise StateError("the daemon runs --dry-run: a sweep that sets nothing measures nothing")
         with self._lock:
             policy_name = self.control.policy_name
             if policy_name != "none":
-                raise ProtocolError(
+                raise StateError(
                     f"policy {policy_name!r} is active and would move the same power limit; "
                     "switch to none first (greenctl policy set none), record, then switch back"
                 )
             if self.running() is not None:
                 running = self.recording
                 assert running is not None
-                raise ProtocolError(f"a profile recording runs already (gpu {running.gpu}, job {running.job})")
+                raise StateError(f"a profile recording runs already (gpu {running.gpu}, job {running.job})")
             reading = next((g for g in self.ctx.latest().gpus if g.index == gpu), None)
             if reading is None:
                 raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
@@ -170,33 +170,29 @@ class ProfileRecorder:
             if job is None or not job.running:
                 raise ProtocolError(f"no running job {job_id!r} on this node", field="job")
             if gpu not in job.gpus:
-                raise ProtocolError(
-                    f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})", field="gpu"
-                )
+                raise StateError(f"job {job_id} does not run on GPU {gpu} (its GPUs: {sorted(job.gpus) or 'none'})")
             others = self.ctx.jobs.other_users(gpu, job_id)
             if others:  # a sweep of the power limit would slow their work (greend.jobs.claims)
-                raise ProtocolError(
+                raise StateError(
                     f"GPU {gpu} is in use by job(s) {', '.join(others)} too: a profile recording needs a GPU "
-                    f"that job {job_id} does not share",
-                    field="gpu",
+                    f"that job {job_id} does not share"
                 )
             held = [
                 f"{k} ({owner})" for owner, knobs in ctrl.owners().items() for k in knobs if k.startswith(f"gpu{gpu}.")
             ]
             if held:
-                raise ProtocolError(
+                raise StateError(
                     f"GPU {gpu} has settings in force: {', '.join(held)}; "
-                    f"lift them first (greenctl cap reset --gpu {gpu})",
-                    field="gpu",
+                    f"lift them first (greenctl cap reset --gpu {gpu})"
                 )
             lo, hi = reading.power_limit_min_w, reading.power_limit_max_w
             if lo is None or hi is None:
-                raise ProtocolError(f"GPU {gpu} has no settable power limit", field="gpu")
+                raise StateError(f"GPU {gpu} has no settable power limit")
             top = float(from_w) if from_w is not None else float(reading.power_limit_default_w or hi)
             bottom = float(to_w) if to_w is not None else float(lo)
             for name, w in (("from_w", top), ("to_w", bottom)):
                 if not lo - 1e-9 <= w <= hi + 1e-9:
-                    raise ProtocolError(f"{name} = {w:g} W is outside GPU {gpu}'s range {lo:g}-{hi:g} W", field=name)
+                    raise StateError(f"{name} = {w:g} W is outside GPU {gpu}'s range {lo:g}-{hi:g} W")
             if bottom >= top:
                 raise ProtocolError(f"to_w ({bottom:g} W) must be below from_w ({top:g} W)", field="to_w")
             step = float(step_w) if step_w is not None else max(1.0, round((top - bottom) / 8.0))

@@ -84,12 +84,19 @@ class Client:
         assert self._sock is not None
         request_id = next(self._ids)
         try:
-            self._sock.sendall(frame_request(request_id, op, fields))
+            frame = frame_request(request_id, op, fields)
+        except ValueError as e:  # (a NaN or an infinity: JSON has no such number)
+            raise RequestRefused("bad_request", f"{op}: a value cannot be sent ({e}): give a finite number") from None
+        try:
+            self._sock.sendall(frame)
             while True:
                 reply = self._read_message()
                 if is_event(reply):
                     continue  # pushed events are not for a request/response client
-                if reply.get("id") not in (request_id, None):
+                rid = reply.get("id")
+                # A reply without an id answers this request only where the daemon could not
+                # read its id (bad_json); else it answers an earlier message that had none.
+                if rid != request_id and not (rid is None and _code(reply) == "bad_json"):
                     continue
                 break
         except TimeoutError:
@@ -98,8 +105,12 @@ class Client:
             raise DaemonUnavailable(f"lost the connection to greend at {self.path}: {e}") from None
         if reply.get("ok"):
             return reply.get("result")
-        err = reply.get("error") or {}
-        raise RequestRefused(err.get("code", "error"), err.get("message", "request refused"), err.get("field"))
+        err = reply.get("error")
+        if not isinstance(err, dict):
+            err = {"message": f"request refused: {err!r}" if err else "request refused"}
+        raise RequestRefused(
+            str(err.get("code", "error")), str(err.get("message", "request refused")), err.get("field")
+        )
 
     def _read_message(self) -> dict[str, Any]:
         assert self._sock is not None
@@ -131,3 +142,8 @@ def _what_is_there(path: Path, e: OSError) -> str:
     if e.errno == errno.ECONNREFUSED:
         return "connection refused: a socket is there but no daemon listens (a daemon that stopped uncleanly?)"
     return e.strerror or str(e)
+
+
+def _code(reply: dict[str, Any]) -> Any:
+    err = reply.get("error")
+    return err.get("code") if isinstance(err, dict) else None

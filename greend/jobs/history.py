@@ -227,7 +227,7 @@ PROMETHEUS_SCHEMES = ("prom", "prom+https")
 
 def is_shared_store(store: str) -> bool:
     """A store given by URL (a shared time-series server), not a SQLite file."""
-    return urlsplit(store).scheme in ("http", "https", "influx", *PROMETHEUS_SCHEMES)
+    return store.partition("://")[0] in ("http", "https", "influx", *PROMETHEUS_SCHEMES) and "://" in store
 
 
 def _get(url: str, path: str, params: dict[str, str], timeout_s: float, api: str) -> str:
@@ -238,14 +238,18 @@ def _get(url: str, path: str, params: dict[str, str], timeout_s: float, api: str
     import urllib.request
     from urllib.parse import urlencode
 
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # (raises on a port that is no number)
+    except ValueError as e:
+        raise StoreError(f"store URL {url!r}: {e}; expected e.g. http://HOST:PORT or influx://HOST:PORT") from None
     base = f"{'https' if parts.scheme.endswith('https') else 'http'}://{parts.netloc}"
     try:
         with urllib.request.urlopen(f"{base}{path}?{urlencode(params)}", timeout=timeout_s) as r:
             return r.read().decode()
     except urllib.error.HTTPError as e:
         raise StoreError(f"{url}: the server answered {e.code} to {api}") from None
-    except (OSError, urllib.error.URLError) as e:
+    except (OSError, urllib.error.URLError, ValueError) as e:  # (http.client.InvalidURL is a ValueError)
         raise StoreError(f"cannot reach the store {url}: {e}") from None
 
 
@@ -258,7 +262,7 @@ def _check_job_id(job: str | None) -> None:
 
 def _job_rows(url: str, job: str | None, since_s: float = REPORT_LOOKBACK_S) -> list[dict[str, Any]]:
     """The ``greend_job`` rows of a shared store from the last ``since_s``, whichever API it speaks."""
-    if urlsplit(url).scheme in PROMETHEUS_SCHEMES:
+    if url.partition("://")[0] in PROMETHEUS_SCHEMES:
         return prometheus_job_rows(url, job, lookback=f"{max(1, round(since_s))}s")
     return shared_job_rows(url, job, since_s=since_s)
 

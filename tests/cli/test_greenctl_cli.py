@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -87,3 +88,78 @@ def test_a_socket_that_is_not_greends_is_said_so_not_a_traceback(tmp_path: Path,
 def test_a_policy_parameter_that_is_no_finite_number_is_refused_here(value: str) -> None:
     code, out = run("--socket", "/nonexistent/g.sock", "policy", "set", "efficient", "--param", f"max_slowdown={value}")
     assert code == 2 and "max_slowdown must be a finite number" in out, out
+
+
+def _answering(path: Path, reply: bytes, times: int = 4) -> Any:
+    """A socket at ``path`` that answers every request line with ``reply``."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+
+    def serve() -> None:
+        for _ in range(times):
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                buf = b""
+                while b"\n" not in buf:
+                    chunk = c.recv(4096)
+                    if not chunk:
+                        break
+                    buf += chunk
+                if buf:
+                    c.sendall(reply)
+            except OSError:
+                pass  # (a client that sent nothing and went: fine)
+            finally:
+                c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (b'{"v":1,"id":1,"ok":false,"error":"boom"}\n', "request refused: 'boom'"),
+        (b'{"v":1,"id":1,"ok":true,"result":[]}\n', "unexpected reply from the daemon"),
+        (b'{"v":1,"id":1,"ok":true,"result":{}}\n', "unexpected reply from the daemon"),
+        (b'{"v":1,"id":1,"ok":true,"result":"x"}\n', "unexpected reply from the daemon"),
+    ],
+)
+def test_a_reply_of_the_wrong_shape_is_said_so_not_a_traceback(tmp_path: Path, reply: bytes, said: str) -> None:
+    path = tmp_path / "odd.sock"
+    srv = _answering(path, reply)
+    try:
+        code, out = run("--socket", str(path), "--timeout", "2", "status")
+    finally:
+        srv.close()
+    assert code == 2 and said in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400"])
+def test_a_value_json_cannot_carry_is_refused_by_greenctl_not_a_traceback(tmp_path: Path, value: str) -> None:
+    """cap set --power-limit nan (or inf, or 1e400 that reads as inf) could not even be
+    sent: a ValueError traceback. It is refused, naming the value."""
+    path = tmp_path / "odd.sock"
+    srv = _answering(path, b'{"v":1,"id":1,"ok":true,"result":{}}\n')
+    try:
+        code, out = run("--socket", str(path), "--timeout", "2", "cap", "set", "--gpu", "0", "--power-limit", value)
+    finally:
+        srv.close()
+    assert code == 2 and "Traceback" not in out, out
+    assert "finite" in out, out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["jobs", "--store", "prom://[::1"], ["jobs", "--store", "http://h:abc"], ["report", "J", "--store", "http://[x"]],
+)
+def test_a_malformed_store_url_is_said_so_not_a_traceback(args: list[str]) -> None:
+    code, out = run(*args)
+    assert code == 2 and "Traceback" not in out and "error:" in out, out

@@ -162,12 +162,14 @@ def test_refusals_and_restores(tmp_path: Path, daemons: list[DaemonProc]) -> Non
         out = str(tmp_path / "p.csv")
         # Not on the job's GPU; limits outside the range; a policy that moves limits.
         r = d.ctl("profile", "record", "--gpu", "1", "--job", "j", "--out", out, check=False)
-        assert r.returncode == 2 and "does not run on GPU 1" in r.stderr
+        assert (
+            r.returncode == 2 and "does not run on GPU 1" in r.stderr and "[refused]" in r.stderr
+        )  # (docs/protocol.md)
         r = d.ctl("profile", "record", "--gpu", "0", "--job", "j", "--to", "100", "--out", out, check=False)
         assert r.returncode == 2 and "outside GPU 0's range 200-700 W" in r.stderr
         d.ctl("policy", "set", "static", "--param", "clock_cap_mhz=1500")
         r = d.ctl("profile", "record", "--gpu", "0", "--job", "j", "--out", out, check=False)
-        assert r.returncode == 2 and "policy 'static' is active" in r.stderr
+        assert r.returncode == 2 and "policy 'static' is active" in r.stderr and "[refused]" in r.stderr
         d.ctl("policy", "set", "none")
         # An admin's cap on the GPU: refused (its limit would not come back as the admin set it).
         d.ctl("cap", "set", "--gpu", "0", "--power-limit", "650")

@@ -128,6 +128,14 @@ def test_an_id_with_a_trailing_line_break_is_refused(msg: dict[str, str]) -> Non
     assert e.value.field == ("run" if "run" in msg else "job")
 
 
+def test_control_characters_in_a_text_field_become_spaces() -> None:
+    """An end reason with a line break forged a daemon log line; with an escape sequence it
+    reached an admin's terminal through greenctl report. The message is kept, its control
+    characters made spaces."""
+    msg = validate({"reason": "ok\n2026-12-05 WARNING cap set by uid 0\x1b]0;title\x07\x9b2J"}, SCHEMAS["end"])
+    assert msg["reason"] == "ok 2026-12-05 WARNING cap set by uid 0 ]0;title  2J"
+
+
 def test_every_number_field_of_every_op_has_a_range() -> None:
     """A new number field without bounds is the next break: integers get +-MAX_INT by
     default; a float field must say its own range."""

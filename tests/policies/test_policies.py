@@ -79,6 +79,10 @@ def test_get_policy_coerces_strings() -> None:
         ("static", {"per_gpu": "{nope"}, ["'per_gpu'", "not JSON"]),
         ("static", {"power_limit_w": "nan"}, ["'power_limit_w'", "not finite"]),
         ("static", {"clock_cap_mhz": 1500, "gpus": "a"}, ["'gpus'", "list of integers"]),
+        # An integer of 400 digits is no float: it was an OverflowError, answered 'internal'.
+        ("efficient", {"max_slowdown": 10**400}, ["'max_slowdown'"]),
+        ("precision", {"tolerance": 10**400}, ["'tolerance'"]),
+        ("static", {"per_gpu": {"0": {"power_limit_w": 10**400}}}, ["'per_gpu'", "not a positive number"]),
     ],
 )
 def test_bad_params_name_the_key(name: str, params: dict, words: list[str]) -> None:
