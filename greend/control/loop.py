@@ -425,17 +425,17 @@ class ControlLoop:
         }
 
     def _apply_gpu(self, gpu: int, setting: Setting, owner: str) -> Setting | None:
-        """Apply a policy's setting for ``owner``; a knob the setting leaves at None that an
-        admin capped (``greenctl cap set``) is left alone, in force and still the admin's."""
+        """Apply a policy's setting for ``owner``; a knob an admin capped (``greenctl cap
+        set``) is left alone, in force and still the admin's, whatever the policy asks:
+        an admin's cap outlives policies (a policy that took it over would hand back the
+        factory value when it lets go, not the admin's)."""
         assert self.ctrl is not None
         admin = self.ctrl.owners().get(NODE_OWNER, [])
         # A knob the GPU refused (recorded and logged once) is left alone: asking again
         # every period would only log the same refusal again.
         refused = self.ctrl.refused_knobs(gpu)
         keep = tuple(
-            knob
-            for knob, value in (("clock_cap_mhz", setting.clock_cap_mhz), ("power_limit_w", setting.power_limit_w))
-            if knob in refused or (value is None and f"gpu{gpu}.{knob}" in admin)
+            knob for knob in ("clock_cap_mhz", "power_limit_w") if knob in refused or f"gpu{gpu}.{knob}" in admin
         )
         if len(keep) == 2 and refused:
             return self.ctrl.current(gpu)

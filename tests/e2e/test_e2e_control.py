@@ -347,24 +347,27 @@ def test_policy_set_and_show_and_a_switch_lifts_the_old_policys_caps(tmp_path: P
     d = start_daemon(tmp_path, "--sim", "2", config='[daemon]\nsocket_group = ""\n[policy]\nperiod_s = 0.2\n')
     daemons.append(d)
     assert "policy none" in d.ctl("policy", "show").stdout
-    # An admin's own cap on gpu1, then a static policy on both GPUs' power.
+    # An admin's own caps (gpu1's clock, gpu0's power), then a static policy on both GPUs'
+    # power: the admin's power cap on gpu0 stays in force and the admin's (it was taken
+    # over, and lost for the factory value when the policy let go).
     d.ctl("cap", "set", "--gpu", "1", "--max-clock", "1200")
+    d.ctl("cap", "set", "--gpu", "0", "--power-limit", "250")
     out = d.ctl("policy", "set", "static", "--param", "power_limit_w=450", "--param", "gpus=[0,1]").stdout
     assert "policy static {" in out and '"power_limit_w": 450' in out
     shown = json.loads(d.ctl("policy", "show", "--json").stdout)
     assert shown["name"] == "static" and shown["params"]["power_limit_w"] == 450
-    assert wait_for(lambda: [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [450.0, 450.0], 10)
+    assert wait_for(lambda: [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [250.0, 450.0], 10)
     owners = d.status()["policy"]["owners"]
-    assert owners == {"node": ["gpu1.clock_cap_mhz"], "policy": ["gpu0.power_limit_w", "gpu1.power_limit_w"]}
+    assert owners == {"node": ["gpu0.power_limit_w", "gpu1.clock_cap_mhz"], "policy": ["gpu1.power_limit_w"]}
     # Bad parameters are refused, naming the parameter; the policy in force stays.
     r = d.ctl("policy", "set", "static", "--param", "power_limit_w=-5", check=False)
     assert r.returncode != 0 and "power_limit_w" in r.stderr
     assert json.loads(d.ctl("policy", "show", "--json").stdout)["name"] == "static"
     # Switching away lifts what the old policy set; the admin's cap stays until reset.
     d.ctl("policy", "set", "none")
-    assert [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [700.0, 700.0]
+    assert [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [250.0, 700.0]
     assert sim(d.state_dir, 1).locked_clocks_mhz() == (345, 1200)
-    assert d.status()["policy"]["owners"] == {"node": ["gpu1.clock_cap_mhz"]}
+    assert d.status()["policy"]["owners"] == {"node": ["gpu0.power_limit_w", "gpu1.clock_cap_mhz"]}
     # The owners' names are no job's: a job cannot take them.
     with Client(d.socket) as c:
         with pytest.raises(Exception, match="reserved"):
