@@ -402,6 +402,9 @@ class PrecisionPolicy:
                     f"it {pb.trend:.6g} (tolerance {self.tolerance:.0%}, {n} steps)"
                 )
                 return self._roll_back(snap, j, js, pb, why, mean_after)
+        if steps_in >= longest and math.isnan(worse):  # never accepted unjudged (grace_steps too large?)
+            why = f"{len(after)} losses after the {self.grace_steps} left out in {steps_in} steps: too few to judge it"
+            return self._roll_back(snap, j, js, pb, why, None)
         if steps_in < self.probation_steps:
             return (f"job {j.job}: probation at {pb.to_level} ({steps_in}/{self.probation_steps} steps)", None, None)
         if steps_in < longest and (math.isnan(worse) or worse + GUARD_Z * se > self.tolerance):

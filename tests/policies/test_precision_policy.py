@@ -266,6 +266,19 @@ def test_trend_rollback_beyond_tolerance_and_cooldown() -> None:
     assert retries[1]["t"] - job.log[1]["t"] >= 50.0
 
 
+def test_a_level_is_never_accepted_without_losses_to_judge_it_by() -> None:
+    """grace_steps larger than the longest probation leaves no loss after the grace: the
+    level three times worse was accepted 'loss n/a'. It is rolled back, saying why."""
+
+    def worse(s: int, lv: str) -> float:
+        return (3.0 if lv == "bf16" else 1.0) + 0.005 * math.sin(s)
+
+    job = FakeJob(loss=worse)
+    drive(policy(grace_steps=1000), job, 60)
+    assert switches(job)[:2] == [("fp32", "bf16"), ("bf16", "fp32")]
+    assert job.log[1]["reason"].startswith("rollback bf16 -> fp32") and "too few to judge it" in job.log[1]["reason"]
+
+
 def test_within_tolerance_is_kept() -> None:
     def slightly(s: int, lv: str) -> float:
         return 1.0 + (0.03 if lv == "bf16" else 0.0) + 0.005 * math.sin(s)
