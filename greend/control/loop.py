@@ -60,6 +60,7 @@ class ControlLoop:
     def __init__(self, ctx: ControlContext) -> None:
         self.ctx = ctx
         self.ctrl: Controller | None = None
+        self._closed = False  # close() ran: the settings went back; job ends change nothing more
         self.policy: Any = None
         self.policy_state: Any = None
         # Beside the clock/power policy, an optional precision policy (its Decision
@@ -483,8 +484,8 @@ class ControlLoop:
 
     # Restores ------------------------------------------------------------------------
     def job_ended(self, job: Job) -> None:
-        if self.ctrl is None:
-            return
+        if self.ctrl is None or self._closed:
+            return  # (the jobs the daemon's stop ends: their settings went back with close())
         self.profiler.job_ended(job)
         self._pushed_pace.pop(job.job, None)
         self.report_restore(self.ctrl.restore_owner(job.job), f"job {job.job} ended ({job.end_reason})")
@@ -511,6 +512,7 @@ class ControlLoop:
             (log.info if rep.ok else log.error)("restore (%s): %s", why, line)
 
     def close(self) -> None:
+        self._closed = True
         if self.ctrl is not None:
             self.profiler.close()
             self.restore_all("daemon stopping")

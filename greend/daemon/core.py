@@ -380,9 +380,13 @@ class Daemon:
     def close(self) -> None:
         if self.refused:
             return  # refused at start: the running daemon's socket, state and caps are its own
+        self.control.close()  # every setting greend made goes back to its original
+        try:  # the jobs still running end here, kept (archived, stored) before the stores close
+            self.emit(self.jobs.interrupt_all())
+        except Exception:
+            log.exception("ending the running jobs at stop failed")
         if self.server is not None:
             self.server.stop()
-        self.control.close()  # every setting greend made goes back to its original
         self.stores.close()
         self.probing.close()
         self.lock.release()

@@ -72,6 +72,7 @@ CLAIM_LOOK_S = 1.0  # pending GPU claims are looked at again this often (greend.
 ENDED_SERIES_POINTS = 600  # an ended job's series (its report's plot) is thinned to this
 EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
 DISCONNECTED = "client disconnected"  # a rank whose connection closed without an end
+INTERRUPTED = "interrupted: the daemon stopped"  # the jobs running when the daemon stops
 
 
 class QuotaExceeded(Exception):
@@ -568,6 +569,19 @@ class JobRegistry(JobTable):
             job.state = "ending"
             job.end_reason = reason
             job.t_end_s = self.monotonic()
+
+    def interrupt_all(self, reason: str = INTERRUPTED) -> list[Point]:
+        """At the daemon's stop: every rank leaves with ``reason`` and every job still
+        running (or ending) ends now, its summary written and archived as any ended job's:
+        the part of a run before a restart is kept, not lost with the daemon's memory.
+        Returns the points to store."""
+        with self._lock:
+            for rs in list(self.sessions.values()):
+                self._final_cpu(rs)
+                self._leave(rs, reason)
+            self._last_tick_s = None  # (the jump below is no stall of the daemon)
+        # A tick past every end's wait: each ending job ends now (its window up to its end).
+        return self.tick(self.monotonic() + CPU_END_WAIT_S + 1.0)
 
     # The tick side -------------------------------------------------------------------
     def tick(self, now_s: float, host: HostCpu | None = None) -> list[Point]:

@@ -28,3 +28,19 @@ def test_a_run_that_reconnects_with_its_run_id_continues_its_record() -> None:
     reg.disconnected(2)
     register("run-b", 3)
     assert reg.jobs["train"] is not first and reg.jobs["train"].run == "run-b"
+
+
+def test_the_jobs_running_when_the_daemon_stops_end_and_are_kept() -> None:
+    """A daemon stopped under a running job ended nothing: the part of the run before a
+    restart was in no archive and no store row. Now it ends, 'interrupted', and every
+    job-end hook (the archive's) sees it."""
+    reg = JobRegistry(Ledger(), hostname="h")
+    ended: list[str] = []
+    reg.on_job_end.append(lambda job: ended.append(f"{job.job}:{job.end_reason}"))
+    r = Registration(job="train", run="run-a", rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                     precisions=("fp32",), mem_share=None, reference_every=None)  # fmt: skip
+    reg.register(r, Caller(session=1, pid=0, uid=1000))
+    points = reg.interrupt_all()
+    assert reg.jobs["train"].state == "ended" and not reg.sessions
+    assert ended == ["train:interrupted: the daemon stopped"]
+    assert any(p.measurement == "greend_job" for p in points)
