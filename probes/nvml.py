@@ -162,7 +162,7 @@ class NvmlProbe:
 
     def _optional(self, gpu: TrackedGpu, fn: str, *args: Any) -> Any | None:
         """A call whose failure costs one field: None on NOT_SUPPORTED and on other
-        errors (recorded and logged once); a lost GPU still raises."""
+        errors (recorded and logged when they start); a lost GPU still raises."""
         try:
             value = self._call(f"gpu{gpu.index}", fn, *args)
             gpu.errors.pop(fn, None)  # (an error shown until the call answers again, not for good)

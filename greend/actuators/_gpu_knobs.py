@@ -77,6 +77,7 @@ class GpuKnobs:
         self._in_doubt: set[tuple[int, str]] = set()
         # (UUID, knob) -> the GPU's epoch (GpuBackend.epoch) when greend last wrote the knob
         self._epochs: dict[tuple[str, str], int] = {}
+        self._failed: dict[tuple[str, str], str] = {}  # a write again that failed: why (logged once)
         if primary is not None:
             self.add_backend(primary)
 
@@ -404,32 +405,42 @@ class GpuKnobs:
     def reassert(self, index: int) -> list[str]:
         """Write greend's settings on GPU ``index`` again where the GPU was found again
         (after a loss, a reset or a driver reload, which drop a clock lock and a power
-        limit) since greend wrote them; the knobs written, [] where none was due. A
-        write that fails is logged and tried again at the next call."""
+        limit) since greend wrote them; the knobs written, [] where none was due. A write
+        that fails stays due: tried again at the next call (logged once a failure)."""
         backend = self.primary
         if backend is None or self.book.dry_run:
             return []
         with self.book.lock:
             entry = self.entry(index)
-            if entry is None:
-                return []
-            uuid, due = entry.uuid, {k: (ks.set, ks.owner) for k, ks in entry.knobs.items() if ks.set is not None}
+            uuid = entry.uuid if entry is not None else None
+        if uuid is None:
+            return []
         epoch = backend.epoch(index)
-        stale = [k for k in due if self._epochs.setdefault((uuid, k), epoch) != epoch]
         done: list[str] = []
-        for knob in stale:
-            value, owner = due[knob]
-            self._in_doubt.add((index, knob))  # (written again, not taken as in force)
-            setting = Setting(clock_cap_mhz=int(value)) if knob == CLOCK_KNOB else Setting(power_limit_w=value)
-            other = [k for k in GPU_KNOBS if k != knob]
-            log.warning("gpu%d (%s) was found again since greend set its %s: writing it again", index, uuid, knob)
-            try:
-                self.apply(index, setting, owner, keep=other)
-            except (GreendError, ProbeError) as e:
-                # Not tried again until the GPU is found anew; its next request writes it.
-                self._epochs[(uuid, knob)] = epoch
-                log.warning("gpu%d %s: cannot write it again now: %s", index, knob, e)
+        for knob in GPU_KNOBS:
+            if self._epochs.setdefault((uuid, knob), epoch) == epoch:
                 continue
+            try:
+                with self._guard(backend, index):  # (a cap_set meanwhile is the value written)
+                    with self.book.lock:
+                        entry = self.entry(index)
+                        ks = entry.knobs.get(knob) if entry is not None else None
+                    if ks is None or ks.set is None:
+                        self._epochs[(uuid, knob)] = epoch  # greend holds nothing there now
+                        continue
+                    value, owner = ks.set, ks.owner
+                    log.warning(
+                        "gpu%d (%s) was found again since greend set its %s: writing it again", index, uuid, knob
+                    )
+                    self._in_doubt.add((index, knob))  # (written again, not taken as in force)
+                    lowest = self._snap_clock(backend, index, int(value))[1] if knob == CLOCK_KNOB else None
+                    self._apply_knob(backend, index, knob, value, owner, lowest)
+            except (GreendError, ProbeError) as e:
+                if self._failed.get((uuid, knob)) != str(e):
+                    log.warning("gpu%d %s: cannot write it again now (tried again each period): %s", index, knob, e)
+                self._failed[(uuid, knob)] = str(e)
+                continue
+            self._failed.pop((uuid, knob), None)
             done.append(knob)
         return done
 

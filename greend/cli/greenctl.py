@@ -407,8 +407,8 @@ def ctl_measure(
         fail("give the command after --: greenctl measure -- python train.py")
     if not (math.isfinite(interval) and interval >= 0.1):
         fail(f"--interval {interval:g}: expected seconds >= 0.1")
-    if flops is not None and not (math.isfinite(flops) and 0 <= flops <= 1e27):
-        fail(f"--flops {flops:g}: expected the command's FLOPs, a number from 0 to 1e27")
+    if flops is not None and not (math.isfinite(flops) and 0 <= flops <= 1e26):
+        fail(f"--flops {flops:g}: expected the command's FLOPs, a number from 0 to 1e26")
     gpu_list: list[int] | None = None
     if gpus is not None:
         try:

@@ -187,9 +187,12 @@ def _through_daemon(
     if flops:
         # The whole command's FLOPs, as entries of at most a step's limit (a large run does
         # 1e22 and more), in messages of at most MAX_STEPS_PER_MESSAGE entries.
-        n = math.ceil(flops / MAX_FLOPS_PER_STEP)
-        entries = [{"step": step + i, "t0_s": now, "t1_s": now, "flops": flops / n} for i in range(n)]
-        for k in range(0, n, MAX_STEPS_PER_MESSAGE):
-            s.sendall(frame_message("steps", {"steps": entries[k : k + MAX_STEPS_PER_MESSAGE]}))
+        n = math.ceil(flops / (0.999 * MAX_FLOPS_PER_STEP))  # (each share safely under the limit)
+        per = min(MAX_STEPS_PER_MESSAGE, 256)  # ~100 bytes an entry: a message well under its size limit
+        for k in range(0, n, per):
+            entries = [
+                {"step": step + i, "t0_s": now, "t1_s": now, "flops": flops / n} for i in range(k, min(n, k + per))
+            ]
+            s.sendall(frame_message("steps", {"steps": entries}))
     client.request("end", reason=f"command exited with {rc}")
     return rc

@@ -520,6 +520,8 @@ class ControlLoop:
 
     def need_ctrl(self) -> Controller:
         """The controller, or a refusal that says why there is none."""
+        if self._closed:  # (its settings went back: one written now would outlive the daemon)
+            raise StateError("the daemon is stopping: its settings went back; try again once it runs")
         if self.ctrl is None:
             raise ProtocolError(self.disabled or "no devices to control on this node (see greenctl probes)")
         return self.ctrl

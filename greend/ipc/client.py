@@ -94,9 +94,10 @@ class Client:
                 if is_event(reply):
                     continue  # pushed events are not for a request/response client
                 rid = reply.get("id")
-                # A reply without an id answers this request only where the daemon could not
-                # read its id (bad_json); else it answers an earlier message that had none.
-                if rid != request_id and not (rid is None and _code(reply) == "bad_json"):
+                # A reply without an id answers this request where the daemon could not read
+                # its id or refused it whole (bad_json, too_large, unavailable); any other
+                # answers an earlier message that had no id.
+                if rid != request_id and not (rid is None and _code(reply) in _WHOLE):
                     continue
                 break
         except TimeoutError:
@@ -142,6 +143,9 @@ def _what_is_there(path: Path, e: OSError) -> str:
     if e.errno == errno.ECONNREFUSED:
         return "connection refused: a socket is there but no daemon listens (a daemon that stopped uncleanly?)"
     return e.strerror or str(e)
+
+
+_WHOLE = ("bad_json", "too_large", "unavailable")  # id-less refusals of a whole request
 
 
 def _code(reply: dict[str, Any]) -> Any:

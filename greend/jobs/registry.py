@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from greend.errors import ProtocolError
+from greend.errors import ProtocolError, StateError
 from greend.jobs.booking import (
     append_bounded,
     book_host_cpu,
@@ -163,6 +163,7 @@ class JobRegistry(JobTable):
         self._events: dict[int, deque[float]] = {}  # per uid: monotonic times of recent precision_events
         self._last_tick_s: float | None = None
         self.stalls = 0  # tick gaps over STALL_GAP_S (the daemon's own stalls)
+        self.closing = False  # the daemon stops: no rank registers any more (interrupt_all)
         self.events_refused = 0
         # A rank's process CPU seconds now (None: unknown). Read when a rank registers
         # and when it leaves, so a job's CPU share does not hang on the host probe's
@@ -189,6 +190,8 @@ class JobRegistry(JobTable):
         """A rank joins its job (a new record, a running job, or one whose ranks' heartbeats
         stopped). Refused (PermissionError) where the job or its GPUs are another user's,
         and past the caller's quota of jobs (:class:`QuotaExceeded`)."""
+        if self.closing:
+            raise StateError("the daemon is stopping: register again once it runs (the callback retries by itself)")
         if caller.session in self.sessions:
             raise ProtocolError("this connection already registered a rank; open another connection", field="op")
         job_id, run, gpus = reg.job, reg.run, list(reg.gpus)
@@ -576,6 +579,7 @@ class JobRegistry(JobTable):
         the part of a run before a restart is kept, not lost with the daemon's memory.
         Returns the points to store."""
         with self._lock:
+            self.closing = True  # no new rank from now: its record would never be kept
             for rs in list(self.sessions.values()):
                 self._final_cpu(rs)
                 self._leave(rs, reason)

@@ -130,8 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def parse_request(self) -> bool:
+        ok = super().parse_request()  # (reads the headers too: the deadline covers them)
         self.server.head_in(self.request)
-        return super().parse_request()
+        return ok
 
     def finish(self) -> None:
         self.server.head_in(self.request)

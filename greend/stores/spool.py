@@ -23,7 +23,11 @@ Life of a point:
    SIGKILL of the process. ``fsync`` is batched: at seal, and every
    ``fsync_s`` from :meth:`maintain` (a power loss can cost the last second).
 2. The open segment is sealed (fsync, rename ``.open`` -> ``.lp``, fsync of the
-   directory) when it reaches ``segment_bytes`` or is ``segment_age_s`` old.
+   directory) when it reaches ``segment_bytes`` or is ``segment_age_s`` old, by
+   :meth:`maintain` on the sender thread and without the lock, so an append (the
+   daemon's tick) never waits for the disk; an append seals only a segment that has
+   grown to 4 x ``segment_bytes`` because the sender has not come by. A segment being
+   sealed is counted as pending, and no later one is handed out before it is listed.
 3. The sender takes :meth:`oldest` sealed segment, sends it, and only after a
    2xx calls :meth:`ack`, which deletes it. Nothing is deleted before success.
 4. At start, leftovers from an earlier run are recovered in sequence order: an
@@ -33,8 +37,9 @@ Life of a point:
 
 Bounded: when the spool holds more than ``max_bytes``, the oldest sealed
 segments are deleted and their points counted in :attr:`Spool.dropped` (and
-logged). The segment that the sender has in flight and the open segment are
-never dropped, so the spool may overshoot the bound by about two segments.
+logged). The segment that the sender has in flight, the open segment and one
+being sealed are never dropped, so the spool may overshoot the bound by a few
+segments (the open one can reach 4 x ``segment_bytes`` while the sender is away).
 
 Delivery is at-least-once. Duplicates do not happen in normal operation: a
 segment is sent once and deleted after the server's 2xx. The one window for a
@@ -112,6 +117,7 @@ class Spool:
         self._clock = clock or time.monotonic
         self._lock = threading.RLock()
         self._sealed: list[Segment] = []
+        self._detached: dict[int, tuple[int, int]] = {}  # seq -> (bytes, points): being sealed, not listed yet
         self._busy: int | None = None  # seq the sender has in flight
         self._fd: int | None = None
         self._open_seq = 0
@@ -265,7 +271,8 @@ class Spool:
             self._open_bytes += len(data)
             self._open_points += n
             self._dirty = True
-            self.last_error = None  # (the disk takes points again)
+            if self.last_error is not None and self.last_error.startswith("spool append failed"):
+                self.last_error = None  # (the disk takes points again; a seal's failure stays said)
             if self._open_bytes >= 4 * self.segment_bytes:
                 # A full segment is sealed by maintain(), on the sender thread, so the tick
                 # never waits for the disk; a sender that has not come by in this long: here.
@@ -317,6 +324,7 @@ class Spool:
         if self._fd is None or self._open_path is None:
             return None
         out = (self._fd, self._open_path, self._open_seq, self._open_bytes, self._open_points)
+        self._detached[self._open_seq] = (self._open_bytes, self._open_points)  # (counted until listed)
         self._fd = None
         self._open_bytes = self._open_points = 0
         self._dirty = False
@@ -328,6 +336,13 @@ class Spool:
         if detached is None:
             return
         fd, path, seq, nbytes, points = detached
+        try:
+            self._seal_io(fd, path, seq, nbytes, points)
+        finally:
+            with self._lock:
+                self._detached.pop(seq, None)
+
+    def _seal_io(self, fd: int, path: Path, seq: int, nbytes: int, points: int) -> None:
         try:
             os.fsync(fd)
         except OSError as e:
@@ -347,6 +362,7 @@ class Spool:
             return
         fsync_dir(self.directory)
         with self._lock:
+            self._detached.pop(seq, None)  # (listed in the same breath: never counted twice)
             bisect.insort(self._sealed, Segment(seq, self.tag, sealed, nbytes, points), key=lambda g: g.seq)
             self._last_fsync = self._clock()
             self._enforce_bound()
@@ -405,7 +421,9 @@ class Spool:
     def oldest(self) -> Segment | None:
         """The oldest sealed segment, marked in flight (never dropped) until released."""
         with self._lock:
-            if not self._sealed:
+            # Never past a segment still being sealed on another thread (seal() from a
+            # flush): the segments go out in order.
+            if not self._sealed or (self._detached and min(self._detached) < self._sealed[0].seq):
                 self._busy = None
                 return None
             seg = self._sealed[0]
@@ -482,12 +500,16 @@ class Spool:
     @property
     def pending_points(self) -> int:
         with self._lock:
-            return sum(s.points for s in self._sealed) + self._open_points
+            return sum(s.points for s in self._sealed) + self._open_points + sum(p for _, p in self._detached.values())
 
     @property
     def pending_bytes(self) -> int:
         with self._lock:
-            return sum(s.pending_bytes for s in self._sealed) + self._open_bytes
+            return (
+                sum(s.pending_bytes for s in self._sealed)
+                + self._open_bytes
+                + sum(b for b, _ in self._detached.values())
+            )
 
     @property
     def sealed_count(self) -> int:
@@ -496,7 +518,7 @@ class Spool:
 
     def empty(self) -> bool:
         with self._lock:
-            return not self._sealed and self._open_points == 0
+            return not self._sealed and self._open_points == 0 and not self._detached
 
     def close(self) -> None:
         """Seal the open segment; everything unsent stays on disk for the next start."""

@@ -464,6 +464,10 @@ class SqliteStore:
         try:
             self._prune()
         except Exception as e:
+            try:
+                self._db.execute("ROLLBACK")  # (a roll-up cut short leaves no transaction open)
+            except sqlite3.Error:
+                pass
             log.warning("sqlite store: the hourly upkeep failed: %s: %s", type(e).__name__, e)
 
     def _prune(self) -> None:

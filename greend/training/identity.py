@@ -137,12 +137,13 @@ def _env_int(name: str, default: int) -> int:
 
 def resolve_ranks() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torch.distributed, else the launcher's env:
-    torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID``/
-    ``SLURM_LOCALID``/``SLURM_NTASKS`` (the tasks of one ``srun`` step are the ranks of one
-    job, before or without a process group)."""
-    slurm = "RANK" not in os.environ and "SLURM_PROCID" in os.environ
+    torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, else srun's ``SLURM_PROCID``/
+    ``SLURM_LOCALID``/``SLURM_STEP_NUM_TASKS`` (the tasks of one ``srun`` step are the ranks
+    of one job, before or without a process group; a batch script's own process, which
+    srun did not start, has no ``SLURM_STEP_NUM_TASKS`` and is one process)."""
+    slurm = "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ and "SLURM_PROCID" in os.environ
     rank = _env_int("SLURM_PROCID" if slurm else "RANK", 0)
-    world = _env_int("SLURM_NTASKS" if slurm else "WORLD_SIZE", 1)
+    world = _env_int("SLURM_STEP_NUM_TASKS" if slurm else "WORLD_SIZE", 1)
     local = _env_int("SLURM_LOCALID" if slurm else "LOCAL_RANK", 0)
     try:
         import torch.distributed as dist

@@ -48,10 +48,10 @@ def test_measure_runs_a_command_as_a_job_and_prints_its_report(tmp_path: Path, d
     assert rep["job"] == "m2" and rep["flops"] == 1e12 and rep["gflops_per_w"] > 0
     # A large run's whole count, over a step entry's limit (1e21): reported all the same.
     r = d.ctl(
-        "measure", "--job", "m3", "--gpus", "0", "--flops", "3.5e23", "--json", "--", sys.executable, "-c", "pass"
+        "measure", "--job", "m3", "--gpus", "0", "--flops", "3.5e24", "--json", "--", sys.executable, "-c", "pass"
     )
     rep = json.loads(r.stdout)
-    assert rep["job"] == "m3" and rep["flops"] == pytest.approx(3.5e23) and rep["gflops_per_w"] > 0
+    assert rep["job"] == "m3" and rep["flops"] == pytest.approx(3.5e24) and rep["gflops_per_w"] > 0
     r = d.ctl("measure", "--job", "m4", "--flops", "nan", "--", sys.executable, "-c", "pass", check=False)
     assert r.returncode == 2 and "--flops nan" in r.stderr and "Traceback" not in r.stderr
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from greend.errors import StateError
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Caller
 from greend.jobs.registry import JobRegistry
@@ -44,3 +47,5 @@ def test_the_jobs_running_when_the_daemon_stops_end_and_are_kept() -> None:
     assert reg.jobs["train"].state == "ended" and not reg.sessions
     assert ended == ["train:interrupted: the daemon stopped"]
     assert any(p.measurement == "greend_job" for p in points)
+    with pytest.raises(StateError, match="the daemon is stopping"):  # (its record would never be kept)
+        reg.register(r, Caller(session=2, pid=0, uid=1000))

@@ -97,7 +97,8 @@ def test_a_client_that_trickles_its_request_is_closed_after_the_read_timeout_in_
     with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
         t0 = time.monotonic()
         closed = False
-        for b in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"a" * 40:
+        c.sendall(b"GET /metrics HTTP/1.0\r\n")  # the request line at once, then its headers slowly
+        for b in b"X-Slow: " + b"a" * 40:
             try:
                 c.sendall(bytes([b]))
             except OSError:

@@ -250,3 +250,36 @@ def test_sigkilled_writer_loses_no_acknowledged_point(tmp_path: Path) -> None:
 def drain_after_seal(sp: Spool) -> list[bytes]:
     sp.seal()
     return drain(sp)
+
+
+def test_a_segment_being_sealed_is_pending_and_nothing_later_goes_out_before_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """seal() (a flush, on another thread) is slow on segment N while the sender seals N+1:
+    N is still counted as pending, and N+1 is not handed out before N (order kept)."""
+    import threading
+
+    import greend.stores.spool as spool_mod
+
+    now = [0.0]
+    sp = Spool(tmp_path, segment_age_s=1.0, clock=lambda: now[0])
+    sp.append(lines(0, 3))
+    real_fsync, calls = os.fsync, {"n": 0}
+
+    def first_slow(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(1.0)
+        real_fsync(fd)
+
+    monkeypatch.setattr(spool_mod.os, "fsync", first_slow)
+    t = threading.Thread(target=sp.seal)  # segment N: its fsync takes a second
+    t.start()
+    time.sleep(0.2)
+    sp.append(lines(3, 5))
+    now[0] = 2.0
+    sp.maintain()  # segment N+1, sealed at once
+    assert not sp.empty() and sp.pending_points == 5
+    assert sp.oldest() is None  # N+1 is listed, N not yet: nothing goes out of order
+    t.join()
+    assert drain(sp) == lines(0, 5).splitlines()

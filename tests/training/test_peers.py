@@ -27,15 +27,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_the_tasks_of_one_srun_step_are_the_ranks_of_one_run_without_a_process_group(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
-    """srun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, not RANK: two tasks of step 0 of
-    job 777 are ranks 0 and 1 of 2, of one job and one run."""
+    """srun sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID, not RANK: two tasks of step
+    0 of job 777 are ranks 0 and 1 of 2, of one job and one run. A batch script's own
+    process (no SLURM_STEP_NUM_TASKS) is one process, whatever --ntasks says."""
     from greend.training.identity import resolve_ranks, resolve_run
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GREEND_RUN", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GREEND_RUN", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT",
+                "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):  # fmt: skip
         clean_env.delenv(var, raising=False)
     clean_env.setenv("SLURM_JOB_ID", "777")
     clean_env.setenv("SLURM_STEP_ID", "0")
-    clean_env.setenv("SLURM_NTASKS", "2")
+    clean_env.setenv("SLURM_STEP_NUM_TASKS", "2")
     seen = []
     for task in (0, 1):
         clean_env.setenv("SLURM_PROCID", str(task))
@@ -44,6 +46,10 @@ def test_the_tasks_of_one_srun_step_are_the_ranks_of_one_run_without_a_process_g
         seen.append((rank, local, world, resolve_job(None), resolve_run(resolve_job(None), world)))
     assert [s[:3] for s in seen] == [(0, 0, 2), (1, 1, 2)]
     assert seen[0][3:] == seen[1][3:] and seen[0][3] == "777.0"
+    clean_env.delenv("SLURM_STEP_NUM_TASKS")
+    clean_env.setenv("SLURM_NTASKS", "4")  # (sbatch --ntasks=4: the batch script is one process)
+    assert resolve_ranks() == (0, 0, 1)
+    clean_env.setenv("SLURM_STEP_NUM_TASKS", "2")
     clean_env.setenv("RANK", "5")  # a launcher's RANK wins over Slurm's
     clean_env.setenv("WORLD_SIZE", "8")
     assert resolve_ranks()[::2] == (5, 8)
