@@ -581,3 +581,24 @@ def test_after_a_driver_reload_every_gpu_gets_greends_settings_written_again(tmp
     assert ctl.reassert(0) == ["power_limit_w"] and ctl.reassert(1) == ["clock_cap_mhz"]
     assert locked.locked_clocks_mhz() == (345, 1395) and limited.power_limit_w() == 450.0
     probe.close()
+
+
+def test_a_write_again_that_fails_stays_due_until_it_lands(tmp_path: Path) -> None:
+    """After a reset the write again is refused once (the driver not ready): it is tried
+    again at the next call, not given up for good."""
+    fake = FakeNvml(tmp_path / "sim", n=1)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    ctl = Controller(tmp_path / "state", NvmlGpuBackend(probe))
+    ctl.apply_gpu(0, Setting(power_limit_w=450.0), "node")
+    fake.inject(0, lost=True)
+    probe.sample(1.0)
+    fake.sim_gpu(0).set_power_limit_w(700.0)  # the reset dropped it
+    fake.inject(0, lost=False)
+    assert wait_for(lambda: probe.sample(2.0) is not None and not probe.lost_gpus, timeout_s=10)
+    fake.inject(0, no_permission=True)
+    assert ctl.reassert(0) == [] and ctl.reassert(0) == []
+    fake.inject(0, no_permission=False)
+    assert ctl.reassert(0) == ["power_limit_w"] and fake.sim_gpu(0).power_limit_w() == 450.0
+    assert ctl.reassert(0) == []
+    probe.close()

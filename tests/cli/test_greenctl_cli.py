@@ -163,3 +163,15 @@ def test_a_value_json_cannot_carry_is_refused_by_greenctl_not_a_traceback(tmp_pa
 def test_a_malformed_store_url_is_said_so_not_a_traceback(args: list[str]) -> None:
     code, out = run(*args)
     assert code == 2 and "Traceback" not in out and "error:" in out, out
+
+
+def test_a_refusal_of_the_whole_request_without_an_id_is_its_answer(tmp_path: Path) -> None:
+    """The daemon answers a request too large, or a server full, without an id: that is the
+    request's answer at once (it was waited for until the timeout, then 'no answer')."""
+    path = tmp_path / "full.sock"
+    srv = _answering(path, b'{"v":1,"ok":false,"error":{"code":"unavailable","message":"too many connections"}}\n')
+    try:
+        code, out = run("--socket", str(path), "--timeout", "5", "status")
+    finally:
+        srv.close()
+    assert code == 2 and "too many connections [unavailable]" in out, out
