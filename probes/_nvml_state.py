@@ -44,7 +44,7 @@ class TrackedGpu:
     energy_j: float = 0.0  # cumulative since open
     last_counter_mj: int | None = None
     last_counter_s: float | None = None  # when last_counter_mj was read
-    counter_dropped: tuple[int, float | None] | None = None  # (the value, its time) before a read went back
+    counter_dropped: int | None = None  # the counter before a read went back
     _before_mj: int | None = None  # the counter's read before the last
     _booked_mj: int = 0  # what the last read booked
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
@@ -81,10 +81,10 @@ class TrackedGpu:
                 self._book(raw_mj - before)
                 return
             log.warning("%s: energy counter went back (%d -> %d mJ): a new baseline", what, last, raw_mj)
-            self.counter_dropped = (last, was_s)
+            self.counter_dropped = last
             return
-        if dropped is not None and dropped[0] <= raw_mj:
-            self._book(raw_mj - dropped[0])  # the low read was a glitch
+        if dropped is not None and dropped <= raw_mj:
+            self._book(raw_mj - dropped)  # the low read was a glitch
             return
         if raw_mj - last > self._most_mj(was_s, now_s):
             log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)

@@ -297,9 +297,7 @@ class GpuKnobs:
             )
         if in_force:
             if ks.set != value or ks.owner != owner:
-                with self.book.lock:
-                    ks.set, ks.owner, ks.updated_at = value, owner, time.time()
-                    self.book.save()
+                self._record_set(ks, value, owner)
             return
         self._held.pop((index, knob), None)
         self._unverified.pop((index, knob), None)
@@ -328,17 +326,19 @@ class GpuKnobs:
                 # nothing), and written again at the next request.
                 self._in_doubt.add((index, knob))
                 self._unverified[(index, knob)] = float(value)
-                with self.book.lock:
-                    ks.set, ks.owner, ks.updated_at = value, owner, time.time()
-                    self.book.save()
+                self._record_set(ks, value, owner)
             raise
         self._in_doubt.discard((index, knob))
         assert entry is not None  # (made above, before the first write)
         self._epochs[(entry.uuid, knob)] = backend.epoch(index)
+        self._record_set(ks, value, owner)
+        self._read_back(backend, index, dev, knob, float(value))
+
+    def _record_set(self, ks: KnobState, value: float, owner: str) -> None:
+        """What greend wrote to a knob (and who asked), on disk."""
         with self.book.lock:
             ks.set, ks.owner, ks.updated_at = value, owner, time.time()
             self.book.save()
-        self._read_back(backend, index, dev, knob, float(value))
 
     def _read_back(self, backend: GpuBackend, index: int, dev: str, knob: str, asked: float) -> None:
         """After a write: what the GPU holds. A GPU that holds another value than asked

@@ -207,6 +207,9 @@ def encode_points(points: list[Point], host: str = "", precision: str = "ns") ->
 
 
 # The URL ---------------------------------------------------------------------------
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # a URL flag's words
+
+
 def parse_influx_url(url: str) -> dict[str, Any]:
     """``influx://H:P?org=O&bucket=B[&tls=1][&ca=F][&verify=0][&precision=P]`` -> settings."""
     check_url(url)
@@ -215,7 +218,7 @@ def parse_influx_url(url: str) -> dict[str, Any]:
     precision = q.get("precision", "ns")
     if precision not in TIMESTAMP_UNITS:
         raise ConfigError(f"store URL {redact_url(url)!r}: precision={precision!r}; expected one of s, ms, us, ns")
-    tls = q.get("tls", "0").lower() in ("1", "true", "yes", "on")
+    tls = q.get("tls", "0").lower() in _TRUE
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
@@ -225,7 +228,7 @@ def parse_influx_url(url: str) -> dict[str, Any]:
         "bucket": q["bucket"],
         "precision": precision,
         "ca": q.get("ca"),
-        "verify": q.get("verify", "1").lower() not in ("0", "false", "no", "off"),
+        "verify": q.get("verify", "1").lower() not in _FALSE,
     }
 
 
@@ -601,7 +604,6 @@ def _short(x: Any, n: int = 200) -> str:
 
 
 _URL_OPTIONS = ("org", "bucket", "tls", "ca", "verify", "precision")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _check_influx_url(url: str, parts: SplitResult) -> None:
