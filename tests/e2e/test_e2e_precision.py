@@ -62,6 +62,14 @@ def run_trainer(sock: Path, job: str, *args: str, timeout: float = 120) -> dict[
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def final_level(levels: list[str]) -> str:
+    """The level of most of the last 100 steps: a run below its own level runs a probe
+    block at the level above now and then (5 steps, greend.training.probe), and the run may
+    end inside one, so its very last step can be at the level above by design."""
+    tail = levels[-100:]
+    return max(set(tail), key=tail.count)
+
+
 def start(tmp_path: Path, daemons: list[DaemonProc]) -> DaemonProc:
     d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG)
     daemons.append(d)
@@ -173,7 +181,7 @@ def test_set_at_run_time_its_decisions_keep_their_kind_and_trend(tmp_path: Path,
     assert (d.status()["policy"].get("precision") or {}).get("name") == "precision"
     r = run_trainer(d.socket, "solo", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
     wait_ended(d, "solo")
-    assert r["levels"][-1] == "bf16", r["levels"]
+    assert final_level(r["levels"]) == "bf16", r["levels"]
     log = json.loads(d.ctl("report", "solo", "--json").stdout)["precision_log"]
     switch = [e for e in log if e["kind"] == "switch"]
     assert [(e["from"], e["to"]) for e in switch] == [("fp32", "bf16")], log
@@ -287,7 +295,7 @@ def test_a_data_shift_right_after_the_switch_is_not_a_rollback_with_a_reference_
     r = run_trainer(d.socket, "shift", *args, "--reference")
     wait_ended(d, "shift")
     log = json.loads(d.ctl("report", "shift", "--json").stdout)["precision_log"]
-    assert r["shift_at"] is not None and r["levels"][-1] == "bf16", (r["precision_events"], log)
+    assert r["shift_at"] is not None and final_level(r["levels"]) == "bf16", (r["precision_events"], log)
     assert r["precision_events"] == []
     assert any(c.get("spike") and c["step"] >= r["shift_at"] for c in r["reference_checks"])
     assert [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS] == [
