@@ -16,13 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from greend.errors import NotSupported
 from greend.units import mj_to_j
 
 from .nvml_device import Outcome
 
-__all__ = ["Look", "Looks", "TrackedGpu", "as_text"]
+__all__ = ["COUNTER_RETRY_S", "Look", "Looks", "TrackedGpu", "as_text"]
 
 log = logging.getLogger(__name__)
+
+# A counter that stops working mid-run (NOT_SUPPORTED after it worked) is tried again this
+# often; the energy is integrated from power meanwhile.
+COUNTER_RETRY_S = 60.0
 
 
 @dataclass
@@ -48,6 +53,9 @@ class TrackedGpu:
     _before_mj: int | None = None  # the counter's read before the last
     _booked_mj: int = 0  # what the last read booked
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
+    # A counter that worked, then read NOT_SUPPORTED: tried again from this time (a
+    # transient fault must not leave the GPU on power integration for good).
+    counter_retry_s: float | None = None
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
@@ -90,6 +98,39 @@ class TrackedGpu:
             log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)
             return
         self._book(raw_mj - last)
+
+    def account_energy(
+        self, read: Callable[[], int], what: str, power_w: float | None, now_s: float, real: bool
+    ) -> None:
+        """One tick's energy: from the counter (``read()``, mJ), else from ``power_w``
+        integrated. A counter that reads NOT_SUPPORTED after it worked hands over to
+        power at once and is tried again every :data:`COUNTER_RETRY_S`; where it
+        answers, it is taken back from a new baseline (the energy up to now was
+        integrated). ``real``: real NVML (its reads are checked against the clock)."""
+        if self.energy_method != "counter":
+            self.integrate_power(power_w, now_s)
+            if self.counter_retry_s is None or now_s < self.counter_retry_s:
+                return
+            try:
+                raw = read()
+            except Exception as e:  # (NOT_SUPPORTED still, or another fault: the power reads tell)
+                log.debug("%s: energy counter still not working: %s", what, e)
+                self.counter_retry_s = now_s + COUNTER_RETRY_S
+                return
+            log.warning("%s: energy counter works again; power integration ends", what)
+            self.energy_method, self.counter_retry_s, self.last_power = "counter", None, None
+            self.last_counter_mj, self.last_counter_s, self.counter_dropped = None, None, None
+            self.book_counter(raw, what, now_s if real else None)  # the new baseline
+            return
+        try:
+            raw = read()
+        except NotSupported:
+            log.warning("%s: energy counter stopped working; integrating power instead (the counter is tried "
+                        "again every %g s)", what, COUNTER_RETRY_S)  # fmt: skip
+            self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
+            self.integrate_power(power_w, now_s)
+            return
+        self.book_counter(raw, what, now_s if real else None)  # (sim: its own clock)
 
     def _book(self, mj: int) -> None:
         self.energy_j += mj_to_j(mj)

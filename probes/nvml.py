@@ -12,7 +12,9 @@ What it measures, per GPU and in SI units at the edge (mW -> W, mJ -> J):
   cumulative since ``open()``; ``energy_method="counter"``. Where the counter is
   ``NOT_SUPPORTED`` (pre-Volta), power samples are integrated with the trapezoid
   rule over the ``now_s`` the tick loop passes; ``energy_method="power_integration"``.
-  NVML power on Ampere+ is a ~1 s average, so the counter is always preferred.
+  NVML power on Ampere+ is a ~1 s average, so the counter is always preferred: one
+  that stops working mid-run hands over to power at once and is tried again every
+  ``COUNTER_RETRY_S`` (60 s), taken back from a new baseline when it answers.
 - Power, SM/memory clocks, utilisation, temperature, power limits. An optional
   field a GPU does not support reads ``None``; the rest of the reading stands.
   The counter is read every tick; the other fields at most every
@@ -56,7 +58,7 @@ from greend.units import mw_to_w
 from . import ProbeContext, register
 from ._nvml_gpm import Gpm
 from ._nvml_reads import Reads, tick_read_wait_s
-from ._nvml_state import Look, Looks, TrackedGpu
+from ._nvml_state import COUNTER_RETRY_S, Look, Looks, TrackedGpu
 from ._nvml_state import as_text as _text
 from .base import GpuReading, Probe, ProbeInfo, Readings
 from .nvml_device import (
@@ -68,7 +70,7 @@ from .nvml_device import (
     translate_nvml_error,
 )
 
-__all__ = ["NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
+__all__ = ["COUNTER_RETRY_S", "NVML_ERROR_MAP", "NvmlProbe", "translate_nvml_error"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ RECOVER_EVERY_S = 5.0
 # Clocks, utilisation, temperature, power limit (and power, where the energy
 # counter works) are re-read at most this often.
 SLOW_FIELDS_EVERY_S = 1.0
+
 
 # How long the daemon's (background) open waits for NVML's node-wide calls: a driver
 # that is loading answers in seconds; one that does not answer in this long is called
@@ -551,16 +554,10 @@ class NvmlProbe:
         )
 
     def _account_energy(self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float) -> None:
-        if gpu.energy_method == "counter":
-            try:
-                raw = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
-            except NotSupported:
-                log.warning("%s: energy counter stopped working; integrating power instead", what)
-                gpu.energy_method = "power_integration"
-            else:
-                gpu.book_counter(raw, what, now_s if self.source == "nvml" else None)  # (sim: its own clock)
-                return
-        gpu.integrate_power(power_w, now_s)
+        def read() -> int:
+            return int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
+
+        gpu.account_energy(read, what, power_w, now_s, real=self.source == "nvml")
 
     def _clock_cap(self, index: int) -> float | None:
         if self._cap_lookup is None:

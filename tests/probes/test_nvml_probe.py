@@ -536,3 +536,35 @@ def test_an_error_of_one_field_is_shown_until_the_call_answers_again(fake: FakeN
     probe.sample(5.0)
     assert "nvmlDeviceGetTemperature" not in probe.device_errors.get(0, {})
     assert by_index(probe, 10.0)[0].temperature_c is not None
+
+
+def test_a_counter_that_comes_back_is_taken_again_from_a_new_baseline(tmp_path: Path, clock: ManualClock) -> None:
+    """A transient NOT_SUPPORTED from the energy counter does not leave the GPU on power
+    integration for good: the counter is tried again every COUNTER_RETRY_S and, once it
+    answers, the energy goes on from it with nothing counted twice."""
+    from greend.probes.nvml import COUNTER_RETRY_S
+
+    fake = FakeNvml(tmp_path, n=1, clock=clock, background_load=0.5)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    probe.sample(0.0)
+    fake.inject(0, no_energy_counter=True)
+    t = 0.0
+    while t < COUNTER_RETRY_S + 2.0:  # a tick a second, the counter gone
+        clock.advance(1.0)
+        t += 1.0
+        g = probe.sample(t).gpus[0]
+    assert g.energy_method == "power_integration"
+    fake.inject(0, no_energy_counter=False)
+    t_back = t
+    for _ in range(int(COUNTER_RETRY_S) + 5):
+        clock.advance(1.0)
+        t += 1.0
+        g = probe.sample(t).gpus[0]
+    assert g.energy_method == "counter"
+    # From 0 s to now at a steady draw: the counter's part and power's part add up to it
+    # (the first tick without the counter read power first: one tick's energy is lost).
+    assert g.energy_j == pytest.approx(power * t, rel=0.03)
+    assert g.energy_j <= power * t * 1.001
+    assert t - t_back > COUNTER_RETRY_S  # (it came back on a retry, not at once)
