@@ -270,7 +270,11 @@ class GpuKnobs:
                     self.book.state.gpus.append(entry)
                     dev = entry.device
                 ks = KnobState(
-                    original=current if knob == POWER_KNOB else None, set=None, owner=owner, updated_at=time.time()
+                    original=current if knob == POWER_KNOB else None,
+                    set=None,
+                    owner=owner,
+                    updated_at=time.time(),
+                    pending=float(value),  # (see below: the first write)
                 )
                 entry.knobs[knob] = ks
                 try:
@@ -301,6 +305,12 @@ class GpuKnobs:
             return
         self._held.pop((index, knob), None)
         self._unverified.pop((index, knob), None)
+        if ks.set is None and ks.pending != value:
+            # A first write: on disk before the driver call, so that a restore after a
+            # crash in between undoes it where it landed (_restore_knob).
+            with self.book.lock:
+                ks.pending = float(value)
+                self.book.save()
         try:
             if knob == CLOCK_KNOB:
                 lo = lowest if lowest is not None else int(value)
@@ -327,6 +337,8 @@ class GpuKnobs:
                 self._in_doubt.add((index, knob))
                 self._unverified[(index, knob)] = float(value)
                 self._record_set(ks, value, owner)
+            elif ks.set is None:
+                self._no_pending(ks)  # it did not land
             raise
         self._in_doubt.discard((index, knob))
         assert entry is not None  # (made above, before the first write)
@@ -337,8 +349,17 @@ class GpuKnobs:
     def _record_set(self, ks: KnobState, value: float, owner: str) -> None:
         """What greend wrote to a knob (and who asked), on disk."""
         with self.book.lock:
-            ks.set, ks.owner, ks.updated_at = value, owner, time.time()
+            ks.set, ks.owner, ks.updated_at, ks.pending = value, owner, time.time(), None
             self.book.save()
+
+    def _no_pending(self, ks: KnobState) -> None:
+        """A first write that failed: no longer pending (on disk where it can be)."""
+        with self.book.lock:
+            ks.pending = None
+            try:
+                self.book.save()
+            except StateError as e:
+                log.warning("%s", e)
 
     def _read_back(self, backend: GpuBackend, index: int, dev: str, knob: str, asked: float) -> None:
         """After a write: what the GPU holds. A GPU that holds another value than asked
@@ -456,7 +477,7 @@ class GpuKnobs:
     def _restore_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
         """Put one knob back to its original; returns a line for the report."""
         dev = f"gpu{index} ({entry.uuid})"
-        if knob == CLOCK_KNOB and ks.set is None:
+        if knob == CLOCK_KNOB and ks.set is None and ks.pending is None:
             # greend's own lock never took (its first write failed): whatever lock the
             # GPU has was made outside greend and cannot be read back; leave it.
             log.info("%s: greend never locked the clocks; any lock there is not greend's and stays", dev)
@@ -465,14 +486,20 @@ class GpuKnobs:
             guarded(dev, knob, "reset the locked clocks", lambda: backend.reset_locked_clocks(index))
             log.info("%s: locked clocks reset (unlocked, as before greend)", dev)
             return f"{dev} {knob}: unlocked"
-        if ks.set is None:
+        original = ks.original
+        current, landed = None, False
+        if ks.set is None and ks.pending is not None and original is not None:
+            # greend stopped during its first write (a crash): undone where it landed.
+            current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+            landed = abs(current - ks.pending) < 0.5
+        if ks.set is None and not landed:
             # greend's write never took (it failed, or greend stopped before it): the limit
             # the GPU has now is not greend's doing (an operator's, perhaps); leave it.
             log.info("%s: greend never changed the power limit; the limit there stays", dev)
             return f"{dev} {knob}: left as it is (greend's limit never took)"
-        original = ks.original
         assert original is not None
-        current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
+        if current is None:
+            current = guarded(dev, knob, "read the power limit", lambda: backend.power_limit_w(index))
         if w_to_mw(current) != w_to_mw(original):
             guarded(
                 dev,

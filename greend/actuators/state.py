@@ -98,15 +98,22 @@ class KnobState:
 
     ``original``: MHz or W before greend's first write (None for clocks: unlocked).
     ``set``: what greend has in force (None until a write succeeded).
+    ``pending``: greend's first write, on disk before the driver call and cleared
+    once it is recorded: a crash in between leaves it, so a restore undoes a write
+    that landed (written only while present).
     """
 
     original: float | None
     set: float | None
     owner: str
     updated_at: float = 0.0  # wall time of the last change, for humans
+    pending: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"original": self.original, "set": self.set, "owner": self.owner, "updated_at": self.updated_at}
+        d = {"original": self.original, "set": self.set, "owner": self.owner, "updated_at": self.updated_at}
+        if self.pending is not None:
+            d["pending"] = self.pending
+        return d
 
 
 @dataclass
@@ -255,6 +262,7 @@ def _knob(d: Any, name: str, where: str) -> KnobState:
         set=_num(d, "set", where, optional=True),
         owner=str(_str(d, "owner", where)),
         updated_at=float(_num(d, "updated_at", where) or 0.0),
+        pending=_num(d, "pending", where, optional=True) if "pending" in d else None,
     )
 
 

@@ -602,3 +602,48 @@ def test_a_write_again_that_fails_stays_due_until_it_lands(tmp_path: Path) -> No
     assert ctl.reassert(0) == ["power_limit_w"] and fake.sim_gpu(0).power_limit_w() == 450.0
     assert ctl.reassert(0) == []
     probe.close()
+
+
+def test_a_first_write_cut_short_by_a_crash_is_undone_by_the_next_restore(tmp_path: Path, sim: Any) -> None:
+    """greend killed between the driver's write and its record of it (SIGKILL, OOM): the
+    state file says the first write was pending, so `greend restore` (or the next
+    daemon) puts back the limit and the clocks where the write landed."""
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+
+    def killed(*args: Any) -> None:
+        raise SystemExit("killed")  # nothing after the driver's write runs, as under SIGKILL
+
+    ctl._gpus._record_set = killed  # type: ignore[method-assign]  # the process dies right after the driver call
+    for s in (Setting(power_limit_w=450.0), Setting(clock_cap_mhz=1200)):
+        with pytest.raises(SystemExit):
+            ctl.apply_gpu(0, s, "job-1")
+    assert fake.sim_gpu(0).power_limit_w() == 450.0 and fake.sim_gpu(0).locked_clocks_mhz() is not None
+    knobs = state_json(tmp_path / "state")["gpus"][0]["knobs"]
+    report = Controller(tmp_path / "state", backend).restore_all()
+    assert report.ok, report.failed
+    assert fake.sim_gpu(0).power_limit_w() == 700.0 and fake.sim_gpu(0).locked_clocks_mhz() is None
+    assert not (tmp_path / "state" / STATE_FILE).exists()
+    assert knobs["power_limit_w"]["set"] is None and knobs["power_limit_w"].get("pending") == 450.0
+
+
+def test_a_first_write_that_failed_leaves_nothing_pending(tmp_path: Path, sim: Any) -> None:
+    """A write the driver refused is not pending: a restore leaves the limit as it finds it
+    (an operator may have set it since)."""
+    fake, counting, backend = sim
+    ctl = Controller(tmp_path / "state", backend)
+
+    def refuse(name: str) -> None:
+        if name == "nvmlDeviceSetPowerManagementLimit":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    counting.before = refuse
+    with pytest.raises(KnobError):
+        ctl.apply_gpu(0, Setting(power_limit_w=450.0), "job-1")
+    counting.before = None
+    assert "pending" not in state_json(tmp_path / "state")["gpus"][0]["knobs"]["power_limit_w"]
+    fake.sim_gpu(0)  # an operator sets 500 W meanwhile
+    backend.set_power_limit_w(0, 500.0)
+    report = Controller(tmp_path / "state", backend).restore_all()
+    assert report.ok and "left as it is" in " ".join(report.restored)
+    assert fake.sim_gpu(0).power_limit_w() == 500.0
