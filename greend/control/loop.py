@@ -181,16 +181,27 @@ class ControlLoop:
     def set_precision_policy(self, name: str, params: dict[str, Any]) -> None:
         from greend.policies import get_policy
 
-        if name in ("", "none"):
-            self.precision_policy = self.precision_state = None
-            return
-        try:
-            policy = get_policy(name, **params)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"[policy] precision {name!r}: {e}") from e
+        policy = None
+        if name not in ("", "none"):
+            try:
+                policy = get_policy(name, **params)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ConfigError(f"[policy] precision {name!r}: {e}") from e
         with self._lock:
-            self.precision_policy, self.precision_state = policy, policy.new_state()
-        log.info("precision policy %s %s", name, policy.params())
+            old = self.precision_policy
+            self.precision_policy = policy
+            self.precision_state = None if policy is None else policy.new_state()
+        if old is not None:
+            # What the old policy set goes back: every job to its own level (the new one,
+            # if any, starts from there).
+            asked = self.ctx.jobs.back_to_own_levels(
+                f"precision policy changed to {name or 'none'}: back to the job's own level",
+                policy=name or "none",
+            )
+            if asked:
+                log.info("precision policy changed: %s asked back to their own level", ", ".join(asked))
+        if policy is not None:
+            log.info("precision policy %s %s", name, policy.params())
 
     def set_policy(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         from greend.policies import get_policy

@@ -319,6 +319,17 @@ class JobTable:
         with self._lock:
             return [j.job for j in self.jobs.values() if j.running]
 
+    def back_to_own_levels(self, reason: str, *, policy: str) -> list[str]:
+        """Every running job below its own level, or asked to move, is asked back to its own
+        level (a precision policy turned off or replaced: what it set goes back). The jobs asked."""
+        with self._lock:
+            todo = [
+                (j.job, j.top_precision)
+                for j in self.jobs.values()
+                if j.running and j.top_precision is not None and (j.precision != j.top_precision or j.proposal)
+            ]
+        return [job for job, top in todo if self.switch_precision(job, top, reason, policy=policy)]
+
     def flops_per_step(self, job_id: str) -> float | None:
         """The job's mean FLOPs per reported step, or None before its first step."""
         with self._lock:

@@ -420,3 +420,18 @@ def test_a_tick_that_raises_is_logged_and_the_next_tick_runs(daemon: Daemon, cap
     from greend.cli.render import render_status
 
     assert "2 tick(s) failed; the last: RuntimeError: a bug met by one tick" in render_status(st)
+
+
+def test_turning_the_precision_policy_off_asks_the_jobs_back_to_their_own_level(tmp_path: Path) -> None:
+    """`greenctl policy set ... --precision none` takes back what the precision policy set."""
+    d = Daemon(make_config(tmp_path, sim_gpus=1))
+    try:
+        asked: list[tuple[str, str]] = []
+        d.control.ctx.jobs.back_to_own_levels = lambda reason, policy: asked.append((reason, policy)) or []  # type: ignore[method-assign]  # a recorder in the table's place
+        d.control.set_precision_policy("precision", {})  # none before: nothing to take back
+        assert asked == []
+        d.control.set_precision_policy("none", {})
+        assert d.control.precision_policy is None
+        assert asked == [("precision policy changed to none: back to the job's own level", "none")]
+    finally:
+        d.close()

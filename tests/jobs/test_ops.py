@@ -208,3 +208,27 @@ def test_register_tells_the_precision_policy_s_tolerance_where_one_runs() -> Non
     assert "precision_tolerance" not in reply
     plain, _ = _ops()  # a daemon built without the hook: nothing either
     assert "precision_tolerance" not in plain.handlers()["register"]({"job": "j3"}, _Conn(3, _Peer(0, 1000)))
+
+
+def test_jobs_below_their_own_level_are_asked_back_when_the_precision_policy_goes() -> None:
+    """A precision policy turned off (or replaced) takes back what it set: every running
+    job below its own level, or with a move standing, is asked back to its own level."""
+    ops, _ = _ops()
+    h = ops.handlers()
+    down, asked, own = (_Conn(k, _Peer(pid=k, uid=1000)) for k in (1, 2, 3))
+    for job, conn in (("down", down), ("asked", asked), ("own", own)):
+        h["register"]({"job": job, "precisions": ["fp32", "bf16", "fp8"], "precision": "bf16"}, conn)
+        h["intervals"]({"rows": [_row(990.0, 991.0)]}, conn)
+    jobs = ops.jobs
+    assert jobs.switch_precision("down", "fp8", "cheaper", policy="precision")
+    h["intervals"]({"rows": [{**_row(992.0, 993.0), "precision": "fp8"}]}, down)  # its ranks ran it
+    assert jobs.switch_precision("asked", "fp8", "cheaper", policy="precision")  # not run yet
+    assert jobs.jobs["down"].precision == "fp8" and jobs.jobs["asked"].proposal is not None
+    sent = {c.id: len(c.sent) for c in (down, asked, own)}
+    assert sorted(jobs.back_to_own_levels("precision policy changed to none", policy="none")) == ["asked", "down"]
+    assert [(m["event"], m["precision"], m["reason"]) for m in down.sent[sent[1] :]] == [
+        ("directive", "bf16", "precision policy changed to none")
+    ]
+    assert [m.get("precision") for m in asked.sent[sent[2] :]] == ["bf16"]  # the standing move withdrawn
+    assert jobs.jobs["asked"].proposal is None
+    assert own.sent[sent[3] :] == []  # at its own level: nothing to say
