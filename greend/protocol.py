@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_SOCKET",
     "FP8_LEVELS",
     "PRECISION_BITS",
+    "may_run",
     "not_above",
     "Field",
     "JOB_ID_RE",
@@ -111,11 +112,16 @@ FP8_LEVELS: tuple[str, ...] = ("fp8", "fp8-emulated")
 PRECISION_BITS: dict[str, int] = {"fp32": 32, "tf32": 19, "bf16": 16, "fp16": 16, "fp8": 8, "fp8-emulated": 8}
 
 
+def may_run(level: str, top: str) -> bool:
+    """Whether greend may run a job whose own level is ``top`` at ``level``: its own level,
+    or one with fewer bits. Never sideways: fp16 has bf16's bits but far less range, so a
+    bf16 job is never moved to fp16 (nor an fp16 job to bf16)."""
+    return level == top or PRECISION_BITS[level] < PRECISION_BITS[top]
+
+
 def not_above(levels: Iterable[str], top: str) -> tuple[str, ...]:
-    """The ``levels`` that keep no more bits than ``top`` (a job's own level): the levels
-    greend may run a job at whose own level is ``top``."""
-    cap = PRECISION_BITS[top]
-    return tuple(level for level in levels if PRECISION_BITS[level] <= cap)
+    """The ``levels`` greend may run a job at whose own level is ``top`` (:func:`may_run`)."""
+    return tuple(level for level in levels if may_run(level, top))
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -23,7 +23,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
 from greend.jobs.report import JobFigures
 from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
-from greend.protocol import PRECISION_BITS, not_above
+from greend.protocol import may_run, not_above
 
 if TYPE_CHECKING:
     from greend.policies.base import JobMeasure, JobView
@@ -402,10 +402,10 @@ class JobTable:
                 return False  # asked already: the ranks hold it
             else:
                 top = job.top_precision
-                if top is None or PRECISION_BITS[level] > PRECISION_BITS[top]:
-                    # Never above the job's own level (a rollback returns to it at most).
+                if top is None or not may_run(level, top):
+                    # Never above the job's own level, nor sideways (a rollback returns to it at most).
                     log.warning(
-                        "job %s: not moving it to %s: above its own level %s (%s)",
+                        "job %s: not moving it to %s: not below its own level %s (%s)",
                         job_id,
                         level,
                         top or "not known yet",

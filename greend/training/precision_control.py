@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from greend.protocol import FP8_LEVELS, PRECISION_BITS, PRECISIONS, not_above
+from greend.protocol import FP8_LEVELS, PRECISIONS, may_run, not_above
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
     Fp8Converter,
@@ -246,8 +246,8 @@ class PrecisionControl:
     def above_own(self, level: str) -> str | None:
         """Why ``level`` may not run here because it is above the job's own level, or None."""
         own = self.own
-        if own is not None and PRECISION_BITS[level] > PRECISION_BITS[own]:
-            return f"{level} is above the job's own level {own}: greend only takes a job down from its own level"
+        if own is not None and not may_run(level, own):
+            return f"{level} is not below the job's own level {own}: greend only takes a job down from its own level"
         return None  # not known here: the daemon knows it (from the job's first steps) and asks nothing above
 
     def _last_loss(self) -> float | None:

@@ -232,3 +232,22 @@ def test_jobs_below_their_own_level_are_asked_back_when_the_precision_policy_goe
     assert [m.get("precision") for m in asked.sent[sent[2] :]] == ["bf16"]  # the standing move withdrawn
     assert jobs.jobs["asked"].proposal is None
     assert own.sent[sent[3] :] == []  # at its own level: nothing to say
+
+
+def test_a_bf16_job_is_never_moved_sideways_to_fp16() -> None:
+    """fp16 keeps bf16's bits with far less range, and the guard does not see bf16 -> fp16
+    as a step down: a bf16 job is offered fp8 below it, never fp16 (nor an fp16 job bf16)."""
+    from greend.protocol import PRECISIONS, not_above
+
+    assert not_above(PRECISIONS, "bf16") == ("bf16", "fp8", "fp8-emulated")
+    assert not_above(PRECISIONS, "fp16") == ("fp16", "fp8", "fp8-emulated")
+    assert not_above(PRECISIONS, "fp32") == PRECISIONS
+    ops, _ = _ops()
+    h = ops.handlers()
+    conn = _Conn(1, _Peer(pid=0, uid=1000))
+    h["register"]({"job": "b", "precisions": ["fp32", "bf16", "fp16", "fp8"], "precision": "bf16"}, conn)
+    h["intervals"]({"rows": [_row(990.0, 991.0)]}, conn)
+    n = len(conn.sent)
+    assert not ops.jobs.switch_precision("b", "fp16", "cheaper", policy="precision")
+    assert conn.sent[n:] == []
+    assert ops.jobs.switch_precision("b", "fp8", "cheaper", policy="precision")
