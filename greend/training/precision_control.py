@@ -123,7 +123,10 @@ class PrecisionControl:
             why = owner or "the training framework owns autocast; see greend.integrations"
             self.support = {level: (None if level == initial else f"not switched here: {why}") for level in PRECISIONS}
         self.autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
-        self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        # The job's TF32 flags, saved when greend first writes them (a tf32 or fp32 level it
+        # runs) and put back when it leaves such a level; None while greend's write is not in
+        # force: the flags are the job's own, never touched (the job may change them).
+        self._saved_tf32: tuple[bool, bool] | None = None
         if self.detecting and self.support.get(initial) is not None:
             self.support[initial] = None  # the job's own flags: it runs this level itself
         if self.support.get(initial) is not None:
@@ -529,12 +532,10 @@ class PrecisionControl:
                 log.info("greend: %d linear layer(s) run in %s", n, level)
             elif fp8 is not None and fp8.active:
                 fp8.revert()
-            if level == "tf32":
-                torch.backends.cuda.matmul.allow_tf32 = True
-                torch.backends.cudnn.allow_tf32 = True
-            elif level == "fp32":
-                torch.backends.cuda.matmul.allow_tf32 = False
-                torch.backends.cudnn.allow_tf32 = False
+            if level in ("tf32", "fp32"):
+                if self._saved_tf32 is None:
+                    self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = level == "tf32"
             else:
                 self.restore_tf32()
         self.level = level
@@ -542,7 +543,10 @@ class PrecisionControl:
             self._steps.switched(level, False)
 
     def restore_tf32(self) -> None:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._saved_tf32
+        """The job's TF32 flags back, where greend's write of them is in force."""
+        saved, self._saved_tf32 = self._saved_tf32, None
+        if saved is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
     def shared_autocast(self) -> dict[str, AbstractContextManager[Any]]:
         """The levels whose autocast context is one shared null context (every level

@@ -570,3 +570,37 @@ def test_an_unmappable_mig_device_registers_no_gpus(sock_path: Path, monkeypatch
         cb.close()
     finally:
         d.stop()
+
+
+def test_a_bf16_job_s_own_tf32_flags_are_never_touched(daemon: FakeDaemon, sock_path: Path) -> None:
+    """greend writes the TF32 flags only for a level it runs that sets them (tf32, fp32):
+    a bf16 job that turns TF32 on after making the callback keeps it through a switch to
+    fp8 and back, and after close."""
+    pytest.importorskip("torchao")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = make_data(1)[0]
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        cb = GreenCallback(job="tf32-bf16", model=model, socket=sock_path, initial_precision="bf16",
+                           precisions=["fp32", "bf16", "fp8-emulated"], fp8_min_features=1, **FAST)  # fmt: skip
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # the job's own, later
+        ran = set()
+        for i in range(40):
+            if i in (5, 20):
+                daemon.directive("fp8-emulated" if i == 5 else "bf16")
+                time.sleep(0.2)
+            with cb.step(samples=BATCH) as step:
+                with step.autocast():
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                step.backward(loss)
+                step.optimizer_step(opt)
+                opt.zero_grad()
+            ran.add(step.precision)
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32, (i, step.precision)
+        assert ran == {"bf16", "fp8-emulated"}
+        cb.close()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
