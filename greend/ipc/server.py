@@ -154,13 +154,13 @@ class _Bucket:
         self.t = time.monotonic()
         self.lock = threading.Lock()
 
-    def delay(self) -> float:
-        """Take one token; the seconds to wait first (0 within the rate)."""
+    def delay(self, n: int = 1) -> float:
+        """Take ``n`` tokens; the seconds to wait first (0 within the rate)."""
         with self.lock:
             now = time.monotonic()
             self.tokens = min(self.rate, self.tokens + (now - self.t) * self.rate)
             self.t = now
-            self.tokens -= 1.0
+            self.tokens -= n
             return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
@@ -342,9 +342,10 @@ class IpcServer:
             )
         return None
 
-    def _throttle(self, conn: Connection) -> None:
+    def _throttle(self, conn: Connection, n: int = 1) -> None:
         """Hold back a non-admin uid's messages beyond its rate (the client's sends
-        then block: backpressure, not refusals; the uid's other connections share it)."""
+        then block: backpressure, not refusals; the uid's other connections share it);
+        ``n``: messages at once."""
         if conn.state.get("_admin"):
             return
         uid = conn.peer.uid
@@ -352,7 +353,7 @@ class IpcServer:
             bucket = self._buckets.get(uid)
             if bucket is None:
                 bucket = self._buckets[uid] = _Bucket(self.limits.messages_per_s)
-        wait_s = bucket.delay()
+        wait_s = bucket.delay(n)
         if wait_s > 0:
             self.throttled_s += wait_s
             self._stopping.wait(min(wait_s, 5.0))
@@ -425,9 +426,11 @@ class IpcServer:
                 if not chunk:
                     break
                 buf += chunk
+                start = 0  # lines are read off the buffer by offset: no copy of its rest per line
                 while True:
-                    nl = buf.find(b"\n")
+                    nl = buf.find(b"\n", start)
                     if nl < 0:
+                        buf = buf[start:]
                         if len(buf) > MAX_MESSAGE_BYTES:
                             if not discarding:
                                 self._reply(
@@ -436,15 +439,22 @@ class IpcServer:
                             discarding = True
                             buf = b""
                         break
-                    line, buf = buf[:nl], buf[nl + 1 :]
+                    if nl == start:  # empty lines: a run of them at once, at C speed
+                        rest = buf[start:]
+                        blank = len(rest) - len(rest.lstrip(b"\n"))
+                        start += blank
+                        self._throttle(conn, blank)  # (nothing to answer, but each counts)
+                        discarding = False
+                        continue
+                    line, start = buf[start:nl], nl + 1
                     if discarding:
                         discarding = False  # the tail of an oversized message
                         continue
                     if len(line) + 1 > MAX_MESSAGE_BYTES:
                         self._reply(conn, _error(None, "too_large", f"message longer than {MAX_MESSAGE_BYTES} bytes"))
                         continue
+                    self._throttle(conn)  # (a blank line too: answered by nothing, but it counts)
                     if line.strip():
-                        self._throttle(conn)
                         self._reply(conn, self.dispatch(line, conn))
         finally:
             with self._lock:

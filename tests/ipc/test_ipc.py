@@ -22,6 +22,7 @@ from greend.errors import (
 )
 from greend.ipc.client import Client
 from greend.ipc.server import MAX_MESSAGE_BYTES, Connection, Field, IpcServer, Limits, Peer
+from tests.support import wait_for
 
 
 @pytest.fixture()
@@ -233,3 +234,33 @@ def test_escaped_text_and_surrogate_pairs_are_text(server: IpcServer) -> None:
     s.sendall(b'{"v":1,"id":"\\u00e9\\ud83d\\ude00","op":"add","a":2,"b":3}\n')  # e-acute and an emoji
     assert read_reply(s) == {"v": 1, "id": "\u00e9\U0001f600", "ok": True, "result": {"sum": 5}}
     s.close()
+
+
+def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_rate(tmp_path: Path) -> None:
+    """Empty lines are answered by nothing; they were neither rate-limited nor cheap (each
+    one copied the rest of the buffer): 8 MiB of them held a reply up for seconds."""
+    srv = IpcServer(tmp_path / "g.sock", limits=Limits(messages_per_s=1e9))
+    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
+    srv.is_admin = lambda p: False
+    srv.start()
+    try:
+        s = raw(srv.path)
+        s.settimeout(30)
+        t0 = time.monotonic()
+        s.sendall(b"\n" * (8 << 20) + b'{"v":1,"op":"add","a":3}\n')
+        assert read_reply(s)["result"] == {"sum": 3}
+        took = time.monotonic() - t0
+        assert took < 3.0, took  # (over 20 s when each line copied the rest of the buffer)
+        s.close()
+    finally:
+        srv.stop()
+    srv = IpcServer(tmp_path / "h.sock", limits=Limits(messages_per_s=200.0))
+    srv.is_admin = lambda p: False
+    srv.start()
+    try:
+        s = raw(srv.path)
+        s.sendall(b"\n" * 2000)  # ten seconds' worth of messages at 200/s
+        assert wait_for(lambda: srv.throttled_s > 0.5)
+        s.close()
+    finally:
+        srv.stop()
