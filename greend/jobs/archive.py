@@ -6,7 +6,8 @@ draws) to ``<state_dir>/jobs/``, one JSON file per run, mode 0600. After a resta
 ``report`` op answers from there for a job the daemon no longer holds, and ``jobs``
 lists the latest ended runs, so history reads the same before and after a restart for
 everyone who may use the socket, while the files (like ``greend.db``) stay readable by
-greend's uid only. The newest ``keep`` runs are kept; older files are removed.
+greend's uid only. At most ``keep`` runs are kept: past that, the oldest run of the uid
+that holds the most goes, so one user's churn of jobs never evicts another user's history.
 """
 
 from __future__ import annotations
@@ -14,18 +15,41 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from greend.fsutil import write_atomic
 
-__all__ = ["ARCHIVE_DIR", "JobArchive"]
+__all__ = ["ARCHIVE_DIR", "JobArchive", "evict_fairly"]
 
 log = logging.getLogger(__name__)
 
 ARCHIVE_DIR = "jobs"
+# <ended ns>-u<uid>-<job>-<run>.json, '-' quoted in the job and the run (older files: no uid,
+# '-' unquoted).
+_NAME = re.compile(r"\A(\d{20})-u(\d+)-([^-]*)-([^-]*)\.json\Z")
+
+T = TypeVar("T")
+
+
+def evict_fairly(items: list[T], owner: Callable[[T], Hashable], n: int) -> list[T]:
+    """The ``n`` items to drop from ``items`` (oldest first): each time, the oldest of the
+    owner that holds the most, so that one owner's churn evicts only its own."""
+    by: dict[Hashable, list[T]] = {}
+    for item in items:
+        by.setdefault(owner(item), []).append(item)
+    out: list[T] = []
+    for _ in range(max(0, min(n, len(items)))):
+        most = max(by.values(), key=len)
+        out.append(most.pop(0))
+    return out
+
+
+def _quote(text: str) -> str:
+    return quote(text, safe="").replace("-", "%2D")
 
 
 class JobArchive:
@@ -38,6 +62,7 @@ class JobArchive:
         followed)."""
         self._where = directory
         self.keep = keep
+        self._rows: dict[str, dict[str, Any] | None] = {}  # file name -> its row (the files never change)
 
     @property
     def dir(self) -> Path:
@@ -46,14 +71,19 @@ class JobArchive:
 
     def save(self, row: dict[str, Any], report: dict[str, Any], ended_ns: int) -> None:
         """Write one ended run (never raises: a full disk costs history, not the tick)."""
-        name = f"{ended_ns:020d}-{quote(str(row['job']), safe='')}-{quote(str(row.get('run_id') or ''), safe='')}.json"
+        uid = row.get("uid")
+        name = (
+            f"{ended_ns:020d}-u{uid if isinstance(uid, int) and uid >= 0 else 0}-"
+            f"{_quote(str(row['job']))}-{_quote(str(row.get('run_id') or ''))}.json"
+        )
         try:
             self.dir.mkdir(mode=0o700, exist_ok=True)
             doc = json.dumps({"row": row, "report": report}, allow_nan=False, default=str)
             write_atomic(self.dir / name, doc, mode=0o600, exact_mode=True, durable=False)
             files = self._files()
-            for old in files[: max(0, len(files) - self.keep)]:
+            for old in evict_fairly(files, _owner, len(files) - self.keep):
                 (self.dir / old).unlink(missing_ok=True)
+                self._rows.pop(old, None)
         except (OSError, ValueError, TypeError) as e:
             log.warning("cannot keep job %s's report in %s: %s (its history after a restart is the store's)",
                         row.get("job"), self.dir, e)  # fmt: skip
@@ -75,11 +105,12 @@ class JobArchive:
             return None
 
     def runs(self, job: str) -> list[dict[str, Any]]:
-        """Every kept run of ``job``, oldest first."""
-        tag = f"-{quote(job, safe='')}-"
+        """Every kept run of ``job``, oldest first (only its own files are read)."""
+        mine, tag = _quote(job), f"-{quote(job, safe='')}-"
         out = []
         for name in self._files():
-            if tag in name:
+            m = _NAME.match(name)
+            if (m.group(3) == mine) if m else (tag in name):
                 doc = self._read(name)
                 if doc is not None and doc.get("row", {}).get("job") == job:
                     out.append(doc)
@@ -98,8 +129,22 @@ class JobArchive:
     def rows(self, limit: int = 200) -> list[dict[str, Any]]:
         """The latest ``limit`` ended runs' rows, oldest first."""
         out = []
-        for name in self._files()[-limit:]:
-            doc = self._read(name)
-            if doc is not None and isinstance(doc.get("row"), dict):
-                out.append({**doc["row"], "from_history": True})
+        files = self._files()
+        cache = self._rows
+        for gone in set(cache) - set(files):
+            del cache[gone]
+        for name in files[-limit:]:
+            if name not in cache:
+                doc = self._read(name)
+                row = doc.get("row") if doc is not None else None
+                cache[name] = row if isinstance(row, dict) else None
+            row = cache[name]
+            if row is not None:
+                out.append({**row, "from_history": True})
         return out
+
+
+def _owner(name: str) -> str:
+    """Whose run a file is, from its name (an older file's: not known)."""
+    m = _NAME.match(name)
+    return m.group(2) if m else ""

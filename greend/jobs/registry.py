@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from greend.errors import ProtocolError, StateError
+from greend.jobs.archive import evict_fairly
 from greend.jobs.booking import (
     append_bounded,
     book_host_cpu,
@@ -661,7 +662,8 @@ class JobRegistry(JobTable):
 
     def _trim_ended(self) -> None:
         ended = [j for j in self.jobs.values() if j.state == "ended"]
-        for j in ended[: max(0, len(ended) - self.keep_ended)]:
+        # The oldest of the uid that holds the most: one user's churn evicts only its own.
+        for j in evict_fairly(ended, lambda j: j.uid, len(ended) - self.keep_ended):
             self.jobs.pop(j.job, None)
 
 
