@@ -197,6 +197,8 @@ class JobRegistry(JobTable):
             raise ProtocolError("this connection already registered a rank; open another connection", field="op")
         job_id, run, gpus = reg.job, reg.run, list(reg.gpus)
         self._check_gpus_exist(gpus)
+        if not caller.admin:
+            self._check_quota(job_id, caller.uid)  # before the owner check: it may ask Slurm
         if caller.uid != 0:
             self.check_owner(job_id, caller.uid)
         claims = self._claims(gpus, caller, job_id)
@@ -226,12 +228,7 @@ class JobRegistry(JobTable):
             # GPU lists the other's processes); a claim of its that is pending or trusted
             # keeps no one off (greend.jobs.claims).
             if job is None and not caller.admin:
-                mine = sum(1 for j in self.jobs.values() if j.uid == caller.uid and j.state != "ended")
-                if mine >= self.max_jobs_per_uid:
-                    raise QuotaExceeded(
-                        f"uid {caller.uid} runs {mine} jobs on this node, the limit per user "
-                        f"([daemon] max_jobs_per_uid = {self.max_jobs_per_uid}): end one, or ask an admin to raise it"
-                    )
+                self._check_quota(None, caller.uid)
             if job is not None and job.state != "running":
                 # The same job back after its ranks expired: its record continues.
                 log.info("job %s resumes its record (was %s: %s)", job_id, job.state, job.end_reason)
@@ -659,6 +656,19 @@ class JobRegistry(JobTable):
     def job_pids(self) -> list[int]:
         with self._lock:
             return [rs.pid for rs in self.sessions.values()]
+
+    def _check_quota(self, job_id: str | None, uid: int) -> None:
+        """QuotaExceeded where ``uid`` runs its quota of jobs already and ``job_id`` (None:
+        a new record) is not one of them."""
+        with self._lock:
+            if job_id is not None and job_id in self.jobs:
+                return  # (a job it runs, or a record to resume: judged under the lock later)
+            mine = sum(1 for j in self.jobs.values() if j.uid == uid and j.state != "ended")
+        if mine >= self.max_jobs_per_uid:
+            raise QuotaExceeded(
+                f"uid {uid} runs {mine} jobs on this node, the limit per user "
+                f"([daemon] max_jobs_per_uid = {self.max_jobs_per_uid}): end one, or ask an admin to raise it"
+            )
 
     def _trim_ended(self) -> None:
         ended = [j for j in self.jobs.values() if j.state == "ended"]

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from greend.jobs.archive import JobArchive, evict_fairly
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
@@ -91,3 +93,24 @@ def test_the_daemon_keeps_ended_jobs_in_memory_fairly_too() -> None:
     ended = [j for j in ops.jobs.jobs.values() if j.state == "ended"]
     assert len(ended) == 5
     assert sorted(j.job for j in ended if j.uid == 1) == ["u1-0", "u1-1"]
+
+
+def test_a_user_over_the_quota_is_refused_before_the_owner_check() -> None:
+    """The owner check may ask Slurm (a scontrol process each); a uid at its quota of jobs
+    is refused first, for nothing."""
+    from greend.jobs.registry import QuotaExceeded
+    from tests.jobs.test_ops import _Conn, _Peer
+
+    reg = JobRegistry(Ledger(), hostname="h", monotonic=lambda: 1000.0, wall=lambda: 1.7e9, max_jobs_per_uid=2)
+    asked: list[str] = []
+    reg.check_owner = lambda job, uid: asked.append(job)  # type: ignore[method-assign]  # records the calls only
+    h = JobOps(reg).handlers()
+    for k in range(2):
+        h["register"]({"job": str(7000 + k)}, _Conn(k, _Peer(pid=k, uid=5)))
+    assert asked == ["7000", "7001"]
+    for k in range(2, 6):
+        with pytest.raises(QuotaExceeded):
+            h["register"]({"job": str(7000 + k)}, _Conn(k, _Peer(pid=k, uid=5)))
+    assert asked == ["7000", "7001"]
+    h["register"]({"job": "7000"}, _Conn(9, _Peer(pid=9, uid=5)))  # a second rank of a job it runs
+    assert asked[-1] == "7000"
