@@ -2,8 +2,8 @@
 put on a network.
 
 It serves what prometheus-client renders, but unlike the client's own
-``start_http_server`` it is bounded: at most ``max_connections`` connections at once
-(one more is closed at once), a read timeout on every connection (a client that opens
+``start_http_server`` it is bounded: at most ``max_connections`` connections at once, and a quarter of them
+from one client address (one more is closed at once), a read timeout on every connection (a client that opens
 one and sends nothing is dropped after ``read_timeout_s``), one request a connection,
 and at most ``max_scrapes_per_s`` renders a second (more are answered ``429`` at once,
 without reading the daemon's status): a flood of scrapes costs the daemon a bounded
@@ -50,6 +50,16 @@ class MetricsHttpOptions:
     basic_auth: dict[str, bytes] = field(default_factory=dict)  # user -> sha256 of the password
     tls_cert: str | None = None
     tls_key: str | None = None
+
+
+def per_client(max_connections: int) -> int:
+    """The connections one client address may hold at once: a quarter of the whole (2 of
+    the default 8), at least 1. A Prometheus server scrapes one at a time."""
+    return max(1, max_connections // 4)
+
+
+def _host(client_address: Any) -> Any:
+    return client_address[0] if isinstance(client_address, tuple) and client_address else client_address
 
 
 def read_basic_auth_file(path: Path) -> dict[str, bytes]:
@@ -218,6 +228,7 @@ class MetricsServer(ThreadingHTTPServer):
         self.render = render
         self.bucket = _Bucket(opts.max_scrapes_per_s)
         self._open = 0  # connections being served
+        self._by_client: dict[Any, int] = {}  # the same, per client address
         self._heads: dict[Any, float] = {}  # connection -> when its request head is due
         self._open_lock = threading.Lock()
         self.scrapes = self.limited = self.unauthorized = self.refused = 0
@@ -252,29 +263,40 @@ class MetricsServer(ThreadingHTTPServer):
         return sock, addr
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        host = _host(client_address)
         with self._open_lock:
-            full = self._open >= max(1, self.opts.max_connections)
+            mine = self._by_client.get(host, 0)
+            full = self._open >= max(1, self.opts.max_connections) or mine >= per_client(self.opts.max_connections)
             if not full:
                 self._open += 1
+                self._by_client[host] = mine + 1
         if full:
-            self.refused += 1  # over max_connections: closed at once, no thread
+            # Over max_connections, or over one client's share of them (a client that holds
+            # them all, reconnecting as each times out, would keep every scrape out): closed
+            # at once, no thread.
+            self.refused += 1
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._done()
+            self._done(host)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._done()
+            self._done(_host(client_address))
 
-    def _done(self) -> None:
+    def _done(self, host: Any) -> None:
         with self._open_lock:
             self._open -= 1
+            left = self._by_client.get(host, 1) - 1
+            if left > 0:
+                self._by_client[host] = left
+            else:
+                self._by_client.pop(host, None)
 
     def head_due(self, request: Any, within_s: float) -> None:
         """The connection ``request`` must have sent its request head within ``within_s``."""

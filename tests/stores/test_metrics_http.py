@@ -125,9 +125,16 @@ def _settles(cond: Any, timeout_s: float = 3.0) -> bool:
 def test_connections_beyond_the_cap_are_closed_at_once_and_scrapes_resume(stores: list[PrometheusStore]) -> None:
     s = _open(stores, "prometheus://127.0.0.1:0?max_connections=4&read_timeout_s=1")
     threads_before = threading.active_count()
-    held = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(4)]
+    # Four clients (loopback addresses of their own: one client may hold a quarter).
+    held = [
+        socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=(f"127.0.0.{2 + k}", 0))
+        for k in range(4)
+    ]
     assert _settles(lambda: s._server.open_connections() == 4)
-    extra = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(20)]
+    extra = [
+        socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=(f"127.0.1.{k}", 0))
+        for k in range(1, 21)
+    ]
     for c in extra:
         assert c.recv(1024) == b""  # refused: closed without a thread of its own
     assert s._server.refused == 20
@@ -136,6 +143,21 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_scrapes_resume(stores
         c.close()
     assert _settles(lambda: s._server.open_connections() == 0)
     assert _get(s)[0] == 200
+
+
+def test_one_client_holding_connections_keeps_no_other_client_s_scrape_out(stores: list[PrometheusStore]) -> None:
+    """One address may hold a quarter of max_connections: a client that opens all it can,
+    and opens them again as they time out, leaves the rest to the scrapers."""
+    s = _open(stores, "prometheus://127.0.0.1:0?read_timeout_s=5")  # max_connections 8: 2 a client
+    hog = [
+        socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=("127.0.0.9", 0))
+        for _ in range(8)
+    ]
+    assert _settles(lambda: s._server.open_connections() == 2)
+    assert s._server.refused == 6
+    assert _get(s)[0] == 200  # the scraper (127.0.0.1) is served meanwhile
+    for c in hog:
+        c.close()
 
 
 def test_scrapes_beyond_the_rate_are_answered_429_without_reading_status(stores: list[PrometheusStore]) -> None:
