@@ -150,8 +150,7 @@ def test_one_client_holding_connections_keeps_no_other_client_s_scrape_out(store
     and opens them again as they time out, leaves the rest to the scrapers."""
     s = _open(stores, "prometheus://127.0.0.1:0?read_timeout_s=5")  # max_connections 8: 2 a client
     hog = [
-        socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=("127.0.0.9", 0))
-        for _ in range(8)
+        socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=("127.0.0.9", 0)) for _ in range(8)
     ]
     assert _settles(lambda: s._server.open_connections() == 2)
     assert s._server.refused == 6
