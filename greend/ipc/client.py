@@ -87,19 +87,25 @@ class Client:
             frame = frame_request(request_id, op, fields)
         except ValueError as e:  # (a NaN or an infinity: JSON has no such number)
             raise RequestRefused("bad_request", f"{op}: a value cannot be sent ({e}): give a finite number") from None
+        reply: dict[str, Any] | None = None
         try:
-            self._sock.sendall(frame)
-            while True:
-                reply = self._read_message()
-                if is_event(reply):
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                reply = self._said_before_closing()  # (the daemon refused the connection: why)
+                if reply is None:
+                    raise
+            while reply is None:
+                msg = self._read_message()
+                if is_event(msg):
                     continue  # pushed events are not for a request/response client
-                rid = reply.get("id")
+                rid = msg.get("id")
                 # A reply without an id answers this request where the daemon could not read
                 # its id or refused it whole (bad_json, too_large, unavailable); any other
                 # answers an earlier message that had no id.
-                if rid != request_id and not (rid is None and _code(reply) in _WHOLE):
+                if rid != request_id and not (rid is None and _code(msg) in _WHOLE):
                     continue
-                break
+                reply = msg
         except TimeoutError:
             raise DaemonUnavailable(f"greend at {self.path} did not answer within {self.timeout_s} s") from None
         except OSError as e:
@@ -112,6 +118,18 @@ class Client:
         raise RequestRefused(
             str(err.get("code", "error")), str(err.get("message", "request refused")), err.get("field")
         )
+
+    def _said_before_closing(self) -> dict[str, Any] | None:
+        """The refusal a daemon sent before it closed a connection it would not serve (too
+        many clients: one ``unavailable`` line naming the config key), where a send found
+        the connection closed; None where it said nothing."""
+        assert self._sock is not None
+        try:
+            self._sock.settimeout(min(self.timeout_s, 1.0))
+            msg = self._read_message()
+        except Exception:
+            return None
+        return msg if msg.get("id") is None and _code(msg) in _WHOLE else None
 
     def _read_message(self) -> dict[str, Any]:
         assert self._sock is not None

@@ -264,3 +264,24 @@ def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_ra
         s.close()
     finally:
         srv.stop()
+
+
+def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> None:
+    """The daemon answers a connection past max_connections with one line and closes it;
+    a request whose send found it closed still reads that line (it said "broken pipe")."""
+    srv = IpcServer(tmp_path / "g.sock", limits=Limits(max_connections=4, reserved_admin=0))
+    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
+    srv.start()
+    held = [raw(srv.path) for _ in range(4)]
+    try:
+        assert wait_for(lambda: len(srv._conns) == 4)
+        for _ in range(20):
+            c = Client(srv.path, timeout_s=5.0)
+            with pytest.raises(RequestRefused) as e:
+                c.request("add", a=1, pad="x" * 300_000)  # (a send too big for the buffer: it meets the close)
+            assert e.value.code == "unavailable" and "too many clients" in str(e.value)
+            c.close()
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
