@@ -49,6 +49,14 @@ def _ident(name: str) -> str:
     return f'"{name}"'
 
 
+def _fit(value: Any) -> Any:
+    """An integer past SQLite's 64 bits (a sum of counts a client sent, each in range)
+    goes in as a REAL, never losing its row."""
+    if type(value) is int and not -(1 << 63) <= value < (1 << 63):
+        return float(value)
+    return value
+
+
 def _sql_type(value: Any) -> str:
     if isinstance(value, bool) or isinstance(value, int):
         return "INTEGER"
@@ -424,7 +432,7 @@ class SqliteStore:
                 rows = []
                 for p in pts:
                     merged: dict[str, Any] = {**p.tags, **p.fields}
-                    rows.append((p.ts_ns, *(merged.get(c) for c in cols)))
+                    rows.append((p.ts_ns, *(_fit(merged.get(c)) for c in cols)))
                 self._db.executemany(sql, rows)
             self._db.execute("COMMIT")
         except (sqlite3.Error, StoreError, OSError, ValueError, OverflowError) as e:

@@ -145,3 +145,18 @@ def test_a_store_file_deleted_under_greend_is_opened_anew_and_said(tmp_path: Pat
     assert store.status().ok
     store.close()
     assert [r["step"] for r in read_rows(db, "greend_job_step")] == [1, 2]
+
+
+def test_an_integer_past_64_bits_is_kept_as_a_real(tmp_path: Path) -> None:
+    """A job's summed counts (each row's in range) can pass SQLite's 64-bit integers: the
+    point is kept, the figure as a REAL, never lost."""
+    db = tmp_path / "i.db"
+    store = SqliteStore(db, batch_s=0.02)
+    big = 3 * (1 << 62)
+    store.write([Point("greend_job", {"host": "h", "job": "j"}, {"samples": big, "steps": 3}, time.time_ns())])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.written == 1 and st.dropped == 0, st
+    store.close()
+    (row,) = read_rows(db, "greend_job")
+    assert row["samples"] == float(big) and row["steps"] == 3
