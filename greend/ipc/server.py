@@ -513,7 +513,7 @@ class IpcServer:
         if isinstance(mid, str) and len(mid) > 128:
             return _error(None, "bad_request", "'id' is longer than 128", field="id")
         v = msg.get("v")
-        if v != PROTOCOL_VERSION:
+        if type(v) is not int or v != PROTOCOL_VERSION:  # (true and 1.0 equal 1 in Python, not on the wire)
             return _error(
                 mid,
                 "unsupported_version",

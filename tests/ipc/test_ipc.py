@@ -285,3 +285,11 @@ def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> No
         for s in held:
             s.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("v", ["true", "1.0", '"1"'])
+def test_a_version_that_only_python_calls_1_is_refused(server: IpcServer, v: str) -> None:
+    s = raw(server.path)
+    s.sendall(b'{"v":' + v.encode() + b',"id":"x","op":"add","a":1}\n')
+    assert read_reply(s)["error"]["code"] == "unsupported_version"
+    s.close()
