@@ -317,7 +317,7 @@ def grads_finite(params: Iterable[torch.Tensor]) -> bool:
     for p in params:
         g = p.grad
         if g is not None:
-            groups.setdefault((g.device, g.dtype), []).append(g.detach())
+            groups.setdefault((g.device, g.dtype), []).append(g.detach() if g.requires_grad else g)
     for grads in groups.values():
         norms = torch._foreach_norm(grads)
         if not bool(torch.stack([n.float() for n in norms]).sum().isfinite()):
