@@ -44,6 +44,20 @@ from greend.training.warn import OnceWarnings, log
 
 __all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
 
+MAX_DETECT_HOOKS = 64  # layers hooked (one step, then taken off) to see the job's own autocast
+
+
+def _weight_layers(model: Any) -> list[Any]:
+    """The model's modules that hold weights of their own (the model's first ones, at most
+    MAX_DETECT_HOOKS): where its forward computes."""
+    out = []
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            out.append(m)
+            if len(out) >= MAX_DETECT_HOOKS:
+                break
+    return out or [model]
+
 # Steps whose loss may be in flight at once before the oldest is waited for: a GPU
 # queue this deep behind the CPU is already the user's own back-pressure.
 MAX_UNJUDGED = 8
@@ -140,10 +154,15 @@ class StepBook:
         # While the job's own level is not known: the first step's start and its model's
         # first forward look for the job's own autocast (one-shot: the hook goes after).
         self._detect_step: Step | None = None
-        self._detect_hook: Any = None
+        self._detect_hooks: list[Any] = []
+        self._detect_tries = 0  # steps begun while detecting with hooks on (a step may end before its forward)
         if control.detecting and model is not None:
+            # On the layers that hold weights, not on the model: their forward runs inside
+            # the model's, so an autocast the model enters in its own forward (or a
+            # LightningModule's training_step, where its forward is never called) is seen.
             try:
-                self._detect_hook = model.register_forward_pre_hook(self._on_first_forward)
+                for m in _weight_layers(model):
+                    self._detect_hooks.append(m.register_forward_pre_hook(self._on_first_forward))
             except Exception as e:
                 log.debug("no forward pre-hook on the model to see its autocast: %s", e)
         self.hold_cpu = self._light()
@@ -156,7 +175,10 @@ class StepBook:
         if control.detecting:
             # An autocast around the step; else, with a model, its first forward tells
             # (by the second step's start the level in force is the job's own).
-            final = self._detect_hook is None or self._detect_step is not None
+            # (a step that ended before its first forward, one that raised, tells nothing:
+            # three such steps, and the level in force is the job's own)
+            self._detect_tries += 1
+            final = not self._detect_hooks or self._detect_tries > 3
             if control.detect_own_level(final=final):
                 self.precision = control.level
             if control.detecting:
@@ -208,10 +230,10 @@ class StepBook:
         self._detect_step = None
 
     def _drop_detect_hook(self) -> None:
-        """Take the one-shot detection hook off the model (a hooked module takes torch's
+        """Take the one-shot detection hooks off the model (a hooked module takes torch's
         slower call path on every forward)."""
-        hook, self._detect_hook = self._detect_hook, None
-        if hook is not None:
+        hooks, self._detect_hooks = self._detect_hooks, []
+        for hook in hooks:
             hook.remove()
 
     def directive(self) -> None:

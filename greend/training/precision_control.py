@@ -221,6 +221,8 @@ class PrecisionControl:
                 level = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
         except Exception as e:  # an older torch without the device argument
             log.debug("cannot read the autocast state: %s", e)
+        if level is None and final:
+            level = _weights_level(self._model)  # a model trained in bf16 (or fp16) outright
         if level is None:
             if final:
                 self.detecting = False
@@ -234,9 +236,7 @@ class PrecisionControl:
         self.level = level
         if changed and self._steps is not None:
             self._steps.switched(level, False)
-        log.info(
-            "greend: the job runs its own torch.autocast(%s): %s is its level, greend never goes above", level, level
-        )
+        log.info("greend: the job runs %s on its own (its autocast or its weights): greend never goes above", level)
         return changed
 
     def offered(self) -> list[str]:
@@ -583,3 +583,21 @@ def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
 
     with autocast, te.fp8_autocast(enabled=True):
         yield
+
+
+def _weights_level(model: torch.nn.Module | None) -> str | None:
+    """bf16 or fp16 where most of the model's floating-point weights are (a job that
+    trains in that dtype without an autocast), else None."""
+    if model is None:
+        return None
+    counts: dict[torch.dtype, int] = {}
+    try:
+        for p in model.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    except Exception:
+        return None
+    if not counts:
+        return None
+    dtype = max(counts, key=lambda d: counts[d])
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)

@@ -442,3 +442,49 @@ def test_a_forward_before_the_first_step_does_not_set_the_jobs_own_level(before:
         assert dtypes == [torch.bfloat16 if own_bf16 else torch.float32] * 3
     finally:
         cb.close()
+
+
+class _SelfAutocast(nn.Module):
+    """A model that enters bf16 autocast in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc(x)
+
+
+@pytest.mark.parametrize("case", ["autocast in forward", "bf16 weights", "first step raised"])
+def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
+    """The job's own level when it does not say it: an autocast its model enters in its own
+    forward, weights that are bf16 outright, and an autocast around the model in a first
+    step that raised before its forward (a skipped batch) all make a bf16 job."""
+    model: nn.Module = _SelfAutocast() if case == "autocast in forward" else nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    if case == "bf16 weights":
+        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cb = GreenCallback(job="own-" + case.replace(" ", "-"), model=model, socket="/nonexistent/g.sock", connect_timeout_s=0.01)
+    try:
+        for i in range(4):
+            try:
+                with cb.step(samples=16, batch=x) as st:
+                    if case == "first step raised" and i == 0:
+                        raise ValueError("a bad batch")
+                    with st.autocast():
+                        if case == "first step raised":
+                            with torch.autocast("cpu", dtype=torch.bfloat16):
+                                out = model(x)
+                        else:
+                            out = model(x)
+                    st.loss(out.float().pow(2).mean())
+            except ValueError:
+                continue
+            assert out.dtype == torch.bfloat16
+        assert cb._control.own == "bf16" and cb.precision == "bf16"
+        assert not model._forward_pre_hooks and not any(m._forward_pre_hooks for m in model.modules())
+    finally:
+        cb.close()
