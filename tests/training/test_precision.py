@@ -467,7 +467,8 @@ def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
         model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cb = GreenCallback(job="own-" + case.replace(" ", "-"), model=model, socket="/nonexistent/g.sock", connect_timeout_s=0.01)
+        job = "own-" + case.replace(" ", "-")
+        cb = GreenCallback(job=job, model=model, socket="/nonexistent/g.sock", connect_timeout_s=0.01)
     try:
         for i in range(4):
             try:
