@@ -58,6 +58,7 @@ def _weight_layers(model: Any) -> list[Any]:
                 break
     return out or [model]
 
+
 # Steps whose loss may be in flight at once before the oldest is waited for: a GPU
 # queue this deep behind the CPU is already the user's own back-pressure.
 MAX_UNJUDGED = 8
