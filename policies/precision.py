@@ -46,8 +46,8 @@ tolerance keep the probation going, up to 4 x ``probation_steps``; there, a poin
 estimate over the tolerance that is also 2 standard errors over the trend rolls
 back. At the end of probation the energy per FLOP of the two
 levels is compared: a saving below ``min_saving`` goes back up too (and bars
-the level for ``cooldown_s``: it buys nothing here). Otherwise the level is
-accepted and the policy may step further.
+the level for ``cooldown_s``: it buys nothing here; with no figure of both levels at one GPU
+setting, it waits up to ``FIGURE_WAIT_S`` for one, then goes back). Else it is accepted.
 
 *Jobs that probe.* A job whose ranks all run probe blocks (``JobView.probe_every``,
 :mod:`greend.training.probe`: while below its own level, a few steps at the level above
@@ -98,6 +98,7 @@ from greend.protocol import PRECISIONS
 from .base import Decision, JobView, Setting, Snapshot
 from .params import Param, validate_params
 from .precision_state import (
+    FIGURE_WAIT_S,
     GUARD_Z,
     PROBATION_EXTEND,
     PROBE_PROBATION_STEPS,
@@ -460,19 +461,28 @@ class PrecisionPolicy:
             )
         if old is not None and old.steps >= self.min_steps and math.isfinite(old.epf) and old.epf > 0:
             saving = 1.0 - new.epf / old.epf
-            if saving < self.min_saving:
-                js.no_gain[pb.to_level] = snap.t_s + self.cooldown_s
-                why = (
-                    f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} "
-                    f"(needs {self.min_saving:.0%}): going back"
-                )
-                js.last_event = why
-                self._propose(js, j, pb.from_level, "back", why)
-                event = {"kind": "switch", "from": pb.to_level, "to": pb.from_level, "reason": why}
-                return (f"job {j.job}: {why}", pb.from_level, event)
             verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
+            back = (
+                f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} (needs {self.min_saving:.0%})"
+            )
+            back = back if saving < self.min_saving else ""
         else:
-            verdict = f"no {pb.from_level} figure at a GPU setting both levels ran at, to compare with"
+            # No figure of both levels at one GPU setting (a clock policy moving the caps): a
+            # level must show its saving, so it waits for one (a baseline re-check gives one).
+            pb.waiting_since_s = snap.t_s if pb.waiting_since_s is None else pb.waiting_since_s
+            if snap.t_s - pb.waiting_since_s < FIGURE_WAIT_S:
+                msg = f"waiting for a {pb.from_level} figure at a GPU setting both levels ran at"
+                return (f"job {j.job}: {pb.to_level} passed its accuracy checks ({accuracy}); {msg}", None, None)
+            back = f"no {pb.from_level} figure at a GPU setting both levels ran at in {FIGURE_WAIT_S:g} s"
+        if back:
+            js.no_gain[pb.to_level] = snap.t_s + self.cooldown_s
+            why = js.last_event = f"{back}: going back"
+            self._propose(js, j, pb.from_level, "back", why)
+            return (
+                f"job {j.job}: {why}",
+                pb.from_level,
+                {"kind": "switch", "from": pb.to_level, "to": pb.from_level, "reason": why},
+            )
         js.last_event = f"{pb.to_level} accepted after {steps_in} steps: {accuracy}; {verdict}"
         js.probation = None
         js.level_losses = js.level_losses[-self.window :]

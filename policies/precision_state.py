@@ -57,6 +57,7 @@ class Probation:
     trend: float  # the loss level before the switch: the mean of its last window
     noise: float  # residual spread before the switch (absolute)
     trend_se: float = 0.0  # the standard error of ``trend`` (absolute)
+    waiting_since_s: float | None = None  # accuracy passed: waiting for an energy figure to compare
 
 
 @dataclass
@@ -122,6 +123,7 @@ def mean_text(values: list[float]) -> str:
 # The callback's reference rule needs this many checks for a verdict
 # (greend.training.reference.MIN_CHECKS; a test keeps the two equal).
 REFERENCE_CHECKS = 3
+FIGURE_WAIT_S = 1800.0  # accuracy passed, no figure of both levels at one GPU setting: wait this long for one
 STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of losses
 PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
 # A job whose ranks probe (JobView.probe_every) is on probation until the callback's

@@ -20,7 +20,7 @@ import pytest
 
 from greend.errors import PolicyError
 from greend.policies import get_policy
-from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Snapshot
+from greend.policies.base import UNCAPPED, Decision, JobMeasure, JobView, Setting, Snapshot
 from greend.policies.precision import PrecisionPolicy, loss_trend
 from greend.policies.precision_state import PROBE_PROBATION_STEPS
 
@@ -53,6 +53,7 @@ class FakeJob:
     since: int = 0  # steps when the level in force took effect
     applies: Callable[[str], bool] = lambda level: True  # do its ranks apply a directive to this level?
     proposed: str | None = None  # a level asked for and not applied (the daemon's standing proposal)
+    setting: Setting = UNCAPPED  # the GPU setting in force (a new one starts a new measure, as the daemon's)
 
     def run(self) -> None:
         for _ in range(self.steps_per_period):
@@ -73,7 +74,9 @@ class FakeJob:
 
     def view(self) -> JobView:
         measure = (
-            JobMeasure(setting=UNCAPPED, steps=int(self.m[0]), flops=self.m[1], time_s=self.m[2], energy_j=self.m[3])
+            JobMeasure(
+                setting=self.setting, steps=int(self.m[0]), flops=self.m[1], time_s=self.m[2], energy_j=self.m[3]
+            )
             if self.m[0]
             else None
         )
@@ -85,7 +88,7 @@ class FakeJob:
             precision=self.precision,
             precisions=self.precisions,
             measure=measure,
-            setting=UNCAPPED,
+            setting=self.setting,
             loss_recent=tuple(self.losses[-256:]),
             nonfinite_recent=len(self.nonfinite[-256:]),
             precision_events=tuple(self.log[-32:]),
@@ -551,3 +554,43 @@ def test_levels_are_compared_at_one_gpu_setting_never_across_a_clock_cap() -> No
     assert p._shared_setting(js, "fp8", "bf16", capped) == capped
     js.evidence[("fp8", UNCAPPED)] = _Evidence(steps=8, flops=8e12, time_s=0.8, energy_j=62.0)
     assert p._shared_setting(js, "fp8", "bf16", UNCAPPED) == UNCAPPED  # the setting in force first
+
+
+def _caps_move_with_the_level(uncapped_at: Callable[[float], bool] = lambda t: False) -> Callable[[int, FakeJob], None]:
+    """A clock policy beside: at bf16 the job runs under a cap of its own (a new measure),
+    except where ``uncapped_at(t)`` (a baseline re-check); each period is 60 s."""
+
+    def hook(k: int, job: FakeJob) -> None:
+        job.t += 59.0
+        want = Setting(clock_cap_mhz=1500) if job.precision == "bf16" and not uncapped_at(job.t) else UNCAPPED
+        if want != job.setting:
+            job.setting, job.m = want, [0, 0.0, 0.0, 0.0]
+
+    return hook
+
+
+def test_a_level_with_no_figure_to_compare_waits_for_one_then_goes_back() -> None:
+    """The two levels never ran at one GPU setting (a clock policy moved the cap with the
+    level): the saving is not shown, so the level is not accepted on trust: it waits for a
+    figure, then goes back."""
+    from greend.policies.precision_state import FIGURE_WAIT_S
+
+    job = FakeJob(precisions=("fp32", "bf16"))
+    _, ds = drive(policy(), job, 12, hook=_caps_move_with_the_level())
+    assert switches(job) == [("fp32", "bf16")] and "waiting for a fp32 figure" in ds[-1].reason, ds[-1].reason
+    _, ds = drive(policy(), job := FakeJob(precisions=("fp32", "bf16")), 12 + int(FIGURE_WAIT_S / 60) + 5,
+                  hook=_caps_move_with_the_level())  # fmt: skip
+    assert switches(job)[:2] == [("fp32", "bf16"), ("bf16", "fp32")]  # (tried again after cooldown_s)
+    back = [e["reason"] for e in job.log if e["kind"] == "switch" and e["to"] == "fp32"][0]
+    assert "no fp32 figure" in back and "going back" in back
+    assert not any("accepted" in d.reason for d in ds)
+
+
+def test_a_figure_that_comes_while_waiting_settles_it() -> None:
+    """A baseline re-check at bf16 (uncapped, as fp32 ran) gives the figure: accepted with
+    its saving."""
+    job = FakeJob(precisions=("fp32", "bf16"))
+    _, ds = drive(policy(), job, 40, hook=_caps_move_with_the_level(uncapped_at=lambda t: 1300 <= t < 1700))
+    assert switches(job) == [("fp32", "bf16")]
+    accepted = [d.reason for d in ds if "accepted" in d.reason]
+    assert accepted and "less energy per FLOP than fp32" in accepted[0], [d.reason for d in ds[-5:]]
