@@ -211,14 +211,6 @@ class Step:
             self._host.held = True  # its batch is read on the training thread
             return
         if isinstance(loss, torch.Tensor):
-            if loss.is_cpu:
-                # A tensor subclass on the CPU: its value at once (holding it would judge
-                # every batch on the training thread from then on: 20-35 us a step).
-                try:
-                    self._raw = float(loss.item())
-                    return
-                except Exception:
-                    pass  # not one real number: the batched read names the problem
             self._raw = loss
             self._host.held = True
             return

@@ -241,28 +241,3 @@ def test_backward_and_optimizer_step_ask_the_callback_only_where_it_matters() ->
         assert calls[1:] == ["watched"] * 4
     finally:
         cb.close()
-
-
-def test_a_cpu_loss_of_a_tensor_subclass_is_read_at_once_and_batches_stay_light() -> None:
-    """A loss that is a torch.Tensor subclass (what a wrapper library returns) on the CPU
-    is a number at once, as a plain one: its batches still go whole to the sender thread
-    (it held the tensor and judged every batch on the training thread: 20-35 us a step)."""
-
-    class Sub(torch.Tensor):
-        pass
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = nn.Linear(4, 1)
-        cb = GreenCallback(job="subclass", model=model, socket="/nonexistent/greend.sock", connect_timeout_s=0.01)
-    try:
-        x = torch.randn(8, 4)
-        for _ in range(40):
-            with cb.step(samples=8, batch=x) as st:
-                loss = model(x).pow(2).mean().as_subclass(Sub)
-                st.loss(loss)
-                loss.backward()
-            assert type(st._raw) is float or st._raw is None
-        assert not cb._book.held and cb._book.hold_cpu
-    finally:
-        cb.close()
