@@ -156,12 +156,19 @@ def resolve_ranks() -> tuple[int, int, int]:
 
 
 def model_device(model: torch.nn.Module | None, device: str | torch.device | None) -> torch.device:
-    """``device`` if given, else the device of the model's first parameter or buffer, else cpu."""
+    """``device`` if given, else the device of the model's first parameter or buffer, else
+    cuda where torch sees a CUDA GPU (a job on a GPU node trains there: step.autocast()
+    must cast on it, not on the CPU), else cpu."""
     if device is not None:
         return torch.device(device)
     if model is not None:
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             return tensor.device
+    try:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+    except Exception:
+        pass
     return torch.device("cpu")
 
 
@@ -211,7 +218,8 @@ def resolve_gpus(
     index = dev.index
     if index is None:
         try:
-            index = torch.cuda.current_device()
+            # (current_device() would set CUDA up in a process that has not yet: the local rank)
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else _local_rank()
         except Exception:
             index = 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -260,3 +268,13 @@ def socket_hostname() -> str:
         return socket.gethostname()
     except OSError:
         return "localhost"
+
+
+def _local_rank() -> int:
+    """The node-local rank a launcher set (torchrun's LOCAL_RANK, srun's SLURM_LOCALID), else 0:
+    the GPU a rank of a job that sets no device explicitly is usually given."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        v = os.environ.get(var, "")
+        if v.isdigit():
+            return int(v)
+    return 0

@@ -604,3 +604,26 @@ def test_a_bf16_job_s_own_tf32_flags_are_never_touched(daemon: FakeDaemon, sock_
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_without_a_model_or_device_a_gpu_node_s_job_casts_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model= and no device= on a node where torch sees a CUDA GPU: the job trains there,
+    so step.autocast() casts on cuda (a CPU autocast left a GPU model in fp32: a bf16 job
+    run at fp32); its GPU is the local rank's, found without setting CUDA up."""
+    from greend.training.identity import model_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+    def no_init() -> int:
+        raise AssertionError("current_device() sets CUDA up")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_init)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    dev = model_device(None, None)
+    assert dev.type == "cuda"
+    assert resolve_gpus(dev, None) == [3]
+    assert model_device(nn.Linear(2, 2), None).type == "cpu"  # the model's own device wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert model_device(None, None).type == "cpu"
