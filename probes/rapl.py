@@ -116,6 +116,11 @@ def write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
+# The most one RAPL zone draws (a server package today: under 500 W): a counter step that
+# implies more over the time it took is not energy (a reset read as a wrap, a jump).
+MAX_ZONE_W = 2000.0
+
+
 def wrap_delta_uj(prev_uj: int, cur_uj: int, max_energy_range_uj: int) -> int:
     """Energy between two reads of a counter that wraps to 0 after ``max_energy_range_uj``.
 
@@ -367,8 +372,10 @@ class RaplProbe:
     ``open()`` finds the zones and primes their counters; ``sample(now_s)`` returns one
     :class:`CpuReading` per readable zone with the energy since ``open()`` and the power
     over the last tick. A zone that fails mid-run is left out of that tick's readings and
-    shown in :meth:`info`; when it reads again its counter is re-primed (the gap is not
-    counted, since a reappearing zone may have restarted from 0).
+    shown in :meth:`info`. When it reads again, the gap is booked where the counter ran on
+    (a read that failed) and what it shows is plausible (:data:`MAX_ZONE_W`); a zone whose
+    files were gone is re-primed (it may have restarted from 0), and so is a counter that
+    went back without a wrap (a reset).
     """
 
     name = "rapl"
@@ -448,24 +455,33 @@ class RaplProbe:
                     log.warning("rapl zone %s (%s) failed: %s", zone.id, zone.name, e)
                 zone.error = f"cannot read energy_uj: {e}"
                 zone.permission_denied = isinstance(e, PermissionError)
-                zone.prev_uj = None
+                if isinstance(e, FileNotFoundError):
+                    zone.prev_uj = None  # the zone is gone: one that comes back may count from 0
+                # (else a read that failed: the counter runs on, and the next good read
+                # books the gap where what it shows is plausible)
                 zone.power_w = None
                 failed.append(zone)
                 continue
+            if zone.error is not None:
+                log.info("rapl zone %s (%s) reads again; counting resumes", zone.id, zone.name)
+                zone.error, zone.permission_denied = None, False
             if zone.prev_uj is None:
-                # First good read after a failure: start again from here.
-                if zone.error is not None:
-                    log.info("rapl zone %s (%s) reads again; counting resumes", zone.id, zone.name)
-                zone.error = None
-                zone.permission_denied = False
-                zone.prev_uj = cur_uj
-                zone.prev_now_s = now_s
-                zone.power_w = None
+                # The first read, or the first of a zone that was gone: start from here.
+                zone.prev_uj, zone.prev_now_s, zone.power_w = cur_uj, now_s, None
             else:
                 delta_uj = wrap_delta_uj(zone.prev_uj, cur_uj, zone.max_energy_range_uj)
-                zone.total_uj += delta_uj
-                if zone.prev_now_s is not None and now_s > zone.prev_now_s:
-                    zone.power_w = uj_to_j(delta_uj) / (now_s - zone.prev_now_s)
+                dt = now_s - zone.prev_now_s if zone.prev_now_s is not None else None
+                if dt is not None and delta_uj > (MAX_ZONE_W * max(dt, 0.0) + 1.0) * 1e6:
+                    # More than the zone can draw meanwhile: not a wrap (the counter went back:
+                    # a reset, a resume, a migrated VM) nor a real step: a new baseline.
+                    log.warning("rapl zone %s (%s): energy_uj went from %d to %d uJ in %.3g s, more than "
+                                "%g W could draw: a new baseline, nothing booked", zone.id, zone.name,
+                                zone.prev_uj, cur_uj, dt, MAX_ZONE_W)  # fmt: skip
+                    zone.power_w = None
+                else:
+                    zone.total_uj += delta_uj
+                    if dt is not None and dt > 0:
+                        zone.power_w = uj_to_j(delta_uj) / dt
                 zone.prev_uj = cur_uj
                 zone.prev_now_s = now_s
             out.append(

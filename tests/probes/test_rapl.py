@@ -382,11 +382,52 @@ def test_zone_that_comes_back_is_reprimed(tmp_path: Path) -> None:
     assert "intel-rapl:0:0" not in {c.path for c in probe.sample(2.0).cpus}
     flaky["down"] = False
     back = {c.path: c for c in probe.sample(3.0).cpus}["intel-rapl:0:0"]
-    assert back.energy_j == pytest.approx(1.0) and back.power_w is None  # gap not counted
+    # A read that failed while the counter ran on: the gap is booked (5 J in 2 s is what
+    # a zone can draw), not lost.
+    assert back.energy_j == pytest.approx(6.0) and back.power_w == pytest.approx(2.5)
     fake.advance(ids["dram"], 2.0)
     again = {c.path: c for c in probe.sample(4.0).cpus}["intel-rapl:0:0"]
-    assert again.energy_j == pytest.approx(3.0) and again.power_w == pytest.approx(2.0)
+    assert again.energy_j == pytest.approx(8.0) and again.power_w == pytest.approx(2.0)
     assert "failing" not in probe.info().detail
+
+
+def test_a_zone_that_was_gone_is_reprimed_and_its_gap_not_counted(tmp_path: Path) -> None:
+    """A zone whose files were gone (the module unloaded) may come back counting from 0:
+    it starts again from its first read."""
+    fake = FakePowercap(tmp_path)
+    ids = fake.add_package(0, dram=True)
+    gone = {"yes": False}
+
+    def read(path: Path) -> str:
+        if gone["yes"] and path.parent.name == "intel-rapl:0:0" and path.name == "energy_uj":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+        return read_text(path)
+
+    probe = opened(tmp_path, read=read)
+    fake.advance(ids["dram"], 1.0)
+    assert {c.path: c.energy_j for c in probe.sample(1.0).cpus}["intel-rapl:0:0"] == pytest.approx(1.0)
+    gone["yes"] = True
+    fake.advance(ids["dram"], 5.0)
+    assert "intel-rapl:0:0" not in {c.path for c in probe.sample(2.0).cpus}
+    gone["yes"] = False
+    back = {c.path: c for c in probe.sample(3.0).cpus}["intel-rapl:0:0"]
+    assert back.energy_j == pytest.approx(1.0) and back.power_w is None  # the gap not counted
+
+
+def test_a_counter_that_steps_back_is_a_new_baseline_not_a_wrap(tmp_path: Path) -> None:
+    """energy_uj lower than before in less time than a wrap takes (a reset, a resume, a
+    migrated VM): a new baseline, not a wrap (a 1 J step back read as 262 kJ)."""
+    fake = FakePowercap(tmp_path)
+    ids = fake.add_package(0, dram=True)
+    probe = opened(tmp_path)
+    fake.advance(ids["dram"], 100.0)
+    assert {c.path: c.energy_j for c in probe.sample(1.0).cpus}["intel-rapl:0:0"] == pytest.approx(100.0)
+    fake.set_energy_uj(ids["dram"], fake.energy_uj(ids["dram"]) - 1_000_000)  # 1 J back
+    back = {c.path: c for c in probe.sample(1.5).cpus}["intel-rapl:0:0"]
+    assert back.energy_j == pytest.approx(100.0) and back.power_w is None
+    fake.advance(ids["dram"], 3.0)
+    on = {c.path: c for c in probe.sample(2.5).cpus}["intel-rapl:0:0"]
+    assert on.energy_j == pytest.approx(103.0) and on.power_w == pytest.approx(3.0)
 
 
 def test_info_before_open() -> None:
