@@ -462,10 +462,10 @@ class PrecisionPolicy:
         if old is not None and old.steps >= self.min_steps and math.isfinite(old.epf) and old.epf > 0:
             saving = 1.0 - new.epf / old.epf
             verdict = f"{saving:.0%} less energy per FLOP than {pb.from_level}"
-            back = (
-                f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level} (needs {self.min_saving:.0%})"
-            )
-            back = back if saving < self.min_saving else ""
+            back = f"{pb.to_level} saves {saving:+.1%} energy per FLOP over {pb.from_level}"
+            back = f"{back} (needs {self.min_saving:.0%})" if saving < self.min_saving else ""
+        elif shared is not None or not math.isfinite(new.epf):  # (no FLOPs counted: no figure to wait for)
+            verdict, back = f"no energy per FLOP figure of {pb.from_level} to compare with", ""
         else:
             # No figure of both levels at one GPU setting (a clock policy moving the caps): a
             # level must show its saving, so it waits for one (a baseline re-check gives one).

@@ -594,3 +594,13 @@ def test_a_figure_that_comes_while_waiting_settles_it() -> None:
     assert switches(job) == [("fp32", "bf16")]
     accepted = [d.reason for d in ds if "accepted" in d.reason]
     assert accepted and "less energy per FLOP than fp32" in accepted[0], [d.reason for d in ds[-5:]]
+
+
+def test_a_job_with_no_flops_is_not_switched_back_and_forth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No FLOPs counted (no energy per FLOP at any setting): nothing to wait for, the level
+    is kept as before rather than going back every 30 minutes."""
+    monkeypatch.setitem(globals(), "FLOPS", 0.0)
+    job = FakeJob(precisions=("fp32", "bf16"))
+    _, ds = drive(policy(cooldown_s=600.0), job, 120, hook=lambda k, job: setattr(job, "t", job.t + 59.0))
+    assert switches(job) == [("fp32", "bf16")]
+    assert any("accepted" in d.reason and "no energy per FLOP figure" in d.reason for d in ds)
