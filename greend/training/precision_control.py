@@ -127,6 +127,7 @@ class PrecisionControl:
         # runs) and put back when it leaves such a level; None while greend's write is not in
         # force: the flags are the job's own, never touched (the job may change them).
         self._saved_tf32: tuple[bool, bool] | None = None
+        self._own_flags = not self.detecting  # a level given (not detected): its TF32 flags are greend's to set
         if self.detecting and self.support.get(initial) is not None:
             self.support[initial] = None  # the job's own flags: it runs this level itself
         if self.support.get(initial) is not None:
@@ -532,7 +533,7 @@ class PrecisionControl:
                 log.info("greend: %d linear layer(s) run in %s", n, level)
             elif fp8 is not None and fp8.active:
                 fp8.revert()
-            if level in ("tf32", "fp32"):
+            if level in ("tf32", "fp32") and (level != self.own or self._own_flags):
                 if self._saved_tf32 is None:
                     self._saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = level == "tf32"

@@ -627,3 +627,32 @@ def test_without_a_model_or_device_a_gpu_node_s_job_casts_on_cuda(monkeypatch: p
     assert model_device(nn.Linear(2, 2), None).type == "cpu"  # the model's own device wins
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert model_device(None, None).type == "cpu"
+
+
+def test_back_at_a_detected_fp32_level_the_job_s_own_tf32_flags_stand(daemon: FakeDaemon, sock_path: Path) -> None:
+    """A job whose fp32 level was seen, not given, keeps its own TF32 flags (torch's
+    defaults: cuDNN's on) when it comes back to fp32 from bf16."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = make_data(1)[0]
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        cb = GreenCallback(job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST)
+        ran = []
+        for i in range(40):
+            if i in (5, 20):
+                daemon.directive("bf16" if i == 5 else "fp32")
+                time.sleep(0.2)
+            with cb.step(samples=BATCH) as step:
+                with step.autocast():
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                step.backward(loss)
+                step.optimizer_step(opt)
+                opt.zero_grad()
+            ran.append(step.precision)
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True), i
+        assert ran[0] == "fp32" and "bf16" in ran and ran[-1] == "fp32"
+        cb.close()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
