@@ -160,7 +160,10 @@ class _Bucket:
             now = time.monotonic()
             self.tokens = min(self.rate, self.tokens + (now - self.t) * self.rate)
             self.t = now
-            self.tokens -= n
+            # A debt of at most 1 s: a run of empty lines (n at once, cheap to read) holds its
+            # uid's next messages back 1 s at most, never for as long as it was long (the
+            # replies the uid's jobs wait for time out after 5 s).
+            self.tokens = max(self.tokens - n, -self.rate)
             return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 

@@ -226,6 +226,8 @@ def resolve_gpus(
     if not visible:
         return [index]
     entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if dev.index is None and len(entries) == 1:
+        index = 0  # (a task given one GPU of its own: srun --gpus-per-task=1; it is cuda:0)
     if index >= len(entries):
         why = f"CUDA_VISIBLE_DEVICES lists {len(entries)} device(s)"
     elif entries[index].isdigit():

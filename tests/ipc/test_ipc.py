@@ -293,3 +293,23 @@ def test_a_version_that_only_python_calls_1_is_refused(server: IpcServer, v: str
     s.sendall(b'{"v":' + v.encode() + b',"id":"x","op":"add","a":1}\n')
     assert read_reply(s)["error"]["code"] == "unsupported_version"
     s.close()
+
+
+def test_a_burst_of_empty_lines_holds_its_uid_s_next_request_back_a_second_at_most(tmp_path: Path) -> None:
+    srv = IpcServer(tmp_path / "g.sock", limits=Limits(messages_per_s=2000.0))
+    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
+    srv.is_admin = lambda p: False
+    srv.start()
+    try:
+        s = raw(srv.path)
+        s.sendall(b"\n" * 200_000)  # 100 s of messages at 2000/s
+        time.sleep(0.5)
+        s.close()
+        c = Client(srv.path, timeout_s=30)
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert c.request("add", a=1) == {"sum": 1}
+            assert time.monotonic() - t0 < 2.0  # (5 s each, over and over, with the debt unbounded)
+        c.close()
+    finally:
+        srv.stop()

@@ -624,6 +624,9 @@ def test_without_a_model_or_device_a_gpu_node_s_job_casts_on_cuda(monkeypatch: p
     dev = model_device(None, None)
     assert dev.type == "cuda"
     assert resolve_gpus(dev, None) == [3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # srun --gpus-per-task=1: the task's one GPU
+    assert resolve_gpus(dev, None) == [5]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert model_device(nn.Linear(2, 2), None).type == "cpu"  # the model's own device wins
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert model_device(None, None).type == "cpu"
