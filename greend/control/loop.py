@@ -189,6 +189,8 @@ class ControlLoop:
                 raise ConfigError(f"[policy] precision {name!r}: {e}") from e
         with self._lock:
             old = self.precision_policy
+            if old is not None and policy is not None and old.name == policy.name and old.params() == policy.params():
+                return  # the same policy: it goes on as it was
             self.precision_policy = policy
             self.precision_state = None if policy is None else policy.new_state()
         if old is not None:
@@ -241,6 +243,7 @@ class ControlLoop:
         try:
             snap = self.snapshot(now_s)
             with self._lock:
+                deciders = (self.policy, self.precision_policy)  # (apply() checks they still hold)
                 decision = self.policy.decide(snap, self.policy_state)
                 said = [(self.policy.name, decision.details.get("reasons") or {}, decision.reason)]
                 if self.precision_policy is not None:
@@ -262,6 +265,8 @@ class ControlLoop:
             self.last_error = msg
             return
         self.last_error = None
+        if deciders != (self.policy, self.precision_policy):
+            decision.precision.clear()  # a policy changed meanwhile: its word on levels is void
         try:
             self.apply(decision, now_s)
         except Exception as e:  # the daemon goes on; the next tick decides again

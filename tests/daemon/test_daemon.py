@@ -429,7 +429,9 @@ def test_turning_the_precision_policy_off_asks_the_jobs_back_to_their_own_level(
         asked: list[tuple[str, str]] = []
         d.control.ctx.jobs.back_to_own_levels = lambda reason, policy: asked.append((reason, policy)) or []  # type: ignore[method-assign]  # a recorder in the table's place
         d.control.set_precision_policy("precision", {})  # none before: nothing to take back
-        assert asked == []
+        state = d.control.precision_state
+        d.control.set_precision_policy("precision", {})  # the same again: it goes on as it was
+        assert asked == [] and d.control.precision_state is state
         d.control.set_precision_policy("none", {})
         assert d.control.precision_policy is None
         assert asked == [("precision policy changed to none: back to the job's own level", "none")]
