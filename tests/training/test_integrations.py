@@ -239,7 +239,15 @@ def test_hf_a_train_that_raised_inside_a_step_leaves_no_flop_count_running_after
             super().forward(x, labels)  # (counted: the step's FLOP count is running)
             raise RuntimeError("CUDA out of memory (simulated)")
 
-    cb = GreenHFCallback(job="hf-fail", socket=sock_path, **FAST)
+    # (time enough on a loaded machine for the failed run's end to reach the daemon)
+    patient = {
+        **FAST,
+        "reply_timeout_s": 10.0,
+        "stall_timeout_s": 10.0,
+        "close_timeout_s": 20.0,
+        "connect_timeout_s": 10.0,
+    }
+    cb = GreenHFCallback(job="hf-fail", socket=sock_path, **patient)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GreendWarning)
         with pytest.raises(RuntimeError, match="out of memory"):
