@@ -157,6 +157,7 @@ class StepBook:
         self._detect_step: Step | None = None
         self._detect_hooks: list[Any] = []
         self._detect_tries = 0  # steps begun while detecting with hooks on (a step may end before its forward)
+        self._detect_forward_seen = False  # a hooked layer computed inside a step
         if control.detecting and model is not None:
             # On the layers that hold weights, not on the model: their forward runs inside
             # the model's, so an autocast the model enters in its own forward (or a
@@ -179,7 +180,7 @@ class StepBook:
             # (a step that ended before its first forward, one that raised, tells nothing:
             # three such steps, and the level in force is the job's own)
             self._detect_tries += 1
-            final = not self._detect_hooks or self._detect_tries > 3
+            final = not self._detect_hooks or self._detect_forward_seen or self._detect_tries > 3
             if control.detect_own_level(final=final):
                 self.precision = control.level
             if control.detecting:
@@ -221,14 +222,17 @@ class StepBook:
         training, under an autocast of its own or none) says nothing of the training's level."""
         if self._detect_step is None or self._detect_step.t1_s:  # (t1_s: set when the step ended)
             return
-        self._drop_detect_hook()
+        # A layer computing without an autocast (an embedding before the model enters its
+        # own) proves nothing yet: any later layer of the step may show one. The next step's
+        # start decides on what the step showed (at_boundary).
+        self._detect_forward_seen = True
         control = self.control
-        if control.detect_own_level(final=True):
+        if control.detect_own_level(final=False):
             self.precision = control.level
-            step = self._detect_step
-            if step is not None:
-                step.precision = control.level  # the step in flight runs at it
-        self._detect_step = None
+            self._detect_step.precision = control.level  # the step in flight runs at it
+        if not control.detecting:
+            self._drop_detect_hook()
+            self._detect_step = None
 
     def _drop_detect_hook(self) -> None:
         """Take the one-shot detection hooks off the model (a hooked module takes torch's

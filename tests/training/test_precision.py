@@ -445,15 +445,17 @@ def test_a_forward_before_the_first_step_does_not_set_the_jobs_own_level(before:
 
 
 class _SelfAutocast(nn.Module):
-    """A model that enters bf16 autocast in its own forward."""
+    """A model that enters bf16 autocast in its own forward, after a first layer outside it."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.emb = nn.Linear(8, 8)
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)  # (computes without the autocast: not yet a verdict)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return self.fc(x)
+            return self.fc(h)
 
 
 @pytest.mark.parametrize("case", ["autocast in forward", "bf16 weights", "first step raised"])
