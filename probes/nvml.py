@@ -319,7 +319,8 @@ class NvmlProbe:
         try:
             gpu.last_counter_mj = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", handle))
         except NotSupported:
-            gpu.energy_method = "power_integration"
+            # (a pre-Volta GPU, or a driver still coming up: tried again every COUNTER_RETRY_S)
+            gpu.energy_method, gpu.counter_retry_s = "power_integration", COUNTER_RETRY_S
             log.info("gpu%d (%s) has no energy counter: integrating power samples", i, gpu.name)
         return gpu
 

@@ -130,9 +130,9 @@ class JobArchive:
         """The latest ``limit`` ended runs' rows, oldest first."""
         out = []
         files = self._files()
-        cache = self._rows
+        cache = self._rows  # (several request threads at once: entries only set or popped)
         for gone in set(cache) - set(files):
-            del cache[gone]
+            cache.pop(gone, None)
         for name in files[-limit:]:
             if name not in cache:
                 doc = self._read(name)
