@@ -134,11 +134,12 @@ class JobArchive:
         for gone in set(cache) - set(files):
             cache.pop(gone, None)
         for name in files[-limit:]:
-            if name not in cache:
+            if name in cache:
+                row = cache.get(name)
+            else:
                 doc = self._read(name)
                 row = doc.get("row") if doc is not None else None
-                cache[name] = row if isinstance(row, dict) else None
-            row = cache[name]
+                row = cache[name] = row if isinstance(row, dict) else None
             if row is not None:
                 out.append({**row, "from_history": True})
         return out
