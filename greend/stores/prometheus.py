@@ -92,8 +92,8 @@ SERIES_PER_PROBE = 2
 SERIES_PER_STORE = 4
 SERIES_PER_JOB = 8
 # greend_up, build_info, start time, uptime, tick duration, tick rate, ticks, ticks
-# skipped, jobs not exported.
-SERIES_PER_NODE = 9
+# skipped, tick errors, jobs not exported.
+SERIES_PER_NODE = 10
 
 
 def series_bound(gpus: int, cpu_zones: int, probes: int, stores: int, max_jobs: int = MAX_JOBS_EXPORTED) -> int:
