@@ -346,8 +346,14 @@ def write_power_limit_uw(
     if current == target:
         return current
     write_limit_file(zone_path / f"constraint_{n}_power_limit_uw", target, write=write)
-    log.info("%s constraint %d: power limit %d -> %d uW", zone_path.name, n, current, target)
-    return target
+    try:
+        held = read_power_limit_uw(zone_path, n, read=read)  # the kernel may clamp or round it
+    except (OSError, ValueError, ActuatorError):
+        held = target
+    if held != target:
+        log.warning("%s constraint %d: %d uW asked, the kernel holds %d uW", zone_path.name, n, target, held)
+    log.info("%s constraint %d: power limit %d -> %d uW", zone_path.name, n, current, held)
+    return held
 
 
 def write_limit_file(path: Path, uw: int, *, write: WriteText = write_text) -> None:
@@ -356,6 +362,11 @@ def write_limit_file(path: Path, uw: int, *, write: WriteText = write_text) -> N
     try:
         write(path, str(int(uw)))
     except PermissionError as e:
+        if os.geteuid() == 0:
+            raise ActuatorError(
+                f"cannot write {path}: permission denied even as root: the limit is locked (by the "
+                "firmware or BIOS, or an immutable file); see dmesg"
+            ) from e
         raise ActuatorError(f"cannot write {path}: permission denied; run greend as root") from e
     except OSError as e:
         if e.errno == errno.EROFS:

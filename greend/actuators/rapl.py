@@ -106,6 +106,14 @@ class RaplBackend:
             out.append(RaplConstraint(n, cname, max_uw))
         return out
 
+    def disabled(self, ref: RaplZoneRef) -> bool:
+        """Whether the zone's ``enabled`` reads 0: its limit is not enforced (an absent or
+        unreadable file: not known, taken as on)."""
+        try:
+            return self._read(ref.dir / "enabled").strip() == "0"
+        except OSError:
+            return False
+
     def read_limit_uw(self, ref: RaplZoneRef, n: int) -> int:
         return read_power_limit_uw(ref.dir, n, read=self._read)
 

@@ -647,3 +647,80 @@ def test_a_first_write_that_failed_leaves_nothing_pending(tmp_path: Path, sim: A
     report = Controller(tmp_path / "state", backend).restore_all()
     assert report.ok and "left as it is" in " ".join(report.restored)
     assert fake.sim_gpu(0).power_limit_w() == 500.0
+
+
+def _renumber(sysfs: Path, a: str, b: str) -> None:
+    """Zones numbered anew (a module reload): the two ids swap the zones they name."""
+    base = sysfs / "class" / "powercap"
+    ta, tb = os.readlink(base / a), os.readlink(base / b)
+    (base / a).unlink()
+    (base / b).unlink()
+    os.symlink(tb, base / a)
+    os.symlink(ta, base / b)
+
+
+def test_a_restore_after_the_zones_were_renumbered_goes_by_name(tmp_path: Path) -> None:
+    """greend killed with both packages capped; the zones come back renumbered (package-1 at
+    intel-rapl:0): each package gets its own originals back, found by its name, and a
+    `cap reset --cpu package-0` at its new id finds what was saved."""
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    tree = make_standard_tree(sysfs)
+    p0, p1 = tree.dir_of("intel-rapl:0"), tree.dir_of("intel-rapl:1")
+    (p1 / "constraint_0_power_limit_uw").write_text("180000000\n")  # package-1's own original
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    ctl.apply_cpu_limit("intel-rapl:0", 150.0, "node")
+    ctl.apply_cpu_limit("intel-rapl:1", 120.0, "node")
+    _renumber(sysfs, "intel-rapl:0", "intel-rapl:1")
+    report = Controller(state, rapl_backend=RaplBackend(sysfs)).restore_all()
+    assert report.ok, report.failed
+    assert (p0 / "constraint_0_power_limit_uw").read_text().strip() == "205000000"
+    assert (p1 / "constraint_0_power_limit_uw").read_text().strip() == "180000000"
+    # cap set at the old id, renumbered, then reset at the new one: the saved original back.
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    ctl.apply_cpu_limit("intel-rapl:1", 150.0, "node")  # package-0 is intel-rapl:1 now
+    _renumber(sysfs, "intel-rapl:0", "intel-rapl:1")
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    assert ctl.apply_cpu_limit("intel-rapl:0", None, "node") is None
+    assert (p0 / "constraint_0_power_limit_uw").read_text().strip() == "205000000"
+    assert not (state / STATE_FILE).exists()
+
+
+def test_a_cap_set_refused_on_one_constraint_leaves_the_zone_as_it_was(tmp_path: Path) -> None:
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    tree = make_standard_tree(sysfs)
+    pkg = tree.dir_of("intel-rapl:0")
+
+    def short_term_refused(path: Path, text: str) -> None:
+        if path.name == "constraint_1_power_limit_uw":
+            raise OSError(22, "Invalid argument", str(path))
+        path.write_text(text + "\n")
+
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs, write=short_term_refused))
+    with pytest.raises(KnobError, match="constraint 1"):
+        ctl.apply_cpu_limit("intel-rapl:0", 120.0, "node")
+    assert read_uw(tree, "intel-rapl:0", 0) == 205_000_000  # the long-term write taken back
+    assert ctl.current_cpu_limit_w("intel-rapl:0") is None
+    assert (pkg / "constraint_1_power_limit_uw").read_text().strip() == "246000000"
+
+
+def test_a_zone_whose_limiting_is_off_is_not_said_capped(tmp_path: Path) -> None:
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    tree = make_standard_tree(sysfs)
+    (tree.dir_of("intel-rapl:0") / "enabled").write_text("0\n")
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    with pytest.raises(KnobError, match="limiting is off"):
+        ctl.apply_cpu_limit("intel-rapl:0", 150.0, "node")
+    assert read_uw(tree, "intel-rapl:0", 0) == 205_000_000
+
+
+def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path) -> None:
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    tree = make_standard_tree(sysfs)
+
+    def rounds(path: Path, text: str) -> None:  # 1/8 W units, as RAPL's
+        path.write_text(str(int(text) // 125_000 * 125_000) + "\n")
+
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs, write=rounds))
+    assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
+    assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
+    assert read_uw(tree, "intel-rapl:0", 0) == 150_000_000

@@ -472,14 +472,18 @@ def test_power_limit_write_is_idempotent(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("err", "needle"),
+    ("err", "uid", "needle"),
     [
-        (PermissionError(errno.EACCES, "Permission denied"), "run greend as root"),
-        (OSError(errno.EROFS, "Read-only file system"), "ProtectKernelTunables"),
-        (OSError(errno.EINVAL, "Invalid argument"), "Invalid argument"),
+        (PermissionError(errno.EACCES, "Permission denied"), 1000, "run greend as root"),
+        (PermissionError(errno.EACCES, "Permission denied"), 0, "even as root: the limit is locked"),
+        (OSError(errno.EROFS, "Read-only file system"), 0, "ProtectKernelTunables"),
+        (OSError(errno.EINVAL, "Invalid argument"), 0, "Invalid argument"),
     ],
 )
-def test_power_limit_write_errors(tmp_path: Path, err: OSError, needle: str) -> None:
+def test_power_limit_write_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: OSError, uid: int, needle: str
+) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: uid)
     fake = FakePowercap(tmp_path)
     pkg = fake.dir_of(fake.add_package(0)["package-0"])
 
