@@ -45,7 +45,11 @@ class Evidence:
 
     @property
     def epf(self) -> float:
-        return self.energy_j / self.flops if self.flops > 0 else math.inf
+        """Energy per FLOP; for a job that counts no FLOPs, energy per step (its steps are
+        the same work at every level); inf where neither is known."""
+        if self.flops > 0:
+            return self.energy_j / self.flops
+        return self.energy_j / self.steps if self.steps > 0 and self.energy_j > 0 else math.inf
 
 
 @dataclass

@@ -320,7 +320,7 @@ class NvmlProbe:
             gpu.last_counter_mj = int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", handle))
         except NotSupported:
             # (a pre-Volta GPU, or a driver still coming up: tried again every COUNTER_RETRY_S)
-            gpu.energy_method, gpu.counter_retry_s = "power_integration", COUNTER_RETRY_S
+            gpu.energy_method, gpu.counter_retry_s = "power_integration", 0.0  # (at the first tick)
             log.info("gpu%d (%s) has no energy counter: integrating power samples", i, gpu.name)
         return gpu
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from greend.errors import ActuatorError, DeviceLost, NoData, NoPermission, NotSupported
+from greend.errors import ActuatorError, DeviceLost, NoData, NoPermission, NotSupported, ProbeError
 from greend.units import uj_to_j, uw_to_w
 
 from . import ProbeContext, register
@@ -348,7 +348,7 @@ def write_power_limit_uw(
     write_limit_file(zone_path / f"constraint_{n}_power_limit_uw", target, write=write)
     try:
         held = read_power_limit_uw(zone_path, n, read=read)  # the kernel may clamp or round it
-    except (OSError, ValueError, ActuatorError):
+    except (OSError, ValueError, ActuatorError, ProbeError):  # (the write took: said as asked)
         held = target
     if held != target:
         log.warning("%s constraint %d: %d uW asked, the kernel holds %d uW", zone_path.name, n, target, held)

@@ -67,6 +67,7 @@ class ControlLoop:
         # carries only ``precision``); both decide every period.
         self.precision_policy: Any = None
         self.precision_state: Any = None
+        self._decided_by: Any = None  # the precision policy of the decision being applied
         self.last_decision: dict[str, Any] | None = None
         self.last_error: str | None = None
         self.disabled: str | None = None  # why control is off (no GPUs, a corrupt state file)
@@ -215,6 +216,8 @@ class ControlLoop:
             raise ConfigError(msg if msg.startswith(f"policy {name!r}") else f"policy {name!r}: {msg}") from e
         with self._lock:
             old = self.policy
+            if old is not None and old.name == policy.name and old.params() == policy.params():
+                return self.show()  # the same policy: it goes on as it was (its search, its caps)
             self.policy = policy
             self.policy_state = policy.new_state()
             self.last_decision = None
@@ -243,7 +246,7 @@ class ControlLoop:
         try:
             snap = self.snapshot(now_s)
             with self._lock:
-                deciders = (self.policy, self.precision_policy)  # (apply() checks they still hold)
+                decided_by = self.precision_policy  # (apply() sends its levels only while it holds)
                 decision = self.policy.decide(snap, self.policy_state)
                 said = [(self.policy.name, decision.details.get("reasons") or {}, decision.reason)]
                 if self.precision_policy is not None:
@@ -265,8 +268,7 @@ class ControlLoop:
             self.last_error = msg
             return
         self.last_error = None
-        if deciders != (self.policy, self.precision_policy):
-            decision.precision.clear()  # a policy changed meanwhile: its word on levels is void
+        self._decided_by = decided_by
         try:
             self.apply(decision, now_s)
         except Exception as e:  # the daemon goes on; the next tick decides again
@@ -416,6 +418,10 @@ class ControlLoop:
         precision_details = decision.details.get("precision") or (
             decision.details if decision.details.get("policy") == "precision" else {}
         )
+        if self.precision_policy is not self._decided_by:
+            # The precision policy was turned off or replaced while this decision was made or
+            # applied: its levels are void (the change asked every job back to its own).
+            decision.precision.clear()
         for job_id, level in decision.precision.items():
             # The precision policy's own line for this job, not the joined reasons.
             reason = (precision_details.get("reasons") or {}).get(job_id) or decision.reason

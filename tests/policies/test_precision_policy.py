@@ -604,3 +604,20 @@ def test_a_job_with_no_flops_is_not_switched_back_and_forth(monkeypatch: pytest.
     _, ds = drive(policy(cooldown_s=600.0), job, 120, hook=lambda k, job: setattr(job, "t", job.t + 59.0))
     assert switches(job) == [("fp32", "bf16")]
     assert any("accepted" in d.reason and "no energy per FLOP figure" in d.reason for d in ds)
+
+
+def test_a_job_with_no_flops_is_judged_by_its_energy_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No FLOPs counted but energy measured: the levels are compared by energy per step
+    (the same work at each), so a level that buys nothing goes back as it would by FLOPs."""
+    monkeypatch.setitem(globals(), "FLOPS", 0.0)
+    job = FakeJob(precisions=("fp32", "bf16"))
+    real_run = job.run
+
+    def run() -> None:  # energy per step as the level's EPF says, with no FLOPs counted
+        e0 = job.m[3]
+        real_run()
+        job.m[3] = e0 + job.steps_per_period * 1e12 * (EPF["fp32"] if job.precision == "fp32" else EPF["fp32"] * 0.99)
+
+    job.run = run  # type: ignore[method-assign]  # bf16 saves 1 %: under min_saving
+    _, ds = drive(policy(cooldown_s=600.0), job, 60)
+    assert switches(job)[:2] == [("fp32", "bf16"), ("bf16", "fp32")], [d.reason for d in ds[-3:]]
