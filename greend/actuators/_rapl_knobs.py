@@ -58,12 +58,12 @@ class RaplKnobs:
         name is another zone's."""
         mine = [e for e in self.book.state.cpus if str(Path(e.sysfs_root).resolve()) == rapl.key]
         for e in mine:
-            if e.zone_path == ref.rel_path and (not e.name or e.name == ref.name):
+            if e.zone_path == ref.rel_path and (not e.name or ref.named(e.name)):
                 return e
-        named = [e for e in mine if e.name == ref.name]
-        if len(named) == 1 and _unique_name(rapl, ref.name, ref.zone_id):
+        named = [e for e in mine if e.name == ref.label]
+        if len(named) == 1 and _unique_name(rapl, ref.label, ref.zone_id):
             e = named[0]
-            log.warning("%s was saved at %s and is at %s now", ref.name, e.zone_path, ref.rel_path)
+            log.warning("%s was saved at %s and is at %s now", ref.label, e.zone_path, ref.rel_path)
             e.zone_path, e.zone_id = ref.rel_path, ref.zone_id
             return e
         return None
@@ -152,7 +152,7 @@ class RaplKnobs:
                     sysfs_root=str(rapl.sysfs_root),
                     zone_path=ref.rel_path,
                     zone_id=ref.zone_id,
-                    name=ref.name,
+                    name=ref.label,
                     owner=owner,
                     updated_at=time.time(),
                     constraints=saved,
@@ -242,8 +242,8 @@ class RaplKnobs:
             return
         try:
             ref = rapl.resolve(entry.zone_path)
-            if entry.name and ref.name != entry.name:
-                raise NoData(f"the zone at {entry.zone_path} is {ref.name} now")
+            if entry.name and not ref.named(entry.name):
+                raise NoData(f"the zone at {entry.zone_path} is {ref.label} now")
         except GreendError as e:
             moved = _find_named(rapl, entry.name, entry.zone_id) if entry.name else None
             if moved is None:
@@ -302,7 +302,7 @@ def _zones_named(rapl: RaplBackend, name: str, like: str) -> list[RaplZoneRef]:
             ref = rapl.resolve(zid)
         except GreendError:
             continue
-        if ref.name == name:
+        if ref.label == name:
             out.append(ref)
     return out
 

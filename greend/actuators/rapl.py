@@ -36,10 +36,20 @@ class RaplZoneRef:
     name: str
     dir: Path
     rel_path: str
+    parent: str = ""  # a subzone's package's name ("package-0" for its "core")
 
     @property
     def device(self) -> str:
-        return f"{self.name} ({self.zone_id})"
+        return f"{self.label} ({self.zone_id})"
+
+    @property
+    def label(self) -> str:
+        """The name that tells the zone apart: ``package-0``, ``package-1/dram``."""
+        return f"{self.parent}/{self.name}" if self.parent else self.name
+
+    def named(self, saved: str) -> bool:
+        """Whether this is the zone saved as ``saved`` (a label; older files: a plain name)."""
+        return saved == self.label or ("/" not in saved and saved == self.name)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,13 @@ class RaplBackend:
             name = self._read(zdir / "name").strip()
         except OSError:
             name = Path(rel).name
-        return RaplZoneRef(zone_id=Path(rel).name, name=name, dir=zdir, rel_path=rel)
+        parent = ""
+        if Path(rel).name.count(":") >= 2:  # a subzone: its directory sits in its package's
+            try:
+                parent = self._read(zdir.resolve().parent / "name").strip()
+            except OSError:
+                parent = ""
+        return RaplZoneRef(zone_id=Path(rel).name, name=name, dir=zdir, rel_path=rel, parent=parent)
 
     def constraints(self, ref: RaplZoneRef) -> list[RaplConstraint]:
         """The zone's long_term and short_term constraints, in index order."""

@@ -724,3 +724,23 @@ def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path) -> No
     assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
     assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
     assert read_uw(tree, "intel-rapl:0", 0) == 150_000_000
+
+
+def test_subzones_of_renumbered_packages_get_their_own_originals(tmp_path: Path) -> None:
+    """Every package has a "core": a subzone is told apart by its package's name too
+    (saved as package-1/core), so renumbered packages' cores are not swapped."""
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    tree = make_standard_tree(sysfs)
+    c0, c1 = tree.dir_of("intel-rapl:0:0"), tree.dir_of("intel-rapl:1:0")
+    orig0 = (c0 / "constraint_0_power_limit_uw").read_text().strip()
+    (c1 / "constraint_0_power_limit_uw").write_text("30000000\n")  # package-1's core: 30 W its own
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs))
+    ctl.apply_cpu_limit("intel-rapl:0:0", 10.0, "node")
+    ctl.apply_cpu_limit("intel-rapl:1:0", 12.0, "node")
+    assert sorted(c["name"] for c in state_json(state)["cpus"]) == ["package-0/core", "package-1/core"]
+    _renumber(sysfs, "intel-rapl:0", "intel-rapl:1")
+    _renumber(sysfs, "intel-rapl:0:0", "intel-rapl:1:0")
+    report = Controller(state, rapl_backend=RaplBackend(sysfs)).restore_all()
+    assert report.ok, report.failed
+    assert (c0 / "constraint_0_power_limit_uw").read_text().strip() == orig0
+    assert (c1 / "constraint_0_power_limit_uw").read_text().strip() == "30000000"
