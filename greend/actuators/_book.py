@@ -71,7 +71,8 @@ class SettingsBook:
                     for k, ks in g.knobs.items():
                         out.setdefault(ks.owner, []).append(f"gpu{g.index}.{k}")
                 for c in self.state.cpus:
-                    out.setdefault(c.owner, []).append(c.device)
+                    if any(st.set_uw is not None for st in c.constraints):  # (a refused first cap holds nothing)
+                        out.setdefault(c.owner, []).append(c.device)
             return {o: sorted(v) for o, v in sorted(out.items())}
 
     def snapshot(self, refused: Mapping[int, Any]) -> dict[str, Any]:

@@ -99,6 +99,15 @@ class RaplKnobs:
             rapl = self._backend()
             ref = guarded(str(zone_path), POWER_KNOB, "find the zone", lambda: rapl.resolve(zone_path))
             dev = ref.device
+            if watts is not None and rapl.disabled(ref):  # (a dry run says so too)
+                raise KnobError(
+                    f"{dev} {POWER_KNOB}: the zone's power limiting is off ({ref.dir / 'enabled'} reads 0: the "
+                    "firmware locked it, or it was turned off); a limit written there is not enforced, so greend "
+                    "sets none (write 1 to that file as root, where the platform allows it)",
+                    device=dev,
+                    knob=POWER_KNOB,
+                    reason="not_supported",
+                )
             if self.book.dry_run:
                 if watts is None:
                     if self.book.dry_cpu.pop(ref.rel_path, None) is not None:
@@ -117,15 +126,6 @@ class RaplKnobs:
                     if report.failed:
                         raise KnobError(report.failed[0].message, device=dev, knob=POWER_KNOB, reason="failed")
                 return None
-            if rapl.disabled(ref):
-                raise KnobError(
-                    f"{dev} {POWER_KNOB}: the zone's power limiting is off ({ref.dir / 'enabled'} reads 0: the "
-                    "firmware locked it, or it was turned off); a limit written there is not enforced, so greend "
-                    "sets none (write 1 to that file as root, where the platform allows it)",
-                    device=dev,
-                    knob=POWER_KNOB,
-                    reason="not_supported",
-                )
             cons = guarded(dev, POWER_KNOB, "list the constraints", lambda: rapl.constraints(ref))
             if not cons:
                 raise KnobError(

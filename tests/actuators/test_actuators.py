@@ -744,3 +744,16 @@ def test_subzones_of_renumbered_packages_get_their_own_originals(tmp_path: Path)
     assert report.ok, report.failed
     assert (c0 / "constraint_0_power_limit_uw").read_text().strip() == orig0
     assert (c1 / "constraint_0_power_limit_uw").read_text().strip() == "30000000"
+
+
+def test_a_refused_first_cpu_cap_leaves_no_owner_and_no_entry(tmp_path: Path) -> None:
+    sysfs, state = tmp_path / "sys", tmp_path / "state"
+    make_standard_tree(sysfs)
+
+    def refused(path: Path, text: str) -> None:
+        raise OSError(22, "Invalid argument", str(path))
+
+    ctl = Controller(state, rapl_backend=RaplBackend(sysfs, write=refused))
+    with pytest.raises(KnobError):
+        ctl.apply_cpu_limit("intel-rapl:0", 120.0, "node")
+    assert ctl.owners() == {}  # its originals stay saved (a restore at the stop checks them)
