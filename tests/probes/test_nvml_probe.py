@@ -147,8 +147,9 @@ def test_power_is_read_with_the_slow_fields_while_the_counter_works_and_every_ti
         clock.advance(0.1)
         now += 0.1
     # gpu0 (counter): energy every tick, power with the slow fields (t = 0 s, 1 s);
-    # gpu1 (integrating): its counter is NOT_SUPPORTED, so power every tick.
-    assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 20
+    # gpu1 (integrating): its counter is NOT_SUPPORTED, so power every tick, and its counter
+    # tried again at the first tick (then every COUNTER_RETRY_S, 60 s: not within these 2 s).
+    assert nvml.calls["nvmlDeviceGetTotalEnergyConsumption"] == 20 + 1
     assert nvml.calls["nvmlDeviceGetPowerUsage"] == 2 + 20
     assert nvml.calls["nvmlDeviceGetTemperature"] == 2 * 2
     g = by_index(probe, now)
