@@ -61,7 +61,7 @@ class RaplKnobs:
             if e.zone_path == ref.rel_path and (not e.name or ref.named(e.name)):
                 return e
         named = [e for e in mine if e.name == ref.label]
-        if len(named) == 1 and _unique_name(rapl, ref.label, ref.zone_id):
+        if len(named) == 1 and _find_named(rapl, ref.label, ref.zone_id) is not None:
             e = named[0]
             log.warning("%s was saved at %s and is at %s now", ref.label, e.zone_path, ref.rel_path)
             e.zone_path, e.zone_id = ref.rel_path, ref.zone_id
@@ -168,11 +168,9 @@ class RaplKnobs:
                     dev,
                     ", ".join(f"{c.name}={c.original_uw}" for c in saved),
                 )
-            by_index = {c.index: c for c in entry.constraints}
-            long_w: float | None = None
             written: list[tuple[CpuConstraintState, int]] = []  # (constraint, its value before this call)
             try:
-                long_w = self._write_all(rapl, ref, dev, cons, entry, by_index, watts, written)
+                long_w = self._write_all(rapl, ref, dev, cons, entry, watts, written)
             except GreendError:
                 # One constraint refused after others took: those go back, so a refusal
                 # leaves the zone as it was (an admin told "refused" assumes so).
@@ -195,12 +193,12 @@ class RaplKnobs:
         dev: str,
         cons: list[RaplConstraint],
         entry: CpuEntry,
-        by_index: dict[int, CpuConstraintState],
         watts: float,
         written: list[tuple[CpuConstraintState, int]],
     ) -> float | None:
         """Every constraint of the zone to ``watts`` (short_term never above its original);
         each one written goes to ``written`` with its value before. The long-term limit in force."""
+        by_index = {c.index: c for c in entry.constraints}
         long_w: float | None = None
         for c in cons:
             st = by_index.get(c.index)
@@ -305,10 +303,6 @@ def _zones_named(rapl: RaplBackend, name: str, like: str) -> list[RaplZoneRef]:
         if ref.label == name:
             out.append(ref)
     return out
-
-
-def _unique_name(rapl: RaplBackend, name: str, like: str) -> bool:
-    return len(_zones_named(rapl, name, like)) == 1
 
 
 def _find_named(rapl: RaplBackend, name: str, like: str) -> RaplZoneRef | None:

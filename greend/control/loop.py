@@ -190,7 +190,7 @@ class ControlLoop:
                 raise ConfigError(f"[policy] precision {name!r}: {e}") from e
         with self._lock:
             old = self.precision_policy
-            if old is not None and policy is not None and old.name == policy.name and old.params() == policy.params():
+            if _same(old, policy):
                 return  # the same policy: it goes on as it was
             self.precision_policy = policy
             self.precision_state = None if policy is None else policy.new_state()
@@ -216,7 +216,7 @@ class ControlLoop:
             raise ConfigError(msg if msg.startswith(f"policy {name!r}") else f"policy {name!r}: {msg}") from e
         with self._lock:
             old = self.policy
-            if old is not None and old.name == policy.name and old.params() == policy.params():
+            if _same(old, policy):
                 return self.show()  # the same policy: it goes on as it was (its search, its caps)
             self.policy = policy
             self.policy_state = policy.new_state()
@@ -598,3 +598,8 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return str(v)
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether ``new`` is the policy ``old`` already is (the same name and parameters)."""
+    return old is not None and new is not None and old.name == new.name and old.params() == new.params()

@@ -46,6 +46,8 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.bfloat16,
     "fp8-emulated": torch.bfloat16,
 }
+# The job's own level from the dtype it computes in (its autocast's, or its weights').
+_DTYPE_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _NULL_CONTEXT = contextlib.nullcontext()
 _PROBED = frozenset({"bf16", "fp16"})  # levels probed against the level above (an autocast apart)
 
@@ -219,7 +221,7 @@ class PrecisionControl:
         try:
             if torch.is_autocast_enabled(self.autocast_device):
                 dtype = torch.get_autocast_dtype(self.autocast_device)
-                level = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+                level = _DTYPE_LEVELS.get(dtype)
         except Exception as e:  # an older torch without the device argument
             log.debug("cannot read the autocast state: %s", e)
         if level is None and final:
@@ -601,4 +603,4 @@ def _weights_level(model: torch.nn.Module | None) -> str | None:
     if not counts:
         return None
     dtype = max(counts, key=lambda d: counts[d])
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    return _DTYPE_LEVELS.get(dtype)
