@@ -236,13 +236,21 @@ def test_escaped_text_and_surrogate_pairs_are_text(server: IpcServer) -> None:
     s.close()
 
 
+def _adder(path: Path, limits: Limits, users_only: bool = True) -> IpcServer:
+    """A started server with one op, ``add`` (``a`` back as ``sum``); ``users_only``: its
+    clients are not admins (the per-uid limits hold for them)."""
+    srv = IpcServer(path, limits=limits)
+    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
+    if users_only:
+        srv.is_admin = lambda p: False
+    srv.start()
+    return srv
+
+
 def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_rate(tmp_path: Path) -> None:
     """Empty lines are answered by nothing; they were neither rate-limited nor cheap (each
     one copied the rest of the buffer): 8 MiB of them held a reply up for seconds."""
-    srv = IpcServer(tmp_path / "g.sock", limits=Limits(messages_per_s=1e9))
-    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
-    srv.is_admin = lambda p: False
-    srv.start()
+    srv = _adder(tmp_path / "g.sock", Limits(messages_per_s=1e9))
     try:
         s = raw(srv.path)
         s.settimeout(30)
@@ -254,9 +262,7 @@ def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_ra
         s.close()
     finally:
         srv.stop()
-    srv = IpcServer(tmp_path / "h.sock", limits=Limits(messages_per_s=200.0))
-    srv.is_admin = lambda p: False
-    srv.start()
+    srv = _adder(tmp_path / "h.sock", Limits(messages_per_s=200.0))
     try:
         s = raw(srv.path)
         s.sendall(b"\n" * 2000)  # ten seconds' worth of messages at 200/s
@@ -269,9 +275,7 @@ def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_ra
 def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> None:
     """The daemon answers a connection past max_connections with one line and closes it;
     a request whose send found it closed still reads that line (it said "broken pipe")."""
-    srv = IpcServer(tmp_path / "g.sock", limits=Limits(max_connections=4, reserved_admin=0))
-    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
-    srv.start()
+    srv = _adder(tmp_path / "g.sock", Limits(max_connections=4, reserved_admin=0), users_only=False)
     held = [raw(srv.path) for _ in range(4)]
     try:
         assert wait_for(lambda: len(srv._conns) == 4)
@@ -296,10 +300,7 @@ def test_a_version_that_only_python_calls_1_is_refused(server: IpcServer, v: str
 
 
 def test_a_burst_of_empty_lines_holds_its_uid_s_next_request_back_a_second_at_most(tmp_path: Path) -> None:
-    srv = IpcServer(tmp_path / "g.sock", limits=Limits(messages_per_s=2000.0))
-    srv.route("add", lambda m, c: {"sum": m["a"]}, {"a": Field((int,), required=True)})
-    srv.is_admin = lambda p: False
-    srv.start()
+    srv = _adder(tmp_path / "g.sock", Limits(messages_per_s=2000.0))
     try:
         s = raw(srv.path)
         s.sendall(b"\n" * 200_000)  # 100 s of messages at 2000/s

@@ -572,6 +572,34 @@ def test_an_unmappable_mig_device_registers_no_gpus(sock_path: Path, monkeypatch
         d.stop()
 
 
+def _steps_asked(
+    cb: GreenCallback,
+    daemon: FakeDaemon,
+    model: nn.Module,
+    opt: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    asked: dict[int, str],
+    check: Callable[[int, str], None],
+) -> list[str]:
+    """40 steps through step.backward/optimizer_step, the daemon asking ``asked[i]`` before
+    step i; ``check`` after each step; the level each step ran at."""
+    ran = []
+    for i in range(40):
+        if i in asked:
+            daemon.directive(asked[i])
+            time.sleep(0.2)
+        with cb.step(samples=BATCH) as step:
+            with step.autocast():
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            step.backward(loss)
+            step.optimizer_step(opt)
+            opt.zero_grad()
+        ran.append(step.precision)
+        check(i, step.precision)
+    return ran
+
+
 def test_a_bf16_job_s_own_tf32_flags_are_never_touched(daemon: FakeDaemon, sock_path: Path) -> None:
     """greend writes the TF32 flags only for a level it runs that sets them (tf32, fp32):
     a bf16 job that turns TF32 on after making the callback keeps it through a switch to
@@ -586,20 +614,12 @@ def test_a_bf16_job_s_own_tf32_flags_are_never_touched(daemon: FakeDaemon, sock_
         cb = GreenCallback(job="tf32-bf16", model=model, socket=sock_path, initial_precision="bf16",
                            precisions=["fp32", "bf16", "fp8-emulated"], fp8_min_features=1, **FAST)  # fmt: skip
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # the job's own, later
-        ran = set()
-        for i in range(40):
-            if i in (5, 20):
-                daemon.directive("fp8-emulated" if i == 5 else "bf16")
-                time.sleep(0.2)
-            with cb.step(samples=BATCH) as step:
-                with step.autocast():
-                    loss = nn.functional.cross_entropy(model(x).float(), y)
-                step.backward(loss)
-                step.optimizer_step(opt)
-                opt.zero_grad()
-            ran.add(step.precision)
-            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32, (i, step.precision)
-        assert ran == {"bf16", "fp8-emulated"}
+
+        def check(i: int, level: str) -> None:
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32, (i, level)
+
+        ran = _steps_asked(cb, daemon, model, opt, x, y, {5: "fp8-emulated", 20: "bf16"}, check)
+        assert set(ran) == {"bf16", "fp8-emulated"}
         cb.close()
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
@@ -642,19 +662,11 @@ def test_back_at_a_detected_fp32_level_the_job_s_own_tf32_flags_stand(daemon: Fa
     try:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
         cb = GreenCallback(job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST)
-        ran = []
-        for i in range(40):
-            if i in (5, 20):
-                daemon.directive("bf16" if i == 5 else "fp32")
-                time.sleep(0.2)
-            with cb.step(samples=BATCH) as step:
-                with step.autocast():
-                    loss = nn.functional.cross_entropy(model(x).float(), y)
-                step.backward(loss)
-                step.optimizer_step(opt)
-                opt.zero_grad()
-            ran.append(step.precision)
+
+        def check(i: int, level: str) -> None:
             assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True), i
+
+        ran = _steps_asked(cb, daemon, model, opt, x, y, {5: "bf16", 20: "fp32"}, check)
         assert ran[0] == "fp32" and "bf16" in ran and ran[-1] == "fp32"
         cb.close()
     finally:
