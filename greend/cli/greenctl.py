@@ -324,7 +324,8 @@ def ctl_report(
             runs = [j for j in stored_jobs(path) if j["job"] == job]
         except GreendError:
             runs = []
-        before = len(runs) - (1 if r.get("state") == "ended" else 0)
+        before = sum(1 for j in runs if j.get("run_id") != r.get("run_id") or not r.get("run_id"))
+        before -= 1 if r.get("state") == "ended" and not r.get("run_id") else 0
         if before > 0:
             typer.echo(
                 f"note: job id {job!r} ran {before} time(s) before this run; greenctl jobs --all lists every run",

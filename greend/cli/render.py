@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,7 @@ def render_report(r: dict[str, Any]) -> str:
             f"{r.get('ranks', 0) + len(r.get('ranks_gone') or [])} rank(s))"
         ),
         f"  duration         {_num(r['duration_s'], '.1f', 's')}",
+        *_parts_lines(r),
         f"  FLOPs            {_num(r['flops'], '.4g')}   ({_num(r.get('flop_per_s'), '.3g', 'FLOP/s')})",
         f"  GPU energy{label:6} {_num(r['gpu_energy_j'], '.1f', 'J')}   "
         f"avg {_num(r.get('avg_gpu_power_w'), '.1f', 'W')}",
@@ -224,6 +226,19 @@ def render_report(r: dict[str, Any]) -> str:
         for n in notes:
             lines.append(f"    {n.get('policy')}: {n.get('reason')}")
     return "\n".join(lines)
+
+
+def _parts_lines(r: dict[str, Any]) -> list[str]:
+    """A run the daemon restarted under: its parts (the figures are the whole run's)."""
+    parts = r.get("parts") or []
+    if len(parts) < 2:
+        return []
+    at = [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p["started_at"])) for p in parts[1:] if p.get("started_at")]
+    return [
+        f"  parts            {len(parts)}: the daemon restarted under this run"
+        + (f" (again at {', '.join(at)})" if at else "")
+        + "; the figures are the whole run's"
+    ]
 
 
 def render_whole_job(w: dict[str, Any]) -> str:

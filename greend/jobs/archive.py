@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from greend.fsutil import write_atomic
+from greend.jobs.parts import join_reports, runs_of
 
 __all__ = ["ARCHIVE_DIR", "JobArchive", "evict_fairly"]
 
@@ -117,14 +118,26 @@ class JobArchive:
         return out
 
     def report(self, job: str) -> dict[str, Any] | None:
-        """The latest kept run's report, as the daemon gave it when the run ended."""
-        runs = self.runs(job)
+        """The latest kept run's report, as the daemon gave it when the run ended: its
+        parts joined where the daemon restarted under it (:mod:`greend.jobs.parts`)."""
+        runs = runs_of(doc["report"] for doc in self.runs(job))
         if not runs:
             return None
-        rep = dict(runs[-1]["report"])
+        rep = join_reports(runs[-1])
         rep["earlier_runs"] = len(runs) - 1
         rep["from_history"] = True  # the daemon's archive, not its live table
         return rep
+
+    def parts_before(self, job: str, run: str | None, started_at: float | None) -> list[dict[str, Any]]:
+        """The kept parts of run ``run`` of ``job`` that started before ``started_at`` (the
+        record the daemon holds now): the run's life before the daemon restarted under it."""
+        if run is None or started_at is None:
+            return []
+        return [
+            doc["report"]
+            for doc in self.runs(job)
+            if doc["report"].get("run_id") == run and (doc["report"].get("started_at") or 0.0) < started_at
+        ]
 
     def rows(self, limit: int = 200) -> list[dict[str, Any]]:
         """The latest ``limit`` ended runs' rows, oldest first."""

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from greend.errors import StoreError
+from greend.jobs.parts import join_rows, runs_of
 from greend.points import JOB_SUMMARY_FIELDS
 from greend.stores.sqlite import connect_readonly
 
@@ -96,7 +97,9 @@ def stored_jobs(path: Path) -> list[dict[str, Any]]:
         db.close()
     seen: dict[str, int] = {}
     out = []
-    for r in rows:
+    # The parts of a run the daemon restarted under are one row (greend.jobs.parts).
+    for parts in runs_of(rows, key=lambda r: (r["job"], r["run"]) if r.get("run") else None):
+        r = join_rows(parts)
         seen[r["job"]] = seen.get(r["job"], 0) + 1
         out.append(
             {
@@ -134,11 +137,11 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
     never saw it end. ``earlier_runs``: how many runs of the same id came before."""
     db = _open(path)
     try:
-        runs = _rows(db, "greend_job", "job = ?", (job,))
+        runs = runs_of(_rows(db, "greend_job", "job = ?", (job,)), key=lambda r: r.get("run") or None)
         if not runs:
             return None
-        r = runs[-1]
-        prev_end = runs[-2]["ts_ns"] if len(runs) > 1 else 0
+        r = join_rows(runs[-1])  # its parts, where the daemon restarted under it
+        prev_end = runs[-2][-1]["ts_ns"] if len(runs) > 1 else 0
         decisions = _rows(db, "greend_decision", "job = ? AND ts_ns > ? AND ts_ns <= ?", (job, prev_end, r["ts_ns"]))
     finally:
         db.close()
@@ -210,6 +213,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         },
         "ended_at": r["ts_ns"] / 1e9,
         "earlier_runs": len(runs) - 1,
+        "parts": r.get("parts"),  # the run's parts, where the daemon restarted under it
         "from_store": str(path),
     }
 
@@ -438,10 +442,12 @@ def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     runs = {r.get("run") or "" for r in ordered}
     if run:
         ordered = [r for r in ordered if r.get("run") == run]
-    # A node is a host in a store: its row of that run (the latest, for untagged rows).
-    last: dict[tuple[str, str], dict[str, Any]] = {}
+    # A node is a host in a store: its row of that run (its parts joined, where the daemon
+    # restarted under it; the latest, for untagged rows).
+    by_node: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in ordered:
-        last[(r["store"], str(r.get("host")))] = r
+        by_node.setdefault((r["store"], str(r.get("host"))), []).append(r)
+    last = {node: join_rows(rs) if run else rs[-1] for node, rs in by_node.items()}
     nodes = []
     for (_, host), r in sorted(last.items()):
         nodes.append(

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from greend.errors import ProtocolError
 from greend.jobs.archive import JobArchive
+from greend.jobs.parts import join_reports, join_rows, runs_of
 from greend.jobs.records import Caller, Job
 from greend.jobs.registry import JobRegistry
 from greend.jobs.report import ROW_FIELDS
@@ -195,7 +196,13 @@ class JobOps:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
             raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known}){hint}", field="job")
-        return self.jobs.report_with_series(job)
+        report = self.jobs.report_with_series(job)
+        if self.archive is not None:
+            # A run the daemon restarted under: its parts before, kept in the archive.
+            before = self.archive.parts_before(job.job, job.run, report.get("started_at"))
+            if before:
+                report = join_reports([*before, report])
+        return report
 
     def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         """The jobs the daemon holds, after the ended runs it kept from before (a restart
@@ -203,9 +210,16 @@ class JobOps:
         live = self.jobs.list_jobs()
         if self.archive is None:
             return {"jobs": live}
-        held = {(j["job"], j.get("run_id")) for j in live}
-        kept = [r for r in self.archive.rows(self.jobs.keep_ended) if (r["job"], r.get("run_id")) not in held]
-        return {"jobs": kept + live}
+        # A record both kept and still held (an ended job) is listed once, as held; the
+        # parts of a run the daemon restarted under are joined into one row.
+        held = {(j["job"], j.get("run_id"), j.get("started_at")) for j in live}
+        kept = [
+            r
+            for r in self.archive.rows(self.jobs.keep_ended)
+            if (r["job"], r.get("run_id"), r.get("started_at")) not in held
+        ]
+        runs = runs_of(kept + live, key=lambda r: (r["job"], r["run_id"]) if r.get("run_id") else None)
+        return {"jobs": [join_rows(parts) for parts in runs]}
 
     def _keep(self, job: Job) -> None:
         """At a job's end (the registry's hook, outside its lock): its report to the archive."""

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 ClaimState = Literal["pending", "active", "trusted"]
 
 __all__ = [
+    "INTERRUPTED",
     "Baseline",
     "CapChange",
     "ClaimState",
@@ -137,6 +138,9 @@ class RankSession:
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
     precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
+
+
+INTERRUPTED = "interrupted: the daemon stopped"  # how the jobs running when the daemon stops end
 
 
 @dataclass(frozen=True)

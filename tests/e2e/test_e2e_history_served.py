@@ -155,3 +155,73 @@ def test_a_group_member_reads_history_through_the_daemon(
     assert comparable(got["report"]["result"]) == comparable(live)
     assert [j["job"] for j in got["jobs"]["result"]["jobs"]] == ["hist-m"]
     assert got["direct"] == "refused"  # the store itself stays root's
+
+
+def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A real training goes on while greend restarts (an upgrade, a crash that systemd
+    restarts): the callback keeps its steps, reconnects and registers again with its run
+    id. The report, ``greenctl jobs`` and the store tell the whole run: every step once,
+    the energy of both parts, one row, and the restart named; not the last part with a
+    note that the job "ran 1 time before"."""
+    torch = pytest.importorskip("torch")
+    from greend import GreenCallback
+    from tests.training.test_callback import FAST
+
+    state = tmp_path / "state"
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state)
+    daemons.append(d)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    cb = GreenCallback(job="through", model=model, socket=d.socket, gpus=[0], **FAST)
+    steps = 0
+
+    def run(n: int) -> None:
+        nonlocal steps
+        for _ in range(n):
+            with cb.step(samples=8, batch=x) as step:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                step.loss(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            steps += 1
+            time.sleep(0.01)
+
+    with pytest.warns(Warning, match="lost the daemon"):
+        run(60)
+        cb.flush()
+        time.sleep(0.5)  # (the first part's steps reach the daemon)
+        d.stop()
+        run(20)  # kept by the callback while no daemon runs
+        d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, name="d2",
+                          socket=d.socket)  # fmt: skip
+        daemons.append(d2)
+        deadline = time.monotonic() + 20
+        while cb.stats.connects < 2 and time.monotonic() < deadline:
+            run(1)
+        run(40)
+        cb.close()
+    whole = wait_ended(d2, "through")
+    assert cb.stats.connects == 2 and whole["run_id"] == cb.run
+    assert whole["steps"] == steps, (whole["steps"], steps)  # every step once
+    parts = whole["parts"]
+    assert len(parts) == 2 and parts[0]["end_reason"] == "interrupted: the daemon stopped"
+    assert parts[0]["steps"] >= 60 and parts[0]["steps"] + parts[1]["steps"] == steps
+    assert all(p["gpu_energy_j"] > 0 for p in parts)  # both parts' energy, in the whole
+    assert whole["gpu_energy_j"] == pytest.approx(sum(p["gpu_energy_j"] for p in parts))
+    text = d2.ctl("report", "through")
+    assert "parts            2: the daemon restarted under this run" in text.stdout
+    assert "ran 1 time(s) before" not in text.stderr and f"steps            {steps} " in text.stdout
+    listed = json.loads(d2.ctl("jobs", "--json").stdout)["jobs"]
+    assert [(j["job"], j["steps"]) for j in listed] == [("through", steps)]
+    # With no daemon, from the SQLite store, and as the cross-node reader sums it.
+    d2.stop()
+    stored = d2.ctl("report", "through", "--store", str(state / "greend.db"))
+    assert f"steps            {steps} " in stored.stdout and "parts            2" in stored.stdout
+    assert "ran 1 time(s) before" not in stored.stderr
+    across = json.loads(d2.ctl("report", "through", "--store", str(state / "greend.db"), "--store",
+                               str(state / "greend.db"), "--json").stdout)  # fmt: skip
+    assert across["steps"] == steps
+    assert across["gpu_energy_j"] == pytest.approx(whole["gpu_energy_j"], rel=1e-6)

@@ -1,0 +1,108 @@
+"""One run across daemon restarts: its parts joined (greend.jobs.parts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from greend.jobs.parts import join_reports, join_rows, runs_of
+from greend.jobs.records import INTERRUPTED
+
+
+def part(**over: Any) -> dict[str, Any]:
+    """A report as the daemon gives it, cut to what the join reads."""
+    base: dict[str, Any] = {
+        "job": "train", "run_id": "r1", "state": "ended", "end_reason": INTERRUPTED, "started_at": 100.0,
+        "first_step_at": 100.5, "steps": 100, "step_reports": 100, "flops": 1e15, "samples": 6400, "tokens": 0,
+        "duration_s": 50.0, "gpu_energy_j": 10_000.0, "cpu_energy_j": 1_000.0, "energy_j": 11_000.0,
+        "energy_kwh": 11_000.0 / 3.6e6, "co2_g": 1.0, "avg_power_w": 220.0, "avg_gpu_power_w": 200.0,
+        "flop_per_s": 2e13, "gflops_per_w": 100.0, "gflops_per_w_with_cpu": 1e15 / 11_000.0 / 1e9,
+        "gpu_energy_per_step_j": 100.0, "samples_per_j": 6400 / 11_000.0, "tokens_per_j": 0.0,
+        "step_time_s": 45.0, "nonfinite_steps": 0, "probe_steps": 0, "cap_changes": 1,
+        "per_gpu": [{"gpu": 0, "flops": 1e15, "energy_j": 10_000.0, "gflops_per_w": 100.0}],
+        "gpus": [0], "ranks": 0, "ranks_gone": [{"rank": 0, "pid": 7, "reason": INTERRUPTED, "steps": 100}],
+        "decisions": [{"t": 101.0, "setting": {"clock_cap_mhz": 1500}, "reason": "first"}],
+        "precision_log": [], "series": [{"t": 101.0}], "precision": "fp32",
+        "savings": {
+            "saved_j": 1_000.0, "saved_pct": 1_000.0 / 11_000.0 * 100, "slowdown_pct": 2.0,
+            "reference": {"time_s": 50.0 / 1.02, "actual_time_s": 50.0},
+            "confidence": {"level": "high", "rel_stderr": 0.01, "saved_j_95": [900.0, 1100.0]},
+            "controlled": True, "note": None,
+        },
+        "saved_gpu_energy_j": 1_000.0, "saved_pct": 1_000.0 / 11_000.0 * 100, "slowdown_pct": 2.0,
+    }  # fmt: skip
+    base.update(over)
+    return base
+
+
+def test_the_parts_of_a_run_sum_and_their_rates_are_computed_again() -> None:
+    first = part()
+    second = part(
+        state="running", end_reason=None, started_at=160.0, first_step_at=155.0, steps=300, step_reports=300,
+        flops=2e15, samples=19200, duration_s=100.0, gpu_energy_j=30_000.0, cpu_energy_j=2_000.0, energy_j=32_000.0,
+        ranks=1, ranks_gone=[], decisions=[{"t": 170.0, "setting": {"clock_cap_mhz": 1400}, "reason": "again"}],
+        series=[{"t": 170.0}], precision="bf16",
+        per_gpu=[{"gpu": 0, "flops": 2e15, "energy_j": 30_000.0, "gflops_per_w": 2e15 / 30_000 / 1e9}],
+        savings={**part()["savings"], "saved_j": 5_000.0, "reference": {"time_s": 100.0, "actual_time_s": 100.0},
+                 "confidence": {"level": "medium", "rel_stderr": 0.03, "saved_j_95": [4_000.0, 6_000.0]}},
+        saved_gpu_energy_j=5_000.0,
+    )  # fmt: skip
+    whole = join_reports([first, second])
+    # What adds up is summed; what the run is now is the latest part's.
+    assert (whole["steps"], whole["flops"], whole["samples"]) == (400, 3e15, 25_600)
+    assert isinstance(whole["samples"], int)
+    assert whole["duration_s"] == 150.0 and whole["gpu_energy_j"] == 40_000.0 and whole["energy_j"] == 43_000.0
+    assert (whole["state"], whole["precision"], whole["ranks"]) == ("running", "bf16", 1)
+    assert (whole["started_at"], whole["first_step_at"]) == (100.0, 100.5)
+    # Rates from the sums, never a mean of the parts' quotients (100 and 66.7 GFLOPS/W).
+    assert whole["gflops_per_w"] == pytest.approx(3e15 / 40_000.0 / 1e9)
+    assert whole["avg_gpu_power_w"] == pytest.approx(40_000.0 / 150.0)
+    assert whole["gpu_energy_per_step_j"] == pytest.approx(100.0)
+    assert whole["per_gpu"][0]["energy_j"] == 40_000.0 and whole["per_gpu"][0]["flops"] == 3e15
+    # The saving: each part's against its own baseline, summed, its share of the whole.
+    assert whole["saved_gpu_energy_j"] == 6_000.0 and whole["savings"]["saved_j"] == 6_000.0
+    assert whole["saved_pct"] == pytest.approx(100.0 * 6_000.0 / 46_000.0)
+    assert whole["savings"]["slowdown_pct"] == pytest.approx(100.0 * (150.0 / (50.0 / 1.02 + 100.0) - 1.0))
+    assert whole["savings"]["confidence"]["level"] == "medium"  # the least sure part's
+    assert whole["savings"]["confidence"]["saved_j_95"] == [4_900.0, 7_100.0]
+    # The logs run on; the rank the daemon's stop "ended" went on into the next part.
+    assert [d["reason"] for d in whole["decisions"]] == ["first", "again"]
+    assert len(whole["series"]) == 2 and whole["ranks_gone"] == []
+    assert [p["steps"] for p in whole["parts"]] == [100, 300]
+    assert whole["parts"][0]["end_reason"] == INTERRUPTED
+
+
+def test_a_figure_one_part_did_not_measure_is_unknown_for_the_run() -> None:
+    """No sum of the parts that knew it: that would read as the whole run's."""
+    first = part(
+        saved_gpu_energy_j=None, saved_pct=None, savings={**part()["savings"], "saved_j": None}, gflops_per_w=None
+    )
+    whole = join_reports([first, part(started_at=200.0)])
+    assert whole["saved_gpu_energy_j"] is None and whole["saved_pct"] is None
+    assert "1 of its 2 parts" in whole["savings"]["note"]
+    assert whole["gflops_per_w"] is None  # (FLOPs unknown in a part)
+    unknown = join_rows([part(gpu_energy_j=None), part(started_at=200.0)])
+    assert unknown["gpu_energy_j"] is None and unknown["steps"] == 200
+
+
+def test_rows_join_and_a_single_part_is_unchanged() -> None:
+    one = part()
+    assert join_reports([one]) == one and join_rows([one]) == one
+    # greenctl jobs' rows carry the saving as a share only: the joules come back from it.
+    rows = [
+        {"job": "train", "run_id": "r1", "steps": 10, "gpu_energy_j": 900.0, "saved_pct": 10.0, "duration_s": 5.0,
+         "flops": 1e12, "gflops_per_w": 1.1, "slowdown_pct": 5.0},
+        {"job": "train", "run_id": "r1", "steps": 30, "gpu_energy_j": 2_000.0, "saved_pct": 20.0, "duration_s": 10.0,
+         "flops": 3e12, "gflops_per_w": 1.5, "slowdown_pct": 0.0},
+    ]  # fmt: skip
+    row = join_rows(rows)
+    assert row["steps"] == 40 and row["gpu_energy_j"] == 2_900.0
+    assert row["saved_pct"] == pytest.approx(100.0 * 600.0 / 3_500.0)  # 100 J + 500 J saved
+    assert row["slowdown_pct"] == pytest.approx(100.0 * (15.0 / (5.0 / 1.05 + 10.0) - 1.0))
+    assert row["gflops_per_w"] == pytest.approx(4e12 / 2_900.0 / 1e9)
+
+
+def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
+    recs = [{"run_id": "a", "n": 1}, {"run_id": "b", "n": 2}, {"run_id": None, "n": 3}, {"run_id": "a", "n": 4}]
+    assert [[r["n"] for r in run] for run in runs_of(recs)] == [[2], [3], [1, 4]]
