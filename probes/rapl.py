@@ -317,6 +317,12 @@ def read_power_limit_uw(zone_path: Path, n: int, *, read: ReadText = read_text) 
         raise NotSupported(f"cannot read {path}: {e}") from e
 
 
+# The kernel holds a limit in the package's RAPL power units (MSR_RAPL_POWER_UNIT: 1/8 W on
+# Intel and AMD parts), so it rounds a request to a step below this; a limit held within it
+# of a request is that request.
+ROUNDING_UW = 125_000
+
+
 def write_power_limit_uw(
     zone_path: Path,
     n: int,
@@ -343,7 +349,9 @@ def write_power_limit_uw(
         log.info("%s constraint %d: %d uW clamped to max %d uW", zone_path.name, n, target, max_uw)
         target = max_uw
     current = read_power_limit_uw(zone_path, n, read=read)
-    if current == target:
+    if abs(current - target) < ROUNDING_UW:
+        # What the kernel made of this same request last time (it holds a limit in the
+        # package's power units): written again, it would round again, and warn again.
         return current
     write_limit_file(zone_path / f"constraint_{n}_power_limit_uw", target, write=write)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import json
 import os
 import threading
@@ -713,17 +714,29 @@ def test_a_zone_whose_limiting_is_off_is_not_said_capped(tmp_path: Path) -> None
     assert read_uw(tree, "intel-rapl:0", 0) == 205_000_000
 
 
-def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path) -> None:
+def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """... and the same request again (a policy re-asserting its cap every period) is
+    what the kernel already holds: no second write, no second warning."""
     sysfs, state = tmp_path / "sys", tmp_path / "state"
     tree = make_standard_tree(sysfs)
+    writes: list[str] = []
 
     def rounds(path: Path, text: str) -> None:  # 1/8 W units, as RAPL's
+        writes.append(path.name)
         path.write_text(str(int(text) // 125_000 * 125_000) + "\n")
 
     ctl = Controller(state, rapl_backend=RaplBackend(sysfs, write=rounds))
-    assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
-    assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
-    assert read_uw(tree, "intel-rapl:0", 0) == 150_000_000
+    with caplog.at_level(logging.WARNING):
+        assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
+        assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
+        assert read_uw(tree, "intel-rapl:0", 0) == 150_000_000
+        first, warned = len(writes), len([r for r in caplog.records if "the kernel holds" in r.message])
+        assert first >= 1 and warned >= 1
+        assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
+        assert len(writes) == first
+        assert len([r for r in caplog.records if "the kernel holds" in r.message]) == warned
+        assert ctl.apply_cpu_limit("intel-rapl:0", 140.0, "node") == 140.0  # a real change is written
+        assert len(writes) > first and read_uw(tree, "intel-rapl:0", 0) == 140_000_000
 
 
 def test_subzones_of_renumbered_packages_get_their_own_originals(tmp_path: Path) -> None:
