@@ -128,16 +128,15 @@ class JobArchive:
         rep["from_history"] = True  # the daemon's archive, not its live table
         return rep
 
-    def parts_before(self, job: str, run: str | None, started_at: float | None) -> list[dict[str, Any]]:
-        """The kept parts of run ``run`` of ``job`` that started before ``started_at`` (the
-        record the daemon holds now): the run's life before the daemon restarted under it."""
-        if run is None or started_at is None:
-            return []
-        return [
-            doc["report"]
-            for doc in self.runs(job)
-            if doc["report"].get("run_id") == run and (doc["report"].get("started_at") or 0.0) < started_at
-        ]
+    def with_parts(self, report: dict[str, Any]) -> dict[str, Any]:
+        """``report`` (the record the daemon holds now) joined with the kept parts of its
+        run that came before it: the run's life before the daemon restarted under it."""
+        job, started = report.get("job"), report.get("started_at")
+        if not report.get("run_id") or not isinstance(job, str) or not isinstance(started, (int, float)):
+            return report
+        before = [doc["report"] for doc in self.runs(job) if (doc["report"].get("started_at") or 0.0) < started]
+        run = runs_of([*before, report])[-1]
+        return join_reports(run) if len(run) > 1 and run[-1] is report else report
 
     def rows(self, limit: int = 200) -> list[dict[str, Any]]:
         """The latest ``limit`` ended runs' rows, oldest first."""

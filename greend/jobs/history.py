@@ -447,7 +447,10 @@ def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_node: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in ordered:
         by_node.setdefault((r["store"], str(r.get("host"))), []).append(r)
-    last = {node: join_rows(rs) if run else rs[-1] for node, rs in by_node.items()}
+    last = {
+        node: join_rows(runs_of(rs, key=lambda r: r.get("run") or None)[-1]) if run else rs[-1]
+        for node, rs in by_node.items()
+    }
     nodes = []
     for (_, host), r in sorted(last.items()):
         nodes.append(

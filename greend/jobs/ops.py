@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from greend.errors import ProtocolError
 from greend.jobs.archive import JobArchive
-from greend.jobs.parts import join_reports, join_rows, runs_of
+from greend.jobs.parts import join_rows, runs_of
 from greend.jobs.records import Caller, Job
 from greend.jobs.registry import JobRegistry
 from greend.jobs.report import ROW_FIELDS
@@ -197,12 +197,8 @@ class JobOps:
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
             raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known}){hint}", field="job")
         report = self.jobs.report_with_series(job)
-        if self.archive is not None:
-            # A run the daemon restarted under: its parts before, kept in the archive.
-            before = self.archive.parts_before(job.job, job.run, report.get("started_at"))
-            if before:
-                report = join_reports([*before, report])
-        return report
+        # A run the daemon restarted under: its parts before, kept in the archive.
+        return self.archive.with_parts(report) if self.archive is not None else report
 
     def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         """The jobs the daemon holds, after the ended runs it kept from before (a restart

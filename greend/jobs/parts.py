@@ -4,7 +4,8 @@ When the daemon stops under a running job, the job's record ends ("interrupted: 
 daemon stopped") and is kept (the archive, the stores). The training's callback keeps
 its steps meanwhile, reconnects to the restarted daemon and registers again with its
 run id, and a new record goes on from there, starting with the steps held over the gap.
-The two records are *parts* of one run: the same job id and run id. A user asks about
+The two records are *parts* of one run: the same job id and run id, the earlier one
+ended without the run's own end (:func:`goes_on`). A user asks about
 the run, not about the daemon's lives, so the reports, ``greenctl jobs`` and the
 stores' readers join the parts here:
 
@@ -25,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from greend.jobs.records import INTERRUPTED
+from greend.jobs.records import DISCONNECTED, EXPIRED, INTERRUPTED
 
-__all__ = ["join_reports", "join_rows", "runs_of"]
+__all__ = ["goes_on", "join_reports", "join_rows", "runs_of"]
 
 # Figures that add up across parts: a report's, and a row's (greenctl jobs, greend_job).
 _SUMMED = (
@@ -255,17 +256,35 @@ def _run_id(record: dict[str, Any]) -> Hashable | None:
     return record.get("run_id") or None
 
 
+def goes_on(record: dict[str, Any]) -> bool:
+    """Whether ``record`` ended without its run's own end, so that a later record of the
+    same run id is the same run going on: the daemon stopped under it, or its ranks'
+    connections or heartbeats were lost. A run the client ended (``finished``, a failure)
+    is over: a later record with its run id (a launcher that set ``GREEND_RUN`` to the
+    same value again) is another run."""
+    why = record.get("end_reason")
+    return isinstance(why, str) and why.startswith((INTERRUPTED, EXPIRED, DISCONNECTED))
+
+
 def runs_of(
     records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Hashable | None] = _run_id
 ) -> list[list[dict[str, Any]]]:
-    """``records`` (oldest first) grouped into runs: the parts of a run share its ``key``
-    (one job's records: the run id), in order; a record whose key is None is a run of its
+    """``records`` (oldest first) grouped into runs: a record is a part of the latest run
+    with the same ``key`` (one job's records: the run id) when that run's last part
+    :func:`goes_on`; else it starts a run. A record whose key is None is a run of its
     own. The runs come in the order of their latest parts."""
-    runs: dict[Hashable, list[dict[str, Any]]] = {}
-    last: dict[Hashable, int] = {}
+    runs: list[list[dict[str, Any]]] = []
+    last_at: list[int] = []
+    latest: dict[Hashable, int] = {}  # key -> its latest run's place in ``runs``
     for i, record in enumerate(records):
         k = key(record)
-        k = k if k is not None else ("", i)
-        runs.setdefault(k, []).append(record)
-        last[k] = i
-    return [runs[k] for k in sorted(runs, key=last.__getitem__)]
+        j = latest.get(k) if k is not None else None
+        if j is not None and goes_on(runs[j][-1]):
+            runs[j].append(record)
+            last_at[j] = i
+            continue
+        runs.append([record])
+        last_at.append(i)
+        if k is not None:
+            latest[k] = len(runs) - 1
+    return [runs[j] for j in sorted(range(len(runs)), key=last_at.__getitem__)]

@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol
 ClaimState = Literal["pending", "active", "trusted"]
 
 __all__ = [
+    "DISCONNECTED",
+    "EXPIRED",
     "INTERRUPTED",
     "Baseline",
     "CapChange",
@@ -140,7 +142,10 @@ class RankSession:
     precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
 
 
-INTERRUPTED = "interrupted: the daemon stopped"  # how the jobs running when the daemon stops end
+# How a record ends without its run's own end (the run may go on in a later record: greend.jobs.parts).
+INTERRUPTED = "interrupted: the daemon stopped"  # the jobs running when the daemon stops
+EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
+DISCONNECTED = "client disconnected"  # a rank whose connection closed without an end
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,17 @@ from greend.jobs.booking import (
 from greend.jobs.claims import PENDING, claim_state, merge, note_use, process_tree, strangers
 from greend.jobs.execution import ExecutedRow, StepExecutor, no_model
 from greend.jobs.ledger import Ledger
-from greend.jobs.records import INTERRUPTED, Caller, ClaimState, Job, RankLeft, RankSession, StepAggregate
+from greend.jobs.records import (
+    DISCONNECTED,
+    EXPIRED,
+    INTERRUPTED,
+    Caller,
+    ClaimState,
+    Job,
+    RankLeft,
+    RankSession,
+    StepAggregate,
+)
 from greend.jobs.table import JobTable
 from greend.points import Point, decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
 from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsRow
@@ -71,8 +81,6 @@ CPU_END_WAIT_S = 3.0
 STALL_GAP_S = 2.0
 CLAIM_LOOK_S = 1.0  # pending GPU claims are looked at again this often (greend.jobs.claims)
 ENDED_SERIES_POINTS = 600  # an ended job's series (its report's plot) is thinned to this
-EXPIRED = "no heartbeat"  # how an expired rank's leaving reason starts
-DISCONNECTED = "client disconnected"  # a rank whose connection closed without an end
 
 
 class QuotaExceeded(Exception):

@@ -104,5 +104,19 @@ def test_rows_join_and_a_single_part_is_unchanged() -> None:
 
 
 def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
-    recs = [{"run_id": "a", "n": 1}, {"run_id": "b", "n": 2}, {"run_id": None, "n": 3}, {"run_id": "a", "n": 4}]
-    assert [[r["n"] for r in run] for run in runs_of(recs)] == [[2], [3], [1, 4]]
+    """A record goes on in the next of its run id only where it ended without the run's
+    own end (the daemon stopped, a lost connection or heartbeat); a run the client ended
+    is over, and a later record with its id (GREEND_RUN set to the same value again) is
+    another run."""
+    recs = [
+        {"run_id": "a", "n": 1, "end_reason": INTERRUPTED},
+        {"run_id": "b", "n": 2, "end_reason": "finished"},
+        {"run_id": None, "n": 3, "end_reason": INTERRUPTED},
+        {"run_id": "a", "n": 4, "end_reason": "client disconnected"},
+        {"run_id": "a", "n": 5, "end_reason": "finished"},
+        {"run_id": "b", "n": 6, "end_reason": "finished"},
+        {"run_id": None, "n": 7, "end_reason": None},
+        {"run_id": "a", "n": 8, "end_reason": "no heartbeat for 30 s"},
+        {"run_id": "a", "n": 9, "end_reason": None},
+    ]
+    assert [[r["n"] for r in run] for run in runs_of(recs)] == [[2], [3], [1, 4, 5], [6], [7], [8, 9]]
