@@ -418,9 +418,14 @@ class ControlLoop:
         precision_details = decision.details.get("precision") or (
             decision.details if decision.details.get("policy") == "precision" else {}
         )
-        if self.precision_policy is not self._decided_by:
+        decided_by = self._decided_by
+
+        def still_decided() -> bool:
             # The precision policy was turned off or replaced while this decision was made or
-            # applied: its levels are void (the change asked every job back to its own).
+            # applied: its levels are void (the change asks every job back to its own, after).
+            return self.precision_policy is decided_by
+
+        if not still_decided():
             decision.precision.clear()
         for job_id, level in decision.precision.items():
             # The precision policy's own line for this job, not the joined reasons.
@@ -434,6 +439,7 @@ class ControlLoop:
                 kind=kind,
                 trend=event.get("trend"),
                 policy=self.policy_name,
+                valid=still_decided,
             )
         self._push_paces(decision)
         if points:

@@ -81,6 +81,10 @@ class JobTable:
         self.max_log_entries = max_log_entries
         self.jobs: dict[str, Job] = {}
         self._lock = threading.RLock()
+        # Held from a directive's booking to its push (never inside _lock): two directives to
+        # one job (a policy's, and the one that takes it back) reach its ranks in the order
+        # they were booked.
+        self._directives = threading.Lock()
         self._node_cpu_busy_s = 0.0  # integral of host utilisation * cpus, for CPU shares
         self.figures = JobFigures(
             ledger,
@@ -378,6 +382,7 @@ class JobTable:
         kind: str = "switch",
         trend: float | None = None,
         policy: str,
+        valid: Callable[[], bool] | None = None,
     ) -> bool:
         """Propose ``level`` to a running job's ranks (a pushed directive they apply at a
         step boundary, or, in a job of several ranks, agree on); False if the job is not
@@ -387,11 +392,29 @@ class JobTable:
         the "switch" (or, ``kind`` "rollback", the policy found the loss worse than its
         pre-switch ``trend``) in its log follow once its ranks' rows arrive at ``level``
         (:func:`greend.jobs.booking.follow_ranks`), from the first of their steps at it.
-        Asking the level in force again withdraws a standing proposal.
+        Asking the level in force again withdraws a standing proposal. ``valid``: whether
+        the decision still stands (its policy still runs), asked where the proposal is
+        booked: a policy turned off after that takes it back with a later directive.
         """
+        with self._directives:
+            return self._switch(job_id, level, reason, kind=kind, trend=trend, policy=policy, valid=valid)
+
+    def _switch(
+        self,
+        job_id: str,
+        level: str,
+        reason: str,
+        *,
+        kind: str,
+        trend: float | None,
+        policy: str,
+        valid: Callable[[], bool] | None,
+    ) -> bool:
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or not job.running:
+                return False
+            if valid is not None and not valid():
                 return False
             if job.precision == level:
                 if job.proposal is None:

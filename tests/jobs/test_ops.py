@@ -4,6 +4,8 @@ registry called with typed values; a connection is anything shaped like one."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,3 +253,38 @@ def test_a_bf16_job_is_never_moved_sideways_to_fp16() -> None:
     assert not ops.jobs.switch_precision("b", "fp16", "cheaper", policy="precision")
     assert conn.sent[n:] == []
     assert ops.jobs.switch_precision("b", "fp8", "cheaper", policy="precision")
+
+
+def test_a_policy_turned_off_mid_send_leaves_every_job_at_its_own_level() -> None:
+    """A decision being sent while the precision policy is turned off: the directive that
+    takes it back reaches the ranks after the policy's own (never before it, leaving them
+    at the lower level), and a decision whose policy is gone by then sends nothing."""
+    ops, _ = _ops()
+    h = ops.handlers()
+    release, in_send = threading.Event(), threading.Event()
+
+    class SlowConn(_Conn):
+        def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
+            if obj.get("precision") == "fp8":
+                in_send.set()
+                release.wait(5.0)  # a rank slow to take the policy's directive
+            return super().send(obj, timeout_s)
+
+    conn = SlowConn(1, _Peer(pid=1, uid=1000))
+    h["register"]({"job": "j", "precisions": ["fp32", "bf16", "fp8"], "precision": "bf16"}, conn)
+    jobs = ops.jobs
+    policy = threading.Thread(target=lambda: jobs.switch_precision("j", "fp8", "cheaper", policy="precision"))
+    policy.start()
+    assert in_send.wait(5.0)
+    back = threading.Thread(target=lambda: jobs.back_to_own_levels("precision policy changed to none", policy="none"))
+    back.start()
+    time.sleep(0.2)  # (back_to_own_levels would have sent its bf16 by now, were it not ordered)
+    release.set()
+    policy.join(5.0)
+    back.join(5.0)
+    assert [m["precision"] for m in conn.sent if m.get("event") == "directive"] == ["fp8", "bf16"]
+    assert jobs.jobs["j"].proposal is None and jobs.jobs["j"].precision == "bf16"
+    # The policy gone before its decision is booked: nothing is proposed, nothing sent.
+    n = len(conn.sent)
+    assert not jobs.switch_precision("j", "fp8", "cheaper", policy="precision", valid=lambda: False)
+    assert len(conn.sent) == n and jobs.jobs["j"].proposal is None
