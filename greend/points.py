@@ -72,6 +72,7 @@ JOB_SUMMARY_FIELDS = (
     "saved_gpu_energy_j",
     "saved_pct",
     "slowdown_pct",
+    "started_at",  # (wall seconds: a record the daemon continued starts when its earlier copy did)
 )
 
 _GPU_FIELDS = (

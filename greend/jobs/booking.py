@@ -111,7 +111,10 @@ def book_row(
         job.t_start_s = t0
     job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
     rank.steps += n
-    job.steps = max([job.steps, rank.steps, *(x.steps for x in job.ranks.values())])
+    # A rank's steps over all its sessions: one that reconnected (a record resumed after
+    # its heartbeat or connection was lost) goes on counting where it left off.
+    done = job.steps_by_rank[rank.rank] = job.steps_by_rank.get(rank.rank, 0) + n
+    job.steps = max(job.steps, done)
     job.step_reports += n
     job.flops += flops
     for g in rank.gpus:

@@ -5,7 +5,9 @@ daemon stopped") and is kept (the archive, the stores). The training's callback 
 its steps meanwhile, reconnects to the restarted daemon and registers again with its
 run id, and a new record goes on from there, starting with the steps held over the gap.
 The two records are *parts* of one run: the same job id and run id, the earlier one
-ended without the run's own end (:func:`goes_on`). A user asks about
+ended by the daemon's stop (:func:`runs_of`). A record whose ranks' heartbeats or
+connections were lost is different: the daemon continues that same record when they
+come back, and its later copy replaces the earlier one. A user asks about
 the run, not about the daemon's lives, so the reports, ``greenctl jobs`` and the
 stores' readers join the parts here:
 
@@ -28,7 +30,7 @@ from typing import Any
 
 from greend.jobs.records import DISCONNECTED, EXPIRED, INTERRUPTED
 
-__all__ = ["goes_on", "join_reports", "join_rows", "runs_of"]
+__all__ = ["join_reports", "join_rows", "runs_of"]
 
 # Figures that add up across parts: a report's, and a row's (greenctl jobs, greend_job).
 _SUMMED = (
@@ -256,31 +258,48 @@ def _run_id(record: dict[str, Any]) -> Hashable | None:
     return record.get("run_id") or None
 
 
-def goes_on(record: dict[str, Any]) -> bool:
-    """Whether ``record`` ended without its run's own end, so that a later record of the
-    same run id is the same run going on: the daemon stopped under it, or its ranks'
-    connections or heartbeats were lost. A run the client ended (``finished``, a failure)
-    is over: a later record with its run id (a launcher that set ``GREEND_RUN`` to the
-    same value again) is another run."""
-    why = record.get("end_reason")
-    return isinstance(why, str) and why.startswith((INTERRUPTED, EXPIRED, DISCONNECTED))
+def _follows(prev: dict[str, Any], record: dict[str, Any]) -> str | None:
+    """What ``record``, the next record of ``prev``'s run id, is to it:
+
+    * ``"part"``: ``prev`` ended because the daemon stopped under the run (or is an
+      earlier record the daemon no longer held): the run went on in a new record;
+    * ``"resumed"``: ``prev`` ended because its ranks' heartbeats or connections were
+      lost, and the daemon continued that same record when they came back (it holds
+      ``prev``'s steps too, and starts when ``prev`` did): it replaces ``prev``;
+    * None: ``prev`` ended with the run's own end (``finished``, a failure): ``record``
+      is another run (a launcher that set ``GREEND_RUN`` to the same value again).
+    """
+    why = prev.get("end_reason")
+    if not isinstance(why, str):
+        return None
+    if why.startswith(INTERRUPTED):
+        return "part"
+    if why.startswith(EXPIRED) or why == DISCONNECTED:
+        a, b = prev.get("started_at"), record.get("started_at")
+        return "part" if a is not None and b is not None and a != b else "resumed"
+    return None
 
 
 def runs_of(
     records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Hashable | None] = _run_id
 ) -> list[list[dict[str, Any]]]:
-    """``records`` (oldest first) grouped into runs: a record is a part of the latest run
-    with the same ``key`` (one job's records: the run id) when that run's last part
-    :func:`goes_on`; else it starts a run. A record whose key is None is a run of its
-    own. The runs come in the order of their latest parts."""
+    """``records`` (oldest first) grouped into runs: the parts of each run, oldest first
+    (see :func:`_follows`: a record after a daemon's stop is a part, a record the daemon
+    continued replaces its earlier copy, a record after the run's own end starts another
+    run). A record whose key is None is a run of its own. The runs come in the order of
+    their latest parts."""
     runs: list[list[dict[str, Any]]] = []
     last_at: list[int] = []
     latest: dict[Hashable, int] = {}  # key -> its latest run's place in ``runs``
     for i, record in enumerate(records):
         k = key(record)
         j = latest.get(k) if k is not None else None
-        if j is not None and goes_on(runs[j][-1]):
-            runs[j].append(record)
+        how = _follows(runs[j][-1], record) if j is not None else None
+        if j is not None and how is not None:
+            if how == "resumed":
+                runs[j][-1] = record
+            else:
+                runs[j].append(record)
             last_at[j] = i
             continue
         runs.append([record])

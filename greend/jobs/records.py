@@ -333,7 +333,8 @@ class Job:
     t_start_s: float | None = None
     t_end_s: float | None = None
     last_step_t1_s: float | None = None
-    steps: int = 0
+    steps: int = 0  # the steps of its busiest rank (every rank runs the same steps)
+    steps_by_rank: dict[int, int] = field(default_factory=dict)  # rank id -> its steps, over all its sessions
     step_reports: int = 0
     flops: float = 0.0
     samples: int = 0

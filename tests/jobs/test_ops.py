@@ -288,3 +288,24 @@ def test_a_policy_turned_off_mid_send_leaves_every_job_at_its_own_level() -> Non
     n = len(conn.sent)
     assert not jobs.switch_precision("j", "fp8", "cheaper", policy="precision", valid=lambda: False)
     assert len(conn.sent) == n and jobs.jobs["j"].proposal is None
+
+
+def test_a_resumed_record_counts_its_rank_s_steps_over_both_sessions() -> None:
+    """A rank whose connection was lost comes back with its run id: the record goes on,
+    and its steps go on from where they were (the new session's own count restarts at 0;
+    the record kept the larger of the two, 10 steps where 15 ran, beside 15 steps' FLOPs)."""
+    ops, _ = _ops()
+    h = ops.handlers()
+    first = _Conn(1, _Peer(pid=5, uid=1000))
+    h["register"]({"job": "j", "run": "r1", "precisions": ["fp32", "bf16"]}, first)
+    for i in range(5):  # 10 steps
+        h["intervals"]({"rows": [{**_row(990.0 + i, 990.5 + i), "first_step": 2 * i, "last_step": 2 * i + 1}]}, first)
+    ops.disconnected(first)
+    again = _Conn(2, _Peer(pid=5, uid=1000))
+    h["register"]({"job": "j", "run": "r1", "precisions": ["fp32", "bf16"]}, again)
+    job = ops.jobs.jobs["j"]
+    assert job.state == "running" and job.steps == 10  # the same record
+    for i in range(3):  # 6 more steps, numbered on
+        row = {**_row(996.0 + i, 996.5 + i), "first_step": 10 + 2 * i, "last_step": 11 + 2 * i}
+        h["intervals"]({"rows": [row]}, again)
+    assert job.steps == 16 and job.flops == 8 * 2e12 and job.step_reports == 16

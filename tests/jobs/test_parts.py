@@ -104,19 +104,22 @@ def test_rows_join_and_a_single_part_is_unchanged() -> None:
 
 
 def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
-    """A record goes on in the next of its run id only where it ended without the run's
-    own end (the daemon stopped, a lost connection or heartbeat); a run the client ended
-    is over, and a later record with its id (GREEND_RUN set to the same value again) is
-    another run."""
+    """A record after the daemon's stop is a part of its run; a record the daemon continued
+    after its ranks' heartbeats or connections were lost (the same start) replaces its
+    earlier copy, which it holds; after the run's own end, a record with its id is
+    another run (GREEND_RUN set to the same value again)."""
     recs = [
-        {"run_id": "a", "n": 1, "end_reason": INTERRUPTED},
+        {"run_id": "a", "n": 1, "end_reason": INTERRUPTED, "started_at": 1.0},
         {"run_id": "b", "n": 2, "end_reason": "finished"},
         {"run_id": None, "n": 3, "end_reason": INTERRUPTED},
-        {"run_id": "a", "n": 4, "end_reason": "client disconnected"},
-        {"run_id": "a", "n": 5, "end_reason": "finished"},
+        {"run_id": "a", "n": 4, "end_reason": "client disconnected", "started_at": 4.0},
+        {"run_id": "a", "n": 5, "end_reason": "finished", "started_at": 4.0},  # n=4 continued
         {"run_id": "b", "n": 6, "end_reason": "finished"},
         {"run_id": None, "n": 7, "end_reason": None},
-        {"run_id": "a", "n": 8, "end_reason": "no heartbeat for 30 s"},
-        {"run_id": "a", "n": 9, "end_reason": None},
+        {"run_id": "c", "n": 8, "end_reason": "no heartbeat for 30 s", "started_at": 8.0},
+        {"run_id": "c", "n": 9, "end_reason": None, "started_at": 9.0},  # (8 no longer held: a new record)
+        {"run_id": "d", "n": 10, "end_reason": "no heartbeat for 30 s"},
+        {"run_id": "d", "n": 11, "end_reason": "finished"},  # (no start known: continued)
     ]
-    assert [[r["n"] for r in run] for run in runs_of(recs)] == [[2], [3], [1, 4, 5], [6], [7], [8, 9]]
+    grouped = [[r["n"] for r in run] for run in runs_of(recs)]
+    assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11]]
