@@ -501,6 +501,9 @@ class Registration:
     # "training" (a training process), or "measure": a command measured whole by
     # `greenctl measure`, with no training level and windows in place of steps.
     kind: str = "training"
+    # Steps this rank had sent over earlier connections in its run (to this daemon, or to
+    # one that stopped since): a new record's steps before that it never saw.
+    steps_before: int = 0
 
 
 def decode_register(msg: dict[str, Any]) -> Registration:
@@ -548,6 +551,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         precision=own,
         sync_every=msg.get("sync_every"),
         kind=msg.get("kind") or "training",
+        steps_before=msg.get("steps_before") or 0,
     )
 
 
@@ -615,6 +619,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # "measure": a command measured whole (greenctl measure): no precision, windows
         # in place of steps. An older daemon refuses the field: greenctl registers again without.
         "kind": Field((str,), choices=JOB_KINDS),
+        # Steps the rank sent over its earlier connections (0 or absent at its first).
+        "steps_before": Field((int,), min=0, max=1 << 62),
     },
     "steps": {"steps": Field((list,), required=True)},
     "intervals": {"rows": Field((list,), required=True)},

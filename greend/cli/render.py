@@ -229,15 +229,24 @@ def render_report(r: dict[str, Any]) -> str:
 
 
 def _parts_lines(r: dict[str, Any]) -> list[str]:
-    """A run the daemon restarted under: its parts (the figures are the whole run's)."""
+    """A run the daemon restarted under: its parts (the figures are the whole run's), and
+    the steps its ranks sent that no part holds."""
+    out = []
+    unseen = r.get("unseen_steps") or 0
+    if unseen > 0:
+        out.append(
+            f"  unseen           {unseen} steps of this run went to a daemon that stopped without keeping "
+            "them (killed or crashed, or they reached it while it stopped): not in these figures"
+        )
     parts = r.get("parts") or []
     if len(parts) < 2:
-        return []
+        return out
     at = [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p["started_at"])) for p in parts[1:] if p.get("started_at")]
     return [
         f"  parts            {len(parts)}: the daemon restarted under this run"
         + (f" (again at {', '.join(at)})" if at else "")
-        + "; the figures are the whole run's"
+        + "; the figures are the whole run's",
+        *out,
     ]
 
 

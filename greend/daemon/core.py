@@ -381,12 +381,14 @@ class Daemon:
         if self.refused:
             return  # refused at start: the running daemon's socket, state and caps are its own
         self.control.close()  # every setting greend made goes back to its original
+        if self.server is not None:
+            # First the socket: what the ranks sent until now is read and booked (their
+            # steps reached the daemon; refused after their jobs ended, they were lost).
+            self.server.stop()
         try:  # the jobs still running end here, kept (archived, stored) before the stores close
             self.emit(self.jobs.interrupt_all())
         except Exception:
             log.exception("ending the running jobs at stop failed")
-        if self.server is not None:
-            self.server.stop()
         self.stores.close()
         self.probing.close()
         self.lock.release()

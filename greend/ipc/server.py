@@ -66,6 +66,11 @@ __all__ = ["Connection", "Handler", "IpcServer", "LimitExceeded", "Limits", "NO_
 
 log = logging.getLogger(__name__)
 
+# At stop, each connection's unread messages are still handled: its thread reads until the
+# client's data ends or nothing comes for DRAIN_POLL_S; stop() waits up to STOP_DRAIN_S.
+DRAIN_POLL_S = 0.1
+STOP_DRAIN_S = 2.0
+
 # Peers and connections -----------------------------------------------------------
 
 
@@ -209,6 +214,7 @@ class IpcServer:
         self.routes: dict[str, Route] = {}
         self._sock: socket.socket | None = None
         self._conns: dict[int, Connection] = {}
+        self._serving: dict[int, threading.Thread] = {}  # connection id -> the thread that reads it
         self._lock = threading.Lock()
         self._next_id = 0
         self._stopping = threading.Event()
@@ -305,6 +311,13 @@ class IpcServer:
                 pass
         if self._thread:
             self._thread.join(2.0)
+        # Each connection's thread reads what its client sent before the shutdown and ends:
+        # waited for (a bounded time), so that all of it is handled before stop() returns.
+        deadline = time.monotonic() + STOP_DRAIN_S
+        with self._lock:
+            serving = list(self._serving.values())
+        for t in serving:
+            t.join(max(0.0, deadline - time.monotonic()))
         # Only the socket this server bound: never another daemon's at the same path.
         try:
             st = os.lstat(self.path)
@@ -392,7 +405,10 @@ class IpcServer:
                     pass
                 s.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"ipc-{conn.id}", daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"ipc-{conn.id}", daemon=True)
+            with self._lock:
+                self._serving[conn.id] = t
+            t.start()
 
     def _serve(self, conn: Connection) -> None:
         buf = b""
@@ -405,9 +421,14 @@ class IpcServer:
         waiter = select.poll()
         waiter.register(conn.sock, select.POLLIN)
         try:
-            while not self._stopping.is_set() and not conn.closed:
+            # At stop (stop() shut the socket down) what the client sent before is still read
+            # and handled, to its end: a rank's last steps are booked before its job ends.
+            while not conn.closed or self._stopping.is_set():
+                stopping = self._stopping.is_set()
                 try:
-                    if not waiter.poll(idle_s * 1000.0):
+                    if not waiter.poll(DRAIN_POLL_S * 1000.0 if stopping else idle_s * 1000.0):
+                        if stopping:
+                            break  # nothing more came: drained
                         raise TimeoutError
                     chunk = conn.sock.recv(65536)  # (ready: it does not wait)
                 except TimeoutError:
@@ -462,12 +483,14 @@ class IpcServer:
         finally:
             with self._lock:
                 self._conns.pop(conn.id, None)
+                self._serving.pop(conn.id, None)
             conn.closed = True
             try:
                 conn.sock.close()
             except OSError:
                 pass
-            if self.on_disconnect:
+            if self.on_disconnect and not self._stopping.is_set():
+                # (at stop the daemon ends its jobs itself: their ranks did not leave)
                 try:
                     self.on_disconnect(conn)
                 except Exception:

@@ -133,10 +133,10 @@ class JobArchive:
         run that came before it: the run's life before the daemon restarted under it."""
         job, started = report.get("job"), report.get("started_at")
         if not report.get("run_id") or not isinstance(job, str) or not isinstance(started, (int, float)):
-            return report
+            return join_reports([report])
         before = [doc["report"] for doc in self.runs(job) if (doc["report"].get("started_at") or 0.0) < started]
         run = runs_of([*before, report])[-1]
-        return join_reports(run) if len(run) > 1 and run[-1] is report else report
+        return join_reports(run if run[-1] is report else [report])
 
     def rows(self, limit: int = 200) -> list[dict[str, Any]]:
         """The latest ``limit`` ended runs' rows, oldest first."""

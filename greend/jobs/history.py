@@ -214,6 +214,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "ended_at": r["ts_ns"] / 1e9,
         "earlier_runs": len(runs) - 1,
         "parts": r.get("parts"),  # the run's parts, where the daemon restarted under it
+        "unseen_steps": r.get("unseen_steps"),
         "from_store": str(path),
     }
 

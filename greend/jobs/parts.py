@@ -30,14 +30,31 @@ from typing import Any
 
 from greend.jobs.records import DISCONNECTED, EXPIRED, INTERRUPTED
 
-__all__ = ["join_reports", "join_rows", "runs_of"]
+__all__ = ["join_reports", "join_rows", "runs_of", "unseen_steps"]
 
 # Figures that add up across parts: a report's, and a row's (greenctl jobs, greend_job).
 _SUMMED = (
-    "steps", "step_reports", "flops", "samples", "tokens", "duration_s", "gpu_energy_j", "cpu_energy_j",
-    "node_cpu_energy_j", "energy_j", "energy_kwh", "co2_g", "nonfinite_steps", "probe_steps", "cap_changes",
-    "sim_time_s", "sim_energy_j", "saved_gpu_energy_j", "step_time_s",
-)  # fmt: skip
+    "steps",
+    "step_reports",
+    "flops",
+    "samples",
+    "tokens",
+    "duration_s",
+    "gpu_energy_j",
+    "cpu_energy_j",
+    "node_cpu_energy_j",
+    "energy_j",
+    "energy_kwh",
+    "co2_g",
+    "nonfinite_steps",
+    "probe_steps",
+    "cap_changes",
+    "sim_time_s",
+    "sim_energy_j",
+    "saved_gpu_energy_j",
+    "step_time_s",
+)
+# (steps_before is the latest part's own: what its ranks sent before it, kept or not)  # fmt: skip
 # Counts: a part without one counted none.
 _COUNTS = frozenset({"steps", "step_reports", "nonfinite_steps", "probe_steps", "cap_changes"})
 _LOGS = ("decisions", "precision_log", "series")
@@ -225,18 +242,32 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def unseen_steps(parts: list[dict[str, Any]]) -> int:
+    """Steps the run's ranks sent that no part holds: sent to a daemon that stopped without
+    keeping them (killed, crashed, or steps that reached it while it stopped). The latest
+    part's ranks say how many they sent before it; the earlier parts hold what was kept."""
+    before = _num(parts[-1].get("steps_before"))
+    kept = sum(_num(p.get("steps")) or 0.0 for p in parts[:-1])
+    return max(0, int((before or 0.0) - kept))
+
+
 def join_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row (``greenctl jobs``' shape, or a stored ``greend_job`` row) for the parts of
-    one run, oldest first. A single part comes back as it is."""
-    return dict(rows[0]) if len(rows) == 1 else _join(rows)
+    one run, oldest first (``unseen_steps`` where its rows say). A single part comes back
+    as it is."""
+    out = dict(rows[0]) if len(rows) == 1 else _join(rows)
+    if "steps_before" in rows[-1]:
+        out["unseen_steps"] = unseen_steps(rows)
+    return out
 
 
 def join_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One report for the parts of one run (each a report as the daemon gives it), oldest
-    first. A single part comes back as it is."""
+    first, with ``unseen_steps``. A single part comes back as it is."""
     if len(parts) == 1:
-        return dict(parts[0])
+        return {**parts[0], "unseen_steps": unseen_steps(parts)}
     out = _join(parts)
+    out["unseen_steps"] = unseen_steps(parts)
     for key in _LOGS:
         if any(isinstance(p.get(key), list) for p in parts):
             out[key] = [x for p in parts for x in (p.get(key) or [])]

@@ -335,6 +335,7 @@ class Job:
     last_step_t1_s: float | None = None
     steps: int = 0  # the steps of its busiest rank (every rank runs the same steps)
     steps_by_rank: dict[int, int] = field(default_factory=dict)  # rank id -> its steps, over all its sessions
+    steps_before: int = 0  # steps its ranks had sent before this record began (to a daemon that stopped)
     step_reports: int = 0
     flops: float = 0.0
     samples: int = 0

@@ -276,6 +276,9 @@ class JobRegistry(JobTable):
             job.gpus.update(gpus)
             self._merge_claims(job, claims)
             job.world_size = max(job.world_size, rs.world_size)
+            if rs.rank not in job.steps_by_rank:
+                # Steps the rank sent before this record (a record it resumes holds its own).
+                job.steps_before = max(job.steps_before, reg.steps_before)
             job.ranks_seen.add(rs.rank)
             self.sessions[caller.session] = rs
             if job.top_precision is None and reg.precision is not None and not job.steps:

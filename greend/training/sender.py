@@ -56,7 +56,7 @@ __all__ = ["Channel", "Sender", "SenderOptions", "SenderStats"]
 # Encoded messages waiting for the socket; step records stay in the callback's queue beyond this.
 OUTBOX_MAX_BYTES = 256 * 1024
 # Register fields newer daemons know; one an older daemon refuses as unknown is left out.
-NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every", "probe_every"})
+NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every", "probe_every", "steps_before"})
 # A line from the daemon longer than this (without a newline) is dropped as malformed.
 LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
 # The heartbeat period a daemon's reply may set (its own floor: 0.5 s): far below, the

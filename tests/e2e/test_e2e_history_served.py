@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -157,12 +158,13 @@ def test_a_group_member_reads_history_through_the_daemon(
     assert got["direct"] == "refused"  # the store itself stays root's
 
 
-def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: list[DaemonProc]) -> None:
-    """A real training goes on while greend restarts (an upgrade, a crash that systemd
-    restarts): the callback keeps its steps, reconnects and registers again with its run
-    id. The report, ``greenctl jobs`` and the store tell the whole run: every step once,
-    the energy of both parts, one row, and the restart named; not the last part with a
-    note that the job "ran 1 time before"."""
+def _train_through_a_restart(
+    tmp_path: Path, daemons: list[DaemonProc], job: str, sig: int
+) -> tuple[dict[str, Any], int, DaemonProc, Path]:
+    """A real torch loop with the callback; the daemon stopped with ``sig`` after 60 steps,
+    20 steps with no daemon, then a new daemon on the same socket and state dir, 40 more
+    steps after the callback reconnected. (the run's ended report, the steps the loop ran,
+    the new daemon, the state dir)"""
     torch = pytest.importorskip("torch")
     from greend import GreenCallback
     from tests.training.test_callback import FAST
@@ -174,7 +176,7 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
     model = torch.nn.Linear(16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
-    cb = GreenCallback(job="through", model=model, socket=d.socket, gpus=[0], **FAST)
+    cb = GreenCallback(job=job, model=model, socket=d.socket, gpus=[0], **FAST)
     steps = 0
 
     def run(n: int) -> None:
@@ -193,7 +195,7 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
         run(60)
         cb.flush()
         time.sleep(0.5)  # (the first part's steps reach the daemon)
-        d.stop()
+        d.stop(sig)
         run(20)  # kept by the callback while no daemon runs
         d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, name="d2",
                           socket=d.socket)  # fmt: skip
@@ -203,8 +205,18 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
             run(1)
         run(40)
         cb.close()
-    whole = wait_ended(d2, "through")
+    whole = wait_ended(d2, job)
     assert cb.stats.connects == 2 and whole["run_id"] == cb.run
+    return whole, steps, d2, state
+
+
+def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A real training goes on while greend restarts (an upgrade, ``systemctl restart``):
+    the callback keeps its steps, reconnects and registers again with its run id. The
+    report, ``greenctl jobs`` and the store tell the whole run: every step once, the
+    energy of both parts, one row, and the restart named; not the last part with a note
+    that the job "ran 1 time before"."""
+    whole, steps, d2, state = _train_through_a_restart(tmp_path, daemons, "through", signal.SIGTERM)
     assert whole["steps"] == steps, (whole["steps"], steps)  # every step once
     parts = whole["parts"]
     assert len(parts) == 2 and parts[0]["end_reason"] == "interrupted: the daemon stopped"
@@ -225,3 +237,14 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
                                str(state / "greend.db"), "--json").stdout)  # fmt: skip
     assert across["steps"] == steps
     assert across["gpu_energy_j"] == pytest.approx(whole["gpu_energy_j"], rel=1e-6)
+
+
+def test_a_run_whose_daemon_was_killed_names_the_steps_it_lost(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A daemon killed (SIGKILL, a crash) keeps no record of the run's part before: the
+    ranks' next registration says how many steps they had sent, and the report names the
+    ones no record holds instead of passing the rest off as the whole run."""
+    whole, steps, d2, _ = _train_through_a_restart(tmp_path, daemons, "killed", signal.SIGKILL)
+    assert whole.get("parts") is None  # (nothing was kept of the first part)
+    assert whole["unseen_steps"] >= 60 and whole["steps"] + whole["unseen_steps"] == steps
+    text = d2.ctl("report", "killed").stdout
+    assert f"unseen           {whole['unseen_steps']} steps of this run went to a daemon that stopped" in text

@@ -314,3 +314,29 @@ def test_a_burst_of_empty_lines_holds_its_uid_s_next_request_back_a_second_at_mo
         c.close()
     finally:
         srv.stop()
+
+
+def test_what_a_client_sent_before_the_stop_is_handled_before_stop_returns(tmp_path: Path) -> None:
+    """A daemon stopping under a running job reads its ranks' last messages (their steps)
+    before it ends the job: sent before the stop, they were dropped unread, and the
+    callback had counted them as sent. The connections' own leaving is not reported then
+    (the daemon ends its jobs itself: its ranks did not leave)."""
+    got: list[int] = []
+    left: list[int] = []
+    srv = IpcServer(tmp_path / "g.sock", limits=Limits(messages_per_s=1e9))
+
+    def slow_add(m: dict[str, Any], c: Connection) -> dict[str, Any]:
+        time.sleep(0.002)  # (a handler slower than the client: messages wait in the socket)
+        got.append(m["a"])
+        return {"sum": m["a"]}
+
+    srv.route("add", slow_add, {"a": Field((int,), required=True)})
+    srv.on_disconnect = lambda conn: left.append(conn.id)
+    srv.start()
+    s = raw(srv.path)
+    s.sendall(b"".join(b'{"v":1,"op":"add","a":%d}\n' % i for i in range(300)))
+    assert wait_for(lambda: len(got) > 0)
+    srv.stop()
+    assert got == list(range(300))
+    assert left == []
+    s.close()

@@ -88,7 +88,7 @@ def test_a_figure_one_part_did_not_measure_is_unknown_for_the_run() -> None:
 
 def test_rows_join_and_a_single_part_is_unchanged() -> None:
     one = part()
-    assert join_reports([one]) == one and join_rows([one]) == one
+    assert join_reports([one]) == {**one, "unseen_steps": 0} and join_rows([one]) == one
     # greenctl jobs' rows carry the saving as a share only: the joules come back from it.
     rows = [
         {"job": "train", "run_id": "r1", "steps": 10, "gpu_energy_j": 900.0, "saved_pct": 10.0, "duration_s": 5.0,
@@ -123,3 +123,14 @@ def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
     ]
     grouped = [[r["n"] for r in run] for run in runs_of(recs)]
     assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11]]
+
+
+def test_steps_sent_to_a_daemon_that_kept_none_of_them_are_said_unseen() -> None:
+    """A daemon killed (or crashed) under a run keeps no record of its part: the ranks'
+    next registration says how many steps they had sent, and what no part holds is named."""
+    after_kill = part(started_at=200.0, end_reason="finished", steps=300, steps_before=120)
+    assert join_reports([after_kill])["unseen_steps"] == 120  # the first part: lost whole
+    after_stop = part(started_at=200.0, end_reason="finished", steps=300, steps_before=105)
+    assert join_reports([part(), after_stop])["unseen_steps"] == 5  # 100 kept of 105 sent
+    assert join_reports([part(), {**after_stop, "steps_before": 100}])["unseen_steps"] == 0
+    assert join_reports([part()])["unseen_steps"] == 0  # (a first record: nothing before)
