@@ -297,12 +297,15 @@ def _follows(prev: dict[str, Any], record: dict[str, Any]) -> str | None:
     * ``"resumed"``: ``prev`` ended because its ranks' heartbeats or connections were
       lost, and the daemon continued that same record when they came back (it holds
       ``prev``'s steps too, and starts when ``prev`` did): it replaces ``prev``;
-    * None: ``prev`` ended with the run's own end (``finished``, a failure): ``record``
-      is another run (a launcher that set ``GREEND_RUN`` to the same value again).
+    * None: ``prev`` ended with the run's own end (``finished``, a failure), or
+      ``record``'s ranks had sent no step before it (new processes: a rerun or an
+      elastic restart whose launcher gave them the same run id): another run.
     """
     why = prev.get("end_reason")
     if not isinstance(why, str):
         return None
+    if record.get("steps_before") == 0:
+        return None  # its ranks had sent nothing before it: new processes, another run
     if why.startswith(INTERRUPTED):
         return "part"
     if why.startswith(EXPIRED) or why == DISCONNECTED:

@@ -222,7 +222,7 @@ class JobRegistry(JobTable):
                     job = self.jobs.get(job_id)
                 else:
                     job = None  # a rerun of an ended job's id: a fresh record, never resumed
-            if job is not None and job.state != "running" and not self._resumable(job, caller.uid, run):
+            if job is not None and job.state != "running" and not self._resumable(job, caller.uid, run, reg.steps_before):
                 # A new run under an ended job's id: start a fresh record.
                 job = None
             if job is not None and job.uid != caller.uid and caller.uid != 0:
@@ -286,17 +286,21 @@ class JobRegistry(JobTable):
             return Registered(job_id, job.run, job.precision if job.top_precision is not None else None)
 
     @staticmethod
-    def _resumable(job: Job, uid: int, run: str | None = None) -> bool:
+    def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int = 0) -> bool:
         """A job record that a re-registration of the same job continues: one that
-        ended (or is ending) only because its ranks' heartbeats stopped, or whose
-        connections dropped and that comes back with its own run id (a client that gave
-        up on a daemon stalled for a while, then reconnected: one run, one record); a job
-        that ended, or disconnected and comes back without its run id, leaves its id to
-        a new run and a fresh record."""
+        ended (or is ending) only because its ranks' heartbeats stopped or their
+        connections dropped, and that a process of the same run comes back to having sent
+        steps before (``steps_before``: a client that gave up on a daemon stalled for a
+        while, or a suspended rank, reconnecting: one run, one record). A job that ended,
+        a registration with another run id, or a process that never sent a step (a new
+        process: a rerun or an elastic restart, whose launcher may give it the same run
+        id) gets a fresh record."""
         if job.uid != uid and uid != 0:
             return False
+        if run is not None and run != job.run:
+            return False
         reason = job.end_reason or ""
-        return reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None and run == job.run)
+        return steps_before > 0 and (reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None))
 
     def _check_gpus_exist(self, gpus: list[int]) -> None:
         present = self.gpu_indices()

@@ -4,15 +4,21 @@
   ``.$SLURM_STEP_ID`` under srun: ``1234.0``, as sacct names the step), else
   torchrun's ``$TORCHELASTIC_RUN_ID`` when it is a real id (torchrun without
   ``--rdzv-id`` sets it to ``none``: then ``torchrun-<MASTER_ADDR>-<MASTER_PORT>``,
-  the rendezvous every rank of that run shares and no other running job can),
-  else ``<host>-<pid>-<unix time>`` (:func:`resolve_job`).
+  the rendezvous every rank of that run shares and no other running job can), else,
+  for a rank of several started without torchrun but told the rendezvous (a Kubeflow
+  PyTorchJob's pods: ``$MASTER_ADDR``, ``$MASTER_PORT``, ``$WORLD_SIZE`` > 1),
+  ``dist-<MASTER_ADDR>-<MASTER_PORT>``, else ``<host>-<pid>-<unix time>``
+  (:func:`resolve_job`).
 * **Run id**: what tells one run of a job id from another (a rerun, an id reused):
   ``$GREEND_RUN`` if the launcher sets it, else, with a process group, the first
   rank's random id agreed through the job's rendezvous store (every rank of the run
   reads the same key; a restart gets a new store and a new run), else, for a rank of
   several without a process group, a digest of what the launcher gave every rank
   alike (the job, the rendezvous address and port, the restart count), else a random
-  id (:func:`resolve_run`).
+  id (:func:`resolve_run`). Some launchers give every run alike (a static torchrun
+  rerun, a PyTorchJob run again, an elastic restart): the daemon tells them apart by the
+  steps a registering process sent before (none: a new process, a new record), never
+  resuming a run's record for another run.
 * **Ranks**: rank and world size from ``torch.distributed`` if initialised, else
   ``$RANK``/``$WORLD_SIZE``; ``$LOCAL_RANK`` for the local rank
   (:func:`resolve_ranks`).
@@ -76,10 +82,13 @@ def _job_from_env() -> str | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     if run_id and run_id.lower() != "none":
         return run_id
-    if run_id:  # torchrun without --rdzv-id: its rendezvous endpoint tells runs apart
-        addr, port = os.environ.get("MASTER_ADDR", "").strip(), os.environ.get("MASTER_PORT", "").strip()
-        if addr and port:
-            return f"torchrun-{addr}-{port}"
+    addr, port = os.environ.get("MASTER_ADDR", "").strip(), os.environ.get("MASTER_PORT", "").strip()
+    if run_id and addr and port:  # torchrun without --rdzv-id: its rendezvous endpoint tells runs apart
+        return f"torchrun-{addr}-{port}"
+    if addr and port and _env_int("WORLD_SIZE", 1) > 1:
+        # Ranks started without torchrun, each told the rendezvous (a Kubeflow PyTorchJob's
+        # pods, mpirun, a hand-written launcher): its endpoint is the job's, on every rank.
+        return f"dist-{addr}-{port}"
     return None
 
 

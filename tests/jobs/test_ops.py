@@ -302,7 +302,7 @@ def test_a_resumed_record_counts_its_rank_s_steps_over_both_sessions() -> None:
         h["intervals"]({"rows": [{**_row(990.0 + i, 990.5 + i), "first_step": 2 * i, "last_step": 2 * i + 1}]}, first)
     ops.disconnected(first)
     again = _Conn(2, _Peer(pid=5, uid=1000))
-    h["register"]({"job": "j", "run": "r1", "precisions": ["fp32", "bf16"]}, again)
+    h["register"]({"job": "j", "run": "r1", "precisions": ["fp32", "bf16"], "steps_before": 10}, again)
     job = ops.jobs.jobs["j"]
     assert job.state == "running" and job.steps == 10  # the same record
     for i in range(3):  # 6 more steps, numbered on

@@ -120,9 +120,13 @@ def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
         {"run_id": "c", "n": 9, "end_reason": None, "started_at": 9.0},  # (8 no longer held: a new record)
         {"run_id": "d", "n": 10, "end_reason": "no heartbeat for 30 s"},
         {"run_id": "d", "n": 11, "end_reason": "finished"},  # (no start known: continued)
+        {"run_id": "e", "n": 12, "end_reason": INTERRUPTED, "started_at": 12.0},
+        {"run_id": "e", "n": 13, "end_reason": "finished", "started_at": 13.0, "steps_before": 0},  # a rerun
+        {"run_id": "f", "n": 14, "end_reason": INTERRUPTED, "started_at": 14.0},
+        {"run_id": "f", "n": 15, "end_reason": "finished", "started_at": 15.0, "steps_before": 99},
     ]
     grouped = [[r["n"] for r in run] for run in runs_of(recs)]
-    assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11]]
+    assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11], [12], [13], [14, 15]]
 
 
 def test_steps_sent_to_a_daemon_that_kept_none_of_them_are_said_unseen() -> None:

@@ -13,24 +13,31 @@ from greend.protocol import Registration
 
 def test_a_run_that_reconnects_with_its_run_id_continues_its_record() -> None:
     """A client that gave up on a stalled daemon (SIGSTOP) and reconnected registers again
-    with its run id: the same record goes on, not a second one for the same run; a new run
-    (another run id) under the id gets a fresh record."""
+    with its run id, having sent steps before: the same record goes on, not a second one
+    for the same run. A new run (another run id) under the id gets a fresh record, and so
+    do new processes given the same run id (a rerun or an elastic restart under a launcher
+    whose environment names every run alike: they sent no step before)."""
     reg = JobRegistry(Ledger(), hostname="h")
 
-    def register(run: str, session: int) -> None:
+    def register(run: str, session: int, steps_before: int = 0) -> None:
         r = Registration(job="train", run=run, rank=0, local_rank=0, world_size=1, gpus=(), host=None,
-                         precisions=("fp32",), mem_share=None, reference_every=None)  # fmt: skip
+                         precisions=("fp32",), mem_share=None, reference_every=None,
+                         steps_before=steps_before)  # fmt: skip
         reg.register(r, Caller(session=session, pid=0, uid=1000))
 
     register("run-a", 1)
     first = reg.jobs["train"]
     reg.disconnected(1)
     assert first.state == "ending" and first.end_reason == "client disconnected"
-    register("run-a", 2)
+    register("run-a", 2, steps_before=40)
     assert reg.jobs["train"] is first and first.state == "running" and first.end_reason is None
     reg.disconnected(2)
-    register("run-b", 3)
-    assert reg.jobs["train"] is not first and reg.jobs["train"].run == "run-b"
+    register("run-a", 3)  # the same run id, from a process that never sent a step: a rerun
+    rerun = reg.jobs["train"]
+    assert rerun is not first and rerun.run == "run-a" and rerun.state == "running"
+    reg.disconnected(3)
+    register("run-b", 4, steps_before=40)
+    assert reg.jobs["train"] is not rerun and reg.jobs["train"].run == "run-b"
 
 
 def test_the_jobs_running_when_the_daemon_stops_end_and_are_kept() -> None:

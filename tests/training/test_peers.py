@@ -228,3 +228,19 @@ def test_ranks_of_a_bf16_job_stay_at_bf16_while_they_agree(monkeypatch: pytest.M
         assert cbs[r]._control.own == "bf16"
         assert set(ran[r][1:]) == {"bf16"}, ran[r]
         assert cbs[r].precision_events == [], cbs[r].precision_events
+
+
+def test_ranks_started_without_torchrun_share_the_rendezvous_s_name(clean_env: pytest.MonkeyPatch) -> None:
+    """A Kubeflow PyTorchJob's pods (or mpirun's ranks) get MASTER_ADDR, MASTER_PORT,
+    WORLD_SIZE and RANK but no torchrun variables: each pod named its own job
+    (<pod>-<pid>-<time>), and no whole-job report could join them."""
+    clean_env.setenv("MASTER_ADDR", "bert-ft-master-0")
+    clean_env.setenv("MASTER_PORT", "23456")
+    clean_env.setenv("WORLD_SIZE", "2")
+    named = set()
+    for rank in ("0", "1"):
+        clean_env.setenv("RANK", rank)
+        named.add(resolve_job(None))
+    assert named == {"dist-bert-ft-master-0-23456"}
+    clean_env.setenv("WORLD_SIZE", "1")  # one process told a rendezvous: not named by it
+    assert not resolve_job(None).startswith("dist-")
