@@ -222,7 +222,8 @@ class JobRegistry(JobTable):
                     job = self.jobs.get(job_id)
                 else:
                     job = None  # a rerun of an ended job's id: a fresh record, never resumed
-            if job is not None and job.state != "running" and not self._resumable(job, caller.uid, run, reg.steps_before):
+            resumable = job is not None and self._resumable(job, caller.uid, run, reg.steps_before)
+            if job is not None and job.state != "running" and not resumable:
                 # A new run under an ended job's id: start a fresh record.
                 job = None
             if job is not None and job.uid != caller.uid and caller.uid != 0:
