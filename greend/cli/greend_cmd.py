@@ -63,7 +63,7 @@ def daemon_run(
     dry_run: bool | None = typer.Option(None, "--dry-run/--no-dry-run", help="record settings, touch nothing"),
     log_level: str | None = typer.Option(None, "--log-level", help="debug, info, warning, error"),
 ) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    """Run the daemon in the foreground until SIGTERM, SIGINT or SIGHUP."""
     from greend.daemon.core import Daemon
 
     try:
@@ -103,6 +103,9 @@ def daemon_run(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP (a closed terminal, or an admin's "reload"): the same clean stop, settings
+    # restored and running jobs kept; its default killed the process with both undone.
+    signal.signal(signal.SIGHUP, on_signal)
     try:
         daemon.start()
     except (ConfigError, StateError, StoreError) as e:
@@ -135,13 +138,17 @@ def daemon_run(
 
 
 def signal_stopper(daemon: Any) -> Callable[[int, Any], None]:
-    """The SIGTERM/SIGINT handler: stop the daemon. A handler runs on the main thread
+    """The SIGTERM/SIGINT/SIGHUP handler: stop the daemon. A handler runs on the main thread
     between two bytecodes, which may be inside ``stop_event.wait()`` holding the Event's
     lock (not reentrant): setting the Event there could wait on itself for ever (a double
     SIGTERM did, now and then). A short thread of its own sets it."""
 
     def stop(signum: int) -> None:
-        log.info("signal %s: stopping", signal.Signals(signum).name)
+        if signum == signal.SIGHUP:
+            log.warning("signal SIGHUP: stopping (greend has no reload: a changed config is read when it starts "
+                        "again; under systemd, systemctl restart greend)")  # fmt: skip
+        else:
+            log.info("signal %s: stopping", signal.Signals(signum).name)
         sdnotify.stopping()
         daemon.stop()
 

@@ -414,3 +414,23 @@ def test_all_gpus_of_a_job_get_the_same_cap(tmp_path: Path, daemons: list[Daemon
         assert locks[0] == locks[1], f"GPUs of one job capped apart: {locks}"
         assert locks[2] is None, "a GPU outside the job was capped"
         assert owners == {"wide": ["gpu0.clock_cap_mhz", "gpu1.clock_cap_mhz"]}
+
+
+def test_sighup_stops_as_cleanly_as_sigterm(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """SIGHUP (the terminal of a foreground daemon closed, or an admin's "reload") killed
+    the daemon outright: the GPU stayed capped until the next start and the running job
+    was never kept. It is a clean stop now, and the log says greend has no reload."""
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20")
+    daemons.append(d)
+    before = original(d.state_dir, 0)
+    d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1400")
+    assert sim(d.state_dir, 0).locked_clocks_mhz() == (345, 1395)
+    with Client(d.socket) as c:
+        c.request("register", job="hup", gpus=[0], precisions=["fp32"], world_size=1, rank=0, local_rank=0)
+        assert d.stop(signal.SIGHUP) == 0
+    assert original(d.state_dir, 0) == before
+    assert not (d.state_dir / "saved-settings.json").exists()
+    log = d.log.read_text()
+    assert "signal SIGHUP: stopping (greend has no reload" in log
+    kept = list((d.state_dir / "jobs").iterdir())
+    assert len(kept) == 1 and "hup" in kept[0].name  # the running job ended and was kept
