@@ -427,6 +427,13 @@ def ctl_measure(
             log.write(status_rows(st, gpus=gpu_list))
 
     job_id = job or f"measure-{os.getpid()}"
+    # Checked before the command starts: a typo found after a long run leaves it unmeasured.
+    from greend.protocol import JOB_ID_RE, RESERVED_OWNERS
+
+    if not JOB_ID_RE.match(job_id):
+        fail(f"--job {job_id!r}: a job id is 1-128 characters of letters, digits and . _ : @ / - (no spaces)")
+    if job_id in RESERVED_OWNERS:
+        fail(f"--job {job_id!r} is reserved for greend's own settings: use another")
     report: dict[str, Any]
     try:
         res = None

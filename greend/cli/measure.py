@@ -79,6 +79,15 @@ def run_measure(
     if gpus is None:
         gpus, why = _default_gpus(status)
         notes.append(f"GPUs {','.join(map(str, gpus)) or 'none'} ({why})")
+    else:
+        # Checked before the command starts (the daemon would refuse the job once it ran).
+        present = {int(g["index"]) for g in status.get("gpus") or [] if isinstance(g.get("index"), int)}
+        missing = sorted(set(gpus) - present)
+        if missing and status.get("gpus") is not None:
+            raise GreendError(
+                f"--gpus {','.join(map(str, gpus))}: GPU {', '.join(map(str, missing))} not on this node "
+                f"(it has {', '.join(map(str, sorted(present))) or 'none'}); nothing was run"
+            )
     if not gpus:
         notes.append("no GPUs: the job's GPU energy is 0 J (this node has none, or --gpus named none)")
     job = job or f"measure-{os.getpid()}"

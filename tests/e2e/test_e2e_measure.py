@@ -117,3 +117,20 @@ def test_measure_registers_again_without_kind_at_an_older_daemon(tmp_path: Path,
     rep = json.loads(d.ctl("measure", "--job", "old2", "--json", "--", sys.executable, "-c", "pass").stdout)
     assert rep["job"] == "old2" and rep["measured_whole"] is True and rep["steps"] is None
     assert rep["windows"] >= 1 and rep["precision"] is None and rep["gpu_energy_j"] > 0
+
+
+def test_a_job_the_daemon_would_refuse_is_refused_before_the_command_runs(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """A bad --job or --gpus was found only once the command had run to its end (hours,
+    unmeasured). Now nothing runs: the error names the option and the fix."""
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20")
+    daemons.append(d)
+    marker = tmp_path / "ran"
+    cmd = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    r = d.ctl("measure", "--job", "my run", *cmd, check=False)
+    assert r.returncode == 2 and "--job 'my run'" in r.stderr and "no spaces" in r.stderr
+    r = d.ctl("measure", "--gpus", "7", *cmd, check=False)
+    assert r.returncode == 2 and "GPU 7 not on this node (it has 0)" in r.stderr
+    assert not marker.exists()
+    assert d.ctl("measure", "--job", "ok-run", "--gpus", "0", *cmd).returncode == 0 and marker.exists()
