@@ -13,6 +13,7 @@ unresponsive, as a call past its deadline always does.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -105,9 +106,14 @@ def tick_read_wait_s(ctx: ProbeContext) -> float:
     """How long the daemon's tick waits for the GPUs' reads: ``READ_WAIT_SHARE`` of its
     period, or ``GREEND_NVML_READ_WAIT_S`` (a wait as long as the call deadline makes
     the tick wait on a GPU that starts hanging, as greend did before it read ahead)."""
-    raw = os.environ.get("GREEND_NVML_READ_WAIT_S", "")
-    try:
-        return float(raw) if raw else READ_WAIT_SHARE * ctx.tick_period_s
-    except ValueError:
-        log.warning("GREEND_NVML_READ_WAIT_S=%r is not a number of seconds: ignored", raw)
+    raw = os.environ.get("GREEND_NVML_READ_WAIT_S", "").strip()
+    if not raw:
         return READ_WAIT_SHARE * ctx.tick_period_s
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 600.0:  # (NaN too: a negative or an infinite wait means nothing)
+        log.warning("GREEND_NVML_READ_WAIT_S=%r is not seconds from 0 to 600: ignored", raw)
+        return READ_WAIT_SHARE * ctx.tick_period_s
+    return value

@@ -14,6 +14,7 @@ original: callers classify errors by their greend type, never by their text.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -63,16 +64,30 @@ class Unresponsive(ProbeError):
 
 
 def _default_deadline_s() -> float:
-    try:
-        return float(os.environ.get("GREEND_NVML_DEADLINE_S", "") or DEFAULT_DEADLINE_S)
-    except ValueError:
+    """``GREEND_NVML_DEADLINE_S`` where it is seconds within MIN/MAX_DEADLINE_S; else (with
+    a warning that names it: a 0 made every healthy GPU "unresponsive, the driver may be
+    hung") the default."""
+    raw = os.environ.get("GREEND_NVML_DEADLINE_S", "").strip()
+    if not raw:
         return DEFAULT_DEADLINE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:  # (NaN too)
+        log.warning(
+            "GREEND_NVML_DEADLINE_S=%r is not seconds from %g to %g: the default %g s is used",
+            raw, MIN_DEADLINE_S, MAX_DEADLINE_S, DEFAULT_DEADLINE_S,
+        )  # fmt: skip
+        return DEFAULT_DEADLINE_S
+    return value
 
 
 # The longest a single NVML call may take before its GPU is called unresponsive
 # (GREEND_NVML_DEADLINE_S overrides). Healthy calls take well under 10 ms; a
 # power-limit write up to a few hundred.
 DEFAULT_DEADLINE_S = 5.0
+MIN_DEADLINE_S, MAX_DEADLINE_S = 0.05, 600.0  # what GREEND_NVML_DEADLINE_S may say
 
 
 class Outcome:

@@ -5,6 +5,7 @@ pynvml loads the library once per process, by name, through ``LD_LIBRARY_PATH``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -390,3 +391,20 @@ def test_the_stub_lists_running_processes_as_nvml_does(tmp_path: Path) -> None:
     finally:
         alive.kill()
         alive.wait(10)
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "abc", "inf", "nan", "1e9"])
+def test_a_deadline_setting_that_is_no_deadline_is_named_and_the_default_kept(
+    raw: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GREEND_NVML_DEADLINE_S=0 called every healthy GPU unresponsive ("the driver may be
+    hung"), sending the admin after the driver instead of the variable; "abc" was
+    ignored without a word. Each is named now, and the default deadline kept."""
+    from greend.probes.nvml_device import DEFAULT_DEADLINE_S, _default_deadline_s
+
+    monkeypatch.setenv("GREEND_NVML_DEADLINE_S", raw)
+    with caplog.at_level(logging.WARNING):
+        assert _default_deadline_s() == DEFAULT_DEADLINE_S
+    assert f"GREEND_NVML_DEADLINE_S={raw!r} is not seconds" in caplog.text
+    monkeypatch.setenv("GREEND_NVML_DEADLINE_S", "0.5")
+    assert _default_deadline_s() == 0.5
