@@ -266,7 +266,9 @@ def _apply_section(section: str, obj: Any, values: dict[str, Any]) -> None:
         elif isinstance(current, dict):
             _check(section, key, value, dict, f"a table ([{section}.{key}])")
             for k, v in value.items():
-                _check(section, f"{key}.{k}", v, (int, float, str, bool, list), "a number, string, boolean or list")
+                # (a table too: a policy's map, such as static's per_gpu = { 0 = { clock_cap_mhz = 1400 } })
+                _check(section, f"{key}.{k}", v, (int, float, str, bool, list, dict),
+                       "a number, string, boolean, list or table")  # fmt: skip
             value = dict(value)
         elif isinstance(current, list):
             _check(section, key, value, list, "a list of strings")
@@ -293,6 +295,26 @@ def _check_policies(cfg: Config) -> None:
             f"[policy] precision = {cfg.policy.precision!r}: expected "
             f"{' or '.join(repr(n) for n in ['none', *precision_kinds])}{hint}"
         )
+    # The parameters as the daemon will take them (a misspelled one, one out of range, one
+    # missing): said here, where `greend run` and `greenctl doctor --config` both read the
+    # file, before any probe opens.
+    from greend.policies import get_policy
+
+    for table, name, params in (
+        ("params", cfg.policy.name, cfg.policy.params),
+        ("precision_params", cfg.policy.precision, cfg.policy.precision_params),
+    ):
+        if name in ("", "none") and table == "precision_params":
+            if params:
+                raise ConfigError(
+                    f"[policy.precision_params] {', '.join(sorted(params))}: set, but [policy] precision is "
+                    '"none" (set precision = "precision", or drop the table)'
+                )
+            continue
+        try:
+            get_policy(name, **params)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"[policy.{table}]: {e}") from None
 
 
 def _check_gpu_speed_factors(s: SimConfig) -> None:

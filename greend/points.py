@@ -73,7 +73,7 @@ JOB_SUMMARY_FIELDS = (
     "saved_pct",
     "slowdown_pct",
     "started_at",  # (wall seconds: a record the daemon continued starts when its earlier copy did)
-    "steps_before",  # steps its ranks sent before it began (to a daemon that stopped)
+    "sent_before",  # steps its ranks sent before it began (to a daemon that stopped)
 )
 
 _GPU_FIELDS = (

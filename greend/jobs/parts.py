@@ -54,7 +54,7 @@ _SUMMED = (
     "saved_gpu_energy_j",
     "step_time_s",
 )
-# (steps_before is the latest part's own: what its ranks sent before it, kept or not)  # fmt: skip
+# (sent_before is the latest part's own: what its ranks sent before it, kept or not)  # fmt: skip
 # Counts: a part without one counted none.
 _COUNTS = frozenset({"steps", "step_reports", "nonfinite_steps", "probe_steps", "cap_changes"})
 _LOGS = ("decisions", "precision_log", "series")
@@ -246,7 +246,7 @@ def unseen_steps(parts: list[dict[str, Any]]) -> int:
     """Steps the run's ranks sent that no part holds: sent to a daemon that stopped without
     keeping them (killed, crashed, or steps that reached it while it stopped). The latest
     part's ranks say how many they sent before it; the earlier parts hold what was kept."""
-    before = _num(parts[-1].get("steps_before"))
+    before = _num(parts[-1].get("sent_before"))
     kept = sum(_num(p.get("steps")) or 0.0 for p in parts[:-1])
     return max(0, int((before or 0.0) - kept))
 
@@ -256,7 +256,7 @@ def join_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     one run, oldest first (``unseen_steps`` where its rows say). A single part comes back
     as it is."""
     out = dict(rows[0]) if len(rows) == 1 else _join(rows)
-    if "steps_before" in rows[-1]:
+    if "sent_before" in rows[-1]:
         out["unseen_steps"] = unseen_steps(rows)
     return out
 
@@ -304,7 +304,7 @@ def _follows(prev: dict[str, Any], record: dict[str, Any]) -> str | None:
     why = prev.get("end_reason")
     if not isinstance(why, str):
         return None
-    if record.get("steps_before") == 0:
+    if record.get("sent_before") == 0:
         return None  # its ranks had sent nothing before it: new processes, another run
     if why.startswith(INTERRUPTED):
         return "part"

@@ -388,7 +388,7 @@ class JobFigures:
                 "gpu_source": ",".join(sources) if sources else None,
                 "steps": job.steps,
                 "step_reports": job.step_reports,
-                "steps_before": job.steps_before,  # (sent before this record began: greend.jobs.parts)
+                "sent_before": job.steps_before,  # (sent before this record began: greend.jobs.parts)
                 "flops": job.flops,
                 "samples": job.samples,
                 "tokens": job.tokens,

@@ -179,3 +179,33 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(tmp_path: Pa
 
     with pytest.raises(ConfigError, match=r"over the 107 a Unix socket's path may have"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('[policy]\nname = "efficient"\n[policy.params]\nmax_slowdwn = 0.1\n',
+         "[policy.params]: policy 'efficient': unknown parameter(s) max_slowdwn; allowed: eta, knob, max_slowdown"),
+        ('[policy]\nname = "budget"\n', "[policy.params]: policy 'budget': parameter 'node_budget_w' is required"),
+        ('[policy]\nprecision = "precision"\n[policy.precision_params]\ntolerence = 0.1\n',
+         "[policy.precision_params]: policy 'precision': unknown parameter(s) tolerence"),
+        ('[policy.precision_params]\ntolerance = 0.1\n',
+         '[policy.precision_params] tolerance: set, but [policy] precision is "none"'),
+    ],
+)  # fmt: skip
+def test_policy_parameters_are_checked_where_the_file_is_read(tmp_path: Path, text: str, needle: str) -> None:
+    """`greenctl doctor --config` said "valid" for files `greend run` then refused (after
+    opening the probes): the policies' parameters are checked where both read the file."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert needle in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_a_policy_s_map_is_a_toml_table(tmp_path: Path) -> None:
+    """static's per_gpu as the README gives it, a TOML table (only a JSON string was taken)."""
+    cfg = load_config(
+        write(tmp_path, '[policy]\nname = "static"\n[policy.params]\nper_gpu = { 0 = { clock_cap_mhz = 1400 } }\n')
+    )
+    from greend.policies import get_policy
+
+    assert get_policy("static", **cfg.policy.params).params()["per_gpu"]["0"]["clock_cap_mhz"] == 1400

@@ -121,9 +121,9 @@ def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
         {"run_id": "d", "n": 10, "end_reason": "no heartbeat for 30 s"},
         {"run_id": "d", "n": 11, "end_reason": "finished"},  # (no start known: continued)
         {"run_id": "e", "n": 12, "end_reason": INTERRUPTED, "started_at": 12.0},
-        {"run_id": "e", "n": 13, "end_reason": "finished", "started_at": 13.0, "steps_before": 0},  # a rerun
+        {"run_id": "e", "n": 13, "end_reason": "finished", "started_at": 13.0, "sent_before": 0},  # a rerun
         {"run_id": "f", "n": 14, "end_reason": INTERRUPTED, "started_at": 14.0},
-        {"run_id": "f", "n": 15, "end_reason": "finished", "started_at": 15.0, "steps_before": 99},
+        {"run_id": "f", "n": 15, "end_reason": "finished", "started_at": 15.0, "sent_before": 99},
     ]
     grouped = [[r["n"] for r in run] for run in runs_of(recs)]
     assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11], [12], [13], [14, 15]]
@@ -132,9 +132,9 @@ def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
 def test_steps_sent_to_a_daemon_that_kept_none_of_them_are_said_unseen() -> None:
     """A daemon killed (or crashed) under a run keeps no record of its part: the ranks'
     next registration says how many steps they had sent, and what no part holds is named."""
-    after_kill = part(started_at=200.0, end_reason="finished", steps=300, steps_before=120)
+    after_kill = part(started_at=200.0, end_reason="finished", steps=300, sent_before=120)
     assert join_reports([after_kill])["unseen_steps"] == 120  # the first part: lost whole
-    after_stop = part(started_at=200.0, end_reason="finished", steps=300, steps_before=105)
+    after_stop = part(started_at=200.0, end_reason="finished", steps=300, sent_before=105)
     assert join_reports([part(), after_stop])["unseen_steps"] == 5  # 100 kept of 105 sent
-    assert join_reports([part(), {**after_stop, "steps_before": 100}])["unseen_steps"] == 0
+    assert join_reports([part(), {**after_stop, "sent_before": 100}])["unseen_steps"] == 0
     assert join_reports([part()])["unseen_steps"] == 0  # (a first record: nothing before)
