@@ -196,6 +196,8 @@ def ctl_jobs(
         typer.echo(json.dumps({"jobs": cluster}, indent=2) if as_json else render_jobs(cluster))
         return
 
+    if store is not None:
+        all_jobs = True  # a store file given: its ended jobs are what was asked for
     live: list[dict[str, Any]] = []
     daemon_down: str | None = None
     try:
@@ -206,7 +208,7 @@ def ctl_jobs(
         daemon_down = str(e)
     jobs = list(live)
     if all_jobs:
-        path = _store_path(Path(store) if store is not None else None)
+        path = _store_path(_store_file(store) if store is not None else None)
         if path is not None:
             try:
                 stored = stored_jobs(path)
@@ -232,6 +234,25 @@ def _try_request(op: str, **fields: Any) -> Any:
         if e.field == "job":
             raise
         fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+
+
+def _store_file(store: str) -> Path:
+    """A ``--store`` that is not a shared store's URL: the SQLite file it names (a path, or
+    ``sqlite:///PATH``); any other URL is refused, naming the ones greenctl reads."""
+    from greend.jobs.history import sqlite_path
+
+    if store.startswith("sqlite:"):
+        path = sqlite_path([store])
+        if path is None:
+            fail(f"--store {store!r}: a SQLite store is sqlite:///PATH")
+        assert path is not None
+        return path
+    if "://" in store:
+        fail(
+            f"--store {store!r}: not a store greenctl reads: a SQLite file (a path, or sqlite:///PATH), "
+            "influx://HOST:PORT?org=..&bucket=.., http://HOST:PORT (VictoriaMetrics) or prom://HOST:PORT"
+        )
+    return Path(store)
 
 
 def _store_path(store: Path | None) -> Path | None:
@@ -279,14 +300,14 @@ def ctl_report(
         _check_plot_path(plot)
     if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores)):
         for p in stores:
-            if not is_shared_store(p) and not Path(p).is_file():
+            if not is_shared_store(p) and not _store_file(p).is_file():
                 fail(
                     f"--store {p}: no such file (give each node's SQLite store: a copy of its "
                     "/var/lib/greend/greend.db; or a shared store by URL: influx://HOST:PORT?... "
                     "or http://HOST:PORT)"
                 )
         try:
-            whole = whole_job_report(list(stores), job)
+            whole = whole_job_report([p if is_shared_store(p) else str(_store_file(p)) for p in stores], job)
         except GreendError as e:
             fail(str(e))
         if whole is None:
@@ -294,7 +315,7 @@ def ctl_report(
         assert whole is not None
         typer.echo(json.dumps(whole, indent=2) if as_json else render_whole_job(whole))
         return
-    store = Path(stores[0]) if stores else None
+    store = _store_file(stores[0]) if stores else None
     r: dict[str, Any] | None = None
     why, down = "", False
     try:

@@ -72,6 +72,8 @@ def _rows(db: sqlite3.Connection, table: str, where: str = "", params: tuple[Any
 
 
 def _open(path: Path) -> sqlite3.Connection:
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory: give the store's file (the daemon's is {path}/greend.db)")
     try:
         if path.exists() and not os.access(path, os.R_OK):
             raise PermissionError(path)

@@ -63,6 +63,18 @@ def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[Daemon
     d2.stop()
     r = d2.ctl("report", "old-job", "--store", str(state / "greend.db"))
     assert r.returncode == 0 and "old-job" in r.stdout
+    # `jobs --store FILE` reads that file (it listed the daemon's jobs and ignored it), by
+    # path or by URL; a file that is not there, a directory or an unknown URL is named.
+    for given in (str(state / "greend.db"), f"sqlite:///{state / 'greend.db'}"):
+        listed = d2.ctl("jobs", "--store", given).stdout
+        assert listed.count("old-job") == 2, listed
+    for given, says in (
+        (str(tmp_path / "none.db"), "no SQLite store at"),
+        (str(state), "is a directory: give the store's file"),
+        ("sqlit:///x", "not a store greenctl reads"),
+    ):
+        r = d2.ctl("jobs", "--store", given, check=False)
+        assert r.returncode == 2 and says in r.stderr, (given, r.stderr)
 
 
 def test_a_job_that_was_never_switched_says_why_after_its_end_and_a_restart(
