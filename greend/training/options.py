@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -131,6 +132,7 @@ class CallbackOptions:
         """Every option checked (``ValueError`` names the first bad one): the sender's
         timings, the guard's settings, and the levels the caller allows (None: all)."""
         sender = SenderOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SenderOptions)})
+        _check_identity_arguments(self, model)
         _check_flops_arguments(self.flops_per_step, self.model_flops, model)
         if self.mem_share is not None and not (0.0 <= self.mem_share <= 0.95):
             raise ValueError(f"mem_share={self.mem_share!r}: must be between 0 and 0.95")
@@ -164,6 +166,46 @@ class CallbackOptions:
             spike_steps=self.spike_steps,
         )
         return sender, precision, _check_levels(self.precisions, self.initial_precision)
+
+
+def _is_index(value: Any) -> bool:
+    """A whole number >= 0 (a numpy integer too), not a float, a string or a bool."""
+    try:
+        return operator.index(value) >= 0
+    except TypeError:
+        return False
+
+
+def _check_identity_arguments(opts: CallbackOptions, model: Any) -> None:
+    """What names the job's model, GPUs, device and socket: their types, said by name (a
+    string of digits read as a list of GPUs, a float or a bool taken as an index, a truthy
+    string taken for True went through)."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model={model!r}: the torch.nn.Module you train, or leave it out")
+    gpus = opts.gpus
+    if gpus is not None:
+        if isinstance(gpus, int) and not isinstance(gpus, bool):
+            raise ValueError(f"gpus={gpus!r}: a list of GPU indices, gpus=[{gpus}]")
+        if isinstance(gpus, (str, bytes)) or not isinstance(gpus, Iterable):
+            raise ValueError(f"gpus={gpus!r}: a list of node-local GPU indices, e.g. gpus=[0, 1]")
+        # (an iterator is left to be read once, where the GPUs are resolved)
+        seen = list(gpus) if isinstance(gpus, (Sequence, Set)) else []
+        bad = [g for g in seen if isinstance(g, bool) or not _is_index(g)]
+        if bad:
+            raise ValueError(f"gpus={list(gpus)!r}: GPU indices are whole numbers >= 0 ({bad[0]!r} is not)")
+    if opts.device is not None:
+        try:
+            torch.device(opts.device)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"device={opts.device!r}: not a torch device ('cuda', 'cuda:1', 'cpu'): {e}") from None
+    if opts.socket is not None and not isinstance(opts.socket, (str, os.PathLike)):
+        raise ValueError(f"socket={opts.socket!r}: the daemon's socket path (a string or a Path)")
+    for name in ("manage_precision", "model_flops"):
+        value = getattr(opts, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: True or False")
+    if opts.precision_owner is not None and not isinstance(opts.precision_owner, str):
+        raise ValueError(f"precision_owner={opts.precision_owner!r}: a name (a string), or None")
 
 
 def _check_flops_arguments(flops_per_step: float | None, model_flops: bool, model: Any) -> None:

@@ -26,3 +26,31 @@ def test_the_typed_keywords_are_the_options_fields() -> None:
 def test_an_unknown_keyword_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="no_such_option"):
         GreenCallback(job="x", no_such_option=1)  # type: ignore[call-arg]  # the refusal is the point
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"gpus": "01"}, "gpus='01': a list of node-local GPU indices"),  # (was GPUs 0 and 1)
+        ({"gpus": [1.7]}, "1.7 is not"),  # (was GPU 1)
+        ({"gpus": [True]}, "True is not"),  # (was GPU 1)
+        ({"gpus": 0}, "gpus=0: a list of GPU indices, gpus=[0]"),  # (was a bare TypeError)
+        ({"gpus": [-1]}, "-1 is not"),
+        ({"manage_precision": "no"}, "manage_precision='no': True or False"),  # (was truthy: managed)
+        ({"device": "gpu"}, "device='gpu': not a torch device"),
+        ({"socket": 5}, "socket=5: the daemon's socket path"),
+        ({"model": "resnet"}, "model='resnet': the torch.nn.Module you train"),
+    ],
+)
+def test_the_identity_arguments_are_checked_by_name(kwargs: dict[str, object], says: str) -> None:
+    """Wrong values were coerced into something else, or failed deep inside with an error
+    that named no argument."""
+    with pytest.raises(ValueError) as e:
+        GreenCallback(job="x", **kwargs)  # type: ignore[arg-type]  # the wrong types are the point
+    assert says in str(e.value)
+
+
+def test_gpu_indices_may_be_numpy_integers_and_any_sequence() -> None:
+    np = pytest.importorskip("numpy")
+    for gpus in ([np.int64(0)], (0, 1), range(2)):
+        CallbackOptions(gpus=gpus).checked(None)  # type: ignore[arg-type]  # (numpy's int is an index)
