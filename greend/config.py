@@ -429,8 +429,14 @@ def validate(cfg: Config) -> Config:
     _positive("report", "window_s", cfg.report.window_s)
     from greend.stores import check_url  # late: stores import config types
 
+    seen: set[str] = set()
     for url in st.urls:
         check_url(url)
+        if url in seen:
+            # Two writers on one store: each batch written twice (a SQLite file's second
+            # schema check failed on every batch, and logged points lost that were not).
+            raise ConfigError(f"store {url!r} is given twice ([store] urls or --store): give each store once")
+        seen.add(url)
     return cfg
 
 

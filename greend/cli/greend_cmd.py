@@ -185,6 +185,15 @@ def daemon_restore(
     """
     from greend.actuators.restore import main as restore_main
 
+    if not state_dir.exists():
+        # Nothing was ever recorded there. At the default that is "nothing to restore" (a
+        # daemon that never started: the unit's ExecStopPost); a dir given that is not
+        # there is most likely a typo, after which a crash's caps would stay unseen.
+        msg = f"no state dir at {state_dir}: greend recorded nothing there"
+        if state_dir != DEFAULT_STATE_DIR:
+            fail(f"{msg}; give the --state-dir greend ran with (its unit's, or `greend run --state-dir`)")
+        typer.echo(f"{msg}: nothing to restore", err=True)
+        raise typer.Exit(0)
     argv = ["--state-dir", str(state_dir)]
     if force_defaults:
         argv.append("--force-defaults")

@@ -175,3 +175,18 @@ def test_a_refusal_of_the_whole_request_without_an_id_is_its_answer(tmp_path: Pa
     finally:
         srv.close()
     assert code == 2 and "too many connections [unavailable]" in out, out
+
+
+def test_restore_from_a_state_dir_that_is_not_there_is_named(tmp_path: Path) -> None:
+    """`greend restore --state-dir /mistyped` said "nothing to restore", rc 0: after a crash
+    the caps stayed, looking restored. The default dir missing (a daemon that never
+    started: the unit's ExecStopPost) is still nothing to restore."""
+    from typer.testing import CliRunner
+
+    from greend.cli import greend_cmd
+
+    r = CliRunner().invoke(greend_cmd.daemon_app, ["restore", "--state-dir", str(tmp_path / "typo")])
+    assert r.exit_code == 2 and "no state dir at" in r.output and "give the --state-dir greend ran with" in r.output
+    (tmp_path / "state").mkdir()
+    r = CliRunner().invoke(greend_cmd.daemon_app, ["restore", "--state-dir", str(tmp_path / "state")])
+    assert r.exit_code == 0, r.output

@@ -209,3 +209,11 @@ def test_a_policy_s_map_is_a_toml_table(tmp_path: Path) -> None:
     from greend.policies import get_policy
 
     assert get_policy("static", **cfg.policy.params).params()["per_gpu"]["0"]["clock_cap_mhz"] == 1400
+
+
+def test_a_store_given_twice_is_named(tmp_path: Path) -> None:
+    """Two writers on one SQLite file logged "points lost" every second for points the
+    other had written."""
+    url = f"sqlite:///{tmp_path}/one.db"
+    with pytest.raises(ConfigError, match="is given twice"):
+        apply_overrides(load_config(write(tmp_path, "")), store=[url, url])
