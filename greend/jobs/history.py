@@ -152,6 +152,8 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
     notes: list[dict[str, Any]] = []
     for d in decisions:
         if d.get("kind") == "note":
+            # Each policy's last word (a run the daemon restarted under has one per part).
+            notes = [n for n in notes if n["policy"] != d.get("policy")]
             notes.append({"policy": d.get("policy"), "reason": d.get("reason"), "since": d["ts_ns"] / 1e9})
         elif d.get("kind") == "cap":
             if d.get("gpu") not in (None, "", "0") and caps and caps[-1]["t"] == d["ts_ns"] / 1e9:

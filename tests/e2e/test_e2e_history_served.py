@@ -232,6 +232,7 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
     d2.stop()
     stored = d2.ctl("report", "through", "--store", str(state / "greend.db"))
     assert f"steps            {steps} " in stored.stdout and "parts            2" in stored.stdout
+    assert stored.stdout.count("policy none: measuring only") == 1  # each policy's last word, once
     assert "ran 1 time(s) before" not in stored.stderr
     across = json.loads(d2.ctl("report", "through", "--store", str(state / "greend.db"), "--store",
                                str(state / "greend.db"), "--json").stdout)  # fmt: skip
