@@ -290,6 +290,9 @@ def ctl_report(
         "API), or a Prometheus that scrapes every node (--store prom://HOST:PORT), for the whole "
         "job across nodes",
     ),
+    run: str | None = typer.Option(
+        None, "--run", help="with stores per node or a shared store: this run of the job (default: its latest)"
+    ),
 ) -> None:
     """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy
     greend saved; an ended job the daemon no longer knows (it restarted) comes from the store;
@@ -307,7 +310,7 @@ def ctl_report(
                     "or http://HOST:PORT)"
                 )
         try:
-            whole = whole_job_report([p if is_shared_store(p) else str(_store_file(p)) for p in stores], job)
+            whole = whole_job_report([p if is_shared_store(p) else str(_store_file(p)) for p in stores], job, run=run)
         except GreendError as e:
             fail(str(e))
         if whole is None:
@@ -315,6 +318,9 @@ def ctl_report(
         assert whole is not None
         typer.echo(json.dumps(whole, indent=2) if as_json else render_whole_job(whole))
         return
+    if run is not None:
+        fail("--run picks a run of the job across nodes: give the nodes' stores (--store A.db --store B.db) or a "
+             "shared store")  # fmt: skip
     store = _store_file(stores[0]) if stores else None
     r: dict[str, Any] | None = None
     why, down = "", False

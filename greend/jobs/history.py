@@ -379,7 +379,7 @@ def shared_job_rows(
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
-def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | None:
+def whole_job_report(stores: list[Path | str], job: str, run: str | None = None) -> dict[str, Any] | None:
     """``job`` across ``stores``: SQLite files (one per node, or one shared file) or shared
     stores by URL (VictoriaMetrics, :func:`shared_job_rows`; Prometheus,
     :func:`prometheus_job_rows`): the job's latest run, each host's row of it, and their
@@ -400,7 +400,7 @@ def whole_job_report(stores: list[Path | str], job: str) -> dict[str, Any] | Non
             seen.setdefault((str(r.get("host")), int(r["ts_ns"]) // 1_000_000), {**r, "store": str(store)})
     if not seen:
         return None
-    return _whole(job, list(seen.values()))
+    return _whole(job, list(seen.values()), run)
 
 
 def shared_jobs(url: str, since_s: float = LIST_LOOKBACK_S) -> list[dict[str, Any]]:
@@ -438,13 +438,40 @@ def shared_jobs(url: str, since_s: float = LIST_LOOKBACK_S) -> list[dict[str, An
     return sorted(out, key=lambda j: j["ended_at"])
 
 
-def _whole(job: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The job from its rows (each with its ``store``): its latest run (by the run tag
-    every rank shares: the run of the row that ended last), each node's row of that run,
+def _latest_run(ordered: list[dict[str, Any]]) -> str:
+    """The latest run tag among ``ordered`` (rows sorted by their time). Each node stamps
+    its rows with its own clock, and clocks differ: where one node holds rows of two runs,
+    its own order says which came later, and a run some node saw end before another is
+    never the latest (a node's clock 10 minutes fast made its old run look newest). Among
+    the rest, the one that ended last."""
+    span: dict[tuple[str, str, str], tuple[int, int]] = {}  # (store, host, run) -> (first, last) ts
+    for r in ordered:
+        key = (str(r.get("store")), str(r.get("host")), r.get("run") or "")
+        ts = int(r["ts_ns"])
+        first, last = span.get(key, (ts, ts))
+        span[key] = (min(first, ts), max(last, ts))
+    superseded: set[str] = set()
+    for (store, host, run), (_, last) in span.items():
+        for (store2, host2, run2), (first2, _) in span.items():
+            if (store2, host2) == (store, host) and run2 != run and first2 > last:
+                superseded.add(run)  # this node saw ``run`` end before ``run2``
+    for r in reversed(ordered):
+        if (r.get("run") or "") not in superseded:
+            return str(r.get("run") or "")
+    return str(ordered[-1].get("run") or "")
+
+
+def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict[str, Any]:
+    """The job from its rows (each with its ``store``): ``run``, else its latest run (by
+    the run tag every rank shares, :func:`_latest_run`), each node's row of that run,
     summed. Rows stored before runs were tagged count as one run per node, the last."""
     ordered = sorted(rows, key=lambda r: int(r["ts_ns"]))
-    run = ordered[-1].get("run") or ""
     runs = {r.get("run") or "" for r in ordered}
+    if run is not None and run not in runs:
+        raise StoreError(
+            f"job {job!r} has no run {run!r} in these stores (its runs: {', '.join(sorted(r for r in runs if r))})"
+        )
+    run = run if run is not None else _latest_run(ordered)
     if run:
         ordered = [r for r in ordered if r.get("run") == run]
     # A node is a host in a store: its row of that run (its parts joined, where the daemon

@@ -138,3 +138,29 @@ def test_steps_sent_to_a_daemon_that_kept_none_of_them_are_said_unseen() -> None
     assert join_reports([part(), after_stop])["unseen_steps"] == 5  # 100 kept of 105 sent
     assert join_reports([part(), {**after_stop, "sent_before": 100}])["unseen_steps"] == 0
     assert join_reports([part()])["unseen_steps"] == 0  # (a first record: nothing before)
+
+
+def test_the_latest_run_across_nodes_is_not_decided_by_a_fast_clock() -> None:
+    """Node B's clock runs 10 minutes fast: its row of run 1 looked newer than run 2's
+    rows on A and C, and the requeued run was never shown. Node A ran both runs, and
+    its own clock orders them. --run picks one."""
+    from greend.errors import StoreError
+    from greend.jobs.history import _whole
+
+    def row(host: str, run: str, ts_s: float, steps: int) -> dict[str, Any]:
+        return {"store": f"{host}.db", "host": host, "run": run, "ts_ns": int(ts_s * 1e9), "steps": steps,
+                "duration_s": 10.0, "flops": 1e12, "gpu_energy_j": 100.0, "energy_j": 100.0, "world_size": 2,
+                "ranks_here": 1, "end_reason": "finished"}  # fmt: skip
+
+    rows = [
+        row("A", "run1", 1000.0, 50),
+        row("B", "run1", 1600.0, 50),  # (its clock: +600 s)
+        row("A", "run2", 1200.0, 80),
+        row("C", "run2", 1201.0, 80),
+    ]
+    whole = _whole("700.0", rows)
+    assert whole["run_id"] == "run2" and sorted(n["host"] for n in whole["nodes"]) == ["A", "C"]
+    assert whole["steps"] == 80 and whole["other_runs"] == 1
+    assert _whole("700.0", rows, run="run1")["steps"] == 50
+    with pytest.raises(StoreError, match="no run 'run9'"):
+        _whole("700.0", rows, run="run9")
