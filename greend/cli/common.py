@@ -1,6 +1,7 @@
 """What the command lines share: failing with a message (never a traceback), the log
 format, and the daemon that greenctl's commands talk to (set once by greenctl's root
-options, read by every subcommand module)."""
+options, read by every subcommand module), and where a command reads ended jobs from (the
+SQLite file a --store names, else the daemon's)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from greend.errors import DaemonUnavailable, RequestRefused
+from greend.errors import DaemonUnavailable, GreendError, RequestRefused
 from greend.ipc.client import Client
 
-__all__ = ["DaemonTarget", "ReplyShapeGroup", "fail", "request", "setup_logging", "target"]
+__all__ = [
+    "DaemonTarget",
+    "ReplyShapeGroup",
+    "fail",
+    "request",
+    "setup_logging",
+    "store_file",
+    "store_path",
+    "target",
+    "try_request",
+]
 
 
 @dataclass
@@ -86,3 +97,54 @@ class ReplyShapeGroup(TyperGroup):
                 err=True,
             )
             raise typer.Exit(2) from None
+
+
+def try_request(op: str, **fields: Any) -> Any:
+    """Like :func:`greend.cli.common.request`, but the daemon being away is the caller's to handle."""
+    try:
+        with target.client() as c:
+            return c.request(op, **fields)
+    except RequestRefused as e:
+        if e.field == "job":
+            raise
+        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
+
+
+def store_file(store: str) -> Path:
+    """A ``--store`` that is not a shared store's URL: the SQLite file it names (a path, or
+    ``sqlite:///PATH``); any other URL is refused, naming the ones greenctl reads."""
+    from greend.jobs.history import sqlite_path
+
+    if store.startswith("sqlite:"):
+        path = sqlite_path([store])
+        if path is None:
+            fail(f"--store {store!r}: a SQLite store is sqlite:///PATH")
+        assert path is not None
+        return path
+    if "://" in store:
+        fail(
+            f"--store {store!r}: not a store greenctl reads: a SQLite file (a path, or sqlite:///PATH), "
+            "influx://HOST:PORT?org=..&bucket=.., http://HOST:PORT (VictoriaMetrics) or prom://HOST:PORT"
+        )
+    return Path(store)
+
+
+def store_path(store: Path | None) -> Path | None:
+    """The SQLite store to read ended jobs from: --store, else the daemon's, else the config's."""
+    from greend.config import load_config
+    from greend.jobs.history import sqlite_path
+
+    if store is not None:
+        return store
+    try:
+        urls = [s["url"] for s in try_request("status").get("stores") or []]
+    except (DaemonUnavailable, RequestRefused):
+        try:
+            urls = list(load_config(None).store_urls)
+        except GreendError:
+            return None
+    path = sqlite_path(urls)
+    try:
+        return path if path is not None and path.exists() else None
+    except PermissionError:  # the daemon's state dir is its uid's alone: it is asked instead
+        return path

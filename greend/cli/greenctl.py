@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from greend.cli.common import ReplyShapeGroup, fail, request, target
+from greend.cli.common import ReplyShapeGroup, fail, request, store_file, store_path, target, try_request
 from greend.cli.profile import profile_app
 from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
 from greend.cli.shell import complete_clock_policy, complete_job, hoist_root_options
@@ -201,14 +201,14 @@ def ctl_jobs(
     live: list[dict[str, Any]] = []
     daemon_down: str | None = None
     try:
-        live = _try_request("jobs")["jobs"]
+        live = try_request("jobs")["jobs"]
     except DaemonUnavailable as e:
         if not all_jobs:
             fail(str(e), code=3)
         daemon_down = str(e)
     jobs = list(live)
     if all_jobs:
-        path = _store_path(_store_file(store) if store is not None else None)
+        path = store_path(store_file(store) if store is not None else None)
         if path is not None:
             try:
                 stored = stored_jobs(path)
@@ -223,57 +223,6 @@ def ctl_jobs(
         elif daemon_down:
             fail(f"{daemon_down}; and no SQLite store to read: give --store FILE")
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
-
-
-def _try_request(op: str, **fields: Any) -> Any:
-    """Like :func:`greend.cli.common.request`, but the daemon being away is the caller's to handle."""
-    try:
-        with target.client() as c:
-            return c.request(op, **fields)
-    except RequestRefused as e:
-        if e.field == "job":
-            raise
-        fail(f"{e} [{e.code}]", code=4 if e.code == "forbidden" else 2)
-
-
-def _store_file(store: str) -> Path:
-    """A ``--store`` that is not a shared store's URL: the SQLite file it names (a path, or
-    ``sqlite:///PATH``); any other URL is refused, naming the ones greenctl reads."""
-    from greend.jobs.history import sqlite_path
-
-    if store.startswith("sqlite:"):
-        path = sqlite_path([store])
-        if path is None:
-            fail(f"--store {store!r}: a SQLite store is sqlite:///PATH")
-        assert path is not None
-        return path
-    if "://" in store:
-        fail(
-            f"--store {store!r}: not a store greenctl reads: a SQLite file (a path, or sqlite:///PATH), "
-            "influx://HOST:PORT?org=..&bucket=.., http://HOST:PORT (VictoriaMetrics) or prom://HOST:PORT"
-        )
-    return Path(store)
-
-
-def _store_path(store: Path | None) -> Path | None:
-    """The SQLite store to read ended jobs from: --store, else the daemon's, else the config's."""
-    from greend.config import load_config
-    from greend.jobs.history import sqlite_path
-
-    if store is not None:
-        return store
-    try:
-        urls = [s["url"] for s in _try_request("status").get("stores") or []]
-    except (DaemonUnavailable, RequestRefused):
-        try:
-            urls = list(load_config(None).store_urls)
-        except GreendError:
-            return None
-    path = sqlite_path(urls)
-    try:
-        return path if path is not None and path.exists() else None
-    except PermissionError:  # the daemon's state dir is its uid's alone: it is asked instead
-        return path
 
 
 @ctl_app.command("report")
@@ -303,14 +252,14 @@ def ctl_report(
         _check_plot_path(plot)
     if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores)):
         for p in stores:
-            if not is_shared_store(p) and not _store_file(p).is_file():
+            if not is_shared_store(p) and not store_file(p).is_file():
                 fail(
                     f"--store {p}: no such file (give each node's SQLite store: a copy of its "
                     "/var/lib/greend/greend.db; or a shared store by URL: influx://HOST:PORT?... "
                     "or http://HOST:PORT)"
                 )
         try:
-            whole = whole_job_report([p if is_shared_store(p) else str(_store_file(p)) for p in stores], job, run=run)
+            whole = whole_job_report([p if is_shared_store(p) else str(store_file(p)) for p in stores], job, run=run)
         except GreendError as e:
             fail(str(e))
         if whole is None:
@@ -321,14 +270,14 @@ def ctl_report(
     if run is not None:
         fail("--run picks a run of the job across nodes: give the nodes' stores (--store A.db --store B.db) or a "
              "shared store")  # fmt: skip
-    store = _store_file(stores[0]) if stores else None
+    store = store_file(stores[0]) if stores else None
     r: dict[str, Any] | None = None
     why, down = "", False
     try:
-        r = _try_request("report", job=job)
+        r = try_request("report", job=job)
     except (DaemonUnavailable, RequestRefused) as e:
         why, down = str(e), isinstance(e, DaemonUnavailable)
-    path = _store_path(store)
+    path = store_path(store)
     if r is None:
         if path is not None:
             try:
