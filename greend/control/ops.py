@@ -158,6 +158,7 @@ class ControlOps:
                     get_policy(precision, **dict(msg.get("precision_params") or {}))
             except (ValueError, TypeError, KeyError) as e:
                 raise ProtocolError(str(e), field="params") from None
+        self._check_gpus_named(msg.get("params") or {})
         try:
             shown = self.loop.set_policy(msg["name"], dict(msg.get("params") or {}))
             if precision is not None:
@@ -166,6 +167,34 @@ class ControlOps:
             return shown
         except ConfigError as e:
             raise ProtocolError(str(e), field="params") from None
+
+    def _check_gpus_named(self, params: dict[str, Any]) -> None:
+        """GPUs a policy's parameters name (``gpus``, ``per_gpu``'s keys) are this node's: a
+        policy set on a GPU that is not here did nothing, and said so only in its decision
+        (as ``cap set`` refuses one)."""
+        named: list[Any] = []
+        gpus = params.get("gpus")
+        if isinstance(gpus, (list, tuple)):
+            named += gpus
+        elif isinstance(gpus, str):
+            named += [g.strip() for g in gpus.strip("[]").split(",") if g.strip()]
+        per_gpu = params.get("per_gpu")
+        if isinstance(per_gpu, dict):
+            named += list(per_gpu)
+        here = {g.index for g in self.ctx.latest().gpus}
+        missing = []
+        for g in named:
+            try:
+                if int(g) not in here:
+                    missing.append(int(g))
+            except (TypeError, ValueError):
+                pass  # (the policy's own check names a bad value)
+        if missing:
+            raise ProtocolError(
+                f"no GPU {', '.join(map(str, sorted(set(missing))))} on this node "
+                f"(it has {', '.join(map(str, sorted(here))) or 'none'})",
+                field="params",
+            )
 
     def profile(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         """``profile``: ``start`` a power-limit sweep of ``gpu`` while ``job`` runs, ask its

@@ -362,7 +362,11 @@ def test_policy_set_and_show_and_a_switch_lifts_the_old_policys_caps(tmp_path: P
     # Bad parameters are refused, naming the parameter; the policy in force stays.
     r = d.ctl("policy", "set", "static", "--param", "power_limit_w=-5", check=False)
     assert r.returncode != 0 and "power_limit_w" in r.stderr
-    assert json.loads(d.ctl("policy", "show", "--json").stdout)["name"] == "static"
+    # ... and so are GPUs the node does not have (the policy was set, and did nothing).
+    for param in ("gpus=[5]", 'per_gpu={"7": {"clock_cap_mhz": 1200}}'):
+        r = d.ctl("policy", "set", "static", "--param", "power_limit_w=400", "--param", param, check=False)
+        assert r.returncode != 0 and "on this node (it has 0, 1)" in r.stderr, r.stderr
+    assert json.loads(d.ctl("policy", "show", "--json").stdout)["params"]["power_limit_w"] == 450
     # Switching away lifts what the old policy set; the admin's cap stays until reset.
     d.ctl("policy", "set", "none")
     assert [sim(d.state_dir, i).power_limit_w() for i in (0, 1)] == [250.0, 700.0]
