@@ -49,6 +49,7 @@ __all__ = [
     "book_proposals_not_taken",
     "book_withdrawal",
     "follow_ranks",
+    "run_step",
     "shed_step_records",
     "thinned",
 ]
@@ -319,6 +320,12 @@ def book_precision_event(
             job.proposal = None
 
 
+def run_step(job: Job) -> int:
+    """The job's step in its run, as its ranks number them: the steps this record counted,
+    after those its ranks had sent before it began (a daemon restarted under the run)."""
+    return job.steps_before + job.steps
+
+
 def book_proposal(
     job: Job,
     level: str,
@@ -332,7 +339,7 @@ def book_proposal(
     """The daemon asks the job's ranks to run ``level``: log the proposal. The job's level
     and measure stay until the ranks' rows arrive at ``level`` (:func:`follow_ranks`)."""
     change = PrecisionChange(
-        t_wall_s, "proposed", job.precision, level, f"{kind}: {reason}", job.steps, job.last_loss, trend
+        t_wall_s, "proposed", job.precision, level, f"{kind}: {reason}", run_step(job), job.last_loss, trend
     )
     append_bounded(job, "precision_log", change, max_entries)
     job.proposal = Proposal(level, job.precision, kind, reason, trend, job.steps, t_wall_s)
@@ -343,7 +350,7 @@ def book_withdrawal(job: Job, reason: str, *, t_wall_s: float, max_entries: int)
     p = job.proposal
     if p is None:
         return
-    change = PrecisionChange(t_wall_s, "withdrawn", job.precision, p.level, reason, job.steps, job.last_loss, None)
+    change = PrecisionChange(t_wall_s, "withdrawn", job.precision, p.level, reason, run_step(job), job.last_loss, None)
     append_bounded(job, "precision_log", change, max_entries)
     job.proposal = None
 
@@ -363,7 +370,7 @@ def book_proposals_not_taken(job: Job, *, t_wall_s: float, max_entries: int) -> 
         f"the job's ranks ran {job.steps - p.step} steps at {job.precision} since {p.level} was proposed "
         f"(in a job of several ranks, the ranks agree on the most precise level any of them asks)"
     )
-    change = PrecisionChange(t_wall_s, "not taken", job.precision, p.level, reason, job.steps, job.last_loss, None)
+    change = PrecisionChange(t_wall_s, "not taken", job.precision, p.level, reason, run_step(job), job.last_loss, None)
     append_bounded(job, "precision_log", change, max_entries)
     return change
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from greend.jobs.booking import book_cap_change, book_proposal, book_proposals_not_taken, book_withdrawal
+from greend.jobs.booking import book_cap_change, book_proposal, book_proposals_not_taken, book_withdrawal, run_step
 from greend.jobs.claims import steered_gpus
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
@@ -439,7 +439,7 @@ class JobTable:
                     job, level, reason, kind=kind, trend=trend, t_wall_s=self.wall(), max_entries=self.max_log_entries
                 )
                 log_kind = "proposed"
-            steps, last_loss = job.steps, job.last_loss
+            steps, last_loss = run_step(job), job.last_loss
         self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
         self.emit(

@@ -309,3 +309,17 @@ def test_a_resumed_record_counts_its_rank_s_steps_over_both_sessions() -> None:
         row = {**_row(996.0 + i, 996.5 + i), "first_step": 10 + 2 * i, "last_step": 11 + 2 * i}
         h["intervals"]({"rows": [row]}, again)
     assert job.steps == 16 and job.flops == 8 * 2e12 and job.step_reports == 16
+
+
+def test_a_record_begun_after_a_restart_numbers_its_log_by_the_run_s_steps() -> None:
+    """After a daemon restart the new record counted steps from 0 while the ranks number
+    theirs from the run's start: the joined log read 1409, 1453, 324, 2109."""
+    ops, _ = _ops()
+    h = ops.handlers()
+    conn = _Conn(1, _Peer(pid=5, uid=1000))
+    h["register"]({"job": "j", "run": "r1", "precisions": ["fp32", "bf16"], "precision": "fp32",
+                   "steps_before": 1400}, conn)  # fmt: skip
+    h["intervals"]({"rows": [{**_row(990.0, 991.0), "first_step": 1400, "last_step": 1401, "precision": "fp32"}]}, conn)
+    assert ops.jobs.switch_precision("j", "bf16", "cheaper", policy="precision")
+    logged = ops.jobs.jobs["j"].precision_log[-1]
+    assert logged.kind == "proposed" and logged.step == 1402
