@@ -302,15 +302,9 @@ def _check_policies(cfg: Config) -> None:
 
     for table, name, params in (
         ("params", cfg.policy.name, cfg.policy.params),
-        ("precision_params", cfg.policy.precision, cfg.policy.precision_params),
+        # (checked while precision is "none" too: a table kept for when it is turned on)
+        ("precision_params", "precision", cfg.policy.precision_params),
     ):
-        if name in ("", "none") and table == "precision_params":
-            if params:
-                raise ConfigError(
-                    f"[policy.precision_params] {', '.join(sorted(params))}: set, but [policy] precision is "
-                    '"none" (set precision = "precision", or drop the table)'
-                )
-            continue
         try:
             get_policy(name, **params)
         except (ValueError, TypeError, KeyError) as e:

@@ -189,8 +189,8 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(tmp_path: Pa
         ('[policy]\nname = "budget"\n', "[policy.params]: policy 'budget': parameter 'node_budget_w' is required"),
         ('[policy]\nprecision = "precision"\n[policy.precision_params]\ntolerence = 0.1\n',
          "[policy.precision_params]: policy 'precision': unknown parameter(s) tolerence"),
-        ('[policy.precision_params]\ntolerance = 0.1\n',
-         '[policy.precision_params] tolerance: set, but [policy] precision is "none"'),
+        ('[policy.precision_params]\ntolerence = 0.1\n',  # (precision "none": kept for later, checked now)
+         "[policy.precision_params]: policy 'precision': unknown parameter(s) tolerence"),
     ],
 )  # fmt: skip
 def test_policy_parameters_are_checked_where_the_file_is_read(tmp_path: Path, text: str, needle: str) -> None:
