@@ -106,7 +106,11 @@ def resolve_job(job: str | None) -> str:
         return job
     value = _job_from_env()
     if value:
-        return _sanitize_job(value)
+        job = _sanitize_job(value)
+        if job != value:  # (say it: `greenctl report` wants the id as booked)
+            log.warning("the job id from the environment, %r, is booked as %r (a job id is 1-128 characters of "
+                        "letters, digits and ._:@/-)", value, job)  # fmt: skip
+        return job
     return _sanitize_job(f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
 
 
@@ -119,7 +123,11 @@ def resolve_run(job: str, world_size: int, store: Any | None = None) -> str:
     ``store``: the job's rendezvous key-value store (torch's ``Store`` API), if any."""
     given = os.environ.get("GREEND_RUN", "").strip()
     if given:
-        return re.sub(r"[^A-Za-z0-9._-]", "-", given)[:64]  # as a job id from the environment
+        run = re.sub(r"[^A-Za-z0-9._-]", "-", given)[:64]  # as a job id from the environment
+        if run != given:
+            log.warning("GREEND_RUN=%r is booked as run %r (a run id is 1-64 characters of letters, digits "
+                        "and ._-)", given, run)  # fmt: skip
+        return run
     mine = uuid.uuid4().hex[:12]
     if store is not None:
         try:

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from greend.training.identity import resolve_job  # noqa: E402
+from greend.training.identity import resolve_job, resolve_run  # noqa: E402
 from greend.training.peers import JobPeers  # noqa: E402
 
 LAUNCH_VARS = ("GREEND_JOB", "SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
@@ -244,3 +244,16 @@ def test_ranks_started_without_torchrun_share_the_rendezvous_s_name(clean_env: p
     assert named == {"dist-bert-ft-master-0-23456"}
     clean_env.setenv("WORLD_SIZE", "1")  # one process told a rendezvous: not named by it
     assert not resolve_job(None).startswith("dist-")
+
+
+def test_an_id_from_the_environment_that_is_rewritten_says_so(
+    clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GREEND_JOB="my job" was booked as my-job, and GREEND_RUN cut to 64 characters, without
+    a word: `greenctl report "my job"` then found nothing."""
+    clean_env.setenv("GREEND_JOB", "my job")
+    clean_env.setenv("GREEND_RUN", "bad run!")
+    with caplog.at_level("WARNING"):
+        assert resolve_job(None) == "my-job"
+        assert resolve_run("my-job", 1) == "bad-run-"
+    assert "'my job', is booked as 'my-job'" in caplog.text and "GREEND_RUN='bad run!' is booked as run" in caplog.text
