@@ -268,6 +268,15 @@ def install_systemd(
     """
     src = find_systemd_dir(source_dir)
     unit = render_unit((src / "greend.service").read_text(), greend_bin)
+    missing_bin = None
+    if Path(prefix) == Path("/") and not (os.path.isfile(greend_bin) and os.access(greend_bin, os.X_OK)):
+        # (under another --prefix, an image being built, the binary is that system's)
+        missing_bin = (
+            f"greend binary {greend_bin}: not there, or not executable; the unit would fail at its first start "
+            "(give --greend-bin the path `command -v greend` prints)"
+        )
+        if not dry_run:
+            raise ConfigError(missing_bin)
     hidden = hidden_from_unit(greend_bin)
     if hidden and not hidden_ok:
         raise ConfigError(
@@ -280,7 +289,7 @@ def install_systemd(
         )
     run = runner or _default_runner
     prefix = Path(prefix)
-    actions: list[str] = []
+    actions: list[str] = [f"note {missing_bin}"] if missing_bin else []
 
     for f in _FILES:
         target = prefix / f.target

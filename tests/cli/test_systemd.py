@@ -529,3 +529,17 @@ def test_default_greend_bin_is_absolute() -> None:
         pytest.skip("no greend script installed beside this Python or on PATH")
     assert Path(found).is_absolute() and Path(found).name == "greend"
     render_unit(UNIT.read_text(), found)  # acceptable to systemd
+
+
+def test_a_greend_binary_that_is_not_there_is_named_before_the_unit_is_written(tmp_path: Path) -> None:
+    """`install-systemd --greend-bin /opt/nonexistent/greend` wrote a unit that could never
+    start, rc 0. On the live system it is refused (a dry run says it); under another
+    --prefix (an image being built) the binary is that system's, and not checked here."""
+    from greend.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not there, or not executable"):
+        install_systemd(Path("/"), greend_bin="/opt/nonexistent/greend")
+    actions = install_systemd(Path("/"), greend_bin="/opt/nonexistent/greend", dry_run=True)
+    assert actions[0].startswith("note greend binary /opt/nonexistent/greend: not there")
+    assert any(a.startswith("write ") for a in install_systemd(tmp_path, greend_bin="/opt/greend/bin/greend",
+                                                               hidden_ok=True))  # fmt: skip
