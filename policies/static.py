@@ -122,6 +122,16 @@ class StaticPolicy:
         for i, own in sorted((self._params["per_gpu"] or {}).items()):
             t_str.append(f"gpu{i}: " + ", ".join(f"{k} {v:g}" for k, v in own.items() if v is not None))
         d.reason = f"static: {' and '.join(t_str)} on {', '.join(held) or 'no GPU'}"
+        # A value the GPU cannot hold is held at the nearest it can: said, not read as in force.
+        fitted = []
+        for g in targets:
+            own = (self._params["per_gpu"] or {}).get(g.index)
+            pl = own["power_limit_w"] if own else self._params["power_limit_w"]
+            t = self.target(g)
+            if pl is not None and t.power_limit_w is not None and abs(t.power_limit_w - pl) > 0.5:
+                fitted.append(f"gpu{g.index} holds {t.power_limit_w:g} W, its range's end")
+        if fitted:
+            d.reason += f" ({'; '.join(fitted)})"
         if missing:
             d.reason += f" (GPU(s) {', '.join(map(str, missing))} not present)"
         d.details = {

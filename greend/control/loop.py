@@ -402,12 +402,19 @@ class ControlLoop:
                     reason=decision.reason,
                 )
                 changed.append(job_id)
+        held: list[str] = []
         for gpu, setting in decision.gpu_settings.items():
             before = self.ctrl.current(gpu)
             in_force = self._apply_gpu(gpu, setting, owner=POLICY_OWNER)
             if in_force is not None and in_force != before:
                 points.append(self.cap_point(ts, in_force, decision.reason, gpu=gpu))
                 jobs.reset_measures_on_gpu(gpu, now_s + settle_s)
+            if in_force is not None:
+                held += _held_otherwise(gpu, setting, in_force, self.ctrl.owners().get(NODE_OWNER, []))
+        if held:
+            # What the GPU holds where it could not take what was asked (its range), said
+            # beside the decision: "power <= 1 W" read as in force while it held 200 W.
+            decision.reason = f"{decision.reason}; {', '.join(held)}" if decision.reason else ", ".join(held)
         for zone, watts in decision.cpu_power_limit_w.items():
             try:
                 self.ctrl.apply_cpu_limit(zone, watts, POLICY_OWNER)
@@ -609,3 +616,16 @@ def _jsonable(v: Any) -> Any:
 def _same(old: Any, new: Any) -> bool:
     """Whether ``new`` is the policy ``old`` already is (the same name and parameters)."""
     return old is not None and new is not None and old.name == new.name and old.params() == new.params()
+
+
+def _held_otherwise(gpu: int, asked: Setting, held: Setting, admin: list[str]) -> list[str]:
+    """Where ``gpu`` holds other than ``asked`` beyond rounding (a power limit clamped to its
+    range; a clock cap more than one 15 MHz step from the asked one, past snapping), and
+    why: its range, or an admin's cap (``admin``: the knobs the node's admin holds)."""
+    out = []
+    for knob, unit, slack in (("power_limit_w", "W", 0.5), ("clock_cap_mhz", "MHz", 15)):
+        want, got = getattr(asked, knob), getattr(held, knob)
+        if want is not None and got is not None and abs(got - want) > slack:
+            why = "an admin's cap" if f"gpu{gpu}.{knob}" in admin else "its range"
+            out.append(f"gpu{gpu} holds {got:g} {unit} ({why})")
+    return out

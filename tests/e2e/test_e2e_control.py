@@ -438,3 +438,13 @@ def test_sighup_stops_as_cleanly_as_sigterm(tmp_path: Path, daemons: list[Daemon
     assert "signal SIGHUP: stopping (greend has no reload" in log
     kept = list((d.state_dir / "jobs").iterdir())
     assert len(kept) == 1 and "hup" in kept[0].name  # the running job ended and was kept
+
+
+def test_a_policy_setting_the_gpu_clamps_says_what_it_holds(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """`policy set static --param power_limit_w=1` said "power <= 1 W" while the GPU held its
+    minimum, 200 W: the decision says what the GPU holds, and why."""
+    d = start_daemon(tmp_path, "--sim", "1", config='[daemon]\nsocket_group = ""\n[policy]\nperiod_s = 0.2\n')
+    daemons.append(d)
+    d.ctl("policy", "set", "static", "--param", "power_limit_w=1")
+    assert wait_for(lambda: "gpu0 holds 200 W, its range's end" in d.ctl("policy", "show").stdout, 10)
+    d.ctl("policy", "set", "none")
