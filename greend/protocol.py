@@ -503,7 +503,7 @@ class Registration:
     kind: str = "training"
     # Steps this rank had sent over earlier connections in its run (to this daemon, or to
     # one that stopped since): a new record's steps before that it never saw.
-    steps_before: int = 0
+    steps_before: int | None = None  # (None: a callback from before it said)
 
 
 def decode_register(msg: dict[str, Any]) -> Registration:
@@ -551,7 +551,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         precision=own,
         sync_every=msg.get("sync_every"),
         kind=msg.get("kind") or "training",
-        steps_before=msg.get("steps_before") or 0,
+        steps_before=msg.get("steps_before"),
     )
 
 

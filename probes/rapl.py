@@ -358,7 +358,7 @@ def write_power_limit_uw(
         held = read_power_limit_uw(zone_path, n, read=read)  # the kernel may clamp or round it
     except (OSError, ValueError, ActuatorError, ProbeError):  # (the write took: said as asked)
         held = target
-    if held != target:
+    if abs(held - target) >= ROUNDING_UW:  # (within a power unit: the kernel's rounding, as asked)
         log.warning("%s constraint %d: %d uW asked, the kernel holds %d uW", zone_path.name, n, target, held)
     log.info("%s constraint %d: power limit %d -> %d uW", zone_path.name, n, current, held)
     return held

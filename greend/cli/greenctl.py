@@ -213,9 +213,16 @@ def ctl_jobs(
             try:
                 stored = stored_jobs(path)
                 # A run the daemon still lists (or kept from before a restart) is in the store
-                # once it ended: listed once, as the daemon has it.
+                # once it ended: listed once, as the daemon has it; so are the stored parts
+                # of a run it lists joined (the daemon restarted under it), running or not.
                 listed = {(j["job"], j.get("run_id")) for j in live if j["state"] == "ended"}
-                jobs = [k for k in stored if (k["job"], k.get("run_id")) not in listed] + live
+                begun = {(j["job"], j.get("run_id"), j.get("started_at")) for j in live if j.get("started_at")}
+                jobs = [
+                    k
+                    for k in stored
+                    if (k["job"], k.get("run_id")) not in listed
+                    and (k["job"], k.get("run_id"), k.get("started_at")) not in begun
+                ] + live
             except GreendError as e:
                 if daemon_down or store is not None:
                     fail(str(e))

@@ -242,8 +242,14 @@ def _parts_lines(r: dict[str, Any]) -> list[str]:
     if len(parts) < 2:
         return out
     at = [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p["started_at"])) for p in parts[1:] if p.get("started_at")]
+    ends = [str(p.get("end_reason") or "") for p in parts[:-1]]
+    why = (
+        "the daemon restarted under this run"
+        if all(e.startswith("interrupted") for e in ends)
+        else f"this run went on in a new record after: {'; '.join(ends)}"
+    )
     return [
-        f"  parts            {len(parts)}: the daemon restarted under this run"
+        f"  parts            {len(parts)}: {why}"
         + (f" (again at {', '.join(at)})" if at else "")
         + "; the figures are the whole run's",
         *out,

@@ -323,7 +323,7 @@ def book_precision_event(
 def run_step(job: Job) -> int:
     """The job's step in its run, as its ranks number them: the steps this record counted,
     after those its ranks had sent before it began (a daemon restarted under the run)."""
-    return job.steps_before + job.steps
+    return (job.steps_before or 0) + job.steps
 
 
 def book_proposal(

@@ -119,6 +119,7 @@ def stored_jobs(path: Path) -> list[dict[str, Any]]:
                 "precision": r.get("precision"),
                 "saved_pct": r.get("saved_pct"),
                 "ended_at": r["ts_ns"] / 1e9,
+                "started_at": r.get("started_at"),  # (its first part's, where it has parts)
                 "run": seen[r["job"]],
                 "from_store": str(path),
             }

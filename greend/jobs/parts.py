@@ -134,7 +134,8 @@ def _rates(parts: list[dict[str, Any]], out: dict[str, Any]) -> None:
             n = _num(out.get(count))
             out[per] = n / energy if n is not None and energy else None
     for key in _RATES:
-        if any(key in p and p[key] is None for p in parts):
+        # (a part with no steps has no rates of its own: it vetoes none of the run's)
+        if any(key in p and p[key] is None and (_num(p.get("steps")) or 0) > 0 for p in parts):
             out[key] = None
 
 
@@ -246,7 +247,7 @@ def unseen_steps(parts: list[dict[str, Any]]) -> int:
     """Steps the run's ranks sent that no part holds: sent to a daemon that stopped without
     keeping them (killed, crashed, or steps that reached it while it stopped). The latest
     part's ranks say how many they sent before it; the earlier parts hold what was kept."""
-    before = _num(parts[-1].get("sent_before"))
+    before = _num(parts[-1].get("sent_before"))  # (None: a callback from before it said)
     kept = sum(_num(p.get("steps")) or 0.0 for p in parts[:-1])
     return max(0, int((before or 0.0) - kept))
 
@@ -304,13 +305,16 @@ def _follows(prev: dict[str, Any], record: dict[str, Any]) -> str | None:
     why = prev.get("end_reason")
     if not isinstance(why, str):
         return None
-    if record.get("sent_before") == 0:
-        return None  # its ranks had sent nothing before it: new processes, another run
+    # Its ranks had sent nothing before it: new processes (a rerun, an elastic restart),
+    # another run. (None or absent: a callback from before it said; not known.)
+    fresh = record.get("sent_before") == 0
     if why.startswith(INTERRUPTED):
-        return "part"
+        return None if fresh else "part"
     if why.startswith(EXPIRED) or why == DISCONNECTED:
         a, b = prev.get("started_at"), record.get("started_at")
-        return "part" if a is not None and b is not None and a != b else "resumed"
+        if a is None or b is None or a == b:
+            return "resumed"  # the same record, continued (a first record's copies both say 0 sent)
+        return None if fresh else "part"
     return None
 
 

@@ -335,7 +335,9 @@ class Job:
     last_step_t1_s: float | None = None
     steps: int = 0  # the steps of its busiest rank (every rank runs the same steps)
     steps_by_rank: dict[int, int] = field(default_factory=dict)  # rank id -> its steps, over all its sessions
-    steps_before: int = 0  # steps its ranks had sent before this record began (to a daemon that stopped)
+    # Steps its ranks had sent before this record began (to a daemon that stopped); None: no
+    # rank said (callbacks from before they said it).
+    steps_before: int | None = None
     step_reports: int = 0
     flops: float = 0.0
     samples: int = 0

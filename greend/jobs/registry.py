@@ -277,9 +277,9 @@ class JobRegistry(JobTable):
             job.gpus.update(gpus)
             self._merge_claims(job, claims)
             job.world_size = max(job.world_size, rs.world_size)
-            if rs.rank not in job.steps_by_rank:
+            if rs.rank not in job.steps_by_rank and reg.steps_before is not None:
                 # Steps the rank sent before this record (a record it resumes holds its own).
-                job.steps_before = max(job.steps_before, reg.steps_before)
+                job.steps_before = max(job.steps_before or 0, reg.steps_before)
             job.ranks_seen.add(rs.rank)
             self.sessions[caller.session] = rs
             if job.top_precision is None and reg.precision is not None and not job.steps:
@@ -287,21 +287,19 @@ class JobRegistry(JobTable):
             return Registered(job_id, job.run, job.precision if job.top_precision is not None else None)
 
     @staticmethod
-    def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int = 0) -> bool:
-        """A job record that a re-registration of the same job continues: one that
-        ended (or is ending) only because its ranks' heartbeats stopped or their
-        connections dropped, and that a process of the same run comes back to having sent
-        steps before (``steps_before``: a client that gave up on a daemon stalled for a
-        while, or a suspended rank, reconnecting: one run, one record). A job that ended,
-        a registration with another run id, or a process that never sent a step (a new
-        process: a rerun or an elastic restart, whose launcher may give it the same run
-        id) gets a fresh record."""
+    def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:
+        """A job record that a re-registration continues: one that ended (or is ending)
+        only because its ranks' heartbeats stopped or their connections dropped, taken up
+        by a process of the same run that sent steps before (``steps_before``; a process
+        that sent none is a new one: a rerun or an elastic restart, a fresh record)."""
         if job.uid != uid and uid != 0:
             return False
         if run is not None and run != job.run:
             return False
         reason = job.end_reason or ""
-        return steps_before > 0 and (reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None))
+        if steps_before == 0:
+            return False  # a new process (None: a callback from before it said, judged as before)
+        return reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None)
 
     def _check_gpus_exist(self, gpus: list[int]) -> None:
         present = self.gpu_indices()

@@ -20,7 +20,7 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
     "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
-    "kind", "windows", "uid", "end_reason",
+    "kind", "windows", "uid", "end_reason", "sent_before",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -344,6 +344,7 @@ class JobFigures:
             "started_at": job.registered_wall_s,
             "uid": job.uid,  # whose run (the Slurm Epilog saves only its job owner's)
             "end_reason": job.end_reason,  # (a run that goes on in a later record: greend.jobs.parts)
+            "sent_before": job.steps_before,
         } | _kind_fields(job)
 
     def report(self, job: Job) -> dict[str, Any]:

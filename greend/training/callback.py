@@ -215,9 +215,9 @@ class GreenCallback:
         own = self._control.own
         if own is not None:  # the job's own level: greend never moves it above
             fields["precision"] = own
-        sent = self._channel.stats.sent
-        if sent:  # a connection again: what went out before (a daemon that stopped may have lost it)
-            fields["steps_before"] = sent
+        # What went out over earlier connections (0 at the first): a daemon that stopped may
+        # have lost it, and a new process (0) is never taken for this one reconnecting.
+        fields["steps_before"] = self._channel.stats.sent
         if self.options.mem_share is not None:
             fields["mem_share"] = self.options.mem_share
         if self._book.fixed_flops is not None:

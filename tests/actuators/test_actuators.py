@@ -716,7 +716,8 @@ def test_a_zone_whose_limiting_is_off_is_not_said_capped(tmp_path: Path) -> None
 
 def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """... and the same request again (a policy re-asserting its cap every period) is
-    what the kernel already holds: no second write, no second warning."""
+    what the kernel already holds: no second write; a rounding within a power unit is no
+    warning."""
     sysfs, state = tmp_path / "sys", tmp_path / "state"
     tree = make_standard_tree(sysfs)
     writes: list[str] = []
@@ -731,7 +732,7 @@ def test_a_limit_the_kernel_rounds_is_reported_as_it_holds(tmp_path: Path, caplo
         assert ctl.current_cpu_limit_w("intel-rapl:0") == 150.0
         assert read_uw(tree, "intel-rapl:0", 0) == 150_000_000
         first, warned = len(writes), len([r for r in caplog.records if "the kernel holds" in r.message])
-        assert first >= 1 and warned >= 1
+        assert first >= 1 and warned == 0  # (within a power unit: the kernel's rounding, not a refusal)
         assert ctl.apply_cpu_limit("intel-rapl:0", 150.06, "node") == 150.0
         assert len(writes) == first
         assert len([r for r in caplog.records if "the kernel holds" in r.message]) == warned

@@ -124,9 +124,26 @@ def test_runs_are_grouped_by_run_id_in_the_order_of_their_latest_part() -> None:
         {"run_id": "e", "n": 13, "end_reason": "finished", "started_at": 13.0, "sent_before": 0},  # a rerun
         {"run_id": "f", "n": 14, "end_reason": INTERRUPTED, "started_at": 14.0},
         {"run_id": "f", "n": 15, "end_reason": "finished", "started_at": 15.0, "sent_before": 99},
+        # A run's first record continued in place after a lost connection: both copies
+        # say 0 sent before (its first registration's), and it is one record still.
+        {"run_id": "g", "n": 16, "end_reason": "client disconnected", "started_at": 16.0, "sent_before": 0},
+        {"run_id": "g", "n": 17, "end_reason": "finished", "started_at": 16.0, "sent_before": 0},
+        # A record after a lost connection, from new processes (0 sent): another run.
+        {"run_id": "h", "n": 18, "end_reason": "client disconnected", "started_at": 18.0, "sent_before": 0},
+        {"run_id": "h", "n": 19, "end_reason": "finished", "started_at": 19.0, "sent_before": 0},
     ]
     grouped = [[r["n"] for r in run] for run in runs_of(recs)]
-    assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11], [12], [13], [14, 15]]
+    assert grouped == [[2], [3], [1, 5], [6], [7], [8, 9], [11], [12], [13], [14, 15], [17], [18], [19]]
+
+
+def test_a_part_with_no_steps_vetoes_none_of_the_run_s_rates() -> None:
+    """Ranks registered again and the daemon stopped before their first row: that part has
+    no rates of its own, and the run's, from the sums, stay known."""
+    empty = part(started_at=200.0, steps=0, step_reports=0, flops=0.0, samples=0, duration_s=0.0,
+                 gpu_energy_j=0.0, cpu_energy_j=0.0, energy_j=0.0, gflops_per_w=None, avg_power_w=None,
+                 flop_per_s=None, gpu_energy_per_step_j=None, samples_per_j=None, per_gpu=[])  # fmt: skip
+    whole = join_reports([part(), empty])
+    assert whole["gflops_per_w"] == pytest.approx(100.0) and whole["avg_power_w"] == pytest.approx(220.0)
 
 
 def test_steps_sent_to_a_daemon_that_kept_none_of_them_are_said_unseen() -> None:

@@ -56,3 +56,21 @@ def test_the_jobs_running_when_the_daemon_stops_end_and_are_kept() -> None:
     assert any(p.measurement == "greend_job" for p in points)
     with pytest.raises(StateError, match="the daemon is stopping"):  # (its record would never be kept)
         reg.register(r, Caller(session=2, pid=0, uid=1000))
+
+
+def test_a_callback_from_before_steps_before_still_resumes_its_record() -> None:
+    """A callback that does not say what it sent before (an older one) reconnecting with
+    its run id after a lost connection: its record goes on, as it did for it before."""
+    reg = JobRegistry(Ledger(), hostname="h")
+
+    def register(session: int) -> None:
+        r = Registration(job="train", run="run-a", rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                         precisions=("fp32",), mem_share=None, reference_every=None)  # fmt: skip
+        assert r.steps_before is None
+        reg.register(r, Caller(session=session, pid=0, uid=1000))
+
+    register(1)
+    first = reg.jobs["train"]
+    reg.disconnected(1)
+    register(2)
+    assert reg.jobs["train"] is first and first.state == "running"
