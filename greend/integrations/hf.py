@@ -17,7 +17,8 @@ How it maps onto the Trainer
   vary).
 * ``samples`` = ``per_device_train_batch_size * gradient_accumulation_steps``;
   ``tokens`` = the growth of ``state.num_input_tokens_seen`` when the Trainer
-  tracks it (``include_num_input_tokens_seen=True``).
+  tracks it (``include_num_input_tokens_seen=True``), over the ranks (the Trainer
+  counts every rank's: each reports its share).
 * **Loss**: a TrainerCallback never sees the step's loss; the adapter reports the
   newest ``loss`` in ``state.log_history`` once, on the step that follows its
   logging (the Trainer logs after ``on_step_end``). With ``logging_steps=1``
@@ -125,7 +126,9 @@ class GreenHFCallback(TrainerCallback):
             return
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         if seen > self._tokens_seen:
-            step.tokens = seen - self._tokens_seen
+            # The Trainer counts every rank's tokens (gathered): this rank's share, so that
+            # the daemon's sum over the job's ranks is the count.
+            step.tokens = (seen - self._tokens_seen) // max(1, int(getattr(args, "world_size", 1) or 1))
             self._tokens_seen = seen
         history = state.log_history
         if len(history) > self._log_seen:

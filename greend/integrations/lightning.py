@@ -142,6 +142,15 @@ class GreenLightningCallback(pl.Callback):
         loss = outputs
         if isinstance(outputs, dict):
             loss = outputs.get("loss")
+        n = getattr(trainer, "accumulate_grad_batches", 1)
+        if loss is not None and isinstance(n, int) and n > 1 and getattr(pl_module, "automatic_optimization", False):
+            # Lightning hands on the loss divided by accumulate_grad_batches (what backward
+            # takes): the loss as the module computed it is n times that (a schedule that
+            # changes n would otherwise read as a jump in the loss).
+            try:
+                loss = loss * n
+            except Exception:
+                loss = None
         self._close_step(loss)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

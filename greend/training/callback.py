@@ -74,7 +74,7 @@ import torch
 
 from greend.errors import GreendWarning
 from greend.training.book import StepBook
-from greend.training.flops import batch_signature
+from greend.training.flops import batch_signature, stop_leaked
 from greend.training.identity import (
     DEFAULT_SOCKET,
     model_device,
@@ -129,6 +129,7 @@ class GreenCallback:
         # Every argument is checked before anything starts.
         sender_options, precision_options, allowed = opts.checked(model)
         self.options = opts
+        stop_leaked()  # a count an earlier callback's failed step left on (no step of ours runs yet)
 
         # Who this process is.
         self.job = resolve_job(job)

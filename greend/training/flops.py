@@ -29,6 +29,8 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -42,6 +44,7 @@ __all__ = [
     "count_flops",
     "model_params",
     "register_cpu_attention_formulas",
+    "stop_leaked",
     "transformer_flops",
 ]
 
@@ -107,6 +110,25 @@ def register_cpu_attention_formulas() -> list[str]:
 register_cpu_attention_formulas()
 
 
+# The counters counting now, each with the thread that started it: a step that raised
+# where no hook saw it end (a Hugging Face Trainer's train() gives its callbacks none) left
+# its FlopCounterMode on, and every torch op after it ran 2-3x slower (stop_leaked()).
+_LIVE: weakref.WeakKeyDictionary[FlopCounter, int] = weakref.WeakKeyDictionary()
+
+
+def stop_leaked() -> int:
+    """Stop the counts this thread left running (steps that raised and never ended): called
+    where no step of this thread can be running, as a new callback is made. How many."""
+    me = threading.get_ident()
+    leaked = [c for c, t in list(_LIVE.items()) if t == me and c.active]
+    for c in reversed(leaked):  # (the latest first: modes leave their stack in order)
+        c.stop()
+    if leaked:
+        log.warning("greend: stopped %d FLOP count(s) left running by a step that raised (a failed "
+                    "Trainer.train()?): they slowed every torch operation since", len(leaked))  # fmt: skip
+    return len(leaked)
+
+
 class FlopCounter:
     """Count the FLOPs of whatever torch runs between :meth:`start` and :meth:`stop`.
 
@@ -131,10 +153,12 @@ class FlopCounter:
             log.warning("cannot count FLOPs (FlopCounterMode failed to start: %s)", e)
             return False
         self._mode = mode
+        _LIVE[self] = threading.get_ident()
         return True
 
     def stop(self) -> int | None:
         mode, self._mode = self._mode, None
+        _LIVE.pop(self, None)
         if mode is None:
             return None
         try:

@@ -54,3 +54,24 @@ def test_gpu_indices_may_be_numpy_integers_and_any_sequence() -> None:
     np = pytest.importorskip("numpy")
     for gpus in ([np.int64(0)], (0, 1), range(2)):
         CallbackOptions(gpus=gpus).checked(None)  # type: ignore[arg-type]  # (numpy's int is an index)
+
+
+def test_a_count_a_failed_step_left_on_is_stopped_by_the_next_callback() -> None:
+    """A Hugging Face Trainer's train() that raised inside its first (counted) step gives
+    its callbacks no hook: the FlopCounterMode stayed on, and every torch op after it ran
+    2-3x slower, in the next Trainer too. The next callback made stops it."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def counting() -> bool:
+        return any(type(m).__name__.endswith("FlopCounterMode") for m in _get_current_dispatch_mode_stack())
+
+    first = GreenCallback(job="x", model=torch.nn.Linear(4, 4), socket="/nonexistent/greend.sock",
+                          connect_timeout_s=0.01)  # fmt: skip
+    step = first.step(samples=1, batch=torch.zeros(2, 4))
+    step.__enter__()  # the step is counted; its training raises, and nothing ends it
+    assert counting()
+    second = GreenCallback(job="y", socket="/nonexistent/greend.sock", connect_timeout_s=0.01)
+    assert not counting()
+    first.close()
+    second.close()

@@ -260,3 +260,71 @@ def test_hf_a_train_that_raised_inside_a_step_leaves_no_flop_count_running_after
     assert wait_for(lambda: len(daemon.ends) == 2, timeout_s=30.0)  # (a loaded machine)
     assert [e.get("reason") for e in daemon.ends] == ["error", "finished"]
     assert all(s["flops"] == expected_mlp_flops(BATCH) for s in daemon.steps)
+
+
+def test_lightning_with_accumulation_reports_the_loss_the_module_computed(sock_path: Path) -> None:
+    """Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches (what
+    backward takes): greend reported a quarter of the module's loss at 4."""
+    pl = (
+        pytest.importorskip("pytorch_lightning")
+        if importlib.util.find_spec("lightning") is None
+        else pytest.importorskip("lightning.pytorch")
+    )
+    from greend.integrations.lightning import GreenLightningCallback
+
+    daemon = FakeDaemon(sock_path).start()
+    computed: list[float] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            computed.append(float(loss))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1) * 3)
+    gcb = GreenLightningCallback(job="acc", socket=sock_path, flops_per_step=1e6, **FAST)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = pl.Trainer(max_epochs=1, callbacks=[gcb], accelerator="cpu", accumulate_grad_batches=4,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False)  # fmt: skip
+            trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+        assert wait_for(lambda: len(daemon.ends) == 1)
+        got = [s["loss"] for s in daemon.steps if s.get("loss") is not None]
+        assert len(got) == len(computed) == 8
+        assert got == pytest.approx(computed, rel=1e-5)
+    finally:
+        daemon.stop()
+
+
+def test_hf_tokens_are_each_rank_s_share_of_the_trainer_s_count(sock_path: Path) -> None:
+    """The Trainer's num_input_tokens_seen is every rank's (gathered): each rank reported all
+    of it, and the job's tokens came out world_size times too many."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from greend.integrations.hf import GreenHFCallback
+
+    cb = GreenHFCallback(job="tok", socket=sock_path, flops_per_step=1e6, **FAST)
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, world_size=2, bf16=False,
+                           fp16=False, tf32=None)  # fmt: skip
+    state = SimpleNamespace(num_input_tokens_seen=0, log_history=[])
+    cb.on_train_begin(args, state, None, model=nn.Linear(2, 2))
+    try:
+        cb.on_step_begin(args, state, None)
+        step = cb._step
+        state.num_input_tokens_seen = 1000  # both ranks' tokens of this step
+        cb.on_step_end(args, state, None)
+        assert step is not None and step.tokens == 500
+    finally:
+        cb.on_train_end(args, state, None)
