@@ -671,3 +671,26 @@ def test_back_at_a_detected_fp32_level_the_job_s_own_tf32_flags_stand(daemon: Fa
         cb.close()
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_daemon_from_before_steps_before_registers_the_callback_without_a_warning(
+    sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback says at every registration how many steps it sent before; a daemon
+    from before that field refuses it as unknown: the callback registers again without it,
+    and says nothing to the user (a warning at every start against an older daemon)."""
+    from greend import protocol
+
+    monkeypatch.delitem(protocol.SCHEMAS["register"], "steps_before")
+    d = FakeDaemon(sock_path).start()
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cb = GreenCallback(job="older", socket=sock_path, flops_per_step=1e6, **FAST)
+            train(cb, 10)
+            assert wait_for(lambda: cb.stats.connects == 1, 5.0)
+            cb.close()
+        assert [str(x.message) for x in w if issubclass(x.category, GreendWarning)] == []
+        assert [r["job"] for r in d.registers] == ["older"] and "steps_before" not in d.registers[0]
+    finally:
+        d.stop()
