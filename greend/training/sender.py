@@ -358,9 +358,8 @@ class Sender:
                 # An older daemon: register again (at the next attempt) without what it lacks.
                 ch.register_omit.add(field)
                 log.info("greend: the daemon predates register field %r; registering without it", field)
-                # (no warning: nothing is wrong for the user, the next attempt registers)
-                ch.stats.last_error = f"the daemon predates register field {field!r}; registering again without it"
-                ch.stats.connected = False
+                ch.stats.last_error = f"the daemon predates register field {field!r}: registering again without it"
+                ch.stats.connected = False  # (no warning: nothing is wrong, the next attempt registers)
                 return False
             code, message = err.get("code", "error"), err.get("message", "?")
             self._fail(f"the daemon refused to register job {self.job!r}: {code}: {message}")
