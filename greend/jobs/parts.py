@@ -51,10 +51,10 @@ _SUMMED = (
     "cap_changes",
     "sim_time_s",
     "sim_energy_j",
-    "saved_gpu_energy_j",
     "step_time_s",
 )
-# (sent_before is the latest part's own: what its ranks sent before it, kept or not)  # fmt: skip
+# (the saving is summed by _saving, each part's from its report or row; sent_before is the
+# latest part's own: what its ranks sent before it, kept or not)
 # Counts: a part without one counted none.
 _COUNTS = frozenset({"steps", "step_reports", "nonfinite_steps", "probe_steps", "cap_changes"})
 _LOGS = ("decisions", "precision_log", "series")
@@ -145,7 +145,7 @@ def _saving(parts: list[dict[str, Any]], out: dict[str, Any]) -> None:
     gpu_e = _num(out.get("gpu_energy_j"))
     total = sum(s for s in saved if s is not None) if all(s is not None for s in saved) else None
     pct = 100.0 * total / (gpu_e + total) if total is not None and gpu_e is not None and gpu_e + total > 0 else None
-    if "saved_gpu_energy_j" in out or "savings" in out:
+    if any("saved_gpu_energy_j" in p or "savings" in p for p in parts):
         out["saved_gpu_energy_j"] = total
     out["saved_pct"] = pct
     sav: list[dict[str, Any]] = [p["savings"] for p in parts if isinstance(p.get("savings"), dict)]

@@ -42,12 +42,37 @@ def test_missing_framework_says_what_to_install(monkeypatch: pytest.MonkeyPatch)
 # Lightning ---------------------------------------------------------------------------------
 
 
+def _lightning() -> Any:
+    """``lightning.pytorch``, else the older ``pytorch_lightning`` (a skip where neither is)."""
+    if importlib.util.find_spec("lightning") is None:
+        return pytest.importorskip("pytorch_lightning")
+    return pytest.importorskip("lightning.pytorch")
+
+
+def _linear_module(pl: Any, lr: float, losses: list[float] | None = None) -> Any:
+    """A LightningModule training one Linear(8, 1) on MSE with SGD at ``lr``; each loss it
+    computes is appended to ``losses`` where given."""
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if losses is not None:
+                losses.append(float(loss))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return Module
+
+
 def test_lightning_reports_steps_flops_loss_and_precision(sock_path: Path) -> None:
-    pl = (
-        pytest.importorskip("pytorch_lightning")
-        if importlib.util.find_spec("lightning") is None
-        else pytest.importorskip("lightning.pytorch")
-    )
+    pl = _lightning()
     from greend.integrations.lightning import GreenLightningCallback
 
     daemon = FakeDaemon(sock_path, initial_precision="bf16").start()  # the register reply asks for bf16
@@ -119,27 +144,11 @@ class HFTiny(nn.Module):
 
 
 def test_lightning_a_second_fit_with_the_same_callback_is_reported(sock_path: Path) -> None:
-    pl = (
-        pytest.importorskip("pytorch_lightning")
-        if importlib.util.find_spec("lightning") is None
-        else pytest.importorskip("lightning.pytorch")
-    )
+    pl = _lightning()
     from greend.integrations.lightning import GreenLightningCallback
 
     daemon = FakeDaemon(sock_path).start()
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch: Any, i: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    Module = _linear_module(pl, lr=0.1)
     ds = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     gcb = GreenLightningCallback(job="refit", socket=sock_path, flops_per_step=1e6, **FAST)
     try:
@@ -265,30 +274,12 @@ def test_hf_a_train_that_raised_inside_a_step_leaves_no_flop_count_running_after
 def test_lightning_with_accumulation_reports_the_loss_the_module_computed(sock_path: Path) -> None:
     """Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches (what
     backward takes): greend reported a quarter of the module's loss at 4."""
-    pl = (
-        pytest.importorskip("pytorch_lightning")
-        if importlib.util.find_spec("lightning") is None
-        else pytest.importorskip("lightning.pytorch")
-    )
+    pl = _lightning()
     from greend.integrations.lightning import GreenLightningCallback
 
     daemon = FakeDaemon(sock_path).start()
     computed: list[float] = []
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch: Any, i: int) -> torch.Tensor:
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            computed.append(float(loss))
-            return loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
+    Module = _linear_module(pl, lr=0.01, losses=computed)
     torch.manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1) * 3)
     gcb = GreenLightningCallback(job="acc", socket=sock_path, flops_per_step=1e6, **FAST)
