@@ -41,7 +41,10 @@ try:
 except ImportError as e:
     raise ImportError("greend.integrations.hf needs Hugging Face transformers: pip install transformers") from e
 
+import torch
+
 from greend.training import GreenCallback, Step
+from greend.training.mixed_precision import weights_level
 
 __all__ = ["GreenHFCallback"]
 
@@ -56,12 +59,17 @@ _OWNER = (
 )
 
 
-def trainer_precision(args: Any) -> str:
-    """The greend level a TrainingArguments runs at."""
+def trainer_precision(args: Any, model: Any = None) -> str:
+    """The greend level a TrainingArguments runs at; without ``bf16=``/``fp16=``, a model
+    whose weights are bf16 or fp16 (``from_pretrained(torch_dtype=torch.bfloat16)``)
+    computes at that level."""
     if getattr(args, "bf16", False):
         return "bf16"
     if getattr(args, "fp16", False):
         return "fp16"
+    weights = weights_level(model) if isinstance(model, torch.nn.Module) else None
+    if weights is not None:
+        return weights
     if getattr(args, "tf32", None):
         return "tf32"
     return "fp32"
@@ -103,7 +111,7 @@ class GreenHFCallback(TrainerCallback):
                 job=self.job,
                 model=model,
                 manage_precision=False,
-                initial_precision=trainer_precision(args),
+                initial_precision=trainer_precision(args, model),
                 precision_owner=_OWNER,
                 **self.kwargs,
             )

@@ -80,6 +80,7 @@ __all__ = [
     "is_downgrade",
     "precision_support",
     "warm_up_torchao",
+    "weights_level",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,27 @@ DEFAULT_FP8_MIN_FEATURES = 1024
 def is_downgrade(old: str, new: str) -> bool:
     """True when ``new`` keeps fewer bits than ``old`` (fp32 -> bf16, bf16 -> fp8, ...)."""
     return BITS.get(new, 32) < BITS.get(old, 32)
+
+
+_WEIGHT_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def weights_level(model: torch.nn.Module | None) -> str | None:
+    """bf16 or fp16 where most of the model's floating-point weights are (a job that
+    trains in that dtype without an autocast), else None."""
+    if model is None:
+        return None
+    counts: dict[torch.dtype, int] = {}
+    try:
+        for p in model.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    except Exception:
+        return None
+    if not counts:
+        return None
+    dtype = max(counts, key=lambda d: counts[d])
+    return _WEIGHT_LEVELS.get(dtype)
 
 
 # Support detection -------------------------------------------------------------------

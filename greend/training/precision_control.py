@@ -31,6 +31,7 @@ from greend.training.mixed_precision import (
     has_te_modules,
     precision_support,
     start_torchao_warm_up,
+    weights_level,
 )
 from greend.training.peers import JobPeers
 from greend.training.probe import Prober
@@ -48,6 +49,7 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
 }
 # The job's own level from the dtype it computes in (its autocast's, or its weights').
 _DTYPE_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_UNSEEN = object()  # a value not looked at yet
 _NULL_CONTEXT = contextlib.nullcontext()
 _PROBED = frozenset({"bf16", "fp16"})  # levels probed against the level above (an autocast apart)
 
@@ -107,6 +109,7 @@ class PrecisionControl:
         # its model's forward (else fp32, or tf32 where the job turned TF32 on).
         self.detecting = initial is None
         self.own: str | None = initial
+        self._weights: str | None | object = _UNSEEN  # the level the model's weights are in, once looked at
         if initial is None:
             tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
             initial = "tf32" if tf32 else "fp32"
@@ -224,8 +227,14 @@ class PrecisionControl:
                 level = _DTYPE_LEVELS.get(dtype)
         except Exception as e:  # an older torch without the device argument
             log.debug("cannot read the autocast state: %s", e)
-        if level is None and final:
-            level = _weights_level(self._model)  # a model trained in bf16 (or fp16) outright
+        if level is None:
+            # A model whose weights are bf16 (or fp16) computes there with or without an
+            # autocast: that is the job's level from its first step (looked at once; the
+            # weights do not change dtype between the first steps).
+            weights = self._weights
+            if weights is _UNSEEN:
+                weights = self._weights = weights_level(self._model)
+            level = weights if isinstance(weights, str) else None
         if level is None:
             if final:
                 self.detecting = False
@@ -586,21 +595,3 @@ def _te_fp8_context(autocast: AbstractContextManager[Any]) -> Any:
 
     with autocast, te.fp8_autocast(enabled=True):
         yield
-
-
-def _weights_level(model: torch.nn.Module | None) -> str | None:
-    """bf16 or fp16 where most of the model's floating-point weights are (a job that
-    trains in that dtype without an autocast), else None."""
-    if model is None:
-        return None
-    counts: dict[torch.dtype, int] = {}
-    try:
-        for p in model.parameters():
-            if p.is_floating_point():
-                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    except Exception:
-        return None
-    if not counts:
-        return None
-    dtype = max(counts, key=lambda d: counts[d])
-    return _DTYPE_LEVELS.get(dtype)

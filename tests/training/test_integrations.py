@@ -319,3 +319,28 @@ def test_hf_tokens_are_each_rank_s_share_of_the_trainer_s_count(sock_path: Path)
         assert step is not None and step.tokens == 500
     finally:
         cb.on_train_end(args, state, None)
+
+
+@pytest.mark.parametrize(("weights", "bf16", "level"), [(torch.bfloat16, False, "bf16"), (torch.float32, False, "fp32"),
+                                                        (torch.float16, False, "fp16"), (torch.float32, True, "bf16")])  # fmt: skip
+def test_hf_a_model_loaded_in_bf16_is_a_bf16_job(sock_path: Path, weights: torch.dtype, bf16: bool, level: str) -> None:
+    """``from_pretrained(torch_dtype=torch.bfloat16)`` with the default ``bf16=False``: the
+    model computes in bf16, and was reported as an fp32 job (its energy priced at fp32,
+    fp32 its own level)."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from greend.integrations.hf import GreenHFCallback
+
+    cb = GreenHFCallback(job="hf-weights", socket=sock_path, flops_per_step=1e6, **FAST)
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1, world_size=1, bf16=bf16,
+                           fp16=False, tf32=None)  # fmt: skip
+    state = SimpleNamespace(num_input_tokens_seen=0, log_history=[])
+    cb.on_train_begin(args, state, None, model=nn.Linear(2, 2).to(weights))
+    try:
+        cb.on_step_begin(args, state, None)
+        step = cb._step
+        cb.on_step_end(args, state, None)
+        assert cb.precision == level and step is not None and step.precision == level
+    finally:
+        cb.on_train_end(args, state, None)

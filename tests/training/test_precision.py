@@ -462,7 +462,9 @@ class _SelfAutocast(nn.Module):
 def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
     """The job's own level when it does not say it: an autocast its model enters in its own
     forward, weights that are bf16 outright, and an autocast around the model in a first
-    step that raised before its forward (a skipped batch) all make a bf16 job."""
+    step that raised before its forward (a skipped batch) all make a bf16 job, from its
+    first step that ran: a first step booked at fp32 made fp32 the daemon's idea of the
+    job's own level and of its baseline."""
     model: nn.Module = _SelfAutocast() if case == "autocast in forward" else nn.Linear(8, 4)
     x = torch.randn(16, 8)
     if case == "bf16 weights":
@@ -471,6 +473,7 @@ def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
         warnings.simplefilter("ignore")
         job = "own-" + case.replace(" ", "-")
         cb = GreenCallback(job=job, model=model, socket="/nonexistent/g.sock", connect_timeout_s=0.01)
+    levels = []
     try:
         for i in range(4):
             try:
@@ -487,6 +490,8 @@ def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
             except ValueError:
                 continue
             assert out.dtype == torch.bfloat16
+            levels.append(st.precision)
+        assert levels == ["bf16"] * len(levels) and len(levels) >= 3
         assert cb._control.own == "bf16" and cb.precision == "bf16"
         assert not model._forward_pre_hooks and not any(m._forward_pre_hooks for m in model.modules())
     finally:
