@@ -320,8 +320,12 @@ class PrecisionControl:
                 self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
 
     def _take_agreed(self, level: str) -> None:
-        """Run the level the ranks agreed on, never above the job's own level."""
-        if level == self.proposal:
+        """Run the level the ranks agreed on, never above the job's own level; down only
+        to the level this rank still proposes (the epoch's words were written before it:
+        a rollback since, or a directive withdrawn, keeps it where it is, and its next word
+        takes the others up)."""
+        proposed = self.proposal
+        if level == proposed:
             self.proposal = None
         if self._steps is not None:
             self._steps.flush()  # a rollback among the losses already in goes first
@@ -329,6 +333,12 @@ class PrecisionControl:
         if level == old or self.support.get(level) is not None or self.above_own(level) is not None:
             return
         step = self._next_index
+        if PRECISIONS.index(level) > PRECISIONS.index(old) and (
+            level != proposed or self.guard.barred_reason(level, step) is not None
+        ):
+            why = self.guard.barred_reason(level, step) or "its daemon withdrew it"
+            log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)
+            return
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
             PRECISIONS.index(level) < PRECISIONS.index(old)
         ):

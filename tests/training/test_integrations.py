@@ -321,8 +321,11 @@ def test_hf_tokens_are_each_rank_s_share_of_the_trainer_s_count(sock_path: Path)
         cb.on_train_end(args, state, None)
 
 
-@pytest.mark.parametrize(("weights", "bf16", "level"), [(torch.bfloat16, False, "bf16"), (torch.float32, False, "fp32"),
-                                                        (torch.float16, False, "fp16"), (torch.float32, True, "bf16")])  # fmt: skip
+_HF_WEIGHTS = [(torch.bfloat16, False, "bf16"), (torch.float32, False, "fp32"), (torch.float16, False, "fp16"),
+               (torch.float32, True, "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("weights", "bf16", "level"), _HF_WEIGHTS)
 def test_hf_a_model_loaded_in_bf16_is_a_bf16_job(sock_path: Path, weights: torch.dtype, bf16: bool, level: str) -> None:
     """``from_pretrained(torch_dtype=torch.bfloat16)`` with the default ``bf16=False``: the
     model computes in bf16, and was reported as an fp32 job (its energy priced at fp32,

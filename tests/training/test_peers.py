@@ -173,6 +173,40 @@ def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
     assert len(rollbacks) == 1 and "another rank" in rollbacks[0]["reason"], cbs[0].precision_events
 
 
+def test_a_rank_that_rolled_back_is_not_taken_down_again_by_the_words_written_before(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Both daemons ask bf16, the ranks switch together; a few steps later rank 1's loss is
+    NaN and it rolls back (bf16 barred). The next agreement reads the words both ranks
+    wrote before that (bf16): rank 1 went down again at once and its rollback was lost,
+    rank 0 never went up. Now rank 1 stays up and its word takes rank 0 up too."""
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
+    ran: list[list[str]] = [[], []]
+    first_low = None
+    try:
+        for i in range(80):
+            if i == 3:
+                for cb in cbs:
+                    _directive(cb, "bf16")
+            for r, cb in enumerate(cbs):  # the ranks in lockstep, as DDP keeps them
+                with cb.step(samples=1) as st:
+                    if st.precision == "bf16" and first_low is None:
+                        first_low = i
+                    bad = r == 1 and first_low is not None and i == first_low + 2
+                    st.loss(torch.tensor(float("nan") if bad else 1.0))
+                ran[r].append(st.precision)
+    finally:
+        for cb in cbs:
+            cb.close()
+    assert first_low is not None and ran[0][first_low] == ran[1][first_low] == "bf16"
+    back = [first_low + ran[r][first_low:].index("fp32") for r in (0, 1)]
+    assert back[1] <= first_low + 4, ran[1]  # rolled back after its NaN, the next step or the one after
+    assert back[0] <= back[1] + 2 * 5 + 1, ran[0]  # taken up within two agreement epochs
+    for r in (0, 1):
+        assert set(ran[r][back[r] :]) == {"fp32"}, ran[r]  # never down again while bf16 is barred
+    assert any(e["kind"] == "rollback" and "another rank" in e["reason"] for e in cbs[0].precision_events)
+
+
 def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPatch, daemon, sock_path) -> None:  # type: ignore[no-untyped-def]
     """Several ranks but no store to meet in (no process group): each rank follows its own
     daemon, as before."""
