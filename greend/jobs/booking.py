@@ -185,13 +185,15 @@ def follow_ranks(job: Job, row: StepsRow, *, t_wall_s: float, max_entries: int) 
 def book_baseline(
     job: Job, row: StepsRow, precision: str, executed: ExecutedRow | None, gpus: list[int] | None = None
 ) -> None:
-    """A settled row: book it to the job's baseline if it ran uncapped at the level the
-    job started at (the first row's). The per-step cost per FLOP (the model's joules,
+    """A settled row: book it to the job's baseline if it ran uncapped at the job's own
+    level (the one it registered with, else its first row's: a record begun while the
+    job ran below its own level, after a daemon restart, measures its baseline once the
+    job is back there, not at the level it came in at). The per-step cost per FLOP (the model's joules,
     else seconds) feeds the baseline's standard error: a modelled row's steps are equal;
     measured, its steps' times come as a sum and a sum of squares over equal FLOPs."""
     b = job.baseline
     if b.precision is None:
-        b.precision = precision
+        b.precision = job.top_precision or precision
     if job.capped or precision != b.precision:
         b.span_open = False
         return

@@ -149,6 +149,18 @@ def test_capped_steps_are_not_the_baseline() -> None:
     assert job.baseline.steps == 8 and job.baseline.spans == [[100.0, 102.0], [110.0, 112.0]]
 
 
+def test_the_baseline_is_the_jobs_own_level_not_the_level_its_record_began_at() -> None:
+    """A bf16 job whose daemon restarted while it ran fp8: the new record's first rows are
+    fp8. The baseline took their level and the saving was measured against fp8 (0 %);
+    it waits for the job's own level."""
+    job, rs = _job(0, precision="bf16")
+    job.top_precision = "bf16"
+    book_row(job, rs, _row(100.0, precision="fp8-emulated"), None, now_s=0.0)
+    assert job.baseline.steps == 0 and job.baseline.precision == "bf16"
+    book_row(job, rs, _row(110.0, precision="bf16"), None, now_s=0.0)
+    assert job.baseline.steps == 4 and job.baseline.precision == "bf16"
+
+
 def test_nonfinite_steps_and_a_rows_mean_loss() -> None:
     job, rs = _job(0)
     book_row(job, rs, _row(100.0, nonfinite=2, loss_n=2, loss_sum=5.0), None, now_s=0.0)
