@@ -399,33 +399,57 @@ class PrecisionControl:
         if low is None or fp32 is None:
             return spike
         self.reference_judge.log.append(
-            {"step": index, "level": level, "fp32": fp32, "loss": low, "excess": None, "spike": True}
+            {
+                "step": index,
+                "level": level,
+                "fp32": fp32,
+                "against": self.reference_level,
+                "loss": low,
+                "excess": None,
+                "spike": True,
+            }
         )
         worse = excess(fp32, low) if math.isfinite(low) and math.isfinite(fp32) else math.inf
         if worse > self.reference_judge.tolerance:
-            return f"{spike}; on the reference batch {level} is {worse:+.1%} over fp32"
+            return f"{spike}; on the reference batch {level} is {worse:+.1%} over {self.reference_level}"
         self.guard.data_changed()  # the trend before the switch no longer says anything
         log.info(
-            "greend: loss spike at step %d not confirmed on the reference batch (%s %+.2f%% over fp32): "
+            "greend: loss spike at step %d not confirmed on the reference batch (%s %+.2f%% over %s): "
             "a change in the data, not the precision; staying at %s",
             index,
             level,
             100 * worse,
+            self.reference_level,
             level,
         )
         return None
 
+    @property
+    def reference_level(self) -> str:
+        """The level the reference batch is judged against: the job's own where it is
+        below fp32 (a bf16 job taken to fp8 is judged against bf16, not against fp32,
+        whose gap to bf16 is the job's own choice), else fp32."""
+        own = self.own
+        return own if own is not None and own not in ("fp32", "tf32") else "fp32"
+
     @contextlib.contextmanager
     def _full_precision(self) -> Any:
-        """fp32 for the reference pass: no autocast, no TF32, fp8 linears swapped back."""
+        """The reference pass at :attr:`reference_level`: fp32 (no autocast, no TF32), or
+        the job's own autocast; fp8 linears swapped back either way."""
         fp8 = self.fp8 if self.fp8 is not None and self.fp8.active else None
         flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        upper = self.reference_level
+        self.reference_judge.against = upper
         if fp8 is not None:
             fp8.revert()
         try:
-            with torch.autocast(self.autocast_device, enabled=False):
-                yield
+            if upper == "fp32":
+                with torch.autocast(self.autocast_device, enabled=False):
+                    yield
+            else:
+                with self.autocast_for(upper):
+                    yield
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
             if fp8 is not None:

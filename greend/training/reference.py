@@ -1,5 +1,6 @@
 """The reference check: after a downgrade, the loss of a fixed batch at the level in
-force against fp32, on the same weights, for the rest of the run.
+force against fp32 (or the job's own level, where that is below fp32: a bf16 job at fp8
+is judged against bf16), on the same weights, for the rest of the run.
 
 A training loss cannot tell a precision penalty of a few percent from the loss still
 falling, or from a shift in the data: every batch is different, and the loss moves for
@@ -55,6 +56,9 @@ class ReferenceJudge:
 
     tolerance: float = REFERENCE_TOLERANCE
     level: str | None = None
+    # The level the upper pass ran at ("fp32" in the entries' key): the job's own where
+    # that is below fp32 (PrecisionControl.reference_level).
+    against: str = "fp32"
     excess: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))
     log: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -63,12 +67,14 @@ class ReferenceJudge:
         if level != self.level:
             self.level = level
             self.excess.clear()
-        entry: dict[str, Any] = {"step": step, "level": level, "fp32": fp32, "loss": loss, "excess": None}
+        entry: dict[str, Any] = {
+            "step": step, "level": level, "fp32": fp32, "against": self.against, "loss": loss, "excess": None,
+        }  # fmt: skip
         self.log.append(entry)
         if not math.isfinite(fp32):
             return None  # nothing to compare with (the model itself diverged: not precision's doing)
         if not math.isfinite(loss):
-            return f"the reference batch's loss is {loss} at {level} and {fp32:.6g} in fp32"
+            return f"the reference batch's loss is {loss} at {level} and {fp32:.6g} at {self.against}"
         x = excess(fp32, loss)
         entry["excess"] = x
         self.excess.append(x)
@@ -79,7 +85,8 @@ class ReferenceJudge:
         se = math.sqrt(sum((v - mean) ** 2 for v in self.excess) / (n - 1) / n)
         if mean > self.tolerance and mean - GUARD_Z * se > 0:
             return (
-                f"on the reference batch {level} is {mean:+.1%} (+/- {se:.1%}) over fp32 on the same weights, "
+                f"on the reference batch {level} is {mean:+.1%} (+/- {se:.1%}) over {self.against} "
+                "on the same weights, "
                 f"mean of the last {n} checks (tolerance {self.tolerance:.0%})"
             )
         return None

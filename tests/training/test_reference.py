@@ -24,7 +24,7 @@ from greend.training.mixed_precision import Guard
 from greend.training.probe import PROBE_STEPS, block_start
 from greend.training.reference import MIN_CHECKS, ReferenceJudge
 from tests.support import wait_for
-from tests.training.test_precision import FAST, IN, batch, make_model, switch
+from tests.training.test_precision import FAST, IN, batch, make_model, needs_torchao, switch
 
 
 def reference(model: nn.Module, penalty: float = 0.0) -> Callable[[], torch.Tensor]:
@@ -107,6 +107,34 @@ def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDa
     assert "reference check at step 19" in ev["reason"] and "+10.0%" in ev["reason"] and "barred" in ev["reason"]
     assert ev["loss"] == pytest.approx(checks[-1]["loss"]) and ev["trend"] == pytest.approx(checks[-1]["fp32"])
     assert "bf16" in cb._control.guard.barred
+
+
+@needs_torchao
+def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, sock_path: Path) -> None:
+    """A job that trains in bf16, taken to fp8: its reference pass ran in fp32, so the
+    check measured fp8 plus bf16's own gap to fp32 (the job's choice, not greend's) and
+    could roll fp8 back for it. The upper pass now runs at the job's own level."""
+    model = make_model()
+    x, y = batch(10_000)
+    seen: list[torch.dtype | None] = []
+
+    def ref() -> torch.Tensor:
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return nn.functional.mse_loss(model(x).float(), y)
+
+    with GreenCallback(job="ref-own", model=model, socket=sock_path, initial_precision="bf16",
+                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16, reference_loss=ref,
+                       reference_every=4, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(3)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(12)
+    checks = cb.reference_checks
+    assert len(checks) >= 2 and {c["against"] for c in checks} == {"bf16"}
+    # Two passes a check: the upper one at the job's bf16 (never autocast off: fp32), then fp8's.
+    assert seen[0::2] == [torch.bfloat16] * len(checks)
+    assert "fp32" not in loop.levels
 
 
 def test_a_harmless_level_is_kept_and_watched_to_the_end(daemon: FakeDaemon, sock_path: Path) -> None:
