@@ -23,12 +23,15 @@ forward, so "since start" never goes backwards.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["COARSE_MAX", "Ledger", "LedgerEntry"]
+
+log = logging.getLogger(__name__)
 
 COARSE_MAX = 8192  # points in a key's coarse history (then it halves them)
 
@@ -46,6 +49,7 @@ class LedgerEntry:
     coarse_step_s: float = 1.0
     coarse_times: list[float] = field(default_factory=list)
     coarse_energies: list[float] = field(default_factory=list)
+    source: str | None = None  # the device behind the key (a GPU's UUID), where the probe names it
 
     @property
     def total_j(self) -> float:
@@ -64,7 +68,12 @@ class Ledger:
         self._entries: dict[str, LedgerEntry] = {}
         self._lock = threading.Lock()
 
-    def record(self, key: str, t_s: float, energy_j: float, *, counted: bool = True) -> None:
+    def record(self, key: str, t_s: float, energy_j: float, *, counted: bool = True, source: str | None = None) -> None:
+        """Book a cumulative reading of ``key``. ``source``: the device behind the key (a
+        GPU's UUID); where another device reads under the key (NVML renumbered the GPUs
+        after one fell off the bus), its counter is another count: the key's series goes
+        on from where it was, booking nothing for the change (no rise booked in full, no
+        fall read as a restart)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None:
@@ -77,7 +86,13 @@ class Ledger:
                 )
                 self._entries[key] = e
             e.counted = counted
-            if e.energies and energy_j < e.last_raw_j:
+            if source is not None and e.source != source:
+                if e.source is not None and e.energies:
+                    log.warning("%s is another device now (%s, was %s): its energy counts on from here",
+                                key, source, e.source)  # fmt: skip
+                    e.offset_j += e.last_raw_j - energy_j
+                e.source = source
+            elif e.energies and energy_j < e.last_raw_j:
                 # The probe's counter restarted: keep what was counted so far.
                 e.offset_j += e.last_raw_j
             e.last_raw_j = energy_j

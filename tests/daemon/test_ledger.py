@@ -24,6 +24,24 @@ def test_probe_restart_never_loses_energy() -> None:
     assert led.total_j("gpu0") == pytest.approx(420.0)
 
 
+def test_a_key_that_another_gpu_reads_under_books_no_jump() -> None:
+    """GPU A (300 W) falls off the bus and NVML renumbers: gpu0 is now GPU B (70 W, its
+    own count 700 J), gpu1 GPU C (its count 3000 J). gpu0's fall was read as a counter
+    restart and B's whole count added to A's; gpu1's rise from B's count to C's was
+    booked in full: more energy than the node could draw. Each key goes on from where
+    it was and books only what its device draws from then on."""
+    led = Ledger()
+    for t in range(11):  # 10 s: A 300 W on gpu0, B 70 W on gpu1
+        led.record("gpu0", float(t), 300.0 * t, source="GPU-A")
+        led.record("gpu1", float(t), 70.0 * t, source="GPU-B")
+    for t in range(11, 16):  # renumbered: B on gpu0, C (300 W, counted 3000 J so far) on gpu1
+        led.record("gpu0", float(t), 70.0 * t, source="GPU-B")
+        led.record("gpu1", float(t), 300.0 * t, source="GPU-C")
+    assert led.total_j("gpu0") == pytest.approx(3000.0 + 70.0 * 4)  # A's 10 s, then B's 4 s after the change
+    assert led.total_j("gpu1") == pytest.approx(700.0 + 300.0 * 4)
+    assert led.energy_between("gpu1", 10.0, 11.0) == pytest.approx(0.0)  # the change itself books nothing
+
+
 def test_uncounted_zones_stay_out_of_totals() -> None:
     led = Ledger()
     for t, e in ((0.0, 0.0), (1.0, 50.0)):
