@@ -50,12 +50,14 @@ class Read:
 class Reads:
     """The reads in flight, one per GPU (by UUID), and each GPU's last reading.
 
-    ``read(gpu, now_s)`` makes one GPU's driver calls and returns its reading;
+    ``read(gpu, now_s, since_s)`` makes one GPU's driver calls and returns its reading
+    (``since_s``: when the read was handed to its worker, monotonic: a read that stalled
+    knows how late its values are);
     ``wait_s``: how long :meth:`take` waits for the reads, all together (None: up to
     the call deadline, the tick then waiting on a GPU that starts hanging)."""
 
     def __init__(
-        self, devices: NvmlDevices, read: Callable[[TrackedGpu, float], GpuReading], wait_s: float | None
+        self, devices: NvmlDevices, read: Callable[[TrackedGpu, float, float], GpuReading], wait_s: float | None
     ) -> None:
         self._devices = devices
         self._read = read
@@ -74,9 +76,9 @@ class Reads:
             del self._out[uuid]  # a GPU lost or gone meanwhile: its read is of no use now
         for gpu in live:
             if gpu.uuid not in self._out:
-                what = f"gpu{gpu.index}"
-                fut = self._devices.submit(what, "read", partial(self._read, gpu, now_s))
-                self._out[gpu.uuid] = Read(fut, what, time.monotonic())
+                what, since_s = f"gpu{gpu.index}", time.monotonic()
+                fut = self._devices.submit(what, "read", partial(self._read, gpu, now_s, since_s))
+                self._out[gpu.uuid] = Read(fut, what, since_s)
         wait_futures([self._out[g.uuid].future for g in live], timeout=wait_s)
         taken = time.monotonic()
         got: list[tuple[TrackedGpu, GpuReading | BaseException]] = []

@@ -100,13 +100,22 @@ class TrackedGpu:
         self._book(raw_mj - last)
 
     def account_energy(
-        self, read: Callable[[], int], what: str, power_w: float | None, now_s: float, real: bool
+        self,
+        read: Callable[[], int],
+        what: str,
+        power_w: float | None,
+        now_s: float,
+        real: bool,
+        read_at: Callable[[], float] | None = None,
     ) -> None:
         """One tick's energy: from the counter (``read()``, mJ), else from ``power_w``
         integrated. A counter that reads NOT_SUPPORTED after it worked hands over to
         power at once and is tried again every :data:`COUNTER_RETRY_S`; where it
         answers, it is taken back from a new baseline (the energy up to now was
-        integrated). ``real``: real NVML (its reads are checked against the clock)."""
+        integrated). ``real``: real NVML (its reads are checked against the clock, at
+        ``read_at()`` once read: the tick's time plus how late the read came, else
+        ``now_s``; a read that stalled 10 s took 10 s of the GPU's energy with it, and
+        was dropped as more than the GPU can draw)."""
         if self.energy_method != "counter":
             self.integrate_power(power_w, now_s)
             if self.counter_retry_s is None or now_s < self.counter_retry_s:
@@ -120,7 +129,7 @@ class TrackedGpu:
             log.warning("%s: energy counter works again; power integration ends", what)
             self.energy_method, self.counter_retry_s, self.last_power = "counter", None, None
             self.last_counter_mj, self.last_counter_s, self.counter_dropped = None, None, None
-            self.book_counter(raw, what, now_s if real else None)  # the new baseline
+            self.book_counter(raw, what, (read_at() if read_at else now_s) if real else None)  # the new baseline
             return
         try:
             raw = read()
@@ -130,7 +139,7 @@ class TrackedGpu:
             self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
             self.integrate_power(power_w, now_s)
             return
-        self.book_counter(raw, what, now_s if real else None)  # (sim: its own clock)
+        self.book_counter(raw, what, (read_at() if read_at else now_s) if real else None)  # (sim: its own clock)
 
     def _book(self, mj: int) -> None:
         self.energy_j += mj_to_j(mj)

@@ -501,7 +501,7 @@ class NvmlProbe:
         h = self._call(f"gpu{i}", "nvmlDeviceGetHandleByIndex", i)
         return h, _text(self._call(f"gpu{i}", "nvmlDeviceGetUUID", h))
 
-    def _sample_gpu(self, gpu: TrackedGpu, now_s: float) -> GpuReading:
+    def _sample_gpu(self, gpu: TrackedGpu, now_s: float, since_s: float | None = None) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
         # Energy is read every tick (it prices the steps); the rest once a second:
         # one NVML call per GPU per tick instead of eight, which is most of the
@@ -510,12 +510,12 @@ class NvmlProbe:
         writes = self._devices.settings_writes(gpu.index)
         slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S or writes != gpu.slow_read_after_writes
         if gpu.energy_method == "counter":
-            self._account_energy(gpu, what, None, now_s)
+            self._account_energy(gpu, what, None, now_s, since_s)
         if gpu.energy_method != "counter" or slow:
             power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
             gpu.power_w = None if power_mw is None else mw_to_w(power_mw)
             if gpu.energy_method != "counter":  # no counter, or it just stopped working
-                self._account_energy(gpu, what, gpu.power_w, now_s)
+                self._account_energy(gpu, what, gpu.power_w, now_s, since_s)
         power_w = gpu.power_w
         if slow:
             util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)
@@ -554,11 +554,18 @@ class NvmlProbe:
             compute_capability=gpu.compute_capability,
         )
 
-    def _account_energy(self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float) -> None:
+    def _account_energy(
+        self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float, since_s: float | None
+    ) -> None:
         def read() -> int:
             return int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
 
-        gpu.account_energy(read, what, power_w, now_s, real=self.source == "nvml")
+        def read_at() -> float:
+            # The tick's time plus how late the counter was read (a stalled driver call: the
+            # counter ran on meanwhile, and the check of what the GPU can draw must allow it).
+            return now_s if since_s is None else now_s + max(0.0, time.monotonic() - since_s)
+
+        gpu.account_energy(read, what, power_w, now_s, real=self.source == "nvml", read_at=read_at)
 
     def _clock_cap(self, index: int) -> float | None:
         if self._cap_lookup is None:

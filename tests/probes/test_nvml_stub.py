@@ -228,7 +228,7 @@ p = NvmlProbe(read_wait_s=READ_WAIT)
 p.open()
 t0 = time.monotonic()
 ticks, back, left_out = [], 0, False
-while time.monotonic() - t0 < 6.0:
+while time.monotonic() - t0 < RUN_S:
     t = time.monotonic()
     if 0.5 < t - t0 < 1.1:
         hang.touch()  # gpu3's next call hangs (1.5 s)
@@ -248,24 +248,33 @@ print(json.dumps({"ticks": ticks, "counted_j": (raw1 - raw0) / 1000.0}))
 """
 
 
-@pytest.mark.parametrize("read_wait_s", [0.02, None])
-def test_a_gpu_that_starts_hanging_never_holds_the_sample(read_wait_s: float | None) -> None:
+@pytest.mark.parametrize(("read_wait_s", "hang_s", "deadline_s"), [(0.02, 1.5, 1), (None, 1.5, 1), (0.02, 6.5, 10)])
+def test_a_gpu_that_starts_hanging_never_holds_the_sample(
+    read_wait_s: float | None, hang_s: float, deadline_s: float
+) -> None:
     """gpu3 starts hanging mid-run (its next call takes 1.5 s; the call deadline is 1 s).
     Waiting at most 20 ms for the reads, no sample waits on it: gpu3's last reading
     stands in, stale and with the same energy, until the deadline; then gpu3 is left
     out, unresponsive; once its call returns it is read again, and its energy is what
     its counter counted over the whole run (the late read lost nothing, nothing counted
-    twice). Waiting up to the deadline (None, as greend did), one sample takes it."""
-    env = {"GREEND_NVML_DEADLINE_S": "1"}
-    script = READ_AHEAD_SCRIPT.replace("READ_WAIT", repr(read_wait_s))
+    twice). Waiting up to the deadline (None, as greend did), one sample takes it. A
+    stall of 6.5 s under a 10 s deadline (late, never overdue): the counter's 6.5 s of
+    energy came in one read, checked against the tick's time as if 0.1 s had passed,
+    and was dropped as more than the GPU can draw (a third of gpu3's energy lost)."""
+    env = {"GREEND_NVML_DEADLINE_S": str(deadline_s)}
+    script = READ_AHEAD_SCRIPT.replace("READ_WAIT", repr(read_wait_s)).replace("RUN_S", repr(hang_s + 4.5))
     with tempfile.TemporaryDirectory() as d:
         hang = Path(d) / "hang-now"
-        out = run_py(script, hang_gpus="3", hang_when=hang, hang_s=1.5, env_extra=env)
+        out = run_py(script, hang_gpus="3", hang_when=hang, hang_s=hang_s, env_extra=env)
     ticks = out["ticks"]
     longest = max(t["took"] for t in ticks)
     assert ticks[-1]["g3"] is not None and ticks[-1]["g3"][0] is None, ticks[-1]  # read again, fresh
     assert ticks[-1]["g3"][1] == pytest.approx(out["counted_j"], rel=0.02), out["counted_j"]
-    assert any(t["states"] == ["ok", "unresponsive"] and t["g3"] is None for t in ticks), ticks
+    if hang_s > deadline_s:
+        assert any(t["states"] == ["ok", "unresponsive"] and t["g3"] is None for t in ticks), ticks
+    else:  # late, not overdue: the last reading stands in, stale, all along
+        assert all(t["g3"] is not None for t in ticks), ticks
+        return
     if read_wait_s is None:
         assert longest > 0.9, longest  # the sample that met the hang waited the deadline out
         return
