@@ -72,11 +72,11 @@ def book_row(
     *,
     t_wall_s: float = 0.0,
     max_entries: int = 256,
-) -> StepAggregate | None:
+) -> None:
     """Book a row of ``row.steps`` consecutive steps of ``rank`` (one of ``job``'s ranks),
-    executed by a device model as ``executed`` (None: on a real GPU). ``now_s``
-    (monotonic) starts the rank's next aggregate. Returns the rank's aggregate that this
-    row closed (a precision change starts a new one), for the stores, or None.
+    executed by a device model as ``executed`` (None: on a real GPU), and add it to the
+    rank's aggregate of its precision for the stores (``now_s``, monotonic, starts one
+    where there is none; the registry writes them out once a store interval).
 
     The job's level follows its ranks' rows: once every rank of the job here has run a
     row at a new level, that is the job's level (logged at ``t_wall_s``, as the switch
@@ -149,13 +149,10 @@ def book_row(
         m.t1_s = t1 if m.t1_s is None else max(m.t1_s, t1)
         book_baseline(job, row, precision, executed, rank.gpus)
     job.recent.append(StepRecord(t0, t1, flops, row.samples, row.tokens, modelled_s))
-    closed = None
-    if rank.agg is not None and rank.agg.precision != precision:  # one precision per aggregate
-        closed, rank.agg = rank.agg, None
-    if rank.agg is None:
-        rank.agg = StepAggregate(precision, now_s)
-    add_to_aggregate(rank.agg, row, executed)
-    return closed
+    agg = rank.aggs.get(precision)  # one aggregate per precision in a store interval
+    if agg is None:
+        agg = rank.aggs[precision] = StepAggregate(precision, now_s)
+    add_to_aggregate(agg, row, executed)
 
 
 def follow_ranks(job: Job, row: StepsRow, *, t_wall_s: float, max_entries: int) -> None:

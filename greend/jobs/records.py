@@ -134,7 +134,9 @@ class RankSession:
     last_seen_s: float
     steps: int = 0
     cpu_last_s: float | None = None  # the rank's process CPU time when last booked
-    agg: StepAggregate | None = None  # its steps since the last store interval
+    # Its steps since the last store interval, one aggregate per precision it ran (a rank
+    # that changes level every row makes no more points than one that never does).
+    aggs: dict[str, StepAggregate] = field(default_factory=dict)
     reference_every: int | None = None  # steps between its reference checks (None: it makes none)
     probe_every: int | None = None  # steps between its probe blocks (None: it runs none)
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)

@@ -418,15 +418,13 @@ class JobRegistry(JobTable):
             for i, row in enumerate(rows):
                 ex = executed[i] if executed else None
                 logged = len(job.precision_log) + job.precision_log_dropped
-                closed = book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries)
+                book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries)
                 if len(job.precision_log) + job.precision_log_dropped > logged:
                     points += self.precision_points(job, [job.precision_log[-1]])  # the ranks ran a proposal
-                if closed is not None:
-                    flushed.append(self._steps_point(job, rs.rank, closed))
                 if detail is not None and self.step_detail:
                     points.append(self._detail_point(job, rs, detail[i], ex))
-            if rs.agg is not None and now - rs.agg.since_s >= self.step_interval_s:
-                flushed.append(self._flush_steps(job, rs))
+            if rs.aggs and now - min(a.since_s for a in rs.aggs.values()) >= self.step_interval_s:
+                flushed += self._flush_steps(job, rs)
             points += flushed
         if points:
             self.emit(points)
@@ -436,12 +434,10 @@ class JobRegistry(JobTable):
             ts_ns(self.wall()), self.hostname, job=job.job, rank=rank, precision=agg.precision, fields=agg.fields()
         )
 
-    def _flush_steps(self, job: Job, rs: RankSession) -> Point:
-        """The rank's aggregate as a point; a fresh one begins."""
-        agg = rs.agg
-        assert agg is not None
-        rs.agg = None
-        return self._steps_point(job, rs.rank, agg)
+    def _flush_steps(self, job: Job, rs: RankSession) -> list[Point]:
+        """The rank's aggregates as points (one per precision, oldest first); fresh ones begin."""
+        aggs, rs.aggs = rs.aggs, {}
+        return [self._steps_point(job, rs.rank, a) for a in sorted(aggs.values(), key=lambda a: a.since_s)]
 
     def _detail_point(self, job: Job, rs: RankSession, s: StepEntry, executed: ExecutedRow | None) -> Point:
         """One reported step as a greend_job_step point ([store] step_detail)."""
@@ -572,8 +568,8 @@ class JobRegistry(JobTable):
     def _leave(self, rs: RankSession, reason: str) -> None:
         job = self.jobs.get(rs.job)
         self.sessions.pop(rs.session, None)
-        if job is not None and rs.agg is not None:
-            self.emit([self._flush_steps(job, rs)])  # its last interval's steps
+        if job is not None and rs.aggs:
+            self.emit(self._flush_steps(job, rs))  # its last interval's steps
         if job is None or rs.session not in job.ranks:
             return
         del job.ranks[rs.session]

@@ -283,3 +283,28 @@ def test_an_old_daemon_gets_steps(tmp_path: Path) -> None:
     assert "intervals" not in ops and "steps" in ops
     assert sum(len(m["steps"]) for m in got if m["op"] == "steps") == 20
     srv.close()
+
+
+def test_a_rank_that_changes_level_every_row_makes_one_point_per_level_an_interval(daemon: Daemon) -> None:
+    """64 one-step rows alternating fp32 and bf16 in one message: each row closed the
+    rank's aggregate and became a store point (one unprivileged rank filled the store's
+    queue, and the node's own points were dropped with its). Now one point per level per
+    store interval."""
+    seen: list[Any] = []
+    emit = daemon.jobs.emit
+
+    def spy(points: list[Any]) -> None:
+        seen.extend(p for p in points if p.measurement == "greend_job_steps")
+        emit(points)
+
+    daemon.jobs.emit = spy  # type: ignore[method-assign]  # (the registry's hand-over to the stores, watched)
+    c = Raw(daemon.cfg.daemon.socket, "flip", 0, ["fp32", "bf16"])
+    recs = [(*r[:8], "fp32" if i % 2 else "bf16") for i, r in enumerate(records(64, seed=3))]
+    rows = as_rows(recs, False, 64)
+    assert len(rows) == 64
+    c.send({"v": 1, "op": "intervals", "rows": rows})
+    with Client(daemon.cfg.daemon.socket) as cl:
+        assert wait_for(lambda: cl.request("report", job="flip")["steps"] == 64, 5)
+    c.close()  # the rank leaves: its last interval's points are written
+    assert wait_for(lambda: sum(p.fields["steps"] for p in seen) == 64, 5)
+    assert len(seen) <= 4 and {p.tags["precision"] for p in seen} == {"fp32", "bf16"}, [p.tags for p in seen]

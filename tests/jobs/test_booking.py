@@ -57,8 +57,7 @@ def test_a_measured_row_books_totals_measure_baseline_and_aggregate() -> None:
         100.0, samples=256, tokens=4096, loss_n=4, loss_sum=10.0, loss_min=2.0, loss_max=3.0, loss_last=2.25,
         losses=(3.0, 2.5, 2.25, 2.25),
     )  # fmt: skip
-    closed = book_row(job, rs, row, None, now_s=500.0)
-    assert closed is None
+    book_row(job, rs, row, None, now_s=500.0)
     # The job's totals.
     assert (job.steps, job.step_reports, rs.steps) == (4, 4, 4)
     assert job.flops == 8e12 and job.samples == 256 and job.tokens == 4096
@@ -81,8 +80,8 @@ def test_a_measured_row_books_totals_measure_baseline_and_aggregate() -> None:
     assert b.spans == [[100.0, 102.0]] and b.span_open
     # The window's record and the stores' aggregate.
     assert job.recent[-1].flops == 8e12 and job.recent[-1].modelled_time_s is None
-    agg = rs.agg
-    assert agg is not None and agg.precision == "fp32" and agg.since_s == 500.0
+    agg = rs.aggs["fp32"]
+    assert list(rs.aggs) == ["fp32"] and agg.precision == "fp32" and agg.since_s == 500.0
     assert agg.fields() == {
         "steps": 4, "first_step": 10, "last_step": 13, "duration_s": 2.0, "duration_sq_s2": 1.0, "flops": 8e12,
         "samples": 256, "tokens": 4096, "nonfinite": 0, "loss_mean": 2.5, "loss_min": 2.0, "loss_max": 3.0,
@@ -107,17 +106,16 @@ def test_a_modelled_row_books_the_models_time_and_energy() -> None:
     assert b.x_n == 8 and b.x_sum == pytest.approx(4 * 1200 / 8e12 + 4 * 1000 / 8e12)
     assert b.spans == [[100.0, 104.0]]  # touching baseline rows: one span
     assert job.recent[-1].modelled_time_s == 3.0
-    assert rs.agg is not None
-    fields = rs.agg.fields()
+    fields = rs.aggs["fp32"].fields()
     assert fields["sim_duration_s"] == 6.0 and fields["sim_energy_j"] == 2200.0  # the stores' names
 
 
-def test_a_precision_change_closes_the_ranks_aggregate() -> None:
+def test_a_precision_change_starts_an_aggregate_of_its_level() -> None:
     job, rs = _job(0)
-    assert book_row(job, rs, _row(100.0), None, now_s=1.0) is None
-    closed = book_row(job, rs, _row(102.0, precision="bf16"), None, now_s=2.0)
-    assert closed is not None and closed.precision == "fp32" and closed.steps == 4
-    assert rs.agg is not None and rs.agg.precision == "bf16" and rs.agg.since_s == 2.0 and rs.agg.steps == 4
+    book_row(job, rs, _row(100.0), None, now_s=1.0)
+    book_row(job, rs, _row(102.0, precision="bf16"), None, now_s=2.0)
+    assert rs.aggs["fp32"].steps == 4 and rs.aggs["fp32"].since_s == 1.0
+    assert rs.aggs["bf16"].precision == "bf16" and rs.aggs["bf16"].since_s == 2.0 and rs.aggs["bf16"].steps == 4
     # The baseline stays at the first level: the bf16 steps are not in it.
     assert job.baseline.precision == "fp32" and job.baseline.steps == 4 and not job.baseline.span_open
     # Its one rank runs bf16: so does the job (a move the daemon did not ask: the rank
@@ -125,7 +123,8 @@ def test_a_precision_change_closes_the_ranks_aggregate() -> None:
     assert job.precision == "bf16" and job.measure.since_s == 102.0 and job.measure.steps == 4
     assert job.precision_log == []
     # A row naming no level runs at the job's.
-    assert book_row(job, rs, _row(104.0), None, now_s=3.0) is None and rs.agg.steps == 8
+    book_row(job, rs, _row(104.0), None, now_s=3.0)
+    assert rs.aggs["bf16"].steps == 8 and rs.aggs["fp32"].steps == 4
 
 
 def test_rows_before_the_setting_settled_stay_out_of_the_measure() -> None:
@@ -167,7 +166,8 @@ def test_nonfinite_steps_and_a_rows_mean_loss() -> None:
     assert job.nonfinite_steps == 2
     assert list(job.nonfinite_recent) == [13, 13]  # no indices sent: the row's last step stands
     assert list(job.losses) == [2.5] and job.last_loss == 2.5  # no losses sent: the mean stands
-    assert rs.agg is not None and rs.agg.loss_min == 2.5 and rs.agg.loss_max == 2.5 and rs.agg.nonfinite == 2
+    agg = rs.aggs["fp32"]
+    assert agg.loss_min == 2.5 and agg.loss_max == 2.5 and agg.nonfinite == 2
     book_row(job, rs, _row(102.0, nonfinite=1, nonfinite_steps=(11,)), None, now_s=0.0)
     assert list(job.nonfinite_recent) == [13, 13, 11]
 
