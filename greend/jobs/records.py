@@ -48,7 +48,7 @@ class RankChannel(Protocol):
 
     def send(self, obj: dict[str, Any], timeout_s: float = ...) -> bool:
         """Send one message; False if the process is gone or stuck; ValueError (nothing
-        sent) if it cannot be encoded."""
+        sent) if it cannot be encoded. ``timeout_s`` 0: never wait (the tick's pushes)."""
         ...
 
 

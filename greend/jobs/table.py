@@ -494,7 +494,8 @@ class JobTable:
             self.emit(points)
 
     def push(self, job_id: str, event: dict[str, Any]) -> int:
-        """Send an event to every rank of a job; returns how many got it."""
+        """Send an event to every rank of a job; returns how many got it. Never waits on a
+        rank (the tick thread pushes): one that reads nothing of what it is sent is cut off."""
         with self._lock:
             job = self.jobs.get(job_id)
             channels = [rs.channel for rs in job.ranks.values() if rs.channel is not None] if job else []
@@ -502,7 +503,7 @@ class JobTable:
         sent = 0
         for c in channels:
             try:
-                sent += bool(c.send(msg, timeout_s=0.2))
+                sent += bool(c.send(msg, timeout_s=0.0))
             except ValueError as e:  # cannot be encoded (a NaN, an infinity): a bug upstream, not the ranks'
                 log.error("job %s: not sent to its ranks, cannot be encoded (%s): %r", job_id, e, event)
                 break  # (the same message fails on every channel)

@@ -340,3 +340,32 @@ def test_what_a_client_sent_before_the_stop_is_handled_before_stop_returns(tmp_p
     assert got == list(range(300))
     assert left == []
     s.close()
+
+
+def test_a_push_never_waits_on_a_peer_that_reads_nothing() -> None:
+    """The tick thread pushes paces and directives to every rank of a job. A rank whose
+    process reads nothing of what it is sent (its buffer full) held each push 0.2 s: 64
+    such connections of one user stopped the tick for 13 s. A push with timeout 0 finds
+    it cannot write, cuts the connection off and goes on; a reader is sent to as ever."""
+    stuck, stuck_peer = socket.socketpair()
+    ok, ok_peer = socket.socketpair()
+    try:
+        stuck.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            while True:  # the peer reads nothing: fill what the kernel holds for it
+                stuck.send(b"x" * 65536)
+        stuck.setblocking(True)
+        conns = [Connection(stuck, Peer(1, 1, 1), i) for i in range(64)] + [Connection(ok, Peer(2, 1, 1), 99)]
+        t0 = time.monotonic()
+        sent = [c.send({"v": 1, "op": "pace", "pace_s": 0.1}, timeout_s=0.0) for c in conns]
+        took = time.monotonic() - t0
+        assert sent == [False] * 64 + [True] and took < 0.2, took
+        assert all(c.closed for c in conns[:64]) and not conns[64].closed
+        assert json.loads(ok_peer.recv(4096).split(b"\n")[0])["pace_s"] == 0.1
+        # A connection busy sending (its lock held) is skipped, not waited on, nor closed.
+        busy = Connection(ok, Peer(2, 1, 1), 100)
+        with busy._send_lock:
+            assert busy.send({"v": 1}, timeout_s=0.0) is False and not busy.closed
+    finally:
+        for s in (stuck, stuck_peer, ok, ok_peer):
+            s.close()
