@@ -11,6 +11,7 @@ may hang, it applies the last look when there is one.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,13 +22,15 @@ from greend.units import mj_to_j
 
 from .nvml_device import Outcome
 
-__all__ = ["COUNTER_RETRY_S", "Look", "Looks", "TrackedGpu", "as_text"]
+__all__ = ["COUNTER_RETRY_S", "LOG_AGAIN_S", "Look", "Looks", "TrackedGpu", "as_text"]
 
 log = logging.getLogger(__name__)
 
 # A counter that stops working mid-run (NOT_SUPPORTED after it worked) is tried again this
 # often; the energy is integrated from power meanwhile.
 COUNTER_RETRY_S = 60.0
+LOG_AGAIN_S = 300.0  # the same error of a GPU's call is logged again after this long, with its repeats
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 
 
 @dataclass
@@ -56,7 +59,11 @@ class TrackedGpu:
     # A counter that worked, then read NOT_SUPPORTED: tried again from this time (a
     # transient fault must not leave the GPU on power integration for good).
     counter_retry_s: float | None = None
-    errors: dict[str, str] = field(default_factory=dict)  # call -> message, logged once
+    errors: dict[str, str] = field(default_factory=dict)  # call -> message, shown until it answers again
+    # call -> (the message with its numbers blanked, when logged, repeats not logged since):
+    # an error that comes and goes, or one whose message counts seconds, is logged again
+    # only after LOG_AGAIN_S (TrackedGpu.should_log).
+    logged: dict[str, tuple[str, float, int]] = field(default_factory=dict)
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
     slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
@@ -98,6 +105,20 @@ class TrackedGpu:
             log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)
             return
         self._book(raw_mj - last)
+
+    def should_log(self, key: str, message: str, now_s: float) -> str | None:
+        """The text to log for an error of ``key`` (a call, or "sample"), or None where the
+        same error (its numbers aside) was logged less than :data:`LOG_AGAIN_S` ago; the
+        repeats in between are counted into the next line."""
+        norm = _NUMBERS.sub("#", message)
+        last = self.logged.get(key)
+        if last is not None and last[0] == norm and now_s - last[1] < LOG_AGAIN_S:
+            self.logged[key] = (norm, last[1], last[2] + 1)
+            return None
+        self.logged[key] = (norm, now_s, 0)
+        if last is not None and last[0] == norm and last[2]:
+            return f"{message} ({last[2]} more time(s) in the last {now_s - last[1]:.0f} s)"
+        return message
 
     def account_energy(
         self,

@@ -175,8 +175,9 @@ class NvmlProbe:
         except NotSupported:
             return None
         except ProbeError as e:
-            if fn not in gpu.errors:
-                log.warning("%s", e)
+            line = gpu.should_log(fn, str(e), time.monotonic())
+            if line is not None:
+                log.warning("%s", line)
             gpu.errors[fn] = str(e)
             return None
 
@@ -353,8 +354,9 @@ class NvmlProbe:
                 if not isinstance(e, ProbeError):
                     e = ProbeError(f"gpu{gpu.index}: {type(e).__name__}: {e}")
                 key = "sample"
-                if gpu.errors.get(key) != str(e):
-                    log.error("gpu%d not sampled: %s", gpu.index, e)
+                line = gpu.should_log(key, str(e), time.monotonic())
+                if line is not None:
+                    log.error("gpu%d not sampled: %s", gpu.index, line)
                 gpu.errors[key] = str(e)
                 failures.append(e)
         if reinit:  # NVML was shut down under us: initialise it again, read next tick
@@ -513,7 +515,7 @@ class NvmlProbe:
             self._account_energy(gpu, what, None, now_s, since_s)
         if gpu.energy_method != "counter" or slow:
             power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
-            gpu.power_w = None if power_mw is None else mw_to_w(power_mw)
+            gpu.power_w = None if power_mw is None else self._plausible_w(gpu, mw_to_w(power_mw))
             if gpu.energy_method != "counter":  # no counter, or it just stopped working
                 self._account_energy(gpu, what, gpu.power_w, now_s, since_s)
         power_w = gpu.power_w
@@ -553,6 +555,19 @@ class NvmlProbe:
             supported_sm_clocks_mhz=gpu.supported_sm_clocks_mhz,
             compute_capability=gpu.compute_capability,
         )
+
+    def _plausible_w(self, gpu: TrackedGpu, power_w: float) -> float | None:
+        """A power read a GPU can draw, else None (left out, logged): 0 W, or over twice its
+        highest power limit (65,535 W reads come from a GPU in trouble). Integrated where
+        the GPU has no energy counter, such a read made 125x the energy."""
+        top = 2.0 * (gpu.power_limit_max_w or 1500.0)
+        if 0.0 < power_w <= top:
+            return power_w
+        line = gpu.should_log("power", f"gpu{gpu.index} power read {power_w:g} W, not a GPU's draw (0 or over "
+                              f"{top:g} W): left out", time.monotonic())  # fmt: skip
+        if line is not None:
+            log.warning("%s", line)
+        return None
 
     def _account_energy(
         self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float, since_s: float | None

@@ -113,6 +113,39 @@ def test_trapezoid_bridges_a_ramp(tmp_path: Path, clock: ManualClock) -> None:
     assert g.energy_j == pytest.approx(0.5 * (70.0 + 680.0) * 2.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("bogus_mw", [65_535_000, 0])
+def test_a_power_read_no_gpu_draws_is_not_integrated(tmp_path: Path, clock: ManualClock, bogus_mw: int) -> None:
+    """A GPU without an energy counter that reads 65,535 W (or 0 W) for a while: those
+    reads were integrated as they came (125x the energy in 4 s; half of it lost at 0 W)
+    and shown as its power. They are left out, and the reads around them bridge the gap."""
+
+    class BogusPower:
+        armed = False
+
+        def __init__(self, inner: FakeNvml) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+            return bogus_mw if self.armed else int(self._inner.nvmlDeviceGetPowerUsage(handle))
+
+    fake = FakeNvml(tmp_path, n=1, clock=clock, background_load=0.5)
+    fake.inject(0, no_energy_counter=True)
+    nvml = BogusPower(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    power = fake.sim_gpu(0).instant_power_w()
+    shown = []
+    for k in range(41):  # 10 s, 4 ticks a second; bogus from 2 s to 4 s
+        nvml.armed = 8 <= k < 16
+        shown.append(probe.sample(k * 0.25).gpus[0].power_w)
+        clock.advance(0.25)
+    assert probe.sample(10.0).gpus[0].energy_j == pytest.approx(power * 10.0, rel=1e-3)
+    assert all(w is None for w in shown[8:16]) and all(w == pytest.approx(power) for w in shown[16:])
+
+
 class CallCounter:
     """The fake NVML with a count of every call the probe makes, by name."""
 
@@ -537,6 +570,41 @@ def test_an_error_of_one_field_is_shown_until_the_call_answers_again(fake: FakeN
     probe.sample(5.0)
     assert "nvmlDeviceGetTemperature" not in probe.device_errors.get(0, {})
     assert by_index(probe, 10.0)[0].temperature_c is not None
+
+
+def test_an_error_that_comes_and_goes_or_counts_seconds_is_logged_once_a_while(
+    fake: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read that fails every other tick (real nodes answer UNKNOWN or TIMEOUT now and then)
+    was logged at every failure after an answer: 66 ERROR lines in 20 s. And a hung GPU's
+    error names the seconds it has hung, so each second's line was a new one: one line a
+    second for good. The same error, numbers aside, is logged again after LOG_AGAIN_S,
+    with the count of its repeats."""
+    from greend.probes._nvml_state import LOG_AGAIN_S, TrackedGpu
+
+    class FailingTemperature(GlitchingCounter):
+        failing = True
+
+        def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+            if self.failing:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return int(self._inner.nvmlDeviceGetTemperature(handle, sensor))
+
+    nvml = FailingTemperature(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    with caplog.at_level(logging.WARNING, logger="greend.probes.nvml"):
+        for k in range(20):
+            nvml.failing = k % 2 == 0
+            probe.sample(float(k))
+            probe._gpus[0].slow_at_s = float("-inf")  # the temperature read every tick
+    assert len([r for r in caplog.records if "gpu0 nvmlDeviceGetTemperature" in r.getMessage()]) == 1
+    gpu = TrackedGpu(index=1, handle=None, name="H100", uuid="GPU-y", energy_method="counter")
+    lines = [gpu.should_log("sample", f"gpu1 not called: hung (for {s} s)", float(s)) for s in range(5, 65)]
+    assert [x for x in lines if x is not None] == ["gpu1 not called: hung (for 5 s)"]
+    again = gpu.should_log("sample", "gpu1 not called: hung (for 305 s)", 5.0 + LOG_AGAIN_S)
+    assert again is not None and "59 more time(s)" in again
+    assert gpu.should_log("sample", "gpu1: GPU is lost", 306.0) is not None  # another error: at once
 
 
 def test_a_counter_that_comes_back_is_taken_again_from_a_new_baseline(tmp_path: Path, clock: ManualClock) -> None:
