@@ -464,7 +464,11 @@ class NvmlProbe:
                 log.warning("gpu%d (%s) appeared: measured from now", i, uuid)
             else:
                 if self._devices.is_lost(gpu.index) or uuid in self._gone:
-                    gpu.last_counter_mj, gpu.last_power = None, None  # a new baseline
+                    # Back: its counter is read on from where it was (a GPU lost for a
+                    # moment, no reset, counted on: a new baseline dropped the energy of
+                    # the gap, ~5 s); after a reset it starts from 0, below the last read,
+                    # and book_counter takes that as its new baseline. Power is not bridged.
+                    gpu.last_power = None
                 if gpu.index != i:
                     log.warning("gpu%d (%s) is gpu%d now: matched by its UUID", gpu.index, uuid, i)
                 gpu.index, gpu.handle = i, h

@@ -363,7 +363,7 @@ class NvmlDevices:
             self._uuids = {i: u for i, (_, u) in gpus.items()}
             self._writes = {i: old_writes.get(u, 0) + 1 for i, (_, u) in gpus.items()}
             for i in [i for i in self._lost if i not in lost and i in gpus]:
-                log.warning("gpu%d is back after a reset or driver reload", i)
+                log.warning("gpu%d is back (after a reset, a driver reload or a moment lost)", i)
             self._lost = dict(lost)
 
     def indices(self) -> list[int]:

@@ -488,6 +488,24 @@ def test_a_gpu_lost_then_back_at_another_index_is_found_by_uuid(tmp_path: Path, 
     assert gpus == {0: uuids[1], 1: uuids[0]} and probe.lost_gpus == {}
 
 
+def test_a_gpu_lost_for_a_moment_keeps_the_energy_of_the_gap(tmp_path: Path, clock: ManualClock) -> None:
+    """GPU_IS_LOST for a moment, no reset: its counter ran on. The GPU was taken back from
+    a new baseline and the ~5 s until it was looked for again were lost (half its energy
+    in a real 10 s run; 5 % here). Its counter is read on from where it was; one that a reset set back
+    to 0 is a new baseline (the next test's glitches, and the stub's resets)."""
+    fake = FakeNvml(tmp_path / "sim", n=1, clock=clock, background_load=0.5)
+    probe = NvmlProbe(nvml=fake, source="sim")
+    probe.open()
+    truth0 = fake.sim_gpu(0).energy_j()
+    for k in range(1, 41):  # 10 s at 4 ticks a second; lost from 2 s to 2.25 s
+        fake.inject(0, lost=k == 8)
+        clock.advance(0.25)
+        probe.sample(k * 0.25)
+    truth = fake.sim_gpu(0).energy_j() - truth0
+    g = by_index(probe, 10.0)[0]
+    assert probe.lost_gpus == {} and g.energy_j == pytest.approx(truth, rel=0.001), (g.energy_j, truth)
+
+
 class GlitchingCounter:
     """A FakeNvml whose energy counter answers ``glitch(true_mJ)`` on GPU 0 when ``armed``
     (once): a read of 0, or one that went back, as real nodes show now and then."""
