@@ -21,7 +21,7 @@ table per concern; every key has a default, so an empty file is valid::
     max_connections_per_uid = 64       # one user's open connections
     idle_timeout_s = 60.0              # a connection that never registered, silent this long, is closed
     max_jobs_per_uid = 16              # one user's running jobs
-    max_messages_per_s_per_uid = 2000.0  # one user's requests; beyond it greend reads them slower
+    max_messages_per_s_per_uid = 2000.0  # one user's requests (+1 a KiB past the first); beyond it read slower
     max_events_per_min_per_uid = 120   # precision_event messages; beyond it they are refused
     max_log_entries = 256              # a job's precision and cap-change logs (oldest dropped, counted)
     max_recent_steps = 4096            # steps a job keeps for its sliding window

@@ -272,6 +272,31 @@ def test_a_flood_of_empty_lines_is_read_in_linear_time_and_counts_against_the_ra
         srv.stop()
 
 
+def test_a_long_message_costs_its_size_against_the_rate(tmp_path: Path) -> None:
+    """One user's 64-row messages, each under the message rate, booked 56,000 rows a second
+    and the daemon's ticks nearly stopped. A message costs one, and one more a KiB after
+    its first: 40 messages of 20 KiB at 200 tokens a second take about 3 s to read,
+    where 100 short ones go at once."""
+    srv = _adder(tmp_path / "g.sock", Limits(messages_per_s=200.0))
+    try:
+        s = raw(srv.path)
+        s.settimeout(30)
+        replies = s.makefile("rb")
+        short = b'{"v":1,"op":"add","a":1}\n' * 100
+        s.sendall(short)
+        for _ in range(100):
+            replies.readline()
+        assert srv.throttled_s < 0.5, srv.throttled_s
+        pad = "x" * (20 << 10)
+        s.sendall(b"".join(b'{"v":1,"op":"add","a":2,"pad":"%s"}\n' % pad.encode() for _ in range(40)))
+        for _ in range(40):
+            replies.readline()  # (each refused for its unknown field, once read)
+        assert srv.throttled_s > 2.0, srv.throttled_s
+        s.close()
+    finally:
+        srv.stop()
+
+
 def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> None:
     """The daemon answers a connection past max_connections with one line and closes it;
     a request whose send found it closed still reads that line (it said "broken pipe")."""
