@@ -3,7 +3,8 @@ put on a network.
 
 It serves what prometheus-client renders, but unlike the client's own
 ``start_http_server`` it is bounded: at most ``max_connections`` connections at once, and a quarter of them
-from one client address (one more is closed at once), a read timeout on every connection (a client that opens
+from one client address (one more takes the place of the oldest that has sent no request yet, else it is
+closed at once), a read timeout on every connection (a client that opens
 one and sends nothing is dropped after ``read_timeout_s``), one request a connection,
 and at most ``max_scrapes_per_s`` renders a second (more are answered ``429`` at once,
 without reading the daemon's status): a flood of scrapes costs the daemon a bounded
@@ -133,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
         # The whole request head (and a TLS handshake) within read_timeout_s of the accept, not
         # only each read: a client that trickles a byte now and then would hold its slot for good.
         # (MetricsServer.service_actions ends one past its deadline.)
-        self.server.head_due(self.request, float(self.timeout or 10.0))
+        self.server.head_due(self.request, float(self.timeout or 10.0), _host(self.client_address))
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(self.timeout)
             self.request.do_handshake()  # in this connection's thread, under its timeout
@@ -229,9 +230,9 @@ class MetricsServer(ThreadingHTTPServer):
         self.bucket = _Bucket(opts.max_scrapes_per_s)
         self._open = 0  # connections being served
         self._by_client: dict[Any, int] = {}  # the same, per client address
-        self._heads: dict[Any, float] = {}  # connection -> when its request head is due
+        self._heads: dict[Any, tuple[float, Any]] = {}  # connection -> (when its request head is due, its host)
         self._open_lock = threading.Lock()
-        self.scrapes = self.limited = self.unauthorized = self.refused = 0
+        self.scrapes = self.limited = self.unauthorized = self.refused = self.evicted = 0
         self.ssl_context: ssl.SSLContext | None = None
         if opts.tls_cert or opts.tls_key:
             if not (opts.tls_cert and opts.tls_key):
@@ -264,12 +265,30 @@ class MetricsServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         host = _host(client_address)
+        victim = None
         with self._open_lock:
             mine = self._by_client.get(host, 0)
-            full = self._open >= max(1, self.opts.max_connections) or mine >= per_client(self.opts.max_connections)
+            over_mine = mine >= per_client(self.opts.max_connections)
+            full = self._open >= max(1, self.opts.max_connections) or over_mine
+            if full:
+                # A connection that has sent no request head yet makes way for the new one (the
+                # oldest; of the same client where that client is over its share): two idle
+                # connections from 127.0.0.1, reopened as each timed out, kept every local
+                # scraper out.
+                idle = [(due, r) for r, (due, h) in self._heads.items() if not over_mine or h == host]
+                if idle:
+                    victim = min(idle, key=lambda x: x[0])[1]
+                    del self._heads[victim]
+                    full = False
             if not full:
                 self._open += 1
                 self._by_client[host] = mine + 1
+        if victim is not None:
+            self.evicted += 1
+            try:
+                victim.shutdown(socket.SHUT_RDWR)  # its reads fail at once; its thread ends
+            except OSError:
+                pass
         if full:
             # Over max_connections, or over one client's share of them (a client that holds
             # them all, reconnecting as each times out, would keep every scrape out): closed
@@ -298,10 +317,11 @@ class MetricsServer(ThreadingHTTPServer):
             else:
                 self._by_client.pop(host, None)
 
-    def head_due(self, request: Any, within_s: float) -> None:
-        """The connection ``request`` must have sent its request head within ``within_s``."""
+    def head_due(self, request: Any, within_s: float, host: Any = None) -> None:
+        """The connection ``request`` (from ``host``) must have sent its request head within
+        ``within_s``; until it has, a new connection may take its place."""
         with self._open_lock:
-            self._heads[request] = time.monotonic() + within_s
+            self._heads[request] = (time.monotonic() + within_s, host)
 
     def head_in(self, request: Any) -> None:
         with self._open_lock:
@@ -313,7 +333,7 @@ class MetricsServer(ThreadingHTTPServer):
         hold a connection, and the scrapes behind it, for good."""
         now = time.monotonic()
         with self._open_lock:
-            late = [r for r, due in self._heads.items() if due <= now]
+            late = [r for r, (due, _) in self._heads.items() if due <= now]
             for r in late:
                 del self._heads[r]
         for r in late:
@@ -338,4 +358,5 @@ class MetricsServer(ThreadingHTTPServer):
             "scrapes_limited": self.limited,
             "unauthorized": self.unauthorized,
             "connections_refused": self.refused,
+            "connections_evicted": self.evicted,
         }

@@ -122,7 +122,11 @@ def _settles(cond: Any, timeout_s: float = 3.0) -> bool:
     return bool(cond())
 
 
-def test_connections_beyond_the_cap_are_closed_at_once_and_scrapes_resume(stores: list[PrometheusStore]) -> None:
+def test_connections_beyond_the_cap_take_the_place_of_idle_ones_and_scrapes_resume(
+    stores: list[PrometheusStore],
+) -> None:
+    """Past max_connections, a new connection takes the place of the oldest that has sent
+    no request yet (that one is closed): never more threads than the cap."""
     s = _open(stores, "prometheus://127.0.0.1:0?max_connections=4&read_timeout_s=1")
     threads_before = threading.active_count()
     # Four clients (loopback addresses of their own: one client may hold a quarter).
@@ -135,10 +139,10 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_scrapes_resume(stores
         socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=(f"127.0.1.{k}", 0))
         for k in range(1, 21)
     ]
-    for c in extra:
-        assert c.recv(1024) == b""  # refused: closed without a thread of its own
-    assert s._server.refused == 20
-    assert threading.active_count() <= threads_before + 4
+    for c in held + extra[:16]:
+        assert c.recv(1024) == b""  # each made way for a newer one: closed
+    assert s._server.evicted == 20 and s._server.refused == 0
+    assert _settles(lambda: s._server.open_connections() == 4 and threading.active_count() <= threads_before + 4)
     for c in held + extra:
         c.close()
     assert _settles(lambda: s._server.open_connections() == 0)
@@ -152,10 +156,24 @@ def test_one_client_holding_connections_keeps_no_other_client_s_scrape_out(store
     hog = [
         socket.create_connection(("127.0.0.1", s.port), timeout=5, source_address=("127.0.0.9", 0)) for _ in range(8)
     ]
-    assert _settles(lambda: s._server.open_connections() == 2 and s._server.refused == 6)  # (as accepted)
+    assert _settles(lambda: s._server.open_connections() == 2 and s._server.evicted == 6)  # (as accepted)
     assert _get(s)[0] == 200  # the scraper (127.0.0.1) is served meanwhile
     for c in hog:
         c.close()
+
+
+def test_idle_connections_from_the_scraper_s_own_address_keep_no_scrape_out(stores: list[PrometheusStore]) -> None:
+    """prometheus://:PORT listens on loopback only, so a local scraper shares 127.0.0.1 with
+    every local user: two connections that send nothing, reopened as each timed out, kept
+    every scrape out (20 of 20 failed). An idle connection makes way for a new one."""
+    s = _open(stores, "prometheus://127.0.0.1:0?read_timeout_s=5")  # 2 a client
+    idle = [socket.create_connection(("127.0.0.1", s.port), timeout=5) for _ in range(2)]
+    assert _settles(lambda: s._server.open_connections() == 2)
+    try:
+        assert [_get(s)[0] for _ in range(3)] == [200] * 3
+    finally:
+        for c in idle:
+            c.close()
 
 
 def test_scrapes_beyond_the_rate_are_answered_429_without_reading_status(stores: list[PrometheusStore]) -> None:
