@@ -38,6 +38,10 @@ socket, booking the handed-over steps, summing rows) is not the training thread'
 is printed apart, with the
 garbage collections per 1000 steps in greend's blocks and the bare loop's.
 
+The whole process's CPU time (``time.process_time``: the training thread and greend's
+sender thread together) is taken over the same blocks and printed the same way, so that
+what the sender thread does for the training thread is counted too.
+
 ``--attribute`` adds, on the ~1 ms bf16 step without a daemon, the same design with
 one greend call switched on at a time (``cb.step()`` alone, then with
 ``step.autocast()``, then with ``step.loss()``) and a table of each call alone in a
@@ -178,8 +182,12 @@ def make_twin(hidden: int) -> tuple[Any, Any]:
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-def run_block(model: Any, opt: Any, cb: Any, lossf: Any, xs: list[Any], ys: list[Any], batch: int, n: int) -> float:
-    """n steps in the README's usage; the training thread's CPU seconds per step."""
+def run_block(
+    model: Any, opt: Any, cb: Any, lossf: Any, xs: list[Any], ys: list[Any], batch: int, n: int
+) -> tuple[float, float]:
+    """n steps in the README's usage; the training thread's CPU seconds per step, and the
+    whole process's (greend's sender thread included)."""
+    p0 = time.process_time()
     t0 = time.thread_time()
     for i in range(n):
         x, y = xs[i & 7], ys[i & 7]
@@ -191,7 +199,8 @@ def run_block(model: Any, opt: Any, cb: Any, lossf: Any, xs: list[Any], ys: list
             opt.step()
             opt.zero_grad()
     del loss
-    return (time.thread_time() - t0) / n
+    t1 = time.thread_time()
+    return (t1 - t0) / n, (time.process_time() - p0) / n
 
 
 def run_rounds(
@@ -204,10 +213,12 @@ def run_rounds(
     batch: int,
     block: int,
     rounds: int,
+    process: list[list[float]] | None = None,
 ) -> tuple[list[list[float]], list[int]]:
     """``rounds`` rounds of one block per wrapper, adjacent, in orders that cycle through
     every permutation (three wrappers) or rotate (more). Per wrapper: its blocks' CPU
-    seconds a step, round by round; and its garbage collections (all generations)."""
+    seconds a step (the training thread's), round by round (the whole process's into
+    ``process``, where given); and its garbage collections (all generations)."""
     n = len(wrappers)
     orders = ORDERS if n == 3 else tuple(tuple(range(k, n)) + tuple(range(k)) for k in range(n))
     per: list[list[float]] = [[] for _ in wrappers]
@@ -215,7 +226,10 @@ def run_rounds(
     for r in range(rounds):
         for i in orders[r % len(orders)]:
             gc0 = sum(s["collections"] for s in gc.get_stats())
-            per[i].append(run_block(model, opt, wrappers[i], lossf, xs, ys, batch, block))
+            thread_s, process_s = run_block(model, opt, wrappers[i], lossf, xs, ys, batch, block)
+            per[i].append(thread_s)
+            if process is not None:
+                process[i].append(process_s)
             collections[i] += sum(s["collections"] for s in gc.get_stats()) - gc0
     return per, collections
 
@@ -257,7 +271,8 @@ def worker(args: argparse.Namespace) -> None:
         hooks = len(model._forward_pre_hooks) + len(model._forward_hooks)  # what greend left on the model
         sender_cpu0 = _thread_cpu_s(sender)
         t_wall0 = time.monotonic()
-        per, collections = run_rounds(model, opt, wrappers, lossf, xs, ys, batch, block, rounds)
+        process: list[list[float]] = [[] for _ in wrappers]
+        per, collections = run_rounds(model, opt, wrappers, lossf, xs, ys, batch, block, rounds, process)
         wall = time.monotonic() - t_wall0
         sender_cpu = _thread_cpu_s(sender) - sender_cpu0
         cb.close()
@@ -271,6 +286,8 @@ def worker(args: argparse.Namespace) -> None:
                 "step_ms": statistics.median(bare) * 1e3,
                 "greend": [g - b for g, b in zip(greend, bare, strict=True)],
                 "control": [c - b for c, b in zip(ctrl, bare, strict=True)],
+                "process_greend": [g - b for g, b in zip(process[1], process[0], strict=True)],
+                "process_control": [c - b for c, b in zip(process[2], process[0], strict=True)],
                 "gc_per_1k": [c * 1000 / steps for c in collections],
                 "hooks_left": hooks,
                 "attribution": att,
@@ -580,6 +597,21 @@ def report(a: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> Non
             print("\neach call alone, in a warm loop (best of 5 x 20000; a floor: in a real step caches are cold)")
             for label, us in warm:
                 print(f"  {label:<58}{us:7.2f} us")
+
+    print(
+        "\nthe whole process's CPU time a step (the training thread and greend's sender thread: its socket, its"
+        " booking, the held losses it reads and frees), greend's block less the adjacent bare block, in the"
+        " same rounds (us; median with its bootstrap 95 % interval, the mean)"
+    )
+    print(f"{'daemon':<15}{'step':<7}{'level':<6}{'greend':>9}{'95 % CI':>17}{'mean':>8}{control:>8}{'95 % CI':>17}")
+    for daemon, res in rows:
+        for s in res["sizes"]:
+            g, c = summary(s["process_greend"]), summary(s["process_control"])
+            gm = mean_summary(s["process_greend"])
+            print(
+                f"{daemon:<15}{s['name']:<7}{s['precision']:<6}{g[0]:9.2f}{f'[{g[3]:.2f}, {g[4]:.2f}]':>17}"
+                f"{gm[0]:8.2f}{c[0]:8.2f}{f'[{c[3]:.2f}, {c[4]:.2f}]':>17}"
+            )
 
 
 if __name__ == "__main__":

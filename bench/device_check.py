@@ -725,7 +725,7 @@ def part_hotpath(ctx: Ctx) -> list[Figure]:
         order = names[r % 3 :] + names[: r % 3]
         for arm in order:
             twin = twins[(names.index(arm) + r) % 3]
-            per[arm].append(bc.run_block(*twin, arms[arm], lossf, xs, ys, batch, block))
+            per[arm].append(bc.run_block(*twin, arms[arm], lossf, xs, ys, batch, block)[0])
     under_error_mode(cb.close)
     ctx.sync()
     n = len(per["bare"])

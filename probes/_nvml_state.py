@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,19 @@ class TrackedGpu:
             return
         self._book(raw_mj - last)
 
+    def plausible_w(self, power_w: float) -> float | None:
+        """A power read the GPU can draw, else None (left out, logged): 0 W, or over twice its
+        highest power limit (65,535 W reads come from a GPU in trouble). Integrated where
+        the GPU has no energy counter, such a read made 125x the energy."""
+        top = 2.0 * (self.power_limit_max_w or 1500.0)
+        if 0.0 < power_w <= top:
+            return power_w
+        line = self.should_log("power", f"gpu{self.index} power read {power_w:g} W, not a GPU's draw (0 or over "
+                               f"{top:g} W): left out", time.monotonic())  # fmt: skip
+        if line is not None:
+            log.warning("%s", line)
+        return None
+
     def should_log(self, key: str, message: str, now_s: float) -> str | None:
         """The text to log for an error of ``key`` (a call, or "sample"), or None where the
         same error (its numbers aside) was logged less than :data:`LOG_AGAIN_S` ago; the
@@ -127,22 +141,26 @@ class TrackedGpu:
         power_w: float | None,
         now_s: float,
         real: bool,
-        read_at: Callable[[], float] | None = None,
+        since_s: float | None = None,
     ) -> None:
         """One tick's energy: from the counter (``read()``, mJ), else from ``power_w``
         integrated. A counter that reads NOT_SUPPORTED after it worked hands over to
         power at once and is tried again every :data:`COUNTER_RETRY_S`; where it
         answers, it is taken back from a new baseline (the energy up to now was
-        integrated). ``real``: real NVML (its reads are checked against the clock, at
-        ``read_at()`` once read: the tick's time plus how late the read came, else
-        ``now_s``; a read that stalled 10 s took 10 s of the GPU's energy with it, and
-        was dropped as more than the GPU can draw)."""
+        integrated). ``real``: real NVML (its reads are checked against the clock: the
+        tick's time plus how late the counter was read after the read was handed to its
+        worker at ``since_s``, monotonic; a read that stalled 10 s took 10 s of the GPU's
+        energy with it, and was dropped as more than the GPU can draw)."""
+
+        def read_at() -> float:
+            return now_s if since_s is None else now_s + max(0.0, time.monotonic() - since_s)
+
         if self.energy_method != "counter":
             self.integrate_power(power_w, now_s)
             if self.counter_retry_s is None or now_s < self.counter_retry_s:
                 return
             try:
-                raw = read()
+                raw = int(read())
             except Exception as e:  # (NOT_SUPPORTED still, or another fault: the power reads tell)
                 log.debug("%s: energy counter still not working: %s", what, e)
                 self.counter_retry_s = now_s + COUNTER_RETRY_S
@@ -150,17 +168,17 @@ class TrackedGpu:
             log.warning("%s: energy counter works again; power integration ends", what)
             self.energy_method, self.counter_retry_s, self.last_power = "counter", None, None
             self.last_counter_mj, self.last_counter_s, self.counter_dropped = None, None, None
-            self.book_counter(raw, what, (read_at() if read_at else now_s) if real else None)  # the new baseline
+            self.book_counter(raw, what, read_at() if real else None)  # the new baseline
             return
         try:
-            raw = read()
+            raw = int(read())
         except NotSupported:
             log.warning("%s: energy counter stopped working; integrating power instead (the counter is tried "
                         "again every %g s)", what, COUNTER_RETRY_S)  # fmt: skip
             self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
             self.integrate_power(power_w, now_s)
             return
-        self.book_counter(raw, what, (read_at() if read_at else now_s) if real else None)  # (sim: its own clock)
+        self.book_counter(raw, what, read_at() if real else None)  # (sim: its own clock)
 
     def _book(self, mj: int) -> None:
         self.energy_j += mj_to_j(mj)

@@ -464,10 +464,8 @@ class NvmlProbe:
                 log.warning("gpu%d (%s) appeared: measured from now", i, uuid)
             else:
                 if self._devices.is_lost(gpu.index) or uuid in self._gone:
-                    # Back: its counter is read on from where it was (a GPU lost for a
-                    # moment, no reset, counted on: a new baseline dropped the energy of
-                    # the gap, ~5 s); after a reset it starts from 0, below the last read,
-                    # and book_counter takes that as its new baseline. Power is not bridged.
+                    # Back: its counter read on (a new baseline lost a moment's loss, ~5 s); one a reset
+                    # set to 0 is a new baseline in book_counter. Power is not bridged over the gap.
                     gpu.last_power = None
                 if gpu.index != i:
                     log.warning("gpu%d (%s) is gpu%d now: matched by its UUID", gpu.index, uuid, i)
@@ -519,7 +517,7 @@ class NvmlProbe:
             self._account_energy(gpu, what, None, now_s, since_s)
         if gpu.energy_method != "counter" or slow:
             power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage", h)
-            gpu.power_w = None if power_mw is None else self._plausible_w(gpu, mw_to_w(power_mw))
+            gpu.power_w = None if power_mw is None else gpu.plausible_w(mw_to_w(power_mw))
             if gpu.energy_method != "counter":  # no counter, or it just stopped working
                 self._account_energy(gpu, what, gpu.power_w, now_s, since_s)
         power_w = gpu.power_w
@@ -560,31 +558,11 @@ class NvmlProbe:
             compute_capability=gpu.compute_capability,
         )
 
-    def _plausible_w(self, gpu: TrackedGpu, power_w: float) -> float | None:
-        """A power read a GPU can draw, else None (left out, logged): 0 W, or over twice its
-        highest power limit (65,535 W reads come from a GPU in trouble). Integrated where
-        the GPU has no energy counter, such a read made 125x the energy."""
-        top = 2.0 * (gpu.power_limit_max_w or 1500.0)
-        if 0.0 < power_w <= top:
-            return power_w
-        line = gpu.should_log("power", f"gpu{gpu.index} power read {power_w:g} W, not a GPU's draw (0 or over "
-                              f"{top:g} W): left out", time.monotonic())  # fmt: skip
-        if line is not None:
-            log.warning("%s", line)
-        return None
-
     def _account_energy(
-        self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float, since_s: float | None
+        self, gpu: TrackedGpu, what: str, power_w: float | None, now_s: float, since: float | None
     ) -> None:
-        def read() -> int:
-            return int(self._call(what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle))
-
-        def read_at() -> float:
-            # The tick's time plus how late the counter was read (a stalled driver call: the
-            # counter ran on meanwhile, and the check of what the GPU can draw must allow it).
-            return now_s if since_s is None else now_s + max(0.0, time.monotonic() - since_s)
-
-        gpu.account_energy(read, what, power_w, now_s, real=self.source == "nvml", read_at=read_at)
+        read = partial(self._call, what, "nvmlDeviceGetTotalEnergyConsumption", gpu.handle)
+        gpu.account_energy(read, what, power_w, now_s, real=self.source == "nvml", since_s=since)
 
     def _clock_cap(self, index: int) -> float | None:
         if self._cap_lookup is None:

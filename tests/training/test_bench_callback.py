@@ -29,6 +29,13 @@ def test_prints_a_row_per_configuration_with_and_without_a_daemon() -> None:
     assert "never reached the daemon" not in r.stdout, r.stdout
     rows, where = {}, set()
     main, _, rest = r.stdout.partition("where it goes")
+    rest, _, whole = rest.partition("the whole process's CPU time")
+    process = {}
+    for line in whole.splitlines():
+        if line.startswith(("greend --sim 1", "none ")):
+            m = re.match(r"\s*(-?[\d.]+)\s+\[(-?[\d.]+), (-?[\d.]+)\]", line[28:])  # median [CI]
+            assert m, line
+            process[(line[:15].strip(), line[15:22].strip(), line[22:28].strip())] = float(m[1])
     for line in rest.splitlines():
         if line.startswith(("greend --sim 1", "none ")):
             where.add((line[:15].strip(), line[15:22].strip(), line[22:28].strip()))
@@ -42,5 +49,6 @@ def test_prints_a_row_per_configuration_with_and_without_a_daemon() -> None:
                 (("~1 ms", "fp32"), ("~10 ms", "fp32"), ("~1 ms", "bf16"), ("~10 ms", "bf16"))}  # fmt: skip
     assert set(rows) == expected, r.stdout
     assert where == expected, r.stdout
+    assert set(process) == expected and all(math.isfinite(v) for v in process.values()), r.stdout
     assert "step.loss(cpu tensor)" in r.stdout and "left on the model" not in r.stdout, r.stdout
     assert all(ms > 0 and n == 6 and math.isfinite(g) for ms, n, g in rows.values()), r.stdout
