@@ -348,9 +348,10 @@ class Controller:
         """The long-term RAPL limit greend has in force on a zone, or None."""
         return self._rapl.current_w(zone_path)
 
-    def owners(self) -> dict[str, list[str]]:
-        """Owner -> the knobs it holds ("gpu0.clock_cap_mhz", "package-0 (intel-rapl:0)")."""
-        return self._book.owners()
+    def owners(self, in_force: bool = False) -> dict[str, list[str]]:
+        """Owner -> the knobs it holds ("gpu0.clock_cap_mhz", "package-0 (intel-rapl:0)");
+        ``in_force``: only those a write of greend's took."""
+        return self._book.owners(in_force)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON for ``greenctl status``: what greend holds (or would hold, dry-run)."""

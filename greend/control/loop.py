@@ -578,7 +578,7 @@ class ControlLoop:
             "disabled": self.disabled,
             "dry_run": self.ctx.cfg.daemon.dry_run,
             "settings": self.ctrl.snapshot() if self.ctrl is not None else {},
-            "owners": self.ctrl.owners() if self.ctrl is not None else {},
+            "owners": self.ctrl.owners(in_force=True) if self.ctrl is not None else {},
         }
 
     def status(self) -> dict[str, Any]:
@@ -591,7 +591,7 @@ class ControlLoop:
             "last_decision": self.last_decision,
             "last_error": self.last_error,
             "disabled": self.disabled,
-            "owners": self.ctrl.owners() if self.ctrl is not None else {},
+            "owners": self.ctrl.owners(in_force=True) if self.ctrl is not None else {},
         }
 
 

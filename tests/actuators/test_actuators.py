@@ -107,6 +107,8 @@ def test_failed_write_leaves_the_original_saved(tmp_path: Path, sim: Any) -> Non
     assert knob["original"] == 650.0 and knob["set"] is None
     assert fake.sim_gpu(0).power_limit_w() == 650.0
     assert ctl.current(0) == UNCAPPED
+    # Kept for the restore, but nothing is held: `status` said "set by job-1: gpu0.power_limit_w".
+    assert ctl.owners() == {"job-1": ["gpu0.power_limit_w"]} and ctl.owners(in_force=True) == {}
     fake.inject(0, no_permission=False)
     report = ctl.restore_all()
     assert report.ok and fake.sim_gpu(0).power_limit_w() == 650.0
