@@ -2,7 +2,7 @@
 
 Each probe is timed and isolated: one that raises is marked failed for that tick and
 the others go on; one that is closed (absent hardware, no permission) is tried again
-every ``PROBE_RETRY_S``. A probe that says it ``opens_in_background`` (real NVML, whose
+after 2, 4, 8 and 16 s, then every ``PROBE_RETRY_S``. A probe that says it ``opens_in_background`` (real NVML, whose
 ``nvmlInit`` may take seconds after a driver load and whose calls may hang) is opened,
 and opened again, on a thread of its own, never on the tick: it reads "initialising"
 meanwhile, and ``on_open`` is told once it is open. A probe may ask to be sampled less often than the tick
@@ -34,6 +34,10 @@ __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 log = logging.getLogger(__name__)
 
 PROBE_RETRY_S = 30.0
+# A probe that failed to open is tried again after 2, 4, 8 and 16 s, then every
+# PROBE_RETRY_S: one fault at start (NVML's GetCount timing out once) costs seconds of
+# readings, not 30.
+PROBE_RETRY_FIRST_S = 2.0
 
 
 @dataclass
@@ -53,6 +57,7 @@ class ProbeStats:
     next_due_s: float = float("-inf")
     last: Readings | None = None  # carried into ticks where the probe is not due
     opening_since: float | None = None  # monotonic; an open in progress on its own thread
+    open_failures: int = 0  # opens failed in a row (the next try comes sooner while few)
 
     @property
     def state(self) -> str:
@@ -134,7 +139,9 @@ class ProbeScheduler:
         else:
             st.open, st.last_error = True, None
             log.info("probe %s: open", p.name)
-        st.next_open_s = self.monotonic() + PROBE_RETRY_S
+        st.open_failures = 0 if st.open else st.open_failures + 1
+        retry_s = PROBE_RETRY_FIRST_S * 2 ** (st.open_failures - 1) if st.open_failures else PROBE_RETRY_S
+        st.next_open_s = self.monotonic() + min(PROBE_RETRY_S, retry_s)
         try:
             st.info = p.info()
         except Exception as e:

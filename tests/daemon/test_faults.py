@@ -196,3 +196,53 @@ def test_clients_that_come_and_go_leak_no_file_descriptors(tmp_path: Path, daemo
         return all(j["state"] != "running" for j in jobs)
 
     assert wait_for(all_ended, 15), f"every vanished client's job ended: {jobs}"
+
+
+def test_a_probe_that_failed_to_open_is_tried_again_within_seconds_then_every_30() -> None:
+    """One fault at the start (NVML's GetCount timing out once on a real node) left the
+    node without GPU readings for 30 s: the first tries now come 2, 4, 8 and 16 s apart,
+    then every PROBE_RETRY_S; a probe that opens is sampled from that tick."""
+    from greend.daemon.probing import PROBE_RETRY_S, ProbeScheduler, ProbeStats
+    from greend.errors import ProbeError
+    from greend.probes.base import ProbeInfo, Readings
+
+    class Flaky:
+        name = "flaky"
+
+        def __init__(self, fails: int) -> None:
+            self.fails, self.opens = fails, 0
+
+        def open(self) -> None:
+            self.opens += 1
+            if self.opens <= self.fails:
+                raise ProbeError("nvmlDeviceGetCount: Timeout (NVML code 10)")
+
+        def sample(self, now_s: float) -> Readings:
+            return Readings()
+
+        def info(self) -> ProbeInfo:
+            return ProbeInfo(self.name, True, "")
+
+        def close(self) -> None:
+            pass
+
+    class Into:
+        def merge(self, r: Readings) -> None:
+            pass
+
+    now = [0.0]
+    sched = ProbeScheduler(lambda: now[0])
+    flaky = Flaky(fails=7)
+    sched.probes, sched.stats = [flaky], {"flaky": ProbeStats("flaky")}
+    sched.try_open(flaky, first=True)
+    tries_at = []
+    opens = 1
+    while now[0] < 200.0 and not sched.is_open("flaky"):
+        now[0] += 0.5
+        sched.sample(now[0], Into())
+        if flaky.opens > opens:
+            opens = flaky.opens
+            tries_at.append(now[0])
+    assert tries_at[:4] == [2.0, 6.0, 14.0, 30.0], tries_at
+    assert [b - a for a, b in zip(tries_at[3:], tries_at[4:])] == [PROBE_RETRY_S] * (len(tries_at) - 4), tries_at
+    assert sched.is_open("flaky") and flaky.opens == 8
