@@ -140,7 +140,8 @@ class ProbeScheduler:
             st.open, st.last_error = True, None
             log.info("probe %s: open", p.name)
         st.open_failures = 0 if st.open else st.open_failures + 1
-        retry_s = PROBE_RETRY_FIRST_S * 2 ** (st.open_failures - 1) if st.open_failures else PROBE_RETRY_S
+        # (the exponent capped: 2.0 * 2**1024 overflows, after 8.5 h of a probe that never opens)
+        retry_s = PROBE_RETRY_FIRST_S * 2 ** min(st.open_failures - 1, 5) if st.open_failures else PROBE_RETRY_S
         st.next_open_s = self.monotonic() + min(PROBE_RETRY_S, retry_s)
         try:
             st.info = p.info()

@@ -72,6 +72,7 @@ DRAIN_POLL_S = 0.1
 STOP_DRAIN_S = 2.0
 THROTTLE_BYTES = 1024  # a message's cost in the per-uid rate: 1, and 1 more per KiB after the first
 PUSH_SEND_S = 0.05  # a push to a writable connection (Connection.send_bytes with timeout_s 0)
+PUSH_LOCK_WAIT_S = 0.005  # ... to one busy sending a reply: waited for this long, then skipped
 
 # Peers and connections -----------------------------------------------------------
 
@@ -108,11 +109,13 @@ class Connection:
     def send_bytes(self, data: bytes, timeout_s: float = 1.0) -> bool:
         """Send one encoded message (see :meth:`send`). ``timeout_s`` 0: only where it goes
         without waiting (the tick thread's pushes to ranks): a connection busy sending is
-        skipped, and one whose peer has not read what it was sent (nothing can be written:
-        its buffer is full) is marked closed at once. Waiting up to 0.2 s on each of 64
-        such connections stopped the tick for 13 s."""
+        waited for :data:`PUSH_LOCK_WAIT_S` at most, then skipped, and one whose peer has
+        not read what it was sent (nothing can be written: its buffer is full) is marked
+        closed at once. Waiting up to 0.2 s on each of 64 such connections stopped the
+        tick for 13 s."""
         if timeout_s <= 0:
-            if not self._send_lock.acquire(blocking=False):
+            # (a reply being sent to a reader takes microseconds: waited for, briefly)
+            if not self._send_lock.acquire(timeout=PUSH_LOCK_WAIT_S):
                 return False
             try:
                 if self.closed:
@@ -506,7 +509,7 @@ class IpcServer:
                     # One token a message and one more for each KiB after its first: 64-row
                     # messages within the message rate booked 56,000 rows a second and the
                     # ticks nearly stopped; a job's usual message (a few rows) costs 1-2.
-                    self._throttle(conn, 1 + len(line) // THROTTLE_BYTES)
+                    self._throttle(conn, 1 + max(0, len(line) - 1) // THROTTLE_BYTES)
                     if line.strip():
                         self._reply(conn, self.dispatch(line, conn))
         finally:

@@ -284,9 +284,10 @@ class Measure:
 
 @dataclass
 class Baseline:
-    """The job's steps at its own baseline: uncapped, at the precision it started at
-    (settled steps only, as the policies measure them). What the job would have cost
-    without greend's controller is its FLOPs at the baseline's joules per FLOP
+    """The job's steps at its own baseline: uncapped, at its own precision (the one it
+    registered with, else its first rows'), settled steps only, as the policies measure
+    them. What the job would have cost without greend's controller is its FLOPs at the
+    baseline's joules per FLOP
     (:meth:`greend.jobs.report.JobFigures.savings`).
 
     ``x_sum``/``x_sq``: sums of the per-step figure the noise is judged by (joules per

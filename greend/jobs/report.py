@@ -130,7 +130,7 @@ class JobFigures:
 
     def savings(self, job: Job, gpu_energy_j: float | None, duration_s: float) -> dict[str, Any]:
         """GPU energy saved against the job's own measured baseline: its steps uncapped at
-        the precision it started at. The job's FLOPs at the baseline's joules (and seconds)
+        its own precision. The job's FLOPs at the baseline's joules (and seconds)
         per FLOP are what it would have cost without greend's controller; the saving is
         that less what it did cost, the slowdown its time over the baseline's.
 

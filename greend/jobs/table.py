@@ -410,6 +410,7 @@ class JobTable:
         policy: str,
         valid: Callable[[], bool] | None,
     ) -> bool:
+        again = False
         with self._lock:
             job = self.jobs.get(job_id)
             if job is None or not job.running:
@@ -422,7 +423,7 @@ class JobTable:
                 book_withdrawal(job, reason, t_wall_s=self.wall(), max_entries=self.max_log_entries)
                 log_kind = "withdrawn"
             elif job.proposal is not None and job.proposal.level == level:
-                return False  # asked already: the ranks hold it
+                again = True  # asked already
             else:
                 top = job.top_precision
                 if top is None or not may_run(level, top):
@@ -440,6 +441,12 @@ class JobTable:
                 )
                 log_kind = "proposed"
             steps, last_loss = run_step(job), job.last_loss
+        if again:
+            # Sent again, quietly (nothing booked or logged): a push that found a rank busy
+            # skipped it, and a directive is taken once per level, so a rank that has it
+            # already is not moved by it twice.
+            self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
+            return False
         self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
         self.emit(

@@ -321,9 +321,9 @@ class PrecisionControl:
 
     def _take_agreed(self, level: str) -> None:
         """Run the level the ranks agreed on, never above the job's own level; down only
-        to the level this rank still proposes (the epoch's words were written before it:
-        a rollback since, or a directive withdrawn, keeps it where it is, and its next word
-        takes the others up)."""
+        while this rank still proposes that level or one below it (the epoch's words were
+        written before: a rollback since, or a directive withdrawn, keeps it where it is,
+        and its next word takes the others up)."""
         proposed = self.proposal
         if level == proposed:
             self.proposal = None
@@ -334,7 +334,9 @@ class PrecisionControl:
             return
         step = self._next_index
         if PRECISIONS.index(level) > PRECISIONS.index(old) and (
-            level != proposed or self.guard.barred_reason(level, step) is not None
+            proposed is None
+            or PRECISIONS.index(proposed) < PRECISIONS.index(level)
+            or self.guard.barred_reason(level, step) is not None
         ):
             why = self.guard.barred_reason(level, step) or "its daemon withdrew it"
             log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)

@@ -246,3 +246,12 @@ def test_a_probe_that_failed_to_open_is_tried_again_within_seconds_then_every_30
     assert tries_at[:4] == [2.0, 6.0, 14.0, 30.0], tries_at
     assert [b - a for a, b in zip(tries_at[3:], tries_at[4:])] == [PROBE_RETRY_S] * (len(tries_at) - 4), tries_at
     assert sched.is_open("flaky") and flaky.opens == 8
+    # A probe that never opens (no RAPL in a VM): after 1,025 failures (8.5 h) the delay's
+    # 2**n overflowed and every tick raised from then on. The delay stays 30 s.
+    never = Flaky(fails=10**9)
+    never.name = "never"
+    sched.probes.append(never)
+    sched.stats["never"] = ProbeStats("never", open_failures=5000)
+    sched.try_open(never, first=False)
+    assert sched.stats["never"].next_open_s == now[0] + PROBE_RETRY_S
+    sched.sample(now[0] + PROBE_RETRY_S, Into())  # (tried again: no OverflowError)

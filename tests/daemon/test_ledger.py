@@ -29,7 +29,9 @@ def test_a_key_that_another_gpu_reads_under_books_no_jump() -> None:
     own count 700 J), gpu1 GPU C (its count 3000 J). gpu0's fall was read as a counter
     restart and B's whole count added to A's; gpu1's rise from B's count to C's was
     booked in full: more energy than the node could draw. Each key goes on from where
-    it was and books only what its device draws from then on."""
+    it was with what its device drew since its own last reading (B's from t=10, under
+    gpu1 then; C was never read: nothing before its first reading). And back: once NVML
+    numbers as before, B's rise since it last read as gpu1 is not booked to gpu1 again."""
     led = Ledger()
     for t in range(11):  # 10 s: A 300 W on gpu0, B 70 W on gpu1
         led.record("gpu0", float(t), 300.0 * t, source="GPU-A")
@@ -37,9 +39,15 @@ def test_a_key_that_another_gpu_reads_under_books_no_jump() -> None:
     for t in range(11, 16):  # renumbered: B on gpu0, C (300 W, counted 3000 J so far) on gpu1
         led.record("gpu0", float(t), 70.0 * t, source="GPU-B")
         led.record("gpu1", float(t), 300.0 * t, source="GPU-C")
-    assert led.total_j("gpu0") == pytest.approx(3000.0 + 70.0 * 4)  # A's 10 s, then B's 4 s after the change
-    assert led.total_j("gpu1") == pytest.approx(700.0 + 300.0 * 4)
-    assert led.energy_between("gpu1", 10.0, 11.0) == pytest.approx(0.0)  # the change itself books nothing
+    assert led.total_j("gpu0") == pytest.approx(3000.0 + 70.0 * 5)  # A's 10 s, then B's 5 s
+    assert led.total_j("gpu1") == pytest.approx(700.0 + 300.0 * 4)  # B's 10 s, then C's 4 s after its first reading
+    assert led.energy_between("gpu1", 10.0, 11.0) == pytest.approx(0.0)  # C's count before: not this node's to book
+    for t in range(16, 21):  # numbered as before: A (back, counted on) on gpu0, B on gpu1
+        led.record("gpu0", float(t), 300.0 * t, source="GPU-A")
+        led.record("gpu1", float(t), 70.0 * t, source="GPU-B")
+    # gpu0: B to t=15, then A's draw since its own last reading (t=10: lost meanwhile, counted on).
+    assert led.total_j("gpu0") == pytest.approx(3000.0 + 70.0 * 5 + 300.0 * 10)
+    assert led.total_j("gpu1") == pytest.approx(700.0 + 300.0 * 4 + 70.0 * 5)  # B's t=15-20, once
 
 
 def test_uncounted_zones_stay_out_of_totals() -> None:

@@ -357,3 +357,44 @@ def test_a_push_to_a_jobs_ranks_never_waits_on_one_that_reads_nothing() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_directive_a_busy_rank_missed_is_sent_again_when_the_policy_asks_again() -> None:
+    """A push finds the rank's connection busy sending it a reply (its serve thread holds
+    the send lock): the push skips it. The proposal stood ("asked already: the ranks hold
+    it") and was never sent again; the rank never heard it. Asked again, it is sent again,
+    quietly (one proposal booked)."""
+    import socket
+    import threading
+    import time
+
+    from greend.ipc.server import Connection, Peer
+
+    ops, clock = _ops()
+    h = ops.handlers()
+    a, b = socket.socketpair()
+    conn = Connection(a, Peer(100, 1000, 1000), 10)
+    try:
+        h["register"]({"job": "j", "precisions": ["fp32", "bf16"], "precision": "fp32"}, conn)
+        held = threading.Event()
+
+        def replying() -> None:  # the serve thread writing a long reply to this rank, 50 ms
+            with conn._send_lock:
+                held.set()
+                time.sleep(0.05)
+
+        t = threading.Thread(target=replying)
+        t.start()
+        held.wait()
+        assert ops.jobs.switch_precision("j", "bf16", "policy", policy="test")
+        t.join()
+        b.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            b.recv(65536)  # skipped: nothing reached the rank
+        clock.t += 5.0
+        assert not ops.jobs.switch_precision("j", "bf16", "policy", policy="test")  # nothing new booked
+        assert b"directive" in b.recv(65536)
+        assert len([e for e in ops.jobs.jobs["j"].precision_log if e.kind != "withdrawn"]) <= 1
+    finally:
+        a.close()
+        b.close()

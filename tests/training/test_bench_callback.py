@@ -33,7 +33,7 @@ def test_prints_a_row_per_configuration_with_and_without_a_daemon() -> None:
     process = {}
     for line in whole.splitlines():
         if line.startswith(("greend --sim 1", "none ")):
-            m = re.match(r"\s*(-?[\d.]+)\s+\[(-?[\d.]+), (-?[\d.]+)\]", line[28:])  # median [CI]
+            m = re.match(r"\s*(-?[\d.]+)\s*\[(-?[\d.]+), (-?[\d.]+)\]", line[28:])  # median [CI]
             assert m, line
             process[(line[:15].strip(), line[15:22].strip(), line[22:28].strip())] = float(m[1])
     for line in rest.splitlines():

@@ -207,6 +207,41 @@ def test_a_rank_that_rolled_back_is_not_taken_down_again_by_the_words_written_be
     assert any(e["kind"] == "rollback" and "another rank" in e["reason"] for e in cbs[0].precision_events)
 
 
+def test_ranks_whose_daemons_ask_different_levels_run_the_agreed_one_together(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Node 0's daemon asks bf16, node 1's fp16 (below it): the ranks agree on the more
+    precise, bf16, and both run it. A rank took the agreed level down only when it was
+    the very one it proposed: rank 1 stayed at fp32 for good while rank 0 ran bf16."""
+    from greend.training.callback import GreenCallback
+
+    store = dist.HashStore()
+    cbs = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        cb = GreenCallback(job="differ", model=torch.nn.Linear(4, 2), socket=sock_path,
+                           precisions=["fp32", "bf16", "fp16"], loss_scaling=True, sync_every=5,
+                           flush_interval_s=0.02, heartbeat_s=0.2)  # fmt: skip
+        cb._control.peers = JobPeers(store, "differ", rank)
+        cbs.append(cb)
+    ran: list[list[str]] = [[], []]
+    try:
+        for i in range(40):
+            if i == 3:
+                _directive(cbs[0], "bf16")
+                _directive(cbs[1], "fp16")
+            for r, cb in enumerate(cbs):
+                with cb.step(samples=1) as st:
+                    st.loss(torch.tensor(1.0))
+                ran[r].append(st.precision)
+    finally:
+        for cb in cbs:
+            cb.close()
+    assert ran[0] == ran[1], ran  # (the probe blocks at fp32 too, at the same steps)
+    assert "fp16" not in ran[0] and ran[0].count("bf16") >= 20, ran[0]
+
+
 def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPatch, daemon, sock_path) -> None:  # type: ignore[no-untyped-def]
     """Several ranks but no store to meet in (no process group): each rank follows its own
     daemon, as before."""
