@@ -55,8 +55,8 @@ class SettingsBook:
 
     def owners(self, in_force: bool = False) -> dict[str, list[str]]:
         """Owner -> the knobs it holds ("gpu0.clock_cap_mhz", "package-0 (intel-rapl:0)");
-        ``in_force``: only those greend's write took (a refused first write leaves its entry
-        for the restore, but holds nothing)."""
+        ``in_force``: only those greend's write took or is making (a refused first write
+        leaves its entry for the restore, but holds nothing)."""
         with self.lock:
             out: dict[str, list[str]] = {}
             if self.dry_run:
@@ -71,7 +71,7 @@ class SettingsBook:
             else:
                 for g in self.state.gpus:
                     for k, ks in g.knobs.items():
-                        if not in_force or ks.set is not None:
+                        if not in_force or ks.set is not None or ks.pending is not None:
                             out.setdefault(ks.owner, []).append(f"gpu{g.index}.{k}")
                 for c in self.state.cpus:
                     if any(st.set_uw is not None for st in c.constraints):  # (a refused first cap holds nothing)
