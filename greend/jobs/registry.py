@@ -597,6 +597,7 @@ class JobRegistry(JobTable):
     # The tick side -------------------------------------------------------------------
     def tick(self, now_s: float, host: HostCpu | None = None) -> list[Point]:
         """Expire silent ranks, account CPU time, finish jobs whose end the ledger has seen."""
+        self.retry_pushes()  # (what ranks busy sending missed)
         points: list[Point] = []
         ended: list[Job] = []
         if now_s - self._claims_looked_s >= CLAIM_LOOK_S:

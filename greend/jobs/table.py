@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from greend.jobs.booking import book_cap_change, book_proposal, book_proposals_not_taken, book_withdrawal, run_step
 from greend.jobs.claims import steered_gpus
 from greend.jobs.ledger import Ledger
-from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange
+from greend.jobs.records import EfficiencySample, Job, Measure, PrecisionChange, RankChannel
 from greend.jobs.report import JobFigures
 from greend.points import Point, decision_point, efficiency_point, job_point, precision_fields, ts_ns
 from greend.protocol import may_run, not_above
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_NOTE_CHARS", "JobTable"]
 
 log = logging.getLogger(__name__)
+PUSH_RETRIES = 50  # ticks a push a rank missed (busy sending) is tried again
 
 MAX_NOTE_CHARS = 1000  # a policy's note on a job is cut to this many characters
 
@@ -85,6 +86,10 @@ class JobTable:
         # one job (a policy's, and the one that takes it back) reach its ranks in the order
         # they were booked.
         self._directives = threading.Lock()
+        # The latest push of each kind ("directive", "local_pace") to a job that some of its
+        # ranks missed, busy sending (Connection.send_bytes with timeout 0): pushed to them
+        # again at the next ticks (retry_pushes), at most PUSH_RETRIES times.
+        self._unsent: dict[tuple[str, str], tuple[dict[str, Any], list[RankChannel], int]] = {}
         self._node_cpu_busy_s = 0.0  # integral of host utilisation * cpus, for CPU shares
         self.figures = JobFigures(
             ledger,
@@ -508,10 +513,36 @@ class JobTable:
             channels = [rs.channel for rs in job.ranks.values() if rs.channel is not None] if job else []
         msg = {"v": 1, "job": job_id, **event}
         sent = 0
+        missed: list[RankChannel] = []
         for c in channels:
             try:
-                sent += bool(c.send(msg, timeout_s=0.0))
+                if c.send(msg, timeout_s=0.0):
+                    sent += 1
+                elif not getattr(c, "closed", False):
+                    missed.append(c)  # busy sending: pushed again at the next ticks
             except ValueError as e:  # cannot be encoded (a NaN, an infinity): a bug upstream, not the ranks'
                 log.error("job %s: not sent to its ranks, cannot be encoded (%s): %r", job_id, e, event)
-                break  # (the same message fails on every channel)
+                return sent  # (the same message fails on every channel)
+        with self._lock:
+            key = (job_id, str(event.get("event") or event.get("op")))
+            if missed:
+                self._unsent[key] = (msg, missed, PUSH_RETRIES)
+            else:
+                self._unsent.pop(key, None)  # (a newer push of the kind reached them all)
         return sent
+
+    def retry_pushes(self) -> None:
+        """Once a tick: push again what ranks busy sending missed (the latest push of each
+        kind; a directive is taken once per level, so a rank that has it is not moved twice)."""
+        with self._directives:  # (in booking order with the directives: never an older one after a newer)
+            with self._lock:
+                todo = list(self._unsent.items())
+            for key, (msg, channels, left) in todo:
+                still = [c for c in channels if not c.send(msg, timeout_s=0.0) and not getattr(c, "closed", False)]
+                with self._lock:
+                    if key not in self._unsent or self._unsent[key][0] is not msg:
+                        continue  # a newer push of the kind since
+                    if still and left > 1:
+                        self._unsent[key] = (msg, still, left - 1)
+                    else:
+                        self._unsent.pop(key, None)

@@ -359,11 +359,12 @@ def test_a_push_to_a_jobs_ranks_never_waits_on_one_that_reads_nothing() -> None:
             s.close()
 
 
-def test_a_directive_a_busy_rank_missed_is_sent_again_when_the_policy_asks_again() -> None:
+def test_a_directive_a_busy_rank_missed_is_sent_again_at_the_next_tick() -> None:
     """A push finds the rank's connection busy sending it a reply (its serve thread holds
     the send lock): the push skips it. The proposal stood ("asked already: the ranks hold
-    it") and was never sent again; the rank never heard it. Asked again, it is sent again,
-    quietly (one proposal booked)."""
+    it") and was never sent again (the policy waits on a standing proposal without asking
+    it again); the rank never heard it. The next tick pushes it again; asked again, it is
+    sent again too, quietly (one proposal booked)."""
     import socket
     import threading
     import time
@@ -391,9 +392,14 @@ def test_a_directive_a_busy_rank_missed_is_sent_again_when_the_policy_asks_again
         b.settimeout(0.2)
         with pytest.raises(socket.timeout):
             b.recv(65536)  # skipped: nothing reached the rank
-        clock.t += 5.0
+        clock.t += 0.1
+        ops.jobs.tick(clock.t)
+        assert b"directive" in b.recv(65536)  # the next tick's
+        ops.jobs.tick(clock.t + 0.1)
+        with pytest.raises(socket.timeout):
+            b.recv(65536)  # once delivered, not again
         assert not ops.jobs.switch_precision("j", "bf16", "policy", policy="test")  # nothing new booked
-        assert b"directive" in b.recv(65536)
+        assert b"directive" in b.recv(65536)  # (asked again: sent again, quietly)
         assert len([e for e in ops.jobs.jobs["j"].precision_log if e.kind != "withdrawn"]) <= 1
     finally:
         a.close()
