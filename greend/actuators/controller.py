@@ -350,7 +350,7 @@ class Controller:
 
     def owners(self, in_force: bool = False) -> dict[str, list[str]]:
         """Owner -> the knobs it holds ("gpu0.clock_cap_mhz", "package-0 (intel-rapl:0)");
-        ``in_force``: only those a write of greend's took."""
+        ``in_force``: only those a write of greend's took or is making."""
         return self._book.owners(in_force)
 
     def snapshot(self) -> dict[str, Any]:

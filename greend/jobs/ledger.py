@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 __all__ = ["COARSE_MAX", "Ledger", "LedgerEntry"]
 
 log = logging.getLogger(__name__)
-_RELEASED = ""  # the source of a key whose device is read under another key now
 
 COARSE_MAX = 8192  # points in a key's coarse history (then it halves them)
 
@@ -67,7 +66,6 @@ class Ledger:
         self._maxlen = max(16, int(history_s * hz) + 1)
         self._coarse_step_s = coarse_step_s
         self._entries: dict[str, LedgerEntry] = {}
-        self._key_of: dict[str, str] = {}  # a device (source) -> the key it was last read under
         self._last_of: dict[str, float] = {}  # a device -> its last reading (its own cumulative count)
         self._lock = threading.Lock()
 
@@ -90,29 +88,27 @@ class Ledger:
                 )
                 self._entries[key] = e
             e.counted = counted
-            if source is not None and e.source != source:
-                if e.source is not None and e.energies:
-                    # Another device under this key: the series goes on from where it was,
-                    # with what that device drew since its own last reading (under any key;
-                    # nothing for one never read before).
-                    prev = self._last_of.get(source)
-                    since = prev if prev is not None and prev <= energy_j else energy_j
-                    log.warning("%s is another device now (%s, was %s): its energy counts on from here",
-                                key, source, e.source or "released")  # fmt: skip
+            if source is not None:
+                # The device behind the key, whose readings are its own cumulative count: the
+                # key's series goes on with what it drew since its own last reading, under
+                # whichever key that was (NVML renumbered the GPUs, or numbers them as before).
+                prev = self._last_of.get(source)
+                if e.energies:
+                    if prev is not None and prev <= energy_j:
+                        since = prev
+                    elif e.source == source:
+                        since = 0.0  # its counter restarted: keep what was counted so far
+                    else:
+                        since = energy_j  # a device not read before (or whose count went back): from now
                     e.offset_j += e.last_raw_j - since
+                if e.source is not None and e.source != source:
+                    log.warning("%s is another device now (%s, was %s): its energy counts on from here",
+                                key, source, e.source)  # fmt: skip
                 e.source = source
-                # The key it read under before no longer has it: the next device read there
-                # (it again, once NVML numbers as before) counts on from then, with nothing
-                # of what it drew under this key booked there twice.
-                was = self._key_of.get(source)
-                if was is not None and was != key and was in self._entries:
-                    self._entries[was].source = _RELEASED
-                self._key_of[source] = key
+                self._last_of[source] = energy_j
             elif e.energies and energy_j < e.last_raw_j:
                 # The probe's counter restarted: keep what was counted so far.
                 e.offset_j += e.last_raw_j
-            if source is not None:
-                self._last_of[source] = energy_j
             e.last_raw_j = energy_j
             adjusted = e.offset_j + energy_j
             if e.first_j is None:

@@ -406,7 +406,6 @@ class JobRegistry(JobTable):
         # thread serves it.)
         executed = self.execute_steps(gpus, rows, mem_share=mem_share, precision=precision, pid=pid) if gpus else None
         points: list[Point] = []
-        flushed: list[Point] = []
         with self._lock:
             rs = self._session(session)
             job = self.jobs[rs.job]
@@ -424,8 +423,7 @@ class JobRegistry(JobTable):
                 if detail is not None and self.step_detail:
                     points.append(self._detail_point(job, rs, detail[i], ex))
             if rs.aggs and now - min(a.since_s for a in rs.aggs.values()) >= self.step_interval_s:
-                flushed += self._flush_steps(job, rs)
-            points += flushed
+                points += self._flush_steps(job, rs)
         if points:
             self.emit(points)
 

@@ -446,13 +446,12 @@ class JobTable:
                 )
                 log_kind = "proposed"
             steps, last_loss = run_step(job), job.last_loss
+        self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         if again:
             # Sent again, quietly (nothing booked or logged): a push that found a rank busy
             # skipped it, and a directive is taken once per level, so a rank that has it
             # already is not moved by it twice.
-            self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
             return False
-        self.push(job_id, {"event": "directive", "precision": level, "reason": reason})
         fields = precision_fields(step=steps, loss=last_loss, trend=None if trend is None else float(trend))
         self.emit(
             [

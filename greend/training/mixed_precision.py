@@ -70,6 +70,7 @@ from greend.protocol import PRECISION_BITS, PRECISIONS
 
 __all__ = [
     "BITS",
+    "DTYPE_LEVELS",
     "Fp8Converter",
     "Guard",
     "PrecisionEvent",
@@ -97,7 +98,8 @@ def is_downgrade(old: str, new: str) -> bool:
     return BITS.get(new, 32) < BITS.get(old, 32)
 
 
-_WEIGHT_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The level a job computes at from a dtype (its autocast's, or its weights').
+DTYPE_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def weights_level(model: torch.nn.Module | None) -> str | None:
@@ -115,7 +117,7 @@ def weights_level(model: torch.nn.Module | None) -> str | None:
     if not counts:
         return None
     dtype = max(counts, key=lambda d: counts[d])
-    return _WEIGHT_LEVELS.get(dtype)
+    return DTYPE_LEVELS.get(dtype)
 
 
 # Support detection -------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from greend.protocol import FP8_LEVELS, PRECISIONS, may_run, not_above
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
+    DTYPE_LEVELS,
     Fp8Converter,
     PrecisionEvent,
     PrecisionOptions,
@@ -47,8 +48,6 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.bfloat16,
     "fp8-emulated": torch.bfloat16,
 }
-# The job's own level from the dtype it computes in (its autocast's, or its weights').
-_DTYPE_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _UNSEEN = object()  # a value not looked at yet
 _NULL_CONTEXT = contextlib.nullcontext()
 _PROBED = frozenset({"bf16", "fp16"})  # levels probed against the level above (an autocast apart)
@@ -224,7 +223,7 @@ class PrecisionControl:
         try:
             if torch.is_autocast_enabled(self.autocast_device):
                 dtype = torch.get_autocast_dtype(self.autocast_device)
-                level = _DTYPE_LEVELS.get(dtype)
+                level = DTYPE_LEVELS.get(dtype)
         except Exception as e:  # an older torch without the device argument
             log.debug("cannot read the autocast state: %s", e)
         if level is None:

@@ -15,12 +15,13 @@ def test_totals_since_first_reading_and_windows() -> None:
     assert led.energy_between("gpu0", -1.0, 0.5) is None  # before the history: unknown, not 0
 
 
-def test_probe_restart_never_loses_energy() -> None:
+@pytest.mark.parametrize("source", [None, "GPU-A"])
+def test_probe_restart_never_loses_energy(source: str | None) -> None:
     led = Ledger()
-    led.record("gpu0", 0.0, 0.0)
-    led.record("gpu0", 1.0, 300.0)
-    led.record("gpu0", 2.0, 20.0)  # the probe reopened: its counter starts again
-    led.record("gpu0", 3.0, 120.0)
+    led.record("gpu0", 0.0, 0.0, source=source)
+    led.record("gpu0", 1.0, 300.0, source=source)
+    led.record("gpu0", 2.0, 20.0, source=source)  # the probe reopened: its counter starts again
+    led.record("gpu0", 3.0, 120.0, source=source)
     assert led.total_j("gpu0") == pytest.approx(420.0)
 
 
