@@ -566,17 +566,20 @@ def test_on_a_real_node_a_jump_beyond_what_the_gpu_can_draw_is_not_booked() -> N
     assert gpu.energy_j == pytest.approx(350.0 + 400.0)
 
 
+class FailingTemperature(GlitchingCounter):
+    """The fake NVML whose temperature read answers UNKNOWN while ``failing``."""
+
+    failing = True
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        if self.failing:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return int(self._inner.nvmlDeviceGetTemperature(handle, sensor))
+
+
 def test_an_error_of_one_field_is_shown_until_the_call_answers_again(fake: FakeNvml, clock: ManualClock) -> None:
     """A temperature read that fails (NVML_ERROR_UNKNOWN, as real nodes answer now and then)
     is listed among the GPU's errors while it fails, and no longer once it answers."""
-
-    class FailingTemperature(GlitchingCounter):
-        failing = True
-
-        def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
-            if self.failing:
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-            return int(self._inner.nvmlDeviceGetTemperature(handle, sensor))
 
     nvml = FailingTemperature(fake)
     probe = NvmlProbe(nvml=nvml, source="sim")
@@ -599,14 +602,6 @@ def test_an_error_that_comes_and_goes_or_counts_seconds_is_logged_once_a_while(
     second for good. The same error, numbers aside, is logged again after LOG_AGAIN_S,
     with the count of its repeats."""
     from greend.probes._nvml_state import LOG_AGAIN_S, TrackedGpu
-
-    class FailingTemperature(GlitchingCounter):
-        failing = True
-
-        def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
-            if self.failing:
-                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
-            return int(self._inner.nvmlDeviceGetTemperature(handle, sensor))
 
     nvml = FailingTemperature(fake)
     probe = NvmlProbe(nvml=nvml, source="sim")

@@ -125,19 +125,40 @@ def _directive(cb, level: str) -> None:  # type: ignore[no-untyped-def]
     cb._channel.on_directive()
 
 
-def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2):  # type: ignore[no-untyped-def]
-    """n callbacks in one process standing for the ranks of one job, meeting in ``store``."""
+def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2, **kw):  # type: ignore[no-untyped-def]
+    """n callbacks in one process standing for the ranks of one job, meeting in ``store``
+    (``kw``: GreenCallback's options over these)."""
     from greend.training.callback import GreenCallback
 
+    options = {"precisions": ["fp32", "bf16"], "sync_every": 5, "flush_interval_s": 0.02, "heartbeat_s": 0.2, **kw}
     cbs = []
     for rank in range(n):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(n))
-        cb = GreenCallback(job="agree", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
-                           sync_every=5, flush_interval_s=0.02, heartbeat_s=0.2)  # fmt: skip
+        cb = GreenCallback(job="agree", model=torch.nn.Linear(4, 2), socket=sock_path, **options)
         cb._control.peers = JobPeers(store, "agree", rank)
         cbs.append(cb)
     return cbs
+
+
+def _lockstep(cbs, steps: int, asks: dict[int, list[tuple[int, str]]], loss=None) -> list[list[str]]:  # type: ignore[no-untyped-def]
+    """``steps`` steps of the ranks in lockstep, as DDP keeps them: before step i, each
+    ``(rank, level)`` of ``asks[i]`` is that rank's daemon's directive; ``loss(r, i, ran)``
+    the loss rank r reports at step i (1.0). The level each rank ran at each step; the
+    callbacks are closed after."""
+    ran: list[list[str]] = [[] for _ in cbs]
+    try:
+        for i in range(steps):
+            for r, level in asks.get(i, []):
+                _directive(cbs[r], level)
+            for r, cb in enumerate(cbs):
+                with cb.step(samples=1) as st:
+                    st.loss(torch.tensor(1.0 if loss is None else loss(r, i, ran)))
+                ran[r].append(st.precision)
+    finally:
+        for cb in cbs:
+            cb.close()
+    return ran
 
 
 def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
@@ -147,22 +168,7 @@ def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
     before both asked, and both switch at the same step. Then rank 1's daemon asks for
     fp32 again (a rollback): both go back at the same step, and rank 0 tells its daemon."""
     cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
-    ran: list[list[str]] = [[], []]
-    try:
-        for i in range(70):
-            if i == 7:
-                _directive(cbs[0], "bf16")  # what the sender does when a directive arrives
-            if i == 23:
-                _directive(cbs[1], "bf16")
-            if i == 45:
-                _directive(cbs[1], "fp32")
-            for r, cb in enumerate(cbs):  # the ranks in lockstep, as DDP keeps them
-                with cb.step(samples=1) as st:
-                    st.loss(torch.tensor(1.0))
-                ran[r].append(st.precision)
-    finally:
-        for cb in cbs:
-            cb.close()
+    ran = _lockstep(cbs, 70, {7: [(0, "bf16")], 23: [(1, "bf16")], 45: [(1, "fp32")]})
     assert ran[0] == ran[1], "the ranks ran different precisions at some step"
     first_low = ran[0].index("bf16")
     assert 23 < first_low <= 23 + 2 * 5 + 1, first_low  # within two agreement epochs of the last ask
@@ -181,24 +187,13 @@ def test_a_rank_that_rolled_back_is_not_taken_down_again_by_the_words_written_be
     wrote before that (bf16): rank 1 went down again at once and its rollback was lost,
     rank 0 never went up. Now rank 1 stays up and its word takes rank 0 up too."""
     cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
-    ran: list[list[str]] = [[], []]
-    first_low = None
-    try:
-        for i in range(80):
-            if i == 3:
-                for cb in cbs:
-                    _directive(cb, "bf16")
-            for r, cb in enumerate(cbs):  # the ranks in lockstep, as DDP keeps them
-                with cb.step(samples=1) as st:
-                    if st.precision == "bf16" and first_low is None:
-                        first_low = i
-                    bad = r == 1 and first_low is not None and i == first_low + 2
-                    st.loss(torch.tensor(float("nan") if bad else 1.0))
-                ran[r].append(st.precision)
-    finally:
-        for cb in cbs:
-            cb.close()
-    assert first_low is not None and ran[0][first_low] == ran[1][first_low] == "bf16"
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:  # rank 1's NaN, 2 steps after both switched
+        return float("nan") if r == 1 and "bf16" in ran[0] and i == ran[0].index("bf16") + 2 else 1.0
+
+    ran = _lockstep(cbs, 80, {3: [(0, "bf16"), (1, "bf16")]}, loss)
+    first_low = ran[0].index("bf16")
+    assert ran[1][first_low] == "bf16"
     back = [first_low + ran[r][first_low:].index("fp32") for r in (0, 1)]
     assert back[1] <= first_low + 4, ran[1]  # rolled back after its NaN, the next step or the one after
     assert back[0] <= back[1] + 2 * 5 + 1, ran[0]  # taken up within two agreement epochs
@@ -213,31 +208,9 @@ def test_ranks_whose_daemons_ask_different_levels_run_the_agreed_one_together(
     """Node 0's daemon asks bf16, node 1's fp16 (below it): the ranks agree on the more
     precise, bf16, and both run it. A rank took the agreed level down only when it was
     the very one it proposed: rank 1 stayed at fp32 for good while rank 0 ran bf16."""
-    from greend.training.callback import GreenCallback
-
-    store = dist.HashStore()
-    cbs = []
-    for rank in range(2):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        cb = GreenCallback(job="differ", model=torch.nn.Linear(4, 2), socket=sock_path,
-                           precisions=["fp32", "bf16", "fp16"], loss_scaling=True, sync_every=5,
-                           flush_interval_s=0.02, heartbeat_s=0.2)  # fmt: skip
-        cb._control.peers = JobPeers(store, "differ", rank)
-        cbs.append(cb)
-    ran: list[list[str]] = [[], []]
-    try:
-        for i in range(40):
-            if i == 3:
-                _directive(cbs[0], "bf16")
-                _directive(cbs[1], "fp16")
-            for r, cb in enumerate(cbs):
-                with cb.step(samples=1) as st:
-                    st.loss(torch.tensor(1.0))
-                ran[r].append(st.precision)
-    finally:
-        for cb in cbs:
-            cb.close()
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), precisions=["fp32", "bf16", "fp16"],
+                            loss_scaling=True)  # fmt: skip
+    ran = _lockstep(cbs, 40, {3: [(0, "bf16"), (1, "fp16")]})
     assert ran[0] == ran[1], ran  # (the probe blocks at fp32 too, at the same steps)
     assert "fp16" not in ran[0] and ran[0].count("bf16") >= 20, ran[0]
 
