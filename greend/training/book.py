@@ -529,14 +529,15 @@ class StepBook:
                     if step.precision == level_in_force:  # else: read after a switch (or a probe step)
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
-                            step._spike_reason = spike = guard.spike(value, at)
                             if at >= self.probe_watch and self._probe_settling(at):
                                 # The weights settle back after a probe: a jump here is the
-                                # probe's, and these losses are not the level's trend either
-                                # (a jump that lasts past them is judged as one then).
+                                # probe's (not counted), and these losses are not the level's
+                                # trend either (a jump that lasts past them is judged as one then).
                                 step._spike_reason = None
-                            elif spike is None:
-                                guard.losses.append(value)  # (a spike is not the new level's trend)
+                            else:
+                                step._spike_reason = spike = guard.spike(value, at)
+                                if spike is None:
+                                    guard.losses.append(value)  # (a spike is not the new level's trend)
                         else:
                             guard.losses.append(value)
                 else:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import logging
 import math
 import threading
@@ -91,6 +92,16 @@ BITS = PRECISION_BITS  # mantissa-ish bits of each level: a switch to fewer bits
 # small and output layers; the head also carries the loss's precision).
 _HEAD_NAMES = {"lm_head", "head", "output", "classifier", "score", "fc_out", "decoder"}
 DEFAULT_FP8_MIN_FEATURES = 1024
+
+
+def _poisson_tail(k: int, mean: float) -> float:
+    """P(X >= k) for X Poisson with ``mean``."""
+    term = math.exp(-mean)
+    below = 0.0
+    for j in range(k):
+        below += term
+        term *= mean / (j + 1)
+    return max(0.0, 1.0 - below)
 
 
 def is_downgrade(old: str, new: str) -> bool:
@@ -421,6 +432,9 @@ class PrecisionOptions:
 
 
 SPIKE_SIGMAS = 6.0  # a spike is also this many batch-to-batch standard deviations over the trend
+SPIKE_HISTORY = 512  # the losses at the level above a downgrade whose own spikes are counted
+SPIKE_P = 1e-3  # spikes after a downgrade are the level's doing when the level above's own rate
+# of them makes so many this unlikely (a job that never spiked: the first one)
 
 
 @dataclass
@@ -430,6 +444,11 @@ class _Downgrade:
     step: int  # the first step run at to_level
     trend: float | None  # mean finite loss over the window before the switch
     spread: float = 0.0  # the standard deviation of those losses (one batch's noise)
+    own_spikes: int = 0  # spikes the level above had (by the same rule) ...
+    own_steps: int = 0  # ... over this many of its steps before the switch
+    seen: int = 0  # losses looked at after the switch ...
+    spikes: int = 0  # ... and how many of them were spikes
+    run: int = 0  # spikes in a row, up to the latest loss
 
 
 @dataclass
@@ -442,7 +461,14 @@ class Guard:
     trend (default 0.5: 50 % worse), and by more than ``SPIKE_SIGMAS`` times the
     spread of single-batch losses before the switch (small batches and rare labels
     are that noisy without anything wrong), is a spike and rolls back at once, like
-    a non-finite one; None turns the rule off. The spike rule holds for ``spike_steps``
+    a non-finite one; None turns the rule off. A job that spikes on its own (a
+    heavy-tailed loss: a rare batch far harder than the rest) is judged by its rate: the
+    level above's spikes over its last ``SPIKE_HISTORY`` steps, counted by the same rule
+    against a moving trend, give the rate to expect, and the spikes after the switch roll
+    back when that rate makes so many, or so many in a row, less likely than ``SPIKE_P``
+    (a job that never spiked: its first spike; one that spiked 8 times in 480 steps: two
+    in a row within the first 3 steps, else the third in a row, or 11 spikes within 200
+    steps). The spike rule holds for ``spike_steps``
     steps after the downgrade: a jump in the loss long after a switch is a change in the
     data far more often than the precision's doing (non-finite steps roll back at any
     time). (Slower drifts, a few percent over many steps, are the daemon's ``precision``
@@ -459,28 +485,56 @@ class Guard:
     rollbacks: int = 0
 
     def __post_init__(self) -> None:
-        self.losses = deque(self.losses, maxlen=self.window)
+        # The trend is the latest ``window`` losses; the rest are the level's spike history.
+        self.losses = deque(self.losses, maxlen=max(self.window, SPIKE_HISTORY))
 
     @property
     def armed(self) -> bool:
         """True while the run is below a level it came down from: a non-finite step rolls back."""
         return bool(self.stack)
 
+    def _recent(self) -> list[float]:
+        return list(itertools.islice(reversed(self.losses), self.window))
+
     def trend(self) -> float | None:
-        return sum(self.losses) / len(self.losses) if self.losses else None
+        recent = self._recent()
+        return sum(recent) / len(recent) if recent else None
 
     def spread(self) -> float:
         """The standard deviation of the recent losses (0 with fewer than two)."""
-        n = len(self.losses)
+        recent = self._recent()
+        n = len(recent)
         if n < 2:
             return 0.0
-        m = sum(self.losses) / n
-        return math.sqrt(sum((v - m) ** 2 for v in self.losses) / (n - 1))
+        m = sum(recent) / n
+        return math.sqrt(sum((v - m) ** 2 for v in recent) / (n - 1))
+
+    def _own_spikes(self) -> tuple[int, int]:
+        """(spikes, steps looked at) in the losses kept: each against the mean and spread
+        of the ``window`` losses before it, by :meth:`spike`'s rule."""
+        tol = self.spike_tolerance
+        h = list(self.losses)
+        w = self.window
+        if tol is None or len(h) <= w or w < 2:
+            return 0, 0
+        s1 = sum(h[:w])
+        s2 = sum(v * v for v in h[:w])
+        spikes = 0
+        for i in range(w, len(h)):
+            m = s1 / w
+            sd = math.sqrt(max(s2 - w * m * m, 0.0) / (w - 1))
+            over = h[i] - m
+            if over > tol * max(abs(m), 1e-12) and over > SPIKE_SIGMAS * sd:
+                spikes += 1
+            s1 += h[i] - h[i - w]
+            s2 += h[i] * h[i] - h[i - w] * h[i - w]
+        return spikes, len(h) - w
 
     def on_switch(self, old: str, new: str, step: int) -> None:
         """Record a level change (a directive, or a rollback) taking effect at ``step``."""
         if is_downgrade(old, new):
-            self.stack.append(_Downgrade(old, new, step, self.trend(), self.spread()))
+            own, looked = self._own_spikes()
+            self.stack.append(_Downgrade(old, new, step, self.trend(), self.spread(), own, looked))
         else:
             bits = BITS.get(new, 32)
             self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
@@ -497,13 +551,31 @@ class Guard:
         if trend is None or not math.isfinite(trend):
             return None
         over = loss - trend
-        if over > self.spike_tolerance * max(abs(trend), 1e-12) and over > SPIKE_SIGMAS * d.spread:
-            return (
-                f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
-                f"switch (tolerance {self.spike_tolerance:.0%}, and {over / d.spread if d.spread else math.inf:.1f} "
-                f"times the batch-to-batch spread {d.spread:.3g}; limit {SPIKE_SIGMAS:g})"
-            )
-        return None
+        d.seen += 1
+        if not (over > self.spike_tolerance * max(abs(trend), 1e-12) and over > SPIKE_SIGMAS * d.spread):
+            d.run = 0
+            return None
+        d.spikes += 1
+        d.run += 1
+        why = (
+            f"loss {loss:.6g} is {over / max(abs(trend), 1e-12):.0%} above the trend before the "
+            f"switch (tolerance {self.spike_tolerance:.0%}, and {over / d.spread if d.spread else math.inf:.1f} "
+            f"times the batch-to-batch spread {d.spread:.3g}; limit {SPIKE_SIGMAS:g})"
+        )
+        if not d.own_spikes:
+            return why
+        rate = d.own_spikes / d.own_steps
+        expected = d.seen * rate
+        # More spikes than that rate makes likely, or spike after spike (a run that long
+        # anywhere in the steps seen): a one-off spike lasts one batch.
+        p = min(_poisson_tail(d.spikes, expected), d.seen * rate**d.run)
+        if p >= SPIKE_P:
+            return None  # as often as the level above spiked on its own: the data's
+        return (
+            f"{why}: {d.spikes} spike{'s' if d.spikes != 1 else ''} in {d.seen} steps at {d.to_level} "
+            f"({d.run} in a row), where {d.from_level} had {d.own_spikes} in {d.own_steps} (expected "
+            f"{expected:.2g}; p {p:.1g})"
+        )
 
     def data_changed(self) -> None:
         """The loss moved for a reason of the data's: the spike rule has no trend to go by

@@ -12,35 +12,45 @@ steps at a time, the first :data:`LEAD_STEPS` of them not judged (their losses a
 taken before the steps at the upper level have moved the weights: what evaluating there
 costs, and weights trained at the lower level score worse there, which hides part of the
 penalty). The first :data:`DENSE_BLOCKS` blocks run back to back from
-:data:`SETTLE_STEPS` steps after the switch (:data:`DENSE_EVERY` steps apart, each
-block's lower window after being the next one's before), then the gaps double up to
-``probe_every`` steps (400 by default) until the run goes back up (:func:`block_start`).
+:data:`SETTLE_STEPS` steps after the switch (each block's lower window after being the
+next one's before, or most of it), then the gaps double up to ``probe_every`` steps (400
+by default) until the run goes back up (:func:`block_start`). Every gap is drawn (the
+same draw on every rank): a data order that repeats (an epoch of a few dozen batches read
+in order) would otherwise meet every block at the same point.
+
 Each block is compared with the :data:`WINDOW_STEPS` steps at the lower level just
 before it and just after it (after :data:`SETTLE_STEPS` steps to settle): a falling
 trend and a change in the data move both sides alike and cancel in the mean of the two,
 noise averages out over blocks. One block gives the **penalty**
 ``(mean of the lower steps around it - mean of the probe steps) / mean of the lower steps``,
-with a standard error from the job's own step-to-step noise (the spread of the lower
-steps around their window means, pooled over the blocks; two blocks back to back share
-a window, and their covariance is counted), so a noisy job needs more blocks for a
-verdict and a quiet one fewer. A block whose two sides differ by more than
-:data:`SHIFT_Z` standard errors and by :data:`SHIFT_MIN` times the tolerance or more
-straddles a move of the data and is left out.
+each group's losses first pulled in to :data:`CLIP` robust deviations of its median (a
+heavy-tailed loss, a rare batch many times harder than the rest at either level, moves
+neither the penalty nor the noise much). Its standard error comes from the job's own
+noise (:class:`Noise`): the spread of the lower steps around their window means, pooled
+over the blocks; its correlation from step to step (batches alike in a row vary a mean of
+a few steps more than independent ones); the covariance of two blocks that share a
+window; and the spread of the blocks' penalties beyond all that, where they disagree
+more than that noise says (blocks that met the data at different points). So a noisy job
+needs more blocks for a verdict and a quiet one fewer. A block whose two sides differ by
+more than :data:`SHIFT_Z` standard errors and by :data:`SHIFT_MIN` times the tolerance or
+more straddles a move of the data and is left out.
 
-The level is rolled back when, over the last 1 to :data:`KEEP_BLOCKS` blocks (every
-suffix is tried, so a penalty that appears late is not diluted by the early blocks),
-the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard errors
-(surely worse than the tolerance; :data:`ONE_Z` for one block alone), or, over at
-least :data:`SURE_BLOCKS` blocks, it is over ``tolerance`` and more than :data:`SURE_Z`
-standard errors over 0 (worse than the tolerance, and surely worse: a penalty of 1.5
-times the tolerance in a job with 5 % step-to-step noise needs some 50 probe steps for
-the first rule, 8 for the second), or when the penalty grows: over at least
-:data:`GROW_BLOCKS` blocks, a line through their penalties rises by :data:`GROW_Z`
+The level is rolled back when, over the last :data:`MIN_BLOCKS` to :data:`KEEP_BLOCKS`
+blocks (every suffix is tried, so a penalty that appears late is not diluted by the early
+blocks), the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard
+errors (surely worse than the tolerance), or it is over ``tolerance`` and more than
+:data:`SURE_Z` standard errors over 0 (worse than the tolerance, and surely worse: a
+penalty of 1.5 times the tolerance in a job with 5 % step-to-step noise needs some 50
+probe steps for the first rule, 8 for the second), or when the penalty grows: over at
+least :data:`GROW_BLOCKS` blocks, a line through their penalties rises by :data:`GROW_Z`
 standard errors and its value at the latest block is over :data:`GROW_SHARE` of the
-tolerance by :data:`GROW_NOW_Z` standard errors. The rollback's reason names the blocks,
-the penalty (or its rise per 100 steps), its error and the noise it used.
-``tolerance`` is the job's ``probe_tolerance``, else the daemon precision policy's (its
-register reply), else :data:`TOLERANCE`.
+tolerance by :data:`GROW_NOW_Z` standard errors. No one block carries a verdict: with any
+one block left out, the mean (or the line's value now) must still be over the tolerance
+(its share). And from the first sparse block on (:data:`CONFIRM_FROM`), a verdict stands
+only when the next block, run at once at another drawn point, says it again. The
+rollback's reason names the blocks, the penalty (or its rise per 100 steps), its error
+and the noise it used. ``tolerance`` is the job's ``probe_tolerance``, else the daemon
+precision policy's (its register reply), else :data:`TOLERANCE`.
 
 Why soon: the time a harmful level runs is not undone by the rollback. On a regression
 near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
@@ -50,8 +60,8 @@ the weights and the optimizer's state alike); hence blocks back to back right af
 switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
-steps in the first 159 after a switch, 30 in the first 357, 35 in the first 621, then 5
-every 400 steps, 1.25 % in the long run); nothing else. The judge sees only the steps inside its windows (one
+steps in the first 160 to 250 after a switch (the gaps drawn), then 5 every 300 to 500
+steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing else. The judge sees only the steps inside its windows (one
 integer compare per step elsewhere), and a probe step is an ordinary step at the upper
 level: the user's model, batch and optimizer, never a step above the job's own level.
 """
@@ -75,7 +85,7 @@ __all__ = [
     "KEEP_BLOCKS",
     "LEAD_STEPS",
     "MIN_BLOCKS",
-    "ONE_Z",
+    "CLIP",
     "PROBE_STEPS",
     "SETTLE_STEPS",
     "SHIFT_MIN",
@@ -102,11 +112,13 @@ DENSE_EVERY = (
     PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS
 )  # window with the next (this many steps apart); then probe_every
 KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
-MIN_BLOCKS = 2  # fewer blocks are a verdict only under ONE_Z (a few unlucky probe steps)
+MIN_BLOCKS = 2  # no verdict on fewer blocks: a first block is confirmed at another point of the data
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
 SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
 SURE_BLOCKS = 2
-ONE_Z = 5.0  # one block alone: a verdict when its penalty is this many standard errors over the tolerance
+CLIP = 3.0  # a loss further than this many robust standard deviations from its group's median counts as that far
+SPIKE_SHARE = 0.2  # the robust deviation leaves out this share of the lower steps, the furthest out
+_Z_SPIKE_SHARE = 1.2816  # a normal variable's distance from its mean exceeds this many deviations in 20 % of draws
 TOLERANCE = 0.05  # the penalty a level may have where neither the job nor the daemon says (the policy's default)
 SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift ...
 SHIFT_MIN = 1.0  # ... where they differ by this share of the tolerance or more (a smaller move, such
@@ -117,6 +129,9 @@ GROW_Z = 3.5  # ... its rise per step this many standard errors over 0 ...
 GROW_SHARE = 0.5  # ... and its value on the line at the latest block over this share of the tolerance ...
 GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy blocks swings widely)
 NEVER = sys.maxsize
+CONFIRM_FROM = DENSE_BLOCKS
+LAGS = 3
+DENSE_JITTER = DENSE_EVERY
 
 # A probe step's record names its level with this suffix (the sender sends it as the
 # row's level with "probe": true); a step record's level is otherwise a plain level.
@@ -142,7 +157,8 @@ class _Block:
     before: list[float] = field(default_factory=list)
     upper: list[float] = field(default_factory=list)
     after: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
-    shared: bool = False  # its lower steps before are the previous block's after
+    before_from: int = 0  # the first step whose loss it records for its lower window before
+    shared: int = 0  # how many of its lower steps before are the previous block's after
 
     @property
     def end(self) -> int:  # one past the last probe step
@@ -167,9 +183,29 @@ class Verdict:
     rel_var: float  # the lower steps' squared spread around their window means, over the scale squared
     dof: int  # its degrees of freedom
     n_upper: int
-    n_lower: int  # per side (the smaller)
+    lower_term: float  # (1/4)(1/n_before + 1/n_after): the lower means' share of the penalty's variance
     shifted: bool
-    shared: bool  # its lower window before is the previous block's after (their penalties covary)
+    shared: float  # the covariance with the previous block (a shared lower window), over rel_var
+    lags: tuple[float, ...] = ()  # sum of d[t] * d[t + k] (k = 1 ... LAGS) over its lower windows' deviations ...
+    ss: float = 0.0  # ... and of d[t] ** 2, over the scale squared: the noise's correlation from step to step
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What the rule judges the blocks' penalties with, pooled over the blocks kept."""
+
+    rel_var: float  # step-to-step variance, relative to each block's scale squared
+    upper_factor: float  # how much more a mean of the probe steps varies than if they were independent ...
+    lower_factor: float  # ... and a lower window's mean (>= 1: consecutive batches alike, as in a data order)
+    between: float = 0.0  # the blocks' penalties' spread beyond all that (a variance; 0 where they agree)
+
+    def var(self, v: Verdict) -> float:
+        """The variance of block ``v``'s penalty."""
+        return self.rel_var * (self.upper_factor / v.n_upper + self.lower_factor * v.lower_term) + self.between
+
+    def covar(self, v: Verdict) -> float:
+        """Its covariance with the block before it (a window they share)."""
+        return self.rel_var * self.lower_factor * v.shared
 
 
 class Prober:
@@ -186,13 +222,15 @@ class Prober:
         self.every = int(every)
         self.upper: str | None = None
         self.lower: str | None = None
-        self.anchor = 0  # the first step at the lower level
+        self.anchor = 0  # the first step at the lower level (and the seed of the blocks' jitter)
         self.blocks_done = 0
         self.block: _Block | None = None
         self.watch_from = NEVER  # the first step index record() wants
         self.verdicts: deque[Verdict] = deque(maxlen=KEEP_BLOCKS)
         self.log: deque[dict[str, Any]] = deque(maxlen=256)
         self.probe_steps = 0  # steps run at the upper level for the probes
+        self._after_n = 0  # the lower steps after the block judged last (kept), for the covariance
+        self.pending: str | None = None  # a verdict waiting for the next block to confirm it
 
     @property
     def tolerance(self) -> float:
@@ -211,6 +249,8 @@ class Prober:
         """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now."""
         self.upper, self.lower, self.anchor = upper, lower, anchor
         self.blocks_done = 0
+        self._after_n = 0
+        self.pending = None
         self.verdicts.clear()
         self._next_block(None)
 
@@ -222,14 +262,21 @@ class Prober:
 
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
-        start = block_start(b, self.every) + self.anchor
-        blk = _Block(b, start)
-        if previous is not None and start - WINDOW_STEPS <= previous.last:
-            # Back to back: the previous block's lower window after is this one's before.
-            blk.before = [v for i, v in previous.after if i >= start - WINDOW_STEPS]
-            blk.shared = True
+        if previous is None:
+            start = block_start(0, self.every, self.anchor) + self.anchor
+        elif self.pending is not None:
+            start = previous.start + DENSE_EVERY + _jitter(self.anchor, b, DENSE_JITTER)
+        else:
+            gap = block_start(b, self.every, self.anchor) - block_start(b - 1, self.every, self.anchor)
+            start = previous.start + gap
+        blk = _Block(b, start, before_from=start - WINDOW_STEPS)
+        if previous is not None and blk.before_from <= previous.last:
+            # Back to back: the previous block's lower window after is (the first part of) this one's before.
+            blk.before = [v for i, v in previous.after if i >= blk.before_from]
+            blk.shared = len(blk.before)
+            blk.before_from = previous.last + 1
         self.block = blk
-        self.watch_from = blk.start - WINDOW_STEPS
+        self.watch_from = start - WINDOW_STEPS
 
     def level_at(self, index: int) -> str | None:
         """The level step ``index`` runs at for a probe, or None (the level in force)."""
@@ -246,7 +293,7 @@ class Prober:
             return None
         if loss is not None and math.isfinite(loss):
             if index < blk.start:
-                if level == self.lower and not blk.shared:
+                if level == self.lower and index >= blk.before_from:
                     blk.before.append(loss)
             elif index < blk.end:
                 if level == self.upper:
@@ -259,6 +306,11 @@ class Prober:
             return None
         self.blocks_done += 1
         why = self._judge(blk)
+        if why is not None and self.pending is None and blk.seq >= CONFIRM_FROM:
+            # A verdict stands once a block at another point of the data, right after, says it again.
+            self.pending, why = why, None
+        elif why is None:
+            self.pending = None
         if self.upper is not None:
             self._next_block(blk)
         return why
@@ -270,57 +322,72 @@ class Prober:
             self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": None,
                              "why": "too few losses around the block"})  # fmt: skip
             return None
-        m1, m2 = _mean(blk.before), _mean(after)
-        mu = _mean(blk.upper)
+        # Robust: a batch far harder than the rest (a heavy-tailed loss spikes now and then at
+        # either level) counts as CLIP robust standard deviations from its group's median, so
+        # a spike moves neither the penalty nor the noise the rule judges it with much.
+        before, upper, after = _clipped((blk.before, blk.upper, after))
+        m1, m2 = _mean(before), _mean(after)
+        mu = _mean(upper)
         # Relative to the lower level's loss around the block: 2 * WINDOW_STEPS losses, a
         # steadier scale than the few probe steps (a ratio to a noisy mean is skewed).
         scale = max(abs(m1 + m2) / 2, 1e-12)
-        ss1 = sum((v - m1) ** 2 for v in blk.before)
+        ss1 = sum((v - m1) ** 2 for v in before)
         ss2 = sum((v - m2) ** 2 for v in after)
-        dof = len(blk.before) + len(after) - 2
+        dof = len(before) + len(after) - 2
         rel_var = (ss1 + ss2) / dof / (scale * scale)
         penalty = ((m1 + m2) / 2 - mu) / scale
         # Each side with its own spread: a level that moved (a shift) is noisier after it.
-        n1, n2 = len(blk.before), len(after)
+        n1, n2 = len(before), len(after)
         se_sides = math.sqrt(ss1 / (n1 - 1) / n1 + ss2 / (n2 - 1) / n2)
         move = (m2 - m1) / scale
         shifted = abs(m2 - m1) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
-        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(blk.upper), min(n1, n2), shifted, blk.shared)
+        # A window shared with the previous block: the two penalties hold a quarter of the
+        # same lower mean each (the previous block's after, this one's before).
+        shared = 0.25 * blk.shared / (n1 * self._after_n) if blk.shared and self._after_n else 0.0
+        self._after_n = n2
+        d1, d2 = [x - m1 for x in before], [x - m2 for x in after]
+        lags = tuple(
+            (sum(a * b for a, b in zip(d1, d1[k:])) + sum(a * b for a, b in zip(d2, d2[k:]))) / (scale * scale)
+            for k in range(1, LAGS + 1)
+        )
+        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), 0.25 / n1 + 0.25 / n2, shifted, shared,
+                    lags, (ss1 + ss2) / (scale * scale))  # fmt: skip
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
-                         "se": math.sqrt(rel_var * (1 / len(blk.upper) + 0.25 / n1 + 0.25 / n2)),
-                         "move": move, "shifted": shifted})  # fmt: skip
+                         "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted})  # fmt: skip
         if shifted:
+            self._after_n = 0  # (left out: the next block covaries with none kept)
             return None  # the data moved across the block: the two sides say different things
         self.verdicts.append(v)
         return self._rule()
 
     def _rule(self) -> str | None:
         vs = list(self.verdicts)
-        # The job's noise, pooled over the blocks kept (relative to each block's scale).
-        dof = sum(v.dof for v in vs)
-        rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
+        noise = _noise_of(vs)
         tol = self.tolerance
-        for n in range(1, len(vs) + 1):
+        for n in range(MIN_BLOCKS, len(vs) + 1):
             tail = vs[-n:]
-            mean, se = _mean_se(tail, [1.0 / n] * n, rel_var)
-            clearly = mean - (GUARD_Z if n >= MIN_BLOCKS else ONE_Z) * se > tol
+            mean, se = _mean_se(tail, [1.0 / n] * n, noise)
+            clearly = mean - GUARD_Z * se > tol
             surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
-            if clearly or surely:
+            # No one block carries a verdict: with any one left out the mean is still over
+            # the tolerance (a block that met the data's easiest batches alone is no penalty).
+            held = all((n * mean - v.penalty) / (n - 1) > tol for v in tail)
+            if (clearly or surely) and held:
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
                     f"same point in training, over {_blocks(tail)}), each against the {WINDOW_STEPS} {self.lower} "
-                    f"steps on either side {_noise(rel_var, tol)}"
+                    f"steps on either side {_said(noise, tol)}"
                 )
-        return self._growth(vs, rel_var, tol)
+        return self._growth(vs, noise, tol)
 
-    def _growth(self, vs: list[Verdict], rel_var: float, tol: float) -> str | None:
+    def _growth(self, vs: list[Verdict], noise: Noise, tol: float) -> str | None:
         """A penalty that grows: a line through the blocks' penalties (weighted by their
         errors) rising by :data:`GROW_Z` standard errors, its value at the latest block
         already :data:`GROW_SHARE` of the tolerance or more."""
         n = len(vs)
         if n < GROW_BLOCKS:
             return None
-        w = [1.0 / (rel_var * (1 / v.n_upper + 0.5 / v.n_lower)) for v in vs]
+        w = [1.0 / noise.var(v) for v in vs]
         sw = sum(w)
         x = [float(v.start) for v in vs]
         xm = sum(wi * xi for wi, xi in zip(w, x, strict=True)) / sw
@@ -328,16 +395,22 @@ class Prober:
         if sxx <= 0:
             return None
         slope_c = [wi * (xi - xm) / sxx for wi, xi in zip(w, x, strict=True)]  # slope = sum(c * penalty)
-        slope, slope_se = _mean_se(vs, slope_c, rel_var)
+        slope, slope_se = _mean_se(vs, slope_c, noise)
         now_c = [wi / sw + (x[-1] - xm) * c for wi, c in zip(w, slope_c, strict=True)]  # the line at the latest
-        now, now_se = _mean_se(vs, now_c, rel_var)
+        now, now_se = _mean_se(vs, now_c, noise)
         if slope - GROW_Z * slope_se <= 0 or now - GROW_NOW_Z * now_se < GROW_SHARE * tol:
             return None
+        # No one block carries it: the line through the others, at the latest block, is
+        # still over its share of the tolerance.
+        for i in range(n):
+            rest = [(xj, v.penalty) for j, (xj, v) in enumerate(zip(x, vs, strict=True)) if j != i]
+            if _line_at(rest, x[-1]) <= GROW_SHARE * tol:
+                return None
         return (
             f"probes at {self.upper}: {self.lower}'s penalty over {self.upper} grows by {100 * slope:+.1%} per 100 "
             f"steps (+/- {100 * slope_se:.1%}) over {_blocks(vs)}; {vs[0].penalty:+.1%} at the first, "
             f"{vs[-1].penalty:+.1%} at the latest), {now:+.1%} (+/- {now_se:.1%}) now on the line through them "
-            f"{_noise(rel_var, tol)}"
+            f"{_said(noise, tol)}"
         )
 
     def summary(self) -> dict[str, Any] | None:
@@ -345,10 +418,8 @@ class Prober:
         vs = list(self.verdicts)
         if not vs:
             return None
-        dof = sum(v.dof for v in vs)
-        rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.nan
         n = len(vs)
-        mean, se = _mean_se(vs, [1.0 / n] * n, rel_var)
+        mean, se = _mean_se(vs, [1.0 / n] * n, _noise_of(vs))
         return {"level": self.lower, "upper": self.upper, "blocks": n, "mean_penalty": mean, "se": se}
 
 
@@ -356,14 +427,85 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _mean_se(vs: list[Verdict], coef: list[float], rel_var: float) -> tuple[float, float]:
+def _line_at(points: list[tuple[float, float]], at: float) -> float:
+    """The least-squares line through ``points`` (x, y), at ``at``."""
+    xm = _mean([x for x, _ in points])
+    ym = _mean([y for _, y in points])
+    sxx = sum((x - xm) ** 2 for x, _ in points)
+    slope = sum((x - xm) * (y - ym) for x, y in points) / sxx if sxx > 0 else 0.0
+    return ym + slope * (at - xm)
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _clipped(groups: tuple[list[float], ...]) -> list[list[float]]:
+    """Each group's losses pulled in to within :data:`CLIP` robust standard deviations of
+    the group's median. The deviation is the lower windows' (the first and last groups:
+    the probe steps are too few): their distances from their medians at the
+    :data:`SPIKE_SHARE` quantile, as a normal spread (so batches rarer than that which lie
+    far out are spikes; a kind of batch more common than that, such as an easier source
+    that one batch in three comes from, is part of the job's noise and is kept whole)."""
+    medians = [_median(g) for g in groups]
+    lower = sorted(abs(v - m) for g, m in ((groups[0], medians[0]), (groups[-1], medians[-1])) for v in g)
+    reach = CLIP * lower[int((1 - SPIKE_SHARE) * (len(lower) - 1))] / _Z_SPIKE_SHARE
+    if reach <= 0:
+        return [list(g) for g in groups]
+    return [[min(max(v, m - reach), m + reach) for v in g] for g, m in zip(groups, medians, strict=True)]
+
+
+def _noise_of(vs: list[Verdict]) -> Noise:
+    """The noise the blocks ``vs`` are judged with. The step-to-step variance, pooled over
+    the blocks (relative to each block's scale), and its correlation from one step to the
+    next up to :data:`LAGS` apart (batches alike in a row: a data order, a slow drift),
+    which a mean of a few steps in a row does not average out: the means' variance grows
+    by ``1 + 2 * sum((1 - k/m) * rho_k)`` (m steps; at least 1). Then the spread of the
+    blocks' penalties beyond what that explains: blocks that disagree more than their
+    windows' noise says meet the data at different points (a data order that repeats, a
+    batch far harder than the rest), and their spread is the penalty's true noise, added
+    to every block's variance. Around the line through them from :data:`GROW_BLOCKS`
+    blocks on (a penalty that grows is no disagreement), else around their mean."""
+    dof = sum(v.dof for v in vs)
+    rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
+    ss = sum(v.ss for v in vs)
+    rho = [sum(v.lags[k] for v in vs if len(v.lags) > k) / ss if ss > 0 else 0.0 for k in range(LAGS)]
+
+    def factor(m: int) -> float:
+        return max(1.0, 1 + 2 * sum((1 - k / m) * rho[k - 1] for k in range(1, min(LAGS, m - 1) + 1)))
+
+    noise = Noise(rel_var, factor(PROBE_STEPS - LEAD_STEPS), factor(WINDOW_STEPS))
+    n = len(vs)
+    if n < MIN_BLOCKS or not math.isfinite(rel_var):
+        return noise
+    p = [v.penalty for v in vs]
+    if n >= GROW_BLOCKS:
+        x = [float(v.start) for v in vs]
+        xm, pm = _mean(x), _mean(p)
+        sxx = sum((xi - xm) ** 2 for xi in x)
+        b = sum((xi - xm) * (pi - pm) for xi, pi in zip(x, p, strict=True)) / sxx if sxx > 0 else 0.0
+        resid = [pi - pm - b * (xi - xm) for xi, pi in zip(x, p, strict=True)]
+        df = n - 2
+    else:
+        pm = _mean(p)
+        resid = [pi - pm for pi in p]
+        df = n - 1
+    spread = sum(r * r for r in resid) / df
+    between = max(0.0, spread - _mean([noise.var(v) for v in vs]))
+    return Noise(rel_var, noise.upper_factor, noise.lower_factor, between)
+
+
+def _mean_se(vs: list[Verdict], coef: list[float], noise: Noise) -> tuple[float, float]:
     """``sum(coef * penalty)`` over ``vs`` and its standard error: each block's own
-    variance, and the covariance of two blocks back to back (they share a window)."""
+    variance (:class:`Noise`), and the covariance of two blocks back to back (they
+    share a window)."""
     value = sum(c * v.penalty for c, v in zip(coef, vs, strict=True))
-    var = sum(c * c * rel_var * (1 / v.n_upper + 0.5 / v.n_lower) for c, v in zip(coef, vs, strict=True))
+    var = sum(c * c * noise.var(v) for c, v in zip(coef, vs, strict=True))
     for i in range(1, len(vs)):
         if vs[i].shared and vs[i].seq == vs[i - 1].seq + 1:
-            var += 2 * coef[i] * coef[i - 1] * rel_var * 0.25 / vs[i].n_lower
+            var += 2 * coef[i] * coef[i - 1] * noise.covar(vs[i])
     return value, math.sqrt(max(var, 0.0))
 
 
@@ -373,24 +515,43 @@ def _blocks(vs: list[Verdict]) -> str:
     return f"{len(vs)} probe blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
 
 
-def _noise(rel_var: float, tol: float) -> str:
+def _said(noise: Noise, tol: float) -> str:
     """The noise and the tolerance a rollback's reason was judged with."""
-    return f"(step-to-step noise {math.sqrt(rel_var):.1%}; tolerance {tol:.0%})"
+    alike = f", x{noise.upper_factor:.2g} for steps in a row alike" if noise.upper_factor > 1.05 else ""
+    spread = f", the blocks' spread beyond it {math.sqrt(noise.between):.1%}" if noise.between > 0 else ""
+    return f"(step-to-step noise {math.sqrt(noise.rel_var):.1%}{alike}{spread}; tolerance {tol:.0%})"
 
 
-def block_start(b: int, every: int) -> int:
+def _jitter(seed: int, k: int, span: int) -> int:
+    """A number in [0, span) from (seed, k), the same in every process (splitmix64)."""
+    if span <= 1:
+        return 0
+    z = (seed * 0x9E3779B97F4A7C15 + k * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) % span
+
+
+def block_start(b: int, every: int, seed: int = 0) -> int:
     """The first step of probe block ``b`` (0: the first after the switch), counted from
     the switch: its lower window before starts once the switch has settled; the first
     :data:`DENSE_BLOCKS` run back to back, then the gaps double (a penalty that starts
-    small and grows is looked at again soon) up to ``every`` steps."""
-    start = SETTLE_STEPS + WINDOW_STEPS + DENSE_EVERY * min(b, DENSE_BLOCKS - 1)
+    small and grows is looked at again soon) up to ``every`` steps. Each gap after the
+    first block is drawn from ``seed`` (the switch's step: the same on every rank): a block
+    back to back comes 0 to :data:`DENSE_EVERY` / 2 steps later than the previous one's
+    windows end, a later gap is 0.75 to 1.25 times its length, so blocks meet a data order
+    that repeats (an epoch of a few dozen batches read in order) at different points."""
+    start = SETTLE_STEPS + WINDOW_STEPS
     gap = DENSE_EVERY
-    for _ in range(DENSE_BLOCKS, b + 1):
-        gap = max(DENSE_EVERY, min(2 * gap, every))
-        start += gap
+    for k in range(1, b + 1):
+        if k < DENSE_BLOCKS:
+            start += DENSE_EVERY + _jitter(seed, k, DENSE_JITTER)
+        else:
+            gap = max(DENSE_EVERY, min(2 * gap, every))
+            start += max(DENSE_EVERY, gap - gap // 4 + _jitter(seed, k, gap // 2))
     return start
 
 
-def judged_by(b: int, every: int) -> int:
+def judged_by(b: int, every: int, seed: int = 0) -> int:
     """The step (counted from the switch) at which probe block ``b`` is judged."""
-    return block_start(b, every) + PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS - 1
+    return block_start(b, every, seed) + PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS - 1

@@ -369,6 +369,44 @@ def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
     assert Guard(spike_tolerance=None).spike(1e9) is None
 
 
+def test_a_job_that_spikes_on_its_own_is_judged_by_its_rate_of_spikes() -> None:
+    """A heavy-tailed loss: one batch in about 60 is 5 to 13 times the rest, at fp32 as at
+    bf16. Its first spike after the switch was read as bf16's (rolled back, the fp32 twin
+    spiking at the same step); now the spikes fp32 had over its last 512 steps give the
+    rate to expect, and one spike at that rate is the data's. A divergence (spike after
+    spike) still rolls back within a few steps, naming the rates."""
+    import random
+
+    from greend.training.mixed_precision import SPIKE_HISTORY, Guard
+
+    rng = random.Random(3)
+
+    def loss(spiky: bool) -> float:
+        return (rng.uniform(5, 13) if spiky and rng.random() < 1 / 60 else 1.0) * (1 + rng.gauss(0, 0.02))
+
+    g = Guard(window=32, cooldown_steps=10, spike_tolerance=0.5)
+    for _ in range(SPIKE_HISTORY + 100):
+        g.losses.append(loss(True))
+    g.on_switch("fp32", "bf16", step=1000)
+    d = g.stack[-1]
+    assert d.own_steps == SPIKE_HISTORY - 32 and 3 <= d.own_spikes <= 15, (d.own_spikes, d.own_steps)
+    assert g.spike(1.0, 1001) is None and g.spike(9.0, 1002) is None  # one spike, at the job's own rate
+    for step in range(1003, 1050):
+        assert g.spike(loss(False), step) is None
+    # Spike after spike: no rate of one-off spikes makes that likely.
+    whys = [g.spike(8.0 + k, 1050 + k) for k in range(4)]
+    assert whys[0] is None and any(whys), whys
+    why = next(w for w in whys if w)
+    assert "spikes in" in why and f"where fp32 had {d.own_spikes} in {d.own_steps}" in why, why
+
+    # A job that never spiked at fp32: its first spike is the level's, as before.
+    quiet = Guard(window=32, cooldown_steps=10, spike_tolerance=0.5)
+    for _ in range(SPIKE_HISTORY):
+        quiet.losses.append(loss(False))
+    quiet.on_switch("fp32", "bf16", step=600)
+    assert quiet.stack[-1].own_spikes == 0 and quiet.spike(9.0, 601) is not None
+
+
 @needs_torchao
 @pytest.mark.filterwarnings("ignore::greend.training.callback.GreendWarning")
 def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
