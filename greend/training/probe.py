@@ -61,9 +61,10 @@ switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
 steps in the first 160 to 250 after a switch (the gaps drawn), then 5 every 300 to 500
-steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing else. The judge sees only the steps inside its windows (one
-integer compare per step elsewhere), and a probe step is an ordinary step at the upper
-level: the user's model, batch and optimizer, never a step above the job's own level.
+steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing
+else. The judge sees only the steps inside its windows (one integer compare per step
+elsewhere), and a probe step is an ordinary step at the upper level: the user's model,
+batch and optimizer, never a step above the job's own level.
 """
 
 from __future__ import annotations
