@@ -136,6 +136,8 @@ def main() -> None:
     )
     ap.add_argument("--seeds", type=int, default=3, help="runs (seeds) of each of the guard's hard cases")
     ap.add_argument("--only", default="", help="the guard's cases of these tasks only (comma separated)")
+    ap.add_argument("--save", default="", help="write each training and its twin (levels, losses, probe checks) "
+                    "to this folder as TASK-N-SEED.json")  # fmt: skip
     ap.add_argument(
         "--show-probes", action="store_true", help="print each probe block judged and the losses around the first"
     )
@@ -144,7 +146,7 @@ def main() -> None:
     SHOW_PROBES = args.show_probes
     guard = [w for w in GUARD_WORKLOADS if not args.only or w[0] in args.only.split(",")]
     if args.guard_only:
-        workloads(args.workload_steps, guard, range(args.seeds))
+        workloads(args.workload_steps, guard, range(args.seeds), args.save)
         return
     torch.manual_seed(0)
     w = args.width
@@ -272,7 +274,7 @@ def main() -> None:
 
     if args.workloads:
         workloads(args.workload_steps, WORKLOADS, (0,))
-        workloads(args.workload_steps, guard, range(args.seeds))
+        workloads(args.workload_steps, guard, range(args.seeds), args.save)
 
 
 TRAINER = ROOT / "tests" / "scripts" / "precision_trainer.py"
@@ -312,7 +314,7 @@ def _train(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def workloads(steps: int, items: list[Workload], seeds: range | tuple[int, ...]) -> None:
+def workloads(steps: int, items: list[Workload], seeds: range | tuple[int, ...], save: str = "") -> None:
     """Each workload under the real daemon's precision policy (defaults), beside its fp32
     twin (the same seed, without greend; a shift after the switch at the same step)."""
     print(f"\nreal trainings under the precision policy (defaults), {steps} steps unless said, against the fp32 twin:")
@@ -343,6 +345,10 @@ def workloads(steps: int, items: list[Workload], seeds: range | tuple[int, ...])
                     with Client(sock) as c:
                         rep = c.request("report", job=job)
                     _print_run(task, batch, extra, n_steps, seed, r, twin, rep)
+                    if save:
+                        Path(save).mkdir(parents=True, exist_ok=True)
+                        out = {"run": r, "twin": twin, "report": rep}
+                        (Path(save) / f"{job}.json").write_text(json.dumps(out, default=str))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)

@@ -22,7 +22,8 @@ Each block is compared with the :data:`WINDOW_STEPS` steps at the lower level ju
 before it and just after it (after :data:`SETTLE_STEPS` steps to settle): a falling
 trend and a change in the data move both sides alike and cancel in the mean of the two,
 noise averages out over blocks. One block gives the **penalty**
-``(mean of the lower steps around it - mean of the probe steps) / mean of the lower steps``,
+``(the lower level's loss at the probe steps - mean of the probe steps) / the former``, the
+former from the two sides' means, weighted by how near each side is to the probe steps,
 each group's losses first pulled in to :data:`CLIP` robust deviations of its median (a
 heavy-tailed loss, a rare batch many times harder than the rest at either level, moves
 neither the penalty nor the noise much). Its standard error comes from the job's own
@@ -132,6 +133,9 @@ GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy block
 NEVER = sys.maxsize
 CONFIRM_FROM = DENSE_BLOCKS
 LAGS = 3
+SUSPECT_Z = 2.0
+LOO_SHARE = GROW_SHARE
+_SUSPECT = "one block over the tolerance"
 DENSE_JITTER = DENSE_EVERY
 
 # A probe step's record names its level with this suffix (the sender sends it as the
@@ -155,7 +159,7 @@ def probe_level(tagged: str) -> tuple[str, bool]:
 class _Block:
     seq: int  # the block's number since the switch
     start: int  # the first probe step
-    before: list[float] = field(default_factory=list)
+    before: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     upper: list[float] = field(default_factory=list)
     after: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     before_from: int = 0  # the first step whose loss it records for its lower window before
@@ -184,7 +188,7 @@ class Verdict:
     rel_var: float  # the lower steps' squared spread around their window means, over the scale squared
     dof: int  # its degrees of freedom
     n_upper: int
-    lower_term: float  # (1/4)(1/n_before + 1/n_after): the lower means' share of the penalty's variance
+    lower_term: float  # w1^2/n_before + w2^2/n_after: the lower means' share of the penalty's variance
     shifted: bool
     shared: float  # the covariance with the previous block (a shared lower window), over rel_var
     lags: tuple[float, ...] = ()  # sum of d[t] * d[t + k] (k = 1 ... LAGS) over its lower windows' deviations ...
@@ -230,7 +234,8 @@ class Prober:
         self.verdicts: deque[Verdict] = deque(maxlen=KEEP_BLOCKS)
         self.log: deque[dict[str, Any]] = deque(maxlen=256)
         self.probe_steps = 0  # steps run at the upper level for the probes
-        self._after_n = 0  # the lower steps after the block judged last (kept), for the covariance
+        self._after_n = 0  # the lower steps after the block judged last (kept), for the covariance ...
+        self._after_w = 0.0  # ... and their weight in its penalty
         self.pending: str | None = None  # a verdict waiting for the next block to confirm it
 
     @property
@@ -273,7 +278,7 @@ class Prober:
         blk = _Block(b, start, before_from=start - WINDOW_STEPS)
         if previous is not None and blk.before_from <= previous.last:
             # Back to back: the previous block's lower window after is (the first part of) this one's before.
-            blk.before = [v for i, v in previous.after if i >= blk.before_from]
+            blk.before = [(i, v) for i, v in previous.after if i >= blk.before_from]
             blk.shared = len(blk.before)
             blk.before_from = previous.last + 1
         self.block = blk
@@ -295,7 +300,7 @@ class Prober:
         if loss is not None and math.isfinite(loss):
             if index < blk.start:
                 if level == self.lower and index >= blk.before_from:
-                    blk.before.append(loss)
+                    blk.before.append((index, loss))
             elif index < blk.end:
                 if level == self.upper:
                     self.probe_steps += 1
@@ -307,11 +312,13 @@ class Prober:
             return None
         self.blocks_done += 1
         why = self._judge(blk)
-        if why is not None and self.pending is None and blk.seq >= CONFIRM_FROM:
-            # A verdict stands once a block at another point of the data, right after, says it again.
-            self.pending, why = why, None
-        elif why is None:
-            self.pending = None
+        if blk.seq >= CONFIRM_FROM:
+            if why is not None and self.pending is None:
+                # A verdict stands once a block at another point of the data, right after, says it again.
+                self.pending, why = why, None
+            elif why is None:
+                # One block far over the tolerance (no verdict alone): the next one comes at once.
+                self.pending = _SUSPECT if self._suspect() else None
         if self.upper is not None:
             self._next_block(blk)
         return why
@@ -319,39 +326,50 @@ class Prober:
     def _judge(self, blk: _Block) -> str | None:
         half = WINDOW_STEPS // 2
         after = [v for _, v in blk.after]
-        if not blk.upper or len(blk.before) < half or len(after) < half:
+        if not blk.upper or len(blk.before) < half or len(blk.after) < half:
             self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": None,
                              "why": "too few losses around the block"})  # fmt: skip
             return None
         # Robust: a batch far harder than the rest (a heavy-tailed loss spikes now and then at
         # either level) counts as CLIP robust standard deviations from its group's median, so
         # a spike moves neither the penalty nor the noise the rule judges it with much.
-        before, upper, after = _clipped((blk.before, blk.upper, after))
+        before, upper, after = _clipped(([v for _, v in blk.before], blk.upper, after))
         m1, m2 = _mean(before), _mean(after)
         mu = _mean(upper)
+        # The lower level's loss at the probe steps: the two sides' means weighted by how
+        # near each side's middle step is to the probe steps' (a falling trend cancels).
+        c1, c2 = _mean([float(i) for i, _ in blk.before]), _mean([float(i) for i, _ in blk.after])
+        w2 = min(1.0, max(0.0, (blk.start + LEAD_STEPS + (PROBE_STEPS - LEAD_STEPS - 1) / 2 - c1) / (c2 - c1)))
+        w1 = 1.0 - w2
+        lower = w1 * m1 + w2 * m2
         # Relative to the lower level's loss around the block: 2 * WINDOW_STEPS losses, a
         # steadier scale than the few probe steps (a ratio to a noisy mean is skewed).
-        scale = max(abs(m1 + m2) / 2, 1e-12)
-        ss1 = sum((v - m1) ** 2 for v in before)
-        ss2 = sum((v - m2) ** 2 for v in after)
-        dof = len(before) + len(after) - 2
-        rel_var = (ss1 + ss2) / dof / (scale * scale)
-        penalty = ((m1 + m2) / 2 - mu) / scale
-        # Each side with its own spread: a level that moved (a shift) is noisier after it.
+        scale = max(abs(lower), 1e-12)
+        # The noise: each lower window's losses around its own line (a loss still falling
+        # within 16 steps is a trend, which the two sides' mean cancels, not noise).
+        d1, d2 = _residuals(before), _residuals(after)
+        ss1 = sum(d * d for d in d1)
+        ss2 = sum(d * d for d in d2)
         n1, n2 = len(before), len(after)
-        se_sides = math.sqrt(ss1 / (n1 - 1) / n1 + ss2 / (n2 - 1) / n2)
+        dof = n1 + n2 - 4
+        rel_var = (ss1 + ss2) / dof / (scale * scale)
+        penalty = (lower - mu) / scale
+        # Each side with its own spread around its mean (a level that moved, a shift, is
+        # noisier after it; a trend within the windows widens it, so a trend is no shift).
+        se_sides = math.sqrt(
+            sum((v - m1) ** 2 for v in before) / (n1 - 1) / n1 + sum((v - m2) ** 2 for v in after) / (n2 - 1) / n2
+        )
         move = (m2 - m1) / scale
         shifted = abs(m2 - m1) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
-        # A window shared with the previous block: the two penalties hold a quarter of the
-        # same lower mean each (the previous block's after, this one's before).
-        shared = 0.25 * blk.shared / (n1 * self._after_n) if blk.shared and self._after_n else 0.0
-        self._after_n = n2
-        d1, d2 = [x - m1 for x in before], [x - m2 for x in after]
+        # A window shared with the previous block: the two penalties hold the same lower
+        # steps (the previous block's after, this one's before), each with its weight.
+        shared = w1 * self._after_w * blk.shared / (n1 * self._after_n) if blk.shared and self._after_n else 0.0
+        self._after_n, self._after_w = n2, w2
         lags = tuple(
             (sum(a * b for a, b in zip(d1, d1[k:])) + sum(a * b for a, b in zip(d2, d2[k:]))) / (scale * scale)
             for k in range(1, LAGS + 1)
         )
-        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), 0.25 / n1 + 0.25 / n2, shifted, shared,
+        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), w1 * w1 / n1 + w2 * w2 / n2, shifted, shared,
                     lags, (ss1 + ss2) / (scale * scale))  # fmt: skip
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
                          "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted})  # fmt: skip
@@ -360,6 +378,13 @@ class Prober:
             return None  # the data moved across the block: the two sides say different things
         self.verdicts.append(v)
         return self._rule()
+
+    def _suspect(self) -> bool:
+        """Whether the latest block alone is over the tolerance by :data:`SUSPECT_Z` standard errors."""
+        vs = list(self.verdicts)
+        if not vs or vs[-1].seq != self.blocks_done - 1:
+            return False  # (the latest was left out)
+        return vs[-1].penalty - SUSPECT_Z * math.sqrt(_noise_of(vs).var(vs[-1])) > self.tolerance
 
     def _rule(self) -> str | None:
         vs = list(self.verdicts)
@@ -372,7 +397,7 @@ class Prober:
             surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
             # No one block carries a verdict: with any one left out the mean is still over
             # the tolerance (a block that met the data's easiest batches alone is no penalty).
-            held = all((n * mean - v.penalty) / (n - 1) > tol for v in tail)
+            held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
             if (clearly or surely) and held:
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
@@ -435,6 +460,16 @@ def _line_at(points: list[tuple[float, float]], at: float) -> float:
     sxx = sum((x - xm) ** 2 for x, _ in points)
     slope = sum((x - xm) * (y - ym) for x, y in points) / sxx if sxx > 0 else 0.0
     return ym + slope * (at - xm)
+
+
+def _residuals(values: list[float]) -> list[float]:
+    """``values`` (steps in a row) less the least-squares line through them."""
+    n = len(values)
+    tm = (n - 1) / 2
+    vm = _mean(values)
+    stt = sum((t - tm) ** 2 for t in range(n))
+    slope = sum((t - tm) * (v - vm) for t, v in enumerate(values)) / stt if stt > 0 else 0.0
+    return [v - vm - slope * (t - tm) for t, v in enumerate(values)]
 
 
 def _median(values: list[float]) -> float:
