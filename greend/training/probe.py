@@ -116,7 +116,7 @@ DENSE_EVERY = (
 KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
 MIN_BLOCKS = 2  # no verdict on fewer blocks: a first block is confirmed at another point of the data
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
-SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
+SURE_Z = 3.5  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
 SURE_BLOCKS = 2
 CLIP = 3.0  # a loss further than this many robust standard deviations from its group's median counts as that far
 SPIKE_SHARE = 0.2  # the robust deviation leaves out this share of the lower steps, the furthest out
@@ -502,8 +502,8 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     blocks' penalties beyond what that explains: blocks that disagree more than their
     windows' noise says meet the data at different points (a data order that repeats, a
     batch far harder than the rest), and their spread is the penalty's true noise, added
-    to every block's variance. Around the line through them from :data:`GROW_BLOCKS`
-    blocks on (a penalty that grows is no disagreement), else around their mean."""
+    to every block's variance. Around the line through them, from :data:`GROW_BLOCKS`
+    blocks on (a penalty that grows is no disagreement; fewer blocks say too little)."""
     dof = sum(v.dof for v in vs)
     rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
     ss = sum(v.ss for v in vs)
@@ -514,21 +514,15 @@ def _noise_of(vs: list[Verdict]) -> Noise:
 
     noise = Noise(rel_var, factor(PROBE_STEPS - LEAD_STEPS), factor(WINDOW_STEPS))
     n = len(vs)
-    if n < MIN_BLOCKS or not math.isfinite(rel_var):
+    if n < GROW_BLOCKS or not math.isfinite(rel_var):
         return noise
     p = [v.penalty for v in vs]
-    if n >= GROW_BLOCKS:
-        x = [float(v.start) for v in vs]
-        xm, pm = _mean(x), _mean(p)
-        sxx = sum((xi - xm) ** 2 for xi in x)
-        b = sum((xi - xm) * (pi - pm) for xi, pi in zip(x, p, strict=True)) / sxx if sxx > 0 else 0.0
-        resid = [pi - pm - b * (xi - xm) for xi, pi in zip(x, p, strict=True)]
-        df = n - 2
-    else:
-        pm = _mean(p)
-        resid = [pi - pm for pi in p]
-        df = n - 1
-    spread = sum(r * r for r in resid) / df
+    x = [float(v.start) for v in vs]
+    xm, pm = _mean(x), _mean(p)
+    sxx = sum((xi - xm) ** 2 for xi in x)
+    b = sum((xi - xm) * (pi - pm) for xi, pi in zip(x, p, strict=True)) / sxx if sxx > 0 else 0.0
+    resid = [pi - pm - b * (xi - xm) for xi, pi in zip(x, p, strict=True)]
+    spread = sum(r * r for r in resid) / (n - 2)
     between = max(0.0, spread - _mean([noise.var(v) for v in vs]))
     return Noise(rel_var, noise.upper_factor, noise.lower_factor, between)
 
