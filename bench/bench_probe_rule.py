@@ -1,0 +1,101 @@
+"""The probes' rule alone (``greend.training.probe.Prober``) on made-up loss streams.
+
+Run:  python bench/bench_probe_rule.py [--runs 60]
+
+Each stream is fed to a Prober as the callback does (each step at the level the Prober
+asks for, else the lower one), the lower level harmless or harmful, and the rule's
+verdicts counted: how often a harmless level is rolled back (false rollbacks) and how
+many steps after the switch a harmful one is (the steps it ran, which the rollback does
+not undo). Tolerance 5 %, ``probe_every`` 400; every run switches at another step (the
+blocks' gaps are drawn from it).
+
+* ``order P``: a fixed dataset of P batches read in order (no shuffle), its last 4 far
+  easier (loss x0.6, a cleaner source), 2 % noise, 4000 steps, harmless: a block whose
+  probe steps meet the easy batches while its windows do not reads +40 %.
+* ``noisy``: a falling loss with 40 % step-to-step noise, 4000 steps, harmless.
+* ``+2 %``: a penalty of 2 % (within the tolerance) under 5 % noise, 4000 steps.
+* ``trend +8 %``: a loss falling ~5 % per 33 steps (as right after a switch), 4 % noise,
+  bf16 +8 %, 2000 steps.
+* ``+7 %``: a flat loss, 5 % noise, +7 %, 2000 steps.
+* ``late +25 %``: a falling loss, 5 % noise, +25 % from 1500 steps after the switch on.
+* ``grows``: a penalty growing from 0 by 1 % per 100 steps, 3 % noise, 2000 steps.
+
+All of it is made up (the rule's own yardstick); the real trainings are in
+``bench_precision.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from greend.training.probe import Prober
+
+Loss = Callable[[int, int, str, random.Random], float]  # (steps since the switch, step, level, rng)
+
+
+def _noisy(rng: random.Random, sd: float) -> float:
+    return 1.0 + rng.gauss(0.0, sd)
+
+
+def order(period: int) -> Loss:
+    def loss(t: int, i: int, level: str, rng: random.Random) -> float:
+        easy = (i - 6) % period >= period - 4
+        return (0.6 if easy else 1.0) * 0.1 * _noisy(rng, 0.02)
+
+    return loss
+
+
+CASES: dict[str, tuple[Loss, int, bool]] = {  # name: (loss, steps, harmful)
+    **{f"order {p}": (order(p), 4000, False) for p in (11, 20, 29, 33)},
+    "noisy": (lambda t, i, lvl, rng: 0.1 * (1 + t / 100) ** -0.3 * _noisy(rng, 0.4), 4000, False),
+    "+2 %": (lambda t, i, lvl, rng: (1.02 if lvl == "bf16" else 1.0) * _noisy(rng, 0.05), 4000, False),
+    "trend +8 %": (
+        lambda t, i, lvl, rng: (1 + (t + 600) / 50) ** -1.0 * (1.08 if lvl == "bf16" else 1.0) * _noisy(rng, 0.04),
+        2000,
+        True,
+    ),
+    "+7 %": (lambda t, i, lvl, rng: (1.07 if lvl == "bf16" else 1.0) * _noisy(rng, 0.05), 2000, True),
+    "late +25 %": (
+        lambda t, i, lvl, rng: (
+            2.0 * (1 + t / 300) ** -0.5 * (1.25 if lvl == "bf16" and t >= 1500 else 1.0) * _noisy(rng, 0.05)
+        ),
+        3000,
+        True,
+    ),
+    "grows": (lambda t, i, lvl, rng: (1 + (0.0001 * t if lvl == "bf16" else 0.0)) * _noisy(rng, 0.03), 2000, True),
+}
+
+
+def run(loss: Loss, switch: int, steps: int) -> int | None:
+    """Steps after the switch at which the level was rolled back, or None."""
+    rng = random.Random(switch * 7 + 1)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=switch)
+    for i in range(switch, switch + steps):
+        level = prober.level_at(i) or "bf16"
+        if prober.record(i, level, loss(i - switch, i, level, rng)) is not None:
+            return i - switch
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=60, help="runs (switch steps) per case")
+    args = ap.parse_args()
+    print(f"{'case':<14}{'runs':>6}{'rolled back':>13}{'median step':>13}{'90th pct':>10}  (steps after the switch)")
+    for name, (loss, steps, harmful) in CASES.items():
+        at = sorted(r for r in (run(loss, 97 * k, steps) for k in range(args.runs)) if r is not None)
+        med = f"{at[len(at) // 2]}" if at and harmful else "-"
+        p90 = f"{at[int(0.9 * len(at))]}" if at and harmful else "-"
+        kind = "harmful" if harmful else "harmless"
+        print(f"{name:<14}{args.runs:>6}{len(at):>13}{med:>13}{p90:>10}  {kind}")
+
+
+if __name__ == "__main__":
+    main()
