@@ -24,6 +24,8 @@ from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
 from greend.training.probe import (
     DENSE_BLOCKS,
+    DENSE_EVERY,
+    DENSE_JITTER,
     PROBE_STEPS,
     TOLERANCE,
     Prober,
@@ -82,6 +84,26 @@ def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None
     assert all(300 <= g < 500 for g in gaps) and abs(sum(gaps) / len(gaps) - 400) < 25  # 400 +/- a quarter, drawn
     assert PROBE_STEPS / 400 < 0.02
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_late_penalty_is_looked_at_again_at_once_not_a_gap_later(seed: int) -> None:
+    """A penalty of 25 % from step 1500 on, in the sparse phase (blocks some 400 steps
+    apart): the first block that meets it is over the tolerance by far, but one block is
+    no verdict. The next block comes at once (33 to 65 steps later), not 300-500 steps
+    later, and the two roll back."""
+    rng = random.Random(seed)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0)
+    late = 1500
+
+    def loss(i: int, level: str) -> float:
+        return (1.25 if level == "bf16" and i >= late else 1.0) * noisy(rng, 0.03)
+
+    why, at, _ = feed(prober, 4000, loss)
+    assert why is not None and at is not None, why
+    first = min(c["start"] for c in prober.log if c["start"] >= late)  # the first block that met it
+    assert at <= first + PROBE_STEPS + 2 * DENSE_EVERY + DENSE_JITTER, (first, at, why)
+    assert "over 2 probe blocks" in why or "over 3 probe blocks" in why, why
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: int) -> None:
