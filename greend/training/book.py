@@ -605,6 +605,7 @@ class StepBook:
         if prober is None:
             self.probe_watch = NEVER
             return level, None
+        prober.horizon = self.next_index + len(self.unjudged) + len(self.ended)  # the next step to start
         probe = prober.block is not None and prober.level_at(index) == level and level != self.control.level
         try:
             why = prober.record(index, level, loss)

@@ -53,7 +53,7 @@ beyond their noise (:data:`AGREE_Q`). And from the first sparse block on
 (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once at another
 drawn point, says it again; a block alone over the tolerance by :data:`SUSPECT_Z` standard
 errors calls the next block at once too (a penalty that appears late is looked at again
-within 33 to 65 steps, not ``probe_every``). The rollback's reason names the blocks, the
+within 33 to 48 steps, not ``probe_every``). The rollback's reason names the blocks, the
 penalty (or its rise per 100 steps), its error and the noise it used. ``tolerance`` is
 the job's ``probe_tolerance``, else the daemon precision policy's (its register reply),
 else :data:`TOLERANCE`.
@@ -66,7 +66,7 @@ the weights and the optimizer's state alike); hence blocks back to back right af
 switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
-steps in the first 160 to 250 after a switch (the gaps drawn), then 5 every 300 to 500
+steps in the first 160 to 203 after a switch (the gaps drawn), then 5 every 300 to 500
 steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing
 else. The judge sees only the steps inside its windows (one integer compare per step
 elsewhere), and a probe step is an ordinary step at the upper level: the user's model,
@@ -148,7 +148,7 @@ AGREE_Q = (6.63, 9.21)  # fewer than GROW_BLOCKS blocks: no verdict while they d
 # 99th percentile at 1 and 2 degrees of freedom)
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
-DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
+DENSE_JITTER = 16  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 LAGS = 3  # the noise's correlation from step to step, up to this many steps apart
 NEVER = sys.maxsize
 _SUSPECT = "one block over the tolerance"
@@ -252,6 +252,7 @@ class Prober:
         self._after_n = 0  # the lower steps after the block judged last (kept), for the covariance ...
         self._after_w = 0.0  # ... and their weight in its penalty
         self.pending: str | None = None  # a verdict waiting for the next block to confirm it
+        self.horizon = 0  # the first step not yet started (the caller's, where it reads losses late)
 
     @property
     def tolerance(self) -> float:
@@ -286,7 +287,8 @@ class Prober:
         if previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
         elif self.pending is not None:
-            start = previous.start + DENSE_EVERY + _jitter(self.anchor, b, DENSE_JITTER)
+            # (no earlier than the first step not yet started: the caller may read losses late)
+            start = max(previous.start + DENSE_EVERY + _jitter(self.anchor, b, DENSE_JITTER), self.horizon)
         else:
             gap = block_start(b, self.every, self.anchor) - block_start(b - 1, self.every, self.anchor)
             start = previous.start + gap
@@ -597,7 +599,7 @@ def block_start(b: int, every: int, seed: int = 0) -> int:
     :data:`DENSE_BLOCKS` run back to back, then the gaps double (a penalty that starts
     small and grows is looked at again soon) up to ``every`` steps. Each gap after the
     first block is drawn from ``seed`` (the switch's step: the same on every rank): a block
-    back to back comes 0 to :data:`DENSE_EVERY` / 2 steps later than the previous one's
+    back to back comes 0 to :data:`DENSE_JITTER` - 1 steps later than the previous one's
     windows end, a later gap is 0.75 to 1.25 times its length, so blocks meet a data order
     that repeats (an epoch of a few dozen batches read in order) at different points."""
     start = SETTLE_STEPS + WINDOW_STEPS

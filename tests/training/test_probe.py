@@ -89,7 +89,7 @@ def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None
 def test_a_late_penalty_is_looked_at_again_at_once_not_a_gap_later(seed: int) -> None:
     """A penalty of 25 % from step 1500 on, in the sparse phase (blocks some 400 steps
     apart): the first block that meets it is over the tolerance by far, but one block is
-    no verdict. The next block comes at once (33 to 65 steps later), not 300-500 steps
+    no verdict. The next block comes at once (33 to 48 steps later), not 300-500 steps
     later, and the two roll back."""
     rng = random.Random(seed)
     prober = Prober(tolerance=0.05, every=400)
@@ -104,6 +104,7 @@ def test_a_late_penalty_is_looked_at_again_at_once_not_a_gap_later(seed: int) ->
     first = min(c["start"] for c in prober.log if c["start"] >= late)  # the first block that met it
     assert at <= first + PROBE_STEPS + 2 * DENSE_EVERY + DENSE_JITTER, (first, at, why)
     assert "over 2 probe blocks" in why or "over 3 probe blocks" in why, why
+
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: int) -> None:
@@ -279,7 +280,7 @@ def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon:
     # The probe steps ran at fp32 and went to the daemon as probe rows, their level named.
     first_low = levels.index("bf16")
     probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and first_low < i < rb["step"] - 300]
-    assert probes and len(probes) % PROBE_STEPS == 0
+    assert probes and len(probes) % PROBE_STEPS == 0, (probes, rb, [c["start"] for c in checks])
     assert wait_for(lambda: any(r.get("probe") for r in rows_daemon.rows))
     probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
     assert all(r["precision"] == "fp32" for r in probe_rows)
