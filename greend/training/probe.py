@@ -47,9 +47,7 @@ least :data:`GROW_BLOCKS` blocks, a line through their penalties rises by :data:
 standard errors and its value at the latest block is over :data:`GROW_SHARE` of the
 tolerance by :data:`GROW_NOW_Z` standard errors. No one block carries a verdict: with any
 one block left out, the mean (or the line's value now) must still be over
-:data:`LOO_SHARE` of the tolerance (:data:`GROW_SHARE` of it); and with fewer than
-:data:`GROW_BLOCKS` blocks (too few to measure their spread), none while they disagree
-beyond their noise (:data:`AGREE_Q`). And from the first sparse block on
+:data:`LOO_SHARE` of the tolerance (:data:`GROW_SHARE` of it). And from the first sparse block on
 (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once at another
 drawn point, says it again; a block alone over the tolerance by :data:`SUSPECT_Z` standard
 errors calls the next block at once too (a penalty that appears late is looked at again
@@ -82,7 +80,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "AGREE_Q",
     "CLIP",
     "CONFIRM_FROM",
     "DENSE_BLOCKS",
@@ -144,8 +141,6 @@ GROW_Z = 3.5  # ... its rise per step this many standard errors over 0 ...
 GROW_SHARE = 0.5  # ... and its value on the line at the latest block over this share of the tolerance ...
 GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy blocks swings widely)
 LOO_SHARE = GROW_SHARE  # with any one block left out, the mean must still be over this share of the tolerance
-AGREE_Q = (6.63, 9.21)  # fewer than GROW_BLOCKS blocks: no verdict while they disagree (chi-squared's
-# 99th percentile at 1 and 2 degrees of freedom)
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
 DENSE_JITTER = 16  # a block back to back comes 0 to this many steps minus 1 later (drawn)
@@ -407,8 +402,6 @@ class Prober:
         vs = list(self.verdicts)
         noise = _noise_of(vs)
         tol = self.tolerance
-        if len(vs) < GROW_BLOCKS and not _agree(vs, noise):
-            return None  # too few blocks to measure how far they disagree: wait for more
         for n in range(MIN_BLOCKS, len(vs) + 1):
             tail = vs[-n:]
             mean, se = _mean_se(tail, [1.0 / n] * n, noise)
@@ -544,18 +537,6 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     spread = sum(r * r for r in resid) / (n - 2)
     between = max(0.0, spread - _mean([noise.var(v) for v in vs]))
     return Noise(rel_var, noise.upper_factor, noise.lower_factor, between)
-
-
-def _agree(vs: list[Verdict], noise: Noise) -> bool:
-    """Whether the blocks' penalties agree within their noise: their squared distances from
-    the weighted mean, each over its variance, sum to no more than the 99th percentile of
-    chi-squared (len - 1 degrees of freedom: :data:`AGREE_Q`)."""
-    if len(vs) < 2:
-        return True
-    w = [1.0 / noise.var(v) for v in vs]
-    mean = sum(wi * v.penalty for wi, v in zip(w, vs, strict=True)) / sum(w)
-    q = sum(wi * (v.penalty - mean) ** 2 for wi, v in zip(w, vs, strict=True))
-    return q <= AGREE_Q[min(len(vs) - 1, len(AGREE_Q)) - 1]
 
 
 def _mean_se(vs: list[Verdict], coef: list[float], noise: Noise) -> tuple[float, float]:
