@@ -146,6 +146,7 @@ SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many st
 DENSE_JITTER = 16  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 LAGS = 3  # the noise's correlation from step to step, up to this many steps apart
 NEVER = sys.maxsize
+_CHI2_99 = {1: 6.63, 2: 9.21, 3: 11.34, 4: 13.28, 5: 15.09, 6: 16.81}  # chi-squared's 99th percentile by dof
 _SUSPECT = "one block over the tolerance"
 
 # A probe step's record names its level with this suffix (the sender sends it as the
@@ -514,7 +515,9 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     blocks' penalties beyond what that explains: blocks that disagree more than their
     windows' noise says meet the data at different points (a data order that repeats, a
     batch far harder than the rest), and their spread is the penalty's true noise, added
-    to every block's variance. Around the line through them, from :data:`GROW_BLOCKS`
+    to every block's variance, where it is more than their noise makes likely (the sum of
+    their squared distances from the line, each over its variance, over chi-squared's
+    99th percentile). Around the line through them, from :data:`GROW_BLOCKS`
     blocks on (a penalty that grows is no disagreement; fewer blocks say too little)."""
     dof = sum(v.dof for v in vs)
     rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
@@ -534,6 +537,8 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     sxx = sum((xi - xm) ** 2 for xi in x)
     b = sum((xi - xm) * (pi - pm) for xi, pi in zip(x, p, strict=True)) / sxx if sxx > 0 else 0.0
     resid = [pi - pm - b * (xi - xm) for xi, pi in zip(x, p, strict=True)]
+    if sum(r * r / noise.var(v) for r, v in zip(resid, vs, strict=True)) <= _CHI2_99[n - 2]:
+        return noise  # no more spread than their noise makes likely
     spread = sum(r * r for r in resid) / (n - 2)
     between = max(0.0, spread - _mean([noise.var(v) for v in vs]))
     return Noise(rel_var, noise.upper_factor, noise.lower_factor, between)
