@@ -51,7 +51,7 @@ one block left out, the mean (or the line's value now) must still be over
 (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once at another
 drawn point, says it again; a block alone over the tolerance by :data:`SUSPECT_Z` standard
 errors calls the next block at once too (a penalty that appears late is looked at again
-within 33 to 48 steps, not ``probe_every``). The rollback's reason names the blocks, the
+within 33 to 65 steps, not ``probe_every``). The rollback's reason names the blocks, the
 penalty (or its rise per 100 steps), its error and the noise it used. ``tolerance`` is
 the job's ``probe_tolerance``, else the daemon precision policy's (its register reply),
 else :data:`TOLERANCE`.
@@ -64,7 +64,7 @@ the weights and the optimizer's state alike); hence blocks back to back right af
 switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
-steps in the first 160 to 203 after a switch (the gaps drawn), then 5 every 300 to 500
+steps in the first 163 to 252 after a switch (the gaps drawn), then 5 every 300 to 500
 steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing
 else. The judge sees only the steps inside its windows (one integer compare per step
 elsewhere), and a probe step is an ordinary step at the upper level: the user's model,
@@ -143,7 +143,7 @@ GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy block
 LOO_SHARE = GROW_SHARE  # with any one block left out, the mean must still be over this share of the tolerance
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
-DENSE_JITTER = 16  # a block back to back comes 0 to this many steps minus 1 later (drawn)
+DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 LAGS = 3  # the noise's correlation from step to step, up to this many steps apart
 NEVER = sys.maxsize
 _CHI2_99 = {1: 6.63, 2: 9.21, 3: 11.34, 4: 13.28, 5: 15.09, 6: 16.81}  # chi-squared's 99th percentile by dof

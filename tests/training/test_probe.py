@@ -89,7 +89,7 @@ def test_a_penalty_that_appears_late_rolls_back_and_names_its_evidence() -> None
 def test_a_late_penalty_is_looked_at_again_at_once_not_a_gap_later(seed: int) -> None:
     """A penalty of 25 % from step 1500 on, in the sparse phase (blocks some 400 steps
     apart): the first block that meets it is over the tolerance by far, but one block is
-    no verdict. The next block comes at once (33 to 48 steps later), not 300-500 steps
+    no verdict. The next block comes at once (33 to 65 steps later), not 300-500 steps
     later, and the two roll back."""
     rng = random.Random(seed)
     prober = Prober(tolerance=0.05, every=400)
@@ -154,7 +154,7 @@ def test_a_data_order_that_repeats_is_seldom_read_as_a_penalty(period: int) -> N
     are drawn, no one block carries a verdict, steps in a row that are alike count as the
     noise they are, and a verdict after the first blocks waits for one more block: 20
     switches at different points of the epoch, 4000 steps each, keep the level in all but
-    a few (measured: 5 of these 20 at period 33 (6 of 40), 2 at 11 (3 of 40); before: all
+    a few (measured: 1 of these 20 at period 33 (4 of 40), 2 at 11 (3 of 40); before: all
     20 at 33, 6 at 11)."""
     rolled_back = []
     met = 0
@@ -172,7 +172,7 @@ def test_a_data_order_that_repeats_is_seldom_read_as_a_penalty(period: int) -> N
             rolled_back.append((anchor, at, why))
         met += max(c["penalty"] for c in prober.log if c["penalty"] is not None) > 0.1
     assert met >= 10  # blocks did meet the easy batches, in most runs ...
-    assert len(rolled_back) <= 5, rolled_back  # ... and the level was kept, mostly
+    assert len(rolled_back) <= 4, rolled_back  # ... and the level was kept, mostly
 
 
 @pytest.mark.parametrize("seed", range(3))
