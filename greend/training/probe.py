@@ -440,7 +440,10 @@ class Prober:
         if slope - GROW_Z * slope_se <= 0 or now - GROW_NOW_Z * now_se < GROW_SHARE * tol:
             return None
         # No one block carries it: the line through the others, at the latest block, is
-        # still over its share of the tolerance.
+        # still over its share of the tolerance; and the latest two blocks say so too (a
+        # line pulled up by blocks in the middle is no penalty now).
+        if (vs[-1].penalty + vs[-2].penalty) / 2 <= GROW_SHARE * tol:
+            return None
         for i in range(n):
             rest = [(xj, v.penalty) for j, (xj, v) in enumerate(zip(x, vs, strict=True)) if j != i]
             if _line_at(rest, x[-1]) <= GROW_SHARE * tol:
