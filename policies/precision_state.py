@@ -132,6 +132,7 @@ STABILITY_WINDOWS = 8  # the stability test fits up to this many windows of loss
 PROBATION_EXTEND = 4  # an undecided probation runs on to this many times probation_steps
 # A job whose ranks probe (JobView.probe_every) is on probation until the callback's
 # first two probe blocks are in (greend.training.probe: judged_by(1) is 93 to 125 steps
-# after the switch, its gap drawn; a test checks it against every draw).
-PROBE_PROBATION_STEPS = 125
+# after the switch, its gap drawn; a few steps more for the verdict to be read; a test
+# checks it against every draw).
+PROBE_PROBATION_STEPS = 130
 GUARD_Z = 2.0  # standard errors a loss must be beyond the tolerance (or the trend) to count

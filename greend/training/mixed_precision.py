@@ -95,13 +95,14 @@ DEFAULT_FP8_MIN_FEATURES = 1024
 
 
 def _poisson_tail(k: int, mean: float) -> float:
-    """P(X >= k) for X Poisson with ``mean``."""
-    term = math.exp(-mean)
-    below = 0.0
-    for j in range(k):
-        below += term
-        term *= mean / (j + 1)
-    return max(0.0, 1.0 - below)
+    """P(X >= k) for X Poisson with ``mean`` (its terms in logs: no underflow at large means)."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    log_mean = math.log(mean)
+    below = sum(math.exp(j * log_mean - mean - math.lgamma(j + 1)) for j in range(k))
+    return min(1.0, max(0.0, 1.0 - below))
 
 
 def is_downgrade(old: str, new: str) -> bool:

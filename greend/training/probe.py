@@ -6,17 +6,18 @@ falling, from a change in the data or from noise, when it is compared with the l
 :mod:`greend.training.reference`) measure what evaluating at the lower level costs, not
 what training there costs: weights trained at bf16 adapt to its rounding.
 
-So, for as long as the run is below a level it came down from, the callback runs
-short **probe blocks** at the level above, as real training steps: :data:`PROBE_STEPS`
-steps at a time, the first :data:`LEAD_STEPS` of them not judged (their losses are
-taken before the steps at the upper level have moved the weights: what evaluating there
-costs, and weights trained at the lower level score worse there, which hides part of the
+So, for as long as the run is below a level it came down from, the callback runs short
+**probe blocks** at the level above, as real training steps: :data:`PROBE_STEPS` steps
+at a time, the first :data:`LEAD_STEPS` of them not judged (their losses are taken
+before the steps at the upper level have moved the weights: what evaluating there costs,
+and weights trained at the lower level score worse there, which hides part of the
 penalty). The first :data:`DENSE_BLOCKS` blocks run back to back from
 :data:`SETTLE_STEPS` steps after the switch (each block's lower window after being the
-next one's before, or most of it), then the gaps double up to ``probe_every`` steps (400
-by default) until the run goes back up (:func:`block_start`). Every gap is drawn (the
-same draw on every rank): a data order that repeats (an epoch of a few dozen batches read
-in order) would otherwise meet every block at the same point.
+next one's before, or part of it where the drawn gap is under 16 steps), then the gaps
+double up to ``probe_every`` steps (400 by default) until the run goes back up
+(:func:`block_start`). Every gap is drawn (the same draw on every rank): a data order
+that repeats (an epoch of a few dozen batches read in order) would otherwise meet every
+block at the same point.
 
 Each block is compared with the :data:`WINDOW_STEPS` steps at the lower level just
 before it and just after it (after :data:`SETTLE_STEPS` steps to settle): a falling
@@ -51,7 +52,7 @@ one block left out, the mean (or the line's value now) must still be over
 (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once at another
 drawn point, says it again; a block alone over the tolerance by :data:`SUSPECT_Z` standard
 errors calls the next block at once too (a penalty that appears late is looked at again
-within 33 to 65 steps, not ``probe_every``). The rollback's reason names the blocks, the
+within 50 to 82 steps, not ``probe_every``). The rollback's reason names the blocks, the
 penalty (or its rise per 100 steps), its error and the noise it used. ``tolerance`` is
 the job's ``probe_tolerance``, else the daemon precision policy's (its register reply),
 else :data:`TOLERANCE`.
@@ -64,11 +65,12 @@ the weights and the optimizer's state alike); hence blocks back to back right af
 switch, and a verdict from the first blocks where the evidence is strong.
 
 What it costs: the probe steps run at the upper level (their energy is not saved: 20
-steps in the first 163 to 252 after a switch (the gaps drawn), then 5 every 300 to 500
-steps, 1.25 % in the long run, and 5 more for each verdict a block confirms); nothing
-else. The judge sees only the steps inside its windows (one integer compare per step
-elsewhere), and a probe step is an ordinary step at the upper level: the user's model,
-batch and optimizer, never a step above the job's own level.
+steps until the fourth block is judged, 159 to 255 steps after a switch, the gaps
+drawn), then 5 every 300 to 500 steps, 1.25 % in the long run, and 5 more for each
+verdict a block confirms); nothing else. The judge sees only the steps inside its
+windows (one integer compare per step elsewhere), and a probe step is an ordinary step
+at the upper level: the user's model, batch and optimizer, never a step above the job's
+own level.
 """
 
 from __future__ import annotations
@@ -119,10 +121,10 @@ LEAD_STEPS = 1  # ... the first of them not judged: its loss is taken before any
 WINDOW_STEPS = 16  # lower-level steps compared on either side of a block
 SETTLE_STEPS = 12  # lower-level steps after a switch or a block left out (the weights settle
 # back; the spike rule ignores the steps from the block's end to its last window step)
-DENSE_BLOCKS = 4  # the first blocks after a switch run back to back, each sharing its lower
+DENSE_BLOCKS = 4  # the first blocks after a switch run back to back (their lower windows
 DENSE_EVERY = (
     PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS
-)  # window with the next (this many steps apart); then probe_every
+)  # shared where the drawn gap allows: at least this many steps apart); then probe_every
 KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
 MIN_BLOCKS = 2  # no verdict on fewer blocks: a first block is confirmed at another point of the data
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
@@ -143,9 +145,11 @@ GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy block
 LOO_SHARE = GROW_SHARE  # with any one block left out, the mean must still be over this share of the tolerance
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
+READ_LAG = 17  # the callback reads losses in batches of 16 while no spike rule holds (+1)
 DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 LAGS = 3  # the noise's correlation from step to step, up to this many steps apart
 NEVER = sys.maxsize
+_MIN_VAR = 1e-18  # a penalty's variance is at least this (a loss without noise divides by it)
 _CHI2_99 = {1: 6.63, 2: 9.21, 3: 11.34, 4: 13.28, 5: 15.09, 6: 16.81}  # chi-squared's 99th percentile by dof
 _SUSPECT = "one block over the tolerance"
 
@@ -216,8 +220,10 @@ class Noise:
     between: float = 0.0  # the blocks' penalties' spread beyond all that (a variance; 0 where they agree)
 
     def var(self, v: Verdict) -> float:
-        """The variance of block ``v``'s penalty."""
-        return self.rel_var * (self.upper_factor / v.n_upper + self.lower_factor * v.lower_term) + self.between
+        """The variance of block ``v``'s penalty (never 0: a loss without noise is judged by its
+        smallest number; never raises on a loss so large its square overflows)."""
+        var = self.rel_var * (self.upper_factor / v.n_upper + self.lower_factor * v.lower_term) + self.between
+        return var if var > _MIN_VAR else _MIN_VAR
 
     def covar(self, v: Verdict) -> float:
         """Its covariance with the block before it (a window they share)."""
@@ -283,11 +289,15 @@ class Prober:
         if previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
         elif self.pending is not None:
-            # (no earlier than the first step not yet started: the caller may read losses late)
-            start = max(previous.start + DENSE_EVERY + _jitter(self.anchor, b, DENSE_JITTER), self.horizon)
+            # At once, after the losses read late in the sparse phase (READ_LAG steps at most:
+            # the same start on every rank)
+            start = previous.start + DENSE_EVERY + READ_LAG + _jitter(self.anchor, b, DENSE_JITTER)
         else:
             gap = block_start(b, self.every, self.anchor) - block_start(b - 1, self.every, self.anchor)
             start = previous.start + gap
+        # Never a step that has started already (losses read later than READ_LAG: a rank whose
+        # reads lag this much may start the block later than the others).
+        start = max(start, self.horizon)
         blk = _Block(b, start, before_from=start - WINDOW_STEPS)
         if previous is not None and blk.before_from <= previous.last:
             # Back to back: the previous block's lower window after is (the first part of) this one's before.
@@ -325,13 +335,17 @@ class Prober:
             return None
         self.blocks_done += 1
         why = self._judge(blk)
+        judged = bool(self.verdicts) and self.verdicts[-1].seq == blk.seq  # (kept: not left out)
         if blk.seq >= CONFIRM_FROM:
             if why is not None and self.pending is None:
                 # A verdict stands once a block at another point of the data, right after, says it again.
                 self.pending, why = why, None
-            elif why is None:
+            elif why is not None:
+                self.pending = None  # it stands
+            elif judged:
                 # One block far over the tolerance (no verdict alone): the next one comes at once.
                 self.pending = _SUSPECT if self._suspect() else None
+            # (a block left out, shifted or short of losses, says nothing: what waited, waits on)
         if self.upper is not None:
             self._next_block(blk)
         return why
@@ -409,7 +423,7 @@ class Prober:
             clearly = mean - GUARD_Z * se > tol
             surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
             # No one block carries a verdict: with any one left out the mean is still over
-            # the tolerance (a block that met the data's easiest batches alone is no penalty).
+            # LOO_SHARE of the tolerance (a block that met the data's easiest batches alone is no penalty).
             held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
             if (clearly or surely) and held:
                 return (

@@ -399,6 +399,11 @@ def test_a_job_that_spikes_on_its_own_is_judged_by_its_rate_of_spikes() -> None:
     why = next(w for w in whys if w)
     assert "spikes in" in why and f"where fp32 had {d.own_spikes} in {d.own_steps}" in why, why
 
+    # The count's tail at a large mean (a long spike_steps): no underflow to "never".
+    from greend.training.mixed_precision import _poisson_tail
+
+    assert _poisson_tail(2000, 800.0) < 1e-6 and abs(_poisson_tail(800, 800.0) - 0.5) < 0.02
+
     # A job that never spiked at fp32: its first spike is the level's, as before.
     quiet = Guard(window=32, cooldown_steps=10, spike_tolerance=0.5)
     for _ in range(SPIKE_HISTORY):
