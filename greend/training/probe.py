@@ -38,24 +38,25 @@ more than :data:`SHIFT_Z` standard errors and by :data:`SHIFT_MIN` times the tol
 more straddles a move of the data and is left out.
 
 The level is rolled back when, over the last :data:`MIN_BLOCKS` to :data:`KEEP_BLOCKS`
-blocks (every suffix is tried, so a penalty that appears late is not diluted by the early
-blocks), the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z` standard
-errors (surely worse than the tolerance), or it is over ``tolerance`` and more than
-:data:`SURE_Z` standard errors over 0 (worse than the tolerance, and surely worse: a
-penalty of 1.5 times the tolerance in a job with 5 % step-to-step noise needs some 50
+blocks (every suffix is tried, so a penalty that appears late is not diluted by the
+early blocks), the mean penalty is over ``tolerance`` by more than :data:`GUARD_Z`
+standard errors (surely worse than the tolerance), or it is over ``tolerance`` and more
+than :data:`SURE_Z` standard errors over 0 (worse than the tolerance, and surely worse:
+a penalty of 1.5 times the tolerance in a job with 5 % step-to-step noise needs some 50
 probe steps for the first rule, 8 for the second), or when the penalty grows: over at
 least :data:`GROW_BLOCKS` blocks, a line through their penalties rises by :data:`GROW_Z`
 standard errors and its value at the latest block is over :data:`GROW_SHARE` of the
-tolerance by :data:`GROW_NOW_Z` standard errors. No one block carries a verdict: with any
-one block left out, the mean (or the line's value now) must still be over
-:data:`LOO_SHARE` of the tolerance (:data:`GROW_SHARE` of it). And from the first sparse block on
-(:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once at another
-drawn point, says it again; a block alone over the tolerance by :data:`SUSPECT_Z` standard
-errors calls the next block at once too (a penalty that appears late is looked at again
-within 50 to 82 steps, not ``probe_every``). The rollback's reason names the blocks, the
-penalty (or its rise per 100 steps), its error and the noise it used. ``tolerance`` is
-the job's ``probe_tolerance``, else the daemon precision policy's (its register reply),
-else :data:`TOLERANCE`.
+tolerance by :data:`GROW_NOW_Z` standard errors. No one block carries a verdict: with
+any one block left out, the mean (or the line's value now) must still be over
+:data:`LOO_SHARE` of the tolerance (:data:`GROW_SHARE` of it). And from the first sparse
+block on (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run at once
+at another drawn point, says it again; a block alone over the tolerance by
+:data:`SUSPECT_Z` standard errors calls the next block at once too, and that block's
+verdict, with the one before among its evidence, stands at once (a penalty that appears
+late is looked at again within 50 to 82 steps, not ``probe_every``). The rollback's
+reason names the blocks, the penalty (or its rise per 100 steps), its error and the
+noise it used. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
+policy's (its register reply), else :data:`TOLERANCE`.
 
 Why soon: the time a harmful level runs is not undone by the rollback. On a regression
 near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
