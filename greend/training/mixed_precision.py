@@ -510,13 +510,18 @@ class Guard:
         m = sum(recent) / n
         return math.sqrt(sum((v - m) ** 2 for v in recent) / (n - 1))
 
+    def _is_spike(self, over: float, trend: float, spread: float) -> bool:
+        """A loss ``over`` the ``trend`` is a spike: above it by more than ``spike_tolerance``
+        of it and by more than ``SPIKE_SIGMAS`` times the ``spread``."""
+        tol = self.spike_tolerance
+        return tol is not None and over > tol * max(abs(trend), 1e-12) and over > SPIKE_SIGMAS * spread
+
     def _own_spikes(self) -> tuple[int, int]:
         """(spikes, steps looked at) in the losses kept: each against the mean and spread
         of the ``window`` losses before it, by :meth:`spike`'s rule."""
-        tol = self.spike_tolerance
         h = list(self.losses)
         w = self.window
-        if tol is None or len(h) <= w or w < 2:
+        if self.spike_tolerance is None or len(h) <= w or w < 2:
             return 0, 0
         s1 = sum(h[:w])
         s2 = sum(v * v for v in h[:w])
@@ -524,8 +529,7 @@ class Guard:
         for i in range(w, len(h)):
             m = s1 / w
             sd = math.sqrt(max(s2 - w * m * m, 0.0) / (w - 1))
-            over = h[i] - m
-            if over > tol * max(abs(m), 1e-12) and over > SPIKE_SIGMAS * sd:
+            if self._is_spike(h[i] - m, m, sd):
                 spikes += 1
             s1 += h[i] - h[i - w]
             s2 += h[i] * h[i] - h[i - w] * h[i - w]
@@ -553,7 +557,7 @@ class Guard:
             return None
         over = loss - trend
         d.seen += 1
-        if not (over > self.spike_tolerance * max(abs(trend), 1e-12) and over > SPIKE_SIGMAS * d.spread):
+        if not self._is_spike(over, trend, d.spread):
             d.run = 0
             return None
         d.spikes += 1

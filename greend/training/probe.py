@@ -77,6 +77,7 @@ own level.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -375,7 +376,8 @@ class Prober:
         scale = max(abs(lower), 1e-12)
         # The noise: each lower window's losses around its own line (a loss still falling
         # within 16 steps is a trend, which the two sides' mean cancels, not noise).
-        d1, d2 = _residuals(before), _residuals(after)
+        d1 = _residuals([float(t) for t in range(len(before))], before)
+        d2 = _residuals([float(t) for t in range(len(after))], after)
         ss1 = sum(d * d for d in d1)
         ss2 = sum(d * d for d in d2)
         n1, n2 = len(before), len(after)
@@ -484,29 +486,24 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
+    """The least-squares line through (x, y): (mean x, mean y, slope; 0 where x is one point)."""
+    xm, ym = _mean(x), _mean(y)
+    sxx = sum((xi - xm) ** 2 for xi in x)
+    slope = sum((xi - xm) * (yi - ym) for xi, yi in zip(x, y, strict=True)) / sxx if sxx > 0 else 0.0
+    return xm, ym, slope
+
+
 def _line_at(points: list[tuple[float, float]], at: float) -> float:
     """The least-squares line through ``points`` (x, y), at ``at``."""
-    xm = _mean([x for x, _ in points])
-    ym = _mean([y for _, y in points])
-    sxx = sum((x - xm) ** 2 for x, _ in points)
-    slope = sum((x - xm) * (y - ym) for x, y in points) / sxx if sxx > 0 else 0.0
+    xm, ym, slope = _fit([x for x, _ in points], [y for _, y in points])
     return ym + slope * (at - xm)
 
 
-def _residuals(values: list[float]) -> list[float]:
-    """``values`` (steps in a row) less the least-squares line through them."""
-    n = len(values)
-    tm = (n - 1) / 2
-    vm = _mean(values)
-    stt = sum((t - tm) ** 2 for t in range(n))
-    slope = sum((t - tm) * (v - vm) for t, v in enumerate(values)) / stt if stt > 0 else 0.0
-    return [v - vm - slope * (t - tm) for t, v in enumerate(values)]
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+def _residuals(x: list[float], y: list[float]) -> list[float]:
+    """``y`` less the least-squares line through (x, y)."""
+    xm, ym, slope = _fit(x, y)
+    return [yi - ym - slope * (xi - xm) for xi, yi in zip(x, y, strict=True)]
 
 
 def _clipped(groups: tuple[list[float], ...]) -> list[list[float]]:
@@ -516,7 +513,7 @@ def _clipped(groups: tuple[list[float], ...]) -> list[list[float]]:
     :data:`SPIKE_SHARE` quantile, as a normal spread (so batches rarer than that which lie
     far out are spikes; a kind of batch more common than that, such as an easier source
     that one batch in three comes from, is part of the job's noise and is kept whole)."""
-    medians = [_median(g) for g in groups]
+    medians = [statistics.median(g) for g in groups]
     lower = sorted(abs(v - m) for g, m in ((groups[0], medians[0]), (groups[-1], medians[-1])) for v in g)
     reach = CLIP * lower[int((1 - SPIKE_SHARE) * (len(lower) - 1))] / _Z_SPIKE_SHARE
     if reach <= 0:
@@ -550,11 +547,7 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     if n < GROW_BLOCKS or not math.isfinite(rel_var):
         return noise
     p = [v.penalty for v in vs]
-    x = [float(v.start) for v in vs]
-    xm, pm = _mean(x), _mean(p)
-    sxx = sum((xi - xm) ** 2 for xi in x)
-    b = sum((xi - xm) * (pi - pm) for xi, pi in zip(x, p, strict=True)) / sxx if sxx > 0 else 0.0
-    resid = [pi - pm - b * (xi - xm) for xi, pi in zip(x, p, strict=True)]
+    resid = _residuals([float(v.start) for v in vs], p)
     if sum(r * r / noise.var(v) for r, v in zip(resid, vs, strict=True)) <= _CHI2_99[n - 2]:
         return noise  # no more spread than their noise makes likely
     spread = sum(r * r for r in resid) / (n - 2)
