@@ -3,22 +3,34 @@
 The ``efficient`` policy searches the power limit on a grid (every ``power_step_w``,
 25 W by default). When the bound falls between two neighbouring levels, the lower one
 is over the bound (or too close to it to call under the step noise) and the policy
-settles on the upper one, which can cost several percent more energy than a limit
-just above the bound: on a measured A40 ResNet-50 profile, 200 W runs 0.11 % under a
-5 % bound and 225 W costs 9.6 % more energy per step; at 2 % step noise no run of a
-few hundred steps tells 200 W from "over".
+settles on the upper one (or higher still, where that one saves little), which can
+cost several percent more energy than a limit just above the bound: on a measured A40
+ResNet-50 profile, 200 W runs 0.11 % under a 5 % bound and 225 W costs 9.6 % more
+energy per step; at 2 % step noise no run of a few hundred steps tells 200 W from
+"over".
 
 A power limit is a continuous knob (NVML takes milliwatts), so once the job has
-settled and its baseline has been re-checked, :func:`finer_limit` proposes a limit
-between the two: the lowest one that a straight line through the two measured levels
-predicts to run under the bound by a margin the measurement can confirm. Real
-time-versus-limit curves are mostly convex (time rises faster the lower the limit), so
-the straight line over-estimates the time between two measured levels: the error is on
-the safe side. The policy measures the new limit like any other setting; if it is
-over, it becomes the lower level of the next try; at most :data:`MAX_FINE` tries a
-search. Before the tries, the baseline and a limit below that may be within the bound
-are measured :data:`LONG` times longer, and judged once, by :data:`Z_LONG`
-(:meth:`greend.policies.efficient.EfficientPolicy._plan`; :func:`may_look` says when).
+settled and its baseline has been re-checked, a *second look* tries limits between the
+highest level below the setting held that would save over :data:`GAIN_LONG` more
+energy (the *prize*) and the lowest level above it within the bound
+(:meth:`greend.policies.efficient.EfficientPolicy._plan`; :func:`may_look` says when):
+
+- the baseline and the prize are first measured :data:`LONG` times longer (every ratio
+  leans on the baseline), the prize judged once, by :data:`Z_LONG`;
+- :func:`finer_limit` proposes the lowest whole-watt limit between the two that the
+  straight line through them predicts to run under the bound by a margin its own
+  measurement can confirm, or that the line already vouches for by its own margin;
+- the try is measured like any other setting and is within the bound where its own
+  steps say so, or where the line through the two grid levels around it does
+  (:func:`vouched`) and its own steps do not say it is over; if it is over, it becomes
+  the lower end of the next try; at most :data:`MAX_FINE` tries a search.
+
+Real time-versus-limit curves are mostly convex (time rises faster the lower the
+limit), so the straight line over-estimates the time between two measured levels: the
+error is on the safe side. A line carries the errors of its two ends and of the
+baseline (:meth:`Bracket.chord`); it starts only at a grid level within the bound by
+:data:`Z_LINE_END` standard errors, never at a try, since a level that passed its test
+on a lucky reading would lend the line its luck (:func:`line_between`).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._evidence import Evidence
 from ._pacing import PaceState
 from .base import Setting
 from .efficient_state import JobSearch
@@ -36,11 +49,17 @@ __all__ = [
     "LONG",
     "MAX_FINE",
     "PLATEAU",
+    "Z",
+    "Z_LINE_END",
     "Z_LONG",
     "Bracket",
+    "Lines",
+    "bracket_of",
     "finer_limit",
-    "insert_finer",
+    "line_between",
     "may_look",
+    "try_finer",
+    "vouched",
 ]
 
 GAIN_MIN = 0.005  # a finer limit is tried only where it is predicted to save this much energy
@@ -49,14 +68,18 @@ MIN_STEP_W = 1.0  # nearer than this to a measured level: not worth a try
 GAIN_LONG = 0.02  # a setting still unsure after max_steps that would save this much more energy...
 LONG = 4  # ...is measured up to this many times max_steps
 PLATEAU = 1.1  # a limit over the bound by less than this factor may sit in a zig-zag: look below it
+Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons (all the search)
 Z_LONG = 2.6  # one-sided 99.5 %: a setting measured beyond max_steps is judged by this many standard errors
+Z_LINE_END = 2 * Z_LONG  # a line vouches for a try only from a level this many standard errors within the bound
 
 
 @dataclass(frozen=True)
 class Bracket:
-    """Two measured neighbouring power limits: the one settled on (``hi``) and the
+    """Two measured neighbouring power limits: one within the bound (``hi``) and the
     one below it that is over the bound or unsure (``lo``); their time ratios to the
-    uncapped baseline and their energy per FLOP."""
+    uncapped baseline and their energy per FLOP; the standard errors of the two ratios
+    (their own steps' part: ``hi_se`` is 0 where ``hi`` is the baseline itself) and of
+    the baseline (relative)."""
 
     hi_w: float
     lo_w: float
@@ -64,36 +87,120 @@ class Bracket:
     lo_ratio: float
     hi_energy: float
     lo_energy: float
+    hi_se: float = 0.0
+    lo_se: float = 0.0
+    base_se: float = 0.0
+    hi_is_base: bool = False
+
+    def chord(self, w: float) -> tuple[float, float]:
+        """The time ratio at ``w`` on the straight line through the two, and its
+        standard error: the two levels' own errors weighted by the distance, and the
+        baseline's, which every ratio shares."""
+        t = (self.hi_w - w) / (self.hi_w - self.lo_w)  # 0 at hi, 1 at lo
+        ratio = self.hi_ratio + t * (self.lo_ratio - self.hi_ratio)
+        on_base = t * self.lo_ratio + (0.0 if self.hi_is_base else (1.0 - t) * self.hi_ratio)
+        return ratio, math.sqrt((t * self.lo_se) ** 2 + ((1 - t) * self.hi_se) ** 2 + (on_base * self.base_se) ** 2)
+
+    def vouches(self, w: float, allowed: float, z: float) -> bool:
+        """Whether the line puts ``w`` (between the two) within ``allowed`` by ``z`` of
+        its standard errors."""
+        if not self.lo_w < w < self.hi_w:
+            return False
+        ratio, se = self.chord(w)
+        return ratio + z * se <= allowed
 
 
-def finer_limit(b: Bracket, allowed: float, se_new: float, z: float) -> float | None:
+def finer_limit(
+    b: Bracket, allowed: float, se_new: float, z: float, best: float | None = None, line: Bracket | None = None
+) -> float | None:
     """The lowest whole-watt limit between ``b.lo_w`` and ``b.hi_w`` that the line
     through the two predicts to run within ``allowed`` (a time ratio) by ``z``
     standard errors of the new limit's own measurement (``se_new``, as a time ratio),
     so that the measurement can confirm it; None where that limit is not predicted to
     save :data:`GAIN_MIN` of the energy. A prediction that was wrong costs only the
     measurement: the limit is judged on what it measures."""
-    if b.lo_w >= b.hi_w - 2 * MIN_STEP_W or b.lo_energy >= b.hi_energy * (1.0 - GAIN_MIN):
+    best = b.hi_energy if best is None else best
+    if b.lo_w >= b.hi_w - 2 * MIN_STEP_W or b.lo_energy >= best * (1.0 - GAIN_MIN):
         return None
-    rise = b.lo_ratio - b.hi_ratio
-    if rise <= 0:
+    if b.lo_ratio <= b.hi_ratio:
         return None  # the lower level is not slower: nothing to interpolate
-    best: float | None = None
-    # From the lower level up, the first whole watt whose prediction leaves the margin.
+    found = False
+    # From the lower level up, the first whole watt whose prediction leaves the margin:
+    # that of the limit's own measurement, or the line's own (:func:`chord_bound`)
+    # where that is already the smaller.
     w = math.ceil(b.lo_w + MIN_STEP_W)
     while w <= b.hi_w - MIN_STEP_W:
-        t = (b.hi_w - w) / (b.hi_w - b.lo_w)  # 0 at hi, 1 at lo
-        ratio = b.hi_ratio + t * rise
-        if ratio + z * se_new <= allowed:
-            best = w
+        if b.chord(w)[0] + z * se_new <= allowed or (line is not None and line.vouches(w, allowed, z)):
+            found = True
             break
         w += 1
-    if best is None:
+    if not found:
         return None
-    t = (b.hi_w - best) / (b.hi_w - b.lo_w)
-    if t * (b.hi_energy - b.lo_energy) < GAIN_MIN * b.hi_energy:
+    t = (b.hi_w - w) / (b.hi_w - b.lo_w)
+    if b.hi_energy + t * (b.lo_energy - b.hi_energy) > best * (1.0 - GAIN_MIN):
         return None
-    return float(best)
+    return float(w)
+
+
+@dataclass(frozen=True)
+class Lines:
+    """What one plan of the search knows that lines are drawn from: the measured grid
+    indices' evidence, their time ratios to the baseline with their standard errors
+    (the baseline's included), the baseline's relative error, the allowed ratio, the
+    policy's assumed noise and its grid step."""
+
+    seen: dict[int, Evidence]
+    ratio: dict[int, float]
+    ratio_se: dict[int, float]
+    base_se: float
+    allowed: float
+    noise: float
+    step_w: float
+
+
+def bracket_of(job: JobSearch, hi: int, lo: int, m: Lines, hi_energy: float = 0.0, lo_energy: float = 0.0) -> Bracket:
+    """Two measured indices of the job's grid as a :class:`Bracket`."""
+    top = len(job.grid) - 1
+
+    def own(i: int) -> float:  # a ratio's error from its own steps (the baseline's apart)
+        return 0.0 if i == top else m.seen[i].se_time(m.noise) * m.ratio[i]
+
+    lv = job.levels
+    return Bracket(
+        lv[hi], lv[lo], m.ratio[hi], m.ratio[lo], hi_energy, lo_energy, own(hi), own(lo), m.base_se, hi == top
+    )
+
+
+def line_between(job: JobSearch, below: int, above: int, m: Lines) -> Bracket | None:
+    """The line that may vouch for a limit a second look puts between grid indices
+    ``below`` and ``above``: through the measured grid levels either side, one grid
+    step apart, the upper one within the bound by :data:`Z_LINE_END` standard errors of
+    its own (not just by the margin it was chosen on: a level that passed on a lucky
+    reading would lend the line its luck; on a V100 ResNet-50 profile a line from 200 W,
+    0.12 % under the bound, held 198 W, 0.2 % over it). A try is never an end of a line,
+    for the same reason. None where there is no such line."""
+    if job.knob != "power":
+        return None
+    lv = job.levels
+    grid = [k for k in m.seen if lv[k] not in job.fine_w]
+    a = max((k for k in grid if k <= below), default=None)
+    b = min((k for k in grid if k >= above), default=None)
+    if a is None or b is None or a >= b or lv[b] - lv[a] > m.step_w + 1e-6:
+        return None
+    if b != len(job.grid) - 1 and m.ratio[b] + Z_LINE_END * m.ratio_se[b] > m.allowed:
+        return None
+    return bracket_of(job, b, a, m)
+
+
+def vouched(job: JobSearch, i: int, m: Lines) -> bool:
+    """Whether a try of a second look (grid index ``i``) is within the bound by the line
+    through the grid levels either side (:func:`line_between`; real curves are convex,
+    so the line runs above them), and its own steps do not say it is over."""
+    if job.levels[i] not in job.fine_w:
+        return False
+    line = line_between(job, i - 1, i + 1, m)
+    own_low = m.ratio[i] - Z * m.ratio_se[i]
+    return line is not None and line.vouches(job.levels[i], m.allowed, Z_LONG) and own_low <= m.allowed
 
 
 def may_look(job: JobSearch, best: int) -> bool:
@@ -108,15 +215,19 @@ def may_look(job: JobSearch, best: int) -> bool:
     )
 
 
-def insert_finer(job: JobSearch, best: int, b: Bracket, allowed: float, se_new: float) -> bool:
-    """Put a finer limit (:func:`finer_limit`; ``se_new``: the relative standard error
-    its measurement will have) into the job's grid just below ``best``, where it then
-    sits at index ``best``. False where there is none to try."""
-    w = finer_limit(b, allowed, se_new * allowed, Z_LONG)
+def try_finer(job: JobSearch, hi: int, lo: int, m: Lines, se_new: float, energy: tuple[float, float, float]) -> bool:
+    """Put a finer limit between grid indices ``lo`` and ``hi`` into the job's grid, where
+    it then sits at index ``hi``: :func:`finer_limit` on the two, with the line that may
+    vouch for it (:func:`line_between`). ``se_new``: the relative standard error the
+    try's own measurement will have; ``energy``: the objective at ``hi``, at ``lo`` and
+    at the best setting. False where there is none to try."""
+    b = bracket_of(job, hi, lo, m, energy[0], energy[1])
+    w = finer_limit(b, m.allowed, se_new * m.allowed, Z_LONG, energy[2], line_between(job, lo, hi, m))
     if w is None:
         return False
-    job.grid = job.grid[:best] + (Setting(power_limit_w=w),) + job.grid[best:]
-    job.levels = job.levels[:best] + (w,) + job.levels[best:]
+    job.grid = job.grid[:hi] + (Setting(power_limit_w=w),) + job.grid[hi:]
+    job.levels = job.levels[:hi] + (w,) + job.levels[hi:]
     job.fine += 1
+    job.fine_w += (w,)
     job.pace = PaceState()  # what the pacer learnt is kept by grid index (no GPU is paced now)
     return True

@@ -56,7 +56,8 @@ draws uncapped; higher limits change nothing), and on top "uncapped".
 5. **A second look** (power knob, ``_finer.py``), once settled with the baseline
    re-checked: where a limit below would save over 2 % more and may be within the
    bound, the baseline and that limit are measured longer (judged once, by
-   ``Z_LONG``); then a limit between the settled one and the one below is tried.
+   ``Z_LONG``); then limits between it and the level above it are tried, each
+   within the bound by its own steps or by the line through the levels around it.
 
 6. **Settled.** We hold the best setting and keep watching: once after settling,
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
@@ -81,7 +82,7 @@ from typing import Any
 
 from ._drift import phase_change
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
-from ._finer import GAIN_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Bracket, insert_finer, may_look
+from ._finer import GAIN_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Lines, Z, may_look, try_finer, vouched
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -91,7 +92,6 @@ from .static import same_setting
 
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 
-Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
@@ -300,7 +300,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase, job.fine, job.look_from = False, 0, None
+        job.rebase, job.fine, job.fine_w, job.look_from = False, 0, (), None
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -533,9 +533,11 @@ class EfficientPolicy:
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
                 z = Z_LONG if job.knob == "power" and seen[i].steps >= LONG * self.max_steps else Z  # (a long look)
+                # A second look's try may be vouched for by the line through its neighbours
+                by_line = vouched(job, i, Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w))
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
-                if i == top or r <= allowed * (1 + 1e-9) - z * se or (i == held and r <= allowed + Z * se):
+                if i == top or r <= allowed * (1 + 1e-9) - z * se or by_line or (i == held and r <= allowed + Z * se):
                     status[i] = "ok"
                 elif r > allowed + Z * se or seen[i].steps >= self.max_steps:
                     status[i] = "over"  # a point still unsure after max_steps: the safe side
@@ -622,12 +624,18 @@ class EfficientPolicy:
             for i in prize:  # near the bound: measured longer (judged once, at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
-            if job.fine < MAX_FINE and best > 0 and best - 1 in seen and status[best - 1] != "ok":
-                sd = seen[best].se_time(self.noise) * math.sqrt(seen[best].steps)  # one step's spread
-                lv, lo = job.levels, best - 1
-                fine = Bracket(lv[best], lv[lo], ratio[best], ratio[lo], objective(best), objective(lo))
-                if insert_finer(job, best, fine, allowed, math.hypot(sd / math.sqrt(n), se_base)):
-                    return _Action("measure", best, n)
+            # The bracket: the lowest limit within the bound above the highest prize, and the
+            # measured one just below it (the prize, or a try over the bound)
+            lines = Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w)
+            hi = min((k for k in measured if k > max(prize) and status[k] == "ok"), default=None) if prize else None
+            if job.fine < MAX_FINE and hi is not None and hi - 1 in seen and status[hi - 1] != "ok":
+                lo = hi - 1
+                if ratio[lo] <= allowed + Z_LONG * ratio_se[lo] and seen[lo].steps < n:
+                    return _Action("measure", lo, n)  # the line's low end, where its error is
+                sd = seen[hi].se_time(self.noise) * math.sqrt(seen[hi].steps)  # one step's spread
+                se_new = math.hypot(sd / math.sqrt(n), se_base)
+                if try_finer(job, hi, lo, lines, se_new, (objective(hi), objective(lo), objective(best))):
+                    return _Action("measure", hi, n)
             job.look_from = None
             job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)

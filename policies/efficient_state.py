@@ -52,6 +52,7 @@ class JobSearch:
     straggle: bool | None = None  # its GPUs ran at different paces last period (None: not read)
     rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
     fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
+    fine_w: tuple[float, ...] = ()  # those limits, W
     look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
 
     @property
