@@ -120,9 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         help="only: K re-measured copies of each bundled profile (each limit's time and energy off by 1 %%), "
         "bounds 5/10 %%, 2 %% step noise, seeds 1-3",
     )
+    ap.add_argument(
+        "--zeus-summary",
+        metavar="CSV",
+        help="only: replay every job of a Zeus summary_power_<gpu>.csv (profiles this project was not built "
+        "on), bounds 5/10 %% and cost eta 0.25/0.5/0.75, 2 %% step noise, seeds 1-3",
+    )
     a = ap.parse_args(argv)
     if a.remeasured:
         remeasured_main(a)
+        return 0
+    if a.zeus_summary:
+        zeus_summary_main(a)
         return 0
     bound = a.max_slowdown
     sets = [("clock", 0.0), ("power", 0.0)] + ([("clock", a.noise)] if a.noise > 0 else [])
@@ -393,7 +402,6 @@ def remeasured_main(a: argparse.Namespace) -> None:
     """``efficient`` on profiles it was not built on: re-measured copies of the bundled
     ones (the real curves' shape, their zig-zags moved), slowdown bounds 5 and 10 %."""
     import tempfile
-    from concurrent.futures import ProcessPoolExecutor
 
     from greend.probes.trace import TRACE_DIR
 
@@ -409,8 +417,7 @@ def remeasured_main(a: argparse.Namespace) -> None:
             for x in (0.05, 0.10)
             for seed in (1, 2, 3)
         ]
-        with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
-            rs = list(ex.map(trace_run, jobs, chunksize=4))
+        rs = _run_all(jobs)
     gaps = [r["gap"] for r in rs]
     print(
         f"re-measured profiles ({a.remeasured} copies of each bundled A40 profile, each limit off by 1 %), "
@@ -421,6 +428,72 @@ def remeasured_main(a: argparse.Namespace) -> None:
     )
     worst = sorted(zip(gaps, jobs), reverse=True)[:3]
     print("  worst: " + "; ".join(f"{Path(j[0]).stem} bound {j[2]:.0%} seed {j[4]}: {g:.1%}" for g, j in worst))
+
+
+def _run_all(jobs: list[tuple]) -> list[dict]:
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as ex:
+        return list(ex.map(trace_run, jobs, chunksize=4))
+
+
+def zeus_summary_profiles(path: Path, out: Path) -> list[Path]:
+    """Each job of a Zeus ``summary_power_<gpu>.csv`` (Zeus's
+    ``examples/research_reproducibility/zeus_nsdi23/trace/``: one row per dataset,
+    network, batch size, optimizer and power limit, with the time per epoch and the
+    average power) as a profile in Zeus's per-limit format, energy = time x power."""
+    import csv
+    from collections import defaultdict
+
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    need = {"dataset", "network", "batch_size", "optimizer", "power_limit", "time_per_epoch", "average_power"}
+    if not rows or not need <= set(rows[0]):
+        raise SystemExit(f"{path}: not a Zeus summary_power file (columns needed: {', '.join(sorted(need))})")
+    jobs: dict[tuple[str, ...], list[dict]] = defaultdict(list)
+    for r in rows:
+        jobs[(r["dataset"], r["network"], r["batch_size"], r["optimizer"])].append(r)
+    gpu = path.stem.rsplit("_", 1)[-1].upper()
+    paths = []
+    for key, rs in sorted(jobs.items()):
+        rs.sort(key=lambda r: -float(r["power_limit"]))
+        lines = ["start_time,window_name,elapsed_time,gpu0_energy"]
+        for k, r in enumerate(rs):
+            t, w = float(r["time_per_epoch"]), float(r["average_power"])
+            lines.append(f"{k},__GlobalPowerLimitOptimizer_{int(float(r['power_limit']))},{t!r},{t * w!r}")
+        dst = out / f"{gpu}+{'-'.join(key)}+gpu0.csv"
+        dst.write_text("\n".join(lines) + "\n")
+        paths.append(dst)
+    return paths
+
+
+def zeus_summary_main(a: argparse.Namespace) -> None:
+    """``efficient`` on every job of a Zeus power-limit summary (68 jobs on the V100 one):
+    measured curves this project was not built on, each limit measured once per job
+    (their zig-zags are the measurement's too)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = zeus_summary_profiles(Path(a.zeus_summary), Path(tmp))
+        jobs = [
+            (str(p), objective, x, 0.02, seed, a.trace_steps, a.min_steps)
+            for p in paths
+            for objective, x in OBJECTIVES
+            for seed in (1, 2, 3)
+        ]
+        rs = _run_all(jobs)
+    print(f"{a.zeus_summary}: {len(paths)} jobs, 2 % step noise, seeds 1-3, {a.trace_steps} steps a run")
+    for name, keep in (("bounds 5/10 %", "slowdown"), ("cost eta 0.25/0.5/0.75", "cost"), ("all", None)):
+        sel = [(r, j) for r, j in zip(rs, jobs) if keep is None or j[1] == keep]
+        gaps = [r["gap"] for r, _ in sel]
+        print(
+            f"  {name}: {len(sel)} runs; gap mean {sum(gaps) / len(gaps):.2%}, max {max(gaps):.1%}, runs over 2 % "
+            f"{sum(g > 0.02 for g in gaps)}; runs with a settled step over the bound {sum(r['viol'] for r, _ in sel)} "
+            f"(the sweep's {sum(r['sweep_viol'] for r, _ in sel)}); steps/sweep until the first settle mean "
+            f"{sum(r['search'] / r['sweep'] for r, _ in sel) / len(sel):.2f}"
+        )
+    worst = sorted(zip((r["gap"] for r in rs), jobs), reverse=True)[:3]
+    print("  worst: " + "; ".join(f"{Path(j[0]).stem} {j[1]} {j[2]:g} seed {j[4]}: {g:.1%}" for g, j in worst))
 
 
 if __name__ == "__main__":

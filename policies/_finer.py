@@ -22,7 +22,7 @@ energy (the *prize*) and the lowest level above it within the bound
   measurement can confirm, or that the line already vouches for by its own margin;
 - the try is measured like any other setting and is within the bound where its own
   steps say so, or where the line through the two grid levels around it does
-  (:func:`vouched`) and its own steps do not say it is over; if it is over, it becomes
+  (:meth:`Lines.vouched`) and its own steps do not say it is over; if it is over, it becomes
   the lower end of the next try; at most :data:`MAX_FINE` tries a search.
 
 Real time-versus-limit curves are mostly convex (time rises faster the lower the
@@ -30,7 +30,7 @@ limit), so the straight line over-estimates the time between two measured levels
 error is on the safe side. A line carries the errors of its two ends and of the
 baseline (:meth:`Bracket.chord`); it starts only at a grid level within the bound by
 :data:`Z_LINE_END` standard errors, never at a try, since a level that passed its test
-on a lucky reading would lend the line its luck (:func:`line_between`).
+on a lucky reading would lend the line its luck (:meth:`Lines.between`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from .base import Setting
 from .efficient_state import JobSearch
 
 __all__ = [
+    "BASE_LONG",
     "GAIN_LONG",
+    "LINE_LONG",
     "GAIN_MIN",
     "LONG",
     "MAX_FINE",
@@ -54,19 +56,19 @@ __all__ = [
     "Z_LONG",
     "Bracket",
     "Lines",
-    "bracket_of",
     "finer_limit",
-    "line_between",
     "may_look",
-    "try_finer",
-    "vouched",
 ]
 
 GAIN_MIN = 0.005  # a finer limit is tried only where it is predicted to save this much energy
 MAX_FINE = 3  # finer limits tried per search
 MIN_STEP_W = 1.0  # nearer than this to a measured level: not worth a try
 GAIN_LONG = 0.02  # a setting still unsure after max_steps that would save this much more energy...
-LONG = 4  # ...is measured up to this many times max_steps
+LONG = 4  # ...is measured up to this many times max_steps (so is a try)
+# In a second look the baseline's error enters every ratio whole and the line's low end's
+# most of the line's near it: measured about in proportion to those weights' roots.
+BASE_LONG = 8  # the baseline is measured up to this many times baseline_steps
+LINE_LONG = 6  # the lower end of the line is measured up to this many times max_steps
 PLATEAU = 1.1  # a limit over the bound by less than this factor may sit in a zig-zag: look below it
 Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons (all the search)
 Z_LONG = 2.6  # one-sided 99.5 %: a setting measured beyond max_steps is judged by this many standard errors
@@ -147,7 +149,7 @@ class Lines:
     """What one plan of the search knows that lines are drawn from: the measured grid
     indices' evidence, their time ratios to the baseline with their standard errors
     (the baseline's included), the baseline's relative error, the allowed ratio, the
-    policy's assumed noise and its grid step."""
+    policy's assumed noise and its grid step; and what a second look does with them."""
 
     seen: dict[int, Evidence]
     ratio: dict[int, float]
@@ -157,77 +159,88 @@ class Lines:
     noise: float
     step_w: float
 
+    def bracket(self, job: JobSearch, hi: int, lo: int, hi_energy: float = 0.0, lo_energy: float = 0.0) -> Bracket:
+        """Two measured indices of the job's grid as a :class:`Bracket`."""
+        top = len(job.grid) - 1
 
-def bracket_of(job: JobSearch, hi: int, lo: int, m: Lines, hi_energy: float = 0.0, lo_energy: float = 0.0) -> Bracket:
-    """Two measured indices of the job's grid as a :class:`Bracket`."""
-    top = len(job.grid) - 1
+        def own(i: int) -> float:  # a ratio's error from its own steps (the baseline's apart)
+            return 0.0 if i == top else self.seen[i].se_time(self.noise) * self.ratio[i]
 
-    def own(i: int) -> float:  # a ratio's error from its own steps (the baseline's apart)
-        return 0.0 if i == top else m.seen[i].se_time(m.noise) * m.ratio[i]
+        lv, r = job.levels, self.ratio
+        return Bracket(lv[hi], lv[lo], r[hi], r[lo], hi_energy, lo_energy, own(hi), own(lo), self.base_se, hi == top)
 
-    lv = job.levels
-    return Bracket(
-        lv[hi], lv[lo], m.ratio[hi], m.ratio[lo], hi_energy, lo_energy, own(hi), own(lo), m.base_se, hi == top
-    )
+    def between(self, job: JobSearch, below: int, above: int) -> Bracket | None:
+        """The line that may vouch for a limit a second look puts between grid indices
+        ``below`` and ``above``: through the measured grid levels either side, one grid
+        step apart, the upper one within the bound by :data:`Z_LINE_END` standard errors
+        of its own (not just by the margin it was chosen on: a level that passed on a
+        lucky reading would lend the line its luck; on a V100 ResNet-50 profile a line
+        from 200 W, 0.12 % under the bound, held 198 W, 0.2 % over it). A try is never
+        an end of a line, for the same reason. None where there is no such line."""
+        if job.knob != "power":
+            return None
+        lv = job.levels
+        grid = [k for k in self.seen if lv[k] not in job.fine_w]
+        a = max((k for k in grid if k <= below), default=None)
+        b = min((k for k in grid if k >= above), default=None)
+        if a is None or b is None or a >= b or lv[b] - lv[a] > self.step_w + 1e-6:
+            return None
+        if b != len(job.grid) - 1 and self.ratio[b] + Z_LINE_END * self.ratio_se[b] > self.allowed:
+            return None
+        return self.bracket(job, b, a)
 
+    def wants(self, job: JobSearch, below: int, above: int, steps: int) -> int | None:
+        """The grid level above a second look's bracket that would start a line
+        (:meth:`between`) once measured ``steps`` steps, where it is not yet within the
+        bound by enough of its own standard errors; None where there is none to measure."""
+        lv = job.levels
+        b = min((k for k in self.seen if k >= above and lv[k] not in job.fine_w), default=None)
+        if job.knob != "power" or b is None or b == len(job.grid) - 1 or self.seen[b].steps >= steps:
+            return None
+        r, own = self.ratio[b], self.ratio_se[b] / self.ratio[b]  # relative, the baseline's included
+        here = math.sqrt(max(0.0, own * own - self.base_se * self.base_se))
+        then = math.hypot(here * math.sqrt(self.seen[b].steps / steps), self.base_se) * r
+        if r + Z_LINE_END * self.ratio_se[b] <= self.allowed or r + Z_LINE_END * then > self.allowed:
+            return None
+        return b
 
-def line_between(job: JobSearch, below: int, above: int, m: Lines) -> Bracket | None:
-    """The line that may vouch for a limit a second look puts between grid indices
-    ``below`` and ``above``: through the measured grid levels either side, one grid
-    step apart, the upper one within the bound by :data:`Z_LINE_END` standard errors of
-    its own (not just by the margin it was chosen on: a level that passed on a lucky
-    reading would lend the line its luck; on a V100 ResNet-50 profile a line from 200 W,
-    0.12 % under the bound, held 198 W, 0.2 % over it). A try is never an end of a line,
-    for the same reason. None where there is no such line."""
-    if job.knob != "power":
-        return None
-    lv = job.levels
-    grid = [k for k in m.seen if lv[k] not in job.fine_w]
-    a = max((k for k in grid if k <= below), default=None)
-    b = min((k for k in grid if k >= above), default=None)
-    if a is None or b is None or a >= b or lv[b] - lv[a] > m.step_w + 1e-6:
-        return None
-    if b != len(job.grid) - 1 and m.ratio[b] + Z_LINE_END * m.ratio_se[b] > m.allowed:
-        return None
-    return bracket_of(job, b, a, m)
+    def vouched(self, job: JobSearch, i: int) -> bool:
+        """Whether a try of a second look (grid index ``i``) is within the bound by the
+        line through the grid levels either side (:meth:`between`; real curves are
+        convex, so the line runs above them), and its own steps do not say it is over."""
+        if job.levels[i] not in job.fine_w:
+            return False
+        line = self.between(job, i - 1, i + 1)
+        own_low = self.ratio[i] - Z * self.ratio_se[i]
+        return line is not None and line.vouches(job.levels[i], self.allowed, Z_LONG) and own_low <= self.allowed
 
-
-def vouched(job: JobSearch, i: int, m: Lines) -> bool:
-    """Whether a try of a second look (grid index ``i``) is within the bound by the line
-    through the grid levels either side (:func:`line_between`; real curves are convex,
-    so the line runs above them), and its own steps do not say it is over."""
-    if job.levels[i] not in job.fine_w:
-        return False
-    line = line_between(job, i - 1, i + 1, m)
-    own_low = m.ratio[i] - Z * m.ratio_se[i]
-    return line is not None and line.vouches(job.levels[i], m.allowed, Z_LONG) and own_low <= m.allowed
+    def try_finer(self, job: JobSearch, hi: int, lo: int, se_new: float, energy: tuple[float, float, float]) -> bool:
+        """Put a finer limit between grid indices ``lo`` and ``hi`` into the job's grid,
+        where it then sits at index ``hi``: :func:`finer_limit` on the two, with the line
+        that may vouch for it (:meth:`between`). ``se_new``: the relative standard error
+        the try's own measurement will have; ``energy``: the objective at ``hi``, at
+        ``lo`` and at the best setting. False where there is none to try."""
+        b = self.bracket(job, hi, lo, energy[0], energy[1])
+        w = finer_limit(b, self.allowed, se_new * self.allowed, Z_LONG, energy[2], self.between(job, lo, hi))
+        if w is None:
+            return False
+        job.grid = job.grid[:hi] + (Setting(power_limit_w=w),) + job.grid[hi:]
+        job.levels = job.levels[:hi] + (w,) + job.levels[hi:]
+        job.fine += 1
+        job.fine_w += (w,)
+        job.pace = PaceState()  # what the pacer learnt is kept by grid index (no GPU is paced now)
+        return True
 
 
 def may_look(job: JobSearch, best: int) -> bool:
     """Whether the search may take a second look below ``best``: power knob (the clock
     knob's grid is the GPU's own clocks, and on the simulated H100 its second look cost
     more run energy than it won), settled there, with the baseline re-checked (so it is
-    precise; uncapped, the baseline grows on its own) and no GPU paced (the grid may
-    grow, and the pacing holds grid indices)."""
+    precise; uncapped, the baseline grows on its own), no GPU paced (the grid may
+    grow, and the pacing holds grid indices), and no look of this search has ended with
+    nothing more to try (a line that grows precise as the settled steps add up would
+    otherwise start looks at any time in a long job, each a baseline re-check and a try
+    for a fraction of a percent)."""
     checked = job.rechecked_once or best == len(job.grid) - 1
-    return (
-        job.knob == "power" and job.phase == "settled" and job.settled_index == best and checked and not job.pace.held
-    )
-
-
-def try_finer(job: JobSearch, hi: int, lo: int, m: Lines, se_new: float, energy: tuple[float, float, float]) -> bool:
-    """Put a finer limit between grid indices ``lo`` and ``hi`` into the job's grid, where
-    it then sits at index ``hi``: :func:`finer_limit` on the two, with the line that may
-    vouch for it (:func:`line_between`). ``se_new``: the relative standard error the
-    try's own measurement will have; ``energy``: the objective at ``hi``, at ``lo`` and
-    at the best setting. False where there is none to try."""
-    b = bracket_of(job, hi, lo, m, energy[0], energy[1])
-    w = finer_limit(b, m.allowed, se_new * m.allowed, Z_LONG, energy[2], line_between(job, lo, hi, m))
-    if w is None:
-        return False
-    job.grid = job.grid[:hi] + (Setting(power_limit_w=w),) + job.grid[hi:]
-    job.levels = job.levels[:hi] + (w,) + job.levels[hi:]
-    job.fine += 1
-    job.fine_w += (w,)
-    job.pace = PaceState()  # what the pacer learnt is kept by grid index (no GPU is paced now)
-    return True
+    settled = job.phase == "settled" and job.settled_index == best
+    return job.knob == "power" and settled and checked and not job.pace.held and not job.looked

@@ -82,7 +82,7 @@ from typing import Any
 
 from ._drift import phase_change
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
-from ._finer import GAIN_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Lines, Z, may_look, try_finer, vouched
+from ._finer import BASE_LONG, GAIN_LONG, LINE_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -300,7 +300,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase, job.fine, job.fine_w, job.look_from = False, 0, (), None
+        job.rebase, job.fine, job.fine_w, job.look_from, job.looked = False, 0, (), None, False
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -529,12 +529,12 @@ class EfficientPolicy:
             allowed = self._allowed(base, j)
             job.allowed = allowed
             status = {}
-            held = job.held_index
+            held, lines = job.held_index, Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w)
             for i in measured:
                 r, se = ratio[i], ratio_se[i]
-                z = Z_LONG if job.knob == "power" and seen[i].steps >= LONG * self.max_steps else Z  # (a long look)
-                # A second look's try may be vouched for by the line through its neighbours
-                by_line = vouched(job, i, Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w))
+                long = seen[i].steps >= LONG * self.max_steps or job.levels[i] in job.fine_w  # (a second look's)
+                z = Z_LONG if job.knob == "power" and long else Z
+                by_line = lines.vouched(job, i)  # (a second look's try, by the line through its neighbours)
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
                 if i == top or r <= allowed * (1 + 1e-9) - z * se or by_line or (i == held and r <= allowed + Z * se):
@@ -619,24 +619,25 @@ class EfficientPolicy:
             job.look_from = job.look_from if was else job.settled  # (settled there: may_look)
             gain = {i: objective(i) < objective(best) * (1 - GAIN_LONG) for i in measured}
             prize = [i for i in measured if i < best and status[i] != "ok" and gain[i]]
-            if prize and base.steps < LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
-                return _Action("measure", top, LONG * self.baseline_steps)  # every ratio leans on it
+            if prize and base.steps < BASE_LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
+                return _Action("measure", top, BASE_LONG * self.baseline_steps)  # every ratio leans on it
             for i in prize:  # near the bound: measured longer (judged once, at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
             # The bracket: the lowest limit within the bound above the highest prize, and the
             # measured one just below it (the prize, or a try over the bound)
-            lines = Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w)
             hi = min((k for k in measured if k > max(prize) and status[k] == "ok"), default=None) if prize else None
             if job.fine < MAX_FINE and hi is not None and hi - 1 in seen and status[hi - 1] != "ok":
-                lo = hi - 1
-                if ratio[lo] <= allowed + Z_LONG * ratio_se[lo] and seen[lo].steps < n:
-                    return _Action("measure", lo, n)  # the line's low end, where its error is
+                lo, m = hi - 1, LINE_LONG * self.max_steps
+                if ratio[lo] <= allowed + Z_LONG * ratio_se[lo] and seen[lo].steps < m:
+                    return _Action("measure", lo, m)  # the line's low end, where its error is
+                if (up := lines.wants(job, lo, hi, n)) is not None:
+                    return _Action("measure", up, n)  # the line's upper end, to start a line
                 sd = seen[hi].se_time(self.noise) * math.sqrt(seen[hi].steps)  # one step's spread
                 se_new = math.hypot(sd / math.sqrt(n), se_base)
-                if try_finer(job, hi, lo, lines, se_new, (objective(hi), objective(lo), objective(best))):
+                if lines.try_finer(job, hi, lo, se_new, (objective(hi), objective(lo), objective(best))):
                     return _Action("measure", hi, n)
-            job.look_from = None
+            job.look_from, job.looked = None, job.looked or was or bool(prize)  # (one look a search: finer.may_look)
             job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)
 

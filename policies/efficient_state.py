@@ -54,6 +54,7 @@ class JobSearch:
     fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
     fine_w: tuple[float, ...] = ()  # those limits, W
     look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
+    looked: bool = False  # a second look found nothing more to try: no other one this search
 
     @property
     def looking(self) -> bool:

@@ -84,3 +84,36 @@ def test_a_remeasured_profile_moves_each_limit_by_about_a_percent(tmp_path: Path
     assert all(abs(m) < 0.05 for m in moved) and any(abs(m) > 1e-4 for m in moved)
     assert bench.remeasured(src, 0, tmp_path).read_text() == bench.remeasured(src, 0, tmp_path).read_text()  # seeded
     assert bench.remeasured(src, 1, tmp_path).read_text() != bench.remeasured(src, 0, tmp_path).read_text()
+
+
+def test_a_zeus_summary_becomes_one_profile_per_job(tmp_path: Path) -> None:
+    """Zeus's summary_power_<gpu>.csv (one row per job and limit: time per epoch, average
+    power) becomes one per-limit profile per job, energy = time x power, the top limit
+    first; a file of another shape is refused with the columns it needs."""
+    from greend.probes.trace import load_trace
+
+    bench = _bench()
+    src = tmp_path / "summary_power_v100.csv"
+    src.write_text(
+        "dataset,network,batch_size,optimizer,power_limit,time_per_epoch,average_power\n"
+        "cifar100,shufflenetv2,128,adam,100,12.0,90.0\n"
+        "cifar100,shufflenetv2,128,adam,250,10.0,200.0\n"
+        "cifar100,shufflenetv2,128,adam,175,10.5,160.0\n"
+        "imagenet,resnet50,64,adamw,250,100.0,240.0\n"
+        "imagenet,resnet50,64,adamw,150,130.0,140.0\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    paths = bench.zeus_summary_profiles(src, out)
+    assert [p.name for p in paths] == [
+        "V100+cifar100-shufflenetv2-128-adam+gpu0.csv",
+        "V100+imagenet-resnet50-64-adamw+gpu0.csv",
+    ]
+    prof = load_trace(paths[0])
+    assert list(prof.limits_w) == [100.0, 175.0, 250.0]
+    assert abs(prof.time_ratio(100) - 1.2) < 1e-9 and abs(prof.time_ratio(175) - 1.05) < 1e-9
+    assert abs(prof.energy_ratio(100) - 12.0 * 90.0 / 2000.0) < 1e-9
+    bad = tmp_path / "other.csv"
+    bad.write_text("power_limit,time\n100,1\n")
+    with pytest.raises(SystemExit, match="not a Zeus summary_power file"):
+        bench.zeus_summary_profiles(bad, out)

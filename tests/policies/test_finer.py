@@ -165,7 +165,7 @@ def test_a_second_look_between_a_prize_and_a_level_that_saves_little() -> None:
     200 W (+4.91 %, 0.09 % under the bound) saves 9.3 %, which no short run can confirm.
     The second look goes between 200 and 225 W though 225 W is not the setting held
     (before, only just below the held setting: it stayed uncapped, 10.3 % over the
-    optimum, on 2 seeds of 3)."""
+    optimum, on 2 seeds of 3 of the real profile)."""
     import tempfile
     from pathlib import Path
 
@@ -181,7 +181,7 @@ def test_a_second_look_between_a_prize_and_a_level_that_saves_little() -> None:
             r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
             w = r.final_setting.power_limit_w
             assert w is not None and 200 < w < 225, w
-            assert prof.energy_ratio(w) < 0.97  # uncapped: 1.0, 225 W: 1.0038
+            assert prof.energy_ratio(w) < 0.975  # uncapped: 1.0, 225 W: 1.0038; 206 W and 217 W here
             assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.05 for s in r.settled_steps())
 
 
@@ -205,3 +205,30 @@ def test_a_level_that_passed_by_a_narrow_margin_lends_the_line_no_luck() -> None
         r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=1)
         assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.05 for s in r.settled_steps())
         assert r.final_setting.power_limit_w == 200
+
+
+def test_a_look_that_found_nothing_to_try_is_not_opened_again_late() -> None:
+    """A re-measured copy of the A40 ResNet-50 profile under a 10 % bound, seed 2: the
+    search settles on 200 W (+8.2 %) and a look finds no limit below it to try. As 200 W's
+    settled steps add up, a line from it would vouch for 197 W some 470 steps later;
+    opened then, the look measured it and re-checked the baseline at the run's end (the
+    run ended uncapped, 20 % over the optimum). One look a search: 200 W to the end."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from tests.support import REPO
+
+    sp = importlib.util.spec_from_file_location("bench_dvfs", REPO / "bench" / "bench_dvfs.py")
+    assert sp is not None and sp.loader is not None
+    bench = importlib.util.module_from_spec(sp)
+    sp.loader.exec_module(bench)
+    with tempfile.TemporaryDirectory() as d:
+        src = TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv"
+        spec = trace_spec(bench.remeasured(src, 2, Path(d)))
+        gpus, _ = make_sim_gpus(1, spec=spec)
+        pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.10)
+        r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=2)
+        assert r.final_setting.power_limit_w == 200
+        late = {s.setting.power_limit_w for s in r.trace if s.iteration >= 600}
+        assert late == {200.0}, late
