@@ -232,3 +232,19 @@ def test_a_look_that_found_nothing_to_try_is_not_opened_again_late() -> None:
         assert r.final_setting.power_limit_w == 200
         late = {s.setting.power_limit_w for s in r.trace if s.iteration >= 600}
         assert late == {200.0}, late
+
+
+def test_a_line_the_curve_contradicts_vouches_no_more() -> None:
+    """Compute-bound work on the simulated H100, power knob, no noise: the grid's best
+    within a 5 % bound is 600 W, 575 W is over. The line through them vouches for 582 W,
+    which its own steps put over (the simulator's curve is not convex there): the line is
+    dropped and the tries go on by their own measurement, ending below 600 W (with the
+    line kept, the tries crept up a watt at a time, 581-583 W, and it held 600 W)."""
+    gpus, _ = make_sim_gpus(1)
+    pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.05)
+    r = run_policy(pol, gpus, 1e12, 0.05, steps=600, settle_steps=1)
+    w = r.final_setting.power_limit_w
+    assert w is not None and 575 < w < 600, w
+    base = H100.step_cost(1e12, 0.05)
+    assert H100.step_cost(1e12, 0.05, power_limit_w=w).duration_s <= 1.05 * base.duration_s
+    assert H100.step_cost(1e12, 0.05, power_limit_w=w).energy_j < H100.step_cost(1e12, 0.05, power_limit_w=600).energy_j
