@@ -82,7 +82,7 @@ from typing import Any
 
 from ._drift import phase_change
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
-from ._finer import BASE_LONG, GAIN_LONG, LINE_LONG, LONG, MAX_FINE, PLATEAU, Z_LONG, Lines, Z, may_look
+from ._finer import BASE_LONG, GAIN_LONG, LINE_LONG, LONG, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -534,6 +534,8 @@ class EfficientPolicy:
                 r, se = ratio[i], ratio_se[i]
                 long = seen[i].steps >= LONG * self.max_steps or job.levels[i] in job.fine_w  # (a second look's)
                 z = Z_LONG if job.knob == "power" and long else Z
+                if seen[i].steps > LONG * self.max_steps and job.levels[i] not in job.fine_w and z == Z_LONG:
+                    z = Z_LINE_END  # (measured on for a line's sake: its own test was the one at LONG)
                 by_line = lines.vouched(job, i)  # (a second look's try, by the line through its neighbours)
                 # The setting we hold was within the bound when we settled: it stays so
                 # until it is clearly over (no flapping at the edge of the bound).
@@ -633,8 +635,7 @@ class EfficientPolicy:
                     return _Action("measure", lo, m)  # the line's low end, where its error is
                 if (up := lines.wants(job, lo, hi, n)) is not None:
                     return _Action("measure", up, n)  # the line's upper end, to start a line
-                sd = seen[hi].se_time(self.noise) * math.sqrt(seen[hi].steps)  # one step's spread
-                se_new = math.hypot(sd / math.sqrt(n), se_base)
+                se_new = math.hypot(seen[hi].se_time(self.noise) * math.sqrt(seen[hi].steps / n), se_base)  # a try's
                 if lines.try_finer(job, hi, lo, se_new, (objective(hi), objective(lo), objective(best))):
                     return _Action("measure", hi, n)
             job.look_from, job.looked = None, job.looked or was or bool(prize)  # (one look a search: finer.may_look)
