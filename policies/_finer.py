@@ -15,15 +15,21 @@ highest level below the setting held that would save over :data:`GAIN_LONG` more
 energy (the *prize*) and the lowest level above it within the bound
 (:meth:`greend.policies.efficient.EfficientPolicy._plan`; :func:`may_look` says when):
 
-- the baseline and the prize are first measured :data:`LONG` times longer (every ratio
-  leans on the baseline), the prize judged once, by :data:`Z_LONG`;
+- the baseline is first measured up to :data:`BASE_LONG` times ``baseline_steps``
+  (every ratio leans on it), a prize that may be within the bound :data:`LONG` times
+  ``max_steps``, judged once, by :data:`Z_LONG` (a grid level measured on beyond that
+  for a line's sake is within the bound only by :data:`Z_LINE_END`); the bracket's
+  lower end is measured up to :data:`LINE_LONG` times ``max_steps``, and the grid
+  level that would start a line longer where that would let it
+  (:meth:`Lines.next_try`);
 - :func:`finer_limit` proposes the lowest whole-watt limit between the two that the
   straight line through them predicts to run under the bound by a margin its own
   measurement can confirm, or that the line already vouches for by its own margin;
 - the try is measured like any other setting and is within the bound where its own
   steps say so, or where the line through the two grid levels around it does
   (:meth:`Lines.vouched`) and its own steps do not say it is over; if it is over, it becomes
-  the lower end of the next try; at most :data:`MAX_FINE` tries a search.
+  the lower end of the next try; at most :data:`MAX_FINE` tries, one look a search, and
+  no new measurement once the look has run :data:`LOOK_STEPS` times ``max_steps``.
 
 Real time-versus-limit curves are mostly convex (time rises faster the lower the
 limit), so the straight line over-estimates the time between two measured levels: the
@@ -36,6 +42,7 @@ on a lucky reading would lend the line its luck (:meth:`Lines.between`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._evidence import Evidence
@@ -47,6 +54,7 @@ __all__ = [
     "BASE_LONG",
     "GAIN_LONG",
     "LINE_LONG",
+    "LOOK_STEPS",
     "GAIN_MIN",
     "LONG",
     "MAX_FINE",
@@ -69,6 +77,7 @@ LONG = 4  # ...is measured up to this many times max_steps (so is a try)
 # most of the line's near it: measured about in proportion to those weights' roots.
 BASE_LONG = 8  # the baseline is measured up to this many times baseline_steps
 LINE_LONG = 6  # the lower end of the line is measured up to this many times max_steps
+LOOK_STEPS = 16  # a look starts no new measurement after this many times max_steps of the job's steps
 PLATEAU = 1.1  # a limit over the bound by less than this factor may sit in a zig-zag: look below it
 Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons (all the search)
 Z_LONG = 2.6  # one-sided 99.5 %: a setting measured beyond max_steps is judged by this many standard errors
@@ -119,7 +128,9 @@ def finer_limit(
     through the two predicts to run within ``allowed`` (a time ratio) by ``z``
     standard errors of the new limit's own measurement (``se_new``, as a time ratio),
     so that the measurement can confirm it; None where that limit is not predicted to
-    save :data:`GAIN_MIN` of the energy. A prediction that was wrong costs only the
+    save :data:`GAIN_MIN` of ``best`` (the best setting's energy; ``b.hi_energy`` by
+    default); ``line``: a line that vouches for a limit by its own standard error
+    (:meth:`Bracket.vouches`) at ``z``. A prediction that was wrong costs only the
     measurement: the limit is judged on what it measures."""
     best = b.hi_energy if best is None else best
     if b.lo_w >= b.hi_w - 2 * MIN_STEP_W or b.lo_energy >= best * (1.0 - GAIN_MIN):
@@ -128,8 +139,8 @@ def finer_limit(
         return None  # the lower level is not slower: nothing to interpolate
     found = False
     # From the lower level up, the first whole watt whose prediction leaves the margin:
-    # that of the limit's own measurement, or the line's own (:func:`chord_bound`)
-    # where that is already the smaller.
+    # that of the limit's own measurement, or the one ``line`` (a line that may vouch
+    # for a try: Lines.between) already puts it within by its own.
     w = math.ceil(b.lo_w + MIN_STEP_W)
     while w <= b.hi_w - MIN_STEP_W:
         if b.chord(w)[0] + z * se_new <= allowed or (line is not None and line.vouches(w, allowed, z)):
@@ -200,7 +211,8 @@ class Lines:
         return self.ratio[i] - Z * self.ratio_se[i] > self.allowed
 
     def wants(self, job: JobSearch, below: int, above: int, steps: int) -> int | None:
-        """The grid level above a second look's bracket that would start a line
+        """The grid level at or above ``above`` (a second look's bracket's upper end,
+        where that is a grid level) that would start a line
         (:meth:`between`) once measured ``steps`` steps, where it is not yet within the
         bound by enough of its own standard errors; None where there is none to measure."""
         lv = job.levels
@@ -222,6 +234,31 @@ class Lines:
             return False
         line = self.between(job, i - 1, i + 1)
         return line is not None and line.vouches(job.levels[i], self.allowed, Z_LONG) and not self._over(i)
+
+    def next_try(
+        self, job: JobSearch, hi: int, best: int, steps: int, objective: Callable[[int], float]
+    ) -> tuple[int, int] | None:
+        """A second look's next measurement in the bracket under grid index ``hi`` (a
+        level within the bound, the one below it not): (grid index, steps), or None where
+        there is nothing more to try. First the lower end, where a line's error mostly
+        is, measured up to :data:`LINE_LONG` times ``steps / LONG`` (a grid level only: a
+        try had its test); then the grid level that would start a line (:meth:`wants`);
+        then a try (:meth:`try_finer`), measured ``steps``. Nothing where the lower end
+        would not save :data:`GAIN_MIN` over the best setting (no limit between can)."""
+        lo = hi - 1
+        if objective(lo) >= objective(best) * (1.0 - GAIN_MIN):
+            return None
+        m = LINE_LONG * steps // LONG
+        near = self.ratio[lo] <= self.allowed + Z_LONG * self.ratio_se[lo]
+        if job.levels[lo] not in job.fine_w and near and self.seen[lo].steps < m:
+            return lo, m
+        up = self.wants(job, lo, hi, steps)
+        if up is not None:
+            return up, steps
+        se_new = math.hypot(self.seen[hi].se_time(self.noise) * math.sqrt(self.seen[hi].steps / steps), self.base_se)
+        if self.try_finer(job, hi, lo, se_new, (objective(hi), objective(lo), objective(best))):
+            return hi, steps
+        return None
 
     def try_finer(self, job: JobSearch, hi: int, lo: int, se_new: float, energy: tuple[float, float, float]) -> bool:
         """Put a finer limit between grid indices ``lo`` and ``hi`` into the job's grid,

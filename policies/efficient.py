@@ -82,7 +82,7 @@ from typing import Any
 
 from ._drift import phase_change
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
-from ._finer import BASE_LONG, GAIN_LONG, LINE_LONG, LONG, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
+from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
@@ -619,25 +619,24 @@ class EfficientPolicy:
         if not cost_mode and (job.looking or may_look(job, best)):
             was, n = job.looking, LONG * self.max_steps
             job.look_from = job.look_from if was else job.settled  # (settled there: may_look)
+            job.look_start = job.look_start if was else j.steps
             gain = {i: objective(i) < objective(best) * (1 - GAIN_LONG) for i in measured}
             prize = [i for i in measured if i < best and status[i] != "ok" and gain[i]]
+            if j.steps - job.look_start >= LOOK_STEPS * self.max_steps:
+                prize = []  # the look's time is up (it ends settled well before a 1,000-step job does)
             if prize and base.steps < BASE_LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
                 return _Action("measure", top, BASE_LONG * self.baseline_steps)  # every ratio leans on it
             for i in prize:  # near the bound: measured longer (judged once, at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
-            # The bracket: the lowest limit within the bound above the highest prize, and the
-            # measured one just below it (the prize, or a try over the bound)
+            up = min((k for k in measured if k > max(prize)), default=top) if prize else top  # may close a bracket:
+            if up != top and status[up] != "ok" and ratio[up] <= allowed + Z_LONG * ratio_se[up] and seen[up].steps < n:
+                return _Action("measure", up, n)
+            # The bracket: the lowest limit within the bound above the highest prize, and the one below it
             hi = min((k for k in measured if k > max(prize) and status[k] == "ok"), default=None) if prize else None
             if job.fine < MAX_FINE and hi is not None and hi - 1 in seen and status[hi - 1] != "ok":
-                lo, m = hi - 1, LINE_LONG * self.max_steps
-                if ratio[lo] <= allowed + Z_LONG * ratio_se[lo] and seen[lo].steps < m:
-                    return _Action("measure", lo, m)  # the line's low end, where its error is
-                if (up := lines.wants(job, lo, hi, n)) is not None:
-                    return _Action("measure", up, n)  # the line's upper end, to start a line
-                se_new = math.hypot(seen[hi].se_time(self.noise) * math.sqrt(seen[hi].steps / n), se_base)  # a try's
-                if lines.try_finer(job, hi, lo, se_new, (objective(hi), objective(lo), objective(best))):
-                    return _Action("measure", hi, n)
+                if (act := lines.next_try(job, hi, best, n, objective)) is not None:
+                    return _Action("measure", *act)
             job.look_from, job.looked = None, job.looked or was or bool(prize)  # (one look a search: finer.may_look)
             job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)

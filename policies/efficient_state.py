@@ -55,6 +55,7 @@ class JobSearch:
     fine_w: tuple[float, ...] = ()  # those limits, W
     look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
     looked: bool = False  # a second look found nothing more to try: no other one this search
+    look_start: int = 0  # the job's steps when the second look under way began
 
     @property
     def looking(self) -> bool:
