@@ -77,7 +77,7 @@ LONG = 4  # ...is measured up to this many times max_steps (so is a try)
 # most of the line's near it: measured about in proportion to those weights' roots.
 BASE_LONG = 8  # the baseline is measured up to this many times baseline_steps
 LINE_LONG = 6  # the lower end of the line is measured up to this many times max_steps
-LOOK_STEPS = 16  # a look starts no new measurement after this many times max_steps of the job's steps
+LOOK_STEPS = 20  # a look starts no new measurement after this many times max_steps of the job's steps
 PLATEAU = 1.1  # a limit over the bound by less than this factor may sit in a zig-zag: look below it
 Z = 1.64  # one-sided 95 %: standard errors of margin for feasibility and energy comparisons (all the search)
 Z_LONG = 2.6  # one-sided 99.5 %: a setting measured beyond max_steps is judged by this many standard errors
@@ -241,8 +241,9 @@ class Lines:
         """A second look's next measurement in the bracket under grid index ``hi`` (a
         level within the bound, the one below it not): (grid index, steps), or None where
         there is nothing more to try. First the lower end, where a line's error mostly
-        is, measured up to :data:`LINE_LONG` times ``steps / LONG`` (a grid level only: a
-        try had its test); then the grid level that would start a line (:meth:`wants`);
+        is, measured up to :data:`LINE_LONG` times ``steps / LONG`` where it may be within
+        the bound (a try that failed its test by less than :data:`Z_LONG` standard
+        errors is measured on and judged again at the end); then the grid level that would start a line (:meth:`wants`);
         then a try (:meth:`try_finer`), measured ``steps``. Nothing where the lower end
         would not save :data:`GAIN_MIN` over the best setting (no limit between can)."""
         lo = hi - 1
@@ -250,7 +251,7 @@ class Lines:
             return None
         m = LINE_LONG * steps // LONG
         near = self.ratio[lo] <= self.allowed + Z_LONG * self.ratio_se[lo]
-        if job.levels[lo] not in job.fine_w and near and self.seen[lo].steps < m:
+        if near and self.seen[lo].steps < m:
             return lo, m
         up = self.wants(job, lo, hi, steps)
         if up is not None:
