@@ -27,16 +27,20 @@ energy (the *prize*) and the lowest level above it within the bound
   measurement can confirm, or that the line already vouches for by its own margin;
 - the try is measured like any other setting and is within the bound where its own
   steps say so, or where the line through the two grid levels around it does
-  (:meth:`Lines.vouched`) and its own steps do not say it is over; if it is over, it becomes
-  the lower end of the next try; at most :data:`MAX_FINE` tries, one look a search, and
-  no new measurement once the look has run :data:`LOOK_STEPS` times ``max_steps``.
+  (:meth:`Lines.vouched`) and its own steps do not say it is over; one that failed its
+  test by less than :data:`Z_LONG` standard errors is measured on and judged again; if it
+  is over, it becomes the lower end of the next try; at most :data:`MAX_FINE` tries, one
+  look a search, and no new measurement once the look has run :data:`LOOK_STEPS` times
+  ``max_steps``.
 
 Real time-versus-limit curves are mostly convex (time rises faster the lower the
 limit), so the straight line over-estimates the time between two measured levels: the
 error is on the safe side. A line carries the errors of its two ends and of the
 baseline (:meth:`Bracket.chord`); it starts only at a grid level within the bound by
 :data:`Z_LINE_END` standard errors, never at a try, since a level that passed its test
-on a lucky reading would lend the line its luck (:meth:`Lines.between`).
+on a lucky reading would lend the line its luck (:meth:`Lines.between`); and it is
+dropped once a try it vouched for runs over the bound by its own steps (the curve is not
+convex there).
 """
 
 from __future__ import annotations
