@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from greend.ipc.client import Client
@@ -92,6 +93,19 @@ class DaemonProc:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module (registered under ``name``, so its worker
+    processes can pickle what it defines)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[name] = bench
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def env() -> dict[str, str]:

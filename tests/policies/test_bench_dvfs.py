@@ -3,21 +3,16 @@ asserted: they are measurements, printed for people to read)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, load_bench
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_dvfs", REPO / "bench" / "bench_dvfs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _bench():  # type: ignore[no-untyped-def]
+    return load_bench("bench_dvfs")
 
 
 def test_prints_the_table_and_the_seed_summary(capsys: pytest.CaptureFixture[str]) -> None:

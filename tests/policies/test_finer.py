@@ -5,6 +5,7 @@ measured A40 profile."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from greend.policies import get_policy
 from greend.policies._evidence import Evidence
@@ -14,10 +15,19 @@ from greend.policies.efficient_state import JobSearch
 from greend.probes.sim import H100
 from greend.probes.trace import TRACE_DIR, trace_spec
 from greend.testing.harness import make_sim_gpus, run_policy
+from tests.support import load_bench
 
 # A40 ResNet-50 (measured): 225 W runs 1.0223x the uncapped step, 200 W 1.0489x, and
 # 225 W costs 9.6 % more energy per step than 200 W.
 A40_225_200 = Bracket(hi_w=225, lo_w=200, hi_ratio=1.0223, lo_ratio=1.0489, hi_energy=1.096, lo_energy=1.0)
+
+
+def _replay(spec, bound: float, seed: int):  # type: ignore[no-untyped-def]
+    """``efficient`` (power knob) on one simulated GPU following ``spec``'s profile,
+    1,000 steps at 2 % step noise."""
+    gpus, _ = make_sim_gpus(1, spec=spec)
+    pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=bound)
+    return run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
 
 
 def test_the_finer_limit_is_the_lowest_one_the_line_puts_under_the_bound_by_the_margin() -> None:
@@ -66,9 +76,7 @@ def test_the_second_look_closes_most_of_the_gap_on_a_measured_profile_under_nois
     spec = trace_spec(TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv")
     prof = spec.profile
     for seed in (2, 3):  # seeds where the first settle is at 225 W
-        gpus, _ = make_sim_gpus(1, spec=spec)
-        pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.05)
-        r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
+        r = _replay(spec, 0.05, seed)
         w = r.final_setting.power_limit_w
         assert w is not None and 200 <= w < 225
         assert prof.time_ratio(w) <= 1.05
@@ -87,9 +95,7 @@ def test_a_limit_in_a_dip_of_a_zigzag_profile_is_found_below_limits_over_the_bou
     spec = trace_spec(TRACE_DIR / "zeus-gplo-a40" / "A40+resnet18+gpu0,1,2,3.csv")
     prof = spec.profile
     for seed in (2, 4):
-        gpus, _ = make_sim_gpus(1, spec=spec)
-        pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.10)
-        r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
+        r = _replay(spec, 0.10, seed)
         w = r.final_setting.power_limit_w
         assert w is not None and w <= 125
         assert prof.time_ratio(w) <= 1.10
@@ -119,9 +125,7 @@ def test_the_setting_held_when_a_second_look_begins_keeps_its_margin_at_the_boun
     measured limit) and then looks below it; 200 W stays held through the look (before,
     the look judged it like any other setting and moved to 205 W, +1.9 % energy)."""
     spec = trace_spec(TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv")
-    gpus, _ = make_sim_gpus(1, spec=spec)
-    pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.05)
-    r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=4)
+    r = _replay(spec, 0.05, 4)
     assert r.final_setting.power_limit_w == 200
     assert any("measuring uncapped" in d.reason for _, d in r.decisions)  # a look ran
 
@@ -164,57 +168,38 @@ def _profile(tmp_path, name: str, rows: list[tuple[int, float, float]]):  # type
     return trace_spec(path)
 
 
-def test_a_second_look_between_a_prize_and_a_level_that_saves_little() -> None:
+def test_a_second_look_between_a_prize_and_a_level_that_saves_little(tmp_path: Path) -> None:
     """A V100-like profile (the shape of Zeus's ShuffleNet-v2 batch 512 on a V100): 225 W
     runs 3.6 % slower and saves 0.4 %, so the best within a 5 % bound is "uncapped";
     200 W (+4.91 %, 0.09 % under the bound) saves 9.3 %, which no short run can confirm.
     The second look goes between 200 and 225 W though 225 W is not the setting held
     (before, only just below the held setting: it stayed uncapped, 10.3 % over the
     optimum, on 2 seeds of 3 of the real profile)."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        spec = _profile(Path(d), "V100+shufflenet-like", [
-            (250, 1.0, 1.0), (225, 1.036, 1.0038), (200, 1.0491, 0.9066), (175, 1.0677, 0.8106),
-            (150, 1.1121, 0.7433), (125, 1.1549, 0.6786), (100, 1.3999, 0.6884),
-        ])  # fmt: skip
-        prof = spec.profile
-        for seed in (2, 3):
-            gpus, _ = make_sim_gpus(1, spec=spec)
-            pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.05)
-            r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=seed)
-            w = r.final_setting.power_limit_w
-            assert w is not None and 200 < w < 225, w
-            assert prof.energy_ratio(w) < 0.975  # uncapped: 1.0, 225 W: 1.0038; 206 W and 217 W here
-            assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.05 for s in r.settled_steps())
+    spec = _profile(tmp_path, "V100+shufflenet-like", [
+        (250, 1.0, 1.0), (225, 1.036, 1.0038), (200, 1.0491, 0.9066), (175, 1.0677, 0.8106),
+        (150, 1.1121, 0.7433), (125, 1.1549, 0.6786), (100, 1.3999, 0.6884),
+    ])  # fmt: skip
+    prof = spec.profile
+    for seed in (2, 3):
+        r = _replay(spec, 0.05, seed)
+        w = r.final_setting.power_limit_w
+        assert w is not None and 200 < w < 225, w
+        assert prof.energy_ratio(w) < 0.975  # uncapped: 1.0, 225 W: 1.0038; 206 W and 217 W here
+        assert all(prof.time_ratio(s.setting.power_limit_w or prof.max_w) <= 1.05 for s in r.settled_steps())
 
 
-def test_a_look_that_found_nothing_to_try_is_not_opened_again_late() -> None:
+def test_a_look_that_found_nothing_to_try_is_not_opened_again_late(tmp_path: Path) -> None:
     """A re-measured copy of the A40 ResNet-50 profile under a 10 % bound, seed 2: the
     search settles on 200 W (+8.2 %) and a look finds no limit below it to try. As 200 W's
     settled steps add up, a line from it would vouch for 197 W some 470 steps later;
     opened then, the look measured it and re-checked the baseline at the run's end (the
     run ended uncapped, 20 % over the optimum). One look a search: 200 W to the end."""
-    import importlib.util
-    import tempfile
-    from pathlib import Path
-
-    from tests.support import REPO
-
-    sp = importlib.util.spec_from_file_location("bench_dvfs", REPO / "bench" / "bench_dvfs.py")
-    assert sp is not None and sp.loader is not None
-    bench = importlib.util.module_from_spec(sp)
-    sp.loader.exec_module(bench)
-    with tempfile.TemporaryDirectory() as d:
-        src = TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv"
-        spec = trace_spec(bench.remeasured(src, 2, Path(d)))
-        gpus, _ = make_sim_gpus(1, spec=spec)
-        pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.10)
-        r = run_policy(pol, gpus, 1e12, 0.0, steps=1000, settle_steps=1, noise=0.02, seed=2)
-        assert r.final_setting.power_limit_w == 200
-        late = {s.setting.power_limit_w for s in r.trace if s.iteration >= 600}
-        assert late == {200.0}, late
+    src = TRACE_DIR / "zeus-gplo-a40" / "A40+resnet50+gpu0.csv"
+    spec = trace_spec(load_bench("bench_dvfs").remeasured(src, 2, tmp_path))
+    r = _replay(spec, 0.10, 2)
+    assert r.final_setting.power_limit_w == 200
+    late = {s.setting.power_limit_w for s in r.trace if s.iteration >= 600}
+    assert late == {200.0}, late
 
 
 def test_a_line_the_curve_contradicts_vouches_no_more() -> None:

@@ -4,13 +4,10 @@ measurements, printed for people to read, not asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
 from tests import vmserver
-from tests.support import REPO
+from tests.support import load_bench
 
 # A real victoria-metrics subprocess fed 12 simulated minutes for two fleet sizes: an
 # end-to-end run of the benchmark, in the full suite (``slow``), not in the fast tests.
@@ -21,11 +18,7 @@ pytestmark = [
 
 
 def test_prints_a_row_per_fleet_size(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_fleet", REPO / "bench" / "bench_fleet.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_fleet"] = bench
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_fleet")
     assert bench.main(["--nodes", "2", "3", "--minutes", "12", "--reports", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["nodes", "points"])

@@ -6,27 +6,15 @@ measured)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from types import ModuleType
 
 import pytest
 
-from tests.support import REPO
+from tests.support import load_bench
 
 # Each test starts a real server (Prometheus scraping for 16 s, influxd) as a subprocess: an
 # end-to-end run of a benchmark, in the full suite (``slow``), not in the fast tests.
 pytestmark = pytest.mark.slow
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[name] = bench
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def _rows(out: str, first: list[str], n: int) -> list[list[str]]:
@@ -39,7 +27,7 @@ def _rows(out: str, first: list[str], n: int) -> list[list[str]]:
     shutil.which("prometheus") is None, reason="the Prometheus server is absent (apt-get install prometheus)"
 )
 def test_prometheus_scrapes_every_node_within_the_series_bound(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _load("bench_fleet_prometheus")
+    bench = load_bench("bench_fleet_prometheus")
     args = ["--nodes", "3", "--seconds", "16", "--scrape-interval", "1", "--reports", "3", "--job-seconds", "3", "5"]
     assert bench.main(args) == 0
     (r,) = _rows(capsys.readouterr().out, ["nodes", "up"], 1)
@@ -54,7 +42,7 @@ def test_prometheus_scrapes_every_node_within_the_series_bound(capsys: pytest.Ca
 
 @pytest.mark.skipif(shutil.which("influxd") is None, reason="InfluxDB is absent (apt-get install influxdb)")
 def test_influxdb_engine_takes_the_line_protocol_and_finds_the_jobs(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _load("bench_fleet")
+    bench = load_bench("bench_fleet")
     assert bench.main(["--engine", "influxdb", "--nodes", "2", "--minutes", "12", "--reports", "3"]) == 0
     (r,) = _rows(capsys.readouterr().out, ["nodes", "points"], 1)
     points, series, jobs = int(r[1]), int(r[4]), int(r[8])
