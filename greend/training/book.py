@@ -213,7 +213,7 @@ class StepBook:
         probe = prober.level_at(index)  # type: ignore[union-attr]  # (block is not None: prober is set)
         self.control.probe_model(probe is not None, index)  # (below fp8: the linears as the step runs them)
         self.precision = probe if probe is not None else self.control.level
-        if index < block.end:
+        if index < block.end or prober.trial:  # type: ignore[union-attr]  # (as above)
             self.boundary = True  # (the step after the block goes back to the level in force)
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
@@ -293,7 +293,12 @@ class StepBook:
         if upper is None or "probe_every" in self.channel.register_omit:
             prober.disarm()
         elif prober.lower != control.level or prober.upper != upper:
-            prober.arm(upper, control.level, self.next_index + len(self.ended) + len(self.unjudged))
+            index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
+            # A step down taken at this step starts with a trial at the new level (the run
+            # stays at the level above but for its blocks); a level come back to does not.
+            stack = control.guard.stack
+            trial = bool(stack) and stack[-1].to_level == control.level and stack[-1].step >= self.next_index
+            prober.arm(upper, control.level, index, trial=trial)
         self.probe_watch = prober.watch_from
         if prober.block is not None:
             self.boundary = True

@@ -162,6 +162,7 @@ class GreenCallback:
             reference_tolerance=opts.reference_tolerance,
             probe_every=opts.probe_every,
             probe_tolerance=opts.probe_tolerance,
+            probe_trial=opts.probe_trial,
             job=self.job,
             rank=self.rank,
             world_size=self.world_size,

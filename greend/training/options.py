@@ -82,6 +82,10 @@ class CallbackOptions:
         probe_tolerance: the penalty (relative training loss) a level may have against
             the level above (default None: the daemon precision policy's ``tolerance``,
             which its register reply tells, else 0.05, that policy's own default).
+        probe_trial: where the probes run, a step down starts with a trial: the run stays
+            at the level above but for two blocks of 5 steps at the new level, judged like
+            the probes (turned round), and goes down once they pass, about 100 steps later
+            (default True; False: a directive applies at once, the probes after it).
 
     Reporting:
         mem_share: memory-bound share of a step, for simulated GPUs (0..0.95).
@@ -115,6 +119,7 @@ class CallbackOptions:
     reference_tolerance: float | None = None
     probe_every: int | None = 400
     probe_tolerance: float | None = None
+    probe_trial: bool = True
     mem_share: float | None = None
     max_pending: int = 10_000
     sync_every: int = 100
@@ -156,6 +161,8 @@ class CallbackOptions:
             isinstance(probe_tol, (int, float)) and math.isfinite(probe_tol) and probe_tol > 0
         ):
             raise ValueError(f"probe_tolerance={probe_tol!r}: must be a number > 0 (a fraction), or None")
+        if not isinstance(self.probe_trial, bool):
+            raise ValueError(f"probe_trial={self.probe_trial!r}: must be True or False")
         if self.max_pending < 1 or self.max_flop_counts < 1:
             raise ValueError("max_pending and max_flop_counts must be >= 1")
         precision = PrecisionOptions(
@@ -257,6 +264,7 @@ class CallbackKwargs(TypedDict, total=False):
     reference_tolerance: float | None
     probe_every: int | None
     probe_tolerance: float | None
+    probe_trial: bool
     mem_share: float | None
     max_pending: int
     sync_every: int

@@ -84,6 +84,7 @@ class PrecisionControl:
         reference_tolerance: float | None,
         probe_every: int | None,
         probe_tolerance: float | None,
+        probe_trial: bool = True,
         job: str,
         rank: int,
         world_size: int,
@@ -162,7 +163,9 @@ class PrecisionControl:
         self._reference_pending: deque[tuple[int, str, Any, Any]] = deque()
         # Probe blocks at the level above while the run is below its own level
         # (greend.training.probe); None: none (turned off, or they failed).
-        self.prober = Prober(tolerance=probe_tolerance, every=probe_every) if manage and probe_every else None
+        self.prober = (
+            Prober(tolerance=probe_tolerance, every=probe_every, trials=probe_trial) if manage and probe_every else None
+        )
 
     def attach(self, steps: StepCount) -> None:
         self._steps = steps

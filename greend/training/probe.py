@@ -108,6 +108,7 @@ __all__ = [
     "SURE_BLOCKS",
     "SURE_Z",
     "TOLERANCE",
+    "TRIAL_BLOCKS",
     "WINDOW_STEPS",
     "Noise",
     "Prober",
@@ -145,6 +146,7 @@ GROW_Z = 3.5  # ... its rise per step this many standard errors over 0 ...
 GROW_SHARE = 0.5  # ... and its value on the line at the latest block over this share of the tolerance ...
 GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy blocks swings widely)
 LOO_SHARE = GROW_SHARE  # with any one block left out, the mean must still be over this share of the tolerance
+TRIAL_BLOCKS = 2  # a step down starts with a trial: this many blocks at the new level among steps at the level above
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
 READ_LAG = 17  # the callback reads losses in batches of 16 while no spike rule holds (+1)
@@ -239,7 +241,7 @@ class Prober:
     come (the next block's first window step), and :meth:`record` with each recorded
     step from :attr:`watch_from` on; everything else costs one integer compare."""
 
-    def __init__(self, *, tolerance: float | None, every: int) -> None:
+    def __init__(self, *, tolerance: float | None, every: int, trials: bool = True) -> None:
         # The job's own tolerance, else the daemon policy's (told at registration), else the default.
         self.given = float(tolerance) if tolerance is not None else None
         self.policy_tolerance: float | None = None
@@ -257,6 +259,10 @@ class Prober:
         self._after_w = 0.0  # ... and their weight in its penalty
         self.pending: str | None = None  # a verdict waiting for the next block to confirm it
         self.horizon = 0  # the first step not yet started (the caller's, where it reads losses late)
+        # A trial (a step down's first steps): the roles turned round, the run at ``upper``
+        # but for blocks at ``lower``, judged the same way; the run goes down once it passes.
+        self.trial = False
+        self.trials = trials  # whether a step down starts with one (GreenCallback(probe_trial=))
 
     @property
     def tolerance(self) -> float:
@@ -271,9 +277,12 @@ class Prober:
     def armed(self) -> bool:
         return self.block is not None
 
-    def arm(self, upper: str, lower: str, anchor: int) -> None:
-        """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now."""
+    def arm(self, upper: str, lower: str, anchor: int, *, trial: bool = False) -> None:
+        """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now.
+        ``trial``: a step down that has just been taken: first a trial (:data:`TRIAL_BLOCKS`
+        blocks at ``lower`` among steps at ``upper``), then the probes."""
         self.upper, self.lower, self.anchor = upper, lower, anchor
+        self.trial = trial and self.trials
         self.blocks_done = 0
         self._after_n = 0
         self.pending = None
@@ -282,12 +291,17 @@ class Prober:
 
     def disarm(self) -> None:
         self.upper = self.lower = None
+        self.trial = False
         self.block = None
         self.watch_from = NEVER
         self.verdicts.clear()
 
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
+        if self.trial and b >= TRIAL_BLOCKS and previous is not None and self.upper and self.lower:
+            # The trial passed: the run goes down from the next step, and the probes begin.
+            self.arm(self.upper, self.lower, max(previous.last + 1, self.horizon))
+            return
         if previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
         elif self.pending is not None:
@@ -307,14 +321,18 @@ class Prober:
             blk.shared = len(blk.before)
             blk.before_from = previous.last + 1
         self.block = blk
-        self.watch_from = start - WINDOW_STEPS
+        # (a trial's every step runs at the level above, to be told as a probe step)
+        self.watch_from = (self.anchor if previous is None else previous.last + 1) if self.trial else start - WINDOW_STEPS
 
     def level_at(self, index: int) -> str | None:
-        """The level step ``index`` runs at for a probe, or None (the level in force)."""
+        """The level step ``index`` runs at for a probe, or None (the level in force).
+        During a trial every step from its anchor on runs at the level above but the
+        blocks' (which run at the level in force)."""
         blk = self.block
-        if blk is not None and blk.start <= index < blk.end:
-            return self.upper
-        return None
+        inside = blk is not None and blk.start <= index < blk.end
+        if self.trial:
+            return None if inside or blk is None or index < self.anchor else self.upper
+        return self.upper if inside else None
 
     def record(self, index: int, level: str, loss: float | None) -> str | None:
         """A recorded step (``level``: as it ran; ``loss``: None where non-finite or
@@ -322,16 +340,18 @@ class Prober:
         blk = self.block
         if blk is None or index < blk.start - WINDOW_STEPS:
             return None
+        # The level of the steps around a block, and the block's (turned round in a trial).
+        around, inside = (self.upper, self.lower) if self.trial else (self.lower, self.upper)
         if loss is not None and math.isfinite(loss):
             if index < blk.start:
-                if level == self.lower and index >= blk.before_from:
+                if level == around and index >= blk.before_from:
                     blk.before.append((index, loss))
             elif index < blk.end:
-                if level == self.upper:
-                    self.probe_steps += 1
+                if level == inside:
+                    self.probe_steps += not self.trial
                     if index >= blk.start + LEAD_STEPS:
                         blk.upper.append(loss)
-            elif blk.after_from <= index <= blk.last and level == self.lower:
+            elif blk.after_from <= index <= blk.last and level == around:
                 blk.after.append((index, loss))
         if index < blk.last:
             return None
@@ -383,14 +403,26 @@ class Prober:
         n1, n2 = len(before), len(after)
         dof = n1 + n2 - 4
         rel_var = (ss1 + ss2) / dof / (scale * scale)
-        penalty = (lower - mu) / scale
+        # (a trial's block runs at the lower level: its excess over the steps around it)
+        penalty = (mu - lower) / scale if self.trial else (lower - mu) / scale
         # Each side with its own spread around its mean (a level that moved, a shift, is
         # noisier after it; a trend within the windows widens it, so a trend is no shift).
         se_sides = math.sqrt(
             sum((v - m1) ** 2 for v in before) / (n1 - 1) / n1 + sum((v - m2) ** 2 for v in after) / (n2 - 1) / n2
         )
         move = (m2 - m1) / scale
-        shifted = abs(m2 - m1) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
+        jump = m2 - m1
+        if self.trial:
+            # A trial's windows run at the level the job trained at until now, a loss often
+            # still falling fast (a quiet one near its floor: its windows' spread is tiny): the
+            # move beyond the line each window shows (their mean slope over the gap) is the shift.
+            x1, x2 = [float(i) for i, _ in blk.before], [float(i) for i, _ in blk.after]
+            slope = (_fit(x1, before)[2] + _fit(x2, after)[2]) / 2
+            sxx = sum((x - c1) ** 2 for x in x1) + sum((x - c2) ** 2 for x in x2)
+            jump -= slope * (c2 - c1)
+            se_sides = math.sqrt(se_sides**2 + ((c2 - c1) / 2) ** 2 * 4 * (ss1 + ss2) / dof / max(sxx, 1.0))
+            move = jump / scale
+        shifted = abs(jump) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
         # A window shared with the previous block: the two penalties hold the same lower
         # steps (the previous block's after, this one's before), each with its weight.
         shared = w1 * self._after_w * blk.shared / (n1 * self._after_n) if blk.shared and self._after_n else 0.0
@@ -402,7 +434,8 @@ class Prober:
         v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), w1 * w1 / n1 + w2 * w2 / n2, shifted, shared,
                     lags, (ss1 + ss2) / (scale * scale))  # fmt: skip
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
-                         "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted})  # fmt: skip
+                         "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted,
+                         "trial": self.trial})  # fmt: skip
         if shifted:
             self._after_n = 0  # (left out: the next block covaries with none kept)
             return None  # the data moved across the block: the two sides say different things
@@ -429,6 +462,12 @@ class Prober:
             # LOO_SHARE of the tolerance (a block that met the data's easiest batches alone is no penalty).
             held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
             if (clearly or surely) and held:
+                if self.trial:
+                    return (
+                        f"trial of {self.lower} among {self.upper} steps: {self.lower} is {mean:+.1%} (+/- {se:.1%}) "
+                        f"over {self.upper} at the same point in training, over {_blocks(tail, self.lower)}), each "
+                        f"against the {WINDOW_STEPS} {self.upper} steps on either side {_said(noise, tol)}"
+                    )
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
                     f"same point in training, over {_blocks(tail)}), each against the {WINDOW_STEPS} {self.lower} "
@@ -567,10 +606,10 @@ def _mean_se(vs: list[Verdict], coef: list[float], noise: Noise) -> tuple[float,
     return value, math.sqrt(max(var, 0.0))
 
 
-def _blocks(vs: list[Verdict]) -> str:
+def _blocks(vs: list[Verdict], at: str = "probe") -> str:
     """Which blocks a rollback's reason rests on ("N probe blocks of 5 steps (at steps
     a, b", its parenthesis left open for the caller to go on or close)."""
-    return f"{len(vs)} probe blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
+    return f"{len(vs)} {at} blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
 
 
 def _said(noise: Noise, tol: float) -> str:

@@ -173,7 +173,7 @@ def test_directive_bf16_switches_autocast_and_back(daemon: FakeDaemon, sock_path
     model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = make_data(1)[0]
-    with GreenCallback(job="prec", model=model, socket=sock_path, **FAST) as cb:
+    with GreenCallback(probe_trial=False, job="prec", model=model, socket=sock_path, **FAST) as cb:
         assert cb.supported_precisions()["bf16"] is None
         for i in range(12):
             if i == 3:
@@ -219,7 +219,7 @@ def test_unsupported_level_is_ignored_with_the_reason(
 def test_register_directive_applies_from_step_zero(sock_path: Path) -> None:
     d = FakeDaemon(sock_path, initial_precision="bf16").start()
     try:
-        with GreenCallback(job="bf16-start", model=make_model(), socket=sock_path, **FAST) as cb:
+        with GreenCallback(probe_trial=False, job="bf16-start", model=make_model(), socket=sock_path, **FAST) as cb:
             assert cb.precision == "bf16"
             with cb.step() as step:
                 assert step.precision == "bf16"
@@ -611,7 +611,7 @@ def test_a_bf16_job_s_own_tf32_flags_are_never_touched(daemon: FakeDaemon, sock_
     x, y = make_data(1)[0]
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        cb = GreenCallback(job="tf32-bf16", model=model, socket=sock_path, initial_precision="bf16",
+        cb = GreenCallback(probe_trial=False, job="tf32-bf16", model=model, socket=sock_path, initial_precision="bf16",
                            precisions=["fp32", "bf16", "fp8-emulated"], fp8_min_features=1, **FAST)  # fmt: skip
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # the job's own, later
 
@@ -661,7 +661,7 @@ def test_back_at_a_detected_fp32_level_the_job_s_own_tf32_flags_stand(daemon: Fa
     x, y = make_data(1)[0]
     try:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-        cb = GreenCallback(job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST)
+        cb = GreenCallback(probe_trial=False, job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST)
 
         def check(i: int, level: str) -> None:
             assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True), i

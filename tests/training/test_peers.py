@@ -3,6 +3,8 @@ agreed through the job's rendezvous store."""
 
 from __future__ import annotations
 
+import itertools
+
 import datetime
 import threading
 
@@ -167,7 +169,7 @@ def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
     """Rank 0's daemon asks for bf16 at step 7, rank 1's at step 23: nobody switches
     before both asked, and both switch at the same step. Then rank 1's daemon asks for
     fp32 again (a rollback): both go back at the same step, and rank 0 tells its daemon."""
-    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), probe_trial=False)
     ran = _lockstep(cbs, 70, {7: [(0, "bf16")], 23: [(1, "bf16")], 45: [(1, "fp32")]})
     assert ran[0] == ran[1], "the ranks ran different precisions at some step"
     first_low = ran[0].index("bf16")
@@ -177,6 +179,24 @@ def test_ranks_switch_precision_at_the_same_step_once_every_daemon_asks(
     assert all(p == "bf16" for p in ran[0][first_low:back]) and all(p == "fp32" for p in ran[0][back:])
     rollbacks = [e for e in cbs[0].precision_events if e["kind"] == "rollback"]
     assert len(rollbacks) == 1 and "another rank" in rollbacks[0]["reason"], cbs[0].precision_events
+
+
+def test_ranks_run_a_step_down_s_trial_at_the_same_steps(monkeypatch: pytest.MonkeyPatch, daemon, sock_path) -> None:  # type: ignore[no-untyped-def]
+    """A step down starts with a trial (greend.training.probe): fp32 but for TRIAL_BLOCKS
+    blocks of bf16, then bf16 but for the probe blocks. Every rank runs it at the same
+    steps (its blocks are drawn from the step the ranks agreed on), so DDP never averages
+    the gradients of two levels' steps."""
+    from greend.training.probe import PROBE_STEPS, TRIAL_BLOCKS
+
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore())
+    ran = _lockstep(cbs, 260, {7: [(0, "bf16"), (1, "bf16")]})
+    assert ran[0] == ran[1], "the ranks ran different precisions at some step"
+    runs = [(lvl, len(list(g))) for lvl, g in itertools.groupby(ran[0])]
+    low = [n for lvl, n in runs if lvl == "bf16"]
+    assert low[:TRIAL_BLOCKS] == [PROBE_STEPS] * TRIAL_BLOCKS, runs
+    probes = [n for lvl, n in runs[2 * TRIAL_BLOCKS + 1 : -1] if lvl == "fp32"]  # (the last may be cut short)
+    assert probes and set(probes) == {PROBE_STEPS}, runs  # then bf16, but for the probe blocks
+    assert ran[0][-1] == "bf16" and not [e for e in cbs[0].precision_events if e["kind"] == "rollback"]
 
 
 def test_a_rank_that_rolled_back_is_not_taken_down_again_by_the_words_written_before(
@@ -209,7 +229,7 @@ def test_ranks_whose_daemons_ask_different_levels_run_the_agreed_one_together(
     precise, bf16, and both run it. A rank took the agreed level down only when it was
     the very one it proposed: rank 1 stayed at fp32 for good while rank 0 ran bf16."""
     cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), precisions=["fp32", "bf16", "fp16"],
-                            loss_scaling=True)  # fmt: skip
+                            loss_scaling=True, probe_trial=False)  # fmt: skip
     ran = _lockstep(cbs, 40, {3: [(0, "bf16"), (1, "fp16")]})
     assert ran[0] == ran[1], ran  # (the probe blocks at fp32 too, at the same steps)
     assert "fp16" not in ran[0] and ran[0].count("bf16") >= 20, ran[0]
@@ -222,7 +242,7 @@ def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cb = GreenCallback(job="alone", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
+    cb = GreenCallback(probe_trial=False, job="alone", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
                        sync_every=5, flush_interval_s=0.02)  # fmt: skip
     ran = []
     try:
