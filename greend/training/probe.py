@@ -58,6 +58,19 @@ reason names the blocks, the penalty (or its rise per 100 steps), its error and 
 noise it used. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
 policy's (its register reply), else :data:`TOLERANCE`.
 
+**A trial first.** A step down (``arm(..., trial=True)``: the callback's level just went
+down) does not run the new level at once: the run stays at the level above (its steps
+reported as probe steps) but for :data:`TRIAL_BLOCKS` blocks at the new level, placed as
+the first blocks are, and each is judged the same way turned round (the block at the lower
+level, its windows at the level above; the penalty still the lower level's excess). A
+trial's windows run at the level the job trained at so far, often still falling fast, so a
+block's two sides count as a shift only by their move beyond the line each side shows. A
+verdict over the trial's blocks turns the level down after ``TRIAL_BLOCKS * PROBE_STEPS``
+steps at it; else the run goes down from the step after the trial's last window and the
+probes begin (:meth:`Prober.arm` again, from that step). A level whose penalty shows at
+once (bf16's rounding of outputs near a loss floor) is so turned down before it has done its
+harm; one whose penalty builds as it trains is the probes' to find.
+
 Why soon: the time a harmful level runs is not undone by the rollback. On a regression
 near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
 fp32 to the end left the held-out loss +0.4 / +2.0 / +5.1 % over the fp32 twin (one
@@ -65,7 +78,8 @@ seed; the gap is ~0 right after the rollback and grows as training goes on, carr
 the weights and the optimizer's state alike); hence blocks back to back right after a
 switch, and a verdict from the first blocks where the evidence is strong.
 
-What it costs: the probe steps run at the upper level (their energy is not saved: 20
+What it costs: the trial, 84 to 116 steps at the upper level once each time the run steps
+down; the probe steps run at the upper level (their energy is not saved: 20
 steps until the fourth block is judged, 159 to 255 steps after a switch, the gaps
 drawn), then 5 every 300 to 500 steps, 1.25 % in the long run, and 5 more for each
 verdict a block confirms); nothing else. The judge sees only the steps inside its
@@ -322,7 +336,9 @@ class Prober:
             blk.before_from = previous.last + 1
         self.block = blk
         # (a trial's every step runs at the level above, to be told as a probe step)
-        self.watch_from = (self.anchor if previous is None else previous.last + 1) if self.trial else start - WINDOW_STEPS
+        self.watch_from = (
+            (self.anchor if previous is None else previous.last + 1) if self.trial else start - WINDOW_STEPS
+        )
 
     def level_at(self, index: int) -> str | None:
         """The level step ``index`` runs at for a probe, or None (the level in force).
@@ -465,8 +481,8 @@ class Prober:
                 if self.trial:
                     return (
                         f"trial of {self.lower} among {self.upper} steps: {self.lower} is {mean:+.1%} (+/- {se:.1%}) "
-                        f"over {self.upper} at the same point in training, over {_blocks(tail, self.lower)}), each "
-                        f"against the {WINDOW_STEPS} {self.upper} steps on either side {_said(noise, tol)}"
+                        f"over {self.upper} at the same point in training, over {_blocks(tail, str(self.lower))}), "
+                        f"each against the {WINDOW_STEPS} {self.upper} steps on either side {_said(noise, tol)}"
                     )
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "

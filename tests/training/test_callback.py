@@ -661,7 +661,9 @@ def test_back_at_a_detected_fp32_level_the_job_s_own_tf32_flags_stand(daemon: Fa
     x, y = make_data(1)[0]
     try:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-        cb = GreenCallback(probe_trial=False, job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST)
+        cb = GreenCallback(
+            probe_trial=False, job="tf32-own", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST
+        )
 
         def check(i: int, level: str) -> None:
             assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True), i

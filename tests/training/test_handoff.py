@@ -49,7 +49,9 @@ def test_the_trend_at_a_switch_holds_every_loss_handed_over(
 ) -> None:
     model = nn.Linear(4, 2)
     losses = [2.0 + 0.01 * i for i in range(40)]
-    with GreenCallback(probe_trial=False, job="trend", model=model, socket=sock_path, initial_precision="fp32", **FAST) as cb:
+    with GreenCallback(
+        probe_trial=False, job="trend", model=model, socket=sock_path, initial_precision="fp32", **FAST
+    ) as cb:
         assert wait_for(lambda: cb.connected)
         if not sender_books:
             cb._channel.book_handed = lambda: None  # the sender never books: the training thread must

@@ -108,8 +108,15 @@ def test_switching_levels_keeps_parameters_and_optimizer_state(daemon: FakeDaemo
     model = make_model()
     params = [id(p) for p in model.parameters()]
     levels = ["fp32", "bf16", "fp16", "fp8-emulated"]
-    with GreenCallback(probe_trial=False, 
-        job="switch", model=model, socket=sock_path, precisions=levels, loss_scaling=True, fp8_min_features=16, **FAST
+    with GreenCallback(
+        probe_trial=False,
+        job="switch",
+        model=model,
+        socket=sock_path,
+        precisions=levels,
+        loss_scaling=True,
+        fp8_min_features=16,
+        **FAST,
     ) as cb:
         assert wait_for(lambda: cb.connected)
         assert daemon.registers[0]["precisions"] == levels
@@ -253,7 +260,9 @@ def test_nonfinite_right_after_a_switch_rolls_back_within_one_step(
     daemon: FakeDaemon, sock_path: Path, what: str
 ) -> None:
     model = make_model()
-    with GreenCallback(probe_trial=False, job=f"inf-{what}", model=model, socket=sock_path, cooldown_steps=1000, **FAST) as cb:
+    with GreenCallback(
+        probe_trial=False, job=f"inf-{what}", model=model, socket=sock_path, cooldown_steps=1000, **FAST
+    ) as cb:
         assert wait_for(lambda: cb.connected)
         loop = Loop(cb, model)
         loop.run(6)
@@ -296,7 +305,9 @@ def test_a_rollback_never_overtakes_the_steps_it_rolls_back(sock_path: Path) -> 
     d = FakeDaemon(sock_path, rows_every_s=5.0).start()
     try:
         model = make_model()
-        with GreenCallback(probe_trial=False, job="held-rows", model=model, socket=sock_path, cooldown_steps=1000, **FAST) as cb:
+        with GreenCallback(
+            probe_trial=False, job="held-rows", model=model, socket=sock_path, cooldown_steps=1000, **FAST
+        ) as cb:
             assert wait_for(lambda: cb.connected)
             loop = Loop(cb, model)
             loop.run(6)
@@ -419,7 +430,8 @@ def test_an_inf_under_fp8_emulated_rolls_back_to_bf16_and_undoes_the_conversion(
 ) -> None:
     model = make_model()
     params = [id(p) for p in model.parameters()]
-    with GreenCallback(probe_trial=False, 
+    with GreenCallback(
+        probe_trial=False,
         job="fp8-rollback",
         model=model,
         socket=sock_path,

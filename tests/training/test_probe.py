@@ -127,6 +127,53 @@ def test_a_falling_loss_noise_and_shifts_both_levels_see_never_roll_back(seed: i
     assert any(c.get("shifted") for c in prober.log), "a block straddling a shift is left out"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trial_turns_down_a_level_whose_penalty_shows_at_once(seed: int) -> None:
+    """A step down's trial: the run stays at fp32 but for TRIAL_BLOCKS blocks of bf16. A
+    level 12 % worse (bf16's rounding near a loss floor shows in its first steps), on a
+    loss still falling, is turned down when the trial's last block is judged, after no
+    more than the trial's steps at bf16."""
+    rng = random.Random(seed)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0, trial=True)
+    low: list[int] = []
+
+    def loss(i: int, level: str) -> float:
+        if level == "bf16":
+            low.append(i)
+        return 2.0 * (1 + i / 300) ** -0.5 * (1.12 if level == "bf16" else 1.0) * noisy(rng, 0.04)
+
+    why, at, _ = feed(prober, 600, loss)
+    assert why is not None and at is not None and at <= judged_by(TRIAL_BLOCKS - 1, 400, 0), (why, at)
+    assert "trial of bf16 among fp32 steps: bf16 is +" in why and "2 bf16 blocks of 5 steps" in why, why
+    assert len(low) == TRIAL_BLOCKS * PROBE_STEPS and low[0] == block_start(0, 400), low
+    assert all(c["trial"] for c in prober.log)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_harmless_level_passes_its_trial_and_goes_down(seed: int) -> None:
+    """A quiet loss falling fast (0.3 % noise, ~10 % over the 44 steps a block's two
+    windows span: their means differ by many of their errors) is no shift and no penalty:
+    the trial passes and the run goes down, probed at fp32 from then on."""
+    rng = random.Random(seed)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0, trial=True)
+    ran: list[str] = []
+
+    def loss(i: int, level: str) -> float:
+        ran.append(level)
+        return 2.0 * (1 + i / 60) ** -0.8 * noisy(rng, 0.003)
+
+    why, _, _ = feed(prober, 700, loss)
+    assert why is None, why
+    trial = [c for c in prober.log if c["trial"]]
+    assert len(trial) == TRIAL_BLOCKS and not any(c["shifted"] for c in trial), trial
+    assert not prober.trial and ran[-200:].count("bf16") >= 200 - 2 * PROBE_STEPS, ran[-200:]
+    runs = [(lvl, len(list(g))) for lvl, g in itertools.groupby(ran)]
+    later = [n for lvl, n in runs if lvl == "fp32"][TRIAL_BLOCKS + 1 :]  # the probes' blocks (the last may be cut)
+    assert len(later) >= DENSE_BLOCKS and set(later[:-1]) == {PROBE_STEPS}, runs
+
+
 def test_a_small_penalty_within_the_tolerance_is_kept() -> None:
     """A 2 % penalty (tolerance 5 %) under 5 % step-to-step noise: kept in most runs (the
     rule leans to the safe side near the tolerance: about 1 run in 3 rolls back over 4000

@@ -81,7 +81,8 @@ def test_the_judge_wants_three_checks_and_a_sure_excess() -> None:
 
 def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDaemon, sock_path: Path) -> None:
     model = make_model()
-    with GreenCallback(probe_trial=False, 
+    with GreenCallback(
+        probe_trial=False,
         job="ref-worse",
         model=model,
         socket=sock_path,
@@ -139,8 +140,14 @@ def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, s
 
 def test_a_harmless_level_is_kept_and_watched_to_the_end(daemon: FakeDaemon, sock_path: Path) -> None:
     model = make_model()
-    with GreenCallback(probe_trial=False, 
-        job="ref-ok", model=model, socket=sock_path, reference_loss=reference(model), reference_every=4, **FAST
+    with GreenCallback(
+        probe_trial=False,
+        job="ref-ok",
+        model=model,
+        socket=sock_path,
+        reference_loss=reference(model),
+        reference_every=4,
+        **FAST,
     ) as cb:
         assert wait_for(lambda: cb.connected)
         loop = Loop(cb, model)
@@ -188,8 +195,14 @@ def test_a_failing_reference_is_dropped_and_training_goes_on(daemon: FakeDaemon,
         raise RuntimeError("CUDA out of memory (a reference batch too large)")
 
     with pytest.warns(GreendWarning, match="reference_loss failed.*out of memory"):
-        with GreenCallback(probe_trial=False, 
-            job="ref-broken", model=model, socket=sock_path, reference_loss=broken, reference_every=2, **FAST
+        with GreenCallback(
+            probe_trial=False,
+            job="ref-broken",
+            model=model,
+            socket=sock_path,
+            reference_loss=broken,
+            reference_every=2,
+            **FAST,
         ) as cb:
             assert wait_for(lambda: cb.connected)
             loop = Loop(cb, model)
@@ -208,7 +221,8 @@ def test_a_spike_rolls_back_only_if_the_reference_batch_confirms_it(
     spike: the trend before the switch no longer counts); where the reference batch is 3x
     worse at bf16 too, it rolls back at once."""
     model = make_model()
-    with GreenCallback(probe_trial=False, 
+    with GreenCallback(
+        probe_trial=False,
         job=f"ref-spike-{penalty}",
         model=model,
         socket=sock_path,
