@@ -10,6 +10,7 @@ switch buys.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -89,17 +90,20 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     why = [(e.get("kind"), e.get("reason")) for e in rep.get("precision_log") or []]
     first = levels.index("bf16") if "bf16" in levels else None
     assert levels[0] == "fp32" and first is not None, (levels[::20], why)
-    # One step down, kept: every later step at bf16 but the probes' (blocks of PROBE_STEPS
-    # steps at fp32 judging bf16 against it, greend.training.probe), which the daemon counts
-    # as such.
-    from greend.training.probe import PROBE_STEPS  # (with torch, which this module needs)
+    # One step down, kept: its trial first (fp32 but for TRIAL_BLOCKS blocks of bf16, from
+    # block_start(0) steps after the directive), then every step at bf16 but the probes'
+    # (blocks of PROBE_STEPS steps at fp32 judging bf16 against it, greend.training.probe);
+    # the daemon counts every fp32 step from the directive on as a probe step.
+    from greend.training.probe import PROBE_STEPS, TRIAL_BLOCKS, block_start  # (with torch)
 
     after = levels[first:]
-    probes = [i for i, lvl in enumerate(after) if lvl != "bf16"]
-    n = PROBE_STEPS
-    assert set(after) <= {"bf16", "fp32"} and len(probes) % n == 0, after
-    assert all(probes[k + n - 1] - probes[k] == n - 1 for k in range(0, len(probes), n)), probes
-    assert rep.get("probe_steps") == len(probes), (rep.get("probe_steps"), probes)
+    runs = [(lvl, len(list(g))) for lvl, g in itertools.groupby(after)]
+    assert set(after) <= {"bf16", "fp32"}, runs
+    assert [n for lvl, n in runs[: 2 * TRIAL_BLOCKS : 2]] == [PROBE_STEPS] * TRIAL_BLOCKS, runs  # the trial's blocks
+    later = [n for lvl, n in runs[2 * TRIAL_BLOCKS :] if lvl == "fp32"]  # the probes' blocks
+    assert later and set(later[:-1]) <= {PROBE_STEPS} and later[-1] <= PROBE_STEPS, runs
+    probes = after.count("fp32") + block_start(0, 400)
+    assert rep.get("probe_steps") == probes, (rep.get("probe_steps"), probes, runs)
     assert r["precision_events"] == []  # the callback had nothing to roll back or refuse
     # The same accuracy as the fp32 run, within the tolerance.
     assert abs(r["eval_loss"] - base["eval_loss"]) <= TOLERANCE * base["eval_loss"], (r["eval_loss"], base)
@@ -179,7 +183,8 @@ def test_set_at_run_time_its_decisions_keep_their_kind_and_trend(tmp_path: Path,
     assert refused.returncode != 0 and "not a clock policy" in refused.stderr + refused.stdout
     d.ctl("policy", "set", "none", "--precision", "precision", *[a for p in params for a in ("--precision-param", p)])
     assert (d.status()["policy"].get("precision") or {}).get("name") == "precision"
-    r = run_trainer(d.socket, "solo", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
+    # (450 steps: the switch comes near step 150, then its trial's ~110 steps at fp32)
+    r = run_trainer(d.socket, "solo", "--steps", "450", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
     wait_ended(d, "solo")
     assert final_level(r["levels"]) == "bf16", r["levels"]
     log = json.loads(d.ctl("report", "solo", "--json").stdout)["precision_log"]
@@ -239,8 +244,8 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
     little for the probation to be sure of while the loss still falls (without a reference
     batch the level is sometimes kept: bench_precision measures how often). With
     ``reference_loss`` the ranks compare bf16 with fp32 on a fixed batch every 50 steps,
-    and the probe blocks compare them at the same steps: whichever is sure first rolls
-    back; the run ends as close to its twin as the tolerance asks."""
+    and the switch's trial and the probe blocks compare them at the same steps: whichever
+    is sure first rolls back; the run ends as close to its twin as the tolerance asks."""
     d = policy_defaults(tmp_path, daemons)
     args = ["--task", "offset-regression", "--steps", "1200", "--precisions", "fp32,bf16"]
     twin = run_trainer(tmp_path / "none.sock", "offset-fp32", *args, "--no-greend")
@@ -257,10 +262,12 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
     levels = r["levels"]
     assert "bf16" in levels and levels[-1] == "fp32", [(i, lv) for i, lv in enumerate(levels) if lv != levels[i - 1]]
     # Rolled back on evidence taken at fp32 at the same point in training: the reference
-    # batch every 50 steps, or the probe blocks (which may see it first), never the trend.
+    # batch every 50 steps, or the trial's or the probes' blocks (which may see it first),
+    # never the trend.
     (ev,) = r["precision_events"]
     by_reference = "reference check" in ev["reason"]
-    assert ev["kind"] == "rollback" and (by_reference or "probes at fp32" in ev["reason"]), ev
+    blocks = "trial of bf16 among fp32 steps" if "trial of" in ev["reason"] else "probes at fp32"
+    assert ev["kind"] == "rollback" and (by_reference or blocks in ev["reason"]), ev
     assert "over fp32" in ev["reason"], ev
     checks = [c for c in r["reference_checks"] if c["excess"] is not None]
     if by_reference:
@@ -271,7 +278,7 @@ def test_a_few_percent_penalty_is_rolled_back_by_the_reference_check(tmp_path: P
         ("switch", "fp32", "bf16"),
         ("rollback", "bf16", "fp32"),
     ]
-    assert ("reference check" if by_reference else "probes at fp32") in moves[1]["reason"]
+    assert ("reference check" if by_reference else blocks) in moves[1]["reason"]
     assert abs(tail_mean(r) / tail_mean(twin) - 1) <= 0.05 < penalty + 0.02, (tail_mean(r), tail_mean(twin), penalty)
 
 
