@@ -356,7 +356,9 @@ def workloads(steps: int, items: list[Workload], seeds: range | tuple[int, ...],
         "(eval: the held-out loss at the end, in fp32, against the twin's; as-run: the mean training loss of the "
         "last 300 steps, at the level each ran, against the twin's; saved: the energy of the job's steps saved "
         "against its fp32 baseline (sim), probe steps included; upper: the steps run at the level above for the "
-        "probes, in % of the steps after the switch; final: the level of most of the last 100 steps; the "
+        "trial and the probes, from the directive to the last step below it, in % of the steps from the directive "
+        "on; switched: the first step below the job's level (a trial's first block); final: the level of most "
+        "of the last 100 steps; the "
         "policy's tolerance is 5 %)"
     )
 
@@ -377,8 +379,17 @@ def _print_run(task: str, batch: int, extra: tuple[str, ...], n_steps: int, seed
     saved_j, steps_j = (rep.get("savings") or {}).get("saved_j"), rep.get("sim_energy_j")
     ok = isinstance(saved_j, (int, float)) and isinstance(steps_j, (int, float)) and steps_j > 0
     saved_s = f"{100 * saved_j / (steps_j + saved_j):>6.1f}%" if ok else f"{'n/a':>7}"
-    probe = rep.get("probe_steps") or 0
-    upper = f"{100 * probe / (n_steps - switched):>6.1f}%" if switched is not None else f"{'-':>7}"
+    # The steps the guard ran at the level above, from the directive (a trial's first step:
+    # block_start(0) before its first block) to the last step below it, in % of the steps
+    # from the directive on.
+    upper = f"{'-':>7}"
+    if switched is not None:
+        from greend.training.probe import block_start
+
+        trial = any(c.get("trial") for c in r.get("probe_checks") or [])
+        start = max(0, switched - block_start(0, 400)) if trial else switched
+        end = max(i for i, lvl in enumerate(levels) if lvl != levels[0]) + 1
+        upper = f"{100 * levels[start:end].count(levels[0]) / (n_steps - start):>6.1f}%"
     print(
         f"{label:<40}{seed:>5}{at:>9}{len(rollbacks):>7}{final:>6}{r['eval_loss']:>11.5g}{twin['eval_loss']:>11.5g}"
         f"{diff:>+7.2f}%{train:>+7.2f}%{saved_s}{upper}"

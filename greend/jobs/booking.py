@@ -60,6 +60,10 @@ MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its s
 # to two periods after the last daemon's word) where they said it, whichever is longer.
 NOT_TAKEN_STEPS = 100
 NOT_TAKEN_PERIODS = 3
+# Ranks that probe (they registered probe_every) start a step down with a trial: their
+# steps stay at the old level for up to this many steps more, but for the trial's blocks
+# (greend.training.probe: 126 at most).
+TRIAL_STEPS = 130
 LogName = Literal["precision_log", "decisions", "gone"]
 
 
@@ -356,12 +360,14 @@ def book_withdrawal(job: Job, reason: str, *, t_wall_s: float, max_entries: int)
 
 def book_proposals_not_taken(job: Job, *, t_wall_s: float, max_entries: int) -> PrecisionChange | None:
     """A proposal the job ran ``NOT_TAKEN_STEPS`` steps past (or three of its ranks'
-    agreement periods, if longer) without its ranks applying
+    agreement periods, if longer; ``TRIAL_STEPS`` more where they probe) without its ranks applying
     it: logged once as not taken (no rollback, no bar: its level never ran). It stands:
     the ranks may still agree on it (another rank's daemon may ask it later)."""
     p = job.proposal
     periods = [rs.sync_every for rs in job.ranks.values() if rs.sync_every]
     wait = max([NOT_TAKEN_STEPS, *(NOT_TAKEN_PERIODS * n for n in periods)])
+    if job.ranks and all(rs.probe_every for rs in job.ranks.values()):
+        wait += TRIAL_STEPS  # (a step down's trial, before the ranks run the new level)
     if p is None or p.not_taken_logged or job.steps - p.step < wait:
         return None
     p.not_taken_logged = True

@@ -611,7 +611,7 @@ class StepBook:
             self.probe_watch = NEVER
             return level, None
         prober.horizon = self.next_index + len(self.unjudged) + len(self.ended)  # the next step to start
-        probe = prober.block is not None and prober.level_at(index) == level and level != self.control.level
+        probe = prober.reported_as_probe(index, level, self.control.level)
         try:
             why = prober.record(index, level, loss)
         except Exception as e:  # a probe never breaks training

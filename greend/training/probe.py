@@ -335,10 +335,7 @@ class Prober:
             blk.shared = len(blk.before)
             blk.before_from = previous.last + 1
         self.block = blk
-        # (a trial's every step runs at the level above, to be told as a probe step)
-        self.watch_from = (
-            (self.anchor if previous is None else previous.last + 1) if self.trial else start - WINDOW_STEPS
-        )
+        self.watch_from = start - WINDOW_STEPS
 
     def level_at(self, index: int) -> str | None:
         """The level step ``index`` runs at for a probe, or None (the level in force).
@@ -349,6 +346,19 @@ class Prober:
         if self.trial:
             return None if inside or blk is None or index < self.anchor else self.upper
         return self.upper if inside else None
+
+    def reported_as_probe(self, index: int, level: str, in_force: str) -> bool:
+        """Whether step ``index``, run at ``level`` (``in_force``: the callback's level),
+        goes to the daemon as a probe step: a block's step at the level above; in a trial,
+        a block's step at the new level (the trial's other steps run the level the job ran
+        until now: its ordinary steps, so the daemon's record of the job's level, its
+        measure and its probation move only once the trial has passed)."""
+        blk = self.block
+        if blk is None:
+            return False
+        if self.trial:
+            return level == in_force and blk.start <= index < blk.end
+        return level != in_force and self.level_at(index) == level
 
     def record(self, index: int, level: str, loss: float | None) -> str | None:
         """A recorded step (``level``: as it ran; ``loss``: None where non-finite or

@@ -93,8 +93,9 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     # One step down, kept: its trial first (fp32 but for TRIAL_BLOCKS blocks of bf16, from
     # block_start(0) steps after the directive), then every step at bf16 but the probes'
     # (blocks of PROBE_STEPS steps at fp32 judging bf16 against it, greend.training.probe);
-    # the daemon counts every fp32 step from the directive on as a probe step.
-    from greend.training.probe import PROBE_STEPS, TRIAL_BLOCKS, block_start  # (with torch)
+    # the daemon counts the trial's blocks and the probes' as probe steps (the trial's fp32
+    # steps are the job's own: its level until the trial passed).
+    from greend.training.probe import PROBE_STEPS, TRIAL_BLOCKS  # (with torch, which this module needs)
 
     after = levels[first:]
     runs = [(lvl, len(list(g))) for lvl, g in itertools.groupby(after)]
@@ -102,7 +103,7 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     assert [n for lvl, n in runs[: 2 * TRIAL_BLOCKS : 2]] == [PROBE_STEPS] * TRIAL_BLOCKS, runs  # the trial's blocks
     later = [n for lvl, n in runs[2 * TRIAL_BLOCKS :] if lvl == "fp32"]  # the probes' blocks
     assert later and set(later[:-1]) <= {PROBE_STEPS} and later[-1] <= PROBE_STEPS, runs
-    probes = after.count("fp32") + block_start(0, 400)
+    probes = TRIAL_BLOCKS * PROBE_STEPS + sum(later)
     assert rep.get("probe_steps") == probes, (rep.get("probe_steps"), probes, runs)
     assert r["precision_events"] == []  # the callback had nothing to roll back or refuse
     # The same accuracy as the fp32 run, within the tolerance.
@@ -214,7 +215,8 @@ def test_noisy_real_losses_step_down_and_end_within_tolerance(
     wait_ended(d, task)
     levels = r["levels"]
     notes = json.loads(d.ctl("report", task, "--json").stdout)["notes"]
-    assert "bf16" in levels and levels[-1] == "bf16", (levels[::50], notes)
+    # (the run may end inside a probe block, at fp32 by design: the level of most of its last steps)
+    assert "bf16" in levels and final_level(levels) == "bf16", (levels[::50], notes)
     assert r["precision_events"] == [], r["precision_events"]  # no false spike
     tolerance = 0.05  # the policy's default
     assert abs(r["eval_loss"] - base["eval_loss"]) <= tolerance * base["eval_loss"], (r["eval_loss"], base)

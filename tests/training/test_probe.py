@@ -363,14 +363,17 @@ def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon:
     # Before the penalty the probes saw bf16 within the tolerance.
     early = [c for c in checks if c["penalty"] is not None and c["start"] < quiet_from]
     assert len(early) >= DENSE_BLOCKS and all(c["penalty"] < 0.05 + 3 * c["se"] for c in early)
-    # The probe steps ran at fp32 and went to the daemon as probe rows, their level named.
-    first_low = levels.index("bf16")
-    probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and first_low < i < rb["step"] - 300]
+    # The probe steps ran at fp32 and went to the daemon as probe rows, their level named;
+    # so did the trial's blocks at bf16 (the trial's other steps, at fp32, are the job's own).
+    anchor = levels.index("bf16") - block_start(0, 400)  # the directive's step (the trial's first)
+    trial_end = anchor + judged_by(TRIAL_BLOCKS - 1, 400, anchor + 300) + 1
+    probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and trial_end <= i < rb["step"] - 300]
     assert probes and len(probes) % PROBE_STEPS == 0, (probes, rb, [c["start"] for c in checks])
-    assert wait_for(lambda: any(r.get("probe") for r in rows_daemon.rows))
+    assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= len(probes) + 10)
     probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
-    assert all(r["precision"] == "fp32" for r in probe_rows)
-    assert sum(r["steps"] for r in probe_rows) >= len(early) * PROBE_STEPS
+    trial = sum(r["steps"] for r in probe_rows if r["precision"] == "bf16")
+    assert trial == TRIAL_BLOCKS * PROBE_STEPS and {r["precision"] for r in probe_rows} == {"fp32", "bf16"}
+    assert sum(r["steps"] for r in probe_rows) - trial >= len(early) * PROBE_STEPS
 
 
 def floor_regression(cb: GreenCallback, daemon: FakeDaemon, offset: float, switch_at: int, steps: int) -> list[str]:
@@ -594,5 +597,10 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     assert len(judged) >= DENSE_BLOCKS - 1 and all(
         c["upper"] == "bf16" and c["level"] == "fp8-emulated" for c in judged
     )
-    assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= len(probes))
-    assert all(r["precision"] == "bf16" for r in rows_daemon.rows if r.get("probe"))
+    # The probes' blocks go to the daemon as probe rows at bf16, the trial's at fp8 (the
+    # trial's other steps, at bf16, are the job's own: its level until the trial passed).
+    blocks = PROBE_STEPS * (TRIAL_BLOCKS + DENSE_BLOCKS)
+    assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= blocks)
+    tagged = [(r["precision"], r["steps"]) for r in rows_daemon.rows if r.get("probe")]
+    assert sum(n for lvl, n in tagged if lvl == "fp8-emulated") == PROBE_STEPS * TRIAL_BLOCKS, tagged
+    assert sum(n for lvl, n in tagged if lvl == "bf16") == PROBE_STEPS * DENSE_BLOCKS, tagged
