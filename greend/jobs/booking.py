@@ -62,7 +62,7 @@ NOT_TAKEN_STEPS = 100
 NOT_TAKEN_PERIODS = 3
 # Ranks that probe (they registered probe_every) start a step down with a trial: their
 # steps stay at the old level for up to this many steps more, but for the trial's blocks
-# (greend.training.probe: 126 at most).
+# (greend.training.probe: 126 at most; tests/training/test_probe.py holds the two together).
 TRIAL_STEPS = 130
 LogName = Literal["precision_log", "decisions", "gone"]
 

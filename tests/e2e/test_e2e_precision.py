@@ -116,6 +116,8 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
     switch = [e for e in log if e["kind"] == "switch"]
     assert [(e["from"], e["to"]) for e in switch] == [("fp32", "bf16")], log
     assert "loss stable" in switch[0]["reason"] and switch[0]["loss"] is not None
+    # Logged once the ranks ran bf16 as their own level, after the trial (its blocks are probe rows).
+    assert switch[0]["step"] > first + TRIAL_BLOCKS * PROBE_STEPS, (switch[0], first)
     assert rep_json["precision"] == "bf16" and rep["precision"] == "bf16"
     assert "bf16" in d.ctl("report", "walk").stdout
 

@@ -11,6 +11,7 @@ import pytest
 from greend.errors import ProtocolError
 from greend.jobs.booking import (
     NOT_TAKEN_STEPS,
+    TRIAL_STEPS,
     append_bounded,
     book_cap_change,
     book_host_cpu,
@@ -281,6 +282,28 @@ def test_a_proposal_the_ranks_never_run_is_logged_once_as_not_taken_and_stands()
     # Asking the level in force again withdraws it.
     book_withdrawal(job, "loss moved", t_wall_s=52.0, max_entries=10)
     assert job.proposal is None and job.precision_log[-1].kind == "withdrawn"
+
+
+def test_a_proposal_to_ranks_that_probe_waits_for_their_trial_before_it_is_not_taken() -> None:
+    """Ranks that probe (they registered probe_every) start a step down with a trial: up to
+    TRIAL_STEPS steps at the old level (but for its blocks, sent as probe rows) before they
+    run the new one. The proposal is not "not taken" meanwhile; the trial's probe rows at
+    the new level move no level; the switch is logged when the ranks' own rows run it."""
+    job, rs = _job(0)
+    rs.probe_every = 400
+    job.top_precision = "fp32"
+    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
+    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    start, t = job.steps, 102.0
+    while job.steps - start < NOT_TAKEN_STEPS + TRIAL_STEPS - 4:
+        trial_block = job.steps - start == 28
+        book_row(job, rs, _row(t, precision="bf16" if trial_block else "fp32", probe=trial_block), None, now_s=0.0)
+        t += 2.0
+        assert book_proposals_not_taken(job, t_wall_s=t, max_entries=10) is None, job.steps - start
+        assert job.precision == "fp32" and [c.kind for c in job.precision_log] == ["proposed"]
+    assert job.probe_steps == 4
+    book_row(job, rs, _row(t, precision="bf16"), None, now_s=0.0, t_wall_s=t)
+    assert job.precision == "bf16" and job.precision_log[-1].kind == "switch"
 
 
 def test_precision_events_move_the_jobs_level() -> None:

@@ -150,6 +150,15 @@ def test_a_trial_turns_down_a_level_whose_penalty_shows_at_once(seed: int) -> No
     assert all(c["trial"] for c in prober.log)
 
 
+def test_the_daemon_waits_for_a_trial_at_its_longest() -> None:
+    """The daemon logs a proposal as not taken only TRIAL_STEPS steps later than it would
+    otherwise where the ranks probe: every drawn trial ends within that."""
+    from greend.jobs.booking import TRIAL_STEPS
+
+    longest = max(judged_by(TRIAL_BLOCKS - 1, 400, seed) + 1 for seed in range(5000))
+    assert 90 < longest <= TRIAL_STEPS, longest
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_harmless_level_passes_its_trial_and_goes_down(seed: int) -> None:
     """A quiet loss falling fast (0.3 % noise, ~10 % over the 44 steps a block's two
