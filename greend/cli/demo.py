@@ -388,7 +388,7 @@ def _on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise DemoInterrupted(f"stopped by {signal.Signals(signum).name}")
 
 
-def run_demo(seconds: float = 30.0, gpus: str = "auto", keep: Path | None = None, precision: str = "bf16") -> int:
+def run_demo(seconds: float = 45.0, gpus: str = "auto", keep: Path | None = None, precision: str = "bf16") -> int:
     from greend.cli.render import render_report
 
     if not (math.isfinite(seconds) and seconds > 0):

@@ -340,7 +340,7 @@ def _check_plot_path(plot: Path) -> None:
 
 @ctl_app.command("demo")
 def ctl_demo(
-    seconds: float = typer.Option(30.0, "--seconds", help="about how long each of the two runs trains"),
+    seconds: float = typer.Option(45.0, "--seconds", help="about how long each of the two runs trains"),
     gpus: str = typer.Option("auto", "--gpus", help="sim, real, or auto (real GPUs if NVML and CUDA work)"),
     keep: Path | None = typer.Option(None, "--keep", help="keep the daemon's state dir and store here"),
     precision: str = typer.Option(
