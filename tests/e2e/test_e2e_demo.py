@@ -4,10 +4,12 @@ on, the closing table with the saving, and what happens when it is stopped."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +28,8 @@ def test_demo_runs_twice_and_ends_with_the_saving(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     keep = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "greend.ctl", "demo", "--seconds", "8", "--gpus", "sim", "--keep", str(keep)],
+        # (200 steps: the step down to fp8, asked after some 30, runs after its trial, ~100 later)
+        [sys.executable, "-m", "greend.ctl", "demo", "--seconds", "20", "--gpus", "sim", "--keep", str(keep)],
         capture_output=True,
         text=True,
         timeout=180,
@@ -81,8 +84,19 @@ def test_demo_without_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.slow
 @pytest.mark.torch
-def test_sigterm_stops_the_demo_its_daemon_and_removes_its_files(tmp_path: Path) -> None:
+def test_sigterm_stops_the_demo_its_daemon_and_removes_its_files() -> None:
     pytest.importorskip("torch")
+    # The demo puts its daemons' sockets under $TMPDIR: a short one (a Unix socket's path
+    # holds 107 bytes; pytest's tmp_path under xdist, pytest-of-root/pytest-NNN/popen-gwN/
+    # and the test's name, made it 114, and the demo's daemon refused it).
+    tmp = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))
+    try:
+        _sigterm_demo(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sigterm_demo(tmp_path: Path) -> None:
     e = env()
     e["TMPDIR"] = str(tmp_path)
     p = subprocess.Popen(

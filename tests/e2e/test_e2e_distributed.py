@@ -260,7 +260,13 @@ def test_both_ranks_switch_precision_at_the_same_step(
     first = [o["first_low"] for o in outs]
     assert first[0] is not None and first[0] == first[1], first
     # Each daemon made its own decision (a proposal), at its own step; the job switched
-    # after the later, and each daemon logged the switch at the step its rank made it.
+    # after the later (its trial first: fp32 but for two blocks of bf16, the same steps on
+    # both ranks), and each daemon logged the switch at the step its rank ran bf16 as its
+    # own level (the first run of bf16 longer than a block).
+    from greend.training.probe import PROBE_STEPS
+
+    levels = outs[0]["levels"]
+    down = next(i for i in range(first[0], len(levels)) if levels[i : i + PROBE_STEPS + 1] == ["bf16"] * (PROBE_STEPS + 1))
     decided = []
     for d in nodes:
         rep = json.loads(d.ctl("report", "ddp-precision", "--json").stdout)
@@ -268,10 +274,11 @@ def test_both_ranks_switch_precision_at_the_same_step(
         switches = [e["step"] for e in rep["precision_log"] if e["kind"] == "switch"]
         assert proposed and switches, rep["precision_log"]
         decided.append(proposed[0])
-        assert switches[0] == first[0], (switches, first)
+        assert switches[0] == down, (switches, first, down)
     assert max(decided) <= first[0], (decided, first)
     figure(
-        f"the two daemons decided bf16 at steps {decided[0]} and {decided[1]}; both ranks switched at step {first[0]}"
+        f"the two daemons decided bf16 at steps {decided[0]} and {decided[1]}; both ranks ran its trial from step "
+        f"{first[0]} and bf16 from step {down}"
     )
 
 

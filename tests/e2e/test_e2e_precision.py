@@ -295,10 +295,11 @@ def test_a_data_shift_right_after_the_switch_is_not_a_rollback_with_a_reference_
     with one, bf16 is as good as fp32 on the fixed batch, so the level stays, and the
     policy does not judge the jump either. (50: clear of the first probe block, 28-32
     steps after the switch, and the steps after it where the spike rule rests: a jump
-    there is the probe's, and the classifier has learnt the new labels by its end.)"""
+    there is the probe's, and the classifier has learnt the new labels by its end. The
+    switch without its trial, ``--no-trial``, so the jump comes right after it, at bf16.)"""
     d = policy_defaults(tmp_path, daemons)
     args = ["--task", "classifier", "--batch", "32", "--steps", "900", "--precisions", "fp32,bf16"]
-    args += ["--shift-after-switch", "50", "--step-sleep", "0.005"]
+    args += ["--shift-after-switch", "50", "--step-sleep", "0.005", "--no-trial"]
     blind = run_trainer(d.socket, "shift-blind", *args)
     assert blind["shift_at"] is not None and blind["levels"][-1] == "fp32"
     assert "loss spike" in blind["precision_events"][0]["reason"]

@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--fp8-min-features", type=int, default=None)
     ap.add_argument("--mem-share", type=float, default=0.3)
     ap.add_argument("--reference", action="store_true", help="give the callback reference_loss")
+    ap.add_argument("--no-trial", action="store_true", help="GreenCallback(probe_trial=False): a step down at once")
     ap.add_argument("--reference-every", type=int, default=50)
     ap.add_argument("--shift-at", type=int, default=-1, help="the data change task from this step on")
     ap.add_argument(
@@ -152,6 +153,8 @@ def main() -> None:
             kw["initial_precision"] = args.initial
         if args.fp8_min_features is not None:
             kw["fp8_min_features"] = args.fp8_min_features
+        if args.no_trial:
+            kw["probe_trial"] = False
         if args.reference:
             kw["reference_loss"] = lambda: loss_of(model(x_ref), y_ref)
             kw["reference_every"] = args.reference_every
