@@ -266,7 +266,8 @@ def test_both_ranks_switch_precision_at_the_same_step(
     from greend.training.probe import PROBE_STEPS
 
     levels = outs[0]["levels"]
-    down = next(i for i in range(first[0], len(levels)) if levels[i : i + PROBE_STEPS + 1] == ["bf16"] * (PROBE_STEPS + 1))
+    run = ["bf16"] * (PROBE_STEPS + 1)
+    down = next(i for i in range(first[0], len(levels)) if levels[i : i + PROBE_STEPS + 1] == run)
     decided = []
     for d in nodes:
         rep = json.loads(d.ctl("report", "ddp-precision", "--json").stdout)
