@@ -380,14 +380,14 @@ def _print_run(task: str, batch: int, extra: tuple[str, ...], n_steps: int, seed
     ok = isinstance(saved_j, (int, float)) and isinstance(steps_j, (int, float)) and steps_j > 0
     saved_s = f"{100 * saved_j / (steps_j + saved_j):>6.1f}%" if ok else f"{'n/a':>7}"
     # The steps the guard ran at the level above, from the directive (a trial's first step:
-    # block_start(0) before its first block) to the last step below it, in % of the steps
+    # trial_start(0) before its first block) to the last step below it, in % of the steps
     # from the directive on.
     upper = f"{'-':>7}"
     if switched is not None:
-        from greend.training.probe import block_start
+        from greend.training.probe import trial_start
 
         trial = any(c.get("trial") for c in r.get("probe_checks") or [])
-        start = max(0, switched - block_start(0, 400)) if trial else switched
+        start = max(0, switched - trial_start(0, 400)) if trial else switched
         end = max(i for i, lvl in enumerate(levels) if lvl != levels[0]) + 1
         upper = f"{100 * levels[start:end].count(levels[0]) / (n_steps - start):>6.1f}%"
     print(

@@ -62,8 +62,8 @@ NOT_TAKEN_STEPS = 100
 NOT_TAKEN_PERIODS = 3
 # Ranks that probe (they registered probe_every) start a step down with a trial: their
 # steps stay at the old level for up to this many steps more, but for the trial's blocks
-# (greend.training.probe: 126 at most; tests/training/test_probe.py holds the two together).
-TRIAL_STEPS = 130
+# (greend.training.probe: 148 at most; tests/training/test_probe.py holds the two together).
+TRIAL_STEPS = 150
 LogName = Literal["precision_log", "decisions", "gone"]
 
 
@@ -92,9 +92,12 @@ def book_row(
     precision = row.precision or job.precision
     probe = row.probe and row.precision is not None
     if probe:
-        # Probe steps at the level above the job's: billed at their level, never a
-        # switch, and their losses are not the job's level's (the rank judges them).
+        # Probe steps at the level above the job's (or a step down's trial blocks below
+        # it): billed at their level, never a switch, and their losses are not the job's
+        # level's (the rank judges them). They end a baseline span: the ledger's energy
+        # over a span is the baseline's, and theirs is another level's.
         job.probe_steps += n
+        job.baseline.span_open = False
     elif job.top_precision is None:
         # A client that did not say its level (an older one): its first steps run at the
         # job's own level, the top of its ladder from now on.

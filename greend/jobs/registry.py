@@ -284,7 +284,11 @@ class JobRegistry(JobTable):
             self.sessions[caller.session] = rs
             if job.top_precision is None and reg.precision is not None and not job.steps:
                 job.precision = job.top_precision = reg.precision
-            return Registered(job_id, job.run, job.precision if job.top_precision is not None else None)
+            # The level the daemon asks of the job: a standing proposal (ranks that probe
+            # run a step down's trial at the old level first: one that registers again
+            # meanwhile goes on with it), else the level in force.
+            asked = job.proposal.level if job.proposal is not None else job.precision
+            return Registered(job_id, job.run, asked if job.top_precision is not None else None)
 
     @staticmethod
     def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:

@@ -618,6 +618,9 @@ class StepBook:
             self._warnings.warn("probe", f"greend's precision probes failed ({type(e).__name__}: {e}); no more probes")
             self.control.prober = None
             why = None
+            # The next steps run the level in force (not a block's or a trial's level above).
+            self.precision = self.control.level
+            self.control.probe_model(False, self.next_index + len(self.unjudged) + len(self.ended))
         self.probe_watch = prober.watch_from if self.control.prober is not None else NEVER
         return (probe_tag(level) if probe else level), why
 

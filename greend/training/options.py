@@ -84,7 +84,7 @@ class CallbackOptions:
             which its register reply tells, else 0.05, that policy's own default).
         probe_trial: where the probes run, a step down starts with a trial: the run stays
             at the level above but for two blocks of 5 steps at the new level, judged like
-            the probes (turned round), and goes down once they pass, about 100 steps later
+            the probes (turned round), and goes down once they pass, 116-148 steps later
             (default True; False: a directive applies at once, the probes after it).
 
     Reporting:

@@ -356,6 +356,9 @@ class PrecisionControl:
         """After a recorded step: judge the reference checks that landed, start one when due."""
         if self._reference_pending:
             self.read_reference()
+        fp8 = self.fp8
+        if self.level in FP8_LEVELS and fp8 is not None and not fp8.active:
+            return  # (a probe or trial step at the level above has the fp8 linears put back: no fp8 to check)
         if self.guard.armed and (index + 1) % self.reference_every == 0 and not self._reference_pending:
             self._start_reference(index)
             self.read_reference()  # landed already on the CPU; on a GPU, judged a step or two later

@@ -58,18 +58,16 @@ reason names the blocks, the penalty (or its rise per 100 steps), its error and 
 noise it used. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
 policy's (its register reply), else :data:`TOLERANCE`.
 
-**A trial first.** A step down (``arm(..., trial=True)``: the callback's level just went
-down) does not run the new level at once: the run stays at the level above (its steps
-reported as probe steps) but for :data:`TRIAL_BLOCKS` blocks at the new level, placed as
-the first blocks are, and each is judged the same way turned round (the block at the lower
-level, its windows at the level above; the penalty still the lower level's excess). A
-trial's windows run at the level the job trained at so far, often still falling fast, so a
-block's two sides count as a shift only by their move beyond the line each side shows. A
-verdict over the trial's blocks turns the level down after ``TRIAL_BLOCKS * PROBE_STEPS``
-steps at it; else the run goes down from the step after the trial's last window and the
-probes begin (:meth:`Prober.arm` again, from that step). A level whose penalty shows at
-once (bf16's rounding of outputs near a loss floor) is so turned down before it has done its
-harm; one whose penalty builds as it trains is the probes' to find.
+**A trial first.** A step down (``arm(..., trial=True)``) does not run the new level at
+once: the run stays at the level above (the job's own steps, as the daemon books them) but
+for :data:`TRIAL_BLOCKS` blocks at the new level (sent as probe steps; placed by
+:func:`trial_start` at the same step on every rank however late each reads its losses),
+each judged the same way turned round (the penalty still the lower level's excess; a
+shift only a move beyond the line each side shows: the level the job trained at so far
+often still falls fast). A verdict turns the level down after ``TRIAL_BLOCKS *
+PROBE_STEPS`` steps at it; else the run goes down at :func:`trial_end` and the probes begin
+there. A penalty that shows at once (bf16's rounding of outputs near a loss floor) is so
+turned down before it has done its harm; one that builds as it trains is the probes'.
 
 Why soon: the time a harmful level runs is not undone by the rollback. On a regression
 near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
@@ -78,7 +76,7 @@ seed; the gap is ~0 right after the rollback and grows as training goes on, carr
 the weights and the optimizer's state alike); hence blocks back to back right after a
 switch, and a verdict from the first blocks where the evidence is strong.
 
-What it costs: the trial, 84 to 116 steps at the upper level once each time the run steps
+What it costs: the trial, 106 to 138 steps at the upper level once each time the run steps
 down; the probe steps run at the upper level (their energy is not saved: 20
 steps until the fourth block is judged, 159 to 255 steps after a switch, the gaps
 drawn), then 5 every 300 to 500 steps, 1.25 % in the long run, and 5 more for each
@@ -130,6 +128,8 @@ __all__ = [
     "judged_by",
     "probe_level",
     "probe_tag",
+    "trial_end",
+    "trial_start",
 ]
 
 PROBE_STEPS = 5  # steps of one probe block at the level above ...
@@ -277,6 +277,7 @@ class Prober:
         # but for blocks at ``lower``, judged the same way; the run goes down once it passes.
         self.trial = False
         self.trials = trials  # whether a step down starts with one (GreenCallback(probe_trial=))
+        self.held_from = 0  # a trial passed: the steps from here to the anchor run the level above
 
     @property
     def tolerance(self) -> float:
@@ -292,11 +293,11 @@ class Prober:
         return self.block is not None
 
     def arm(self, upper: str, lower: str, anchor: int, *, trial: bool = False) -> None:
-        """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now.
-        ``trial``: a step down that has just been taken: first a trial (:data:`TRIAL_BLOCKS`
-        blocks at ``lower`` among steps at ``upper``), then the probes."""
+        """The run is at ``lower`` since step ``anchor``, below ``upper``: probe from now
+        (``trial``: a step down just taken: its trial first, then the probes)."""
         self.upper, self.lower, self.anchor = upper, lower, anchor
         self.trial = trial and self.trials
+        self.held_from = anchor  # (the steps before the anchor after a trial passed: none here)
         self.blocks_done = 0
         self._after_n = 0
         self.pending = None
@@ -313,10 +314,15 @@ class Prober:
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
         if self.trial and b >= TRIAL_BLOCKS and previous is not None and self.upper and self.lower:
-            # The trial passed: the run goes down from the next step, and the probes begin.
-            self.arm(self.upper, self.lower, max(previous.last + 1, self.horizon))
+            # The trial passed: the run goes down at trial_end (the same step on every rank,
+            # however late each read the last block's losses), and the probes begin there.
+            down = max(self.anchor + trial_end(self.every, self.anchor), self.horizon)
+            self.arm(self.upper, self.lower, down)
+            self.held_from = previous.last + 1  # (until then, the level above, as the job's own steps)
             return
-        if previous is None:
+        if self.trial:
+            start = self.anchor + trial_start(b, self.every, self.anchor)
+        elif previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
         elif self.pending is not None:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most:
@@ -345,20 +351,20 @@ class Prober:
         inside = blk is not None and blk.start <= index < blk.end
         if self.trial:
             return None if inside or blk is None or index < self.anchor else self.upper
+        if self.held_from <= index < self.anchor:
+            return self.upper  # (a trial passed; the run goes down at the anchor)
         return self.upper if inside else None
 
     def reported_as_probe(self, index: int, level: str, in_force: str) -> bool:
-        """Whether step ``index``, run at ``level`` (``in_force``: the callback's level),
-        goes to the daemon as a probe step: a block's step at the level above; in a trial,
-        a block's step at the new level (the trial's other steps run the level the job ran
-        until now: its ordinary steps, so the daemon's record of the job's level, its
-        measure and its probation move only once the trial has passed)."""
+        """Whether step ``index`` run at ``level`` goes to the daemon as a probe step: a
+        block's step at the level above; in a trial, a block's at the new level (its other
+        steps are the job's own: the daemon's record of its level moves once it passed)."""
         blk = self.block
         if blk is None:
             return False
         if self.trial:
             return level == in_force and blk.start <= index < blk.end
-        return level != in_force and self.level_at(index) == level
+        return level != in_force and index >= self.anchor and self.level_at(index) == level
 
     def record(self, index: int, level: str, loss: float | None) -> str | None:
         """A recorded step (``level``: as it ran; ``loss``: None where non-finite or
@@ -673,6 +679,20 @@ def block_start(b: int, every: int, seed: int = 0) -> int:
             gap = max(DENSE_EVERY, min(2 * gap, every))
             start += max(DENSE_EVERY, gap - gap // 4 + _jitter(seed, k, gap // 2))
     return start
+
+
+def trial_start(b: int, every: int, seed: int = 0) -> int:
+    """The first step of a trial's block ``b``, counted from the step down: the first
+    after one window at the level above (the run has not moved: nothing to settle), the
+    second where the probes' second comes, :data:`READ_LAG` steps later (every rank starts
+    it at the same step, however late it reads the first block's losses)."""
+    return block_start(b, every, seed) - SETTLE_STEPS + (READ_LAG if b else 0)
+
+
+def trial_end(every: int, seed: int = 0) -> int:
+    """The step, counted from the step down, from which a trial that passed runs the new
+    level: :data:`READ_LAG` steps after its last block's windows, the same on every rank."""
+    return trial_start(TRIAL_BLOCKS - 1, every, seed) + PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS + READ_LAG
 
 
 def judged_by(b: int, every: int, seed: int = 0) -> int:

@@ -302,6 +302,10 @@ def test_a_proposal_to_ranks_that_probe_waits_for_their_trial_before_it_is_not_t
         assert book_proposals_not_taken(job, t_wall_s=t, max_entries=10) is None, job.steps - start
         assert job.precision == "fp32" and [c.kind for c in job.precision_log] == ["proposed"]
     assert job.probe_steps == 4
+    # The baseline's spans (the ledger's windows of its energy) leave the trial's block out.
+    block = 102.0 + 2.0 * 7  # the trial block's row: 116-118 s
+    assert not [s for s in job.baseline.spans if s[0] < block + 2.0 and s[1] > block], job.baseline.spans
+    assert [s[1] for s in job.baseline.spans if s[1] <= block] == [block], job.baseline.spans
     book_row(job, rs, _row(t, precision="bf16"), None, now_s=0.0, t_wall_s=t)
     assert job.precision == "bf16" and job.precision_log[-1].kind == "switch"
 

@@ -110,6 +110,27 @@ def test_a_quota_refuses_as_the_servers_limit_and_fire_and_forget_sends_nothing(
     assert ops.jobs.jobs["a"].steps == 2
 
 
+def test_a_rank_that_registers_again_while_a_proposal_stands_is_told_the_proposal() -> None:
+    """The daemon asked bf16 of a job whose ranks probe: they run its trial at fp32 first
+    (the job's level in force stays fp32 meanwhile). A rank that reconnects then is told
+    bf16, the level asked, so it goes on with the trial instead of being taken back up;
+    once the proposal is gone, the level in force again."""
+    from greend.jobs.booking import book_proposal, book_withdrawal
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    a = _Conn(1, _Peer(pid=0, uid=1000))
+    assert h["register"]({"job": "t", "precision": "fp32"}, a)["directive"] == {"precision": "fp32"}
+    job = ops.jobs.jobs["t"]
+    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=1.0, max_entries=10)
+    again = _Conn(2, _Peer(pid=0, uid=1000))
+    assert h["register"]({"job": "t", "precision": "fp32"}, again)["directive"] == {"precision": "bf16"}
+    assert job.precision == "fp32"  # (the level in force moves only when the ranks' rows run bf16)
+    book_withdrawal(job, "loss moved", t_wall_s=2.0, max_entries=10)
+    third = _Conn(3, _Peer(pid=0, uid=1000))
+    assert h["register"]({"job": "t", "precision": "fp32"}, third)["directive"] == {"precision": "fp32"}
+
+
 def test_register_carries_the_jobs_own_level_and_nothing_moves_it_above() -> None:
     ops, _ = _ops()
     h = ops.handlers()

@@ -36,6 +36,8 @@ from greend.training.probe import (
     judged_by,
     probe_level,
     probe_tag,
+    trial_end,
+    trial_start,
 )
 from greend.training.rows import Row, step_fields
 from tests.support import wait_for
@@ -144,9 +146,9 @@ def test_a_trial_turns_down_a_level_whose_penalty_shows_at_once(seed: int) -> No
         return 2.0 * (1 + i / 300) ** -0.5 * (1.12 if level == "bf16" else 1.0) * noisy(rng, 0.04)
 
     why, at, _ = feed(prober, 600, loss)
-    assert why is not None and at is not None and at <= judged_by(TRIAL_BLOCKS - 1, 400, 0), (why, at)
+    assert why is not None and at is not None and at < trial_end(400, 0), (why, at)
     assert "trial of bf16 among fp32 steps: bf16 is +" in why and "2 bf16 blocks of 5 steps" in why, why
-    assert len(low) == TRIAL_BLOCKS * PROBE_STEPS and low[0] == block_start(0, 400), low
+    assert len(low) == TRIAL_BLOCKS * PROBE_STEPS and low[0] == trial_start(0, 400), low
     assert all(c["trial"] for c in prober.log)
 
 
@@ -155,8 +157,8 @@ def test_the_daemon_waits_for_a_trial_at_its_longest() -> None:
     otherwise where the ranks probe: every drawn trial ends within that."""
     from greend.jobs.booking import TRIAL_STEPS
 
-    longest = max(judged_by(TRIAL_BLOCKS - 1, 400, seed) + 1 for seed in range(5000))
-    assert 90 < longest <= TRIAL_STEPS, longest
+    longest = max(trial_end(400, seed) for seed in range(5000))
+    assert 100 < longest <= TRIAL_STEPS, longest
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -374,15 +376,39 @@ def test_a_penalty_that_appears_only_after_probation_is_rolled_back(rows_daemon:
     assert len(early) >= DENSE_BLOCKS and all(c["penalty"] < 0.05 + 3 * c["se"] for c in early)
     # The probe steps ran at fp32 and went to the daemon as probe rows, their level named;
     # so did the trial's blocks at bf16 (the trial's other steps, at fp32, are the job's own).
-    anchor = levels.index("bf16") - block_start(0, 400)  # the directive's step (the trial's first)
-    trial_end = anchor + judged_by(TRIAL_BLOCKS - 1, 400, anchor + 300) + 1
-    probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and trial_end <= i < rb["step"] - 300]
+    anchor = levels.index("bf16") - trial_start(0, 400)  # the directive's step (the trial's first)
+    down = anchor + trial_end(400, anchor + 300)
+    probes = [i for i, lvl in enumerate(levels) if lvl == "fp32" and down <= i < rb["step"] - 300]
     assert probes and len(probes) % PROBE_STEPS == 0, (probes, rb, [c["start"] for c in checks])
     assert wait_for(lambda: sum(r["steps"] for r in rows_daemon.rows if r.get("probe")) >= len(probes) + 10)
     probe_rows = [r for r in rows_daemon.rows if r.get("probe")]
     trial = sum(r["steps"] for r in probe_rows if r["precision"] == "bf16")
     assert trial == TRIAL_BLOCKS * PROBE_STEPS and {r["precision"] for r in probe_rows} == {"fp32", "bf16"}
     assert sum(r["steps"] for r in probe_rows) - trial >= len(early) * PROBE_STEPS
+
+
+def test_probes_that_fail_mid_trial_leave_the_run_at_the_level_in_force(
+    rows_daemon: FakeDaemon, sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the probes never breaks training: one raised mid-trial (the run then at
+    fp32, the level above) stops the probes with a warning, and the next steps run the
+    level in force, bf16, not the trial's fp32 for good."""
+    model = model_near(0.0)
+    with GreenCallback(job="broken", model=model, socket=sock_path, precisions=["fp32", "bf16"], **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        train(cb, model, 20, quiet_from=10_000)
+        assert rows_daemon.directive("bf16") == 1
+        assert wait_for(lambda: cb.requested_precision == "bf16")
+        levels, _ = train(cb, model, 8, quiet_from=10_000)
+        assert levels == ["fp32"] * 8  # the trial: the level above until its first block
+
+        def broken(*a: object, **k: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(Prober, "record", broken)
+        with pytest.warns(Warning, match="probes failed"):
+            levels, _ = train(cb, model, 30, quiet_from=10_000)
+    assert levels[-20:] == ["bf16"] * 20, levels
 
 
 def floor_regression(cb: GreenCallback, daemon: FakeDaemon, offset: float, switch_at: int, steps: int) -> list[str]:
@@ -443,8 +469,7 @@ def test_a_penalty_that_grows_as_the_loss_converges_is_rolled_back_soon(
     assert rb["from"] == "bf16" and rb["to"] == "fp32"
     # By the trial's last block; the probes' first block after it is allowed, as float
     # rounding on another CPU may tip a block's verdict.
-    trial_end = judged_by(TRIAL_BLOCKS - 1, 400, switch_at)
-    assert rb["step"] - switch_at <= trial_end + 1 + judged_by(0, 400), (rb, judged)
+    assert rb["step"] - switch_at <= trial_end(400, switch_at) + judged_by(0, 400), (rb, judged)
     assert "trial of bf16 among fp32 steps: bf16 is +" in rb["reason"] and "bf16 blocks of 5 steps" in rb["reason"]
     assert levels[switch_at : rb["step"] + 1].count("bf16") <= TRIAL_BLOCKS * PROBE_STEPS  # only the trial's
     assert levels[rb["step"] + 1 :].count("bf16") == 0  # fp32 from the next step, to the end (barred)
@@ -574,8 +599,8 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     with GreenCallback(job="fp8", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
                        initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
         assert wait_for(lambda: cb.connected)
-        trial_end = switch_at + judged_by(TRIAL_BLOCKS - 1, 400, switch_at) + 1
-        for i in range(trial_end + judged_by(DENSE_BLOCKS - 1, 400, trial_end) + 10):
+        down = switch_at + trial_end(400, switch_at)
+        for i in range(down + judged_by(DENSE_BLOCKS - 1, 400, down) + 10):
             if i == switch_at:
                 assert rows_daemon.directive("fp8-emulated") == 1
                 assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
@@ -595,7 +620,7 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     probes = [i for i, lvl in enumerate(levels) if lvl == "bf16" and i >= switch_at]
     runs = [(lvl, len(list(g))) for lvl, g in itertools.groupby(levels[switch_at:])]
     # The trial: bf16 but for TRIAL_BLOCKS blocks at fp8; then fp8 but for the probe blocks at bf16.
-    assert low and low[0] == switch_at + block_start(0, 400), (runs, events)
+    assert low and low[0] == switch_at + trial_start(0, 400), (runs, events)
     fp8_runs = [n for lvl, n in runs if lvl == "fp8-emulated"]
     assert fp8_runs[:TRIAL_BLOCKS] == [PROBE_STEPS] * TRIAL_BLOCKS and min(fp8_runs[TRIAL_BLOCKS:]) > PROBE_STEPS, runs
     later = [n for lvl, n in runs[2 * TRIAL_BLOCKS + 1 :] if lvl == "bf16"]

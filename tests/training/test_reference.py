@@ -111,6 +111,38 @@ def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDa
 
 
 @needs_torchao
+def test_no_reference_check_runs_while_a_trial_has_the_fp8_linears_put_back(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    """A step down to fp8 starts with a trial: bf16 steps (the fp8 linears put back to
+    nn.Linear) but for two fp8 blocks. A reference check due at such a step would run its
+    "fp8" pass on the plain linears and book an excess of exactly 0 for fp8: none runs
+    there; those due once the run is at fp8 run and see Float8Linear layers."""
+    model = make_model()
+    x, y = batch(10_000)
+    fp8_seen: list[int] = []
+
+    def ref() -> torch.Tensor:
+        fp8_seen.append(sum(type(m).__name__ == "Float8Linear" for m in model.modules()))
+        return nn.functional.mse_loss(model(x).float(), y)
+
+    with GreenCallback(job="ref-trial", model=model, socket=sock_path, initial_precision="bf16",
+                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16, reference_loss=ref,
+                       reference_every=4, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(3)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(200)
+    checks = cb.reference_checks
+    assert len(checks) >= 10 and all(c["level"] == "fp8-emulated" for c in checks)
+    # Every pass at "fp8" saw the Float8Linear layers (each check: its bf16 pass, then its
+    # fp8 pass): the checks due in the trial's bf16 stretches did not run.
+    assert len(fp8_seen) == 2 * len(checks) and all(n > 0 for n in fp8_seen[1::2]), fp8_seen
+    assert all(c["excess"] != 0.0 for c in checks), checks
+
+
+@needs_torchao
 def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, sock_path: Path) -> None:
     """A job that trains in bf16, taken to fp8: its reference pass ran in fp32, so the
     check measured fp8 plus bf16's own gap to fp32 (the job's choice, not greend's) and
@@ -125,7 +157,7 @@ def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, s
 
     with GreenCallback(job="ref-own", model=model, socket=sock_path, initial_precision="bf16",
                        precisions=["bf16", "fp8-emulated"], fp8_min_features=16, reference_loss=ref,
-                       reference_every=4, **FAST) as cb:  # fmt: skip
+                       reference_every=4, probe_trial=False, **FAST) as cb:  # fmt: skip
         assert wait_for(lambda: cb.connected)
         loop = Loop(cb, model)
         loop.run(3)
