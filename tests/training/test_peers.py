@@ -198,6 +198,24 @@ def test_ranks_run_a_step_down_s_trial_at_the_same_steps(monkeypatch: pytest.Mon
     assert ran[0][-1] == "bf16" and not [e for e in cbs[0].precision_events if e["kind"] == "rollback"]
 
 
+def test_ranks_that_read_their_losses_at_other_times_run_the_trial_and_go_down_together(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Without the spike rule a rank reads its losses in batches of 16, or at each step's
+    end when its timer says so (as GPU reads land at other times on other ranks): rank 0
+    reads late, rank 1 at once. The trial's second block and the step the run goes down
+    are placed READ_LAG steps clear of the reads, so both ranks run every step at the same
+    level, the probe blocks after the trial included (they are drawn from the step the
+    run went down)."""
+    torch.set_num_threads(1)
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), spike_tolerance=None)
+    cbs[0]._book.judge_within_s = 1e9  # (the count only: every 16 steps)
+    cbs[1]._book.judge_within_s = 0.0  # (every step's end)
+    ran = _lockstep(cbs, 400, {7: [(0, "bf16"), (1, "bf16")]})
+    assert [i for i in range(400) if ran[0][i] != ran[1][i]] == [], list(itertools.groupby(ran[0]))
+    assert ran[0].count("bf16") > 200  # (it went down, and stayed)
+
+
 def test_a_rank_that_rolled_back_is_not_taken_down_again_by_the_words_written_before(
     monkeypatch: pytest.MonkeyPatch, daemon, sock_path
 ) -> None:  # type: ignore[no-untyped-def]
