@@ -69,21 +69,15 @@ PROBE_STEPS`` steps at it; else the run goes down at :func:`trial_end` and the p
 there. A penalty that shows at once (bf16's rounding of outputs near a loss floor) is so
 turned down before it has done its harm; one that builds as it trains is the probes'.
 
-Why soon: the time a harmful level runs is not undone by the rollback. On a regression
-near its loss floor with a decaying learning rate, 100 / 200 / 400 steps at bf16 then
-fp32 to the end left the held-out loss +0.4 / +2.0 / +5.1 % over the fp32 twin (one
-seed; the gap is ~0 right after the rollback and grows as training goes on, carried in
-the weights and the optimizer's state alike); hence blocks back to back right after a
-switch, and a verdict from the first blocks where the evidence is strong.
+Why soon: the time a harmful level runs is not undone by the rollback (a regression near its
+loss floor: 100 / 200 / 400 steps at bf16, then fp32, ended +0.4 / +2.0 / +5.1 % held-out
+over its fp32 twin); hence the trial, and the first blocks back to back.
 
-What it costs: the trial, 106 to 138 steps at the upper level once each time the run steps
-down; the probe steps run at the upper level (their energy is not saved: 20
-steps until the fourth block is judged, 159 to 255 steps after a switch, the gaps
-drawn), then 5 every 300 to 500 steps, 1.25 % in the long run, and 5 more for each
-verdict a block confirms); nothing else. The judge sees only the steps inside its
-windows (one integer compare per step elsewhere), and a probe step is an ordinary step
-at the upper level: the user's model, batch and optimizer, never a step above the job's
-own level.
+What it costs: the trial, 106 to 138 steps at the upper level each time the run steps
+down; the probe steps (20 until the fourth block is judged, 159 to 255 steps after the run
+went down, then 5 every 300 to 500 steps, 1.25 % in the long run, 5 more for each verdict
+a block confirms), ordinary steps of the user's loop at the upper level, never above the
+job's own; one integer compare a step outside the windows.
 """
 
 from __future__ import annotations
@@ -226,6 +220,7 @@ class Verdict:
     shared: float  # the covariance with the previous block (a shared lower window), over rel_var
     lags: tuple[float, ...] = ()  # sum of d[t] * d[t + k] (k = 1 ... LAGS) over its lower windows' deviations ...
     ss: float = 0.0  # ... and of d[t] ** 2, over the scale squared: the noise's correlation from step to step
+    one_sided: bool = False  # a trial's block judged against the steps before it alone
 
 
 @dataclass(frozen=True)
@@ -344,9 +339,7 @@ class Prober:
         self.watch_from = start - WINDOW_STEPS
 
     def level_at(self, index: int) -> str | None:
-        """The level step ``index`` runs at for a probe, or None (the level in force).
-        During a trial every step from its anchor on runs at the level above but the
-        blocks' (which run at the level in force)."""
+        """The level step ``index`` runs at for a probe (in a trial: every step but the blocks'), or None."""
         blk = self.block
         inside = blk is not None and blk.start <= index < blk.end
         if self.trial:
@@ -443,7 +436,7 @@ class Prober:
             sum((v - m1) ** 2 for v in before) / (n1 - 1) / n1 + sum((v - m2) ** 2 for v in after) / (n2 - 1) / n2
         )
         move = (m2 - m1) / scale
-        jump = m2 - m1
+        jump, one_sided = m2 - m1, False
         if self.trial:
             # A trial's windows run at the level the job trained at until now, a loss often
             # still falling fast (a quiet one near its floor: its windows' spread is tiny): the
@@ -455,6 +448,11 @@ class Prober:
             se_sides = math.sqrt(se_sides**2 + ((c2 - c1) / 2) ** 2 * 4 * (ss1 + ss2) / dof / max(sxx, 1.0))
             move = jump / scale
         shifted = abs(jump) > SHIFT_Z * se_sides and abs(move) > SHIFT_MIN * self.tolerance
+        if self.trial and shifted and jump > 0:
+            # The level above runs higher after a trial's block than before it: what a level
+            # that hurts the weights leaves (a move of the data may too): judged against the
+            # steps before it alone (their mean: on a falling loss, a penalty read short).
+            w1, w2, penalty, shifted, one_sided = 1.0, 0.0, (mu - m1) / scale, False, True
         # A window shared with the previous block: the two penalties hold the same lower
         # steps (the previous block's after, this one's before), each with its weight.
         shared = w1 * self._after_w * blk.shared / (n1 * self._after_n) if blk.shared and self._after_n else 0.0
@@ -464,10 +462,10 @@ class Prober:
             for k in range(1, LAGS + 1)
         )
         v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), w1 * w1 / n1 + w2 * w2 / n2, shifted, shared,
-                    lags, (ss1 + ss2) / (scale * scale))  # fmt: skip
+                    lags, (ss1 + ss2) / (scale * scale), one_sided)  # fmt: skip
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
                          "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted,
-                         "trial": self.trial})  # fmt: skip
+                         "trial": self.trial, "one_sided": one_sided})  # fmt: skip
         if shifted:
             self._after_n = 0  # (left out: the next block covaries with none kept)
             return None  # the data moved across the block: the two sides say different things
@@ -495,10 +493,11 @@ class Prober:
             held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
             if (clearly or surely) and held:
                 if self.trial:
+                    alone = " (or before it alone, where they ran higher after it)" * any(v.one_sided for v in tail)
                     return (
                         f"trial of {self.lower} among {self.upper} steps: {self.lower} is {mean:+.1%} (+/- {se:.1%}) "
                         f"over {self.upper} at the same point in training, over {_blocks(tail, str(self.lower))}), "
-                        f"each against the {WINDOW_STEPS} {self.upper} steps on either side {_said(noise, tol)}"
+                        f"each against the {WINDOW_STEPS} {self.upper} steps on either side{alone} {_said(noise, tol)}"
                     )
                 return (
                     f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
@@ -639,8 +638,7 @@ def _mean_se(vs: list[Verdict], coef: list[float], noise: Noise) -> tuple[float,
 
 
 def _blocks(vs: list[Verdict], at: str = "probe") -> str:
-    """Which blocks a rollback's reason rests on ("N probe blocks of 5 steps (at steps
-    a, b", its parenthesis left open for the caller to go on or close)."""
+    """Which blocks a reason rests on ("N probe blocks of 5 steps (at steps a, b", left open)."""
     return f"{len(vs)} {at} blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
 
 

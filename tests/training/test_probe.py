@@ -162,6 +162,26 @@ def test_the_daemon_waits_for_a_trial_at_its_longest() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_a_trial_block_that_leaves_the_level_above_higher_is_judged_against_the_steps_before_it(seed: int) -> None:
+    """A level that hurts the weights: its 5 steps leave the level above's loss 15 % higher
+    for some 30 steps after (as bf16 did on the floor regression). A block whose two sides
+    differ so is no move of the data to leave out: judged against the steps before it
+    alone, and the trial turns the level down."""
+    rng = random.Random(seed)
+    prober = Prober(tolerance=0.05, every=400)
+    prober.arm("fp32", "bf16", anchor=0, trial=True)
+    hurt = [0.0]
+
+    def loss(i: int, level: str) -> float:
+        hurt[0] = 0.2 if level == "bf16" else hurt[0] * 0.95
+        return (1 + i / 500) ** -0.5 * (1 + hurt[0]) * noisy(rng, 0.01)
+
+    why, at, _ = feed(prober, 400, loss)
+    assert why is not None and at is not None and at < trial_end(400, 0), (why, prober.log)
+    assert "before it alone" in why and any(c["one_sided"] for c in prober.log), prober.log
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_a_harmless_level_passes_its_trial_and_goes_down(seed: int) -> None:
     """A quiet loss falling fast (0.3 % noise, ~10 % over the 44 steps a block's two
     windows span: their means differ by many of their errors) is no shift and no penalty:
