@@ -133,7 +133,7 @@ class JobOps:
             "report": "steps" if self.jobs.step_detail else "intervals",
             "rows_every_s": self.jobs.rows_every_s,
         }
-        if booked.precision is not None:  # the job's level in force (a new job: its own)
+        if booked.precision is not None:  # the level asked, else the one in force (a new job: its own)
             reply["directive"] = {"precision": booked.precision}
         tolerance = self.precision_tolerance() if self.precision_tolerance is not None else None
         if tolerance is not None:

@@ -105,11 +105,11 @@ class HostCpu(Protocol):
 @dataclass(frozen=True, slots=True)
 class Registered:
     """A rank's registration as booked: the job it joined (its id may differ from the
-    one asked, see ``register``), the job's run and the level in force."""
+    one asked, see ``register``), the job's run and the level the daemon asks of it."""
 
     job: str
     run: str
-    precision: str | None  # the job's level in force; None while not known yet
+    precision: str | None  # a standing proposal's level, else the job's level in force; None while not known
 
 
 class JobRegistry(JobTable):

@@ -398,6 +398,9 @@ class PrecisionControl:
         by more than the reference tolerance; else the data changed, and nothing rolls back."""
         index = self._next_index - 1
         self.read_reference(wait=True)
+        fp8 = self.fp8
+        if self.level in FP8_LEVELS and fp8 is not None and not fp8.active:
+            return spike  # (the fp8 linears put back for a probe or trial step: no fp8 to check it on)
         self._start_reference(index)
         if not self._reference_pending:
             return spike  # the reference failed: the spike rule stands alone

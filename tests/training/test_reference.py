@@ -143,6 +143,28 @@ def test_no_reference_check_runs_while_a_trial_has_the_fp8_linears_put_back(
 
 
 @needs_torchao
+def test_a_spike_is_not_checked_on_fp8_linears_put_back(daemon: FakeDaemon, sock_path: Path) -> None:
+    """A spike read while a trial (or probe) step has the fp8 linears put back cannot be
+    checked at fp8 on the reference batch (its "fp8" pass would run the plain linears and
+    clear it as a change of the data): the spike rule's verdict stands, unchecked."""
+    model = make_model()
+    x, y = batch(10_000)
+    with GreenCallback(job="spike-trial", model=model, socket=sock_path, initial_precision="bf16",
+                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16,
+                       reference_loss=lambda: nn.functional.mse_loss(model(x).float(), y), **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(3)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(5)  # the trial: bf16 steps, the linears put back
+        control = cb._control
+        assert control.level == "fp8-emulated" and control.fp8 is not None and not control.fp8.active
+        before = len(cb.reference_checks)
+        assert control.confirm_spike("a spike") == "a spike"
+        assert len(cb.reference_checks) == before  # no check ran on the plain linears
+
+
+@needs_torchao
 def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, sock_path: Path) -> None:
     """A job that trains in bf16, taken to fp8: its reference pass ran in fp32, so the
     check measured fp8 plus bf16's own gap to fp32 (the job's choice, not greend's) and
