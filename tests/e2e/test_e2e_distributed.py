@@ -297,8 +297,10 @@ def test_a_level_one_daemon_asks_and_the_ranks_never_agree_is_logged_as_a_propos
         tmp_path, "--sim", "1", name="other", config=CONFIG.replace('precision = "precision"', 'precision = "none"')
     )
     daemons += [asking, other]
+    # (420 steps: the proposal comes near step 100, and where the ranks probe the daemon
+    # waits the longest trial, 150 steps, beyond its 100 before "not taken")
     outs = _run_ranks(
-        tmp_path, [asking.socket, other.socket], "all", 300, "ddp-disagree", "--precisions", "fp32,bf16", sync_every=10
+        tmp_path, [asking.socket, other.socket], "all", 420, "ddp-disagree", "--precisions", "fp32,bf16", sync_every=10
     )
     assert [set(o["levels"]) for o in outs] == [{"fp32"}, {"fp32"}]  # no rank ran a bf16 step
     rep = json.loads(asking.ctl("report", "ddp-disagree", "--json").stdout)
