@@ -170,6 +170,11 @@ class StepBook:
         self.hold_cpu = self._light()
         control.attach(self)
 
+    @property
+    def upcoming(self) -> int:
+        """The index of the step about to start (after those ended and not yet judged)."""
+        return self.next_index + len(self.ended) + len(self.unjudged)
+
     # StepHost: the rare paths of a step -----------------------------------------------
     def at_boundary(self, step: Step) -> None:
         control = self.control
@@ -209,7 +214,7 @@ class StepBook:
         block = prober.block if prober is not None else None
         if block is None:
             return
-        index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
+        index = self.upcoming
         probe = prober.level_at(index)  # type: ignore[union-attr]  # (block is not None: prober is set)
         self.control.probe_model(probe is not None, index)  # (below fp8: the linears as the step runs them)
         self.precision = probe if probe is not None else self.control.level
@@ -293,7 +298,7 @@ class StepBook:
         if upper is None or "probe_every" in self.channel.register_omit:
             prober.disarm()
         elif prober.lower != control.level or prober.upper != upper:
-            index = self.next_index + len(self.ended) + len(self.unjudged)  # the step about to start
+            index = self.upcoming
             # A step down taken at this step starts with a trial at the new level (the run
             # stays at the level above but for its blocks); a level come back to does not.
             stack = control.guard.stack
@@ -610,7 +615,7 @@ class StepBook:
         if prober is None:
             self.probe_watch = NEVER
             return level, None
-        prober.horizon = self.next_index + len(self.unjudged) + len(self.ended)  # the next step to start
+        prober.horizon = self.upcoming
         probe = prober.reported_as_probe(index, level, self.control.level)
         try:
             why = prober.record(index, level, loss)
@@ -620,7 +625,7 @@ class StepBook:
             why = None
             # The next steps run the level in force (not a block's or a trial's level above).
             self.precision = self.control.level
-            self.control.probe_model(False, self.next_index + len(self.unjudged) + len(self.ended))
+            self.control.probe_model(False, self.upcoming)
         self.probe_watch = prober.watch_from if self.control.prober is not None else NEVER
         return (probe_tag(level) if probe else level), why
 

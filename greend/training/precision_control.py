@@ -356,12 +356,19 @@ class PrecisionControl:
         """After a recorded step: judge the reference checks that landed, start one when due."""
         if self._reference_pending:
             self.read_reference()
-        fp8 = self.fp8
-        if self.level in FP8_LEVELS and fp8 is not None and not fp8.active:
-            return  # (a probe or trial step at the level above has the fp8 linears put back: no fp8 to check)
+        if self._fp8_put_back:
+            return  # (no fp8 to check)
         if self.guard.armed and (index + 1) % self.reference_every == 0 and not self._reference_pending:
             self._start_reference(index)
             self.read_reference()  # landed already on the CPU; on a GPU, judged a step or two later
+
+    @property
+    def _fp8_put_back(self) -> bool:
+        """Whether the run is at an fp8 level with its fp8 linears put back to ``nn.Linear``
+        (a probe or trial step at the level above): a reference pass "at fp8" now would run
+        the plain linears."""
+        fp8 = self.fp8
+        return self.level in FP8_LEVELS and fp8 is not None and not fp8.active
 
     def _start_reference(self, index: int) -> None:
         """Evaluate the reference batch in fp32 and at the level in force, on the same
@@ -398,9 +405,8 @@ class PrecisionControl:
         by more than the reference tolerance; else the data changed, and nothing rolls back."""
         index = self._next_index - 1
         self.read_reference(wait=True)
-        fp8 = self.fp8
-        if self.level in FP8_LEVELS and fp8 is not None and not fp8.active:
-            return spike  # (the fp8 linears put back for a probe or trial step: no fp8 to check it on)
+        if self._fp8_put_back:
+            return spike  # (no fp8 to check it on)
         self._start_reference(index)
         if not self._reference_pending:
             return spike  # the reference failed: the spike rule stands alone

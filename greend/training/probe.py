@@ -492,17 +492,17 @@ class Prober:
             # LOO_SHARE of the tolerance (a block that met the data's easiest batches alone is no penalty).
             held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
             if (clearly or surely) and held:
-                if self.trial:
-                    alone = " (or before it alone, where they ran higher after it)" * any(v.one_sided for v in tail)
-                    return (
-                        f"trial of {self.lower} among {self.upper} steps: {self.lower} is {mean:+.1%} (+/- {se:.1%}) "
-                        f"over {self.upper} at the same point in training, over {_blocks(tail, str(self.lower))}), "
-                        f"each against the {WINDOW_STEPS} {self.upper} steps on either side{alone} {_said(noise, tol)}"
-                    )
+                # (a trial's blocks run the lower level, among steps at the level above)
+                head, at, around = (
+                    (f"trial of {self.lower} among {self.upper} steps", str(self.lower), self.upper)
+                    if self.trial
+                    else (f"probes at {self.upper}", "probe", self.lower)
+                )
+                alone = " (or before it alone, where they ran higher after it)" * any(v.one_sided for v in tail)
                 return (
-                    f"probes at {self.upper}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the "
-                    f"same point in training, over {_blocks(tail)}), each against the {WINDOW_STEPS} {self.lower} "
-                    f"steps on either side {_said(noise, tol)}"
+                    f"{head}: {self.lower} is {mean:+.1%} (+/- {se:.1%}) over {self.upper} at the same point in "
+                    f"training, over {_blocks(tail, at)}), each against the {WINDOW_STEPS} {around} steps on either "
+                    f"side{alone} {_said(noise, tol)}"
                 )
         return self._growth(vs, noise, tol)
 

@@ -261,11 +261,20 @@ def test_a_proposal_moves_the_jobs_level_only_once_its_ranks_run_it() -> None:
     )  # fmt: skip
 
 
-def test_a_proposal_the_ranks_never_run_is_logged_once_as_not_taken_and_stands() -> None:
+def _bf16_proposed(**rank: Any) -> tuple[Job, RankSession]:
+    """A job at fp32 (its rank's attributes set from ``rank``) that has run one row, and
+    the daemon's proposal of bf16 standing."""
     job, rs = _job(0)
+    for name, value in rank.items():
+        setattr(rs, name, value)
     job.top_precision = "fp32"
     book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
     book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    return job, rs
+
+
+def test_a_proposal_the_ranks_never_run_is_logged_once_as_not_taken_and_stands() -> None:
+    job, rs = _bf16_proposed()
     start = job.steps
     t = 102.0
     while job.steps - start < NOT_TAKEN_STEPS - 4:
@@ -289,11 +298,7 @@ def test_a_proposal_to_ranks_that_probe_waits_for_their_trial_before_it_is_not_t
     TRIAL_STEPS steps at the old level (but for its blocks, sent as probe rows) before they
     run the new one. The proposal is not "not taken" meanwhile; the trial's probe rows at
     the new level move no level; the switch is logged when the ranks' own rows run it."""
-    job, rs = _job(0)
-    rs.probe_every = 400
-    job.top_precision = "fp32"
-    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
-    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    job, rs = _bf16_proposed(probe_every=400)
     start, t = job.steps, 102.0
     while job.steps - start < NOT_TAKEN_STEPS + TRIAL_STEPS - 4:
         trial_block = job.steps - start == 28
@@ -361,11 +366,7 @@ def test_an_ended_job_sheds_its_step_records() -> None:
 def test_a_proposal_waits_three_of_the_ranks_agreement_periods_before_not_taken() -> None:
     """Ranks that agree every 100 steps (the default) may take up to two periods to apply
     a level: 'not taken' comes after three, not after 100 steps."""
-    job, rs = _job(0)
-    rs.sync_every = 100
-    job.top_precision = "fp32"
-    book_row(job, rs, _row(100.0, precision="fp32"), None, now_s=0.0)
-    book_proposal(job, "bf16", "loss stable", kind="switch", trend=None, t_wall_s=9.0, max_entries=10)
+    job, rs = _bf16_proposed(sync_every=100)
     start, t = job.steps, 102.0
     while job.steps - start < 296:
         book_row(job, rs, _row(t, precision="fp32"), None, now_s=0.0)

@@ -9,9 +9,11 @@ regression where bf16 costs a few percent).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,6 +112,22 @@ def test_a_level_worse_on_the_reference_batch_rolls_back_for_good(daemon: FakeDa
     assert "bf16" in cb._control.guard.barred
 
 
+@contextlib.contextmanager
+def bf16_job_asked_fp8(
+    daemon: FakeDaemon, sock_path: Path, model: nn.Module, steps: int, **kw: Any
+) -> Iterator[tuple[GreenCallback, Loop]]:
+    """A job that trains in bf16 (fp8-emulated offered, ``kw`` GreenCallback's options over
+    these): 3 steps, the daemon asks fp8-emulated, ``steps`` more; the callback still open."""
+    with GreenCallback(job="to-fp8", model=model, socket=sock_path, initial_precision="bf16",
+                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16, **kw, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        loop.run(3)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(steps)
+        yield cb, loop
+
+
 @needs_torchao
 def test_no_reference_check_runs_while_a_trial_has_the_fp8_linears_put_back(
     daemon: FakeDaemon, sock_path: Path
@@ -126,14 +144,8 @@ def test_no_reference_check_runs_while_a_trial_has_the_fp8_linears_put_back(
         fp8_seen.append(sum(type(m).__name__ == "Float8Linear" for m in model.modules()))
         return nn.functional.mse_loss(model(x).float(), y)
 
-    with GreenCallback(job="ref-trial", model=model, socket=sock_path, initial_precision="bf16",
-                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16, reference_loss=ref,
-                       reference_every=4, **FAST) as cb:  # fmt: skip
-        assert wait_for(lambda: cb.connected)
-        loop = Loop(cb, model)
-        loop.run(3)
-        switch(daemon, cb, "fp8-emulated")
-        loop.run(200)
+    with bf16_job_asked_fp8(daemon, sock_path, model, 200, reference_loss=ref, reference_every=4) as (cb, _):
+        pass
     checks = cb.reference_checks
     assert len(checks) >= 10 and all(c["level"] == "fp8-emulated" for c in checks)
     # Every pass at "fp8" saw the Float8Linear layers (each check: its bf16 pass, then its
@@ -149,14 +161,8 @@ def test_a_spike_is_not_checked_on_fp8_linears_put_back(daemon: FakeDaemon, sock
     clear it as a change of the data): the spike rule's verdict stands, unchecked."""
     model = make_model()
     x, y = batch(10_000)
-    with GreenCallback(job="spike-trial", model=model, socket=sock_path, initial_precision="bf16",
-                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16,
-                       reference_loss=lambda: nn.functional.mse_loss(model(x).float(), y), **FAST) as cb:  # fmt: skip
-        assert wait_for(lambda: cb.connected)
-        loop = Loop(cb, model)
-        loop.run(3)
-        switch(daemon, cb, "fp8-emulated")
-        loop.run(5)  # the trial: bf16 steps, the linears put back
+    ref = lambda: nn.functional.mse_loss(model(x).float(), y)  # noqa: E731
+    with bf16_job_asked_fp8(daemon, sock_path, model, 5, reference_loss=ref) as (cb, _):  # (5: in its trial)
         control = cb._control
         assert control.level == "fp8-emulated" and control.fp8 is not None and not control.fp8.active
         before = len(cb.reference_checks)
@@ -177,14 +183,9 @@ def test_a_bf16_job_at_fp8_is_judged_against_bf16_not_fp32(daemon: FakeDaemon, s
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
         return nn.functional.mse_loss(model(x).float(), y)
 
-    with GreenCallback(job="ref-own", model=model, socket=sock_path, initial_precision="bf16",
-                       precisions=["bf16", "fp8-emulated"], fp8_min_features=16, reference_loss=ref,
-                       reference_every=4, probe_trial=False, **FAST) as cb:  # fmt: skip
-        assert wait_for(lambda: cb.connected)
-        loop = Loop(cb, model)
-        loop.run(3)
-        switch(daemon, cb, "fp8-emulated")
-        loop.run(12)
+    with bf16_job_asked_fp8(daemon, sock_path, model, 12, reference_loss=ref, reference_every=4,
+                            probe_trial=False) as (cb, loop):  # fmt: skip
+        pass
     checks = cb.reference_checks
     assert len(checks) >= 2 and {c["against"] for c in checks} == {"bf16"}
     # Two passes a check: the upper one at the job's bf16 (never autocast off: fp32), then fp8's.
