@@ -106,7 +106,20 @@ def test_rows_give_the_same_report_as_steps_within_0_1_pct(daemon: Daemon) -> No
     """The same 3000 steps, one entry per step on GPU 0 and summed in rows on GPU 1:
     FLOPs, steps, samples, losses, non-finite steps and the simulated energy agree;
     GPU energy and GFLOPS/W from the ledger within 0.1 %."""
+
+    # The simulated GPUs run the steps when they are booked, after they ended: the ledger
+    # prices the jobs' spans at what it read by then. So the spans end once it has read a
+    # second of both GPUs, and nothing is sent until it has read both after the spans'
+    # end: a booking landing between the two readings around that end would price the
+    # two jobs apart (as it did on a loaded machine, by 2 %).
+    def read_a_second() -> bool:
+        now = time.monotonic()
+        return all(daemon.ledger.energy_between(f"gpu{g}", now - 1.0, now) is not None for g in (0, 1))
+
+    assert wait_for(read_a_second, 10)
     recs = records(3000, seed=1)
+    end = recs[-1][2]
+    assert wait_for(lambda: all((daemon.ledger.last_time(f"gpu{g}") or 0.0) > end for g in (0, 1)), 5)
     path = daemon.cfg.daemon.socket
     a = Raw(path, "per-step", 0, ["fp32", "bf16"])
     b = Raw(path, "rows", 1, ["fp32", "bf16"])
