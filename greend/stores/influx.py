@@ -59,18 +59,27 @@ _SLOW = object()  # template marker: this shape of point needs the checking enco
 
 # Line protocol escaping ------------------------------------------------------------
 # A line break cannot be written in a key: it becomes an escaped space (a bare space
-# would end the key, and the server would refuse the whole batch).
+# would end the key, and the server would refuse the whole batch). A backslash that a
+# reader could take for an escape (before a comma, an equals sign, a space, another
+# backslash or the end: a job named C:\runs\ or a\ b) is written doubled, which the v2
+# write API (InfluxDB 2.x, VictoriaMetrics) reads as one backslash; written single it
+# escaped the separator after it and the point was cut short. Any other backslash
+# stays single, read as itself by every version (InfluxDB 1.x has no escape for a
+# backslash at all).
 _MEASUREMENT_ESCAPES = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\ ", "\r": r"\ "})
 _KEY_ESCAPES = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": r"\ ", "\r": r"\ "})
 _NEEDS_ESCAPING = re.compile(r"[,= \n\r\\]")
+_AMBIGUOUS_BACKSLASH = re.compile(r"\\(?=[,= \n\r\\]|$)")
 
 
 def _escape_key(s: str) -> str:
     if not _NEEDS_ESCAPING.search(s):
         return s
-    s = s.translate(_KEY_ESCAPES)
-    # A trailing backslash would escape the separator that follows.
-    return s.rstrip("\\") or "_"
+    return _AMBIGUOUS_BACKSLASH.sub(r"\\\\", s).translate(_KEY_ESCAPES)
+
+
+def _escape_measurement(s: str) -> str:
+    return _AMBIGUOUS_BACKSLASH.sub(r"\\\\", s).translate(_MEASUREMENT_ESCAPES)
 
 
 class _Encoder:
@@ -96,7 +105,7 @@ class _Encoder:
         if pre is None:
             tags = dict(p.tags)
             tags.setdefault("host", self.host)
-            parts = [p.measurement.translate(_MEASUREMENT_ESCAPES)]
+            parts = [_escape_measurement(p.measurement)]
             for k in sorted(tags):
                 v = tags[k]
                 if v is None or str(v) == "":

@@ -68,6 +68,10 @@ def test_line_protocol_escapes_and_types() -> None:
     # A line break in a tag (a job named "evil\n") is an escaped space: one valid line.
     broken = encode_points([Point("m\r", {"job": "evil\n", "run": "r1\n"}, {"v": 1.0}, 7)], host="h").decode()
     assert broken == r"m\ ,host=h,job=evil\ ,run=r1\  v=1.0 7" + "\n"
+    # A backslash a reader could take for an escape is doubled (v2 line protocol: two read
+    # as one); any other stays single, as every version reads it.
+    slashes = encode_points([Point("m", {"job": "C:\\runs\\", "d": "a\\ b", "p": "C:\\x"}, {"v": 1.0}, 7)], host="h")
+    assert slashes.decode() == r"m,d=a\\\ b,host=h,job=C:\runs\\,p=C:\x v=1.0 7" + "\n"
     assert (
         encode_points([Point("m", {"host": "mine"}, {"v": 1.0}, 5_000_000)], "other", "ms") == b"m,host=mine v=1.0 5\n"
     )
@@ -95,6 +99,37 @@ def test_points_land_with_their_values(vm: vmserver.VmServer, tmp_path: Path) ->
     assert {m["gpu"] for m, _, _ in series} == {"0", "1"}
     flag = vm.export("greend_test_flag", run=run)
     assert flag[0][0]["zone"] == "a b,c=d" and flag[0][2] == [1]
+
+
+# Job names as users write them: each a series of its own, its name as written but for
+# what line protocol cannot hold (a line break is a space). A backslash before a
+# separator once escaped it: the point was cut short, and lost without a word.
+AWKWARD_JOBS = {
+    "my job": "my job",
+    "lr=3e-4,bs=64": "lr=3e-4,bs=64",
+    'say "hi"': 'say "hi"',
+    r"C:\runs\a": r"C:\runs\a",
+    "ünïcödé-训练": "ünïcödé-训练",
+    "two\nlines": "two lines",
+    "ends\\": "ends\\",
+    "=,\\ ": "=,\\ ",
+    "a\\ b\\,c": "a\\ b\\,c",
+}
+
+
+def test_job_names_with_line_protocol_characters_land_as_written(vm: vmserver.VmServer, tmp_path: Path) -> None:
+    run, t0 = uuid.uuid4().hex[:8], now_ms()
+    store = InfluxStore(vm.influx_url, state_dir=tmp_path, host="node a,b", **FAST)
+    names = list(AWKWARD_JOBS)
+    store.write([Point("greend_test", {"run": run, "job": job}, {"v": float(i)}, (t0 + i) * 1_000_000)
+                 for i, job in enumerate(names)])  # fmt: skip
+    assert store.flush(15)
+    st = store.status()
+    assert st.written == len(names) and st.dropped == 0 and st.pending == 0, st
+    store.close()
+    vm.wait_samples("greend_test_v", len(names), run=run)
+    got = {m["job"]: (m["host"], v) for m, _, v in vm.export("greend_test_v", run=run)}
+    assert got == {AWKWARD_JOBS[job]: ("node a,b", [float(i)]) for i, job in enumerate(names)}
 
 
 def test_outage_loses_nothing_and_duplicates_nothing(vm: vmserver.VmServer, tmp_path: Path) -> None:
