@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -548,6 +549,9 @@ def _parse_param(text: str) -> tuple[str, Any]:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw  # a bare string
+    except (RecursionError, ValueError) as e:  # nested past the parser's depth; an integer of 4,300+ digits
+        why = str(e)[:120]
+        fail(f"--param {key.strip()[:80]!r}: not a value greenctl can send ({why}); give a plain number or string")
     if isinstance(value, float) and not math.isfinite(value):  # (NaN, Infinity, 1e309)
         fail(f"--param {text!r}: {key.strip()} must be a finite number")
     return key.strip(), value
@@ -682,7 +686,20 @@ def ctl_install_systemd(
             typer.echo(f"warning: the service cannot reach {h}: it will not start", err=True)
 
 
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
 def ctl_main() -> None:
     import sys
 
-    ctl_app(args=hoist_root_options(sys.argv[1:]))
+    try:
+        ctl_app(args=hoist_root_options(sys.argv[1:]))
+    except OSError as e:
+        if e.errno not in _WRITE_ERRORS:
+            raise
+        # The output could not be written (a full disk, a quota): said in one line, not a
+        # traceback; stdout is left behind so that exiting does not try to flush it again.
+        where = f" to {e.filename}" if e.filename else ""
+        sys.stdout = open(os.devnull, "w")  # (kept open until exit)
+        typer.echo(f"error: cannot write greenctl's output{where}: {e.strerror or e}", err=True)
+        raise SystemExit(2) from None

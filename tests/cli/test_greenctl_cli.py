@@ -90,6 +90,25 @@ def test_a_policy_parameter_that_is_no_finite_number_is_refused_here(value: str)
     assert code == 2 and "max_slowdown must be a finite number" in out, out
 
 
+@pytest.mark.parametrize(("value", "why"), [("[" * 5000, "recursion"), ("9" * 5000, "digits")])
+def test_a_policy_parameter_past_what_json_can_read_is_refused_in_one_line(value: str, why: str) -> None:
+    code, out = run("--socket", "/nonexistent/g.sock", "policy", "set", "efficient", "--param", f"max_slowdown={value}")
+    assert code == 2 and "--param 'max_slowdown': not a value greenctl can send" in out and why in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_output_that_cannot_be_written_is_one_line_of_error_not_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([str(Path(sys.executable).parent / "greenctl"), "--version"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "error: cannot write greenctl's output: No space left on device\n"
+
+
 def _answering(path: Path, reply: bytes, times: int = 4) -> Any:
     """A socket at ``path`` that answers every request line with ``reply``."""
     import socket
