@@ -5,8 +5,12 @@ SQLite file a --store names, else the daemon's)."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +60,24 @@ target = DaemonTarget()
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+@contextmanager
+def output_errors_in_one_line() -> Iterator[None]:
+    """Output greenctl could not write (a full disk, a quota) said in one line and exit 2,
+    not a traceback; stdout is left behind so that exiting does not flush it again."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRORS:
+            raise
+        where = f" to {e.filename}" if e.filename else ""
+        sys.stdout = open(os.devnull, "w")  # (kept open until exit)
+        typer.echo(f"error: cannot write greenctl's output{where}: {e.strerror or e}", err=True)
+        raise SystemExit(2) from None
 
 
 def setup_logging(level: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -686,20 +685,10 @@ def ctl_install_systemd(
             typer.echo(f"warning: the service cannot reach {h}: it will not start", err=True)
 
 
-_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
-
-
 def ctl_main() -> None:
     import sys
 
-    try:
+    from greend.cli.common import output_errors_in_one_line
+
+    with output_errors_in_one_line():
         ctl_app(args=hoist_root_options(sys.argv[1:]))
-    except OSError as e:
-        if e.errno not in _WRITE_ERRORS:
-            raise
-        # The output could not be written (a full disk, a quota): said in one line, not a
-        # traceback; stdout is left behind so that exiting does not try to flush it again.
-        where = f" to {e.filename}" if e.filename else ""
-        sys.stdout = open(os.devnull, "w")  # (kept open until exit)
-        typer.echo(f"error: cannot write greenctl's output{where}: {e.strerror or e}", err=True)
-        raise SystemExit(2) from None

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from greend.errors import ProtocolError
+
 # A job's claim on a GPU (greend.jobs.claims says what each means).
 ClaimState = Literal["pending", "active", "trusted"]
 
@@ -385,3 +387,19 @@ class Job:
     @property
     def running(self) -> bool:
         return self.state == "running"
+
+    def rank_held(self, rank: int, pid: int) -> ProtocolError | None:
+        """The refusal of a registration of ``rank`` by process ``pid`` where another process
+        of this job holds it here (a launcher that set no RANK makes every process rank 0,
+        and their steps were summed into one rank's); None where the rank is free to it.
+        The callback warns and registers again, and joins once that process has left; the
+        process that holds the rank may register it again (a callback made anew in a notebook)."""
+        holder = next((r for r in self.ranks.values() if r.rank == rank and r.pid != pid), None)
+        if holder is None:
+            return None
+        return ProtocolError(
+            f"rank {rank} of job {self.job!r} is already registered by pid {holder.pid}; give each process "
+            "its own rank (RANK and WORLD_SIZE, as torchrun sets them; srun sets SLURM_PROCID); steps are "
+            "not reported until then",
+            field="rank",
+        )

@@ -237,6 +237,9 @@ class JobRegistry(JobTable):
             # keeps no one off (greend.jobs.claims).
             if job is None and not caller.admin:
                 self._check_quota(None, caller.uid)
+            refused = job.rank_held(reg.rank, caller.pid) if job is not None else None
+            if refused is not None:
+                raise refused
             if job is not None and job.state != "running":
                 # The same job back after its ranks expired: its record continues.
                 log.info("job %s resumes its record (was %s: %s)", job_id, job.state, job.end_reason)

@@ -112,5 +112,6 @@ def test_a_user_over_the_quota_is_refused_before_the_owner_check() -> None:
         with pytest.raises(QuotaExceeded):
             h["register"]({"job": str(7000 + k)}, _Conn(k, _Peer(pid=k, uid=5)))
     assert asked == ["7000", "7001"]
-    h["register"]({"job": "7000"}, _Conn(9, _Peer(pid=9, uid=5)))  # a second rank of a job it runs
+    second_rank = {"job": "7000", "rank": 1, "world_size": 2}  # a second rank of a job it runs
+    h["register"](second_rank, _Conn(9, _Peer(pid=9, uid=5)))
     assert asked[-1] == "7000"

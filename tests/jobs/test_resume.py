@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from greend.errors import StateError
+from greend.errors import ProtocolError, StateError
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Caller
 from greend.jobs.registry import JobRegistry
@@ -74,3 +74,29 @@ def test_a_callback_from_before_steps_before_still_resumes_its_record() -> None:
     reg.disconnected(1)
     register(2)
     assert reg.jobs["train"] is first and first.state == "running"
+
+
+def test_a_second_process_as_a_rank_already_registered_is_refused_by_name() -> None:
+    """Two processes of one job that both say rank 0 (a launcher that set no RANK): the
+    second was booked beside the first and the rank's steps were summed (200 for a job
+    that ran 100). It is refused, naming the rank, the pid that holds it and what to set;
+    it joins once that process has left. One process may register its rank again (a
+    callback made anew in a notebook while the first one lives)."""
+    reg = JobRegistry(Ledger(), hostname="h")
+
+    def register(session: int, pid: int, rank: int) -> None:
+        r = Registration(job="train", run="run-a", rank=rank, local_rank=rank, world_size=2, gpus=(), host=None,
+                         precisions=("bf16",), mem_share=None, reference_every=None)  # fmt: skip
+        reg.register(r, Caller(session=session, pid=pid, uid=1000))
+
+    register(1, pid=100, rank=0)
+    with pytest.raises(ProtocolError, match=r"rank 0 of job 'train' is already registered by pid 100.*RANK") as e:
+        register(2, pid=200, rank=0)
+    assert e.value.field == "rank" and 2 not in reg.sessions
+    register(3, pid=200, rank=1)
+    register(4, pid=100, rank=0)  # the same process again
+    assert sorted((s.pid, s.rank) for s in reg.jobs["train"].ranks.values()) == [(100, 0), (100, 0), (200, 1)]
+    reg.disconnected(1)
+    reg.disconnected(4)
+    register(5, pid=300, rank=0)  # the first process has left: its rank is free
+    assert sorted((s.pid, s.rank) for s in reg.jobs["train"].ranks.values()) == [(200, 1), (300, 0)]
