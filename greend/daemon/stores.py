@@ -3,13 +3,16 @@ writing points to all, and listing them for ``greenctl status``.
 
 Each store fails on its own. One that fails to open is tried again every
 ``[store] retry_s`` on a thread of its own (a constructor may touch a slow disk: spool
-recovery, SQLite locks), so the tick never waits for one.
+recovery, SQLite locks), so the tick never waits for one. The points written meanwhile
+are held for it (the latest :data:`HOLD_POINTS`; older ones are dropped and counted) and
+written once it opens: its status shows them as pending, then as written.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ from greend.stores import Store, open_store, redact_url
 __all__ = ["StoreSet"]
 
 log = logging.getLogger(__name__)
+
+HOLD_POINTS = 20_000  # points held for a store that has not opened yet (about 15 MB)
 
 
 class StoreSet:
@@ -45,6 +50,11 @@ class StoreSet:
         self._lock = threading.Lock()
         self._retry_thread: threading.Thread | None = None
         self._closing = False
+        # Points for the stores not open yet (written when they open), and those dropped
+        # past HOLD_POINTS, counted in the store's status from then on.
+        self._held: dict[str, deque[Point]] = {}
+        self._dropped_unopened: dict[str, int] = {}  # url -> points, until it opens
+        self._dropped_before_open: dict[int, int] = {}  # id(store) -> points, once it opened
 
     def open_all(self) -> None:
         for url in self.cfg.store_urls:
@@ -87,6 +97,18 @@ class StoreSet:
         with self._lock:
             closing = self._closing
             if not closing:
+                # What was held for it first; under the lock, so that no point written
+                # meanwhile is held for a store that has just opened (write() takes the
+                # lock while any store waits).
+                held = self._held.pop(url, None)
+                if held:
+                    try:
+                        store.write(list(held))
+                    except Exception as e:
+                        log.error(
+                            "store %s: write of the %d points held for it failed: %s", redact_url(url), len(held), e
+                        )
+                self._dropped_before_open[id(store)] = self._dropped_unopened.pop(url, 0)
                 self.opened = [*self.opened, store]
                 self.open_errors.pop(url, None)
                 self._retry_due_s.pop(url, None)
@@ -126,7 +148,19 @@ class StoreSet:
         self._retry_thread.start()
 
     def write(self, points: list[Point]) -> None:
-        for store in self.opened:
+        opened = self.opened
+        if self.open_errors:
+            with self._lock:
+                opened = self.opened  # (one that opened while this waited for the lock: it is in here)
+                for url in self.open_errors:
+                    held = self._held.setdefault(url, deque())
+                    held.extend(points)
+                    over = len(held) - HOLD_POINTS
+                    if over > 0:
+                        for _ in range(over):
+                            held.popleft()
+                        self._dropped_unopened[url] = self._dropped_unopened.get(url, 0) + over
+        for store in opened:
             try:
                 store.write(points)
             except Exception as e:
@@ -138,11 +172,16 @@ class StoreSet:
         with self._lock:
             stores = list(self.opened)
             failed = [
-                (u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0)) for u, e in self.open_errors.items()
+                (u, e, self._retry_due_s.get(u, 0.0), self._attempts.get(u, 0), len(self._held.get(u, ())))
+                for u, e in self.open_errors.items()
             ]
+            dropped_unopened = dict(self._dropped_unopened)
+            before_open = [self._dropped_before_open.get(id(s), 0) for s in stores]
         now = self.monotonic()
         rows = [s.status().to_json() for s in stores]
-        for url, err, due, attempts in failed:
+        for r, dropped in zip(rows, before_open, strict=True):  # (and those dropped before it opened)
+            r["dropped"] = r.get("dropped", 0) + dropped
+        for url, err, due, attempts, held in failed:
             retry_in = max(0.0, due - now)
             rows.append(
                 {
@@ -150,8 +189,8 @@ class StoreSet:
                     "url": url,
                     "ok": False,
                     "written": 0,
-                    "pending": 0,
-                    "dropped": 0,
+                    "pending": held,
+                    "dropped": dropped_unopened.get(url, 0),
                     "last_error": f"failed to open: {err}; retrying every {self.retry_s:g} s "
                     f"(attempt {attempts} failed, next in {retry_in:.0f} s)",
                     "open_attempts": attempts,

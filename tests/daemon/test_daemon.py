@@ -12,6 +12,7 @@ import pytest
 from greend.config import Config
 from greend.daemon.core import Daemon, ProbeStats
 from greend.errors import ProbeError
+from greend.points import Point
 from greend.probes import CpuReading, ProbeInfo, Readings
 from tests.support import wait_for
 
@@ -219,6 +220,59 @@ def test_a_job_on_two_gpus_is_reported_per_gpu(tmp_path: Path) -> None:
         d.stop()
         t.join(5)
         d.close()
+
+
+def test_points_written_while_a_store_has_not_opened_are_held_and_written_once_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that cannot open yet (its file read-only, its disk not mounted): the points
+    of the ticks meanwhile were dropped without a count (status said dropped 0, and a job
+    that ran then was in no store). They are held, shown pending, and written once it
+    opens; past HOLD_POINTS the oldest are dropped and counted."""
+    import sqlite3
+
+    import greend.daemon.stores as stores_mod
+    from greend.errors import StoreError
+
+    real_open = stores_mod.open_store
+    can_open = False
+
+    def late_open(url: str, **kw: object) -> object:
+        if not can_open:
+            raise StoreError("disk not there yet")
+        return real_open(url, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stores_mod, "open_store", late_open)
+    monkeypatch.setattr(stores_mod, "HOLD_POINTS", 40)
+    db = tmp_path / "late.db"
+    cfg = make_config(tmp_path)
+    cfg.store.urls = [f"sqlite:///{db}"]
+    cfg.store.retry_s = 0.05
+    d = Daemon(cfg)
+    d.open_stores()
+    try:
+        now_ns = time.time_ns()
+        points = [Point("greend_test", {"k": "v"}, {"i": i}, now_ns + i) for i in range(50)]
+        d.stores.write(points[:30])
+        (row,) = d.status()["stores"]
+        assert not row["ok"] and row["pending"] == 30 and row["dropped"] == 0, row
+        d.stores.write(points[30:])
+        (row,) = d.status()["stores"]
+        assert row["pending"] == 40 and row["dropped"] == 10, row
+        can_open = True
+        time.sleep(0.06)
+        d.stores.retry_due(d.monotonic())
+        assert wait_for(lambda: len(d.stores.opened) == 1, 5)
+        (store,) = d.stores.opened
+        assert store.flush(5)  # type: ignore[attr-defined]  # (the SQLite store's own)
+        (row,) = d.status()["stores"]
+        assert row["ok"] and row["written"] == 40 and row["dropped"] == 10, row
+    finally:
+        d.close()
+    with sqlite3.connect(db) as con:
+        tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        table = next(t for t in tables if "test" in t)
+        assert con.execute(f"SELECT COUNT(*) FROM {table}").fetchone() == (40,), tables
 
 
 def test_a_store_that_failed_to_open_is_retried_off_the_tick_thread(
