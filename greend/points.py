@@ -57,6 +57,7 @@ JOB_SUMMARY_FIELDS = (
     "world_size",
     "ranks_here",
     "steps",
+    "windows",  # a command measured whole: the windows it reported its time in (it has no steps)
     "flops",
     "samples",
     "tokens",
@@ -206,14 +207,21 @@ def efficiency_point(
     return Point("greend_efficiency", {"host": host, "job": job, "precision": precision}, fields, ts)
 
 
-def job_point(ts: int, host: str, *, job: str, precision: str, end_reason: str, summary: Mapping[str, Any]) -> Point:
-    """``greend_job``: an ended job's summary (its finite numbers)."""
+def job_point(
+    ts: int, host: str, *, job: str, precision: str | None, end_reason: str, summary: Mapping[str, Any], kind: str = ""
+) -> Point:
+    """``greend_job``: an ended job's summary (its finite numbers). A command measured whole
+    (``kind`` ``measure``) is tagged so, and has no precision."""
     fields: dict[str, FieldValue] = {}
     for k in JOB_SUMMARY_FIELDS:
         v = summary.get(k)
         if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
             fields[k] = v
-    tags = {"host": host, "job": job, "precision": precision, "end_reason": end_reason}
+    tags = {"host": host, "job": job, "end_reason": end_reason}
+    if precision:
+        tags["precision"] = precision
+    if kind == "measure":
+        tags["kind"] = kind
     if summary.get("gpu_source"):  # "sim", "nvml" or both: a report from the store keeps its (sim) label
         tags["gpu_source"] = str(summary["gpu_source"])
     return Point("greend_job", tags, fields, ts)

@@ -119,12 +119,23 @@ def stored_jobs(path: Path) -> list[dict[str, Any]]:
                 "precision": r.get("precision"),
                 "saved_pct": r.get("saved_pct"),
                 "ended_at": r["ts_ns"] / 1e9,
+                **_stored_kind(r),
                 "started_at": r.get("started_at"),  # (its first part's, where it has parts)
                 "run": seen[r["job"]],
                 "from_store": str(path),
             }
         )
     return out
+
+
+def _stored_kind(r: dict[str, Any]) -> dict[str, Any]:
+    """A stored job's kind: a command measured whole (tagged ``kind=measure``) has windows,
+    not steps, and no precision, as its live report says."""
+    if r.get("kind") != "measure":
+        return {"kind": "training", "windows": None}
+    windows = r.get("windows")
+    return {"kind": "measure", "measured_whole": True, "windows": windows, "steps": None, "step_reports": None,
+            "precision": None}  # fmt: skip
 
 
 def _cap_setting(d: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +216,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "co2_method": "from the store",
         "last_loss": r.get("last_loss"),
         "precision": r.get("precision"),
+        **_stored_kind(r),
         "precision_log": precision_log,
         "decisions": caps,
         "notes": notes,

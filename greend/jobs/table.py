@@ -127,9 +127,10 @@ class JobTable:
             ts_ns(self.wall()),
             self.hostname,
             job=job.job,
-            precision=job.precision,
+            precision=None if job.kind == "measure" else job.precision,
             end_reason=job.end_reason or "",
             summary=job.summary or self.report(job),
+            kind=job.kind,
         )
 
     def note_points(self, job: Job, ts: int) -> list[Point]:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from greend.cli.render import render_report
 from greend.errors import ProtocolError, StateError
+from greend.jobs.history import stored_jobs, stored_report
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Caller
 from greend.jobs.registry import JobRegistry
 from greend.protocol import Registration
+from greend.stores.sqlite import SqliteStore
 
 
 def test_a_run_that_reconnects_with_its_run_id_continues_its_record() -> None:
@@ -100,3 +105,28 @@ def test_a_second_process_as_a_rank_already_registered_is_refused_by_name() -> N
     reg.disconnected(4)
     register(5, pid=300, rank=0)  # the first process has left: its rank is free
     assert sorted((s.pid, s.rank) for s in reg.jobs["train"].ranks.values()) == [(200, 1), (300, 0)]
+
+
+def test_a_measured_command_is_stored_as_one_and_read_back_so(tmp_path: Path) -> None:
+    """``greenctl measure``'s job from the store read as an fp32 training job with 0 steps
+    (its summary carried the default level and no kind). It is stored tagged
+    ``kind=measure`` without a precision, and read back with windows, not steps."""
+    reg = JobRegistry(Ledger(), hostname="h")
+    for kind, job in (("measure", "cmd"), ("training", "train")):
+        r = Registration(job=job, run=None, rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                         precisions=(), mem_share=None, reference_every=None, kind=kind)  # fmt: skip
+        reg.register(r, Caller(session=len(reg.sessions) + 1, pid=0, uid=1000))
+    reg.jobs["cmd"].steps = 3  # (the windows it reported its time in)
+    points = [p for p in reg.interrupt_all() if p.measurement == "greend_job"]
+    store = SqliteStore(tmp_path / "g.db")
+    store.write(points)
+    assert store.flush(5)
+    store.close()
+    rows = {r["job"]: r for r in stored_jobs(tmp_path / "g.db")}
+    assert rows["cmd"]["kind"] == "measure" and rows["cmd"]["precision"] is None
+    assert rows["cmd"]["windows"] == 3 and rows["cmd"]["steps"] is None
+    assert rows["train"]["kind"] == "training" and rows["train"]["precision"] == "fp32"
+    rep = stored_report(tmp_path / "g.db", "cmd")
+    assert rep is not None and rep["kind"] == "measure" and rep["measured_whole"] is True
+    assert rep["precision"] is None and rep["steps"] is None and rep["windows"] == 3
+    assert "windows" in render_report(rep) and "fp32" not in render_report(rep)
