@@ -33,6 +33,9 @@ __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 
 log = logging.getLogger(__name__)
 
+ROW_SPAN_MAX_S = 600.0  # the longest span a row's work is modelled over (a simulated GPU's) ...
+ROW_OVER_PEAK = 1000.0  # ... and this many times what the GPU could do in it at its peak, at most
+
 PROBE_RETRY_S = 30.0
 # A probe that failed to open is tried again after 2, 4, 8 and 16 s, then every
 # PROBE_RETRY_S: one fault at start (NVML's GetCount timing out once) costs seconds of
@@ -258,7 +261,16 @@ class ProbeScheduler:
         sims = [g for g in (self.sim_gpu(i) for i in gpus) if g is not None]
         if not sims:
             return None
-        work = [(r.flops / len(sims), mem_share, r.precision or precision) for r in rows]
+        # A row never asks the simulated GPUs for more than ROW_OVER_PEAK times the work the
+        # fastest of them could do over the row's own time (at most ROW_SPAN_MAX_S) plus a
+        # second: room for any client's FLOP estimate to be far off (and for tests' made-up
+        # rows), never a row of 1e24 FLOPs in a second (one unprivileged client's message),
+        # which made a GPU's counter 4.4e12 J for every job on it.
+        work = []
+        for r in rows:
+            level = r.precision or precision
+            span_s = min(max(r.t1_s - r.t0_s, r.busy_s, 0.0), ROW_SPAN_MAX_S) + 1.0
+            work.append((min(r.flops / len(sims), ROW_OVER_PEAK * _peak_flops(sims, level) * span_s), mem_share, level))
         for g in sims:  # the rank computes there: the GPU's process table lists it
             g.attach_process(pid)
         # Booked at once, written into the device files about once a second (defer).
@@ -338,3 +350,12 @@ class ProbeScheduler:
             p.close()
         except Exception as e:
             log.warning("probe %s: close failed: %s", p.name, e)
+
+
+def _peak_flops(sims: Sequence[Any], level: str) -> float:
+    """The fastest of ``sims``' datasheet FLOP/s at ``level`` (at any level, for one the
+    model does not know)."""
+    try:
+        return max(float(g.spec.peak_flops.for_precision(level)) for g in sims)
+    except ValueError:
+        return max(float(v) for g in sims for v in vars(g.spec.peak_flops).values())

@@ -321,3 +321,24 @@ def test_a_rank_that_changes_level_every_row_makes_one_point_per_level_an_interv
     c.close()  # the rank leaves: its last interval's points are written
     assert wait_for(lambda: sum(p.fields["steps"] for p in seen) == 64, 5)
     assert len(seen) <= 4 and {p.tags["precision"] for p in seen} == {"fp32", "bf16"}, [p.tags for p in seen]
+
+
+def test_a_row_asks_the_simulated_gpu_for_no_more_work_than_it_could_do_in_its_span(daemon: Daemon) -> None:
+    """One unprivileged client's row of 1e24 FLOPs over a second (2**31 steps, each valid
+    alone) made the simulated GPU's counter 4.4e12 J, for every job on it. The work a row
+    asks is at most 1,000 times what the GPU could do at its peak over the row's span plus
+    a second."""
+    before = daemon.ledger.total_j("gpu0")
+    c = Raw(daemon.cfg.daemon.socket, "greedy", 0, ["fp32"])
+    t = time.monotonic()
+    row = {"first_step": 0, "last_step": 2**31 - 1, "steps": 2**31, "t0_s": t - 1.0, "t1_s": t, "busy_s": 0.0,
+           "busy_sq_s2": 0.0, "flops": 1e24, "precision": "fp32"}  # fmt: skip
+    c.send({"v": 1, "op": "intervals", "rows": [row]})
+    assert c.ask({"v": 1, "id": 3, "op": "heartbeat"})["ok"] is True
+    time.sleep(0.3)  # a tick after the row
+    # 2,000 s of the H100's fp32 peak, modelled at half of it less a memory share: hours at
+    # its power, some MJ (1e8 J: 1,000 W for 28 hours), not 4.4e12 J.
+    modelled = daemon.jobs.report(daemon.jobs.jobs["greedy"])["sim_energy_j"]
+    assert 0 < modelled < 1e8, modelled
+    assert daemon.ledger.total_j("gpu0") - before < 1e8
+    c.close()
