@@ -64,7 +64,6 @@ import dataclasses
 import importlib
 import logging
 import sys
-import threading
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
@@ -196,7 +195,10 @@ class GreenCallback:
             warnings=self._warnings,
         )
         if self._book.fixed_flops is None and not opts.model_flops and "torch._dynamo" not in sys.modules:
-            threading.Thread(target=_warm_up_flop_counter, name="greend-warmup", daemon=True).start()
+            # Here, on the caller's thread (about a second, once): on a thread of its own it
+            # raced the user's torch.compile, which imports the same modules at once (a
+            # half-initialised torch._inductor or a _DeadlockError: the script died).
+            _warm_up_flop_counter()
         self._sender.start()
         # Give the first registration a moment, so a directive in its reply applies from step 0.
         self._sender.first_attempt.wait(opts.connect_timeout_s)
@@ -421,7 +423,8 @@ def _signature_or_none(batch: Any) -> Hashable | None:
 
 
 def _warm_up_flop_counter() -> None:
-    """Import what FlopCounterMode needs (torch._dynamo: seconds on a small CPU) off the training thread."""
+    """Import what FlopCounterMode needs (torch._dynamo: about a second on a small CPU), so the
+    first step that counts its FLOPs does not pay for it."""
     try:
         importlib.import_module("torch._dynamo")
     except Exception as e:

@@ -1,0 +1,48 @@
+"""A callback made just before ``torch.compile``: the script goes on (it once died there)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.support import REPO
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]  # (three interpreters with torch: about 11 s)
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from greend import GreenCallback
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    cb = GreenCallback(job="compile-race", model=model, socket="/nonexistent/greend.sock", gpus=[0],
+                       initial_precision="bf16", connect_timeout_s=0.1)
+    cmodel = torch.compile(model, backend="eager")  # the user's next line
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(3):
+        with cb.step(samples=len(x), batch=x) as step:
+            with step.autocast():
+                loss = nn.functional.cross_entropy(cmodel(x), y)
+            step.loss(loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    cb.close()
+    print("ok", step.precision)
+    """
+)
+
+
+def test_torch_compile_right_after_the_callback_runs() -> None:
+    """The constructor imported torch._dynamo on a thread of its own while the user's next
+    line, torch.compile, imported the same modules: a half-initialised torch._inductor or
+    a _DeadlockError ended the script (4 of 4 runs). It imports them on the caller's
+    thread now; three runs, each must train its steps."""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok bf16"), r.stderr[-3000:]
