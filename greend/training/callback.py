@@ -263,7 +263,7 @@ class GreenCallback:
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
             book.hold_cpu = False
-        if samples is not None and samples <= 4 and type(batch) in (tuple, list):
+        if type(samples) is int and samples <= 4 and type(batch) in (tuple, list):  # (any other samples=: rows.py)
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:
             flops = book.default_flops

@@ -63,3 +63,21 @@ def test_a_batch_of_as_many_rows_as_parts_is_not_warned(sock_path: Path, batch: 
             pass
         cb.close()
     assert not [w for w in caught if "samples=2" in str(w.message)]
+
+
+@pytest.mark.parametrize("samples", ["32", torch.Size([32]), torch.tensor([32, 32]), [32], 2.5])
+def test_a_samples_value_that_is_no_count_never_raises_into_the_loop(
+    sock_path: Path, daemon: FakeDaemon, samples: object
+) -> None:
+    """``cb.step(samples=...)`` compared any value with 4 (the tuple check): a string, a
+    shape, a tensor or a list raised into the training loop. The step runs, is reported,
+    and its samples are a whole count or none (a number in a string is taken, a list is not)."""
+    model = nn.Linear(4, 1)
+    x = torch.randn(16, 4)
+    with GreenCallback(job="odd-samples", model=model, socket=sock_path, **FAST) as cb:
+        with cb.step(samples=samples, batch=(x, x)) as step:  # type: ignore[arg-type]  # the mistake under test
+            step.loss(model(x).sum())
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert daemon.received() == 1
+    (sent,) = [s.get("samples") for s in [*daemon.steps, *daemon.rows]]
+    assert sent in (None, 0) or (type(sent) is int and str(sent) in str(samples)), sent
