@@ -242,6 +242,17 @@ class PrecisionControl:
                 self.detecting = False
                 self.own = self.level
                 log.info("greend: the job runs %s on its own (no autocast seen at its first step)", self.level)
+                if self.manage and self.level in ("fp32", "tf32"):
+                    # A bf16 job whose own torch.autocast step.autocast() replaced looks the
+                    # same from here: say how to keep it at bf16, at the default log level
+                    # (a log line: the one GreendWarning stays for a problem).
+                    log.warning(
+                        "greend: job %s is taken for %s: no autocast and no bf16/fp16 weights at its first "
+                        "step, so step.autocast() runs it at full precision. If it trained in bf16 (or fp16) "
+                        "before greend, pass GreenCallback(initial_precision='bf16') to keep it there",
+                        self._job,
+                        self.level,
+                    )
             return False
         self.detecting = False
         self.own = level

@@ -81,3 +81,29 @@ def test_a_samples_value_that_is_no_count_never_raises_into_the_loop(
     assert daemon.received() == 1
     (sent,) = [s.get("samples") for s in [*daemon.steps, *daemon.rows]]
     assert sent in (None, 0) or (type(sent) is int and str(sent) in str(samples)), sent
+
+
+@pytest.mark.parametrize(("own", "says"), [("none", True), ("initial", False), ("autocast", False), ("weights", False)])
+def test_a_job_taken_for_fp32_says_so_at_the_default_log_level(
+    sock_path: Path, daemon: FakeDaemon, caplog: pytest.LogCaptureFixture, own: str, says: bool
+) -> None:
+    """A bf16 user who swaps their torch.autocast for step.autocast() (the README's loop)
+    without initial_precision= looks like an fp32 job: it trained at fp32 with an INFO
+    line only. A WARNING says how to keep it at bf16; a job whose level is known (said,
+    its own autocast seen, bf16 weights) gets none."""
+    model = nn.Linear(4, 1)
+    if own == "weights":
+        model = model.to(torch.bfloat16)
+    kw = {"initial_precision": "bf16"} if own == "initial" else {}
+    x = torch.randn(16, 4, dtype=next(model.parameters()).dtype)
+    with caplog.at_level("WARNING", logger="greend"):
+        with GreenCallback(job="own-level", model=model, socket=sock_path, **kw, **FAST) as cb:  # type: ignore[arg-type]
+            for _ in range(3):
+                with cb.step(samples=16, batch=x) as step:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=own == "autocast"), step.autocast():
+                        loss = model(x).float().pow(2).mean()
+                    step.loss(loss)
+            level = cb.precision
+    said = [r.getMessage() for r in caplog.records if "initial_precision='bf16'" in r.getMessage()]
+    assert len(said) == int(says), said
+    assert level == ("fp32" if says else "bf16")
