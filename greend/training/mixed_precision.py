@@ -58,6 +58,7 @@ import importlib.util
 import itertools
 import logging
 import math
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -115,10 +116,14 @@ DTYPE_LEVELS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "
 
 
 def weights_level(model: torch.nn.Module | None) -> str | None:
-    """bf16 or fp16 where most of the model's floating-point weights are (a job that
-    trains in that dtype without an autocast), else None."""
+    """bf16 or fp16 where the model computes in it without an autocast: sharded by FSDP
+    with a mixed-precision policy of that ``param_dtype`` (its master weights stay fp32),
+    or most of its floating-point weights in that dtype; else None."""
     if model is None:
         return None
+    sharded = _fsdp_param_dtype(model)
+    if sharded is not None:
+        return DTYPE_LEVELS.get(sharded)
     counts: dict[torch.dtype, int] = {}
     try:
         for p in model.parameters():
@@ -130,6 +135,28 @@ def weights_level(model: torch.nn.Module | None) -> str | None:
         return None
     dtype = max(counts, key=lambda d: counts[d])
     return DTYPE_LEVELS.get(dtype)
+
+
+def _fsdp_param_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The ``param_dtype`` of the first FSDP module's mixed-precision policy in ``model``
+    (FSDP2's ``fully_shard(mp_policy=...)``, FSDP1's ``mixed_precision=``), else None. Only
+    where torch.distributed.fsdp is imported already (a job that shards has imported it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return None
+    fsdp2, fsdp1 = getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)
+    try:
+        for m in model.modules():
+            if fsdp2 is not None and isinstance(m, fsdp2):
+                dtype = m._get_fsdp_state()._mp_policy.param_dtype  # (FSDP2 keeps its policy there)
+            elif fsdp1 is not None and isinstance(m, fsdp1):
+                dtype = getattr(m.mixed_precision, "param_dtype", None)
+            else:
+                continue
+            return dtype if isinstance(dtype, torch.dtype) else None
+    except Exception as e:  # another torch's internals: no level found here
+        log.debug("cannot read the FSDP mixed-precision policy: %s", e)
+    return None
 
 
 # Support detection -------------------------------------------------------------------
