@@ -312,11 +312,18 @@ class GreenCallback:
 
     @property
     def precision(self) -> str:
-        """The level the next step runs at (after pending directives are applied)."""
+        """The level the next step runs at (after pending directives are applied): the level
+        in force, or in a probe's or a trial's block the level the block runs."""
+        control = self._control
         requested = self._channel.requested
-        if requested is not self._control.seen_request:
-            self._control.take_request(requested)
-        return self._control.level
+        if requested is not control.seen_request:
+            control.take_request(requested)
+        prober = control.prober
+        if prober is not None and prober.block is not None:
+            probe = prober.level_at(self._book.upcoming)
+            if probe is not None:
+                return probe
+        return control.level
 
     @property
     def requested_precision(self) -> str | None:

@@ -658,3 +658,36 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     tagged = [(r["precision"], r["steps"]) for r in rows_daemon.rows if r.get("probe")]
     assert sum(n for lvl, n in tagged if lvl == "fp8-emulated") == PROBE_STEPS * TRIAL_BLOCKS, tagged
     assert sum(n for lvl, n in tagged if lvl == "bf16") == PROBE_STEPS * DENSE_BLOCKS, tagged
+
+
+def test_cb_precision_is_the_level_the_next_step_runs_at_through_a_trial_and_its_probes(
+    rows_daemon: FakeDaemon, sock_path: Path
+) -> None:
+    """``cb.precision`` (the adapters' ``precision`` too) said the level in force: through a
+    step down's trial (about 130 steps) and in every probe block it named fp8 while the
+    steps ran bf16, 146 of 300 steps. It names the level the next step runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    said: list[str] = []
+    ran: list[str] = []
+    with GreenCallback(job="said", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
+                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        for i in range(300):
+            if i == 10:
+                assert rows_daemon.directive("fp8-emulated") == 1
+                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
+            said.append(cb.precision)
+            x, y = plant(i, quiet_from=10_000)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                with st.autocast():
+                    out = model(x)
+                loss = nn.functional.mse_loss(out.float(), y - 72.0)
+                st.loss(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ran.append(st.precision)
+    assert {"bf16", "fp8-emulated"} <= set(ran[10:]), ran  # (a trial and probe blocks ran)
+    assert [i for i, (a, b) in enumerate(zip(said, ran, strict=True)) if a != b] == []
