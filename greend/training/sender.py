@@ -214,7 +214,7 @@ class Sender:
         self._stop_deadline = _monotonic() + timeout_s
         self._stop_reason = reason
         self._wake.set()
-        self._thread.join(timeout_s + 1.0)
+        self._thread.join(timeout_s)  # (still blocked then, on a silent daemon: it ends on its own)
 
     # Main loop -------------------------------------------------------------------
     def _run(self) -> None:

@@ -414,6 +414,23 @@ def test_daemon_that_never_reads_does_not_slow_training(sock_path: Path) -> None
         silent.stop()
 
 
+def test_close_takes_at_most_close_timeout_s_with_a_daemon_that_never_answers(sock_path: Path) -> None:
+    """close() waited close_timeout_s and one second more for the sender thread (3 s against
+    the documented 2 s on a silent daemon). It waits close_timeout_s."""
+    silent = SilentDaemon(sock_path)
+    try:
+        opts = {"close_timeout_s": 1.0, "connect_timeout_s": 0.2}
+        cb = GreenCallback(job="silent", socket=sock_path, flops_per_step=1.0, **opts)
+        with cb.step(samples=1) as step:
+            step.loss(0.5)
+        t = time.monotonic()
+        cb.close()
+        took = time.monotonic() - t
+    finally:
+        silent.stop()
+    assert took < 1.0 + 0.3, took
+
+
 def test_daemon_that_stops_reading_mid_run(daemon: FakeDaemon, sock_path: Path) -> None:
     """Registered, then the daemon hangs: the socket buffer fills; steps stay cheap; it reconnects."""
     with pytest.warns(GreendWarning, match="has not read anything"):
