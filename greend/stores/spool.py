@@ -62,6 +62,7 @@ from pathlib import Path
 
 from greend.errors import StoreError
 from greend.fsutil import fsync_dir, write_atomic
+from greend.stores._repeats import RepeatedErrors
 
 __all__ = ["Segment", "Spool"]
 
@@ -116,6 +117,7 @@ class Spool:
         self.fsync_s = fsync_s
         self._clock = clock or time.monotonic
         self._lock = threading.RLock()
+        self._errors = RepeatedErrors(log)  # (a full disk fails every append: logged once per 5 min)
         self._sealed: list[Segment] = []
         self._detached: dict[int, tuple[int, int]] = {}  # seq -> (bytes, points): being sealed, not listed yet
         self._busy: int | None = None  # seq the sender has in flight
@@ -260,7 +262,7 @@ class Spool:
             except OSError as e:
                 self.dropped += n
                 self.last_error = f"spool append failed: {e}"
-                log.error("spool %s: append of %d points failed: %s", self.shown, n, e)
+                self._errors.error("spool %s: append of %d points failed: %s", self.shown, n, e)
                 if self._fd is not None:
                     try:
                         os.ftruncate(self._fd, self._open_bytes)  # no part of these lines stays (a full disk)

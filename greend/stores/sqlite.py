@@ -34,6 +34,7 @@ from urllib.parse import SplitResult, urlsplit
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
 from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
+from greend.stores._repeats import RepeatedErrors
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
@@ -131,6 +132,7 @@ class SqliteStore:
         self._columns: dict[str, set[str]] = {}
         self._written = 0
         self._dropped = 0  # points lost, all causes (status: dropped)
+        self._errors = RepeatedErrors(log)  # (a full disk fails every batch: logged once per 5 min)
         self._reopened: str | None = None  # why the file was opened anew, said with the next batch
         self._queue_full = 0  # of them, refused by a full queue
         self._last_error: str | None = None
@@ -375,7 +377,7 @@ class SqliteStore:
         except (OSError, sqlite3.Error, StoreError) as e:
             self._dropped += len(batch)
             self._last_error = f"the SQLite store {self.path} cannot be opened again: {e}"
-            log.error("sqlite store: %s", self._last_error)
+            self._errors.error("sqlite store: %s", self._last_error)
             return
         reopened, self._reopened = self._reopened, None
         error = self._transaction(batch)
@@ -390,7 +392,7 @@ class SqliteStore:
             except (OSError, sqlite3.Error) as e:
                 self._dropped += len(batch)
                 self._last_error = f"the SQLite store {self.path} is corrupt and cannot be replaced: {e}"
-                log.error("sqlite store: %s", self._last_error)
+                self._errors.error("sqlite store: %s", self._last_error)
                 return
             moved = self._last_error
             if self._transaction(batch) is None:
@@ -409,7 +411,7 @@ class SqliteStore:
         self._dropped += lost
         if lost:
             self._last_error = _describe(last)
-            log.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
+            self._errors.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
         else:
             self._last_error = None
 
