@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,19 +179,21 @@ def ctl_jobs(
         "(influx://HOST:PORT?... or http://HOST:PORT, victoria-metrics), or a Prometheus that "
         "scrapes every node (prom://HOST:PORT): every job there, summed across its nodes",
     ),
-    since: str = typer.Option(
-        "1d", "--since", help="with a shared --store: the jobs that ended within this long (30m, 12h, 7d)"
+    since: str | None = typer.Option(
+        None, "--since", help="the ended jobs that ended within this long (30m, 12h, 7d; a shared --store: 1d)"
     ),
 ) -> None:
     """Jobs on this node: running, and recently ended (--all: every ended job the store has;
     --store URL: every ended job of the cluster in a shared store, the last --since)."""
     from greend.jobs.history import is_shared_store, parse_duration_s, shared_jobs, stored_jobs
 
+    try:
+        since_s = parse_duration_s(since) if since is not None else None
+    except ValueError as e:
+        fail(f"--since: {e}")
     if store is not None and is_shared_store(store):
         try:
-            cluster = shared_jobs(store, parse_duration_s(since))
-        except ValueError as e:
-            fail(f"--since: {e}")
+            cluster = shared_jobs(store, since_s or 86400.0)
         except GreendError as e:
             fail(str(e))
         typer.echo(json.dumps({"jobs": cluster}, indent=2) if as_json else render_jobs(cluster))
@@ -229,6 +232,9 @@ def ctl_jobs(
                 typer.echo(f"note: {e}; the daemon's list follows (its latest ended runs)", err=True)
         elif daemon_down:
             fail(f"{daemon_down}; and no SQLite store to read: give --store FILE")
+    if since_s is not None:  # (running jobs stay listed)
+        cutoff = time.time() - since_s
+        jobs = [j for j in jobs if j.get("state") != "ended" or (j.get("ended_at") or cutoff) >= cutoff]
     typer.echo(json.dumps({"jobs": jobs}, indent=2) if as_json else render_jobs(jobs))
 
 

@@ -209,3 +209,28 @@ def test_restore_from_a_state_dir_that_is_not_there_is_named(tmp_path: Path) -> 
     (tmp_path / "state").mkdir()
     r = CliRunner().invoke(greend_cmd.daemon_app, ["restore", "--state-dir", str(tmp_path / "state")])
     assert r.exit_code == 0, r.output
+
+
+def test_jobs_since_is_checked_and_applies_to_a_store_file_too(tmp_path: Path) -> None:
+    """``--since`` was read only with a shared store: ``greenctl jobs --store X.db --since
+    bogus`` exited 0 and listed everything. A bad value is refused by name, and a good one
+    keeps the ended jobs that ended within it."""
+    import time
+
+    from greend.points import job_point
+    from greend.stores.sqlite import SqliteStore
+
+    db = tmp_path / "g.db"
+    store = SqliteStore(db)
+    now = time.time()
+    store.write([job_point(int((now - age) * 1e9), "n", job=job, precision="bf16", end_reason="finished",
+                           summary={"steps": 10}) for job, age in (("old", 7200.0), ("new", 60.0))])  # fmt: skip
+    assert store.flush(5)
+    store.close()
+    common = ("--socket", str(tmp_path / "none.sock"), "jobs", "--store", str(db), "--json")
+    code, out = run(*common, "--since", "bogus")
+    assert code == 2 and "--since: not a duration: 'bogus'" in out, out
+    code, out = run(*common, "--since", "1h")
+    assert code == 0 and [j["job"] for j in json.loads(out[out.index("{") :])["jobs"]] == ["new"], out
+    code, out = run(*common)
+    assert code == 0 and sorted(j["job"] for j in json.loads(out[out.index("{") :])["jobs"]) == ["new", "old"], out
