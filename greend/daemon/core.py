@@ -136,7 +136,7 @@ class Daemon:
         # the jobs' socket ops; ended runs kept in the state dir, for history after a restart
         self.job_ops = JobOps(
             self.jobs,
-            JobArchive(lambda: self.state_dir.inside(ARCHIVE_DIR)),
+            JobArchive(lambda: self.state_dir.inside(ARCHIVE_DIR), shown=cfg.daemon.state_dir / ARCHIVE_DIR),
             precision_tolerance=self.control.precision_tolerance,
         )
         self.status_context = StatusContext(

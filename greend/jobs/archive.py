@@ -57,11 +57,12 @@ class JobArchive:
     """``<state_dir>/jobs/<ended ns>-<job, quoted>-<run>.json``: ``{"row": the job's
     row in ``jobs``, "report": its report with its series}``."""
 
-    def __init__(self, directory: Path | Callable[[], Path], *, keep: int = 1000) -> None:
+    def __init__(self, directory: Path | Callable[[], Path], *, keep: int = 1000, shown: Path | None = None) -> None:
         """``directory``: the folder, or what gives it at each use (the daemon's: through
         the state dir's held descriptor, so a state dir swapped after start is not
-        followed)."""
+        followed); ``shown``: the folder as a person knows it, in messages."""
         self._where = directory
+        self._shown = shown
         self.keep = keep
         self._rows: dict[str, dict[str, Any] | None] = {}  # file name -> its row (the files never change)
 
@@ -86,8 +87,9 @@ class JobArchive:
                 (self.dir / old).unlink(missing_ok=True)
                 self._rows.pop(old, None)
         except (OSError, ValueError, TypeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror and self._shown else e  # (its path: the fd's)
             log.warning("cannot keep job %s's report in %s: %s (its history after a restart is the store's)",
-                        row.get("job"), self.dir, e)  # fmt: skip
+                        row.get("job"), self._shown or self.dir, why)  # fmt: skip
 
     def _files(self) -> list[str]:
         try:
@@ -102,7 +104,7 @@ class JobArchive:
                 doc = json.loads(fh.read())
             return doc if isinstance(doc, dict) else None
         except (OSError, ValueError) as e:
-            log.warning("skipping %s: %s", self.dir / name, e)
+            log.warning("skipping %s: %s", (self._shown or self.dir) / name, e)
             return None
 
     def runs(self, job: str) -> list[dict[str, Any]]:

@@ -115,3 +115,18 @@ def test_a_user_over_the_quota_is_refused_before_the_owner_check() -> None:
     second_rank = {"job": "7000", "rank": 1, "world_size": 2}  # a second rank of a job it runs
     h["register"](second_rank, _Conn(9, _Peer(pid=9, uid=5)))
     assert asked[-1] == "7000"
+
+
+def test_a_report_that_cannot_be_kept_names_the_folder_as_configured(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon reaches its state dir through a held descriptor (/proc/self/fd/N): a full
+    disk's warning named /proc/self/fd/3/jobs, a path no operator knows. It names the
+    folder as configured."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the folder should be")
+    archive = JobArchive(lambda: blocked / "jobs", shown=Path("/var/lib/greend/jobs"))
+    with caplog.at_level("WARNING", logger="greend.jobs.archive"):
+        archive.save({"job": "j", "run_id": "r", "uid": 0}, {"job": "j"}, 1)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "cannot keep job j's report in /var/lib/greend/jobs:" in line and "not-a-dir" not in line, line
