@@ -101,6 +101,7 @@ class ProbeScheduler:
         self.stats: dict[str, ProbeStats] = {}
         self.on_open: Callable[[Probe], None] | None = None  # told of every probe that opens
         self._closed = False
+        self._sim_failed_logged_s = float("-inf")  # when a failure to model steps was last logged
 
     def open_all(self, enabled: list[str], ctx: ProbeContext) -> None:
         try:
@@ -271,10 +272,16 @@ class ProbeScheduler:
             level = r.precision or precision
             span_s = min(max(r.t1_s - r.t0_s, r.busy_s, 0.0), ROW_SPAN_MAX_S) + 1.0
             work.append((min(r.flops / len(sims), ROW_OVER_PEAK * _peak_flops(sims, level) * span_s), mem_share, level))
-        for g in sims:  # the rank computes there: the GPU's process table lists it
-            g.attach_process(pid)
-        # Booked at once, written into the device files about once a second (defer).
-        per_gpu = [g.run_steps(work, defer=True) for g in sims]
+        try:
+            for g in sims:  # the rank computes there: the GPU's process table lists it
+                g.attach_process(pid)
+            # Booked at once, written into the device files about once a second (defer).
+            per_gpu = [g.run_steps(work, defer=True) for g in sims]
+        except OSError as e:  # its device files cannot be written (a full state dir): not modelled
+            if self.monotonic() - self._sim_failed_logged_s > 300.0:
+                self._sim_failed_logged_s = self.monotonic()
+                log.error("simulated GPUs %s: steps not modelled (logged again in 5 min at most): %s", list(gpus), e)
+            return None
         return [
             ExecutedRow(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu))
             for i in range(len(work))

@@ -342,3 +342,29 @@ def test_a_row_asks_the_simulated_gpu_for_no_more_work_than_it_could_do_in_its_s
     assert 0 < modelled < 1e8, modelled
     assert daemon.ledger.total_j("gpu0") - before < 1e8
     c.close()
+
+
+def test_rows_are_booked_when_the_simulated_gpus_cannot_write_their_files(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full state dir: the simulated GPU's device file could not be written and every
+    steps message was answered ``internal``. The rows are booked (steps, FLOPs), not
+    modelled, and the failure logged once."""
+    import errno
+
+    gpu = daemon.probing.sim_gpu(0)
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gpu, "attach_process", full)
+    c = Raw(daemon.cfg.daemon.socket, "full-disk", 0, ["fp32"])
+    with caplog.at_level("ERROR", logger="greend.daemon.probing"):
+        for k in range(3):
+            c.send({"v": 1, "op": "intervals", "rows": as_rows(records(100, seed=k), False, 100)})
+        reply = c.ask({"v": 1, "id": 3, "op": "heartbeat"})  # (an error of a row's would be read first)
+    assert reply["ok"] is True and reply["id"] == 3, reply
+    job = daemon.jobs.jobs["full-disk"]
+    assert job.steps == 300 and job.flops > 0
+    assert len([r for r in caplog.records if "steps not modelled" in r.getMessage()]) == 1
+    c.close()
