@@ -645,9 +645,8 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     # The trial: bf16 but for TRIAL_BLOCKS blocks at fp8; then fp8 but for the probe blocks at bf16.
     assert low and low[0] == switch_at + trial_start(0, 400), (runs, events)
     fp8_runs = [n for lvl, n in runs if lvl == "fp8-emulated"]
-    assert fp8_runs[:TRIAL_BLOCKS] == [PROBE_STEPS] * TRIAL_BLOCKS and min(fp8_runs[TRIAL_BLOCKS:-1]) > PROBE_STEPS, (
-        runs
-    )  # (the last: cut by the loop)
+    assert fp8_runs[:TRIAL_BLOCKS] == [PROBE_STEPS] * TRIAL_BLOCKS, runs
+    assert min(fp8_runs[TRIAL_BLOCKS:-1]) > PROBE_STEPS, runs  # (the last run: cut by the loop's end)
     later = [n for lvl, n in runs[2 * TRIAL_BLOCKS + 1 :] if lvl == "bf16"]
     assert later == [PROBE_STEPS] * DENSE_BLOCKS, runs
     assert all(fp8_layers[i] == 0 for i in probes)  # the probe steps ran plain bf16 linears ...
