@@ -108,6 +108,7 @@ class StoreSet:
                         log.error(
                             "store %s: write of the %d points held for it failed: %s", redact_url(url), len(held), e
                         )
+                        self._dropped_unopened[url] = self._dropped_unopened.get(url, 0) + len(held)
                 self._dropped_before_open[id(store)] = self._dropped_unopened.pop(url, 0)
                 self.opened = [*self.opened, store]
                 self.open_errors.pop(url, None)
@@ -148,11 +149,17 @@ class StoreSet:
         self._retry_thread.start()
 
     def write(self, points: list[Point]) -> None:
-        opened = self.opened
-        if self.open_errors:
+        # open() publishes a store in ``opened`` before it leaves ``open_errors`` (both under
+        # the lock): read in this order, a store that opens meanwhile gets the points either
+        # way, never neither.
+        if not self.open_errors:
+            opened = self.opened
+        else:
             with self._lock:
-                opened = self.opened  # (one that opened while this waited for the lock: it is in here)
+                opened = self.opened
                 for url in self.open_errors:
+                    if url.startswith("prometheus:"):
+                        continue  # (it serves the latest status, not points: nothing to hold)
                     held = self._held.setdefault(url, deque())
                     held.extend(points)
                     over = len(held) - HOLD_POINTS
@@ -207,6 +214,10 @@ class StoreSet:
         with self._lock:
             self._closing = True  # a retry that opens a store from now on closes it again
             stores = list(self.opened)
+            held = {url: len(points) for url, points in self._held.items() if points}
+            self._held.clear()
+        for url, n in held.items():
+            log.error("store %s never opened: the %d points held for it are lost", redact_url(url), n)
         for store in stores:
             try:
                 store.close(timeout_s=5.0)

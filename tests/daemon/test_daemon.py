@@ -15,6 +15,7 @@ from greend.errors import ProbeError
 from greend.points import Point
 from greend.probes import CpuReading, ProbeInfo, Readings
 from tests.support import wait_for
+from tests.vmserver import free_port
 
 
 class CountingProbe:
@@ -246,7 +247,8 @@ def test_points_written_while_a_store_has_not_opened_are_held_and_written_once_i
     monkeypatch.setattr(stores_mod, "HOLD_POINTS", 40)
     db = tmp_path / "late.db"
     cfg = make_config(tmp_path)
-    cfg.store.urls = [f"sqlite:///{db}"]
+    # (Prometheus serves the latest status, not points: nothing is held for it)
+    cfg.store.urls = [f"sqlite:///{db}", f"prometheus://127.0.0.1:{free_port()}"]
     cfg.store.retry_s = 0.05
     d = Daemon(cfg)
     d.open_stores()
@@ -254,19 +256,21 @@ def test_points_written_while_a_store_has_not_opened_are_held_and_written_once_i
         now_ns = time.time_ns()
         points = [Point("greend_test", {"k": "v"}, {"i": i}, now_ns + i) for i in range(50)]
         d.stores.write(points[:30])
-        (row,) = d.status()["stores"]
+        row, prom = d.status()["stores"]
         assert not row["ok"] and row["pending"] == 30 and row["dropped"] == 0, row
         d.stores.write(points[30:])
-        (row,) = d.status()["stores"]
+        row, prom = d.status()["stores"]
         assert row["pending"] == 40 and row["dropped"] == 10, row
+        assert not prom["ok"] and prom["pending"] == 0 and prom["dropped"] == 0, prom
         can_open = True
         time.sleep(0.06)
         d.stores.retry_due(d.monotonic())
-        assert wait_for(lambda: len(d.stores.opened) == 1, 5)
-        (store,) = d.stores.opened
+        assert wait_for(lambda: len(d.stores.opened) == 2, 5)
+        store = next(s for s in d.stores.opened if s.url.startswith("sqlite"))
         assert store.flush(5)  # type: ignore[attr-defined]  # (the SQLite store's own)
-        (row,) = d.status()["stores"]
+        row, prom = d.status()["stores"]
         assert row["ok"] and row["written"] == 40 and row["dropped"] == 10, row
+        assert prom["ok"] and prom["dropped"] == 0, prom
     finally:
         d.close()
     with sqlite3.connect(db) as con:
