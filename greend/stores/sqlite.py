@@ -457,6 +457,13 @@ class SqliteStore:
         was created goes to ``added`` (into the cache only after the COMMIT)."""
         new = added.setdefault(table, set())
         have = self._columns.get(table)
+        if have is None or any(k not in have for p in pts for k in (*p.tags, *p.fields)):
+            # Not all known here: the file as it is now (another daemon writing the same file,
+            # a node sharing it, may have added them since; an ALTER of a column it added
+            # failed every batch of the table, for good).
+            fresh = {r[1] for r in self._db.execute(f"PRAGMA table_info({_ident(table)})")}
+            if fresh:
+                have = self._columns[table] = fresh
         if have is None and not new:
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {_ident(table)} (ts_ns INTEGER NOT NULL)")
             self._db.execute(f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)")

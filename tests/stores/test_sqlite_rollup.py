@@ -148,3 +148,25 @@ def test_the_writer_rolls_up_on_its_own_with_the_configured_settings(tmp_path: P
         ("0", 100.0 * 599), ("0", 100.0 * 1199), ("1", 200.0 * 599), ("1", 200.0 * 1199)
     ]  # fmt: skip
     store.close()
+
+
+def test_two_writers_of_one_file_each_see_the_columns_the_other_added(tmp_path: Path) -> None:
+    """Two daemons sharing one SQLite file (two nodes on a shared file system): each kept
+    the columns it knew from its own writes, so the second to write a new field tried to
+    add it again, 'duplicate column name', and lost every batch of that table for good."""
+    db = tmp_path / "shared.db"
+    a, b = SqliteStore(db, retention_days=0), SqliteStore(db, retention_days=0)
+    try:
+        a.write([Point("greend_job", {"host": "a", "job": "j"}, {"steps": 10, "sm_active_pct": 50.0}, 1)])
+        assert a.flush(5)
+        b.write([Point("greend_job", {"host": "b", "job": "j"}, {"steps": 20, "sm_active_pct": 60.0}, 2)])
+        assert b.flush(5)
+        assert b.status().dropped == 0 and b.status().written == 1, b.status()
+    finally:
+        a.close()
+        b.close()
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT host, steps, sm_active_pct FROM greend_job ORDER BY ts_ns").fetchall() == [
+            ("a", 10, 50.0),
+            ("b", 20, 60.0),
+        ]
