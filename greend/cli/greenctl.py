@@ -256,14 +256,14 @@ def ctl_report(
         None, "--run", help="with stores per node or a shared store: this run of the job (default: its latest)"
     ),
 ) -> None:
-    """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy
-    greend saved; an ended job the daemon no longer knows (it restarted) comes from the store;
-    with a store per node, the whole job across them."""
-    from greend.jobs.history import is_shared_store, stored_report, whole_job_report
+    """A job's energy, power, FLOPs, GFLOPS/W, samples or tokens per joule, CO2 and the energy greend saved; one
+    the daemon no longer knows comes from the store; with a store per node (or one they share), the whole job."""
+    from greend.jobs.history import is_shared_store, one_file_of_many_nodes, stored_report, whole_job_report
 
     if plot is not None:
         _check_plot_path(plot)
-    if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores)):
+    one_file = stores is not None and len(stores) == 1 and one_file_of_many_nodes(store_file(stores[0]), job)
+    if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores) or one_file):  # (one file: shared)
         for p in stores:
             if not is_shared_store(p) and not store_file(p).is_file():
                 fail(

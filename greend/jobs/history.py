@@ -392,6 +392,21 @@ def shared_job_rows(
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
+def one_file_of_many_nodes(path: Path, job: str) -> bool:
+    """Whether the SQLite file ``path`` holds ``job``'s rows from more than one host (a file
+    the nodes share): its report is then the whole job's, summed across them."""
+    try:
+        db = _open(path)
+    except (StoreError, OSError):
+        return False  # (the single-file path says what is wrong with it)
+    try:
+        return len({r.get("host") for r in _rows(db, "greend_job", "job = ?", (job,))}) > 1
+    except (StoreError, sqlite3.Error):
+        return False
+    finally:
+        db.close()
+
+
 def whole_job_report(stores: list[Path | str], job: str, run: str | None = None) -> dict[str, Any] | None:
     """``job`` across ``stores``: SQLite files (one per node, or one shared file) or shared
     stores by URL (VictoriaMetrics, :func:`shared_job_rows`; Prometheus,

@@ -234,3 +234,31 @@ def test_jobs_since_is_checked_and_applies_to_a_store_file_too(tmp_path: Path) -
     assert code == 0 and [j["job"] for j in json.loads(out[out.index("{") :])["jobs"]] == ["new"], out
     code, out = run(*common)
     assert code == 0 and sorted(j["job"] for j in json.loads(out[out.index("{") :])["jobs"]) == ["new", "old"], out
+
+
+def test_report_from_one_file_the_nodes_share_is_the_whole_job(tmp_path: Path) -> None:
+    """Two nodes' daemons writing one shared SQLite file: ``report --store shared.db`` took
+    the single-node path and showed one node's share as the job, with the other node's
+    row as an earlier run. It sums the nodes, as ``--store A.db --store B.db`` does."""
+    import time
+
+    from greend.points import job_point
+    from greend.stores.sqlite import SqliteStore
+
+    db = tmp_path / "shared.db"
+    store = SqliteStore(db)
+    now = time.time()
+    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
+                        summary={"steps": steps, "world_size": 2, "ranks_here": 1, "gpu_energy_j": 100.0 * steps,
+                                 "flops": 1e12 * steps, "duration_s": 10.0})
+              for k, (host, steps) in enumerate((("na", 80), ("nb", 80)))]  # fmt: skip
+    for p in points:
+        p.tags["run"] = "r1"  # (the daemon tags a job's rows with its run)
+    store.write(points)
+    assert store.flush(5)
+    store.close()
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
+    assert code == 0, out
+    whole = json.loads(out[out.index("{") :])
+    assert [n["host"] for n in whole["nodes"]] == ["na", "nb"], whole
+    assert whole["steps"] == 80 and whole["gpu_energy_j"] == 16000.0 and whole["complete"] is True, whole
