@@ -529,6 +529,7 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
                 "precision": r.get("precision"),
                 "end_reason": r.get("end_reason") or None,
                 "ended_at": r["ts_ns"] / 1e9,
+                "unseen_steps": int(r.get("unseen_steps") or 0),
             }
         )
     total: dict[str, Any] = {k: sum(float(r.get(k) or 0.0) for r in last.values()) for k in _SUMMED}
@@ -540,6 +541,9 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
     missing = [] if world is None or ranks >= world else [f"{world - ranks} of {world} ranks have no stored figures"]
     if saved is None and any(x is not None for x in saved_parts):
         missing.append("a node measured no baseline: no saving for the whole job")
+    for n in nodes:  # (its daemon stopped without keeping them: its figures leave them out)
+        if n["unseen_steps"]:
+            missing.append(f"{n['host']}: {n['unseen_steps']} steps its ranks sent are in no record of it")
     return {
         "job": job,
         "run_id": run or None,

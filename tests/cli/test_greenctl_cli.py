@@ -262,3 +262,33 @@ def test_report_from_one_file_the_nodes_share_is_the_whole_job(tmp_path: Path) -
     whole = json.loads(out[out.index("{") :])
     assert [n["host"] for n in whole["nodes"]] == ["na", "nb"], whole
     assert whole["steps"] == 80 and whole["gpu_energy_j"] == 16000.0 and whole["complete"] is True, whole
+
+
+def test_a_node_whose_daemon_lost_steps_makes_the_whole_job_partial(tmp_path: Path) -> None:
+    """A node's daemon killed mid-job: its own report said 212 steps were in no record,
+    the whole-job report summed the rest and called itself complete. It names the node
+    and the steps, and is partial."""
+    import time
+
+    from greend.points import job_point
+    from greend.stores.sqlite import SqliteStore
+
+    db = tmp_path / "shared.db"
+    store = SqliteStore(db)
+    now = time.time()
+    rows = (("na", 600, 0, 0), ("nb", 388, 212, 1))  # nb's daemon killed after 212 steps: no row of them
+    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
+                        summary={"steps": steps, "world_size": 2, "ranks_here": 1, "sent_before": before,
+                                 "gpu_energy_j": float(steps), "duration_s": 10.0})
+              for host, steps, before, k in rows]  # fmt: skip
+    for p in points:
+        p.tags["run"] = "r1"
+    store.write(points)
+    assert store.flush(5)
+    store.close()
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
+    whole = json.loads(out[out.index("{") :])
+    assert code == 0 and whole["complete"] is False, whole
+    assert whole["missing"] == ["nb: 212 steps its ranks sent are in no record of it"], whole
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db))
+    assert code == 0 and "partial          nb: 212 steps its ranks sent are in no record of it" in out, out
