@@ -59,7 +59,6 @@ import itertools
 import logging
 import math
 import sys
-import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -284,15 +283,16 @@ def precision_support(
 
 
 def warm_up_torchao() -> None:
-    """Import torchao's float8 module (about 3 s on a small CPU) off the training thread."""
+    """Import torchao's float8 module (about 3 s on a small CPU), so that the first step at
+    fp8 does not pay for it. On the caller's thread: it imports torch._dynamo and
+    torch._inductor, and on a thread of its own it raced a torch.compile on the user's
+    next line (the race the callback's own warm-up had)."""
+    if "torchao.float8" in sys.modules:
+        return
     try:
         importlib.import_module("torchao.float8")
     except Exception as e:
         log.debug("warming up torchao.float8 failed: %s", e)
-
-
-def start_torchao_warm_up() -> None:
-    threading.Thread(target=warm_up_torchao, name="greend-torchao-warmup", daemon=True).start()
 
 
 # fp8 conversion ----------------------------------------------------------------------

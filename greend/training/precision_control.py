@@ -31,7 +31,7 @@ from greend.training.mixed_precision import (
     fp8_targets,
     has_te_modules,
     precision_support,
-    start_torchao_warm_up,
+    warm_up_torchao,
     weights_level,
 )
 from greend.training.peers import JobPeers
@@ -123,7 +123,7 @@ class PrecisionControl:
                     self._fp8_te = True
                 else:
                     self.fp8 = Fp8Converter(model, fp8_targets(model, options.fp8_min_features), emulate=False)
-                    start_torchao_warm_up()
+                    warm_up_torchao()
         else:
             why = owner or "the training framework owns autocast; see greend.integrations"
             self.support = {level: (None if level == initial else f"not switched here: {why}") for level in PRECISIONS}
