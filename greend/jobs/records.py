@@ -399,7 +399,6 @@ class Job:
             return None
         return ProtocolError(
             f"rank {rank} of job {self.job!r} is already registered by pid {holder.pid}; give each process "
-            "its own rank (RANK and WORLD_SIZE, as torchrun sets them; srun sets SLURM_PROCID); steps are "
-            "not reported until then",
+            "its own rank (RANK and WORLD_SIZE, as torchrun sets them; srun sets SLURM_PROCID)",
             field="rank",
         )

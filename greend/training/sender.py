@@ -363,6 +363,8 @@ class Sender:
                 return False
             code, message = err.get("code", "error"), err.get("message", "?")
             self._fail(f"the daemon refused to register job {self.job!r}: {code}: {message}")
+            if self._ever_connected:  # (_fail warns at the first failure only)
+                self._warnings.warn("refused", f"{ch.stats.last_error}; retrying")
             return False
         result = reply.get("result") or {}
         if isinstance(result, dict):
@@ -476,8 +478,7 @@ class Sender:
                 self._queue_message("steps", "steps", batch, [1] * len(batch))
 
     def _clean(self, record: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """The record as the wire can hold it (rows.clean); a step whose index is no whole
-        number is dropped, with one warning."""
+        """The record as the wire can hold it (rows.clean); one whose index is no whole number: dropped, warned."""
         cleaned = clean(record)
         if cleaned is None:
             self.ch.stats.dropped += 1
@@ -507,9 +508,8 @@ class Sender:
         self._enqueue(data, sum(counts))
 
     def _queue_rows(self) -> None:
-        """The queued step records as "intervals" rows: consecutive steps at one
-        precision summed into a row of at most MAX_STEPS_PER_MESSAGE steps, up to
-        MAX_ROWS_PER_MESSAGE rows a message."""
+        """The queued step records as "intervals" rows: consecutive steps at one precision summed into a
+        row of at most MAX_STEPS_PER_MESSAGE steps, up to MAX_ROWS_PER_MESSAGE rows a message."""
         queue = self.ch.queue
         while queue and self._outbox_bytes < OUTBOX_MAX_BYTES:
             rows: list[dict[str, Any]] = []
