@@ -62,7 +62,7 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # (a full disk or quota: never a read's)
 
 
 @contextmanager

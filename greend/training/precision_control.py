@@ -249,7 +249,8 @@ class PrecisionControl:
                     log.warning(
                         "greend: job %s is taken for %s: no autocast and no bf16/fp16 weights at its first "
                         "step, so step.autocast() runs it at full precision. If it trained in bf16 (or fp16) "
-                        "before greend, pass GreenCallback(initial_precision='bf16') to keep it there",
+                        "before greend, pass GreenCallback(initial_precision='bf16') to keep it there (an fp32 "
+                        "job: initial_precision='fp32' says so, without this line)",
                         self._job,
                         self.level,
                     )

@@ -83,7 +83,9 @@ def test_a_samples_value_that_is_no_count_never_raises_into_the_loop(
     assert sent in (None, 0) or (type(sent) is int and str(sent) in str(samples)), sent
 
 
-@pytest.mark.parametrize(("own", "says"), [("none", True), ("initial", False), ("autocast", False), ("weights", False)])
+@pytest.mark.parametrize(
+    ("own", "says"), [("none", True), ("initial", False), ("fp32", False), ("autocast", False), ("weights", False)]
+)
 def test_a_job_taken_for_fp32_says_so_at_the_default_log_level(
     sock_path: Path, daemon: FakeDaemon, caplog: pytest.LogCaptureFixture, own: str, says: bool
 ) -> None:
@@ -94,7 +96,7 @@ def test_a_job_taken_for_fp32_says_so_at_the_default_log_level(
     model = nn.Linear(4, 1)
     if own == "weights":
         model = model.to(torch.bfloat16)
-    kw = {"initial_precision": "bf16"} if own == "initial" else {}
+    kw = {"initial_precision": "bf16"} if own == "initial" else {"initial_precision": "fp32"} if own == "fp32" else {}
     x = torch.randn(16, 4, dtype=next(model.parameters()).dtype)
     with caplog.at_level("WARNING", logger="greend"):
         with GreenCallback(job="own-level", model=model, socket=sock_path, **kw, **FAST) as cb:  # type: ignore[arg-type]
@@ -106,4 +108,4 @@ def test_a_job_taken_for_fp32_says_so_at_the_default_log_level(
             level = cb.precision
     said = [r.getMessage() for r in caplog.records if "initial_precision='bf16'" in r.getMessage()]
     assert len(said) == int(says), said
-    assert level == ("fp32" if says else "bf16")
+    assert level == ("fp32" if own in ("none", "fp32") else "bf16")
