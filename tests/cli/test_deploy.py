@@ -47,6 +47,12 @@ def test_the_configmap_is_a_config_greend_loads_and_the_paths_agree(tmp_path: Pa
     env = {e["name"]: e for e in t["env"]}
     assert env["GREEND_SOCKET"]["value"] == str(sock)
     assert "GREEND_JOB" in env
+    # Its pods are one job and one run, each its rank of the completions (every pod was a
+    # one-rank job of its own, a random run each: the job's story split across them).
+    spec = k["Job"]["spec"]
+    assert spec["completionMode"] == "Indexed" and int(env["WORLD_SIZE"]["value"]) == spec["completions"]
+    assert env["GREEND_RUN"]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['batch.kubernetes.io/controller-uid']")
+    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert {v["name"]: v["hostPath"]["path"] for v in job["volumes"]}["greend"] == str(sock.parent)
 
 
