@@ -34,7 +34,7 @@ __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 log = logging.getLogger(__name__)
 
 ROW_SPAN_MAX_S = 600.0  # the longest span a row's work is modelled over (a simulated GPU's) ...
-ROW_OVER_PEAK = 1000.0  # ... and this many times what the GPU could do in it at its peak, at most
+ROW_OVER_PEAK = 100.0  # ... and this many times what the GPU could do in it at its peak, at most
 
 PROBE_RETRY_S = 30.0
 # A probe that failed to open is tried again after 2, 4, 8 and 16 s, then every
@@ -102,6 +102,7 @@ class ProbeScheduler:
         self.on_open: Callable[[Probe], None] | None = None  # told of every probe that opens
         self._closed = False
         self._sim_failed_logged_s = float("-inf")  # when a failure to model steps was last logged
+        self._modelled_until: dict[tuple[int, tuple[int, ...]], float] = {}  # (pid, gpus) -> its rows' end
 
     def open_all(self, enabled: list[str], ctx: ProbeContext) -> None:
         try:
@@ -263,15 +264,26 @@ class ProbeScheduler:
         if not sims:
             return None
         # A row never asks the simulated GPUs for more than ROW_OVER_PEAK times the work the
-        # fastest of them could do over the row's own time (at most ROW_SPAN_MAX_S) plus a
-        # second: room for any client's FLOP estimate to be far off (and for tests' made-up
-        # rows), never a row of 1e24 FLOPs in a second (one unprivileged client's message),
-        # which made a GPU's counter 4.4e12 J for every job on it.
+        # fastest of them could do over its span (at most ROW_SPAN_MAX_S), plus a second at
+        # their peak: room for any client's FLOP estimate to be far off (and for tests'
+        # made-up rows), never a row of 1e24 FLOPs in a second (one unprivileged client's
+        # message), which made a GPU's counter 4.4e12 J for every job on it. The span is
+        # the row's own, cut to the time since the rank's rows before it and to now (the
+        # clients' clock is this host's): rows that all claim the same 600 s count it once.
+        key = (pid, tuple(gpus))
+        until = self._modelled_until.get(key, float("-inf"))
+        now = time.monotonic()
         work = []
         for r in rows:
             level = r.precision or precision
-            span_s = min(max(r.t1_s - r.t0_s, r.busy_s, 0.0), ROW_SPAN_MAX_S) + 1.0
-            work.append((min(r.flops / len(sims), ROW_OVER_PEAK * _peak_flops(sims, level) * span_s), mem_share, level))
+            t0, t1 = max(r.t0_s, until), min(r.t1_s, now + 1.0)
+            until = max(until, t1)
+            span_s = min(max(t1 - t0, 0.0), ROW_SPAN_MAX_S)
+            most = _peak_flops(sims, level) * (ROW_OVER_PEAK * span_s + 1.0)
+            work.append((min(r.flops / len(sims), most), mem_share, level))
+        if len(self._modelled_until) > 4096:
+            self._modelled_until.clear()
+        self._modelled_until[key] = until
         try:
             for g in sims:  # the rank computes there: the GPU's process table lists it
                 g.attach_process(pid)

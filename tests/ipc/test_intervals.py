@@ -326,21 +326,27 @@ def test_a_rank_that_changes_level_every_row_makes_one_point_per_level_an_interv
 def test_a_row_asks_the_simulated_gpu_for_no_more_work_than_it_could_do_in_its_span(daemon: Daemon) -> None:
     """One unprivileged client's row of 1e24 FLOPs over a second (2**31 steps, each valid
     alone) made the simulated GPU's counter 4.4e12 J, for every job on it. The work a row
-    asks is at most 1,000 times what the GPU could do at its peak over the row's span plus
-    a second."""
+    asks is at most 100 times what the GPU could do at its peak over the row's span, plus
+    a second at its peak; the span is cut to the time since the rank's rows before it, so
+    64 rows that each claim the same 600 s count them once."""
     before = daemon.ledger.total_j("gpu0")
     c = Raw(daemon.cfg.daemon.socket, "greedy", 0, ["fp32"])
     t = time.monotonic()
-    row = {"first_step": 0, "last_step": 2**31 - 1, "steps": 2**31, "t0_s": t - 1.0, "t1_s": t, "busy_s": 0.0,
-           "busy_sq_s2": 0.0, "flops": 1e24, "precision": "fp32"}  # fmt: skip
-    c.send({"v": 1, "op": "intervals", "rows": [row]})
+
+    def row(t0: float, t1: float) -> dict[str, object]:
+        return {"first_step": 0, "last_step": 2**31 - 1, "steps": 2**31, "t0_s": t0, "t1_s": t1, "busy_s": 0.0,
+                "busy_sq_s2": 0.0, "flops": 1e24, "precision": "fp32"}  # fmt: skip
+
+    c.send({"v": 1, "op": "intervals", "rows": [row(t - 1.0, t)]})
+    c.send({"v": 1, "op": "intervals", "rows": [row(t - 600.0, t) for _ in range(64)]})
     assert c.ask({"v": 1, "id": 3, "op": "heartbeat"})["ok"] is True
-    time.sleep(0.3)  # a tick after the row
-    # 2,000 s of the H100's fp32 peak, modelled at half of it less a memory share: hours at
-    # its power, some MJ (1e8 J: 1,000 W for 28 hours), not 4.4e12 J.
+    time.sleep(0.3)  # a tick after the rows
+    # 101 s of the H100's fp32 peak, then 64 rows of a second each: at half its peak less
+    # a memory share, some hundreds of seconds at its power (2e6 J: 1,000 W for 33 min),
+    # not 4.4e12 J (nor 6.8e10 J with each row's span taken as claimed).
     modelled = daemon.jobs.report(daemon.jobs.jobs["greedy"])["sim_energy_j"]
-    assert 0 < modelled < 1e8, modelled
-    assert daemon.ledger.total_j("gpu0") - before < 1e8
+    assert 0 < modelled < 2e6, modelled
+    assert daemon.ledger.total_j("gpu0") - before < 2e6
     c.close()
 
 
