@@ -14,7 +14,7 @@
   rank's random id agreed through the job's rendezvous store (every rank of the run
   reads the same key; a restart gets a new store and a new run), else, for a rank of
   several without a process group, a digest of what the launcher gave every rank
-  alike (the job, the rendezvous address and port, the restart count), else a random
+  alike (the job, the rendezvous address and port, Slurm's restart count), else a random
   id (:func:`resolve_run`). Some launchers give every run alike (a static torchrun
   rerun, a PyTorchJob run again, an elastic restart): the daemon tells them apart by the
   steps a registering process sent before (none: a new process, a new record), never
@@ -114,8 +114,12 @@ def resolve_job(job: str | None) -> str:
     return _sanitize_job(f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
 
 
-_RUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
-            "SLURM_STEP_ID", "SLURM_RESTART_COUNT")  # fmt: skip
+# (Not torchrun's TORCHELASTIC_RESTART_COUNT: the agent of a node whose workers restarted
+# only because another node's failed does not count up, so one attempt had a run id per
+# node. Its attempts share an id: the daemon tells their records apart, and each node's
+# latest is the latest attempt's.)
+_RUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID",
+            "SLURM_RESTART_COUNT")  # fmt: skip
 
 
 def resolve_run(job: str, world_size: int, store: Any | None = None) -> str:

@@ -56,6 +56,25 @@ def test_the_tasks_of_one_srun_step_are_the_ranks_of_one_run_without_a_process_g
     assert resolve_ranks()[::2] == (5, 8)
 
 
+def test_one_elastic_attempt_has_one_run_id_on_every_node(clean_env: pytest.MonkeyPatch) -> None:
+    """After a failure on node A, its agent counts TORCHELASTIC_RESTART_COUNT up; node B's,
+    whose workers restarted only for A's, does not. The count was in the run id's digest:
+    one attempt had a run id per node, and B's matched the attempt before. Without a
+    process group, the ranks of one rendezvous get one run id whatever their counts."""
+    from greend.training.identity import resolve_run
+
+    for var in ("GREEND_RUN", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"):
+        clean_env.delenv(var, raising=False)
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "train-42")
+    clean_env.setenv("MASTER_ADDR", "10.0.0.1")
+    clean_env.setenv("MASTER_PORT", "29500")
+    runs = []
+    for count in ("1", "0"):  # node A, node B, in the same attempt
+        clean_env.setenv("TORCHELASTIC_RESTART_COUNT", count)
+        runs.append(resolve_run("train-42", 2))
+    assert runs[0] == runs[1]
+
+
 def test_torchrun_without_a_run_id_is_named_by_its_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every job: two jobs
     # on one node must not merge into a job "none".
