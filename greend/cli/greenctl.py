@@ -262,7 +262,7 @@ def ctl_report(
 
     if plot is not None:
         _check_plot_path(plot)
-    one_file = stores is not None and len(stores) == 1 and one_file_of_many_nodes(store_file(stores[0]), job)
+    one_file = stores is not None and len(stores) == 1 and one_file_of_many_nodes(stores[0], job)
     if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores) or one_file):  # (one file: shared)
         for p in stores:
             if not is_shared_store(p) and not store_file(p).is_file():
