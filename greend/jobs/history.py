@@ -549,6 +549,10 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
     for n in nodes:  # (its daemon stopped without keeping them: its figures leave them out)
         if n["unseen_steps"]:
             missing.append(f"{n['host']}: {n['unseen_steps']} steps its ranks sent are in no record of it")
+    if not any(r.get(k) for r in last.values() for k in ("steps", "flops", "gpu_energy_j", "energy_j")):
+        # (a Prometheus query API that is no Prometheus scraping greend's /metrics matches a
+        # few names and none of the job's figures: no report is "complete" on nothing)
+        missing.append("these stores hold no steps, FLOPs or energy of the job")
     return {
         "job": job,
         "run_id": run or None,

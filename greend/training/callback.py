@@ -67,6 +67,7 @@ import sys
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,7 +264,7 @@ class GreenCallback:
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
             book.hold_cpu = False
-        if type(samples) is int and samples <= 4 and type(batch) in (tuple, list):  # (any other samples=: rows.py)
+        if type(batch) in (tuple, list) and isinstance(samples, Integral) and samples <= 4:  # (else: rows.py)
             self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
         if flops is None:
             flops = book.default_flops

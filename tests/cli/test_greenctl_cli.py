@@ -298,3 +298,28 @@ def test_a_node_whose_daemon_lost_steps_makes_the_whole_job_partial(tmp_path: Pa
     assert whole["missing"] == ["nb: 212 steps its ranks sent are in no record of it"], whole
     code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db))
     assert code == 0 and "partial          nb: 212 steps its ranks sent are in no record of it" in out, out
+
+
+def test_a_whole_job_with_no_figures_in_the_stores_is_not_called_complete(tmp_path: Path) -> None:
+    """A Prometheus query API that is no Prometheus scraping greend (victoria-metrics behind
+    prom://) matched the job's rank counts and none of its figures: steps 0, FLOPs 0, 0 J,
+    "complete". A whole job with no steps, FLOPs or energy in the stores is partial."""
+    import time
+
+    from greend.points import job_point
+    from greend.stores.sqlite import SqliteStore
+
+    db = tmp_path / "shared.db"
+    store = SqliteStore(db)
+    now = time.time()
+    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
+                        summary={"world_size": 2, "ranks_here": 1}) for k, host in enumerate(("na", "nb"))]  # fmt: skip
+    for p in points:
+        p.tags["run"] = "r1"
+    store.write(points)
+    assert store.flush(5)
+    store.close()
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
+    whole = json.loads(out[out.index("{") :])
+    assert code == 0 and whole["complete"] is False, whole
+    assert whole["missing"] == ["these stores hold no steps, FLOPs or energy of the job"], whole

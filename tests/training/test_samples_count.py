@@ -109,3 +109,18 @@ def test_a_job_taken_for_fp32_says_so_at_the_default_log_level(
     said = [r.getMessage() for r in caplog.records if "initial_precision='bf16'" in r.getMessage()]
     assert len(said) == int(says), said
     assert level == ("fp32" if own in ("none", "fp32") else "bf16")
+
+
+def test_len_of_the_batch_tuple_as_a_numpy_integer_is_warned_too(sock_path: Path, daemon: FakeDaemon) -> None:
+    """``samples=np.int64(2)`` (a count from a numpy shape) with an ``(x, y)`` batch of 16
+    rows is the same mistake as ``len(batch)``: one warning."""
+    np = pytest.importorskip("numpy")
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GreenCallback(job="np-tuple", model=model, socket=sock_path, **FAST) as cb:
+            with cb.step(samples=np.int64(2), batch=(x, y)) as step:  # type: ignore[arg-type]  # the case under test
+                step.loss(nn.functional.mse_loss(model(x), y))
+    ours = [w for w in caught if issubclass(w.category, GreendWarning) and "samples=2" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
