@@ -218,10 +218,10 @@ def job_point(
         if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
             fields[k] = v
     tags = {"host": host, "job": job, "end_reason": end_reason}
-    if precision:
-        tags["precision"] = precision
     if kind == "measure":
         tags["kind"] = kind
+    elif precision:
+        tags["precision"] = precision
     if summary.get("gpu_source"):  # "sim", "nvml" or both: a report from the store keeps its (sim) label
         tags["gpu_source"] = str(summary["gpu_source"])
     return Point("greend_job", tags, fields, ts)

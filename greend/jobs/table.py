@@ -127,7 +127,7 @@ class JobTable:
             ts_ns(self.wall()),
             self.hostname,
             job=job.job,
-            precision=None if job.kind == "measure" else job.precision,
+            precision=job.precision,
             end_reason=job.end_reason or "",
             summary=job.summary or self.report(job),
             kind=job.kind,
