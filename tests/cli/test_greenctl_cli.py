@@ -211,22 +211,34 @@ def test_restore_from_a_state_dir_that_is_not_there_is_named(tmp_path: Path) -> 
     assert r.exit_code == 0, r.output
 
 
-def test_jobs_since_is_checked_and_applies_to_a_store_file_too(tmp_path: Path) -> None:
-    """``--since`` was read only with a shared store: ``greenctl jobs --store X.db --since
-    bogus`` exited 0 and listed everything. A bad value is refused by name, and a good one
-    keeps the ended jobs that ended within it."""
+def _stored_jobs(db: Path, rows: list[tuple[str, str, float, dict[str, Any]]], run_tag: str | None = None) -> Path:
+    """A SQLite store at ``db`` holding one ``greend_job`` row per (host, job, seconds ago,
+    summary), each tagged ``run_tag`` where given (as the daemon tags a job's rows)."""
     import time
 
     from greend.points import job_point
     from greend.stores.sqlite import SqliteStore
 
-    db = tmp_path / "g.db"
-    store = SqliteStore(db)
     now = time.time()
-    store.write([job_point(int((now - age) * 1e9), "n", job=job, precision="bf16", end_reason="finished",
-                           summary={"steps": 10}) for job, age in (("old", 7200.0), ("new", 60.0))])  # fmt: skip
+    points = [job_point(int((now - ago) * 1e9), host, job=job, precision="bf16", end_reason="finished",
+                        summary=summary) for host, job, ago, summary in rows]  # fmt: skip
+    if run_tag is not None:
+        for p in points:
+            p.tags["run"] = run_tag
+    store = SqliteStore(db)
+    store.write(points)
     assert store.flush(5)
     store.close()
+    return db
+
+
+def test_jobs_since_is_checked_and_applies_to_a_store_file_too(tmp_path: Path) -> None:
+    """``--since`` was read only with a shared store: ``greenctl jobs --store X.db --since
+    bogus`` exited 0 and listed everything. A bad value is refused by name, and a good one
+    keeps the ended jobs that ended within it."""
+    db = _stored_jobs(
+        tmp_path / "g.db", [("n", job, ago, {"steps": 10}) for job, ago in (("old", 7200.0), ("new", 60.0))]
+    )
     common = ("--socket", str(tmp_path / "none.sock"), "jobs", "--store", str(db), "--json")
     code, out = run(*common, "--since", "bogus")
     assert code == 2 and "--since: not a duration: 'bogus'" in out, out
@@ -240,23 +252,8 @@ def test_report_from_one_file_the_nodes_share_is_the_whole_job(tmp_path: Path) -
     """Two nodes' daemons writing one shared SQLite file: ``report --store shared.db`` took
     the single-node path and showed one node's share as the job, with the other node's
     row as an earlier run. It sums the nodes, as ``--store A.db --store B.db`` does."""
-    import time
-
-    from greend.points import job_point
-    from greend.stores.sqlite import SqliteStore
-
-    db = tmp_path / "shared.db"
-    store = SqliteStore(db)
-    now = time.time()
-    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
-                        summary={"steps": steps, "world_size": 2, "ranks_here": 1, "gpu_energy_j": 100.0 * steps,
-                                 "flops": 1e12 * steps, "duration_s": 10.0})
-              for k, (host, steps) in enumerate((("na", 80), ("nb", 80)))]  # fmt: skip
-    for p in points:
-        p.tags["run"] = "r1"  # (the daemon tags a job's rows with its run)
-    store.write(points)
-    assert store.flush(5)
-    store.close()
+    each = {"steps": 80, "world_size": 2, "ranks_here": 1, "gpu_energy_j": 8000.0, "flops": 8e13, "duration_s": 10.0}
+    db = _stored_jobs(tmp_path / "shared.db", [("na", "j", 5.0, each), ("nb", "j", 4.0, each)], run_tag="r1")
     code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
     assert code == 0, out
     whole = json.loads(out[out.index("{") :])
@@ -274,24 +271,10 @@ def test_a_node_whose_daemon_lost_steps_makes_the_whole_job_partial(tmp_path: Pa
     """A node's daemon killed mid-job: its own report said 212 steps were in no record,
     the whole-job report summed the rest and called itself complete. It names the node
     and the steps, and is partial."""
-    import time
-
-    from greend.points import job_point
-    from greend.stores.sqlite import SqliteStore
-
-    db = tmp_path / "shared.db"
-    store = SqliteStore(db)
-    now = time.time()
-    rows = (("na", 600, 0, 0), ("nb", 388, 212, 1))  # nb's daemon killed after 212 steps: no row of them
-    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
-                        summary={"steps": steps, "world_size": 2, "ranks_here": 1, "sent_before": before,
-                                 "gpu_energy_j": float(steps), "duration_s": 10.0})
-              for host, steps, before, k in rows]  # fmt: skip
-    for p in points:
-        p.tags["run"] = "r1"
-    store.write(points)
-    assert store.flush(5)
-    store.close()
+    rows = (("na", 600, 0, 5.0), ("nb", 388, 212, 4.0))  # nb's daemon killed after 212 steps: no row of them
+    db = _stored_jobs(tmp_path / "shared.db", [(host, "j", ago, {"steps": steps, "world_size": 2, "ranks_here": 1,
+                      "sent_before": before, "gpu_energy_j": float(steps), "duration_s": 10.0})
+                      for host, steps, before, ago in rows], run_tag="r1")  # fmt: skip
     code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
     whole = json.loads(out[out.index("{") :])
     assert code == 0 and whole["complete"] is False, whole
@@ -304,21 +287,10 @@ def test_a_whole_job_with_no_figures_in_the_stores_is_not_called_complete(tmp_pa
     """A Prometheus query API that is no Prometheus scraping greend (victoria-metrics behind
     prom://) matched the job's rank counts and none of its figures: steps 0, FLOPs 0, 0 J,
     "complete". A whole job with no steps, FLOPs or energy in the stores is partial."""
-    import time
-
-    from greend.points import job_point
-    from greend.stores.sqlite import SqliteStore
-
-    db = tmp_path / "shared.db"
-    store = SqliteStore(db)
-    now = time.time()
-    points = [job_point(int((now - 5 + k) * 1e9), host, job="j", precision="bf16", end_reason="finished",
-                        summary={"world_size": 2, "ranks_here": 1}) for k, host in enumerate(("na", "nb"))]  # fmt: skip
-    for p in points:
-        p.tags["run"] = "r1"
-    store.write(points)
-    assert store.flush(5)
-    store.close()
+    ranks_only = {"world_size": 2, "ranks_here": 1}
+    db = _stored_jobs(
+        tmp_path / "shared.db", [("na", "j", 5.0, ranks_only), ("nb", "j", 4.0, ranks_only)], run_tag="r1"
+    )
     code, out = run("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(db), "--json")
     whole = json.loads(out[out.index("{") :])
     assert code == 0 and whole["complete"] is False, whole
