@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from greend.training.flops import FlopCounter, batch_signature, model_params
+from greend.training.flops import FlopCounter, batch_signature, estimate_new_shape, model_params
 from greend.training.loss_reader import LossReader
 from greend.training.precision_control import PrecisionControl
 from greend.training.probe import NEVER, probe_tag
@@ -73,6 +73,7 @@ JUDGE_WITHIN_S = 0.05
 # Batches handed to the sender thread and not booked yet beyond which the training
 # thread books them itself (a sender thread that died or is starved).
 MAX_HANDED = 64
+MAX_ESTIMATES = 4096  # new shapes whose estimated FLOPs are kept (past it, estimated each step)
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
 
@@ -143,6 +144,7 @@ class StepBook:
             self.fixed_flops if self.fixed_flops is not None else FLOPS_FROM_TOKENS if model_flops else None
         )
         self._max_flop_counts = max_flop_counts
+        self._estimates: dict[Hashable, float] = {}  # new shapes' FLOPs past max_flop_counts
         self._counter = FlopCounter()
         # With a model and counted FLOPs, and steps given neither batch= nor shape_key=,
         # a forward pre-hook sees each step's input shapes, so a shape change is re-counted.
@@ -327,15 +329,7 @@ class StepBook:
             step.flops = cached
             return
         if len(self.flop_cache) >= self._max_flop_counts:
-            if "flopcache" not in self._warnings:
-                self._warnings.warn(
-                    "flopcache",
-                    f"more than {self._max_flop_counts} distinct input shapes: "
-                    "new shapes reuse the mean FLOP count (pass shape_key= buckets or "
-                    "flops_per_step=)",
-                    level=logging.INFO,
-                )
-            step.flops = sum(self.flop_cache.values()) / len(self.flop_cache)
+            step.flops = self._estimate_flops(key)
             return
         if self._counter.active:  # a nested step: let the outer one count
             step.flops = 0
@@ -385,9 +379,28 @@ class StepBook:
             except Exception:
                 pass
 
+    def _estimate_flops(self, key: Hashable | None) -> float:
+        """A new shape's FLOPs once ``max_flop_counts`` shapes are counted (batches padded
+        to their longest sequence make hundreds): see flops.estimate_new_shape. Kept per key."""
+        estimate = self._estimates.get(key)
+        if estimate is None:
+            estimate, fitted = estimate_new_shape(self.flop_cache, key)
+            if len(self._estimates) < MAX_ESTIMATES:
+                self._estimates[key] = estimate
+            if "flopcache" not in self._warnings:
+                how = "are estimated by their size from the counted ones" if fitted else "reuse the mean FLOP count"
+                self._warnings.warn(
+                    "flopcache",
+                    f"more than {self._max_flop_counts} distinct input shapes: new shapes {how} "
+                    "(pass shape_key= buckets, max_flop_counts= or flops_per_step= for exact counts)",
+                    level=logging.INFO,
+                )
+        return estimate
+
     def _store_count(self, key: Hashable | None, counted: int | None) -> int:
         if counted is None:
             return 0
+        self._estimates.clear()  # (a new count moves the line)
         self.flop_cache[key] = counted
         log.debug("counted %d FLOPs per step for shape key %r", counted, key)
         return counted

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -42,8 +43,11 @@ __all__ = [
     "FlopCounter",
     "batch_signature",
     "count_flops",
+    "estimate_from_sizes",
+    "estimate_new_shape",
     "model_params",
     "register_cpu_attention_formulas",
+    "signature_elements",
     "stop_leaked",
     "transformer_flops",
 ]
@@ -227,3 +231,80 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
         except Exception:
             return type(batch).__name__
     return _leaf_signature(batch)
+
+
+def signature_elements(signature: Any) -> int | None:
+    """The number of elements a shape key stands for: a shape's product, summed over the
+    tensors of a :func:`batch_signature` (dtypes, names and type names add nothing), or
+    None where the key holds no shape (a user's ``shape_key="long"``)."""
+    if isinstance(signature, tuple):
+        if signature and all(type(d) is int for d in signature):  # a shape (torch.Size too)
+            return math.prod(signature)
+        parts = [signature_elements(part) for part in signature]
+        known = [n for n in parts if n is not None]
+        return sum(known) if known else None
+    if type(signature) is int:  # a user's key that is a size: a sequence-length bucket
+        return signature
+    return None
+
+
+# A line (or, with enough shapes, a parabola) through the counted shapes is used for a
+# new one only where it gives every counted shape's FLOPs within this share.
+FIT_WITHIN = 0.05
+QUADRATIC_FROM = 5  # distinct counted sizes before the square term (attention's) is fitted
+
+
+def _polyfit(points: list[tuple[float, float]], degree: int) -> list[float] | None:
+    """Least-squares polynomial coefficients (lowest first) of ``points`` by the normal
+    equations (a 2x2 or 3x3 system: Gaussian elimination), or None where it is singular."""
+    k = degree + 1
+    a = [[sum(x ** (i + j) for x, _ in points) for j in range(k)] for i in range(k)]
+    b = [sum(y * x**i for x, y in points) for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, abs(a[0][0])):
+            return None
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(col + 1, k):
+            f = a[r][col] / a[col][col]
+            a[r] = [u - f * v for u, v in zip(a[r], a[col], strict=True)]
+            b[r] -= f * b[col]
+    coef = [0.0] * k
+    for r in reversed(range(k)):
+        coef[r] = (b[r] - sum(a[r][c] * coef[c] for c in range(r + 1, k))) / a[r][r]
+    return coef
+
+
+def estimate_from_sizes(counted: list[tuple[int, float]], elements: int | None) -> float | None:
+    """FLOPs for a shape of ``elements`` elements from the shapes counted already
+    (``(elements, flops)`` pairs): a least-squares straight line through them (a model
+    whose work grows with its batch's rows or tokens follows one), else, from
+    :data:`QUADRATIC_FROM` distinct sizes, a parabola (attention's work grows with the
+    square of the sequence). None where neither can be trusted: fewer than two distinct
+    sizes, a fit that misses a counted shape by more than :data:`FIT_WITHIN`, or an
+    estimate below zero."""
+    sizes = {n for n, _ in counted}
+    if elements is None or len(sizes) < 2:
+        return None
+    scale = float(max(sizes))  # (x in [0, 1]: the normal equations stay well conditioned)
+    points = [(n / scale, f) for n, f in counted]
+    for degree in (1, 2) if len(sizes) >= QUADRATIC_FROM else (1,):
+        coef = _polyfit(points, degree)
+        if coef is None:
+            continue
+        if all(abs(sum(c * x**i for i, c in enumerate(coef)) - f) <= FIT_WITHIN * abs(f) for x, f in points):
+            estimate = sum(c * (elements / scale) ** i for i, c in enumerate(coef))
+            return estimate if estimate >= 0 else None
+    return None
+
+
+def estimate_new_shape(counts: dict[Hashable, Any], key: Hashable) -> tuple[float, bool]:
+    """FLOPs for a shape key not counted, from the keys counted (``counts``, not empty):
+    :func:`estimate_from_sizes` where every key tells its size and the line holds, else
+    the counts' mean; and whether the line gave it."""
+    sized = [(signature_elements(k), float(f)) for k, f in counts.items()]
+    if all(n is not None for n, _ in sized):
+        fitted = estimate_from_sizes([(n, f) for n, f in sized if n is not None], signature_elements(key))
+        if fitted is not None:
+            return fitted, True
+    return sum(f for _, f in sized) / len(sized), False

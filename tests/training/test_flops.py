@@ -83,3 +83,26 @@ def test_batch_signature() -> None:
     assert gf.batch_signature((a, 3)) == gf.batch_signature((torch.ones(8, 3), 5))
     assert gf.batch_signature({"input_ids": a}) != gf.batch_signature({"input_ids": b})
     hash(gf.batch_signature({"x": [1, 2], "y": a}))
+
+
+def test_signature_elements_sums_the_tensors_of_a_signature() -> None:
+    x, y = torch.zeros(4, 16), torch.zeros(4, dtype=torch.long)
+    assert gf.signature_elements(gf.batch_signature(x)) == 64
+    assert gf.signature_elements(gf.batch_signature((x, y))) == 68
+    assert gf.signature_elements(gf.batch_signature({"input_ids": x, "labels": y, "n": 3})) == 68
+    assert gf.signature_elements(128) == 128  # a user's length bucket
+    assert gf.signature_elements("long") is None and gf.signature_elements(("a", "b")) is None
+
+
+def test_a_straight_line_through_the_counts_or_none_where_it_does_not_hold() -> None:
+    line = [(n, 1000.0 + 7.0 * n) for n in (64, 128, 320, 512)]
+    assert gf.estimate_from_sizes(line, 256) == 1000.0 + 7.0 * 256
+    assert gf.estimate_from_sizes(line, 1024) == 1000.0 + 7.0 * 1024  # beyond the counted sizes too
+    assert gf.estimate_from_sizes(line, None) is None  # a key without a size
+    assert gf.estimate_from_sizes([(64, 10.0), (64, 12.0)], 128) is None  # one size: no slope
+    # Sizes that do not explain the counts (a line misses one by more than 10 %): no estimate.
+    assert gf.estimate_from_sizes([(1, 100.0), (2, 900.0), (3, 150.0)], 4) is None
+    assert gf.estimate_from_sizes([(10, 100.0), (20, 10.0)], 30) is None  # below zero
+    # And a caller's fallback: the mean where any key has no size.
+    assert gf.estimate_new_shape({"short": 10, "long": 30}, "medium") == (20.0, False)
+    assert gf.estimate_new_shape({(2, 8): 160, (4, 8): 320}, (3, 8)) == (240.0, True)
