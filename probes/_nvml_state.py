@@ -11,13 +11,13 @@ may hang, it applies the last look when there is one.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from greend._repeats import LOG_AGAIN_S, Repeats
 from greend.errors import NotSupported
 from greend.units import mj_to_j
 
@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 # A counter that stops working mid-run (NOT_SUPPORTED after it worked) is tried again this
 # often; the energy is integrated from power meanwhile.
 COUNTER_RETRY_S = 60.0
-LOG_AGAIN_S = 300.0  # the same error of a GPU's call is logged again after this long, with its repeats
-_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 
 
 @dataclass
@@ -61,10 +59,9 @@ class TrackedGpu:
     # transient fault must not leave the GPU on power integration for good).
     counter_retry_s: float | None = None
     errors: dict[str, str] = field(default_factory=dict)  # call -> message, shown until it answers again
-    # call -> (the message with its numbers blanked, when logged, repeats not logged since):
-    # an error that comes and goes, or one whose message counts seconds, is logged again
-    # only after LOG_AGAIN_S (TrackedGpu.should_log).
-    logged: dict[str, tuple[str, float, int]] = field(default_factory=dict)
+    # Per call: an error that comes and goes, or one whose message counts seconds, is
+    # logged again only after LOG_AGAIN_S (TrackedGpu.should_log).
+    repeats: Repeats = field(default_factory=Repeats)
     slow: tuple[Any, ...] = (None, None, None, None, None)  # util, SM MHz, mem MHz, temp C, limit mW
     slow_at_s: float = float("-inf")
     slow_read_after_writes: int = 0  # the device's settings writes when the slow fields were read
@@ -124,15 +121,7 @@ class TrackedGpu:
         """The text to log for an error of ``key`` (a call, or "sample"), or None where the
         same error (its numbers aside) was logged less than :data:`LOG_AGAIN_S` ago; the
         repeats in between are counted into the next line."""
-        norm = _NUMBERS.sub("#", message)
-        last = self.logged.get(key)
-        if last is not None and last[0] == norm and now_s - last[1] < LOG_AGAIN_S:
-            self.logged[key] = (norm, last[1], last[2] + 1)
-            return None
-        self.logged[key] = (norm, now_s, 0)
-        if last is not None and last[0] == norm and last[2]:
-            return f"{message} ({last[2]} more time(s) in the last {now_s - last[1]:.0f} s)"
-        return message
+        return self.repeats.line(key, message, now_s)
 
     def account_energy(
         self,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import greend.probes as probe_registry
+from greend._repeats import Repeats
 from greend.errors import ConfigError, NoData, NoPermission, ProbeError
 from greend.jobs.execution import ExecutedRow
 from greend.probes import Probe, ProbeContext, ProbeInfo, Readings
@@ -101,7 +102,7 @@ class ProbeScheduler:
         self.stats: dict[str, ProbeStats] = {}
         self.on_open: Callable[[Probe], None] | None = None  # told of every probe that opens
         self._closed = False
-        self._sim_failed_logged_s = float("-inf")  # when a failure to model steps was last logged
+        self._repeats = Repeats()  # a failure to model steps, logged once per 5 min
         self._modelled_until: dict[tuple[int, tuple[int, ...]], float] = {}  # (pid, gpus) -> its rows' end
 
     def open_all(self, enabled: list[str], ctx: ProbeContext) -> None:
@@ -290,9 +291,9 @@ class ProbeScheduler:
             # Booked at once, written into the device files about once a second (defer).
             per_gpu = [g.run_steps(work, defer=True) for g in sims]
         except OSError as e:  # its device files cannot be written (a full state dir): not modelled
-            if self.monotonic() - self._sim_failed_logged_s > 300.0:
-                self._sim_failed_logged_s = self.monotonic()
-                log.error("simulated GPUs %s: steps not modelled (logged again in 5 min at most): %s", list(gpus), e)
+            line = self._repeats.line("sim", f"simulated GPUs {list(gpus)}: steps not modelled: {e}", self.monotonic())
+            if line is not None:
+                log.error("%s", line)
             return None
         return [
             ExecutedRow(max(c[i].duration_s for c in per_gpu), sum(c[i].energy_j for c in per_gpu))

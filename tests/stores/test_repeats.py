@@ -24,6 +24,6 @@ def test_an_error_every_second_is_logged_once_then_again_with_its_count(caplog: 
     assert lines == [
         "sqlite store: 1 of a batch of 64 points lost: disk full",
         f"sqlite store: {300 % 7 + 1} of a batch of 64 points lost: disk full "
-        f"(and {int(LOG_AGAIN_S) - 1} more like it in the last {LOG_AGAIN_S:g} s)",
+        f"(and {int(LOG_AGAIN_S) - 1} more like it in the last {LOG_AGAIN_S:.0f} s)",
         "sqlite store: database is locked",
     ], lines
