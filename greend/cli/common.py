@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -57,7 +57,7 @@ class DaemonTarget:
 target = DaemonTarget()
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -141,7 +141,6 @@ def store_file(store: str) -> Path:
         path = sqlite_path([store])
         if path is None:
             fail(f"--store {store!r}: a SQLite store is sqlite:///PATH")
-        assert path is not None
         return path
     if "://" in store:
         fail(

@@ -262,7 +262,8 @@ def ctl_report(
 
     if plot is not None:
         _check_plot_path(plot)
-    one_file = stores is not None and len(stores) == 1 and one_file_of_many_nodes(stores[0], job)
+    one = stores[0] if stores is not None and len(stores) == 1 else None  # (one file that nodes share?)
+    one_file = one is not None and not is_shared_store(one) and one_file_of_many_nodes(store_file(one), job)
     if stores and (len(stores) > 1 or any(is_shared_store(p) for p in stores) or one_file):  # (one file: shared)
         for p in stores:
             if not is_shared_store(p) and not store_file(p).is_file():
@@ -277,7 +278,6 @@ def ctl_report(
             fail(str(e))
         if whole is None:
             fail(f"job {job!r} is in none of the stores {', '.join(map(str, stores))}")
-        assert whole is not None
         typer.echo(json.dumps(whole, indent=2) if as_json else render_whole_job(whole))
         return
     if run is not None:
@@ -300,7 +300,6 @@ def ctl_report(
         if r is None:
             where = f"; nor in the store {path}" if path is not None else "; and no SQLite store: give --store FILE"
             fail(f"{why}{where}", code=3 if down else 2)
-        assert r is not None
         typer.echo(f"(from the store {r['from_store']}: the daemon no longer knows this job)", err=True)
     elif r.get("from_history"):
         typer.echo("(from the daemon's history: this run ended before the daemon last started)", err=True)

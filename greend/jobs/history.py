@@ -392,13 +392,11 @@ def shared_job_rows(
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
-def one_file_of_many_nodes(store: str, job: str) -> bool:
-    """Whether ``store`` (a ``--store``) is a SQLite file that holds ``job``'s rows from more
-    than one host (a file the nodes share): its report is then the whole job's, summed
-    across them. False for a shared store's URL and for anything that is no such file
-    (the single-file path says what is wrong with it)."""
-    path = sqlite_path([store]) if store.startswith("sqlite:") else None if "://" in store else Path(store)
-    if path is None or not path.is_file():
+def one_file_of_many_nodes(path: Path, job: str) -> bool:
+    """Whether ``path`` is a SQLite file that holds ``job``'s rows from more than one host (a
+    file the nodes share): its report is then the whole job's, summed across them. False
+    for anything that is no such file (the single-file path says what is wrong with it)."""
+    if not path.is_file():
         return False
     try:
         db = _open(path)
