@@ -346,10 +346,9 @@ class StepBook:
                 # The model's inputs say which shape this step really had.
                 if signature != step._shape_key and not step._counting:
                     cached = self.flop_cache.get(signature)
-                    if cached is not None:
-                        step.flops = cached
-                    # else: a new shape, counted on the next step that has it (this one
-                    # keeps the estimate it started with)
+                    # A new shape: counted on the next step that has it (if there is room);
+                    # this one is estimated from the shapes counted.
+                    step.flops = cached if cached is not None else self._estimate_flops(signature)
                 step._shape_key = self._last_forward_signature = signature
         if step._counting:
             step._counting = False
@@ -380,14 +379,17 @@ class StepBook:
                 pass
 
     def _estimate_flops(self, key: Hashable | None) -> float:
-        """A new shape's FLOPs once ``max_flop_counts`` shapes are counted (batches padded
-        to their longest sequence make hundreds): see flops.estimate_new_shape. Kept per key."""
+        """A shape's FLOPs from the shapes counted (see flops.estimate_new_shape), kept per
+        key: every new shape's once ``max_flop_counts`` are counted (batches padded to their
+        longest sequence make hundreds), and a step's whose shape only its forward told."""
         estimate = self._estimates.get(key)
         if estimate is None:
+            if not self.flop_cache:
+                return 0.0
             estimate, fitted = estimate_new_shape(self.flop_cache, key)
             if len(self._estimates) < MAX_ESTIMATES:
                 self._estimates[key] = estimate
-            if "flopcache" not in self._warnings:
+            if "flopcache" not in self._warnings and len(self.flop_cache) >= self._max_flop_counts:
                 how = "are estimated by their size from the counted ones" if fitted else "reuse the mean FLOP count"
                 self._warnings.warn(
                     "flopcache",
