@@ -234,6 +234,15 @@ def run_top(
     if keys is not None:
         _run_with_keys(read, frame, keys, console, clock, socket=socket, interval_s=interval_s, sort=sort)
         return
+    if not console.is_terminal:  # a pipe or a file: each frame as it is read (a Live writes only its last, at exit)
+        try:
+            while True:
+                console.print(render_frame(frame, socket=socket, interval_s=interval_s, sort=sort))
+                console.file.flush()
+                sleep(interval_s)
+                frame = read(frame)
+        except (KeyboardInterrupt, BrokenPipeError):
+            return
     try:
         with Live(
             render_frame(frame, socket=socket, interval_s=interval_s, sort=sort),

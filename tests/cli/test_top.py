@@ -94,6 +94,29 @@ def test_a_lost_daemon_is_shown_and_top_keeps_trying() -> None:
     assert "daemon unavailable: no greend socket at S; retrying" in buf.getvalue()
 
 
+def test_in_a_pipe_every_frame_is_written_as_it_is_read() -> None:
+    """`greenctl top | cat` printed one frame, at Ctrl-C (a rich Live writes to a pipe only
+    at its end), and nothing under SIGTERM. Each frame is now written and flushed at once."""
+    calls = {"n": 0}
+    flushed = [0]  # frames flushed so far
+    seen: list[int] = []  # frames flushed when each reading was taken
+
+    class Out(io.StringIO):
+        def flush(self) -> None:
+            flushed[0] = self.getvalue().count("greend top")
+
+    def request() -> dict:
+        calls["n"] += 1
+        seen.append(flushed[0])
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return _status(flops=1e15 * calls["n"], gpu_j=1000.0 * calls["n"], steps=calls["n"])
+
+    out = Out()
+    run_top(request, socket="S", interval_s=0.0, console=Console(file=out, width=80, color_system=None))
+    assert seen == [0, 1, 2, 3]  # each frame flushed before the next reading
+
+
 def test_top_once_against_a_daemon_with_a_training_job(tmp_path: Path, daemons: list[DaemonProc]) -> None:
     torch = pytest.importorskip("torch")
     from greend import GreenCallback
