@@ -554,6 +554,12 @@ class InfluxStore:
                     f"{detail}: token/org/bucket wrong (check ${TOKEN_ENV} and "
                     f"org={self.cfg['org']!r} bucket={self.cfg['bucket']!r}); points keep spooling"
                 )
+                if "page not found" in detail.lower():  # (a server without /api/v2/write: no org or bucket said)
+                    msg = (
+                        f"{detail}: this server has no InfluxDB v2 write API (/api/v2/write): InfluxDB 1.x before "
+                        "1.8? greend writes InfluxDB 2.x/3.x, 1.8+ (its v2 compatibility API) and VictoriaMetrics; "
+                        "points keep spooling"
+                    )
                 if msg != self._alert:
                     log.error("influx %s: %s", self.cfg["http_url"], msg)
                 with self._health:

@@ -218,6 +218,7 @@ class Scripted:
     def __init__(self) -> None:
         self.script: list[tuple[int, dict[str, str]]] = []
         self.max_lines: int | None = None  # answer 413 to bigger bodies
+        self.bodies: dict[int, bytes] = {}  # a status's own body (plain text), else the v2 API's JSON
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         outer = self
@@ -244,11 +245,11 @@ class Scripted:
                             "auth": self.headers.get("Authorization"),
                         }
                     )
-                payload = b"" if status == 204 else b'{"code":"x","message":"scripted"}'
+                payload = b"" if status == 204 else outer.bodies.get(status, b'{"code":"x","message":"scripted"}')
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if status in outer.bodies else "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
@@ -321,6 +322,22 @@ def test_400_sets_the_segment_aside_and_goes_on(scripted: Scripted, tmp_path: Pa
     kept = list((store.spool_dir / "rejected").glob("*.lp"))
     assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 10
     assert len(scripted.requests) == 2  # not retried
+    store.close()
+
+
+def test_a_server_without_the_v2_write_api_is_named_as_such(scripted: Scripted, tmp_path: Path) -> None:
+    """InfluxDB 1.6 (Debian's) answers /api/v2/write with Go's "404 page not found": the
+    status blamed the token, org and bucket. It now says the server has no v2 write API."""
+    scripted.script = [(404, {})] * 3
+    scripted.bodies[404] = b"404 page not found\n"
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    store.write(pts("r", 0, 5, 0))
+    deadline = time.monotonic() + 5
+    while store.status().ok and time.monotonic() < deadline:
+        time.sleep(0.01)
+    error = store.status().last_error or ""
+    assert "no InfluxDB v2 write API" in error and "token" not in error, error
+    assert store.status().pending == 5
     store.close()
 
 
