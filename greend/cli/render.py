@@ -260,6 +260,7 @@ def render_whole_job(w: dict[str, Any]) -> str:
     """A job across nodes (``greenctl report JOB --store A --store B``): its totals, then
     each node's share."""
     world = w.get("world_size")
+    sim = " (sim)" if w.get("sim") else ""
     lines = [
         f"job {w['job']}  across {len(w['nodes'])} node(s)  ranks {w.get('ranks_found')}"
         + (f" of {world}" if world else "")
@@ -268,22 +269,23 @@ def render_whole_job(w: dict[str, Any]) -> str:
         f"  steps            {w['steps']}  (each rank's; the largest node's count)",
         f"  duration         {_num(w.get('duration_s'), '.1f', 's')}  (the longest node's)",
         f"  FLOPs            {_num(w.get('flops'), '.4g')}  (summed)",
-        f"  GPU energy       {_num(w.get('gpu_energy_j'), '.1f', 'J')}  (summed)",
+        f"  GPU energy       {_num(w.get('gpu_energy_j'), '.1f', 'J')}{sim}  (summed)",
         f"  total energy     {_num(w.get('energy_j'), '.1f', 'J')}  (summed, GPU and CPU)",
-        f"  GFLOPS/W         {_num(w.get('gflops_per_w'), '.3f')}  (summed FLOPs over summed GPU joules)",
+        f"  GFLOPS/W         {_num(w.get('gflops_per_w'), '.3f')}{sim}  (summed FLOPs over summed GPU joules)",
     ]
     if w.get("saved_gpu_energy_j") is not None:
         lines.append(
-            f"  saved            {w['saved_gpu_energy_j']:.1f} J of GPU energy = {_num(w.get('saved_pct'), '.1f')} %"
+            f"  saved{sim:<12}{w['saved_gpu_energy_j']:.1f} J of GPU energy = {_num(w.get('saved_pct'), '.1f')} %"
         )
     for m in w.get("missing") or []:
         lines.append(f"  partial          {m}")
     lines.append("  nodes")
     for n in w["nodes"]:
+        n_sim = " (sim)" if n.get("gpu_source") == "sim" else ""
         lines.append(
             f"    {n['host']:<16} ranks {n.get('ranks_here') or '?'}  steps {n.get('steps')}  "
             f"{_num(n.get('gpu_energy_j'), '.1f', 'J')}  {_num(n.get('flops'), '.4g', 'FLOP')}  "
-            f"{_num(n.get('gflops_per_w'), '.3f')} GFLOPS/W  ({n['store']})"
+            f"{_num(n.get('gflops_per_w'), '.3f')} GFLOPS/W{n_sim}  ({n['store']})"
         )
     return "\n".join(lines)
 

@@ -300,7 +300,12 @@ _PROM_FIELDS = {
     "ranks_here": "greend_job_ranks_here",
     "ended_at": "greend_job_end_time_seconds",
     "gflops_per_w": "greend_job_gflops_per_watt",
+    "duration_s": "greend_job_duration_seconds",
+    "saved_gpu_energy_j": "greend_job_saved_gpu_energy_joules",
+    "gpu_source": "greend_job_gpu_simulated",
+    "precision": "greend_job_precision",
 }
+_PROM_COUNTS = ("steps", "world_size", "ranks_here")  # (whole numbers: read back as such)
 
 
 def prometheus_job_rows(
@@ -332,11 +337,21 @@ def prometheus_job_rows(
             row = rows.setdefault(
                 (name, run, host), {"ts_ns": now_ns, "host": host, "job": name, "run": run or None, "precision": None}
             )
-            row[field] = float(sample["value"][1])
+            value = float(sample["value"][1])
+            if field == "precision":  # one series per level, 1 for the job's
+                if value == 1.0:
+                    row["precision"] = str(labels.get("precision") or "") or None
+            elif field == "gpu_source":  # (as a greend_job row is tagged)
+                row["gpu_source"] = "sim" if value == 1.0 else None
+            else:
+                row[field] = int(value) if field in _PROM_COUNTS and value.is_integer() else value
     for row in rows.values():
         if row.get("ended_at"):
             row["ts_ns"] = int(row["ended_at"] * 1e9)
             row["end_reason"] = "ended"
+        gpu_j, saved = row.get("gpu_energy_j"), row.get("saved_gpu_energy_j")
+        if gpu_j is not None and saved is not None and gpu_j + saved > 0:
+            row["saved_pct"] = 100.0 * saved / (gpu_j + saved)
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
@@ -523,6 +538,7 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
                 "ranks_here": r.get("ranks_here"),
                 "world_size": r.get("world_size"),
                 "steps": r.get("steps"),
+                "gpu_source": r.get("gpu_source") or None,  # "sim": the simulator's GPU figures
                 "duration_s": r.get("duration_s"),
                 "flops": r.get("flops"),
                 "gpu_energy_j": r.get("gpu_energy_j"),
@@ -566,4 +582,5 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
         "gflops_per_w": total["flops"] / gpu_e / 1e9 if gpu_e > 0 and total["flops"] > 0 else None,
         "saved_gpu_energy_j": saved,
         "saved_pct": 100.0 * saved / (gpu_e + saved) if saved is not None and gpu_e + saved > 0 else None,
+        "sim": any(n.get("gpu_source") == "sim" for n in nodes),
     }

@@ -48,6 +48,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
+from greend.protocol import PRECISIONS
 from greend.stores import StoreOptions, StoreStatus, check_url, redact_url, register_store
 from greend.stores._http import MetricsHttpOptions, MetricsServer, read_basic_auth_file
 
@@ -90,7 +91,7 @@ SERIES_PER_GPU = 1 + len(_GPU_GAUGES)
 SERIES_PER_ZONE = 3
 SERIES_PER_PROBE = 2
 SERIES_PER_STORE = 4
-SERIES_PER_JOB = 8
+SERIES_PER_JOB = 11 + len(PRECISIONS)  # (the precision: one series per level, 1 for the job's, kube-state style)
 # greend_up, build_info, start time, uptime, tick duration, tick rate, ticks, ticks
 # skipped, tick errors, jobs not exported.
 SERIES_PER_NODE = 10
@@ -299,23 +300,41 @@ class GreendCollector:
         jws = gauge("greend_job_world_size", "The job's ranks on all nodes.", jl)
         jrh = gauge("greend_job_ranks_here", "The job's ranks that ran on this node.", jl)
         jend = gauge("greend_job_end_time_seconds", "Unix time the job ended on this node (absent while it runs).", jl)
+        jdur = gauge("greend_job_duration_seconds", "The job's time on this node, first step to last.", jl)
+        jsav = gauge(
+            "greend_job_saved_gpu_energy_joules",
+            "GPU energy greend saved the job on this node against its own uncapped steps (an estimate).",
+            jl,
+        )
+        jsim = gauge("greend_job_gpu_simulated", "1 where the job's GPU figures are the simulator's.", jl)
+        jpre = gauge(
+            "greend_job_precision", "1 for the level the job runs at now, 0 for the others.", (*jl, "precision")
+        )
         host = _label_value(st.get("host"))
         for j in jobs:
             labels = [_label_value(j.get("job")), _label_value(j.get("run_id")), host]
-            for fam, key in (
-                (jgf, "gflops_per_w"),
-                (jen, "energy_j"),
-                (jge, "gpu_energy_j"),
-                (jfl, "flops"),
-                (jst, "steps"),
-                (jws, "world_size"),
-                (jrh, "ranks_here"),
-                (jend, "ended_at"),
+            pct, gpu_j = _as_float(j.get("saved_pct")), _as_float(j.get("gpu_energy_j"))
+            saved = gpu_j * pct / (100.0 - pct) if pct is not None and gpu_j is not None and pct < 100.0 else None
+            for fam, v in (
+                (jgf, j.get("gflops_per_w")),
+                (jen, j.get("energy_j")),
+                (jge, j.get("gpu_energy_j")),
+                (jfl, j.get("flops")),
+                (jst, j.get("steps")),
+                (jws, j.get("world_size")),
+                (jrh, j.get("ranks_here")),
+                (jend, j.get("ended_at")),
+                (jdur, j.get("duration_s")),
+                (jsav, saved),
+                (jsim, bool(j.get("sim"))),
             ):
-                v = _as_float(j.get(key))
+                v = _as_float(v)
                 if v is not None:
                     fam.add_metric(labels, v)
-        yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend) if f.samples)
+            if j.get("precision") in PRECISIONS:  # (a command measured whole has none)
+                for level in PRECISIONS:
+                    jpre.add_metric([*labels, level], 1.0 if level == j["precision"] else 0.0)
+        yield from (f for f in (jgf, jen, jge, jfl, jst, jws, jrh, jend, jdur, jsav, jsim, jpre) if f.samples)
 
 
 _OPTIONS = {"basic_auth_file", "tls_cert", "tls_key", "max_connections", "read_timeout_s", "max_scrapes_per_s"}

@@ -119,4 +119,12 @@ def test_prometheus_gives_the_whole_job_across_nodes(tmp_path: Path, daemons: li
     assert whole["gflops_per_w"] == pytest.approx(whole["flops"] / whole["gpu_energy_j"] / 1e9)
     assert sorted(n["host"] for n in whole["nodes"]) == ["n1", "n2"]
     assert "across 2 node(s)" in text and "run r2" in text and "1 other run(s)" in text
+    # What the rows stored in SQLite carry, read back from Prometheus too: each node's duration
+    # (it read 0.0 s), whole counts (not 30.0), the level and the (sim) label.
+    longest = max(r["duration_s"] for r in reps.values())
+    assert longest > 0 and whole["duration_s"] == pytest.approx(longest, rel=0.05, abs=0.05), (whole, reps)
+    assert whole["steps"] == 30 and isinstance(whole["steps"], int) and whole["nodes"][0]["ranks_here"] == 1
+    assert whole["sim"] and "(sim)" in text and {n["gpu_source"] for n in whole["nodes"]} == {"sim"}
+    r2 = next(j for j in jobs if j["run_id"] == "r2")
+    assert r2["precision"] == reps["n1"]["precision"] and r2["duration_s"] == whole["duration_s"], r2
     assert sorted((j["job"], j["run_id"], j["nodes"]) for j in jobs) == [("train", "old-run", 1), ("train", "r2", 2)]
