@@ -122,7 +122,8 @@ class JobOps:
 
     # The ops -------------------------------------------------------------------------
     def register(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
-        booked = self.jobs.register(decode_register(msg), self.caller(conn))
+        reg = decode_register(msg)
+        booked = self.jobs.register(reg, self.caller(conn))
         reply: dict[str, Any] = {
             "job": booked.job,
             "run": booked.run,
@@ -138,6 +139,12 @@ class JobOps:
         tolerance = self.precision_tolerance() if self.precision_tolerance is not None else None
         if tolerance is not None:
             reply["precision_tolerance"] = tolerance
+        here = self.jobs.gpu_indices() if not reg.gpus and reg.kind == "training" else None
+        if here:  # (the callback warns with it: a report with no GPU figures, and nothing said why)
+            reply["warning"] = (
+                f"job {booked.job} named no GPUs (torch saw no CUDA device and gpus= was not given), so its report "
+                f"has no GPU figures; this node has GPU(s) {sorted(here)}: pass GreenCallback(..., gpus=[...])"
+            )
         return reply
 
     # Two forms reach one booking path: "intervals" rows, a rank's steps summed at the

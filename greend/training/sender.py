@@ -59,8 +59,7 @@ OUTBOX_MAX_BYTES = 256 * 1024
 NEWER_REGISTER_FIELDS = frozenset({"run", "reference_every", "probe_every", "steps_before"})
 # A line from the daemon longer than this (without a newline) is dropped as malformed.
 LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
-# The heartbeat period a daemon's reply may set (its own floor: 0.5 s): far below, the
-# sender would be a busy loop beside the training.
+# The heartbeat period a daemon's reply may set (its floor: 0.5 s; far below: a busy loop).
 HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.1, 60.0
 
 _monotonic = time.monotonic
@@ -147,16 +146,19 @@ class Channel:
     book_handed: Callable[[], None] = lambda: None
 
 
+def _positive(v: Any, most: float) -> float | None:
+    """A number the daemon sent, where it is one in (0, most]; else None."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= most else None
+
+
 class _ConnectionLost(Exception):
     """The connection is gone or stuck; the message says why."""
 
 
 class Sender:
     """Owns the socket: registers, batches steps, heartbeats, reads directives, reconnects.
-
-    It reads and writes the :class:`Channel` only; ``register_fields`` makes the
-    ``register`` request's fields at each connect, ``warnings`` reports problems.
-    """
+    It reads and writes the :class:`Channel` only; ``register_fields`` makes the ``register``
+    request's fields at each connect, ``warnings`` reports problems."""
 
     def __init__(
         self,
@@ -200,9 +202,8 @@ class Sender:
         # where the daemon may change the job's precision (it registered more than one level).
         self._form = "steps"
         self._row_losses = False
-        # Rows go out every rows_every_s (the daemon's register reply says how often it
-        # wants them; events and requests still go at once), or sooner when a message's
-        # worth of steps is waiting.
+        # Rows go out every rows_every_s (the daemon's register reply says; events and
+        # requests at once), or sooner when a message's worth of steps is waiting.
         self._rows_every_s = options.flush_interval_s
         self._last_rows_s = 0.0
 
@@ -368,23 +369,21 @@ class Sender:
             return False
         result = reply.get("result") or {}
         if isinstance(result, dict):
-            heartbeat_s = result.get("heartbeat_s")
-            if isinstance(heartbeat_s, (int, float)) and not isinstance(heartbeat_s, bool) and heartbeat_s > 0:
-                self.heartbeat_s = min(max(float(heartbeat_s), HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
+            heartbeat_s = _positive(result.get("heartbeat_s"), float("inf"))
+            if heartbeat_s is not None:
+                self.heartbeat_s = min(max(heartbeat_s, HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
             self.booked_job = result["job"] if isinstance(result.get("job"), str) else None  # what its events name
             session = result.get("session")
             self.session = session if isinstance(session, int) else None
-            tol = result.get("precision_tolerance")
-            told = float(tol) if isinstance(tol, (int, float)) and not isinstance(tol, bool) and 0 < tol < 10 else None
-            ch.on_tolerance(told)  # absent (an older daemon, no precision policy): the callback's own
+            # (absent: an older daemon, no precision policy: the callback's own tolerance)
+            ch.on_tolerance(_positive(result.get("precision_tolerance"), 10.0))
             directive = result.get("directive")
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
-            every = result.get("rows_every_s")
-            self._rows_every_s = opts.flush_interval_s
-            if isinstance(every, (int, float)) and not isinstance(every, bool) and 0 < every <= 5.0:
-                self._rows_every_s = max(opts.flush_interval_s, float(every))
+            self._rows_every_s = max(opts.flush_interval_s, _positive(result.get("rows_every_s"), 5.0) or 0.0)
+            if isinstance(result.get("warning"), str):  # (what the daemon saw amiss: a job that named no GPUs)
+                self._warnings.warn("daemon", result["warning"][:500])
         else:
             self._form = "steps"
         self._row_losses = len(fields.get("precisions") or ()) > 1

@@ -9,6 +9,7 @@ import random
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,27 @@ def test_the_callback_sends_rows_to_this_daemon_and_steps_to_an_older_one(daemon
     span = time.monotonic() - t0
     assert cb.stats.sent == 300
     assert cb.stats.messages <= span / 0.5 + 4, (cb.stats.messages, span)
+
+
+def test_a_job_that_names_no_gpus_on_a_node_with_gpus_is_told_so(daemon: Daemon) -> None:
+    """The README's loop on the CPU against `greend run --sim 1`, without gpus=: the report
+    had no GPU figures and nothing said why. The register reply says so, and the callback
+    warns once (a GreendWarning: the training goes on); a job that names its GPU is not told."""
+    torch = pytest.importorskip("torch")
+    from greend import GreenCallback
+    from greend.errors import GreendWarning
+
+    model = torch.nn.Linear(8, 1)
+    for gpus, told in ((None, True), ([0], False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with GreenCallback(job=f"cpu-{told}", model=model, socket=daemon.cfg.daemon.socket, gpus=gpus) as cb:
+                with cb.step(samples=4):
+                    model(torch.randn(4, 8)).sum().backward()
+                cb.flush()
+                assert wait_for(lambda: cb.stats.connects == 1)
+        said = [str(w.message) for w in caught if issubclass(w.category, GreendWarning)]
+        assert any("named no GPUs" in m and "gpus=[...]" in m for m in said) == told, said
 
 
 def test_an_old_daemon_gets_steps(tmp_path: Path) -> None:
