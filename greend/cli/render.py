@@ -363,7 +363,7 @@ def render_jobs(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs yet"
     return render_table(
-        ["JOB", "STATE", "RANKS", "GPUS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "SAVED_%", "PRECISION"],
+        ["JOB", "STATE", "RANKS", "GPU_IDS", "STEPS", "DURATION_S", "GPU_ENERGY_J", "GFLOPS/W", "SAVED_%", "PRECISION"],
         [
             [
                 j["job"] + (f" (run {j['run']})" if (j.get("run") or 1) > 1 else ""),
