@@ -276,10 +276,12 @@ class NvmlGpuBackend:
         if fn is None:
             return None
         try:
-            reasons = int(self._call(index, fn))
-            if reasons & ~_HELD_BY_CLOCK_SETTING:
+            if int(self._call(index, fn)) & ~_HELD_BY_CLOCK_SETTING:
                 return None  # idle, or power or heat hold it too: the clock says nothing of the lock
-            return int(self._call(index, "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM))
+            mhz = int(self._call(index, "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM))
+            # The reasons again: a GPU that went idle between the two reads (a step's end)
+            # gave its idle clock, which the first read did not say (a "cap" of 345 MHz).
+            return None if int(self._call(index, fn)) & ~_HELD_BY_CLOCK_SETTING else mhz
         except ProbeError as e:
             log.debug("gpu%d: the clock held cannot be read back: %s", index, e)
             return None

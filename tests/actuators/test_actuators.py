@@ -773,3 +773,26 @@ def test_a_refused_first_cpu_cap_leaves_no_owner_and_no_entry(tmp_path: Path) ->
     with pytest.raises(KnobError):
         ctl.apply_cpu_limit("intel-rapl:0", 120.0, "node")
     assert ctl.owners() == {}  # its originals stay saved (a restore at the stop checks them)
+
+
+def test_a_gpu_that_goes_idle_between_the_reads_is_not_read_as_holding_its_idle_clock(tmp_path: Path) -> None:
+    """The clock-event reasons said only the lock held the clock, then the step ended and
+    the clock read gave the idle clock: the read-back reported "a clock cap of 345 MHz, not
+    the one asked for". The reasons are read again after the clock: a GPU gone idle meanwhile
+    cannot tell, and the request stays in force, unverified."""
+    fake = FakeNvml(tmp_path / "sim", n=1)
+    reasons = iter([0x2, 0x1])  # (held by the lock; then idle)
+
+    class StepEnds(CountingNvml):
+        def __getattr__(self, name: str) -> Any:
+            if name == "nvmlDeviceGetCurrentClocksEventReasons":
+                return lambda handle: next(reasons)
+            if name == "nvmlDeviceGetClockInfo":
+                return lambda handle, kind: 345
+            return super().__getattr__(name)
+
+    probe = NvmlProbe(nvml=StepEnds(fake), source="sim")
+    probe.open()
+    assert NvmlGpuBackend(probe).held_clock_mhz(0) is None
+    reasons = iter([0x2, 0x2])  # the lock alone, before and after: what the GPU holds
+    assert NvmlGpuBackend(probe).held_clock_mhz(0) == 345
