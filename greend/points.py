@@ -213,8 +213,10 @@ def job_point(
     """``greend_job``: an ended job's summary (its finite numbers). A command measured whole
     (``kind`` ``measure``) is tagged so, and has no precision."""
     fields: dict[str, FieldValue] = {}
+    # (a CPU energy no RAPL zone or estimate measured: its 0 J is no figure)
+    unmeasured = {"cpu_energy_j"} if summary.get("cpu_energy_method") == "unmeasured" else set()
     for k in JOB_SUMMARY_FIELDS:
-        v = summary.get(k)
+        v = None if k in unmeasured else summary.get(k)
         if isinstance(v, (int, float)) and not (isinstance(v, float) and not math.isfinite(v)):
             fields[k] = v
     tags = {"host": host, "job": job, "end_reason": end_reason}

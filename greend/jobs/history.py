@@ -186,6 +186,11 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
             )
     energy = r.get("energy_j")
     saved = r.get("saved_gpu_energy_j")
+    flops, gpu_j, cpu_j, span = r.get("flops") or 0.0, r.get("gpu_energy_j"), r.get("cpu_energy_j"), r.get("duration_s")
+
+    def per(a: float | None, b: float | None, scale: float = 1.0) -> float | None:
+        return a / b / scale if a is not None and b else None
+
     return {
         "job": job,
         "run_id": r.get("run"),
@@ -196,22 +201,23 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "gpu_source": r.get("gpu_source") or None,  # stored since greend_job carries it
         "steps": r.get("steps") or 0,
         "step_reports": r.get("steps") or 0,
-        "ranks": 0,
+        "ranks": int(r.get("ranks_here") or 0),  # (the ranks that ran here, all gone)
         "ranks_gone": [],
-        "flops": r.get("flops") or 0.0,
+        "flops": flops,
         "samples": r.get("samples") or 0,
         "tokens": r.get("tokens") or 0,
-        "duration_s": r.get("duration_s"),
-        "gpu_energy_j": r.get("gpu_energy_j"),
-        "cpu_energy_j": r.get("cpu_energy_j"),
-        "cpu_energy_method": "stored",
+        "duration_s": span,
+        "gpu_energy_j": gpu_j,
+        # A row without CPU energy: no RAPL zone or estimate measured it (stored before, as 0 J).
+        "cpu_energy_j": cpu_j,
+        "cpu_energy_method": "stored" if cpu_j is not None else "unmeasured",
         "energy_j": energy,
         "energy_kwh": r.get("energy_kwh"),
         "avg_power_w": r.get("avg_power_w"),
-        "avg_gpu_power_w": None,
-        "flop_per_s": None,
+        "avg_gpu_power_w": per(gpu_j, span),
+        "flop_per_s": per(flops, span),
         "gflops_per_w": r.get("gflops_per_w"),
-        "gflops_per_w_with_cpu": None,
+        "gflops_per_w_with_cpu": per(flops, energy, 1e9) if cpu_j is not None else None,
         "co2_g": r.get("co2_g"),
         "co2_method": "from the store",
         "last_loss": r.get("last_loss"),

@@ -294,3 +294,21 @@ def test_a_whole_job_with_no_figures_in_the_stores_is_not_called_complete(tmp_pa
     whole = json.loads(out[out.index("{") :])
     assert code == 0 and whole["complete"] is False, whole
     assert whole["missing"] == ["these stores hold no steps, FLOPs or energy of the job"], whole
+
+
+def test_a_report_from_the_store_says_what_the_live_one_said(tmp_path: Path) -> None:
+    """Read back from a store file, a job on a node without RAPL said "CPU energy 0.0 J
+    (stored)" where its live report said "not measured", "64 step reports from 0 rank(s)",
+    and no average GPU power or FLOP rate, though the row holds what they come from."""
+    summary = {"steps": 64, "ranks_here": 2, "world_size": 2, "flops": 6.4e13, "duration_s": 8.0,
+               "gpu_energy_j": 1600.0, "cpu_energy_j": 0.0, "cpu_energy_method": "unmeasured",
+               "energy_j": 1600.0}  # fmt: skip
+    db = _stored_jobs(tmp_path / "g.db", [("n", "cpu-less", 5.0, summary)])
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "cpu-less", "--store", str(db))
+    assert code == 0, out
+    assert "CPU energy       not measured" in out and "64 step reports from 2 rank(s)" in out, out
+    assert "avg 200.0 W" in out and "8e+12 FLOP/s" in out, out
+    measured = dict(summary, cpu_energy_j=120.0, cpu_energy_method="rapl", energy_j=1720.0)
+    db2 = _stored_jobs(tmp_path / "g2.db", [("n", "with-cpu", 5.0, measured)])
+    code, out = run("--socket", str(tmp_path / "none.sock"), "report", "with-cpu", "--store", str(db2))
+    assert code == 0 and "CPU energy       120.0 J   (stored)" in out and "(with CPU: 37.209)" in out, out
