@@ -8,9 +8,11 @@ background (as the README's ``&`` does), the test waits until it answers, and it
 stopped with SIGTERM at the end of its block, where it must exit 0. A ``greend run``
 without ``--socket`` (the real node's default paths, /run/greend and /var/lib/greend) is
 given a private ``--socket`` and ``--state-dir``, so a test never touches the node's own.
-The README's fixed paths under /tmp are used as written; if another daemon already
-listens there, the test is skipped rather than disturb it. Commands this test does not
-run are listed in ``NOT_HERE`` with the reason; any other line runs.
+The README's fixed paths under /tmp are moved under the test's own temp directory
+(``/tmp/g.sock`` becomes ``<temp>/tmp/g.sock`` in every line of the block alike): a daemon
+or a state dir that someone trying the README left there (one owned by another user) never
+fails or disturbs the test. Commands this test does not run are listed in ``NOT_HERE``
+with the reason; any other line runs.
 """
 
 from __future__ import annotations
@@ -93,16 +95,18 @@ def test_every_command_of_the_section_succeeds(section: str, tmp_path: Path) -> 
     if shutil.which("greend", path=env["PATH"]) is None:
         pytest.skip("no greend script beside this Python (install the package: make venv)")
     work = Path(tempfile.mkdtemp(prefix="greend-readme-"))
-    made: list[Path] = []  # the README's own /tmp paths this test created: removed after
+    (work / "tmp").mkdir()
+    made: list[Path] = []  # paths this test created: removed after
     ran: list[str] = []
     try:
         for block in blocks:
             daemons: list[tuple[str, subprocess.Popen[bytes], Path]] = []
             try:
-                for cmd in block:
-                    if cmd in NOT_HERE:
-                        ran.append(f"(not here: {cmd}: {NOT_HERE[cmd]})")
+                for readme_cmd in block:
+                    if readme_cmd in NOT_HERE:
+                        ran.append(f"(not here: {readme_cmd}: {NOT_HERE[readme_cmd]})")
                         continue
+                    cmd = readme_cmd.replace("/tmp/", f"{work}/tmp/")  # (the README's /tmp, privately)
                     argv = shlex.split(cmd.rstrip("&").strip())
                     if argv[:2] == ["greend", "run"]:
                         daemons.append(_start(cmd, argv, work, len(daemons), env, made))
@@ -113,9 +117,7 @@ def test_every_command_of_the_section_succeeds(section: str, tmp_path: Path) -> 
                         assert r.returncode == 0, (
                             f"README ({section}): {cmd!r} exited {r.returncode}:\n{r.stdout}{r.stderr}"
                         )
-                        for p in re.findall(r"> (/tmp/\S+)", cmd):
-                            made.append(Path(p))
-                    ran.append(cmd)
+                    ran.append(readme_cmd)
             finally:
                 for cmd, proc, log in daemons:
                     if proc.poll() is None:
