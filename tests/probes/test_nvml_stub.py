@@ -223,7 +223,7 @@ from greend.probes.nvml import NvmlProbe
 hang = pathlib.Path(os.environ["NVML_STUB_HANG_WHEN"])
 pynvml.nvmlInit()
 raw = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(3))
-raw0 = raw()
+raw0, t_raw0 = raw(), time.monotonic()
 p = NvmlProbe(read_wait_s=READ_WAIT)
 p.open()
 t0 = time.monotonic()
@@ -243,8 +243,12 @@ while time.monotonic() - t0 < RUN_S:
     if back == 5:  # gpu3 read again for 5 ticks after it was left out: the counter read at once
         break
     time.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
-raw1 = raw()
-print(json.dumps({"ticks": ticks, "counted_j": (raw1 - raw0) / 1000.0}))
+t_last, raw1 = time.monotonic(), raw()
+watts = pynvml.nvmlDeviceGetPowerUsage(pynvml.nvmlDeviceGetHandleByIndex(3)) / 1000.0
+# (the counter also counted before the probe opened and after its last read: the seconds it
+# counted that the probe did not, at the GPU's power)
+print(json.dumps({"ticks": ticks, "counted_j": (raw1 - raw0) / 1000.0,
+                  "unseen_j": watts * ((t0 - t_raw0) + (t_last - t))}))
 """
 
 
@@ -269,7 +273,10 @@ def test_a_gpu_that_starts_hanging_never_holds_the_sample(
     ticks = out["ticks"]
     longest = max(t["took"] for t in ticks)
     assert ticks[-1]["g3"] is not None and ticks[-1]["g3"][0] is None, ticks[-1]  # read again, fresh
-    assert ticks[-1]["g3"][1] == pytest.approx(out["counted_j"], rel=0.02), out["counted_j"]
+    # What the probe counted against the counter itself, less what the counter counted where
+    # the probe was not reading (on a loaded machine, tenths of a second: 3 % here once).
+    lost = out["counted_j"] - ticks[-1]["g3"][1]
+    assert -0.02 * out["counted_j"] <= lost <= 0.02 * out["counted_j"] + out["unseen_j"], out
     if hang_s > deadline_s:
         assert any(t["states"] == ["ok", "unresponsive"] and t["g3"] is None for t in ticks), ticks
     else:  # late, not overdue: the last reading stands in, stale, all along
