@@ -40,7 +40,9 @@ garbage collections per 1000 steps in greend's blocks and the bare loop's.
 
 The whole process's CPU time (``time.process_time``: the training thread and greend's
 sender thread together) is taken over the same blocks and printed the same way, so that
-what the sender thread does for the training thread is counted too.
+what the sender thread does for the training thread is counted too; and the loop's
+wall-clock time (``time.perf_counter``: what the job's throughput pays, the sender
+thread's hold on the GIL included).
 
 ``--attribute`` adds, on the ~1 ms bf16 step without a daemon, the same design with
 one greend call switched on at a time (``cb.step()`` alone, then with
