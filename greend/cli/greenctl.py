@@ -125,7 +125,7 @@ def ctl_top(
             return dict(c.request("status"))
 
     try:
-        keys = None if once else TerminalKeys.for_stdin()
+        keys = None if once or not os.isatty(1) else TerminalKeys.for_stdin()  # (keys: a terminal both ways)
         run_top(status, socket=str(target.path()), interval_s=interval, once=once, sort=sort, keys=keys)
     except GreendError as e:
         fail(str(e), code=3)

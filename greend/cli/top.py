@@ -241,7 +241,7 @@ def run_top(
                 console.file.flush()
                 sleep(interval_s)
                 frame = read(frame)
-        except (KeyboardInterrupt, BrokenPipeError):
+        except KeyboardInterrupt:  # (a reader that left, `| head`: rich exits 1, as yes | head does 141)
             return
     try:
         with Live(

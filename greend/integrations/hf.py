@@ -15,8 +15,9 @@ How it maps onto the Trainer
   batch: a forward pre-hook on the model sees its inputs' shapes (the first
   micro-batch's), and each new shape is counted with FlopCounterMode, up to
   ``max_flop_counts`` shapes, then estimated by size from the counted ones
-  (batches padded to their longest sequence: 40 steps' total within 0.7 % of a
-  count of each step); ``flops_per_step=`` or ``model_flops=True`` instead.
+  (batches padded to their longest sequence, one draw of 40: the total within
+  0.1 % of a count of each step, each step within 3.4 %); ``flops_per_step=`` or
+  ``model_flops=True`` instead.
 * ``samples`` = ``per_device_train_batch_size * gradient_accumulation_steps``;
   ``tokens`` = the growth of ``state.num_input_tokens_seen`` when the Trainer
   tracks it (``include_num_input_tokens_seen=True``), over the ranks (the Trainer

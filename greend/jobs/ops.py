@@ -142,8 +142,9 @@ class JobOps:
         here = self.jobs.gpu_indices() if not reg.gpus and reg.kind == "training" else None
         if here:  # (the callback warns with it: a report with no GPU figures, and nothing said why)
             reply["warning"] = (
-                f"job {booked.job} named no GPUs (torch saw no CUDA device and gpus= was not given), so its report "
-                f"has no GPU figures; this node has GPU(s) {sorted(here)}: pass GreenCallback(..., gpus=[...])"
+                f"job {booked.job} registered no GPUs (torch saw no CUDA device it could name, and no gpus= was "
+                f"given), so its report has no GPU figures; this node has GPU(s) {sorted(here)}: pass "
+                "GreenCallback(..., gpus=[...])"
             )
         return reply
 

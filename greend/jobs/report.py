@@ -19,8 +19,8 @@ __all__ = ["ROW_FIELDS", "JobFigures", "rates", "savings_level"]
 # The columns of a job's row in ``greenctl jobs`` and ``status`` (JobFigures.row).
 ROW_FIELDS = (
     "job", "run_id", "state", "ranks", "gpus", "steps", "flops", "duration_s", "gpu_energy_j",
-    "energy_j", "gflops_per_w", "saved_pct", "sim", "precision", "world_size", "ranks_here", "started_at",
-    "kind", "windows", "uid", "end_reason", "sent_before",
+    "energy_j", "gflops_per_w", "saved_pct", "saved_gpu_energy_j", "sim", "precision", "world_size",
+    "ranks_here", "started_at", "kind", "windows", "uid", "end_reason", "sent_before",
 )  # fmt: skip
 
 # Below this many baseline steps the saving is not estimated.
@@ -337,6 +337,7 @@ class JobFigures:
             "energy_j": energy,
             "gflops_per_w": job.flops / gpu_e / 1e9 if gpu_e and job.flops else None,
             "saved_pct": saving["saved_pct"],
+            "saved_gpu_energy_j": saving["saved_j"],
             "sim": job.modelled_energy_j > 0,  # the GPU figures are the simulator's
             "precision": job.precision,
             "world_size": job.world_size,

@@ -313,8 +313,6 @@ class GreendCollector:
         host = _label_value(st.get("host"))
         for j in jobs:
             labels = [_label_value(j.get("job")), _label_value(j.get("run_id")), host]
-            pct, gpu_j = _as_float(j.get("saved_pct")), _as_float(j.get("gpu_energy_j"))
-            saved = gpu_j * pct / (100.0 - pct) if pct is not None and gpu_j is not None and pct < 100.0 else None
             for fam, v in (
                 (jgf, j.get("gflops_per_w")),
                 (jen, j.get("energy_j")),
@@ -325,7 +323,7 @@ class GreendCollector:
                 (jrh, j.get("ranks_here")),
                 (jend, j.get("ended_at")),
                 (jdur, j.get("duration_s")),
-                (jsav, saved),
+                (jsav, j.get("saved_gpu_energy_j")),
                 (jsim, bool(j.get("sim"))),
             ):
                 v = _as_float(v)

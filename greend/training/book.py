@@ -73,7 +73,7 @@ JUDGE_WITHIN_S = 0.05
 # Batches handed to the sender thread and not booked yet beyond which the training
 # thread books them itself (a sender thread that died or is starved).
 MAX_HANDED = 64
-MAX_ESTIMATES = 4096  # new shapes whose estimated FLOPs are kept (past it, estimated each step)
+MAX_ESTIMATES = 4096  # new shapes whose estimated FLOPs are kept (past it, all forgotten at once)
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
 
@@ -387,8 +387,9 @@ class StepBook:
             if not self.flop_cache:
                 return 0.0
             estimate, fitted = estimate_new_shape(self.flop_cache, key)
-            if len(self._estimates) < MAX_ESTIMATES:
-                self._estimates[key] = estimate
+            if len(self._estimates) >= MAX_ESTIMATES:
+                self._estimates.clear()  # (each estimate is made again once: about 0.1 ms)
+            self._estimates[key] = estimate
             if "flopcache" not in self._warnings and len(self.flop_cache) >= self._max_flop_counts:
                 how = "are estimated by their size from the counted ones" if fitted else "reuse the mean FLOP count"
                 self._warnings.warn(
@@ -565,6 +566,10 @@ class StepBook:
                                     guard.losses.append(value)  # (a spike is not the new level's trend)
                         else:
                             guard.losses.append(value)
+                    elif guard.stack and step.precision == guard.stack[-1].from_level:
+                        # A step at the level above (between a trial's blocks, in a probe):
+                        # a jump it shows too is the data's, not the lower level's.
+                        guard.note_above(value, step.index if step.index is not None else self.next_index)
                 else:
                     step._nonfinite, step._nonfinite_cause, step._spike_reason = True, "loss", None
             q.popleft()

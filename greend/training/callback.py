@@ -34,12 +34,11 @@ Chosen in this order:
    sequence-length bucket), else a cheap signature of ``batch=`` (tensor shapes
    and dtypes, one level deep, :func:`greend.training.flops.batch_signature`), else, with
    ``model=``, the same signature of the model's inputs, which a forward pre-hook
-   sees during the step (a new shape's first step keeps the previous count, and
-   its next step is counted), else one key for the whole run. A new key is
-   counted once, up to ``max_flop_counts`` distinct keys; beyond that a new key's
-   FLOPs are estimated from the counted keys by their number of elements (a least-
-   squares line, or a parabola for attention's square term, used only where it
-   gives every counted key within 5 %), else the counts' mean
+   sees during the step (a new shape's first step is estimated, and its next step
+   is counted), else one key for the whole run. A new key is counted once, up to
+   ``max_flop_counts`` distinct keys; beyond that a new key's FLOPs are estimated
+   from the counted keys by their number of elements (a fit within their range of
+   sizes, the nearest scaled by size outside it), else the counts' mean
    (:func:`greend.training.flops.estimate_new_shape`).
 
 Precision

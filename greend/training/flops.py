@@ -236,22 +236,23 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
 def signature_elements(signature: Any) -> int | None:
     """The number of elements a shape key stands for: a shape's product, summed over the
     tensors of a :func:`batch_signature` (dtypes, names and type names add nothing), or
-    None where the key holds no shape (a user's ``shape_key="long"``)."""
+    None where the key holds no shape (a user's ``shape_key="long"``, a negative number)."""
     if isinstance(signature, tuple):
-        if signature and all(type(d) is int for d in signature):  # a shape (torch.Size too)
+        if signature and all(type(d) is int and d >= 0 for d in signature):  # a shape (torch.Size too)
             return math.prod(signature)
         parts = [signature_elements(part) for part in signature]
         known = [n for n in parts if n is not None]
         return sum(known) if known else None
-    if type(signature) is int:  # a user's key that is a size: a sequence-length bucket
+    if type(signature) is int and signature >= 0:  # a user's key that is a size: a sequence-length bucket
         return signature
     return None
 
 
-# A line (or, with enough shapes, a parabola) through the counted shapes is used for a
-# new one only where it gives every counted shape's FLOPs within this share.
+# A line (or, with enough shapes, a parabola that bends up, as attention's square term
+# does) through the counted shapes is used for a new one within their range of sizes only
+# where it gives every counted shape's FLOPs within this share.
 FIT_WITHIN = 0.05
-QUADRATIC_FROM = 5  # distinct counted sizes before the square term (attention's) is fitted
+QUADRATIC_FROM = 5  # distinct counted sizes before the square term is fitted
 
 
 def _polyfit(points: list[tuple[float, float]], degree: int) -> list[float] | None:
@@ -277,34 +278,47 @@ def _polyfit(points: list[tuple[float, float]], degree: int) -> list[float] | No
 
 def estimate_from_sizes(counted: list[tuple[int, float]], elements: int | None) -> float | None:
     """FLOPs for a shape of ``elements`` elements from the shapes counted already
-    (``(elements, flops)`` pairs): a least-squares straight line through them (a model
-    whose work grows with its batch's rows or tokens follows one), else, from
-    :data:`QUADRATIC_FROM` distinct sizes, a parabola (attention's work grows with the
-    square of the sequence). None where neither can be trusted: fewer than two distinct
-    sizes, a fit that misses a counted shape by more than :data:`FIT_WITHIN`, or an
-    estimate below zero."""
-    sizes = {n for n, _ in counted}
-    if elements is None or len(sizes) < 2:
+    (``(elements, flops)`` pairs, sizes > 0). Within the counted sizes: a least-squares
+    straight line through them (work that grows with the batch's rows or tokens), else,
+    from :data:`QUADRATIC_FROM` distinct sizes, a parabola that bends up (attention's
+    square term), where it gives each counted shape within :data:`FIT_WITHIN`. Outside
+    them, or where neither fits: the nearest counted size's FLOPs scaled by the size (a
+    fit's ends run off: attention makes its intercept negative, below the smallest size).
+    0 for an empty batch; None where the sizes say nothing (no size, none counted)."""
+    if elements is None:
         return None
-    scale = float(max(sizes))  # (x in [0, 1]: the normal equations stay well conditioned)
-    points = [(n / scale, f) for n, f in counted]
-    for degree in (1, 2) if len(sizes) >= QUADRATIC_FROM else (1,):
-        coef = _polyfit(points, degree)
-        if coef is None:
-            continue
-        if all(abs(sum(c * x**i for i, c in enumerate(coef)) - f) <= FIT_WITHIN * abs(f) for x, f in points):
-            estimate = sum(c * (elements / scale) ** i for i, c in enumerate(coef))
-            return estimate if estimate >= 0 else None
-    return None
+    if elements == 0:
+        return 0.0
+    counted = [(n, f) for n, f in counted if n > 0 and math.isfinite(f)]
+    if not counted:
+        return None
+    sizes = sorted({n for n, _ in counted})
+    if len(sizes) >= 2 and sizes[0] <= elements <= sizes[-1]:
+        scale = float(sizes[-1])  # (x in [0, 1]: the normal equations stay well conditioned)
+        points = [(n / scale, f) for n, f in counted]
+        for degree in (1, 2) if len(sizes) >= QUADRATIC_FROM else (1,):
+            coef = _polyfit(points, degree)
+            if coef is None or (degree == 2 and coef[2] < 0):
+                continue
+            if all(abs(sum(c * x**i for i, c in enumerate(coef)) - f) <= FIT_WITHIN * abs(f) for x, f in points):
+                estimate = sum(c * (elements / scale) ** i for i, c in enumerate(coef))
+                if estimate >= 0:
+                    return estimate
+    n_near, f_near = min(counted, key=lambda p: abs(math.log(elements / p[0])))
+    return f_near * elements / n_near
 
 
 def estimate_new_shape(counts: dict[Hashable, Any], key: Hashable) -> tuple[float, bool]:
     """FLOPs for a shape key not counted, from the keys counted (``counts``, not empty):
-    :func:`estimate_from_sizes` where every key tells its size and the line holds, else
-    the counts' mean; and whether the line gave it."""
-    sized = [(signature_elements(k), float(f)) for k, f in counts.items()]
-    if all(n is not None for n, _ in sized):
-        fitted = estimate_from_sizes([(n, f) for n, f in sized if n is not None], signature_elements(key))
-        if fitted is not None:
-            return fitted, True
-    return sum(f for _, f in sized) / len(sized), False
+    :func:`estimate_from_sizes` where every key tells its size, else the counts' mean;
+    and whether the sizes gave it. Never raises (a key of any kind may come)."""
+    mean = sum(float(f) for f in counts.values()) / len(counts)
+    try:
+        sized = [(signature_elements(k), float(f)) for k, f in counts.items()]
+        if all(n is not None for n, _ in sized):
+            by_size = estimate_from_sizes([(n, f) for n, f in sized if n is not None], signature_elements(key))
+            if by_size is not None and math.isfinite(by_size):
+                return by_size, True
+    except (ArithmeticError, ValueError) as e:  # (sizes past a float's range)
+        log.debug("no FLOP estimate by size for %r: %s", key, e)
+    return mean, False

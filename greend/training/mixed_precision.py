@@ -58,6 +58,7 @@ import importlib.util
 import itertools
 import logging
 import math
+import statistics
 import sys
 from collections import deque
 from collections.abc import Iterable
@@ -461,6 +462,9 @@ class PrecisionOptions:
 
 SPIKE_SIGMAS = 6.0  # a spike is also this many batch-to-batch standard deviations over the trend
 SPIKE_HISTORY = 512  # the losses at the level above a downgrade whose own spikes are counted
+# A jump over the trend that the latest steps at the level above show too (at least
+# ABOVE_MIN of the last ABOVE_KEPT, within ABOVE_RECENT_STEPS) is a shift in the data.
+ABOVE_MIN, ABOVE_KEPT, ABOVE_RECENT_STEPS = 3, 8, 64
 SPIKE_P = 1e-3  # spikes after a downgrade are the level's doing when the level above's own rate
 # of them makes so many this unlikely (a job that never spiked: the first one)
 
@@ -511,10 +515,17 @@ class Guard:
     stack: list[_Downgrade] = field(default_factory=list)  # downgrades still in force, oldest first
     barred: dict[str, tuple[int, str]] = field(default_factory=dict)  # level -> (until step, why)
     rollbacks: int = 0
+    # (step, loss) of the latest steps run at the level above since the downgrade (a trial's
+    # steps between its blocks, probe blocks): a jump they show too is the data's.
+    above: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ABOVE_KEPT))
 
     def __post_init__(self) -> None:
         # The trend is the latest ``window`` losses; the rest are the level's spike history.
         self.losses = deque(self.losses, maxlen=max(self.window, SPIKE_HISTORY))
+
+    def note_above(self, loss: float, step: int) -> None:
+        """A loss of a step run at the level the latest downgrade came from, after it."""
+        self.above.append((step, loss))
 
     @property
     def armed(self) -> bool:
@@ -571,6 +582,17 @@ class Guard:
             bits = BITS.get(new, 32)
             self.stack = [d for d in self.stack if BITS.get(d.from_level, 32) > bits]
         self.losses.clear()  # the trend of the new level starts afresh
+        self.above.clear()
+
+    def _seen_above(self, loss: float, step: int | None, spread: float) -> float | None:
+        """The level of the latest steps run at the level above (at least ``ABOVE_MIN`` of
+        them, within ``ABOVE_RECENT_STEPS``), where ``loss`` is no spike against it: the
+        loss moved at both levels alike (the data's doing), so that is the trend now."""
+        recent = [v for s, v in self.above if step is None or step - s <= ABOVE_RECENT_STEPS]
+        if len(recent) < ABOVE_MIN:
+            return None
+        level = statistics.median(recent)
+        return None if self._is_spike(loss - level, level, spread) else level
 
     def spike(self, loss: float, step: int | None = None) -> str | None:
         """Why ``loss`` (finite, that of ``step``) is a spike after the latest downgrade, or None."""
@@ -585,6 +607,14 @@ class Guard:
         over = loss - trend
         d.seen += 1
         if not self._is_spike(over, trend, d.spread):
+            d.run = 0
+            return None
+        moved = self._seen_above(loss, step, d.spread)
+        if moved is not None:  # the level above saw the same jump: a shift in the data, no spike
+            log.info("greend: loss %.6g at %s is over the trend before the switch (%.6g), as are the "
+                     "latest steps at %s (%.6g): the data moved; that is the trend now", loss, d.to_level,
+                     trend, d.from_level, moved)  # fmt: skip
+            d.trend = moved
             d.run = 0
             return None
         d.spikes += 1

@@ -275,7 +275,7 @@ def test_a_job_that_names_no_gpus_on_a_node_with_gpus_is_told_so(daemon: Daemon)
                 cb.flush()
                 assert wait_for(lambda: cb.stats.connects == 1)
         said = [str(w.message) for w in caught if issubclass(w.category, GreendWarning)]
-        assert any("named no GPUs" in m and "gpus=[...]" in m for m in said) == told, said
+        assert any("registered no GPUs" in m and "gpus=[...]" in m for m in said) == told, said
 
 
 def test_an_old_daemon_gets_steps(tmp_path: Path) -> None:

@@ -94,7 +94,8 @@ def fake_status() -> dict[str, Any]:
                 "ranks_here": 4,
                 "ended_at": 1.7e9,
                 "duration_s": 812.5,
-                "saved_pct": 16.0,
+                "saved_pct": 13.64,  # (a paced job's: its saving over what it would have used)
+                "saved_gpu_energy_j": 150.0,
                 "precision": "bf16",
                 "sim": False,
             },
@@ -174,7 +175,7 @@ def test_scrape_has_base_units_and_values(store: PrometheusStore) -> None:
     assert value(text, "greend_job_gflops_per_watt", job="resnet-run-7") == 42.5
     assert value(text, "greend_job_energy_joules_total", job="resnet-run-7") == 5000.0
     assert value(text, "greend_job_duration_seconds", job="resnet-run-7") == 812.5
-    assert value(text, "greend_job_saved_gpu_energy_joules", job="resnet-run-7") == pytest.approx(800.0)  # 16 % saved
+    assert value(text, "greend_job_saved_gpu_energy_joules", job="resnet-run-7") == 150.0  # as the stores keep it
     assert value(text, "greend_job_precision", job="resnet-run-7", precision="bf16") == 1
     assert value(text, "greend_job_precision", job="resnet-run-7", precision="fp8") == 0
     assert value(text, "greend_job_gpu_simulated", job="resnet-run-7") == 0

@@ -149,16 +149,18 @@ class TinyLM(nn.Module):
         return self.head(self.layer(self.emb(ids)))
 
 
+@pytest.mark.parametrize("seed", [0, 3, 4])
 def test_batches_padded_to_their_longest_sequence_report_the_flops_they_ran(
-    daemon: FakeDaemon, sock_path: Path
+    daemon: FakeDaemon, sock_path: Path, seed: int
 ) -> None:
     """Past max_flop_counts shapes (8), a new shape's FLOPs come from a fit through the
     counted ones by size, not their mean: 60 steps of a language model whose batches pad
-    to 8-128 tokens (a smaller last batch of each epoch too) report their total within 1 %
-    of an independent count of every step, and each step within 15 % (the mean of the 8
-    counts, used before: 1.5 % off in total here, 8-27 % on other draws of the lengths,
-    single steps 5-7 times off)."""
-    g = torch.Generator().manual_seed(0)
+    to 8-128 tokens (a smaller last batch of each epoch too) report their total within
+    2.5 % of an independent count of every step, and each step within 15 % (over seeds 0-7
+    of the lengths: -2.2 to +1.3 %, each step within 10.4 %; the mean of the 8 counts, used
+    before: 1.5-27 % off in total, single steps 5-7 times off; a fit carried past the
+    counted sizes, before that: seeds 3 and 4 +16 % and -8.7 %, a step 13 times off)."""
+    g = torch.Generator().manual_seed(seed)
     batches = [
         torch.randint(0, 200, (8 if i % 10 else 5, int(torch.randint(8, 129, (1,), generator=g))), generator=g)
         for i in range(60)
@@ -183,7 +185,7 @@ def test_batches_padded_to_their_longest_sequence_report_the_flops_they_ran(
     assert len({tuple(b.shape) for b in batches}) > 40  # most shapes estimated, not counted
     assert wait_for(lambda: len(daemon.steps) == 60)
     reported = [s["flops"] for s in daemon.steps]
-    assert abs(sum(reported) / sum(truth) - 1) < 0.01
+    assert abs(sum(reported) / sum(truth) - 1) < 0.025
     assert max(abs(r / t - 1) for r, t in zip(reported, truth, strict=True)) < 0.15
 
 
@@ -539,9 +541,10 @@ def test_messages_match_the_daemons_schemas(daemon: FakeDaemon, sock_path: Path)
 
 def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemon, sock_path: Path) -> None:
     # A loop that passes no batch= (as the README's precision example): the model's
-    # forward pre-hook sees the shapes. A new shape's first step keeps the estimate it
-    # started with; from its second step on the count is exact, and a shape seen before
-    # is priced at once.
+    # forward pre-hook sees the shapes. A new shape's first step is estimated from the
+    # shapes counted by size (twice the rows: twice an MLP's FLOPs, exact here; it kept the
+    # previous shape's count before); from its second step on the count is exact, and a
+    # shape seen before is priced at once.
     model = make_model()
     data = make_data(3, 8) + make_data(3, 16) + make_data(2, 8)
     with GreenCallback(job="mlp-nobatch", model=model, socket=sock_path, **FAST) as cb:
@@ -552,7 +555,7 @@ def test_flops_recounted_on_a_shape_change_with_no_batch_given(daemon: FakeDaemo
         assert len(cb._book.flop_cache) == 2
     assert wait_for(lambda: len(daemon.steps) == 8)
     f8, f16 = expected_mlp_flops(8), expected_mlp_flops(16)
-    assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f8, f16, f16, f8, f8]
+    assert [s["flops"] for s in daemon.steps] == [f8, f8, f8, f16, f16, f16, f8, f8]
     assert cb._book.forward_hook is None and not model._forward_pre_hooks  # close() takes the hook off
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -94,15 +95,26 @@ def test_signature_elements_sums_the_tensors_of_a_signature() -> None:
     assert gf.signature_elements("long") is None and gf.signature_elements(("a", "b")) is None
 
 
-def test_a_straight_line_through_the_counts_or_none_where_it_does_not_hold() -> None:
+def test_a_fit_within_the_counted_sizes_and_the_nearest_scaled_beyond_them() -> None:
     line = [(n, 1000.0 + 7.0 * n) for n in (64, 128, 320, 512)]
-    assert gf.estimate_from_sizes(line, 256) == 1000.0 + 7.0 * 256
-    assert gf.estimate_from_sizes(line, 1024) == 1000.0 + 7.0 * 1024  # beyond the counted sizes too
+    assert gf.estimate_from_sizes(line, 256) == 1000.0 + 7.0 * 256  # the line, within the sizes
+    assert gf.estimate_from_sizes(line, 1024) == (1000.0 + 7.0 * 512) * 2  # beyond: the nearest, scaled
+    assert gf.estimate_from_sizes(line, 32) == (1000.0 + 7.0 * 64) / 2
     assert gf.estimate_from_sizes(line, None) is None  # a key without a size
-    assert gf.estimate_from_sizes([(64, 10.0), (64, 12.0)], 128) is None  # one size: no slope
-    # Sizes that do not explain the counts (a line misses one by more than 10 %): no estimate.
-    assert gf.estimate_from_sizes([(1, 100.0), (2, 900.0), (3, 150.0)], 4) is None
-    assert gf.estimate_from_sizes([(10, 100.0), (20, 10.0)], 30) is None  # below zero
-    # And a caller's fallback: the mean where any key has no size.
+    assert gf.estimate_from_sizes(line, 0) == 0.0  # an empty batch
+    assert gf.estimate_from_sizes([(64, 10.0), (64, 12.0)], 128) == 20.0  # one size: no slope, scaled
+    # Sizes that do not explain the counts (a line misses one by more than 5 %): the nearest, scaled.
+    assert gf.estimate_from_sizes([(1, 100.0), (2, 900.0), (3, 150.0)], 2) == 900.0
+    # Attention: a square term. A parabola that bends up fits it within the counted sizes; a
+    # line through it has a negative intercept, which the smallest shapes no longer meet.
+    square = [(n, 50.0 * n + 0.4 * n * n) for n in (64, 96, 128, 256, 512)]
+    assert gf.estimate_from_sizes(square, 200) == pytest.approx(50.0 * 200 + 0.4 * 200 * 200, rel=1e-6)
+    assert gf.estimate_from_sizes(square, 8) == pytest.approx((50.0 * 64 + 0.4 * 64 * 64) / 8)  # > 0
+    # A parabola that bends down (a count that grows slower than the size) is not extrapolated.
+    slower = [(n, 1e6 * n**0.8) for n in (64, 128, 256, 384, 512)]
+    assert gf.estimate_from_sizes(slower, 4096) == pytest.approx(1e6 * 512**0.8 * 8)
+    # And a caller's fallback: the mean where any key has no size; never an error.
     assert gf.estimate_new_shape({"short": 10, "long": 30}, "medium") == (20.0, False)
     assert gf.estimate_new_shape({(2, 8): 160, (4, 8): 320}, (3, 8)) == (240.0, True)
+    assert gf.estimate_new_shape({0: 10, -1: 30}, 5) == (20.0, False)  # (a negative key is no size)
+    assert gf.estimate_new_shape({1: 10, 2: 20}, 10**400)[1] is False  # past a float: the mean

@@ -380,6 +380,44 @@ def test_guard_calls_a_loss_spike_after_a_downgrade_and_only_then() -> None:
     assert Guard(spike_tolerance=None).spike(1e9) is None
 
 
+def test_a_jump_the_level_above_shows_too_is_a_shift_not_a_spike() -> None:
+    """A benign shift in the data landed between a trial's blocks: the bf16 steps between
+    them read the new level (3.6, 3.5, 3.6), the next fp8 step read it too (2.72 where the
+    twin at bf16 read 2.717), and the spike rule, against the trend frozen at the directive
+    (0.5), rolled fp8 back and barred it (2 of 2 runs of a red-team's workload). The steps at
+    the level above now say the data moved; a jump they do not show is still a spike."""
+    from greend.training.mixed_precision import Guard
+
+    def guard() -> Guard:
+        g = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
+        for v in (0.5, 0.52, 0.48, 0.5):
+            g.losses.append(v)
+        g.on_switch("bf16", "fp8", step=100)
+        return g
+
+    g = guard()
+    for step, v in ((150, 3.6), (151, 3.5), (152, 3.6)):
+        g.note_above(v, step)
+    assert g.spike(2.72, 160) is None  # below the level above's latest steps: the data's
+    assert g.stack[-1].trend == 3.6  # the trend from now on
+    assert g.spike(3.7, 161) is None and g.spike(9.0, 162) is not None  # a spike against the new trend still is
+    g = guard()
+    for step, v in ((150, 0.5), (151, 0.49), (152, 0.52)):
+        g.note_above(v, step)
+    assert g.spike(2.72, 160) is not None  # the level above did not jump: the lower level's spike
+    g = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
+    for v in (0.5, 0.52, 0.48, 0.5):
+        g.losses.append(v)
+    for step, v in ((97, 3.6), (98, 3.5), (99, 3.6)):  # before the downgrade: not its evidence
+        g.note_above(v, step)
+    g.on_switch("bf16", "fp8", step=100)
+    assert g.spike(2.72, 160) is not None
+    g = guard()
+    for step, v in ((150, 3.6), (151, 3.5), (152, 3.6)):
+        g.note_above(v, step)
+    assert g.spike(2.72, 240) is not None  # steps at the level above too long ago to say
+
+
 def test_a_job_that_spikes_on_its_own_is_judged_by_its_rate_of_spikes() -> None:
     """A heavy-tailed loss: one batch in about 60 is 5 to 13 times the rest, at fp32 as at
     bf16. Its first spike after the switch was read as bf16's (rolled back, the fp32 twin
