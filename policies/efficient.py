@@ -566,10 +566,7 @@ class EfficientPolicy:
 
         zig = job.knob == "power" and not cost_mode  # measured power-limit curves zig-zag
 
-        def own(i: int) -> bool:
-            """Over by its own steps too, where curves zig-zag, and by Z_LONG: two such
-            neighbours rule out every setting below them, so a false "over" (at Z, one
-            8-step reading in 20 of a limit at the bound) would cost all of those."""
+        def own(i: int) -> bool:  # over by its own steps too on zig-zag curves (Z_LONG: a false "over" drops all below)
             return over(i) and (not zig or ratio[i] - Z_LONG * ratio_se[i] > allowed)
 
         # ---- the floor: two neighbouring settings both over rule out everything below
