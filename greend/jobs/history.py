@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from greend.errors import StoreError
 from greend.jobs.parts import join_rows, runs_of
+from greend.jobs.report import rates
 from greend.points import JOB_SUMMARY_FIELDS
 from greend.stores.sqlite import connect_readonly
 
@@ -187,10 +188,7 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
     energy = r.get("energy_j")
     saved = r.get("saved_gpu_energy_j")
     flops, gpu_j, cpu_j, span = r.get("flops") or 0.0, r.get("gpu_energy_j"), r.get("cpu_energy_j"), r.get("duration_s")
-
-    def per(a: float | None, b: float | None, scale: float = 1.0) -> float | None:
-        return a / b / scale if a is not None and b else None
-
+    gpu_power, flop_per_s, _ = rates(flops, gpu_j, span or 0.0)  # (the live report's rates, from the row)
     return {
         "job": job,
         "run_id": r.get("run"),
@@ -214,10 +212,10 @@ def stored_report(path: Path, job: str) -> dict[str, Any] | None:
         "energy_j": energy,
         "energy_kwh": r.get("energy_kwh"),
         "avg_power_w": r.get("avg_power_w"),
-        "avg_gpu_power_w": per(gpu_j, span),
-        "flop_per_s": per(flops, span),
+        "avg_gpu_power_w": gpu_power,
+        "flop_per_s": flop_per_s,
         "gflops_per_w": r.get("gflops_per_w"),
-        "gflops_per_w_with_cpu": per(flops, energy, 1e9) if cpu_j is not None else None,
+        "gflops_per_w_with_cpu": rates(flops, energy, span or 0.0)[2] if cpu_j is not None else None,
         "co2_g": r.get("co2_g"),
         "co2_method": "from the store",
         "last_loss": r.get("last_loss"),
@@ -355,9 +353,6 @@ def prometheus_job_rows(
         if row.get("ended_at"):
             row["ts_ns"] = int(row["ended_at"] * 1e9)
             row["end_reason"] = "ended"
-        gpu_j, saved = row.get("gpu_energy_j"), row.get("saved_gpu_energy_j")
-        if gpu_j is not None and saved is not None and gpu_j + saved > 0:
-            row["saved_pct"] = 100.0 * saved / (gpu_j + saved)
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
 
 
