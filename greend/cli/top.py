@@ -241,7 +241,7 @@ def run_top(
                 console.file.flush()
                 sleep(interval_s)
                 frame = read(frame)
-        except KeyboardInterrupt:  # (a reader that left, `| head`: rich exits 1, as yes | head does 141)
+        except KeyboardInterrupt:  # Ctrl-C (a reader that left, `| head`: rich's own broken-pipe exit, 1)
             return
     try:
         with Live(
