@@ -20,7 +20,7 @@ def test_a_daemon_restart_keeps_old_reports(tmp_path: Path, daemons: list[Daemon
     state = tmp_path / "state"
     d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config=CONFIG, state_dir=state)
     daemons.append(d)
-    run_trainer(d.socket, "old-job", "--steps", "300", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
+    run_trainer(d.socket, "old-job", "--steps", "450", "--step-sleep", "0.01", "--precisions", "fp32,bf16")
     live = wait_ended(d, "old-job")
     live_text = d.ctl("report", "old-job").stdout
     assert "switch: fp32 -> bf16" in live_text
