@@ -12,7 +12,7 @@ from typing import Any
 
 from .base import JobMeasure
 
-__all__ = ["Evidence", "antitonic_fit", "best_candidate", "n_measured"]
+__all__ = ["Evidence", "antitonic_fit", "best_candidate", "n_measured", "open_boundary"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,18 @@ def best_candidate(
     if incumbent is not None and incumbent in close:
         return incumbent
     return max(close)
+
+
+def open_boundary(
+    measured: list[int], candidates: list[int], floor: int, objective: Callable[[int], float], best: int
+) -> int | None:
+    """A setting to measure between the lowest one within the bound and the measured one
+    below it, where unmeasured settings lie between them and the one below costs less than
+    the best (energy still falls across the boundary: a setting between may beat the best,
+    though the best is far above, as where the settings above tie); else None."""
+    ok_low = min(candidates)
+    below = max((i for i in measured if i < ok_low), default=None)
+    if below is None or ok_low - below < 2 or objective(below) >= objective(best):
+        return None
+    mid = (ok_low + below + 1) // 2
+    return mid if mid >= floor else None

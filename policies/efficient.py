@@ -18,8 +18,8 @@ baseline arrives, or a measurement gets more precise, the same code simply
 reaches a (possibly different) answer.
 
 The settings form a *grid*, ascending: the supported clocks below the maximum
-(or power limits every ``power_step_w`` from the minimum up to what the job
-draws uncapped; higher limits change nothing), and on top "uncapped".
+(or the minimum power limit and the multiples of ``power_step_w`` above it,
+under the top limit), and on top "uncapped".
 
 1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps; a job that reports
    no FLOPs is left uncapped). Its time per FLOP sets the time budget ``(1 +
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._drift import phase_change
-from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured
+from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open_boundary
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
@@ -118,15 +118,7 @@ class EfficientPolicy:
         Param("max_slowdown", "float", 0.05, "allowed step-time increase over uncapped (or pace)", lo=0, hi=1),
         Param("eta", "float", 0.5, "cost objective: weight of energy vs time (1 = energy only)", lo=0, hi=1),
         Param("min_steps", "int", 8, "steps measured per candidate setting", lo=2, hi=10000),
-        Param(
-            "retune_drift",
-            "float",
-            0.15,
-            "FLOP/s or power drift (fraction) that starts a re-tune",
-            lo=0,
-            lo_open=True,
-            hi=10,
-        ),
+        Param("retune_drift", "float", 0.15, "FLOP/s or power drift that starts a re-tune", lo=0, lo_open=True, hi=10),
         Param("recheck_s", "float", 600.0, "re-measure the uncapped baseline this often (0: only once)", lo=0),
         Param("power_step_w", "float", 25.0, "power knob: grid step, W", lo=1, hi=500),
         Param("noise", "float", 0.02, "assumed relative step noise when the measure carries no spread", lo=0, hi=1),
@@ -347,15 +339,16 @@ class EfficientPolicy:
             job.grid = tuple(Setting(clock_cap_mhz=f) for f in clocks[:-1]) + (UNCAPPED,)
             job.levels = tuple(float(f) for f in clocks)
         else:
-            # The whole range is a candidate: from the top limit down to the minimum.
-            # Limits above the job's draw can matter (they trim its power peaks).
-            low_w = float(g.power_limit_min_w or 0.0)
+            # The whole range: under the top limit, round ones (multiples of the step, as measured
+            # sweeps take them: 250, 225 W... under 260 W), down to the minimum. Limits above the
+            # job's draw can matter (they trim its power peaks).
+            low_w, step = float(g.power_limit_min_w or 0.0), self.power_step_w
             top_w = float(g.power_limit_default_w or g.power_limit_max_w or base.power_w / max(1, len(job.gpus)))
             levels: list[float] = []
-            k = 1
-            while top_w - k * self.power_step_w >= low_w - 1e-9:
-                levels.append(round(top_w - k * self.power_step_w, 3))
-                k += 1
+            k = math.ceil(top_w / step - 1e-9) - 1
+            while k * step >= low_w - 1e-9:
+                levels.append(round(k * step, 3))
+                k -= 1
             if low_w < top_w and (not levels or levels[-1] - low_w > 1e-9):
                 levels.append(round(low_w, 3))
             levels.reverse()
@@ -592,6 +585,8 @@ class EfficientPolicy:
         above = min(i for i in measured if i > best) if best < top else top
         if above - best > 1:
             return _Action("measure", best + (above - best) // 2, self.min_steps)
+        if not cost_mode and (mid := open_boundary(measured, candidates, floor, objective, best)) is not None:
+            return _Action("measure", mid, self.min_steps)  # (the boundary bracketed to neighbours)
 
         # ---- one bad setting rules nothing out alone: measure the setting below it. Bad:
         # too slow; or, for the cost, worse than the best by more than the noise (real
