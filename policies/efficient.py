@@ -603,6 +603,8 @@ class EfficientPolicy:
         low = min(measured)  # the lowest measured, bad but near the bound, no floor below it: the next down
         if zig and floor < low < best and bad(low) and ratio[low] <= allowed * PLATEAU:
             return _Action("measure", low - 1, self.min_steps)
+        if job.knob == "power" and floor < low and not bad(low):  # the lowest measured is fine: below it too
+            return _Action("measure", low - 1, self.min_steps)  # (a job whose draw stays under the limits)
         # ---- before settling first: the least-cost candidate, if it lost only to the
         # noise margin, is measured longer (up to max_steps), so that a move later is rare
         if job.settled_index is None:

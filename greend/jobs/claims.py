@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -53,6 +54,7 @@ __all__ = [
     "PENDING",
     "TRUSTED",
     "ClaimState",
+    "Lookout",
     "claim_state",
     "merge",
     "process_tree",
@@ -146,3 +148,29 @@ def process_tree(pid: int) -> set[int]:
         except OSError:
             pass
     return out
+
+
+class Lookout:
+    """Looks at pending claims on a thread of its own, one look at a time, so the tick
+    never waits on NVML's process lists: a GPU that hangs holds each list up to its
+    deadline (5 s), and a tick that waited on eight of them stalled 40 s, past systemd's
+    watchdog. A look still running when the next is due is not doubled."""
+
+    def __init__(self) -> None:
+        self._busy = threading.Event()
+
+    def kick(self, look: Callable[[], None]) -> bool:
+        """Start ``look`` on its thread; False where the previous look has not ended."""
+        if self._busy.is_set():
+            return False
+        self._busy.set()
+        threading.Thread(target=self._run, args=(look,), name="greend-claims", daemon=True).start()
+        return True
+
+    def _run(self, look: Callable[[], None]) -> None:
+        try:
+            look()
+        except Exception:  # a look that failed is tried again at the next one
+            log.exception("looking at pending GPU claims failed")
+        finally:
+            self._busy.clear()

@@ -49,7 +49,7 @@ from greend.jobs.booking import (
     book_row,
     shed_step_records,
 )
-from greend.jobs.claims import PENDING, claim_state, merge, note_use, process_tree, strangers
+from greend.jobs.claims import PENDING, Lookout, claim_state, merge, note_use, process_tree, strangers
 from greend.jobs.execution import ExecutedRow, StepExecutor, no_model
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import (
@@ -185,7 +185,7 @@ class JobRegistry(JobTable):
         # Jobs whose id a new run took while they were still ending: the tick closes them.
         self._closing: list[Job] = []
         self.sessions: dict[int, RankSession] = {}  # by session (the connection's id)
-        self._claims_looked_s = float("-inf")  # the tick's last look at pending claims
+        self._claims_looked_s, self._lookout = float("-inf"), Lookout()  # the tick's last look at pending claims
         self._last_host_t: float | None = None
         self.on_job_end: list[Callable[[Job], None]] = []
 
@@ -607,7 +607,7 @@ class JobRegistry(JobTable):
         ended: list[Job] = []
         if now_s - self._claims_looked_s >= CLAIM_LOOK_S:
             self._claims_looked_s = now_s
-            self.refresh_claims()
+            self._lookout.kick(self.refresh_claims)  # (off the tick: a GPU that hangs holds its list)
         with self._lock:
             if host is not None:
                 if self._last_host_t is not None:

@@ -149,3 +149,31 @@ def test_claim_states() -> None:
     assert not claims.strangers({99}, {10}, visible) and not claims.strangers(None, {10}, visible)
     assert claims.merge("pending", "active") == "active" and claims.merge("active", "pending") == "active"
     assert claims.merge(None, "pending") == "pending" and claims.merge("trusted", "active") == "active"
+
+
+def test_the_tick_never_waits_on_a_gpu_whose_process_list_hangs(procs: list[subprocess.Popen[bytes]]) -> None:
+    """NVML's process list on a GPU that hangs returns only at its deadline (5 s a GPU):
+    the tick hands the look at pending claims to a thread of its own and goes on; the
+    claim becomes active when the look returns, and a look still out is not doubled."""
+    idle, trainer = procs
+    gpus, calls = _Gpus(), []
+
+    def slow(index: int) -> set[int] | None:
+        calls.append(index)
+        time.sleep(1.5)  # (a hung GPU's deadline, shortened)
+        return gpus(index)
+
+    reg = _registry(gpus)
+    reg.register(_reg("train", [0, 1]), Caller(session=1, pid=trainer.pid, uid=1001))
+    assert reg.jobs["train"].claims == {0: "pending", 1: "pending"}
+    gpus.listed[0] = {trainer.pid}
+    reg.gpu_processes = slow
+    t0 = time.monotonic()
+    reg.tick(1000.0)
+    reg.tick(1001.5)  # the next look is due while the first is still out
+    assert time.monotonic() - t0 < 0.5  # (waiting on it: 3 s and more)
+    deadline = time.monotonic() + 20
+    while reg.jobs["train"].claims.get(0) != "active" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reg.jobs["train"].claims == {0: "active", 1: "pending"}
+    assert calls == [0, 1]  # one look (both GPUs), not two
