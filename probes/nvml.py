@@ -582,15 +582,13 @@ class NvmlProbe:
 
     def gpu_states(self) -> list[dict[str, Any]]:
         """Each GPU NVML listed, for ``greenctl status``: ``index``, ``uuid`` (None where
-        it never answered), ``state`` ("ok", "unresponsive", "lost", "not_opened") and
-        ``detail`` (why, where not ok)."""
-        hung = self._devices.unresponsive
-        lost = self._devices.lost
-        reopening = self.reopening
+        it never answered), ``state`` ("ok", "unresponsive", "lost", "not_opened", "failing":
+        its last read failed, the GPU left out of the readings) and ``detail`` (why)."""
+        hung, lost, reopening = self._devices.unresponsive, self._devices.lost, self.reopening
         rows: dict[int, dict[str, Any]] = {}
         for g in self._gpus:
-            why = lost.get(g.index) or hung.get(f"gpu{g.index}")
-            state = "lost" if g.index in lost else "unresponsive" if why else "ok"
+            why = lost.get(g.index) or hung.get(w := f"gpu{g.index}") or g.errors.get("sample")
+            state = "lost" if g.index in lost else "unresponsive" if w in hung else "failing" if why else "ok"
             if state == "ok" and reopening:
                 state, why = "initialising", f"NVML is initialised again: waiting on {reopening}"
             rows[g.index] = {"index": g.index, "uuid": g.uuid, "state": state, "detail": why}

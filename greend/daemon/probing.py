@@ -335,7 +335,7 @@ class ProbeScheduler:
     def gpu_states(self) -> dict[str, Any] | None:
         """The GPU probe's state for ``status``: ``probe``, ``state`` ("initialising",
         "open", "unavailable"), ``detail`` and, per GPU NVML listed, its ``state`` ("ok",
-        "unresponsive", "lost", "not_opened"); None where no GPU probe is enabled."""
+        "unresponsive", "lost", "not_opened", "failing"); None where no GPU probe is enabled."""
         p = next((p for p in self.probes if p.name in ("nvml", "sim")), None)
         if p is None:
             return None

@@ -157,7 +157,7 @@ def status_document(d: StatusContext) -> dict[str, Any]:
         ],
         # The GPU probe's state: "initialising" while NVML opens (in the background: the
         # socket serves meanwhile), then each GPU NVML lists, "ok" or "unresponsive",
-        # "lost", "not_opened" with why.
+        # "lost", "not_opened", "failing" with why.
         "gpu_probe": d.probing.gpu_states(),
         "cpus": [cpu_row(c, d.ledger) for c in snap.cpus],
         "host_load": None

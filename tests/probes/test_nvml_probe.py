@@ -669,3 +669,39 @@ def test_a_counter_not_supported_at_open_is_tried_again(tmp_path: Path, clock: M
         t += 1.0
         g = probe.sample(t).gpus[0]
     assert g.energy_method == "counter"
+
+
+class FailingCounter(GlitchingCounter):
+    """The fake NVML whose energy counter on GPU 1 answers ``code`` while ``failing``."""
+
+    failing, code = True, pynvml.NVML_ERROR_UNKNOWN
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        if self.failing and self._inner.nvmlDeviceGetUUID(handle) == self._inner.sim_gpu(1).uuid:
+            raise pynvml.NVMLError(self.code)
+        return int(self._inner.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_TIMEOUT], ids=["unknown", "timeout"])
+def test_a_gpu_whose_reads_keep_failing_is_listed_as_failing_not_dropped(
+    fake: FakeNvml, clock: ManualClock, code: int
+) -> None:
+    """A GPU whose energy counter keeps answering UNKNOWN or TIMEOUT is left out of the
+    readings; ``greenctl status`` listed only the other GPUs, with no word of it. Its state
+    is ``failing``, with the error, until a read succeeds."""
+    nvml = FailingCounter(fake)
+    nvml.code, nvml.failing = code, False
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    assert [g.index for g in probe.sample(0.0).gpus] == [0, 1]
+    nvml.failing = True  # (mid-run)
+    for t in (1.0, 2.0):
+        clock.advance(1.0)
+        assert [g.index for g in probe.sample(t).gpus] == [0]
+    states = {s["index"]: s for s in probe.gpu_states()}
+    assert states[0]["state"] == "ok" and states[1]["state"] == "failing"
+    assert "nvmlDeviceGetTotalEnergyConsumption" in states[1]["detail"]
+    nvml.failing = False
+    clock.advance(1.0)
+    assert [g.index for g in probe.sample(3.0).gpus] == [0, 1]
+    assert [s["state"] for s in probe.gpu_states()] == ["ok", "ok"]
