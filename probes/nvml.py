@@ -520,6 +520,8 @@ class NvmlProbe:
             gpu.power_w = None if power_mw is None else gpu.plausible_w(mw_to_w(power_mw))
             if gpu.energy_method != "counter":  # no counter, or it just stopped working
                 self._account_energy(gpu, what, gpu.power_w, now_s, since_s)
+            if gpu.energy_method != "counter" and gpu.power_w is None:  # (the gap: bridged by the next, spread)
+                raise ProbeError(f"{what}: no power reading, and its energy is integrated from power: left out")
         power_w = gpu.power_w
         if slow:
             util = self._optional(gpu, "nvmlDeviceGetUtilizationRates", h)

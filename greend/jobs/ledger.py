@@ -26,14 +26,22 @@ import bisect
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["COARSE_MAX", "Ledger", "LedgerEntry"]
+__all__ = ["COARSE_MAX", "CPU_END_WAIT_S", "GPU_END_WAIT_S", "Ledger", "LedgerEntry", "end_wait_s"]
 
 log = logging.getLogger(__name__)
 
 COARSE_MAX = 8192  # points in a key's coarse history (then it halves them)
+
+# An ended job waits at most this long past its end for every CPU zone's next reading
+# (the host probe's estimate comes once a second; a loaded node may tick late) before its
+# summary is made. Only a zone that stopped reading makes a job wait this long.
+CPU_END_WAIT_S = 3.0
+# ...and this long for a GPU of its whose reads failed at its end: the reading after the
+# outage bridges it (spread over the gap), and the job's part of the gap is priced only then.
+GPU_END_WAIT_S = 30.0
 
 
 @dataclass
@@ -208,3 +216,19 @@ class Ledger:
         with self._lock:
             e = self._entries.get(key)
             return e.last_t_s if e and e.times else None
+
+
+def end_wait_s(ledger: Ledger, t_s: float, gpus: Iterable[int]) -> float:
+    """How long past its end ``t_s`` a job waits before its window is priced: 0 where each
+    of its ``gpus`` the ledger knows and every counted CPU zone has a point at or after
+    ``t_s``; else :data:`GPU_END_WAIT_S` for a GPU that has none yet (its reads failed),
+    :data:`CPU_END_WAIT_S` for a CPU zone."""
+
+    def late(key: str) -> bool:
+        last = ledger.last_time(key)
+        return last is None or last < t_s
+
+    known = set(ledger.keys(prefix="gpu"))
+    if any(late(f"gpu{g}") for g in gpus if f"gpu{g}" in known):
+        return GPU_END_WAIT_S
+    return CPU_END_WAIT_S if any(late(k) for k in ledger.keys(prefix="cpu:", counted_only=True)) else 0.0

@@ -51,7 +51,7 @@ from greend.jobs.booking import (
 )
 from greend.jobs.claims import PENDING, Lookout, claim_state, merge, note_use, process_tree, strangers
 from greend.jobs.execution import ExecutedRow, StepExecutor, no_model
-from greend.jobs.ledger import Ledger
+from greend.jobs.ledger import GPU_END_WAIT_S, Ledger, end_wait_s
 from greend.jobs.records import (
     DISCONNECTED,
     EXPIRED,
@@ -70,11 +70,6 @@ from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsR
 __all__ = ["HostCpu", "Job", "JobRegistry", "QuotaExceeded", "RankSession", "Registered"]
 
 log = logging.getLogger(__name__)
-
-# An ended job waits at most this long past its end for every CPU zone's next reading
-# (the host probe's estimate comes once a second; a loaded node may tick late) before its
-# summary is made. Only a zone that stopped reading makes a job wait this long.
-CPU_END_WAIT_S = 3.0
 
 # A gap this long between two ticks is the daemon's own stall (SIGSTOP, a paused VM, a
 # stuck driver call), not its clients': the stall's length is not held against them.
@@ -597,7 +592,7 @@ class JobRegistry(JobTable):
                 self._leave(rs, reason)
             self._last_tick_s = None  # (the jump below is no stall of the daemon)
         # A tick past every end's wait: each ending job ends now (its window up to its end).
-        return self.tick(self.monotonic() + CPU_END_WAIT_S + 1.0)
+        return self.tick(self.monotonic() + GPU_END_WAIT_S + 1.0)
 
     # The tick side -------------------------------------------------------------------
     def tick(self, now_s: float, host: HostCpu | None = None) -> list[Point]:
@@ -632,11 +627,10 @@ class JobRegistry(JobTable):
                 if (
                     job.state == "ending"
                     and job.t_end_s is not None
-                    and now_s >= job.t_end_s
-                    and (self._cpu_booked_until(job.t_end_s) or now_s >= job.t_end_s + CPU_END_WAIT_S)
+                    and now_s >= job.t_end_s + end_wait_s(self.ledger, job.t_end_s, job.gpus)
                 ):
-                    # The ledger now holds a tick at or after the end (and the CPU zones a
-                    # reading, the estimate's once a second): the window is complete.
+                    # The ledger now holds a reading at or after the end of each of its GPUs and
+                    # CPU zones (the estimate's once a second), or waited: the window is complete.
                     job.state = "ended"
                     job.summary = self.report(job)
                     # Up to keep_ended (200) ended jobs are kept: each without its step
@@ -659,14 +653,6 @@ class JobRegistry(JobTable):
                 except Exception:
                     log.exception("job-end hook failed")
         return points
-
-    def _cpu_booked_until(self, t_s: float) -> bool:
-        """Every counted CPU zone has a ledger point at or after ``t_s``."""
-        for key in self.ledger.keys(prefix="cpu:", counted_only=True):
-            last = self.ledger.last_time(key)
-            if last is None or last < t_s:
-                return False
-        return True
 
     def job_pids(self) -> list[int]:
         with self._lock:

@@ -117,7 +117,9 @@ def test_trapezoid_bridges_a_ramp(tmp_path: Path, clock: ManualClock) -> None:
 def test_a_power_read_no_gpu_draws_is_not_integrated(tmp_path: Path, clock: ManualClock, bogus_mw: int) -> None:
     """A GPU without an energy counter that reads 65,535 W (or 0 W) for a while: those
     reads were integrated as they came (125x the energy in 4 s; half of it lost at 0 W)
-    and shown as its power. They are left out, and the reads around them bridge the gap."""
+    and shown as its power. They are left out, the GPU with them (its energy is unknown
+    there: the probe's only GPU, so the probe fails those ticks), and the reads around them
+    bridge the gap."""
 
     class BogusPower:
         armed = False
@@ -140,7 +142,12 @@ def test_a_power_read_no_gpu_draws_is_not_integrated(tmp_path: Path, clock: Manu
     shown = []
     for k in range(41):  # 10 s, 4 ticks a second; bogus from 2 s to 4 s
         nvml.armed = 8 <= k < 16
-        shown.append(probe.sample(k * 0.25).gpus[0].power_w)
+        if nvml.armed:
+            with pytest.raises(ProbeError, match="no power reading"):
+                probe.sample(k * 0.25)
+            shown.append(None)
+        else:
+            shown.append(probe.sample(k * 0.25).gpus[0].power_w)
         clock.advance(0.25)
     assert probe.sample(10.0).gpus[0].energy_j == pytest.approx(power * 10.0, rel=1e-3)
     assert all(w is None for w in shown[8:16]) and all(w == pytest.approx(power) for w in shown[16:])
@@ -705,3 +712,47 @@ def test_a_gpu_whose_reads_keep_failing_is_listed_as_failing_not_dropped(
     clock.advance(1.0)
     assert [g.index for g in probe.sample(3.0).gpus] == [0, 1]
     assert [s["state"] for s in probe.gpu_states()] == ["ok", "ok"]
+
+
+class FailingPower(GlitchingCounter):
+    """The fake NVML whose power read on GPU 1 answers UNKNOWN while ``failing``."""
+
+    failing = False
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        if self.failing and self._inner.nvmlDeviceGetUUID(handle) == self._inner.sim_gpu(1).uuid:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return int(self._inner.nvmlDeviceGetPowerUsage(handle))
+
+
+def test_a_gap_in_the_power_of_a_gpu_without_an_energy_counter_is_spread_over_the_gap(
+    fake: FakeNvml, clock: ManualClock
+) -> None:
+    """A GPU without an energy counter integrates its power. Its power read failed for 10 s:
+    the GPU stayed in the readings with its energy flat, and the whole gap's energy was
+    booked in the tick after it (a job that ended in the gap got none of it, the next one
+    all). It is now left out while power fails, so the ledger spreads the bridged energy
+    over the gap, as for a counter read that failed."""
+    from greend.jobs.ledger import Ledger
+
+    for i in (0, 1):
+        fake.inject(i, no_energy_counter=True)
+    nvml = FailingPower(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    ledger = Ledger()
+    for k in range(25):
+        nvml.failing = 5 <= k < 15
+        readings = probe.sample(float(k))
+        assert [g.index for g in readings.gpus] == ([0] if nvml.failing else [0, 1])
+        for g in readings.gpus:
+            ledger.record(f"gpu{g.index}", float(k), g.energy_j)
+        clock.advance(1.0)
+    states = probe.gpu_states()
+    assert [s["state"] for s in states] == ["ok", "ok"]
+    # The same draw on both GPUs (the simulator's idle power): gpu1's energy in the gap,
+    # and in a window that ends inside it, matches gpu0's.
+    for t0, t1 in ((5.0, 15.0), (2.0, 9.0), (14.0, 20.0)):
+        e0, e1 = ledger.energy_between("gpu0", t0, t1), ledger.energy_between("gpu1", t0, t1)
+        assert e0 is not None and e1 is not None and e0 > 0
+        assert e1 == pytest.approx(e0, rel=0.05), (t0, t1)
