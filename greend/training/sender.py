@@ -676,7 +676,7 @@ class Sender:
     def _finish(self) -> None:
         deadline = self._stop_deadline
         reason = self._stop_reason or "finished"
-        if self._sock is None:
+        if self._sock is None and (_monotonic() >= deadline or not self._connect()):  # (once, whatever the backoff)
             self.ch.stats.dropped += len(self.ch.queue)
             return
         try:

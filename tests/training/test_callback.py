@@ -445,6 +445,42 @@ def test_daemon_killed_then_restarted(sock_path: Path) -> None:
         d2.stop()
 
 
+def test_a_daemon_back_before_the_reconnect_delay_ends_gets_the_steps_at_close(sock_path: Path) -> None:
+    """A daemon restarted near the end of a run: the callback still waited out its
+    reconnect delay (seconds) when the job called close(), and close() counted every step
+    held since as dropped without trying once (the run was recorded as interrupted, a
+    third of its steps missing). close() now connects once and sends them, and the end."""
+    d1 = FakeDaemon(sock_path).start()
+    state: dict[str, Any] = {}
+
+    def between(i: int) -> None:
+        if i == 10:
+            cb.flush()
+            assert wait_for(lambda: len(d1.steps) == 10)
+            d1.stop()
+            assert wait_for(lambda: not cb.connected)
+            state["d2"] = FakeDaemon(sock_path).start()  # back at once; the callback waits 30 s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        cb = GreenCallback(
+            job="tail",
+            model=make_model(),
+            socket=sock_path,
+            **{**FAST, "reconnect_min_s": 30.0, "reconnect_max_s": 30.0},
+        )
+        train(cb, 30, between=between)
+        cb.close()
+    d2: FakeDaemon = state["d2"]
+    try:
+        assert [r["job"] for r in d2.registers] == ["tail"]
+        got = [s["step"] for s in d2.steps]
+        assert got == list(range(10, 30)) and d2.ends
+        assert cb.stats.dropped == 0
+    finally:
+        d2.stop()
+
+
 def test_daemon_that_never_reads_does_not_slow_training(sock_path: Path) -> None:
     silent = SilentDaemon(sock_path)
     try:
