@@ -338,7 +338,12 @@ class JobTable:
                 for j in self.jobs.values()
                 if j.running and j.top_precision is not None and (j.precision != j.top_precision or j.proposal)
             ]
-        return [job for job, top in todo if self.switch_precision(job, top, reason, policy=policy)]
+        asked = [job for job, top in todo if self.switch_precision(job, top, reason, policy=policy)]
+        with self._lock:  # the old policy's last word (a level the job no longer runs) goes too
+            noted = [j.job for j in self.jobs.values() if j.running and "precision" in j.notes]
+        for job in noted:
+            self.note(job, policy=policy, role="precision", reason=reason)
+        return asked
 
     def flops_per_step(self, job_id: str) -> float | None:
         """The job's mean FLOPs per reported step, or None before its first step."""

@@ -247,8 +247,14 @@ def test_jobs_below_their_own_level_are_asked_back_when_the_precision_policy_goe
     h["intervals"]({"rows": [{**_row(992.0, 993.0), "precision": "fp8"}]}, down)  # its ranks ran it
     assert jobs.switch_precision("asked", "fp8", "cheaper", policy="precision")  # not run yet
     assert jobs.jobs["down"].precision == "fp8" and jobs.jobs["asked"].proposal is not None
+    for job in ("down", "asked", "own"):  # the policy's last word on each
+        jobs.note(job, policy="precision", role="precision", reason=f"{job}: the ranks run fp8 from step 391")
     sent = {c.id: len(c.sent) for c in (down, asked, own)}
     assert sorted(jobs.back_to_own_levels("precision policy changed to none", policy="none")) == ["asked", "down"]
+    # ...replaced: a report said "the ranks run fp8" of a job back at bf16 to its end.
+    assert {j: jobs.jobs[j].notes["precision"]["reason"] for j in ("down", "asked", "own")} == dict.fromkeys(
+        ("down", "asked", "own"), "precision policy changed to none"
+    )
     assert [(m["event"], m["precision"], m["reason"]) for m in down.sent[sent[1] :]] == [
         ("directive", "bf16", "precision policy changed to none")
     ]
