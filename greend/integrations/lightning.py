@@ -96,6 +96,7 @@ class GreenLightningCallback(pl.Callback):
         self.kwargs = kwargs
         self.cb: GreenCallback | None = None
         self._step: Step | None = None
+        self._published: str | None = None  # the level last set on the trainer and module
 
     # Public ----------------------------------------------------------------------
     @property
@@ -136,7 +137,8 @@ class GreenLightningCallback(pl.Callback):
         step = self.cb.step(samples=_batch_size(batch), batch=batch)
         step.__enter__()
         self._step = step
-        self._publish(trainer, pl_module, step.precision)
+        if step.precision != self._published:  # (an nn.Module's setattr costs microseconds: on a change only)
+            self._publish(trainer, pl_module, step.precision)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs
@@ -190,8 +192,8 @@ class GreenLightningCallback(pl.Callback):
             step.loss(loss)
         step.__exit__(None, None, None)
 
-    @staticmethod
-    def _publish(trainer: Any, pl_module: Any, level: str) -> None:
+    def _publish(self, trainer: Any, pl_module: Any, level: str) -> None:
+        self._published = level
         for obj in (trainer, pl_module):
             try:
                 obj.greend_precision = level

@@ -266,8 +266,8 @@ class GreenCallback:
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
             book.hold_cpu = False
-        if type(batch) in (tuple, list) and isinstance(samples, Integral) and samples <= 4:  # (else: rows.py)
-            self._check_samples(samples, batch)  # two cheap tests on the hot path, then rarely here
+        if type(batch) in (tuple, list) and (type(samples) is int or isinstance(samples, Integral)) and samples <= 4:
+            self._check_samples(samples, batch)  # cheap tests on the hot path, then rarely here (else: rows.py)
         if flops is None:
             flops = book.default_flops
             if flops is None:

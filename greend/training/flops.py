@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_Tensor = torch.Tensor
 
 _aten = torch.ops.aten
 
@@ -222,12 +223,19 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
     """
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype)  # torch.Size: a tuple, equal and hashed as one
-    if isinstance(batch, (tuple, list)):
-        return tuple(_leaf_signature(x) for x in batch[:max_items])
+    if isinstance(batch, (tuple, list)):  # (a step's hot path: a list, no generator, no tuple(shape))
+        items = batch if len(batch) <= max_items else batch[:max_items]
+        return tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_signature(x) for x in items])
     keys = getattr(batch, "keys", None)
     if keys is not None and hasattr(batch, "__getitem__"):
         try:
-            return tuple((k, _leaf_signature(batch[k])) for k in list(keys())[:max_items])
+            leaf = _leaf_signature
+            return tuple(
+                [
+                    (k, (v.shape, v.dtype) if type(v := batch[k]) is _Tensor else leaf(v))
+                    for k in list(keys())[:max_items]
+                ]
+            )
         except Exception:
             return type(batch).__name__
     return _leaf_signature(batch)

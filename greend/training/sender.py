@@ -679,6 +679,7 @@ class Sender:
         if self._sock is None and (_monotonic() >= deadline or not self._connect()):  # (once, whatever the backoff)
             self.ch.stats.dropped += len(self.ch.queue)
             return
+        assert self._sock is not None  # (connected, or connected just now)
         try:
             self._queue_steps(force=True)
             while self.ch.queue and _monotonic() < deadline:
