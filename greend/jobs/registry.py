@@ -180,7 +180,8 @@ class JobRegistry(JobTable):
         # Jobs whose id a new run took while they were still ending: the tick closes them.
         self._closing: list[Job] = []
         self.sessions: dict[int, RankSession] = {}  # by session (the connection's id)
-        self._claims_looked_s, self._lookout = float("-inf"), Lookout()  # the tick's last look at pending claims
+        self._claims_looked_s = float("-inf")  # the tick's last look at pending claims
+        self._lookout = Lookout()  # ...made on a thread of its own
         self._last_host_t: float | None = None
         self.on_job_end: list[Callable[[Job], None]] = []
 

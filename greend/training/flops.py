@@ -199,8 +199,8 @@ def transformer_flops(params: int, tokens: int) -> float:
 
 
 def _leaf_signature(x: Any) -> Hashable:
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype)
+    if type(x) is _Tensor or isinstance(x, torch.Tensor):  # (the exact type first: a step's hot path)
+        return (x.shape, x.dtype)  # torch.Size: a tuple, equal and hashed as one
     if isinstance(x, (int, float, str, bool)) or x is None:
         return type(x).__name__  # values do not change a step's FLOPs
     shape = getattr(x, "shape", None)  # numpy arrays and friends
@@ -223,19 +223,13 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
     """
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype)  # torch.Size: a tuple, equal and hashed as one
-    if isinstance(batch, (tuple, list)):  # (a step's hot path: a list, no generator, no tuple(shape))
+    if isinstance(batch, (tuple, list)):  # (a step's hot path: a list, no generator)
         items = batch if len(batch) <= max_items else batch[:max_items]
-        return tuple([(x.shape, x.dtype) if type(x) is _Tensor else _leaf_signature(x) for x in items])
+        return tuple([_leaf_signature(x) for x in items])
     keys = getattr(batch, "keys", None)
     if keys is not None and hasattr(batch, "__getitem__"):
         try:
-            leaf = _leaf_signature
-            return tuple(
-                [
-                    (k, (v.shape, v.dtype) if type(v := batch[k]) is _Tensor else leaf(v))
-                    for k in list(keys())[:max_items]
-                ]
-            )
+            return tuple([(k, _leaf_signature(batch[k])) for k in list(keys())[:max_items]])
         except Exception:
             return type(batch).__name__
     return _leaf_signature(batch)
