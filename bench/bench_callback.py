@@ -257,6 +257,8 @@ def worker(args: argparse.Namespace) -> None:
     from greend.training.callback import GreenCallback
 
     torch.set_num_threads(1)
+    if args.gpu_path:
+        gpu_path()
     lossf = nn.CrossEntropyLoss()
     out: dict[str, Any] = {"sizes": [], "warm": None}
     for name, hidden, batch, precision in SIZES:
@@ -311,6 +313,22 @@ def worker(args: argparse.Namespace) -> None:
     if args.attribute:
         out["warm"] = warm_calls(args)
     print(json.dumps(out))
+
+
+def gpu_path() -> None:
+    """--gpu-path: greend treats the CPU losses as it treats a GPU's (greend's own code as on a
+    GPU; the torch ops it issues run on the CPU, without a launch or a device copy)."""
+    import torch
+
+    from greend.training.loss_reader import LossReader
+    from greend.training.step import Step
+
+    def loss(self: Any, value: Any) -> None:  # Step.loss's branch for a tensor not on the CPU
+        self._raw = value
+        self._host.held = True
+
+    Step.loss = loss  # type: ignore[method-assign]  # (this benchmark's process only)
+    LossReader.batched = lambda self, value: type(value) is torch.Tensor  # type: ignore[method-assign]  # (ditto)
 
 
 REGIONS = ("cb.step() + __enter__", "step.autocast() enter + exit", "step.loss()", "__exit__ (batched judging)")
@@ -521,6 +539,12 @@ def main() -> None:
     ap.add_argument("--block-10ms", type=int, default=16, help="steps per block on the ~10 ms step")
     ap.add_argument("--floor", action="store_true", help="a minimal step wrapper in the A/A arm's place")
     ap.add_argument("--attribute", action="store_true", help="each greend call alone in a warm loop, too")
+    ap.add_argument(
+        "--gpu-path",
+        action="store_true",
+        help="greend takes each CPU loss down a GPU loss's path (held, its batch stacked and copied in one go, "
+        "booked once landed); CPU ops stand in for the GPU's: no kernel launches, no device copy",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -533,6 +557,7 @@ def main() -> None:
     passed = ["--rounds", str(a.rounds), "--block", str(a.block)]
     passed += ["--rounds-10ms", str(a.rounds_10ms), "--block-10ms", str(a.block_10ms)]
     passed += ["--floor"] if a.floor else []
+    passed += ["--gpu-path"] if a.gpu_path else []
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(Path(tmp))
         rows: list[tuple[str, dict[str, Any]]] = []
@@ -561,6 +586,8 @@ def report(a: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> Non
         f" rounds of {a.block}-step blocks ({a.block_10ms} on ~10 ms) with its bootstrap 95 % interval; the"
         f" mean with its own); {arm} in greend's place"
     )
+    if a.gpu_path:
+        print("--gpu-path: each loss taken down a GPU loss's path in greend (CPU ops stand in for the GPU's)")
     control = "floor" if a.floor else "A/A"
     head = f"{'daemon':<15}{'step':<7}{'level':<6}{'ms':>6}{'rounds':>7}"
     head += f"{'greend':>9}{'95 % CI':>17}{'mean':>8}{'95 % CI':>17}{control:>8}{'95 % CI':>17}{'mean':>8}"

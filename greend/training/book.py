@@ -24,7 +24,6 @@ shape key with FlopCounterMode (see :mod:`greend.training.callback`).
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections import deque
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from greend.training.flops import FlopCounter, batch_signature, estimate_new_shape, model_params
+from greend.training.flops import FlopCounter, FlopEstimates, batch_signature, model_params
 from greend.training.loss_reader import LossReader
 from greend.training.precision_control import PrecisionControl
 from greend.training.probe import NEVER, probe_tag
@@ -71,9 +70,9 @@ JUDGE_BATCH = 16
 # the daemon hears of a step at most this much later than it would have).
 JUDGE_WITHIN_S = 0.05
 # Batches handed to the sender thread and not booked yet beyond which the training
-# thread books them itself (a sender thread that died or is starved).
+# thread books them itself (a sender thread that died or is starved, or losses that far
+# behind on the GPU: it then waits for the oldest, as drain does).
 MAX_HANDED = 64
-MAX_ESTIMATES = 4096  # new shapes whose estimated FLOPs are kept (past it, all forgotten at once)
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
 
@@ -117,8 +116,8 @@ class StepBook:
         # before it judges, reads or changes the guard (drain, flush).
         self.handed: deque[tuple[list[Step], int, str]] = channel.handed
         self.lock = threading.Lock()
-        # Set for good by the first step that holds a loss tensor (Step.loss) or is given
-        # index= (GreenCallback.step): such a job's batches are judged here.
+        # Set for good by the first step that holds a loss not on the CPU (Step.loss: reads
+        # start here) or is given index= (GreenCallback.step: each batch is judged here).
         self.held = False
         self.indexed = False
         self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
@@ -132,6 +131,7 @@ class StepBook:
         self._world_size = world_size
         self.sync_every = sync_every
         self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
+        self._paced_to = -1  # the last step index the pace was agreed at (read_ended's hand-over)
         # Probes (greend.training.probe): the first step index the prober wants to see
         # recorded (one compare per step; NEVER while the run is at its own level).
         self.probe_watch = NEVER
@@ -144,7 +144,7 @@ class StepBook:
             self.fixed_flops if self.fixed_flops is not None else FLOPS_FROM_TOKENS if model_flops else None
         )
         self._max_flop_counts = max_flop_counts
-        self._estimates: dict[Hashable, float] = {}  # new shapes' FLOPs past max_flop_counts
+        self._estimates = FlopEstimates(self.flop_cache, max_flop_counts, warnings)  # shapes past them
         self._counter = FlopCounter()
         # With a model and counted FLOPs, and steps given neither batch= nor shape_key=,
         # a forward pre-hook sees each step's input shapes, so a shape change is re-counted.
@@ -329,7 +329,7 @@ class StepBook:
             step.flops = cached
             return
         if len(self.flop_cache) >= self._max_flop_counts:
-            step.flops = self._estimate_flops(key)
+            step.flops = self._estimates.estimate(key)
             return
         if self._counter.active:  # a nested step: let the outer one count
             step.flops = 0
@@ -348,13 +348,13 @@ class StepBook:
                     cached = self.flop_cache.get(signature)
                     # A new shape: counted on the next step that has it (if there is room);
                     # this one is estimated from the shapes counted.
-                    step.flops = cached if cached is not None else self._estimate_flops(signature)
+                    step.flops = cached if cached is not None else self._estimates.estimate(signature)
                 step._shape_key = self._last_forward_signature = signature
         if step._counting:
             step._counting = False
             counted = self._counter.stop()
             if ok:
-                step.flops = self._store_count(step._shape_key, counted)
+                step.flops = self._estimates.store(step._shape_key, counted)
 
     def _hook_forward(self) -> bool:
         """Put the forward pre-hook on the model (once); whether it is there."""
@@ -378,47 +378,18 @@ class StepBook:
             except Exception:
                 pass
 
-    def _estimate_flops(self, key: Hashable | None) -> float:
-        """A shape's FLOPs from the shapes counted (see flops.estimate_new_shape), kept per
-        key: every new shape's once ``max_flop_counts`` are counted (batches padded to their
-        longest sequence make hundreds), and a step's whose shape only its forward told."""
-        estimate = self._estimates.get(key)
-        if estimate is None:
-            if not self.flop_cache:
-                return 0.0
-            estimate, fitted = estimate_new_shape(self.flop_cache, key)
-            if len(self._estimates) >= MAX_ESTIMATES:
-                self._estimates.clear()  # (each estimate is made again once: about 0.1 ms)
-            self._estimates[key] = estimate
-            if "flopcache" not in self._warnings and len(self.flop_cache) >= self._max_flop_counts:
-                how = "are estimated by their size from the counted ones" if fitted else "reuse the mean FLOP count"
-                self._warnings.warn(
-                    "flopcache",
-                    f"more than {self._max_flop_counts} distinct input shapes: new shapes {how} "
-                    "(pass shape_key= buckets, max_flop_counts= or flops_per_step= for exact counts)",
-                    level=logging.INFO,
-                )
-        return estimate
-
-    def _store_count(self, key: Hashable | None, counted: int | None) -> int:
-        if counted is None:
-            return 0
-        self._estimates.clear()  # (a new count moves the line)
-        self.flop_cache[key] = counted
-        log.debug("counted %d FLOPs per step for shape key %r", counted, key)
-        return counted
-
     # After the steps -------------------------------------------------------------------
     def read_ended(self) -> None:
         """A batch of ended steps (StepHost): judged here, or handed to the sender thread.
 
         While the run is at a level it never came down from (the guard's stack empty)
-        with no reference check, every loss of the batch already a number, and greend
-        counting the steps, judging a step is only feeding the guard's trend and making
-        its record: the batch goes to the sender thread whole (one append), which books
-        it at its next round; the training thread books it itself first whenever it
-        judges, reads or changes the guard. Else (a loss tensor in flight, the guard
-        watching, a reference check, ``index=`` given, ``model_flops``) it is judged here."""
+        with no reference check and greend counting the steps, judging a step is only
+        feeding the guard's trend and making its record: the batch goes to the sender
+        thread whole (one append), which books it at its next round, once its losses have
+        landed (a GPU's: their copy starts here, one for the batch); the training thread
+        books it itself first whenever it judges, reads or changes the guard. Else (the
+        guard watching, a reference check, ``index=`` given, ``model_flops``, steps
+        in flight here) it is judged here."""
         if not self._light():
             self.hold_cpu = False
             self.drain(keep=self.max_unjudged)
@@ -426,6 +397,8 @@ class StepBook:
         self.hold_cpu = True
         ended = self.ended
         self.ended = []
+        if self.held:  # a GPU's losses: their copy starts here (one for the batch), lands meanwhile
+            self._start_reads(ended)
         first = self.next_index
         n = len(ended)
         self.next_index = first + n
@@ -436,46 +409,76 @@ class StepBook:
             for index in range(first + (-(first + 1)) % every, first + n, every):
                 self._sync_pace(index)  # (index + 1) is a multiple of sync_every
         if len(self.handed) > MAX_HANDED:
-            self.book_handed()
+            self.book_handed(here=True)
 
     def _light(self) -> bool:
         """Whether judging the ended steps is only booking them (see read_ended)."""
         control = self.control
         return not (
-            self.held
-            or self.indexed
+            self.indexed
             or self.unjudged
             or control.guard.stack
             or control.reference is not None
             or self.default_flops is FLOPS_FROM_TOKENS
         )
 
-    def book_handed(self) -> None:
+    def book_handed(self, here: bool = False) -> None:
         """Book the batches handed over (read_ended), oldest first: the guard's trend and
-        one record per step for the sender. Either thread; never raises."""
+        one record per step for the sender. Either thread; never raises or waits: a loss
+        still being copied from the GPU stops it (the sender tries again at its next round;
+        the training thread, ``here``, takes the rest back for drain to judge)."""
         handed = self.handed
         if not handed and not self.lock.locked():
             return  # nothing handed and nothing being booked (the sender pops under the lock)
         with self.lock:  # (a batch the sender took is booked whole before this thread goes on)
             while handed:
-                steps, first, level = handed.popleft()
+                steps, first, level = handed[0]
                 try:
-                    self._book(steps, first, level)
+                    done = self._book(steps, first, level)
                 except Exception as e:  # never the training's problem
                     self._warnings.warn("book", f"booking the ended steps failed: {type(e).__name__}: {e}")
+                    done = len(steps)
+                if done == len(steps):
+                    handed.popleft()
+                    continue
+                handed[0] = (steps[done:], first + done, level)
+                if here:
+                    self._take_back()
+                return
 
-    def _book(self, steps: list[Step], index: int, level: str) -> None:
-        """A handed batch: what drain does for steps whose loss is a number (or none),
-        with the guard's stack empty (nothing to roll back to) and no reference check."""
+    def _take_back(self) -> None:
+        """The handed steps not booked yet, back to the front of the unjudged ones, their
+        indexes kept (training thread, under the lock)."""
+        moved: list[Step] = []
+        start = self.handed[0][1]
+        while self.handed:
+            steps, first, _ = self.handed.popleft()
+            for k, step in enumerate(steps):
+                step.index = first + k
+            moved.extend(steps)
+        self.unjudged.extendleft(reversed(moved))
+        self.next_index = start
+        self.channel.stats.recorded -= len(moved)  # (counted again as drain records them)
+        self._paced_to = max(self._paced_to, start + len(moved) - 1)  # (agreed when handed)
+
+    def _book(self, steps: list[Step], index: int, level: str) -> int:
+        """A handed batch: what drain does with the guard's stack empty (nothing to roll
+        back to) and no reference check. Returns how many steps it booked (up to the
+        first whose loss is still in flight)."""
         trend = self.control.guard.losses
         read = self.losses.start  # (a plain CPU tensor: item(), on this thread)
+        value_of = self.losses.value
         queue = self.channel.queue
         stats = self.channel.stats
         full = queue.maxlen
-        for step in steps:
+        for k, step in enumerate(steps):
             value = step._raw
             loss = None
             nonfinite = step._nonfinite
+            if type(value) is tuple:  # a read in flight (read_ended started it)
+                value = value_of(value)
+                if value is None:
+                    return k
             if value is not None:
                 step._raw = None
                 if type(value) is not float:  # a CPU tensor held for this read (Step.loss)
@@ -497,6 +500,7 @@ class StepBook:
             queue.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens, loss, nonfinite,
                           step.precision))  # fmt: skip
             index += 1
+        return len(steps)
 
     def flush(self) -> None:
         """Read the losses of the ended steps and record them now; never waits, never raises."""
@@ -512,25 +516,14 @@ class StepBook:
         loss has landed, oldest first. ``keep``: wait for the oldest while more than this
         many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
         if self.handed or self.lock.locked():
-            self.book_handed()  # the batches handed over go first, in step order (and whole)
+            self.book_handed(here=True)  # the batches handed over go first, in step order
         q = self.unjudged
         ended = self.ended
         if ended:
             self.ended = []
             q.extend(ended)
-            # A number is known already. (`type() is float` first: isinstance() with
-            # torch.Tensor costs 6x more, and this runs for every step.)
-            held = [step for step in ended if type(step._raw) is not float and isinstance(step._raw, torch.Tensor)]
-            if held:
-                # Their reads start together: a GPU's losses in one copy (LossReader.start_many).
-                handles = self.losses.start_many([step._raw for step in held])
-                for step, handle in zip(held, handles, strict=True):
-                    if isinstance(handle, Exception):
-                        step._raw = None
-                        self._warnings.warn("loss", f"step.loss() cannot read this tensor ({handle}): ignored")
-                    else:
-                        step._raw = handle  # a read in flight: the LossReader's handle (a tuple)
-            del held, ended
+            self._start_reads(ended)
+            del ended
         value_of = self.losses.value
         control = self.control
         guard = control.guard
@@ -591,7 +584,7 @@ class StepBook:
             queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, loss, nonfinite,
                           level))  # fmt: skip
             stats.recorded += 1
-            if pace_every and (index + 1) % pace_every == 0:
+            if pace_every and (index + 1) % pace_every == 0 and index > self._paced_to:
                 self._sync_pace(index)
             spike = step._spike_reason
             if spike and not nonfinite and control.reference is not None:
@@ -618,6 +611,21 @@ class StepBook:
             block = prober.block if prober is not None else None
             if block is not None and self.next_index + len(q) + JUDGE_BATCH + 1 >= block.start:
                 self.boundary = True  # the block may start within the next batch of steps
+
+    def _start_reads(self, steps: list[Step]) -> None:
+        """Start reading the losses the steps hold as tensors, together (a GPU's in one
+        copy: LossReader.start_many); each step's loss becomes the read's handle."""
+        # (`type() is float` first: isinstance() with torch.Tensor costs 6x more.)
+        held = [step for step in steps if type(step._raw) is not float and isinstance(step._raw, torch.Tensor)]
+        if not held:
+            return
+        handles = self.losses.start_many([step._raw for step in held])
+        for step, handle in zip(held, handles, strict=True):
+            if isinstance(handle, Exception):
+                step._raw = None
+                self._warnings.warn("loss", f"step.loss() cannot read this tensor ({handle}): ignored")
+            else:
+                step._raw = handle  # a read in flight: the LossReader's handle (a tuple)
 
     def _probe_settling(self, index: int) -> bool:
         """Whether step ``index`` is one of the steps right after a probe block where the
@@ -656,17 +664,10 @@ class StepBook:
         return 6.0 * self._params * tokens
 
     def _sync_pace(self, index: int) -> None:
-        """Agree on the job's pace with the other ranks, at a decision point.
-
-        Each node's daemon measures this rank's uncapped step time and pushes it
-        (event ``local_pace``). Every ``sync_every`` steps each rank writes it to the
-        job's rendezvous store and reads the MAX the ranks wrote one period earlier
-        (:class:`greend.training.peers.JobPeers`): the slowest node sets a synchronous
-        job's pace, so a faster node's daemon may cap its GPUs down to that pace (plus
-        its bound) without making any node the straggler. No collective on the job's
-        process group, so ranks without a callback or at other steps are never waited
-        for; a failure here is logged once and never raised.
-        """
+        """Agree on the job's pace with the other ranks, at a decision point: this rank's
+        uncapped step time (the daemon's ``local_pace``) against the MAX the ranks wrote
+        one period earlier in the job's rendezvous store (greend.training.peers: no
+        collective). A failure is logged once, never raised."""
         try:
             peers = self.control.job_peers()
             if peers is None:

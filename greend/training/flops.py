@@ -40,6 +40,7 @@ from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
+    "FlopEstimates",
     "FlopCounter",
     "batch_signature",
     "count_flops",
@@ -324,3 +325,48 @@ def estimate_new_shape(counts: dict[Hashable, Any], key: Hashable) -> tuple[floa
     except (ArithmeticError, ValueError) as e:  # (sizes past a float's range)
         log.debug("no FLOP estimate by size for %r: %s", key, e)
     return mean, False
+
+
+MAX_ESTIMATES = 4096  # new shapes whose estimated FLOPs are kept (past it, all forgotten at once)
+
+
+class FlopEstimates:
+    """The FLOPs of shapes not counted, from the shapes counted (``cache``: shape key ->
+    FLOPs, the callback's), kept per key: every new shape's once ``max_counts`` are
+    counted (batches padded to their longest sequence make hundreds), and a step's whose
+    shape only its forward told. Training thread only."""
+
+    def __init__(self, cache: dict[Hashable, Any], max_counts: int, warnings: Any) -> None:
+        self._cache = cache
+        self._max_counts = max_counts
+        self._warnings = warnings  # greend.training.warn.OnceWarnings
+        self._kept: dict[Hashable, float] = {}
+
+    def estimate(self, key: Hashable | None) -> float:
+        """The shape's FLOPs (see estimate_new_shape); 0 while nothing is counted."""
+        estimate = self._kept.get(key)
+        if estimate is None:
+            if not self._cache:
+                return 0.0
+            estimate, fitted = estimate_new_shape(self._cache, key)
+            if len(self._kept) >= MAX_ESTIMATES:
+                self._kept.clear()  # (each estimate is made again once: about 0.1 ms)
+            self._kept[key] = estimate
+            if "flopcache" not in self._warnings and len(self._cache) >= self._max_counts:
+                how = "are estimated by their size from the counted ones" if fitted else "reuse the mean FLOP count"
+                self._warnings.warn(
+                    "flopcache",
+                    f"more than {self._max_counts} distinct input shapes: new shapes {how} "
+                    "(pass shape_key= buckets, max_flop_counts= or flops_per_step= for exact counts)",
+                    level=logging.INFO,
+                )
+        return estimate
+
+    def store(self, key: Hashable | None, counted: int | None) -> int:
+        """A shape's count, kept (the estimates forgotten: a new count moves the line)."""
+        if counted is None:
+            return 0
+        self._kept.clear()
+        self._cache[key] = counted
+        log.debug("counted %d FLOPs per step for shape key %r", counted, key)
+        return counted

@@ -54,29 +54,52 @@ class LossReader:
         :meth:`value` each, or the error that names why that one cannot be read. The
         :meth:`batched` ones of one device and dtype are stacked there and copied in one
         go; any other goes through :meth:`start` alone."""
+        n = len(losses)
+        if n > 1 and self.batched(losses[0]) and all(type(loss) is torch.Tensor for loss in losses):
+            # The common case, a GPU job's losses: one device and dtype, one number each.
+            with torch.no_grad():
+                try:
+                    stacked = torch.stack(losses)
+                except RuntimeError:  # devices or shapes differ: grouped below
+                    stacked = None
+            if (
+                stacked is not None
+                and stacked.numel() == n
+                and stacked.dtype == losses[0].dtype
+                and not stacked.is_complex()
+            ):
+                landing = self._land(stacked.reshape(-1).to(torch.float64), stacked.device)
+                return [(landing, k) for k in range(n)]
         handles: list[tuple[Any, Any] | Exception] = []
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, loss in enumerate(losses):
             handles.append(ValueError("not read"))
             if self.batched(loss):
-                if loss.numel() != 1:
-                    handles[i] = ValueError(f"a loss of shape {tuple(loss.shape)}: expected one number")
-                elif loss.is_complex():
-                    handles[i] = ValueError(f"a loss of dtype {loss.dtype}: expected a real number")
-                else:
-                    groups.setdefault((loss.device, loss.dtype), []).append(i)
+                groups.setdefault((loss.device, loss.dtype), []).append(i)
                 continue
             try:
                 handles[i] = self.start(loss)
             except Exception as e:
                 handles[i] = e
-        for (device, _), idx in groups.items():
+        for (device, dtype), idx in groups.items():
             try:
+                if dtype.is_complex:
+                    raise ValueError(f"a loss of dtype {dtype}: expected a real number")
                 if len(idx) == 1:
                     handles[idx[0]] = self.start(losses[idx[0]])
                     continue
-                stacked = torch.stack([losses[i].detach().reshape(()) for i in idx])
-                landing = self._land(stacked.to(torch.float64), device)
+                # One op for the whole batch (losses of one number each, alike): no detach
+                # or reshape per loss, each a torch call on the training thread.
+                with torch.no_grad():
+                    try:
+                        stacked = torch.stack([losses[i] for i in idx])
+                    except RuntimeError:  # shapes differ: each looked at below
+                        stacked = None
+                if stacked is None or stacked.numel() != len(idx):
+                    stacked, idx = self._each_one_number([losses[i] for i in idx], idx, handles)
+                    if not idx:
+                        continue
+                landing = self._land(stacked.reshape(-1).to(torch.float64), device)
             except Exception as e:
                 for i in idx:
                     handles[i] = e
@@ -84,6 +107,22 @@ class LossReader:
             for k, i in enumerate(idx):
                 handles[i] = (landing, k)
         return handles
+
+    @staticmethod
+    def _each_one_number(
+        losses: list[torch.Tensor], idx: list[int], handles: list[tuple[Any, Any] | Exception]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The losses of a group that hold one number each, stacked, and their places;
+        each of the others gets the error that names its shape."""
+        good: list[torch.Tensor] = []
+        places: list[int] = []
+        for loss, i in zip(losses, idx, strict=True):
+            if loss.numel() != 1:
+                handles[i] = ValueError(f"a loss of shape {tuple(loss.shape)}: expected one number")
+            else:
+                good.append(loss.detach().reshape(()))
+                places.append(i)
+        return (torch.stack(good) if good else torch.empty(0)), places
 
     def _land(self, stacked: torch.Tensor, device: torch.device) -> _Landing:
         """One copy of ``stacked`` (float64, on ``device``) to the host, with its event."""

@@ -173,11 +173,11 @@ def test_a_switch_waits_for_the_batch_the_sender_is_booking() -> None:
         assert len(book.handed) == 2
         real_book, started = book._book, threading.Event()
 
-        def slow_book(steps: list[Step], first: int, level: str) -> None:
+        def slow_book(steps: list[Step], first: int, level: str) -> int:
             if first == 16:
                 started.set()
-                time.sleep(0.3)  # mid-way through the last batch, already taken off the queue
-            real_book(steps, first, level)
+                time.sleep(0.3)  # mid-way through the last batch, still at the queue's head
+            return real_book(steps, first, level)
 
         book._book = slow_book  # type: ignore[method-assign]  # the slow sender, for this test
         sender = threading.Thread(target=book.book_handed)

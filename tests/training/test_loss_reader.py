@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,27 @@ def test_losses_in_flight_are_recorded_in_order_once_they_land(daemon: FakeDaemo
     assert [s.get("loss") for s in steps] == pytest.approx(losses)
 
 
-def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(daemon: FakeDaemon, sock_path: Path) -> None:
+def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(
+    daemon: FakeDaemon, sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = nn.Linear(16, 4)
-    reader = InFlight(lag=100)  # never lands on its own within the run
+    reader = InFlight(lag=1000)  # never lands on its own within the run
     with GreenCallback(job="far", model=model, socket=sock_path, **FAST) as cb:
         assert wait_for(lambda: cb.connected)
         cb._book.losses = reader
-        _train(cb, model, 20, wrap=_held)
-        assert len(cb._book.unjudged) == 8  # the bound: older ones were taken, the rest stay in flight
-    assert wait_for(lambda: len(daemon.steps) == 20)
+        cb._book.judge_within_s = 3600.0  # batches by count only
+        _train(cb, model, 40, wrap=_held)
+        # Two batches handed over, their reads started, waiting to land: nobody waits for them.
+        assert len(cb._book.handed) == 2 and reader.calls == 32 and reader.waited == 0
+        assert not cb._book.unjudged and len(cb._channel.queue) == 0
+        # Past the bound on batches handed over, the training thread takes them back and
+        # waits for the oldest only while more than max_unjudged are in flight.
+        monkeypatch.setattr("greend.training.book.MAX_HANDED", 1)
+        _train(cb, model, 24, wrap=_held)
+        assert not cb._book.handed and len(cb._book.unjudged) <= cb._book.max_unjudged
+        assert reader.waited == 64 - cb._book.max_unjudged  # all but the newest 8 of the 64 steps
+    assert wait_for(lambda: len(daemon.steps) == 64)
+    assert [s["step"] for s in sorted(daemon.steps, key=lambda s: s["step"])] == list(range(64))
 
 
 def test_a_plain_cpu_loss_is_read_at_once_and_a_wrong_shape_refused_by_name() -> None:
@@ -290,5 +303,58 @@ def test_a_batch_of_held_losses_is_read_in_one_copy_through_the_callback(daemon:
         losses = _train(cb, model, 32, wrap=_held)
         assert reader.lands == 2  # one copy a batch of 16
     assert wait_for(lambda: len(daemon.steps) == 32)
+    got = [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])]
+    assert got == pytest.approx(losses)
+
+
+def test_losses_alike_are_stacked_in_one_op_and_read_in_step_order() -> None:
+    # A GPU job's batch: plain tensors of one number on one device, most still in the
+    # autograd graph. One stack (under no_grad: no graph grows from it), one copy.
+    reader = Batching(lambda t: type(t) is torch.Tensor)
+    w = torch.tensor(2.0, requires_grad=True)
+    losses = [w * i for i in range(16)]
+    handles = reader.start_many(losses)
+    assert reader.lands == 1
+    assert [reader.value(h) for h in handles] == [2.0 * i for i in range(16)]  # type: ignore[arg-type]  # (no errors)
+    assert all(loss.grad_fn is not None for loss in losses)  # the job's tensors untouched
+    # float32 first, a float64 among them: stacking would promote, so each dtype is read apart.
+    mixed = [torch.tensor(1.5), torch.tensor(2.5, dtype=torch.float64), torch.tensor(3.5)]
+    assert [reader.value(h) for h in reader.start_many(mixed)] == [1.5, 2.5, 3.5]  # type: ignore[arg-type]  # (no errors)
+    assert reader.lands == 2  # the float32 pair in one copy; the float64 alone, read by itself
+
+
+class Gate(LossReader):
+    """A reader whose copies land when the test opens the gate (a GPU behind the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = False
+        self.waits = 0
+
+    def start_many(self, losses: list[torch.Tensor]) -> list[tuple[Any, Any] | Exception]:
+        return [(float(loss.detach().as_subclass(torch.Tensor)), "gated") for loss in losses]
+
+    def value(self, handle: tuple[Any, Any], wait: bool = False) -> float | None:
+        if wait:
+            self.waits += 1
+        return float(handle[0]) if self.open or wait else None
+
+
+def test_a_gpu_batch_is_booked_off_the_training_thread_once_its_copy_lands(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    model = nn.Linear(16, 4)
+    reader = Gate()
+    with GreenCallback(job="gated", model=model, socket=sock_path, **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._book.losses = reader
+        cb._book.judge_within_s = 3600.0  # batches by count only
+        losses = _train(cb, model, 16, wrap=_held)
+        # The batch's read started and it was handed over; the sender leaves it while in flight.
+        time.sleep(0.3)
+        assert len(cb._book.handed) == 1 and len(daemon.steps) == 0 and not cb._book.unjudged
+        reader.open = True  # the copy lands: the sender books it at its next round
+        assert wait_for(lambda: len(daemon.steps) == 16)
+        assert reader.waits == 0  # nobody waited for it
     got = [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])]
     assert got == pytest.approx(losses)
