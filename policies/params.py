@@ -178,7 +178,16 @@ def validate_params(policy: str, specs: Sequence[Param], given: Mapping[str, Any
     if unknown:
         allowed = ", ".join(sorted(known)) or "(none)"
         raise PolicyError(f"policy {policy!r}: unknown parameter(s) {', '.join(unknown)}; allowed: {allowed}")
-    return {name: p.coerce(policy, given.get(name, p.default)) for name, p in known.items()}
+    for name, p in known.items():
+        if name in given and given[name] is None and p.default is not None:
+            raise PolicyError(
+                f"policy {policy!r}: {name!r} is null; give a value ({p.allowed()}) or leave it out "
+                f"for its default {p.default!r}"
+            )
+    try:
+        return {name: p.coerce(policy, given.get(name, p.default)) for name, p in known.items()}
+    except RecursionError:
+        raise PolicyError(f"policy {policy!r}: a parameter's value is nested too deeply") from None
 
 
 def _finite(v: float) -> bool:

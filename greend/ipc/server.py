@@ -561,7 +561,11 @@ class IpcServer:
             return _error(None, "bad_json", "the message is nested too deeply")
         if not isinstance(msg, dict):
             return _error(None, "bad_json", f"expected a JSON object, got {type(msg).__name__}")
-        if b"\\u" in line and not _all_text(msg):
+        try:
+            text = b"\\u" not in line or _all_text(msg)
+        except RecursionError:  # (json.dumps nests a few frames deeper than json.loads did)
+            return _error(None, "bad_json", "the message is nested too deeply")
+        if not text:
             # A "\\udcff" escape alone is valid JSON but no character: no store, log or
             # report could hold it (UTF-8 has no lone surrogates).
             return _error(None, "bad_json", "a string holds a lone surrogate escape (\\ud800-\\udfff without its pair)")

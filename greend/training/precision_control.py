@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from greend.errors import GreendWarning
 from greend.protocol import FP8_LEVELS, PRECISIONS, may_run, not_above
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
@@ -244,16 +246,17 @@ class PrecisionControl:
                 log.info("greend: the job runs %s on its own (no autocast seen at its first step)", self.level)
                 if self.manage and self.level in ("fp32", "tf32"):
                     # A bf16 job whose own torch.autocast step.autocast() replaced looks the
-                    # same from here: say how to keep it at bf16, at the default log level
-                    # (a log line: the one GreendWarning stays for a problem).
-                    log.warning(
-                        "greend: job %s is taken for %s: no autocast and no bf16/fp16 weights at its first "
-                        "step, so step.autocast() runs it at full precision. If it trained in bf16 (or fp16) "
-                        "before greend, pass GreenCallback(initial_precision='bf16') to keep it there (an fp32 "
-                        "job: initial_precision='fp32' says so, without this line)",
-                        self._job,
-                        self.level,
+                    # same from here: say how to keep it at bf16, where the user sees it (a
+                    # GreendWarning: greend's log lines reach no handler unless the job
+                    # configures logging), and in the log.
+                    message = (
+                        f"greend: job {self._job} is taken for {self.level}: no autocast and no bf16/fp16 weights at "
+                        "its first step, so step.autocast() runs it at full precision. If it trained in bf16 (or "
+                        "fp16) before greend, pass GreenCallback(initial_precision='bf16') to keep it there (an "
+                        "fp32 job: initial_precision='fp32' says so, without this warning)"
                     )
+                    log.warning("%s", message)
+                    warnings.warn(message, GreendWarning, stacklevel=2)
             return False
         self.detecting = False
         self.own = level

@@ -394,3 +394,16 @@ def test_a_push_never_waits_on_a_peer_that_reads_nothing() -> None:
     finally:
         for s in (stuck, stuck_peer, ok, ok_peer):
             s.close()
+
+
+def test_a_message_nested_near_the_parsers_limit_with_an_escape_gets_a_reply(server: IpcServer) -> None:
+    # json.loads takes it, the check that every string is text nests deeper: at one depth
+    # near the limit that check raised RecursionError, which killed the connection's thread.
+    s = raw(server.path)
+    for depth in range(900, 1100, 5):
+        s.sendall(b'{"v":1,"op":"add","a":1,"id":"\\u0041","x":' + b"[" * depth + b"]" * depth + b"}\n")
+        r = read_reply(s)
+        assert r["ok"] is False and r["error"]["code"] in ("bad_json", "bad_request"), (depth, r)
+    for depth in range(980, 1000):  # every depth where it matters
+        s.sendall(b'{"v":1,"op":"add","a":1,"id":"\\u0041","x":' + b"[" * depth + b"]" * depth + b"}\n")
+        assert read_reply(s)["ok"] is False

@@ -227,3 +227,24 @@ def test_static_refuses_a_cap_no_gpu_could_have(params: dict[str, object], says:
     """(It was accepted, reported as set, and the GPU ran uncapped at its top clock.)"""
     with pytest.raises(PolicyError, match=says):
         get_policy("static", **params)
+
+
+def test_a_null_parameter_is_refused_by_name_not_taken_as_a_value() -> None:
+    # {"knob": null} was accepted, and the policy then failed every period (KeyError: None).
+    from greend.policies.params import Param
+    from greend.policies.params import validate_params as check
+
+    Refused = PolicyError
+
+    specs = [
+        Param("knob", "str", "clock", "what to move", choices=("clock", "power")),
+        Param("cap", "float", None, "a cap"),
+    ]
+    with pytest.raises(Refused, match="'knob' is null; give a value .* or leave it out for its default 'clock'"):
+        check("efficient", specs, {"knob": None})
+    assert check("efficient", specs, {"cap": None}) == {"knob": "clock", "cap": None}  # (None is its default)
+    deep: object = 1
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(Refused, match="nested too deeply"):
+        check("efficient", specs, {"knob": deep})

@@ -274,7 +274,9 @@ def test_unsupported_level_is_ignored_with_the_reason(
 def test_register_directive_applies_from_step_zero(sock_path: Path) -> None:
     d = FakeDaemon(sock_path, initial_precision="bf16").start()
     try:
-        with GreenCallback(probe_trial=False, job="bf16-start", model=make_model(), socket=sock_path, **FAST) as cb:
+        with GreenCallback(
+            initial_precision="fp32", probe_trial=False, job="bf16-start", model=make_model(), socket=sock_path, **FAST
+        ) as cb:
             assert cb.precision == "bf16"
             with cb.step() as step:
                 assert step.precision == "bf16"
@@ -327,7 +329,7 @@ def test_nonfinite_loss_heartbeat_and_end(daemon: FakeDaemon, sock_path: Path) -
 def test_malformed_reply_is_ignored_once(daemon: FakeDaemon, sock_path: Path) -> None:
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        with GreenCallback(job="junk", socket=sock_path, **FAST) as cb:
+        with GreenCallback(initial_precision="fp32", job="junk", socket=sock_path, **FAST) as cb:
             daemon.push_raw(b"this is not json\n[1,2]\n")
             daemon.push(event="directive", precision="fp77")
             assert wait_for(lambda: cb.stats.malformed >= 3)
@@ -401,7 +403,7 @@ def test_no_daemon_same_loss_one_warning(sock_path: Path) -> None:
     baseline = train(None, 30)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        cb = GreenCallback(job="alone", model=make_model(), socket=sock_path, **FAST)
+        cb = GreenCallback(initial_precision="fp32", job="alone", model=make_model(), socket=sock_path, **FAST)
         loss = train(cb, 30)
         time.sleep(0.5)  # several reconnect attempts
         cb.close()
@@ -430,7 +432,7 @@ def test_daemon_killed_then_restarted(sock_path: Path) -> None:
 
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        cb = GreenCallback(job="phoenix", model=make_model(), socket=sock_path, **FAST)
+        cb = GreenCallback(initial_precision="fp32", job="phoenix", model=make_model(), socket=sock_path, **FAST)
         loss = train(cb, 40, between=between)
         cb.close()
     d2: FakeDaemon = state["d2"]
@@ -487,7 +489,12 @@ def test_daemon_that_never_reads_does_not_slow_training(sock_path: Path) -> None
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             cb = GreenCallback(
-                job="stuck", socket=sock_path, max_pending=1000, flops_per_step=1.0, **{**FAST, "reply_timeout_s": 0.5}
+                initial_precision="fp32",
+                job="stuck",
+                socket=sock_path,
+                max_pending=1000,
+                flops_per_step=1.0,
+                **{**FAST, "reply_timeout_s": 0.5},
             )
             overhead: list[float] = []
             for _ in range(20000):
@@ -797,7 +804,7 @@ def test_a_daemon_from_before_steps_before_registers_the_callback_without_a_warn
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            cb = GreenCallback(job="older", socket=sock_path, flops_per_step=1e6, **FAST)
+            cb = GreenCallback(initial_precision="fp32", job="older", socket=sock_path, flops_per_step=1e6, **FAST)
             train(cb, 10)
             assert wait_for(lambda: cb.stats.connects == 1, 5.0)
             cb.close()

@@ -103,7 +103,7 @@ def test_lightning_reports_steps_flops_loss_and_precision(sock_path: Path) -> No
     data = make_data(6)
     loader = torch.utils.data.DataLoader([(x[i], y[i]) for x, y in data for i in range(BATCH)], batch_size=BATCH)
     module = Module()
-    cb = GreenLightningCallback(probe_trial=False, job="pl-run", socket=sock_path, **FAST)
+    cb = GreenLightningCallback(probe_trial=False, job="pl-run", socket=sock_path, initial_precision="fp32", **FAST)
     trainer = pl.Trainer(
         max_epochs=1,
         accelerator="cpu",

@@ -69,7 +69,7 @@ def test_the_hot_path_never_reads_the_loss_tensor(daemon: FakeDaemon, sock_path:
     model = nn.Linear(16, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning would mean the loss was refused
-        with GreenCallback(job="nosync", model=model, socket=sock_path, **FAST) as cb:
+        with GreenCallback(initial_precision="fp32", job="nosync", model=model, socket=sock_path, **FAST) as cb:
             assert wait_for(lambda: cb.connected)
             losses = _train(cb, model, 20, wrap=lambda t: t.as_subclass(NoSync))
     assert wait_for(lambda: len(daemon.steps) == 20)
@@ -340,9 +340,7 @@ class Gate(LossReader):
         return float(handle[0]) if self.open or wait else None
 
 
-def test_a_gpu_batch_is_booked_off_the_training_thread_once_its_copy_lands(
-    daemon: FakeDaemon, sock_path: Path
-) -> None:
+def test_a_gpu_batch_is_booked_off_the_training_thread_once_its_copy_lands(daemon: FakeDaemon, sock_path: Path) -> None:
     model = nn.Linear(16, 4)
     reader = Gate()
     with GreenCallback(job="gated", model=model, socket=sock_path, **FAST) as cb:

@@ -279,7 +279,7 @@ def test_a_rank_alone_applies_its_directive_at_once(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     cb = GreenCallback(job="alone", model=torch.nn.Linear(4, 2), socket=sock_path, precisions=["fp32", "bf16"],
-                       sync_every=5, flush_interval_s=0.02, probe_trial=False)  # fmt: skip
+                       initial_precision="fp32", sync_every=5, flush_interval_s=0.02, probe_trial=False)  # fmt: skip
     ran = []
     try:
         for i in range(12):

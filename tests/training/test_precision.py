@@ -212,7 +212,7 @@ def test_an_unsupported_level_is_never_applied_and_the_reason_is_reported(
     daemon: FakeDaemon, sock_path: Path, level: str, needle: str
 ) -> None:
     model = make_model()
-    with GreenCallback(job=f"no-{level}", model=model, socket=sock_path, **FAST) as cb:
+    with GreenCallback(initial_precision="fp32", job=f"no-{level}", model=model, socket=sock_path, **FAST) as cb:
         reason = cb.supported_precisions()[level]
         assert reason is not None and needle in reason
         assert wait_for(lambda: cb.connected)
@@ -589,3 +589,36 @@ def test_a_bf16_job_is_seen_as_bf16_however_it_runs_bf16(case: str) -> None:
         assert not model._forward_pre_hooks and not any(m._forward_pre_hooks for m in model.modules())
     finally:
         cb.close()
+
+
+@pytest.mark.parametrize("told", ["bf16", "fp8-emulated"])
+def test_a_level_the_daemon_names_before_the_job_shows_its_own_waits_for_it(sock_path: Path, told: str) -> None:
+    """A second callback of a running job (a resume in the same process, a notebook cell run
+    again) that does not say its level is told the job's level in the register reply, before
+    its first forward shows the job's own autocast. Taken then, the level in force was still
+    the placeholder fp32: the guard recorded a step down from fp32, and its trials, probes
+    and rollbacks ran and booked fp32 for a bf16 job. The directive waits until the job's
+    own level is known, and is then taken against it."""
+    daemon = FakeDaemon(sock_path, initial_precision=told).start()
+    model = _SelfAutocast()
+    x = torch.randn(16, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cb = GreenCallback(job="again", model=model, socket=sock_path, connect_timeout_s=1.0,
+                               precisions=["bf16", "fp8-emulated"])  # fmt: skip
+        assert wait_for(lambda: cb.requested_precision == told)
+        levels = []
+        for _ in range(6):
+            with cb.step(samples=16, batch=x) as st:
+                with st.autocast():
+                    out = model(x)
+                st.loss(out.float().pow(2).mean())
+            levels.append(st.precision)
+        control = cb._control
+        assert control.own == "bf16"
+        assert all(d.from_level == "bf16" for d in control.guard.stack)  # never a step down from fp32
+        assert "fp32" not in levels and "fp32" not in control.offered()
+    finally:
+        cb.close()
+        daemon.stop()

@@ -251,6 +251,7 @@ def test_a_failing_reference_is_dropped_and_training_goes_on(daemon: FakeDaemon,
 
     with pytest.warns(GreendWarning, match="reference_loss failed.*out of memory"):
         with GreenCallback(
+            initial_precision="fp32",
             probe_trial=False,
             job="ref-broken",
             model=model,
