@@ -35,7 +35,8 @@ __all__ = ["PROBE_RETRY_S", "ProbeScheduler", "ProbeStats"]
 log = logging.getLogger(__name__)
 
 ROW_SPAN_MAX_S = 600.0  # the longest span a row's work is modelled over (a simulated GPU's) ...
-ROW_OVER_PEAK = 100.0  # ... and this many times what the GPU could do in it at its peak, at most
+ROW_OVER_PEAK = 1.5  # ... and this many times what the GPU could do in it at its peak, at most
+ROW_FIRST_SPAN_S = 10.0  # a rank's first rows are modelled over this much time before they came, at most
 
 PROBE_RETRY_S = 30.0
 # A probe that failed to open is tried again after 2, 4, 8 and 16 s, then every
@@ -265,22 +266,23 @@ class ProbeScheduler:
         if not sims:
             return None
         # A row never asks the simulated GPUs for more than ROW_OVER_PEAK times the work the
-        # fastest of them could do over its span (at most ROW_SPAN_MAX_S), plus a second at
-        # their peak: room for any client's FLOP estimate to be far off (and for tests'
-        # made-up rows), never a row of 1e24 FLOPs in a second (one unprivileged client's
-        # message), which made a GPU's counter 4.4e12 J for every job on it. The span is
-        # the row's own, cut to the time since the rank's rows before it and to now (the
-        # clients' clock is this host's): rows that all claim the same 600 s count it once.
-        key = (pid, tuple(gpus))
-        until = self._modelled_until.get(key, float("-inf"))
+        # fastest of them could do over its span: room for a client's FLOP estimate to be
+        # off, never a row of 1e24 FLOPs (one unprivileged client's message), which made a
+        # GPU's counter 4.4e12 J, and its device busy for days, for every job on it. The
+        # span is the row's own, cut to the time since the rank's rows before it (its first
+        # rows: ROW_FIRST_SPAN_S before now; a row claiming work since boot got 600 s at
+        # 100 times the peak, 2.6e8 J) and to now (the clients' clock is this host's): rows
+        # that claim the same time count it once, and a row of no span asks for nothing.
         now = time.monotonic()
+        key = (pid, tuple(gpus))
+        until = self._modelled_until.get(key, now - ROW_FIRST_SPAN_S)
         work = []
         for r in rows:
             level = r.precision or precision
             t0, t1 = max(r.t0_s, until), min(r.t1_s, now + 1.0)
             until = max(until, t1)
             span_s = min(max(t1 - t0, 0.0), ROW_SPAN_MAX_S)
-            most = _peak_flops(sims, level) * (ROW_OVER_PEAK * span_s + 1.0)
+            most = _peak_flops(sims, level) * ROW_OVER_PEAK * span_s
             work.append((min(r.flops / len(sims), most), mem_share, level))
         if len(self._modelled_until) > 4096:
             self._modelled_until.clear()

@@ -65,7 +65,7 @@ from greend.jobs.records import (
 )
 from greend.jobs.table import JobTable
 from greend.points import Point, decision_point, job_step_point, job_steps_point, precision_fields, ts_ns
-from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsRow
+from greend.protocol import PrecisionEventEntry, Registration, StepEntry, StepsRow, may_run
 
 __all__ = ["HostCpu", "Job", "JobRegistry", "QuotaExceeded", "RankSession", "Registered"]
 
@@ -287,7 +287,14 @@ class JobRegistry(JobTable):
             # run a step down's trial at the old level first: one that registers again
             # meanwhile goes on with it), else the level in force.
             asked = job.proposal.level if job.proposal is not None else job.precision
-            return Registered(job_id, job.run, asked if job.top_precision is not None else None)
+            top = job.top_precision
+            if top is not None and asked is not None and not may_run(asked, top):
+                # A rank that ran above the job's own level (an older or a confused client):
+                # followed in the record, never asked of another.
+                log.warning("job %s: its level %s is above its own %s: rank %s is asked %s", job_id, asked, top,
+                            rs.rank, top)  # fmt: skip
+                asked = top
+            return Registered(job_id, job.run, asked if top is not None else None)
 
     @staticmethod
     def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:

@@ -269,7 +269,9 @@ class JobTable:
                     continue
                 setting = setting_of(min(steered))
                 job.capped = not setting.uncapped
-                runs = {p for rs in job.ranks.values() for p in rs.precisions} or {"fp32"}
+                # The levels every rank runs (one a rank cannot run is no level of the job's).
+                offered = [set(rs.precisions) for rs in job.ranks.values() if rs.precisions]
+                runs = set.intersection(*offered) if offered else {"fp32"}
                 # Never above the job's own level; while that is not known (a client that
                 # did not say, before its first steps), only the level in force.
                 top = job.top_precision

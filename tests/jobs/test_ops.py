@@ -431,3 +431,18 @@ def test_a_directive_a_busy_rank_missed_is_sent_again_at_the_next_tick() -> None
     finally:
         a.close()
         b.close()
+
+
+def test_a_job_is_offered_only_the_levels_every_rank_runs() -> None:
+    # Rank 1 runs no fp8 (no torchao there): fp8 was offered to the job all the same, and
+    # proposed to a rank that could only refuse it.
+    from greend.policies.base import UNCAPPED
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    for session, (rank, levels) in enumerate([(0, ["bf16", "fp8"]), (1, ["fp32", "bf16"])], start=1):
+        conn = _Conn(session, _Peer(pid=session, uid=1000))
+        h["register"]({"job": "mixed", "gpus": [rank], "rank": rank, "world_size": 2, "precisions": levels,
+                       "precision": "bf16"}, conn)  # fmt: skip
+    (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+    assert view.precisions == ("bf16",)

@@ -130,3 +130,21 @@ def test_a_measured_command_is_stored_as_one_and_read_back_so(tmp_path: Path) ->
     assert rep is not None and rep["kind"] == "measure" and rep["measured_whole"] is True
     assert rep["precision"] is None and rep["steps"] is None and rep["windows"] == 3
     assert "windows" in render_report(rep) and "fp32" not in render_report(rep)
+
+
+def test_a_rank_is_never_asked_a_level_above_the_jobs_own() -> None:
+    """A bf16 job whose record followed a rank up to fp32 (a client that ran a step above
+    its own level): a rank registering again is asked the job's own level, not fp32."""
+    reg = JobRegistry(Ledger(), hostname="h")
+
+    def register(session: int, rank: int) -> str | None:
+        r = Registration(job="train", run="run-a", rank=rank, local_rank=rank, world_size=2, gpus=(), host=None,
+                         precisions=("fp32", "bf16"), mem_share=None, reference_every=None,
+                         precision="bf16")  # fmt: skip
+        return reg.register(r, Caller(session=session, pid=rank, uid=1000)).precision
+
+    assert register(1, 0) == "bf16"
+    job = reg.jobs["train"]
+    assert job.top_precision == "bf16"
+    job.precision = "fp32"  # as follow_ranks sets it from such a rank's rows
+    assert register(2, 1) == "bf16"
