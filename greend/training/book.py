@@ -58,8 +58,10 @@ def _weight_layers(model: Any) -> list[Any]:
     return out or [model]
 
 
-# Steps whose loss may be in flight at once before the oldest is waited for: a GPU
-# queue this deep behind the CPU is already the user's own back-pressure.
+# Steps whose loss may be in flight at once, beyond the batch just ended (its copy just
+# started), before the oldest is waited for: a GPU queue this deep behind the CPU is
+# already the user's own back-pressure. (Counting the batch just ended, the training
+# thread waited for its copy, a full sync of the GPU, every 16 steps.)
 MAX_UNJUDGED = 8
 # Steps whose losses are read together, in one pass at the end of the last of them,
 # while the guard is not watching for spikes. A non-finite loss then rolls back up to
@@ -392,7 +394,7 @@ class StepBook:
         in flight here) it is judged here."""
         if not self._light():
             self.hold_cpu = False
-            self.drain(keep=self.max_unjudged)
+            self.drain(keep=self.max_unjudged + len(self.ended))
             return
         self.hold_cpu = True
         ended = self.ended

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from greend.training.warn import log
+
 __all__ = ["LossReader"]
 
 # A pinned buffer holds this many losses at least (a batch of steps: greend.training.book).
@@ -27,12 +29,13 @@ ROWS = 16
 
 class _Landing:
     """Several losses stacked on their device and copied to the host in one go: ``buf``
-    (its first ``n`` values), landed once ``event`` has completed (None: at once)."""
+    (its first ``n`` values), landed once ``event`` has completed (None: at once; the
+    event of GPU ``device``)."""
 
-    __slots__ = ("buf", "n", "event", "values")
+    __slots__ = ("buf", "n", "event", "device", "values")
 
-    def __init__(self, buf: torch.Tensor, n: int, event: Any) -> None:
-        self.buf, self.n, self.event = buf, n, event
+    def __init__(self, buf: torch.Tensor, n: int, event: Any, device: Any = None) -> None:
+        self.buf, self.n, self.event, self.device = buf, n, event, device
         self.values: list[float] | None = None
 
 
@@ -41,7 +44,6 @@ class LossReader:
 
     def __init__(self) -> None:
         self._cpu = torch.empty((), dtype=torch.float64)
-        self._pinned: list[torch.Tensor] = []  # free pinned buffers, reused
         self._pinned_rows: list[torch.Tensor] = []  # free pinned buffers of ROWS values or more
 
     def batched(self, loss: Any) -> bool:
@@ -55,21 +57,22 @@ class LossReader:
         :meth:`batched` ones of one device and dtype are stacked there and copied in one
         go; any other goes through :meth:`start` alone."""
         n = len(losses)
-        if n > 1 and self.batched(losses[0]) and all(type(loss) is torch.Tensor for loss in losses):
-            # The common case, a GPU job's losses: one device and dtype, one number each.
-            with torch.no_grad():
-                try:
-                    stacked = torch.stack(losses)
-                except RuntimeError:  # devices or shapes differ: grouped below
-                    stacked = None
-            if (
-                stacked is not None
-                and stacked.numel() == n
-                and stacked.dtype == losses[0].dtype
-                and not stacked.is_complex()
+        first = losses[0] if losses else None
+        if n > 1 and self.batched(first):
+            # The common case, a GPU job's losses: plain tensors of one number (0-dim), one
+            # dtype, one device: one stack (any other mix is grouped below; a dtype apart is
+            # never promoted into another's, nor a large tensor stacked before its size is seen).
+            dtype = first.dtype  # type: ignore[union-attr]  # (batched: a tensor)
+            if not dtype.is_complex and all(
+                type(loss) is torch.Tensor and loss.dtype is dtype and loss.dim() == 0 for loss in losses
             ):
-                landing = self._land(stacked.reshape(-1).to(torch.float64), stacked.device)
-                return [(landing, k) for k in range(n)]
+                try:
+                    with torch.no_grad():
+                        stacked = torch.stack(losses)  # (devices that differ raise: grouped below)
+                    landing = self._land(stacked.to(torch.float64), stacked.device)
+                    return [(landing, k) for k in range(n)]
+                except Exception as e:  # each group tried below, its error on its losses
+                    log.debug("reading a batch of losses at once failed: %s", e)
         handles: list[tuple[Any, Any] | Exception] = []
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, loss in enumerate(losses):
@@ -90,12 +93,10 @@ class LossReader:
                     continue
                 # One op for the whole batch (losses of one number each, alike): no detach
                 # or reshape per loss, each a torch call on the training thread.
-                with torch.no_grad():
-                    try:
+                if all(losses[i].dim() == 0 for i in idx):
+                    with torch.no_grad():
                         stacked = torch.stack([losses[i] for i in idx])
-                    except RuntimeError:  # shapes differ: each looked at below
-                        stacked = None
-                if stacked is None or stacked.numel() != len(idx):
+                else:  # each looked at: one of another shape is named, never stacked
                     stacked, idx = self._each_one_number([losses[i] for i in idx], idx, handles)
                     if not idx:
                         continue
@@ -136,10 +137,10 @@ class LossReader:
             buf = free.pop()
         else:
             buf = torch.empty(max(n, ROWS), dtype=torch.float64, pin_memory=True)
-        buf[:n].copy_(stacked, non_blocking=True)
+        buf[:n].copy_(stacked, non_blocking=True)  # (on the stream the loss was made on)
         event = torch.cuda.Event()
-        event.record()
-        return _Landing(buf, n, event)
+        event.record(torch.cuda.current_stream(device))  # (that GPU's, whichever is current)
+        return _Landing(buf, n, event, device)
 
     def start(self, loss: torch.Tensor) -> tuple[Any, Any]:
         """Begin reading ``loss`` (one element); returns a handle for :meth:`value`."""
@@ -160,35 +161,33 @@ class LossReader:
                 raise ValueError(f"a loss of shape {tuple(t.shape)}: expected one number")
             t = t.reshape(())
         if t.device.type == "cuda":
-            buf = self._pinned.pop() if self._pinned else torch.empty((), dtype=torch.float64, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            return buf, event
+            return self._land(t.reshape(1).to(torch.float64), t.device), 0
         self._cpu.copy_(t)  # on the CPU (or a device that copies synchronously): done now
         return self._cpu.item(), None
+
+    @staticmethod
+    def _landed(held: _Landing, wait: bool) -> bool:
+        """Whether a landing's copy has completed (``wait``: once it has). Under its GPU
+        as the current device: the sender thread asks too, and a CUDA call from a thread
+        whose current device is another GPU (0, a new thread's) would open a context there."""
+        with torch.cuda.device(held.device):
+            if held.event.query():
+                return True
+            if wait:
+                held.event.synchronize()
+            return wait
 
     def value(self, handle: tuple[Any, Any], wait: bool = False) -> float | None:
         """The loss, or None while the copy is still in flight (``wait``: block for it,
         only where a wait costs nothing, as at the end of training)."""
         held, event = handle
-        if type(held) is _Landing:  # one of several copied together (start_many)
+        if type(held) is _Landing:  # a copy from the GPU: one loss, or several together (start_many)
             values = held.values
             if values is None:
-                if held.event is not None and not held.event.query():
-                    if not wait:
-                        return None
-                    held.event.synchronize()
+                if held.event is not None and not self._landed(held, wait):
+                    return None
                 values = held.values = held.buf[: held.n].tolist()
                 if held.event is not None:
                     self._pinned_rows.append(held.buf)  # (the values are kept: free to reuse)
             return values[event]
-        if event is None:
-            return float(held)
-        if not event.query():
-            if not wait:
-                return None
-            event.synchronize()
-        value = float(held.item())
-        self._pinned.append(held)
-        return value
+        return float(held)  # (read at once: start)

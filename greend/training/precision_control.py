@@ -256,7 +256,7 @@ class PrecisionControl:
                         "fp32 job: initial_precision='fp32' says so, without this warning)"
                     )
                     log.warning("%s", message)
-                    warnings.warn(message, GreendWarning, stacklevel=2)
+                    warnings.warn(message, GreendWarning, stacklevel=4)  # (the user's `with cb.step()`)
             return False
         self.detecting = False
         self.own = level

@@ -132,11 +132,12 @@ def test_a_gpu_far_behind_is_waited_for_only_past_the_limit(
         assert len(cb._book.handed) == 2 and reader.calls == 32 and reader.waited == 0
         assert not cb._book.unjudged and len(cb._channel.queue) == 0
         # Past the bound on batches handed over, the training thread takes them back and
-        # waits for the oldest only while more than max_unjudged are in flight.
+        # waits for the oldest only while more than max_unjudged are in flight beyond the
+        # batch just ended (its copy just started: never waited for).
         monkeypatch.setattr("greend.training.book.MAX_HANDED", 1)
         _train(cb, model, 24, wrap=_held)
-        assert not cb._book.handed and len(cb._book.unjudged) <= cb._book.max_unjudged
-        assert reader.waited == 64 - cb._book.max_unjudged  # all but the newest 8 of the 64 steps
+        assert not cb._book.handed and len(cb._book.unjudged) == cb._book.max_unjudged + 16
+        assert reader.waited == 64 - cb._book.max_unjudged - 16
     assert wait_for(lambda: len(daemon.steps) == 64)
     assert [s["step"] for s in sorted(daemon.steps, key=lambda s: s["step"])] == list(range(64))
 
@@ -356,3 +357,28 @@ def test_a_gpu_batch_is_booked_off_the_training_thread_once_its_copy_lands(daemo
         assert reader.waits == 0  # nobody waited for it
     got = [s.get("loss") for s in sorted(daemon.steps, key=lambda s: s["step"])]
     assert got == pytest.approx(losses)
+
+
+def test_the_batch_just_ended_is_never_waited_for_on_the_training_thread(daemon: FakeDaemon, sock_path: Path) -> None:
+    # Judged on the training thread (index= given): each batch's copy had just started when
+    # the training thread waited for it, while more than 8 steps were in flight: a full
+    # sync of the GPU every 16 steps. Only a batch behind that one is waited for now.
+    model = nn.Linear(16, 4)
+    reader = InFlight(lag=1000)  # never lands on its own within the run
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GreenCallback(job="nowait", model=model, socket=sock_path, initial_precision="fp32", **FAST) as cb:
+        assert wait_for(lambda: cb.connected)
+        cb._book.losses = reader
+        cb._book.judge_within_s = 3600.0  # batches by count only
+        for i in range(40):
+            with cb.step(samples=8, flops=1e6, index=i) as st:
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+                st.loss(loss.as_subclass(Held))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if i == 15:
+                assert reader.waited == 0 and len(cb._book.unjudged) == 16
+        # The second batch ended with the first still in flight: the oldest 8 waited for.
+        assert reader.waited == 32 - cb._book.max_unjudged - 16
+    assert wait_for(lambda: len(daemon.steps) == 40)
