@@ -261,7 +261,15 @@ def worker(args: argparse.Namespace) -> None:
         gpu_path()
     lossf = nn.CrossEntropyLoss()
     out: dict[str, Any] = {"sizes": [], "warm": None}
+    socket, fake = args.socket, None
+    if args.below:  # a daemon that asks for bf16 when told (a test double on a real socket)
+        from greend.testing.fake_daemon import FakeDaemon
+
+        fake = FakeDaemon(Path(tempfile.mkdtemp()) / "fake.sock", rows_every_s=0.5).start()
+        socket = str(fake.path)
     for name, hidden, batch, precision in SIZES:
+        if args.below and precision != "fp32":
+            continue  # (a bf16 job's level below is fp8, which the CPU only emulates, 10x slower)
         rounds = args.rounds if name == "~1 ms" else args.rounds_10ms
         block = args.block if name == "~1 ms" else args.block_10ms
         xs, ys = data(batch)
@@ -271,12 +279,15 @@ def worker(args: argparse.Namespace) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no daemon: the one fail-open warning
             job = f"bench-{hidden}-{precision}"
-            cb = GreenCallback(job=job, model=model, socket=args.socket, initial_precision=precision)
-        bf16 = precision == "bf16"
+            cb = GreenCallback(job=job, model=model, socket=socket, initial_precision=precision)
+        bf16 = precision == "bf16" or fake is not None  # (below: the bare loops run the level greend runs)
         control = FloorCallback(bf16) if args.floor else NullCallback(bf16)
         wrappers = [NullCallback(bf16), cb, control]
         sender = next(t for t in threading.enumerate() if t.name == f"greend-sender-{job}")
         run_rounds(model, opt, wrappers, lossf, xs, ys, batch, block, 4)  # warm-up (greend counts FLOPs here)
+        if fake is not None:
+            go_below(fake, cb, model, opt, lossf, xs, ys, batch, block)
+            precision = "bf16<"
         att = attribute(model, opt, cb, wrappers[0], lossf, xs, ys, batch, block, max(8, rounds // 8))
         hooks = len(model._forward_pre_hooks) + len(model._forward_hooks)  # what greend left on the model
         sender_cpu0 = _thread_cpu_s(sender)
@@ -313,6 +324,18 @@ def worker(args: argparse.Namespace) -> None:
     if args.attribute:
         out["warm"] = warm_calls(args)
     print(json.dumps(out))
+
+
+def go_below(fake: Any, cb: Any, model: Any, opt: Any, lossf: Any, xs: Any, ys: Any, batch: int, block: int) -> None:
+    """--below: the daemon asks the fp32 job for bf16; steps until greend has switched it
+    (after its trial), so the blocks timed run below the job's own level, the guard armed
+    and the probes on."""
+    assert fake.directive("bf16") == 1
+    for _ in range(400):
+        run_rounds(model, opt, [cb], lossf, xs, ys, batch, block, 1)
+        if cb._control.level == "bf16" and cb._control.guard.stack:
+            return
+    raise SystemExit(f"--below: the job never went down to bf16 (it runs {cb._control.level})")
 
 
 def gpu_path() -> None:
@@ -545,6 +568,12 @@ def main() -> None:
         help="greend takes each CPU loss down a GPU loss's path (held, its batch stacked and copied in one go, "
         "booked once landed); CPU ops stand in for the GPU's: no kernel launches, no device copy",
     )
+    ap.add_argument(
+        "--below",
+        action="store_true",
+        help="the fp32 jobs taken down to bf16 by a daemon's directive (a test double answers instead of greend): "
+        "the guard armed and the probes on, against bare loops at bf16",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -558,11 +587,15 @@ def main() -> None:
     passed += ["--rounds-10ms", str(a.rounds_10ms), "--block-10ms", str(a.block_10ms)]
     passed += ["--floor"] if a.floor else []
     passed += ["--gpu-path"] if a.gpu_path else []
+    passed += ["--below"] if a.below else []
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(Path(tmp))
         rows: list[tuple[str, dict[str, Any]]] = []
         try:
-            for daemon, path in (("greend --sim 1", sock), ("none", Path(tmp) / "absent.sock")):
+            configs = (("greend --sim 1", sock), ("none", Path(tmp) / "absent.sock"))
+            if a.below:
+                configs = (("test double", Path(tmp) / "unused.sock"),)  # (the worker starts it)
+            for daemon, path in configs:
                 extra = ["--attribute"] if a.attribute and daemon == "none" else []
                 child = subprocess.run(
                     [sys.executable, __file__, "--worker", "--socket", str(path), *passed, *extra],
@@ -606,7 +639,7 @@ def report(a: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> Non
                 f"{f'{gcs[1]:.1f}|{gcs[0]:.1f}':>11}"
                 f"{(f'{sender:.2f}' if sender is not None else '-'):>10}"
             )
-            if s["level_at_end"] != s["precision"]:
+            if s["level_at_end"] != s["precision"].rstrip("<"):
                 print(
                     f"   (greend's loop ended at {s['level_at_end']}, not the job's {s['precision']}: not comparable)"
                 )
@@ -618,6 +651,8 @@ def report(a: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> Non
         "(gc/1k g|b: garbage collections per 1000 steps in greend's blocks | the bare loop's; sender us: the"
         " sender thread's own CPU a step, not the training thread's; target <= 5 us on ~1 ms)"
     )
+    if a.below:
+        print("(bf16<: an fp32 job greend took down to bf16, the guard armed and the probes on; bare loops at bf16)")
     print(
         "\nwhere it goes: greend's calls timed inside the real steps, less the bare loop's same calls (us a step,"
         " means; gc: CPU time in garbage collections, greend's blocks less the bare loop's)"
