@@ -35,14 +35,27 @@ import torch
 
 from greend.training.flops import FlopCounter, FlopEstimates, batch_signature, model_params
 from greend.training.loss_reader import LossReader
-from greend.training.peers import agree_pace
-from greend.training.precision_control import PrecisionControl, weight_layers
+from greend.training.precision_control import PrecisionControl
 from greend.training.probe import NEVER, probe_tag
 from greend.training.sender import Channel
 from greend.training.step import ReusedAutocast, Step
 from greend.training.warn import OnceWarnings, log
 
 __all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
+
+MAX_DETECT_HOOKS = 64  # layers hooked (one step, then taken off) to see the job's own autocast
+
+
+def _weight_layers(model: Any) -> list[Any]:
+    """The model's modules that hold weights of their own (the model's first ones, at most
+    MAX_DETECT_HOOKS): where its forward computes."""
+    out = []
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            out.append(m)
+            if len(out) >= MAX_DETECT_HOOKS:
+                break
+    return out or [model]
 
 
 # Steps whose loss may be in flight at once, beyond the batch just ended (its copy just
@@ -109,7 +122,6 @@ class StepBook:
         # start here) or is given index= (GreenCallback.step: each batch is judged here).
         self.held = False
         self.indexed = False
-        self.nonfinite_handed = False  # the sender left a non-finite loss below the own level
         self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
         self.closed = False
         # Step.backward/optimizer_step call loss_scaler/gradients_watched only until one of
@@ -155,7 +167,7 @@ class StepBook:
             # the model's, so an autocast the model enters in its own forward (or a
             # LightningModule's training_step, where its forward is never called) is seen.
             try:
-                for m in weight_layers(model):
+                for m in _weight_layers(model):
                     self._detect_hooks.append(m.register_forward_pre_hook(self._on_first_forward))
             except Exception as e:
                 log.debug("no forward pre-hook on the model to see its autocast: %s", e)
@@ -171,8 +183,6 @@ class StepBook:
     def at_boundary(self, step: Step) -> None:
         control = self.control
         self.boundary = False
-        if self.nonfinite_handed:  # the sender left a non-finite loss below the own level:
-            self.flush()  # judged now (a rollback from this step)
         if control.detecting:
             # An autocast around the step; else, with a model, its first forward tells
             # (by the second step's start the level in force is the job's own).
@@ -404,19 +414,14 @@ class StepBook:
             self.book_handed(here=True)
 
     def _light(self) -> bool:
-        """Whether judging the ended steps is only booking them (see read_ended): at the
-        job's own level; below it too once the spike rule is over, away from probe blocks
-        (their windows' steps are the prober's) and with no non-finite loss waiting."""
+        """Whether judging the ended steps is only booking them (see read_ended)."""
         control = self.control
-        if self.indexed or self.unjudged or control.reference is not None or self.default_flops is FLOPS_FROM_TOKENS:
-            return False
-        if not control.guard.stack:
-            return True
-        return (
-            self.judge_every == JUDGE_BATCH
-            and not self.nonfinite_handed
-            and self.precision == control.level  # (not in a trial, whose steps run the level above)
-            and self.upcoming + JUDGE_BATCH + 1 < self.probe_watch  # (a block's window starts there)
+        return not (
+            self.indexed
+            or self.unjudged
+            or control.guard.stack
+            or control.reference is not None
+            or self.default_flops is FLOPS_FROM_TOKENS
         )
 
     def book_handed(self, here: bool = False) -> None:
@@ -492,9 +497,6 @@ class StepBook:
                 else:
                     step._nonfinite, step._nonfinite_cause = True, "loss"
                     nonfinite = True
-            if nonfinite and self.control.guard.stack:  # below the job's own level: a rollback,
-                self.nonfinite_handed = self.boundary = True  # which the training thread makes
-                return k
             if len(queue) == full:
                 stats.dropped += 1  # the append below pushes out the oldest record
             queue.append((index, step.t0_s, step.t1_s, step.flops, step.samples, step.tokens, loss, nonfinite,
@@ -517,7 +519,6 @@ class StepBook:
         many are in flight (None: never wait; 0 at the end, where a wait costs nothing)."""
         if self.handed or self.lock.locked():
             self.book_handed(here=True)  # the batches handed over go first, in step order
-        self.nonfinite_handed = False  # (taken back: judged below)
         q = self.unjudged
         ended = self.ended
         if ended:
@@ -665,15 +666,21 @@ class StepBook:
         return 6.0 * self._params * tokens
 
     def _sync_pace(self, index: int) -> None:
-        """Agree on the job's pace with the other ranks at a decision point
-        (greend.training.peers.agree_pace: no collective); a failure is logged once."""
+        """Agree on the job's pace with the other ranks, at a decision point: this rank's
+        uncapped step time (the daemon's ``local_pace``) against the MAX the ranks wrote
+        one period earlier in the job's rendezvous store (greend.training.peers: no
+        collective). A failure is logged once, never raised."""
         try:
-            agreed = agree_pace(self.control.job_peers(), index, self.sync_every, self.channel.local_pace_s)
+            peers = self.control.job_peers()
+            if peers is None:
+                return
+            agreed = peers.agree_max("pace", (index + 1) // self.sync_every, self.channel.local_pace_s)
         except Exception as e:
             self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
             return
-        if agreed is not None:
-            self.agreed_pace_s = self.channel.agreed_pace_s = agreed  # (the sender sends it as op "pace")
+        if agreed is not None and agreed > 0:
+            self.agreed_pace_s = agreed
+            self.channel.agreed_pace_s = agreed  # the sender sends it as op "pace"
 
     def close(self) -> None:
         """The last losses (waited for: training is over), the model's hook taken off, and a

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["JobPeers", "agree_pace", "default_store"]
+__all__ = ["JobPeers", "default_store"]
 
 _MAX_CAS_TRIES = 8
 
@@ -90,18 +90,3 @@ class JobPeers:
             except Exception:
                 pass  # a store without delete keeps a few bytes an epoch
         return agreed
-
-
-def agree_pace(peers: JobPeers | None, index: int, sync_every: int, local_pace_s: float | None) -> float | None:
-    """The job's pace at step ``index`` (a decision point: ``index + 1`` a multiple of
-    ``sync_every``), or None where there is none to agree on.
-
-    Each node's daemon measures its rank's uncapped step time and pushes it (event
-    ``local_pace``); every ``sync_every`` steps each rank writes it to the job's store and
-    reads the MAX the ranks wrote one period earlier: the slowest node sets a synchronous
-    job's pace, so a faster node's daemon may cap its GPUs down to that pace (plus its
-    bound) without making any node the straggler. Raises where the store fails."""
-    if peers is None:
-        return None
-    agreed = peers.agree_max("pace", (index + 1) // sync_every, local_pace_s)
-    return agreed if agreed is not None and agreed > 0 else None

@@ -41,7 +41,7 @@ from greend.training.probe import Prober
 from greend.training.reference import REFERENCE_TOLERANCE, ReferenceJudge, excess
 from greend.training.warn import OnceWarnings, log
 
-__all__ = ["PrecisionControl", "StepCount", "weight_layers"]
+__all__ = ["PrecisionControl", "StepCount"]
 
 # fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
 _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
@@ -53,21 +53,6 @@ _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
 _UNSEEN = object()  # a value not looked at yet
 _NULL_CONTEXT = contextlib.nullcontext()
 _PROBED = frozenset({"bf16", "fp16"})  # levels probed against the level above (an autocast apart)
-
-
-MAX_DETECT_HOOKS = 64  # layers hooked (one step, then taken off) to see the job's own autocast
-
-
-def weight_layers(model: Any) -> list[Any]:
-    """The model's modules that hold weights of their own (the model's first ones, at most
-    MAX_DETECT_HOOKS): where its forward computes, and an autocast of the job's is seen."""
-    out = []
-    for m in model.modules():
-        if next(m.parameters(recurse=False), None) is not None:
-            out.append(m)
-            if len(out) >= MAX_DETECT_HOOKS:
-                break
-    return out or [model]
 
 
 class StepCount(Protocol):

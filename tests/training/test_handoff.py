@@ -6,7 +6,6 @@ training thread booking itself when the sender does not; and the hot path's help
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -237,67 +236,3 @@ def test_backward_and_optimizer_step_ask_the_callback_only_where_it_matters() ->
         assert calls[1:] == ["watched"] * 4
     finally:
         cb.close()
-
-
-@pytest.mark.parametrize("probes", [None, 400])
-def test_below_its_own_level_the_batches_go_to_the_sender_once_the_spike_rule_is_over(
-    sock_path: Path, probes: int | None
-) -> None:
-    """A job taken down a level: while the spike rule holds, each step is judged on the
-    training thread; after it, away from probe blocks, the batches go to the sender thread
-    as at the job's own level (judging them cost 5-6 us a step there: bench_callback
-    --below), the probe blocks' steps are still the training thread's, and a non-finite loss
-    still rolls back: the sender leaves it, the training thread takes it back and judges it."""
-    daemon = FakeDaemon(sock_path, rows_every_s=0.5).start()
-    model = nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    try:
-        with GreenCallback(job="below", model=model, socket=sock_path, initial_precision="fp32", spike_steps=32,
-                           probe_every=probes, probe_trial=False, **FAST) as cb:  # fmt: skip
-            assert wait_for(lambda: cb.connected)
-            book = cb._book
-            book.judge_within_s = 3600.0  # batches by count only
-            handed_at: list[int] = []
-            real = book.read_ended
-
-            def watch() -> None:  # the batches handed over, by their first index
-                first, n = book.next_index, len(book.handed)
-                real()
-                if len(book.handed) > n or (book.handed and book.handed[-1][1] == first):
-                    handed_at.append(first)
-
-            book.read_ended = watch  # type: ignore[method-assign]  # (the hand-overs, watched)
-            x = torch.randn(16, 8)
-
-            def train(n: int, poison_at: int | None = None) -> None:
-                for _ in range(n):
-                    with cb.step(samples=16, batch=x) as st:
-                        with st.autocast():
-                            loss = model(x).float().pow(2).mean()
-                        if poison_at is not None and book.upcoming == poison_at:
-                            loss = loss * float("nan")
-                        st.loss(loss)
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-
-            train(32)
-            assert daemon.directive("bf16") == 1
-            assert wait_for(lambda: cb.requested_precision == "bf16")
-            train(16)
-            switched_at = cb._control.guard.stack[-1].step
-            train(600)
-            assert cb.precision == "bf16" and cb._control.guard.stack
-            past = [i for i in handed_at if i >= switched_at + 32]
-            assert len(past) >= 10, handed_at  # after the spike rule, away from probe blocks: handed over
-            if probes is not None:
-                prober = cb._control.prober
-                assert prober is not None and prober.blocks_done > 0  # the probes ran meanwhile
-            at = book.upcoming + 20
-            train(40, poison_at=at)
-            time.sleep(0.2)  # the sender's round: it leaves the non-finite loss to this thread,
-            train(1)  # which takes it back at the next step's start and rolls back from that step
-            assert cb.precision == "fp32" and not cb._control.guard.stack, (cb.precision, at)
-            assert wait_for(lambda: any("non-finite loss" in e.get("reason", "") for e in daemon.precision_events))
-    finally:
-        daemon.stop()
