@@ -5,10 +5,10 @@ level in force and the FLOP cache (read on every step), the list of ended steps,
 and the rare paths (a directive at a step boundary, a shape to count). Every 16
 steps or 50 ms the ended steps are booked: one record per step for the sender
 (``Channel.queue``) and the accuracy guard's look at each loss. A batch with nothing
-to judge (the guard not watching, every loss a number or a CPU tensor) goes to the
-sender thread whole, which books it (:meth:`StepBook.book_handed`: the training
-thread books what is left first, under the same lock, whenever it judges, reads or
-changes the guard). Else the training thread reads the losses in one pass (without a
+to judge (the guard not watching) goes to the sender thread whole, a GPU's losses
+being copied, which books it once they land (:meth:`StepBook.book_handed`: the training
+thread takes back what is left first, whenever it judges, reads or changes the
+guard). Else the training thread reads the losses in one pass (without a
 stream sync: :class:`greend.training.loss_reader.LossReader`), lets the guard judge
 them (a rollback through :class:`greend.training.precision_control.PrecisionControl`)
 and queues the records. Python that runs right after a step's torch work finds its
