@@ -199,8 +199,8 @@ class StepBook:
                 self._detect_step = None
                 self._drop_detect_hook()
         requested = self.channel.requested
-        if requested is not control.seen_request and not control.detecting:  # (a level taken
-            control.take_request(requested)  # before the job's own is known would be taken from fp32)
+        if requested is not control.seen_request:
+            control.take_request(requested)
         if control.agreeing:
             n = self._entered
             self._entered = n + 1

@@ -319,7 +319,7 @@ class GreenCallback:
         in force, or in a probe's or a trial's block the level the block runs."""
         control = self._control
         requested = self._channel.requested
-        if requested is not control.seen_request and not control.detecting:  # (as at a step's start)
+        if requested is not control.seen_request:
             control.take_request(requested)
         prober = control.prober
         if prober is not None and prober.block is not None:

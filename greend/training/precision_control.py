@@ -185,7 +185,12 @@ class PrecisionControl:
     # Directives and agreement -------------------------------------------------------
     def take_request(self, level: str | None) -> None:
         """Take the daemon's latest directive at a step boundary: apply it (or, in a job
-        of several ranks, propose it to the others), or refuse it with a reason."""
+        of several ranks, propose it to the others), or refuse it with a reason. Not while
+        the job's own level is not known yet: taken then, it would be taken from the fp32 a
+        step starts at (its trials, probes and rollbacks run at fp32 for a bf16 job); it is
+        taken at the first step start after that (the request stays unseen till then)."""
+        if self.detecting:
+            return
         self.seen_request = level
         if self._steps is not None:
             self._steps.flush()  # the guard decides on every loss that is in
