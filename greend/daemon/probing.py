@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 ROW_SPAN_MAX_S = 600.0  # the longest span a row's work is modelled over (a simulated GPU's) ...
 ROW_OVER_PEAK = 1.5  # ... and this many times what the GPU could do in it at its peak, at most
-ROW_FIRST_SPAN_S = 10.0  # a rank's first rows are modelled over this much time before they came, at most
+ROW_FIRST_SPAN_S = 30.0  # a rank's first rows are modelled over this much time before they came, at most
 
 PROBE_RETRY_S = 30.0
 # A probe that failed to open is tried again after 2, 4, 8 and 16 s, then every
