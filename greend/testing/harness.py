@@ -42,10 +42,13 @@ __all__ = [
     "FakeClock",
     "HarnessResult",
     "JobResult",
+    "Node",
+    "NodesResult",
     "SimJob",
     "StepRecord",
     "Straggle",
     "make_sim_gpus",
+    "run_nodes",
     "run_policy",
 ]
 
@@ -516,3 +519,133 @@ def _snapshot(
             )
         )
     return Snapshot(t_s=t_s, gpus=tuple(views), jobs=tuple(jvs), cpu_power_w=cpu_power_w)
+
+
+@dataclass
+class Node:
+    """One node of a job that spans several (:func:`run_nodes`): its own daemon's policy,
+    its GPUs (on their own fake clock) and its part of the job (``job``: this node's
+    GPUs, FLOPs and stragglers; every node's part has the same job id)."""
+
+    policy: Any
+    gpus: Sequence[SimGpu]
+    job: SimJob
+    clock: FakeClock | None = None
+
+
+@dataclass
+class NodesResult:
+    """A multi-node run: the job's step times (every node waits for the slowest), each
+    node's GPU energy (steps only), each node's final setting, and the agreed paces the
+    nodes were given (iteration, pace)."""
+
+    step_s: list[float]
+    energy_j: list[float]
+    final: list[Setting]
+    paces: list[tuple[int, float | None]]
+    source: str = "sim"
+
+
+def run_nodes(
+    nodes: Sequence[Node],
+    *,
+    steps: int,
+    sync_every: int = 100,
+    noise: float = 0.0,
+    seed: int = 0,
+    settle_steps: int = 1,
+) -> NodesResult:
+    """A synchronous job over several nodes, each under its own daemon's policy: every
+    step of the job takes as long as the slowest node's (the collective waits for it), and
+    that is the step time every node measures (a real rank times its whole step, the wait
+    included); each GPU is busy only for its own work. Each node tells the job its
+    uncapped step time, as the daemon does (its policy's ``baseline_time_per_flop_s``
+    times the node's FLOPs per step); the ranks agree on the slowest every ``sync_every``
+    steps and read the agreement one period later, and every node's policy gets it as the
+    job's ``pace_s``. Decisions every step."""
+    rng = random.Random(seed)
+    parts = []
+    for n in nodes:
+        clk = n.clock if n.clock is not None else _find_clock(n.gpus)
+        parts.append(
+            {
+                "by": {g.index: g for g in n.gpus},
+                "clk": clk,
+                "state": n.policy.new_state(),
+                "acc": _Acc(_in_force(n.gpus[0]), since_s=0.0),
+                "energy": {g.index: 0.0 for g in n.gpus},
+                "busy": {g.index: 0.0 for g in n.gpus},
+                "clock": {g.index: 0 for g in n.gpus},
+                "period": 0.0,
+                "t0": clk() if clk is not None else 0.0,
+                "local": None,
+            }
+        )
+    step_s: list[float] = []
+    energy = [0.0] * len(nodes)
+    paces: list[tuple[int, float | None]] = []
+    told: list[float | None] = []  # the local paces as the last agreement read them
+    sim_t = 0.0
+    for it in range(steps):
+        if it % sync_every == 0:  # an agreement: the paces published before the last one
+            agreed = max((p for p in told if p is not None), default=None)
+            for n in nodes:
+                n.job.pace_s = agreed
+            paces.append((it, agreed))
+            told = [p["local"] for p in parts]
+        own = []
+        for n, p in zip(nodes, parts):
+            sj = n.job
+            flops, m = sj.workload(it)
+            dur = en = 0.0
+            for i in sj.gpus:
+                g = p["by"][i]
+                speed = sj.speed_of(i, it)
+                if abs(g.speed_factor() - speed) > 1e-12:
+                    g.set_speed_factor(speed)
+                c = g.run_step(flops * sj.work.get(i, 1.0), m, sj.precision)
+                dur, en = max(dur, c.duration_s), en + c.energy_j
+                p["energy"][i] += c.energy_j
+                p["busy"][i] += c.duration_s
+                p["clock"][i] = c.sm_clock_mhz
+            own.append((dur, en, flops * len(sj.gpus)))
+        t = max(d for d, _, _ in own)
+        step_s.append(t)
+        sim_t += t
+        for k, (n, p) in enumerate(zip(nodes, parts)):
+            _, en, fl = own[k]
+            energy[k] += en
+            if p["clk"] is not None:
+                p["clk"].advance(t)
+            p["period"] += t
+            acc = p["acc"]
+            if acc.skip > 0:
+                acc.skip -= 1
+            else:
+                n_t = t * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else t
+                n_e = en * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else en
+                acc.steps += 1
+                acc.flops += fl
+                acc.time_s, acc.energy_j = acc.time_s + n_t, acc.energy_j + n_e
+                acc.time_sq, acc.energy_sq = acc.time_sq + n_t * n_t, acc.energy_sq + n_e * n_e
+            sj = n.job
+            snap = _snapshot(
+                p["t0"] + sim_t, n.gpus, [sj], {sj.job: acc}, {sj.job: it + 1}, it, lambda *_: True,
+                p["energy"], p["busy"], p["clock"], None, p["period"],
+            )  # fmt: skip
+            p["energy"] = {g.index: 0.0 for g in n.gpus}
+            p["busy"] = {g.index: 0.0 for g in n.gpus}
+            p["period"] = 0.0
+            decision = n.policy.decide(snap, p["state"])
+            details = (decision.details.get("jobs") or {}).get(sj.job) if isinstance(decision.details, dict) else None
+            tpf = details.get("baseline_time_per_flop_s") if isinstance(details, dict) else None
+            if tpf:
+                p["local"] = float(tpf) * fl  # (the daemon's local_pace push)
+            before = tuple(_in_force(p["by"][i]) for i in sj.gpus)
+            for i, s in [(i, s) for s in [decision.settings.get(sj.job)] if s is not None for i in sj.gpus] + [
+                (i, s) for i, s in decision.job_gpu_settings.get(sj.job, {}).items() if i in sj.gpus
+            ]:
+                _apply(p["by"][i], s)
+            if tuple(_in_force(p["by"][i]) for i in sj.gpus) != before:
+                p["acc"] = _Acc(_in_force(p["by"][sj.gpus[0]]), skip=settle_steps, since_s=sim_t)
+    return NodesResult(step_s, energy, [_in_force(n.gpus[0]) for n in nodes], paces)

@@ -328,3 +328,39 @@ def test_a_job_paced_on_noisy_shares_stays_paced() -> None:
     assert not [d.reason for _, d in eff.decisions if "phase change" in d.reason or "re-tune" in d.reason]
     assert eff.total_time_s / none.total_time_s - 1 < 0.01
     assert 1 - sum(e_eff[:7]) / sum(e_none[:7]) > 0.9 * 0.295  # (noise-free: 29.5 %, bench_pacing_noise)
+
+
+def _two_nodes(policy: str, steps: int, slow: Straggle | None, **params):
+    from greend.testing.harness import Node, run_nodes
+
+    nodes = []
+    for k in range(2):
+        gpus, clk = make_sim_gpus(2)
+        st = (Straggle(0, slow.factor, slow.start_step, slow.stop_step),
+              Straggle(1, slow.factor, slow.start_step, slow.stop_step)) if k and slow else ()  # fmt: skip
+        nodes.append(Node(get_policy(policy, **params), gpus, SimJob("j", (0, 1), FLOPS, 0.4, straggles=st), clk))
+    return run_nodes(nodes, steps=steps)
+
+
+def test_synchronised_nodes_all_measure_the_slowest_nodes_step() -> None:
+    r = _two_nodes("none", 50, Straggle(0, 1.3))
+    slow = H100.step_cost(FLOPS, 0.4, speed_factor=1.3).duration_s
+    fast = H100.step_cost(FLOPS, 0.4)
+    assert r.step_s == pytest.approx([slow] * 50)  # (node A, uncapped, waits for node B every step)
+    assert r.energy_j[0] == pytest.approx(50 * 2 * fast.energy_j)  # (its steps' energy only)
+
+
+def test_a_node_that_heals_frees_the_job_within_three_agreement_periods() -> None:
+    """Node B 30 % slower for steps 600-1200 of 1800, bound 5 %: node A caps to B's
+    pace; once B heals, the job's step is back within the bound once the ranks have
+    agreed on B's new pace (every 100 steps, read one period later), not left at B's
+    old pace (until then it runs some 20 % over ``none``: node A sees nothing change).
+    Each node measures the job's step, as real ranks do (sim)."""
+    none = _two_nodes("none", 1800, Straggle(0, 1.3, 600, 1200))
+    eff = _two_nodes("efficient", 1800, Straggle(0, 1.3, 600, 1200), max_slowdown=0.05)
+    ratio = [a / b for a, b in zip(eff.step_s, none.step_s, strict=True)]
+    assert max(ratio[900:1200]) <= 1.05 + 1e-6  # (while B is slow: A keeps its pace, within the bound)
+    assert max(ratio[1500:]) <= 1.05 + 1e-6  # (three agreements later: within the bound again)
+    assert [p for i, p in eff.paces if 700 <= i < 1200] and all(
+        p is not None and p > none.step_s[0] * 1.25 for i, p in eff.paces if 900 <= i < 1200
+    )  # (the slow node's pace was agreed, and given to both)
