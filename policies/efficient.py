@@ -24,7 +24,8 @@ under the top limit), and on top "uncapped".
 1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps; a job that reports
    no FLOPs is left uncapped). Its time per FLOP sets the time budget ``(1 +
    max_slowdown) * baseline``; with a ``pace_s`` (the step time agreed across nodes)
-   slower than our own uncapped step, the budget is ``(1 + max_slowdown) * pace_s``.
+   slower than our own uncapped step, the budget is ``(1 + max_slowdown) * pace_s``
+   (a pace agreed since this node's own went out: ``efficient_state.pace_fresh``).
 
 2. **Boundary (slowdown mode).** Time grows monotonically as the clock goes
    down, so the feasible settings are the top of the grid, down to a boundary.
@@ -85,7 +86,7 @@ from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
-from .efficient_state import EfficientState, follow_straggle, new_since, rebase_waits
+from .efficient_state import EfficientState, follow_straggle, new_since, pace_fresh, rebase_waits
 from .efficient_state import JobSearch as _Job
 from .params import Param, validate_params
 from .static import same_setting
@@ -519,7 +520,7 @@ class EfficientPolicy:
             allowed = math.inf
             status = {i: "ok" for i in measured}
         else:
-            allowed = self._allowed(base, j)
+            allowed = self._allowed(base, j, job)
             job.allowed = allowed
             status = {}
             held, lines = job.held_index, Lines(seen, ratio, ratio_se, se_base, allowed, self.noise, self.power_step_w)
@@ -638,10 +639,12 @@ class EfficientPolicy:
             job.rechecked_once = job.rechecked_once and not was  # (the job may have changed during a look)
         return _Action("settle", best)
 
-    def _allowed(self, base: Evidence, j: JobView) -> float:
-        """The allowed time ratio to the local uncapped baseline."""
+    def _allowed(self, base: Evidence, j: JobView, job: _Job) -> float:
+        """The allowed time ratio to the local uncapped baseline (a pace agreed since
+        this node's baseline went out: :func:`pace_fresh`)."""
         allowed = 1.0 + self.max_slowdown
-        if j.pace_s is not None and j.pace_s > 0 and base.time_s > 0 and base.flops > 0:
+        fresh = base.time_s > 0 and base.flops > 0 and pace_fresh(job, base.time_per_flop_s, j.pace_count)
+        if j.pace_s is not None and j.pace_s > 0 and fresh:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:
                 allowed *= pace_tpf / base.time_per_flop_s

@@ -16,7 +16,9 @@ from ._pacing import PaceState, straggle_shown
 from .base import UNCAPPED, GpuView, JobView, Setting
 from .static import same_setting
 
-__all__ = ["EfficientState", "JobSearch", "follow_straggle", "new_since", "rebase_waits"]
+__all__ = ["EfficientState", "JobSearch", "follow_straggle", "new_since", "pace_fresh", "rebase_waits"]
+
+PUSH_SHARE = 0.01  # the daemon tells the ranks this node's pace again when it moves by more (control/loop.py)
 
 
 @dataclass
@@ -56,6 +58,8 @@ class JobSearch:
     look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
     looked: bool = False  # a second look found nothing more to try: no other one this search
     look_start: int = 0  # the job's steps when the second look under way began
+    pace_tpf: float | None = None  # the baseline's time per FLOP when this node's pace last went out
+    pace_mark: int = 0  # the agreements on the job's pace received by then (JobView.pace_count)
 
     @property
     def looking(self) -> bool:
@@ -88,6 +92,20 @@ def new_since(since_s: float | None, before_s: float | None) -> bool:
     """Whether a measure that started at ``since_s`` is another one than the one that
     started at ``before_s`` (unknown start times: not known to be)."""
     return since_s is not None and before_s is not None and since_s != before_s
+
+
+def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
+    """Whether the job's agreed pace, ``count`` agreements received, can be read against
+    the baseline ``base_tpf``. This node's uncapped step time goes out to the ranks when
+    its baseline moves (by more than :data:`PUSH_SHARE`); the ranks' next agreement
+    still reads the paces they wrote before that, the one after it reads the new one. A
+    pace agreed earlier is the job's old pace: once a slow node healed, or every node
+    sped up, it would leave room that is not there, and each node would cap its GPUs to
+    a step the job no longer runs (synchronised steps: the job then ran about 20 %
+    slower than ``none`` for two agreements; ``bench/bench_pacing.py``)."""
+    if job.pace_tpf is None or abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:
+        job.pace_tpf, job.pace_mark = base_tpf, count
+    return count >= job.pace_mark + 2
 
 
 def follow_straggle(job: JobSearch, j: JobView, views: list[GpuView]) -> None:

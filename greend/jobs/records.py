@@ -144,6 +144,7 @@ class RankSession:
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
     precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
+    paces: int = 0  # its ops "pace": one an agreement of the job's ranks
 
 
 # How a record ends without its run's own end (the run may go on in a later record: greend.jobs.parts).
@@ -367,6 +368,7 @@ class Job:
     series: deque[EfficiencySample] = field(default_factory=lambda: deque(maxlen=7200))
     measure: Measure = field(default_factory=Measure)
     pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
+    pace_count: int = 0  # agreements on it received: the most any one rank sent (each rank sends each)
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
     decisions: list[CapChange] = field(default_factory=list)

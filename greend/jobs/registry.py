@@ -480,6 +480,8 @@ class JobRegistry(JobTable):
             rs = self._session(session)
             job = self.jobs[rs.job]
             job.pace_s = step_s
+            rs.paces += 1
+            job.pace_count = max(job.pace_count, rs.paces)
             rs.last_seen_s = self.monotonic()
 
     def precision_event(self, caller: Caller, event: PrecisionEventEntry) -> None:

@@ -294,6 +294,7 @@ class JobTable:
                         measure=self.measure(job, setting),
                         setting=setting,
                         pace_s=job.pace_s,
+                        pace_count=job.pace_count,
                         loss_recent=tuple(job.losses),
                         nonfinite_recent=len(job.nonfinite_recent),
                         precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),

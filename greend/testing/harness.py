@@ -53,6 +53,12 @@ __all__ = [
 ]
 
 
+# A job given a pace_s of its own (a slower node's, constant): its ranks agree it every this
+# many steps (sync_every), the first agreement that carries it the second (a node's pace
+# goes out after its baseline, the ranks write it at the next agreement, read it at the one after).
+PACE_EVERY = 100
+
+
 class FakeClock:
     """A clock the harness advances by simulated step durations."""
 
@@ -118,6 +124,7 @@ class SimJob:
     steps: int | None = None  # how many steps it runs (None: to the end)
     phases: tuple[Phase, ...] = ()  # later phases (at the job's own step count)
     pace_s: float | None = None
+    pace_count: int | None = None  # agreements on pace_s received so far (None: as PACE_EVERY says)
     straggles: tuple[Straggle, ...] = ()  # slower or throttling GPUs (their speed factor)
     work: dict[int, float] = field(default_factory=dict)  # GPU -> FLOPs multiplier (an uneven stage)
 
@@ -516,6 +523,7 @@ def _snapshot(
                 measure=acc.measure() if acc is not None else None,
                 setting=_in_force(first),
                 pace_s=sj.pace_s,
+                pace_count=sj.pace_count if sj.pace_count is not None else max(0, job_steps[sj.job] // PACE_EVERY - 1),
             )
         )
     return Snapshot(t_s=t_s, gpus=tuple(views), jobs=tuple(jvs), cpu_power_w=cpu_power_w)
@@ -591,6 +599,7 @@ def run_nodes(
             agreed = max((p for p in told if p is not None), default=None)
             for n in nodes:
                 n.job.pace_s = agreed
+                n.job.pace_count = (n.job.pace_count or 0) + (agreed is not None)  # (a rank sends only a pace)
             paces.append((it, agreed))
             told = [p["local"] for p in parts]
         own = []
