@@ -144,7 +144,7 @@ class RankSession:
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
     precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
-    paces: int = 0  # its ops "pace": one an agreement of the job's ranks
+    paces: int = 0  # the job's agreements on its pace when it registered, plus its ops "pace" (one an agreement)
 
 
 # How a record ends without its run's own end (the run may go on in a later record: greend.jobs.parts).

@@ -269,6 +269,7 @@ class JobRegistry(JobTable):
                 channel=caller.channel,
                 last_seen_s=now,
                 cpu_last_s=cpu_now_s,
+                paces=job.pace_count,  # (a rank that joins or reconnects counts on from the job's agreements)
             )
             if cpu_now_s is not None and job.cpu_busy0_s is None:
                 job.cpu_busy0_s = self._node_cpu_busy_s

@@ -446,3 +446,28 @@ def test_a_job_is_offered_only_the_levels_every_rank_runs() -> None:
                        "precision": "bf16"}, conn)  # fmt: skip
     (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
     assert view.precisions == ("bf16",)
+
+
+def test_the_policy_sees_how_many_agreements_on_the_pace_came_not_how_many_ranks_sent_each() -> None:
+    from greend.policies.base import UNCAPPED
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    ranks = [_Conn(k, _Peer(pid=0, uid=1000)) for k in (1, 2, 3)]
+    for k, conn in enumerate(ranks):
+        h["register"]({"job": "p", "gpus": [k], "rank": k, "world_size": 3}, conn)
+    for agreement, pace in enumerate((0.30, 0.31), start=1):
+        for conn in ranks:  # (each rank sends each agreement)
+            h["pace"]({"step_s": pace}, conn)
+        (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+        assert (view.pace_s, view.pace_count) == (pace, agreement)
+    # A rank that joins the job's record later (or reconnects) counts on from its agreements:
+    # were every rank's session new, the next agreement would read as the first again.
+    ops.disconnected(ranks[0])
+    again = _Conn(4, _Peer(pid=0, uid=1000))
+    assert h["register"]({"job": "p", "gpus": [0], "rank": 0, "world_size": 3}, again)["job"] == "p"
+    assert ops.jobs.sessions[4].paces == 2
+    for conn in (again, *ranks[1:]):
+        h["pace"]({"step_s": 0.32}, conn)
+    (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+    assert (view.pace_s, view.pace_count) == (0.32, 3) and ops.jobs.sessions[4].paces == 3
