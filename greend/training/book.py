@@ -556,8 +556,8 @@ class StepBook:
                                 # trend either (a jump that lasts past them is judged as one then).
                                 step._spike_reason = None
                             else:
-                                step._spike_reason = spike = guard.spike(value, at)
-                                if spike is None:
+                                step._spike_reason = spike = guard.spike(value, at, control.reference is not None)
+                                if spike is None and not guard.excused:
                                     guard.losses.append(value)  # (a spike is not the new level's trend)
                         else:
                             guard.losses.append(value)

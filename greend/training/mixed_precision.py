@@ -498,9 +498,11 @@ class Guard:
     level above's spikes over its last ``SPIKE_HISTORY`` steps, counted by the same rule
     against a moving trend, give the rate to expect, and the spikes after the switch roll
     back when that rate makes so many, or so many in a row, less likely than ``SPIKE_P``
-    (a job that never spiked: its first spike; one that spiked 8 times in 480 steps: two
-    in a row within the first 3 steps, else the third in a row, or 11 spikes within 200
-    steps). The spike rule holds for ``spike_steps``
+    (one that spiked 8 times in 480 steps: two in a row within the first 3 steps, else the
+    third in a row, or 11 spikes within 200 steps). A job that never spiked rolls back at its
+    second spike: one may be one bad batch (a corrupted record, a shard of noise), which any
+    level meets alike; where a reference batch can tell, the first one is put to it
+    (``spike(..., confirm=True)``). The spike rule holds for ``spike_steps``
     steps after the downgrade: a jump in the loss long after a switch is a change in the
     data far more often than the precision's doing (non-finite steps roll back at any
     time). (Slower drifts, a few percent over many steps, are the daemon's ``precision``
@@ -518,6 +520,7 @@ class Guard:
     # (step, loss) of the latest steps run at the level above since the downgrade (a trial's
     # steps between its blocks, probe blocks): a jump they show too is the data's.
     above: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ABOVE_KEPT))
+    excused: bool = False  # the latest loss :meth:`spike` looked at was a spike it let pass (not the trend)
 
     def __post_init__(self) -> None:
         # The trend is the latest ``window`` losses; the rest are the level's spike history.
@@ -594,11 +597,14 @@ class Guard:
         level = statistics.median(recent)
         return None if self._is_spike(loss - level, level, spread) else level
 
-    def spike(self, loss: float, step: int | None = None) -> str | None:
-        """Why ``loss`` (finite, that of ``step``) is a spike after the latest downgrade, or None."""
+    def spike(self, loss: float, step: int | None = None, confirm: bool = False) -> str | None:
+        """Why ``loss`` (finite, that of ``step``) is a spike after the latest downgrade, or None.
+        ``confirm``: a reference batch will confirm the spike or not (then even a first
+        spike of a job that never spiked is a candidate)."""
         if self.spike_tolerance is None or not self.stack:
             return None
         d = self.stack[-1]
+        self.excused = False
         if step is not None and step - d.step >= self.spike_steps:
             return None
         trend = d.trend
@@ -625,7 +631,20 @@ class Guard:
             f"times the batch-to-batch spread {d.spread:.3g}; limit {SPIKE_SIGMAS:g})"
         )
         if not d.own_spikes:
-            return why
+            # A job that never spiked at the level above: one spike may be one bad batch (a
+            # corrupted record, a shard of noise), which any level meets alike; a second one
+            # after the switch, or spike after spike, is the level's. (A non-finite loss
+            # rolls back at once, by its own rule.)
+            if d.spikes < 2 and not confirm:
+                self.excused = True
+                log.info("greend: %s, %d step(s) after the switch to %s: one spike, where %s had none in %d "
+                         "steps, may be one bad batch; a second one rolls back", why, step - d.step if step is
+                         not None else d.seen, d.to_level, d.from_level, d.own_steps)  # fmt: skip
+                return None
+            return (
+                f"{why}: {d.spikes} spikes in {d.seen} steps at {d.to_level} ({d.run} in a row), where "
+                f"{d.from_level} had none in {d.own_steps}"
+            )
         rate = d.own_spikes / d.own_steps
         expected = d.seen * rate
         # More spikes than that rate makes likely, or spike after spike (a run that long

@@ -139,8 +139,8 @@ def test_walks_fp32_to_bf16_and_ends_within_tolerance_of_fp32(tmp_path: Path, da
 def test_an_instability_after_the_switch_is_rolled_back_within_one_step(
     tmp_path: Path, daemons: list[DaemonProc], kind: str, cause: str
 ) -> None:
-    # An inf, or a finite loss 10x the trend (gradients 10x too), three steps after
-    # the policy switched to bf16.
+    # An inf, or a finite loss 10x the trend (gradients 10x too) on two steps in a row
+    # (one spike alone may be one bad batch), three steps after the policy switched to bf16.
     d = start(tmp_path, daemons)
     r = run_trainer(
         d.socket,

@@ -11,7 +11,8 @@ data this script makes from ``--seed``. Every step goes through
 any level (fp16 with its GradScaler included) runs and the guard sees the
 gradients. ``--inject-inf-after-switch K``: K steps after the first step that ran
 below fp32, that step's loss is multiplied by inf (once); ``--inject-spike-after-switch
-K``: by 10 instead (a finite spike, gradients 10x too). ``--task offset-regression``:
+K``: that step's and the next one's by 10 instead (a finite instability, spike after
+spike, gradients 10x too; "poisoned" is the second). ``--task offset-regression``:
 the regression's targets sit near 16, where bf16 rounds the outputs to 1/8, which
 costs a few percent of a loss this small (the bias starts at 16, so the loss falls
 from the first step). ``--reference``: the callback gets ``reference_loss`` on 256
@@ -206,13 +207,14 @@ def main() -> None:
                     with st.autocast():
                         out = model(x)
                 loss = loss_of(out, y)
-                for after, factor in (
-                    (args.inject_inf_after_switch, float("inf")),
-                    (args.inject_spike_after_switch, 10.0),
+                for after, factor, n in (
+                    (args.inject_inf_after_switch, float("inf"), 1),
+                    (args.inject_spike_after_switch, 10.0, 2),
                 ):
-                    if after >= 0 and first_low is not None and poisoned is None and i == first_low + after:
-                        loss = loss * factor
-                        poisoned = i
+                    if after >= 0 and first_low is not None and first_low + after <= i < first_low + after + n:
+                        if poisoned is None or poisoned == i - 1:
+                            loss = loss * factor
+                            poisoned = i
                 st.backward(loss)
                 st.optimizer_step(opt)
                 opt.zero_grad(set_to_none=True)
