@@ -386,9 +386,10 @@ def test_a_jump_the_level_above_shows_too_is_a_shift_not_a_spike() -> None:
     """(``confirm=True``: whether a loss is a spike at all; a first one alone is excused
     without a reference batch, below.) A benign shift in the data landed between a trial's
     blocks: the bf16 steps between them read the new level (3.6, 3.5, 3.6), the next fp8
-    step read it too (2.72 where the twin at bf16 read 2.717), and the spike rule, against the trend frozen at the directive
-    (0.5), rolled fp8 back and barred it (2 of 2 runs of a red-team's workload). The steps at
-    the level above now say the data moved; a jump they do not show is still a spike."""
+    step read it too (2.72 where the twin at bf16 read 2.717), and the spike rule, against
+    the trend frozen at the directive (0.5), rolled fp8 back and barred it (2 of 2 runs of a
+    red-team's workload). The steps at the level above now say the data moved; a jump they
+    do not show is still a spike."""
     from greend.training.mixed_precision import Guard
 
     def guard() -> Guard:
