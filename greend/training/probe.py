@@ -89,6 +89,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._lines import fit, line_at, residuals
+from ._lines import mean as _mean
+
 __all__ = [
     "CLIP",
     "CONFIRM_FROM",
@@ -133,14 +136,16 @@ WINDOW_STEPS = 16  # lower-level steps compared on either side of a block
 SETTLE_STEPS = 12  # lower-level steps after a switch or a block left out (the weights settle
 # back; the spike rule ignores the steps from the block's end to its last window step)
 DENSE_BLOCKS = 4  # the first blocks after a switch run back to back (their lower windows
-DENSE_EVERY = (
-    PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS
-)  # shared where the drawn gap allows: at least this many steps apart); then probe_every
+DENSE_EVERY = PROBE_STEPS + SETTLE_STEPS + WINDOW_STEPS  # shared where the drawn gap allows); then probe_every
 KEEP_BLOCKS = 8  # the blocks the rule looks at: the latest
 MIN_BLOCKS = 2  # no verdict on fewer blocks: a first block is confirmed at another point of the data
 GUARD_Z = 3.0  # standard errors the penalty must be over the tolerance ...
 SURE_Z = 3.0  # ... or, over at least SURE_BLOCKS blocks, over it and this many over 0
 SURE_BLOCKS = 2
+# Probes this many tolerances *worse* at the level above than below (not in a trial): weights
+# trained below fit its rounding (a fixed rounding of the inputs' features), and the harm to
+# the trajectory is carried in them, where a penalty cannot show.
+DEPEND_SHARE = 1.5
 CLIP = 3.0  # a loss further than this many robust standard deviations from its group's median counts as that far
 SPIKE_SHARE = 0.2  # the robust deviation leaves out this share of the lower steps, the furthest out
 _Z_SPIKE_SHARE = 1.2816  # a normal variable's distance from its mean exceeds this many deviations in 20 % of draws
@@ -421,8 +426,8 @@ class Prober:
         scale = max(abs(lower), 1e-12)
         # The noise: each lower window's losses around its own line (a loss still falling
         # within 16 steps is a trend, which the two sides' mean cancels, not noise).
-        d1 = _residuals([float(t) for t in range(len(before))], before)
-        d2 = _residuals([float(t) for t in range(len(after))], after)
+        d1 = residuals([float(t) for t in range(len(before))], before)
+        d2 = residuals([float(t) for t in range(len(after))], after)
         ss1 = sum(d * d for d in d1)
         ss2 = sum(d * d for d in d2)
         n1, n2 = len(before), len(after)
@@ -442,7 +447,7 @@ class Prober:
             # still falling fast (a quiet one near its floor: its windows' spread is tiny): the
             # move beyond the line each window shows (their mean slope over the gap) is the shift.
             x1, x2 = [float(i) for i, _ in blk.before], [float(i) for i, _ in blk.after]
-            slope = (_fit(x1, before)[2] + _fit(x2, after)[2]) / 2
+            slope = (fit(x1, before)[2] + fit(x2, after)[2]) / 2
             sxx = sum((x - c1) ** 2 for x in x1) + sum((x - c2) ** 2 for x in x2)
             jump -= slope * (c2 - c1)
             se_sides = math.sqrt(se_sides**2 + ((c2 - c1) / 2) ** 2 * 4 * (ss1 + ss2) / dof / max(sxx, 1.0))
@@ -483,14 +488,24 @@ class Prober:
         vs = list(self.verdicts)
         noise = _noise_of(vs)
         tol = self.tolerance
-        for n in range(MIN_BLOCKS, len(vs) + 1):
-            tail = vs[-n:]
+        for n, sign in ((n, s) for n in range(MIN_BLOCKS, len(vs) + 1) for s in (1, -1)):
+            tail, line = vs[-n:], tol if sign > 0 else DEPEND_SHARE * tol  # (-1: DEPEND_SHARE)
+            if sign < 0 and self.trial:
+                continue
             mean, se = _mean_se(tail, [1.0 / n] * n, noise)
-            clearly = mean - GUARD_Z * se > tol
-            surely = n >= SURE_BLOCKS and mean > tol and mean - SURE_Z * se > 0
+            m = sign * mean
+            clearly = m - GUARD_Z * se > line
+            surely = n >= SURE_BLOCKS and m > line and m - SURE_Z * se > 0
             # No one block carries a verdict: with any one left out the mean is still over
-            # LOO_SHARE of the tolerance (a block that met the data's easiest batches alone is no penalty).
-            held = all((n * mean - v.penalty) / (n - 1) > LOO_SHARE * tol for v in tail)
+            # LOO_SHARE of the line (a block that met the data's easiest batches alone is no penalty).
+            held = all(sign * (n * mean - v.penalty) / (n - 1) > LOO_SHARE * line for v in tail)
+            if (clearly or surely) and held and sign < 0:
+                return (
+                    f"probes at {self.upper}: {self.upper} runs {-mean:+.1%} (+/- {se:.1%}) over {self.lower} on "
+                    f"these weights at the same point in training, over {_blocks(tail, 'probe')}): trained at "
+                    f"{self.lower}, the model came to depend on its rounding by more than {DEPEND_SHARE:g} times the "
+                    f"tolerance, a harm carried in the weights {_said(noise, tol)}"
+                )
             if (clearly or surely) and held:
                 # (a trial's blocks run the lower level, among steps at the level above)
                 head, at, around = (
@@ -533,7 +548,7 @@ class Prober:
             return None
         for i in range(n):
             rest = [(xj, v.penalty) for j, (xj, v) in enumerate(zip(x, vs, strict=True)) if j != i]
-            if _line_at(rest, x[-1]) <= GROW_SHARE * tol:
+            if line_at(rest, x[-1]) <= GROW_SHARE * tol:
                 return None
         return (
             f"probes at {self.upper}: {self.lower}'s penalty over {self.upper} grows by {100 * slope:+.1%} per 100 "
@@ -550,30 +565,6 @@ class Prober:
         n = len(vs)
         mean, se = _mean_se(vs, [1.0 / n] * n, _noise_of(vs))
         return {"level": self.lower, "upper": self.upper, "blocks": n, "mean_penalty": mean, "se": se}
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
-    """The least-squares line through (x, y): (mean x, mean y, slope; 0 where x is one point)."""
-    xm, ym = _mean(x), _mean(y)
-    sxx = sum((xi - xm) ** 2 for xi in x)
-    slope = sum((xi - xm) * (yi - ym) for xi, yi in zip(x, y, strict=True)) / sxx if sxx > 0 else 0.0
-    return xm, ym, slope
-
-
-def _line_at(points: list[tuple[float, float]], at: float) -> float:
-    """The least-squares line through ``points`` (x, y), at ``at``."""
-    xm, ym, slope = _fit([x for x, _ in points], [y for _, y in points])
-    return ym + slope * (at - xm)
-
-
-def _residuals(x: list[float], y: list[float]) -> list[float]:
-    """``y`` less the least-squares line through (x, y)."""
-    xm, ym, slope = _fit(x, y)
-    return [yi - ym - slope * (xi - xm) for xi, yi in zip(x, y, strict=True)]
 
 
 def _clipped(groups: tuple[list[float], ...]) -> list[list[float]]:
@@ -617,7 +608,7 @@ def _noise_of(vs: list[Verdict]) -> Noise:
     if n < GROW_BLOCKS or not math.isfinite(rel_var):
         return noise
     p = [v.penalty for v in vs]
-    resid = _residuals([float(v.start) for v in vs], p)
+    resid = residuals([float(v.start) for v in vs], p)
     if sum(r * r / noise.var(v) for r, v in zip(resid, vs, strict=True)) <= _CHI2_99[n - 2]:
         return noise  # no more spread than their noise makes likely
     spread = sum(r * r for r in resid) / (n - 2)
