@@ -75,7 +75,8 @@ from greend.probes.sim import H100  # noqa: E402
 from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
 from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
 from greend.training.callback import GreenCallback  # noqa: E402
-from greend.training.mixed_precision import PRECISIONS, warm_up_torchao  # noqa: E402
+from greend.training.fp8 import warm_up_torchao  # noqa: E402
+from greend.training.mixed_precision import PRECISIONS  # noqa: E402
 
 MEM_SHARE = 0.3
 

@@ -753,7 +753,7 @@ def part_precision(ctx: Ctx) -> list[Figure]:
 
     from greend.testing.fake_daemon import FakeDaemon
     from greend.training.callback import GreenCallback
-    from greend.training.mixed_precision import warm_up_torchao
+    from greend.training.fp8 import warm_up_torchao
 
     model, opt, batch, shape = tiny_gpt(ctx)
     x, y = batch()

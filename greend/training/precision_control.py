@@ -24,16 +24,15 @@ import torch
 
 from greend.errors import GreendWarning
 from greend.protocol import FP8_LEVELS, PRECISIONS, may_run, not_above
+from greend.training.fp8 import Fp8Converter, warm_up_torchao
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
     DTYPE_LEVELS,
-    Fp8Converter,
     PrecisionEvent,
     PrecisionOptions,
     fp8_targets,
     has_te_modules,
     precision_support,
-    warm_up_torchao,
     weights_level,
 )
 from greend.training.peers import JobPeers

@@ -55,7 +55,11 @@ at another drawn point, says it again; a block alone over the tolerance by
 verdict, with the one before among its evidence, stands at once (a penalty that appears
 late is looked at again within 50 to 82 steps, not ``probe_every``). The rollback's
 reason names the blocks, the penalty (or its rise per 100 steps), its error and the
-noise it used. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
+noise it used. The same rule turned round (not in a trial) rolls back where the level
+above runs worse than the lower level on these weights by :data:`DEPEND_SHARE` times the
+tolerance: weights trained below have come to fit its rounding (bf16's of a model's input
+features, fixed per input), and the harm to the trajectory is carried in them, where the
+penalty cannot show it. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
 policy's (its register reply), else :data:`TOLERANCE`.
 
 **A trial first.** A step down (``arm(..., trial=True)``) does not run the new level at

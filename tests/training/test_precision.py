@@ -20,8 +20,8 @@ from torch import nn
 from greend.errors import GreendWarning
 from greend.testing.fake_daemon import FakeDaemon
 from greend.training.callback import GreenCallback
+from greend.training.fp8 import Fp8Converter
 from greend.training.mixed_precision import (
-    Fp8Converter,
     Guard,
     fp8_targets,
     grads_finite,
