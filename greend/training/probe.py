@@ -149,7 +149,7 @@ SURE_BLOCKS = 2
 # Probes this many tolerances *worse* at the level above than below (not in a trial): weights
 # trained below fit its rounding (a fixed rounding of the inputs' features), and the harm to
 # the trajectory is carried in them, where a penalty cannot show.
-DEPEND_SHARE = 1.5
+DEPEND_SHARE = 2.0
 CLIP = 3.0  # a loss further than this many robust standard deviations from its group's median counts as that far
 SPIKE_SHARE = 0.2  # the robust deviation leaves out this share of the lower steps, the furthest out
 _Z_SPIKE_SHARE = 1.2816  # a normal variable's distance from its mean exceeds this many deviations in 20 % of draws
