@@ -175,7 +175,11 @@ def two_nodes(spec: SimSpec, knob: str, factor: float, a: argparse.Namespace) ->
             gpus, _ = make_sim_gpus(N, spec=spec)
             straggles = tuple(Straggle(i, f) for i in range(N)) if f != 1.0 else ()
             job = SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=straggles, pace_s=pace)
-            pol = get_policy("none") if pol_name == "none" else get_policy("efficient", knob=knob, max_slowdown=0.0)
+            pol = (
+                get_policy("none")
+                if pol_name == "none"
+                else get_policy("efficient", knob=knob, max_slowdown=0.0, pace_room=True)
+            )
             r = run_policy(pol, gpus, steps=a.steps, jobs=[job], settle_steps=1)
             per_node.append((r, sum(g.energy_j() for g in gpus)))
         (ra, ea), (rb, eb) = per_node
@@ -211,7 +215,7 @@ def two_node_table(title: str, spec: SimSpec, knob: str, a: argparse.Namespace) 
     return ok_all
 
 
-def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Namespace) -> dict:
+def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Namespace, room: bool = False) -> dict:
     """A 2-node job whose steps are synchronised (:func:`run_nodes`): every node's step
     takes the slower node's time and each node measures that, as a real rank does (its
     step includes the wait in the collective). Node B is ``case``'s factor slower, all
@@ -226,7 +230,11 @@ def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Names
             if k == 1:
                 stop = None if case.stop is None else int(case.stop * a.steps)
                 st = tuple(Straggle(i, case.factor, int(case.start * a.steps), stop) for i in range(N))
-            pol = get_policy("none") if pol_name == "none" else get_policy("efficient", knob=knob, max_slowdown=bound)
+            pol = (
+                get_policy("none")
+                if pol_name == "none"
+                else get_policy("efficient", knob=knob, max_slowdown=bound, pace_room=room)
+            )
             nodes.append(Node(pol, gpus, SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=st), clk))
         runs[pol_name] = run_nodes(nodes, steps=a.steps)
     r0, r1 = runs["none"], runs["efficient"]
@@ -239,22 +247,30 @@ def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Names
     }
 
 
-SYNC_CASES = (Case("node B 30 % slower", 1.3), Case("node B throttles 30 %, heals", 1.3, 1 / 3, 2 / 3))
+SYNC_CASES = (
+    Case("node B 30 % slower", 1.3),
+    Case("node B throttles 30 %, heals", 1.3, 1 / 3, 2 / 3),
+    Case("node B throttles 50 %, heals", 1.5, 1 / 3, 2 / 3),
+)
 
 
 def synced_table(title: str, spec: SimSpec, knob: str, a: argparse.Namespace) -> None:
     """Printed, no target: what the per-node model above leaves out (see the docstring)."""
     print(f"\n{title}: a 2-node job, steps synchronised (each node measures the job's step)")
-    head = f"{'case':<31} {'bound':>5} {'time vs none':>12} {'last third':>10} {'node A saved':>12} {'job saved':>9}"
+    head = (
+        f"{'case':<31} {'bound':>5} {'pace_room':>9} {'time vs none':>12} {'last third':>10} {'node A saved':>12} "
+        f"{'job saved':>9}"
+    )
     print(head)
     print("-" * len(head))
     for case in SYNC_CASES:
         for bound in (0.0, 0.05):
-            o = synced(spec, knob, case, bound, a)
-            print(
-                f"{case.name:<31} {bound:>5.0%} {o['time']:>+12.2%} {o['after']:>+10.2%} {o['fast']:>12.1%} "
-                f"{o['job']:>9.1%}"
-            )
+            for room in (False, True):
+                o = synced(spec, knob, case, bound, a, room)
+                print(
+                    f"{case.name:<31} {bound:>5.0%} {'on' if room else 'off':>9} {o['time']:>+12.2%} "
+                    f"{o['after']:>+10.2%} {o['fast']:>12.1%} {o['job']:>9.1%}"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

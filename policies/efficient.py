@@ -23,9 +23,8 @@ under the top limit), and on top "uncapped".
 
 1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps; a job that reports
    no FLOPs is left uncapped). Its time per FLOP sets the time budget ``(1 +
-   max_slowdown) * baseline``; with a ``pace_s`` (the step time agreed across nodes)
-   slower than our own uncapped step, the budget is ``(1 + max_slowdown) * pace_s``
-   (a pace agreed since this node's own went out: ``efficient_state.pace_fresh``).
+   max_slowdown) * baseline``; with ``pace_room`` (off: synchronous ranks time the job's
+   step, so there is no room) and a fresh ``pace_s`` over our uncapped step, ``pace_s``'s.
 
 2. **Boundary (slowdown mode).** Time grows monotonically as the clock goes
    down, so the feasible settings are the top of the grid, down to a boundary.
@@ -123,6 +122,7 @@ class EfficientPolicy:
         Param("recheck_s", "float", 600.0, "re-measure the uncapped baseline this often (0: only once)", lo=0),
         Param("power_step_w", "float", 25.0, "power knob: grid step, W", lo=1, hi=500),
         Param("noise", "float", 0.02, "assumed relative step noise when the measure carries no spread", lo=0, hi=1),
+        Param("pace_room", "bool", False, "cap down to the job's agreed cross-node pace (nodes that do not wait)"),
     )
 
     def __init__(self, **params: Any) -> None:
@@ -137,6 +137,7 @@ class EfficientPolicy:
         self.recheck_s: float = p["recheck_s"]
         self.power_step_w: float = p["power_step_w"]
         self.noise: float = p["noise"]
+        self.pace_room: bool = p["pace_room"]
         self.baseline_steps = 4 * self.min_steps
         self.max_steps = 4 * self.min_steps  # a setting still unsure after this many counts as over
         self._pacer = Pacer(self.min_steps, Z, self.noise)
@@ -640,10 +641,9 @@ class EfficientPolicy:
         return _Action("settle", best)
 
     def _allowed(self, base: Evidence, j: JobView, job: _Job) -> float:
-        """The allowed time ratio to the local uncapped baseline (a pace agreed since
-        this node's baseline went out: :func:`pace_fresh`)."""
+        """The allowed time ratio to the local uncapped baseline (``pace_room``: over a fresh pace, pace_fresh)."""
         allowed = 1.0 + self.max_slowdown
-        fresh = base.time_s > 0 and base.flops > 0 and pace_fresh(job, base.time_per_flop_s, j.pace_count)
+        fresh = self.pace_room and base.time_s > 0 < base.flops and pace_fresh(job, base.time_per_flop_s, j.pace_count)
         if j.pace_s is not None and j.pace_s > 0 and fresh:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:

@@ -144,7 +144,6 @@ class RankSession:
     sync_every: int | None = None  # steps between its ranks' agreements on the level (None: not said)
     precision: str | None = None  # the level its latest row ran at (None: no row said yet)
     precision_from_step: int = 0  # its rows of earlier steps are older than its own rollback to ``precision``
-    paces: int = 0  # the job's agreements on its pace when it registered, plus its ops "pace" (one an agreement)
 
 
 # How a record ends without its run's own end (the run may go on in a later record: greend.jobs.parts).
@@ -369,6 +368,7 @@ class Job:
     measure: Measure = field(default_factory=Measure)
     pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
     pace_count: int = 0  # agreements on it received: the most any one rank sent (each rank sends each)
+    pace_ops: dict[int, int] = field(default_factory=dict)  # rank -> its ops "pace", over its sessions
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
     decisions: list[CapChange] = field(default_factory=list)

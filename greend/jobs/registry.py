@@ -269,7 +269,6 @@ class JobRegistry(JobTable):
                 channel=caller.channel,
                 last_seen_s=now,
                 cpu_last_s=cpu_now_s,
-                paces=job.pace_count,  # (a rank that joins or reconnects counts on from the job's agreements)
             )
             if cpu_now_s is not None and job.cpu_busy0_s is None:
                 job.cpu_busy0_s = self._node_cpu_busy_s
@@ -481,8 +480,8 @@ class JobRegistry(JobTable):
             rs = self._session(session)
             job = self.jobs[rs.job]
             job.pace_s = step_s
-            rs.paces += 1
-            job.pace_count = max(job.pace_count, rs.paces)
+            n = job.pace_ops[rs.rank] = job.pace_ops.get(rs.rank, 0) + 1  # (a rank that reconnects counts on)
+            job.pace_count = max(job.pace_count, n)
             rs.last_seen_s = self.monotonic()
 
     def precision_event(self, caller: Caller, event: PrecisionEventEntry) -> None:

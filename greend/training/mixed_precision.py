@@ -550,9 +550,10 @@ class Guard:
                          "steps, may be one bad batch; a second one rolls back", why, step - d.step if step is
                          not None else d.seen, d.to_level, d.from_level, d.own_steps)  # fmt: skip
                 return None
+            before = f"none in {d.own_steps}" if d.own_steps else "too few steps kept to count its own"
             return (
-                f"{why}: {d.spikes} spikes in {d.seen} steps at {d.to_level} ({d.run} in a row), where "
-                f"{d.from_level} had none in {d.own_steps}"
+                f"{why}: {d.spikes} spike{'s' if d.spikes != 1 else ''} in {d.seen} step{'s' if d.seen != 1 else ''} "
+                f"at {d.to_level} ({d.run} in a row), where {d.from_level} had {before}"
             )
         rate = d.own_spikes / d.own_steps
         expected = d.seen * rate
@@ -566,6 +567,12 @@ class Guard:
             f"({d.run} in a row), where {d.from_level} had {d.own_spikes} in {d.own_steps} (expected "
             f"{expected:.2g}; p {p:.1g})"
         )
+
+    def lone_first(self) -> bool:
+        """Whether the latest spike was the first after the downgrade of a job that never
+        spiked at the level above: excused unless a reference batch confirms it."""
+        d = self.stack[-1] if self.stack else None
+        return d is not None and not d.own_spikes and d.spikes < 2
 
     def data_changed(self) -> None:
         """The loss moved for a reason of the data's: the spike rule has no trend to go by

@@ -424,15 +424,17 @@ class PrecisionControl:
         by more than the reference tolerance; else the data changed, and nothing rolls back."""
         index = self._next_index - 1
         self.read_reference(wait=True)
+        # Where it cannot be looked at, the spike rule stands alone (a lone first spike excused).
+        alone = None if self.guard.lone_first() else spike
         if self._fp8_put_back:
-            return spike  # (no fp8 to check it on)
+            return alone  # (no fp8 to check it on)
         self._start_reference(index)
         if not self._reference_pending:
-            return spike  # the reference failed: the spike rule stands alone
+            return alone  # the reference failed
         _, level, h_fp32, h_low = self._reference_pending.pop()
         low, fp32 = self._losses.value(h_low, wait=True), self._losses.value(h_fp32, wait=True)
         if low is None or fp32 is None:
-            return spike
+            return alone
         self.reference_judge.log.append(
             {
                 "step": index,

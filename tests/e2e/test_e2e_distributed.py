@@ -37,7 +37,11 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
         stores += ["--store", vm.influx_url] if vm is not None else []
         # Two nodes on one machine: each its own name, as two real nodes have.
         config = (
-            EFFICIENT.replace("[daemon]\n", f'[daemon]\nhostname = "{name}"\n') + f"[sim]\nspeed_factor = {speed}\n"
+            EFFICIENT.replace("[daemon]\n", f'[daemon]\nhostname = "{name}"\n').replace(
+                "min_steps = 6\n",
+                "min_steps = 6\npace_room = true\n",  # (the sim's nodes each time their own step)
+            )
+            + f"[sim]\nspeed_factor = {speed}\n"
         )
         return start_daemon(tmp_path, "--sim", "1", *stores, name=name, config=config)
 

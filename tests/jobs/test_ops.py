@@ -461,13 +461,14 @@ def test_the_policy_sees_how_many_agreements_on_the_pace_came_not_how_many_ranks
             h["pace"]({"step_s": pace}, conn)
         (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
         assert (view.pace_s, view.pace_count) == (pace, agreement)
-    # A rank that joins the job's record later (or reconnects) counts on from its agreements:
-    # were every rank's session new, the next agreement would read as the first again.
+    # A rank that reconnects counts on from its own ops, by its rank: its op for an agreement
+    # the others already sent is not one more (nor, were every session new, would the next
+    # agreement read as the first again).
+    h["pace"]({"step_s": 0.33}, ranks[1])  # (agreement 3: ranks 1 and 2 first)
+    h["pace"]({"step_s": 0.33}, ranks[2])
     ops.disconnected(ranks[0])
     again = _Conn(4, _Peer(pid=0, uid=1000))
     assert h["register"]({"job": "p", "gpus": [0], "rank": 0, "world_size": 3}, again)["job"] == "p"
-    assert ops.jobs.sessions[4].paces == 2
-    for conn in (again, *ranks[1:]):
-        h["pace"]({"step_s": 0.32}, conn)
+    h["pace"]({"step_s": 0.33}, again)  # (rank 0's op for agreement 3, on its new connection)
     (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
-    assert (view.pace_s, view.pace_count) == (0.32, 3) and ops.jobs.sessions[4].paces == 3
+    assert (view.pace_s, view.pace_count) == (0.33, 3)

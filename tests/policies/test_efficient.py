@@ -89,12 +89,17 @@ def test_noise_robust(noise: float, seed: int) -> None:
     assert got.energy_j < opt.baseline_energy_j * 0.98  # still a real saving
 
 
-def test_pace_lets_a_fast_node_cap_deeper() -> None:
+def test_pace_lets_a_fast_node_cap_deeper_where_pace_room_is_on() -> None:
+    """A node that does not wait for the slower one every step (each measures its own
+    step): with ``pace_room`` it caps down to the job's pace; by default (a synchronous
+    job's ranks measure the job's step, the wait included: there is no room) it does not."""
     m = 0.4
     base = H100.step_cost(FLOPS, m).duration_s
     pace = 1.2 * base  # the slowest node's uncapped step
-    r = run(m, steps=500, pace_s=pace)
-    local = run(m, steps=500)
+    r = run(m, steps=600, pace_s=pace, params={"pace_room": True})
+    local = run(m, steps=600)
+    off = run(m, steps=600, pace_s=pace)
+    assert off.final_setting == local.final_setting
     assert r.final_setting.clock_cap_mhz < local.final_setting.clock_cap_mhz
     for x in r.settled_steps():
         assert x.duration_s <= pace * (1 + BOUND) + 1e-12

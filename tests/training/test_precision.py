@@ -497,6 +497,14 @@ def test_one_bad_batch_after_the_switch_is_not_a_rollback_a_second_spike_is() ->
         g2.losses.append(1.7 * (1 + rng.gauss(0, 0.05)))
     g2.on_switch("fp32", "bf16", step=400)
     assert g2.spike(9.0, 401) is None and g2.spike(12.0, 402) is not None
+    # Put to a reference batch, a first spike is a candidate; its reason reads right where the
+    # level above's own steps were too few to count its spikes.
+    g3 = Guard(window=8, cooldown_steps=10, spike_tolerance=0.5)
+    for v in (1.0, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0, 1.0):
+        g3.losses.append(v)
+    g3.on_switch("fp32", "bf16", step=8)
+    why = g3.spike(9.0, 9, confirm=True)
+    assert why is not None and "1 spike in 1 step at bf16" in why and "fp32 had too few steps kept" in why, why
 
 
 @needs_torchao

@@ -158,7 +158,8 @@ def test_no_reference_check_runs_while_a_trial_has_the_fp8_linears_put_back(
 def test_a_spike_is_not_checked_on_fp8_linears_put_back(daemon: FakeDaemon, sock_path: Path) -> None:
     """A spike read while a trial (or probe) step has the fp8 linears put back cannot be
     checked at fp8 on the reference batch (its "fp8" pass would run the plain linears and
-    clear it as a change of the data): the spike rule's verdict stands, unchecked."""
+    clear it as a change of the data): the spike rule's verdict stands, unchecked (a job's
+    second spike rolls back; its lone first one, which the rule alone excuses, does not)."""
     model = make_model()
     x, y = batch(10_000)
     ref = lambda: nn.functional.mse_loss(model(x).float(), y)  # noqa: E731
@@ -166,6 +167,11 @@ def test_a_spike_is_not_checked_on_fp8_linears_put_back(daemon: FakeDaemon, sock
         control = cb._control
         assert control.level == "fp8-emulated" and control.fp8 is not None and not control.fp8.active
         before = len(cb.reference_checks)
+        d = control.guard.stack[-1]
+        assert d.own_spikes == 0
+        d.spikes = 1
+        assert control.confirm_spike("a spike") is None
+        d.spikes = 2
         assert control.confirm_spike("a spike") == "a spike"
         assert len(cb.reference_checks) == before  # no check ran on the plain linears
 
