@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import statistics
 import subprocess
 import sys
@@ -72,7 +71,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from greend.ipc.client import Client  # noqa: E402
 from greend.probes.sim import H100  # noqa: E402
-from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
+from greend.testing.daemon_proc import PRECISION_SIM_CONFIG, running_daemon  # noqa: E402
 from greend.testing.fake_daemon import FakeDaemon  # noqa: E402
 from greend.training.callback import GreenCallback  # noqa: E402
 from greend.training.fp8 import warm_up_torchao  # noqa: E402
@@ -323,36 +322,24 @@ def workloads(steps: int, items: list[Workload], seeds: range | tuple[int, ...],
         f"{'workload':<40}{'seed':>5}{'switched':>9}{'rollbk':>7}{'final':>6}{'eval loss':>11}{'fp32 twin':>11}"
         f"{'eval':>8}{'as-run':>8}{'saved':>7}{'upper':>7}"
     )
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        cfg = tmp / "cfg.toml"
-        cfg.write_text('[daemon]\nsocket_group = ""\nlog_level = "warning"\n[policy]\nprecision = "precision"\n')
-        sock, log = tmp / "g.sock", tmp / "g.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(daemon_command(cfg, sock, tmp / "state", "--sim", "1", "--hz", "20"), cwd=ROOT,
-                                    stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            wait_until_up(proc, sock, log)
-            for n, (task, batch, extra, own_steps) in enumerate(items):
-                n_steps = own_steps or steps
-                for seed in seeds:
-                    common = ["--task", task, "--batch", str(batch), "--steps", str(n_steps), "--seed", str(seed)]
-                    job = f"{task}-{n}-{seed}"
-                    r = _train("--socket", str(sock), "--job", job, *common, "--step-sleep", "0.005",
-                               "--precisions", "fp32,bf16", *extra)  # fmt: skip
-                    shift = ["--shift-at", str(r["shift_at"])] if r.get("shift_at") is not None else []
-                    twin = _train("--socket", str(tmp / "none.sock"), "--job", f"{job}-fp32", *common, *shift,
-                                  "--no-greend")  # fmt: skip
-                    with Client(sock) as c:
-                        rep = c.request("report", job=job)
-                    _print_run(task, batch, extra, n_steps, seed, r, twin, rep)
-                    if save:
-                        Path(save).mkdir(parents=True, exist_ok=True)
-                        out = {"run": r, "twin": twin, "report": rep}
-                        (Path(save) / f"{job}.json").write_text(json.dumps(out, default=str))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+    with running_daemon(PRECISION_SIM_CONFIG, "--sim", "1", "--hz", "20", cwd=ROOT) as (sock, tmp):
+        for n, (task, batch, extra, own_steps) in enumerate(items):
+            n_steps = own_steps or steps
+            for seed in seeds:
+                common = ["--task", task, "--batch", str(batch), "--steps", str(n_steps), "--seed", str(seed)]
+                job = f"{task}-{n}-{seed}"
+                r = _train("--socket", str(sock), "--job", job, *common, "--step-sleep", "0.005",
+                           "--precisions", "fp32,bf16", *extra)  # fmt: skip
+                shift = ["--shift-at", str(r["shift_at"])] if r.get("shift_at") is not None else []
+                twin = _train("--socket", str(tmp / "none.sock"), "--job", f"{job}-fp32", *common, *shift,
+                              "--no-greend")  # fmt: skip
+                with Client(sock) as c:
+                    rep = c.request("report", job=job)
+                _print_run(task, batch, extra, n_steps, seed, r, twin, rep)
+                if save:
+                    Path(save).mkdir(parents=True, exist_ok=True)
+                    out = {"run": r, "twin": twin, "report": rep}
+                    (Path(save) / f"{job}.json").write_text(json.dumps(out, default=str))
     print(
         "(eval: the held-out loss at the end, in fp32, against the twin's; as-run: the mean training loss of the "
         "last 300 steps, at the level each ran, against the twin's; saved: the energy of the job's steps saved "

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from greend.ipc.client import Client  # noqa: E402
-from greend.testing.daemon_proc import daemon_command, wait_until_up  # noqa: E402
+from greend.testing.daemon_proc import PRECISION_SIM_CONFIG, running_daemon  # noqa: E402
 from greend.training.probe import trial_start  # noqa: E402
 
 PY = sys.executable
@@ -69,42 +67,25 @@ def main() -> None:
     ap.add_argument("--out", default=".", help="where each run and its twin are saved (JSON)")
     a = ap.parse_args(argv)
     tag = a.tag or Path(a.script).stem
-    with tempfile.TemporaryDirectory() as tmp_s:
-        tmp = Path(tmp_s)
-        cfg = tmp / "cfg.toml"
-        cfg.write_text('[daemon]\nsocket_group = ""\nlog_level = "warning"\n[policy]\nprecision = "precision"\n')
-        sock, log = tmp / "g.sock", tmp / "g.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                daemon_command(cfg, sock, tmp / "state", "--sim", "1", "--hz", "20"),
-                cwd=ROOT,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            wait_until_up(proc, sock, log)
-            for seed in [int(s) for s in a.seeds.split(",")]:
-                job = f"{tag}-{seed}"
-                r = train(a.script, "--socket", str(sock), "--job", job, "--seed", str(seed), *extra)
-                with Client(sock) as c:
-                    rep = c.request("report", job=job)
-                twin = None
-                if not a.no_twin:
-                    ev = [f"abs:{e}" for e in r["event_at"] if e is not None]
-                    targs = [x for x in extra]
-                    if "--event-at" in targs:
-                        j = targs.index("--event-at")
-                        del targs[j : j + 2]
-                    if ev:
-                        targs += ["--event-at", ",".join(ev)]
-                    twin = train(a.script, "--no-greend", "--job", job + "-fp32", "--seed", str(seed), *targs)
-                report(tag, seed, r, twin, rep)
-                Path(a.out) / f"{job}.json".write_text(
-                    json.dumps({"run": r, "twin": twin, "report": rep, "args": extra}, default=str)
-                )
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+    with running_daemon(PRECISION_SIM_CONFIG, "--sim", "1", "--hz", "20", cwd=ROOT) as (sock, _):
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            job = f"{tag}-{seed}"
+            r = train(a.script, "--socket", str(sock), "--job", job, "--seed", str(seed), *extra)
+            with Client(sock) as c:
+                rep = c.request("report", job=job)
+            twin = None
+            if not a.no_twin:
+                ev = [f"abs:{e}" for e in r["event_at"] if e is not None]
+                targs = list(extra)
+                if "--event-at" in targs:
+                    j = targs.index("--event-at")
+                    del targs[j : j + 2]
+                if ev:
+                    targs += ["--event-at", ",".join(ev)]
+                twin = train(a.script, "--no-greend", "--job", job + "-fp32", "--seed", str(seed), *targs)
+            report(tag, seed, r, twin, rep)
+            out = {"run": r, "twin": twin, "report": rep, "args": extra}
+            (Path(a.out) / f"{job}.json").write_text(json.dumps(out, default=str))
 
 
 def _pct(a: float, b: float) -> str:

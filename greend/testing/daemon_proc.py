@@ -3,15 +3,22 @@ until it answers (its first tick done)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from greend.errors import DaemonUnavailable, GreendError
 from greend.ipc.client import Client
 
-__all__ = ["daemon_command", "wait_until_up"]
+__all__ = ["daemon_command", "running_daemon", "wait_until_up"]
+
+PRECISION_SIM_CONFIG = '[daemon]\nsocket_group = ""\nlog_level = "warning"\n[policy]\nprecision = "precision"\n'
+"""A daemon whose precision policy runs with its defaults (with ``--sim 1``: the benchmarks' trainings)."""
 
 
 def daemon_command(config: Path, socket: Path, state_dir: Path, *extra: str) -> list[str]:
@@ -50,6 +57,27 @@ def wait_until_up(proc: subprocess.Popen[bytes], socket: Path, log: Path, timeou
             pass
         time.sleep(0.05)
     raise GreendError(f"greend did not answer within {timeout_s:g} s:\n{_tail(log)}")
+
+
+@contextmanager
+def running_daemon(config: str, *extra: str, cwd: Path | None = None) -> Iterator[tuple[Path, Path]]:
+    """A ``greend run`` subprocess with this configuration (TOML text) and ``extra``
+    arguments, in a temporary directory, once it answers: (its socket, the directory).
+    Stopped with SIGTERM on the way out."""
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        cfg = tmp / "cfg.toml"
+        cfg.write_text(config)
+        sock, log = tmp / "g.sock", tmp / "g.log"
+        with log.open("wb") as fh:
+            cmd = daemon_command(cfg, sock, tmp / "state", *extra)
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            wait_until_up(proc, sock, log)
+            yield sock, tmp
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
 
 
 def _tail(log: Path) -> str:
