@@ -78,6 +78,19 @@ CASES = (
 )
 
 
+def policy(name: str, knob: str, bound: float = 0.0, room: bool = False):
+    """``none``, or ``efficient`` on ``knob`` with ``max_slowdown = bound`` (``room``: pace_room)."""
+    if name == "none":
+        return get_policy("none")
+    return get_policy("efficient", knob=knob, max_slowdown=bound, pace_room=room)
+
+
+def rule(head: str) -> None:
+    """A table's header line and the rule under it."""
+    print(head)
+    print("-" * len(head))
+
+
 def settings(spec: SimSpec, knob: str) -> list[dict]:
     if knob == "clock":
         return [{"locked_clocks_mhz": (spec.sm_clock_min_mhz, f)} for f in sorted(set(spec.supported_sm_clocks_mhz))]
@@ -104,7 +117,7 @@ def one(spec: SimSpec, knob: str, case: Case, a: argparse.Namespace) -> dict:
     for pol_name in ("none", "efficient"):
         gpus, _ = make_sim_gpus(N, spec=spec)
         job = SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=(case.straggle(a.steps),))
-        pol = get_policy("none") if pol_name == "none" else get_policy("efficient", knob=knob, max_slowdown=0.0)
+        pol = policy(pol_name, knob)
         r = run_policy(pol, gpus, steps=a.steps, jobs=[job], settle_steps=1)
         e = [g.energy_j() for g in gpus]
         tail = r.trace[-(a.steps // 3) :]
@@ -138,8 +151,7 @@ def table(title: str, spec: SimSpec, knob: str, a: argparse.Namespace) -> bool:
         f"{'case':<31} {'time vs none':>12} {'settled':>8} {'fast GPUs saved':>15} {'ideal':>6} "
         f"{'of ideal':>8} {'job saved':>9} {'ideal':>6}  targets"
     )
-    print(head)
-    print("-" * len(head))
+    rule(head)
     ok_all = True
     for case in CASES:
         ok_all &= row(case.name, one(spec, knob, case, a), settled=True)
@@ -175,11 +187,7 @@ def two_nodes(spec: SimSpec, knob: str, factor: float, a: argparse.Namespace) ->
             gpus, _ = make_sim_gpus(N, spec=spec)
             straggles = tuple(Straggle(i, f) for i in range(N)) if f != 1.0 else ()
             job = SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=straggles, pace_s=pace)
-            pol = (
-                get_policy("none")
-                if pol_name == "none"
-                else get_policy("efficient", knob=knob, max_slowdown=0.0, pace_room=True)
-            )
+            pol = policy(pol_name, knob, room=True)
             r = run_policy(pol, gpus, steps=a.steps, jobs=[job], settle_steps=1)
             per_node.append((r, sum(g.energy_j() for g in gpus)))
         (ra, ea), (rb, eb) = per_node
@@ -207,8 +215,7 @@ def two_node_table(title: str, spec: SimSpec, knob: str, a: argparse.Namespace) 
         f"{'case':<31} {'time vs none':>12} {'node A saved':>12} {'ideal':>6} {'of ideal':>8} "
         f"{'last third':>10} {'job saved':>9} {'ideal':>6}  targets"
     )
-    print(head)
-    print("-" * len(head))
+    rule(head)
     ok_all = True
     for f in TWO_NODE_FACTORS:
         ok_all &= row(f"node B {round((f - 1) * 100)} % slower", two_nodes(spec, knob, f, a), settled=False)
@@ -230,11 +237,7 @@ def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Names
             if k == 1:
                 stop = None if case.stop is None else int(case.stop * a.steps)
                 st = tuple(Straggle(i, case.factor, int(case.start * a.steps), stop) for i in range(N))
-            pol = (
-                get_policy("none")
-                if pol_name == "none"
-                else get_policy("efficient", knob=knob, max_slowdown=bound, pace_room=room)
-            )
+            pol = policy(pol_name, knob, bound, room)
             nodes.append(Node(pol, gpus, SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=st), clk))
         runs[pol_name] = run_nodes(nodes, steps=a.steps)
     r0, r1 = runs["none"], runs["efficient"]
@@ -261,8 +264,7 @@ def synced_table(title: str, spec: SimSpec, knob: str, a: argparse.Namespace) ->
         f"{'case':<31} {'bound':>5} {'pace_room':>9} {'time vs none':>12} {'last third':>10} {'node A saved':>12} "
         f"{'job saved':>9}"
     )
-    print(head)
-    print("-" * len(head))
+    rule(head)
     for case in SYNC_CASES:
         for bound in (0.0, 0.05):
             for room in (False, True):

@@ -208,6 +208,20 @@ class _Acc:
     skip: int = 0
     since_s: float = 0.0  # the simulated time it started: a new measure, as the daemon's
 
+    def count(self, time_s: float, energy_j: float, flops: float) -> bool:
+        """One step (its measured time and energy), or one of the steps left out after a
+        change (``skip``): whether it counted."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        self.steps += 1
+        self.flops += flops
+        self.time_s += time_s
+        self.energy_j += energy_j
+        self.time_sq += time_s * time_s
+        self.energy_sq += energy_j * energy_j
+        return True
+
     def measure(self) -> JobMeasure | None:
         if self.steps == 0:
             return None
@@ -245,6 +259,23 @@ def _apply(g: SimGpu, s: Setting) -> None:
     want_pl = min(max(want_pl, g.spec.power_limit_min_w), g.spec.power_limit_max_w)
     if abs(want_pl - g.power_limit_w()) >= 0.001:
         g.set_power_limit_w(want_pl)
+
+
+def _apply_decision(decision: Decision, jobs: Sequence[SimJob], by_index: dict[int, SimGpu]) -> None:
+    """Apply a decision as the daemon does: each job's setting on its GPUs, then its
+    per-GPU settings (pacing) on those of its GPUs, then the node's own per-GPU settings."""
+    for job, s in decision.settings.items():
+        target = next((x for x in jobs if x.job == job), None)
+        for i in target.gpus if target is not None else ():
+            _apply(by_index[i], s)
+    for job, per_gpu in decision.job_gpu_settings.items():
+        target = next((x for x in jobs if x.job == job), None)
+        for i, s in per_gpu.items():
+            if target is not None and i in target.gpus:
+                _apply(by_index[i], s)
+    for i, s in decision.gpu_settings.items():
+        if i in by_index:
+            _apply(by_index[i], s)
 
 
 def run_policy(
@@ -354,16 +385,7 @@ def run_policy(
                 clk_mhz = c.sm_clock_mhz
             n_dur = dur * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else dur
             n_en = en * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else en
-            counted = acc.skip <= 0
-            if counted:
-                acc.steps += 1
-                acc.flops += flops * len(sj.gpus)
-                acc.time_s += n_dur
-                acc.energy_j += n_en
-                acc.time_sq += n_dur * n_dur
-                acc.energy_sq += n_en * n_en
-            else:
-                acc.skip -= 1
+            counted = acc.count(n_dur, n_en, flops * len(sj.gpus))
             job_steps[sj.job] += 1
             r = results[sj.job]
             r.steps += 1
@@ -425,21 +447,7 @@ def run_policy(
         jd = decision.details.get("jobs", {}) if isinstance(decision.details, dict) else {}
         # ---- apply
         before = {sj.job: job_settings(sj) for sj in jobs}
-        for job, s in decision.settings.items():
-            target = next((x for x in jobs if x.job == job), None)
-            if target is None:
-                continue
-            sj = target
-            for i in sj.gpus:
-                _apply(by_index[i], s)
-        for job, per_gpu in decision.job_gpu_settings.items():
-            target = next((x for x in jobs if x.job == job), None)
-            for i, s in per_gpu.items():
-                if target is not None and i in target.gpus:
-                    _apply(by_index[i], s)
-        for i, s in decision.gpu_settings.items():
-            if i in by_index:
-                _apply(by_index[i], s)
+        _apply_decision(decision, jobs, by_index)
         for sj in jobs:
             if job_settings(sj) != before[sj.job]:
                 accs[sj.job] = _Acc(job_setting(sj), skip=settle_steps, since_s=sim_t)
@@ -554,6 +562,37 @@ class NodesResult:
     source: str = "sim"
 
 
+@dataclass
+class _NodeRun:
+    """What :func:`run_nodes` keeps of one node: its GPUs by index, clock, policy state,
+    the job's measure, this period's figures per GPU, and the pace it last told the job."""
+
+    by: dict[int, SimGpu]
+    clk: FakeClock | None
+    state: Any
+    acc: _Acc
+    t0: float
+    energy: dict[int, float] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)
+    clock: dict[int, int] = field(default_factory=dict)
+    period: float = 0.0
+    local: float | None = None  # its uncapped step time, as the daemon pushes it
+
+    @classmethod
+    def of(cls, n: Node) -> _NodeRun:
+        clk = n.clock if n.clock is not None else _find_clock(n.gpus)
+        run = cls({g.index: g for g in n.gpus}, clk, n.policy.new_state(), _Acc(_in_force(n.gpus[0])),
+                  clk() if clk is not None else 0.0)  # fmt: skip
+        run.clock = {g.index: 0 for g in n.gpus}
+        run.new_period()
+        return run
+
+    def new_period(self) -> None:
+        self.energy = dict.fromkeys(self.by, 0.0)
+        self.busy = dict.fromkeys(self.by, 0.0)
+        self.period = 0.0
+
+
 def run_nodes(
     nodes: Sequence[Node],
     *,
@@ -572,23 +611,7 @@ def run_nodes(
     steps and read the agreement one period later, and every node's policy gets it as the
     job's ``pace_s``. Decisions every step."""
     rng = random.Random(seed)
-    parts = []
-    for n in nodes:
-        clk = n.clock if n.clock is not None else _find_clock(n.gpus)
-        parts.append(
-            {
-                "by": {g.index: g for g in n.gpus},
-                "clk": clk,
-                "state": n.policy.new_state(),
-                "acc": _Acc(_in_force(n.gpus[0]), since_s=0.0),
-                "energy": {g.index: 0.0 for g in n.gpus},
-                "busy": {g.index: 0.0 for g in n.gpus},
-                "clock": {g.index: 0 for g in n.gpus},
-                "period": 0.0,
-                "t0": clk() if clk is not None else 0.0,
-                "local": None,
-            }
-        )
+    parts = [_NodeRun.of(n) for n in nodes]
     step_s: list[float] = []
     energy = [0.0] * len(nodes)
     paces: list[tuple[int, float | None]] = []
@@ -601,60 +624,51 @@ def run_nodes(
                 n.job.pace_s = agreed
                 n.job.pace_count = (n.job.pace_count or 0) + (agreed is not None)  # (a rank sends only a pace)
             paces.append((it, agreed))
-            told = [p["local"] for p in parts]
+            told = [p.local for p in parts]
         own = []
-        for n, p in zip(nodes, parts):
+        for n, p in zip(nodes, parts, strict=True):
             sj = n.job
             flops, m = sj.workload(it)
             dur = en = 0.0
             for i in sj.gpus:
-                g = p["by"][i]
+                g = p.by[i]
                 speed = sj.speed_of(i, it)
                 if abs(g.speed_factor() - speed) > 1e-12:
                     g.set_speed_factor(speed)
                 c = g.run_step(flops * sj.work.get(i, 1.0), m, sj.precision)
                 dur, en = max(dur, c.duration_s), en + c.energy_j
-                p["energy"][i] += c.energy_j
-                p["busy"][i] += c.duration_s
-                p["clock"][i] = c.sm_clock_mhz
+                p.energy[i] += c.energy_j
+                p.busy[i] += c.duration_s
+                p.clock[i] = c.sm_clock_mhz
             own.append((dur, en, flops * len(sj.gpus)))
         t = max(d for d, _, _ in own)
         step_s.append(t)
         sim_t += t
-        for k, (n, p) in enumerate(zip(nodes, parts)):
+        for k, (n, p) in enumerate(zip(nodes, parts, strict=True)):
             _, en, fl = own[k]
             energy[k] += en
-            if p["clk"] is not None:
-                p["clk"].advance(t)
-            p["period"] += t
-            acc = p["acc"]
-            if acc.skip > 0:
-                acc.skip -= 1
+            if p.clk is not None:
+                p.clk.advance(t)
+            p.period += t
+            if p.acc.skip > 0:  # (no noise drawn for a step left out)
+                p.acc.skip -= 1
             else:
                 n_t = t * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else t
                 n_e = en * max(0.05, 1.0 + rng.gauss(0.0, noise)) if noise > 0 else en
-                acc.steps += 1
-                acc.flops += fl
-                acc.time_s, acc.energy_j = acc.time_s + n_t, acc.energy_j + n_e
-                acc.time_sq, acc.energy_sq = acc.time_sq + n_t * n_t, acc.energy_sq + n_e * n_e
+                p.acc.count(n_t, n_e, fl)
             sj = n.job
             snap = _snapshot(
-                p["t0"] + sim_t, n.gpus, [sj], {sj.job: acc}, {sj.job: it + 1}, it, lambda *_: True,
-                p["energy"], p["busy"], p["clock"], None, p["period"],
+                p.t0 + sim_t, n.gpus, [sj], {sj.job: p.acc}, {sj.job: it + 1}, it, lambda *_: True,
+                p.energy, p.busy, p.clock, None, p.period,
             )  # fmt: skip
-            p["energy"] = {g.index: 0.0 for g in n.gpus}
-            p["busy"] = {g.index: 0.0 for g in n.gpus}
-            p["period"] = 0.0
-            decision = n.policy.decide(snap, p["state"])
+            p.new_period()
+            decision = n.policy.decide(snap, p.state)
             details = (decision.details.get("jobs") or {}).get(sj.job) if isinstance(decision.details, dict) else None
             tpf = details.get("baseline_time_per_flop_s") if isinstance(details, dict) else None
             if tpf:
-                p["local"] = float(tpf) * fl  # (the daemon's local_pace push)
-            before = tuple(_in_force(p["by"][i]) for i in sj.gpus)
-            for i, s in [(i, s) for s in [decision.settings.get(sj.job)] if s is not None for i in sj.gpus] + [
-                (i, s) for i, s in decision.job_gpu_settings.get(sj.job, {}).items() if i in sj.gpus
-            ]:
-                _apply(p["by"][i], s)
-            if tuple(_in_force(p["by"][i]) for i in sj.gpus) != before:
-                p["acc"] = _Acc(_in_force(p["by"][sj.gpus[0]]), skip=settle_steps, since_s=sim_t)
+                p.local = float(tpf) * fl  # (the daemon's local_pace push)
+            before = tuple(_in_force(p.by[i]) for i in sj.gpus)
+            _apply_decision(decision, [sj], p.by)
+            if tuple(_in_force(p.by[i]) for i in sj.gpus) != before:
+                p.acc = _Acc(_in_force(p.by[sj.gpus[0]]), skip=settle_steps, since_s=sim_t)
     return NodesResult(step_s, energy, [_in_force(n.gpus[0]) for n in nodes], paces)
