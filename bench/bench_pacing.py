@@ -31,6 +31,10 @@ time and each node measures that, as a real rank does (its step includes the wai
 collective), where the table before gives each node its own step and node A the pace. Node
 B is 30 % slower all along, or throttles for the middle third; bounds 0 and 5 %; "last
 third": the job's time against ``none`` over the last third of the run (after the heal).
+Its last two rows start node B's daemon 37 steps after node A's (daemons never start
+together): node B then measures its uncapped baseline while node A probes capped
+settings, which the job's floor (the lowest uncapped step any node measured, agreed like
+the pace) keeps from becoming room.
 
 Printed: the job's time against ``none`` (whole run, search included), the energy
 saved on the seven fast GPUs and on the job's eight (the whole run, and the last
@@ -64,6 +68,7 @@ class Case:
     factor: float
     start: float = 0.0  # share of the run
     stop: float | None = None
+    b_starts_at: int = 0  # (synchronised table) the step node B's daemon starts deciding at
 
     def straggle(self, steps: int) -> Straggle:
         stop = None if self.stop is None else int(self.stop * steps)
@@ -238,7 +243,8 @@ def synced(spec: SimSpec, knob: str, case: Case, bound: float, a: argparse.Names
                 stop = None if case.stop is None else int(case.stop * a.steps)
                 st = tuple(Straggle(i, case.factor, int(case.start * a.steps), stop) for i in range(N))
             pol = policy(pol_name, knob, bound, room)
-            nodes.append(Node(pol, gpus, SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=st), clk))
+            job = SimJob("j", tuple(range(N)), FLOPS, a.mem_share, straggles=st)
+            nodes.append(Node(pol, gpus, job, clk, starts_at=case.b_starts_at if k == 1 else 0))
         runs[pol_name] = run_nodes(nodes, steps=a.steps)
     r0, r1 = runs["none"], runs["efficient"]
     lo = int(case.stop * a.steps) if case.stop is not None else 2 * a.steps // 3  # after the heal, or the last third
@@ -254,6 +260,8 @@ SYNC_CASES = (
     Case("node B 30 % slower", 1.3),
     Case("node B throttles 30 %, heals", 1.3, 1 / 3, 2 / 3),
     Case("node B throttles 50 %, heals", 1.5, 1 / 3, 2 / 3),
+    Case("nodes alike, B's daemon +37", 1.0, b_starts_at=37),
+    Case("node B 30 % slower, B's +37", 1.3, b_starts_at=37),
 )
 
 

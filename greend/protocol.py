@@ -628,7 +628,11 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "end": {"reason": Field((str,), max_len=256)},
     "jobs": {},
     "report": {"job": _JOB},
-    "pace": {"step_s": Field((float,), required=True, min=1e-9, max=1e6)},
+    "pace": {
+        "step_s": Field((float,), required=True, min=1e-9, max=1e6),
+        # The job's floor: the lowest uncapped step time any node measured (absent: none agreed).
+        "floor_s": Field((float,), min=1e-9, max=1e6),
+    },
     "precision_event": {
         "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),
         "from": Field((str,), choices=PRECISIONS),

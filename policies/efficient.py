@@ -81,17 +81,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._drift import phase_change
+from ._efficient_view import bound_text, job_details, settled_line
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open_boundary
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
-from .efficient_state import EfficientState, follow_straggle, new_since, pace_fresh, rebase_waits
+from .efficient_state import EfficientState, floor_share, follow_straggle, new_since, pace_fresh, rebase_waits
 from .efficient_state import JobSearch as _Job
 from .params import Param, validate_params
 from .static import same_setting
 
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 
+TIGHTER = 0.01  # a bound tighter than this share since we settled: the setting we hold is judged afresh
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
@@ -163,6 +165,7 @@ class EfficientPolicy:
                 for other in state.jobs.values():
                     if set(other.gpus) & set(j.gpus):
                         self._retune(other, f"job {j.job} arrived on its GPUs")
+                        other.low_tpf = None  # (its uncapped step is another one now)
                 state.jobs[j.job] = _Job(gpus=tuple(j.gpus), start_steps=j.steps, knob=self.knob)
         reasons: dict[str, str] = {}
         details: dict[str, Any] = {}
@@ -192,7 +195,7 @@ class EfficientPolicy:
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
                 job.asked = (job.current, j.setting)
-            details[j.job] = self._details(job, views[0])
+            details[j.job] = job_details(job, self._evidence(job), self.objective, self.max_slowdown)
         d.reason = "; ".join(reasons.values()) if reasons else "efficient: no running job"
         d.details = {
             "policy": self.name,
@@ -421,7 +424,7 @@ class EfficientPolicy:
         # settle
         if job.phase != "settled" or job.settled is None or not same_setting(job.settled, target):
             job.phase, job.look_from = "settled", None
-            job.settled = target
+            job.settled, job.held_allowed = target, job.allowed
             job.ref, job.samples = None, []
             if job.settled_job_steps is None:
                 job.settled_job_steps = j.steps - job.start_steps
@@ -437,7 +440,7 @@ class EfficientPolicy:
             self._switch(job, UNCAPPED)
             job.phase, job.recheck, job.live = "recheck", Evidence(), None
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
-        return self._settled_line(j.job, job, ev, target)
+        return settled_line(j.job, job, ev, target, bound_text(self.objective, self.eta, self.max_slowdown, job))
 
     def _baseline_need(self, base: Evidence | None) -> int:
         """Steps the uncapped baseline needs: every comparison leans on it, so a
@@ -533,8 +536,10 @@ class EfficientPolicy:
                     z = Z_LINE_END  # (measured on for a line's sake: its own test was the one at LONG)
                 by_line = lines.vouched(job, i)  # (a second look's try, by the line through its neighbours)
                 # The setting we hold was within the bound when we settled: it stays so
-                # until it is clearly over (no flapping at the edge of the bound).
-                if i == top or r <= allowed * (1 + 1e-9) - z * se or by_line or (i == held and r <= allowed + Z * se):
+                # until it is clearly over (no flapping at the edge of the bound), unless
+                # the bound itself tightened since (a job's floor or pace came in).
+                kept = i == held and r <= allowed + Z * se and allowed >= job.held_allowed * (1 - TIGHTER)
+                if i == top or r <= allowed * (1 + 1e-9) - z * se or by_line or kept:
                     status[i] = "ok"
                 elif r > allowed + Z * se or seen[i].steps >= self.max_steps:
                     status[i] = "over"  # a point still unsure after max_steps: the safe side
@@ -648,52 +653,6 @@ class EfficientPolicy:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:
                 allowed *= pace_tpf / base.time_per_flop_s
+        if not self.pace_room and base.time_s > 0 < base.flops:
+            allowed *= floor_share(job, base, j)
         return allowed
-
-    # ------------------------------------------------------------------ display
-
-    def _bound_text(self, job: _Job | None = None) -> str:
-        if self.objective == "cost":
-            return f"cost eta={self.eta:g}"
-        if job is not None and job.allowed > 1.0 + self.max_slowdown + 1e-9:
-            return f"bound {self.max_slowdown:.0%} over the job's pace, {job.allowed - 1:+.1%} locally"
-        return f"bound {self.max_slowdown:.0%}"
-
-    def _settled_line(self, name: str, job: _Job, ev: dict[Setting, Evidence], s: Setting) -> str:
-        base, here = ev.get(UNCAPPED), ev.get(s)
-        if s.uncapped or base is None or here is None or here.steps == 0 or min(base.energy_j, base.time_s) <= 0:
-            return f"job {name} settled at {s.label} ({self._bound_text(job)})"
-        de = here.energy_per_flop_j / base.energy_per_flop_j - 1.0
-        dt = here.time_per_flop_s / base.time_per_flop_s - 1.0
-        return f"job {name} settled at {s.label}: {de:+.0%} energy/FLOP, {dt:+.1%} time ({self._bound_text(job)})"
-
-    def _details(self, job: _Job, g: GpuView) -> dict[str, Any]:
-        ev = self._evidence(job)
-        base = ev.get(UNCAPPED)
-        measured = {s.label: e.steps for s, e in ev.items() if e.steps > 0}
-        best: dict[str, Any] | None = None
-        s = job.settled
-        if s is not None and base is not None and s in ev and ev[s].steps > 0 and min(base.energy_j, base.time_s) > 0:
-            best = {
-                "setting": {"clock_cap_mhz": s.clock_cap_mhz, "power_limit_w": s.power_limit_w},
-                "label": s.label,
-                "energy_per_flop_change": ev[s].energy_per_flop_j / base.energy_per_flop_j - 1.0,
-                "time_per_flop_change": ev[s].time_per_flop_s / base.time_per_flop_s - 1.0,
-            }
-        return {
-            "knob": job.knob,
-            "phase": job.phase,
-            "current": job.current.label,
-            "candidates_measured": n_measured(ev),
-            "measured_steps": measured,
-            "best": best,
-            "bound": None if self.objective == "cost" else self.max_slowdown,
-            "allowed_slowdown": None if self.objective == "cost" else job.allowed - 1.0,
-            "search_steps": job.settled_job_steps,
-            "retunes": job.retunes,
-            "paced": {str(i): job.grid[k].label for i, k in sorted(job.pace.held.items())},
-            "last_event": job.last_event,
-            # This node's uncapped time per FLOP: the daemon turns it into the job's local
-            # step time and the ranks agree the job's pace from it (docs/protocol.md).
-            "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.flops > 0 else None,
-        }

@@ -43,6 +43,7 @@ class JobSearch:
     ref: Evidence | None = None  # the settled setting's evidence when watching began
     samples: list[Evidence] = field(default_factory=list)  # live cumulatives while settled
     allowed: float = 1.0  # the allowed time ratio to our uncapped baseline (last plan)
+    held_allowed: float = 1.0  # and when we settled on the setting we hold
     need: int = 0  # steps the current candidate must have before the search moves on
     retunes: int = 0
     last_event: str = ""
@@ -60,6 +61,8 @@ class JobSearch:
     look_start: int = 0  # the job's steps when the second look under way began
     pace_tpf: float | None = None  # the baseline's time per FLOP when this node's pace last went out
     pace_mark: int = 0  # the agreements on the job's pace received by then (JobView.pace_count)
+    low_tpf: float | None = None  # the lowest uncapped time per FLOP measured at low_level (the job's floor here)
+    low_level: str | None = None  # the precision it was measured at
 
     @property
     def looking(self) -> bool:
@@ -109,6 +112,34 @@ def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
     if job.pace_tpf is None or abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:
         job.pace_tpf, job.pace_mark = base_tpf, count
     return count >= job.pace_mark + 3
+
+
+def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:
+    """The share of the bound a job spanning nodes keeps of its local baseline ``base``
+    (1: all of it): the job's floor (the fastest uncapped step any of its nodes measured,
+    agreed by the ranks like the pace, ``JobView.floor_s``) over this node's baseline.
+
+    Under synchronised steps every node times the job's step, the wait for the others
+    included: a node that measures its uncapped baseline while another node is capped
+    (searching, or settled at its bound) measures that node's slowdown too, and allows
+    its bound on top of it; the other node's next baseline then has this one's in it
+    (``bench/bench_pacing.py``: two identical nodes whose daemons started 37 steps
+    apart ran the job 20 % slower than ``none`` under a 5 % bound). A node that starts
+    first measures a clean baseline (no other node has capped yet), so the MIN over the
+    nodes is; and each node offers the lowest baseline it measured at the job's level
+    (a recheck while the others are capped reads high, and must not raise the floor).
+    So the job is held to its bound over its fastest uncapped step; a job whose
+    uncapped step truly got slower (a new phase on every node) is held to its old floor:
+    capped less, never slower. A job on one node has no floor (None): its own rechecks
+    rule."""
+    tpf = base.time_per_flop_s
+    if job.low_level != j.precision:
+        job.low_tpf, job.low_level = None, j.precision  # (another level: another step time)
+    job.low_tpf = tpf if job.low_tpf is None else min(job.low_tpf, tpf)
+    if j.floor_s is None or j.floor_s <= 0:
+        return 1.0
+    floor_tpf = min(job.low_tpf, j.floor_s * base.steps / base.flops)  # (ours goes into the next agreement)
+    return min(1.0, floor_tpf / tpf)
 
 
 def follow_straggle(job: JobSearch, j: JobView, views: list[GpuView]) -> None:

@@ -72,7 +72,7 @@ class ControlLoop:
         self.last_error: str | None = None
         self.disabled: str | None = None  # why control is off (no GPUs, a corrupt state file)
         self._last_s = float("-inf")
-        self._pushed_pace: dict[str, float] = {}
+        self._pushed_pace: dict[str, tuple[float, float]] = {}  # job -> (pace, floor) last pushed
         self._lock = threading.RLock()  # the policies and their states: the tick and the socket ops
         self.profiler = ProfileRecorder(ctx, self, self._lock)  # greenctl profile record
         self._attach_lock = threading.Lock()
@@ -501,7 +501,8 @@ class ControlLoop:
         )
 
     def _push_paces(self, decision: Decision) -> None:
-        """Tell each job's ranks this node's uncapped step time, for the cross-node pace."""
+        """Tell each job's ranks this node's uncapped step time, for the cross-node pace,
+        and the lowest it measured, for the job's floor."""
         jobs = self.ctx.jobs
         for job_id, details in (decision.details.get("jobs") or {}).items():
             time_per_flop_s = details.get("baseline_time_per_flop_s")
@@ -509,13 +510,15 @@ class ControlLoop:
             if not time_per_flop_s or not flops_per_step:  # (a job that counts no FLOPs has no pace here)
                 continue
             step_s = float(time_per_flop_s) * flops_per_step
-            if not (math.isfinite(step_s) and step_s > 0):
+            # And the lowest uncapped step it measured at the job's level (the job's floor).
+            floor_s = float(details.get("floor_time_per_flop_s") or time_per_flop_s) * flops_per_step
+            if not (math.isfinite(step_s) and step_s > 0 and math.isfinite(floor_s) and floor_s > 0):
                 continue
             last = self._pushed_pace.get(job_id)
-            if last is not None and abs(step_s - last) <= 0.01 * last:
+            if last is not None and all(abs(a - b) <= 0.01 * b for a, b in zip((step_s, floor_s), last, strict=True)):
                 continue
-            if jobs.push(job_id, {"event": "local_pace", "step_s": step_s}):
-                self._pushed_pace[job_id] = step_s
+            if jobs.push(job_id, {"event": "local_pace", "step_s": step_s, "floor_s": floor_s}):
+                self._pushed_pace[job_id] = (step_s, floor_s)
 
     # Restores ------------------------------------------------------------------------
     def job_ended(self, job: Job) -> None:

@@ -178,8 +178,9 @@ class JobOps:
         return {"ok": True}
 
     def pace(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
-        """The ranks agreed on the job's pace (the slowest node's uncapped step time)."""
-        self.jobs.pace(conn.id, float(msg["step_s"]))
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time) and floor."""
+        floor = msg.get("floor_s")
+        self.jobs.pace(conn.id, float(msg["step_s"]), None if floor is None else float(floor))
         return {"ok": True}
 
     def precision_event(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:

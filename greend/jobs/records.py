@@ -367,6 +367,7 @@ class Job:
     series: deque[EfficiencySample] = field(default_factory=lambda: deque(maxlen=7200))
     measure: Measure = field(default_factory=Measure)
     pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
+    floor_s: float | None = None  # its floor, agreed with it: the lowest uncapped step time a node measured
     pace_count: int = 0  # agreements on it received: the most any one rank sent (each rank sends each)
     pace_ops: dict[int, int] = field(default_factory=dict)  # rank -> its ops "pace", over its sessions
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))

@@ -474,12 +474,13 @@ class JobRegistry(JobTable):
             rs = self._session(session)
             rs.last_seen_s = self.monotonic()
 
-    def pace(self, session: int, step_s: float) -> None:
-        """The ranks agreed on the job's pace (the slowest node's uncapped step time)."""
+    def pace(self, session: int, step_s: float, floor_s: float | None = None) -> None:
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time) and
+        its floor (the fastest uncapped step a node measured; None: not agreed)."""
         with self._lock:
             rs = self._session(session)
             job = self.jobs[rs.job]
-            job.pace_s = step_s
+            job.pace_s, job.floor_s = step_s, floor_s
             n = job.pace_ops[rs.rank] = job.pace_ops.get(rs.rank, 0) + 1  # (a rank that reconnects counts on)
             job.pace_count = max(job.pace_count, n)
             rs.last_seen_s = self.monotonic()

@@ -295,6 +295,8 @@ class JobTable:
                         setting=setting,
                         pace_s=job.pace_s,
                         pace_count=job.pace_count,
+                        # A job with ranks on other nodes is held to its floor (policies/efficient_state.floor_share).
+                        floor_s=job.floor_s if job.world_size > len(job.ranks) else None,
                         loss_recent=tuple(job.losses),
                         nonfinite_recent=len(job.nonfinite_recent),
                         precision_events=tuple(e.to_json() for e in job.precision_log[-32:]),

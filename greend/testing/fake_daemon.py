@@ -48,6 +48,7 @@ class FakeDaemon:
         self.heartbeats = 0
         self.ends: list[dict[str, Any]] = []
         self.precision_events: list[dict[str, Any]] = []
+        self.paces: list[dict[str, Any]] = []  # the ops "pace" (step_s, floor_s), as the ranks sent them
         self.received_at_events: list[int] = []  # steps received when each precision event came
         self.step_messages = 0
         self.hang = threading.Event()  # set: the steps handler blocks, so nothing more is read
@@ -60,6 +61,7 @@ class FakeDaemon:
         self.server.route("heartbeat", self._heartbeat)
         self.server.route("end", self._end)
         self.server.route("precision_event", self._precision_event)
+        self.server.route("pace", self._pace)
 
     def start(self) -> FakeDaemon:
         self.server.start()
@@ -134,6 +136,11 @@ class FakeDaemon:
         with self.lock:
             self.precision_events.append({k: v for k, v in msg.items() if k not in ("v", "id", "op")})
             self.received_at_events.append(self._received())
+        return {"ok": True}
+
+    def _pace(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self.lock:
+            self.paces.append({k: v for k, v in msg.items() if k not in ("v", "id", "op")})
         return {"ok": True}
 
     def _end(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:

@@ -125,6 +125,7 @@ class SimJob:
     phases: tuple[Phase, ...] = ()  # later phases (at the job's own step count)
     pace_s: float | None = None
     pace_count: int | None = None  # agreements on pace_s received so far (None: as PACE_EVERY says)
+    floor_s: float | None = None  # the fastest uncapped step any node measured, as agreed (run_nodes)
     straggles: tuple[Straggle, ...] = ()  # slower or throttling GPUs (their speed factor)
     work: dict[int, float] = field(default_factory=dict)  # GPU -> FLOPs multiplier (an uneven stage)
 
@@ -531,6 +532,7 @@ def _snapshot(
                 measure=acc.measure() if acc is not None else None,
                 setting=_in_force(first),
                 pace_s=sj.pace_s,
+                floor_s=sj.floor_s,
                 pace_count=sj.pace_count if sj.pace_count is not None else max(0, job_steps[sj.job] // PACE_EVERY - 1),
             )
         )
@@ -547,6 +549,7 @@ class Node:
     gpus: Sequence[SimGpu]
     job: SimJob
     clock: FakeClock | None = None
+    starts_at: int = 0  # the job's step its daemon's policy first decides at (daemons start apart)
 
 
 @dataclass
@@ -577,6 +580,7 @@ class _NodeRun:
     clock: dict[int, int] = field(default_factory=dict)
     period: float = 0.0
     local: float | None = None  # its uncapped step time, as the daemon pushes it
+    floor: float | None = None  # the lowest uncapped step time it measured at the job's level
 
     @classmethod
     def of(cls, n: Node) -> _NodeRun:
@@ -609,22 +613,25 @@ def run_nodes(
     uncapped step time, as the daemon does (its policy's ``baseline_time_per_flop_s``
     times the node's FLOPs per step); the ranks agree on the slowest every ``sync_every``
     steps and read the agreement one period later, and every node's policy gets it as the
-    job's ``pace_s``. Decisions every step."""
+    job's ``pace_s``; its lowest uncapped step (``floor_time_per_flop_s``) the same way, the
+    MIN as ``floor_s``. A node's policy decides every step from ``Node.starts_at``."""
     rng = random.Random(seed)
     parts = [_NodeRun.of(n) for n in nodes]
     step_s: list[float] = []
     energy = [0.0] * len(nodes)
     paces: list[tuple[int, float | None]] = []
     told: list[float | None] = []  # the local paces as the last agreement read them
+    floors: list[float | None] = []  # and the nodes' lowest uncapped steps
     sim_t = 0.0
     for it in range(steps):
         if it % sync_every == 0:  # an agreement: the paces published before the last one
             agreed = max((p for p in told if p is not None), default=None)
+            floor = min((f for f in floors if f is not None), default=None)
             for n in nodes:
-                n.job.pace_s = agreed
+                n.job.pace_s, n.job.floor_s = agreed, floor
                 n.job.pace_count = (n.job.pace_count or 0) + (agreed is not None)  # (a rank sends only a pace)
             paces.append((it, agreed))
-            told = [p.local for p in parts]
+            told, floors = [p.local for p in parts], [p.floor for p in parts]
         own = []
         for n, p in zip(nodes, parts, strict=True):
             sj = n.job
@@ -662,11 +669,16 @@ def run_nodes(
                 p.energy, p.busy, p.clock, None, p.period,
             )  # fmt: skip
             p.new_period()
+            if it < n.starts_at:
+                continue
             decision = n.policy.decide(snap, p.state)
             details = (decision.details.get("jobs") or {}).get(sj.job) if isinstance(decision.details, dict) else None
             tpf = details.get("baseline_time_per_flop_s") if isinstance(details, dict) else None
             if tpf:
                 p.local = float(tpf) * fl  # (the daemon's local_pace push)
+            low = details.get("floor_time_per_flop_s") if isinstance(details, dict) else None
+            if low:
+                p.floor = float(low) * fl  # (and its floor)
             before = tuple(_in_force(p.by[i]) for i in sj.gpus)
             _apply_decision(decision, [sj], p.by)
             if tuple(_in_force(p.by[i]) for i in sj.gpus) != before:

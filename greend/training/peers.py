@@ -9,7 +9,8 @@ rendezvous key-value store instead (``torch.distributed``'s default store: the
 under keys of greend's own (``greend/<job>/...``), with calls that never wait:
 
 * every ``sync_every`` steps (an *epoch*), each rank raises the epoch's key to its
-  own figure if that is larger (compare-and-set, a few round trips at most);
+  own figure if that is larger (compare-and-set, a few round trips at most; a MIN is
+  the MAX of the negated figures);
 * it then reads the previous epoch's key, which every rank in step wrote one epoch
   ago: the MAX over the ranks that have a figure. A rank without a callback, or
   without a daemon, writes nothing and changes nothing; a rank that is behind only
@@ -69,6 +70,13 @@ class JobPeers:
             if text == mine or float(text) >= value:
                 return
             current = self.store.compare_set(key, text, mine)
+
+    def agree_min(self, name: str, epoch: int, value: float | None) -> float | None:
+        """As :meth:`agree_max`, the MIN: kept as the MAX of the negated figures."""
+        agreed = self.agree_max(name, epoch, None)  # (the read and the clean-up)
+        if value is not None and value > 0:
+            self.raise_to(name, epoch, -value)
+        return None if agreed is None else -agreed
 
     def read(self, name: str, epoch: int) -> float | None:
         """The epoch's figure, or None if no rank wrote one (never waits)."""

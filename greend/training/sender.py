@@ -24,6 +24,7 @@ and the agreed pace, and reads the daemon's pushed ``directive`` and
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import select
 import socket
@@ -136,7 +137,9 @@ class Channel:
     stats: SenderStats = field(default_factory=SenderStats)
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
     agreed_pace_s: float | None = None
+    agreed_floor_s: float | None = None  # sent with the pace
     local_pace_s: float | None = None
+    local_floor_s: float | None = None
     requested: str | None = None
     on_directive: Callable[[], None] = lambda: None
     # The daemon's precision tolerance from its register reply (None: it sent none).
@@ -282,7 +285,8 @@ class Sender:
         pace = self.ch.agreed_pace_s
         if pace is not None:
             self.ch.agreed_pace_s = None
-            self._queue_request("pace", {"step_s": pace})
+            floor = self.ch.agreed_floor_s
+            self._queue_request("pace", {"step_s": pace} if floor is None else {"step_s": pace, "floor_s": floor})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
         for op, sent in self._pending.values():
@@ -655,11 +659,12 @@ class Sender:
             if "precision" in msg:
                 self._on_directive(msg.get("precision"), msg.get("reason"))
         elif msg.get("event") == "local_pace":
-            step_s = msg.get("step_s")
-            if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and step_s > 0:
-                self.ch.local_pace_s = float(step_s)
+            step_s = _positive(msg.get("step_s"), math.inf)
+            floor_s = _positive(msg.get("floor_s", step_s), math.inf)  # (a daemon that sends no floor: its pace)
+            if step_s is not None and floor_s is not None:
+                self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
             else:
-                self._malformed(f"a local_pace event with step_s={step_s!r}")
+                self._malformed(f"a local_pace event with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
         else:
             log.debug("greend: ignoring event %r", msg.get("event"))
 

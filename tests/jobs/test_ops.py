@@ -472,3 +472,19 @@ def test_the_policy_sees_how_many_agreements_on_the_pace_came_not_how_many_ranks
     h["pace"]({"step_s": 0.33}, again)  # (rank 0's op for agreement 3, on its new connection)
     (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
     assert (view.pace_s, view.pace_count) == (0.33, 3)
+
+
+def test_a_job_with_ranks_on_other_nodes_gets_its_agreed_floor_one_on_this_node_alone_none() -> None:
+    from greend.policies.base import UNCAPPED
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    for k, (job, world) in enumerate([("spans", 4), ("spans", 4), ("here", 2), ("here", 2)]):
+        conn = _Conn(k + 1, _Peer(pid=0, uid=1000))
+        h["register"]({"job": job, "gpus": [k], "rank": k % 2, "world_size": world}, conn)
+        h["pace"]({"step_s": 0.30, "floor_s": 0.27}, conn)
+    views = {v.job: v for v in ops.jobs.views(lambda gpu: UNCAPPED)}
+    assert (views["spans"].pace_s, views["spans"].floor_s) == (0.30, 0.27)  # (2 of its 4 ranks here)
+    assert (views["here"].pace_s, views["here"].floor_s) == (0.30, None)  # (its own rechecks rule)
+    h["pace"]({"step_s": 0.31}, _Conn(1, _Peer(pid=0, uid=1000)))  # (ranks that agreed no floor)
+    assert {v.job: v for v in ops.jobs.views(lambda gpu: UNCAPPED)}["spans"].floor_s is None

@@ -14,6 +14,7 @@ import torch.distributed as dist  # noqa: E402
 
 from greend.training.identity import resolve_job, resolve_run  # noqa: E402
 from greend.training.peers import JobPeers  # noqa: E402
+from tests.support import wait_for  # noqa: E402
 
 LAUNCH_VARS = ("GREEND_JOB", "SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
 
@@ -119,6 +120,17 @@ def test_ranks_agree_on_the_max_of_the_previous_epoch() -> None:
     # Rank 0 deletes keys two epochs old: the store does not grow with the run.
     peers[0].agree_max("pace", 4, 0.1)
     assert not store.check(["greend/j/pace/2"]) and store.check(["greend/j/pace/3"])
+
+
+def test_ranks_agree_on_the_min_of_the_previous_epoch_beside_the_max() -> None:
+    store = dist.HashStore()
+    peers = [JobPeers(store, "j", rank) for rank in range(3)]
+    assert [p.agree_min("floor", 1, v) for p, v in zip(peers, (0.20, 0.10, 0.30))] == [None] * 3
+    assert [p.agree_max("pace", 1, v) for p, v in zip(peers, (0.20, 0.10, 0.30))] == [None] * 3
+    assert peers[2].agree_min("floor", 2, 0.25) == pytest.approx(0.10)
+    assert peers[0].agree_min("floor", 2, None) == pytest.approx(0.10)  # (a rank with no figure reads it)
+    assert peers[1].agree_max("pace", 2, 0.12) == pytest.approx(0.30)  # (the two keys apart)
+    assert peers[1].agree_min("floor", 3, None) == pytest.approx(0.25)
 
 
 def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
@@ -355,3 +367,22 @@ def test_an_id_from_the_environment_that_is_rewritten_says_so(
         assert resolve_job(None) == "my-job"
         assert resolve_run("my-job", 1) == "bad-run-"
     assert "'my job', is booked as 'my-job'" in caplog.text and "GREEND_RUN='bad run!' is booked as run" in caplog.text
+
+
+def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Each rank's daemon pushes its node's uncapped step and the lowest it measured
+    (``local_pace``); the ranks agree the MAX of the first (the pace) and the MIN of the
+    second (the floor) and send both back as op ``pace``. A daemon that pushes no floor
+    offers its pace as one."""
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), probe_trial=False)
+    with cbs[0].step(samples=1), cbs[1].step(samples=1):
+        pass
+    assert wait_for(lambda: len(daemon.registers) == 2)
+    for c, (pace, floor) in zip(daemon.server.connections(), ((0.30, 0.26), (0.20, None)), strict=True):
+        c.send({"v": 1, "job": "agree", "event": "local_pace", "step_s": pace, **({"floor_s": floor} if floor else {})})
+    assert wait_for(lambda: all(cb._channel.local_floor_s is not None for cb in cbs))
+    _lockstep(cbs, 20, {})
+    assert wait_for(lambda: len(daemon.paces) >= 1)
+    assert {"step_s": 0.30, "floor_s": 0.20} in daemon.paces, daemon.paces
