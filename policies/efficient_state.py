@@ -63,6 +63,7 @@ class JobSearch:
     pace_mark: int = 0  # the agreements on the job's pace received by then (JobView.pace_count)
     low_tpf: float | None = None  # the lowest uncapped time per FLOP measured at low_level (the job's floor here)
     low_level: str | None = None  # the precision it was measured at
+    low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
 
     @property
     def looking(self) -> bool:
@@ -131,12 +132,15 @@ def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:
     So the job is held to its bound over its fastest uncapped step; a job whose
     uncapped step truly got slower (a new phase on every node) is held to its old floor:
     capped less, never slower. A job on one node has no floor (None): its own rechecks
-    rule."""
+    rule. After a change of level the floor waits for a baseline measured at the new one
+    (the search's, once the job's new speed re-tuned it)."""
     tpf = base.time_per_flop_s
-    if job.low_level != j.precision:
-        job.low_tpf, job.low_level = None, j.precision  # (another level: another step time)
-    job.low_tpf = tpf if job.low_tpf is None else min(job.low_tpf, tpf)
-    if j.floor_s is None or j.floor_s <= 0:
+    if job.low_level != j.precision:  # another level, another step time: from its own baseline on
+        skip = (base.steps, base.time_s) if job.low_level is not None else None
+        job.low_tpf, job.low_level, job.low_skip = None, j.precision, skip
+    if job.low_skip != (base.steps, base.time_s):  # (the baseline measured at the level before: not this one's)
+        job.low_tpf, job.low_skip = tpf if job.low_tpf is None else min(job.low_tpf, tpf), None
+    if j.floor_s is None or j.floor_s <= 0 or job.low_tpf is None:
         return 1.0
     floor_tpf = min(job.low_tpf, j.floor_s * base.steps / base.flops)  # (ours goes into the next agreement)
     return min(1.0, floor_tpf / tpf)

@@ -510,14 +510,16 @@ class ControlLoop:
             if not time_per_flop_s or not flops_per_step:  # (a job that counts no FLOPs has no pace here)
                 continue
             step_s = float(time_per_flop_s) * flops_per_step
-            # And the lowest uncapped step it measured at the job's level (the job's floor).
-            floor_s = float(details.get("floor_time_per_flop_s") or time_per_flop_s) * flops_per_step
-            if not (math.isfinite(step_s) and step_s > 0 and math.isfinite(floor_s) and floor_s > 0):
+            # And the lowest uncapped step it measured at the job's level (the job's floor; none yet: none).
+            low = details.get("floor_time_per_flop_s")
+            floor_s = float(low) * flops_per_step if low else 0.0
+            if not (math.isfinite(step_s) and step_s > 0 and math.isfinite(floor_s) and floor_s >= 0):
                 continue
             last = self._pushed_pace.get(job_id)
             if last is not None and all(abs(a - b) <= 0.01 * b for a, b in zip((step_s, floor_s), last, strict=True)):
                 continue
-            if jobs.push(job_id, {"event": "local_pace", "step_s": step_s, "floor_s": floor_s}):
+            event = {"event": "local_pace", "step_s": step_s, **({"floor_s": floor_s} if floor_s > 0 else {})}
+            if jobs.push(job_id, event):
                 self._pushed_pace[job_id] = (step_s, floor_s)
 
     # Restores ------------------------------------------------------------------------

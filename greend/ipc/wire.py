@@ -38,10 +38,16 @@ __all__ = [
     "frame_message",
     "frame_request",
     "is_event",
+    "positive",
     "read_line_blocking",
 ]
 
 RECV_BYTES = 65536  # one recv() at most
+
+
+def positive(v: Any, most: float) -> float | None:
+    """A number the peer sent, where it is one in (0, most]; else None."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= most else None
 
 
 class PeerClosed(EOFError):

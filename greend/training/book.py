@@ -666,25 +666,21 @@ class StepBook:
         return 6.0 * self._params * tokens
 
     def _sync_pace(self, index: int) -> None:
-        """Agree on the job's pace with the other ranks, at a decision point: this rank's
-        uncapped step time (the daemon's ``local_pace``) against the MAX the ranks wrote
-        one period earlier in the job's rendezvous store (greend.training.peers: no
-        collective), and the job's floor (the lowest uncapped step a node measured) the
-        MIN. A failure is logged once, never raised."""
+        """Agree on the job's pace and floor with the other ranks at a decision point, in
+        the job's rendezvous store (greend.training.peers.agree_pace: no collective),
+        from the daemon's ``local_pace``. A failure is logged once, never raised."""
         try:
             peers = self.control.job_peers()
             if peers is None:
                 return
-            epoch = (index + 1) // self.sync_every
-            agreed = peers.agree_max("pace", epoch, self.channel.local_pace_s)
-            floor = peers.agree_min("floor", epoch, self.channel.local_floor_s)
+            ch = self.channel
+            agreed, floor = peers.agree_pace((index + 1) // self.sync_every, ch.local_pace_s, ch.local_floor_s)
         except Exception as e:
             self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
             return
         if agreed is not None and agreed > 0:
             self.agreed_pace_s = agreed
-            self.channel.agreed_floor_s = floor if floor is not None and floor > 0 else None
-            self.channel.agreed_pace_s = agreed  # the sender sends both as op "pace" (the pace last)
+            ch.agreed_floor_s, ch.agreed_pace_s = floor, agreed  # the sender sends both as op "pace"
 
     def close(self) -> None:
         """The last losses (waited for: training is over), the model's hook taken off, and a

@@ -78,6 +78,11 @@ class JobPeers:
             self.raise_to(name, epoch, -value)
         return None if agreed is None else -agreed
 
+    def agree_pace(self, epoch: int, pace: float | None, floor: float | None) -> tuple[float | None, float | None]:
+        """The job's pace (the slowest node's uncapped step time: a MAX) and floor (the
+        lowest uncapped step a node measured: a MIN) the ranks wrote for the epoch before."""
+        return self.agree_max("pace", epoch, pace), self.agree_min("floor", epoch, floor)
+
     def read(self, name: str, epoch: int) -> float | None:
         """The epoch's figure, or None if no rank wrote one (never waits)."""
         key = self._key(name, epoch)

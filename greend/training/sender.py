@@ -24,7 +24,6 @@ and the agreed pace, and reads the daemon's pushed ``directive`` and
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import select
 import socket
@@ -46,6 +45,7 @@ from greend.ipc.wire import (
     frame_message,
     frame_request,
     is_event,
+    positive,
     read_line_blocking,
 )
 from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS
@@ -137,7 +137,7 @@ class Channel:
     stats: SenderStats = field(default_factory=SenderStats)
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
     agreed_pace_s: float | None = None
-    agreed_floor_s: float | None = None  # sent with the pace
+    agreed_floor_s: float | None = None  # (sent with the pace)
     local_pace_s: float | None = None
     local_floor_s: float | None = None
     requested: str | None = None
@@ -147,11 +147,6 @@ class Channel:
     register_omit: set[str] = field(default_factory=set)
     handed: deque[Any] = field(default_factory=deque)
     book_handed: Callable[[], None] = lambda: None
-
-
-def _positive(v: Any, most: float) -> float | None:
-    """A number the daemon sent, where it is one in (0, most]; else None."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= most else None
 
 
 class _ConnectionLost(Exception):
@@ -284,9 +279,9 @@ class Sender:
             self._queue_request("precision_event", events.popleft())
         pace = self.ch.agreed_pace_s
         if pace is not None:
-            self.ch.agreed_pace_s = None
-            floor = self.ch.agreed_floor_s
-            self._queue_request("pace", {"step_s": pace} if floor is None else {"step_s": pace, "floor_s": floor})
+            # (the floor only to a daemon that sends its own: one before floors refuses the field)
+            self.ch.agreed_pace_s, floor = None, self.ch.agreed_floor_s if self.ch.local_floor_s else None
+            self._queue_request("pace", {"step_s": pace, **({} if floor is None else {"floor_s": floor})})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
         for op, sent in self._pending.values():
@@ -373,19 +368,19 @@ class Sender:
             return False
         result = reply.get("result") or {}
         if isinstance(result, dict):
-            heartbeat_s = _positive(result.get("heartbeat_s"), float("inf"))
+            heartbeat_s = positive(result.get("heartbeat_s"), float("inf"))
             if heartbeat_s is not None:
                 self.heartbeat_s = min(max(heartbeat_s, HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
             self.booked_job = result["job"] if isinstance(result.get("job"), str) else None  # what its events name
             session = result.get("session")
             self.session = session if isinstance(session, int) else None
             # (absent: an older daemon, no precision policy: the callback's own tolerance)
-            ch.on_tolerance(_positive(result.get("precision_tolerance"), 10.0))
+            ch.on_tolerance(positive(result.get("precision_tolerance"), 10.0))
             directive = result.get("directive")
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
-            self._rows_every_s = max(opts.flush_interval_s, _positive(result.get("rows_every_s"), 5.0) or 0.0)
+            self._rows_every_s = max(opts.flush_interval_s, positive(result.get("rows_every_s"), 5.0) or 0.0)
             if isinstance(result.get("warning"), str):  # (what the daemon saw amiss: a job that named no GPUs)
                 self._warnings.warn("daemon", result["warning"][:500])
         else:
@@ -659,12 +654,11 @@ class Sender:
             if "precision" in msg:
                 self._on_directive(msg.get("precision"), msg.get("reason"))
         elif msg.get("event") == "local_pace":
-            step_s = _positive(msg.get("step_s"), math.inf)
-            floor_s = _positive(msg.get("floor_s", step_s), math.inf)  # (a daemon that sends no floor: its pace)
-            if step_s is not None and floor_s is not None:
-                self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
-            else:
+            step_s, floor_s = positive(msg.get("step_s"), 1e6), positive(msg.get("floor_s"), 1e6)
+            if step_s is None or (floor_s is None and "floor_s" in msg):  # (a daemon before floors sends none)
                 self._malformed(f"a local_pace event with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
+            if step_s is not None:
+                self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
         else:
             log.debug("greend: ignoring event %r", msg.get("event"))
 

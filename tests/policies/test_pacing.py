@@ -409,3 +409,28 @@ def test_nodes_whose_daemons_start_apart_keep_the_job_within_its_bound(
     last = sum(eff.step_s[1000:]) / sum(none.step_s[1000:])
     assert last <= 1 + bound + 0.005, last
     assert sum(eff.energy_j) < 0.95 * sum(none.energy_j)  # (and it still saves)
+
+
+def test_after_a_change_of_level_the_floor_waits_for_a_baseline_at_the_new_one() -> None:
+    """A rollback (bf16 to fp32, the job 1.6x slower): the baseline the policy holds when
+    the ranks' level changes is still the old level's, and must not become the new
+    level's floor (the job, on every node through the MIN, would be held to a step it no
+    longer runs: never capped again)."""
+    from greend.policies.base import JobView
+    from greend.policies.efficient_state import JobSearch, floor_share
+
+    def view(level: str, floor_s: float) -> JobView:
+        return JobView("j", (0,), "running", 100, level, (level,), None, UNCAPPED, floor_s=floor_s)
+
+    def base(tpf: float) -> Evidence:
+        return Evidence(steps=16, flops=16e12, time_s=16e12 * tpf, energy_j=1.0)
+
+    job = JobSearch(gpus=(0,), start_steps=0)
+    assert floor_share(job, base(1e-12), view("bf16", 1e-12 * 1e12)) == 1.0
+    assert floor_share(job, base(1e-12), view("fp32", 1e-12 * 1e12)) == 1.0  # (the old baseline: no floor)
+    assert job.low_tpf is None
+    slow = base(1.6e-12)  # (re-tuned: the baseline at fp32)
+    assert floor_share(job, slow, view("fp32", 1.6e-12 * 1e12)) == 1.0 and job.low_tpf == pytest.approx(1.6e-12)
+    # (a node whose floor is lower at fp32 holds it to that; an inflated baseline later does not raise it)
+    assert floor_share(job, base(1.8e-12), view("fp32", 1.5e-12 * 1e12)) == pytest.approx(1.5 / 1.8)
+    assert job.low_tpf == pytest.approx(1.6e-12)
