@@ -380,17 +380,19 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
     try:
         with cbs[0].step(samples=1), cbs[1].step(samples=1):
             pass
-        assert wait_for(lambda: len(daemon.registers) == 2)
+        assert wait_for(lambda: len(daemon.registers) == 2, 20.0)
         for c, (pace, floor) in zip(daemon.server.connections(), ((0.30, 0.26), (0.20, None)), strict=True):
             c.send(
                 {"v": 1, "job": "agree", "event": "local_pace", "step_s": pace, **({"floor_s": floor} if floor else {})}
             )
-        assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs))
+        assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
         for _ in range(20):
             for cb in cbs:
                 with cb.step(samples=1) as st:
                     st.loss(torch.tensor(1.0))
-        assert wait_for(lambda: {"step_s": 0.30, "floor_s": 0.26} in daemon.paces and {"step_s": 0.30} in daemon.paces)
+        assert wait_for(
+            lambda: {"step_s": 0.30, "floor_s": 0.26} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
+        )
         assert all(p in ({"step_s": 0.30, "floor_s": 0.26}, {"step_s": 0.30}) for p in daemon.paces), daemon.paces
     finally:
         for cb in cbs:
