@@ -653,6 +653,7 @@ class EfficientPolicy:
             pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:
                 allowed *= pace_tpf / base.time_per_flop_s
-        if not self.pace_room and base.time_s > 0 < base.flops:
-            allowed *= floor_share(job, base, j)
+        share = floor_share(job, base, j) if base.time_s > 0 < base.flops else 1.0  # (kept and reported either way)
+        if not self.pace_room:
+            allowed *= share
         return allowed

@@ -431,6 +431,7 @@ class JobFigures:
                 "proposed_precision": job.proposal.level if job.proposal is not None else None,
                 "precision_log": [e.to_json() for e in job.precision_log],
                 "pace_s": job.pace_s,
+                "floor_s": job.floor_s,  # the fastest uncapped step a node measured, agreed with the pace
                 "decisions": [d.to_json() for d in job.decisions[-50:]],
                 "cap_changes": job.cap_changes,
                 # Each policy's latest word on the job: why it is (or was) capped or not,

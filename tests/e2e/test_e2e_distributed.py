@@ -99,6 +99,7 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
                 chosen = ((det.get("best") or {}).get("setting") or {}).get("clock_cap_mhz")
                 seen[name] = {
                     "pace_s": rep["pace_s"],
+                    "floor_s": rep.get("floor_s"),
                     "phase": det.get("phase"),
                     "cap": chosen,
                     "in_force": st["gpus"][0]["clock_cap_mhz"],
@@ -124,6 +125,9 @@ def test_ranks_agree_on_the_pace_and_the_fast_node_is_not_the_straggler(
     # One pace for the job, agreed through the job's rendezvous store: the slow node's.
     assert outs[0]["agreed_pace_s"] == pytest.approx(outs[1]["agreed_pace_s"])
     assert fa["pace_s"] == pytest.approx(sl["pace_s"], rel=0.05)
+    # And one floor, agreed with it (a MIN): the fast node's uncapped step, under the pace.
+    assert fa["floor_s"] is not None and fa["floor_s"] == pytest.approx(sl["floor_s"], rel=0.05), (fa, sl)
+    assert fa["floor_s"] < 0.9 * fa["pace_s"], (fa["floor_s"], fa["pace_s"])
     assert fa["phase"] == "settled", fa
     assert fa["cap"] == fa["in_force"], f"the settled cap is not in force on the fast node's GPU: {fa}"
     # The fast node's allowed slowdown over its own baseline exceeds the bound by the
