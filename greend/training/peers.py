@@ -9,8 +9,8 @@ rendezvous key-value store instead (``torch.distributed``'s default store: the
 under keys of greend's own (``greend/<job>/...``), with calls that never wait:
 
 * every ``sync_every`` steps (an *epoch*), each rank raises the epoch's key to its
-  own figure if that is larger (compare-and-set, a few round trips at most; a MIN is
-  the MAX of the negated figures);
+  own figure if that is larger (compare-and-set, a few round trips at most; the pace's
+  key holds the floor beside it, lowered the same way);
 * it then reads the previous epoch's key, which every rank in step wrote one epoch
   ago: the MAX over the ranks that have a figure. A rank without a callback, or
   without a daemon, writes nothing and changes nothing; a rank that is behind only
@@ -71,17 +71,35 @@ class JobPeers:
                 return
             current = self.store.compare_set(key, text, mine)
 
-    def agree_min(self, name: str, epoch: int, value: float | None) -> float | None:
-        """As :meth:`agree_max`, the MIN: kept as the MAX of the negated figures."""
-        agreed = self.agree_max(name, epoch, None)  # (the read and the clean-up)
-        if value is not None and value > 0:
-            self.raise_to(name, epoch, -value)
-        return None if agreed is None else -agreed
-
     def agree_pace(self, epoch: int, pace: float | None, floor: float | None) -> tuple[float | None, float | None]:
-        """The job's pace (the slowest node's uncapped step time: a MAX) and floor (the
-        lowest uncapped step a node measured: a MIN) the ranks wrote for the epoch before."""
-        return self.agree_max("pace", epoch, pace), self.agree_min("floor", epoch, floor)
+        """Write this rank's figures for ``epoch`` and return those the ranks wrote for the
+        epoch before: the job's pace (the slowest node's uncapped step time: the MAX) and
+        floor (the lowest uncapped step a node measured: the MIN; None where no rank had
+        one). Both in one key, ``"pace,floor"`` (one compare-and-set loop and one read an
+        epoch, as for one figure: each round trip to the store's master waits on the
+        training thread). A rank without a pace writes nothing."""
+        key = self._key("paces", epoch)
+        if pace is not None and pace > 0:
+            mine = _pair(pace, floor if floor is not None and floor > 0 else None)
+            current = self.store.compare_set(key, "", mine)  # set if absent; else what is there
+            for _ in range(_MAX_CAS_TRIES):
+                text = current.decode() if isinstance(current, bytes) else str(current)
+                theirs = _unpair(text)
+                merged = _pair(max(theirs[0], pace), _least(theirs[1], floor))
+                if text == mine or merged == text:
+                    break
+                current = self.store.compare_set(key, text, merged)
+        prev = self._key("paces", epoch - 1)
+        agreed = None
+        if epoch >= 1 and self.store.check([prev]):
+            raw = self.store.get(prev)
+            agreed = _unpair(raw.decode() if isinstance(raw, bytes) else str(raw))
+        if self.rank == 0 and epoch >= 2:
+            try:
+                self.store.delete_key(self._key("paces", epoch - 2))
+            except Exception:
+                pass  # a store without delete keeps a few bytes an epoch
+        return agreed if agreed is not None else (None, None)
 
     def read(self, name: str, epoch: int) -> float | None:
         """The epoch's figure, or None if no rank wrote one (never waits)."""
@@ -103,3 +121,16 @@ class JobPeers:
             except Exception:
                 pass  # a store without delete keeps a few bytes an epoch
         return agreed
+
+
+def _pair(pace: float, floor: float | None) -> str:
+    return f"{pace!r}," + ("" if floor is None else repr(floor))
+
+
+def _unpair(text: str) -> tuple[float, float | None]:
+    pace, _, floor = text.partition(",")
+    return float(pace), (float(floor) if floor else None)
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)

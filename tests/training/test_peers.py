@@ -122,15 +122,38 @@ def test_ranks_agree_on_the_max_of_the_previous_epoch() -> None:
     assert not store.check(["greend/j/pace/2"]) and store.check(["greend/j/pace/3"])
 
 
-def test_ranks_agree_on_the_min_of_the_previous_epoch_beside_the_max() -> None:
+def test_ranks_agree_the_pace_max_and_the_floor_min_of_the_previous_epoch_in_one_key() -> None:
     store = dist.HashStore()
     peers = [JobPeers(store, "j", rank) for rank in range(3)]
-    assert [p.agree_min("floor", 1, v) for p, v in zip(peers, (0.20, 0.10, 0.30))] == [None] * 3
-    assert [p.agree_max("pace", 1, v) for p, v in zip(peers, (0.20, 0.10, 0.30))] == [None] * 3
-    assert peers[2].agree_min("floor", 2, 0.25) == pytest.approx(0.10)
-    assert peers[0].agree_min("floor", 2, None) == pytest.approx(0.10)  # (a rank with no figure reads it)
-    assert peers[1].agree_max("pace", 2, 0.12) == pytest.approx(0.30)  # (the two keys apart)
-    assert peers[1].agree_min("floor", 3, None) == pytest.approx(0.25)
+    figures = ((0.20, 0.18), (0.10, 0.09), (0.30, None))  # (rank 2's daemon has no floor)
+    assert [p.agree_pace(1, *f) for p, f in zip(peers, figures)] == [(None, None)] * 3
+    assert peers[2].agree_pace(2, 0.25, 0.24) == pytest.approx((0.30, 0.09))
+    assert peers[0].agree_pace(2, None, None) == pytest.approx((0.30, 0.09))  # (no figures: reads only)
+    assert peers[1].agree_pace(2, 0.12, None) == pytest.approx((0.30, 0.09))
+    assert peers[1].agree_pace(3, 0.11, None) == (pytest.approx(0.25), pytest.approx(0.24))
+    assert store.check(["greend/j/paces/2"]) and not store.check(["greend/j/floor/2"])  # (one key an epoch)
+    peers[0].agree_pace(4, 0.1, None)
+    assert not store.check(["greend/j/paces/2"]) and store.check(["greend/j/paces/3"])  # (rank 0 cleans up)
+    JobPeers(store, "k", 0).agree_pace(1, 0.3, None)
+    assert JobPeers(store, "k", 1).agree_pace(2, None, None) == (pytest.approx(0.3), None)  # (no rank had a floor)
+
+
+def test_concurrent_ranks_on_a_tcp_store_agree_the_pace_and_floor() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    port = server.port
+    paces = [0.01 * (i + 1) for i in range(8)]
+
+    def rank(i: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
+        for _ in range(10):
+            JobPeers(client, "j", i).agree_pace(1, paces[i], 0.5 - paces[i])
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert JobPeers(server, "j", 1).agree_pace(2, None, None) == pytest.approx((max(paces), 0.5 - max(paces)))
 
 
 def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
