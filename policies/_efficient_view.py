@@ -33,7 +33,9 @@ def settled_line(name: str, job: JobSearch, ev: dict[Setting, Evidence], s: Sett
     return f"job {name} settled at {s.label}: {de:+.0%} energy/FLOP, {dt:+.1%} time ({bound})"
 
 
-def job_details(job: JobSearch, ev: dict[Setting, Evidence], objective: str, bound: float) -> dict[str, Any]:
+def job_details(
+    job: JobSearch, ev: dict[Setting, Evidence], objective: str, bound: float, flops_per_step: float | None
+) -> dict[str, Any]:
     base = ev.get(UNCAPPED)
     measured = {s.label: e.steps for s, e in ev.items() if e.steps > 0}
     best: dict[str, Any] | None = None
@@ -63,4 +65,5 @@ def job_details(job: JobSearch, ev: dict[Setting, Evidence], objective: str, bou
         # lowest it measured at the job's level, from which they agree the job's floor.
         "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.flops > 0 else None,
         "floor_time_per_flop_s": job.low_tpf,
+        "flops_per_step": flops_per_step,  # (now: what the daemon turns those into step times with)
     }

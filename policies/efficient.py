@@ -86,7 +86,16 @@ from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._pacing import Pacer, as_job
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
-from .efficient_state import EfficientState, floor_share, follow_straggle, new_since, pace_fresh, rebase_waits
+from .efficient_state import (
+    EfficientState,
+    floor_share,
+    follow_straggle,
+    new_since,
+    note_flops,
+    pace_fresh,
+    rebase_waits,
+    step_flops,
+)
 from .efficient_state import JobSearch as _Job
 from .params import Param, validate_params
 from .static import same_setting
@@ -186,6 +195,7 @@ class EfficientPolicy:
                 note = f" ({why})"
             clamp = self._held_instead(j, job, views)
             follow_straggle(job, j, views)
+            note_flops(job, j)
             reasons[j.job] = self._step_job(snap, j, job, views[0]) + note + clamp
             paced = self._pace(snap, j, job, views)
             if paced:
@@ -195,7 +205,7 @@ class EfficientPolicy:
             if not same_setting(j.setting, job.current):
                 d.settings[j.job] = job.current
                 job.asked = (job.current, j.setting)
-            details[j.job] = job_details(job, self._evidence(job), self.objective, self.max_slowdown)
+            details[j.job] = job_details(job, self._evidence(job), self.objective, self.max_slowdown, job.fps)
         d.reason = "; ".join(reasons.values()) if reasons else "efficient: no running job"
         d.details = {
             "policy": self.name,
@@ -650,7 +660,7 @@ class EfficientPolicy:
         allowed = 1.0 + self.max_slowdown
         fresh = self.pace_room and base.time_s > 0 < base.flops and pace_fresh(job, base.time_per_flop_s, j.pace_count)
         if j.pace_s is not None and j.pace_s > 0 and fresh:
-            pace_tpf = j.pace_s * base.steps / base.flops  # s per FLOP at the agreed pace
+            pace_tpf = j.pace_s / step_flops(job, base)  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:
                 allowed *= pace_tpf / base.time_per_flop_s
         share = floor_share(job, base, j) if base.time_s > 0 < base.flops else 1.0  # (kept and reported either way)

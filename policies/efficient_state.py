@@ -16,6 +16,8 @@ from ._pacing import PaceState, straggle_shown
 from .base import UNCAPPED, GpuView, JobView, Setting
 from .static import same_setting
 
+FPS_STEPS = 8  # the job's FLOPs per step now: over this many steps at least (note_flops)
+
 __all__ = ["EfficientState", "JobSearch", "follow_straggle", "new_since", "pace_fresh", "rebase_waits"]
 
 PUSH_SHARE = 0.01  # the daemon tells the ranks this node's pace again when it moves by more (control/loop.py)
@@ -63,6 +65,8 @@ class JobSearch:
     pace_mark: int = 0  # the agreements on the job's pace received by then (JobView.pace_count)
     low_tpf: float | None = None  # the lowest uncapped time per FLOP measured at low_level (the job's floor here)
     low_level: str | None = None  # the precision it was measured at
+    fps: float | None = None  # the job's FLOPs per step now (note_flops)
+    fps_mark: tuple[float | None, int, float] | None = None  # (its measure's start, steps, FLOPs) then
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
 
     @property
@@ -115,6 +119,31 @@ def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
     return count >= job.pace_mark + 3
 
 
+def note_flops(job: JobSearch, j: JobView) -> None:
+    """Follow the job's FLOPs per step now (``job.fps``: over its last ``FPS_STEPS`` steps
+    or more, from the measure in force). A step time agreed across nodes (its pace, its
+    floor) goes out as this node's time per FLOP times its FLOPs per step now, and is
+    read back the same way. The baseline's, or a measure's since its setting took effect,
+    would misread them once the job's steps grew (a batch-size warm-up, a longer
+    sequence): a floor read twice too high, and the job ran +9.5 % over ``none`` under a
+    5 % bound (3 nodes, FLOPs x2 then x4: +19 % under 10 %; sim)."""
+    m = j.measure
+    if m is None or m.steps <= 0 or m.flops <= 0:
+        return
+    mark = job.fps_mark
+    if mark is None or mark[0] != m.since_s or m.steps < mark[1]:  # (a new measure)
+        job.fps_mark = (m.since_s, m.steps, m.flops)
+        job.fps = job.fps or m.flops / m.steps
+    elif m.steps - mark[1] >= FPS_STEPS:
+        job.fps = (m.flops - mark[2]) / (m.steps - mark[1])
+        job.fps_mark = (m.since_s, m.steps, m.flops)
+
+
+def step_flops(job: JobSearch, base: Evidence) -> float:
+    """The job's FLOPs per step now (note_flops; before any: the baseline's)."""
+    return job.fps or base.flops / base.steps
+
+
 def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:
     """The share of the bound a job spanning nodes keeps of its local baseline ``base``
     (1: all of it): the job's floor (the fastest uncapped step any of its nodes measured,
@@ -142,7 +171,7 @@ def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:
         job.low_tpf, job.low_skip = tpf if job.low_tpf is None else min(job.low_tpf, tpf), None
     if j.floor_s is None or j.floor_s <= 0 or job.low_tpf is None:
         return 1.0
-    floor_tpf = min(job.low_tpf, j.floor_s * base.steps / base.flops)  # (ours goes into the next agreement)
+    floor_tpf = min(job.low_tpf, j.floor_s / step_flops(job, base))  # (ours goes into the next agreement)
     return min(1.0, floor_tpf / tpf)
 
 

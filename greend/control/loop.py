@@ -506,7 +506,8 @@ class ControlLoop:
         jobs = self.ctx.jobs
         for job_id, details in (decision.details.get("jobs") or {}).items():
             time_per_flop_s = details.get("baseline_time_per_flop_s")
-            flops_per_step = jobs.flops_per_step(job_id) if time_per_flop_s else None
+            # (the policy's FLOPs per step now; else the job's mean: the ranks' figures are read back with the same)
+            flops_per_step = details.get("flops_per_step") or (jobs.flops_per_step(job_id) if time_per_flop_s else None)
             if not time_per_flop_s or not flops_per_step:  # (a job that counts no FLOPs has no pace here)
                 continue
             step_s = float(time_per_flop_s) * flops_per_step

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -409,10 +410,11 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
                 {"v": 1, "job": "agree", "event": "local_pace", "step_s": pace, **({"floor_s": floor} if floor else {})}
             )
         assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
-        for _ in range(20):
+        for _ in range(20):  # (steps of 20 ms: the senders, every 20 ms, agree each epoch as it comes)
             for cb in cbs:
                 with cb.step(samples=1) as st:
                     st.loss(torch.tensor(1.0))
+            time.sleep(0.02)
         assert wait_for(
             lambda: {"step_s": 0.30, "floor_s": 0.26} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
         )
