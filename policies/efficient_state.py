@@ -65,6 +65,9 @@ class JobSearch:
     pace_mark: int = 0  # the agreements on the job's pace received by then (JobView.pace_count)
     low_tpf: float | None = None  # the lowest uncapped time per FLOP measured at low_level (the job's floor here)
     low_level: str | None = None  # the precision it was measured at
+    spans_nodes: bool = False  # the job's ranks agree a floor across nodes (floor_share)
+    rechecked_s: float = 0.0  # when the last baseline re-check ended (snap.t_s)
+    recheck_cost_s: float = 0.0  # and the time its steps took
     fps: float | None = None  # the job's FLOPs per step now (note_flops)
     fps_mark: tuple[float | None, int, float] | None = None  # (its measure's start, steps, FLOPs) then
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
@@ -169,6 +172,7 @@ def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:
         job.low_tpf, job.low_level, job.low_skip = None, j.precision, skip
     if job.low_skip != (base.steps, base.time_s):  # (the baseline measured at the level before: not this one's)
         job.low_tpf, job.low_skip = tpf if job.low_tpf is None else min(job.low_tpf, tpf), None
+    job.spans_nodes = j.floor_s is not None
     if j.floor_s is None or j.floor_s <= 0 or job.low_tpf is None:
         return 1.0
     floor_tpf = min(job.low_tpf, j.floor_s / step_flops(job, base))  # (ours goes into the next agreement)
