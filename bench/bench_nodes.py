@@ -7,7 +7,9 @@ slowest node's time and every node times that step, as real ranks do, the wait i
 collective included): 2 to 4 nodes of 2 GPUs, each under its own daemon's ``efficient``
 (default params, ``max_slowdown`` 5 or 10 %), each daemon starting 0-199 steps into the
 job (daemons never start together), half the jobs with one node 10 or 30 % slower (all
-along, or for steps 1000-2000 of 3000), step noise 0, 1 or 2 %. Beside each, the same job
+along, for the middle third, or from the start for the first third), step noise 0, 1 or
+2 %, half the jobs' steps growing 1.5 or 2 times in FLOPs a fifth of the way in (a
+batch-size warm-up, a longer sequence). Beside each, the same job
 under ``none``. Printed per case: the job's time against ``none`` over the last third of
 the run (once settled) and the whole run, and the job's GPU energy saved; then the worst
 excess over the bound and how many cases end over it by more than one point.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from greend.policies import get_policy
 from greend.probes.sim import H100, SimSpec
-from greend.testing.harness import Node, SimJob, Straggle, make_sim_gpus, run_nodes
+from greend.testing.harness import Node, Phase, SimJob, Straggle, make_sim_gpus, run_nodes
 
 FLOPS = 1e12
 GPUS = 2
@@ -51,7 +53,8 @@ def run(spec: SimSpec, knob: str, case: dict, steps: int, seed: int) -> dict:
                 pol = get_policy("none")
             else:
                 pol = get_policy("efficient", knob=knob, max_slowdown=case["bound"])
-            job = SimJob("j", tuple(range(GPUS)), FLOPS, 0.4, straggles=st)
+            phases = (Phase(steps // 5, FLOPS * case["grow"], 0.4),) if case["grow"] != 1.0 else ()
+            job = SimJob("j", tuple(range(GPUS)), FLOPS, 0.4, straggles=st, phases=phases)
             nodes.append(Node(pol, gpus, job, clk, starts_at=start if pol_name != "none" else 0))
         out[pol_name] = run_nodes(nodes, steps=steps, noise=case["noise"], seed=seed)
     r0, r1 = out["none"], out["efficient"]
@@ -69,14 +72,16 @@ def draw(rng: random.Random, steps: int) -> dict:
     span = None
     if rng.random() < 0.5:
         factors[rng.randrange(n)] = rng.choice((1.1, 1.3))
-        if rng.random() < 0.3:
-            span = (steps // 3, 2 * steps // 3)
+        span = rng.choice(
+            (None, None, (steps // 3, 2 * steps // 3), (0, steps // 3))
+        )  # (all along, mid-run, first third)
     return {
         "starts": [rng.randrange(0, 200) for _ in range(n)],
         "bound": rng.choice((0.05, 0.10)),
         "factors": factors,
         "span": span,
         "noise": rng.choice((0.0, 0.01, 0.02)),
+        "grow": rng.choice((1.0, 1.0, 1.5, 2.0)),  # the job's FLOPs per step from a fifth of the run on
     }
 
 
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, knob, title = H100, "clock", "simulated H100, clock knob"
     print(f"jobs over several nodes, daemons starting apart: {title}, {a.steps} steps, efficient vs none (sim)")
     head = (
-        f"{'#':>3} {'nodes':>5} {'daemon starts':<20} {'bound':>5} {'slower':<14} {'noise':>5} "
+        f"{'#':>3} {'nodes':>5} {'daemon starts':<20} {'bound':>5} {'slower':<14} {'noise':>5} {'FLOPs':>5} "
         f"{'last third':>10} {'whole':>7} {'saved':>6}"
     )
     print(head)
@@ -106,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         case = draw(rng, a.steps)
         o = run(spec, knob, case, a.steps, seed=c)
         slow = [f"{f:.1f}x" for f in case["factors"] if f != 1.0]
-        slower = (slow[0] + (" mid-run" if case["span"] else "")) if slow else "none"
+        when = {None: "", (0, a.steps // 3): " first 3rd"}.get(case["span"], " mid-run")
+        slower = (slow[0] + when) if slow else "none"
         flag = "  OVER" if o["last"] > case["bound"] + 0.01 else ""
+        grow = "x" + format(case["grow"], "g")
         print(
             f"{c:>3} {len(case['starts']):>5} {str(case['starts']):<20} {case['bound']:>5.0%} {slower:<14} "
-            f"{case['noise']:>5.0%} {o['last']:>+10.2%} {o['whole']:>+7.2%} {o['saved']:>6.1%}{flag}"
+            f"{case['noise']:>5.0%} {grow:>5} {o['last']:>+10.2%} {o['whole']:>+7.2%} {o['saved']:>6.1%}{flag}"
         )
         excess.append(o["last"] - case["bound"])
     over = sum(e > 0.01 for e in excess)

@@ -102,13 +102,14 @@ from .static import same_setting
 
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 
-# A job over several nodes re-checks its baseline as often as this (s), or as 1/50 of the
-# time its re-checks take (their uncapped steps at most 2 % of its steps), if sooner than
-# recheck_s: a node slow from the start that heals leaves the others capped to its old
-# step, which nothing else shows (every node then times the capped node's step), until a
-# re-check sees the job faster uncapped (sim: +20 % over `none` under a 5 % bound for
-# one recheck_s, 600 s, in a 2-node job; with every node capped, see the README).
-NODES_RECHECK_S, RECHECK_SHARE = 60.0, 50.0
+# A job over several nodes also re-checks its baseline every RECHECK_SHARE re-checks' worth
+# of its steps (their uncapped steps 2 % of its steps), at the same job steps on every
+# node, so that every node runs uncapped at once: a node slow from the start that healed
+# leaves the others capped to its old step, which nothing else shows (every node times
+# the capped nodes' step), and a re-check while the other nodes stay capped reads their
+# step (sim: +20 % over `none` under a 5 % bound until the 600 s re-check, 2 nodes; for
+# good with 3 or more).
+RECHECK_SHARE = 50
 TIGHTER = 0.01  # a bound tighter than this share since we settled: the setting we hold is judged afresh
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
@@ -387,7 +388,7 @@ class EfficientPolicy:
             need = self._baseline_need(recheck_ev)
             if recheck_ev.steps < need:
                 return f"job {j.job}: re-checking the uncapped baseline ({recheck_ev.steps}/{need} steps)"
-            self._finish_recheck(snap, job, recheck_ev)
+            self._finish_recheck(snap, job, recheck_ev, j.steps)
         if job.phase == "settled" and job.settled is not None and rebase_waits(job, self.min_steps):
             n = 0 if job.live is None else job.live.steps
             return (
@@ -453,10 +454,11 @@ class EfficientPolicy:
             job.samples.append(job.live)
             del job.samples[:-_SAMPLES_KEEP]
         # ---- time to re-check the baseline?
-        due = job.next_recheck_s  # (a job over several nodes sooner: a node that healed is seen only so)
-        sooner = job.rechecked_s + max(NODES_RECHECK_S, RECHECK_SHARE * job.recheck_cost_s)
-        due = min(due, sooner) if job.spans_nodes and self.recheck_s > 0 else due
-        if not target.uncapped and job.ref is not None and (not job.rechecked_once or snap.t_s >= due):
+        due = snap.t_s >= job.next_recheck_s
+        if job.spans_nodes and self.recheck_s > 0:  # (every node of the job at the same steps)
+            every = RECHECK_SHARE * self.baseline_steps
+            due = due or j.steps // every > job.rechecked_steps // every
+        if not target.uncapped and job.ref is not None and (not job.rechecked_once or due):
             self._switch(job, UNCAPPED)
             job.phase, job.recheck, job.live = "recheck", Evidence(), None
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
@@ -470,12 +472,12 @@ class EfficientPolicy:
             return short
         return self.baseline_steps
 
-    def _finish_recheck(self, snap: Snapshot, job: _Job, recheck_ev: Evidence) -> None:
+    def _finish_recheck(self, snap: Snapshot, job: _Job, recheck_ev: Evidence, steps: int) -> None:
         base = job.cache.get(UNCAPPED, Evidence())
         job.recheck, job.live = None, None
         job.rechecked_once = True
         job.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
-        job.rechecked_s, job.recheck_cost_s = snap.t_s, recheck_ev.time_s
+        job.rechecked_steps = steps
         job.phase = "search"
         if min(recheck_ev.flops, recheck_ev.time_s, recheck_ev.energy_j) <= 0:
             job.last_event = "baseline re-check read no FLOPs, time or energy: not taken"

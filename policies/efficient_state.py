@@ -66,8 +66,7 @@ class JobSearch:
     low_tpf: float | None = None  # the lowest uncapped time per FLOP measured at low_level (the job's floor here)
     low_level: str | None = None  # the precision it was measured at
     spans_nodes: bool = False  # the job's ranks agree a floor across nodes (floor_share)
-    rechecked_s: float = 0.0  # when the last baseline re-check ended (snap.t_s)
-    recheck_cost_s: float = 0.0  # and the time its steps took
+    rechecked_steps: int = 0  # the job's steps when the last baseline re-check ended (JobView.steps)
     fps: float | None = None  # the job's FLOPs per step now (note_flops)
     fps_mark: tuple[float | None, int, float] | None = None  # (its measure's start, steps, FLOPs) then
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
