@@ -388,7 +388,7 @@ class EfficientPolicy:
             need = self._baseline_need(recheck_ev)
             if recheck_ev.steps < need:
                 return f"job {j.job}: re-checking the uncapped baseline ({recheck_ev.steps}/{need} steps)"
-            self._finish_recheck(snap, job, recheck_ev, j.steps)
+            self._finish_recheck(snap, job, recheck_ev, j.run_steps or j.steps)
         if job.phase == "settled" and job.settled is not None and rebase_waits(job, self.min_steps):
             n = 0 if job.live is None else job.live.steps
             return (
@@ -457,7 +457,7 @@ class EfficientPolicy:
         due = snap.t_s >= job.next_recheck_s
         if job.spans_nodes and self.recheck_s > 0:  # (every node of the job at the same steps)
             every = RECHECK_SHARE * self.baseline_steps
-            due = due or j.steps // every > job.rechecked_steps // every
+            due = due or (j.run_steps or j.steps) // every > job.rechecked_steps // every
         if not target.uncapped and job.ref is not None and (not job.rechecked_once or due):
             self._switch(job, UNCAPPED)
             job.phase, job.recheck, job.live = "recheck", Evidence(), None

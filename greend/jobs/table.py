@@ -295,6 +295,7 @@ class JobTable:
                         setting=setting,
                         pace_s=job.pace_s,
                         pace_count=job.pace_count,
+                        run_steps=run_step(job),  # (its nodes' daemons count alike: greend.jobs.booking)
                         # A job with ranks on other nodes is held to its floor (policies/efficient_state.floor_share).
                         floor_s=job.floor_s if job.world_size > len(job.ranks) else None,
                         loss_recent=tuple(job.losses),
