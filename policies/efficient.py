@@ -102,9 +102,10 @@ from .static import same_setting
 
 __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 
-# A job over several nodes also re-checks its baseline every RECHECK_SHARE re-checks' worth
-# of its steps (their uncapped steps 2 % of its steps), at the same job steps on every
-# node, so that every node runs uncapped at once: a node slow from the start that healed
+# A job over several nodes re-checks its baseline at the same job steps on every node
+# instead (every power of two of its steps under RECHECK_SHARE re-checks' worth, or under
+# recheck_s's worth: their uncapped steps 2-6 % of its steps), so that every node runs
+# uncapped at once: a node slow from the start that healed
 # leaves the others capped to its old step, which nothing else shows (every node times
 # the capped nodes' step), and a re-check while the other nodes stay capped reads their
 # step (sim: +20 % over `none` under a 5 % bound until the 600 s re-check, 2 nodes; for
@@ -455,9 +456,11 @@ class EfficientPolicy:
             del job.samples[:-_SAMPLES_KEEP]
         # ---- time to re-check the baseline?
         due = snap.t_s >= job.next_recheck_s
-        if job.spans_nodes and self.recheck_s > 0:  # (every node of the job at the same steps)
-            every = RECHECK_SHARE * self.baseline_steps
-            due = due or (j.run_steps or j.steps) // every > job.rechecked_steps // every
+        if job.spans_nodes and self.recheck_s > 0 and here.steps > 0 and here.time_s > 0:
+            # (every node of the job at the same steps: a power of two, as often as recheck_s allows)
+            fit = min(RECHECK_SHARE * self.baseline_steps, self.recheck_s * here.steps / here.time_s)
+            every = 1 << max(int(math.log2(max(fit, 1.0))), (2 * self.baseline_steps).bit_length())
+            due = (j.run_steps or j.steps) // every > job.rechecked_steps // every
         if not target.uncapped and job.ref is not None and (not job.rechecked_once or due):
             self._switch(job, UNCAPPED)
             job.phase, job.recheck, job.live = "recheck", Evidence(), None

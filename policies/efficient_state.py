@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._evidence import Evidence
 from ._pacing import PaceState, straggle_shown
@@ -17,6 +18,7 @@ from .base import UNCAPPED, GpuView, JobView, Setting
 from .static import same_setting
 
 FPS_STEPS = 8  # the job's FLOPs per step now: over this many steps at least (note_flops)
+FPS_MOVED = 0.1  # FLOPs per step that moved by more than this share: the agreements read them late
 
 __all__ = ["EfficientState", "JobSearch", "follow_straggle", "new_since", "pace_fresh", "rebase_waits"]
 
@@ -68,7 +70,10 @@ class JobSearch:
     spans_nodes: bool = False  # the job's ranks agree a floor across nodes (floor_share)
     rechecked_steps: int = 0  # the job's steps when the last baseline re-check ended (JobView.steps)
     fps: float | None = None  # the job's FLOPs per step now (note_flops)
-    fps_mark: tuple[float | None, int, float] | None = None  # (its measure's start, steps, FLOPs) then
+    fps_mark: tuple[Any, int, float] | None = None  # ((its measure's start, setting), steps, FLOPs) then
+    fps_before: float | None = None  # the FLOPs per step before they last moved by over FPS_MOVED
+    fps_count: int = 0  # the agreements received then (JobView.pace_count)
+    fps_seen: int = 0  # and at the last look
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
 
     @property
@@ -132,18 +137,31 @@ def note_flops(job: JobSearch, j: JobView) -> None:
     m = j.measure
     if m is None or m.steps <= 0 or m.flops <= 0:
         return
-    mark = job.fps_mark
-    if mark is None or mark[0] != m.since_s or m.steps < mark[1]:  # (a new measure)
-        job.fps_mark = (m.since_s, m.steps, m.flops)
-        job.fps = job.fps or m.flops / m.steps
-    elif m.steps - mark[1] >= FPS_STEPS:
-        job.fps = (m.flops - mark[2]) / (m.steps - mark[1])
-        job.fps_mark = (m.since_s, m.steps, m.flops)
+    mark, key = job.fps_mark, (m.since_s, m.setting)
+    if mark is None or mark[0] != key or m.since_s is None or m.steps < mark[1]:  # (a new measure)
+        job.fps_mark = (key, m.steps, m.flops)
+        fps = job.fps or m.flops / m.steps
+    elif m.steps - mark[1] >= FPS_STEPS and m.flops > mark[2]:
+        fps = (m.flops - mark[2]) / (m.steps - mark[1])
+        job.fps_mark = (key, m.steps, m.flops)
+    else:
+        return
+    if job.fps is not None and abs(fps - job.fps) > FPS_MOVED * job.fps:
+        # The agreements still read the step times the nodes sent before: read them with the
+        # larger of the two until the third agreement from now (too tight, never too loose).
+        job.fps_before, job.fps_count = job.fps, j.pace_count
+    job.fps = fps
+    job.fps_seen = j.pace_count
 
 
 def step_flops(job: JobSearch, base: Evidence) -> float:
-    """The job's FLOPs per step now (note_flops; before any: the baseline's)."""
-    return job.fps or base.flops / base.steps
+    """The job's FLOPs per step now (note_flops; before any: the baseline's), for an
+    agreed step time: while the agreements may still be the nodes' from before its steps
+    changed size, the larger of the two."""
+    fps = job.fps or base.flops / base.steps
+    if job.fps_before is not None and job.fps_seen < job.fps_count + 3:
+        return max(fps, job.fps_before)
+    return fps
 
 
 def floor_share(job: JobSearch, base: Evidence, j: JobView) -> float:

@@ -133,7 +133,7 @@ class StepBook:
         self._world_size = world_size
         self.sync_every = sync_every
         self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
-        self._pace_due = self._paced_to = -1  # the last step index the pace is due / was agreed at (sync_pace)
+        self._paced_to = -1  # the last step index the pace was agreed at (read_ended's hand-over)
         # Probes (greend.training.probe): the first step index the prober wants to see
         # recorded (one compare per step; NEVER while the run is at its own level).
         self.probe_watch = NEVER
@@ -406,8 +406,10 @@ class StepBook:
         self.next_index = first + n
         self.channel.stats.recorded += n
         self.handed.append((ended, first, self.precision))
-        if self._world_size > 1 and (last := first + n - 1 - (first + n) % self.sync_every) >= first:
-            self._pace_due = max(self._pace_due, last)  # (last + 1) is a multiple of sync_every
+        if self._world_size > 1:
+            every = self.sync_every
+            for index in range(first + (-(first + 1)) % every, first + n, every):
+                self._sync_pace(index)  # (index + 1) is a multiple of sync_every
         if len(self.handed) > MAX_HANDED:
             self.book_handed(here=True)
 
@@ -459,6 +461,7 @@ class StepBook:
         self.unjudged.extendleft(reversed(moved))
         self.next_index = start
         self.channel.stats.recorded -= len(moved)  # (counted again as drain records them)
+        self._paced_to = max(self._paced_to, start + len(moved) - 1)  # (agreed when handed)
 
     def _book(self, steps: list[Step], index: int, level: str) -> int:
         """A handed batch: what drain does with the guard's stack empty (nothing to roll
@@ -583,8 +586,8 @@ class StepBook:
             queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, loss, nonfinite,
                           level))  # fmt: skip
             stats.recorded += 1
-            if pace_every and (index + 1) % pace_every == 0:
-                self._pace_due = max(self._pace_due, index)
+            if pace_every and (index + 1) % pace_every == 0 and index > self._paced_to:
+                self._sync_pace(index)
             spike = step._spike_reason
             if spike and not nonfinite and control.reference is not None:
                 spike = step._spike_reason = control.confirm_spike(spike)
@@ -662,19 +665,16 @@ class StepBook:
             return 0.0
         return 6.0 * self._params * tokens
 
-    def sync_pace(self) -> None:
-        """Agree on the job's pace and floor with the other ranks in the job's rendezvous store
-        (greend.training.peers.agree_pace: no collective), at the last decision point the
-        steps passed (the sender thread, each round). Logged once, never raised."""
-        index, ch, every = self._pace_due, self.channel, self.sync_every
-        if index <= self._paced_to:
-            return
-        done, last, self._paced_to = (self._paced_to + 1) // every, (index + 1) // every, index
+    def _sync_pace(self, index: int) -> None:
+        """Agree on the job's pace and floor with the other ranks at a decision point, in
+        the job's rendezvous store (greend.training.peers.agree_pace: no collective),
+        from the daemon's ``local_pace``. A failure is logged once, never raised."""
         try:
-            if (peers := self.control.job_peers()) is None:
+            peers = self.control.job_peers()
+            if peers is None:
                 return
-            for epoch in range(max(done + 1, last - 1), last + 1):  # (behind: the one before too, for the next read)
-                agreed, floor = peers.agree_pace(epoch, ch.local_pace_s, ch.local_floor_s)
+            ch = self.channel
+            agreed, floor = peers.agree_pace((index + 1) // self.sync_every, ch.local_pace_s, ch.local_floor_s)
         except Exception as e:
             self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
             return

@@ -185,7 +185,6 @@ class GreenCallback:
         self._channel.on_directive = self._book.directive
         self._channel.on_tolerance = self._control.follow_tolerance
         self._channel.book_handed = self._book.book_handed
-        self._channel.sync_pace = self._book.sync_pace
         self.sync_every = opts.sync_every
         self.stats = self._channel.stats
         self._closed = False

@@ -126,8 +126,8 @@ class Channel:
 
     The training thread appends step records to ``queue`` (the sender takes them;
     the oldest are dropped when it is full: ``stats.dropped``) and precision events to
-    ``events``; the sender writes the daemon's directive into ``requested`` (then calls
-    ``on_directive``), its pace into ``local_pace_s``, and agrees the pace (``sync_pace``).
+    ``events``, and sets ``agreed_pace_s``; the sender writes the daemon's directive
+    into ``requested`` (then calls ``on_directive``) and its pace into ``local_pace_s``.
     ``register_omit``: register fields the daemon refused as unknown (an older daemon).
     ``handed``: batches of ended steps the training thread hands over whole; the sender
     calls ``book_handed`` at each round to turn them into records on ``queue``.
@@ -137,7 +137,7 @@ class Channel:
     stats: SenderStats = field(default_factory=SenderStats)
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
     agreed_pace_s: float | None = None
-    agreed_floor_s: float | None = None
+    agreed_floor_s: float | None = None  # (sent with the pace)
     local_pace_s: float | None = None
     local_floor_s: float | None = None
     requested: str | None = None
@@ -147,7 +147,6 @@ class Channel:
     register_omit: set[str] = field(default_factory=set)
     handed: deque[Any] = field(default_factory=deque)
     book_handed: Callable[[], None] = lambda: None
-    sync_pace: Callable[[], None] = lambda: None
 
 
 class _ConnectionLost(Exception):
@@ -242,7 +241,6 @@ class Sender:
         next_connect = 0.0
         while True:
             self.ch.book_handed()  # the training thread's ended steps, as records
-            self.ch.sync_pace()  # (the job's pace and floor with the other ranks, when due)
             if self._stop_reason is not None:
                 self._finish()
                 return
@@ -279,7 +277,9 @@ class Sender:
             n_events = 0  # steps left behind by a full outbox (a slow daemon): the events wait for them
         for _ in range(n_events):
             self._queue_request("precision_event", events.popleft())
-        if (pace := self.ch.agreed_pace_s) is not None:  # (a floor only to a daemon that sends one: others refuse it)
+        pace = self.ch.agreed_pace_s
+        if pace is not None:
+            # (the floor only to a daemon that sends its own: one before floors refuses the field)
             self.ch.agreed_pace_s, floor = None, self.ch.agreed_floor_s if self.ch.local_floor_s else None
             self._queue_request("pace", {"step_s": pace, **({} if floor is None else {"floor_s": floor})})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
