@@ -24,7 +24,10 @@ under the top limit), and on top "uncapped".
 1. **Baseline.** Measure the job uncapped (``2 * min_steps`` steps; a job that reports
    no FLOPs is left uncapped). Its time per FLOP sets the time budget ``(1 +
    max_slowdown) * baseline``; with ``pace_room`` (off: synchronous ranks time the job's
-   step, so there is no room) and a fresh ``pace_s`` over our uncapped step, ``pace_s``'s.
+   step, so there is no room) and a fresh ``pace_s`` over our uncapped step, ``pace_s``'s;
+   a job over several nodes, over its floor where lower (the fastest uncapped step any
+   node measured: a baseline measured while another node was capped has its slowdown in
+   it; ``efficient_state.floor_share``).
 
 2. **Boundary (slowdown mode).** Time grows monotonically as the clock goes
    down, so the feasible settings are the top of the grid, down to a boundary.
@@ -61,7 +64,8 @@ under the top limit), and on top "uncapped".
 
 6. **Settled.** We hold the best setting and keep watching: once after settling,
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
-   makes first steps slow, and the budget depends on it); while settled, a
+   makes first steps slow, and the budget depends on it; a job over several nodes at the
+   same job steps on every node instead, ``RECHECK_SHARE``); while settled, a
    window of recent steps is compared with what the setting showed when we
    settled: a FLOP/s or power drift beyond ``retune_drift`` and beyond the
    job's own noise (a new phase of the job, not a checkpoint step; ``_drift.py``)
@@ -105,11 +109,10 @@ __all__ = ["EfficientPolicy", "EfficientState", "Evidence"]
 # A job over several nodes re-checks its baseline at the same job steps on every node
 # instead (every power of two of its steps under RECHECK_SHARE re-checks' worth, or under
 # recheck_s's worth: their uncapped steps 2-6 % of its steps), so that every node runs
-# uncapped at once: a node slow from the start that healed
-# leaves the others capped to its old step, which nothing else shows (every node times
-# the capped nodes' step), and a re-check while the other nodes stay capped reads their
-# step (sim: +20 % over `none` under a 5 % bound until the 600 s re-check, 2 nodes; for
-# good with 3 or more).
+# uncapped at once: a node slow from the start that healed leaves the others capped to
+# its old step, which nothing else shows (every node times the capped nodes' step), and a
+# re-check while the other nodes stay capped reads their step (sim: +20 % over `none`
+# under a 5 % bound until the 600 s re-check with 2 nodes; for good with 3 or more).
 RECHECK_SHARE = 50
 TIGHTER = 0.01  # a bound tighter than this share since we settled: the setting we hold is judged afresh
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
