@@ -139,39 +139,42 @@ def test_ranks_agree_the_pace_max_and_the_floor_min_of_the_previous_epoch_in_one
     assert JobPeers(store, "k", 1).agree_pace(2, None, None) == (pytest.approx(0.3), None)  # (no rank had a floor)
 
 
-def test_concurrent_ranks_on_a_tcp_store_agree_the_pace_and_floor() -> None:
+def _eight_ranks_on_a_tcp_store(work) -> dist.TCPStore:  # type: ignore[no-untyped-def]
+    """``work(peers, i)`` run by 8 threads at once, each rank ``i`` on its own client of one
+    TCPStore; returns the server's store, once they are done."""
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
-    port = server.port
-    paces = [0.01 * (i + 1) for i in range(8)]
 
     def rank(i: int) -> None:
-        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
-        for _ in range(10):
-            JobPeers(client, "j", i).agree_pace(1, paces[i], 0.5 - paces[i])
+        client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=10))
+        work(JobPeers(client, "j", i), i)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    return server
+
+
+def test_concurrent_ranks_on_a_tcp_store_agree_the_pace_and_floor() -> None:
+    paces = [0.01 * (i + 1) for i in range(8)]
+
+    def work(peers: JobPeers, i: int) -> None:
+        for _ in range(10):
+            peers.agree_pace(1, paces[i], 0.5 - paces[i])
+
+    server = _eight_ranks_on_a_tcp_store(work)
     assert JobPeers(server, "j", 1).agree_pace(2, None, None) == pytest.approx((max(paces), 0.5 - max(paces)))
 
 
 def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
-    port = server.port
     values = [0.01 * (i + 1) for i in range(8)]
 
-    def rank(i: int) -> None:
-        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
+    def work(peers: JobPeers, i: int) -> None:
         for _ in range(20):
-            JobPeers(client, "j", i).raise_to("pace", 1, values[i])
+            peers.raise_to("pace", 1, values[i])
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    server = _eight_ranks_on_a_tcp_store(work)
     assert JobPeers(server, "j", 0).read("pace", 1) == pytest.approx(max(values))
 
 
