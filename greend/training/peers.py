@@ -22,6 +22,7 @@ the caller's to log once; training never sees it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["JobPeers", "default_store"]
@@ -60,16 +61,37 @@ class JobPeers:
     def _key(self, name: str, epoch: int) -> str:
         return f"{self.prefix}{name}/{epoch}"
 
-    def raise_to(self, name: str, epoch: int, value: float) -> None:
-        """Make the epoch's figure at least ``value`` (a MAX across ranks)."""
-        key = self._key(name, epoch)
-        mine = repr(float(value))
+    def _merge(self, key: str, mine: str, merge: Callable[[str], str]) -> None:
+        """Compare-and-set ``key`` to ``mine`` where absent, else to ``merge(what is there)``
+        until that is what is there (a few round trips at most)."""
         current = self.store.compare_set(key, "", mine)  # set if absent; else what is there
         for _ in range(_MAX_CAS_TRIES):
             text = current.decode() if isinstance(current, bytes) else str(current)
-            if text == mine or float(text) >= value:
+            merged = merge(text)
+            if text == mine or merged == text:
                 return
-            current = self.store.compare_set(key, text, mine)
+            current = self.store.compare_set(key, text, merged)
+
+    def _read_text(self, name: str, epoch: int) -> str | None:
+        """The epoch's key as text, or None if no rank wrote it (never waits)."""
+        key = self._key(name, epoch)
+        if epoch < 0 or not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def _drop_old(self, name: str, epoch: int) -> None:
+        """Rank 0 deletes the key two epochs old: the store does not grow with the run."""
+        if self.rank == 0 and epoch >= 2:
+            try:
+                self.store.delete_key(self._key(name, epoch - 2))
+            except Exception:
+                pass  # a store without delete keeps a few bytes an epoch
+
+    def raise_to(self, name: str, epoch: int, value: float) -> None:
+        """Make the epoch's figure at least ``value`` (a MAX across ranks)."""
+        mine = repr(float(value))
+        self._merge(self._key(name, epoch), mine, lambda text: text if float(text) >= value else mine)
 
     def agree_pace(self, epoch: int, pace: float | None, floor: float | None) -> tuple[float | None, float | None]:
         """Write this rank's figures for ``epoch`` and return those the ranks wrote for the
@@ -78,36 +100,22 @@ class JobPeers:
         one). Both in one key, ``"pace,floor"`` (one compare-and-set loop and one read an
         epoch, as for one figure: each round trip to the store's master waits on the
         training thread). A rank without a pace writes nothing."""
-        key = self._key("paces", epoch)
         if pace is not None and pace > 0:
-            mine = _pair(pace, floor if floor is not None and floor > 0 else None)
-            current = self.store.compare_set(key, "", mine)  # set if absent; else what is there
-            for _ in range(_MAX_CAS_TRIES):
-                text = current.decode() if isinstance(current, bytes) else str(current)
+            low = floor if floor is not None and floor > 0 else None
+
+            def merge(text: str) -> str:
                 theirs = _unpair(text)
-                merged = _pair(max(theirs[0], pace), _least(theirs[1], floor))
-                if text == mine or merged == text:
-                    break
-                current = self.store.compare_set(key, text, merged)
-        prev = self._key("paces", epoch - 1)
-        agreed = None
-        if epoch >= 1 and self.store.check([prev]):
-            raw = self.store.get(prev)
-            agreed = _unpair(raw.decode() if isinstance(raw, bytes) else str(raw))
-        if self.rank == 0 and epoch >= 2:
-            try:
-                self.store.delete_key(self._key("paces", epoch - 2))
-            except Exception:
-                pass  # a store without delete keeps a few bytes an epoch
-        return agreed if agreed is not None else (None, None)
+                return _pair(max(theirs[0], pace), _least(theirs[1], low))
+
+            self._merge(self._key("paces", epoch), _pair(pace, low), merge)
+        text = self._read_text("paces", epoch - 1)
+        self._drop_old("paces", epoch)
+        return (None, None) if text is None else _unpair(text)
 
     def read(self, name: str, epoch: int) -> float | None:
         """The epoch's figure, or None if no rank wrote one (never waits)."""
-        key = self._key(name, epoch)
-        if epoch < 0 or not self.store.check([key]):
-            return None
-        raw = self.store.get(key)
-        return float(raw.decode() if isinstance(raw, bytes) else raw)
+        text = self._read_text(name, epoch)
+        return None if text is None else float(text)
 
     def agree_max(self, name: str, epoch: int, value: float | None) -> float | None:
         """Write this rank's figure for ``epoch`` (None: nothing to add) and return the
@@ -115,11 +123,7 @@ class JobPeers:
         if value is not None and value > 0:
             self.raise_to(name, epoch, value)
         agreed = self.read(name, epoch - 1)
-        if self.rank == 0 and epoch >= 2:
-            try:
-                self.store.delete_key(self._key(name, epoch - 2))
-            except Exception:
-                pass  # a store without delete keeps a few bytes an epoch
+        self._drop_old(name, epoch)
         return agreed
 
 
