@@ -6,8 +6,10 @@ Each stream is fed to a Prober as the callback does (each step at the level the 
 asks for, else the lower one), the lower level harmless or harmful, and the rule's
 verdicts counted: how often a harmless level is rolled back (false rollbacks) and how
 many steps after the switch a harmful one is (the steps it ran, which the rollback does
-not undo). Tolerance 5 %, ``probe_every`` 400; every run switches at another step (the
-blocks' gaps are drawn from it).
+not undo), and what the probes cost: the share of the steps run at the level above for
+them ("upper", of the steps run until the rollback or the end). Tolerance 5 %,
+``probe_every`` 400; every run switches at another step (the blocks' gaps are drawn
+from it).
 
 * ``order P``: a fixed dataset of P batches read in order (no shuffle), its last 4 far
   easier (loss x0.6, a cleaner source), 2 % noise, 4000 steps, harmless: a block whose
@@ -19,6 +21,9 @@ blocks' gaps are drawn from it).
 * ``+7 %``: a flat loss, 5 % noise, +7 %, 2000 steps.
 * ``late +25 %``: a falling loss, 5 % noise, +25 % from 1500 steps after the switch on.
 * ``grows``: a penalty growing from 0 by 1 % per 100 steps, 3 % noise, 2000 steps.
+* ``noisy +2 %``: a 2 % penalty under 10 % noise, 4000 steps, harmless.
+* ``noisy grows``: a falling loss, 10 % noise, a penalty growing from 3 % by 0.5 points
+  per 100 steps (a rounding that costs more as the loss converges), 2500 steps.
 
 All of it is made up (the rule's own yardstick); the real trainings are in
 ``bench_precision.py``.
@@ -69,32 +74,46 @@ CASES: dict[str, tuple[Loss, int, bool]] = {  # name: (loss, steps, harmful)
         True,
     ),
     "grows": (lambda t, i, lvl, rng: (1 + (0.0001 * t if lvl == "bf16" else 0.0)) * _noisy(rng, 0.03), 2000, True),
+    "noisy +2 %": (lambda t, i, lvl, rng: (1.02 if lvl == "bf16" else 1.0) * _noisy(rng, 0.1), 4000, False),
+    "noisy grows": (
+        lambda t, i, lvl, rng: (
+            (1 + t / 300) ** -0.3 * (1.03 + 0.00005 * t if lvl == "bf16" else 1.0) * _noisy(rng, 0.1)
+        ),
+        2500,
+        True,
+    ),
 }
 
 
-def run(loss: Loss, switch: int, steps: int) -> int | None:
-    """Steps after the switch at which the level was rolled back, or None."""
+def run(loss: Loss, switch: int, steps: int) -> tuple[int | None, float]:
+    """Steps after the switch at which the level was rolled back (or None) and the share of
+    the steps run at the level above for the probes."""
     rng = random.Random(switch * 7 + 1)
     prober = Prober(tolerance=0.05, every=400)
     prober.arm("fp32", "bf16", anchor=switch)
     for i in range(switch, switch + steps):
         level = prober.level_at(i) or "bf16"
         if prober.record(i, level, loss(i - switch, i, level, rng)) is not None:
-            return i - switch
-    return None
+            return i - switch, prober.probe_steps / (i - switch + 1)
+    return None, prober.probe_steps / steps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=60, help="runs (switch steps) per case")
     args = ap.parse_args()
-    print(f"{'case':<14}{'runs':>6}{'rolled back':>13}{'median step':>13}{'90th pct':>10}  (steps after the switch)")
+    print(
+        f"{'case':<14}{'runs':>6}{'rolled back':>13}{'median step':>13}{'90th pct':>10}{'upper %':>9}"
+        "  (steps after the switch; upper: the probes' steps at the level above, of those run)"
+    )
     for name, (loss, steps, harmful) in CASES.items():
-        at = sorted(r for r in (run(loss, 97 * k, steps) for k in range(args.runs)) if r is not None)
+        runs = [run(loss, 97 * k, steps) for k in range(args.runs)]
+        at = sorted(r for r, _ in runs if r is not None)
+        upper = 100 * sum(u for _, u in runs) / len(runs)
         med = f"{at[len(at) // 2]}" if at and harmful else "-"
         p90 = f"{at[int(0.9 * len(at))]}" if at and harmful else "-"
         kind = "harmful" if harmful else "harmless"
-        print(f"{name:<14}{args.runs:>6}{len(at):>13}{med:>13}{p90:>10}  {kind}")
+        print(f"{name:<14}{args.runs:>6}{len(at):>13}{med:>13}{p90:>10}{upper:>9.2f}  {kind}")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,16 @@ block on (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run 
 at another drawn point, says it again; a block alone over the tolerance by
 :data:`SUSPECT_Z` standard errors calls the next block at once too, and that block's
 verdict, with the one before among its evidence, stands at once (a penalty that appears
-late is looked at again within 50 to 82 steps, not ``probe_every``). The rollback's
+late is looked at again within 50 to 82 steps, not ``probe_every``). Blocks that lean
+over the tolerance without saying it (:meth:`Prober._leans`: over the latest
+:data:`LEAN_BLOCKS` or more, the mean penalty over :data:`LEAN_SHARE` of the tolerance by
+:data:`LEAN_Z` standard errors, and not surely under the tolerance) call the next block at
+once too, a long one (:data:`LONG_STEPS`): in a noisy job one block of 4 judged steps
+reads a penalty to +/- 5 points or worse, and blocks ``probe_every`` apart are too few to
+say that a penalty growing as the loss converges has passed the tolerance before the
+harm is done (a neural field fitting raw pixel values, bf16 rounding its outputs: kept
+to the end at +5.6 and +13 % held-out over its fp32 twin; now rolled back, the evidence
+gathered where it decides something and nowhere else). The rollback's
 reason names the blocks, the penalty (or its rise per 100 steps), its error and the
 noise it used. The same rule turned round (not in a trial) rolls back where the level
 above runs worse than the lower level on these weights by :data:`DEPEND_SHARE` times the
@@ -80,14 +89,15 @@ over its fp32 twin); hence the trial, and the first blocks back to back.
 What it costs: the trial, 106 to 138 steps at the upper level each time the run steps
 down; the probe steps (20 until the fourth block is judged, 159 to 255 steps after the run
 went down, then 5 every 300 to 500 steps, 1.25 % in the long run, 5 more for each verdict
-a block confirms), ordinary steps of the user's loop at the upper level, never above the
-job's own; one integer compare a step outside the windows.
+a block confirms, 13 for each lean: 1.6 % in the long run for a harmless job with 10 %
+step-to-step noise, 2.5 % at the most in 20 runs of 10,000 steps), ordinary steps of the
+user's loop at the upper level, never above the job's own; one integer compare a step
+outside the windows.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -95,6 +105,7 @@ from typing import Any
 
 from ._lines import fit, line_at, residuals
 from ._lines import mean as _mean
+from ._probe_noise import CLIP, LAGS, SPIKE_SHARE, Noise, Verdict, clipped, factor, mean_se, noise_of
 
 __all__ = [
     "CLIP",
@@ -136,6 +147,7 @@ __all__ = [
 PROBE_STEPS = 5  # steps of one probe block at the level above ...
 LEAD_STEPS = 1  # ... the first of them not judged: its loss is taken before any step at the
 # level above moved the weights (what evaluating there costs, not what training there costs)
+LONG_STEPS = 13  # a block called at once because the blocks lean over the tolerance (LEAN_*) runs this many
 WINDOW_STEPS = 16  # lower-level steps compared on either side of a block
 SETTLE_STEPS = 12  # lower-level steps after a switch or a block left out (the weights settle
 # back; the spike rule ignores the steps from the block's end to its last window step)
@@ -150,9 +162,6 @@ SURE_BLOCKS = 2
 # trained below fit its rounding (a fixed rounding of the inputs' features), and the harm to
 # the trajectory is carried in them, where a penalty cannot show.
 DEPEND_SHARE = 2.0
-CLIP = 3.0  # a loss further than this many robust standard deviations from its group's median counts as that far
-SPIKE_SHARE = 0.2  # the robust deviation leaves out this share of the lower steps, the furthest out
-_Z_SPIKE_SHARE = 1.2816  # a normal variable's distance from its mean exceeds this many deviations in 20 % of draws
 TOLERANCE = 0.05  # the penalty a level may have where neither the job nor the daemon says (the policy's default)
 SHIFT_Z = 3.0  # a block whose two sides differ by this many standard errors straddles a shift ...
 SHIFT_MIN = 1.0  # ... where they differ by this share of the tolerance or more (a smaller move, such
@@ -165,13 +174,13 @@ GROW_NOW_Z = 2.0  # ... by this many standard errors (a line through noisy block
 LOO_SHARE = GROW_SHARE  # with any one block left out, the mean must still be over this share of the tolerance
 TRIAL_BLOCKS = 2  # a step down starts with a trial: this many blocks at the new level among steps at the level above
 CONFIRM_FROM = DENSE_BLOCKS  # from this block on, a verdict waits for the next block, run at once ...
+LEAN_BLOCKS = 2  # the blocks lean over the tolerance where the mean of the latest this many or more ...
+LEAN_Z = 1.0  # ... less this many standard errors ...
+LEAN_SHARE = 0.5  # ... is over this share of the tolerance
 SUSPECT_Z = 2.0  # ... which also comes at once after a block alone this many standard errors over the tolerance
 READ_LAG = 17  # the callback reads losses in batches of 16 while no spike rule holds (+1)
 DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
-LAGS = 3  # the noise's correlation from step to step, up to this many steps apart
 NEVER = sys.maxsize
-_MIN_VAR = 1e-18  # a penalty's variance is at least this (a loss without noise divides by it)
-_CHI2_99 = {1: 6.63, 2: 9.21, 3: 11.34, 4: 13.28, 5: 15.09, 6: 16.81}  # chi-squared's 99th percentile by dof
 _SUSPECT = "one block over the tolerance"
 
 # A probe step's record names its level with this suffix (the sender sends it as the
@@ -200,10 +209,11 @@ class _Block:
     after: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
     before_from: int = 0  # the first step whose loss it records for its lower window before
     shared: int = 0  # how many of its lower steps before are the previous block's after
+    steps: int = PROBE_STEPS  # its steps at the level above (LONG_STEPS: called by a lean)
 
     @property
     def end(self) -> int:  # one past the last probe step
-        return self.start + PROBE_STEPS
+        return self.start + self.steps
 
     @property
     def after_from(self) -> int:
@@ -212,44 +222,6 @@ class _Block:
     @property
     def last(self) -> int:  # the last step the block looks at
         return self.after_from + WINDOW_STEPS - 1
-
-
-@dataclass
-class Verdict:
-    """One judged block: its penalty (relative) and the spread it was judged with."""
-
-    seq: int
-    start: int
-    penalty: float
-    rel_var: float  # the lower steps' squared spread around their window means, over the scale squared
-    dof: int  # its degrees of freedom
-    n_upper: int
-    lower_term: float  # w1^2/n_before + w2^2/n_after: the lower means' share of the penalty's variance
-    shifted: bool
-    shared: float  # the covariance with the previous block (a shared lower window), over rel_var
-    lags: tuple[float, ...] = ()  # sum of d[t] * d[t + k] (k = 1 ... LAGS) over its lower windows' deviations ...
-    ss: float = 0.0  # ... and of d[t] ** 2, over the scale squared: the noise's correlation from step to step
-    one_sided: bool = False  # a trial's block judged against the steps before it alone
-
-
-@dataclass(frozen=True)
-class Noise:
-    """What the rule judges the blocks' penalties with, pooled over the blocks kept."""
-
-    rel_var: float  # step-to-step variance, relative to each block's scale squared
-    upper_factor: float  # how much more a mean of the probe steps varies than if they were independent ...
-    lower_factor: float  # ... and a lower window's mean (>= 1: consecutive batches alike, as in a data order)
-    between: float = 0.0  # the blocks' penalties' spread beyond all that (a variance; 0 where they agree)
-
-    def var(self, v: Verdict) -> float:
-        """The variance of block ``v``'s penalty (never 0: a loss without noise is judged by its
-        smallest number; never raises on a loss so large its square overflows)."""
-        var = self.rel_var * (self.upper_factor / v.n_upper + self.lower_factor * v.lower_term) + self.between
-        return var if var > _MIN_VAR else _MIN_VAR
-
-    def covar(self, v: Verdict) -> float:
-        """Its covariance with the block before it (a window they share)."""
-        return self.rel_var * self.lower_factor * v.shared
 
 
 class Prober:
@@ -276,6 +248,7 @@ class Prober:
         self._after_n = 0  # the lower steps after the block judged last (kept), for the covariance ...
         self._after_w = 0.0  # ... and their weight in its penalty
         self.pending: str | None = None  # a verdict waiting for the next block to confirm it
+        self.lean = False  # the blocks so far lean over the tolerance: the next one comes at once, long
         self.horizon = 0  # the first step not yet started (the caller's, where it reads losses late)
         # A trial (a step down's first steps): the roles turned round, the run at ``upper``
         # but for blocks at ``lower``, judged the same way; the run goes down once it passes.
@@ -305,6 +278,7 @@ class Prober:
         self.blocks_done = 0
         self._after_n = 0
         self.pending = None
+        self.lean = False
         self.verdicts.clear()
         self._next_block(None)
 
@@ -328,17 +302,19 @@ class Prober:
             start = self.anchor + trial_start(b, self.every, self.anchor)
         elif previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
-        elif self.pending is not None:
+        elif self.pending is not None or self.lean:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most:
             # the same start on every rank)
-            start = previous.start + DENSE_EVERY + READ_LAG + _jitter(self.anchor, b, DENSE_JITTER)
+            start = previous.start + previous.steps - PROBE_STEPS + DENSE_EVERY + READ_LAG
+            start += _jitter(self.anchor, b, DENSE_JITTER)
         else:
             gap = block_start(b, self.every, self.anchor) - block_start(b - 1, self.every, self.anchor)
             start = previous.start + gap
         # Never a step that has started already (losses read later than READ_LAG: a rank whose
         # reads lag this much may start the block later than the others).
         start = max(start, self.horizon)
-        blk = _Block(b, start, before_from=start - WINDOW_STEPS)
+        blk = _Block(b, start, before_from=start - WINDOW_STEPS, steps=LONG_STEPS if self.lean else PROBE_STEPS)
+        self.lean = False
         if previous is not None and blk.before_from <= previous.last:
             # Back to back: the previous block's lower window after is (the first part of) this one's before.
             blk.before = [(i, v) for i, v in previous.after if i >= blk.before_from]
@@ -399,8 +375,10 @@ class Prober:
             elif why is not None:
                 self.pending = None  # it stands
             elif judged:
-                # One block far over the tolerance (no verdict alone): the next one comes at once.
+                # One block far over the tolerance (no verdict alone): the next one comes at
+                # once; blocks that lean over it call one at once too, a long one.
                 self.pending = _SUSPECT if self._suspect() else None
+                self.lean = self.pending is None and self._leans()
             # (a block left out, shifted or short of losses, says nothing: what waited, waits on)
         if self.upper is not None:
             self._next_block(blk)
@@ -416,13 +394,13 @@ class Prober:
         # Robust: a batch far harder than the rest (a heavy-tailed loss spikes now and then at
         # either level) counts as CLIP robust standard deviations from its group's median, so
         # a spike moves neither the penalty nor the noise the rule judges it with much.
-        before, upper, after = _clipped(([v for _, v in blk.before], blk.upper, after))
+        before, upper, after = clipped(([v for _, v in blk.before], blk.upper, after))
         m1, m2 = _mean(before), _mean(after)
         mu = _mean(upper)
         # The lower level's loss at the probe steps: the two sides' means weighted by how
         # near each side's middle step is to the probe steps' (a falling trend cancels).
         c1, c2 = _mean([float(i) for i, _ in blk.before]), _mean([float(i) for i, _ in blk.after])
-        w2 = min(1.0, max(0.0, (blk.start + LEAD_STEPS + (PROBE_STEPS - LEAD_STEPS - 1) / 2 - c1) / (c2 - c1)))
+        w2 = min(1.0, max(0.0, (blk.start + LEAD_STEPS + (blk.steps - LEAD_STEPS - 1) / 2 - c1) / (c2 - c1)))
         w1 = 1.0 - w2
         lower = w1 * m1 + w2 * m2
         # Relative to the lower level's loss around the block: 2 * WINDOW_STEPS losses, a
@@ -470,10 +448,10 @@ class Prober:
             (sum(a * b for a, b in zip(d1, d1[k:])) + sum(a * b for a, b in zip(d2, d2[k:]))) / (scale * scale)
             for k in range(1, LAGS + 1)
         )
-        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), w1 * w1 / n1 + w2 * w2 / n2, shifted, shared,
-                    lags, (ss1 + ss2) / (scale * scale), one_sided)  # fmt: skip
+        v = Verdict(blk.seq, blk.start, penalty, rel_var, dof, len(upper), blk.steps, w1 * w1 / n1 + w2 * w2 / n2,
+                    shifted, shared, lags, (ss1 + ss2) / (scale * scale), one_sided)  # fmt: skip
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
-                         "se": math.sqrt(_noise_of([v]).var(v)), "move": move, "shifted": shifted,
+                         "se": math.sqrt(_noise([v]).var(v)), "move": move, "shifted": shifted,
                          "trial": self.trial, "one_sided": one_sided})  # fmt: skip
         if shifted:
             self._after_n = 0  # (left out: the next block covaries with none kept)
@@ -481,22 +459,36 @@ class Prober:
         self.verdicts.append(v)
         return self._rule()
 
+    def _leans(self) -> bool:
+        """Whether the blocks lean over the tolerance without saying it: over the latest
+        :data:`LEAN_BLOCKS` or more, their mean penalty is over :data:`LEAN_SHARE` of the
+        tolerance by :data:`LEAN_Z` standard errors and within that many of it or over it
+        (where the error puts the penalty surely under the tolerance, more blocks would
+        only cost steps)."""
+        vs = list(self.verdicts)
+        noise = _noise(vs)
+        for n in range(LEAN_BLOCKS, len(vs) + 1):
+            m, se = mean_se(vs[-n:], [1.0 / n] * n, noise)
+            if m - LEAN_Z * se > LEAN_SHARE * self.tolerance and m + LEAN_Z * se > self.tolerance:
+                return True
+        return False
+
     def _suspect(self) -> bool:
         """Whether the latest block alone is over the tolerance by :data:`SUSPECT_Z` standard errors."""
         vs = list(self.verdicts)
         if not vs or vs[-1].seq != self.blocks_done - 1:
             return False  # (the latest was left out)
-        return vs[-1].penalty - SUSPECT_Z * math.sqrt(_noise_of(vs).var(vs[-1])) > self.tolerance
+        return vs[-1].penalty - SUSPECT_Z * math.sqrt(_noise(vs).var(vs[-1])) > self.tolerance
 
     def _rule(self) -> str | None:
         vs = list(self.verdicts)
-        noise = _noise_of(vs)
+        noise = _noise(vs)
         tol = self.tolerance
         for n, sign in ((n, s) for n in range(MIN_BLOCKS, len(vs) + 1) for s in (1, -1)):
             tail, line = vs[-n:], tol if sign > 0 else DEPEND_SHARE * tol  # (-1: DEPEND_SHARE)
             if sign < 0 and self.trial:
                 continue
-            mean, se = _mean_se(tail, [1.0 / n] * n, noise)
+            mean, se = mean_se(tail, [1.0 / n] * n, noise)
             m = sign * mean
             clearly = m - GUARD_Z * se > line
             surely = n >= SURE_BLOCKS and m > line and m - SURE_Z * se > 0
@@ -540,9 +532,9 @@ class Prober:
         if sxx <= 0:
             return None
         slope_c = [wi * (xi - xm) / sxx for wi, xi in zip(w, x, strict=True)]  # slope = sum(c * penalty)
-        slope, slope_se = _mean_se(vs, slope_c, noise)
+        slope, slope_se = mean_se(vs, slope_c, noise)
         now_c = [wi / sw + (x[-1] - xm) * c for wi, c in zip(w, slope_c, strict=True)]  # the line at the latest
-        now, now_se = _mean_se(vs, now_c, noise)
+        now, now_se = mean_se(vs, now_c, noise)
         if slope - GROW_Z * slope_se <= 0 or now - GROW_NOW_Z * now_se < GROW_SHARE * tol:
             return None
         # No one block carries it: the line through the others, at the latest block, is
@@ -567,79 +559,26 @@ class Prober:
         if not vs:
             return None
         n = len(vs)
-        mean, se = _mean_se(vs, [1.0 / n] * n, _noise_of(vs))
+        mean, se = mean_se(vs, [1.0 / n] * n, _noise(vs))
         return {"level": self.lower, "upper": self.upper, "blocks": n, "mean_penalty": mean, "se": se}
 
 
-def _clipped(groups: tuple[list[float], ...]) -> list[list[float]]:
-    """Each group's losses pulled in to within :data:`CLIP` robust standard deviations of
-    the group's median. The deviation is the lower windows' (the first and last groups:
-    the probe steps are too few): their distances from their medians at the
-    :data:`SPIKE_SHARE` quantile, as a normal spread (so batches rarer than that which lie
-    far out are spikes; a kind of batch more common than that, such as an easier source
-    that one batch in three comes from, is part of the job's noise and is kept whole)."""
-    medians = [statistics.median(g) for g in groups]
-    lower = sorted(abs(v - m) for g, m in ((groups[0], medians[0]), (groups[-1], medians[-1])) for v in g)
-    reach = CLIP * lower[int((1 - SPIKE_SHARE) * (len(lower) - 1))] / _Z_SPIKE_SHARE
-    if reach <= 0:
-        return [list(g) for g in groups]
-    return [[min(max(v, m - reach), m + reach) for v in g] for g, m in zip(groups, medians, strict=True)]
-
-
-def _noise_of(vs: list[Verdict]) -> Noise:
-    """The noise the blocks ``vs`` are judged with. The step-to-step variance, pooled over
-    the blocks (relative to each block's scale), and its correlation from one step to the
-    next up to :data:`LAGS` apart (batches alike in a row: a data order, a slow drift),
-    which a mean of a few steps in a row does not average out: the means' variance grows
-    by ``1 + 2 * sum((1 - k/m) * rho_k)`` (m steps; at least 1). Then the spread of the
-    blocks' penalties beyond what that explains: blocks that disagree more than their
-    windows' noise says meet the data at different points (a data order that repeats, a
-    batch far harder than the rest), and their spread is the penalty's true noise, added
-    to every block's variance, where it is more than their noise makes likely (the sum of
-    their squared distances from the line, each over its variance, over chi-squared's
-    99th percentile). Around the line through them, from :data:`GROW_BLOCKS`
-    blocks on (a penalty that grows is no disagreement; fewer blocks say too little)."""
-    dof = sum(v.dof for v in vs)
-    rel_var = sum(v.rel_var * v.dof for v in vs) / dof if dof > 0 else math.inf
-    ss = sum(v.ss for v in vs)
-    rho = [sum(v.lags[k] for v in vs if len(v.lags) > k) / ss if ss > 0 else 0.0 for k in range(LAGS)]
-
-    def factor(m: int) -> float:
-        return max(1.0, 1 + 2 * sum((1 - k / m) * rho[k - 1] for k in range(1, min(LAGS, m - 1) + 1)))
-
-    noise = Noise(rel_var, factor(PROBE_STEPS - LEAD_STEPS), factor(WINDOW_STEPS))
-    n = len(vs)
-    if n < GROW_BLOCKS or not math.isfinite(rel_var):
-        return noise
-    p = [v.penalty for v in vs]
-    resid = residuals([float(v.start) for v in vs], p)
-    if sum(r * r / noise.var(v) for r, v in zip(resid, vs, strict=True)) <= _CHI2_99[n - 2]:
-        return noise  # no more spread than their noise makes likely
-    spread = sum(r * r for r in resid) / (n - 2)
-    between = max(0.0, spread - _mean([noise.var(v) for v in vs]))
-    return Noise(rel_var, noise.upper_factor, noise.lower_factor, between)
-
-
-def _mean_se(vs: list[Verdict], coef: list[float], noise: Noise) -> tuple[float, float]:
-    """``sum(coef * penalty)`` over ``vs`` and its standard error: each block's own
-    variance (:class:`Noise`), and the covariance of two blocks back to back (they
-    share a window)."""
-    value = sum(c * v.penalty for c, v in zip(coef, vs, strict=True))
-    var = sum(c * c * noise.var(v) for c, v in zip(coef, vs, strict=True))
-    for i in range(1, len(vs)):
-        if vs[i].shared and vs[i].seq == vs[i - 1].seq + 1:
-            var += 2 * coef[i] * coef[i - 1] * noise.covar(vs[i])
-    return value, math.sqrt(max(var, 0.0))
-
-
 def _blocks(vs: list[Verdict], at: str = "probe") -> str:
-    """Which blocks a reason rests on ("N probe blocks of 5 steps (at steps a, b", left open)."""
-    return f"{len(vs)} {at} blocks of {PROBE_STEPS} steps (at steps {', '.join(str(v.start) for v in vs)}"
+    """Which blocks a reason rests on ("N probe blocks of 5 steps (at steps a, b", left open;
+    "of 5 and 13 steps" where a lean called long ones)."""
+    sizes = " and ".join(str(n) for n in sorted({v.steps for v in vs}))
+    return f"{len(vs)} {at} blocks of {sizes} steps (at steps {', '.join(str(v.start) for v in vs)}"
+
+
+def _noise(vs: list[Verdict]) -> Noise:
+    """The noise blocks ``vs`` are judged with (:func:`greend.training._probe_noise.noise_of`)."""
+    return noise_of(vs, WINDOW_STEPS, GROW_BLOCKS)
 
 
 def _said(noise: Noise, tol: float) -> str:
     """The noise and the tolerance a rollback's reason was judged with."""
-    alike = f", x{noise.upper_factor:.2g} for steps in a row alike" if noise.upper_factor > 1.05 else ""
+    upper = factor(noise.rho, PROBE_STEPS - LEAD_STEPS)  # (a block of PROBE_STEPS's probe steps)
+    alike = f", x{upper:.2g} for steps in a row alike" if upper > 1.05 else ""
     spread = f", the blocks' spread beyond it {math.sqrt(noise.between):.1%}" if noise.between > 0 else ""
     return f"(step-to-step noise {math.sqrt(noise.rel_var):.1%}{alike}{spread}; tolerance {tol:.0%})"
 
