@@ -165,7 +165,9 @@ class PrecisionControl:
         # Probe blocks at the level above while the run is below its own level
         # (greend.training.probe); None: none (turned off, or they failed).
         self.prober = (
-            Prober(tolerance=probe_tolerance, every=probe_every, trials=probe_trial) if manage and probe_every else None
+            Prober(tolerance=probe_tolerance, every=probe_every, trials=probe_trial, ranks=world_size)
+            if manage and probe_every
+            else None
         )
 
     def attach(self, steps: StepCount) -> None:
