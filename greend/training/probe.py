@@ -64,7 +64,7 @@ passed the tolerance before the harm is done (a neural field fitting raw pixel v
 bf16 rounding its outputs: kept to the end at +5.6 and +13 % held-out over its fp32 twin;
 now rolled back, the evidence gathered where it may decide something). Its price: a
 penalty within the tolerance but near it is rolled back more often (3 % under 10 %
-step-to-step noise: 25 of 60 runs of 4,000 steps, 13 before). All of this only where the
+step-to-step noise: 20 of 60 runs of 4,000 steps, 13 before). All of this only where the
 job has one rank: each rank judges its own losses, so with several every block comes
 where the draw puts it, the same steps on every rank (a verdict waits for the next one
 there). The rollback's
@@ -94,8 +94,8 @@ over its fp32 twin); hence the trial, and the first blocks back to back.
 What it costs: the trial, 106 to 138 steps at the upper level each time the run steps
 down; the probe steps (20 until the fourth block is judged, 159 to 255 steps after the run
 went down, then 5 every 300 to 500 steps, 1.25 % in the long run, 5 more for each verdict
-a block confirms, 13 for each lean: 1.8 % in the long run for a harmless job with 10 %
-step-to-step noise, 2.6 % at the most in 60 runs of 10,000 steps, 1.5 % before; 1.5 % as
+a block confirms, 13 for each lean: 1.7 % in the long run for a harmless job with 10 %
+step-to-step noise, 2.1 % at the most in 60 runs of 10,000 steps, 1.5 % before; 1.5 % as
 before with 40 % noise, where a lean decides nothing), ordinary steps of the
 user's loop at the upper level, never above the job's own; one integer compare a step
 outside the windows.
@@ -476,11 +476,14 @@ class Prober:
         tolerance by :data:`LEAN_Z` standard errors and within that many of it or over it,
         its standard error under the tolerance (where the error puts the penalty surely
         under the tolerance, or the noise is so large that one block more decides nothing,
-        more blocks would only cost steps)."""
+        more blocks would only cost steps). Each block weighs by its own precision (a long
+        block's 12 judged steps against a short one's 4: with equal weights one noisy short
+        block kept a chain of long ones reading 0 leaning, 6 to 7 of them)."""
         vs = list(self.verdicts)
         noise = _noise(vs)
         for n in range(LEAN_BLOCKS, len(vs) + 1):
-            m, se = mean_se(vs[-n:], [1.0 / n] * n, noise)
+            w = [1.0 / noise.var(v) for v in vs[-n:]]
+            m, se = mean_se(vs[-n:], [x / sum(w) for x in w], noise)
             if m - LEAN_Z * se > LEAN_SHARE * self.tolerance and m + LEAN_Z * se > self.tolerance > se:
                 return True
         return False
