@@ -53,21 +53,22 @@ block on (:data:`CONFIRM_FROM`), a verdict stands only when the next block, run 
 at another drawn point, says it again; a block alone over the tolerance by
 :data:`SUSPECT_Z` standard errors calls the next block at once too, and that block's
 verdict, with the one before among its evidence, stands at once (a penalty that appears
-late is looked at again within 50 to 82 steps, not ``probe_every``). Blocks that lean
-over the tolerance without saying it (:meth:`Prober._leans`: over the latest
-:data:`LEAN_BLOCKS` or more, the mean penalty over :data:`LEAN_SHARE` of the tolerance by
-:data:`LEAN_Z` standard errors, not surely under the tolerance, and known to better than
-the tolerance) call the next block at once too, a long one (:data:`LONG_STEPS`): in a
-noisy job one block of 4 judged steps reads a penalty to +/- 5 points or worse, and blocks
-``probe_every`` apart are too few to say that a penalty growing as the loss converges has
-passed the tolerance before the harm is done (a neural field fitting raw pixel values,
-bf16 rounding its outputs: kept to the end at +5.6 and +13 % held-out over its fp32 twin;
-now rolled back, the evidence gathered where it may decide something). Its price: a
-penalty within the tolerance but near it is rolled back more often (3 % under 10 %
-step-to-step noise: 20 of 60 runs of 4,000 steps, 13 before). All of this only where the
-job has one rank: each rank judges its own losses, so with several every block comes
-where the draw puts it, the same steps on every rank (a verdict waits for the next one
-there). The rollback's
+late is looked at again within 50 to 82 steps, not ``probe_every``). Blocks that lean over
+the tolerance without saying it (:meth:`Prober._leans`: over the latest
+:data:`LEAN_BLOCKS` or more, their mean penalty, each block weighed by its precision, over
+:data:`LEAN_SHARE` of the tolerance by :data:`LEAN_Z` standard errors, not surely under
+the tolerance, and known to better than the tolerance) call the next block at once too, a
+long one (:data:`LONG_STEPS`): in a noisy job one block of 4 judged steps reads a penalty
+to +/- 5 points or worse, and blocks ``probe_every`` apart are too few to say that a
+penalty growing as the loss converges has passed the tolerance before the harm is done (a
+neural field fitting raw pixel values, bf16 rounding its outputs: kept to the end at +5.6
+and +13 % held-out over its fp32 twin; now rolled back, the evidence gathered where it may
+decide something). Its price: a penalty within the tolerance but near it is rolled back
+more often (3 % under 10 % step-to-step noise: 20 of 60 runs of 4,000 steps, 13 before, in
+one draw). The lean only where the job has one rank: each rank judges its own losses, and
+a long block on some ranks only would put the ranks at two levels in one step (the blocks
+called at once to confirm a verdict, 5 steps, and a rollback on one rank until the ranks
+agree it, already can: a known limit). The rollback's
 reason names the blocks, the penalty (or its rise per 100 steps), its error and the
 noise it used. The same rule turned round (not in a trial) rolls back where the level
 above runs worse than the lower level on these weights by :data:`DEPEND_SHARE` times the
@@ -95,7 +96,7 @@ What it costs: the trial, 106 to 138 steps at the upper level each time the run 
 down; the probe steps (20 until the fourth block is judged, 159 to 255 steps after the run
 went down, then 5 every 300 to 500 steps, 1.25 % in the long run, 5 more for each verdict
 a block confirms, 13 for each lean: 1.7 % in the long run for a harmless job with 10 %
-step-to-step noise, 2.1 % at the most in 60 runs of 10,000 steps, 1.5 % before; 1.5 % as
+step-to-step noise, 2.1-2.3 % at the most in 60 runs of 10,000 steps, 1.5 % before; 1.5 % as
 before with 40 % noise, where a lean decides nothing), ordinary steps of the
 user's loop at the upper level, never above the job's own; one integer compare a step
 outside the windows.
@@ -240,10 +241,10 @@ class Prober:
     def __init__(self, *, tolerance: float | None, every: int, trials: bool = True, ranks: int = 1) -> None:
         # The job's own tolerance, else the daemon policy's (told at registration), else the default.
         self.given = float(tolerance) if tolerance is not None else None
-        # One rank: a block may come at once (a verdict to confirm, a suspect block, a lean).
-        # Several: every block where the draw puts it, the same steps on every rank (each
-        # rank judges its own losses: one rank at fp16 through the GradScaler beside one at
-        # fp32 would average scaled and unscaled gradients, one inside Transformer Engine's
+        # One rank: blocks that lean call a long one at once. Not with several: each rank
+        # judges its own losses, and a long block on some ranks only puts the ranks at two
+        # levels for 13 steps (one rank at fp16 through the GradScaler beside one at fp32
+        # would average scaled and unscaled gradients; one inside Transformer Engine's
         # fp8_autocast beside one outside it would meet its amax all-reduce alone).
         self.solo = ranks <= 1
         self.policy_tolerance: float | None = None
@@ -314,7 +315,7 @@ class Prober:
             start = self.anchor + trial_start(b, self.every, self.anchor)
         elif previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
-        elif (self.pending is not None or self.lean) and self.solo:
+        elif self.pending is not None or self.lean:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most)
             start = previous.start + previous.steps - PROBE_STEPS + DENSE_EVERY + READ_LAG
             start += _jitter(self.anchor, b, DENSE_JITTER)

@@ -315,38 +315,23 @@ def test_blocks_that_lean_over_the_tolerance_call_a_long_block_at_once_one_surel
     assert all(b[0] - a[0] < a[1] + DENSE_EVERY + READ_LAG + DENSE_JITTER for a, b in longs), longs
 
 
-def test_the_ranks_of_a_job_run_their_blocks_at_the_same_steps_whatever_each_one_s_losses_say() -> None:
-    """Each rank judges its own losses, so one rank may lean (or wait to confirm a verdict)
-    where another does not. Blocks called at once would put the ranks at two levels in one
-    step: under fp16 one rank's gradients scaled by the GradScaler, the other's not, averaged
-    by DDP; under Transformer Engine's fp8 one rank alone at its amax all-reduce. With
-    several ranks every block comes where the draw puts it: the same steps on every rank.
-    (One rank alone: 2 ranks' probers fed their own noise, a 4.5 % penalty under 10 %,
-    ran different blocks in 7 of these 10 pairs.)"""
-    differ = 0
-    for seed in range(10):
-        runs = []
-        for rank in range(2):
-            rng = random.Random(1000 * seed + rank)
-            prober = Prober(tolerance=0.05, every=400, ranks=2)
-            prober.arm("fp32", "bf16", anchor=0)
-            runs.append(
-                _blocks_run(prober, 3000, lambda i, lv, r=rng: (1.045 if lv == "bf16" else 1.0) * noisy(r, 0.1))
-            )
-        n = min(len(runs[0]), len(runs[1]))  # (up to the first rank's rollback)
-        assert runs[0][:n] == runs[1][:n], (seed, runs)
-        assert {steps for r in runs for _, steps in r} == {PROBE_STEPS}
-        solo = []
-        for rank in range(2):
-            rng = random.Random(1000 * seed + rank)
-            prober = Prober(tolerance=0.05, every=400)
-            prober.arm("fp32", "bf16", anchor=0)
-            solo.append(
-                _blocks_run(prober, 3000, lambda i, lv, r=rng: (1.045 if lv == "bf16" else 1.0) * noisy(r, 0.1))
-            )
-        n = min(len(solo[0]), len(solo[1]))
-        differ += solo[0][:n] != solo[1][:n]
-    assert differ >= 3, differ  # (the schedules one rank alone may take do differ)
+def test_a_job_of_several_ranks_runs_no_long_block_one_of_one_rank_does() -> None:
+    """Each rank judges its own losses, so one rank may lean where another does not: a long
+    block on some ranks only would put the ranks at two levels for 13 steps (under fp16 one
+    rank's gradients through the GradScaler, the other's not, averaged by DDP; under
+    Transformer Engine's fp8 one rank alone at its amax all-reduce). With several ranks the
+    blocks stay 5 steps; a job of one rank leans (a 4.5 % penalty under 10 % noise: long
+    blocks in most of these runs)."""
+
+    def sizes(ranks: int, seed: int) -> set[int]:
+        rng = random.Random(seed)
+        prober = Prober(tolerance=0.05, every=400, ranks=ranks)
+        prober.arm("fp32", "bf16", anchor=0)
+        blocks = _blocks_run(prober, 3000, lambda i, lv: (1.045 if lv == "bf16" else 1.0) * noisy(rng, 0.1))
+        return {steps for _, steps in blocks}
+
+    assert all(sizes(2, seed) == {PROBE_STEPS} for seed in range(10))
+    assert sum(LONG_STEPS in sizes(1, seed) for seed in range(10)) >= 5
 
 
 @pytest.mark.parametrize("period", [33, 11])
