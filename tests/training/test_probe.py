@@ -315,6 +315,33 @@ def test_blocks_that_lean_over_the_tolerance_call_a_long_block_at_once_one_surel
     assert all(b[0] - a[0] < a[1] + DENSE_EVERY + READ_LAG + DENSE_JITTER for a, b in longs), longs
 
 
+def test_in_the_lean_a_long_block_weighs_by_its_precision_and_a_very_noisy_job_does_not_lean() -> None:
+    """A short block far over the tolerance (+16 %) and long blocks after it reading about 0:
+    weighed alike, the mean over them still leaned (chains of 6-7 long blocks in a harmless
+    job with warm restarts); weighed by their precision (12 judged steps against 4), it does
+    not. And a job so noisy that the blocks' mean is known no better than the tolerance
+    (40 % step-to-step noise) never leans: one block more would decide nothing."""
+    from greend.training._probe_noise import Verdict
+
+    def verdict(seq: int, penalty: float, long: bool) -> Verdict:
+        n = LONG_STEPS if long else PROBE_STEPS
+        return Verdict(seq, 100 * seq, penalty, 0.01, 28, n - 1, n, 0.03125, False, 0.0, (0.0, 0.0, 0.0), 0.28)
+
+    prober = Prober(tolerance=0.05, every=400)
+    chain = [(0.0, False), (0.16, False), (0.01, True), (0.0, True)]
+    prober.verdicts.extend(verdict(k, pen, long) for k, (pen, long) in enumerate(chain))
+    assert not prober._leans()
+    prober.verdicts.extend([verdict(4, 0.12, False), verdict(5, 0.14, False)])  # (two more high: it leans)
+    assert prober._leans()
+
+    for seed in range(5):
+        rng = random.Random(seed)
+        prober = Prober(tolerance=0.05, every=400)
+        prober.arm("fp32", "bf16", anchor=0)
+        blocks = _blocks_run(prober, 4000, lambda i, lv, r=rng: (1.04 if lv == "bf16" else 1.0) * noisy(r, 0.4))
+        assert {steps for _, steps in blocks} == {PROBE_STEPS}, (seed, blocks)
+
+
 def test_a_job_of_several_ranks_runs_no_long_block_one_of_one_rank_does() -> None:
     """Each rank judges its own losses, so one rank may lean where another does not: a long
     block on some ranks only would put the ranks at two levels for 13 steps (under fp16 one
