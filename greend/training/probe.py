@@ -317,11 +317,10 @@ class Prober:
             start = block_start(0, self.every, self.anchor) + self.anchor
         elif self.pending is not None or self.lean:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most)
-            start = previous.start + previous.steps - PROBE_STEPS + DENSE_EVERY + READ_LAG
-            start += _jitter(self.anchor, b, DENSE_JITTER)
+            start = previous.end - PROBE_STEPS + DENSE_EVERY + READ_LAG + _jitter(self.anchor, b, DENSE_JITTER)
         else:
             gap = block_start(b, self.every, self.anchor) - block_start(b - 1, self.every, self.anchor)
-            start = previous.start + previous.steps - PROBE_STEPS + gap
+            start = previous.end - PROBE_STEPS + gap  # (a long block's extra steps on top)
         # Never a step that has started already (losses read later than READ_LAG: a rank whose
         # reads lag this much may start the block later than the others).
         start = max(start, self.horizon)
@@ -484,7 +483,8 @@ class Prober:
         noise = _noise(vs)
         for n in range(LEAN_BLOCKS, len(vs) + 1):
             w = [1.0 / noise.var(v) for v in vs[-n:]]
-            m, se = mean_se(vs[-n:], [x / sum(w) for x in w], noise)
+            sw = sum(w)
+            m, se = mean_se(vs[-n:], [x / sw for x in w], noise)
             if m - LEAN_Z * se > LEAN_SHARE * self.tolerance and m + LEAN_Z * se > self.tolerance > se:
                 return True
         return False
