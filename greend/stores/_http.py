@@ -2,8 +2,8 @@
 put on a network.
 
 It serves what prometheus-client renders, but unlike the client's own
-``start_http_server`` it is bounded: at most ``max_connections`` connections at once, and a quarter of them
-from one client address (one more takes the place of the oldest that has sent no request yet, else it is
+``start_http_server`` it is bounded: at most ``max_connections`` connections awaiting their answer at once, and a
+quarter of them from one client address (one more takes the place of the oldest that has sent no request yet, else it is
 closed at once), a read timeout on every connection (a client that opens
 one and sends nothing is dropped after ``read_timeout_s``), one request a connection,
 and at most ``max_scrapes_per_s`` renders a second (more are answered ``429`` at once,
@@ -149,6 +149,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.head_in(self.request)
         super().finish()
 
+    def end_headers(self) -> None:
+        # Answered: the connection leaves the count before its client can have read the
+        # answer, so a scraper that asks again at once finds its place free (the thread
+        # that closes this one may lag on a busy node). What is left, writing the answer,
+        # is bounded by the socket timeout (read_timeout_s covers the whole send).
+        self.server.answered(self.request)
+        super().end_headers()
+
     def handle(self) -> None:
         try:
             super().handle()
@@ -228,8 +236,8 @@ class MetricsServer(ThreadingHTTPServer):
         self.opts = opts
         self.render = render
         self.bucket = _Bucket(opts.max_scrapes_per_s)
-        self._open = 0  # connections being served
-        self._by_client: dict[Any, int] = {}  # the same, per client address
+        self._conns: dict[Any, Any] = {}  # connection -> its host: those not answered yet
+        self._by_client: dict[Any, int] = {}  # the same, counted per client address
         self._heads: dict[Any, tuple[float, Any]] = {}  # connection -> (when its request head is due, its host)
         self._open_lock = threading.Lock()
         self.scrapes = self.limited = self.unauthorized = self.refused = self.evicted = 0
@@ -269,7 +277,7 @@ class MetricsServer(ThreadingHTTPServer):
         with self._open_lock:
             mine = self._by_client.get(host, 0)
             over_mine = mine >= per_client(self.opts.max_connections)
-            full = self._open >= max(1, self.opts.max_connections) or over_mine
+            full = len(self._conns) >= max(1, self.opts.max_connections) or over_mine
             if full:
                 # A connection that has sent no request head yet makes way for the new one (the
                 # oldest; of the same client where that client is over its share): two idle
@@ -281,7 +289,7 @@ class MetricsServer(ThreadingHTTPServer):
                     del self._heads[victim]
                     full = False
             if not full:
-                self._open += 1
+                self._conns[request] = host
                 self._by_client[host] = mine + 1
         if victim is not None:
             self.evicted += 1
@@ -299,18 +307,22 @@ class MetricsServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._done(host)
+            self.answered(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._done(_host(client_address))
+            self.answered(request)
 
-    def _done(self, host: Any) -> None:
+    def answered(self, request: Any) -> None:
+        """``request`` no longer counts against the bounds (its answer is being written, or
+        its connection ended); once only, however often it is called."""
         with self._open_lock:
-            self._open -= 1
+            if request not in self._conns:
+                return
+            host = self._conns.pop(request)
             left = self._by_client.get(host, 1) - 1
             if left > 0:
                 self._by_client[host] = left
@@ -349,8 +361,8 @@ class MetricsServer(ThreadingHTTPServer):
         log.debug("metrics %s: connection failed", _peer(client_address), exc_info=True)
 
     def open_connections(self) -> int:
-        """Connections being served now."""
-        return self._open
+        """Connections being served now and not answered yet."""
+        return len(self._conns)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -190,6 +190,26 @@ def test_scrapes_beyond_the_rate_are_answered_429_without_reading_status(stores:
     assert _settles(lambda: _get(s)[0] == 200, 1.1)  # served again within 1.1 s (one token: 0.5 s)
 
 
+def test_back_to_back_scrapes_are_served_while_the_answered_connections_close(
+    stores: list[PrometheusStore],
+) -> None:
+    # A client reads its whole answer (Content-Length) before the server's thread has
+    # closed the connection; on a busy node that thread may lag. The connections already
+    # answered must not count against the client's share: scrapes one after another were
+    # closed unanswered (RemoteDisconnected) once two such threads lagged.
+    s = _open(stores, "prometheus://127.0.0.1:0?max_scrapes_per_s=0")
+    slow_close = s._server.shutdown_request
+
+    def lagging(request: Any) -> None:
+        if threading.current_thread() is not s._server.thread:  # a connection's own thread
+            time.sleep(0.3)
+        slow_close(request)
+
+    s._server.shutdown_request = lagging  # type: ignore[method-assign]
+    assert [_get(s)[0] for _ in range(6)] == [200] * 6
+    assert s._server.stats()["connections_refused"] == 0
+
+
 def test_basic_auth(stores: list[PrometheusStore], tmp_path: Path) -> None:
     auth = tmp_path / "metrics.auth"
     auth.write_text("# scrapers\nprom:s3cret\nother:sha256:" + __import__("hashlib").sha256(b"pw2").hexdigest() + "\n")
