@@ -65,17 +65,17 @@ neural field fitting raw pixel values, bf16 rounding its outputs: kept to the en
 and +13 % held-out over its fp32 twin; now rolled back, the evidence gathered where it may
 decide something). Its price: a penalty within the tolerance but near it is rolled back
 more often (3 % under 10 % step-to-step noise: 20 of 60 runs of 4,000 steps, 13 before, in
-one draw). The lean only where the job has one rank: each rank judges its own losses, and
-a long block on some ranks only would put the ranks at two levels in one step (the blocks
-called at once to confirm a verdict, 5 steps, and a rollback on one rank until the ranks
-agree it, already can: a known limit). The rollback's
-reason names the blocks, the penalty (or its rise per 100 steps), its error and the
-noise it used. The same rule turned round (not in a trial) rolls back where the level
-above runs worse than the lower level on these weights by :data:`DEPEND_SHARE` times the
-tolerance: weights trained below have come to fit its rounding (bf16's of a model's input
-features, fixed per input), and the harm to the trajectory is carried in them, where the
-penalty cannot show it. ``tolerance`` is the job's ``probe_tolerance``, else the daemon precision
-policy's (its register reply), else :data:`TOLERANCE`.
+one draw). In a job of several ranks each rank judges its own losses: the ranks take each
+block's outcome together, at the same steps (:mod:`greend.training._probe_ranks`), and
+without a store to meet in they do not lean (a long block on some ranks only would put
+the ranks at two levels in one step). The rollback's reason names the blocks, the penalty
+(or its rise per 100 steps), its error and the noise it used. The same rule turned round
+(not in a trial) rolls back where the level above runs worse than the lower level on these
+weights by :data:`DEPEND_SHARE` times the tolerance: weights trained below have come to
+fit its rounding (bf16's of a model's input features, fixed per input), and the harm to
+the trajectory is carried in them, where the penalty cannot show it. ``tolerance`` is the
+job's ``probe_tolerance``, else the daemon precision policy's (its register reply), else
+:data:`TOLERANCE`.
 
 **A trial first.** A step down (``arm(..., trial=True)``) does not run the new level at
 once: the run stays at the level above (the job's own steps, as the daemon books them) but
@@ -189,6 +189,9 @@ READ_LAG = 17  # the callback reads losses in batches of 16 while no spike rule 
 DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 NEVER = sys.maxsize
 _SUSPECT = "one block over the tolerance"
+# A rank's word on a block it judged, in a job whose ranks agree on the blocks' outcome
+# (Prober.agreed): the ranks take the largest word any of them wrote.
+GAP, ONCE, LONG, ROLLBACK = 0, 1, 2, 3  # the next block at the drawn gap; at once; at once and long; roll back
 
 # A probe step's record names its level with this suffix (the sender sends it as the
 # row's level with "probe": true); a step record's level is otherwise a plain level.
@@ -241,12 +244,18 @@ class Prober:
     def __init__(self, *, tolerance: float | None, every: int, trials: bool = True, ranks: int = 1) -> None:
         # The job's own tolerance, else the daemon policy's (told at registration), else the default.
         self.given = float(tolerance) if tolerance is not None else None
-        # One rank: blocks that lean call a long one at once. Not with several: each rank
-        # judges its own losses, and a long block on some ranks only puts the ranks at two
-        # levels for 13 steps (one rank at fp16 through the GradScaler beside one at fp32
-        # would average scaled and unscaled gradients; one inside Transformer Engine's
-        # fp8_autocast beside one outside it would meet its amax all-reduce alone).
+        # Blocks that lean call a long one at once with one rank, or where the ranks agree
+        # (``agreed``, set by the caller: they meet in the job's store and take each block's
+        # outcome together, at the same step, :meth:`decide`). Not else: each rank judges its
+        # own losses, and a long block on some ranks only would put the ranks at two levels
+        # (one at fp16 through the GradScaler beside one at fp32 averages scaled and unscaled gradients).
         self.solo = ranks <= 1
+        self.agreed = False
+        self.word: tuple[int, int, int] | None = None  # (anchor, block, this rank's word) on the block judged last
+        self.decide_at = NEVER  # the step at whose start the ranks' words on the block judged are taken
+        # (the block judged where the next one's place waits for the word, this rank's verdict)
+        self._held: tuple[_Block | None, str | None] | None = None
+        self._recent: deque[tuple[int, str, float]] = deque(maxlen=WINDOW_STEPS + READ_LAG)  # for a block placed late
         self.policy_tolerance: float | None = None
         self.every = int(every)
         self.upper: str | None = None
@@ -266,6 +275,7 @@ class Prober:
         # A trial (a step down's first steps): the roles turned round, the run at ``upper``
         # but for blocks at ``lower``, judged the same way; the run goes down once it passes.
         self.trial = False
+        self._at_once = False  # (decide: the ranks' word calls the next block at once)
         self.trials = trials  # whether a step down starts with one (GreenCallback(probe_trial=))
         self.held_from = 0  # a trial passed: the steps from here to the anchor run the level above
 
@@ -293,6 +303,7 @@ class Prober:
         self.pending = None
         self.lean = False
         self.verdicts.clear()
+        self.word, self.decide_at, self._held = None, NEVER, None
         self._next_block(None)
 
     def disarm(self) -> None:
@@ -301,6 +312,7 @@ class Prober:
         self.block = None
         self.watch_from = NEVER
         self.verdicts.clear()
+        self.word, self.decide_at, self._held = None, NEVER, None
 
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
@@ -315,7 +327,7 @@ class Prober:
             start = self.anchor + trial_start(b, self.every, self.anchor)
         elif previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
-        elif self.pending is not None or self.lean:
+        elif self.pending is not None or self.lean or self._at_once:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most)
             start = previous.end - PROBE_STEPS + DENSE_EVERY + READ_LAG + _jitter(self.anchor, b, DENSE_JITTER)
         else:
@@ -359,6 +371,10 @@ class Prober:
         """A recorded step (``level``: as it ran; ``loss``: None where non-finite or
         not reported). The reason to roll back, or None."""
         blk = self.block
+        if self._held is not None and self._held[0] is not None:  # the next block awaits the ranks' word
+            if loss is not None and math.isfinite(loss):
+                self._recent.append((index, level, loss))
+            return None
         if blk is None or index < blk.start - WINDOW_STEPS:
             return None
         # The level of the steps around a block, and the block's (turned round in a trial).
@@ -389,11 +405,45 @@ class Prober:
                 # One block far over the tolerance (no verdict alone): the next one comes at
                 # once; blocks that lean over it call one at once too, a long one.
                 self.pending = _SUSPECT if self._suspect() else None
-                self.lean = self.solo and self.pending is None and self._leans()
+                self.lean = (self.solo or self.agreed) and self.pending is None and self._leans()
             # (a block left out, shifted or short of losses, says nothing: what waited, waits on)
+        if self.agreed and self.upper is not None:
+            # The ranks' block: this rank's word goes to the others; all take the largest at
+            # decide_at. Where the next block's place depends on it, it is placed then.
+            word = (self.anchor, blk.seq, ROLLBACK if why else LONG if self.lean else ONCE if self.pending else GAP)
+            waits = blk.seq >= CONFIRM_FROM and not self.trial
+            if not waits:
+                self._next_block(blk)  # (placed as on one rank: its place depends on no verdict)
+            self.word, self.decide_at, self._held = word, blk.last + READ_LAG, (blk if waits else None, why)
+            self._recent.clear()
+            if waits:
+                self.watch_from = blk.last + 1  # (the steps till then: the next block's window before)
+            return None  # (a rollback: at decide_at, with the other ranks)
         if self.upper is not None:
             self._next_block(blk)
         return why
+
+    def decide(self, agreed: int | None) -> str | None:
+        """At the start of step :attr:`decide_at` on every rank: the ranks' largest word on
+        the block judged last (``agreed``; None: none read, this rank's own word then). The
+        reason to roll back, or None (the next block placed as the word says)."""
+        held, mine = self._held or (None, None)
+        own = self.word[2] if self.word is not None else GAP
+        word = max(own, agreed if agreed is not None else GAP)
+        self.word, self.decide_at, self._held = None, NEVER, None
+        if word >= ROLLBACK:
+            return mine or f"another rank's probe blocks put {self.lower} over the tolerance against {self.upper}"
+        if held is None or self.upper is None:
+            return None
+        self.lean, self._at_once = word == LONG, word >= ONCE
+        self._next_block(held)
+        self._at_once = False
+        blk = self.block
+        if blk is not None:  # its window before, from the steps recorded while the word was awaited
+            around = self.upper if self.trial else self.lower
+            blk.before = [(i, v) for i, lv, v in self._recent if lv == around and i >= blk.before_from]
+        self._recent.clear()
+        return None
 
     def _judge(self, blk: _Block) -> str | None:
         half = WINDOW_STEPS // 2

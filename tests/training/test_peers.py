@@ -425,3 +425,35 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
     finally:
         for cb in cbs:
             cb.close()
+
+
+@pytest.mark.parametrize("trial", [True, False], ids=["trial", "probes"])
+def test_ranks_that_judge_a_penalty_differently_roll_back_together_at_the_same_step(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, trial: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Each rank judges the probe blocks on its own losses, and they differ: here only
+    rank 1's show bf16 15 % worse (its share of the data), and rank 1 reads its losses at
+    each step's end while rank 0 reads them every 16 steps. The ranks take each block's
+    outcome together (greend.training._probe_ranks): every step runs at one level on both
+    ranks, the blocks and the rollback included, and rank 0 names the other rank's probes
+    as its reason. (Before, rank 1 rolled back alone and the ranks ran two levels until
+    the next agreement on the level, and a late reader started the next block later.)"""
+    import random
+
+    torch.set_num_threads(1)
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), spike_tolerance=None, probe_trial=trial)
+    cbs[0]._book.judge_within_s = 1e9  # (the count only: every 16 steps)
+    cbs[1]._book.judge_within_s = 0.0  # (every step's end)
+    rng = random.Random(7)
+    noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(300)] for _ in range(2)]
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:  # (inside step i: the level it runs at)
+        return noise[r][i] * (1.15 if r == 1 and cbs[r]._book.precision == "bf16" else 1.0)
+
+    ran = _lockstep(cbs, 300, {7: [(0, "bf16"), (1, "bf16")]}, loss)
+    runs = [(level, len(list(g))) for level, g in itertools.groupby(ran[0])]
+    assert [i for i in range(300) if ran[0][i] != ran[1][i]] == [], runs
+    assert "bf16" in ran[0] and ran[0][-60:] == ["fp32"] * 60, runs
+    back = [[e for e in cb.precision_events if e["kind"] == "rollback"] for cb in cbs]
+    assert len(back[0]) == len(back[1]) == 1 and back[0][0]["step"] == back[1][0]["step"], back
+    assert "another rank" in back[0][0]["reason"] and "blocks" in back[1][0]["reason"], back
