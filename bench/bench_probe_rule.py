@@ -1,6 +1,6 @@
 """The probes' rule alone (``greend.training.probe.Prober``) on made-up loss streams.
 
-Run:  python bench/bench_probe_rule.py [--runs 60]
+Run:  python bench/bench_probe_rule.py [--runs 60] [--ranks N]
 
 Each stream is fed to a Prober as the callback does (each step at the level the Prober
 asks for, else the lower one), the lower level harmless or harmful, and the rule's
@@ -25,6 +25,15 @@ from it).
 * ``noisy grows``: a falling loss, 10 % noise, a penalty growing from 3 % by 0.5 points
   per 100 steps (a rounding that costs more as the loss converges), 2500 steps.
 
+``--ranks N`` (``--alone``: beside the same runs judged rank by rank, a run counted as
+rolled back where any rank rolled back, the job following that rank) runs each case as a
+job of N ranks that judge each block together, on their mean loss at each step
+(:mod:`greend.testing.probe_ranks`): each rank with its own noise (its share of the
+data; a data order the same on every rank), reading its losses every 1, 16, 7, 4, ...
+steps; "rolled back" then counts the runs whose ranks rolled back (together: a run whose
+ranks ran two levels at some step is counted apart, "parted", and should be 0), "upper"
+is rank 0's.
+
 All of it is made up (the rule's own yardstick); the real trainings are in
 ``bench_precision.py``.
 """
@@ -39,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from greend.testing.probe_ranks import run_ranks
 from greend.training.probe import Prober
 
 Loss = Callable[[int, int, str, random.Random], float]  # (steps since the switch, step, level, rng)
@@ -98,22 +108,55 @@ def run(loss: Loss, switch: int, steps: int) -> tuple[int | None, float]:
     return None, prober.probe_steps / steps
 
 
+LAGS = (1, 16, 7, 4, 12, 2, 9, 5)  # the ranks' read batches (steps), in turn
+
+
+def run_job(loss: Loss, switch: int, steps: int, ranks: int, agreed: bool = True) -> tuple[int | None, float, bool]:
+    """As :func:`run` for a job of ``ranks`` ranks (each its own noise) that judge the blocks
+    together (``agreed``; else each its own losses: the first rank's rollback counts); and
+    whether the ranks ran two levels at some step."""
+    rngs = [random.Random(switch * 7 + 1 + 1000 * r) for r in range(ranks)]
+    probers = [Prober(tolerance=0.05, every=400, ranks=ranks) for _ in range(ranks)]
+    for p in probers:
+        p.arm("fp32", "bf16", anchor=switch)
+    losses = [lambda i, lvl, g=g: loss(i - switch, i, lvl, g) for g in rngs]
+    lags = [LAGS[r % len(LAGS)] for r in range(ranks)]
+    job = run_ranks(probers, losses, lags, steps, start=switch, agreed=agreed)
+    back = min((b for b in job.back if b is not None), default=None)
+    ran = steps if back is None else back - switch + 1
+    return (None if back is None else back - switch), job.probe_steps[0] / ran, job.parted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=60, help="runs (switch steps) per case")
+    ap.add_argument("--ranks", type=int, default=1, help="the job's ranks (several: they judge each block together)")
+    ap.add_argument("--alone", action="store_true", help="with --ranks: the same runs judged rank by rank beside")
     args = ap.parse_args()
     print(
         f"{'case':<14}{'runs':>6}{'rolled back':>13}{'median step':>13}{'90th pct':>10}{'upper %':>9}"
-        "  (steps after the switch; upper: the probes' steps at the level above, of those run)"
+        + (f"{'parted':>8}" if args.ranks > 1 else "")
+        + (f"{'alone':>8}{'median':>8}" if args.ranks > 1 and args.alone else "")
+        + f"  ({args.ranks} rank{'s' if args.ranks > 1 else ''}; steps after the switch; upper: the probes' steps"
+        " at the level above, of those run)"
     )
     for name, (loss, steps, harmful) in CASES.items():
-        runs = [run(loss, 97 * k, steps) for k in range(args.runs)]
+        if args.ranks > 1:
+            jobs = [run_job(loss, 97 * k, steps, args.ranks) for k in range(args.runs)]
+            runs = [(r, u) for r, u, _ in jobs]
+            parted = f"{sum(p for _, _, p in jobs):>8}"
+            if args.alone:
+                alone = [run_job(loss, 97 * k, steps, args.ranks, agreed=False)[0] for k in range(args.runs)]
+                apart = sorted(r for r in alone if r is not None)
+                parted += f"{len(apart):>8}{apart[len(apart) // 2] if apart and harmful else '-':>8}"
+        else:
+            runs, parted = [run(loss, 97 * k, steps) for k in range(args.runs)], ""
         at = sorted(r for r, _ in runs if r is not None)
         upper = 100 * sum(u for _, u in runs) / len(runs)
         med = f"{at[len(at) // 2]}" if at and harmful else "-"
         p90 = f"{at[int(0.9 * len(at))]}" if at and harmful else "-"
         kind = "harmful" if harmful else "harmless"
-        print(f"{name:<14}{args.runs:>6}{len(at):>13}{med:>13}{p90:>10}{upper:>9.2f}  {kind}")
+        print(f"{name:<14}{args.runs:>6}{len(at):>13}{med:>13}{p90:>10}{upper:>9.2f}{parted}  {kind}")
 
 
 if __name__ == "__main__":

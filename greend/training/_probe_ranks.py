@@ -1,44 +1,78 @@
-"""The ranks of a job take each probe block's outcome together (``Prober.agreed``).
+"""The ranks of a job judge each probe block together (``Prober.agreed``), on the job's loss.
 
-Each rank judges a block on its own losses, and they differ (each rank trains on its own
-share of the data), so on their own the ranks would call the next block at once on some
-ranks only, or roll back on some: for a while the ranks would run two levels in one step
-(one rank at fp16 through the GradScaler beside one at fp32 averages scaled and unscaled
-gradients; a rollback on one rank held the ranks at two levels until their next agreement
-on the level, 100 to 200 steps). So, at the same steps on every rank:
+Each rank runs the blocks on its own share of the data, and its losses alone say less
+than all of them: judged apart, the ranks' verdicts differed, and a job rolled back where
+any one rank said so (a 2 % penalty, within the tolerance, under 10 % step-to-step noise:
+8 ranks rolled back in 49 of 60 made-up runs, one rank in 11, ``bench/bench_probe_rule.py``);
+and for a while the ranks ran two levels in one step (a block called at once or a rollback
+on some ranks only, a rank whose late reads shifted its next block: under fp16 one rank's
+gradients through the GradScaler and the other's not, averaged by DDP). So, at the same
+steps on every rank:
 
 * a block is judged at the start of the step after its last window step at the latest
-  (the losses still in flight are waited for, once a block): a rank that reads its losses
-  late no longer starts the next block later than the others;
-* a rank's word on it other than "the next block at the drawn gap" (the next at once, a
-  long one at once where its blocks lean, or roll back) goes to the job's store (the
-  rendezvous store the level's agreement uses: no collective);
+  (the losses still in flight are waited for, once a block), so late reads move nothing;
+* each rank's losses around and in the block (:func:`block_text`) go to the job's store
+  (the rendezvous store the level's agreement uses: no collective);
 * at ``Prober.decide_at``, :data:`greend.training.probe.READ_LAG` steps later (the ranks of
-  a job that trains together are a step or two apart at most), every rank reads the
-  largest word written and takes it (``Prober.decide``).
+  a job that trains together are a step or two apart at most), every rank reads them all
+  and judges the block on their mean at each step (:func:`pooled`): the job's loss, what a
+  single process with the whole batch would see, its noise that of the mean (batches alike
+  on every rank at once, a data order, average out no more than they do). The same numbers
+  in the same order on every rank: the same verdict, and the same decision.
 
-A store that fails leaves each rank on its own words from then on, logged once.
+A store that fails leaves each rank on its own losses from then on, logged once.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from greend.training.probe import Prober
+from greend.training.probe import Prober, _Block
 from greend.training.warn import OnceWarnings
 
-__all__ = ["RanksWord"]
+__all__ = ["JointJudge", "block_text", "pooled"]
 
 
-class RanksWord:
-    """One job's words on its probe blocks, for :class:`greend.training.book.StepBook`."""
+def block_text(blk: _Block) -> str:
+    """A rank's losses of a judged block as they go to the other ranks."""
+    return json.dumps({"b": blk.before, "u": blk.upper, "a": blk.after}, separators=(",", ":"))
+
+
+def pooled(blk: _Block, texts: list[str]) -> tuple[_Block, int]:
+    """``blk`` with the mean of the ranks' losses (``texts``: :func:`block_text` each, in
+    rank order) at each step, each step's mean over the ranks that have a loss there; and
+    how many ranks it pools."""
+    rows = []
+    for text in texts:
+        try:
+            rows.append(json.loads(text))
+        except ValueError:
+            continue  # (not a block's losses: that rank left out)
+
+    def by_step(key: str) -> list[tuple[int, float]]:
+        at: dict[int, list[float]] = {}
+        for row in rows:
+            for i, v in row[key]:
+                at.setdefault(int(i), []).append(float(v))
+        return [(i, sum(vs) / len(vs)) for i, vs in sorted(at.items())]
+
+    width = max((len(row["u"]) for row in rows), default=0)
+    upper = [[float(row["u"][k]) for row in rows if k < len(row["u"])] for k in range(width)]
+    job = replace(blk, before=by_step("b"), upper=[sum(vs) / len(vs) for vs in upper], after=by_step("a"))
+    return job, len(rows)
+
+
+class JointJudge:
+    """One rank's part in judging its job's probe blocks, for :class:`greend.training.book.StepBook`."""
 
     def __init__(self, control: Any, warnings: OnceWarnings, drain: Callable[[], None]) -> None:
         self.control = control  # (PrecisionControl: its job_peers() and probe_rollback())
         self.warnings = warnings
         self.drain = drain  # judges every ended step, waiting for the losses in flight
-        self.told: tuple[int, int, int] | None = None  # the last word written to the store
+        self.told: tuple[int, int] | None = None  # the last block this rank wrote its losses for
 
     def at(self, prober: Prober, index: int) -> None:
         """At the start of step ``index`` near a block of ``prober`` (agreed)."""
@@ -47,23 +81,25 @@ class RanksWord:
             self.drain()  # (judges the block: its last window step has ended, on every rank)
             if self.control.prober is not prober:
                 return
-        word = prober.word
-        agreed = None
+        if prober.held is None or prober.held_key is None:
+            return
+        blk, (anchor, seq) = prober.held[0], prober.held_key
+        job: _Block | None = None
+        ranks = 1
         try:
             peers = self.control.job_peers()
             if peers is None:
                 raise RuntimeError("the job's ranks have no store to meet in")
-            if word is not None and word[2] and self.told != word:
-                self.told = word
-                peers.raise_to(f"probe/{word[0]}", word[1], float(word[2]))
-            if word is not None and index >= prober.decide_at:
-                got = peers.read(f"probe/{word[0]}", word[1])
-                agreed = None if got is None else int(got)
+            if self.told != (anchor, seq):
+                told, self.told = self.told, (anchor, seq)
+                forget = None if told is None else f"probe/{told[0]}/{told[1]}"  # (read by every rank by now)
+                peers.tell(f"probe/{anchor}/{seq}", block_text(blk), forget)
+            if index < prober.decide_at:
+                return
+            job, ranks = pooled(blk, peers.hear(f"probe/{anchor}/{seq}", prober.ranks))
         except Exception as e:
-            self.warnings.warn("agree", f"greend could not agree the probes' outcome across ranks: {e}")
-            prober.agreed = False
-        if word is None or index < prober.decide_at:
-            return
-        why = prober.decide(agreed)
+            self.warnings.warn("agree", f"greend could not judge the probes with the job's other ranks: {e}")
+            prober.agreed = False  # (this block on this rank's losses alone, now)
+        why = prober.decide(job, ranks)
         if why is not None:
             self.control.probe_rollback(index - 1, why, None)

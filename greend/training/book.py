@@ -1,22 +1,25 @@
 """The callback's book of steps: what every step reads, and what happens after it ends.
 
-:class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the level in force
-and the FLOP cache (read on every step), the list of ended steps, and the rare paths (a directive at
-a step boundary, a shape to count). Every 16 steps or 50 ms the ended steps are booked: one record
-per step for the sender (``Channel.queue``) and the accuracy guard's look at each loss. A batch with
-nothing to judge (the guard not watching) goes to the sender thread whole, a GPU's losses being
-copied, which books it once they land (:meth:`StepBook.book_handed`: the training thread takes back
-what is left first, whenever it judges, reads or changes the guard). Else the training thread reads
-the losses in one pass (without a stream sync: :class:`greend.training.loss_reader.LossReader`),
-lets the guard judge them (a rollback through
-:class:`greend.training.precision_control.PrecisionControl`) and queues the records. Python that
-runs right after a step's torch work finds its caches cold and runs several times slower than in a
-loop: one pass for 16 steps costs a fraction of 16 single passes, and none on the training thread
-costs least (``bench/bench_callback.py``). Training thread only, but for :meth:`StepBook.directive`,
-which the sender thread calls (it only sets a flag), and :meth:`StepBook.book_handed`.
+:class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the
+level in force and the FLOP cache (read on every step), the list of ended steps,
+and the rare paths (a directive at a step boundary, a shape to count). Every 16
+steps or 50 ms the ended steps are booked: one record per step for the sender
+(``Channel.queue``) and the accuracy guard's look at each loss. A batch with nothing
+to judge (the guard not watching) goes to the sender thread whole, a GPU's losses
+being copied, which books it once they land (:meth:`StepBook.book_handed`: the training
+thread takes back what is left first, whenever it judges, reads or changes the
+guard). Else the training thread reads the losses in one pass (without a
+stream sync: :class:`greend.training.loss_reader.LossReader`), lets the guard judge
+them (a rollback through :class:`greend.training.precision_control.PrecisionControl`)
+and queues the records. Python that runs right after a step's torch work finds its
+caches cold and runs several times slower than in a loop: one pass for 16 steps
+costs a fraction of 16 single passes, and none on the training thread costs least
+(``bench/bench_callback.py``). Training thread only, but for
+:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag), and
+:meth:`StepBook.book_handed`.
 
-FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per shape key with
-FlopCounterMode (see :mod:`greend.training.callback`).
+FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
+shape key with FlopCounterMode (see :mod:`greend.training.callback`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from typing import Any
 
 import torch
 
-from greend.training._probe_ranks import RanksWord
+from greend.training._probe_ranks import JointJudge
 from greend.training.flops import FlopCounter, FlopEstimates, batch_signature, model_params
 from greend.training.loss_reader import LossReader
+from greend.training.mixed_precision import weight_layers
 from greend.training.precision_control import PrecisionControl
 from greend.training.probe import NEVER, probe_tag
 from greend.training.sender import Channel
@@ -41,34 +45,22 @@ from greend.training.warn import OnceWarnings, log
 
 __all__ = ["FLOPS_FROM_TOKENS", "JUDGE_BATCH", "StepBook"]
 
-MAX_DETECT_HOOKS = 64  # layers hooked (one step, then taken off) to see the job's own autocast
-
-
-def _weight_layers(model: Any) -> list[Any]:
-    """The model's modules that hold weights of their own (the model's first ones, at most
-    MAX_DETECT_HOOKS): where its forward computes."""
-    out = []
-    for m in model.modules():
-        if next(m.parameters(recurse=False), None) is not None:
-            out.append(m)
-            if len(out) >= MAX_DETECT_HOOKS:
-                break
-    return out or [model]
-
-
-# Steps whose loss may be in flight at once, beyond the batch just ended (its copy just started), before the oldest is
-# waited for: a GPU queue this deep behind the CPU is already the user's own back-pressure. (Counting the batch just
-# ended, the training thread waited for its copy, a full sync of the GPU, every 16 steps.)
+# Steps whose loss may be in flight at once, beyond the batch just ended (its copy just
+# started), before the oldest is waited for: a GPU queue this deep behind the CPU is
+# already the user's own back-pressure. (Counting the batch just ended, the training
+# thread waited for its copy, a full sync of the GPU, every 16 steps.)
 MAX_UNJUDGED = 8
-# Steps whose losses are read together, in one pass at the end of the last of them, while the guard is not watching
-# for spikes. A non-finite loss then rolls back up to this many steps later; during the spike window after a downgrade
-# every step is read at its end.
+# Steps whose losses are read together, in one pass at the end of the last of them,
+# while the guard is not watching for spikes. A non-finite loss then rolls back up to
+# this many steps later; during the spike window after a downgrade every step is read
+# at its end.
 JUDGE_BATCH = 16
 # ... or when the oldest of them ended this long ago (slow steps are read one by one;
 # the daemon hears of a step at most this much later than it would have).
 JUDGE_WITHIN_S = 0.05
-# Batches handed to the sender thread and not booked yet beyond which the training thread books them itself (a sender
-# thread that died or is starved, or losses that far behind on the GPU: it then waits for the oldest, as drain does).
+# Batches handed to the sender thread and not booked yet beyond which the training
+# thread books them itself (a sender thread that died or is starved, or losses that far
+# behind on the GPU: it then waits for the oldest, as drain does).
 MAX_HANDED = 64
 FLOPS_FROM_TOKENS = -1.0  # a Step's flops placeholder under model_flops=True (compared with `is`)
 _isfinite = math.isfinite
@@ -93,7 +85,7 @@ class StepBook:
         self.control = control
         self.channel = channel
         self._warnings = warnings
-        self._words = RanksWord(control, warnings, lambda: self.drain(keep=0))  # (probes, ranks > 1)
+        self._joint = JointJudge(control, warnings, lambda: self.drain(keep=0))  # (probes, several ranks)
         # Read by every step (StepHost).
         self.precision = control.level
         self.boundary = True  # the first step looks for a directive and agreement
@@ -108,9 +100,10 @@ class StepBook:
         self.losses = LossReader()  # reads step losses without a stream sync
         self.max_unjudged = MAX_UNJUDGED
         self.unjudged: deque[Step] = deque()  # ended steps whose loss is still in flight
-        # Batches of ended steps with nothing to judge (see read_ended), handed to the sender thread to book: (steps,
-        # the first one's index, the level then in force). Whoever books them holds the lock; the training thread
-        # books what is left before it judges, reads or changes the guard (drain, flush).
+        # Batches of ended steps with nothing to judge (see read_ended), handed to the
+        # sender thread to book: (steps, the first one's index, the level then in force).
+        # Whoever books them holds the lock; the training thread books what is left
+        # before it judges, reads or changes the guard (drain, flush).
         self.handed: deque[tuple[list[Step], int, str]] = channel.handed
         self.lock = threading.Lock()
         # Set for good by the first step that holds a loss not on the CPU (Step.loss: reads
@@ -119,8 +112,9 @@ class StepBook:
         self.indexed = False
         self.hold_cpu = False  # Step.loss holds a CPU loss for the sender thread to read: set below
         self.closed = False
-        # Step.backward/optimizer_step call loss_scaler/gradients_watched only until one of them has noted that the
-        # loop scales its losses, then only where it matters (fp16; the guard armed): two calls fewer on every step.
+        # Step.backward/optimizer_step call loss_scaler/gradients_watched only until one of
+        # them has noted that the loop scales its losses, then only where it matters (fp16;
+        # the guard armed): two calls fewer on every step.
         self.scaling_noted = False
         self.guard = control.guard
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
@@ -142,9 +136,10 @@ class StepBook:
         self._max_flop_counts = max_flop_counts
         self._estimates = FlopEstimates(self.flop_cache, max_flop_counts, warnings)  # shapes past them
         self._counter = FlopCounter()
-        # With a model and counted FLOPs, and steps given neither batch= nor shape_key=, a forward pre-hook sees each
-        # step's input shapes, so a shape change is re-counted. It is put on the model by the first such step, never
-        # before: a module with a hook takes torch's slower call path on every forward (a few microseconds).
+        # With a model and counted FLOPs, and steps given neither batch= nor shape_key=,
+        # a forward pre-hook sees each step's input shapes, so a shape change is re-counted.
+        # It is put on the model by the first such step, never before: a module with a
+        # hook takes torch's slower call path on every forward (a few microseconds).
         self._current: Step | None = None
         self._last_forward_signature: Hashable | None = None
         self.forward_hook: Any = None
@@ -156,11 +151,11 @@ class StepBook:
         self._detect_tries = 0  # steps begun while detecting with hooks on (a step may end before its forward)
         self._detect_forward_seen = False  # a hooked layer computed inside a step
         if control.detecting and model is not None:
-            # On the layers that hold weights, not on the model: their forward runs inside the model's, so an autocast
-            # the model enters in its own forward (or a LightningModule's training_step, where its forward is never
-            # called) is seen.
+            # On the layers that hold weights, not on the model: their forward runs inside
+            # the model's, so an autocast the model enters in its own forward (or a
+            # LightningModule's training_step, where its forward is never called) is seen.
             try:
-                for m in _weight_layers(model):
+                for m in weight_layers(model):
                     self._detect_hooks.append(m.register_forward_pre_hook(self._on_first_forward))
             except Exception as e:
                 log.debug("no forward pre-hook on the model to see its autocast: %s", e)
@@ -177,9 +172,10 @@ class StepBook:
         control = self.control
         self.boundary = False
         if control.detecting:
-            # An autocast around the step; else, with a model, its first forward tells (by the second step's start the
-            # level in force is the job's own). (a step that ended before its first forward, one that raised, tells
-            # nothing: three such steps, and the level in force is the job's own)
+            # An autocast around the step; else, with a model, its first forward tells
+            # (by the second step's start the level in force is the job's own).
+            # (a step that ended before its first forward, one that raised, tells nothing:
+            # three such steps, and the level in force is the job's own)
             self._detect_tries += 1
             final = not self._detect_hooks or self._detect_forward_seen or self._detect_tries > 3
             if control.detect_own_level(final=final):
@@ -206,10 +202,10 @@ class StepBook:
     def _probe_boundary(self) -> None:
         """Near a probe block: the level the next step runs at (the level above inside
         the block, else the level in force), looked at each step until the block ends
-        (where the ranks agree on the blocks: until they took their word on it)."""
+        (where the ranks judge the blocks together: until they have judged it)."""
         prober = self.control.prober
         if prober is not None and prober.agreed and prober.block is not None:
-            self._words.at(prober, self.upcoming)  # (greend.training._probe_ranks)
+            self._joint.at(prober, self.upcoming)  # (greend.training._probe_ranks)
             prober = self.control.prober
             self.probe_watch = prober.watch_from if prober is not None else NEVER
         block = prober.block if prober is not None else None
@@ -222,7 +218,9 @@ class StepBook:
         if index < block.end or prober.trial:  # type: ignore[union-attr]  # (as above)
             self.boundary = True  # (the step after the block goes back to the level in force)
         elif prober.agreed and (index <= block.last or prober.decide_at != NEVER):  # type: ignore[union-attr]
-            self.boundary = True  # (the ranks' word: judged at last + 1 at the latest, taken at decide_at)
+            # (judged at last + 1 at the latest, with the ranks at decide_at; while the ranks
+            # agree on the level every step starts at a boundary anyway: this is for after)
+            self.boundary = True
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
         """The model's first forward inside a step (one-shot pre-hook): an autocast on here
@@ -230,8 +228,9 @@ class StepBook:
         training, under an autocast of its own or none) says nothing of the training's level."""
         if self._detect_step is None or self._detect_step.t1_s:  # (t1_s: set when the step ended)
             return
-        # A layer computing without an autocast (an embedding before the model enters its own) proves nothing yet: any
-        # later layer of the step may show one. The next step's start decides on what the step showed (at_boundary).
+        # A layer computing without an autocast (an embedding before the model enters its
+        # own) proves nothing yet: any later layer of the step may show one. The next step's
+        # start decides on what the step showed (at_boundary).
         self._detect_forward_seen = True
         control = self.control
         if control.detect_own_level(final=False):
@@ -550,9 +549,9 @@ class StepBook:
                         if guard.stack:  # below a level it came down from: is it a spike?
                             at = step.index if step.index is not None else self.next_index
                             if at >= self.probe_watch and self._probe_settling(at):
-                                # The weights settle back after a probe: a jump here is the probe's (not counted), and
-                                # these losses are not the level's trend either (a jump that lasts past them is judged
-                                # as one then).
+                                # The weights settle back after a probe: a jump here is the
+                                # probe's (not counted), and these losses are not the level's
+                                # trend either (a jump that lasts past them is judged as one then).
                                 step._spike_reason = None
                             else:
                                 step._spike_reason = spike = guard.spike(value, at, control.reference is not None)

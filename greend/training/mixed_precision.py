@@ -81,6 +81,7 @@ __all__ = [
     "has_te_modules",
     "is_downgrade",
     "precision_support",
+    "weight_layers",
     "weights_level",
 ]
 
@@ -632,3 +633,18 @@ class Guard:
             loss=loss,
             trend=d.trend,
         )
+
+
+MAX_DETECT_HOOKS = 64  # layers hooked (one step, then taken off) to see the job's own autocast
+
+
+def weight_layers(model: Any) -> list[Any]:
+    """The model's modules that hold weights of their own (the model's first ones, at most
+    MAX_DETECT_HOOKS): where its forward computes (where a hook sees the job's own autocast)."""
+    out = []
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            out.append(m)
+            if len(out) >= MAX_DETECT_HOOKS:
+                break
+    return out or [model]

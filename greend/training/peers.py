@@ -117,6 +117,24 @@ class JobPeers:
         text = self._read_text(name, epoch)
         return None if text is None else float(text)
 
+    def tell(self, name: str, text: str, forget: str | None = None) -> None:
+        """Write this rank's ``text`` under ``name`` (one key a rank: :meth:`hear` reads them),
+        and delete what it wrote under ``forget`` (read by every rank by now)."""
+        self.store.set(f"{self.prefix}{name}/{self.rank}", text)
+        if forget is not None:
+            try:
+                self.store.delete_key(f"{self.prefix}{forget}/{self.rank}")
+            except Exception:
+                pass  # a store without delete keeps a few bytes a block
+
+    def hear(self, name: str, ranks: int) -> list[str]:
+        """What the ranks 0 .. ``ranks`` - 1 wrote under ``name`` with :meth:`tell`: those that
+        did (never waits)."""
+        keys = [f"{self.prefix}{name}/{r}" for r in range(ranks)]
+        if not self.store.check(keys):  # (some rank has not written: those that have, one by one)
+            keys = [k for k in keys if self.store.check([k])]
+        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in map(self.store.get, keys)]
+
     def agree_max(self, name: str, epoch: int, value: float | None) -> float | None:
         """Write this rank's figure for ``epoch`` (None: nothing to add) and return the
         MAX the ranks wrote for the epoch before (None: none yet)."""

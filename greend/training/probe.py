@@ -65,10 +65,11 @@ neural field fitting raw pixel values, bf16 rounding its outputs: kept to the en
 and +13 % held-out over its fp32 twin; now rolled back, the evidence gathered where it may
 decide something). Its price: a penalty within the tolerance but near it is rolled back
 more often (3 % under 10 % step-to-step noise: 20 of 60 runs of 4,000 steps, 13 before, in
-one draw). In a job of several ranks each rank judges its own losses: the ranks take each
-block's outcome together, at the same steps (:mod:`greend.training._probe_ranks`), and
-without a store to meet in they do not lean (a long block on some ranks only would put
-the ranks at two levels in one step). The rollback's reason names the blocks, the penalty
+one draw). In a job of several ranks, each with its own share of the data, the ranks
+judge each block together, on their mean loss at each step, and take the same decision at
+the same step (:mod:`greend.training._probe_ranks`); without a store to meet in each rank
+judges its own losses and does not lean (a long block on some ranks only would put the
+ranks at two levels in one step). The rollback's reason names the blocks, the penalty
 (or its rise per 100 steps), its error and the noise it used. The same rule turned round
 (not in a trial) rolls back where the level above runs worse than the lower level on these
 weights by :data:`DEPEND_SHARE` times the tolerance: weights trained below have come to
@@ -97,9 +98,8 @@ down; the probe steps (20 until the fourth block is judged, 159 to 255 steps aft
 went down, then 5 every 300 to 500 steps, 1.25 % in the long run, 5 more for each verdict
 a block confirms, 13 for each lean: 1.7 % in the long run for a harmless job with 10 %
 step-to-step noise, 2.1-2.3 % at the most in 60 runs of 10,000 steps, 1.5 % before; 1.5 % as
-before with 40 % noise, where a lean decides nothing), ordinary steps of the
-user's loop at the upper level, never above the job's own; one integer compare a step
-outside the windows.
+before with 40 % noise, where a lean decides nothing), ordinary steps of the user's loop
+at the upper level, never above the job's own; one integer compare a step outside the windows.
 """
 
 from __future__ import annotations
@@ -189,9 +189,6 @@ READ_LAG = 17  # the callback reads losses in batches of 16 while no spike rule 
 DENSE_JITTER = DENSE_EVERY  # a block back to back comes 0 to this many steps minus 1 later (drawn)
 NEVER = sys.maxsize
 _SUSPECT = "one block over the tolerance"
-# A rank's word on a block it judged, in a job whose ranks agree on the blocks' outcome
-# (Prober.agreed): the ranks take the largest word any of them wrote.
-GAP, ONCE, LONG, ROLLBACK = 0, 1, 2, 3  # the next block at the drawn gap; at once; at once and long; roll back
 
 # A probe step's record names its level with this suffix (the sender sends it as the
 # row's level with "probe": true); a step record's level is otherwise a plain level.
@@ -244,18 +241,17 @@ class Prober:
     def __init__(self, *, tolerance: float | None, every: int, trials: bool = True, ranks: int = 1) -> None:
         # The job's own tolerance, else the daemon policy's (told at registration), else the default.
         self.given = float(tolerance) if tolerance is not None else None
-        # Blocks that lean call a long one at once with one rank, or where the ranks agree
-        # (``agreed``, set by the caller: they meet in the job's store and take each block's
-        # outcome together, at the same step, :meth:`decide`). Not else: each rank judges its
-        # own losses, and a long block on some ranks only would put the ranks at two levels
-        # (one at fp16 through the GradScaler beside one at fp32 averages scaled and unscaled gradients).
-        self.solo = ranks <= 1
-        self.agreed = False
-        self.word: tuple[int, int, int] | None = None  # (anchor, block, this rank's word) on the block judged last
-        self.decide_at = NEVER  # the step at whose start the ranks' words on the block judged are taken
-        # (the block judged where the next one's place waits for the word, this rank's verdict)
-        self._held: tuple[_Block | None, str | None] | None = None
-        self._recent: deque[tuple[int, str, float]] = deque(maxlen=WINDOW_STEPS + READ_LAG)  # for a block placed late
+        # Blocks that lean call a long one at once with one rank, or where the ranks judge the
+        # blocks together (``agreed``, set by the caller: they meet in the job's store, :meth:`decide`).
+        # Not else: a long block on some ranks only would put the ranks at two levels (fp16
+        # through the GradScaler beside fp32: DDP averages scaled and unscaled gradients).
+        self.ranks, self.solo, self.agreed = ranks, ranks <= 1, False
+        # (agreed) The block judged last, to judge with the other ranks' losses at the start
+        # of step decide_at; whether the next block's place waits for that; its (anchor, seq).
+        self.decide_at = NEVER
+        self.held: tuple[_Block, bool] | None = None
+        self.held_key: tuple[int, int] | None = None
+        self._recent: deque[tuple[int, str, float]] = deque(maxlen=WINDOW_STEPS)  # the next block's window before
         self.policy_tolerance: float | None = None
         self.every = int(every)
         self.upper: str | None = None
@@ -275,7 +271,6 @@ class Prober:
         # A trial (a step down's first steps): the roles turned round, the run at ``upper``
         # but for blocks at ``lower``, judged the same way; the run goes down once it passes.
         self.trial = False
-        self._at_once = False  # (decide: the ranks' word calls the next block at once)
         self.trials = trials  # whether a step down starts with one (GreenCallback(probe_trial=))
         self.held_from = 0  # a trial passed: the steps from here to the anchor run the level above
 
@@ -303,7 +298,7 @@ class Prober:
         self.pending = None
         self.lean = False
         self.verdicts.clear()
-        self.word, self.decide_at, self._held = None, NEVER, None
+        self.held_key, self.decide_at, self.held = None, NEVER, None
         self._next_block(None)
 
     def disarm(self) -> None:
@@ -312,7 +307,7 @@ class Prober:
         self.block = None
         self.watch_from = NEVER
         self.verdicts.clear()
-        self.word, self.decide_at, self._held = None, NEVER, None
+        self.held_key, self.decide_at, self.held = None, NEVER, None
 
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
@@ -327,7 +322,7 @@ class Prober:
             start = self.anchor + trial_start(b, self.every, self.anchor)
         elif previous is None:
             start = block_start(0, self.every, self.anchor) + self.anchor
-        elif self.pending is not None or self.lean or self._at_once:
+        elif self.pending is not None or self.lean:
             # At once, after the losses read late in the sparse phase (READ_LAG steps at most)
             start = previous.end - PROBE_STEPS + DENSE_EVERY + READ_LAG + _jitter(self.anchor, b, DENSE_JITTER)
         else:
@@ -371,7 +366,7 @@ class Prober:
         """A recorded step (``level``: as it ran; ``loss``: None where non-finite or
         not reported). The reason to roll back, or None."""
         blk = self.block
-        if self._held is not None and self._held[0] is not None:  # the next block awaits the ranks' word
+        if self.held is not None and self.held[1]:  # the next block awaits the ranks' verdict
             if loss is not None and math.isfinite(loss):
                 self._recent.append((index, level, loss))
             return None
@@ -393,8 +388,50 @@ class Prober:
         if index < blk.last:
             return None
         self.blocks_done += 1
-        why = self._judge(blk)
-        judged = bool(self.verdicts) and self.verdicts[-1].seq == blk.seq  # (kept: not left out)
+        if self.agreed and self.upper is not None:
+            # Judged by the job's ranks together: this rank's losses go to the others, and at
+            # decide_at every rank judges the block on the ranks' mean loss at each step. Where
+            # the next block's place depends on the verdict (a block called at once, or a trial
+            # that passes), it is placed then.
+            waits = blk.seq >= CONFIRM_FROM if not self.trial else blk.seq >= TRIAL_BLOCKS - 1
+            self.held_key, self.decide_at, self.held = (self.anchor, blk.seq), blk.last + READ_LAG, (blk, waits)
+            self._recent.clear()
+            if waits:
+                self.watch_from = blk.last + 1  # (the steps till then: the next block's window before)
+            else:
+                self._next_block(blk)  # (its place depends on no verdict)
+            return None
+        v = self._verdict(blk)
+        return self._conclude(blk, self._keep(v), v is not None and not v.shifted, place=True)
+
+    def decide(self, job: _Block | None, ranks: int) -> str | None:
+        """At the start of step :attr:`decide_at` on every rank: the block judged last, judged
+        on ``job`` (:attr:`held`'s block with the mean of ``ranks`` ranks' losses at each step:
+        :func:`greend.training._probe_ranks.pooled`; None: this rank's own). The reason to
+        roll back, or None."""
+        if self.held is None:
+            return None
+        (blk, waits), self.held_key, self.decide_at, self.held = self.held, None, NEVER, None
+        v = self._verdict(job or blk)
+        why = self._conclude(blk, self._keep(v), v is not None and not v.shifted, place=waits)
+        if why is not None and ranks > 1:
+            why += f"; the mean loss of {ranks} ranks"
+        if waits and self.block is not None and self.block is not blk and not self.trial:
+            blk = self.block  # its window before, from the steps recorded while the verdict was awaited
+            blk.before = [(i, x) for i, lv, x in self._recent if lv == self.lower and i >= blk.before_from]
+        self._recent.clear()
+        return why
+
+    def _keep(self, v: Verdict | None) -> str | None:
+        """Keep a block's verdict (not one that straddles a shift) and apply the rule."""
+        if v is None or v.shifted:
+            return None
+        self.verdicts.append(v)
+        return self._rule()
+
+    def _conclude(self, blk: _Block, why: str | None, judged: bool, place: bool) -> str | None:
+        """What a judged block leads to: from :data:`CONFIRM_FROM` on, a verdict waits for the
+        next block to say it again; the next block at once, long where the blocks lean."""
         if blk.seq >= CONFIRM_FROM:
             if why is not None and self.pending is None:
                 # A verdict stands once a block at another point of the data, right after, says it again.
@@ -407,45 +444,12 @@ class Prober:
                 self.pending = _SUSPECT if self._suspect() else None
                 self.lean = (self.solo or self.agreed) and self.pending is None and self._leans()
             # (a block left out, shifted or short of losses, says nothing: what waited, waits on)
-        if self.agreed and self.upper is not None:
-            # The ranks' block: this rank's word goes to the others; all take the largest at
-            # decide_at. Where the next block's place depends on it, it is placed then.
-            word = (self.anchor, blk.seq, ROLLBACK if why else LONG if self.lean else ONCE if self.pending else GAP)
-            waits = blk.seq >= CONFIRM_FROM and not self.trial
-            if not waits:
-                self._next_block(blk)  # (placed as on one rank: its place depends on no verdict)
-            self.word, self.decide_at, self._held = word, blk.last + READ_LAG, (blk if waits else None, why)
-            self._recent.clear()
-            if waits:
-                self.watch_from = blk.last + 1  # (the steps till then: the next block's window before)
-            return None  # (a rollback: at decide_at, with the other ranks)
-        if self.upper is not None:
+        if place and self.upper is not None:
             self._next_block(blk)
         return why
 
-    def decide(self, agreed: int | None) -> str | None:
-        """At the start of step :attr:`decide_at` on every rank: the ranks' largest word on
-        the block judged last (``agreed``; None: none read, this rank's own word then). The
-        reason to roll back, or None (the next block placed as the word says)."""
-        held, mine = self._held or (None, None)
-        own = self.word[2] if self.word is not None else GAP
-        word = max(own, agreed if agreed is not None else GAP)
-        self.word, self.decide_at, self._held = None, NEVER, None
-        if word >= ROLLBACK:
-            return mine or f"another rank's probe blocks put {self.lower} over the tolerance against {self.upper}"
-        if held is None or self.upper is None:
-            return None
-        self.lean, self._at_once = word == LONG, word >= ONCE
-        self._next_block(held)
-        self._at_once = False
-        blk = self.block
-        if blk is not None:  # its window before, from the steps recorded while the word was awaited
-            around = self.upper if self.trial else self.lower
-            blk.before = [(i, v) for i, lv, v in self._recent if lv == around and i >= blk.before_from]
-        self._recent.clear()
-        return None
-
-    def _judge(self, blk: _Block) -> str | None:
+    def _verdict(self, blk: _Block) -> Verdict | None:
+        """A block's verdict on this rank's losses (None: too few to judge it), logged."""
         half = WINDOW_STEPS // 2
         after = [v for _, v in blk.after]
         if not blk.upper or len(blk.before) < half or len(blk.after) < half:
@@ -514,11 +518,9 @@ class Prober:
         self.log.append({"start": blk.start, "level": self.lower, "upper": self.upper, "penalty": penalty,
                          "se": math.sqrt(_noise([v]).var(v)), "move": move, "shifted": shifted,
                          "trial": self.trial, "one_sided": one_sided})  # fmt: skip
-        if shifted:
+        if shifted:  # the data moved across the block: the two sides say different things
             self._after_n = 0  # (left out: the next block covaries with none kept)
-            return None  # the data moved across the block: the two sides say different things
-        self.verdicts.append(v)
-        return self._rule()
+        return v
 
     def _leans(self) -> bool:
         """Whether the blocks lean over the tolerance without saying it: over the latest

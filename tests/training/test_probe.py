@@ -361,54 +361,17 @@ def test_a_job_of_several_ranks_that_do_not_agree_runs_no_long_block_one_of_one_
 
 
 def _ranks_run(losses: list[object], lags: list[int], steps: int, agreed: bool, trial: bool = False) -> tuple:
-    """The ranks of one job in lockstep, as the callbacks run them (StepBook and
-    greend.training._probe_ranks): rank r reads its losses every ``lags[r]`` steps; where
-    ``agreed``, a block is judged at the start of the step after its last window step at
-    the latest, a rank's word goes to a shared store (a dict: the largest kept) and each
-    rank takes the largest word at decide_at. Returns (the levels each rank ran, each
-    rank's rollback step or None, the block sizes rank 0 ran)."""
-    from collections import deque
+    """The ranks of one job in lockstep (greend.testing.probe_ranks: as StepBook and
+    greend.training._probe_ranks run them), rank r reading its losses every ``lags[r]``
+    steps. Returns (the levels each rank ran, each rank's rollback step or None, the block
+    sizes rank 0 ran)."""
+    from greend.testing.probe_ranks import run_ranks
 
-    n = len(losses)
-    probers = [Prober(tolerance=0.05, every=400, ranks=n) for _ in range(n)]
+    probers = [Prober(tolerance=0.05, every=400, ranks=len(losses)) for _ in losses]
     for p in probers:
         p.arm("fp32", "bf16", anchor=0, trial=trial)
-        p.agreed = agreed
-    store: dict[tuple[int, int], int] = {}
-    levels: list[list[str]] = [[] for _ in range(n)]
-    unread: list[deque] = [deque() for _ in range(n)]
-    back: list[int | None] = [None] * n
-    sizes: set[int] = set()
-
-    def read(r: int, upto: int, horizon: int) -> None:
-        while unread[r] and unread[r][0][0] <= upto and back[r] is None:
-            j, lv, v = unread[r].popleft()
-            probers[r].horizon = horizon
-            if probers[r].record(j, lv, v) is not None:
-                back[r] = horizon
-
-    for i in range(steps):
-        for r, p in enumerate(probers):
-            blk = p.block
-            if back[r] is None and agreed:
-                if blk is not None and i > blk.last and p.blocks_done <= blk.seq:
-                    read(r, i, i)  # (the block judged at the step after its last window step)
-                w = p.word
-                if w is not None and w[2]:
-                    store[w[:2]] = max(store.get(w[:2], 0), w[2])
-                if w is not None and i >= p.decide_at and p.decide(store.get(w[:2])) is not None:
-                    back[r] = i
-            if back[r] is not None:
-                levels[r].append("fp32")
-                continue
-            level = p.level_at(i) or "bf16"
-            if r == 0 and p.block is not None and p.block.start == i:
-                sizes.add(p.block.steps)
-            levels[r].append(level)
-            unread[r].append((i, level, losses[r](i, level)))  # type: ignore[operator]
-            if i % lags[r] == lags[r] - 1:
-                read(r, i, i + 1)
-    return levels, back, sizes
+    run = run_ranks(probers, losses, lags, steps, agreed=agreed)  # type: ignore[arg-type]
+    return run.levels, run.back, run.sizes
 
 
 @pytest.mark.parametrize("trial", [False, True], ids=["probes", "trial"])
