@@ -102,4 +102,4 @@ class JointJudge:
             prober.agreed = False  # (this block on this rank's losses alone, now)
         why = prober.decide(job, ranks)
         if why is not None:
-            self.control.probe_rollback(index - 1, why, None)
+            self.control.probe_rollback(index - 1, why, None, together=prober.agreed)

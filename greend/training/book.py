@@ -296,7 +296,7 @@ class StepBook:
         if prober is None:
             return
         upper = control.probe_upper()
-        if upper is None or "probe_every" in self.channel.register_omit:
+        if upper is None or "probe_every" in self.channel.register_omit or control.rearm_at_agreement:
             prober.disarm()
         elif prober.lower != control.level or prober.upper != upper:
             index = self.upcoming

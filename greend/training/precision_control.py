@@ -150,6 +150,9 @@ class PrecisionControl:
         # proposal, and every sync_every steps the ranks agree (through the job's store)
         # on the most precise level any of them wants, which all apply at the same step.
         self.agreeing = world_size > 1 and manage
+        # A rank's own rollback (the guard's rules) while the ranks agree: its probes wait for
+        # the agreement that brings the other ranks to its level, to start at the step they do.
+        self.rearm_at_agreement = False
         self.proposal: str | None = None
         self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
         # The reference check: fixed-batch losses in flight (step, level, fp32 handle,
@@ -331,7 +334,11 @@ class PrecisionControl:
                 self.seen_request = None  # the directive is taken again, alone, at the next step
             return
         if agreed is not None:
-            self._take_agreed(PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))])
+            level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
+            self._take_agreed(level)
+            if self.rearm_at_agreement and level == self.level and self._steps is not None:
+                self.rearm_at_agreement = False
+                self._steps.switched(level, False)  # (the probes from this step, as on the ranks that switch here)
         # This rank's word for the epoch, written after the agreed level is applied (so it
         # never names the level left behind); none while the job's own level is not known
         # yet (the level in force then says nothing of what the job runs).
@@ -364,6 +371,7 @@ class PrecisionControl:
             why = self.guard.barred_reason(level, step) or "its daemon withdrew it"
             log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)
             return
+        self.rearm_at_agreement = False  # (a switch the ranks agreed: the probes start here on every rank)
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
             PRECISIONS.index(level) < PRECISIONS.index(old)
         ):
@@ -557,9 +565,10 @@ class PrecisionControl:
             own = REFERENCE_TOLERANCE if tolerance is None else min(REFERENCE_TOLERANCE, tolerance)
             self.reference_judge.tolerance = own
 
-    def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
-        """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""
-        self._rollback_now(index, why, loss)
+    def probe_rollback(self, index: int, why: str, loss: float | None, together: bool = False) -> None:
+        """Roll the latest downgrade back on the probes' evidence (``why`` names it;
+        ``together``: the ranks' joint verdict, taken at this step on every rank)."""
+        self._rollback_now(index, why, loss, alone=not together)
 
     # Rollbacks ---------------------------------------------------------------------
     def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:
@@ -567,16 +576,19 @@ class PrecisionControl:
         came down from."""
         self._apply_rollback(self.guard.rollback(self.level, index, cause, loss, spike), index)
 
-    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
+    def _rollback_now(
+        self, index: int, cause: str, loss: float | None, trend: float | None = None, alone: bool = True
+    ) -> None:
         """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
         ev = self.guard.rollback(self.level, index, "loss", loss, cause=cause)
         if ev is not None and trend is not None:
             ev.trend = trend
-        self._apply_rollback(ev, index)
+        self._apply_rollback(ev, index, alone)
 
-    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int, alone: bool = True) -> None:
         if ev is None:
             return
+        self.rearm_at_agreement = alone and self.agreeing
         try:
             self._apply_level(ev.to_level)
         except Exception as e:

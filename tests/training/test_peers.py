@@ -503,3 +503,43 @@ def test_a_store_lost_while_the_ranks_judge_a_block_leaves_each_rank_judging_alo
     assert "bf16" in ran[1] and ran[1][-100:] == ["fp32"] * 100, runs
     assert any(e["kind"] == "rollback" for e in cbs[1].precision_events)
     assert cbs[1]._control.prober is None or cbs[1]._control.prober.held is None
+
+
+@pytest.mark.parametrize("nan_at", [600, 603, 611])
+def test_after_one_rank_s_own_rollback_the_ranks_probe_at_the_same_steps_again(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, nan_at: int
+) -> None:  # type: ignore[no-untyped-def]
+    """fp32 -> bf16 -> fp8 on both ranks, then a non-finite loss on rank 0 alone at fp8: rank
+    0 goes back to bf16 at once (the guard's own rule), rank 1 at the ranks' next agreement.
+    Rank 0's probes (bf16 against fp32) then start at that agreement's step, where rank 1's
+    do: before, rank 0 drew its blocks from its own rollback step and the ranks ran two
+    levels at 75-80 steps of the next 1,000 (a reviewer's run)."""
+    import random
+
+    from greend.training.callback import GreenCallback
+
+    torch.set_num_threads(1)
+    store = dist.HashStore()
+    cbs = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        cb = GreenCallback(job="agree", model=model, socket=sock_path, initial_precision="fp32",
+                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=5, flush_interval_s=0.02,
+                           heartbeat_s=0.2, fp8_min_features=16, spike_tolerance=None, probe_trial=False)  # fmt: skip
+        cb._control.peers = JobPeers(store, "agree", rank)
+        cbs.append(cb)
+    rng = random.Random(3)
+    noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1600)] for _ in range(2)]
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:
+        return float("nan") if (r == 0 and i == nan_at) else noise[r][i]
+
+    ran = _lockstep(cbs, 1600, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    assert ran[0][nan_at - 5 : nan_at] == ["fp8-emulated"] * 5, ran[0][nan_at - 5 : nan_at]
+    apart = [i for i in range(nan_at, 1600) if ran[0][i] != ran[1][i]]
+    assert apart and max(apart) < nan_at + 2 * 5 + 2, apart  # (until the agreement takes rank 1 up)
+    assert ran[0][nan_at + 20 :].count("fp32") >= 10  # (the probes of bf16 against fp32 run again)
+    assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
