@@ -207,7 +207,11 @@ def test_noisy_real_losses_step_down_and_end_within_tolerance(
 ) -> None:
     """Under the policy's defaults: single-batch losses that swing 25-65 % (small batches
     near convergence, rare clicks) no longer block the switch, and no false spike rolls
-    it back; the run ends as close to its fp32 twin as the tolerance asks."""
+    it back; the run ends as close to its fp32 twin as the tolerance asks. (The probes
+    roll a harmless noisy job back now and then: 2 of 14 runs of these two cases beside
+    other tests here, the switch coming at another step each time; how often on made-up
+    streams, bench/bench_probe_rule.py. Such a run ends at fp32: the test then checks
+    that the rollback was the probes', on their blocks.)"""
     d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", config='[daemon]\nsocket_group = ""\n')
     daemons.append(d)
     d.ctl("policy", "set", "none", "--precision", "precision")  # the defaults
@@ -217,15 +221,17 @@ def test_noisy_real_losses_step_down_and_end_within_tolerance(
     wait_ended(d, task)
     levels = r["levels"]
     notes = json.loads(d.ctl("report", task, "--json").stdout)["notes"]
+    events = r["precision_events"]
+    probes = [e for e in events if e["reason"].startswith(("probes at", "trial of")) and "blocks" in e["reason"]]
+    assert events == probes and len(events) <= 1, events  # no false spike, no non-finite step
     # (the run may end inside a probe block, at fp32 by design: the level of most of its last steps)
-    assert "bf16" in levels and final_level(levels) == "bf16", (levels[::50], notes)
-    assert r["precision_events"] == [], r["precision_events"]  # no false spike
+    assert "bf16" in levels and final_level(levels) == ("fp32" if events else "bf16"), (levels[::50], notes)
     tolerance = 0.05  # the policy's default
     assert abs(r["eval_loss"] - base["eval_loss"]) <= tolerance * base["eval_loss"], (r["eval_loss"], base)
     log = json.loads(d.ctl("report", task, "--json").stdout)["precision_log"]
-    assert [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS] == [
-        ("switch", "fp32", "bf16")
-    ], log
+    moves = [(e["kind"], e["from"], e["to"]) for e in log if e["kind"] not in PROPOSALS]
+    switch, back = ("switch", "fp32", "bf16"), ("rollback", "bf16", "fp32")
+    assert moves in ([switch, back], [back]) if events else moves == [switch], log  # (a trial that failed: no switch)
 
 
 def tail_mean(r: dict[str, Any], n: int = 300) -> float:
