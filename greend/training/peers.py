@@ -131,9 +131,11 @@ class JobPeers:
         """What the ranks 0 .. ``ranks`` - 1 wrote under ``name`` with :meth:`tell`: those that
         did (never waits)."""
         keys = [f"{self.prefix}{name}/{r}" for r in range(ranks)]
-        if not self.store.check(keys):  # (some rank has not written: those that have, one by one)
-            keys = [k for k in keys if self.store.check([k])]
-        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in map(self.store.get, keys)]
+        if self.store.check(keys) and hasattr(self.store, "multi_get"):
+            raws = self.store.multi_get(keys)  # (two round trips to the store's master in all)
+        else:  # (some rank has not written: those that have, one by one)
+            raws = [self.store.get(k) for k in keys if self.store.check([k])]
+        return [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in raws]
 
     def agree_max(self, name: str, epoch: int, value: float | None) -> float | None:
         """Write this rank's figure for ``epoch`` (None: nothing to add) and return the
