@@ -75,8 +75,11 @@ class JointJudge:
         self.told: tuple[int, int] | None = None  # the last block this rank wrote its losses for
 
     def at(self, prober: Prober, index: int) -> None:
-        """At the start of step ``index`` near a block of ``prober`` (agreed)."""
+        """At the start of step ``index`` near a block of ``prober`` (agreed; while the ranks
+        agree on the level, every step: nothing to do costs three compares)."""
         block = prober.block
+        if prober.held_key is None and (block is None or index <= block.last):
+            return
         if block is not None and index > block.last and prober.blocks_done <= block.seq:
             self.drain()  # (judges the block: its last window step has ended, on every rank)
             if self.control.prober is not prober:
