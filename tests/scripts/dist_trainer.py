@@ -7,7 +7,9 @@ Each rank stands for a node: rank r talks to the daemon at its own socket. The
 model is wrapped in DistributedDataParallel, so every step all-reduces gradients
 over gloo, and GreenCallback agrees the job's pace every --sync-every steps.
 Prints one JSON line: rank, steps, the agreed pace, the final loss, the precision
-each step ran at and the first step below fp32.
+each step ran at, the first step below fp32 and the callback's precision events.
+``--penalty-rank R --penalty P``: rank R reports its loss P higher at bf16 (its share of
+the data fares worse there; the step itself is unchanged).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=10)
     ap.add_argument("--steps", type=int, default=0, help="train exactly this many steps (0: by --seconds)")
     ap.add_argument("--precisions", default="", help="levels greend may move the job between (fp32,bf16)")
+    ap.add_argument("--penalty-rank", type=int, default=-1, help="the rank whose losses report --penalty at bf16")
+    ap.add_argument("--penalty", type=float, default=0.0, help="(its share of the data fares this much worse there)")
     ap.add_argument(
         "--greend-ranks", default="all", help="which ranks load GreenCallback: all, none, or a comma list (0,2)"
     )
@@ -88,7 +92,8 @@ def main() -> None:
         with cb.step(samples=32, batch=x) if cb is not None else nullcontext() as st:
             loss = lossf(model(x), y)
             if st is not None:
-                st.loss(loss)
+                worse = rank == args.penalty_rank and st.precision == "bf16"
+                st.loss(loss.detach() * (1 + args.penalty) if worse else loss)
                 levels.append(st.precision)
             opt.zero_grad()
             loss.backward()
@@ -100,7 +105,8 @@ def main() -> None:
     pace = cb.agreed_pace_s if cb is not None else None
     first_low = next((i for i, level in enumerate(levels) if level != "fp32"), None)
     print(json.dumps({"rank": rank, "steps": steps, "agreed_pace_s": pace, "final_loss": float(loss.detach()),
-                      "levels": levels, "first_low": first_low}))  # fmt: skip
+                      "levels": levels, "first_low": first_low,
+                      "events": cb.precision_events if cb is not None else []}))  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()
     dist.barrier()
