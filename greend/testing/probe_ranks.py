@@ -69,8 +69,9 @@ def run_ranks(
                 blk = p.block
                 if blk is not None and i > blk.last and p.blocks_done <= blk.seq:
                     read(r, i, i)  # (judged at the step after its last window step at the latest)
-                w, held = p.held_key, p.held
-                if w is not None and held is not None:
+                held = p.held
+                if held is not None:
+                    w = (p.anchor, held[0].seq)
                     store.setdefault(w, {})[r] = block_text(held[0])
                     texts = [text for _, text in sorted(store[w].items())]
                     if i >= p.decide_at and p.decide(*pooled(held[0], texts)) is not None:

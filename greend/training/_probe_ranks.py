@@ -20,7 +20,8 @@ steps on every rank:
   on every rank at once, a data order, average out no more than they do). The same numbers
   in the same order on every rank: the same verdict, and the same decision.
 
-A store that fails leaves each rank on its own losses from then on, logged once.
+Where the store fails, a rank judges that block on its own losses, at ``decide_at`` still
+(logged once), and tries the store again for the next one.
 """
 
 from __future__ import annotations
@@ -42,27 +43,32 @@ def block_text(blk: _Block) -> str:
 
 
 def pooled(blk: _Block, texts: list[str]) -> tuple[_Block, int]:
-    """``blk`` with the mean of the ranks' losses (``texts``: :func:`block_text` each, in
-    rank order) at each step, each step's mean over the ranks that have a loss there; and
-    how many ranks it pools."""
+    """``blk`` with the ranks' mean loss (``texts``: :func:`block_text` each, in rank order)
+    at each of its steps; and how many ranks it pools. Only the ranks that have every one of
+    the block's probe losses, and only the window steps where each of them has a loss: a mean
+    over other ranks at other steps would move with the ranks' own loss scales (a rank with
+    a harder shard missing one step reads as a jump)."""
     rows = []
     for text in texts:
         try:
             rows.append(json.loads(text))
         except ValueError:
             continue  # (not a block's losses: that rank left out)
+    width = max((len(row["u"]) for row in rows), default=0)
+    rows = [row for row in rows if len(row["u"]) == width]
 
-    def by_step(key: str) -> list[tuple[int, float]]:
+    def mean_at(key: str) -> list[tuple[int, float]]:
         at: dict[int, list[float]] = {}
         for row in rows:
             for i, v in row[key]:
                 at.setdefault(int(i), []).append(float(v))
-        return [(i, sum(vs) / len(vs)) for i, vs in sorted(at.items())]
+        return [(i, sum(vs) / len(vs)) for i, vs in sorted(at.items()) if len(vs) == len(rows)]
 
-    width = max((len(row["u"]) for row in rows), default=0)
-    upper = [[float(row["u"][k]) for row in rows if k < len(row["u"])] for k in range(width)]
-    job = replace(blk, before=by_step("b"), upper=[sum(vs) / len(vs) for vs in upper], after=by_step("a"))
-    return job, len(rows)
+    before = mean_at("b")
+    upper = [sum(float(row["u"][k]) for row in rows) / len(rows) for k in range(width)]
+    # (shared: its steps before that were the previous block's after, as blk counted its own)
+    shared = sum(1 for i, _ in before if i < blk.before_from) if blk.shared else 0
+    return replace(blk, before=before, upper=upper, after=mean_at("a"), shared=shared), len(rows)
 
 
 class JointJudge:
@@ -78,31 +84,33 @@ class JointJudge:
         """At the start of step ``index`` near a block of ``prober`` (agreed; while the ranks
         agree on the level, every step: nothing to do costs three compares)."""
         block = prober.block
-        if prober.held_key is None and (block is None or index <= block.last):
+        if prober.held is None and (block is None or index <= block.last):
             return
         if block is not None and index > block.last and prober.blocks_done <= block.seq:
             self.drain()  # (judges the block: its last window step has ended, on every rank)
             if self.control.prober is not prober:
                 return
-        if prober.held is None or prober.held_key is None:
+        if prober.held is None:
             return
-        blk, (anchor, seq) = prober.held[0], prober.held_key
-        job: _Block | None = None
-        ranks = 1
+        blk = prober.held[0]
+        key = f"probe/{prober.anchor}/{blk.seq}"
         try:
             peers = self.control.job_peers()
             if peers is None:
                 raise RuntimeError("the job's ranks have no store to meet in")
-            if self.told != (anchor, seq):
-                told, self.told = self.told, (anchor, seq)
+            if self.told != (prober.anchor, blk.seq):
+                told, self.told = self.told, (prober.anchor, blk.seq)
                 forget = None if told is None else f"probe/{told[0]}/{told[1]}"  # (read by every rank by now)
-                peers.tell(f"probe/{anchor}/{seq}", block_text(blk), forget)
+                peers.tell(key, block_text(blk), forget)
             if index < prober.decide_at:
                 return
-            job, ranks = pooled(blk, peers.hear(f"probe/{anchor}/{seq}", prober.ranks))
+            job, ranks = pooled(blk, peers.hear(key, prober.ranks))
         except Exception as e:
+            # This block on this rank's losses alone (the next ones with the ranks again).
             self.warnings.warn("agree", f"greend could not judge the probes with the job's other ranks: {e}")
-            prober.agreed = False  # (this block on this rank's losses alone, now)
+            if index < prober.decide_at:
+                return
+            job, ranks = None, 1
         why = prober.decide(job, ranks)
         if why is not None:
-            self.control.probe_rollback(index - 1, why, None, together=prober.agreed)
+            self.control.probe_rollback(index - 1, why, None)

@@ -150,8 +150,10 @@ class PrecisionControl:
         # proposal, and every sync_every steps the ranks agree (through the job's store)
         # on the most precise level any of them wants, which all apply at the same step.
         self.agreeing = world_size > 1 and manage
-        # A rank's own rollback (the guard's rules) while the ranks agree: its probes wait for
-        # the agreement that brings the other ranks to its level, to start at the step they do.
+        # A rollback while the ranks agree (a rank's own, by the guard's rules, or the ranks'
+        # probes together): the probes wait for the agreement that has every rank at this
+        # level, to start at the same step on every rank (one that rolled back alone, a step
+        # or two before the others' probes did, drew its blocks from another step).
         self.rearm_at_agreement = False
         self.proposal: str | None = None
         self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
@@ -329,6 +331,9 @@ class PrecisionControl:
             peers = None
         if peers is None:
             self.agreeing = False
+            if self.rearm_at_agreement and self._steps is not None:  # (no agreement to wait for)
+                self.rearm_at_agreement = False
+                self._steps.switched(self.level, False)
             if self.proposal is not None:
                 self.proposal = None
                 self.seen_request = None  # the directive is taken again, alone, at the next step
@@ -565,10 +570,9 @@ class PrecisionControl:
             own = REFERENCE_TOLERANCE if tolerance is None else min(REFERENCE_TOLERANCE, tolerance)
             self.reference_judge.tolerance = own
 
-    def probe_rollback(self, index: int, why: str, loss: float | None, together: bool = False) -> None:
-        """Roll the latest downgrade back on the probes' evidence (``why`` names it;
-        ``together``: the ranks' joint verdict, taken at this step on every rank)."""
-        self._rollback_now(index, why, loss, alone=not together)
+    def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
+        """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""
+        self._rollback_now(index, why, loss)
 
     # Rollbacks ---------------------------------------------------------------------
     def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:
@@ -576,19 +580,17 @@ class PrecisionControl:
         came down from."""
         self._apply_rollback(self.guard.rollback(self.level, index, cause, loss, spike), index)
 
-    def _rollback_now(
-        self, index: int, cause: str, loss: float | None, trend: float | None = None, alone: bool = True
-    ) -> None:
+    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
         """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
         ev = self.guard.rollback(self.level, index, "loss", loss, cause=cause)
         if ev is not None and trend is not None:
             ev.trend = trend
-        self._apply_rollback(ev, index, alone)
+        self._apply_rollback(ev, index)
 
-    def _apply_rollback(self, ev: PrecisionEvent | None, index: int, alone: bool = True) -> None:
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
         if ev is None:
             return
-        self.rearm_at_agreement = alone and self.agreeing
+        self.rearm_at_agreement = self.agreeing
         try:
             self._apply_level(ev.to_level)
         except Exception as e:

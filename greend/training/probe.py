@@ -247,10 +247,9 @@ class Prober:
         # through the GradScaler beside fp32: DDP averages scaled and unscaled gradients).
         self.ranks, self.solo, self.agreed = ranks, ranks <= 1, False
         # (agreed) The block judged last, to judge with the other ranks' losses at the start
-        # of step decide_at; whether the next block's place waits for that; its (anchor, seq).
+        # of step decide_at, and whether the next block's place waits for that.
         self.decide_at = NEVER
         self.held: tuple[_Block, bool] | None = None
-        self.held_key: tuple[int, int] | None = None
         self._recent: deque[tuple[int, str, float]] = deque(maxlen=WINDOW_STEPS)  # the next block's window before
         self.policy_tolerance: float | None = None
         self.every = int(every)
@@ -298,7 +297,7 @@ class Prober:
         self.pending = None
         self.lean = False
         self.verdicts.clear()
-        self.held_key, self.decide_at, self.held = None, NEVER, None
+        self.decide_at, self.held = NEVER, None
         self._next_block(None)
 
     def disarm(self) -> None:
@@ -307,7 +306,7 @@ class Prober:
         self.block = None
         self.watch_from = NEVER
         self.verdicts.clear()
-        self.held_key, self.decide_at, self.held = None, NEVER, None
+        self.decide_at, self.held = NEVER, None
 
     def _next_block(self, previous: _Block | None) -> None:
         b = self.blocks_done
@@ -389,12 +388,11 @@ class Prober:
             return None
         self.blocks_done += 1
         if self.agreed and self.upper is not None:
-            # Judged by the job's ranks together: this rank's losses go to the others, and at
-            # decide_at every rank judges the block on the ranks' mean loss at each step. Where
-            # the next block's place depends on the verdict (a block called at once, or a trial
-            # that passes), it is placed then.
+            # Judged by the job's ranks together, at decide_at, on their mean loss at each step.
+            # Where the next block's place depends on the verdict (a block called at once, or a
+            # trial that passes), it is placed then.
             waits = blk.seq >= CONFIRM_FROM if not self.trial else blk.seq >= TRIAL_BLOCKS - 1
-            self.held_key, self.decide_at, self.held = (self.anchor, blk.seq), blk.last + READ_LAG, (blk, waits)
+            self.decide_at, self.held = blk.last + READ_LAG, (blk, waits)
             self._recent.clear()
             if waits:
                 self.watch_from = blk.last + 1  # (the steps till then: the next block's window before)
@@ -411,7 +409,9 @@ class Prober:
         roll back, or None."""
         if self.held is None:
             return None
-        (blk, waits), self.held_key, self.decide_at, self.held = self.held, None, NEVER, None
+        # (a block placed now starts at decide_at at the earliest: the same step on every rank)
+        (blk, waits), self.horizon, self.held = self.held, max(self.horizon, self.decide_at), None
+        self.decide_at = NEVER
         v = self._verdict(job or blk)
         why = self._conclude(blk, self._keep(v), v is not None and not v.shifted, place=waits)
         if why is not None and ranks > 1:
@@ -449,7 +449,7 @@ class Prober:
         return why
 
     def _verdict(self, blk: _Block) -> Verdict | None:
-        """A block's verdict on this rank's losses (None: too few to judge it), logged."""
+        """A block's verdict on its losses (None: too few to judge it), logged."""
         half = WINDOW_STEPS // 2
         after = [v for _, v in blk.after]
         if not blk.upper or len(blk.before) < half or len(blk.after) < half:

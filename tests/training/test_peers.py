@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import random
 import threading
 import time
 
@@ -543,3 +544,139 @@ def test_after_one_rank_s_own_rollback_the_ranks_probe_at_the_same_steps_again(
     assert apart and max(apart) < nan_at + 2 * 5 + 2, apart  # (until the agreement takes rank 1 up)
     assert ran[0][nan_at + 20 :].count("fp32") >= 10  # (the probes of bf16 against fp32 run again)
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
+
+
+class _FailsOnce:
+    """A store as one rank sees it: its first write of a probe block's losses fails."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.failed = inner, False
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        call = getattr(self.inner, name)
+
+        def checked(*args, **kw):  # type: ignore[no-untyped-def]
+            if name == "set" and not self.failed and "/probe/" in str(args[0]):
+                self.failed = True
+                raise RuntimeError("store hiccup")
+            return call(*args, **kw)
+
+        return checked
+
+
+def _apart(ran: list[list[str]]) -> list[int]:
+    return [i for i in range(len(ran[0])) if ran[0][i] != ran[1][i]]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_one_failed_write_on_one_rank_leaves_the_ranks_judging_together(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, seed: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's first write of a block's losses fails: both ranks judge that block on rank
+    0's losses (all the store has), at decide_at, and the next blocks together again. Before,
+    that rank judged alone for the rest of the level, and the ranks ran two levels at 24 to
+    188 steps of 1,500 (long blocks on one rank only; a reviewer's run)."""
+    torch.set_num_threads(1)
+    store = dist.HashStore()
+    cbs = _ranked_callbacks(monkeypatch, sock_path, store, spike_tolerance=None, probe_trial=False, probe_every=60)
+    cbs[1]._control.peers = JobPeers(_FailsOnce(store), "agree", 1)
+    rng = random.Random(seed)
+    noise = [[1.0 + rng.gauss(0, 0.03) for _ in range(1500)] for _ in range(2)]
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:
+        return noise[r][i] * (1.035 if cbs[r]._book.precision == "bf16" else 1.0)
+
+    ran = _lockstep(cbs, 1500, {7: [(0, "bf16"), (1, "bf16")]}, loss)
+    assert cbs[1]._control.peers.store.failed  # (the hiccup happened)
+    assert _apart(ran) == []
+
+
+@pytest.mark.parametrize("every", [40, 60])
+def test_ranks_that_read_apart_run_the_same_blocks_when_probe_every_is_small(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, every: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A block placed when the ranks' verdict comes in starts at that step at the earliest,
+    the same on every rank, not at a rank's own first step not yet started (which moves with
+    how late it reads): with probe_every 40, 168 steps of 1,500 ran at two levels before."""
+    torch.set_num_threads(1)
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), spike_tolerance=None, probe_trial=False,
+                            probe_every=every)  # fmt: skip
+    cbs[0]._book.judge_within_s = 1e9  # (every 16 steps)
+    cbs[1]._book.judge_within_s = 0.0  # (every step's end)
+    rng = random.Random(5)
+    noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1500)] for _ in range(2)]
+    ran = _lockstep(cbs, 1500, {7: [(0, "bf16"), (1, "bf16")]}, lambda r, i, ran: noise[r][i])
+    assert _apart(ran) == []
+    runs = [(level, len(list(g))) for level, g in itertools.groupby(ran[0])]
+    blocks = [n for level, n in runs[1:-1] if level == "fp32"]
+    assert blocks and min(blocks) >= 5, runs  # (no block cut short by its start having passed)
+
+
+def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store):  # type: ignore[no-untyped-def]
+    from greend.training.callback import GreenCallback
+
+    cbs = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        cb = GreenCallback(job="agree", model=model, socket=sock_path, initial_precision="fp32",
+                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=5, flush_interval_s=0.02,
+                           heartbeat_s=0.2, fp8_min_features=16, spike_tolerance=None, probe_trial=False)  # fmt: skip
+        cb._control.peers = JobPeers(store, "agree", rank)
+        cbs.append(cb)
+    return cbs
+
+
+@pytest.mark.parametrize("nan_before", [1, 3, 9])
+def test_a_rank_s_own_rollback_just_before_the_ranks_probes_roll_back_leaves_them_together(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, nan_before: int
+) -> None:  # type: ignore[no-untyped-def]
+    """fp8 15 % worse on both ranks: their probes roll fp8 back to bf16 together at step D.
+    A non-finite loss on rank 0 alone a few steps before D takes it back first, on its own.
+    Every rollback where the ranks agree starts the probes of the level it leads to at the
+    agreement that has every rank there: the same step on both (before, rank 1 drew its
+    blocks from D and rank 0 from the agreement: two levels at 70 steps)."""
+    torch.set_num_threads(1)
+
+    def run(nan_at: int | None) -> tuple[list[list[str]], list]:  # type: ignore[type-arg]
+        cbs = _three_levels(monkeypatch, sock_path, dist.HashStore())
+        rng = random.Random(3)
+        noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1200)] for _ in range(2)]
+
+        def loss(r: int, i: int, ran: list[list[str]]) -> float:
+            if r == 0 and i == nan_at:
+                return float("nan")
+            return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
+
+        asks = {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}
+        return _lockstep(cbs, 1200, asks, loss), cbs
+
+    _, cbs = run(None)
+    d = next(e["step"] for e in cbs[1].precision_events if e["kind"] == "rollback")
+    ran, cbs = run(d - nan_before)
+    assert [i for i in _apart(ran) if i > d - nan_before + 12] == []
+    assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
+
+
+@pytest.mark.parametrize("lost_at", [601, 606])
+def test_a_rank_s_probes_come_back_after_its_own_rollback_when_the_store_is_lost(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, lost_at: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 rolls fp8 back to bf16 on its own (a non-finite loss) and its probes wait for
+    the agreement that has both ranks at bf16; the store is lost before it comes: each rank
+    alone from then on, rank 0's probes (bf16 against fp32) at once. Before, they never came
+    back (899 steps at bf16 without a probe)."""
+    torch.set_num_threads(1)
+    store = _BreakingStore()
+    cbs = _three_levels(monkeypatch, sock_path, store)
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:
+        store.broken = i >= lost_at
+        return float("nan") if (r == 0 and i == 600) else 1.0
+
+    ran = _lockstep(cbs, 1000, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    control = cbs[0]._control
+    assert not control.agreeing and not control.rearm_at_agreement and control.prober.armed
+    assert ran[0][620:].count("fp32") >= 10  # (probe blocks at fp32 again)

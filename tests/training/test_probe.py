@@ -402,6 +402,37 @@ def test_ranks_that_agree_run_every_block_at_the_same_steps_whatever_their_reads
     assert parted >= 12, parted  # (16 of 16 measured; the same runs, the ranks on their own: the check above can fail)
 
 
+def test_the_ranks_mean_loss_moves_with_no_rank_s_missing_losses() -> None:
+    """Ranks whose losses differ in scale (one shard three times harder), no penalty, no
+    noise: the mean over the ranks that have a loss at each step read +25 % where the harder
+    rank missed 2 of the 4 judged probe losses, -9 % where it missed 4 of its 16 steps
+    before (a reviewer's cases). Pooled now over the ranks with all of the block's probe
+    losses, at the steps where each of them has one: 0 in every case; and a window shared
+    with the previous block is counted from the pooled steps, the same on every rank."""
+    from greend.training._probe_ranks import block_text, pooled
+    from greend.training.probe import _Block
+
+    def block(scale: float, miss: tuple[int, ...] = (), shared: int = 0) -> _Block:
+        b = _Block(seq=1, start=100, before_from=84, shared=shared)
+        b.before = [(i, scale) for i in range(84, 100) if i not in miss]
+        b.upper = [scale for i in range(101, 105) if i not in miss]
+        b.after = [(i, scale) for i in range(b.after_from, b.last + 1) if i not in miss]
+        return b
+
+    prober = Prober(tolerance=0.05, every=400, ranks=2)
+    prober.arm("fp32", "bf16", anchor=0)
+    for miss in [(102, 104), (117, 120, 124, 130), (86, 90, 94, 98), ()]:
+        job, n = pooled(block(1.0), [block_text(block(1.0)), block_text(block(3.0, miss))])
+        v = prober._verdict(job)
+        assert v is not None and abs(v.penalty) < 1e-12, (miss, v)
+        assert n == (1 if miss == (102, 104) else 2), (miss, n)  # (a rank short of probe losses: left out)
+    # Steps 84-87 were the previous block's after (shared); rank 1 missed step 85 there.
+    rank0, rank1 = block(1.0, shared=4), block(1.0, (85,), shared=3)
+    rank0.before_from = rank1.before_from = 88
+    assert pooled(rank0, [block_text(rank0), block_text(rank1)])[0].shared == 3
+    assert pooled(rank1, [block_text(rank0), block_text(rank1)])[0].shared == 3
+
+
 def test_ranks_that_agree_lean_together() -> None:
     """A 4.5 % penalty under 10 % noise (tolerance 5 %): the ranks run long blocks, all of
     them, as a job of one rank does, in most runs."""
