@@ -20,8 +20,10 @@ steps on every rank:
   on every rank at once, a data order, average out no more than they do). The same numbers
   in the same order on every rank: the same verdict, and the same decision.
 
-Where the store fails, a rank judges that block on its own losses, at ``decide_at`` still
-(logged once), and tries the store again for the next one.
+The ranks' losses are read from :data:`READ_EARLY` steps before ``decide_at`` on, again at
+each step until all are in; where the store fails through it all, a rank judges that block
+on its own losses, at ``decide_at`` still (logged once), and tries the store again for the
+next one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from typing import Any
 from greend.training.probe import Prober, _Block
 from greend.training.warn import OnceWarnings
 
-__all__ = ["JointJudge", "block_text", "pooled"]
+__all__ = ["READ_EARLY", "JointJudge", "block_text", "pooled"]
+
+READ_EARLY = 8  # the ranks' losses of a block are read from this many steps before decide_at on
 
 
 def block_text(blk: _Block) -> str:
@@ -66,8 +70,9 @@ def pooled(blk: _Block, texts: list[str]) -> tuple[_Block, int]:
 
     before = mean_at("b")
     upper = [sum(float(row["u"][k]) for row in rows) / len(rows) for k in range(width)]
-    # (shared: its steps before that were the previous block's after, as blk counted its own)
-    shared = sum(1 for i, _ in before if i < blk.before_from) if blk.shared else 0
+    # (shared: its steps before that were the previous block's after, placed before before_from
+    # where the blocks ran back to back: counted from the pooled steps, the same on every rank)
+    shared = sum(1 for i, _ in before if i < blk.before_from)
     return replace(blk, before=before, upper=upper, after=mean_at("a"), shared=shared), len(rows)
 
 
@@ -79,6 +84,7 @@ class JointJudge:
         self.warnings = warnings
         self.drain = drain  # judges every ended step, waiting for the losses in flight
         self.told: tuple[int, int] | None = None  # the last block this rank wrote its losses for
+        self.heard: tuple[tuple[int, int], list[str]] | None = None  # a block's losses read from the ranks
 
     def at(self, prober: Prober, index: int) -> None:
         """At the start of step ``index`` near a block of ``prober`` (agreed; while the ranks
@@ -92,25 +98,39 @@ class JointJudge:
                 return
         if prober.held is None:
             return
-        blk = prober.held[0]
-        key = f"probe/{prober.anchor}/{blk.seq}"
+        blk, mark = prober.held[0], (prober.anchor, prober.held[0].seq)
+        key = f"probe/{mark[0]}/{mark[1]}"
+        if self.told != mark:
+            told, self.told = self.told, mark
+            forget = None if told is None else f"probe/{told[0]}/{told[1]}"  # (read by every rank by now)
+            self._store("write", lambda peers: peers.tell(key, block_text(blk), forget))
+        if index < prober.decide_at - READ_EARLY:
+            return
+        # Read from READ_EARLY steps before decide_at (every rank has written by then), again
+        # at each step until every rank's losses are in: one failed read does not leave this
+        # rank alone with its own losses while the others pool theirs.
+        heard = self.heard[1] if self.heard is not None and self.heard[0] == mark else None
+        if heard is None or len(heard) < prober.ranks:
+            got = self._store("read", lambda peers: peers.hear(key, prober.ranks))
+            if got is not None and (heard is None or len(got) >= len(heard)):
+                heard, self.heard = got, (mark, got)
+        if index < prober.decide_at:
+            return
+        # (None read at all: this block on this rank's losses alone; the next with the ranks again)
+        job, ranks = pooled(blk, heard) if heard else (None, 1)
+        why = prober.decide(job, ranks)
+        if why is not None:
+            self.control.probe_rollback(index - 1, why, None, together=True)
+        elif self.control.rearm_at is not None:  # (rolled back alone meanwhile: its probes wait, off now)
+            self.control.reprobe(now=False)
+
+    def _store(self, what: str, call: Callable[[Any], Any]) -> Any:
+        """``call(peers)`` on the job's store; None (logged once) where it fails."""
         try:
             peers = self.control.job_peers()
             if peers is None:
                 raise RuntimeError("the job's ranks have no store to meet in")
-            if self.told != (prober.anchor, blk.seq):
-                told, self.told = self.told, (prober.anchor, blk.seq)
-                forget = None if told is None else f"probe/{told[0]}/{told[1]}"  # (read by every rank by now)
-                peers.tell(key, block_text(blk), forget)
-            if index < prober.decide_at:
-                return
-            job, ranks = pooled(blk, peers.hear(key, prober.ranks))
+            return call(peers)
         except Exception as e:
-            # This block on this rank's losses alone (the next ones with the ranks again).
-            self.warnings.warn("agree", f"greend could not judge the probes with the job's other ranks: {e}")
-            if index < prober.decide_at:
-                return
-            job, ranks = None, 1
-        why = prober.decide(job, ranks)
-        if why is not None:
-            self.control.probe_rollback(index - 1, why, None)
+            self.warnings.warn("agree", f"greend could not {what} the probes' losses with the job's other ranks: {e}")
+            return None

@@ -117,7 +117,7 @@ class StepBook:
         # the guard armed): two calls fewer on every step.
         self.scaling_noted = False
         self.guard = control.guard
-        self._entered = 0  # steps entered while the ranks agree: the agreement's clock
+        self.entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
         self.sync_every = sync_every
         self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
@@ -190,8 +190,8 @@ class StepBook:
         if requested is not control.seen_request:
             control.take_request(requested)
         if control.agreeing:
-            n = self._entered
-            self._entered = n + 1
+            n = self.entered
+            self.entered = n + 1
             if n % self.sync_every == 0:
                 control.agree(n // self.sync_every)
         if control.agreeing or self.channel.requested is not control.seen_request:
@@ -296,7 +296,9 @@ class StepBook:
         if prober is None:
             return
         upper = control.probe_upper()
-        if upper is None or "probe_every" in self.channel.register_omit or control.rearm_at_agreement:
+        if control.rearm_at is not None and prober.held is not None:
+            pass  # (rolled back alone: it still takes part in the ranks' verdict on the block, JointJudge)
+        elif upper is None or "probe_every" in self.channel.register_omit or control.rearm_at is not None:
             prober.disarm()
         elif prober.lower != control.level or prober.upper != upper:
             index = self.upcoming

@@ -1,19 +1,19 @@
 """The callback's precision: the level steps run at, and every way it changes.
 
-:class:`PrecisionControl` holds the level in force and applies the daemon's
-directives at step boundaries (or, in a job of several ranks, agrees on one level
-with the other ranks through the job's rendezvous store), refuses what cannot run
-here, rolls back on the accuracy guard's word (a non-finite or spiking loss) and on
-the reference check's (:mod:`greend.training.reference`), and owns the GradScaler,
-the fp8 conversion and the autocast contexts. The rules themselves (levels, the
-guard) are :mod:`greend.training.mixed_precision`'s. Written by the training thread
-only; the events it reports go to the sender through the callback's channel.
+:class:`PrecisionControl` holds the level in force and applies the daemon's directives at step
+boundaries (or, in a job of several ranks, agrees on one level with the other ranks through the
+job's rendezvous store), refuses what cannot run here, rolls back on the accuracy guard's word (a
+non-finite or spiking loss) and on the reference check's (:mod:`greend.training.reference`), and
+owns the GradScaler, the fp8 conversion and the autocast contexts. The rules themselves (levels, the
+guard) are :mod:`greend.training.mixed_precision`'s. Written by the training thread only; the events
+it reports go to the sender through the callback's channel.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +40,10 @@ from greend.training.probe import Prober
 from greend.training.reference import REFERENCE_TOLERANCE, ReferenceJudge, excess
 from greend.training.warn import OnceWarnings, log
 
-__all__ = ["PrecisionControl", "StepCount"]
+__all__ = ["AGREE_TRIES", "PrecisionControl", "StepCount"]
+
+_WORD_DUE = sys.maxsize  # rearm_at until this rank's word names the level it rolled back to
+AGREE_TRIES = 3  # the ranks' store failing at this many agreements in a row: each rank on its own from then on
 
 # fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
 _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
@@ -58,6 +61,8 @@ class StepCount(Protocol):
     """What the precision needs of the callback's steps (:class:`greend.training.book.StepBook`)."""
 
     next_index: int  # the index of the next step recorded
+    entered: int  # steps entered while the ranks agree: the agreement's clock ...
+    sync_every: int  # ... which agrees at every this many
 
     def flush(self) -> None:
         """Judge the losses that are in (a rollback among them goes first)."""
@@ -104,10 +109,9 @@ class PrecisionControl:
         self.scaler: Any = None  # torch.amp.GradScaler, made on the first fp16 step
         self.fp8: Fp8Converter | None = None
         self._fp8_te = False  # fp8 through Transformer Engine's fp8_autocast (no conversion)
-        # The job's own level: the top of its ladder, never left upwards. Given
-        # (initial_precision=, an adapter from its framework's setting), or, where not,
-        # detected at the first step: the torch.autocast the job runs around its step or
-        # its model's forward (else fp32, or tf32 where the job turned TF32 on).
+        # The job's own level: the top of its ladder, never left upwards. Given (initial_precision=,
+        # an adapter from its framework's setting), or detected at the first step: the torch.autocast
+        # the job runs around its step or its model's forward (else fp32, or tf32 where TF32 is on).
         self.detecting = initial is None
         self.own: str | None = initial
         self._weights: str | None | object = _UNSEEN  # the level the model's weights are in, once looked at
@@ -129,9 +133,9 @@ class PrecisionControl:
             why = owner or "the training framework owns autocast; see greend.integrations"
             self.support = {level: (None if level == initial else f"not switched here: {why}") for level in PRECISIONS}
         self.autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
-        # The job's TF32 flags, saved when greend first writes them (a tf32 or fp32 level it
-        # runs) and put back when it leaves such a level; None while greend's write is not in
-        # force: the flags are the job's own, never touched (the job may change them).
+        # The job's TF32 flags, saved when greend first writes them (a tf32 or fp32 level it runs)
+        # and put back when it leaves such a level; None while greend's write is not in force:
+        # the flags are the job's own, never touched (the job may change them).
         self._saved_tf32: tuple[bool, bool] | None = None
         self._own_flags = not self.detecting  # a level given (not detected): its TF32 flags are greend's to set
         if self.detecting and self.support.get(initial) is not None:
@@ -146,15 +150,14 @@ class PrecisionControl:
         else:
             self._apply_level(initial)
         self.seen_request: str | None = None  # the last directive taken
-        # Precision is one decision per job: in a job of several ranks a directive is a
-        # proposal, and every sync_every steps the ranks agree (through the job's store)
-        # on the most precise level any of them wants, which all apply at the same step.
+        # Precision is one decision per job: in a job of several ranks a directive is a proposal, and
+        # every sync_every steps the ranks agree (through the job's store) on the most precise level
+        # any of them wants, which all apply at the same step.
         self.agreeing = world_size > 1 and manage
-        # A rollback while the ranks agree (a rank's own, by the guard's rules, or the ranks'
-        # probes together): the probes wait for the agreement that has every rank at this
-        # level, to start at the same step on every rank (one that rolled back alone, a step
-        # or two before the others' probes did, drew its blocks from another step).
-        self.rearm_at_agreement = False
+        # A rank's own rollback while the ranks agree: its probes start at the agreement that reads its
+        # first word naming the level (where the others switch), counted, not read (a failed read).
+        self.rearm_at: int | None = None
+        self._agree_failed = 0  # agreements in a row the store failed at
         self.proposal: str | None = None
         self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
         # The reference check: fixed-batch losses in flight (step, level, fp32 handle,
@@ -243,9 +246,8 @@ class PrecisionControl:
         except Exception as e:  # an older torch without the device argument
             log.debug("cannot read the autocast state: %s", e)
         if level is None:
-            # A model whose weights are bf16 (or fp16) computes there with or without an
-            # autocast: that is the job's level from its first step (looked at once; the
-            # weights do not change dtype between the first steps).
+            # A model whose weights are bf16 (or fp16) computes there with or without an autocast:
+            # the job's level from its first step (looked at once; the weights keep their dtype).
             weights = self._weights
             if weights is _UNSEEN:
                 weights = self._weights = weights_level(self._model)
@@ -256,10 +258,9 @@ class PrecisionControl:
                 self.own = self.level
                 log.info("greend: the job runs %s on its own (no autocast seen at its first step)", self.level)
                 if self.manage and self.level in ("fp32", "tf32"):
-                    # A bf16 job whose own torch.autocast step.autocast() replaced looks the
-                    # same from here: say how to keep it at bf16, where the user sees it (a
-                    # GreendWarning: greend's log lines reach no handler unless the job
-                    # configures logging), and in the log.
+                    # A bf16 job whose own torch.autocast step.autocast() replaced looks the same
+                    # from here: say how to keep it at bf16, where the user sees it (a GreendWarning:
+                    # greend's log lines reach no handler unless the job configures logging), and in the log.
                     message = (
                         f"greend: job {self._job} is taken for {self.level}: no autocast and no bf16/fp16 weights at "
                         "its first step, so step.autocast() runs it at full precision. If it trained in bf16 (or "
@@ -320,37 +321,39 @@ class PrecisionControl:
         else the level it runs) for this epoch, and reads what the ranks wrote one epoch
         ago: the most precise of those levels (a MAX, as for the pace). Ranks in step read
         the same key at the same step, so they switch together: down only when every
-        rank's daemon asks for it, up (a rollback on any rank) for all. Where the ranks
-        have no store to meet in, a rank applies its own directives, as a single process
-        does; a failure is logged once and never raised."""
+        rank's daemon asks for it, up (a rollback on any rank) for all. Without a store (or
+        after AGREE_TRIES failed agreements in a row) each rank applies its own directives,
+        as a single process does; a failure is logged once and never raised."""
+        if self.rearm_at is not None and self._steps is not None and epoch * self._steps.sync_every >= self.rearm_at:
+            self.reprobe()  # (the probes from this step, as on the ranks that switch here)
         try:
             peers = self.job_peers()
             agreed = None if peers is None else peers.agree_max("precision", epoch, None)  # (reads only)
+            self._agree_failed = 0
         except Exception as e:
             self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
+            self._agree_failed += 1
+            if self._agree_failed < AGREE_TRIES:
+                return  # (this rank's word and read this epoch lost; the ranks still agree)
             peers = None
         if peers is None:
             self.agreeing = False
-            if self.rearm_at_agreement and self._steps is not None:  # (no agreement to wait for)
-                self.rearm_at_agreement = False
-                self._steps.switched(self.level, False)
+            if self.rearm_at is not None:  # (no agreement to wait for)
+                self.reprobe()
             if self.proposal is not None:
                 self.proposal = None
                 self.seen_request = None  # the directive is taken again, alone, at the next step
             return
         if agreed is not None:
-            level = PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))]
-            self._take_agreed(level)
-            if self.rearm_at_agreement and level == self.level and self._steps is not None:
-                self.rearm_at_agreement = False
-                self._steps.switched(level, False)  # (the probes from this step, as on the ranks that switch here)
-        # This rank's word for the epoch, written after the agreed level is applied (so it
-        # never names the level left behind); none while the job's own level is not known
-        # yet (the level in force then says nothing of what the job runs).
+            self._take_agreed(PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))])
+        # This rank's word, after the agreed level is applied (never the level left behind);
+        # none while the job's own level is not known (the level in force says nothing then).
         if not self.detecting:
             wanted = self.proposal or self.level
             try:
                 peers.raise_to("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
+                if self.rearm_at == _WORD_DUE and self._steps is not None:  # (the ranks read it at the next)
+                    self.rearm_at = (epoch + 1) * self._steps.sync_every
             except Exception as e:
                 self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
 
@@ -376,7 +379,7 @@ class PrecisionControl:
             why = self.guard.barred_reason(level, step) or "its daemon withdrew it"
             log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)
             return
-        self.rearm_at_agreement = False  # (a switch the ranks agreed: the probes start here on every rank)
+        self.rearm_at = None  # (a switch the ranks agreed: the probes start here on every rank)
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
             PRECISIONS.index(level) < PRECISIONS.index(old)
         ):
@@ -570,9 +573,20 @@ class PrecisionControl:
             own = REFERENCE_TOLERANCE if tolerance is None else min(REFERENCE_TOLERANCE, tolerance)
             self.reference_judge.tolerance = own
 
-    def probe_rollback(self, index: int, why: str, loss: float | None) -> None:
-        """Roll the latest downgrade back on the probes' evidence (``why`` names it)."""
-        self._rollback_now(index, why, loss)
+    def probe_rollback(self, index: int, why: str, loss: float | None, together: bool = False) -> None:
+        """Roll the latest downgrade back on the probes' evidence (``why`` names it;
+        ``together``: the ranks' verdict, taken at this step on every rank)."""
+        if together and self.prober is not None and self.prober.lower != self.level:
+            self.reprobe()  # (it went back alone a few steps before: the ranks are all at its level now)
+            return
+        self._rollback_now(index, why, loss, together=together)
+
+    def reprobe(self, now: bool = True) -> None:
+        """The probes from the step about to start (``now``), or off while rearm_at waits."""
+        if now:
+            self.rearm_at = None
+        if self._steps is not None:
+            self._steps.switched(self.level, False)
 
     # Rollbacks ---------------------------------------------------------------------
     def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:
@@ -580,17 +594,19 @@ class PrecisionControl:
         came down from."""
         self._apply_rollback(self.guard.rollback(self.level, index, cause, loss, spike), index)
 
-    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
+    def _rollback_now(
+        self, index: int, cause: str, loss: float | None, trend: float | None = None, together: bool = False
+    ) -> None:
         """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
         ev = self.guard.rollback(self.level, index, "loss", loss, cause=cause)
         if ev is not None and trend is not None:
             ev.trend = trend
-        self._apply_rollback(ev, index)
+        self._apply_rollback(ev, index, together)
 
-    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int, together: bool = False) -> None:
         if ev is None:
             return
-        self.rearm_at_agreement = self.agreeing
+        self.rearm_at = _WORD_DUE if self.agreeing and not together else None  # (its word due: agree())
         try:
             self._apply_level(ev.to_level)
         except Exception as e:
