@@ -296,9 +296,9 @@ class StepBook:
         if prober is None:
             return
         upper = control.probe_upper()
-        if control.rearm_at is not None and prober.held is not None:
+        if control.rearm and prober.held is not None:
             pass  # (rolled back alone: it still takes part in the ranks' verdict on the block, JointJudge)
-        elif upper is None or "probe_every" in self.channel.register_omit or control.rearm_at is not None:
+        elif upper is None or "probe_every" in self.channel.register_omit or control.rearm:
             prober.disarm()
         elif prober.lower != control.level or prober.upper != upper:
             index = self.upcoming

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 
 from greend.errors import GreendWarning
 from greend.protocol import FP8_LEVELS, PRECISIONS, may_run, not_above
+from greend.training._level_agreement import LevelAgreement
 from greend.training.fp8 import Fp8Converter, warm_up_torchao
 from greend.training.loss_reader import LossReader
 from greend.training.mixed_precision import (
@@ -40,10 +40,8 @@ from greend.training.probe import Prober
 from greend.training.reference import REFERENCE_TOLERANCE, ReferenceJudge, excess
 from greend.training.warn import OnceWarnings, log
 
-__all__ = ["AGREE_TRIES", "PrecisionControl", "StepCount"]
+__all__ = ["PrecisionControl", "StepCount"]
 
-_WORD_DUE = sys.maxsize  # rearm_at until this rank's word names the level it rolled back to
-AGREE_TRIES = 3  # the ranks' store failing at this many agreements in a row: each rank on its own from then on
 
 # fp8 levels run the layers that stay out of fp8 (head, norms, small linears) in bf16.
 _AUTOCAST_DTYPES: dict[str, torch.dtype] = {
@@ -71,7 +69,7 @@ class StepCount(Protocol):
         """The level in force is now ``level`` (``managed``: by this callback's own switch)."""
 
 
-class PrecisionControl:
+class PrecisionControl(LevelAgreement):
     """The level in force, directives, agreement between ranks, rollbacks, reference checks."""
 
     def __init__(
@@ -156,8 +154,7 @@ class PrecisionControl:
         self.agreeing = world_size > 1 and manage
         # A rank's own rollback while the ranks agree: its probes start at the agreement that reads its
         # first word naming the level (where the others switch), counted, not read (a failed read).
-        self.rearm_at: int | None = None
-        self._agree_failed = 0  # agreements in a row the store failed at
+        self.rearm, self._worded, self._agree_failed = False, None, 0  # (greend.training._level_agreement)
         self.proposal: str | None = None
         self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
         # The reference check: fixed-batch losses in flight (step, level, fp32 handle,
@@ -313,80 +310,6 @@ class PrecisionControl:
             if self._steps is not None:
                 self._steps.switched(level, True)  # read each step from now on while the spike rule holds
         return None
-
-    def agree(self, epoch: int) -> None:
-        """At the start of every ``sync_every``-th step: the job's ranks agree on its level.
-
-        Each rank writes the level it wants (its daemon's directive where it can run it,
-        else the level it runs) for this epoch, and reads what the ranks wrote one epoch
-        ago: the most precise of those levels (a MAX, as for the pace). Ranks in step read
-        the same key at the same step, so they switch together: down only when every
-        rank's daemon asks for it, up (a rollback on any rank) for all. Without a store (or
-        after AGREE_TRIES failed agreements in a row) each rank applies its own directives,
-        as a single process does; a failure is logged once and never raised."""
-        if self.rearm_at is not None and self._steps is not None and epoch * self._steps.sync_every >= self.rearm_at:
-            self.reprobe()  # (the probes from this step, as on the ranks that switch here)
-        try:
-            peers = self.job_peers()
-            agreed = None if peers is None else peers.agree_max("precision", epoch, None)  # (reads only)
-            self._agree_failed = 0
-        except Exception as e:
-            self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
-            self._agree_failed += 1
-            if self._agree_failed < AGREE_TRIES:
-                return  # (this rank's word and read this epoch lost; the ranks still agree)
-            peers = None
-        if peers is None:
-            self.agreeing = False
-            if self.rearm_at is not None:  # (no agreement to wait for)
-                self.reprobe()
-            if self.proposal is not None:
-                self.proposal = None
-                self.seen_request = None  # the directive is taken again, alone, at the next step
-            return
-        if agreed is not None:
-            self._take_agreed(PRECISIONS[max(0, min(len(PRECISIONS) - 1, len(PRECISIONS) - int(agreed)))])
-        # This rank's word, after the agreed level is applied (never the level left behind);
-        # none while the job's own level is not known (the level in force says nothing then).
-        if not self.detecting:
-            wanted = self.proposal or self.level
-            try:
-                peers.raise_to("precision", epoch, float(len(PRECISIONS) - PRECISIONS.index(wanted)))
-                if self.rearm_at == _WORD_DUE and self._steps is not None:  # (the ranks read it at the next)
-                    self.rearm_at = (epoch + 1) * self._steps.sync_every
-            except Exception as e:
-                self._warnings.warn("agree", f"greend could not agree the job's precision across ranks: {e}")
-
-    def _take_agreed(self, level: str) -> None:
-        """Run the level the ranks agreed on, never above the job's own level; down only
-        while this rank still proposes that level or one below it (the epoch's words were
-        written before: a rollback since, or a directive withdrawn, keeps it where it is,
-        and its next word takes the others up)."""
-        proposed = self.proposal
-        if level == proposed:
-            self.proposal = None
-        if self._steps is not None:
-            self._steps.flush()  # a rollback among the losses already in goes first
-        old = self.level
-        if level == old or self.support.get(level) is not None or self.above_own(level) is not None:
-            return
-        step = self._next_index
-        if PRECISIONS.index(level) > PRECISIONS.index(old) and (
-            proposed is None
-            or PRECISIONS.index(proposed) < PRECISIONS.index(level)
-            or self.guard.barred_reason(level, step) is not None
-        ):
-            why = self.guard.barred_reason(level, step) or "its daemon withdrew it"
-            log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)
-            return
-        self.rearm_at = None  # (a switch the ranks agreed: the probes start here on every rank)
-        if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
-            PRECISIONS.index(level) < PRECISIONS.index(old)
-        ):
-            # Up: another rank rolled back. This rank's daemon hears it as a rollback.
-            why = f"another rank of the job went back to {level}; the ranks agreed at step {step}"
-            self._send_event(PrecisionEvent("rollback", old, level, why, step=step, loss=self._last_loss(),
-                                            trend=self.guard.trend()))  # fmt: skip
 
     # Reference checks -----------------------------------------------------------------
     def reference_due(self, index: int) -> None:
@@ -577,16 +500,8 @@ class PrecisionControl:
         """Roll the latest downgrade back on the probes' evidence (``why`` names it;
         ``together``: the ranks' verdict, taken at this step on every rank)."""
         if together and self.prober is not None and self.prober.lower != self.level:
-            self.reprobe()  # (it went back alone a few steps before: the ranks are all at its level now)
-            return
-        self._rollback_now(index, why, loss, together=together)
-
-    def reprobe(self, now: bool = True) -> None:
-        """The probes from the step about to start (``now``), or off while rearm_at waits."""
-        if now:
-            self.rearm_at = None
-        if self._steps is not None:
-            self._steps.switched(self.level, False)
+            return  # (it went back alone a few steps before: all the ranks are at its level now)
+        self._rollback_now(index, why, loss)
 
     # Rollbacks ---------------------------------------------------------------------
     def roll_back(self, index: int, cause: str, loss: float | None, spike: str | None = None) -> None:
@@ -594,19 +509,17 @@ class PrecisionControl:
         came down from."""
         self._apply_rollback(self.guard.rollback(self.level, index, cause, loss, spike), index)
 
-    def _rollback_now(
-        self, index: int, cause: str, loss: float | None, trend: float | None = None, together: bool = False
-    ) -> None:
+    def _rollback_now(self, index: int, cause: str, loss: float | None, trend: float | None = None) -> None:
         """Roll the latest downgrade back for ``cause`` (the reference check's rule)."""
         ev = self.guard.rollback(self.level, index, "loss", loss, cause=cause)
         if ev is not None and trend is not None:
             ev.trend = trend
-        self._apply_rollback(ev, index, together)
+        self._apply_rollback(ev, index)
 
-    def _apply_rollback(self, ev: PrecisionEvent | None, index: int, together: bool = False) -> None:
+    def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
         if ev is None:
             return
-        self.rearm_at = _WORD_DUE if self.agreeing and not together else None  # (its word due: agree())
+        self.after_rollback()
         try:
             self._apply_level(ev.to_level)
         except Exception as e:

@@ -612,7 +612,7 @@ def test_ranks_that_read_apart_run_the_same_blocks_when_probe_every_is_small(
     assert blocks and min(blocks) >= 5, runs  # (no block cut short by its start having passed)
 
 
-def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store):  # type: ignore[no-untyped-def]
+def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store, sync_every: int = 5):  # type: ignore[no-untyped-def]
     from greend.training.callback import GreenCallback
 
     cbs = []
@@ -622,7 +622,7 @@ def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store):  # type: i
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
         cb = GreenCallback(job="agree", model=model, socket=sock_path, initial_precision="fp32",
-                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=5, flush_interval_s=0.02,
+                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=sync_every, flush_interval_s=0.02,
                            heartbeat_s=0.2, fp8_min_features=16, spike_tolerance=None, probe_trial=False)  # fmt: skip
         cb._control.peers = JobPeers(store, "agree", rank)
         cbs.append(cb)
@@ -678,7 +678,7 @@ def test_a_rank_s_probes_come_back_after_its_own_rollback_when_the_store_is_lost
 
     ran = _lockstep(cbs, 1000, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
     control = cbs[0]._control
-    assert not control.agreeing and control.rearm_at is None and control.prober.armed
+    assert not control.agreeing and not control.rearm and control.prober.armed
     assert ran[0][620:].count("fp32") >= 10  # (probe blocks at fp32 again)
 
 
@@ -764,3 +764,52 @@ def test_one_failed_level_agreement_after_the_ranks_probes_roll_back_leaves_them
     assert _apart(ran) == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
     assert ran[0][seen["D"] + 20 :].count("fp32") >= 10  # (the probes of bf16 run again)
+
+
+@pytest.mark.parametrize(("first", "gap"), [(598, 3), (599, 1), (603, 4), (596, 6)])
+def test_two_ranks_that_roll_back_on_their_own_either_side_of_an_agreement_probe_together_again(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, first: int, gap: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A non-finite step that DDP spreads to both ranks, read at other steps: each rolls fp8
+    back to bf16 on its own, either side of an agreement. Both start their probes at the
+    first agreement that has both at bf16 (before, each at the agreement after its own word:
+    two anchors, two levels at 60 steps of the next 470; a reviewer's runs)."""
+    torch.set_num_threads(1)
+    cbs = _three_levels(monkeypatch, sock_path, dist.HashStore())
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:
+        return float("nan") if i == first + gap * r else 1.0
+
+    ran = _lockstep(cbs, 1100, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    assert [i for i in _apart(ran) if i > first + gap + 30] == []
+    assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
+
+
+@pytest.mark.parametrize("before", [18, 30])
+def test_a_rank_s_own_rollback_inside_the_ranks_last_block_leaves_them_probing_together(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, before: int
+) -> None:  # type: ignore[no-untyped-def]
+    """fp8 15 % worse on both ranks; their probes roll back together at D. A non-finite loss
+    on rank 0 inside the block judged at D, before its last step: rank 0 goes back alone and
+    takes no part in that verdict. Both ranks start the probes of bf16 at the agreement that
+    has both there (before: rank 1 at D, rank 0 an agreement later; anchors 445 and 460)."""
+    torch.set_num_threads(1)
+
+    def run(nan_at: int | None) -> tuple[list[list[str]], list]:  # type: ignore[type-arg]
+        cbs = _three_levels(monkeypatch, sock_path, dist.HashStore(), sync_every=20)
+        rng = random.Random(3)
+        noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1400)] for _ in range(2)]
+
+        def loss(r: int, i: int, ran: list[list[str]]) -> float:
+            if r == 0 and i == nan_at:
+                return float("nan")
+            return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
+
+        asks = {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}
+        return _lockstep(cbs, 1400, asks, loss), cbs
+
+    _, cbs = run(None)
+    d = next(e["step"] for e in cbs[1].precision_events if e["kind"] == "rollback")
+    ran, cbs = run(d - before)
+    assert [i for i in _apart(ran) if i > d + 45] == []
+    assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
