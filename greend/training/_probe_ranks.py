@@ -121,7 +121,7 @@ class JointJudge:
         why = prober.decide(job, ranks)
         if why is not None:
             self.control.probe_rollback(index - 1, why, None, together=True)
-        elif self.control.rearm:  # (rolled back alone meanwhile: its probes wait, off now)
+        if self.control.rearm:  # (a rollback, here or alone meanwhile: the probes wait for the agreement, off now)
             self.control.reprobe(now=False)
 
     def _store(self, what: str, call: Callable[[Any], Any]) -> Any:
