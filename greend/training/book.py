@@ -117,7 +117,7 @@ class StepBook:
         # the guard armed): two calls fewer on every step.
         self.scaling_noted = False
         self.guard = control.guard
-        self.entered = 0  # steps entered while the ranks agree: the agreement's clock
+        self._entered = 0  # steps entered while the ranks agree: the agreement's clock
         self._world_size = world_size
         self.sync_every = sync_every
         self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
@@ -190,8 +190,8 @@ class StepBook:
         if requested is not control.seen_request:
             control.take_request(requested)
         if control.agreeing:
-            n = self.entered
-            self.entered = n + 1
+            n = self._entered
+            self._entered = n + 1
             if n % self.sync_every == 0:
                 control.agree(n // self.sync_every)
         if control.agreeing or self.channel.requested is not control.seen_request:

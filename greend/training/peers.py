@@ -83,10 +83,14 @@ class JobPeers:
     def _drop_old(self, name: str, epoch: int) -> None:
         """Rank 0 deletes the key two epochs old: the store does not grow with the run."""
         if self.rank == 0 and epoch >= 2:
-            try:
-                self.store.delete_key(self._key(name, epoch - 2))
-            except Exception:
-                pass  # a store without delete keeps a few bytes an epoch
+            self._delete(self._key(name, epoch - 2))
+
+    def _delete(self, key: str) -> None:
+        """Delete ``key``; a store without delete keeps its few bytes."""
+        try:
+            self.store.delete_key(key)
+        except Exception:
+            pass
 
     def raise_to(self, name: str, epoch: int, value: float) -> None:
         """Make the epoch's figure at least ``value`` (a MAX across ranks)."""
@@ -122,10 +126,7 @@ class JobPeers:
         and delete what it wrote under ``forget`` (read by every rank by now)."""
         self.store.set(f"{self.prefix}{name}/{self.rank}", text)
         if forget is not None:
-            try:
-                self.store.delete_key(f"{self.prefix}{forget}/{self.rank}")
-            except Exception:
-                pass  # a store without delete keeps a few bytes a block
+            self._delete(f"{self.prefix}{forget}/{self.rank}")
 
     def hear(self, name: str, ranks: int) -> list[str]:
         """What the ranks 0 .. ``ranks`` - 1 wrote under ``name`` with :meth:`tell`: those that

@@ -59,8 +59,6 @@ class StepCount(Protocol):
     """What the precision needs of the callback's steps (:class:`greend.training.book.StepBook`)."""
 
     next_index: int  # the index of the next step recorded
-    entered: int  # steps entered while the ranks agree: the agreement's clock ...
-    sync_every: int  # ... which agrees at every this many
 
     def flush(self) -> None:
         """Judge the losses that are in (a rollback among them goes first)."""
@@ -152,9 +150,9 @@ class PrecisionControl(LevelAgreement):
         # every sync_every steps the ranks agree (through the job's store) on the most precise level
         # any of them wants, which all apply at the same step.
         self.agreeing = world_size > 1 and manage
-        # A rank's own rollback while the ranks agree: its probes start at the agreement that reads its
-        # first word naming the level (where the others switch), counted, not read (a failed read).
-        self.rearm, self._worded, self._agree_failed = False, None, 0  # (greend.training._level_agreement)
+        # After a rollback while the ranks agree, the probes wait for the agreement that has this
+        # rank's level (greend.training._level_agreement).
+        self.rearm, self._worded, self._agree_failed = False, None, 0
         self.proposal: str | None = None
         self.peers: JobPeers | None = None  # the job's rendezvous store, once reached
         # The reference check: fixed-batch losses in flight (step, level, fp32 handle,

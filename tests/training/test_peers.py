@@ -185,9 +185,10 @@ def _directive(cb, level: str) -> None:  # type: ignore[no-untyped-def]
     cb._channel.on_directive()
 
 
-def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2, **kw):  # type: ignore[no-untyped-def]
+def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int = 2, model=None, **kw):  # type: ignore[no-untyped-def]
     """n callbacks in one process standing for the ranks of one job, meeting in ``store``
-    (``kw``: GreenCallback's options over these)."""
+    (``model``: makes each rank's model, else a small linear layer; ``kw``: GreenCallback's
+    options over these)."""
     from greend.training.callback import GreenCallback
 
     options = {"precisions": ["fp32", "bf16"], "sync_every": 5, "flush_interval_s": 0.02, "heartbeat_s": 0.2, **kw}
@@ -195,10 +196,41 @@ def _ranked_callbacks(monkeypatch: pytest.MonkeyPatch, sock_path, store, n: int 
     for rank in range(n):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(n))
-        cb = GreenCallback(job="agree", model=torch.nn.Linear(4, 2), socket=sock_path, **options)
+        net = model() if model is not None else torch.nn.Linear(4, 2)
+        cb = GreenCallback(job="agree", model=net, socket=sock_path, **options)
         cb._control.peers = JobPeers(store, "agree", rank)
         cbs.append(cb)
     return cbs
+
+
+def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store, sync_every: int = 5):  # type: ignore[no-untyped-def]
+    """Two ranks of an fp32 job that may go down to bf16 and fp8 (no spike rule, no trial)."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+
+    return _ranked_callbacks(monkeypatch, sock_path, store, model=model, initial_precision="fp32",
+                             precisions=["fp32", "bf16", "fp8-emulated"], sync_every=sync_every, fp8_min_features=16,
+                             spike_tolerance=None, probe_trial=False)  # fmt: skip
+
+
+DOWN_TO_FP8 = {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}  # both daemons ask
+
+
+def _fp8_worse(monkeypatch, sock_path, steps: int, nan_at: int | None, sync_every: int = 5):  # type: ignore[no-untyped-def]
+    """:func:`_three_levels` down to fp8, which fares 15 % worse on both ranks (their probes
+    roll it back together); rank 0's loss non-finite at ``nan_at``. (levels ran, callbacks)"""
+    cbs = _three_levels(monkeypatch, sock_path, dist.HashStore(), sync_every)
+    rng = random.Random(3)
+    noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(steps)] for _ in range(2)]
+
+    def loss(r: int, i: int, ran: list[list[str]]) -> float:
+        if r == 0 and i == nan_at:
+            return float("nan")
+        return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
+
+    return _lockstep(cbs, steps, DOWN_TO_FP8, loss), cbs
 
 
 def _lockstep(cbs, steps: int, asks: dict[int, list[tuple[int, str]]], loss=None) -> list[list[str]]:  # type: ignore[no-untyped-def]
@@ -439,7 +471,6 @@ def test_ranks_whose_losses_differ_judge_the_blocks_together_and_roll_back_at_th
     both ranks, the blocks and the rollback included, for one reason, the job's (+7 to 8 %:
     the mean of 0 and 15 %). (Before, rank 1 rolled back alone and the ranks ran two levels
     until the next agreement on the level, and a late reader started the next block later.)"""
-    import random
 
     torch.set_num_threads(1)
     cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), spike_tolerance=None, probe_trial=trial)
@@ -486,7 +517,6 @@ def test_a_store_lost_while_the_ranks_judge_a_block_leaves_each_rank_judging_alo
     and decide_at, or before): each rank judges that block, and the ones after, on its own
     losses, logged once; none is left waiting for a verdict that never comes (rank 1's
     losses show a penalty from step 140 on: it still rolls back)."""
-    import random
 
     torch.set_num_threads(1)
     store = _BreakingStore()
@@ -515,30 +545,15 @@ def test_after_one_rank_s_own_rollback_the_ranks_probe_at_the_same_steps_again(
     Rank 0's probes (bf16 against fp32) then start at that agreement's step, where rank 1's
     do: before, rank 0 drew its blocks from its own rollback step and the ranks ran two
     levels at 75-80 steps of the next 1,000 (a reviewer's run)."""
-    import random
-
-    from greend.training.callback import GreenCallback
-
     torch.set_num_threads(1)
-    store = dist.HashStore()
-    cbs = []
-    for rank in range(2):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
-        cb = GreenCallback(job="agree", model=model, socket=sock_path, initial_precision="fp32",
-                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=5, flush_interval_s=0.02,
-                           heartbeat_s=0.2, fp8_min_features=16, spike_tolerance=None, probe_trial=False)  # fmt: skip
-        cb._control.peers = JobPeers(store, "agree", rank)
-        cbs.append(cb)
+    cbs = _three_levels(monkeypatch, sock_path, dist.HashStore())
     rng = random.Random(3)
     noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1600)] for _ in range(2)]
 
     def loss(r: int, i: int, ran: list[list[str]]) -> float:
         return float("nan") if (r == 0 and i == nan_at) else noise[r][i]
 
-    ran = _lockstep(cbs, 1600, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    ran = _lockstep(cbs, 1600, DOWN_TO_FP8, loss)
     assert ran[0][nan_at - 5 : nan_at] == ["fp8-emulated"] * 5, ran[0][nan_at - 5 : nan_at]
     apart = [i for i in range(nan_at, 1600) if ran[0][i] != ran[1][i]]
     assert apart and max(apart) < nan_at + 2 * 5 + 2, apart  # (until the agreement takes rank 1 up)
@@ -546,19 +561,25 @@ def test_after_one_rank_s_own_rollback_the_ranks_probe_at_the_same_steps_again(
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
 
 
-class _FailsOnce:
-    """A store as one rank sees it: its first write of a probe block's losses fails."""
+class _FailsOnceAt:
+    """A store as one rank sees it: its ``nth`` call of ``method`` on a key holding ``part``
+    fails (or, ``armed``, the next one)."""
 
-    def __init__(self, inner: object) -> None:
-        self.inner, self.failed = inner, False
+    def __init__(self, inner: object, method: str, part: str, nth: int = 0) -> None:
+        self.inner, self.method, self.part, self.nth, self.count, self.armed = inner, method, part, nth, 0, False
+        self.failed: list[int] = []
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         call = getattr(self.inner, name)
 
         def checked(*args, **kw):  # type: ignore[no-untyped-def]
-            if name == "set" and not self.failed and "/probe/" in str(args[0]):
-                self.failed = True
-                raise RuntimeError("store hiccup")
+            key = args[0][0] if args and isinstance(args[0], list) else (args[0] if args else "")
+            if name == self.method and self.part in str(key):
+                self.count += 1
+                if self.count == self.nth or self.armed:
+                    self.armed = False
+                    self.failed.append(self.count)
+                    raise RuntimeError("store hiccup")
             return call(*args, **kw)
 
         return checked
@@ -579,7 +600,7 @@ def test_one_failed_write_on_one_rank_leaves_the_ranks_judging_together(
     torch.set_num_threads(1)
     store = dist.HashStore()
     cbs = _ranked_callbacks(monkeypatch, sock_path, store, spike_tolerance=None, probe_trial=False, probe_every=60)
-    cbs[1]._control.peers = JobPeers(_FailsOnce(store), "agree", 1)
+    cbs[1]._control.peers = JobPeers(_FailsOnceAt(store, "set", "/probe/", 1), "agree", 1)
     rng = random.Random(seed)
     noise = [[1.0 + rng.gauss(0, 0.03) for _ in range(1500)] for _ in range(2)]
 
@@ -612,23 +633,6 @@ def test_ranks_that_read_apart_run_the_same_blocks_when_probe_every_is_small(
     assert blocks and min(blocks) >= 5, runs  # (no block cut short by its start having passed)
 
 
-def _three_levels(monkeypatch: pytest.MonkeyPatch, sock_path, store, sync_every: int = 5):  # type: ignore[no-untyped-def]
-    from greend.training.callback import GreenCallback
-
-    cbs = []
-    for rank in range(2):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
-        cb = GreenCallback(job="agree", model=model, socket=sock_path, initial_precision="fp32",
-                           precisions=["fp32", "bf16", "fp8-emulated"], sync_every=sync_every, flush_interval_s=0.02,
-                           heartbeat_s=0.2, fp8_min_features=16, spike_tolerance=None, probe_trial=False)  # fmt: skip
-        cb._control.peers = JobPeers(store, "agree", rank)
-        cbs.append(cb)
-    return cbs
-
-
 @pytest.mark.parametrize("nan_before", [1, 3, 9])
 def test_a_rank_s_own_rollback_just_before_the_ranks_probes_roll_back_leaves_them_together(
     monkeypatch: pytest.MonkeyPatch, daemon, sock_path, nan_before: int
@@ -639,23 +643,9 @@ def test_a_rank_s_own_rollback_just_before_the_ranks_probes_roll_back_leaves_the
     agreement that has every rank there: the same step on both (before, rank 1 drew its
     blocks from D and rank 0 from the agreement: two levels at 70 steps)."""
     torch.set_num_threads(1)
-
-    def run(nan_at: int | None) -> tuple[list[list[str]], list]:  # type: ignore[type-arg]
-        cbs = _three_levels(monkeypatch, sock_path, dist.HashStore())
-        rng = random.Random(3)
-        noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1200)] for _ in range(2)]
-
-        def loss(r: int, i: int, ran: list[list[str]]) -> float:
-            if r == 0 and i == nan_at:
-                return float("nan")
-            return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
-
-        asks = {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}
-        return _lockstep(cbs, 1200, asks, loss), cbs
-
-    _, cbs = run(None)
+    _, cbs = _fp8_worse(monkeypatch, sock_path, 1200, None)
     d = next(e["step"] for e in cbs[1].precision_events if e["kind"] == "rollback")
-    ran, cbs = run(d - nan_before)
+    ran, cbs = _fp8_worse(monkeypatch, sock_path, 1200, d - nan_before)
     assert [i for i in _apart(ran) if i > d - nan_before + 12] == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
 
@@ -676,34 +666,10 @@ def test_a_rank_s_probes_come_back_after_its_own_rollback_when_the_store_is_lost
         store.broken = i >= lost_at
         return float("nan") if (r == 0 and i == 600) else 1.0
 
-    ran = _lockstep(cbs, 1000, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    ran = _lockstep(cbs, 1000, DOWN_TO_FP8, loss)
     control = cbs[0]._control
     assert not control.agreeing and not control.rearm and control.prober.armed
     assert ran[0][620:].count("fp32") >= 10  # (probe blocks at fp32 again)
-
-
-class _FailsOnceAt:
-    """A store as one rank sees it: its ``nth`` call of ``method`` on a key holding ``part``
-    fails (or, ``armed``, the next one)."""
-
-    def __init__(self, inner: object, method: str, part: str, nth: int = 0) -> None:
-        self.inner, self.method, self.part, self.nth, self.count, self.armed = inner, method, part, nth, 0, False
-        self.failed: list[int] = []
-
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        call = getattr(self.inner, name)
-
-        def checked(*args, **kw):  # type: ignore[no-untyped-def]
-            key = args[0][0] if args and isinstance(args[0], list) else (args[0] if args else "")
-            if name == self.method and self.part in str(key):
-                self.count += 1
-                if self.count == self.nth or self.armed:
-                    self.armed = False
-                    self.failed.append(self.count)
-                    raise RuntimeError("store hiccup")
-            return call(*args, **kw)
-
-        return checked
 
 
 @pytest.mark.parametrize("nth", [3, 6, 9])
@@ -759,7 +725,7 @@ def test_one_failed_level_agreement_after_the_ranks_probes_roll_back_leaves_them
             flaky.armed = True
         return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
 
-    ran = _lockstep(cbs, 1400, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    ran = _lockstep(cbs, 1400, DOWN_TO_FP8, loss)
     assert flaky.failed and "D" in seen
     assert _apart(ran) == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
@@ -780,7 +746,7 @@ def test_two_ranks_that_roll_back_on_their_own_either_side_of_an_agreement_probe
     def loss(r: int, i: int, ran: list[list[str]]) -> float:
         return float("nan") if i == first + gap * r else 1.0
 
-    ran = _lockstep(cbs, 1100, {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}, loss)
+    ran = _lockstep(cbs, 1100, DOWN_TO_FP8, loss)
     assert [i for i in _apart(ran) if i > first + gap + 30] == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
 
@@ -794,22 +760,8 @@ def test_a_rank_s_own_rollback_inside_the_ranks_last_block_leaves_them_probing_t
     takes no part in that verdict. Both ranks start the probes of bf16 at the agreement that
     has both there (before: rank 1 at D, rank 0 an agreement later; anchors 445 and 460)."""
     torch.set_num_threads(1)
-
-    def run(nan_at: int | None) -> tuple[list[list[str]], list]:  # type: ignore[type-arg]
-        cbs = _three_levels(monkeypatch, sock_path, dist.HashStore(), sync_every=20)
-        rng = random.Random(3)
-        noise = [[1.0 + rng.gauss(0, 0.02) for _ in range(1400)] for _ in range(2)]
-
-        def loss(r: int, i: int, ran: list[list[str]]) -> float:
-            if r == 0 and i == nan_at:
-                return float("nan")
-            return noise[r][i] * (1.15 if cbs[r]._book.precision == "fp8-emulated" else 1.0)
-
-        asks = {7: [(0, "bf16"), (1, "bf16")], 300: [(0, "fp8-emulated"), (1, "fp8-emulated")]}
-        return _lockstep(cbs, 1400, asks, loss), cbs
-
-    _, cbs = run(None)
+    _, cbs = _fp8_worse(monkeypatch, sock_path, 1400, None, sync_every=20)
     d = next(e["step"] for e in cbs[1].precision_events if e["kind"] == "rollback")
-    ran, cbs = run(d - before)
+    ran, cbs = _fp8_worse(monkeypatch, sock_path, 1400, d - before, sync_every=20)
     assert [i for i in _apart(ran) if i > d + 45] == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
