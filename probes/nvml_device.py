@@ -360,7 +360,10 @@ class NvmlDevices:
                 if reinit or u in was_lost:
                     self._epochs[u] = self._epochs.get(u, 0) + 1
             self._handles = {i: h for i, (h, _) in gpus.items()}
-            self._uuids = {i: u for i, (_, u) in gpus.items()}
+            # A GPU still lost keeps its UUID here: when it answers again, the look that
+            # finds it knows it was lost (a new epoch: its settings are written again).
+            kept = {i: self._uuids[i] for i in lost if i not in gpus and i in self._uuids}
+            self._uuids = {**kept, **{i: u for i, (_, u) in gpus.items()}}
             self._writes = {i: old_writes.get(u, 0) + 1 for i, (_, u) in gpus.items()}
             for i in [i for i in self._lost if i not in lost and i in gpus]:
                 log.warning("gpu%d is back (after a reset, a driver reload or a moment lost)", i)
@@ -430,6 +433,7 @@ class NvmlDevices:
                 log.warning("gpu%d answers again (found by its UUID)", index)
                 self._handles[index] = handle
                 del self._lost[index]
+                self._epochs[uuid] = self._epochs.get(uuid, 0) + 1  # (a reset may have dropped its settings)
         return index
 
     # ---- settings

@@ -424,3 +424,48 @@ def test_a_deadline_setting_that_is_no_deadline_is_named_and_the_default_kept(
     assert f"GREEND_NVML_DEADLINE_S={raw!r} is not seconds" in caplog.text
     monkeypatch.setenv("GREEND_NVML_DEADLINE_S", "0.5")
     assert _default_deadline_s() == 0.5
+
+
+RESET_CAP_SCRIPT = """
+import json, sys, time
+from greend.actuators.controller import Controller
+from greend.actuators.gpu import NvmlGpuBackend
+from greend.probes.nvml import NvmlProbe
+from greend.settings import Setting
+import greend.probes.nvml as m
+m.RECOVER_EVERY_S = 0.0
+p = NvmlProbe()
+p.open()
+ctl = Controller(sys.argv[1], NvmlGpuBackend(p))
+ctl.apply_gpu(1, Setting(1200, 400.0), "node")
+lost_looks, written, back = 0, [], False
+end = time.monotonic() + 30
+k = 0
+while time.monotonic() < end:
+    k += 1
+    try:
+        p.sample(k * 0.5)
+    except Exception:
+        pass
+    if 1 in p.lost_gpus:
+        lost_looks += 1
+    elif lost_looks:
+        back = True
+        written += ctl.reassert(1)
+        if written:
+            break
+    time.sleep(0.01)
+print(json.dumps({"lost_looks": lost_looks, "back": back, "written": sorted(written)}))
+"""
+
+
+def test_a_capped_gpu_reset_while_looked_for_gets_its_settings_written_again(tmp_path: Path) -> None:
+    """gpu1 is capped, then reset (its handles stale, GPU_IS_LOST for a while, then a fresh
+    handle with the driver's defaults back). Looks for it run while it is still lost (on a
+    real node one every few seconds): when it answers again greend knows it was lost and
+    writes its cap and limit again (before: a look during the loss forgot its UUID, the
+    GPU came back with no new epoch, and the cap was never written again while status
+    still showed it in force)."""
+    out = run_py(RESET_CAP_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "state"))), reset="1:200:40")
+    assert out["lost_looks"] >= 2 and out["back"], out  # looked for while lost, then found
+    assert out["written"] == ["clock_cap_mhz", "power_limit_w"], out
