@@ -46,6 +46,10 @@ class GpuBackend(Protocol):
 
     def indices(self) -> list[int]: ...
 
+    def lost(self) -> dict[int, str]:
+        """Index -> why, for the GPUs enumerated once and lost since (off the bus)."""
+        ...
+
     def uuid(self, index: int) -> str: ...
 
     def known_uuid(self, index: int) -> str | None:
@@ -290,6 +294,9 @@ class NvmlGpuBackend:
 
     def indices(self) -> list[int]:
         return self.devices.indices()
+
+    def lost(self) -> dict[int, str]:
+        return self.devices.lost
 
     def uuid(self, index: int) -> str:
         return _text(self._call(index, "nvmlDeviceGetUUID"))

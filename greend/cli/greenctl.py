@@ -516,12 +516,25 @@ def ctl_cap_set(
         f"gpu{r['gpu']}: clock cap {clock}, power limit {limit}"
         f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
     )
+    held = r.get("held") or {}  # knob -> {"asked": what greend wrote, "held": what the GPU holds}
+    for knob, unit in (("clock_cap_mhz", "MHz"), ("power_limit_w", "W")):
+        if knob in held:  # the driver did not take the write as it was: not the value's fault
+            typer.echo(
+                f"note: greend wrote {held[knob]['asked']:g} {unit}, gpu{r['gpu']}'s driver holds "
+                f"{held[knob]['held']:g} {unit} (greend reports and measures what it holds)",
+                err=True,
+            )
     got = f.get("power_limit_w")
-    if power_limit is not None and got is not None and abs(got - power_limit) > 0.05:
+    if power_limit is not None and got is not None and abs(got - power_limit) > 0.05 and "power_limit_w" not in held:
         typer.echo(
             f"note: {power_limit:g} W is outside gpu{r['gpu']}'s power limit range: clamped to {got:.1f} W", err=True
         )
-    if max_clock is not None and f["clock_cap_mhz"] is not None and f["clock_cap_mhz"] != max_clock:
+    if (
+        max_clock is not None
+        and f["clock_cap_mhz"] is not None
+        and f["clock_cap_mhz"] != max_clock
+        and "clock_cap_mhz" not in held
+    ):
         typer.echo(f"note: {max_clock} MHz snapped to the supported clock {f['clock_cap_mhz']} MHz", err=True)
 
 
@@ -534,11 +547,7 @@ def ctl_cap_reset(
     if gpu is not None and cpu is not None:
         fail("give at most one of --gpu I and --cpu ZONE")
     fields: dict[str, Any] = {"gpu": gpu} if gpu is not None else {"cpu_zone": cpu} if cpu is not None else {}
-    if gpu is not None:
-        known = [g["index"] for g in request("status").get("gpus") or []]
-        if gpu not in known:
-            fail(f"no GPU {gpu} on this node (GPUs: {', '.join(map(str, known)) or 'none'})")
-    r = request("cap_reset", **fields)
+    r = request("cap_reset", **fields)  # (the daemon refuses a GPU it never enumerated)
     for line in r["lines"]:
         typer.echo(line)
     if r.get("failed"):

@@ -54,6 +54,27 @@ class ControlOps:
             raise ProtocolError(f"cpu_zone {name!r} {what}; zones: {known}", field="cpu_zone")
         return found[0]
 
+    def _writable_gpu(self, ctrl: Controller, gpu: int, lost_ok: bool = False) -> None:
+        """Refuse a GPU that greend cannot write to: one it never enumerated, or one lost
+        (fallen off the bus; ``lost_ok``: let it through, a restore reports it). Its
+        readings do not decide: one failed read leaves a GPU out of a tick's readings, and
+        a GPU whose reads hang may still take settings."""
+        backend = ctrl.gpu_backend
+        known = backend.indices() if backend is not None else [g.index for g in self.ctx.latest().gpus]
+        if gpu in known:
+            return
+        lost = backend.lost() if backend is not None else {}
+        if gpu in lost and not lost_ok:
+            raise ProtocolError(
+                f"GPU {gpu} is lost ({lost[gpu]}): greend cannot write to it until it answers again "
+                "(after a reset or a driver reload greend writes its settings again by itself)",
+                field="gpu",
+            )
+        if gpu not in lost:
+            raise ProtocolError(
+                f"no GPU {gpu} on this node (GPUs: {', '.join(map(str, known)) or 'none'})", field="gpu"
+            )
+
     def cap_set(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         ctrl = self.loop.need_ctrl()
         clock, power = msg.get("max_clock_mhz"), msg.get("power_limit_w")
@@ -64,8 +85,7 @@ class ControlOps:
         if (clock is None) == (power is None):
             raise ProtocolError("give exactly one of max_clock_mhz and power_limit_w", field="max_clock_mhz")
         gpu = msg["gpu"]
-        if gpu not in [g.index for g in self.ctx.latest().gpus]:
-            raise ProtocolError(f"no GPU {gpu} on this node", field="gpu")
+        self._writable_gpu(ctrl, gpu)
         rec = self.loop.profiler.running(gpu)
         if rec is not None:
             raise ProtocolError(
@@ -82,7 +102,10 @@ class ControlOps:
         self.ctx.emit([self.loop.cap_point(ts_ns(self.ctx.wall()), in_force, reason, gpu=gpu)])
         self.ctx.jobs.reset_measures_on_gpu(gpu, self.ctx.monotonic() + self.ctx.cfg.policy.settle_s)
         log.info("gpu%d: cap set by uid %d: %s", gpu, conn.peer.uid, setting_json(in_force))
-        return {"gpu": gpu, "in_force": setting_json(in_force), "dry_run": ctrl.dry_run}
+        # What the GPU holds where it is not what greend wrote (a driver that ignored the
+        # write or changed it): greenctl says so instead of blaming the value asked.
+        held = {} if ctrl.dry_run else ctrl.mismatches(gpu)
+        return {"gpu": gpu, "in_force": setting_json(in_force), "dry_run": ctrl.dry_run, "held": held}
 
     def _cap_set_cpu(
         self, ctrl: Controller, name: str, clock: int | None, power: float | None, conn: Connection
@@ -121,6 +144,8 @@ class ControlOps:
         if msg.get("cpu_zone") is not None:
             rep = ctrl.restore_cpu(self._cpu_zone(msg["cpu_zone"]).path)
         else:
+            if gpu is not None:
+                self._writable_gpu(ctrl, gpu, lost_ok=True)
             if self.loop.profiler.running(gpu) is not None:  # its limit goes back now: the sweep ends
                 self.loop.profiler.abort(f"greenctl cap reset by uid {conn.peer.uid}")
             rep = ctrl.restore_all() if gpu is None else ctrl.restore_gpu(gpu)

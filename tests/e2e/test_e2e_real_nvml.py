@@ -233,3 +233,36 @@ def test_status_says_who_set_each_gpus_lock_and_limit(tmp_path: Path, daemons: l
     assert o[5] == ("unknown", "outside") and o[6] == ("unknown", "default") and o[0] == ("unknown", "default")
     d.ctl("cap", "reset", "--gpu", "3")
     assert wait_for(lambda: origins()[3] == ("unknown", "default"), 5), origins()
+
+
+def test_a_gpu_a_read_failed_on_is_still_capped_and_a_lost_one_is_named(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """Every other energy read of gpu3 fails (NVML_ERROR_UNKNOWN: a transient fault), so
+    gpu3 is out of about half the ticks' readings; gpu6 is lost. A cap on gpu3 goes by the
+    GPUs greend enumerated, not by one tick's readings (a failed read used to answer "no
+    GPU 3 on this node", and a `cap reset` so refused left the cap on); a cap on gpu6 says
+    it is lost; a GPU that does not exist is named with the GPUs there are."""
+    d = start_on_stub(tmp_path, lost="6", fail="nvmlDeviceGetTotalEnergyConsumption:3:2")
+    daemons.append(d)
+    gpus = tmp_path / "d-gpus.txt"
+    for k in range(6):  # each call meets the flicker: before the fix, some answered "no GPU 3"
+        d.ctl("cap", "set", "--gpu", "3", "--max-clock", str(1200 + 15 * k))
+        assert locked_clocks(gpus, 3)[1] == 1200 + 15 * k
+        d.ctl("cap", "reset", "--gpu", "3")
+        assert locked_clocks(gpus, 3) == (0, 0)
+    r = d.ctl("cap", "set", "--gpu", "6", "--power-limit", "400", check=False)
+    assert r.returncode != 0 and "GPU 6 is lost" in r.stdout + r.stderr, r
+    for args in (["cap", "set", "--gpu", "9", "--power-limit", "400"], ["cap", "reset", "--gpu", "9"]):
+        r = d.ctl(*args, check=False)
+        assert r.returncode != 0 and "no GPU 9 on this node (GPUs: 0, 1, 2, 3, 4, 5, 7)" in r.stdout + r.stderr, r
+
+
+def test_a_clock_the_driver_holds_lower_is_not_called_a_snap(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A supported clock asked, the driver holding a lower one (it clamps the lock): greenctl
+    says what greend wrote and what the driver holds, not that the value asked was snapped."""
+    d = start_on_stub(tmp_path, clock_clamp=1200)
+    daemons.append(d)
+    r = d.ctl("cap", "set", "--gpu", "0", "--max-clock", "1500")
+    assert "clock cap 1200 MHz" in r.stdout, r
+    assert "greend wrote 1500 MHz, gpu0's driver holds 1200 MHz" in r.stderr and "snapped" not in r.stderr, r

@@ -30,6 +30,8 @@
  *                                    every NVML call but nvmlInit and nvmlShutdown hangs
  *   NVML_STUB_HANG_WHEN=path         HANG_GPUS and HANG_NODE hang only while this file
  *                                    exists (a GPU that starts hanging mid-run)
+ *   NVML_STUB_FAIL=fn:gpu:n          every n-th call of fn on that GPU answers
+ *                                    NVML_ERROR_UNKNOWN (a transient fault)
  *   NVML_STUB_INIT_S=s               nvmlInit takes this long (as after a driver load)
  *   NVML_STUB_REINIT_S=s             every nvmlInit but the process's first takes this
  *                                    long (NVML initialised again after a driver load)
@@ -73,6 +75,7 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_GPU_IS_LOST 15
 #define NVML_ERROR_RESET_REQUIRED 16
+#define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 64
 #define MAGIC 0x4e564d4cu
@@ -128,6 +131,9 @@ static int init_error = 0;
 static int persistence = 1;
 static char hang_fn[128] = "";
 static int hang_gpu = -1;
+static char fail_fn[128] = "";
+static int fail_gpu = -1;
+static long fail_every = 0, fail_calls = 0;
 static double hang_s = -1;
 static long slow_ms = 0;
 static int hang_node = 0;
@@ -223,6 +229,17 @@ static void configure(void) {
         if (colon) {
             *colon = 0;
             hang_gpu = atoi(colon + 1);
+        }
+    }
+    if ((v = getenv("NVML_STUB_FAIL")) && *v) {
+        char spec[128];
+        snprintf(spec, sizeof spec, "%s", v);
+        char *a = strchr(spec, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (a && b) {
+            *a = *b = 0;
+            snprintf(fail_fn, sizeof fail_fn, "%s", spec);
+            fail_gpu = atoi(a + 1);
+            fail_every = atol(b + 1);
         }
     }
     if ((v = getenv("NVML_STUB_HANG_S"))) hang_s = atof(v);
@@ -349,6 +366,8 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, gpu_t **out) {
         r = NVML_ERROR_GPU_IS_LOST;
     else if (gpus[gi].reset_required)
         r = NVML_ERROR_RESET_REQUIRED;
+    else if (fail_every > 0 && gi == fail_gpu && strcmp(fn, fail_fn) == 0 && ++fail_calls % fail_every == 0)
+        r = NVML_ERROR_UNKNOWN;
     if (r != NVML_SUCCESS) {
         pthread_mutex_unlock(&mu);
         return r;
