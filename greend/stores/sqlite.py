@@ -13,7 +13,9 @@ A store that heals: the schema cache learns a table or column only once the
 transaction that made it committed; a batch that fails is written again point by
 point, so one bad point (or a moment of full disk) loses only itself; a file
 SQLite calls corrupt is moved aside (``<name>.corrupt-<timestamp>``, said in the
-log and ``last_error``) and a fresh one started. Every lost point is counted in
+log and ``last_error``) and a fresh one started. A batch that meets another process's
+lock on the file (an operator's ``sqlite3``, a backup) waits for it, up to
+``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. Every lost point is counted in
 ``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
 """
 
@@ -40,6 +42,8 @@ __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
 log = logging.getLogger(__name__)
 IDENTITY_CHECK_S = 5.0  # how often the writer checks that the store's file is still the one open
+BUSY_TIMEOUT_S = 5.0  # SQLite waits this long for another connection's lock (PRAGMA busy_timeout) ...
+BUSY_RETRY_S = 120.0  # ... and a batch is tried again for this long before its points are tried one by one
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 
@@ -157,6 +161,8 @@ class SqliteStore:
                 f"cannot open the SQLite store {path}: {e} (check that the state dir exists and is writable by greend)"
             ) from e
         self._last_prune = 0.0
+        self._closing = threading.Event()  # close() has begun: a locked file is not waited for again
+        self._locked_out = False  # closing met the lock: the points left are counted, not written
         self._thread = threading.Thread(target=self._run, name="store-sqlite", daemon=True)
         self._thread.start()
 
@@ -197,7 +203,7 @@ class SqliteStore:
             self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
         if self.held_dir is not None:
             try:
                 self._check_opened_inside(before)
@@ -307,11 +313,31 @@ class SqliteStore:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.flush(timeout_s)
+        self._closing.set()
         try:
             self._queue.put(None, timeout=timeout_s)  # (a full queue of a writer that stopped: never wait for good)
         except queue.Full:
             log.warning("sqlite store %s: closed with %d points not written", self.path, self._queue.qsize())
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            # The writer is inside a statement (another process holds the file's lock):
+            # interrupt it (sqlite3_interrupt is safe from another thread) and let it end.
+            # Closing the connection under it would crash the process.
+            try:
+                self._db.interrupt()
+            except sqlite3.Error:
+                pass
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error(
+                "sqlite store %s: closed with its writer still waiting on the file (%d points not written)",
+                self.path,
+                self._queue.qsize(),
+            )
+            return  # (the connection is left to the process's exit)
+        left = self._queue.qsize()
+        if left:
+            log.warning("sqlite store %s: closed with %d points not written", self.path, left)
         try:
             self._db.close()
         except sqlite3.Error:
@@ -372,6 +398,9 @@ class SqliteStore:
                 return
 
     def _commit(self, batch: list[Point]) -> None:
+        if self._locked_out:  # closing, the file locked by another process: not waited for again
+            self._dropped += len(batch)
+            return
         try:
             self._still_there()
         except (OSError, sqlite3.Error, StoreError) as e:
@@ -381,6 +410,21 @@ class SqliteStore:
             return
         reopened, self._reopened = self._reopened, None
         error = self._transaction(batch)
+        waited = 0.0
+        while error is not None and _busy(error) and waited < BUSY_RETRY_S and not self._closing.is_set():
+            # Another process holds the file's lock (a manual DELETE, a VACUUM, a backup)
+            # beyond the busy timeout: the batch is kept and tried again, not lost.
+            if waited == 0.0:
+                log.warning("sqlite store %s: %s; the batch of %d points waits for it", self.path, error, len(batch))
+            time.sleep(1.0)
+            waited += 1.0 + BUSY_TIMEOUT_S
+            error = self._transaction(batch)
+        if error is not None and self._closing.is_set() and (_busy(error) or "interrupt" in str(error).lower()):
+            self._locked_out = True
+            self._dropped += len(batch)
+            self._last_error = f"closed while another process held the store's lock: {error}"
+            log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, len(batch))
+            return
         if error is None:
             self._written += len(batch)
             self._last_error = reopened  # (said once more in status, cleared at the next batch)
@@ -585,6 +629,14 @@ class SqliteStore:
         out = ", ".join(["ts_ns", *(_ident(c) for c in series), *(_ident(f) for f in aggs)])
         self._db.execute(f"INSERT INTO {t} ({out}) SELECT {out} FROM temp.greend_rollup")
         self._db.execute("DROP TABLE temp.greend_rollup")
+
+
+def _busy(e: BaseException) -> bool:
+    """SQLite says another connection holds the file's lock (SQLITE_BUSY, SQLITE_LOCKED)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return isinstance(e, sqlite3.OperationalError) and "locked" in str(e).lower()
 
 
 def _corrupt(e: BaseException) -> bool:

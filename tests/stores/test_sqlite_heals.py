@@ -160,3 +160,72 @@ def test_an_integer_past_64_bits_is_kept_as_a_real(tmp_path: Path) -> None:
     store.close()
     (row,) = read_rows(db, "greend_job")
     assert row["samples"] == float(big) and row["steps"] == 3
+
+
+def _hold_lock(db: Path, seconds: float) -> Any:
+    """Another process's connection holding the file's write lock (a manual DELETE, a
+    VACUUM, a backup) for ``seconds``: a subprocess, as an operator's sqlite3 would be."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sqlite3, sys, time\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)\n"
+        "c.execute('BEGIN IMMEDIATE'); print('locked', flush=True)\n"
+        "time.sleep(float(sys.argv[2])); c.execute('COMMIT')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(db), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_file_locked_by_another_process_beyond_the_busy_timeout_loses_no_point(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Another process holds the store's lock longer than SQLite's busy timeout: the batch
+    waits and is written once the lock goes (before: written point by point, each point
+    waiting the timeout again, and most of them lost as "database is locked")."""
+    import greend.stores.sqlite as m
+
+    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.2)
+    db = tmp_path / "l.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    holder = _hold_lock(db, 2.5)
+    store.write([step(i) for i in range(1, 6)])
+    assert not store.flush(1.0)  # waiting for the lock, not dropping
+    holder.wait(10)
+    assert store.flush(10.0)
+    st = store.status()
+    assert st.written == 6 and st.dropped == 0, st
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(6))
+
+
+def test_closing_while_another_process_holds_the_lock_counts_the_points_and_does_not_crash(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """SIGTERM while an operator's sqlite3 holds the store's lock: close() interrupts the
+    writer and closes the connection only once it has ended (closing it under the writer
+    crashed the daemon with a segmentation fault); the points not written are counted."""
+    import greend.stores.sqlite as m
+
+    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.5)
+    db = tmp_path / "c.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    holder = _hold_lock(db, 20)
+    try:
+        store.write([step(i) for i in range(1, 6)])
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        store.close(timeout_s=1.0)
+        assert time.monotonic() - t0 < 5.0
+        assert not store._thread.is_alive()
+        st = store.status()
+        assert st.written == 1 and st.dropped == 5 and "lock" in (st.last_error or ""), st
+    finally:
+        holder.kill()
+        holder.wait()
