@@ -14,7 +14,7 @@ import typer
 
 from greend.cli.common import ReplyShapeGroup, fail, request, store_file, store_path, target, try_request
 from greend.cli.profile import profile_app
-from greend.cli.render import fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
+from greend.cli.render import cap_notes, fmt, plot_report, render_jobs, render_report, render_status, render_whole_job
 from greend.cli.shell import complete_clock_policy, complete_job, hoist_root_options
 from greend.config import default_socket_path
 from greend.errors import DaemonUnavailable, GreendError, RequestRefused
@@ -516,26 +516,8 @@ def ctl_cap_set(
         f"gpu{r['gpu']}: clock cap {clock}, power limit {limit}"
         f"{'  (dry run: nothing was touched)' if r.get('dry_run') else ''}"
     )
-    held = r.get("held") or {}  # knob -> {"asked": what greend wrote, "held": what the GPU holds}
-    for knob, unit in (("clock_cap_mhz", "MHz"), ("power_limit_w", "W")):
-        if knob in held:  # the driver did not take the write as it was: not the value's fault
-            typer.echo(
-                f"note: greend wrote {held[knob]['asked']:g} {unit}, gpu{r['gpu']}'s driver holds "
-                f"{held[knob]['held']:g} {unit} (greend reports and measures what it holds)",
-                err=True,
-            )
-    got = f.get("power_limit_w")
-    if power_limit is not None and got is not None and abs(got - power_limit) > 0.05 and "power_limit_w" not in held:
-        typer.echo(
-            f"note: {power_limit:g} W is outside gpu{r['gpu']}'s power limit range: clamped to {got:.1f} W", err=True
-        )
-    if (
-        max_clock is not None
-        and f["clock_cap_mhz"] is not None
-        and f["clock_cap_mhz"] != max_clock
-        and "clock_cap_mhz" not in held
-    ):
-        typer.echo(f"note: {max_clock} MHz snapped to the supported clock {f['clock_cap_mhz']} MHz", err=True)
+    for note in cap_notes(r, max_clock, power_limit):
+        typer.echo(f"note: {note}", err=True)
 
 
 @cap_app.command("reset")

@@ -7,7 +7,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "plot_report", "render_jobs", "render_report", "render_status", "render_table", "render_whole_job"]
+__all__ = [
+    "cap_notes",
+    "fmt",
+    "plot_report",
+    "render_jobs",
+    "render_report",
+    "render_status",
+    "render_table",
+    "render_whole_job",
+]
 
 
 def fmt(v: Any, digits: int = 1) -> str:
@@ -473,3 +482,25 @@ def plot_report(r: dict[str, Any], path: Path) -> list[str]:
     finally:
         plt.close(fig)
     return texts
+
+
+def cap_notes(reply: dict[str, Any], max_clock: int | None, power_limit: float | None) -> list[str]:
+    """What ``greenctl cap set`` adds under its answer: a value the GPU holds other than the
+    one greend wrote (a driver that ignored or changed the write: said as such, never blamed
+    on the value asked), else a limit clamped to the GPU's range or a clock snapped to a
+    supported one."""
+    gpu, f = reply["gpu"], reply["in_force"]
+    held = reply.get("held") or {}  # knob -> {"asked": what greend wrote, "held": what the GPU holds}
+    notes = [
+        f"greend wrote {held[knob]['asked']:g} {unit}, gpu{gpu}'s driver holds {held[knob]['held']:g} {unit} "
+        "(greend reports and measures what it holds)"
+        for knob, unit in (("clock_cap_mhz", "MHz"), ("power_limit_w", "W"))
+        if knob in held
+    ]
+    got = f.get("power_limit_w")
+    if power_limit is not None and got is not None and abs(got - power_limit) > 0.05 and "power_limit_w" not in held:
+        notes.append(f"{power_limit:g} W is outside gpu{gpu}'s power limit range: clamped to {got:.1f} W")
+    clock = f.get("clock_cap_mhz")
+    if max_clock is not None and clock is not None and clock != max_clock and "clock_cap_mhz" not in held:
+        notes.append(f"{max_clock} MHz snapped to the supported clock {clock} MHz")
+    return notes

@@ -21,7 +21,6 @@ lock on the file (an operator's ``sqlite3``, a backup) waits for it, up to
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import queue
@@ -37,6 +36,7 @@ from greend.errors import ConfigError, StoreError
 from greend.points import Point
 from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
 from greend.stores._repeats import RepeatedErrors
+from greend.stores._sqlite_file import busy, corrupt, describe, open_fds, sqlite_header
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
@@ -147,9 +147,9 @@ class SqliteStore:
             try:
                 self._open()
             except sqlite3.DatabaseError as e:
-                if not _corrupt(e):
+                if not corrupt(e):
                     raise
-                if not _sqlite_header(self.file):  # not a damaged store: someone's file (a typo'd path)
+                if not sqlite_header(self.file):  # not a damaged store: someone's file (a typo'd path)
                     raise StoreError(
                         f"the store path {path} holds a file that is not an SQLite database ({e}): greend leaves it "
                         "as it is; give the SQLite store a path of its own (sqlite:///var/lib/greend/greend.db)"
@@ -194,7 +194,7 @@ class SqliteStore:
         """
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.close(fd)
-        before = _open_fds() if self.held_dir is not None else {}
+        before = open_fds() if self.held_dir is not None else {}
         self._db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
         # Pages freed by the retention go back to the file system (incremental vacuum
         # after each prune); settable only while the file has no tables, so a store made
@@ -245,7 +245,7 @@ class SqliteStore:
         held state dir (see :meth:`_open`)."""
         assert self.held_dir is not None
         names = {self.path.name + suffix for suffix in ("", "-wal", "-shm")}
-        for n, file_id in sorted(_open_fds().items()):
+        for n, file_id in sorted(open_fds().items()):
             if before.get(n) == file_id:
                 continue
             try:
@@ -261,7 +261,7 @@ class SqliteStore:
                     "holds open (the state dir was moved or replaced by a link after greend started): refused"
                 )
 
-    def _move_aside(self, e: Exception) -> None:  # (only a file with SQLite's header: _sqlite_header)
+    def _move_aside(self, e: Exception) -> None:  # (only a file with SQLite's header: sqlite_header)
         """The file is corrupt: rename it (and its WAL) aside and start a fresh one."""
         try:
             self._db.close()
@@ -411,7 +411,7 @@ class SqliteStore:
         reopened, self._reopened = self._reopened, None
         error = self._transaction(batch)
         waited = 0.0
-        while error is not None and _busy(error) and waited < BUSY_RETRY_S and not self._closing.is_set():
+        while error is not None and busy(error) and waited < BUSY_RETRY_S and not self._closing.is_set():
             # Another process holds the file's lock (a manual DELETE, a VACUUM, a backup)
             # beyond the busy timeout: the batch is kept and tried again, not lost.
             if waited == 0.0:
@@ -419,7 +419,7 @@ class SqliteStore:
             time.sleep(1.0)
             waited += 1.0 + BUSY_TIMEOUT_S
             error = self._transaction(batch)
-        if error is not None and self._closing.is_set() and (_busy(error) or "interrupt" in str(error).lower()):
+        if error is not None and self._closing.is_set() and (busy(error) or "interrupt" in str(error).lower()):
             self._locked_out = True
             self._dropped += len(batch)
             self._last_error = f"closed while another process held the store's lock: {error}"
@@ -429,7 +429,7 @@ class SqliteStore:
             self._written += len(batch)
             self._last_error = reopened  # (said once more in status, cleared at the next batch)
             return
-        if _corrupt(error):
+        if corrupt(error):
             try:
                 self._move_aside(error)
                 self._open()
@@ -454,7 +454,7 @@ class SqliteStore:
                 last = point_error
         self._dropped += lost
         if lost:
-            self._last_error = _describe(last)
+            self._last_error = describe(last)
             self._errors.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
         else:
             self._last_error = None
@@ -631,27 +631,6 @@ class SqliteStore:
         self._db.execute("DROP TABLE temp.greend_rollup")
 
 
-def _busy(e: BaseException) -> bool:
-    """SQLite says another connection holds the file's lock (SQLITE_BUSY, SQLITE_LOCKED)."""
-    code = getattr(e, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-    return isinstance(e, sqlite3.OperationalError) and "locked" in str(e).lower()
-
-
-def _corrupt(e: BaseException) -> bool:
-    """SQLite says the file is not a database, or a malformed one."""
-    text = str(e).lower()
-    return isinstance(e, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text)
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e)
-    if "full" in text.lower() or getattr(e, "errno", None) == errno.ENOSPC:
-        return f"{text} (the disk holding the store is full: free space; the store heals by itself)"
-    return text
-
-
 def connect_readonly(path: Path) -> sqlite3.Connection:
     """Open the store for reading (greenctl report, tests) without blocking the writer."""
     if not path.exists():
@@ -695,32 +674,3 @@ def _open_sqlite(url: str, options: StoreOptions) -> SqliteStore:
         rollup_s=options.rollup_s,
         held_dir=options.state_dir if inside else None,
     )
-
-
-def _open_fds() -> dict[int, tuple[int, int]]:
-    """This process's open descriptors and the (device, inode) each refers to (empty
-    without /proc). By file, not by number alone: a number freed (the listing's own
-    descriptor) and taken again by SQLite is a new file."""
-    out: dict[int, tuple[int, int]] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for n in names:
-        try:
-            st = os.stat(f"/proc/self/fd/{n}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor, another thread's)
-        out[int(n)] = (st.st_dev, st.st_ino)
-    return out
-
-
-def _sqlite_header(path: Path) -> bool:
-    """Whether the file starts as every SQLite database does (an empty file counts too):
-    a damaged store keeps its header, another program's file has none."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(16)
-    except OSError:
-        return True  # (cannot tell: as before)
-    return not head or head == b"SQLite format 3\x00"

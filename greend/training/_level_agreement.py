@@ -143,9 +143,10 @@ class LevelAgreement:
             return
         self.rearm = False  # (a switch the ranks agreed: the probes start here on every rank)
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
-            PRECISIONS.index(level) < PRECISIONS.index(old)
+            PRECISIONS.index(level) < PRECISIONS.index(old) and proposed != level
         ):
-            # Up: another rank rolled back. This rank's daemon hears it as a rollback.
+            # Up, and not what this rank's daemon asked: another rank rolled back. The daemon
+            # hears it as a rollback (a move up it asked for is its own directive, followed).
             why = f"another rank of the job went back to {level}; the ranks agreed at step {step}"
             self._send_event(PrecisionEvent("rollback", old, level, why, step=step, loss=self._last_loss(),
                                             trend=self.guard.trend()))  # fmt: skip

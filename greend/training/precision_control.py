@@ -198,6 +198,12 @@ class PrecisionControl(LevelAgreement):
         self.seen_request = level
         if self._steps is not None:
             self._steps.flush()  # the guard decides on every loss that is in
+        own = self.own
+        if level is not None and own is not None and self.level != own and self.above_own(level) is not None:
+            # More precision than the job's own asked of a job below it: as much as it has,
+            # its own level (refused, the job kept the less precision it ran at).
+            log.info("greend asked for precision %s; taken as the job's own level %s", level, own)
+            level = own
         if level is None or level == self.level:
             self.proposal = None  # the daemon no longer asks for another level
             return

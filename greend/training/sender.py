@@ -49,6 +49,7 @@ from greend.ipc.wire import (
     read_line_blocking,
 )
 from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS
+from greend.training._sender_options import SenderOptions, SenderStats
 from greend.training.rows import Row, clean, step_fields
 from greend.training.warn import OnceWarnings, log
 
@@ -64,60 +65,6 @@ LINE_LIMIT_BYTES = 4 * MAX_MESSAGE_BYTES
 HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.1, 60.0
 
 _monotonic = time.monotonic
-
-
-@dataclass
-class SenderStats:
-    """Counters of the callback's reporting, for tests, benchmarks and curious users."""
-
-    recorded: int = 0  # steps recorded by the training thread
-    sent: int = 0  # step records handed to the socket
-    dropped: int = 0  # step records lost (queue full, or unsent when a connection died)
-    connects: int = 0  # successful registrations (1 + reconnects)
-    connected: bool = False
-    messages: int = 0  # messages written (steps, heartbeat, register, end)
-    malformed: int = 0  # unreadable lines from the daemon
-    last_error: str | None = None
-
-
-@dataclass(frozen=True)
-class SenderOptions:
-    """The sender's timings, in seconds (the ``GreenCallback`` arguments of the same names).
-
-    ``heartbeat_s``: how often to heartbeat when no steps flow (the daemon's
-    register reply may ask for another figure). ``flush_interval_s``: how often
-    queued steps go out. ``connect_timeout_s``: for ``connect()``, and how long the
-    callback's constructor waits for the first registration. ``reply_timeout_s``:
-    for any reply. ``stall_timeout_s``: a daemon that reads nothing this long is
-    gone. ``reconnect_min_s``/``reconnect_max_s``: the back-off between attempts.
-    ``close_timeout_s``: how long closing may take to flush and say ``end``.
-    """
-
-    heartbeat_s: float = 5.0
-    flush_interval_s: float = 0.1
-    connect_timeout_s: float = 1.0
-    reply_timeout_s: float = 5.0
-    stall_timeout_s: float = 10.0
-    reconnect_min_s: float = 2.0
-    reconnect_max_s: float = 5.0
-    close_timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        for name in (
-            "heartbeat_s",
-            "flush_interval_s",
-            "connect_timeout_s",
-            "reply_timeout_s",
-            "stall_timeout_s",
-            "reconnect_min_s",
-            "reconnect_max_s",
-            "close_timeout_s",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r}: must be a number > 0 (seconds)")
-        if self.reconnect_max_s < self.reconnect_min_s:
-            raise ValueError(f"reconnect_max_s={self.reconnect_max_s} is below reconnect_min_s={self.reconnect_min_s}")
 
 
 @dataclass(eq=False)
@@ -378,7 +325,21 @@ class Sender:
             ch.on_tolerance(positive(result.get("precision_tolerance"), 10.0))
             directive = result.get("directive")
             if isinstance(directive, dict):
-                self._on_directive(directive.get("precision"))
+                level = directive.get("precision")
+                if (
+                    self._ever_connected
+                    and fields.get("steps_before")
+                    and level == fields.get("precision")
+                    and result.get("precision_tolerance") is not None
+                    and ch.requested not in (None, level)
+                ):
+                    # A daemon started again under the running job: a new record asks the job's own
+                    # level, knowing no other. The level in force is kept (its rows tell the record;
+                    # the callback's guard judges it), not taken back up (a multi-rank job read that
+                    # as a rank's rollback and barred the level).
+                    log.info("greend: kept precision %s across the daemon's restart", ch.requested)
+                else:
+                    self._on_directive(level)
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
             self._rows_every_s = max(opts.flush_interval_s, positive(result.get("rows_every_s"), 5.0) or 0.0)
             if isinstance(result.get("warning"), str):  # (what the daemon saw amiss: a job that named no GPUs)

@@ -668,3 +668,65 @@ def test_a_level_the_daemon_names_before_the_job_shows_its_own_waits_for_it(sock
     finally:
         cb.close()
         daemon.stop()
+
+
+@needs_torchao
+def test_more_precision_than_the_jobs_own_asked_below_it_takes_it_up_to_its_own_level(
+    daemon: FakeDaemon, sock_path: Path
+) -> None:
+    """A bf16 job at fp8 asked for fp32 (or fp16: more than its own level) goes back to
+    bf16, its own level, as much precision as it has; before, the request was refused and
+    the job kept running at fp8, the less precision the daemon asked it to leave."""
+    model = make_model()
+    with GreenCallback(
+        job="up-to-own", model=model, socket=sock_path, initial_precision="bf16",
+        precisions=["bf16", "fp8-emulated"], probe_trial=False, fp8_min_features=16, **FAST,
+    ) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        switch(daemon, cb, "fp8-emulated")
+        loop.run(3)
+        assert loop.levels[-1] == "fp8-emulated"
+        switch(daemon, cb, "fp32")
+        loop.run(3)
+        assert loop.levels[-1] == "bf16" and cb.precision == "bf16", loop.levels
+        assert "fp32" not in cb.refused and set(loop.levels) == {"bf16", "fp8-emulated"}
+
+
+@needs_torchao
+@pytest.mark.parametrize("policy", [True, False])
+def test_a_daemon_restarted_under_a_job_below_its_level_leaves_it_there_where_a_precision_policy_runs(
+    sock_path: Path, policy: bool
+) -> None:
+    """The daemon restarts under a bf16 job it had taken to fp8: the new daemon's record
+    knows no level but the job's own and its register reply asks bf16. Where a precision
+    policy runs there (its reply carries the tolerance) the job keeps fp8 (its rows tell the
+    new record; before, it went back to bf16 and a job of several ranks read the move as a
+    rank's rollback and barred fp8); where none runs, it goes back to its own level."""
+    tolerance = 0.05 if policy else None
+    d1 = FakeDaemon(sock_path, precision_tolerance=tolerance).start()
+    model = make_model()
+    cb = GreenCallback(
+        job="restarted", model=model, socket=sock_path, initial_precision="bf16",
+        precisions=["bf16", "fp8-emulated"], probe_trial=False, fp8_min_features=16, **FAST,
+    )  # fmt: skip
+    d2: FakeDaemon | None = None
+    try:
+        assert wait_for(lambda: cb.connected)
+        loop = Loop(cb, model)
+        switch(d1, cb, "fp8-emulated")
+        loop.run(20)
+        cb.flush()
+        assert wait_for(lambda: len(d1.steps) + sum(r.get("steps", 0) for r in d1.rows) >= 20)
+        d1.stop()
+        assert wait_for(lambda: not cb.connected)
+        d2 = FakeDaemon(sock_path, precision_tolerance=tolerance).start()
+        assert wait_for(lambda: cb.stats.connects == 2, 10.0)
+        loop.run(5)
+        want = "fp8-emulated" if policy else "bf16"
+        assert loop.levels[-1] == want and cb.precision == want, loop.levels[-6:]
+    finally:
+        cb.close()
+        d1.stop()
+        if d2 is not None:
+            d2.stop()
