@@ -23,13 +23,17 @@ from greend.units import mj_to_j
 
 from .nvml_device import Outcome
 
-__all__ = ["COUNTER_RETRY_S", "LOG_AGAIN_S", "Look", "Looks", "TrackedGpu", "as_text"]
+__all__ = ["COUNTER_RETRY_S", "FROZEN_S", "LOG_AGAIN_S", "Look", "Looks", "TrackedGpu", "as_text"]
 
 log = logging.getLogger(__name__)
 
 # A counter that stops working mid-run (NOT_SUPPORTED after it worked) is tried again this
 # often; the energy is integrated from power meanwhile.
 COUNTER_RETRY_S = 60.0
+# A counter that has not moved this long while the GPU draws power (real NVML) is frozen: the
+# energy is integrated from power instead (an idle GPU draws tens of watts: its counter moves).
+FROZEN_S = 5.0
+FROZEN_MIN_W = 5.0
 
 
 @dataclass
@@ -52,6 +56,8 @@ class TrackedGpu:
     last_counter_mj: int | None = None
     last_counter_s: float | None = None  # when last_counter_mj was read
     counter_dropped: int | None = None  # the counter before a read went back
+    counter_moved_s: float | None = None  # when a read last found the counter moved (or its baseline)
+    frozen_mj: int | None = None  # the value a frozen counter held: it works again once it leaves it
     _before_mj: int | None = None  # the counter's read before the last
     _booked_mj: int = 0  # what the last read booked
     last_power: tuple[float, float] | None = None  # (now_s, power_w) for the trapezoid
@@ -83,8 +89,11 @@ class TrackedGpu:
           forward by more than the GPU can draw meanwhile (:meth:`_most_mj`) is not booked.
         """
         last, was_s, before, booked = self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj
+        moved_s = self.counter_moved_s if self.counter_moved_s is not None else was_s
         dropped, self.counter_dropped = self.counter_dropped, None
         self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj = raw_mj, now_s, last, 0
+        if last is None or raw_mj != last:
+            self.counter_moved_s = now_s
         if last is None:
             return  # first good read: the baseline
         if raw_mj < last:
@@ -99,7 +108,9 @@ class TrackedGpu:
         if dropped is not None and dropped <= raw_mj:
             self._book(raw_mj - dropped)  # the low read was a glitch
             return
-        if raw_mj - last > self._most_mj(was_s, now_s):
+        # (from when the counter last moved: a counter that stalled, then caught up, drew
+        # its energy over the whole stall, not since the read before)
+        if raw_mj - last > self._most_mj(moved_s, now_s):
             log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)
             return
         self._book(raw_mj - last)
@@ -154,9 +165,14 @@ class TrackedGpu:
                 log.debug("%s: energy counter still not working: %s", what, e)
                 self.counter_retry_s = now_s + COUNTER_RETRY_S
                 return
+            if raw == self.frozen_mj:
+                log.debug("%s: energy counter still frozen at %d mJ", what, raw)
+                self.counter_retry_s = now_s + COUNTER_RETRY_S
+                return
             log.warning("%s: energy counter works again; power integration ends", what)
             self.energy_method, self.counter_retry_s, self.last_power = "counter", None, None
             self.last_counter_mj, self.last_counter_s, self.counter_dropped = None, None, None
+            self.counter_moved_s, self.frozen_mj = None, None
             self.book_counter(raw, what, read_at() if real else None)  # the new baseline
             return
         try:
@@ -167,7 +183,32 @@ class TrackedGpu:
             self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
             self.integrate_power(power_w, now_s)
             return
-        self.book_counter(raw, what, read_at() if real else None)  # (sim: its own clock)
+        at = read_at() if real else None
+        self.book_counter(raw, what, at)  # (sim: its own clock)
+        if at is not None and self.counter_moved_s is not None:
+            self._check_frozen(what, at, now_s)
+
+    def _check_frozen(self, what: str, at_s: float, now_s: float) -> None:
+        """A counter that has not moved for :data:`FROZEN_S` while the GPU draws power
+        (its last power read) is frozen: its span is booked from that power, and the
+        energy is integrated from power until the counter leaves the value it froze at
+        (tried every :data:`COUNTER_RETRY_S`). Booked as 0 J, it hid the GPU's draw."""
+        assert self.counter_moved_s is not None
+        still_s, power_w = at_s - self.counter_moved_s, self.power_w
+        if still_s < FROZEN_S or power_w is None or power_w < FROZEN_MIN_W:
+            return
+        log.warning(
+            "%s: energy counter has not moved for %.0f s while the GPU draws %.0f W: integrating power instead "
+            "(the counter is tried again every %g s)",
+            what,
+            still_s,
+            power_w,
+            COUNTER_RETRY_S,
+        )
+        self.energy_j += power_w * still_s  # the frozen span, from the power read
+        self.frozen_mj = self.last_counter_mj
+        self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
+        self.last_power = (now_s, power_w)
 
     def _book(self, mj: int) -> None:
         self.energy_j += mj_to_j(mj)

@@ -756,3 +756,45 @@ def test_a_gap_in_the_power_of_a_gpu_without_an_energy_counter_is_spread_over_th
         e0, e1 = ledger.energy_between("gpu0", t0, t1), ledger.energy_between("gpu1", t0, t1)
         assert e0 is not None and e1 is not None and e0 > 0
         assert e1 == pytest.approx(e0, rel=0.05), (t0, t1)
+
+
+def _tracked(power_limit_max_w: float = 700.0) -> Any:
+    from greend.probes._nvml_state import TrackedGpu
+
+    return TrackedGpu(0, None, "H100", "GPU-0", "counter", power_limit_max_w=power_limit_max_w)
+
+
+def test_a_counter_that_stalls_then_catches_up_books_the_stall(caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU at 300 W whose counter reads one value for 8 s, then the true one (real NVML,
+    10 reads a second, no power read at hand): the catch-up is what the GPU drew over the
+    stall, checked against the time since the counter last moved (before: against the
+    second since the read before, and the whole 2.4 kJ dropped as more than it can draw)."""
+    gpu = _tracked()
+    true_mj = 0
+    for k in range(200):  # 10 reads a second, as the daemon's tick
+        true_mj = 30_000 * k
+        shown = 30_000 * 50 if 50 <= k < 132 else true_mj  # stalled from 5.0 s to 13.1 s
+        gpu.account_energy(lambda v=shown: v, "gpu0", None, k / 10.0, real=True)
+    assert gpu.energy_j == pytest.approx(true_mj / 1000.0)
+    assert "jumped" not in caplog.text
+
+
+def test_a_frozen_counter_hands_over_to_power_and_comes_back_once_it_moves(caplog: pytest.LogCaptureFixture) -> None:
+    """A counter frozen while the GPU draws 300 W (real NVML): after 5 s without a move it is
+    called frozen, its span booked from the power read and the energy integrated from power
+    (before: 0 J booked, with no word); the counter is taken again once it moves."""
+    import greend.probes._nvml_state as st
+
+    gpu = _tracked()
+    gpu.power_w = 300.0
+    caplog.set_level(logging.WARNING)
+    for t in range(30):  # frozen at 0.6 MJ from t = 2
+        gpu.account_energy(lambda t=t: 300_000 * min(t, 2), "gpu0", 300.0, float(t), real=True)
+    assert gpu.energy_method == "power_integration"
+    assert "has not moved for 5 s while the GPU draws 300 W" in caplog.text
+    assert gpu.energy_j == pytest.approx(300.0 * 29, rel=0.01)
+    t_back = 29 + st.COUNTER_RETRY_S
+    for t in range(30, int(t_back) + 5):  # the counter moves again (from where it froze)
+        gpu.account_energy(lambda t=t: 600_000 + 300_000 * (t - 29), "gpu0", 300.0, float(t), real=True)
+    assert gpu.energy_method == "counter" and "works again" in caplog.text
+    assert gpu.energy_j == pytest.approx(300.0 * (int(t_back) + 4), rel=0.01)
