@@ -161,6 +161,11 @@ NVML_ERROR_MAP: dict[int, tuple[str, type[ProbeError]]] = {
     16: ("NVML_ERROR_RESET_REQUIRED", ResetRequired),
     18: ("NVML_ERROR_LIB_RM_VERSION_MISMATCH", DriverMismatch),
     19: ("NVML_ERROR_IN_USE", ProbeError),
+    8: ("NVML_ERROR_INSUFFICIENT_POWER", ProbeError),
+    10: ("NVML_ERROR_TIMEOUT", ProbeError),
+    11: ("NVML_ERROR_IRQ_ISSUE", ProbeError),
+    14: ("NVML_ERROR_CORRUPTED_INFOROM", ProbeError),
+    999: ("NVML_ERROR_UNKNOWN", ProbeError),
 }
 
 # What to do about a code, where there is something to do; said in the message.
@@ -171,6 +176,13 @@ NVML_ERROR_FIX: dict[int, str] = {
     "differ; reboot the node (or reload the nvidia kernel modules)",
     19: "the GPU is in use by an operation that excludes this one (a MIG reconfiguration, a reset "
     "in progress, another tool): retry when it is done",
+    8: "the GPU reports too little power to its board: check its PCIe power cables and the power supply",
+    10: "the driver timed out on this call (often transient: greend tries again); if it persists, check "
+    "`nvidia-smi` and `dmesg` for Xid errors",
+    11: "the driver reports an interrupt problem with the GPU: check `dmesg` for Xid errors",
+    14: "the GPU's infoROM is corrupted: the GPU still runs, but contact the vendor (`nvidia-smi -q` shows it)",
+    999: "an unknown error inside the driver (often transient: greend tries again); if it persists, check "
+    "`nvidia-smi` and `dmesg` for Xid errors",
 }
 
 NVML_ERROR_NOT_FOUND = 6

@@ -42,6 +42,9 @@ def gpu_lock_wait_s(deadline_s: float) -> float:
 # the unit's ExecStopPost, tries again): a healthy write holds a GPU for milliseconds,
 # one stuck in the driver until its deadline, and a stop must not wait on that.
 RESTORE_WAIT_S = 2.0
+# A restore that met a driver error that may pass is tried again after these pauses (s):
+# 16 knobs failing at a stop take at most 12 s of the unit's 30 s TimeoutStopSec.
+RESTORE_RETRY_S = (0.25, 0.5)
 
 
 def restore_wait_s(deadline_s: float) -> float:
@@ -474,6 +477,20 @@ class GpuKnobs:
         asked for (read back after the write)."""
         return {k: {"asked": a, "held": h} for (i, k), (a, h) in sorted(self._held.items()) if i == index}
 
+    def _restore_knob_retried(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
+        """:meth:`_restore_knob`, tried again after a driver error that may pass (NVML's
+        UNKNOWN, TIMEOUT, IN_USE: reason "failed"), :data:`RESTORE_RETRY_S` apart: at a
+        daemon's stop one such answer left the GPU capped until the next start."""
+        for pause_s in RESTORE_RETRY_S:
+            try:
+                return self._restore_knob(backend, index, entry, knob, ks)
+            except KnobError as e:
+                if e.reason != "failed":
+                    raise
+                log.warning("restore: %s; trying again in %g s", e, pause_s)
+                time.sleep(pause_s)
+        return self._restore_knob(backend, index, entry, knob, ks)
+
     def _restore_knob(self, backend: GpuBackend, index: int, entry: GpuEntry, knob: str, ks: KnobState) -> str:
         """Put one knob back to its original; returns a line for the report."""
         dev = f"gpu{index} ({entry.uuid})"
@@ -560,7 +577,7 @@ class GpuKnobs:
                 todo = [(k, entry.knobs[k]) for k in knobs if k in entry.knobs]
             for k, ks in todo:
                 try:
-                    line = self._restore_knob(backend, index, entry, k, ks)
+                    line = self._restore_knob_retried(backend, index, entry, k, ks)
                 except GreendError as e:
                     log.error("restore: %s", e)
                     report.failed.append(RestoreFailure(entry.device, k, str(e), getattr(e, "reason", "failed")))

@@ -796,3 +796,29 @@ def test_a_gpu_that_goes_idle_between_the_reads_is_not_read_as_holding_its_idle_
     assert NvmlGpuBackend(probe).held_clock_mhz(0) is None
     reasons = iter([0x2, 0x2])  # the lock alone, before and after: what the GPU holds
     assert NvmlGpuBackend(probe).held_clock_mhz(0) == 345
+
+
+def test_a_restore_that_meets_a_passing_driver_error_is_tried_again(tmp_path: Path) -> None:
+    """At a stop, the driver answers one setter of each knob with NVML_ERROR_UNKNOWN (999) or
+    TIMEOUT (10), errors that pass: each is tried again and the GPU is left as before greend
+    (before: tried once, the GPU left capped until the next start's restore)."""
+    fake = FakeNvml(tmp_path / "sim", n=1)
+    counting = CountingNvml(fake)
+    probe = NvmlProbe(nvml=counting, source="sim")
+    probe.open()
+    ctl = Controller(tmp_path / "state", NvmlGpuBackend(probe))
+    ctl.apply_gpu(0, Setting(1200, 400.0), "node")
+    failed: list[str] = []
+
+    def once(name: str) -> None:
+        if name not in failed:
+            failed.append(name)
+            raise pynvml.NVMLError(999 if "Clocks" in name else 10)
+
+    counting.before = once
+    report = ctl.restore_all()
+    assert not report.failed, report.failed
+    assert sorted(failed) == ["nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit"]
+    gpu = fake.sim_gpu(0)
+    assert gpu.locked_clocks_mhz() is None and gpu.power_limit_w() == 700.0
+    probe.close()

@@ -389,6 +389,9 @@ def test_one_error_table() -> None:
         (16, ResetRequired, "nvidia-smi -r"),
         (18, DriverMismatch, "reboot"),
         (19, ProbeError, "retry"),
+        (8, ProbeError, "PCIe power cables"),
+        (10, ProbeError, "transient"),
+        (999, ProbeError, "transient"),
     ],
 )
 def test_codes_with_a_name_and_a_fix(code: int, cls: type[ProbeError], fix: str) -> None:
