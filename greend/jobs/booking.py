@@ -16,8 +16,9 @@ and the rank's aggregate for the stores all come from the same row.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from greend.jobs.execution import ExecutedRow
@@ -45,6 +46,7 @@ __all__ = [
     "book_precision_event",
     "book_process_cpu",
     "book_row",
+    "bookable",
     "book_proposal",
     "book_proposals_not_taken",
     "book_withdrawal",
@@ -53,6 +55,8 @@ __all__ = [
     "shed_step_records",
     "thinned",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its steps
 # A proposal the job ran this many steps past at its old level is logged as not taken,
@@ -65,6 +69,24 @@ NOT_TAKEN_PERIODS = 3
 # (greend.training.probe: 148 at most; tests/training/test_probe.py holds the two together).
 TRIAL_STEPS = 150
 LogName = Literal["precision_log", "decisions", "gone"]
+
+
+def bookable(job: Job, rows: Sequence[StepsRow], started_s: float) -> list[int]:
+    """The indices of ``rows`` to book. A row that ended before this daemon started (steps a
+    rank ran while no daemon measured: queued across a restart, sent once it registered
+    again, saying it had sent steps before; the registry checks the rows of such jobs)
+    is no part of what the record can price: its steps are counted as run before the record
+    began (``steps_before``, the report's "unseen"), its FLOPs against no energy. Booked, it
+    stretched the job's span back to before the daemon (a 1.5 s job reported 1,000 s at 4 W
+    on a 70 W-idle GPU) and credited its FLOPs to the energy measured since."""
+    keep = [i for i, r in enumerate(rows) if r.t1_s >= started_s]
+    unseen = sum(r.steps for r in rows if r.t1_s < started_s)
+    if unseen:
+        if not job.steps_before_daemon:
+            log.info("job %s: steps from before this daemon started counted as unseen (not priced)", job.job)
+        job.steps_before_daemon += unseen
+        job.steps_before = (job.steps_before or 0) + unseen
+    return keep
 
 
 def book_row(
@@ -116,7 +138,7 @@ def book_row(
         for g in rank.gpus:
             job.gpu_modelled_s[g] = job.gpu_modelled_s.get(g, 0.0) + executed.duration_s
     if job.t_start_s is None or t0 < job.t_start_s:
-        job.t_start_s = t0
+        job.t_start_s = max(t0, job.registered_s) if job.steps_before_daemon else t0
     job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
     rank.steps += n
     # A rank's steps over all its sessions: one that reconnected (a record resumed after

@@ -343,6 +343,7 @@ class Job:
     # Steps its ranks had sent before this record began (to a daemon that stopped); None: no
     # rank said (callbacks from before they said it).
     steps_before: int | None = None
+    steps_before_daemon: int = 0  # of those, steps sent to this daemon that ran before it started
     step_reports: int = 0
     flops: float = 0.0
     samples: int = 0

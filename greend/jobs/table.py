@@ -74,6 +74,9 @@ class JobTable:
         self.ledger = ledger
         self.hostname = hostname
         self.monotonic = monotonic
+        # Rows that end before this were run while no daemon measured (the daemon sets its
+        # start; -inf: every row is booked, as for a registry fed made-up times).
+        self.started_s = float("-inf")
         self.wall = wall
         self.window_s = window_s
         self.grid_gco2_per_kwh = grid_gco2_per_kwh

@@ -148,3 +148,27 @@ def test_a_rank_is_never_asked_a_level_above_the_jobs_own() -> None:
     assert job.top_precision == "bf16"
     job.precision = "fp32"  # as follow_ranks sets it from such a rank's rows
     assert register(2, 1) == "bf16"
+
+
+def test_steps_a_rank_ran_before_the_daemon_started_are_unseen_not_priced() -> None:
+    """A daemon restarted under a running job: the rank registers again and sends the rows
+    it queued meanwhile, run before this daemon started. They are counted as run before
+    the record ("unseen"), not booked: before, the job's span reached back to them (a 1.5 s
+    record reported 1,000 s at 4 W) and their FLOPs were priced against the energy measured
+    since. The rows after the start are booked as ever."""
+    from greend.protocol import StepsRow
+
+    now = [1000.0]
+    reg = JobRegistry(Ledger(), hostname="h", monotonic=lambda: now[0])
+    reg.started_s = now[0]  # (as the daemon sets it)
+    r = Registration(job="train", run="run-a", rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                     precisions=("fp32",), mem_share=None, reference_every=None, steps_before=500)  # fmt: skip
+    now[0] = 1001.0
+    reg.register(r, Caller(session=1, pid=0, uid=1000))
+    old = [StepsRow(500 + 10 * k, 509 + 10 * k, 10, 100.0 + k, 101.0 + k, 1.0, 0.1, 1e14) for k in range(10)]
+    new = [StepsRow(600, 609, 10, 1001.0, 1002.0, 1.0, 0.1, 1e14)]
+    reg.book(1, [*old, new[0]])
+    job = reg.jobs["train"]
+    assert job.steps_before == 600 and job.steps_before_daemon == 100
+    assert job.flops == 1e14 and job.steps_by_rank == {0: 10}
+    assert job.t_start_s == 1001.0
