@@ -314,6 +314,11 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     if r["last_step"] < r["first_step"]:
         raise ProtocolError("last_step is before first_step", field="last_step")
     n = r["steps"]
+    if n > r["last_step"] - r["first_step"] + 1:
+        raise ProtocolError(
+            f"'steps' = {n} is more than the {r['last_step'] - r['first_step'] + 1} steps from first_step to last_step",
+            field="steps",
+        )
     _check_flops(r["flops"], n)
     for name in ("nonfinite", "loss_n"):
         if (r.get(name) or 0) > n:
@@ -321,6 +326,11 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     if r.get("loss_n"):
         if r.get("loss_sum") is None:
             raise ProtocolError("'loss_sum' is required with 'loss_n'", field="loss_sum")
+        if abs(r["loss_sum"]) > MAX_LOSS * r["loss_n"]:
+            raise ProtocolError(
+                f"'loss_sum' = {r['loss_sum']:g} is beyond {MAX_LOSS:g} a loss over 'loss_n' = {r['loss_n']}",
+                field="loss_sum",
+            )
     losses = r.get("losses")
     if losses:
         if len(losses) > n:
@@ -329,7 +339,7 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
         # the sum is finite only if every value is (a sum beyond 1e308 is refused too);
         # max(map(abs)) finds the largest magnitude.
         try:
-            if not math.isfinite(sum(losses)):
+            if not math.isfinite(sum(losses)) or any(type(x) is bool for x in losses):
                 raise TypeError
             biggest = max(map(abs, losses))
         except (TypeError, OverflowError):  # (an integer past a double's range: OverflowError)
@@ -530,6 +540,9 @@ def decode_register(msg: dict[str, Any]) -> Registration:
     gpus = sorted(set(msg.get("gpus") or []))
     if any(g < 0 for g in gpus):
         raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
+    rank, world_size = msg.get("rank") or 0, msg.get("world_size") or 1
+    if rank >= world_size:
+        raise ProtocolError(f"'rank' {rank} is not below 'world_size' {world_size} (ranks count from 0)", field="rank")
     own = msg.get("precision")
     if own is not None and msg.get("precisions") and own not in precisions:
         raise ProtocolError(
@@ -620,7 +633,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # in place of steps. An older daemon refuses the field: greenctl registers again without.
         "kind": Field((str,), choices=JOB_KINDS),
         # Steps the rank sent over its earlier connections (0 or absent at its first).
-        "steps_before": Field((int,), min=0, max=1 << 62),
+        "steps_before": Field((int,), min=0, max=1 << 53),
     },
     "steps": {"steps": Field((list,), required=True)},
     "intervals": {"rows": Field((list,), required=True)},

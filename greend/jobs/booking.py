@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from greend.errors import ProtocolError
 from greend.jobs.execution import ExecutedRow
 from greend.jobs.records import (
     CapChange,
@@ -33,7 +34,7 @@ from greend.jobs.records import (
     StepAggregate,
     StepRecord,
 )
-from greend.protocol import PrecisionEventEntry, StepsRow
+from greend.protocol import PRECISIONS, PrecisionEventEntry, StepsRow, may_run
 
 __all__ = [
     "MAX_BASELINE_SPANS",
@@ -312,7 +313,18 @@ def book_precision_event(
 ) -> None:
     """A rank changed or refused a level on its own: log it, and follow it (a rollback
     is the job's level from now, measured afresh from ``now_s``; a refusal leaves the
-    job at the level the rank kept)."""
+    job at the level the rank kept). An event that names a level above the job's own is
+    refused (:class:`ProtocolError`): greend never runs a job above its own level, and its
+    record would then say it did."""
+    top = job.top_precision
+    ran = [("from", event.from_level)] + ([] if event.kind == "refused" else [("to", event.to_level)])
+    for name, level in ran:  # (a refusal's "to" is the level asked, which may be above)
+        if top is not None and level in PRECISIONS and not may_run(level, top):
+            raise ProtocolError(
+                f"'{name}' {level!r} is above the own level {top!r} of job {job.job!r} (greend never runs a job "
+                "above its own level)",
+                field=name,
+            )
     change = PrecisionChange(
         t_wall_s,
         event.kind,

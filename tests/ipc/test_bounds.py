@@ -289,3 +289,38 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_for_that_request_only(server
         # The same connection, and another, carry on.
         assert _ask(s, b'{"v":1,"id":10,"op":"ping"}') == {"v": 1, "id": 10, "ok": True, "result": {"pong": True}}
         assert _ask(other, b'{"v":1,"id":1,"op":"ping"}')["ok"] is True
+
+
+def test_a_rank_outside_its_world_and_a_count_past_2_to_53_are_refused() -> None:
+    from greend.protocol import decode_register
+
+    with pytest.raises(ProtocolError, match="'rank' 5 is not below 'world_size' 2") as e:
+        decode_register(validate({"job": "j", "rank": 5, "world_size": 2}, SCHEMAS["register"]))
+    assert e.value.field == "rank"
+    decode_register(validate({"job": "j", "rank": 1, "world_size": 2}, SCHEMAS["register"]))
+    with pytest.raises(ProtocolError) as e:
+        validate({"job": "j", "steps_before": 2**62}, SCHEMAS["register"])
+    assert e.value.field == "steps_before"
+
+
+def test_a_precision_event_above_the_jobs_own_level_is_refused_and_books_nothing() -> None:
+    """A bf16 job's rank says it rolled back to fp32, or to tf32: greend never runs a job
+    above its own level, and the record then said it did (its report 'precision tf32'). A
+    refusal of a level asked above it is the callback's own answer, and is booked."""
+    from greend.jobs.booking import book_precision_event
+    from greend.jobs.records import Job
+    from greend.protocol import PrecisionEventEntry
+
+    job = Job("j", 0, 0.0, 0.0)
+    job.precision, job.top_precision = "fp8", "bf16"
+    for to in ("fp32", "tf32", "fp16"):
+        with pytest.raises(ProtocolError, match="above the own level 'bf16' of job 'j'") as e:
+            book_precision_event(job, PrecisionEventEntry("rollback", "fp8", to, "x", 3, None, None),
+                                 rank=0, t_wall_s=0.0, now_s=0.0, max_entries=8)  # fmt: skip
+        assert e.value.field == "to"
+    assert job.precision == "fp8" and not job.precision_log
+    book_precision_event(job, PrecisionEventEntry("refused", "fp8", "fp32", "x", 3, None, None),
+                         rank=0, t_wall_s=0.0, now_s=0.0, max_entries=8)  # fmt: skip
+    book_precision_event(job, PrecisionEventEntry("rollback", "fp8", "bf16", "x", 4, None, None),
+                         rank=0, t_wall_s=0.0, now_s=0.0, max_entries=8)  # fmt: skip
+    assert job.precision == "bf16" and len(job.precision_log) == 2
