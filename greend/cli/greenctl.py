@@ -49,8 +49,8 @@ def _ctl_root(
         False, "--version", metavar="", is_eager=True, callback=_print_version, help="print greenctl's version and exit"
     ),
 ) -> None:
-    if not (math.isfinite(timeout) and timeout > 0):
-        fail(f"--timeout {timeout:g}: expected seconds > 0 (how long to wait for the daemon)")
+    if not (math.isfinite(timeout) and 0 < timeout <= 86400):
+        fail(f"--timeout {timeout:g}: expected seconds > 0 and at most a day (how long to wait for the daemon)")
     target.socket = socket or default_socket_path()
     target.named = socket is not None or bool(os.environ.get("GREEND_SOCKET"))
     target.timeout_s = timeout

@@ -129,10 +129,13 @@ def render_status(st: dict[str, Any]) -> str:
         out.append(f"  set by {owner}: {', '.join(knobs)}")
     for s in st.get("stores", []):
         state = "ok" if s.get("ok") else f"FAILING: {s.get('last_error')}"
+        rejected = s.get("rejected") or 0  # (points the server refused as malformed, set aside)
         out.append(
             f"store {s['url']}: {state} (written {s.get('written', 0)}, pending {s.get('pending', 0)},"
-            f" dropped {s.get('dropped', 0)})"
+            f" dropped {s.get('dropped', 0)}" + (f", rejected {rejected}" if rejected else "") + ")"
         )
+        if rejected and s.get("last_rejected"):
+            out.append(f"  last rejected: {s['last_rejected']}")
     return "\n".join(out)
 
 

@@ -279,6 +279,9 @@ class IpcServer:
         old_umask = os.umask(0o177)  # never world-accessible, not even for an instant
         try:
             sock.bind(str(self.path))
+        except OSError as e:  # (bind names no file: the operator is told which)
+            sock.close()
+            raise OSError(e.errno, f"cannot create the socket {self.path}: {e.strerror}") from e
         finally:
             os.umask(old_umask)
         st = os.lstat(self.path)

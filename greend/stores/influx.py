@@ -537,15 +537,16 @@ class InfluxStore:
                 continue
             if outcome == REJECT:
                 n = self._spool.reject(seg, detail)
+                # The directory by the name an operator can open (the spool itself is reached
+                # through the held state dir's /proc/self/fd path).
+                aside = self.spool_dir_shown / self._spool.rejected_dir.name
                 with self._health:
-                    self._last_error = self._last_rejected = (
-                        f"{detail} ({n} points set aside in {self._spool.rejected_dir})"
-                    )
+                    self._last_error = self._last_rejected = f"{detail} ({n} points set aside in {aside})"
                 log.error(
                     "influx: the server refused a segment of %d points as malformed: %s; set aside in %s",
                     n,
                     detail,
-                    self._spool.rejected_dir,
+                    aside,
                 )
                 return
             # RETRY or AUTH: keep everything, try again later.

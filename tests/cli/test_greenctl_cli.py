@@ -31,10 +31,11 @@ def test_shell_completion_is_offered() -> None:
     assert code == 0 and "--install-completion" in out and "--show-completion" in out
 
 
-@pytest.mark.parametrize("bad", ["-1", "0", "nan"])
-def test_timeout_must_be_positive(bad: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", ["-1", "0", "nan", "1e+308"])
+def test_timeout_must_be_positive_and_at_most_a_day(bad: str, tmp_path: Path) -> None:
+    """(1e308 s overflowed the socket's timeout: a traceback)"""
     code, out = run("--socket", str(tmp_path / "s.sock"), "--timeout", bad, "status")
-    assert code == 2 and f"--timeout {bad}: expected seconds > 0" in out and "Traceback" not in out
+    assert code == 2 and f"--timeout {bad}: expected seconds > 0 and at most a day" in out and "Traceback" not in out
 
 
 def test_doctor_json(tmp_path: Path) -> None:

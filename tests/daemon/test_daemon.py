@@ -495,3 +495,16 @@ def test_turning_the_precision_policy_off_asks_the_jobs_back_to_their_own_level(
         assert asked == [("precision policy changed to none: back to the job's own level", "none")]
     finally:
         d.close()
+
+
+def test_greenctl_status_says_the_points_a_store_rejected(daemon: Daemon) -> None:
+    """A store whose server refused points as malformed (InfluxDB's 400s): the text status
+    says how many were set aside and the last reason; it read 'dropped 0' with nothing else."""
+    from greend.cli.render import render_status
+
+    st = daemon.status()
+    influx = {"url": "http://127.0.0.1:8086", "ok": True, "written": 1536, "pending": 0, "dropped": 0}
+    st["stores"] = [*st["stores"], {**influx, "rejected": 78, "last_rejected": "400 Bad Request: a field type"}]
+    text = render_status(st)
+    assert "(written 1536, pending 0, dropped 0, rejected 78)" in text
+    assert "last rejected: 400 Bad Request: a field type" in text
