@@ -27,6 +27,32 @@ def warm_up_torchao() -> None:
         log.debug("warming up torchao.float8 failed: %s", e)
 
 
+# The module's own hooks (forward, backward, state dict): the dicts are shared with the
+# converted module, so the job's hooks (activation monitors, a checkpointing hook) fire at
+# fp8 too, and a hook added or removed meanwhile is the original's as well.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _share_hooks(orig: nn.Module, new: nn.Module) -> None:
+    for name in _HOOK_DICTS:
+        hooks = getattr(orig, name, None)
+        if hooks is not None:
+            setattr(new, name, hooks)
+    new._is_full_backward_hook = orig._is_full_backward_hook
+
+
 class Fp8Converter:
     """Converts a model's eligible linears to torchao Float8Linear and back, in place.
 
@@ -65,6 +91,7 @@ class Fp8Converter:
                 new = Float8Linear.from_float(orig, config=config)
                 if new.weight is not orig.weight or new.bias is not orig.bias:
                     raise RuntimeError(f"torchao replaced the parameters of {name}: the optimizer would lose them")
+                _share_hooks(orig, new)
                 setattr(parent, attr, new)
                 done[name] = orig
         except Exception:

@@ -164,6 +164,28 @@ def test_fp8_converter_round_trip_keeps_modules_and_parameters() -> None:
     assert all(model.get_submodule(n) is m for n, m in before.items() if n)
 
 
+@needs_torchao
+def test_the_jobs_own_hooks_on_a_converted_linear_fire_at_fp8_and_after() -> None:
+    """A forward hook the job put on a linear that fp8 converts (an activation monitor)
+    fires at fp8 too (before: silent whenever greend took the job to fp8, with no word), a
+    backward hook too, and a hook removed while converted is gone after the revert."""
+    model = make_model()
+    seen: list[str] = []
+    fwd = model[2].register_forward_hook(lambda m, i, o: seen.append("fwd"))
+    model[2].register_full_backward_hook(lambda m, gi, go: seen.append("bwd"))
+    conv = Fp8Converter(model, fp8_targets(model, 16), emulate=True)
+    conv.convert()
+    assert type(model[2]).__name__ == "Float8Linear"
+    x, y = batch(0)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    assert seen == ["fwd", "bwd"], seen
+    fwd.remove()  # (the handle the job holds is the original module's)
+    conv.revert()
+    seen.clear()
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    assert seen == ["bwd"], seen
+
+
 def test_fp8_targets_skip_head_small_and_odd_layers() -> None:
     model = nn.Sequential(
         nn.Embedding(10, 64),
