@@ -523,6 +523,14 @@ class PrecisionControl(LevelAgreement):
     def _apply_rollback(self, ev: PrecisionEvent | None, index: int) -> None:
         if ev is None:
             return
+        told = ev
+        if self.prober is not None and self.prober.trial:
+            # A step down turned down in its trial: the job never ran the level but for the
+            # trial's blocks. Told the daemon as the level refused (as a rollback, it logged
+            # a switch that never was, and the rollback "N steps after the switch").
+            why = ev.reason.split(", ", 1)[0] if " after the switch " in ev.reason else ev.reason
+            why += f"; turned down in its trial, {ev.from_level} barred for {self.guard.cooldown_steps} steps"
+            told = PrecisionEvent("refused", ev.to_level, ev.from_level, why, ev.step, ev.loss, ev.trend)
         self.after_rollback()
         try:
             self._apply_level(ev.to_level)
@@ -531,7 +539,7 @@ class PrecisionControl(LevelAgreement):
             return
         self.guard.on_switch(ev.from_level, ev.to_level, index + 1)
         log.warning("greend: precision rollback %s -> %s: %s", ev.from_level, ev.to_level, ev.reason)
-        self._send_event(ev)
+        self._send_event(told)
 
     def _send_event(self, ev: PrecisionEvent) -> None:
         fields = ev.fields()

@@ -915,3 +915,39 @@ def test_cb_precision_is_the_level_the_next_step_runs_at_through_a_trial_and_its
             ran.append(st.precision)
     assert {"bf16", "fp8-emulated"} <= set(ran[10:]), ran  # (a trial and probe blocks ran)
     assert [i for i, (a, b) in enumerate(zip(said, ran, strict=True)) if a != b] == []
+
+
+def test_a_trial_turned_down_is_told_the_daemon_as_the_level_refused(rows_daemon: FakeDaemon, sock_path: Path) -> None:
+    """A bf16 job's trial of fp8 turned down (its fp8 steps' losses 50 % worse): the job never
+    ran fp8 but for the trial's blocks, so the daemon hears "refused bf16 -> fp8" with the
+    trial's evidence (a "rollback fp8 -> bf16" had it log a switch that never was, and the
+    rollback as "N steps after the switch")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ran: list[str] = []
+    with GreenCallback(job="trial-no", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
+                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        for i in range(260):
+            if i == 10:
+                assert rows_daemon.directive("fp8-emulated") == 1
+                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
+            x, y = plant(i, quiet_from=10_000)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                with st.autocast():
+                    out = model(x)
+                loss = nn.functional.mse_loss(out.float(), y - 72.0)
+                if st.precision == "fp8-emulated":
+                    loss = loss * 1.5  # (a penalty that shows at once)
+                st.loss(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ran.append(st.precision)
+        cb.flush()
+        assert wait_for(lambda: len(rows_daemon.precision_events) >= 1)
+    ev = rows_daemon.precision_events[0]
+    assert ev["kind"] == "refused" and ev["from"] == "bf16" and ev["to"] == "fp8-emulated", ev
+    assert "turned down in its trial" in ev["reason"] and "after the switch" not in ev["reason"], ev
+    assert 0 < ran.count("fp8-emulated") <= PROBE_STEPS * TRIAL_BLOCKS and ran[-1] == "bf16", ran  # (the trial's)
