@@ -291,6 +291,13 @@ def render_whole_job(w: dict[str, Any]) -> str:
         )
     for m in w.get("missing") or []:
         lines.append(f"  partial          {m}")
+    levels = sorted({n.get("precision") for n in w["nodes"] if n.get("precision")})
+    if levels:
+        lines.append(f"  precision        {', '.join(levels)}  (at the end, over the nodes)")
+    for e in w.get("precision_log") or []:
+        step = f"step {e['step']}" if e.get("step") is not None else "step ?"
+        hosts, why = ", ".join(e["hosts"]), (e.get("reason") or "")[:160]
+        lines.append(f"    {step:<12} {e['kind']} -> {e.get('to') or '?'}  ({hosts}): {why}")
     lines.append("  nodes")
     for n in w["nodes"]:
         n_sim = " (sim)" if n.get("gpu_source") == "sim" else ""

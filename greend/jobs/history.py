@@ -432,6 +432,7 @@ def whole_job_report(stores: list[Path | str], job: str, run: str | None = None)
     :func:`prometheus_job_rows`): the job's latest run, each host's row of it, and their
     totals (:func:`_whole`). None if no store has the job."""
     seen: dict[tuple[str, int], dict[str, Any]] = {}
+    decisions: list[dict[str, Any]] = []  # the level's moves each node logged (SQLite stores)
     for store in stores:
         if isinstance(store, str) and is_shared_store(store):
             rows = _job_rows(store, job)
@@ -439,6 +440,7 @@ def whole_job_report(stores: list[Path | str], job: str, run: str | None = None)
             db = _open(Path(store))
             try:
                 rows = _rows(db, "greend_job", "job = ?", (job,))
+                decisions += _rows(db, "greend_decision", "job = ? AND kind NOT IN ('cap', 'note')", (job,))
             finally:
                 db.close()
         for r in rows:
@@ -447,7 +449,33 @@ def whole_job_report(stores: list[Path | str], job: str, run: str | None = None)
             seen.setdefault((str(r.get("host")), int(r["ts_ns"]) // 1_000_000), {**r, "store": str(store)})
     if not seen:
         return None
-    return _whole(job, list(seen.values()), run)
+    whole = _whole(job, list(seen.values()), run)
+    whole["precision_log"] = _merged_moves(decisions, whole["run_id"])
+    return whole
+
+
+def _merged_moves(decisions: list[dict[str, Any]], run: str | None) -> list[dict[str, Any]]:
+    """The job's level moves (proposals, switches, rollbacks, refusals) over its nodes, in
+    time order: one entry a move, with the hosts that logged it (each node's daemon logs
+    the job's moves, and each rank tells its own: the same move at the same step is one)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for d in sorted(decisions, key=lambda d: int(d["ts_ns"])):
+        if run and d.get("run") not in (run, None, ""):
+            continue
+        key = (d.get("kind"), d.get("precision"), d.get("step"))
+        m = merged.get(key)
+        if m is None:
+            merged[key] = {
+                "t": d["ts_ns"] / 1e9,
+                "kind": d.get("kind"),
+                "to": d.get("precision") or None,
+                "step": d.get("step"),
+                "reason": d.get("reason"),
+                "hosts": [str(d.get("host"))],
+            }
+        elif str(d.get("host")) not in m["hosts"]:
+            m["hosts"].append(str(d.get("host")))
+    return list(merged.values())
 
 
 def shared_jobs(url: str, since_s: float = LIST_LOOKBACK_S) -> list[dict[str, Any]]:

@@ -313,3 +313,43 @@ def test_a_report_from_the_store_says_what_the_live_one_said(tmp_path: Path) -> 
     db2 = _stored_jobs(tmp_path / "g2.db", [("n", "with-cpu", 5.0, measured)])
     code, out = run("--socket", str(tmp_path / "none.sock"), "report", "with-cpu", "--store", str(db2))
     assert code == 0 and "CPU energy       120.0 J   (stored)" in out and "(with CPU: 37.209)" in out, out
+
+
+def test_the_whole_job_from_two_nodes_stores_tells_its_level_and_its_moves(tmp_path: Path) -> None:
+    """Two nodes' stores of a 2-rank job that went to fp8 and rolled back: the whole-job
+    report had no level and none of the moves (the single-store report had them). It says
+    the level each node ended at and the moves, one line a move however many nodes logged
+    it; a move of an earlier run of the id is not this run's."""
+    import time
+
+    from greend.points import decision_point
+    from greend.stores.sqlite import SqliteStore
+
+    each = {"steps": 80, "world_size": 2, "ranks_here": 1, "gpu_energy_j": 8000.0, "flops": 8e13, "duration_s": 10.0}
+    dbs = []
+    for host in ("na", "nb"):
+        db = _stored_jobs(tmp_path / f"{host}.db", [(host, "j", 1.0, each)], run_tag="r1")
+        now = int((time.time() - 5.0) * 1e9)
+        moves = [("switch", "fp8", 200, "r1", "loss stable"), ("rollback", "bf16", 640, "r1", "probes: +9 %"),
+                 ("rollback", "bf16", 90, "r0", "an earlier run's")]  # fmt: skip
+        points = []
+        for k, (kind, level, step, run_tag, why) in enumerate(moves):
+            p = decision_point(now + k, host, kind=kind, reason=why, policy="callback", job="j", precision=level,
+                               fields={"step": step})  # fmt: skip
+            p.tags["run"] = run_tag
+            points.append(p)
+        store = SqliteStore(db)
+        store.write(points)
+        assert store.flush(5)
+        store.close()
+        dbs.append(db)
+    args = ("--socket", str(tmp_path / "none.sock"), "report", "j", "--store", str(dbs[0]), "--store", str(dbs[1]))
+    code, out = run(*args, "--json")
+    whole = json.loads(out[out.index("{") :])
+    assert [(m["kind"], m["to"], m["step"], m["hosts"]) for m in whole["precision_log"]] == [
+        ("switch", "fp8", 200, ["na", "nb"]),
+        ("rollback", "bf16", 640, ["na", "nb"]),
+    ], whole["precision_log"]
+    code, out = run(*args)
+    assert code == 0 and "precision        bf16  (at the end, over the nodes)" in out, out
+    assert "step 640     rollback -> bf16  (na, nb): probes: +9 %" in out, out
