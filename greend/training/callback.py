@@ -66,6 +66,7 @@ import dataclasses
 import importlib
 import logging
 import sys
+import weakref
 from collections import deque
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
@@ -100,6 +101,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_SOCKET", "CallbackOptions", "GreenCallback", "GreendWarning", "SenderStats", "Step"]
 
 log = logging.getLogger(__name__)
+# The callbacks of this process (a second one for the same job is warned about).
+_OPEN: weakref.WeakSet[GreenCallback] = weakref.WeakSet()
 
 _Tensor = torch.Tensor
 _new = object.__new__
@@ -188,6 +191,14 @@ class GreenCallback:
         self.sync_every = opts.sync_every
         self.stats = self._channel.stats
         self._closed = False
+        twin = next((cb for cb in _OPEN if cb.job == self.job and not cb._closed), None)
+        if twin is not None:  # (a Lightning or HF adapter beside a callback of the user's own)
+            self._warnings.warn(
+                "twice",
+                f"a second GreenCallback for job {self.job!r} in this process: the daemon counts this rank "
+                "twice and its steps twice; close the first (cb.close()) or use one",
+            )
+        _OPEN.add(self)
 
         self._sender = Sender(
             self._channel,

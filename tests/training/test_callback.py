@@ -812,3 +812,28 @@ def test_a_daemon_from_before_steps_before_registers_the_callback_without_a_warn
         assert [r["job"] for r in d.registers] == ["older"] and "steps_before" not in d.registers[0]
     finally:
         d.stop()
+
+
+def test_a_second_callback_for_the_same_job_in_one_process_is_warned_about(
+    sock_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two callbacks of one job in one process (an adapter beside the user's own) registered
+    the rank twice: a 2-rank job's report read "4 ranks" and its steps twice, with no word.
+    The second says so; one made after the first closed does not."""
+    d = FakeDaemon(sock_path).start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            first = GreenCallback(job="twice", model=make_model(), socket=sock_path, **FAST)
+            second = GreenCallback(job="twice", model=make_model(), socket=sock_path, **FAST)
+            assert "a second GreenCallback for job 'twice' in this process" in caplog.text
+            second.close()
+            first.close()
+            caplog.clear()
+            GreenCallback(job="twice", model=make_model(), socket=sock_path, **FAST).close()
+            other = GreenCallback(job="other", model=make_model(), socket=sock_path, **FAST)
+            with GreenCallback(job="another", model=make_model(), socket=sock_path, **FAST):
+                pass
+            other.close()
+            assert "a second GreenCallback" not in caplog.text
+    finally:
+        d.stop()
