@@ -310,10 +310,11 @@ def append_bounded(job: Job, log_name: LogName, entry: Any, max_entries: int) ->
 
 def book_precision_event(
     job: Job, event: PrecisionEventEntry, *, rank: int, t_wall_s: float, now_s: float, max_entries: int
-) -> None:
+) -> bool:
     """A rank changed or refused a level on its own: log it, and follow it (a rollback
     is the job's level from now, measured afresh from ``now_s``; a refusal leaves the
-    job at the level the rank kept). An event that names a level above the job's own is
+    job at the level the rank kept). Whether it was logged (not where another rank told
+    the same move at the same step). An event that names a level above the job's own is
     refused (:class:`ProtocolError`): greend never runs a job above its own level, and its
     record would then say it did."""
     top = job.top_precision
@@ -342,7 +343,20 @@ def book_precision_event(
         # arrived: the switch is logged first, so the log tells the whole move.
         switched = PrecisionChange(t_wall_s, p.kind, job.precision, p.level, p.reason, None, job.last_loss, p.trend)
         append_bounded(job, "precision_log", switched, max_entries)
-    append_bounded(job, "precision_log", change, max_entries)
+    # The ranks that agree on their level tell the same move at the same step, each: logged
+    # once (a 2-rank job's one rollback read as two).
+    same = (event.kind, event.from_level, event.to_level, event.step)
+    told = event.step is not None and any(
+        (c.kind, c.from_level, c.to_level, c.step) == same and c.rank != rank for c in job.precision_log[-8:]
+    )
+    if not told:
+        append_bounded(job, "precision_log", change, max_entries)
+    _follow_event(job, event, rank, now_s)
+    return not told
+
+
+def _follow_event(job: Job, event: PrecisionEventEntry, rank: int, now_s: float) -> None:
+    """The job's level after a rank's own event (:func:`book_precision_event`)."""
     rs = next((r for r in job.ranks.values() if r.rank == rank), None)
     if event.kind == "rollback" and event.to_level:
         job.precision = event.to_level

@@ -494,17 +494,12 @@ class JobRegistry(JobTable):
             job = self.jobs[rs.job]
             rs.last_seen_s = self.monotonic()
             self._event_rate(caller)
-            book_precision_event(
-                job,
-                event,
-                rank=rs.rank,
-                t_wall_s=self.wall(),
-                now_s=self.monotonic(),
-                max_entries=self.max_log_entries,
+            logged = book_precision_event(
+                job, event, rank=rs.rank, t_wall_s=self.wall(), now_s=self.monotonic(), max_entries=self.max_log_entries
             )
         fields = precision_fields(step=event.step or 0, loss=event.loss, trend=event.trend)
         self.emit(
-            [
+            [  # (once a move: another rank's word of it is stored already)
                 decision_point(
                     ts_ns(self.wall()),
                     self.hostname,
@@ -516,6 +511,8 @@ class JobRegistry(JobTable):
                     fields=fields,
                 )
             ]
+            if logged
+            else []
         )
         log.info(
             "job %s rank %d: precision %s %s -> %s (%s)",

@@ -324,3 +324,22 @@ def test_a_precision_event_above_the_jobs_own_level_is_refused_and_books_nothing
     book_precision_event(job, PrecisionEventEntry("rollback", "fp8", "bf16", "x", 4, None, None),
                          rank=0, t_wall_s=0.0, now_s=0.0, max_entries=8)  # fmt: skip
     assert job.precision == "bf16" and len(job.precision_log) == 2
+
+
+def test_the_ranks_same_move_at_the_same_step_is_logged_once() -> None:
+    """A 2-rank job's ranks roll back together (their verdict at one step) and each tells
+    it: the report printed the one rollback twice. Logged once; a move of another step, or
+    the same rank's next, is logged."""
+    from greend.jobs.booking import book_precision_event
+    from greend.jobs.records import Job
+    from greend.protocol import PrecisionEventEntry
+
+    job = Job("j", 0, 0.0, 0.0)
+    job.precision, job.top_precision = "fp8", "bf16"
+    ev = PrecisionEventEntry("rollback", "fp8", "bf16", "probes: +9 %", 640, None, None)
+    kw: dict[str, Any] = {"t_wall_s": 0.0, "now_s": 0.0, "max_entries": 8}
+    assert book_precision_event(job, ev, rank=0, **kw) is True
+    assert book_precision_event(job, ev, rank=1, **kw) is False
+    assert [(c.kind, c.step, c.rank) for c in job.precision_log] == [("rollback", 640, 0)]
+    later = PrecisionEventEntry("rollback", "fp8", "bf16", "probes: +9 %", 1900, None, None)
+    assert book_precision_event(job, later, rank=1, **kw) is True and len(job.precision_log) == 2
