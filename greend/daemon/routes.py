@@ -16,6 +16,7 @@ from typing import Any
 
 from greend import __version__
 from greend.control.ops import ControlOps
+from greend.errors import ProtocolError
 from greend.ipc.server import NO_REPLY, Connection, Handler, IpcServer, LimitExceeded, Peer
 from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobHandler, JobOps
@@ -75,6 +76,8 @@ def handlers(ctx: RouteContext) -> dict[str, Handler]:
     """Every op the daemon answers."""
 
     def energy(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        if msg["t1_s"] < msg["t0_s"]:
+            raise ProtocolError("t1_s is before t0_s (a span from t0_s to t1_s, monotonic seconds)", field="t1_s")
         return {"energy_j": ctx.ledger.energy_between(msg["key"], msg["t0_s"], msg["t1_s"])}
 
     return {

@@ -508,3 +508,14 @@ def test_greenctl_status_says_the_points_a_store_rejected(daemon: Daemon) -> Non
     text = render_status(st)
     assert "(written 1536, pending 0, dropped 0, rejected 78)" in text
     assert "last rejected: 400 Bad Request: a field type" in text
+
+
+def test_an_energy_span_that_ends_before_it_starts_is_refused_by_name(daemon: Daemon) -> None:
+    """(it answered null, as for a span with no readings)"""
+    from greend.errors import RequestRefused
+    from greend.ipc.client import Client
+
+    with Client(daemon.cfg.daemon.socket) as c:
+        with pytest.raises(RequestRefused, match="t1_s is before t0_s"):
+            c.request("energy", key="gpu0", t0_s=10.0, t1_s=5.0)
+        assert "energy_j" in c.request("energy", key="gpu0", t0_s=5.0, t1_s=10.0)
