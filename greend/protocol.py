@@ -314,11 +314,6 @@ def check_row(r: dict[str, Any]) -> dict[str, Any]:
     if r["last_step"] < r["first_step"]:
         raise ProtocolError("last_step is before first_step", field="last_step")
     n = r["steps"]
-    if n > r["last_step"] - r["first_step"] + 1:
-        raise ProtocolError(
-            f"'steps' = {n} is more than the {r['last_step'] - r['first_step'] + 1} steps from first_step to last_step",
-            field="steps",
-        )
     _check_flops(r["flops"], n)
     for name in ("nonfinite", "loss_n"):
         if (r.get(name) or 0) > n:
@@ -540,9 +535,6 @@ def decode_register(msg: dict[str, Any]) -> Registration:
     gpus = sorted(set(msg.get("gpus") or []))
     if any(g < 0 for g in gpus):
         raise ProtocolError("'gpus' must be node-local indices >= 0", field="gpus")
-    rank, world_size = msg.get("rank") or 0, msg.get("world_size") or 1
-    if rank >= world_size:
-        raise ProtocolError(f"'rank' {rank} is not below 'world_size' {world_size} (ranks count from 0)", field="rank")
     own = msg.get("precision")
     if own is not None and msg.get("precisions") and own not in precisions:
         raise ProtocolError(
@@ -554,7 +546,8 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         run=run,
         rank=msg.get("rank") or 0,
         local_rank=msg.get("local_rank") or 0,
-        world_size=msg.get("world_size") or 1,
+        # (a rank whose launcher set RANK without WORLD_SIZE: the world holds it at least)
+        world_size=max(msg.get("world_size") or 1, (msg.get("rank") or 0) + 1),
         gpus=tuple(gpus),
         host=msg.get("host") or None,
         precisions=tuple(precisions),

@@ -205,7 +205,9 @@ class TrackedGpu:
             power_w,
             COUNTER_RETRY_S,
         )
-        self.energy_j += power_w * still_s  # the frozen span, from the power read
+        # The frozen span, from the power read, up to this tick (power integration goes on
+        # from it: the read's lateness is not counted twice).
+        self.energy_j += power_w * max(0.0, still_s - (at_s - now_s))
         self.frozen_mj = self.last_counter_mj
         self.energy_method, self.counter_retry_s = "power_integration", now_s + COUNTER_RETRY_S
         self.last_power = (now_s, power_w)

@@ -134,9 +134,14 @@ class JobOps:
             "report": "steps" if self.jobs.step_detail else "intervals",
             "rows_every_s": self.jobs.rows_every_s,
         }
-        if booked.precision is not None:  # the level asked, else the one in force (a new job: its own)
-            reply["directive"] = {"precision": booked.precision}
         tolerance = self.precision_tolerance() if self.precision_tolerance is not None else None
+        # The level asked, else the one in force (a new job: its own). Not to a rank that ran
+        # before this record began (a daemon restarted under the run) while a precision policy
+        # runs here: the record knows no level but the job's own, and the rank keeps the one
+        # it runs (its rows tell the record; as the job's own level asked, a job taken below
+        # it went back up, and its ranks read that as a rollback). No policy: its own level.
+        if booked.precision is not None and (booked.known or tolerance is None):
+            reply["directive"] = {"precision": booked.precision}
         if tolerance is not None:
             reply["precision_tolerance"] = tolerance
         here = self.jobs.gpu_indices() if not reg.gpus and reg.kind == "training" else None

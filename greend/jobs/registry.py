@@ -106,6 +106,7 @@ class Registered:
     job: str
     run: str
     precision: str | None  # a standing proposal's level, else the job's level in force; None while not known
+    known: bool = True  # False: a rank that ran before this record (a daemon restart) may run another level
 
 
 class JobRegistry(JobTable):
@@ -295,7 +296,8 @@ class JobRegistry(JobTable):
                 log.warning("job %s: its level %s is above its own %s: rank %s is asked %s", job_id, asked, top,
                             rs.rank, top)  # fmt: skip
                 asked = top
-            return Registered(job_id, job.run, asked if top is not None else None)
+            known = not (reg.steps_before and not job.steps and job.proposal is None)
+            return Registered(job_id, job.run, asked if top is not None else None, known)
 
     @staticmethod
     def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:
@@ -425,7 +427,7 @@ class JobRegistry(JobTable):
                 # the use the next look would see (greend.jobs.claims), booked at once.
                 self._merge_claims(job, {g: "active" for g in gpus if self.modelled_gpu(g)})
             booked_s = self.monotonic()
-            for i in bookable(job, rows, self.started_s if job.steps_before else float("-inf")):  # (resumed ranks)
+            for i in bookable(job, rs.rank, rows, self.started_s):
                 row, ex = rows[i], (executed[i] if executed else None)
                 logged = len(job.precision_log) + job.precision_log_dropped
                 book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries)

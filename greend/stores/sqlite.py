@@ -445,7 +445,13 @@ class SqliteStore:
                 return
         # Point by point: one bad point, or a moment of full disk, loses only itself.
         lost, last = 0, error
-        for p in batch:
+        for k, p in enumerate(batch):
+            if self._closing.is_set() and busy(last):
+                # Closing, the file still locked: not waited for point by point (the busy
+                # timeout each); what is left of the batch is counted.
+                self._locked_out = True
+                lost += len(batch) - k
+                break
             point_error = self._transaction([p])
             if point_error is None:
                 self._written += 1

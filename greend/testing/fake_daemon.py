@@ -81,8 +81,12 @@ class FakeDaemon:
             "heartbeat_s": self.heartbeat_s,
         }
         # As the daemon: the job's own level back (or the level given here, for a job
-        # that greend moved already); none where the client did not say its level.
+        # that greend moved already); none where the client did not say its level, nor,
+        # where a precision policy runs (a tolerance set), to a rank that sent steps before
+        # (as a daemon restarted under the run: it knows no level but the job's own).
         level = self.initial_precision or msg.get("precision")
+        if msg.get("steps_before") and self.precision_tolerance is not None and self.initial_precision is None:
+            level = None
         if level is not None:
             reply["directive"] = {"precision": level}
         if self.rows_every_s is not None:

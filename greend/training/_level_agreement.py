@@ -142,11 +142,14 @@ class LevelAgreement:
             log.info("precision %s agreed by the ranks at step %d not taken: %s; staying at %s", level, step, why, old)
             return
         self.rearm = False  # (a switch the ranks agreed: the probes start here on every rank)
+        in_trial = self.prober is not None and self.prober.trial  # (before the switch re-arms it)
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
             PRECISIONS.index(level) < PRECISIONS.index(old) and proposed != level
         ):
-            # Up, and not what this rank's daemon asked: another rank rolled back. The daemon
-            # hears it as a rollback (a move up it asked for is its own directive, followed).
+            # Up, and not what this rank's daemon asked: another rank rolled back (or turned
+            # the level down in its trial: then refused here too, as that rank told it).
             why = f"another rank of the job went back to {level}; the ranks agreed at step {step}"
-            self._send_event(PrecisionEvent("rollback", old, level, why, step=step, loss=self._last_loss(),
-                                            trend=self.guard.trend()))  # fmt: skip
+            ev = (PrecisionEvent("refused", level, old, why + "; turned down in its trial", step=step)
+                  if in_trial else PrecisionEvent("rollback", old, level, why, step=step))  # fmt: skip
+            ev.loss, ev.trend = self._last_loss(), self.guard.trend()
+            self._send_event(ev)

@@ -117,6 +117,8 @@ class Fp8Converter:
                 if getattr(cur, "bias", None) is not orig.bias:
                     orig.bias = cur.bias
                 orig.train(cur.training)
+                # (a full backward hook registered on the converted module set its flag there)
+                orig._is_full_backward_hook = getattr(cur, "_is_full_backward_hook", orig._is_full_backward_hook)
                 setattr(parent, attr, orig)
         self._originals = {}
 

@@ -325,21 +325,7 @@ class Sender:
             ch.on_tolerance(positive(result.get("precision_tolerance"), 10.0))
             directive = result.get("directive")
             if isinstance(directive, dict):
-                level = directive.get("precision")
-                if (
-                    self._ever_connected
-                    and fields.get("steps_before")
-                    and level == fields.get("precision")
-                    and result.get("precision_tolerance") is not None
-                    and ch.requested not in (None, level)
-                ):
-                    # A daemon started again under the running job: a new record asks the job's own
-                    # level, knowing no other. The level in force is kept (its rows tell the record;
-                    # the callback's guard judges it), not taken back up (a multi-rank job read that
-                    # as a rank's rollback and barred the level).
-                    log.info("greend: kept precision %s across the daemon's restart", ch.requested)
-                else:
-                    self._on_directive(level)
+                self._on_directive(directive.get("precision"))
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
             self._rows_every_s = max(opts.flush_interval_s, positive(result.get("rows_every_s"), 5.0) or 0.0)
             if isinstance(result.get("warning"), str):  # (what the daemon saw amiss: a job that named no GPUs)

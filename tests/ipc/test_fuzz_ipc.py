@@ -181,15 +181,17 @@ def test_non_finite_numbers_are_refused_and_the_job_stays_readable(daemon: Daemo
     # later report of the job, for every client.
     c = Conn(daemon.cfg.daemon.socket)
     job = f"nonfinite-{bad.decode().strip('-')}".encode()
+    t = time.monotonic()  # (a step's times are this host's monotonic clock, as the callback's)
+    span = b'"t0_s":%.3f,"t1_s":%.3f' % (t - 0.5, t)
     assert exchange(c, b'{"v":1,"op":"register","job":"%s","gpus":[0]}' % job)["ok"] is True
-    r = exchange(c, b'{"v":1,"op":"steps","steps":[{"step":0,"t0_s":1.0,"t1_s":1.5,"flops":1e9,"loss":%s}]}' % bad)
+    r = exchange(c, b'{"v":1,"op":"steps","steps":[{"step":0,%s,"flops":1e9,"loss":%s}]}' % (span, bad))
     assert r["ok"] is False and r["error"]["field"] == "steps[0].loss", r
     assert "finite" in r["error"]["message"]
-    r = exchange(c, b'{"v":1,"op":"steps","steps":[{"step":0,"t0_s":1.0,"t1_s":1.5,"flops":%s}]}' % bad)
+    r = exchange(c, b'{"v":1,"op":"steps","steps":[{"step":0,%s,"flops":%s}]}' % (span, bad))
     assert r["ok"] is False and r["error"]["field"] == "steps[0].flops", r
     # A good step gets no reply (steps are fire-and-forget); the report then shows it,
     # to this client and to another.
-    c.s.sendall(b'{"v":1,"op":"steps","steps":[{"step":0,"t0_s":1.0,"t1_s":1.5,"flops":1e9,"loss":2.5}]}\n')
+    c.s.sendall(b'{"v":1,"op":"steps","steps":[{"step":0,%s,"flops":1e9,"loss":2.5}]}\n' % span)
     mine = exchange(c, b'{"v":1,"op":"report","job":"%s"}' % job)
     assert mine["ok"] is True and mine["result"]["steps"] == 1, mine
     with Client(daemon.cfg.daemon.socket) as other:

@@ -233,6 +233,34 @@ def test_register_tells_the_precision_policy_s_tolerance_where_one_runs() -> Non
     assert "precision_tolerance" not in plain.handlers()["register"]({"job": "j3"}, _Conn(3, _Peer(0, 1000)))
 
 
+def test_a_rank_that_ran_before_a_restarted_daemon_s_record_is_asked_no_level_where_a_policy_runs() -> None:
+    """A daemon restarted under a bf16 job that ran fp8: the new record knows no level but
+    the job's own. Its register reply asked bf16 of the returning rank, which went back up
+    (and a multi-rank job's ranks read it as a rollback, barring fp8). Where a precision
+    policy runs, the returning rank is asked nothing (it keeps its level; its rows tell the
+    record); the next rank, once the record has rows, is asked the level they ran; a new
+    run (no steps before) and a daemon with no precision policy ask the job's own level."""
+    told: list[float | None] = [0.05]
+    clock = _Clock()
+    ops = JobOps(
+        JobRegistry(Ledger(), hostname="h", monotonic=clock, wall=lambda: 1.7e9), precision_tolerance=lambda: told[0]
+    )
+    register = ops.handlers()["register"]
+    own = {"job": "j", "run": "r1", "precision": "bf16", "precisions": ["bf16", "fp8"], "world_size": 2}
+    back = register({**own, "rank": 0, "steps_before": 500}, _Conn(1, _Peer(0, 1000)))
+    assert "directive" not in back, back
+    ops.handlers()["intervals"](
+        {"rows": [{**_row(clock.t - 1.0, clock.t), "precision": "fp8"}]}, _Conn(1, _Peer(0, 1000))
+    )
+    second = register({**own, "rank": 1, "steps_before": 500}, _Conn(2, _Peer(1, 1000)))
+    assert second["directive"] == {"precision": "fp8"}, second
+    fresh = register({**own, "job": "k", "rank": 0, "steps_before": 0}, _Conn(3, _Peer(2, 1000)))
+    assert fresh["directive"] == {"precision": "bf16"}
+    told[0] = None
+    plain = register({**own, "job": "m", "rank": 0, "steps_before": 500}, _Conn(4, _Peer(3, 1000)))
+    assert plain["directive"] == {"precision": "bf16"}
+
+
 def test_jobs_below_their_own_level_are_asked_back_when_the_precision_policy_goes() -> None:
     """A precision policy turned off (or replaced) takes back what it set: every running
     job below its own level, or with a move standing, is asked back to its own level."""

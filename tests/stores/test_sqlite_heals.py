@@ -229,3 +229,31 @@ def test_closing_while_another_process_holds_the_lock_counts_the_points_and_does
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_closing_while_a_locked_batch_is_written_point_by_point_stops_and_counts_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The lock outlasted the batch's waits, so its points are tried one by one (each the
+    busy timeout) when the daemon stops: the writer stops there and the batch is counted
+    (it went on point by point, outlived close() and left the points uncounted)."""
+    import greend.stores.sqlite as m
+
+    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(m, "BUSY_RETRY_S", 0.0)
+    db = tmp_path / "p.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    holder = _hold_lock(db, 30)
+    try:
+        store.write([step(i) for i in range(1, 21)])
+        time.sleep(0.3)  # (the batch is in hand, its points tried one by one)
+        t0 = time.monotonic()
+        store.close(timeout_s=1.0)
+        assert time.monotonic() - t0 < 5.0 and not store._thread.is_alive()
+        st = store.status()
+        assert st.written == 1 and st.dropped == 20, st
+    finally:
+        holder.kill()
+        holder.wait()

@@ -184,6 +184,18 @@ def test_the_jobs_own_hooks_on_a_converted_linear_fire_at_fp8_and_after() -> Non
     seen.clear()
     nn.functional.mse_loss(model(x).float(), y).backward()
     assert seen == ["bwd"], seen
+    # A full backward hook the job puts on the converted module (the one it finds in the
+    # model at fp8) fires after the revert and the next conversion too.
+    fresh = make_model()
+    conv = Fp8Converter(fresh, fp8_targets(fresh, 16), emulate=True)
+    conv.convert()
+    fresh[2].register_full_backward_hook(lambda m, gi, go: seen.append("late"))
+    for _ in range(2):
+        conv.revert()
+        seen.clear()
+        nn.functional.mse_loss(fresh(x).float(), y).backward()
+        assert seen == ["late"], seen
+        conv.convert()
 
 
 def test_fp8_targets_skip_head_small_and_odd_layers() -> None:
