@@ -119,7 +119,7 @@ class Daemon:
             # On a Slurm node (scontrol on PATH): a job id naming a Slurm job is its owner's.
             check_owner=SlurmOwners().check,
         )
-        self.jobs.started_s = monotonic()  # (rows a rank ran before it: unseen, greend.jobs.booking.bookable)
+        self.jobs.started_s = monotonic()  # (a job's span starts no earlier: greend.jobs.booking.book_row)
         self.control = ControlLoop(
             ControlContext(
                 cfg=cfg,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from greend.errors import ProtocolError
@@ -47,8 +47,6 @@ __all__ = [
     "book_precision_event",
     "book_process_cpu",
     "book_row",
-    "bookable",
-    "steps_before",
     "book_proposal",
     "book_proposals_not_taken",
     "book_withdrawal",
@@ -73,37 +71,6 @@ TRIAL_STEPS = 150
 LogName = Literal["precision_log", "decisions", "gone"]
 
 
-BEFORE_START_S = 30.0  # rows that end this long or longer before the daemon started are unseen
-
-
-def bookable(job: Job, rank: int, rows: Sequence[StepsRow], started_s: float) -> list[int]:
-    """The indices of ``rows`` to book. A row that ended before this daemon started (steps a
-    rank ran while no daemon measured: queued across a restart, or before the daemon first
-    came up, and sent once the rank registered) is no part of what the record can price:
-    its steps count as run before the record began (:func:`steps_before`, the report's
-    "unseen"), its FLOPs against no energy. Booked, it stretched the job's span back to
-    before the daemon (a 1.5 s job reported 1,000 s at 4 W on a 70 W-idle GPU) and credited
-    its FLOPs to the energy measured since. Rows that end within :data:`BEFORE_START_S` of
-    the start are booked (a daemon's restart takes seconds: their span is cut at the
-    record's start; a bias of that many seconds' steps at most)."""
-    cut = started_s - BEFORE_START_S
-    keep = [i for i, r in enumerate(rows) if r.t1_s >= cut]
-    unseen = sum(r.steps for r in rows if r.t1_s < cut)
-    if unseen:
-        if not job.unseen_by_rank:
-            log.info("job %s: steps from before this daemon started counted as unseen (not priced)", job.job)
-        job.unseen_by_rank[rank] = job.unseen_by_rank.get(rank, 0) + unseen
-    return keep
-
-
-def steps_before(job: Job) -> int | None:
-    """The steps of the run before this record began: those its ranks had sent to a daemon
-    before (the most any rank said) and those they ran before this daemon started (the
-    most any rank sent); None where no rank said and none came."""
-    unseen = max(job.unseen_by_rank.values(), default=0)
-    return None if job.steps_before is None and not unseen else (job.steps_before or 0) + unseen
-
-
 def book_row(
     job: Job,
     rank: RankSession,
@@ -113,6 +80,7 @@ def book_row(
     *,
     t_wall_s: float = 0.0,
     max_entries: int = 256,
+    started_s: float = float("-inf"),
 ) -> None:
     """Book a row of ``row.steps`` consecutive steps of ``rank`` (one of ``job``'s ranks),
     executed by a device model as ``executed`` (None: on a real GPU), and add it to the
@@ -153,7 +121,10 @@ def book_row(
         for g in rank.gpus:
             job.gpu_modelled_s[g] = job.gpu_modelled_s.get(g, 0.0) + executed.duration_s
     if job.t_start_s is None or t0 < job.t_start_s:
-        job.t_start_s = max(t0, job.registered_s) if job.unseen_by_rank else t0
+        # (not before the daemon started: a rank's rows queued while none ran, sent once it
+        # registered, stretched the job's span back to before any reading: a 1.5 s record
+        # read 1,000 s at 4 W)
+        job.t_start_s = max(t0, started_s)
     job.last_step_t1_s = max(job.last_step_t1_s or 0.0, t1)
     rank.steps += n
     # A rank's steps over all its sessions: one that reconnected (a record resumed after
@@ -391,7 +362,7 @@ def _follow_event(job: Job, event: PrecisionEventEntry, rank: int, now_s: float)
 def run_step(job: Job) -> int:
     """The job's step in its run, as its ranks number them: the steps this record counted,
     after those its ranks had sent before it began (a daemon restarted under the run)."""
-    return (steps_before(job) or 0) + job.steps
+    return (job.steps_before or 0) + job.steps
 
 
 def book_proposal(

@@ -343,9 +343,6 @@ class Job:
     # Steps its ranks had sent before this record began (to a daemon that stopped); None: no
     # rank said (callbacks from before they said it).
     steps_before: int | None = None
-    # Per rank: steps it sent this daemon that ran before the daemon started (queued while
-    # none ran): not booked; before the record as well (every rank runs the same steps).
-    unseen_by_rank: dict[int, int] = field(default_factory=dict)
     step_reports: int = 0
     flops: float = 0.0
     samples: int = 0

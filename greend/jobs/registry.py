@@ -47,7 +47,6 @@ from greend.jobs.booking import (
     book_precision_event,
     book_process_cpu,
     book_row,
-    bookable,
     shed_step_records,
 )
 from greend.jobs.claims import PENDING, Lookout, claim_state, merge, note_use, process_tree, strangers
@@ -427,10 +426,11 @@ class JobRegistry(JobTable):
                 # the use the next look would see (greend.jobs.claims), booked at once.
                 self._merge_claims(job, {g: "active" for g in gpus if self.modelled_gpu(g)})
             booked_s = self.monotonic()
-            for i in bookable(job, rs.rank, rows, self.started_s):
-                row, ex = rows[i], (executed[i] if executed else None)
+            for i, row in enumerate(rows):
+                ex = executed[i] if executed else None
                 logged = len(job.precision_log) + job.precision_log_dropped
-                book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries)
+                book_row(job, rs, row, ex, booked_s, t_wall_s=self.wall(), max_entries=self.max_log_entries,
+                         started_s=self.started_s)  # fmt: skip
                 if len(job.precision_log) + job.precision_log_dropped > logged:
                     points += self.precision_points(job, [job.precision_log[-1]])  # the ranks ran a proposal
                 if detail is not None and self.step_detail:

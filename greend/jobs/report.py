@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from greend.jobs.booking import steps_before
 from greend.jobs.ledger import Ledger
 from greend.jobs.records import Job
 from greend.units import j_to_kwh
@@ -346,7 +345,7 @@ class JobFigures:
             "started_at": job.registered_wall_s,
             "uid": job.uid,  # whose run (the Slurm Epilog saves only its job owner's)
             "end_reason": job.end_reason,  # (a run that goes on in a later record: greend.jobs.parts)
-            "sent_before": steps_before(job),
+            "sent_before": job.steps_before,
         } | _kind_fields(job)
 
     def report(self, job: Job) -> dict[str, Any]:
@@ -391,7 +390,7 @@ class JobFigures:
                 "gpu_source": ",".join(sources) if sources else None,
                 "steps": job.steps,
                 "step_reports": job.step_reports,
-                "sent_before": steps_before(job),  # (sent before this record began: greend.jobs.parts)
+                "sent_before": job.steps_before,  # (sent before this record began: greend.jobs.parts)
                 "flops": job.flops,
                 "samples": job.samples,
                 "tokens": job.tokens,

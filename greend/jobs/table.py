@@ -74,8 +74,8 @@ class JobTable:
         self.ledger = ledger
         self.hostname = hostname
         self.monotonic = monotonic
-        # Rows that end before this were run while no daemon measured (the daemon sets its
-        # start; -inf: every row is booked, as for a registry fed made-up times).
+        # When the daemon started (it sets it): a job's span starts no earlier (-inf: a
+        # registry fed made-up times).
         self.started_s = float("-inf")
         self.wall = wall
         self.window_s = window_s

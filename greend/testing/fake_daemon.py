@@ -40,6 +40,7 @@ class FakeDaemon:
         self.rows_every_s = rows_every_s
         self.precision_tolerance = precision_tolerance  # sent in the register reply where set
         self.rows: list[dict[str, Any]] = []
+        self.booked_by_job: list[dict[str, Any]] = []  # one a steps/rows message: the job it booked
         self.heartbeat_s = heartbeat_s
         self.initial_precision = initial_precision
         self.lock = threading.Lock()
@@ -83,9 +84,11 @@ class FakeDaemon:
         # As the daemon: the job's own level back (or the level given here, for a job
         # that greend moved already); none where the client did not say its level, nor,
         # where a precision policy runs (a tolerance set), to a rank that sent steps before
-        # (as a daemon restarted under the run: it knows no level but the job's own).
+        # while this daemon has none of its job's (a daemon restarted under the run: its
+        # record knows no level but the job's own; greend.jobs.ops.register).
         level = self.initial_precision or msg.get("precision")
-        if msg.get("steps_before") and self.precision_tolerance is not None and self.initial_precision is None:
+        fresh = not any(s.get("job", msg["job"]) == msg["job"] for s in self.booked_by_job)
+        if msg.get("steps_before") and self.precision_tolerance is not None and fresh:
             level = None
         if level is not None:
             reply["directive"] = {"precision": level}
@@ -120,6 +123,7 @@ class FakeDaemon:
         check_entries(name, entries, limit, check)
         with self.lock:
             into.extend(entries)
+            self.booked_by_job.append({"job": conn.state["job"]})
             self.step_messages += 1
         return NO_REPLY
 

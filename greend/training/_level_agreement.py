@@ -146,10 +146,10 @@ class LevelAgreement:
         if self._switch(level, f"agreed by the job's ranks at step {step}") is None and (
             PRECISIONS.index(level) < PRECISIONS.index(old) and proposed != level
         ):
-            # Up, and not what this rank's daemon asked: another rank rolled back (or turned
-            # the level down in its trial: then refused here too, as that rank told it).
+            # Up, and not what this rank's daemon asked: another rank rolled back (during a
+            # trial, the level was never run but for its blocks: refused, as that rank told it).
             why = f"another rank of the job went back to {level}; the ranks agreed at step {step}"
-            ev = (PrecisionEvent("refused", level, old, why + "; turned down in its trial", step=step)
+            ev = (PrecisionEvent("refused", level, old, why + " during this rank's trial of " + old, step=step)
                   if in_trial else PrecisionEvent("rollback", old, level, why, step=step))  # fmt: skip
             ev.loss, ev.trend = self._last_loss(), self.guard.trend()
             self._send_event(ev)
