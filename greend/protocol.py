@@ -546,8 +546,7 @@ def decode_register(msg: dict[str, Any]) -> Registration:
         run=run,
         rank=msg.get("rank") or 0,
         local_rank=msg.get("local_rank") or 0,
-        # (a rank whose launcher set RANK without WORLD_SIZE: the world holds it at least)
-        world_size=max(msg.get("world_size") or 1, (msg.get("rank") or 0) + 1),
+        world_size=msg.get("world_size") or 1,
         gpus=tuple(gpus),
         host=msg.get("host") or None,
         precisions=tuple(precisions),

@@ -16,7 +16,6 @@ and the rank's aggregate for the stores all come from the same row.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -55,8 +54,6 @@ __all__ = [
     "shed_step_records",
     "thinned",
 ]
-
-log = logging.getLogger(__name__)
 
 MAX_BASELINE_SPANS = 1000  # a baseline keeps at most this many windows of its steps
 # A proposal the job ran this many steps past at its old level is logged as not taken,
