@@ -201,7 +201,7 @@ class PrecisionControl(LevelAgreement):
         own = self.own
         if level is not None and own is not None and self.level != own and self.above_own(level) is not None:
             # More precision than the job's own asked of a job below it: as much as it has,
-            # its own level (refused, the job kept the less precision it ran at).
+            # its own level (refused as above its own, the job kept the less it ran at).
             log.info("greend asked for precision %s; taken as the job's own level %s", level, own)
             level = own
         if level is None or level == self.level:
