@@ -179,19 +179,42 @@ def _hold_lock(db: Path, seconds: float) -> Any:
     return proc
 
 
+def _one_point_store(tmp_path: Path, monkeypatch: Any, name: str, **constants: float) -> tuple[Path, SqliteStore]:
+    """A store at ``tmp_path / name`` with one point written, the module's ``constants``
+    (BUSY_TIMEOUT_S, BUSY_RETRY_S) set for the test."""
+    import greend.stores.sqlite as m
+
+    for key, value in constants.items():
+        monkeypatch.setattr(m, key, value)
+    db = tmp_path / name
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    return db, store
+
+
+def _closed_while_locked(store: SqliteStore, db: Path, points: int, settle_s: float) -> float:
+    """``points`` more written while another process holds the lock, then the store closed
+    after ``settle_s``: how long close() took."""
+    holder = _hold_lock(db, 30)
+    try:
+        store.write([step(i) for i in range(1, points + 1)])
+        time.sleep(settle_s)
+        t0 = time.monotonic()
+        store.close(timeout_s=1.0)
+        return time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_file_locked_by_another_process_beyond_the_busy_timeout_loses_no_point(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Another process holds the store's lock longer than SQLite's busy timeout: the batch
     waits and is written once the lock goes (before: written point by point, each point
     waiting the timeout again, and most of them lost as "database is locked")."""
-    import greend.stores.sqlite as m
-
-    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.2)
-    db = tmp_path / "l.db"
-    store = SqliteStore(db, batch_s=0.02)
-    store.write([step(0)])
-    assert store.flush(5.0)
+    db, store = _one_point_store(tmp_path, monkeypatch, "l.db", BUSY_TIMEOUT_S=0.2)
     holder = _hold_lock(db, 2.5)
     store.write([step(i) for i in range(1, 6)])
     assert not store.flush(1.0)  # waiting for the lock, not dropping
@@ -209,26 +232,11 @@ def test_closing_while_another_process_holds_the_lock_counts_the_points_and_does
     """SIGTERM while an operator's sqlite3 holds the store's lock: close() interrupts the
     writer and closes the connection only once it has ended (closing it under the writer
     crashed the daemon with a segmentation fault); the points not written are counted."""
-    import greend.stores.sqlite as m
-
-    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.5)
-    db = tmp_path / "c.db"
-    store = SqliteStore(db, batch_s=0.02)
-    store.write([step(0)])
-    assert store.flush(5.0)
-    holder = _hold_lock(db, 20)
-    try:
-        store.write([step(i) for i in range(1, 6)])
-        time.sleep(0.2)
-        t0 = time.monotonic()
-        store.close(timeout_s=1.0)
-        assert time.monotonic() - t0 < 5.0
-        assert not store._thread.is_alive()
-        st = store.status()
-        assert st.written == 1 and st.dropped == 5 and "lock" in (st.last_error or ""), st
-    finally:
-        holder.kill()
-        holder.wait()
+    db, store = _one_point_store(tmp_path, monkeypatch, "c.db", BUSY_TIMEOUT_S=0.5)
+    assert _closed_while_locked(store, db, 5, settle_s=0.2) < 5.0
+    assert not store._thread.is_alive()
+    st = store.status()
+    assert st.written == 1 and st.dropped == 5 and "lock" in (st.last_error or ""), st
 
 
 def test_closing_while_a_locked_batch_is_written_point_by_point_stops_and_counts_it(
@@ -237,23 +245,9 @@ def test_closing_while_a_locked_batch_is_written_point_by_point_stops_and_counts
     """The lock outlasted the batch's waits, so its points are tried one by one (each the
     busy timeout) when the daemon stops: the writer stops there and the batch is counted
     (it went on point by point, outlived close() and left the points uncounted)."""
-    import greend.stores.sqlite as m
-
-    monkeypatch.setattr(m, "BUSY_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(m, "BUSY_RETRY_S", 0.0)
-    db = tmp_path / "p.db"
-    store = SqliteStore(db, batch_s=0.02)
-    store.write([step(0)])
-    assert store.flush(5.0)
-    holder = _hold_lock(db, 30)
-    try:
-        store.write([step(i) for i in range(1, 21)])
-        time.sleep(0.3)  # (the batch is in hand, its points tried one by one)
-        t0 = time.monotonic()
-        store.close(timeout_s=1.0)
-        assert time.monotonic() - t0 < 5.0 and not store._thread.is_alive()
-        st = store.status()
-        assert st.written == 1 and st.dropped == 20, st
-    finally:
-        holder.kill()
-        holder.wait()
+    db, store = _one_point_store(tmp_path, monkeypatch, "p.db", BUSY_TIMEOUT_S=0.5, BUSY_RETRY_S=0.0)
+    # (after 0.3 s the batch is in hand, its points tried one by one)
+    assert _closed_while_locked(store, db, 20, settle_s=0.3) < 5.0
+    assert not store._thread.is_alive()
+    st = store.status()
+    assert st.written == 1 and st.dropped == 20, st

@@ -884,35 +884,52 @@ def test_an_fp8_level_is_probed_at_the_level_above_with_its_linears_put_back(
     assert sum(n for lvl, n in tagged if lvl == "bf16") == PROBE_STEPS * DENSE_BLOCKS, tagged
 
 
+def _bf16_job_asked_fp8(
+    rows_daemon: FakeDaemon,
+    sock_path: Path,
+    job: str,
+    steps: int,
+    fp8_penalty: float = 1.0,
+    said: list[str] | None = None,
+) -> list[str]:
+    """A bf16 regression (plant, target near 72) asked fp8 at step 10, its fp8 steps' losses
+    times ``fp8_penalty``: the level each step ran (``said``: ``cb.precision`` before each)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ran: list[str] = []
+    with GreenCallback(job=job, model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
+                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
+        assert wait_for(lambda: cb.connected)
+        for i in range(steps):
+            if i == 10:
+                assert rows_daemon.directive("fp8-emulated") == 1
+                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
+            if said is not None:
+                said.append(cb.precision)
+            x, y = plant(i, quiet_from=10_000)
+            with cb.step(samples=BATCH, flops=1e9) as st:
+                with st.autocast():
+                    out = model(x)
+                loss = nn.functional.mse_loss(out.float(), y - 72.0)
+                if st.precision == "fp8-emulated":
+                    loss = loss * fp8_penalty
+                st.loss(loss)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ran.append(st.precision)
+    return ran
+
+
 def test_cb_precision_is_the_level_the_next_step_runs_at_through_a_trial_and_its_probes(
     rows_daemon: FakeDaemon, sock_path: Path
 ) -> None:
     """``cb.precision`` (the adapters' ``precision`` too) said the level in force: through a
     step down's trial (about 130 steps) and in every probe block it named fp8 while the
     steps ran bf16, 146 of 300 steps. It names the level the next step runs."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     said: list[str] = []
-    ran: list[str] = []
-    with GreenCallback(job="said", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
-                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
-        assert wait_for(lambda: cb.connected)
-        for i in range(300):
-            if i == 10:
-                assert rows_daemon.directive("fp8-emulated") == 1
-                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
-            said.append(cb.precision)
-            x, y = plant(i, quiet_from=10_000)
-            with cb.step(samples=BATCH, flops=1e9) as st:
-                with st.autocast():
-                    out = model(x)
-                loss = nn.functional.mse_loss(out.float(), y - 72.0)
-                st.loss(loss)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            ran.append(st.precision)
+    ran = _bf16_job_asked_fp8(rows_daemon, sock_path, "said", 300, said=said)
     assert {"bf16", "fp8-emulated"} <= set(ran[10:]), ran  # (a trial and probe blocks ran)
     assert [i for i, (a, b) in enumerate(zip(said, ran, strict=True)) if a != b] == []
 
@@ -922,31 +939,8 @@ def test_a_trial_turned_down_is_told_the_daemon_as_the_level_refused(rows_daemon
     ran fp8 but for the trial's blocks, so the daemon hears "refused bf16 -> fp8" with the
     trial's evidence (a "rollback fp8 -> bf16" had it log a switch that never was, and the
     rollback as "N steps after the switch")."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, OUT))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ran: list[str] = []
-    with GreenCallback(job="trial-no", model=model, socket=sock_path, precisions=["bf16", "fp8-emulated"],
-                       initial_precision="bf16", fp8_min_features=16, **FAST) as cb:  # fmt: skip
-        assert wait_for(lambda: cb.connected)
-        for i in range(260):
-            if i == 10:
-                assert rows_daemon.directive("fp8-emulated") == 1
-                assert wait_for(lambda: cb.requested_precision == "fp8-emulated")
-            x, y = plant(i, quiet_from=10_000)
-            with cb.step(samples=BATCH, flops=1e9) as st:
-                with st.autocast():
-                    out = model(x)
-                loss = nn.functional.mse_loss(out.float(), y - 72.0)
-                if st.precision == "fp8-emulated":
-                    loss = loss * 1.5  # (a penalty that shows at once)
-                st.loss(loss)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            ran.append(st.precision)
-        cb.flush()
-        assert wait_for(lambda: len(rows_daemon.precision_events) >= 1)
+    ran = _bf16_job_asked_fp8(rows_daemon, sock_path, "trial-no", 260, fp8_penalty=1.5)  # (shows at once)
+    assert wait_for(lambda: len(rows_daemon.precision_events) >= 1)  # (close() flushed the events)
     ev = rows_daemon.precision_events[0]
     assert ev["kind"] == "refused" and ev["from"] == "bf16" and ev["to"] == "fp8-emulated", ev
     assert "turned down in its trial" in ev["reason"] and "after the switch" not in ev["reason"], ev
