@@ -6,7 +6,7 @@ Run:  python bench/bench_callback.py [--rounds 300] [--block 32] [--rounds-10ms 
 A real torch training step (an MLP: forward, cross-entropy, backward, AdamW,
 ``torch.set_num_threads(1)``) runs in the README's usage::
 
-    with cb.step(samples=n, batch=x) as step:
+    with cb.step(batch=x) as step:
         with step.autocast():
             loss = lossf(model(x), y)
         step.loss(loss)
@@ -168,7 +168,9 @@ class FloorCallback:
     def step(self, *, samples: int | None = None, batch: Any = None) -> FloorStep:
         if len(self.rows) > 1000:
             self.rows = []
-        return FloorStep(self, samples, batch.shape if batch is not None else None, self._bf16)
+        shape = batch.shape if batch is not None else None
+        rows = samples if samples is not None or not shape else shape[0]  # (the batch's rows, as greend)
+        return FloorStep(self, rows, shape, self._bf16)
 
     def close(self) -> None:
         pass
@@ -195,7 +197,7 @@ def run_block(
     t0 = time.thread_time()
     for i in range(n):
         x, y = xs[i & 7], ys[i & 7]
-        with cb.step(samples=batch, batch=x) as step:
+        with cb.step(batch=x) as step:
             with step.autocast():
                 loss = lossf(model(x), y)
             step.loss(loss)
@@ -370,7 +372,7 @@ def run_timed(
     for i in range(n):
         x, y = xs[i & 7], ys[i & 7]
         t0 = clock()
-        step = cb.step(samples=batch, batch=x)
+        step = cb.step(batch=x)
         step.__enter__()
         t1 = clock()
         ac = step.autocast()
@@ -448,7 +450,7 @@ def warm_calls(args: argparse.Namespace) -> list[tuple[str, float]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cb = GreenCallback(job="bench-warm", model=model, socket=args.socket, initial_precision="bf16")
-    with cb.step(samples=64, batch=x):
+    with cb.step(batch=x):
         model(x)
     n = 20000
     own = torch.autocast
@@ -467,10 +469,10 @@ def warm_calls(args: argparse.Namespace) -> list[tuple[str, float]]:
 
     def step_only() -> None:
         for _ in range(n):
-            with cb.step(samples=64, batch=x):
+            with cb.step(batch=x):
                 pass
 
-    held = cb.step(samples=64, batch=x)
+    held = cb.step(batch=x)
 
     def autocast_only() -> None:
         for _ in range(n):
@@ -488,7 +490,7 @@ def warm_calls(args: argparse.Namespace) -> list[tuple[str, float]]:
 
     def whole() -> None:
         for _ in range(n):
-            with cb.step(samples=64, batch=x) as step:
+            with cb.step(batch=x) as step:
                 with step.autocast():
                     pass
                 step.loss(loss)

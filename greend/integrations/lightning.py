@@ -48,8 +48,6 @@ except ImportError:
     except ImportError as e:
         raise ImportError("greend.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
-import torch
-
 from greend.training import GreenCallback, Step
 
 __all__ = ["GreenLightningCallback"]
@@ -67,16 +65,6 @@ _LIGHTNING_LEVELS = {
     "transformer-engine": "fp8",
     "transformer-engine-float16": "fp8",
 }
-
-
-def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return None
 
 
 class GreenLightningCallback(pl.Callback):
@@ -134,7 +122,7 @@ class GreenLightningCallback(pl.Callback):
             return
         if self._step is not None:  # the previous batch never ended (skipped by Lightning)
             self._close_step(None)
-        step = self.cb.step(samples=_batch_size(batch), batch=batch)
+        step = self.cb.step(batch=batch)  # (samples: the batch's rows, greend.training.flops.batch_rows)
         step.__enter__()
         self._step = step
         if step.precision != self._published:  # (an nn.Module's setattr costs microseconds: on a change only)

@@ -77,7 +77,7 @@ import torch
 
 from greend.errors import GreendWarning
 from greend.training.book import StepBook
-from greend.training.flops import batch_signature, stop_leaked
+from greend.training.flops import batch_rows, batch_signature, stop_leaked
 from greend.training.identity import (
     DEFAULT_SOCKET,
     model_device,
@@ -263,11 +263,13 @@ class GreenCallback:
     ) -> Step:
         """A context manager around one training step (forward, backward, optimizer).
 
-        ``samples``/``tokens``: throughput counts. ``batch``: the step's input,
-        used only for a cheap shape signature (FLOPs are re-counted when it
-        changes). ``shape_key``: your own cache key instead (wins over
-        ``batch``). ``index``: the step number (default: a counter from 0).
-        ``flops``: this step's FLOPs, overriding everything else.
+        ``samples``/``tokens``: throughput counts (``samples``: by default the batch's
+        rows, the first dimension of ``batch`` or of its first tensor; give it where
+        the batch is not batch-first). ``batch``: the step's input, used only for its
+        rows and a cheap shape signature (FLOPs are re-counted when it changes).
+        ``shape_key``: your own cache key instead (wins over ``batch``). ``index``: the
+        step number (default: a counter from 0). ``flops``: this step's FLOPs, overriding
+        everything else.
         """
         # The hot path: every step runs it. It makes the Step here, without a call of
         # its own (Step.__init__ sets the same fields; tests/training/test_handoff.py
@@ -277,7 +279,19 @@ class GreenCallback:
         if index is not None:
             book.indexed = True  # its batch is judged on the training thread, in step order
             book.hold_cpu = False
-        if type(batch) in (tuple, list) and (type(samples) is int or isinstance(samples, Integral)) and samples <= 4:
+        if samples is None and batch is not None:
+            # The batch's rows: a tensor's first dimension (the shape read once, for the
+            # FLOPs too), else its first tensor's (batch_rows). Cheaper than the user's
+            # len(x): Tensor.__len__ is Python code, a few microseconds of a real step.
+            if type(batch) is _Tensor:
+                if shape_key is None:
+                    shape_key = batch.shape
+                    samples = shape_key[0] if shape_key else None
+                else:
+                    samples = batch_rows(batch)
+            else:
+                samples = batch_rows(batch)
+        elif type(batch) in (tuple, list) and (type(samples) is int or isinstance(samples, Integral)) and samples <= 4:
             self._check_samples(samples, batch)  # cheap tests on the hot path, then rarely here (else: rows.py)
         if flops is None:
             flops = book.default_flops
@@ -321,7 +335,8 @@ class GreenCallback:
                 "samples-tuple",
                 f"samples={samples} is the length of the batch's tuple of {len(batch)} parts, whose first "
                 f"part holds {rows} rows: give samples=len(inputs) (e.g. for x, y in loader: "
-                "cb.step(samples=len(x), batch=x)), or samples/J and throughput read low",
+                "cb.step(samples=len(x), batch=x), or leave samples= out: cb.step(batch=batch) counts "
+                "the inputs' rows), or samples/J and throughput read low",
             )
 
     @property

@@ -42,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = [
     "FlopEstimates",
     "FlopCounter",
+    "batch_rows",
     "batch_signature",
     "count_flops",
     "estimate_from_sizes",
@@ -234,6 +235,32 @@ def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
         except Exception:
             return type(batch).__name__
     return _leaf_signature(batch)
+
+
+def batch_rows(batch: Any, _depth: int = 0) -> int | None:
+    """The samples in a batch: the first dimension of its first tensor (or array), looking
+    into tuples, lists and mappings (an ``(inputs, targets)`` pair: the inputs' rows;
+    Hugging Face's ``BatchEncoding``: its first field's). None where there is no such
+    tensor, or it has no dimension."""
+    shape = getattr(batch, "shape", None)  # a tensor, a numpy array and friends
+    if shape is None:
+        if _depth >= 4:
+            return None
+        if isinstance(batch, (tuple, list)):
+            return batch_rows(batch[0], _depth + 1) if batch else None
+        keys = getattr(batch, "keys", None)
+        if keys is None or not hasattr(batch, "__getitem__"):
+            return None
+        try:
+            first = next(iter(keys()), None)
+            return None if first is None else batch_rows(batch[first], _depth + 1)
+        except Exception:
+            return None
+    try:
+        rows = shape[0] if len(shape) else None
+    except TypeError:
+        return None
+    return rows if type(rows) is int and rows >= 0 else None
 
 
 def signature_elements(signature: Any) -> int | None:

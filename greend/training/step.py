@@ -19,7 +19,7 @@ Inside the step: :meth:`Step.autocast` for the precision it runs at,
 when the level needs it and let the accuracy guard see the loss and the
 gradients::
 
-    with cb.step(samples=n) as step:
+    with cb.step(batch=x) as step:
         with step.autocast():
             loss = model(x).loss
         step.backward(loss)          # scaler.scale(loss).backward() under fp16; reports the loss

@@ -1,5 +1,6 @@
-"""``samples=`` counts the step's samples: the README's ``(x, y)`` loop gives
-``len(x)``, and ``len()`` of the tuple itself (2) is caught with one warning."""
+"""``samples=`` counts the step's samples: without it, the batch's rows (the first
+dimension of ``batch`` or of its first tensor); ``len(x)`` given counts the same, and
+``len()`` of the tuple itself (2) is caught with one warning."""
 
 from __future__ import annotations
 
@@ -124,3 +125,47 @@ def test_len_of_the_batch_tuple_as_a_numpy_integer_is_warned_too(sock_path: Path
                 step.loss(nn.functional.mse_loss(model(x), y))
     ours = [w for w in caught if issubclass(w.category, GreendWarning) and "samples=2" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    ("batch", "rows"),
+    [
+        (torch.zeros(12, 4), 12),  # a tensor: its first dimension
+        ((torch.zeros(9, 4), torch.zeros(9, 1)), 9),  # (inputs, targets): the inputs' rows
+        ([torch.zeros(5, 4), torch.zeros(5)], 5),
+        ({"input_ids": torch.zeros(3, 8, dtype=torch.long), "mask": torch.zeros(3, 8)}, 3),  # a mapping: its first field
+        (torch.tensor(1.0), None),  # no dimension: no rows
+        ("text", None),  # no tensor
+    ],
+)
+def test_samples_are_the_batch_rows_when_not_given(
+    sock_path: Path, daemon: FakeDaemon, batch: object, rows: int | None
+) -> None:
+    """``cb.step(batch=x)`` reports the batch's rows as its samples (no ``len(x)`` on the
+    training thread: ``Tensor.__len__`` is Python code); where a batch has no rows, none."""
+    with GreenCallback(job="rows", socket=sock_path, flops_per_step=1e9, **FAST) as cb:
+        with cb.step(batch=batch):
+            pass
+        with cb.step(batch=batch, samples=7):  # given: it wins
+            pass
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert [s.get("samples") for s in [*daemon.steps, *daemon.rows]] == [rows, 7]
+
+
+def test_the_rows_and_the_flops_key_come_from_one_shape_read(sock_path: Path, daemon: FakeDaemon) -> None:
+    """A tensor batch without samples=: the rows are its shape's first dimension and its
+    FLOPs are cached under that shape (a second shape counted apart); a user's shape_key=
+    still wins for the FLOPs, the rows still come from the batch."""
+    model = nn.Linear(4, 1)
+    with GreenCallback(job="rows-flops", model=model, socket=sock_path, **FAST) as cb:
+        for n in (8, 8, 4):
+            x = torch.randn(n, 4)
+            with cb.step(batch=x) as step:
+                step.loss(model(x).sum())
+        with cb.step(batch=torch.randn(6, 4), shape_key="mine") as step:
+            step.loss(model(torch.randn(6, 4)).sum())
+        cache = dict(cb._book.flop_cache)
+    assert wait_for(lambda: len(daemon.ends) == 1)
+    assert [s.get("samples") for s in [*daemon.steps, *daemon.rows]] == [8, 8, 4, 6]
+    assert set(cache) == {torch.Size([8, 4]), torch.Size([4, 4]), "mine"}
+    assert cache[torch.Size([8, 4])] == 2 * cache[torch.Size([4, 4])] > 0
