@@ -133,7 +133,7 @@ def test_len_of_the_batch_tuple_as_a_numpy_integer_is_warned_too(sock_path: Path
         (torch.zeros(12, 4), 12),  # a tensor: its first dimension
         ((torch.zeros(9, 4), torch.zeros(9, 1)), 9),  # (inputs, targets): the inputs' rows
         ([torch.zeros(5, 4), torch.zeros(5)], 5),
-        ({"input_ids": torch.zeros(3, 8, dtype=torch.long), "mask": torch.zeros(3, 8)}, 3),  # a mapping: its first field
+        ({"input_ids": torch.zeros(3, 8, dtype=torch.long), "mask": torch.zeros(3, 8)}, 3),  # its first field
         (torch.tensor(1.0), None),  # no dimension: no rows
         ("text", None),  # no tensor
     ],
