@@ -149,7 +149,7 @@ class Daemon:
             latest=self.latest,
             ticks=self.tick_counts,
             ledger=self.ledger,
-            jobs=self.jobs,
+            job_rows=self.job_ops.live_rows,
             control=self.control,
             probing=self.probing,
             stores=self.stores,

@@ -20,7 +20,6 @@ from greend.daemon.probing import ProbeScheduler
 from greend.daemon.stores import StoreSet
 from greend.daemon.tick import TickCounts, TickReadings
 from greend.jobs.ledger import Ledger
-from greend.jobs.registry import JobRegistry
 from greend.probes import CpuReading, GpuReading
 
 __all__ = ["StatusContext", "cpu_row", "gpu_origins", "gpu_row", "knob_states", "lateness", "status_document"]
@@ -39,7 +38,7 @@ class StatusContext:
     latest: Callable[[], TickReadings]  # the latest tick's snapshot
     ticks: Callable[[], TickCounts]
     ledger: Ledger
-    jobs: JobRegistry
+    job_rows: Callable[[], list[dict[str, Any]]]  # the jobs held, a run's parts before a restart joined in
     control: ControlLoop
     probing: ProbeScheduler
     stores: StoreSet
@@ -173,7 +172,7 @@ def status_document(d: StatusContext) -> dict[str, Any]:
             "gpu_energy_j": d.ledger.totals("gpu"),
             "cpu_energy_j": d.ledger.totals("cpu:"),
         },
-        "jobs": d.jobs.list_jobs(),
+        "jobs": d.job_rows(),
         "policy": d.control.status(),
         "probes": d.probing.rows(),
         "stores": d.stores.rows(),

@@ -214,6 +214,32 @@ class JobOps:
         # A run the daemon restarted under: its parts before, kept in the archive.
         return self.archive.with_parts(report) if self.archive is not None else report
 
+    def live_rows(self) -> list[dict[str, Any]]:
+        """The jobs the daemon holds, each joined with the kept parts of its run that came
+        before it (the daemon restarted under it): what status, ``greenctl top`` and the
+        Prometheus series show, so a run's counters go on across a restart, never back to
+        the part since it."""
+        live = self.jobs.list_jobs()
+        if self.archive is None:
+            return live
+        runs = {(j["job"], j["run_id"]) for j in live if j.get("run_id")}
+        if not runs:
+            return live
+        held = {(j["job"], j.get("run_id"), j.get("started_at")) for j in live}
+        before = [
+            r
+            for r in self.archive.rows(self.jobs.keep_ended)
+            if (r["job"], r.get("run_id")) in runs and (r["job"], r.get("run_id"), r.get("started_at")) not in held
+        ]
+        if not before:
+            return live
+        live_ids = {id(j) for j in live}
+        out = []
+        for parts in runs_of(before + live, key=lambda r: (r["job"], r["run_id"]) if r.get("run_id") else None):
+            if id(parts[-1]) in live_ids:  # (a kept run this live one does not go on from: not shown here)
+                out.append(join_rows(parts) if len(parts) > 1 else parts[-1])
+        return out
+
     def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         """The jobs the daemon holds, after the ended runs it kept from before (a restart
         does not empty ``greenctl jobs``)."""

@@ -13,7 +13,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import pytest
 
 from greend.ipc.client import Client
 from greend.ipc.wire import frame_message
+from tests import vmserver
 from tests.e2e.test_e2e_jobs import wait_ended
 from tests.e2e.test_e2e_shared_node import USER_PY
-from tests.support import DaemonProc, env, start_daemon
+from tests.support import DaemonProc, env, start_daemon, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -159,18 +161,24 @@ def test_a_group_member_reads_history_through_the_daemon(
 
 
 def _train_through_a_restart(
-    tmp_path: Path, daemons: list[DaemonProc], job: str, sig: int
+    tmp_path: Path,
+    daemons: list[DaemonProc],
+    job: str,
+    sig: int,
+    config: str = "",
+    live: Callable[[DaemonProc, int], None] | None = None,
 ) -> tuple[dict[str, Any], int, DaemonProc, Path]:
     """A real torch loop with the callback; the daemon stopped with ``sig`` after 60 steps,
     20 steps with no daemon, then a new daemon on the same socket and state dir, 40 more
-    steps after the callback reconnected. (the run's ended report, the steps the loop ran,
-    the new daemon, the state dir)"""
+    steps after the callback reconnected (``live``: called then with the new daemon and
+    the steps run, the job still running). (the run's ended report, the steps the loop
+    ran, the new daemon, the state dir)"""
     torch = pytest.importorskip("torch")
     from greend import GreenCallback
     from tests.training.test_callback import FAST
 
     state = tmp_path / "state"
-    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state)
+    d = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, config=config)
     daemons.append(d)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
@@ -198,12 +206,15 @@ def _train_through_a_restart(
         d.stop(sig)
         run(20)  # kept by the callback while no daemon runs
         d2 = start_daemon(tmp_path, "--sim", "1", "--hz", "20", state_dir=state, name="d2",
-                          socket=d.socket)  # fmt: skip
+                          socket=d.socket, config=config)  # fmt: skip
         daemons.append(d2)
         deadline = time.monotonic() + 20
         while cb.stats.connects < 2 and time.monotonic() < deadline:
             run(1)
         run(40)
+        if live is not None:
+            cb.flush()
+            live(d2, steps)
         cb.close()
     whole = wait_ended(d2, job)
     assert cb.stats.connects == 2 and whole["run_id"] == cb.run
@@ -232,12 +243,48 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
     d2.stop()
     stored = d2.ctl("report", "through", "--store", str(state / "greend.db"))
     assert f"steps            {steps} " in stored.stdout and "parts            2" in stored.stdout
-    assert stored.stdout.count("policy none: measuring only") == 1  # each policy's last word, once
+    assert stored.stdout.count("policy none: measuring only") == 1, stored.stdout  # each policy's last word, once
     assert "ran 1 time(s) before" not in stored.stderr
     across = json.loads(d2.ctl("report", "through", "--store", str(state / "greend.db"), "--store",
                                str(state / "greend.db"), "--json").stdout)  # fmt: skip
     assert across["steps"] == steps
     assert across["gpu_energy_j"] == pytest.approx(whole["gpu_energy_j"], rel=1e-6)
+
+
+def test_a_run_the_daemon_restarted_under_is_one_run_while_it_runs(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """While the run goes on after the restart, status, ``greenctl top`` and the
+    Prometheus series show the whole run (the part before the restart joined in), not
+    the part since: the job's counters never go back to it (a Prometheus reader then
+    took the drop for a counter reset, and ``--store prom://`` reported the last part)."""
+    port = vmserver.free_port()
+    config = (
+        f'[daemon]\nsocket_group = ""\n[store]\n'
+        f'urls = ["sqlite:///{tmp_path / "state" / "greend.db"}", "prometheus://127.0.0.1:{port}"]\n'
+    )
+    seen: dict[str, Any] = {}
+
+    def live(d2: DaemonProc, steps: int) -> None:
+        def whole() -> bool:
+            (row,) = [j for j in json.loads(d2.ctl("status", "--json").stdout)["jobs"] if j["job"] == "live"]
+            seen["status"] = row
+            return row["steps"] == steps
+
+        assert wait_for(whole, timeout_s=10), (seen, steps)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        seen["metrics"] = [ln for ln in text.splitlines() if ln.startswith("greend_job_steps_total{")]
+        seen["top"] = d2.ctl("top", "--once").stdout
+        seen["steps"] = steps
+
+    whole, steps, _, _ = _train_through_a_restart(tmp_path, daemons, "live", signal.SIGTERM, config, live)
+    row = seen["status"]
+    assert [p["end_reason"] for p in row["parts"]][:1] == ["interrupted: the daemon stopped"]
+    assert row["steps"] == seen["steps"] and row["parts"][0]["steps"] >= 60
+    assert row["gpu_energy_j"] == pytest.approx(sum(p["gpu_energy_j"] for p in row["parts"]))
+    (series,) = seen["metrics"]
+    assert 'job="live"' in series and float(series.rsplit(" ", 1)[1]) == seen["steps"], series
+    (top,) = [ln.split() for ln in seen["top"].splitlines() if ln.split()[:2] == ["live", "running"]]
+    assert int(top[3]) > row["parts"][-1]["steps"] + 60, seen["top"]  # the whole run's steps, not the part's
+    assert whole["steps"] == steps
 
 
 def test_a_run_whose_daemon_was_killed_names_the_steps_it_lost(tmp_path: Path, daemons: list[DaemonProc]) -> None:
