@@ -100,6 +100,7 @@ def test_prometheus_scrapes_what_the_daemon_serves(tmp_path: Path) -> None:
     for ep in sm["spec"]["endpoints"]:
         assert set(ep) <= SERVICEMONITOR_FIELDS["endpoint"], set(ep) - SERVICEMONITOR_FIELDS["endpoint"]
         assert ep["port"] == sport["name"] and ep["path"] == "/metrics"
+        assert ep.get("honorLabels") is True  # greend's job label kept, not renamed exported_job
         for r in ep.get("relabelings", []):
             assert set(r) <= SERVICEMONITOR_FIELDS["relabeling"], r
 
