@@ -25,7 +25,10 @@ an error, keeps its buffer in memory without bound, and ``flush()`` does nothing
 Points: tags are escaped, a ``host`` tag is added when missing, empty tag values
 are left out; fields are float, int (``i`` suffix) or bool. String fields,
 NaN and infinities are left out (victoria-metrics stores strings as 0), counted
-in ``status().extra["fields_skipped"]``.
+in ``status().extra["fields_skipped"]``; a point left with no field is counted as
+dropped, unless all it had was text (a policy's note: ``text_only_points``, kept in
+SQLite by design). Points the server refuses (400, 422) are set aside in ``rejected/``
+and counted in ``extra["rejected"]`` (Prometheus: ``greend_store_points_rejected_total``).
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ class _Encoder:
         self._fkey: dict[str, str] = {}
         self._tpl: dict[tuple[Any, ...], Any] = {}
         self.fields_skipped = 0
-        self.points_skipped = 0
+        self.points_skipped = 0  # points with nothing line protocol can carry: lost (counted in dropped)
+        self.text_only = 0  # points of text fields alone (a note): kept in SQLite only, by design
         self._warned: set[str] = set()
 
     def prefix(self, p: Point) -> str:
@@ -175,6 +179,7 @@ class _Encoder:
     def slow_line(self, p: Point) -> str | None:
         """Any field values: checks each, leaves out what line protocol cannot carry."""
         out = []
+        unsendable = False  # a value left out that is not text (NaN, an object): counted as lost
         for k, v in p.fields.items():
             if isinstance(v, bool):
                 out.append(f"{self.fkey(k)}={'true' if v else 'false'}")
@@ -192,6 +197,7 @@ class _Encoder:
             self.fields_skipped += 1
             if isinstance(v, str):
                 continue  # by design (docs/stores.md): text, a decision's reason, stays in SQLite
+            unsendable = True
             if k not in self._warned:
                 self._warned.add(k)
                 log.warning(
@@ -201,7 +207,11 @@ class _Encoder:
                     v,
                 )
         if not out:
-            self.points_skipped += 1
+            # A point of text alone (a policy's note) stays in SQLite by design: not lost.
+            if unsendable:
+                self.points_skipped += 1
+            else:
+                self.text_only += 1
             return None
         return f"{self.prefix(p)} {','.join(out)} {p.ts_ns // self.divisor}\n"
 
@@ -470,6 +480,7 @@ class InfluxStore:
                 "last_rejected": last_rejected,
                 "recovered": self._spool.recovered,
                 "fields_skipped": self._enc.fields_skipped,
+                "text_only_points": self._enc.text_only,
                 "requests": self._requests,
                 "retry_in_s": round(retry_in, 3),
             },

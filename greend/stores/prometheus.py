@@ -264,16 +264,21 @@ class GreendCollector:
         swr = counter("greend_store_points_written", "Points the store accepted.", ("url",))
         sdr = counter("greend_store_points_dropped", "Points lost for good (spool bound, malformed).", ("url",))
         spe = gauge("greend_store_points_pending", "Points waiting in the queue or spool.", ("url",))
+        srj = counter(
+            "greend_store_points_rejected",
+            "Points the store's server refused (400, 422): set aside in its spool's rejected/ folder, not written.",
+            ("url",),
+        )
         for s in st.get("stores") or []:
             if not isinstance(s, dict):
                 continue
             url = redact_url(_label_value(s.get("url")))  # (a password never goes into a label)
             sup.add_metric([url], 1.0 if s.get("ok") else 0.0)
-            for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending")):
+            for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending"), (srj, "rejected")):
                 v = _as_float(s.get(key))
                 if v is not None:
                     fam.add_metric([url], v)
-        yield from (f for f in (sup, swr, sdr, spe) if f.samples)
+        yield from (f for f in (sup, swr, sdr, spe, srj) if f.samples)
 
     def _job_families(self, st: dict[str, Any]) -> Iterator[Any]:
         """This node's share of each job shown (:func:`exported_jobs`: running, or ended within

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import math
 import os
 import signal
 import subprocess
@@ -86,10 +87,14 @@ def test_points_land_with_their_values(vm: vmserver.VmServer, tmp_path: Path) ->
     store.write(
         [Point("greend_test", {"run": run, "zone": "a b,c=d"}, {"flag": True, "note": "dropped"}, (t0 + n) * 1_000_000)]
     )
+    # A policy's note: text alone, kept in SQLite by design; not counted as lost.
+    store.write([Point("greend_decision", {"run": run, "kind": "note"}, {"reason": "measuring only"}, t0 * 1_000_000)])
+    # A point with nothing line protocol can carry (a NaN alone): lost, counted.
+    store.write([Point("greend_test", {"run": run}, {"v": math.nan}, t0 * 1_000_000)])
     assert store.flush(15)
     st = store.status()
-    assert st.ok and st.written == n + 1 and st.pending == 0 and st.dropped == 0
-    assert st.extra["fields_skipped"] == 1 and st.extra["spool_bytes"] == 0
+    assert st.ok and st.written == n + 1 and st.pending == 0 and st.dropped == 1
+    assert st.extra["fields_skipped"] == 3 and st.extra["spool_bytes"] == 0 and st.extra["text_only_points"] == 1
     store.close()
     got = vm.wait_samples("greend_test_v", n, run=run)
     assert got == [(t0 + i, float(i)) for i in range(n)]

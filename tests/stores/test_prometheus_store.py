@@ -113,6 +113,7 @@ def fake_status() -> dict[str, Any]:
                 "written": 10,
                 "pending": 3,
                 "dropped": 1,
+                "rejected": 145,  # (refused by the server with a 400: set aside, not written)
             }
         ],
         "config": None,
@@ -180,6 +181,7 @@ def test_scrape_has_base_units_and_values(store: PrometheusStore) -> None:
     assert value(text, "greend_job_precision", job="resnet-run-7", precision="fp8") == 0
     assert value(text, "greend_job_gpu_simulated", job="resnet-run-7") == 0
     assert value(text, "greend_store_points_dropped_total") == 1
+    assert value(text, "greend_store_points_rejected_total") == 145  # an alert sees points a server refused
     assert value(text, "greend_ticks_skipped_total") == 2
     assert store.status().ok
 
