@@ -9,6 +9,7 @@ from typing import Any
 
 __all__ = [
     "cap_notes",
+    "fixed_point",
     "fmt",
     "plot_report",
     "render_jobs",
@@ -139,10 +140,18 @@ def render_status(st: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _num(v: Any, fmt: str = ".3g", unit: str = "") -> str:
+def _num(v: Any, spec: str = ".3g", unit: str = "") -> str:
+    """``v`` as ``spec`` says; a fixed-point spec keeps two significant digits of a small
+    figure (0.00015 GFLOPS/W, not 0.000: see :func:`fmt`)."""
     if v is None:
         return "-"
-    return f"{v:{fmt}}{(' ' + unit) if unit else ''}"
+    text = fmt(float(v), int(spec[1:-1])) if fixed_point(spec) and isinstance(v, (int, float)) else f"{v:{spec}}"
+    return f"{text}{(' ' + unit) if unit else ''}"
+
+
+def fixed_point(spec: str) -> bool:
+    """Whether ``spec`` is a plain fixed-point spec (".3f")."""
+    return spec.startswith(".") and spec.endswith("f") and spec[1:-1].isdigit()
 
 
 def render_report(r: dict[str, Any]) -> str:

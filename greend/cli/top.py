@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from greend.cli.render import fixed_point, fmt
 from greend.cli.top_keys import HELP_LINE, KEYS_LINE, TerminalKeys
 from greend.errors import GreendError
 
@@ -40,6 +41,8 @@ class Frame:
 def _num(v: Any, spec: str = ".0f", unit: str = "") -> str:
     if v is None:
         return "-"
+    if spec != ".0f" and fixed_point(spec) and isinstance(v, (int, float)):
+        return f"{fmt(float(v), int(spec[1:-1]))}{unit}"  # (0.00015 GFLOPS/W, not 0.00)
     return f"{v:{spec}}{unit}"
 
 

@@ -127,6 +127,19 @@ def test_small_figures_keep_two_significant_digits() -> None:
     assert fmt(0.00123, 2) == "0.0012"
 
 
+def test_a_small_gflops_per_watt_is_not_printed_as_zero() -> None:
+    """The report and ``greenctl top`` printed 0.00015 GFLOPS/W (a tiny job's, a sim's) as
+    0.000: their fixed-point figures keep two significant digits too."""
+    from greend.cli.render import render_report
+    from greend.cli.top import _num as top_num
+
+    rep = {"job": "tiny", "state": "ended", "steps": 3, "duration_s": 1.0, "flops": 3e5, "gpu_energy_j": 2000.0,
+           "cpu_energy_j": 0.0, "energy_j": 2000.0, "energy_kwh": 2000 / 3.6e6, "gflops_per_w": 0.00015}  # fmt: skip
+    text = render_report(rep)
+    assert "GFLOPS/W         0.00015" in text, text
+    assert top_num(0.00015, ".2f") == "0.00015" and top_num(42.5, ".2f") == "42.50" and top_num(7.0) == "7"
+
+
 # The systemd unit's sandbox -----------------------------------------------------------
 
 
