@@ -200,7 +200,10 @@ def transformer_flops(params: int, tokens: int) -> float:
     return 6.0 * float(params) * float(tokens)
 
 
-def _leaf_signature(x: Any) -> Hashable:
+MAX_DEPTH = 4  # levels of nested tuples, lists and mappings a batch's signature looks into
+
+
+def _leaf_signature(x: Any, depth: int = 1) -> Hashable:
     if type(x) is _Tensor or isinstance(x, torch.Tensor):  # (the exact type first: a step's hot path)
         return (x.shape, x.dtype)  # torch.Size: a tuple, equal and hashed as one
     if isinstance(x, (int, float, str, bool)) or x is None:
@@ -211,30 +214,34 @@ def _leaf_signature(x: Any) -> Hashable:
             return (tuple(shape), str(getattr(x, "dtype", "")))
         except TypeError:
             pass
+    if depth < MAX_DEPTH and (isinstance(x, (tuple, list)) or hasattr(x, "keys")):
+        # A nested batch ({"enc": {"ids": ...}}): its shapes, not only its type's name (a
+        # padded length inside it changes the FLOPs).
+        return (type(x).__name__, batch_signature(x, _depth=depth + 1))
     return type(x).__name__
 
 
-def batch_signature(batch: Any, *, max_items: int = 16) -> Hashable:
+def batch_signature(batch: Any, *, max_items: int = 16, _depth: int = 1) -> Hashable:
     """A cheap, hashable signature of a batch's tensor shapes and dtypes.
 
-    Looks one level into tuples, lists and mappings (at most ``max_items``
-    entries; HF ``BatchEncoding`` is a mapping), so it costs about a microsecond
-    per tensor. Two batches with the same signature are assumed to cost the
-    same FLOPs; pass ``shape_key=`` to :meth:`GreenCallback.step` when that is
-    not true (e.g. the sequence length hides inside a nested structure).
+    Looks into tuples, lists and mappings, nested up to :data:`MAX_DEPTH` levels (at
+    most ``max_items`` entries each; HF ``BatchEncoding`` is a mapping), so it costs
+    about a microsecond per tensor. Two batches with the same signature are assumed
+    to cost the same FLOPs; pass ``shape_key=`` to :meth:`GreenCallback.step` when
+    that is not true (e.g. a length given as a number, not as a tensor's shape).
     """
     if isinstance(batch, torch.Tensor):
         return (batch.shape, batch.dtype)  # torch.Size: a tuple, equal and hashed as one
     if isinstance(batch, (tuple, list)):  # (a step's hot path: a list, no generator)
         items = batch if len(batch) <= max_items else batch[:max_items]
-        return tuple([_leaf_signature(x) for x in items])
+        return tuple([_leaf_signature(x, _depth) for x in items])
     keys = getattr(batch, "keys", None)
     if keys is not None and hasattr(batch, "__getitem__"):
         try:
-            return tuple([(k, _leaf_signature(batch[k])) for k in list(keys())[:max_items]])
+            return tuple([(k, _leaf_signature(batch[k], _depth)) for k in list(keys())[:max_items]])
         except Exception:
             return type(batch).__name__
-    return _leaf_signature(batch)
+    return _leaf_signature(batch, _depth)
 
 
 def batch_rows(batch: Any, _depth: int = 0) -> int | None:

@@ -86,6 +86,25 @@ def test_batch_signature() -> None:
     hash(gf.batch_signature({"x": [1, 2], "y": a}))
 
 
+def test_a_nested_batch_s_shapes_are_in_its_signature() -> None:
+    """A Lightning batch like ``{"enc": {"ids": (8, L)}, "y": (8,)}`` with padding to the
+    longest sequence: its signature held only the inner dict's type name, so every length
+    reused the first one's FLOPs (7.5x too few booked). Nested shapes count now, to a bound."""
+    a, b = torch.zeros(8, 3), torch.zeros(16, 3)
+    short = {"enc": {"ids": torch.zeros(8, 16, dtype=torch.long)}, "y": torch.zeros(8)}
+    long = {"enc": {"ids": torch.zeros(8, 128, dtype=torch.long)}, "y": torch.zeros(8)}
+    assert gf.batch_signature(short) != gf.batch_signature(long)
+    assert gf.batch_signature(short) == gf.batch_signature({"enc": {"ids": torch.ones(8, 16, dtype=torch.long)},
+                                                            "y": torch.ones(8)})  # fmt: skip
+    assert gf.signature_elements(gf.batch_signature(long)) == 8 * 128 + 8
+    assert gf.batch_signature(([a], [b])) != gf.batch_signature(([b], [a]))
+    deep = a
+    for _ in range(10):
+        deep = [deep]
+    hash(gf.batch_signature(deep))  # (bounded: a type's name past MAX_DEPTH levels)
+    assert gf.batch_rows(long) == 8
+
+
 def test_signature_elements_sums_the_tensors_of_a_signature() -> None:
     x, y = torch.zeros(4, 16), torch.zeros(4, dtype=torch.long)
     assert gf.signature_elements(gf.batch_signature(x)) == 64
