@@ -45,6 +45,7 @@ __all__ = [
     "MAX_STEPS_PER_MESSAGE",
     "MAX_TIME_S",
     "NODE_OWNER",
+    "PACE_S_RANGE",
     "POLICY_OWNER",
     "PROFILE_OWNER",
     "PRECISIONS",
@@ -83,6 +84,8 @@ MAX_ROWS_PER_MESSAGE = 64  # "intervals" rows; a row carries at most MAX_STEPS_P
 # put inf into every later reply about the job (or to stop the daemon).
 MAX_INT = 1 << 53  # any integer field (and list item), unless its schema says less: exact in a double
 MAX_TIME_S = 1e10  # a monotonic time or a duration, s (317 years)
+# A pace's step time (s), as op "pace" takes it (and the daemon's "local_pace" pushes it).
+PACE_S_RANGE = (1e-9, 1e6)
 MAX_LOSS = 1e30  # a loss's magnitude; the callback counts a larger one as non-finite (diverged)
 MAX_FLOPS_PER_STEP = 1e21  # a "steps" entry's FLOPs
 MAX_FLOPS_PER_ROW = 1e24  # an "intervals" row's FLOPs (its steps' sum)
@@ -634,9 +637,9 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "jobs": {},
     "report": {"job": _JOB},
     "pace": {
-        "step_s": Field((float,), required=True, min=1e-9, max=1e6),
+        "step_s": Field((float,), required=True, min=PACE_S_RANGE[0], max=PACE_S_RANGE[1]),
         # The job's floor: the lowest uncapped step time any node measured (absent: none agreed).
-        "floor_s": Field((float,), min=1e-9, max=1e6),
+        "floor_s": Field((float,), min=PACE_S_RANGE[0], max=PACE_S_RANGE[1]),
     },
     "precision_event": {
         "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),

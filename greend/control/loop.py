@@ -38,7 +38,7 @@ from greend.control.profile import ProfileRecorder
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
 from greend.points import Point, cap_fields, decision_point, ts_ns
 from greend.policies.base import Decision, GpuView, Snapshot
-from greend.protocol import NODE_OWNER, POLICY_OWNER
+from greend.protocol import NODE_OWNER, PACE_S_RANGE, POLICY_OWNER
 from greend.settings import Setting
 
 if TYPE_CHECKING:
@@ -514,8 +514,11 @@ class ControlLoop:
             # And the lowest uncapped step it measured at the job's level (the job's floor; none yet: none).
             low = details.get("floor_time_per_flop_s")
             floor_s = float(low) * flops_per_step if low else 0.0
-            if not (math.isfinite(step_s) and step_s > 0 and math.isfinite(floor_s) and floor_s >= 0):
+            lo, hi = PACE_S_RANGE  # (what the ranks may send back in op "pace": a sim's tiny step is out)
+            if not (math.isfinite(step_s) and lo <= step_s <= hi and math.isfinite(floor_s) and floor_s >= 0):
                 continue
+            if not lo <= floor_s <= hi:
+                floor_s = 0.0  # (none)
             last = self._pushed_pace.get(job_id)
             if last is not None and all(abs(a - b) <= 0.01 * b for a, b in zip((step_s, floor_s), last, strict=True)):
                 continue

@@ -15,9 +15,26 @@ the ``pip install`` line to fix it. :func:`available` says which are usable.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
+from typing import Any
 
-__all__ = ["available"]
+__all__ = ["available", "check_callback_kwargs"]
+
+
+def check_callback_kwargs(adapter: str, kwargs: dict[str, Any]) -> None:
+    """Refuse, when the adapter is made, a keyword :class:`greend.GreenCallback` does not
+    take (``gpu=`` for ``gpus=``): it raised only when training started, inside ``fit()``
+    or ``train()``, on every rank. The message names the closest keyword."""
+    from greend.training.options import CallbackOptions
+
+    known = [f.name for f in dataclasses.fields(CallbackOptions)] + ["options"]
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise TypeError(f"{adapter}: GreenCallback takes no argument {name}={hint}")
 
 
 def available() -> dict[str, bool]:

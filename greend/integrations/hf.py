@@ -46,6 +46,7 @@ except ImportError as e:
 
 import torch
 
+from greend.integrations import check_callback_kwargs
 from greend.training import GreenCallback, Step
 from greend.training.mixed_precision import weights_level
 
@@ -91,6 +92,7 @@ class GreenHFCallback(TrainerCallback):
         for bad in ("model", "manage_precision", "initial_precision"):
             if bad in kwargs:
                 raise ValueError(f"GreenHFCallback sets {bad}= itself from the Trainer")
+        check_callback_kwargs("GreenHFCallback", kwargs)
         self.job = job
         self.kwargs = kwargs
         self.cb: GreenCallback | None = None

@@ -48,6 +48,7 @@ except ImportError:
     except ImportError as e:
         raise ImportError("greend.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
+from greend.integrations import check_callback_kwargs
 from greend.training import GreenCallback, Step
 
 __all__ = ["GreenLightningCallback"]
@@ -80,6 +81,7 @@ class GreenLightningCallback(pl.Callback):
         super().__init__()
         if "model" in kwargs:
             raise ValueError("GreenLightningCallback takes its model from the Trainer: do not pass model=")
+        check_callback_kwargs("GreenLightningCallback", kwargs)
         self.job = job
         self.kwargs = kwargs
         self.cb: GreenCallback | None = None

@@ -497,6 +497,29 @@ def test_turning_the_precision_policy_off_asks_the_jobs_back_to_their_own_level(
         d.close()
 
 
+def test_a_pace_the_ranks_could_not_send_back_is_not_pushed(tmp_path: Path) -> None:
+    """A simulated GPU's step can be shorter than op "pace" takes (1e-9 s): pushed anyway,
+    each rank's agreed pace came back refused, with a warning on every rank. Such a pace
+    is not pushed; a floor out of range goes as none."""
+    from greend.policies.base import Decision
+
+    d = Daemon(make_config(tmp_path, sim_gpus=1))
+    try:
+        pushed: list[tuple[str, dict]] = []
+        d.control.ctx.jobs.push = lambda job, event: pushed.append((job, event)) or 1  # type: ignore[method-assign]  # a recorder in the table's place
+
+        def decide(tpf: float, floor_tpf: float | None = None) -> None:
+            details = {"baseline_time_per_flop_s": tpf, "flops_per_step": 1e3, "floor_time_per_flop_s": floor_tpf}
+            d.control._push_paces(Decision(details={"jobs": {"j": details}}))
+
+        decide(6.55e-16)  # a 6.55e-13 s step: below op "pace"'s 1e-9
+        assert pushed == []
+        decide(1e-6, floor_tpf=1e-16)  # a 1 ms step, a floor below the bound
+        assert pushed == [("j", {"event": "local_pace", "step_s": pytest.approx(1e-3)})]
+    finally:
+        d.close()
+
+
 def test_greenctl_status_says_the_points_a_store_rejected(daemon: Daemon) -> None:
     """A store whose server refused points as malformed (InfluxDB's 400s): the text status
     says how many were set aside and the last reason; it read 'dropped 0' with nothing else."""

@@ -407,3 +407,19 @@ def test_hf_a_model_loaded_in_bf16_is_a_bf16_job(sock_path: Path, weights: torch
         assert cb.precision == level and step is not None and step.precision == level
     finally:
         cb.on_train_end(args, state, None)
+
+
+@pytest.mark.parametrize("adapter", ["lightning", "hf"])
+def test_a_misspelt_keyword_is_refused_when_the_adapter_is_made(adapter: str) -> None:
+    """``gpu=[0]`` for ``gpus=``: both adapters took it and raised a TypeError inside
+    ``fit()``/``train()``, after every rank had started. Refused at once, with the name
+    meant."""
+    if adapter == "lightning":
+        _lightning()
+        from greend.integrations.lightning import GreenLightningCallback as Adapter
+    else:
+        pytest.importorskip("transformers")
+        from greend.integrations.hf import GreenHFCallback as Adapter  # type: ignore[assignment]  # one of two
+    with pytest.raises(TypeError, match=r"GreenCallback takes no argument gpu= \(did you mean gpus=\?\)"):
+        Adapter(job="typo", gpu=[0])
+    Adapter(job="fine", gpus=[0], flops_per_step=1e9)  # (the right names pass)
