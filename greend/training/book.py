@@ -1,25 +1,16 @@
 """The callback's book of steps: what every step reads, and what happens after it ends.
 
-:class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see: the
-level in force and the FLOP cache (read on every step), the list of ended steps,
-and the rare paths (a directive at a step boundary, a shape to count). Every 16
-steps or 50 ms the ended steps are booked: one record per step for the sender
-(``Channel.queue``) and the accuracy guard's look at each loss. A batch with nothing
-to judge (the guard not watching) goes to the sender thread whole, a GPU's losses
-being copied, which books it once they land (:meth:`StepBook.book_handed`: the training
-thread takes back what is left first, whenever it judges, reads or changes the
-guard). Else the training thread reads the losses in one pass (without a
-stream sync: :class:`greend.training.loss_reader.LossReader`), lets the guard judge
-them (a rollback through :class:`greend.training.precision_control.PrecisionControl`)
-and queues the records. Python that runs right after a step's torch work finds its
-caches cold and runs several times slower than in a loop: one pass for 16 steps
-costs a fraction of 16 single passes, and none on the training thread costs least
-(``bench/bench_callback.py``). Training thread only, but for
-:meth:`StepBook.directive`, which the sender thread calls (it only sets a flag), and
-:meth:`StepBook.book_handed`.
-
-FLOPs per step are a fixed figure, ``6 * params * tokens``, or counted once per
-shape key with FlopCounterMode (see :mod:`greend.training.callback`).
+:class:`StepBook` is the :class:`greend.training.step.StepHost` the steps see (the level in
+force, the FLOP cache, the ended steps, the rare paths: a directive at a step boundary, a
+shape to count). Every 16 steps or 50 ms the ended steps are booked: one record per step
+for the sender (``Channel.queue``) and the accuracy guard's look at each loss; a batch with
+nothing to judge goes to the sender thread whole (:meth:`StepBook.book_handed`), else the
+training thread reads the losses in one pass without a stream sync
+(:class:`greend.training.loss_reader.LossReader`) and lets the guard judge them. Python
+right after a step's torch work runs cold: one pass for 16 steps costs a fraction of 16
+(``bench/bench_callback.py``). Training thread only, but for :meth:`StepBook.directive`
+(the sender thread: a flag) and :meth:`StepBook.book_handed`. FLOPs per step: a fixed
+figure, ``6 * params * tokens``, or counted once per shape key (FlopCounterMode).
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from typing import Any
 
 import torch
 
+from greend.training._autocast_check import AutocastCheck
 from greend.training._probe_ranks import JointJudge
 from greend.training.flops import FlopCounter, FlopEstimates, batch_signature, model_params
 from greend.training.loss_reader import LossReader
@@ -128,6 +120,7 @@ class StepBook:
         # FLOPs: a fixed figure, 6 * params * tokens once the step ends (tokens may be set
         # late), or None: counted per shape key.
         self._model = model
+        self._autocast_check = AutocastCheck(model, control.autocast_device)  # a switch: in effect?
         self.fixed_flops = float(flops_per_step) if flops_per_step is not None else None
         self._params = model_params(model) if model_flops and model is not None else 0
         self.default_flops: Any = (
@@ -171,6 +164,10 @@ class StepBook:
     def at_boundary(self, step: Step) -> None:
         control = self.control
         self.boundary = False
+        check, level = self._autocast_check, self._autocast_check.level
+        if level is not None and check.verdict(step) is False:  # (a switch: in effect? _autocast_check)
+            control.not_in_effect(level, self.upcoming)
+        self.boundary = check.level is not None
         if control.detecting:
             # An autocast around the step; else, with a model, its first forward tells
             # (by the second step's start the level in force is the job's own).
@@ -198,6 +195,7 @@ class StepBook:
             self.boundary = True
         if self.probe_watch != NEVER:
             self._probe_boundary()
+        check.begun(step)
 
     def _probe_boundary(self) -> None:
         """Near a probe block: the level the next step runs at (the level above inside
@@ -286,6 +284,7 @@ class StepBook:
         if managed:
             self.judge_every = 1  # read each step from now on while the spike rule holds
             self.hold_cpu = False
+            self.boundary = self._autocast_check.arm(level) or self.boundary
         self._arm_probes()
 
     def _arm_probes(self) -> None:
@@ -688,6 +687,7 @@ class StepBook:
         two hooks of a trainer) stopped: it would slow every torch call after it."""
         self.closed = True
         self._drop_detect_hook()
+        self._autocast_check.disarm()
         if self._counter.active:
             self._counter.stop()
         try:

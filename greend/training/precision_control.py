@@ -541,6 +541,31 @@ class PrecisionControl(LevelAgreement):
         log.warning("greend: precision rollback %s -> %s: %s", ev.from_level, ev.to_level, ev.reason)
         self._send_event(told)
 
+    def not_in_effect(self, level: str, index: int) -> None:
+        """A step after the switch to ``level`` ran without ``step.autocast()``: the level
+        was never in effect (greend.training._autocast_check). Back to the level before it,
+        told to the daemon as refused, never asked again in this process."""
+        stack = self.guard.stack
+        if self.level != level or not stack or stack[-1].to_level != level:
+            return
+        why = (
+            "the training loop does not run its forward under step.autocast() (Lightning: "
+            "trainer.greend.autocast()), so greend cannot change its precision"
+        )
+        ev = self.guard.rollback(level, index, "loss", None, cause=why)
+        if ev is None:
+            return
+        self.support[level] = self.refused[level] = why
+        self.after_rollback()
+        try:
+            self._apply_level(ev.to_level)
+        except Exception as e:
+            log.error("greend: going back to %s failed: %s", ev.to_level, e)
+            return
+        self.guard.on_switch(level, ev.to_level, index)
+        self._warnings.warn(f"refuse:{level}", f"greend switched to {level}, but {why}; back at {ev.to_level}")
+        self._send_event(PrecisionEvent("refused", ev.to_level, level, why, step=index, loss=self._last_loss()))
+
     def _send_event(self, ev: PrecisionEvent) -> None:
         fields = ev.fields()
         self.event_log.append(fields)

@@ -632,6 +632,9 @@ class Sender:
                 if not self._flush_blocking(deadline):
                     break
                 self._queue_steps(force=True)
+            events = self.ch.events  # (a rollback or a refusal since the last round: after its steps)
+            while events:
+                self._queue_request("precision_event", events.popleft())
             request_id = self._queue_request("end", {"reason": reason})
             if not self._flush_blocking(deadline):
                 return

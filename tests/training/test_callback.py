@@ -13,6 +13,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,60 @@ def test_directive_bf16_switches_autocast_and_back(daemon: FakeDaemon, sock_path
     assert wait_for(lambda: len(daemon.steps) == 12)
     assert seen == [torch.float32] * 3 + [torch.bfloat16] * 5 + [torch.float32] * 4
     assert [s["precision"] for s in daemon.steps] == ["fp32"] * 3 + ["bf16"] * 5 + ["fp32"] * 4
+
+
+@pytest.mark.parametrize("asks", ["step", "callback", "never"])
+def test_a_switch_the_loop_does_not_run_under_step_autocast_is_refused(
+    daemon: FakeDaemon, sock_path: Path, asks: str
+) -> None:
+    """bf16 is an autocast: a loop that never runs its forward under ``step.autocast()``
+    (a Lightning module on "32-true" that does not wrap it) went on at fp32 while greend
+    booked and reported bf16. The step after the switch shows it: back to fp32, told as
+    refused with the reason, never asked again. A loop that asks (``step.autocast()`` or
+    ``cb.autocast()``) stays at bf16. (The refusal comes a few steps before close: it
+    reaches the daemon, where close dropped the events queued since the sender's last round.)"""
+    model = make_model()
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_data(1)[0]
+    warned = (
+        pytest.warns(GreendWarning, match="does not run its forward under step.autocast")
+        if asks == "never"
+        else nullcontext()
+    )
+    with warned, GreenCallback(probe_trial=False, job="noac", model=model, socket=sock_path, initial_precision="fp32",
+                               **FAST) as cb:  # fmt: skip
+        for i in range(8):
+            if i == 2:
+                assert daemon.directive("bf16") == 1
+                assert wait_for(lambda: cb.requested_precision == "bf16")
+            with cb.step(samples=8) as step:
+                ctx = step.autocast() if asks == "step" else cb.autocast() if asks == "callback" else nullcontext()
+                with ctx:
+                    out = model(x)
+                loss = nn.functional.mse_loss(out.float(), y)
+                step.loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        level = cb.precision
+        refused = dict(cb.refused)
+        support = cb.supported_precisions()
+    assert wait_for(lambda: len(daemon.steps) == 8)
+    levels = [s["precision"] for s in daemon.steps]
+    if asks == "never":
+        assert seen == [torch.float32] * 8 and level == "fp32"
+        assert levels == ["fp32"] * 2 + ["bf16"] + ["fp32"] * 5  # (the one step it took to see)
+        assert "step.autocast()" in refused["bf16"]
+        assert wait_for(lambda: any(e.get("kind") == "refused" for e in daemon.precision_events))
+        (ev,) = [e for e in daemon.precision_events if e.get("kind") == "refused"]
+        assert (ev["from"], ev["to"]) == ("fp32", "bf16") and "step.autocast()" in ev["reason"], ev
+        assert not [e for e in daemon.precision_events if e.get("kind") == "rollback"]
+        assert "step.autocast()" in support["bf16"]  # never tried again in this process
+    else:
+        assert seen == [torch.float32] * 2 + [torch.bfloat16] * 6 and level == "bf16" and not refused
+        assert levels == ["fp32"] * 2 + ["bf16"] * 6
 
 
 def test_unsupported_level_is_ignored_with_the_reason(
