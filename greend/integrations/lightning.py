@@ -37,6 +37,7 @@ is used (a Trainer only accepts callbacks of its own package).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -68,17 +69,25 @@ _LIGHTNING_LEVELS = {
 }
 
 
+class _Skipped(Exception):
+    """A batch Lightning skipped (GreenLightningCallback._drop_step)."""
+
+
 class GreenLightningCallback(pl.Callback):
     """A Lightning ``Callback`` that reports each training batch to greend.
 
     Args:
         job: the job id (see :class:`greend.GreenCallback`).
+        samples_of: the samples in a batch (``lambda b: b["x"].shape[1]`` for a time-major
+            batch); default: its rows, the first dimension of its first tensor.
         **kwargs: passed to :class:`greend.GreenCallback` (``socket=``, ``gpus=``,
             ``flops_per_step=``, ...). The model is the LightningModule.
     """
 
-    def __init__(self, job: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, job: str | None = None, samples_of: Callable[[Any], int] | None = None, **kwargs: Any) -> None:
         super().__init__()
+        self.samples_of = samples_of
+        self._samples_of_failed = False  # (said once)
         if "model" in kwargs:
             raise ValueError("GreenLightningCallback takes its model from the Trainer: do not pass model=")
         check_callback_kwargs("GreenLightningCallback", kwargs)
@@ -122,9 +131,18 @@ class GreenLightningCallback(pl.Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.cb is None:
             return
-        if self._step is not None:  # the previous batch never ended (skipped by Lightning)
-            self._close_step(None)
-        step = self.cb.step(batch=batch)  # (samples: the batch's rows, greend.training.flops.batch_rows)
+        self._drop_step()  # (a batch begun that never ended: skipped)
+        samples = None
+        if self.samples_of is not None:
+            try:
+                samples = self.samples_of(batch)
+            except Exception as e:  # (the user's function: never the training's problem)
+                if not self._samples_of_failed:
+                    log.warning(
+                        "greend: samples_of(batch) raised %s: %s; the batch's rows counted", type(e).__name__, e
+                    )
+                self._samples_of_failed = True
+        step = self.cb.step(batch=batch, samples=samples)  # (None: the batch's rows, flops.batch_rows)
         step.__enter__()
         self._step = step
         if step.precision != self._published:  # (an nn.Module's setattr costs microseconds: on a change only)
@@ -149,6 +167,7 @@ class GreenLightningCallback(pl.Callback):
         self._flush()  # a pause in training: the daemon hears of the last steps now
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._drop_step()
         self._flush()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -165,7 +184,7 @@ class GreenLightningCallback(pl.Callback):
             self.cb.close("error")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._close_step(None)
+        self._drop_step()
         if self.cb is not None:
             self.cb.close("finished")
 
@@ -181,6 +200,14 @@ class GreenLightningCallback(pl.Callback):
         if loss is not None:
             step.loss(loss)
         step.__exit__(None, None, None)
+
+    def _drop_step(self) -> None:
+        """A batch begun and never ended: the module's ``on_train_batch_start`` returned -1
+        (Lightning skips the rest of the epoch) or the training stopped. Not a step: no
+        record (it was booked with the epoch's end in its time), its FLOP count stopped."""
+        step, self._step = self._step, None
+        if step is not None:
+            step.__exit__(_Skipped, None, None)
 
     def _publish(self, trainer: Any, pl_module: Any, level: str) -> None:
         self._published = level

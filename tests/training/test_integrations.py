@@ -423,3 +423,62 @@ def test_a_misspelt_keyword_is_refused_when_the_adapter_is_made(adapter: str) ->
     with pytest.raises(TypeError, match=r"GreenCallback takes no argument gpu= \(did you mean gpus=\?\)"):
         Adapter(job="typo", gpu=[0])
     Adapter(job="fine", gpus=[0], flops_per_step=1e9)  # (the right names pass)
+
+
+def test_lightning_a_batch_the_module_skips_is_no_step(sock_path: Path) -> None:
+    """``on_train_batch_start`` returning -1 ends the epoch early (Lightning's way): that
+    batch's step began and never ended. It was booked at the next batch as a step, with the
+    epoch's end in its time (18 steps for 15 run); it is no step now."""
+    pl = _lightning()
+    from greend.integrations.lightning import GreenLightningCallback
+
+    class Module(_linear_module(pl, lr=0.1)):  # type: ignore[misc]  # a class made by a function
+        ran = 0
+
+        def on_train_batch_start(self, batch: Any, i: int) -> int | None:
+            return -1 if i == 5 else None
+
+        def training_step(self, batch: Any, i: int) -> Any:
+            Module.ran += 1
+            return super().training_step(batch, i)
+
+    daemon = FakeDaemon(sock_path).start()
+    ds = torch.utils.data.TensorDataset(torch.randn(80, 8), torch.randn(80, 1))
+    gcb = GreenLightningCallback(job="skip", socket=sock_path, flops_per_step=1e6, **FAST)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+            trainer = pl.Trainer(max_epochs=3, callbacks=[gcb], accelerator="cpu", enable_model_summary=False, **quiet)
+            trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+        assert wait_for(lambda: len(daemon.ends) == 1)
+        assert Module.ran == 15 and daemon.received() == 15
+        assert sum(s.get("samples") or 0 for s in [*daemon.steps, *daemon.rows]) == 15 * 8
+    finally:
+        daemon.stop()
+
+
+def test_lightning_samples_of_counts_a_batch_that_is_not_batch_first(sock_path: Path) -> None:
+    """A time-major batch ``(T, B, D)``: its rows are T, not B. ``samples_of`` says how
+    many samples a batch holds (a function that raises: the rows, said once)."""
+    pl = _lightning()
+    from greend.integrations.lightning import GreenLightningCallback
+
+    daemon = FakeDaemon(sock_path).start()
+    Module = _linear_module(pl, lr=0.1)
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        for k, (job, fn, each) in enumerate((("sof", lambda b: 3 * len(b[0]), 24), ("sof-bad", lambda b: 1 // 0, 8))):
+            gcb = GreenLightningCallback(job=job, samples_of=fn, socket=sock_path, flops_per_step=1e6, **FAST)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = pl.Trainer(max_epochs=1, callbacks=[gcb], accelerator="cpu", **quiet)
+                trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+            assert wait_for(lambda k=k: len(daemon.ends) == k + 1)
+            booked = [s.get("samples") for s in [*daemon.steps, *daemon.rows]]
+            assert booked and set(booked) == {each}, booked
+            daemon.steps.clear()
+            daemon.rows.clear()
+    finally:
+        daemon.stop()
