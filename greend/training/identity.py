@@ -136,7 +136,10 @@ def resolve_run(job: str, world_size: int, store: Any | None = None) -> str:
     if store is not None:
         try:
             # The first rank to get here sets it; every other reads it back (no waiting).
-            agreed = store.compare_set(f"greend/{job}/run", "", mine)
+            # The n-th run of the job in this process group (a second fit() or train()): a
+            # key of its own, n counted from the callbacks every rank made for the job.
+            n = (int(store.add(f"greend/{job}/runs", 1)) - 1) // max(1, world_size) + 1
+            agreed = store.compare_set(f"greend/{job}/run" + (f"/{n}" if n > 1 else ""), "", mine)
             text = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
             if RUN_ID_RE.match(text):
                 return text

@@ -78,6 +78,17 @@ def test_one_elastic_attempt_has_one_run_id_on_every_node(clean_env: pytest.Monk
     assert runs[0] == runs[1]
 
 
+def test_a_second_fit_in_one_process_group_is_a_new_run(clean_env: pytest.MonkeyPatch) -> None:
+    """A second ``fit()``/``train()`` under DDP made callbacks on every rank that read the
+    first run's id back from the group's store: the report showed the second run alone, with
+    no word of the first. Each run of the job has a key of its own in the store now."""
+    clean_env.delenv("GREEND_RUN", raising=False)
+    store = dist.HashStore()
+    first = [resolve_run("ddp-refit", 2, store) for _rank in range(2)]
+    second = [resolve_run("ddp-refit", 2, store) for _rank in range(2)]
+    assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
+
+
 def test_torchrun_without_a_run_id_is_named_by_its_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
     # torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none for every job: two jobs
     # on one node must not merge into a job "none".
