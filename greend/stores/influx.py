@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "GREEND_INFLUX_TOKEN"
 TIMESTAMP_UNITS = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
+REJECT_LOG_EVERY_S = 60.0  # a server refusing segments: one log line a minute, with the count since
 _INT64 = (-(2**63), 2**63 - 1)
 _SLOW = object()  # template marker: this shape of point needs the checking encoder
 
@@ -339,6 +340,9 @@ class InfluxStore:
         self._last_error: str | None = None
         self._alert: str | None = None
         self._last_rejected: str | None = None
+        self._reject_said_at = -REJECT_LOG_EVERY_S  # (monotonic: the first refusal is said at once)
+        self._rejects_unsaid = 0
+        self._points_unsaid = 0
         self._ok = True
         # ok, alert and the last error change together on the sender thread and are read
         # together by status(): one lock, so a reader never sees "not ok" without its reason.
@@ -553,12 +557,23 @@ class InfluxStore:
                 aside = self.spool_dir_shown / self._spool.rejected_dir.name
                 with self._health:
                     self._last_error = self._last_rejected = f"{detail} ({n} points set aside in {aside})"
-                log.error(
-                    "influx: the server refused a segment of %d points as malformed: %s; set aside in %s",
-                    n,
-                    detail,
-                    aside,
-                )
+                # One line a minute: a server refusing everything (a backlog of segments after
+                # an outage) logged one ERROR per segment, a dozen lines a second.
+                now = time.monotonic()
+                self._rejects_unsaid += 1
+                self._points_unsaid += n
+                if now - self._reject_said_at >= REJECT_LOG_EVERY_S:
+                    more = self._rejects_unsaid - 1
+                    log.error(
+                        "influx: the server refused a segment of %d points as malformed: %s; set aside in %s%s",
+                        n,
+                        detail,
+                        aside,
+                        f" ({more} more segment(s), {self._points_unsaid - n} points, refused since the last line)"
+                        if more
+                        else "",
+                    )
+                    self._reject_said_at, self._rejects_unsaid, self._points_unsaid = now, 0, 0
                 return
             # RETRY or AUTH: keep everything, try again later.
             if outcome == AUTH:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import logging
 import math
 import os
 import signal
@@ -327,6 +328,29 @@ def test_400_sets_the_segment_aside_and_goes_on(scripted: Scripted, tmp_path: Pa
     kept = list((store.spool_dir / "rejected").glob("*.lp"))
     assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 10
     assert len(scripted.requests) == 2  # not retried
+    store.close()
+
+
+def test_a_server_refusing_a_backlog_is_logged_once_a_minute(
+    scripted: Scripted, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server answering 400 to a backlog of segments logged one ERROR per segment (12
+    lines in 2 s): one line now, the count since in the next one a minute later."""
+    scripted.script = [(400, {})] * 6
+    store = InfluxStore(scripted.url, state_dir=tmp_path, host="h", **FAST)
+    with caplog.at_level(logging.ERROR, logger="greend.stores.influx"):
+        for i in range(0, 60, 10):
+            store.write(pts("r", i, i + 10, 0))
+            store._spool.seal()
+        assert store.flush(5)
+        said = [r.getMessage() for r in caplog.records if "refused a segment" in r.getMessage()]
+        assert store.status().extra["rejected"] == 60 and len(said) == 1, said
+        store._reject_said_at -= 60.0  # a minute on
+        scripted.script = [(400, {})]
+        store.write(pts("r", 60, 70, 0))
+        assert store.flush(5)
+    said = [r.getMessage() for r in caplog.records if "refused a segment" in r.getMessage()]
+    assert len(said) == 2 and "(5 more segment(s), 50 points, refused since the last line)" in said[1], said
     store.close()
 
 
