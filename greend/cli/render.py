@@ -348,8 +348,8 @@ def render_savings(sv: dict[str, Any] | None, label: str = "") -> list[str]:
         f"  saved{label:9} {sv['saved_j']:.1f} J of GPU energy = {_num(sv.get('saved_pct'), '.1f')} %   "
         f"slowdown {_num(sv.get('slowdown_pct'), '+.1f')} %" + (f" against {ref['label']}" if ref.get("label") else ""),
         f"    against      its own baseline: {b.get('steps')} steps uncapped at {b.get('precision')}, "
-        f"{_num(b.get('joules_per_gflop'), '.4g')} J/GFLOP; {_num(sv.get('expected_gpu_energy_j'), '.1f')} J "
-        "expected without greend",
+        f"{_num(b.get('joules_per_gflop'), '.4g')} J/GFLOP in its steps; {_num(sv.get('expected_gpu_energy_j'), '.1f')}"
+        " J of GPU energy expected without greend (the job's whole: the GPUs' time between steps too)",
         *_pace_lines(ref),
         f"    how sure     {conf.get('level')}"
         + (" (simulated steps: no measurement noise to bound)" if conf.get("level") == "sim" else "")
