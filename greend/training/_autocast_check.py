@@ -8,10 +8,12 @@ After such a switch, in a callback given the model, forward pre-hooks on the mod
 layers that hold weights look at the first step that runs at the level: a layer computing
 under an autocast shows the level in effect; layers computing, none of them under one,
 show it was not (:meth:`PrecisionControl.not_in_effect` then takes the job back to the
-level before, told to the daemon as refused). A step with no forward (a loop without a
-model, or a step that raised first) shows nothing, and the level stays. Nothing on a
-step's common path: the hooks are on for that one step, the check looks at step
-boundaries only while armed.
+level before, told to the daemon as refused). Only layers with trainable weights are
+looked at (a frozen encoder may run outside the autocast on purpose). A step with no
+forward (a loop without a model, or a step that raised first) shows nothing, and the
+level stays. Nothing on a step's common path: the hooks are on until the first step at
+the level has ended (the first, or under a trial the first of its blocks), and the check
+looks at step boundaries only while armed; a level left before then disarms it.
 """
 
 from __future__ import annotations
@@ -41,14 +43,27 @@ class AutocastCheck:
         self._under = 0  # its layers' forwards under an autocast ...
         self._outside = 0  # ... and outside any
 
+    def switched(self, level: str, managed: bool) -> bool:
+        """The run's level is ``level`` now (``managed``: a switch greend made, to check);
+        whether the steps must look at their boundaries for it."""
+        if managed:
+            return self.arm(level)
+        if self.level not in (None, level):
+            self.disarm()  # (left before a step at it ended: a rollback)
+        return False
+
     def arm(self, level: str) -> bool:
         """After a switch greend made to ``level``: whether there is something to check."""
         self.disarm()
         if level not in AUTOCAST_ONLY or self._model is None:
             return False
         try:
+            torch.is_autocast_enabled(self._device)  # (torch 2.3 has no device argument: no check)
+            # The layers that train: a frozen part (an encoder, a teacher) may run outside
+            # the autocast on purpose, and says nothing of the level the training runs at.
             for m in weight_layers(self._model):
-                self._hooks.append(m.register_forward_pre_hook(self._on_forward))
+                if any(p.requires_grad for p in m.parameters(recurse=False)):
+                    self._hooks.append(m.register_forward_pre_hook(self._on_forward))
         except Exception:
             self.disarm()
             return False
@@ -64,10 +79,13 @@ class AutocastCheck:
         step = self._step
         if step is None or step.t1_s or step.precision != self.level:  # (outside the step looked at)
             return
-        if torch.is_autocast_enabled(self._device):
+        try:
+            if torch.is_autocast_enabled(self._device):
+                self._under += 1
+            else:
+                self._outside += 1
+        except Exception:  # (never into the user's forward)
             self._under += 1
-        else:
-            self._outside += 1
 
     def begun(self, step: Any) -> None:
         """A step about to start: the first at the level is the one looked at."""

@@ -281,10 +281,10 @@ class StepBook:
 
     def switched(self, level: str, managed: bool) -> None:
         self.precision = level
+        self.boundary = self._autocast_check.switched(level, managed) or self.boundary
         if managed:
             self.judge_every = 1  # read each step from now on while the spike rule holds
             self.hold_cpu = False
-            self.boundary = self._autocast_check.arm(level) or self.boundary
         self._arm_probes()
 
     def _arm_probes(self) -> None:

@@ -264,8 +264,8 @@ class GreenCallback:
         """A context manager around one training step (forward, backward, optimizer).
 
         ``samples``/``tokens``: throughput counts (``samples``: by default the batch's
-        rows, the first dimension of ``batch`` or of its first tensor; give it where
-        the batch is not batch-first). ``batch``: the step's input, used only for its
+        rows, :func:`greend.training.flops.batch_rows`; give it where the batch is not
+        batch-first). ``batch``: the step's input, used only for its
         rows and a cheap shape signature (FLOPs are re-counted when it changes).
         ``shape_key``: your own cache key instead (wins over ``batch``). ``index``: the
         step number (default: a counter from 0). ``flops``: this step's FLOPs, overriding
@@ -281,7 +281,7 @@ class GreenCallback:
             book.hold_cpu = False
         if samples is None and batch is not None:
             # The batch's rows: a tensor's first dimension (the shape read once, for the
-            # FLOPs too), else its first tensor's (batch_rows). Cheaper than the user's
+            # FLOPs too), else batch_rows'. Cheaper than the user's
             # len(x): Tensor.__len__ is Python code, a few microseconds of a real step.
             if type(batch) is _Tensor:
                 if shape_key is None:

@@ -214,11 +214,18 @@ def _leaf_signature(x: Any, depth: int = 1) -> Hashable:
             return (tuple(shape), str(getattr(x, "dtype", "")))
         except TypeError:
             pass
-    if depth < MAX_DEPTH and (isinstance(x, (tuple, list)) or hasattr(x, "keys")):
-        # A nested batch ({"enc": {"ids": ...}}): its shapes, not only its type's name (a
-        # padded length inside it changes the FLOPs).
+    if depth < MAX_DEPTH and (_tensors(x) or (hasattr(x, "keys") and hasattr(x, "__getitem__"))):
+        # A nested batch ({"enc": {"ids": ...}}, a list of images): its shapes, not only its
+        # type's name (a padded length inside it changes the FLOPs). Not a list of other
+        # things (per-sample targets, metadata): their sizes change no FLOPs, and walking
+        # them costs each step microseconds.
         return (type(x).__name__, batch_signature(x, _depth=depth + 1))
     return type(x).__name__
+
+
+def _tensors(x: Any) -> bool:
+    """Whether ``x`` is a tuple or list of tensors (or arrays), by its first few items."""
+    return isinstance(x, (tuple, list)) and bool(x) and all(getattr(v, "shape", None) is not None for v in x[:4])
 
 
 def batch_signature(batch: Any, *, max_items: int = 16, _depth: int = 1) -> Hashable:
@@ -245,15 +252,24 @@ def batch_signature(batch: Any, *, max_items: int = 16, _depth: int = 1) -> Hash
 
 
 def batch_rows(batch: Any, _depth: int = 0) -> int | None:
-    """The samples in a batch: the first dimension of its first tensor (or array), looking
-    into tuples, lists and mappings (an ``(inputs, targets)`` pair: the inputs' rows;
-    Hugging Face's ``BatchEncoding``: its first field's). None where there is no such
-    tensor, or it has no dimension."""
+    """The samples in a batch: a tensor's (or an array's) first dimension; in a tuple, a
+    list or a mapping, its first part's rows, where a list or tuple inside it counts its
+    items (``([16 images], [16 targets])``: 16); a ``PackedSequence``, its sequences. None
+    where there are no rows to count. A batch that is not batch-first (time-major) needs
+    ``samples=``."""
+    sizes = getattr(batch, "batch_sizes", None)  # a PackedSequence (a tuple of tensors)
+    if sizes is not None and getattr(batch, "data", None) is not None:
+        try:
+            return int(sizes[0]) if len(sizes) else None
+        except Exception:
+            return None
     shape = getattr(batch, "shape", None)  # a tensor, a numpy array and friends
     if shape is None:
         if _depth >= 4:
             return None
         if isinstance(batch, (tuple, list)):
+            if _depth > 0:
+                return len(batch)  # (inside a batch: one item a sample)
             return batch_rows(batch[0], _depth + 1) if batch else None
         keys = getattr(batch, "keys", None)
         if keys is None or not hasattr(batch, "__getitem__"):

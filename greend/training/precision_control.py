@@ -544,7 +544,7 @@ class PrecisionControl(LevelAgreement):
     def not_in_effect(self, level: str, index: int) -> None:
         """A step after the switch to ``level`` ran without ``step.autocast()``: the level
         was never in effect (greend.training._autocast_check). Back to the level before it,
-        told to the daemon as refused, never asked again in this process."""
+        told to the daemon as refused, the level barred for the guard's cooldown."""
         stack = self.guard.stack
         if self.level != level or not stack or stack[-1].to_level != level:
             return
@@ -552,19 +552,19 @@ class PrecisionControl(LevelAgreement):
             "the training loop does not run its forward under step.autocast() (Lightning: "
             "trainer.greend.autocast()), so greend cannot change its precision"
         )
-        ev = self.guard.rollback(level, index, "loss", None, cause=why)
-        if ev is None:
-            return
-        self.support[level] = self.refused[level] = why
+        guard = self.guard
+        before = stack.pop().from_level  # (not a rollback: no penalty was seen)
+        guard.barred[level] = (index + 1 + guard.cooldown_steps, "not in effect: no step.autocast()")
+        self.refused[level] = why
         self.after_rollback()
         try:
-            self._apply_level(ev.to_level)
+            self._apply_level(before)
         except Exception as e:
-            log.error("greend: going back to %s failed: %s", ev.to_level, e)
+            log.error("greend: going back to %s failed: %s", before, e)
             return
-        self.guard.on_switch(level, ev.to_level, index)
-        self._warnings.warn(f"refuse:{level}", f"greend switched to {level}, but {why}; back at {ev.to_level}")
-        self._send_event(PrecisionEvent("refused", ev.to_level, level, why, step=index, loss=self._last_loss()))
+        guard.on_switch(level, before, index)
+        self._warnings.warn(f"refuse:{level}", f"greend switched to {level}, but {why}; back at {before}")
+        self._send_event(PrecisionEvent("refused", before, level, why, step=index, loss=self._last_loss()))
 
     def _send_event(self, ev: PrecisionEvent) -> None:
         fields = ev.fields()

@@ -258,7 +258,7 @@ def test_a_switch_the_loop_does_not_run_under_step_autocast_is_refused(
     """bf16 is an autocast: a loop that never runs its forward under ``step.autocast()``
     (a Lightning module on "32-true" that does not wrap it) went on at fp32 while greend
     booked and reported bf16. The step after the switch shows it: back to fp32, told as
-    refused with the reason, never asked again. A loop that asks (``step.autocast()`` or
+    refused with the reason, the level barred for the cooldown. A loop that asks (``step.autocast()`` or
     ``cb.autocast()``) stays at bf16. (The refusal comes a few steps before close: it
     reaches the daemon, where close dropped the events queued since the sender's last round.)"""
     model = make_model()
@@ -299,10 +299,41 @@ def test_a_switch_the_loop_does_not_run_under_step_autocast_is_refused(
         (ev,) = [e for e in daemon.precision_events if e.get("kind") == "refused"]
         assert (ev["from"], ev["to"]) == ("fp32", "bf16") and "step.autocast()" in ev["reason"], ev
         assert not [e for e in daemon.precision_events if e.get("kind") == "rollback"]
-        assert "step.autocast()" in support["bf16"]  # never tried again in this process
+        assert support["bf16"] is None  # (barred for the cooldown, not for good: the evidence is one step's)
     else:
         assert seen == [torch.float32] * 2 + [torch.bfloat16] * 6 and level == "bf16" and not refused
         assert levels == ["fp32"] * 2 + ["bf16"] * 6
+
+
+def test_a_frozen_part_run_outside_the_autocast_does_not_refuse_the_switch(daemon: FakeDaemon, sock_path: Path) -> None:
+    """A frozen encoder the loop runs outside ``step.autocast()`` on purpose (under
+    ``no_grad``) before a trained head inside it: the level is in effect where the training
+    runs. Only layers with trainable weights are looked at."""
+    encoder = nn.Sequential(*[nn.Linear(4, 4) for _ in range(70)]).requires_grad_(False)
+    head = nn.Linear(4, 1)
+    model = nn.ModuleDict({"encoder": encoder, "head": head})
+    seen: list[torch.dtype] = []
+    head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with GreenCallback(probe_trial=False, job="frozen", model=model, socket=sock_path, initial_precision="fp32",
+                       **FAST) as cb:  # fmt: skip
+        for i in range(6):
+            if i == 2:
+                assert daemon.directive("bf16") == 1
+                assert wait_for(lambda: cb.requested_precision == "bf16")
+            with cb.step(samples=8) as step:
+                with torch.no_grad():
+                    z = encoder(x)
+                with step.autocast():
+                    out = head(z)
+                loss = nn.functional.mse_loss(out.float(), y)
+                step.loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        assert cb.precision == "bf16" and not cb.refused
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 4
 
 
 def test_unsupported_level_is_ignored_with_the_reason(

@@ -105,6 +105,23 @@ def test_a_nested_batch_s_shapes_are_in_its_signature() -> None:
     assert gf.batch_rows(long) == 8
 
 
+def test_the_rows_of_batches_of_many_shapes() -> None:
+    """Samples counted from ``batch=``: a list inside a batch counts its items (a detection
+    batch of 16 images: 16, not an image's 3 channels), a PackedSequence its sequences, and a
+    list of per-sample targets or metadata is left out of the FLOP key (its sizes change no
+    FLOPs, and walking it cost each step microseconds)."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    imgs = [torch.zeros(3, 32, 32) for _ in range(16)]
+    targets = [{"boxes": torch.zeros(i % 5, 4)} for i in range(16)]
+    assert gf.batch_rows((imgs, targets)) == 16
+    assert gf.batch_rows(pack_sequence([torch.zeros(n) for n in (5, 4, 3, 2)])) == 4
+    assert gf.batch_rows({"idx": [1, 2, 3, 4], "x": torch.zeros(4, 2)}) == 4
+    assert gf.batch_rows((torch.zeros(9, 4), torch.zeros(9))) == 9 and gf.batch_rows(torch.tensor(1.0)) is None
+    assert gf.batch_signature((imgs, targets)) == gf.batch_signature((imgs, targets[::-1]))
+    assert gf.batch_signature((imgs, targets)) != gf.batch_signature(([torch.zeros(3, 64, 64)] * 16, targets))
+
+
 def test_signature_elements_sums_the_tensors_of_a_signature() -> None:
     x, y = torch.zeros(4, 16), torch.zeros(4, dtype=torch.long)
     assert gf.signature_elements(gf.batch_signature(x)) == 64
