@@ -90,7 +90,8 @@ def main() -> None:
         x = torch.randn(32, 64, generator=gen)
         y = torch.randint(0, 8, (32,), generator=gen)
         with cb.step(samples=32, batch=x) if cb is not None else nullcontext() as st:
-            loss = lossf(model(x), y)
+            with st.autocast() if st is not None else nullcontext():  # (greend's level, in effect)
+                loss = lossf(model(x), y)
             if st is not None:
                 worse = rank == args.penalty_rank and st.precision == "bf16"
                 st.loss(loss.detach() * (1 + args.penalty) if worse else loss)
