@@ -274,10 +274,11 @@ class GreendCollector:
                 continue
             url = redact_url(_label_value(s.get("url")))  # (a password never goes into a label)
             sup.add_metric([url], 1.0 if s.get("ok") else 0.0)
-            for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending"), (srj, "rejected")):
+            for fam, key in ((swr, "written"), (sdr, "dropped"), (spe, "pending")):
                 v = _as_float(s.get(key))
                 if v is not None:
                     fam.add_metric([url], v)
+            srj.add_metric([url], _as_float(s.get("rejected")) or 0.0)  # (a store no server answers: none)
         yield from (f for f in (sup, swr, sdr, spe, srj) if f.samples)
 
     def _job_families(self, st: dict[str, Any]) -> Iterator[Any]:
