@@ -251,6 +251,23 @@ def test_directive_bf16_switches_autocast_and_back(daemon: FakeDaemon, sock_path
     assert [s["precision"] for s in daemon.steps] == ["fp32"] * 3 + ["bf16"] * 5 + ["fp32"] * 4
 
 
+def _bf16_asked_at(
+    cb: GreenCallback, daemon: FakeDaemon, steps: int, at: int, forward: Any, opt: Any, y: torch.Tensor
+) -> None:
+    """``steps`` steps of an MSE loop whose output is ``forward(step)``, the daemon asking
+    for bf16 before step ``at``."""
+    for i in range(steps):
+        if i == at:
+            assert daemon.directive("bf16") == 1
+            assert wait_for(lambda: cb.requested_precision == "bf16")
+        with cb.step(samples=8) as step:
+            loss = nn.functional.mse_loss(forward(step).float(), y)
+            step.loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
 @pytest.mark.parametrize("asks", ["step", "callback", "never"])
 def test_a_switch_the_loop_does_not_run_under_step_autocast_is_refused(
     daemon: FakeDaemon, sock_path: Path, asks: str
@@ -273,19 +290,12 @@ def test_a_switch_the_loop_does_not_run_under_step_autocast_is_refused(
     )
     with warned, GreenCallback(probe_trial=False, job="noac", model=model, socket=sock_path, initial_precision="fp32",
                                **FAST) as cb:  # fmt: skip
-        for i in range(8):
-            if i == 2:
-                assert daemon.directive("bf16") == 1
-                assert wait_for(lambda: cb.requested_precision == "bf16")
-            with cb.step(samples=8) as step:
-                ctx = step.autocast() if asks == "step" else cb.autocast() if asks == "callback" else nullcontext()
-                with ctx:
-                    out = model(x)
-                loss = nn.functional.mse_loss(out.float(), y)
-                step.loss(loss)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+
+        def forward(step: Any) -> torch.Tensor:
+            with step.autocast() if asks == "step" else cb.autocast() if asks == "callback" else nullcontext():
+                return model(x)
+
+        _bf16_asked_at(cb, daemon, 8, 2, forward, opt, y)
         level = cb.precision
         refused = dict(cb.refused)
         support = cb.supported_precisions()
@@ -318,20 +328,14 @@ def test_a_frozen_part_run_outside_the_autocast_does_not_refuse_the_switch(daemo
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     with GreenCallback(probe_trial=False, job="frozen", model=model, socket=sock_path, initial_precision="fp32",
                        **FAST) as cb:  # fmt: skip
-        for i in range(6):
-            if i == 2:
-                assert daemon.directive("bf16") == 1
-                assert wait_for(lambda: cb.requested_precision == "bf16")
-            with cb.step(samples=8) as step:
-                with torch.no_grad():
-                    z = encoder(x)
-                with step.autocast():
-                    out = head(z)
-                loss = nn.functional.mse_loss(out.float(), y)
-                step.loss(loss)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+
+        def forward(step: Any) -> torch.Tensor:
+            with torch.no_grad():
+                z = encoder(x)
+            with step.autocast():
+                return head(z)
+
+        _bf16_asked_at(cb, daemon, 6, 2, forward, opt, y)
         assert cb.precision == "bf16" and not cb.refused
     assert seen == [torch.float32] * 2 + [torch.bfloat16] * 4
 

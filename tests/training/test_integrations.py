@@ -144,6 +144,17 @@ class HFTiny(nn.Module):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
+def _fit_quietly(pl: Any, gcb: Any, module: Any, ds: Any, epochs: int = 1) -> Any:
+    """``module`` fitted on ``ds`` (batches of 8, CPU) with ``gcb``, no logger, checkpoint,
+    progress bar or summary; the Trainer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = pl.Trainer(max_epochs=epochs, callbacks=[gcb], accelerator="cpu", **quiet)
+        trainer.fit(module, torch.utils.data.DataLoader(ds, batch_size=8))
+    return trainer
+
+
 def test_lightning_a_second_fit_with_the_same_callback_is_reported(sock_path: Path) -> None:
     pl = _lightning()
     from greend.integrations.lightning import GreenLightningCallback
@@ -153,15 +164,9 @@ def test_lightning_a_second_fit_with_the_same_callback_is_reported(sock_path: Pa
     ds = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     gcb = GreenLightningCallback(job="refit", socket=sock_path, flops_per_step=1e6, **FAST)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-            quiet.update(enable_model_summary=False)
-            for fit in (1, 2):
-                trainer = pl.Trainer(max_epochs=1, callbacks=[gcb], accelerator="cpu", **quiet)
-                trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
-                ends = fit
-                assert wait_for(lambda ends=ends: len(daemon.ends) == ends)
+        for fit in (1, 2):
+            _fit_quietly(pl, gcb, Module(), ds)
+            assert wait_for(lambda ends=fit: len(daemon.ends) == ends)
         assert len(daemon.registers) == 2 and daemon.received() == 16  # 8 steps a fit
     finally:
         daemon.stop()
@@ -446,11 +451,7 @@ def test_lightning_a_batch_the_module_skips_is_no_step(sock_path: Path) -> None:
     ds = torch.utils.data.TensorDataset(torch.randn(80, 8), torch.randn(80, 1))
     gcb = GreenLightningCallback(job="skip", socket=sock_path, flops_per_step=1e6, **FAST)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-            trainer = pl.Trainer(max_epochs=3, callbacks=[gcb], accelerator="cpu", enable_model_summary=False, **quiet)
-            trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+        _fit_quietly(pl, gcb, Module(), ds, epochs=3)
         assert wait_for(lambda: len(daemon.ends) == 1)
         assert Module.ran == 15 and daemon.received() == 15
         assert sum(s.get("samples") or 0 for s in [*daemon.steps, *daemon.rows]) == 15 * 8
@@ -467,14 +468,10 @@ def test_lightning_samples_of_counts_a_batch_that_is_not_batch_first(sock_path: 
     daemon = FakeDaemon(sock_path).start()
     Module = _linear_module(pl, lr=0.1)
     ds = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
-    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:
         for k, (job, fn, each) in enumerate((("sof", lambda b: 3 * len(b[0]), 24), ("sof-bad", lambda b: 1 // 0, 8))):
             gcb = GreenLightningCallback(job=job, samples_of=fn, socket=sock_path, flops_per_step=1e6, **FAST)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer = pl.Trainer(max_epochs=1, callbacks=[gcb], accelerator="cpu", **quiet)
-                trainer.fit(Module(), torch.utils.data.DataLoader(ds, batch_size=8))
+            _fit_quietly(pl, gcb, Module(), ds)
             assert wait_for(lambda k=k: len(daemon.ends) == k + 1)
             booked = [s.get("samples") for s in [*daemon.steps, *daemon.rows]]
             assert booked and set(booked) == {each}, booked
