@@ -220,42 +220,37 @@ class JobOps:
         Prometheus series show, so a run's counters go on across a restart, never back to
         the part since it."""
         live = self.jobs.list_jobs()
-        if self.archive is None:
-            return live
         runs = {(j["job"], j["run_id"]) for j in live if j.get("run_id")}
-        if not runs:
-            return live
-        held = {(j["job"], j.get("run_id"), j.get("started_at")) for j in live}
-        before = [
-            r
-            for r in self.archive.rows(self.jobs.keep_ended)
-            if (r["job"], r.get("run_id")) in runs and (r["job"], r.get("run_id"), r.get("started_at")) not in held
-        ]
+        before = [r for r in self._kept(live) if (r["job"], r.get("run_id")) in runs] if runs else []
         if not before:
             return live
         live_ids = {id(j) for j in live}
-        out = []
-        for parts in runs_of(before + live, key=lambda r: (r["job"], r["run_id"]) if r.get("run_id") else None):
-            if id(parts[-1]) in live_ids:  # (a kept run this live one does not go on from: not shown here)
-                out.append(join_rows(parts) if len(parts) > 1 else parts[-1])
-        return out
+        return [
+            join_rows(parts) if len(parts) > 1 else parts[-1]
+            for parts in runs_of(before + live, key=_run_key)
+            if id(parts[-1]) in live_ids  # (a kept run this live one does not go on from: not shown here)
+        ]
 
     def list_jobs(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
         """The jobs the daemon holds, after the ended runs it kept from before (a restart
-        does not empty ``greenctl jobs``)."""
+        does not empty ``greenctl jobs``); the parts of a run the daemon restarted under are
+        joined into one row."""
         live = self.jobs.list_jobs()
         if self.archive is None:
             return {"jobs": live}
-        # A record both kept and still held (an ended job) is listed once, as held; the
-        # parts of a run the daemon restarted under are joined into one row.
+        return {"jobs": [join_rows(parts) for parts in runs_of(self._kept(live) + live, key=_run_key)]}
+
+    def _kept(self, live: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The ended runs' rows the archive kept, but those still held (an ended job is
+        listed once, as held); none without an archive."""
+        if self.archive is None:
+            return []
         held = {(j["job"], j.get("run_id"), j.get("started_at")) for j in live}
-        kept = [
+        return [
             r
             for r in self.archive.rows(self.jobs.keep_ended)
             if (r["job"], r.get("run_id"), r.get("started_at")) not in held
         ]
-        runs = runs_of(kept + live, key=lambda r: (r["job"], r["run_id"]) if r.get("run_id") else None)
-        return {"jobs": [join_rows(parts) for parts in runs]}
 
     def _keep(self, job: Job) -> None:
         """At a job's end (the registry's hook, outside its lock): its report to the archive."""
@@ -267,3 +262,8 @@ class JobOps:
         ended_at = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else self.jobs.wall()
         row["ended_at"] = ended_at
         self.archive.save(row, report, int(ended_at * 1e9))
+
+
+def _run_key(row: dict[str, Any]) -> tuple[str, str] | None:
+    """A row's run (job id, run id); None where it has no run id (a run of its own)."""
+    return (row["job"], row["run_id"]) if row.get("run_id") else None

@@ -283,12 +283,9 @@ class GreenCallback:
             # The batch's rows: a tensor's first dimension (the shape read once, for the
             # FLOPs too), else batch_rows'. Cheaper than the user's
             # len(x): Tensor.__len__ is Python code, a few microseconds of a real step.
-            if type(batch) is _Tensor:
-                if shape_key is None:
-                    shape_key = batch.shape
-                    samples = shape_key[0] if shape_key else None
-                else:
-                    samples = batch_rows(batch)
+            if type(batch) is _Tensor and shape_key is None:
+                shape_key = batch.shape
+                samples = shape_key[0] if shape_key else None
             else:
                 samples = batch_rows(batch)
         elif type(batch) in (tuple, list) and (type(samples) is int or isinstance(samples, Integral)) and samples <= 4:

@@ -265,7 +265,7 @@ def batch_rows(batch: Any, _depth: int = 0) -> int | None:
             return None
     shape = getattr(batch, "shape", None)  # a tensor, a numpy array and friends
     if shape is None:
-        if _depth >= 4:
+        if _depth >= MAX_DEPTH:
             return None
         if isinstance(batch, (tuple, list)):
             if _depth > 0:
