@@ -18,7 +18,9 @@ third of the run and heals at two thirds). ``efficient`` runs with
 A second table: a 2-node job (8 GPUs a node), node B 10 %, 20 % or 30 % slower
 (every GPU of it). The nodes share one thing, the job's pace: node B's uncapped
 step time, which the ranks agree across nodes and node A's policy receives as
-the job's ``pace_s``. Each node runs its own ``efficient`` (``max_slowdown = 0``);
+the job's ``pace_s`` from the first agreement a real job's ranks can carry it in (step
+200: they agree every 100 steps and read the epoch before; ``harness.PACE_EVERY``). Each
+node runs its own ``efficient`` (``max_slowdown = 0``);
 every step of the job takes the slower node's step. Printed: node A's energy saved,
 the job's (both nodes), the job's time against ``none`` and the ideal (node A's
 best static setting that keeps node B's step, node B uncapped). Energy here is the

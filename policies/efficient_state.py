@@ -113,16 +113,27 @@ def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
     """Whether the job's agreed pace, ``count`` agreements received, can be read against
     the baseline ``base_tpf``. This node's uncapped step time goes out to the ranks when
     its baseline moves (by more than :data:`PUSH_SHARE`); the ranks' next agreement
-    still reads the paces they wrote before that, the one after it reads the new one. A
-    pace agreed earlier is the job's old pace: once a slow node healed, or every node
-    sped up, it would leave room that is not there, and each node would cap its GPUs to
-    a step the job no longer runs (synchronised steps: the job then ran about 20 %
-    slower than ``none`` for two agreements; ``bench/bench_pacing.py``). One agreement
-    more than that: the count lags the ranks by the sender's flush, and the new pace
-    reaches them a moment after it went out (with 10 ms steps the second agreement after
-    the mark still read the old pace in 10 % of runs of a model of those delays)."""
-    if job.pace_tpf is None or abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:
-        job.pace_tpf, job.pace_mark = base_tpf, count
+    still reads the paces they wrote before that, the one after it reads the new one.
+    The pace is the MAX over the nodes, so only an older pace of this node's that was
+    *longer* can leave room that is not there: once a slow node healed, or every node
+    sped up, each node would cap its GPUs to a step the job no longer runs (synchronised
+    steps: the job then ran about 20 % slower than ``none`` for two agreements;
+    ``bench/bench_pacing.py``). So a baseline that fell is read against from the third
+    agreement after it went out (one more than that: the count lags the ranks by the
+    sender's flush, and the new pace reaches them a moment after it went out; with 10 ms
+    steps the second agreement after the mark still read the old pace in 10 % of runs of
+    a model of those delays). A baseline that rose, and this node's first one (the ranks
+    hold no pace of its own: an agreement without it is the other nodes' MAX, no longer
+    than the job's), are read against at once: waiting had left a node paced from the
+    start without its room from the first agreement, at step 200, to step 400 (a
+    daemon restarted mid-job is the exception: the ranks write the pace the last one
+    told them until this one's goes out)."""
+    if job.pace_tpf is None:  # (the ranks hold no pace of this node's: it reads the next agreement it hears)
+        job.pace_tpf, job.pace_mark = base_tpf, count - 2
+    elif abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:
+        if base_tpf < job.pace_tpf:  # (quicker: its older, longer pace may still be the ranks' MAX)
+            job.pace_mark = count
+        job.pace_tpf = base_tpf
     return count >= job.pace_mark + 3
 
 

@@ -521,6 +521,9 @@ def _snapshot(
         running = sj.steps is None or job_steps[sj.job] < sj.steps
         acc = accs.get(sj.job)
         first = next(g for g in gpus if g.index == sj.gpus[0])
+        # The agreements received so far: none yet, no pace (a daemon hears the first one
+        # when the ranks read the first epoch any rank wrote one in: step 200 at PACE_EVERY)
+        count = sj.pace_count if sj.pace_count is not None else max(0, job_steps[sj.job] // PACE_EVERY - 1)
         jvs.append(
             JobView(
                 job=sj.job,
@@ -531,9 +534,9 @@ def _snapshot(
                 precisions=(sj.precision,),
                 measure=acc.measure() if acc is not None else None,
                 setting=_in_force(first),
-                pace_s=sj.pace_s,
+                pace_s=sj.pace_s if count > 0 else None,
                 floor_s=sj.floor_s,
-                pace_count=sj.pace_count if sj.pace_count is not None else max(0, job_steps[sj.job] // PACE_EVERY - 1),
+                pace_count=count,
             )
         )
     return Snapshot(t_s=t_s, gpus=tuple(views), jobs=tuple(jvs), cpu_power_w=cpu_power_w)

@@ -371,17 +371,24 @@ def test_a_node_that_heals_leaves_the_job_within_its_bound(room: bool) -> None:
     )  # (the slow node's pace was agreed, and given to both)
 
 
-def test_a_pace_is_read_from_the_third_agreement_after_the_nodes_baseline_moved() -> None:
+def test_a_pace_is_read_from_the_third_agreement_after_the_nodes_step_fell() -> None:
+    """A node's first pace: the ranks hold none of its own, so the next agreement it hears
+    is read. Its step falling (a healed straggler: its older, longer pace may still be the
+    ranks' MAX): from the third agreement on. Its step rising: its older pace is quicker and
+    can only leave less room, so nothing waits."""
     from greend.policies.efficient_state import JobSearch, pace_fresh
 
     job = JobSearch(gpus=(0,), start_steps=0)
-    assert not pace_fresh(job, 1e-12, 3)  # (this node's pace goes out now: agreement 3 read the old ones)
-    assert not pace_fresh(job, 1.004e-12, 4)  # (a baseline within the push threshold: no new pace went out)
-    assert not pace_fresh(job, 1.004e-12, 5)  # (agreement 4 may have been on its way: the count lags)
-    assert pace_fresh(job, 1.004e-12, 6)
-    assert not pace_fresh(job, 1.2e-12, 6)  # (the job sped up or slowed: a new pace goes out)
-    assert not pace_fresh(job, 1.2e-12, 8)
-    assert pace_fresh(job, 1.2e-12, 9)
+    assert not pace_fresh(job, 1e-12, 3)  # (this node's first pace goes out now: agreement 3 read none of it)
+    assert pace_fresh(job, 1.004e-12, 4)  # (the next agreement heard; within the push threshold: no new pace)
+    assert pace_fresh(job, 1.2e-12, 4)  # (slower: a new, longer pace goes out; the old one leaves less room)
+    assert not pace_fresh(job, 1.0e-12, 5)  # (quicker: the old, longer pace may still be the ranks' MAX)
+    assert not pace_fresh(job, 1.0e-12, 6)
+    assert not pace_fresh(job, 1.0e-12, 7)  # (agreement 6 may have been on its way: the count lags)
+    assert pace_fresh(job, 1.0e-12, 8)
+    assert pace_fresh(job, 1.25e-12, 8)  # (slower again: read at once)
+    assert not pace_fresh(job, 1.1e-12, 8)  # (quicker than the pace that went out last: wait again)
+    assert pace_fresh(job, 1.1e-12, 11)
 
 
 @pytest.mark.parametrize(
