@@ -125,9 +125,9 @@ def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
     a model of those delays). A baseline that rose, and this node's first one (the ranks
     hold no pace of its own: an agreement without it is the other nodes' MAX, no longer
     than the job's), are read against at once: waiting had left a node paced from the
-    start without its room from the first agreement, at step 200, to step 400 (a
-    daemon restarted mid-job is the exception: the ranks write the pace the last one
-    told them until this one's goes out)."""
+    start without its room from the first agreement, at step 200, to step 400. (A
+    rank's register reply gives it this daemon's pace, null before its first, so a
+    daemon restarted mid-job is not met with its predecessor's.)"""
     if job.pace_tpf is None:  # (the ranks hold no pace of this node's: it reads the next agreement it hears)
         job.pace_tpf, job.pace_mark = base_tpf, count - 2
     elif abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:

@@ -144,6 +144,9 @@ class JobOps:
             reply["directive"] = {"precision": booked.precision}
         if tolerance is not None:
             reply["precision_tolerance"] = tolerance
+        # This node's pace for the job as last pushed (null: none yet): a rank that joins late,
+        # or comes back to a restarted daemon, writes no pace this daemon did not measure.
+        reply["local_pace"] = booked.local_pace
         here = self.jobs.gpu_indices() if not reg.gpus and reg.kind == "training" else None
         if here:  # (the callback warns with it: a report with no GPU figures, and nothing said why)
             reply["warning"] = (

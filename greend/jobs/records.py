@@ -370,6 +370,10 @@ class Job:
     floor_s: float | None = None  # its floor, agreed with it: the lowest uncapped step time a node measured
     pace_count: int = 0  # agreements on it received: the most any one rank sent (each rank sends each)
     pace_ops: dict[int, int] = field(default_factory=dict)  # rank -> its ops "pace", over its sessions
+    # This node's pace as last pushed to the ranks (event "local_pace", less "event"; None:
+    # none yet): a rank that registers (joins late, or comes back to a restarted daemon) gets
+    # it in the reply, so it never writes a pace this daemon did not measure.
+    local_pace: dict[str, float] | None = None
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     nonfinite_recent: deque[int] = field(default_factory=lambda: deque(maxlen=256))
     decisions: list[CapChange] = field(default_factory=list)

@@ -106,6 +106,7 @@ class Registered:
     run: str
     precision: str | None  # a standing proposal's level, else the job's level in force; None while not known
     known: bool = True  # False: a rank that ran before this record (a daemon restart) may run another level
+    local_pace: dict[str, float] | None = None  # this node's pace as last pushed to the job's ranks (Job.local_pace)
 
 
 class JobRegistry(JobTable):
@@ -296,7 +297,7 @@ class JobRegistry(JobTable):
                             rs.rank, top)  # fmt: skip
                 asked = top
             known = not (reg.steps_before and not job.steps and job.proposal is None)
-            return Registered(job_id, job.run, asked if top is not None else None, known)
+            return Registered(job_id, job.run, asked if top is not None else None, known, job.local_pace)
 
     @staticmethod
     def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:

@@ -525,6 +525,10 @@ class JobTable:
         with self._lock:
             job = self.jobs.get(job_id)
             channels = [rs.channel for rs in job.ranks.values() if rs.channel is not None] if job else []
+            if job is not None and event.get("event") == "local_pace":  # (a rank registering later gets it)
+                pace = {k: v for k, v in event.items() if k != "event"}
+                if all(isinstance(v, (int, float)) and math.isfinite(v) for v in pace.values()):
+                    job.local_pace = pace
         msg = {"v": 1, "job": job_id, **event}
         sent = 0
         missed: list[RankChannel] = []

@@ -39,6 +39,7 @@ class FakeDaemon:
         self.path = path
         self.rows_every_s = rows_every_s
         self.precision_tolerance = precision_tolerance  # sent in the register reply where set
+        self.register_extra: dict[str, Any] = {}  # more fields of the register reply (e.g. "local_pace")
         self.rows: list[dict[str, Any]] = []
         self.booked_by_job: list[dict[str, Any]] = []  # one a steps/rows message: the job it booked
         self.heartbeat_s = heartbeat_s
@@ -96,6 +97,7 @@ class FakeDaemon:
             reply.update(report="intervals", rows_every_s=self.rows_every_s)
         if self.precision_tolerance is not None:
             reply["precision_tolerance"] = self.precision_tolerance
+        reply.update(self.register_extra)
         return reply
 
     def _intervals(self, msg: dict[str, Any], conn: Connection) -> Any:

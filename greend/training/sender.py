@@ -141,6 +141,7 @@ class Sender:
         self._last_progress_s = 0.0  # the last time the daemon took any bytes
         self._failures = 0  # connection attempts failed in a row
         self._ever_connected = False
+        self._pace_heard = False  # a local_pace event came while registering
         # How steps go out: "intervals" (rows summed here) where the daemon's register
         # reply offers it, else a "steps" entry per step (an older daemon, or one whose
         # [store] step_detail keeps a row per step). Losses step by step in the rows only
@@ -272,6 +273,7 @@ class Sender:
         self._pending.clear()
         request_id = next(self._request_ids)
         fields = self._register_fields()
+        self._pace_heard = False  # (a local_pace pushed before the reply is newer than the reply's)
         try:
             s.sendall(frame_request(request_id, "register", fields))
             ch.stats.messages += 1
@@ -326,6 +328,13 @@ class Sender:
             directive = result.get("directive")
             if isinstance(directive, dict):
                 self._on_directive(directive.get("precision"))
+            # This daemon's pace for the job (null: none yet; absent: an older daemon, kept):
+            # never a pace an earlier daemon measured, which may be out of date.
+            pace = result.get("local_pace", ...)
+            if pace is None and not self._pace_heard:
+                ch.local_pace_s = ch.local_floor_s = None
+            elif isinstance(pace, dict) and not self._pace_heard:
+                self._on_local_pace(pace, "a register reply's local_pace")
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
             self._rows_every_s = max(opts.flush_interval_s, positive(result.get("rows_every_s"), 5.0) or 0.0)
             if isinstance(result.get("warning"), str):  # (what the daemon saw amiss: a job that named no GPUs)
@@ -601,13 +610,17 @@ class Sender:
             if "precision" in msg:
                 self._on_directive(msg.get("precision"), msg.get("reason"))
         elif msg.get("event") == "local_pace":
-            step_s, floor_s = positive(msg.get("step_s"), 1e6), positive(msg.get("floor_s"), 1e6)
-            if step_s is None or (floor_s is None and "floor_s" in msg):  # (a daemon before floors sends none)
-                self._malformed(f"a local_pace event with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
-            if step_s is not None:
-                self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
+            self._pace_heard = True
+            self._on_local_pace(msg, "a local_pace event")
         else:
             log.debug("greend: ignoring event %r", msg.get("event"))
+
+    def _on_local_pace(self, msg: dict[str, Any], what: str) -> None:
+        step_s, floor_s = positive(msg.get("step_s"), 1e6), positive(msg.get("floor_s"), 1e6)
+        if step_s is None or (floor_s is None and "floor_s" in msg):  # (a daemon before floors sends none)
+            self._malformed(f"{what} with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
+        if step_s is not None:
+            self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
 
     def _on_directive(self, level: Any, reason: Any = None) -> None:
         if not isinstance(level, str) or level not in PRECISIONS:

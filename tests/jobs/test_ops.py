@@ -94,6 +94,21 @@ def test_register_book_and_end_through_the_ops() -> None:
         h["heartbeat"]({}, conn)
 
 
+def test_a_rank_that_registers_gets_this_nodes_pace_as_last_pushed() -> None:
+    """A rank that joins a running job, or comes back to a restarted daemon, gets the pace
+    this daemon last pushed to the job's ranks (null: none yet), so it never writes one an
+    earlier daemon measured, and one that joins late still adds this node's."""
+    ops, _ = _ops()
+    h = ops.handlers()
+    first = h["register"]({"job": "j1", "rank": 0, "world_size": 2}, _Conn(1, _Peer(pid=10, uid=1000)))
+    assert "local_pace" in first and first["local_pace"] is None
+    assert ops.jobs.push("j1", {"event": "local_pace", "step_s": 0.2, "floor_s": 0.19}) == 1
+    assert ops.jobs.push("j1", {"event": "local_pace", "step_s": math.inf}) == 0  # (not kept: cannot be sent)
+    late = h["register"]({"job": "j1", "rank": 1, "world_size": 2}, _Conn(2, _Peer(pid=11, uid=1000)))
+    assert late["local_pace"] == {"step_s": 0.2, "floor_s": 0.19}
+    encode(late)  # (the reply goes out as it is)
+
+
 def test_a_quota_refuses_as_the_servers_limit_and_fire_and_forget_sends_nothing() -> None:
     ops, _ = _ops(max_jobs_per_uid=1)
     h = ops.handlers()

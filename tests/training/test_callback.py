@@ -537,6 +537,39 @@ def test_daemon_killed_then_restarted(sock_path: Path) -> None:
         d2.stop()
 
 
+def test_a_rank_holds_only_the_pace_of_the_daemon_it_is_registered_with(sock_path: Path) -> None:
+    """The node's pace a rank writes for the job's agreement is the one its daemon's
+    register reply gives (``local_pace``; null: none yet), or a later push: never one a
+    daemon before a restart measured, which may be out of date (a node whose step fell
+    since would have read room from it). A reply without the field (an older daemon)
+    leaves it as it is."""
+    d1 = FakeDaemon(sock_path)
+    d1.register_extra = {"local_pace": {"step_s": 0.3, "floor_s": 0.28}}
+    d1.start()
+    cb = GreenCallback(initial_precision="fp32", job="paced", model=make_model(), socket=sock_path, **FAST)
+    daemons = [d1]
+    try:
+        with cb.step(samples=1):
+            pass
+        ch = cb._channel
+        assert wait_for(lambda: ch.local_pace_s == 0.3 and ch.local_floor_s == 0.28, 5.0)
+        cases = (({"local_pace": None}, None), ({}, None), ({"local_pace": {"step_s": 0.2}}, 0.2), ({}, 0.2))
+        for extra, want in cases:
+            daemons[-1].stop()  # the daemon restarts ...
+            assert wait_for(lambda: not cb.connected, 5.0)
+            d = FakeDaemon(sock_path)
+            d.register_extra = extra
+            daemons.append(d.start())
+            before = cb.stats.connects
+            assert wait_for(lambda n=before: cb.stats.connects > n, 5.0)  # ... and the rank registers again
+            assert ch.local_pace_s == want, (extra, ch.local_pace_s)
+        assert ch.local_floor_s is None
+    finally:
+        cb.close()
+        for d in daemons:
+            d.stop()
+
+
 def test_a_daemon_back_before_the_reconnect_delay_ends_gets_the_steps_at_close(sock_path: Path) -> None:
     """A daemon restarted near the end of a run: the callback still waited out its
     reconnect delay (seconds) when the job called close(), and close() counted every step
