@@ -444,8 +444,8 @@ class Prober:
                 self.pending = _SUSPECT if self._suspect() else None
                 self.lean = (self.solo or self.agreed) and self.pending is None and self._leans()
             # (a block left out, shifted or short of losses, says nothing: what waited, waits on)
-        if place and self.upper is not None:
-            self._next_block(blk)
+        if place and self.upper is not None and not (self.trial and why is not None):
+            self._next_block(blk)  # (a trial turned down places nothing: its last block would arm the probes)
         return why
 
     def _verdict(self, blk: _Block) -> Verdict | None:
