@@ -355,7 +355,8 @@ def _print_run(task: str, batch: int, extra: tuple[str, ...], n_steps: int, seed
                rep: dict) -> None:  # fmt: skip
     levels = r["levels"]
     switched = next((i for i, lvl in enumerate(levels) if lvl != levels[0]), None)
-    rollbacks = [e for e in rep["precision_log"] if e["kind"] == "rollback"]  # the callback's too
+    # The callback's too; a step down turned down in its trial is "refused" (never switched to)
+    rollbacks = [e for e in rep["precision_log"] if e["kind"] in ("rollback", "refused")]
     diff = (r["eval_loss"] / twin["eval_loss"] - 1) * 100
     label = f"{task} (batch {batch}{', reference' if '--reference' in extra else ''}, {n_steps} steps)"
     at = switched if switched is not None else "never"
@@ -383,7 +384,7 @@ def _print_run(task: str, batch: int, extra: tuple[str, ...], n_steps: int, seed
         f"{diff:>+7.2f}%{train:>+7.2f}%{saved_s}{upper}"
     )
     for e in rollbacks:
-        print(f"      rollback at step {e['step']}: {e['reason']}")
+        print(f"      {'rollback' if e['kind'] == 'rollback' else 'turned down'} at step {e['step']}: {e['reason']}")
     if SHOW_PROBES and switched is not None:
         a = switched + 80
         print("      losses", [(i, levels[i], f"{r['losses'][i]:.3g}") for i in range(a, min(a + 40, n_steps))])

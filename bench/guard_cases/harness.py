@@ -97,7 +97,7 @@ def report(tag: str, seed: int, r: dict, twin: dict | None, rep: dict) -> None:
     levels = r["levels"]
     n, own = len(levels), levels[0]
     sw = next((i for i, lv in enumerate(levels) if lv != own), None)
-    rbs = [e for e in rep["precision_log"] if e["kind"] == "rollback"]
+    rbs = [e for e in rep["precision_log"] if e["kind"] in ("rollback", "refused")]  # (refused: by its trial)
     saved_j, steps_j = (rep.get("savings") or {}).get("saved_j"), rep.get("sim_energy_j")
     saved = f"{100 * saved_j / (steps_j + saved_j):.1f}%" if isinstance(saved_j, (int, float)) and steps_j else "n/a"
     upper = "-"
@@ -122,7 +122,10 @@ def report(tag: str, seed: int, r: dict, twin: dict | None, rep: dict) -> None:
             s += f" ({_pct(r['eval_bf16'], tw)} vs twin fp32)"
     print(s, flush=True)
     for e in rbs:
-        print(f"   rollback at step {e['step']}: {e['reason']}", flush=True)
+        print(
+            f"   {'rollback' if e['kind'] == 'rollback' else 'turned down'} at step {e['step']}: {e['reason']}",
+            flush=True,
+        )
     for c in r.get("probe_checks") or []:
         if c.get("penalty") is None:
             print(f"     blk {c.get('start')} {c}", flush=True)
