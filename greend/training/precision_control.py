@@ -12,6 +12,7 @@ it reports go to the sender through the callback's channel.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 import warnings
@@ -357,7 +358,7 @@ class PrecisionControl(LevelAgreement):
         except Exception as e:
             self.reference = None
             self._warnings.warn(
-                "reference", f"reference_loss failed ({type(e).__name__}: {e}); no more reference checks"
+                "reference", f"reference_loss failed ({type(e).__name__}: {e}); no more reference checks", loud=True
             )
             if self.fp8 is not None and level in FP8_LEVELS and not self.fp8.active:
                 self._rollback_now(index, "fp8 could not be put back after the reference check", None)
@@ -536,7 +537,8 @@ class PrecisionControl(LevelAgreement):
         try:
             self._apply_level(ev.to_level)
         except Exception as e:
-            log.error("greend: rolling back to %s failed: %s", ev.to_level, e)
+            self._warnings.warn(f"rollback:{ev.to_level}", f"rolling back to {ev.to_level} failed: {e}",
+                                level=logging.ERROR, loud=True)  # fmt: skip
             return
         self.guard.on_switch(ev.from_level, ev.to_level, index + 1)
         log.warning("greend: precision rollback %s -> %s: %s", ev.from_level, ev.to_level, ev.reason)
@@ -561,7 +563,8 @@ class PrecisionControl(LevelAgreement):
         try:
             self._apply_level(before)
         except Exception as e:
-            log.error("greend: going back to %s failed: %s", before, e)
+            self._warnings.warn(f"rollback:{before}", f"going back to {before} failed: {e}", level=logging.ERROR,
+                                loud=True)  # fmt: skip
             return
         guard.on_switch(level, before, index)
         self._warnings.warn(f"refuse:{level}", f"greend switched to {level}, but {why}; back at {before}")
@@ -582,7 +585,7 @@ class PrecisionControl(LevelAgreement):
             try:
                 self.scaler = torch.amp.GradScaler(self.autocast_device)
             except Exception as e:
-                self._warnings.warn("scaler", f"cannot make a GradScaler for {self.autocast_device}: {e}")
+                self._warnings.warn("scaler", f"cannot make a GradScaler for {self.autocast_device}: {e}", loud=True)
                 return None
         return self.scaler
 
@@ -639,7 +642,7 @@ class PrecisionControl(LevelAgreement):
                 try:
                     self.fp8.revert()  # the user gets back the model they gave us
                 except Exception as e:
-                    log.warning("greend: could not undo the fp8 conversion: %s", e)
+                    self._warnings.warn("fp8-undo", f"could not undo the fp8 conversion: {e}", loud=True)
 
 
 @contextlib.contextmanager
