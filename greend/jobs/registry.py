@@ -220,7 +220,7 @@ class JobRegistry(JobTable):
                     job = self.jobs.get(job_id)
                 else:
                     job = None  # a rerun of an ended job's id: a fresh record, never resumed
-            resumable = job is not None and self._resumable(job, caller.uid, run, reg.steps_before)
+            resumable = job is not None and self._resumable(job, caller.uid, run, reg.steps_before, caller.pid)
             if job is not None and job.state != "running" and not resumable:
                 # A new run under an ended job's id: start a fresh record.
                 job = None
@@ -300,18 +300,20 @@ class JobRegistry(JobTable):
             return Registered(job_id, job.run, asked if top is not None else None, known, job.local_pace)
 
     @staticmethod
-    def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None) -> bool:
+    def _resumable(job: Job, uid: int, run: str | None = None, steps_before: int | None = None, pid: int = 0) -> bool:
         """A job record that a re-registration continues: one that ended (or is ending)
         only because its ranks' heartbeats stopped or their connections dropped, taken up
         by a process of the same run that sent steps before (``steps_before``; a process
-        that sent none is a new one: a rerun or an elastic restart, a fresh record)."""
-        if job.uid != uid and uid != 0:
+        that sent none is a new one: a rerun or an elastic restart, a fresh record). A
+        client that says neither (an older one) continues it only from a process that left
+        it (another process, minutes later, had its run merged into the record)."""
+        if (job.uid != uid and uid != 0) or (run is not None and run != job.run):
             return False
-        if run is not None and run != job.run:
-            return False
-        reason = job.end_reason or ""
         if steps_before == 0:
             return False  # a new process (None: a callback from before it said, judged as before)
+        if run is None and steps_before is None and pid > 0 and all(g.pid != pid for g in job.gone):
+            return False
+        reason = job.end_reason or ""
         return reason.startswith(EXPIRED) or (reason == DISCONNECTED and run is not None)
 
     def _check_gpus_exist(self, gpus: list[int]) -> None:

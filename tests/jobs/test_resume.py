@@ -81,6 +81,37 @@ def test_a_callback_from_before_steps_before_still_resumes_its_record() -> None:
     assert reg.jobs["train"] is first and first.state == "running"
 
 
+def test_a_client_that_says_neither_run_nor_steps_before_resumes_only_from_its_own_process() -> None:
+    """A client that says neither its run nor what it sent before (an older one, a client
+    of another tool): a record its heartbeats let expire goes on only when the process that
+    left comes back (a daemon stall). Another process under the id minutes later is another
+    run: a fresh record (it was merged into the old one, its steps 0-99 counted twice and
+    the idle gap in the record's span and energy)."""
+    clock = [1000.0]
+    reg = JobRegistry(Ledger(), hostname="h", monotonic=lambda: clock[0], heartbeat_timeout_s=15.0)
+
+    def register(session: int, pid: int) -> None:
+        r = Registration(job="control", run=None, rank=0, local_rank=0, world_size=1, gpus=(), host=None,
+                         precisions=("bf16",), mem_share=None, reference_every=None)  # fmt: skip
+        reg.register(r, Caller(session=session, pid=pid, uid=1000))
+
+    def wait(s: float) -> None:  # (the daemon ticks on: no stall of its own)
+        for _ in range(int(s)):
+            clock[0] += 1.0
+            reg.tick(clock[0])
+
+    register(1, pid=100)
+    first = reg.jobs["control"]
+    wait(20)  # (its heartbeats stopped)
+    assert first.end_reason is not None and first.end_reason.startswith("no heartbeat")
+    register(2, pid=100)  # the same process, back
+    assert reg.jobs["control"] is first and first.state == "running"
+    wait(160)
+    assert first.end_reason is not None and first.end_reason.startswith("no heartbeat")
+    register(3, pid=200)  # another process, later
+    assert reg.jobs["control"] is not first and reg.jobs["control"].state == "running"
+
+
 def test_a_second_process_as_a_rank_already_registered_is_refused_by_name() -> None:
     """Two processes of one job that both say rank 0 (a launcher that set no RANK): the
     second was booked beside the first and the rank's steps were summed (200 for a job
