@@ -111,6 +111,7 @@ class JobView:
     setting: Setting  # the setting now in force for this job's GPUs
     pace_s: float | None = None  # the job's agreed uncapped step time across nodes, if any
     pace_count: int = 0  # agreements on pace_s received so far (each reads the nodes' paces one agreement late)
+    held_pace_s: float | None = None  # this node's pace as its ranks hold it (the daemon's last push), if any
     run_steps: int | None = None  # the job's step in its run, as its ranks number them (None: as steps)
     floor_s: float | None = None  # spanning nodes: its fastest uncapped step a node measured, agreed like pace_s
     loss_recent: tuple[float, ...] = ()  # recent losses, oldest first (for the precision policy)

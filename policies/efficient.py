@@ -677,7 +677,10 @@ class EfficientPolicy:
     def _allowed(self, base: Evidence, j: JobView, job: _Job) -> float:
         """The allowed time ratio to the local uncapped baseline (``pace_room``: over a fresh pace, pace_fresh)."""
         allowed = 1.0 + self.max_slowdown
-        fresh = self.pace_room and base.time_s > 0 < base.flops and pace_fresh(job, base.time_per_flop_s, j.pace_count)
+        fresh = False
+        if self.pace_room and base.time_s > 0 < base.flops:
+            held = j.held_pace_s / step_flops(job, base) if j.held_pace_s else None  # (s per FLOP)
+            fresh = pace_fresh(job, base.time_per_flop_s, j.pace_count, held)
         if j.pace_s is not None and j.pace_s > 0 and fresh:
             pace_tpf = j.pace_s / step_flops(job, base)  # s per FLOP at the agreed pace
             if pace_tpf > base.time_per_flop_s:

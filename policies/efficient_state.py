@@ -109,7 +109,7 @@ def new_since(since_s: float | None, before_s: float | None) -> bool:
     return since_s is not None and before_s is not None and since_s != before_s
 
 
-def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
+def pace_fresh(job: JobSearch, base_tpf: float, count: int, held_tpf: float | None = None) -> bool:
     """Whether the job's agreed pace, ``count`` agreements received, can be read against
     the baseline ``base_tpf``. This node's uncapped step time goes out to the ranks when
     its baseline moves (by more than :data:`PUSH_SHARE`); the ranks' next agreement
@@ -122,14 +122,18 @@ def pace_fresh(job: JobSearch, base_tpf: float, count: int) -> bool:
     agreement after it went out (one more than that: the count lags the ranks by the
     sender's flush, and the new pace reaches them a moment after it went out; with 10 ms
     steps the second agreement after the mark still read the old pace in 10 % of runs of
-    a model of those delays). A baseline that rose, and this node's first one (the ranks
-    hold no pace of its own: an agreement without it is the other nodes' MAX, no longer
-    than the job's), are read against at once: waiting had left a node paced from the
-    start without its room from the first agreement, at step 200, to step 400. (A
-    rank's register reply gives it this daemon's pace, null before its first, so a
-    daemon restarted mid-job is not met with its predecessor's.)"""
-    if job.pace_tpf is None:  # (the ranks hold no pace of this node's: it reads the next agreement it hears)
-        job.pace_tpf, job.pace_mark = base_tpf, count - 2
+    a model of those delays). A baseline that rose is read against at once (unless a
+    fall's wait still runs), and so is this node's first one where its ranks hold no
+    longer pace of this node's (``held_tpf``: the daemon's last push, as the ranks hold
+    it; None: none, and an agreement without this node's pace is the other nodes' MAX, no
+    longer than the job's): waiting had left a node paced from the start without its
+    room from the first agreement, at step 200, to step 400. The ranks do hold one after
+    a policy change or a resumed record (a new search, the same pushes); a rank's register
+    reply gives it this daemon's pace, null before its first, so a daemon restarted
+    mid-job is not met with its predecessor's."""
+    if job.pace_tpf is None:
+        longer = held_tpf is not None and held_tpf > base_tpf * (1 + PUSH_SHARE)
+        job.pace_tpf, job.pace_mark = base_tpf, count if longer else count - 2
     elif abs(base_tpf - job.pace_tpf) > PUSH_SHARE * job.pace_tpf:
         if base_tpf < job.pace_tpf:  # (quicker: its older, longer pace may still be the ranks' MAX)
             job.pace_mark = count

@@ -306,7 +306,7 @@ class JobRegistry(JobTable):
         by a process of the same run that sent steps before (``steps_before``; a process
         that sent none is a new one: a rerun or an elastic restart, a fresh record). A
         client that says neither (an older one) continues it only from a process that left
-        it (another process, minutes later, had its run merged into the record)."""
+        it (another one had its run merged; pid 0: as before; a pid past ``gone``'s bound: new)."""
         if (job.uid != uid and uid != 0) or (run is not None and run != job.run):
             return False
         if steps_before == 0:

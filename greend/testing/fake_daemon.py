@@ -40,6 +40,7 @@ class FakeDaemon:
         self.rows_every_s = rows_every_s
         self.precision_tolerance = precision_tolerance  # sent in the register reply where set
         self.register_extra: dict[str, Any] = {}  # more fields of the register reply (e.g. "local_pace")
+        self.register_push: dict[str, Any] | None = None  # an event pushed just before the register reply
         self.rows: list[dict[str, Any]] = []
         self.booked_by_job: list[dict[str, Any]] = []  # one a steps/rows message: the job it booked
         self.heartbeat_s = heartbeat_s
@@ -98,6 +99,8 @@ class FakeDaemon:
         if self.precision_tolerance is not None:
             reply["precision_tolerance"] = self.precision_tolerance
         reply.update(self.register_extra)
+        if self.register_push is not None:  # (a push the daemon made while this rank registered)
+            conn.send({"v": 1, "job": msg["job"], **self.register_push})
         return reply
 
     def _intervals(self, msg: dict[str, Any], conn: Connection) -> Any:

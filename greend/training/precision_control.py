@@ -530,7 +530,7 @@ class PrecisionControl(LevelAgreement):
             # A step down turned down in its trial: the job never ran the level but for the
             # trial's blocks. Told the daemon as the level refused (as a rollback, it logged
             # a switch that never was, and the rollback "N steps after the switch").
-            why = re.sub(r", \d+ steps? after the switch [^;,]*", "", ev.reason)  # (its evidence kept)
+            why = re.sub(r", \d+ steps? after the switch [^;,]*|; \S+ barred for \d+ steps", "", ev.reason)
             why += f"; turned down in its trial, {ev.from_level} barred for {self.guard.cooldown_steps} steps"
             told = PrecisionEvent("refused", ev.to_level, ev.from_level, why, ev.step, ev.loss, ev.trend)
         self.after_rollback()

@@ -44,4 +44,5 @@ class OnceWarnings:
                 self.first_done = True
         log.log(level, "greend: %s", message)
         if first:
-            warnings.warn(f"greend: {message} (training continues unchanged)", GreendWarning, stacklevel=4)
+            suffix = "training continues" if loud else "training continues unchanged"
+            warnings.warn(f"greend: {message} ({suffix})", GreendWarning, stacklevel=4)

@@ -18,6 +18,7 @@ from greend.jobs.ledger import Ledger
 from greend.jobs.ops import JobOps
 from greend.jobs.registry import JobRegistry, QuotaExceeded
 from greend.protocol import encode
+from greend.settings import Setting
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,17 @@ def test_a_rank_that_registers_gets_this_nodes_pace_as_last_pushed() -> None:
     earlier daemon measured, and one that joins late still adds this node's."""
     ops, _ = _ops()
     h = ops.handlers()
-    first = h["register"]({"job": "j1", "rank": 0, "world_size": 2}, _Conn(1, _Peer(pid=10, uid=1000)))
+    first = h["register"]({"job": "j1", "rank": 0, "world_size": 2, "gpus": [0]}, _Conn(1, _Peer(pid=0, uid=1000)))
     assert "local_pace" in first and first["local_pace"] is None
+    assert ops.jobs.views(lambda gpu: Setting())[0].held_pace_s is None
     assert ops.jobs.push("j1", {"event": "local_pace", "step_s": 0.2, "floor_s": 0.19}) == 1
     assert ops.jobs.push("j1", {"event": "local_pace", "step_s": math.inf}) == 0  # (not kept: cannot be sent)
-    late = h["register"]({"job": "j1", "rank": 1, "world_size": 2}, _Conn(2, _Peer(pid=11, uid=1000)))
+    late = h["register"]({"job": "j1", "rank": 1, "world_size": 2}, _Conn(2, _Peer(pid=0, uid=1000)))
     assert late["local_pace"] == {"step_s": 0.2, "floor_s": 0.19}
     encode(late)  # (the reply goes out as it is)
+    # The policy sees the pace the ranks hold (a new search of the job knows what they write).
+    (view,) = ops.jobs.views(lambda gpu: Setting())
+    assert view.held_pace_s == 0.2
 
 
 def test_a_quota_refuses_as_the_servers_limit_and_fire_and_forget_sends_nothing() -> None:

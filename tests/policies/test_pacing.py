@@ -389,6 +389,14 @@ def test_a_pace_is_read_from_the_third_agreement_after_the_nodes_step_fell() -> 
     assert pace_fresh(job, 1.25e-12, 8)  # (slower again: read at once)
     assert not pace_fresh(job, 1.1e-12, 8)  # (quicker than the pace that went out last: wait again)
     assert pace_fresh(job, 1.1e-12, 11)
+    # A first baseline where the ranks still hold a longer pace of this node's (a policy
+    # change, a resumed record: a new search, the daemon's pushes as they were): it waits.
+    held = JobSearch(gpus=(0,), start_steps=0)
+    assert not pace_fresh(held, 1e-12, 3, held_tpf=1.05e-12)
+    assert not pace_fresh(held, 1e-12, 5, held_tpf=1.05e-12)
+    assert pace_fresh(held, 1e-12, 6, held_tpf=1e-12)
+    same = JobSearch(gpus=(0,), start_steps=0)
+    assert not pace_fresh(same, 1e-12, 3, held_tpf=1.005e-12) and pace_fresh(same, 1e-12, 4)  # (no longer one)
 
 
 @pytest.mark.parametrize(

@@ -553,12 +553,20 @@ def test_a_rank_holds_only_the_pace_of_the_daemon_it_is_registered_with(sock_pat
             pass
         ch = cb._channel
         assert wait_for(lambda: ch.local_pace_s == 0.3 and ch.local_floor_s == 0.28, 5.0)
-        cases = (({"local_pace": None}, None), ({}, None), ({"local_pace": {"step_s": 0.2}}, 0.2), ({}, 0.2))
-        for extra, want in cases:
+        cases = (
+            ({"local_pace": None}, None),
+            ({}, None),
+            ({"local_pace": {"step_s": 0.2}}, 0.2),
+            ({}, 0.2),
+            ({"local_pace": {"step_s": 0.2}}, 0.5),
+        )  # (a push just before the reply is newer: it wins)
+        for k, (extra, want) in enumerate(cases):
             daemons[-1].stop()  # the daemon restarts ...
             assert wait_for(lambda: not cb.connected, 5.0)
             d = FakeDaemon(sock_path)
             d.register_extra = extra
+            if k == len(cases) - 1:
+                d.register_push = {"event": "local_pace", "step_s": 0.5}
             daemons.append(d.start())
             before = cb.stats.connects
             assert wait_for(lambda n=before: cb.stats.connects > n, 5.0)  # ... and the rank registers again

@@ -505,6 +505,7 @@ def test_ranks_whose_losses_differ_judge_the_blocks_together_and_roll_back_at_th
     back = [[e for e in cb.precision_events if e["kind"] == kind] for cb in cbs]
     assert len(back[0]) == len(back[1]) == 1 and back[0][0]["step"] == back[1][0]["step"], back
     assert back[0][0]["reason"] == back[1][0]["reason"] and "the mean loss of 2 ranks" in back[0][0]["reason"], back
+    assert back[0][0]["reason"].count("barred for") == 1, back  # (the level's bar said once)
 
 
 class _BreakingStore:

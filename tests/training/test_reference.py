@@ -335,3 +335,25 @@ def test_bad_reference_arguments_are_refused_by_name(sock_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=word):
             GreenCallback(job="bad", socket=sock_path, **kw)  # type: ignore[arg-type]
+
+
+def test_loud_warnings_each_reach_the_user_once_and_others_only_the_first() -> None:
+    """The callback's first problem is a GreendWarning; later ones only where they take
+    protection away (``loud``), once each, and without "unchanged" (a rollback that
+    failed left the run where it was); the rest go to the log alone."""
+    import warnings
+
+    from greend.training.warn import OnceWarnings
+
+    w = OnceWarnings()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        w.warn("connect", "no daemon")
+        w.warn("tokens", "no tokens")  # (quiet: logged only)
+        w.warn("rollback:fp32", "rolling back to fp32 failed: boom", loud=True)
+        w.warn("rollback:fp32", "rolling back to fp32 failed: boom", loud=True)  # (once a key)
+    texts = [str(x.message) for x in got if issubclass(x.category, GreendWarning)]
+    assert texts == [
+        "greend: no daemon (training continues unchanged)",
+        "greend: rolling back to fp32 failed: boom (training continues)",
+    ], texts
