@@ -299,8 +299,9 @@ def test_ranks_whose_losses_differ_judge_the_probes_together_and_roll_back_at_on
     0's not at all. The ranks judge the step down's trial on their mean loss through the
     job's own rendezvous store (the TCPStore init_process_group set up): one verdict, about
     +14 % against the policy's 10 % tolerance here, taken by both ranks at the same step, so
-    no step runs at two levels; each daemon logs the same rollback. (Before, rank 1 turned
-    the trial down alone and the ranks ran two levels until their next agreement.)"""
+    no step runs at two levels; each daemon logs the same refusal (the level turned down in
+    its trial, never switched to: no switch, no rollback). (Before, rank 1 turned the trial
+    down alone and the ranks ran two levels until their next agreement.)"""
     from tests.e2e.test_e2e_precision import CONFIG
 
     nodes = [start_daemon(tmp_path, "--sim", "1", name=f"node{i}", config=CONFIG) for i in range(2)]
@@ -310,14 +311,16 @@ def test_ranks_whose_losses_differ_judge_the_probes_together_and_roll_back_at_on
     assert outs[0]["levels"] == outs[1]["levels"], "the ranks ran different precisions at some step"
     runs = [(level, len(list(g))) for level, g in itertools.groupby(outs[0]["levels"])]
     assert "bf16" in outs[0]["levels"] and outs[0]["levels"][-100:] == ["fp32"] * 100, (runs, outs[0]["events"])
-    back = [[e for e in o["events"] if e["kind"] == "rollback"] for o in outs]
-    assert len(back[0]) == len(back[1]) == 1, back
+    back = [[e for e in o["events"] if e["kind"] == "refused"] for o in outs]
+    assert len(back[0]) == len(back[1]) == 1 and back[0][0]["to"] == "bf16", back
+    assert not [e for o in outs for e in o["events"] if e["kind"] == "rollback"], outs[0]["events"]
     assert back[0][0]["step"] == back[1][0]["step"] and back[0][0]["reason"] == back[1][0]["reason"], back
     assert "the mean loss of 2 ranks" in back[0][0]["reason"], back
+    assert "turned down in its trial" in back[0][0]["reason"], back
     logs = [json.loads(d.ctl("report", "ddp-judged", "--json").stdout)["precision_log"] for d in nodes]
-    logged = [[e for e in log if e["kind"] == "rollback"] for log in logs]
-    assert [len(x) for x in logged] == [1, 1], logged
-    figure(f"both ranks rolled back at step {back[0][0]['step']}: {back[0][0]['reason'][:120]}")
+    logged = [[e["kind"] for e in log if e["kind"] in ("refused", "rollback", "switch")] for log in logs]
+    assert logged == [["refused"], ["refused"]], logs
+    figure(f"both ranks turned bf16 down at step {back[0][0]['step']}: {back[0][0]['reason'][:120]}")
 
 
 def test_a_level_one_daemon_asks_and_the_ranks_never_agree_is_logged_as_a_proposal_only(
