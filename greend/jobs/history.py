@@ -402,7 +402,8 @@ def shared_job_rows(
             row = rows.setdefault(
                 (name, host, int(ts_ms)),
                 {"ts_ns": int(ts_ms) * 1_000_000, "host": host, "job": name, "precision": labels.get("precision"),
-                 "end_reason": labels.get("end_reason"), "run": labels.get("run")},
+                 "end_reason": labels.get("end_reason"), "run": labels.get("run"),
+                 "gpu_source": labels.get("gpu_source")},  # (the "(sim)" label: greend.points.job_point)
             )  # fmt: skip
             row[field] = value
     return sorted(rows.values(), key=lambda r: int(r["ts_ns"]))
@@ -502,6 +503,7 @@ def shared_jobs(url: str, since_s: float = LIST_LOOKBACK_S) -> list[dict[str, An
                 "gflops_per_w": w["gflops_per_w"],
                 "precision": w["nodes"][-1]["precision"],
                 "saved_pct": w["saved_pct"],
+                "sim": w["sim"],  # (its saving is the simulator's: labelled "(sim)")
                 "ended_at": max(n["ended_at"] for n in w["nodes"]),
                 "nodes": len(w["nodes"]),
                 "world_size": w["world_size"],

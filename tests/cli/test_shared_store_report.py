@@ -41,11 +41,34 @@ def server() -> Iterator[tuple[str, type[_Handler]]]:
     srv.shutdown()
 
 
-def _series(field: str, host: str, ts: list[int], values: list[float], job: str = "j1", run: str = "") -> str:
+def _series(
+    field: str, host: str, ts: list[int], values: list[float], job: str = "j1", run: str = "", source: str = ""
+) -> str:
     metric = {"__name__": f"greend_job_{field}", "host": host, "job": job, "precision": "bf16", "end_reason": "ok"}
     if run:
         metric["run"] = run
+    if source:
+        metric["gpu_source"] = source  # (as greend.points.job_point tags a summary)
     return json.dumps({"metric": metric, "values": values, "timestamps": ts})
+
+
+def test_a_simulated_jobs_figures_stay_labelled_sim_from_the_shared_store(server: tuple[str, type[_Handler]]) -> None:
+    """The summary's gpu_source label comes back from the shared store: its cross-node report
+    and its jobs row say "(sim)" as the nodes' own files do (they printed none)."""
+    url, handler = server
+    lines = [
+        _series(f, h, [1000 + k], [v], source="sim")
+        for k, h in enumerate(("n1", "n2"))
+        for f, v in (("gpu_energy_j", 10.0), ("flops", 1e12), ("ranks_here", 1), ("world_size", 2), ("saved_j", 5.0))
+    ]
+    handler.body = ("\n".join(lines) + "\n").encode()
+    whole = whole_job_report([url], "j1")
+    assert whole is not None and whole["sim"] and all(n["gpu_source"] == "sim" for n in whole["nodes"])
+    from greend.cli.render import render_whole_job
+
+    assert "(sim)" in render_whole_job(whole)
+    (row,) = shared_jobs(url)
+    assert row["sim"]
 
 
 def test_two_runs_of_one_job_id_are_never_summed(server: tuple[str, type[_Handler]]) -> None:
