@@ -269,10 +269,13 @@ def _parts_lines(r: dict[str, Any]) -> list[str]:
         if all(e.startswith("interrupted") for e in ends)
         else f"this run went on in a new record after: {'; '.join(ends)}"
     )
+    gap = r.get("unmeasured_s") or 0.0
+    unmeasured = f" but for {gap:.1f} s between its parts, when no daemon measured it (time and energy)"
     return [
         f"  parts            {len(parts)}: {why}"
         + (f" (again at {', '.join(at)})" if at else "")
-        + "; the figures are the whole run's",
+        + "; the figures are the whole run's"
+        + (unmeasured if gap >= 0.1 else ""),
         *out,
     ]
 

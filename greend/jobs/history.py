@@ -580,6 +580,7 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
                 "end_reason": r.get("end_reason") or None,
                 "ended_at": r["ts_ns"] / 1e9,
                 "unseen_steps": int(r.get("unseen_steps") or 0),
+                "unmeasured_s": float(r.get("unmeasured_s") or 0.0),
             }
         )
     total: dict[str, Any] = {k: sum(float(r.get(k) or 0.0) for r in last.values()) for k in _SUMMED}
@@ -594,6 +595,8 @@ def _whole(job: str, rows: list[dict[str, Any]], run: str | None = None) -> dict
     for n in nodes:  # (its daemon stopped without keeping them: its figures leave them out)
         if n["unseen_steps"]:
             missing.append(f"{n['host']}: {n['unseen_steps']} steps its ranks sent are in no record of it")
+        if n["unmeasured_s"] >= 0.1:
+            missing.append(f"{n['host']}: {n['unmeasured_s']:.1f} s with no daemon measuring (a restart): not counted")
     if not any(r.get(k) for r in last.values() for k in ("steps", "flops", "gpu_energy_j", "energy_j")):
         # (a Prometheus query API that is no Prometheus scraping greend's /metrics matches a
         # few names and none of the job's figures: no report is "complete" on nothing)

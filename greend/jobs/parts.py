@@ -228,6 +228,13 @@ def _per_gpu(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _end_s(part: dict[str, Any]) -> float | None:
+    """When a part ended (a report's ``ended_at``; a stored row's time)."""
+    end = _num(part.get("ended_at"))
+    ts = _num(part.get("ts_ns"))
+    return end if end is not None else (ts / 1e9 if ts is not None else None)
+
+
 def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(parts[-1])
     first = parts[0]
@@ -238,6 +245,10 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if key in first:
             out[key] = first.get(key)
     out["parts"] = [_part_line(p) for p in parts]
+    # The seconds between the parts, no daemon measuring (a restart): not in the figures.
+    gaps = [(_num(b.get("started_at")), _end_s(a)) for a, b in zip(parts, parts[1:], strict=False)]
+    if gaps and all(s is not None and e is not None for s, e in gaps):
+        out["unmeasured_s"] = sum(max(0.0, (s or 0.0) - (e or 0.0)) for s, e in gaps)
     _rates(parts, out)
     _saving(parts, out)
     return out

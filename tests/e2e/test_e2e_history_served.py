@@ -236,6 +236,8 @@ def test_a_run_the_daemon_restarted_under_is_one_run(tmp_path: Path, daemons: li
     assert whole["gpu_energy_j"] == pytest.approx(sum(p["gpu_energy_j"] for p in parts))
     text = d2.ctl("report", "through")
     assert "parts            2: the daemon restarted under this run" in text.stdout
+    # The seconds no daemon measured, between the parts: named, not passed off as the whole run's.
+    assert whole["unmeasured_s"] > 0 and "s between its parts, when no daemon measured it" in text.stdout, text.stdout
     assert "ran 1 time(s) before" not in text.stderr and f"steps            {steps} " in text.stdout
     listed = json.loads(d2.ctl("jobs", "--json").stdout)["jobs"]
     assert [(j["job"], j["steps"]) for j in listed] == [("through", steps)]

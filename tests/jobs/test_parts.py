@@ -181,3 +181,23 @@ def test_the_latest_run_across_nodes_is_not_decided_by_a_fast_clock() -> None:
     assert _whole("700.0", rows, run="run1")["steps"] == 50
     with pytest.raises(StoreError, match="no run 'run9'"):
         _whole("700.0", rows, run="run9")
+
+
+def test_the_seconds_between_a_runs_parts_are_said_unmeasured() -> None:
+    """A daemon restarted under a run: the seconds between the part it stopped and the one
+    it began after (no daemon measuring) are in none of the figures, and the report says
+    so rather than "the figures are the whole run's" alone (a red-team's restart: 5.6 s
+    missing, the node's GFLOPS/W 23 % over the other node's)."""
+    from greend.cli.render import _parts_lines
+
+    first = part(ended_at=150.0)
+    second = part(started_at=155.6, state="ended", end_reason="finished")
+    whole = join_reports([first, second])
+    assert whole["unmeasured_s"] == pytest.approx(5.6)
+    (line,) = [x for x in _parts_lines(whole) if "parts" in x]
+    assert "but for 5.6 s between its parts, when no daemon measured it" in line, line
+    row = {k: v for k, v in first.items() if k != "ended_at"}  # (a stored row: its time, no ended_at)
+    rows = join_rows([{**row, "ts_ns": 150_000_000_000}, {**second, "ts_ns": 170_000_000_000}])
+    assert rows["unmeasured_s"] == pytest.approx(5.6)  # (stored rows: a part's end is its row's time)
+    back_to_back = join_reports([first, part(started_at=150.0, end_reason="finished")])
+    assert back_to_back["unmeasured_s"] == 0.0 and "but for" not in " ".join(_parts_lines(back_to_back))
