@@ -80,6 +80,7 @@ from greend.training.book import StepBook
 from greend.training.flops import batch_rows, batch_signature, stop_leaked
 from greend.training.identity import (
     DEFAULT_SOCKET,
+    job_elsewhere,
     model_device,
     resolve_gpus,
     resolve_job,
@@ -145,6 +146,7 @@ class GreenCallback:
             log.debug("no rendezvous store for the run id: %s", e)
             store = None
         self.run = resolve_run(self.job, self.world_size, store)
+        other = job_elsewhere(self.job, self.rank, self.world_size, store)
         self.device = model_device(model, opts.device)
         self.gpus = resolve_gpus(self.device, opts.gpus)
         self.host = socket_hostname()
@@ -152,6 +154,11 @@ class GreenCallback:
         self.manage_precision = opts.manage_precision
 
         self._warnings = OnceWarnings()
+        if other is not None:  # (two jobs' halves in the reports, and nothing said why)
+            self._warnings.warn("job-id", f"rank {self.rank} is job {self.job!r}, but another rank of this job "
+                                f"is {other!r} (their environments differ: SLURM_JOB_ID or GREEND_JOB set on some "
+                                "ranks only): each is booked as a job of its own; give every rank the same "
+                                "job= or GREEND_JOB", loud=True)  # fmt: skip
         self._channel = Channel(queue=deque(maxlen=opts.max_pending))
         self._control = PrecisionControl(
             model=model,

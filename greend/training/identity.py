@@ -54,6 +54,7 @@ from greend.protocol import DEFAULT_SOCKET, JOB_ID_RE, RUN_ID_RE
 
 __all__ = [
     "DEFAULT_SOCKET",
+    "job_elsewhere",
     "model_device",
     "nvml_index_of_uuid",
     "resolve_gpus",
@@ -150,6 +151,24 @@ def resolve_run(job: str, world_size: int, store: Any | None = None) -> str:
         if any(shared):
             return hashlib.sha256("\0".join([job, *shared]).encode()).hexdigest()[:12]
     return mine
+
+
+def job_elsewhere(job: str, rank: int, world_size: int, store: Any | None = None) -> str | None:
+    """The job id another rank of this process group resolved, where it differs from
+    ``job`` (their environments differ: ``SLURM_JOB_ID`` set on some ranks only, a
+    ``GREEND_JOB`` on one), else None. The first rank to get here sets it in the job's
+    rendezvous store (the n-th callback of each rank meets the others' n-th: a second
+    fit() named otherwise is no conflict); None without a store or on any failure."""
+    if store is None or world_size < 2:
+        return None
+    try:
+        n = (int(store.add("greend/job-ids", 1)) - 1) // world_size + 1
+        first = store.compare_set(f"greend/job-id/{n}", "", job)
+        text = first.decode() if isinstance(first, bytes) else str(first)
+    except Exception as e:
+        log.debug("rank %d: no job id check through the rendezvous store: %s", rank, e)
+        return None
+    return text if text and text != job else None
 
 
 def _env_int(name: str, default: int) -> int:

@@ -782,3 +782,38 @@ def test_a_rank_s_own_rollback_inside_the_ranks_last_block_leaves_them_probing_t
     ran, cbs = _fp8_worse(monkeypatch, sock_path, 1400, d - before, sync_every=20)
     assert [i for i in _apart(ran) if i > d + 45] == []
     assert cbs[0]._control.prober.anchor == cbs[1]._control.prober.anchor
+
+
+def test_ranks_that_resolve_different_job_ids_are_told_so(monkeypatch: pytest.MonkeyPatch, sock_path) -> None:  # type: ignore[no-untyped-def]
+    """A rank whose environment names another job than its peers' (SLURM_JOB_ID set on one
+    rank only) was booked as a job of its own with no word: the job's halves in two reports.
+    The ranks meet in the rendezvous store; one that differs gets a GreendWarning naming both
+    ids and what to set. A second callback named otherwise (a second fit()) is no conflict."""
+    import warnings
+
+    from greend.errors import GreendWarning
+    from greend.training import callback as cbmod
+    from greend.training.callback import GreenCallback
+    from greend.training.identity import job_elsewhere
+
+    store = dist.HashStore()
+    assert job_elsewhere("777", 0, 2, store) is None
+    assert job_elsewhere("torchrun-127.0.0.1-29516", 1, 2, store) == "777"
+    assert job_elsewhere("second", 0, 2, store) is None and job_elsewhere("second", 1, 2, store) is None
+    assert job_elsewhere("x", 0, 1, store) is None and job_elsewhere("x", 0, 2, None) is None
+
+    shared = dist.HashStore()
+    monkeypatch.setattr(cbmod, "default_store", lambda: shared)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    got = []
+    for rank, job in ((0, "777"), (1, "torchrun-127.0.0.1-29516")):
+        monkeypatch.setenv("RANK", str(rank))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cb = GreenCallback(job=job, model=torch.nn.Linear(4, 2), socket=sock_path, initial_precision="fp32")
+            cb.close()
+        got.append(
+            [str(x.message) for x in w if issubclass(x.category, GreendWarning) and "another rank" in str(x.message)]
+        )
+    assert got[0] == [] and len(got[1]) == 1, got
+    assert "'torchrun-127.0.0.1-29516'" in got[1][0] and "'777'" in got[1][0] and "GREEND_JOB" in got[1][0]
