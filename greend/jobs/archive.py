@@ -122,7 +122,7 @@ class JobArchive:
     def report(self, job: str) -> dict[str, Any] | None:
         """The latest kept run's report, as the daemon gave it when the run ended: its
         parts joined where the daemon restarted under it (:mod:`greend.jobs.parts`)."""
-        runs = runs_of(doc["report"] for doc in self.runs(job))
+        runs = runs_of(_ended(doc) for doc in self.runs(job))
         if not runs:
             return None
         rep = join_reports(runs[-1])
@@ -136,7 +136,7 @@ class JobArchive:
         job, started = report.get("job"), report.get("started_at")
         if not report.get("run_id") or not isinstance(job, str) or not isinstance(started, (int, float)):
             return join_reports([report])
-        before = [doc["report"] for doc in self.runs(job) if (doc["report"].get("started_at") or 0.0) < started]
+        before = [_ended(doc) for doc in self.runs(job) if (doc["report"].get("started_at") or 0.0) < started]
         run = runs_of([*before, report])[-1]
         return join_reports(run if run[-1] is report else [report])
 
@@ -163,3 +163,10 @@ def _owner(name: str) -> str:
     """Whose run a file is, from its name (an older file's: not known)."""
     m = _NAME.match(name)
     return m.group(2) if m else ""
+
+
+def _ended(doc: dict[str, Any]) -> dict[str, Any]:
+    """A kept run's report with its row's end time (``ended_at``: the seconds between it and
+    a later part of its run are none of the figures; greend.jobs.parts)."""
+    ended = (doc.get("row") or {}).get("ended_at")
+    return doc["report"] if ended is None else {**doc["report"], "ended_at": ended}

@@ -263,7 +263,7 @@ class JobOps:
         row["state"] = "ended"
         t_end = job.t_end_s
         ended_at = job.registered_wall_s + (t_end - job.registered_s) if t_end is not None else self.jobs.wall()
-        row["ended_at"] = report["ended_at"] = ended_at  # (the report's: the gap before a later part)
+        row["ended_at"] = ended_at
         self.archive.save(row, report, int(ended_at * 1e9))
 
 

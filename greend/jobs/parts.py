@@ -277,8 +277,11 @@ def join_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One report for the parts of one run (each a report as the daemon gives it), oldest
     first, with ``unseen_steps``. A single part comes back as it is."""
     if len(parts) == 1:
-        return {**parts[0], "unseen_steps": unseen_steps(parts)}
+        one = {**parts[0], "unseen_steps": unseen_steps(parts)}
+        one.pop("ended_at", None)  # (the archive's, for the gaps: a report has none of its own)
+        return one
     out = _join(parts)
+    out.pop("ended_at", None)
     out["unseen_steps"] = unseen_steps(parts)
     for key in _LOGS:
         if any(isinstance(p.get(key), list) for p in parts):
