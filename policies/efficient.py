@@ -319,7 +319,7 @@ class EfficientPolicy:
         job.stale_since_s = job.live_since_s
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
-        job.rebase, job.fine, job.fine_w, job.look_from, job.looked = False, 0, (), None, False
+        job.rebase, job.fine, job.fine_w, job.again_w, job.look_from, job.looked = False, 0, (), (), None, False
         job.rechecked_once = False
         job.next_recheck_s = math.inf
         job.retunes += 1
@@ -561,7 +561,8 @@ class EfficientPolicy:
                 r, se = ratio[i], ratio_se[i]
                 long = seen[i].steps >= LONG * self.max_steps or job.levels[i] in job.fine_w  # (a second look's)
                 z = Z_LONG if job.knob == "power" and long else Z
-                if seen[i].steps > LONG * self.max_steps and job.levels[i] not in job.fine_w and z == Z_LONG:
+                for_itself = job.fine_w + job.again_w  # (levels measured on for their own sake)
+                if seen[i].steps > LONG * self.max_steps and job.levels[i] not in for_itself and z == Z_LONG:
                     z = Z_LINE_END  # (measured on for a line's sake: its own test was the one at LONG)
                 by_line = lines.vouched(job, i)  # (a second look's try, by the line through its neighbours)
                 # The setting we hold was within the bound when we settled: it stays so
@@ -659,9 +660,11 @@ class EfficientPolicy:
                 prize = []  # the look's time is up (it ends settled well before a 1,000-step job does)
             if prize and base.steps < BASE_LONG * self.baseline_steps and Z * se_base > MIN_ENERGY_TOL / 3:
                 return _Action("measure", top, BASE_LONG * self.baseline_steps)  # every ratio leans on it
-            for i in prize:  # near the bound: measured longer (judged once, at the end)
+            for i in prize:  # near the bound: measured longer (judged at the end)
                 if ratio[i] <= allowed + Z * ratio_se[i] and seen[i].steps < n:
                     return _Action("measure", i, n)
+                if lines.again(job, i, n):  # (read within the bound, but unsure: once more as long)
+                    return _Action("measure", i, 2 * n)
             up = min((k for k in measured if k > max(prize)), default=top) if prize else top  # may close a bracket:
             if up != top and status[up] != "ok" and ratio[up] <= allowed + Z_LONG * ratio_se[up] and seen[up].steps < n:
                 return _Action("measure", up, n)

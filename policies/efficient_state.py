@@ -60,6 +60,7 @@ class JobSearch:
     rebase: bool = False  # a straggler came or healed: `cache` is re-based on the steps since
     fine: int = 0  # power limits put into the grid between two of its levels (policies/_finer.py)
     fine_w: tuple[float, ...] = ()  # those limits, W
+    again_w: tuple[float, ...] = ()  # grid levels a second look measured on past LONG * max_steps for their own sake
     look_from: Setting | None = None  # a second look is under way: the setting settled on when it began
     looked: bool = False  # a second look found nothing more to try: no other one this search
     look_start: int = 0  # the job's steps when the second look under way began

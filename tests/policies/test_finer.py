@@ -91,10 +91,13 @@ def test_a_limit_in_a_dip_of_a_zigzag_profile_is_found_below_limits_over_the_bou
     and 200 W (1.147x, 1.119x: over). With the power knob a setting rules the ones below
     it out only when two neighbours are over by their own steps, so the search goes on
     down past a lone one. (Before, seeds 2 and 4 stopped above 200 W and held 300 W:
-    7.8 % more energy.)"""
+    7.8 % more energy.) In seeds 6 and 14 the second look's 128 steps at 125 W read it
+    within the bound but not by 2.6 standard errors (1.0965x against 1.0961x needed), and
+    it held 175 W (1.094x, 6 % more energy): a level read within the bound is measured as
+    long again and judged again, once."""
     spec = trace_spec(TRACE_DIR / "zeus-gplo-a40" / "A40+resnet18+gpu0,1,2,3.csv")
     prof = spec.profile
-    for seed in (2, 4):
+    for seed in (2, 4, 6, 14):
         r = _replay(spec, 0.10, seed)
         w = r.final_setting.power_limit_w
         assert w is not None and w <= 125
@@ -284,6 +287,6 @@ def test_the_level_that_would_start_a_line_is_measured_where_that_would_let_it()
 def test_a_re_tune_forgets_the_look() -> None:
     pol = get_policy("efficient", knob="power", min_steps=8, max_slowdown=0.05)
     job, _ = _look({200.0: (192, 1.0489), 205.0: (128, 1.043), 225.0: (128, 1.0223)}, fine=(205.0,))
-    job.fine, job.looked, job.look_from = 1, True, Setting(power_limit_w=205.0)
+    job.fine, job.looked, job.look_from, job.again_w = 1, True, Setting(power_limit_w=205.0), (200.0,)
     pol._retune(job, "test")  # type: ignore[attr-defined]  # (the policy's own re-tune, called directly)
-    assert (job.fine, job.fine_w, job.looked, job.look_from) == (0, (), False, None)
+    assert (job.fine, job.fine_w, job.looked, job.look_from, job.again_w) == (0, (), False, None, ())
