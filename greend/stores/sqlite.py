@@ -15,7 +15,9 @@ point, so one bad point (or a moment of full disk) loses only itself; a file
 SQLite calls corrupt is moved aside (``<name>.corrupt-<timestamp>``, said in the
 log and ``last_error``) and a fresh one started. A batch that meets another process's
 lock on the file (an operator's ``sqlite3``, a backup) waits for it, up to
-``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. Every lost point is counted in
+``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. A batch the
+file cannot take at all (a full disk, a read-only remount) is held in memory, up to
+``HELD_MAX`` points, and goes first once it can (``pending``). Every lost point is counted in
 ``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import sqlite3
 import threading
 import time
@@ -36,7 +37,19 @@ from greend.errors import ConfigError, StoreError
 from greend.points import Point
 from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
 from greend.stores._repeats import RepeatedErrors
-from greend.stores._sqlite_file import busy, corrupt, describe, open_fds, sqlite_header
+from greend.stores._sqlite_file import (
+    busy,
+    connect_readonly,
+    corrupt,
+    describe,
+    no_room,
+    open_fds,
+    read_rows,
+    sqlite_header,
+)
+from greend.stores._sqlite_file import (
+    ident as _ident,
+)
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
@@ -44,14 +57,7 @@ log = logging.getLogger(__name__)
 IDENTITY_CHECK_S = 5.0  # how often the writer checks that the store's file is still the one open
 BUSY_TIMEOUT_S = 5.0  # SQLite waits this long for another connection's lock (PRAGMA busy_timeout) ...
 BUSY_RETRY_S = 120.0  # ... and a batch is tried again for this long before its points are tried one by one
-
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
-
-
-def _ident(name: str) -> str:
-    if not _IDENT.match(name):
-        raise StoreError(f"not a valid column or table name: {name!r}")
-    return f'"{name}"'
+HELD_MAX = 100_000  # points kept in memory while the file cannot be written (about 50 MB), the oldest dropped beyond
 
 
 def _fit(value: Any) -> Any:
@@ -139,6 +145,8 @@ class SqliteStore:
         self._errors = RepeatedErrors(log)  # (a full disk fails every batch: logged once per 5 min)
         self._reopened: str | None = None  # why the file was opened anew, said with the next batch
         self._queue_full = 0  # of them, refused by a full queue
+        self._held: list[Point] = []  # a batch the file could not take (writer thread only): written first
+        self._held_over = 0  # points dropped from it beyond HELD_MAX
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
@@ -350,7 +358,7 @@ class SqliteStore:
             url=self.url,
             ok=last_error is None,
             written=self._written,
-            pending=self._queue.qsize(),
+            pending=self._queue.qsize() + len(self._held),
             dropped=self._dropped,
             last_error=last_error,
             extra={"path": str(self.path), **({"moved_aside": self.moved_aside} if self.moved_aside else {})},
@@ -367,6 +375,7 @@ class SqliteStore:
                 continue
             if first is None:
                 self._queue.task_done()
+                self._last_try()
                 return
             batch.append(first)
             deadline = time.monotonic() + self._batch_s
@@ -395,9 +404,12 @@ class SqliteStore:
                     self._queue.task_done()
             self._maybe_prune()
             if stop:
+                self._last_try()
                 return
 
     def _commit(self, batch: list[Point]) -> None:
+        held, self._held = self._held, []
+        batch = held + batch  # (what the file could not take before goes first)
         if self._locked_out:  # closing, the file locked by another process: not waited for again
             self._dropped += len(batch)
             return
@@ -428,6 +440,8 @@ class SqliteStore:
         if error is None:
             self._written += len(batch)
             self._last_error = reopened  # (said once more in status, cleared at the next batch)
+            if held:
+                log.warning("sqlite store %s: writes again; the %d points held are written", self.path, len(held))
             return
         if corrupt(error):
             try:
@@ -443,7 +457,10 @@ class SqliteStore:
                 self._written += len(batch)
                 self._last_error = moved
                 return
-        # Point by point: one bad point, or a moment of full disk, loses only itself.
+        if no_room(error) and not self._closing.is_set():
+            self._hold(batch, error)
+            return
+        # Point by point: one bad point loses only itself.
         lost, last = 0, error
         for k, p in enumerate(batch):
             if self._closing.is_set() and busy(last):
@@ -464,6 +481,31 @@ class SqliteStore:
             self._errors.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
         else:
             self._last_error = None
+
+    def _hold(self, batch: list[Point], error: Exception) -> None:
+        """Keep a batch the file cannot take in memory, to go first in the next one: at
+        most ``HELD_MAX`` points, the oldest dropped (and counted) beyond."""
+        over = max(0, len(batch) - HELD_MAX)
+        self._held, self._held_over = batch[over:], self._held_over + over
+        self._dropped += over
+        lost = f"; {self._held_over} older ones dropped beyond {HELD_MAX}" if self._held_over else ""
+        self._last_error = (
+            f"{describe(error)}: {len(self._held)} points held in memory, written once the store "
+            f"{self.path} takes writes again{lost}"
+        )
+        self._errors.error("sqlite store: %s", self._last_error)
+
+    def _last_try(self) -> None:
+        """At close: the points held in memory are tried once more, then counted lost."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        error = self._transaction(held)
+        if error is None:
+            self._written += len(held)
+            return
+        self._dropped += len(held)
+        log.error("sqlite store %s: closed with %d points unwritten: %s", self.path, len(held), describe(error))
 
     def _transaction(self, batch: list[Point]) -> Exception | None:
         """Write ``batch`` in one transaction; the error, rolled back, or None. The schema
@@ -635,30 +677,6 @@ class SqliteStore:
         out = ", ".join(["ts_ns", *(_ident(c) for c in series), *(_ident(f) for f in aggs)])
         self._db.execute(f"INSERT INTO {t} ({out}) SELECT {out} FROM temp.greend_rollup")
         self._db.execute("DROP TABLE temp.greend_rollup")
-
-
-def connect_readonly(path: Path) -> sqlite3.Connection:
-    """Open the store for reading (greenctl report, tests) without blocking the writer."""
-    if not path.exists():
-        raise StoreError(f"no SQLite store at {path}")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    db.row_factory = sqlite3.Row
-    return db
-
-
-def read_rows(path: Path, measurement: str, where: str = "", params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    db = connect_readonly(path)
-    try:
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if measurement not in tables:
-            return []
-        sql = f"SELECT * FROM {_ident(measurement)}"
-        if where:
-            sql += f" WHERE {where}"
-        sql += " ORDER BY ts_ns"
-        return [dict(r) for r in db.execute(sql, params)]
-    finally:
-        db.close()
 
 
 def _check_sqlite_url(url: str, parts: SplitResult) -> None:

@@ -1,5 +1,6 @@
 """The SQLite store heals: a failed transaction teaches the schema cache nothing, a bad
-point loses only itself, a corrupt file is moved aside; every lost point is counted."""
+point loses only itself, a file that cannot be written holds its points in memory until
+it can, a corrupt file is moved aside; every lost point is counted."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def step(i: int) -> Point:
     return Point("greend_job_step", {"host": "h", "job": "j"}, {"step": i, "flops": 1e9}, time.time_ns() + i)
 
 
-def test_disk_full_at_a_jobs_first_steps_loses_only_that_moments_points(tmp_path: Path) -> None:
+def test_disk_full_at_a_jobs_first_steps_loses_nothing_once_there_is_room(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     store = SqliteStore(db, batch_s=0.02)
     disk = DiskFull(store._db)
@@ -46,15 +47,69 @@ def test_disk_full_at_a_jobs_first_steps_loses_only_that_moments_points(tmp_path
     store.write([step(i) for i in range(5)])  # the table is created, then the INSERT fails
     assert store.flush(5.0)
     st = store.status()
-    assert st.dropped == 5 and not st.ok and "full" in (st.last_error or "")
+    assert st.dropped == 0 and st.pending == 5 and not st.ok, st
+    assert "full" in (st.last_error or "") and "5 points held in memory" in (st.last_error or "")
     assert "greend_job_step" not in store._columns  # the CREATE rolled back: not cached
     disk.full = False  # space is back
     store.write([step(i) for i in range(5, 9)])
     assert store.flush(5.0)
     st = store.status()
-    assert st.ok and st.written == 4 and st.dropped == 5, st
+    assert st.ok and st.written == 9 and st.dropped == 0 and st.pending == 0, st
     store.close()
-    assert [r["step"] for r in read_rows(db, "greend_job_step")] == [5, 6, 7, 8]
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(9))
+
+
+def _limit_pages(store: SqliteStore, pages: int | None) -> None:
+    """SQLite's own size limit on the store's file (``PRAGMA max_page_count``): past it
+    every write fails with SQLITE_FULL, as on a full disk; None lifts it."""
+    n = pages if pages is not None else 1_073_741_823
+    store._db.execute(f"PRAGMA max_page_count = {n}")
+
+
+def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path) -> None:
+    """A real SQLITE_FULL (the page limit reached): the points wait in memory, counted
+    pending, and are written first, in order, once the file can grow again."""
+    db = tmp_path / "full.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0) and store.status().ok
+    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
+    store.write([step(i) for i in range(1, 2001)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert not st.ok and st.pending == 2000 and st.dropped == 0 and st.written == 1, st
+    assert "full" in (st.last_error or "") and "2000 points held" in (st.last_error or "")
+    store.write([step(2001)])  # still full: held with the others, in order
+    assert store.flush(5.0) and store.status().pending == 2001
+    _limit_pages(store, None)
+    store.write([step(2002)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.ok and st.written == 2003 and st.pending == 0 and st.dropped == 0, st
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(2003))
+
+
+def test_points_held_past_the_bound_drop_the_oldest_and_a_close_still_full_counts_the_rest(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import greend.stores.sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "HELD_MAX", 100)
+    db = tmp_path / "bound.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    store._db = DiskFull(store._db)  # type: ignore[assignment]  # (every INSERT fails, to the end)
+    store.write([step(i) for i in range(1, 1001)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.pending == 100 and st.dropped == 900, st
+    assert "900 older ones dropped beyond 100" in (st.last_error or "")
+    assert [p.fields["step"] for p in store._held] == list(range(901, 1001))  # the newest kept
+    store.close()  # still full: tried once more, then counted
+    st = store.status()
+    assert st.dropped == 1000 and st.pending == 0 and st.written == 1, st
 
 
 def test_a_batch_with_one_bad_point_loses_only_that_point(tmp_path: Path) -> None:
