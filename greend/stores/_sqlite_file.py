@@ -19,10 +19,12 @@ __all__ = [
     "connect_readonly",
     "corrupt",
     "describe",
+    "fit",
     "ident",
     "no_room",
     "open_fds",
     "read_rows",
+    "sql_type",
     "sqlite_header",
 ]
 
@@ -95,6 +97,22 @@ def sqlite_header(path: Path) -> bool:
     except OSError:
         return True  # (cannot tell: as before)
     return not head or head == b"SQLite format 3\x00"
+
+
+def fit(value: Any) -> Any:
+    """An integer past SQLite's 64 bits (a sum of counts a client sent, each in range)
+    goes in as a REAL, never losing its row."""
+    if type(value) is int and not -(1 << 63) <= value < (1 << 63):
+        return float(value)
+    return value
+
+
+def sql_type(value: Any) -> str:
+    if isinstance(value, bool) or isinstance(value, int):
+        return "INTEGER"
+    if isinstance(value, float):
+        return "REAL"
+    return "TEXT"
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")

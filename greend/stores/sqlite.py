@@ -16,8 +16,8 @@ SQLite calls corrupt is moved aside (``<name>.corrupt-<timestamp>``, said in the
 log and ``last_error``) and a fresh one started. A batch that meets another process's
 lock on the file (an operator's ``sqlite3``, a backup) waits for it, up to
 ``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. A batch the
-file cannot take at all (a full disk, a read-only remount) is held in memory, up to
-``HELD_MAX`` points, and goes first once it can (``pending``). Every lost point is counted in
+file cannot take at all (a full disk, a read-only remount) is held in memory (bounded,
+``greend.stores._held``), written first, a chunk at a time, once it can (``pending``). Every lost point is counted in
 ``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
 """
 
@@ -36,19 +36,20 @@ from urllib.parse import SplitResult, urlsplit
 from greend.errors import ConfigError, StoreError
 from greend.points import Point
 from greend.stores import StoreOptions, StoreStatus, redact_url, register_store
+from greend.stores._held import Held
 from greend.stores._repeats import RepeatedErrors
 from greend.stores._sqlite_file import (
     busy,
     connect_readonly,
     corrupt,
     describe,
+    fit,
+    ident,
     no_room,
     open_fds,
     read_rows,
+    sql_type,
     sqlite_header,
-)
-from greend.stores._sqlite_file import (
-    ident as _ident,
 )
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
@@ -57,23 +58,6 @@ log = logging.getLogger(__name__)
 IDENTITY_CHECK_S = 5.0  # how often the writer checks that the store's file is still the one open
 BUSY_TIMEOUT_S = 5.0  # SQLite waits this long for another connection's lock (PRAGMA busy_timeout) ...
 BUSY_RETRY_S = 120.0  # ... and a batch is tried again for this long before its points are tried one by one
-HELD_MAX = 100_000  # points kept in memory while the file cannot be written (about 50 MB), the oldest dropped beyond
-
-
-def _fit(value: Any) -> Any:
-    """An integer past SQLite's 64 bits (a sum of counts a client sent, each in range)
-    goes in as a REAL, never losing its row."""
-    if type(value) is int and not -(1 << 63) <= value < (1 << 63):
-        return float(value)
-    return value
-
-
-def _sql_type(value: Any) -> str:
-    if isinstance(value, bool) or isinstance(value, int):
-        return "INTEGER"
-    if isinstance(value, float):
-        return "REAL"
-    return "TEXT"
 
 
 # Rows older than [store] raw_hours are rolled up to one per series per rollup_s (see
@@ -145,8 +129,8 @@ class SqliteStore:
         self._errors = RepeatedErrors(log)  # (a full disk fails every batch: logged once per 5 min)
         self._reopened: str | None = None  # why the file was opened anew, said with the next batch
         self._queue_full = 0  # of them, refused by a full queue
-        self._held: list[Point] = []  # a batch the file could not take (writer thread only): written first
-        self._held_over = 0  # points dropped from it beyond HELD_MAX
+        self._held = Held()  # what the file could not take (changed by the writer thread only): written first
+        self._full_at_close = False  # closing, the file took nothing: what is left is counted at once
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
@@ -306,7 +290,8 @@ class SqliteStore:
                 log.error("sqlite store queue full: %d points dropped so far", self._queue_full)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued point is committed (or has failed and been counted)."""
+        """Wait until every queued point is committed, held (the file cannot be written:
+        ``pending``), or has failed and been counted."""
         # The writer marks each point done only after its batch's COMMIT: unlike an
         # "empty queue and idle writer" check, this cannot pass while a batch is in hand.
         deadline = time.monotonic() + timeout_s
@@ -375,7 +360,7 @@ class SqliteStore:
                 continue
             if first is None:
                 self._queue.task_done()
-                self._last_try()
+                self._commit([])  # (the held points: tried once more)
                 return
             batch.append(first)
             deadline = time.monotonic() + self._batch_s
@@ -404,22 +389,50 @@ class SqliteStore:
                     self._queue.task_done()
             self._maybe_prune()
             if stop:
-                self._last_try()
+                self._commit([])
                 return
 
     def _commit(self, batch: list[Point]) -> None:
-        held, self._held = self._held, []
-        batch = held + batch  # (what the file could not take before goes first)
+        held = self._held
+        if not held:
+            if batch and (keep := self._write(batch)):
+                self._dropped += held.add(keep)
+                self._last_error = held.failed(self._last_error or "", self.path)
+                self._errors.error("sqlite store: %s", self._last_error)
+            return
+        self._dropped += held.add(batch)  # (behind what waits: in order)
+        if not held.due() and not self._closing.is_set():
+            return
+        n = len(held)
+        while held:  # a chunk a transaction: the WAL never holds more, and some room is some progress
+            chunk = held.head(self._batch_max)
+            keep = self._write(chunk)
+            held.done(len(chunk) - len(keep))
+            if keep:
+                self._last_error = held.failed(self._last_error or "", self.path)
+                return
+            if self._full_at_close:  # (the chunk counted: the rest with it)
+                lost = held.clear()
+                self._dropped += lost
+                log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, lost + len(chunk))
+        if not self._closing.is_set():
+            log.warning("sqlite store %s: writes again; the %d points held are written", self.path, n)
+
+    def _write(self, batch: list[Point]) -> list[Point]:
+        """Write ``batch``; the tail of it to hold (the file cannot be written at all), else
+        nothing: what is not written is counted lost."""
         if self._locked_out:  # closing, the file locked by another process: not waited for again
             self._dropped += len(batch)
-            return
+            return []
         try:
             self._still_there()
         except (OSError, sqlite3.Error, StoreError) as e:
-            self._dropped += len(batch)
             self._last_error = f"the SQLite store {self.path} cannot be opened again: {e}"
+            if not self._closing.is_set():
+                return batch
+            self._dropped += len(batch)
             self._errors.error("sqlite store: %s", self._last_error)
-            return
+            return []
         reopened, self._reopened = self._reopened, None
         error = self._transaction(batch)
         waited = 0.0
@@ -436,13 +449,11 @@ class SqliteStore:
             self._dropped += len(batch)
             self._last_error = f"closed while another process held the store's lock: {error}"
             log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, len(batch))
-            return
+            return []
         if error is None:
             self._written += len(batch)
             self._last_error = reopened  # (said once more in status, cleared at the next batch)
-            if held:
-                log.warning("sqlite store %s: writes again; the %d points held are written", self.path, len(held))
-            return
+            return []
         if corrupt(error):
             try:
                 self._move_aside(error)
@@ -451,15 +462,14 @@ class SqliteStore:
                 self._dropped += len(batch)
                 self._last_error = f"the SQLite store {self.path} is corrupt and cannot be replaced: {e}"
                 self._errors.error("sqlite store: %s", self._last_error)
-                return
+                return []
             moved = self._last_error
-            if self._transaction(batch) is None:
+            if (error := self._transaction(batch)) is None:  # (the fresh file's error, if any, is judged below)
                 self._written += len(batch)
                 self._last_error = moved
-                return
-        if no_room(error) and not self._closing.is_set():
-            self._hold(batch, error)
-            return
+                return []
+        if no_room(error):
+            return self._no_room(batch, error)
         # Point by point: one bad point loses only itself.
         lost, last = 0, error
         for k, p in enumerate(batch):
@@ -472,6 +482,9 @@ class SqliteStore:
             point_error = self._transaction([p])
             if point_error is None:
                 self._written += 1
+            elif no_room(point_error):  # (a bad point's error first, then the full disk)
+                self._dropped += lost
+                return self._no_room(batch[k:], point_error)
             else:
                 lost += 1
                 last = point_error
@@ -481,31 +494,18 @@ class SqliteStore:
             self._errors.error("sqlite store: %d of a batch of %d points lost: %s", lost, len(batch), self._last_error)
         else:
             self._last_error = None
+        return []
 
-    def _hold(self, batch: list[Point], error: Exception) -> None:
-        """Keep a batch the file cannot take in memory, to go first in the next one: at
-        most ``HELD_MAX`` points, the oldest dropped (and counted) beyond."""
-        over = max(0, len(batch) - HELD_MAX)
-        self._held, self._held_over = batch[over:], self._held_over + over
-        self._dropped += over
-        lost = f"; {self._held_over} older ones dropped beyond {HELD_MAX}" if self._held_over else ""
-        self._last_error = (
-            f"{describe(error)}: {len(self._held)} points held in memory, written once the store "
-            f"{self.path} takes writes again{lost}"
-        )
-        self._errors.error("sqlite store: %s", self._last_error)
-
-    def _last_try(self) -> None:
-        """At close: the points held in memory are tried once more, then counted lost."""
-        held, self._held = self._held, []
-        if not held:
-            return
-        error = self._transaction(held)
-        if error is None:
-            self._written += len(held)
-            return
-        self._dropped += len(held)
-        log.error("sqlite store %s: closed with %d points unwritten: %s", self.path, len(held), describe(error))
+    def _no_room(self, batch: list[Point], error: Exception) -> list[Point]:
+        """The file cannot be written at all: ``batch`` to hold, or at close counted lost."""
+        self._last_error = describe(error)
+        if not self._closing.is_set():
+            return batch
+        self._full_at_close, self._dropped = True, self._dropped + len(batch)
+        self._last_error = f"closed while the file could not be written: {self._last_error}"
+        if not self._held:
+            log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, len(batch))
+        return []
 
     def _transaction(self, batch: list[Point]) -> Exception | None:
         """Write ``batch`` in one transaction; the error, rolled back, or None. The schema
@@ -520,13 +520,13 @@ class SqliteStore:
                 self._ensure_columns(table, pts, added)
                 cols = sorted({c for p in pts for c in (*p.tags, *p.fields)})
                 sql = (
-                    f"INSERT INTO {_ident(table)} (ts_ns, {', '.join(_ident(c) for c in cols)}) "
+                    f"INSERT INTO {ident(table)} (ts_ns, {', '.join(ident(c) for c in cols)}) "
                     f"VALUES (?, {', '.join('?' for _ in cols)})"
                 )
                 rows = []
                 for p in pts:
                     merged: dict[str, Any] = {**p.tags, **p.fields}
-                    rows.append((p.ts_ns, *(_fit(merged.get(c)) for c in cols)))
+                    rows.append((p.ts_ns, *(fit(merged.get(c)) for c in cols)))
                 self._db.executemany(sql, rows)
             self._db.execute("COMMIT")
         except (sqlite3.Error, StoreError, OSError, ValueError, OverflowError) as e:
@@ -542,7 +542,7 @@ class SqliteStore:
     def _load_schema(self) -> None:
         tables = [r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
         for t in tables:
-            self._columns[t] = {r[1] for r in self._db.execute(f"PRAGMA table_info({_ident(t)})")}
+            self._columns[t] = {r[1] for r in self._db.execute(f"PRAGMA table_info({ident(t)})")}
 
     def _ensure_columns(self, table: str, pts: list[Point], added: dict[str, set[str]]) -> None:
         """Create the table and columns ``pts`` need, inside the open transaction; what
@@ -553,18 +553,18 @@ class SqliteStore:
             # Not all known here: the file as it is now (another daemon writing the same file,
             # a node sharing it, may have added them since; an ALTER of a column it added
             # failed every batch of the table, for good).
-            fresh = {r[1] for r in self._db.execute(f"PRAGMA table_info({_ident(table)})")}
+            fresh = {r[1] for r in self._db.execute(f"PRAGMA table_info({ident(table)})")}
             if fresh:
                 have = self._columns[table] = fresh
         if have is None and not new:
-            self._db.execute(f"CREATE TABLE IF NOT EXISTS {_ident(table)} (ts_ns INTEGER NOT NULL)")
-            self._db.execute(f"CREATE INDEX IF NOT EXISTS {_ident('idx_' + table + '_ts')} ON {_ident(table)} (ts_ns)")
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS {ident(table)} (ts_ns INTEGER NOT NULL)")
+            self._db.execute(f"CREATE INDEX IF NOT EXISTS {ident('idx_' + table + '_ts')} ON {ident(table)} (ts_ns)")
             new.add("ts_ns")
         known = (have or set()) | new
         for p in pts:
             for name, value in (*((k, "") for k in p.tags), *p.fields.items()):
                 if name not in known:
-                    self._db.execute(f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(name)} {_sql_type(value)}")
+                    self._db.execute(f"ALTER TABLE {ident(table)} ADD COLUMN {ident(name)} {sql_type(value)}")
                     new.add(name)
                     known.add(name)
 
@@ -593,7 +593,7 @@ class SqliteStore:
                 if not table.startswith("greend_") or "ts_ns" not in columns:
                     continue
                 try:
-                    self._db.execute(f"DELETE FROM {_ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
+                    self._db.execute(f"DELETE FROM {ident(table)} WHERE ts_ns < ?", (cutoff_ns,))
                 except sqlite3.Error as e:
                     log.warning("sqlite store: retention prune of %s failed: %s", table, e)
         try:
@@ -625,8 +625,8 @@ class SqliteStore:
             cols = self._columns.get(table)
             if cols is None:
                 continue
-            part = ", ".join([*(f"COALESCE({_ident(c)}, '')" for c in series if c in cols), f"ts_ns / {bucket}"])
-            t = _ident(table)
+            part = ", ".join([*(f"COALESCE({ident(c)}, '')" for c in series if c in cols), f"ts_ns / {bucket}"])
+            t = ident(table)
             self._db.execute(
                 f"DELETE FROM {t} WHERE ts_ns >= ? AND ts_ns < ? AND rowid NOT IN ("
                 f"SELECT rid FROM (SELECT rowid AS rid, ROW_NUMBER() OVER "
@@ -643,22 +643,22 @@ class SqliteStore:
         self._rolled_until_ns = cut
 
     def _sum_up(self, table: str, series: list[str], aggs: dict[str, str], lo: int, cut: int) -> None:
-        t = _ident(table)
+        t = ident(table)
         bucket = int(self.rollup_s * 1e9)
-        keys = [f"COALESCE({_ident(c)}, '')" for c in series]
+        keys = [f"COALESCE({ident(c)}, '')" for c in series]
         group = ", ".join([*keys, f"ts_ns / {bucket}"])
         exprs = []
         for f, agg in aggs.items():
-            c = _ident(f)
+            c = ident(f)
             if agg.startswith("wmean:"):
-                w = _ident(agg.split(":", 1)[1])
+                w = ident(agg.split(":", 1)[1])
                 exprs.append(f"SUM({c} * {w}) / NULLIF(SUM(CASE WHEN {c} IS NULL THEN 0 ELSE {w} END), 0)")
             else:
                 exprs.append(f"{agg.upper()}({c})")
         selected = ", ".join(
             [
-                *(_ident(c) for c in series),
-                *(f"{e} AS {_ident(f)}" for f, e in zip(aggs, exprs, strict=True)),
+                *(ident(c) for c in series),
+                *(f"{e} AS {ident(f)}" for f, e in zip(aggs, exprs, strict=True)),
                 *(f"{k} AS k{i}" for i, k in enumerate(keys)),
             ]
         )
@@ -674,7 +674,7 @@ class SqliteStore:
             f"DELETE FROM {t} WHERE ts_ns >= ? AND ts_ns < ? AND ({match}) IN (SELECT {ks} FROM temp.greend_rollup)",
             (lo, cut),
         )
-        out = ", ".join(["ts_ns", *(_ident(c) for c in series), *(_ident(f) for f in aggs)])
+        out = ", ".join(["ts_ns", *(ident(c) for c in series), *(ident(f) for f in aggs)])
         self._db.execute(f"INSERT INTO {t} ({out}) SELECT {out} FROM temp.greend_rollup")
         self._db.execute("DROP TABLE temp.greend_rollup")
 

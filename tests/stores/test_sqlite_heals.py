@@ -50,7 +50,9 @@ def test_disk_full_at_a_jobs_first_steps_loses_nothing_once_there_is_room(tmp_pa
     assert st.dropped == 0 and st.pending == 5 and not st.ok, st
     assert "full" in (st.last_error or "") and "5 points held in memory" in (st.last_error or "")
     assert "greend_job_step" not in store._columns  # the CREATE rolled back: not cached
-    disk.full = False  # space is back
+    disk.full = False  # space is back: the held points are tried again after the back-off
+    store._held.retry_s = 0.0
+    store._held.failed()  # (the next try: now)
     store.write([step(i) for i in range(5, 9)])
     assert store.flush(5.0)
     st = store.status()
@@ -79,9 +81,13 @@ def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path)
     st = store.status()
     assert not st.ok and st.pending == 2000 and st.dropped == 0 and st.written == 1, st
     assert "full" in (st.last_error or "") and "2000 points held" in (st.last_error or "")
-    store.write([step(2001)])  # still full: held with the others, in order
-    assert store.flush(5.0) and store.status().pending == 2001
+    now = [0.0]
+    store._held.clock = lambda: now[0]  # (the back-off's clock)
+    store._held.failed()
     _limit_pages(store, None)
+    store.write([step(2001)])  # room again, but before the back-off's end: not tried, held behind the others
+    assert store.flush(5.0) and store.status().pending == 2001 and store.status().written == 1
+    now[0] += store._held.retry_s
     store.write([step(2002)])
     assert store.flush(5.0)
     st = store.status()
@@ -91,13 +97,11 @@ def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path)
 
 
 def test_points_held_past_the_bound_drop_the_oldest_and_a_close_still_full_counts_the_rest(
-    tmp_path: Path, monkeypatch: Any
+    tmp_path: Path,
 ) -> None:
-    import greend.stores.sqlite as sqlite_store
-
-    monkeypatch.setattr(sqlite_store, "HELD_MAX", 100)
     db = tmp_path / "bound.db"
     store = SqliteStore(db, batch_s=0.02)
+    store._held.max_points = 100
     store.write([step(0)])
     assert store.flush(5.0)
     store._db = DiskFull(store._db)  # type: ignore[assignment]  # (every INSERT fails, to the end)
@@ -106,7 +110,7 @@ def test_points_held_past_the_bound_drop_the_oldest_and_a_close_still_full_count
     st = store.status()
     assert st.pending == 100 and st.dropped == 900, st
     assert "900 older ones dropped beyond 100" in (st.last_error or "")
-    assert [p.fields["step"] for p in store._held] == list(range(901, 1001))  # the newest kept
+    assert [p.fields["step"] for p in store._held.points] == list(range(901, 1001))  # the newest kept
     store.close()  # still full: tried once more, then counted
     st = store.status()
     assert st.dropped == 1000 and st.pending == 0 and st.written == 1, st
@@ -306,3 +310,52 @@ def test_closing_while_a_locked_batch_is_written_point_by_point_stops_and_counts
     assert not store._thread.is_alive()
     st = store.status()
     assert st.written == 1 and st.dropped == 20, st
+
+
+def test_a_backlog_larger_than_the_room_that_comes_back_is_written_a_chunk_at_a_time(tmp_path: Path) -> None:
+    """The held points go a chunk (``batch_max``) a transaction: some room is some progress
+    (one transaction of the whole backlog needs room for all of it, and its WAL fills the
+    disk again), and what the room did not take stays held, in order."""
+    db = tmp_path / "chunks.db"
+    store = SqliteStore(db, batch_s=0.02, batch_max=500)
+    store._held.retry_s = 0.0
+    store.write([step(0)])
+    assert store.flush(5.0)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    _limit_pages(store, pages)
+    store.write([step(i) for i in range(1, 20_001)])
+    assert store.flush(10.0) and store.status().pending == 20_000
+    _limit_pages(store, pages + 40)  # room for a few thousand rows, not for 20,000
+    store.write([step(20_001)])
+    assert store.flush(10.0)
+    st = store.status()
+    assert 500 <= st.written - 1 < 20_000 and st.pending == 20_001 - (st.written - 1) and st.dropped == 0, st
+    _limit_pages(store, None)
+    store.write([step(20_002)])
+    assert store.flush(10.0)
+    st = store.status()
+    assert st.ok and st.written == 20_003 and st.pending == 0 and st.dropped == 0, st
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(20_003))
+
+
+def test_a_bad_point_among_those_a_full_disk_holds_loses_only_itself(tmp_path: Path) -> None:
+    db = tmp_path / "mixed.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store._held.retry_s = 0.0
+    store.write([step(0)])
+    assert store.flush(5.0)
+    disk = DiskFull(store._db)
+    store._db = disk  # type: ignore[assignment]
+    bad = Point("greend_job_step", {"host": "h", "job": "j"}, {"bad name": 1.0}, time.time_ns())
+    store.write([step(i) for i in range(1, 501)] + [bad] + [step(i) for i in range(501, 1001)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.dropped <= 1 and st.pending >= 1000 and "full" in (st.last_error or ""), st
+    disk.full = False
+    store.write([step(1001)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.written == 1002 and st.dropped == 1 and st.pending == 0 and "bad name" in (st.last_error or ""), st
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(1002))
