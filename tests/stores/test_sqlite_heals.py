@@ -68,6 +68,16 @@ def _limit_pages(store: SqliteStore, pages: int | None) -> None:
     store._db.execute(f"PRAGMA max_page_count = {n}")
 
 
+def _all_written(store: SqliteStore, db: Path, n: int, timeout_s: float = 5.0) -> None:
+    """One more point lands every held one: ``n`` points in all written, in order, none lost."""
+    store.write([step(n - 1)])
+    assert store.flush(timeout_s)
+    st = store.status()
+    assert st.ok and st.written == n and st.pending == 0 and st.dropped == 0, st
+    store.close()
+    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(n))
+
+
 def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path) -> None:
     """A real SQLITE_FULL (the page limit reached): the points wait in memory, counted
     pending, and are written first, in order, once the file can grow again."""
@@ -88,12 +98,7 @@ def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path)
     store.write([step(2001)])  # room again, but before the back-off's end: not tried, held behind the others
     assert store.flush(5.0) and store.status().pending == 2001 and store.status().written == 1
     now[0] += store._held.retry_s
-    store.write([step(2002)])
-    assert store.flush(5.0)
-    st = store.status()
-    assert st.ok and st.written == 2003 and st.pending == 0 and st.dropped == 0, st
-    store.close()
-    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(2003))
+    _all_written(store, db, 2003)
 
 
 def test_points_held_past_the_bound_drop_the_oldest_and_a_close_still_full_counts_the_rest(
@@ -331,12 +336,7 @@ def test_a_backlog_larger_than_the_room_that_comes_back_is_written_a_chunk_at_a_
     st = store.status()
     assert 500 <= st.written - 1 < 20_000 and st.pending == 20_001 - (st.written - 1) and st.dropped == 0, st
     _limit_pages(store, None)
-    store.write([step(20_002)])
-    assert store.flush(10.0)
-    st = store.status()
-    assert st.ok and st.written == 20_003 and st.pending == 0 and st.dropped == 0, st
-    store.close()
-    assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(20_003))
+    _all_written(store, db, 20_003, timeout_s=10.0)
 
 
 def test_a_bad_point_among_those_a_full_disk_holds_loses_only_itself(tmp_path: Path) -> None:
