@@ -356,6 +356,7 @@ class SqliteStore:
             try:
                 first = self._queue.get(timeout=self._batch_s)
             except queue.Empty:
+                self._commit([])  # (held points, if any, are tried when due, new points or none)
                 self._maybe_prune()
                 continue
             if first is None:
@@ -412,9 +413,7 @@ class SqliteStore:
                 self._last_error = held.failed(self._last_error or "", self.path)
                 return
             if self._full_at_close:  # (the chunk counted: the rest with it)
-                lost = held.clear()
-                self._dropped += lost
-                log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, lost + len(chunk))
+                self._dropped += held.clear()
         if not self._closing.is_set():
             log.warning("sqlite store %s: writes again; the %d points held are written", self.path, n)
 
@@ -503,8 +502,8 @@ class SqliteStore:
             return batch
         self._full_at_close, self._dropped = True, self._dropped + len(batch)
         self._last_error = f"closed while the file could not be written: {self._last_error}"
-        if not self._held:
-            log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, len(batch))
+        n = len(self._held) or len(batch)  # (a chunk of the held points: all of them)
+        log.error("sqlite store %s: %s; %d points not written", self.path, self._last_error, n)
         return []
 
     def _transaction(self, batch: list[Point]) -> Exception | None:

@@ -359,3 +359,22 @@ def test_a_bad_point_among_those_a_full_disk_holds_loses_only_itself(tmp_path: P
     assert st.written == 1002 and st.dropped == 1 and st.pending == 0 and "bad name" in (st.last_error or ""), st
     store.close()
     assert [r["step"] for r in read_rows(db, "greend_job_step")] == list(range(1002))
+
+
+def test_held_points_are_written_when_due_with_no_new_point_to_carry_them(tmp_path: Path) -> None:
+    db = tmp_path / "idle.db"
+    store = SqliteStore(db, batch_s=0.02)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
+    store.write([step(i) for i in range(1, 2001)])
+    assert store.flush(5.0) and store.status().pending == 2000
+    store._held.retry_s = 0.0
+    _limit_pages(store, None)
+    deadline = time.monotonic() + 5.0
+    while store.status().pending and time.monotonic() < deadline:  # (nothing written meanwhile)
+        time.sleep(0.02)
+    st = store.status()
+    assert st.pending == 0 and st.written == 2001 and st.dropped == 0, st
+    store.close()
+    assert len(read_rows(db, "greend_job_step")) == 2001
