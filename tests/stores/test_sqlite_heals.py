@@ -370,6 +370,7 @@ def test_held_points_are_written_when_due_with_no_new_point_to_carry_them(tmp_pa
     store.write([step(i) for i in range(1, 2001)])
     assert store.flush(5.0) and store.status().pending == 2000
     store._held.retry_s = 0.0
+    store._held.failed()  # (the next try: now)
     _limit_pages(store, None)
     deadline = time.monotonic() + 5.0
     while store.status().pending and time.monotonic() < deadline:  # (nothing written meanwhile)
