@@ -27,6 +27,7 @@ class Held:
         self.retry_s = retry_s
         self.clock = clock
         self.over = 0  # points dropped beyond the bound, all told
+        self.why = ""  # why the file refused them last
         self._retry_at = 0.0
 
     def __len__(self) -> int:
@@ -56,16 +57,17 @@ class Held:
         return n
 
     def failed(self, why: str = "", where: object = "") -> str:
-        """The file refused them again: the next try waits ``retry_s``; what to tell (:meth:`say`)."""
-        self._retry_at = self.clock() + self.retry_s
-        return self.say(why, where)
+        """The file refused them again (``why``): the next try waits ``retry_s``; what to tell."""
+        self._retry_at, self.why = self.clock() + self.retry_s, why
+        return self.say(where)
 
     def due(self) -> bool:
         return self.clock() >= self._retry_at
 
-    def say(self, why: str, where: object) -> str:
+    def say(self, where: object) -> str:
+        """Why, how many are held and how many were dropped beyond the bound (``last_error``)."""
         lost = f"; {self.over} older ones dropped beyond {self.max_points}" if self.over else ""
         return (
-            f"{why}: {len(self.points)} points held in memory, written once the store {where} takes writes "
+            f"{self.why}: {len(self.points)} points held in memory, written once the store {where} takes writes "
             f"again (tried every {self.retry_s:g} s){lost}"
         )

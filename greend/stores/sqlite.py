@@ -15,10 +15,9 @@ point, so one bad point (or a moment of full disk) loses only itself; a file
 SQLite calls corrupt is moved aside (``<name>.corrupt-<timestamp>``, said in the
 log and ``last_error``) and a fresh one started. A batch that meets another process's
 lock on the file (an operator's ``sqlite3``, a backup) waits for it, up to
-``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. A batch the
-file cannot take at all (a full disk, a read-only remount) is held in memory (bounded,
-``greend.stores._held``), written first, a chunk at a time, once it can (``pending``). Every lost point is counted in
-``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
+``BUSY_RETRY_S``; at close the writer is interrupted, never closed under. What the file
+cannot take at all (a full disk) is held in memory (``_held``) and goes first once it can.
+Every lost point is counted in ``dropped`` (``greenctl status``, ``greend_store_points_dropped``).
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from greend.stores._sqlite_file import (
     sql_type,
     sqlite_header,
 )
+from greend.stores._sqlite_rollup import ROLLUP_LAST, ROLLUP_SUM
 
 __all__ = ["SqliteStore", "read_rows", "connect_readonly"]
 
@@ -58,40 +58,6 @@ log = logging.getLogger(__name__)
 IDENTITY_CHECK_S = 5.0  # how often the writer checks that the store's file is still the one open
 BUSY_TIMEOUT_S = 5.0  # SQLite waits this long for another connection's lock (PRAGMA busy_timeout) ...
 BUSY_RETRY_S = 120.0  # ... and a batch is tried again for this long before its points are tried one by one
-
-
-# Rows older than [store] raw_hours are rolled up to one per series per rollup_s (see
-# SqliteStore.roll_up). The series are the tags each measurement carries (greend/points.py;
-# tests/stores/test_sqlite_rollup.py checks they agree).
-ROLLUP_LAST: dict[str, tuple[str, ...]] = {
-    "greend_gpu": ("host", "gpu", "source", "method"),
-    "greend_cpu": ("host", "zone", "path", "source"),
-    "greend_host": ("host",),
-    "greend_probe": ("host", "probe"),
-    "greend_efficiency": ("host", "job", "run", "precision"),
-}
-ROLLUP_SUM: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "greend_job_steps": (
-        ("host", "job", "run", "rank", "precision"),
-        {
-            "steps": "sum",
-            "first_step": "min",
-            "last_step": "max",
-            "duration_s": "sum",
-            "duration_sq_s2": "sum",
-            "flops": "sum",
-            "samples": "sum",
-            "tokens": "sum",
-            "nonfinite": "sum",
-            "loss_mean": "wmean:loss_n",
-            "loss_min": "min",
-            "loss_max": "max",
-            "loss_n": "sum",
-            "sim_duration_s": "sum",
-            "sim_energy_j": "sum",
-        },
-    ),
-}
 
 
 class SqliteStore:
@@ -131,6 +97,7 @@ class SqliteStore:
         self._queue_full = 0  # of them, refused by a full queue
         self._held = Held()  # what the file could not take (changed by the writer thread only): written first
         self._full_at_close = False  # closing, the file took nothing: what is left is counted at once
+        self._batch_held = False  # the batch being committed joined the held points (not counted lost on a bug)
         self._last_error: str | None = None
         self.moved_aside: list[str] = []  # corrupt files set aside, newest last
         try:
@@ -361,7 +328,7 @@ class SqliteStore:
                 continue
             if first is None:
                 self._queue.task_done()
-                self._commit([])  # (the held points: tried once more)
+                self._close_held()
                 return
             batch.append(first)
             deadline = time.monotonic() + self._batch_s
@@ -381,8 +348,8 @@ class SqliteStore:
                 batch.append(p)
             try:
                 self._commit(batch)
-            except Exception as e:  # a bug: the batch is lost, counted, and the writer goes on
-                self._dropped += len(batch)
+            except Exception as e:  # a bug: the batch is lost, counted (unless held), and the writer goes on
+                self._dropped += 0 if self._batch_held else len(batch)
                 self._last_error = f"writing {len(batch)} points failed: {type(e).__name__}: {e}"
                 log.exception("sqlite store: writing %d points failed", len(batch))
             finally:
@@ -390,11 +357,11 @@ class SqliteStore:
                     self._queue.task_done()
             self._maybe_prune()
             if stop:
-                self._commit([])
+                self._close_held()
                 return
 
     def _commit(self, batch: list[Point]) -> None:
-        held = self._held
+        held, self._batch_held = self._held, False
         if not held:
             if batch and (keep := self._write(batch)):
                 self._dropped += held.add(keep)
@@ -402,20 +369,36 @@ class SqliteStore:
                 self._errors.error("sqlite store: %s", self._last_error)
             return
         self._dropped += held.add(batch)  # (behind what waits: in order)
+        self._batch_held = True
         if not held.due() and not self._closing.is_set():
+            self._last_error = held.say(self.path)  # (the counts as they are now)
             return
         n = len(held)
         while held:  # a chunk a transaction: the WAL never holds more, and some room is some progress
             chunk = held.head(self._batch_max)
-            keep = self._write(chunk)
+            try:
+                keep = self._write(chunk)
+            except Exception:  # a bug: the chunk leaves the held points, counted lost (never written twice)
+                held.done(len(chunk))
+                self._dropped += len(chunk)
+                raise
             held.done(len(chunk) - len(keep))
             if keep:
                 self._last_error = held.failed(self._last_error or "", self.path)
+                self._errors.error("sqlite store: %s", self._last_error)
                 return
             if self._full_at_close:  # (the chunk counted: the rest with it)
                 self._dropped += held.clear()
         if not self._closing.is_set():
             log.warning("sqlite store %s: writes again; the %d points held are written", self.path, n)
+
+    def _close_held(self) -> None:
+        """At close: the held points tried once more; a bug there counts them lost."""
+        try:
+            self._commit([])
+        except Exception:
+            self._dropped += self._held.clear()
+            log.exception("sqlite store %s: writing the held points at close failed", self.path)
 
     def _write(self, batch: list[Point]) -> list[Point]:
         """Write ``batch``; the tail of it to hold (the file cannot be written at all), else

@@ -379,3 +379,37 @@ def test_held_points_are_written_when_due_with_no_new_point_to_carry_them(tmp_pa
     assert st.pending == 0 and st.written == 2001 and st.dropped == 0, st
     store.close()
     assert len(read_rows(db, "greend_job_step")) == 2001
+
+
+def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """A bug in a held chunk's write: that chunk is counted lost (never written twice), the
+    batch that joined the held points stays held, and every point is counted once."""
+    db = tmp_path / "bug.db"
+    store = SqliteStore(db, batch_s=0.02, batch_max=100)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
+    store.write([step(i) for i in range(1, 1001)])
+    assert store.flush(5.0) and store.status().pending >= 800  # (the file's free pages may take a chunk)
+    store._held.retry_s = 0.0
+    store._held.failed()  # (the next try: now)
+    _limit_pages(store, None)
+    real, calls = store._write, []
+
+    def once(batch: list[Point]) -> list[Point]:
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return real(batch)
+
+    monkeypatch.setattr(store, "_write", once)
+    store.write([step(1001)])
+    assert store.flush(5.0)
+    monkeypatch.setattr(store, "_write", real)
+    store.write([step(1002)])
+    assert store.flush(5.0)
+    st = store.status()
+    assert st.dropped == 100 and st.written + st.pending + st.dropped == 1003, st
+    store.close()
+    steps = [r["step"] for r in read_rows(db, "greend_job_step")]
+    assert steps == sorted(set(steps)) and len(steps) == store.status().written
