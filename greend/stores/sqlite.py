@@ -323,7 +323,7 @@ class SqliteStore:
             try:
                 first = self._queue.get(timeout=self._batch_s)
             except queue.Empty:
-                self._commit([])  # (held points, if any, are tried when due, new points or none)
+                self._close_held(closing=False)  # (held points, if any, are tried when due, new points or none)
                 self._maybe_prune()
                 continue
             if first is None:
@@ -392,13 +392,15 @@ class SqliteStore:
         if not self._closing.is_set():
             log.warning("sqlite store %s: writes again; the %d points held are written", self.path, n)
 
-    def _close_held(self) -> None:
-        """At close: the held points tried once more; a bug there counts them lost."""
+    def _close_held(self, closing: bool = True) -> None:
+        """The held points tried (when due; at close, once more): a bug there never stops
+        the writer (the chunk it met is counted lost; at close, all of them)."""
         try:
             self._commit([])
-        except Exception:
-            self._dropped += self._held.clear()
-            log.exception("sqlite store %s: writing the held points at close failed", self.path)
+        except Exception as e:
+            self._dropped += self._held.clear() if closing else 0
+            self._last_error = f"writing the held points failed: {type(e).__name__}: {e}"
+            log.exception("sqlite store %s: writing the held points failed", self.path)
 
     def _write(self, batch: list[Point]) -> list[Point]:
         """Write ``batch``; the tail of it to hold (the file cannot be written at all), else

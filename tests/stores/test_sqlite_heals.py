@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from greend.points import Point
 from greend.stores.sqlite import SqliteStore, read_rows
 
@@ -391,8 +393,9 @@ def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monk
     _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
     store.write([step(i) for i in range(1, 1001)])
     assert store.flush(5.0) and store.status().pending >= 800  # (the file's free pages may take a chunk)
-    store._held.retry_s = 0.0
-    store._held.failed()  # (the next try: now)
+    now = [0.0]
+    store._held.clock = lambda: now[0]  # (no idle try before the bug is in place)
+    store._held.failed()
     _limit_pages(store, None)
     real, calls = store._write, []
 
@@ -403,6 +406,7 @@ def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monk
         return real(batch)
 
     monkeypatch.setattr(store, "_write", once)
+    now[0] += store._held.retry_s
     store.write([step(1001)])
     assert store.flush(5.0)
     monkeypatch.setattr(store, "_write", real)
@@ -413,3 +417,48 @@ def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monk
     store.close()
     steps = [r["step"] for r in read_rows(db, "greend_job_step")]
     assert steps == sorted(set(steps)) and len(steps) == store.status().written
+
+
+def test_a_bug_in_an_idle_try_of_the_held_points_never_stops_the_writer(tmp_path: Path, monkeypatch: Any) -> None:
+    db = tmp_path / "idlebug.db"
+    store = SqliteStore(db, batch_s=0.02, batch_max=100)
+    store.write([step(0)])
+    assert store.flush(5.0)
+    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
+    store.write([step(i) for i in range(1, 1001)])
+    assert store.flush(5.0)
+    real = store._write
+
+    def broken(batch: list[Point]) -> list[Point]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(store, "_write", broken)
+    store._held.retry_s = 0.0
+    store._held.failed()
+    deadline = time.monotonic() + 5.0
+    while "a bug" not in (store.status().last_error or "") and time.monotonic() < deadline:
+        time.sleep(0.02)  # (the writer's idle wake-up meets the bug)
+    assert "a bug" in (store.status().last_error or "")
+    monkeypatch.setattr(store, "_write", real)
+    _limit_pages(store, None)
+    store.write([step(1001)])
+    assert store.flush(5.0) and store._thread.is_alive()  # the writer goes on
+    st = store.status()
+    assert st.pending == 0 and st.written + st.dropped == 1002, st
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "code", [sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN]
+)
+def test_the_errors_of_a_file_that_cannot_be_written_are_told_from_a_bad_point(code: int) -> None:
+    from greend.stores._sqlite_file import no_room
+
+    e = sqlite3.OperationalError("x")
+    e.sqlite_errorcode = code | (1 << 8)  # type: ignore[attr-defined]  # (an extended code, as SQLite gives)
+    assert no_room(e)
+    bad = sqlite3.OperationalError("no such column")
+    bad.sqlite_errorcode = sqlite3.SQLITE_ERROR  # type: ignore[attr-defined]  # (a statement's own error)
+    assert not no_room(bad)
+    assert no_room(OSError(28, "No space left on device")) and no_room(OSError(30, "Read-only file system"))
+    assert not no_room(OSError(2, "No such file or directory"))
