@@ -158,11 +158,12 @@ def test_rows_give_the_same_report_as_steps_within_half_a_pct(daemon: Daemon) ->
     assert rows["gflops_per_w"] == pytest.approx(steps["gflops_per_w"], rel=5e-3)
     sr, ss = rows["savings"], steps["savings"]
     assert sr["baseline"]["steps"] == ss["baseline"]["steps"] > 0
-    assert sr["expected_gpu_energy_j"] == pytest.approx(ss["expected_gpu_energy_j"], rel=1e-3)
-    # The saving is the simulated steps' (the same either way); its share is of the job's
-    # GPU energy from the ledger (within 0.1 %, as above).
+    # The saving is the simulated steps' (the same either way); the energy it is a share of,
+    # and so the energy expected without greend, are the job's GPU energy from the ledger
+    # (within 0.5 %, as above: a CI run read 0.13 %).
+    assert sr["expected_gpu_energy_j"] == pytest.approx(ss["expected_gpu_energy_j"], rel=5e-3)
     assert sr["saved_j"] == pytest.approx(ss["saved_j"], rel=1e-9)
-    assert sr["gpu_energy_j"] == pytest.approx(ss["gpu_energy_j"], rel=1e-3)
+    assert sr["gpu_energy_j"] == pytest.approx(ss["gpu_energy_j"], rel=5e-3)
 
 
 def test_a_jobs_row_is_its_reports_columns(daemon: Daemon) -> None:
