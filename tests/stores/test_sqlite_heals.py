@@ -70,6 +70,18 @@ def _limit_pages(store: SqliteStore, pages: int | None) -> None:
     store._db.execute(f"PRAGMA max_page_count = {n}")
 
 
+def _full(db: Path, n: int, **kw: Any) -> SqliteStore:
+    """A store with one row written, then its file held at its size (a real SQLITE_FULL
+    from then on), and ``n`` more points (steps 1..n) given to it."""
+    store = SqliteStore(db, batch_s=0.02, **kw)
+    store.write([step(0)])
+    assert store.flush(5.0) and store.status().ok
+    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
+    store.write([step(i) for i in range(1, n + 1)])
+    assert store.flush(5.0)
+    return store
+
+
 def _all_written(store: SqliteStore, db: Path, n: int, timeout_s: float = 5.0) -> None:
     """One more point lands every held one: ``n`` points in all written, in order, none lost."""
     store.write([step(n - 1)])
@@ -84,12 +96,7 @@ def test_a_file_sqlite_cannot_grow_holds_the_points_until_it_can(tmp_path: Path)
     """A real SQLITE_FULL (the page limit reached): the points wait in memory, counted
     pending, and are written first, in order, once the file can grow again."""
     db = tmp_path / "full.db"
-    store = SqliteStore(db, batch_s=0.02)
-    store.write([step(0)])
-    assert store.flush(5.0) and store.status().ok
-    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
-    store.write([step(i) for i in range(1, 2001)])
-    assert store.flush(5.0)
+    store = _full(db, 2000)
     st = store.status()
     assert not st.ok and st.pending == 2000 and st.dropped == 0 and st.written == 1, st
     assert "full" in (st.last_error or "") and "2000 points held" in (st.last_error or "")
@@ -365,12 +372,8 @@ def test_a_bad_point_among_those_a_full_disk_holds_loses_only_itself(tmp_path: P
 
 def test_held_points_are_written_when_due_with_no_new_point_to_carry_them(tmp_path: Path) -> None:
     db = tmp_path / "idle.db"
-    store = SqliteStore(db, batch_s=0.02)
-    store.write([step(0)])
-    assert store.flush(5.0)
-    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
-    store.write([step(i) for i in range(1, 2001)])
-    assert store.flush(5.0) and store.status().pending == 2000
+    store = _full(db, 2000)
+    assert store.status().pending == 2000
     store._held.retry_s = 0.0
     store._held.failed()  # (the next try: now)
     _limit_pages(store, None)
@@ -387,12 +390,8 @@ def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monk
     """A bug in a held chunk's write: that chunk is counted lost (never written twice), the
     batch that joined the held points stays held, and every point is counted once."""
     db = tmp_path / "bug.db"
-    store = SqliteStore(db, batch_s=0.02, batch_max=100)
-    store.write([step(0)])
-    assert store.flush(5.0)
-    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
-    store.write([step(i) for i in range(1, 1001)])
-    assert store.flush(5.0) and store.status().pending >= 800  # (the file's free pages may take a chunk)
+    store = _full(db, 1000, batch_max=100)
+    assert store.status().pending >= 800  # (the file's free pages may take a chunk)
     now = [0.0]
     store._held.clock = lambda: now[0]  # (no idle try before the bug is in place)
     store._held.failed()
@@ -421,12 +420,7 @@ def test_a_bug_while_points_are_held_counts_each_point_once(tmp_path: Path, monk
 
 def test_a_bug_in_an_idle_try_of_the_held_points_never_stops_the_writer(tmp_path: Path, monkeypatch: Any) -> None:
     db = tmp_path / "idlebug.db"
-    store = SqliteStore(db, batch_s=0.02, batch_max=100)
-    store.write([step(0)])
-    assert store.flush(5.0)
-    _limit_pages(store, store._db.execute("PRAGMA page_count").fetchone()[0])
-    store.write([step(i) for i in range(1, 1001)])
-    assert store.flush(5.0)
+    store = _full(db, 1000, batch_max=100)
     real = store._write
 
     def broken(batch: list[Point]) -> list[Point]:
