@@ -323,12 +323,12 @@ class SqliteStore:
             try:
                 first = self._queue.get(timeout=self._batch_s)
             except queue.Empty:
-                self._close_held(closing=False)  # (held points, if any, are tried when due, new points or none)
+                self._try_held(at_close=False)  # (held points, if any, are tried when due, new points or none)
                 self._maybe_prune()
                 continue
             if first is None:
                 self._queue.task_done()
-                self._close_held()
+                self._try_held()
                 return
             batch.append(first)
             deadline = time.monotonic() + self._batch_s
@@ -357,7 +357,7 @@ class SqliteStore:
                     self._queue.task_done()
             self._maybe_prune()
             if stop:
-                self._close_held()
+                self._try_held()
                 return
 
     def _commit(self, batch: list[Point]) -> None:
@@ -392,13 +392,13 @@ class SqliteStore:
         if not self._closing.is_set():
             log.warning("sqlite store %s: writes again; the %d points held are written", self.path, n)
 
-    def _close_held(self, closing: bool = True) -> None:
+    def _try_held(self, at_close: bool = True) -> None:
         """The held points tried (when due; at close, once more): a bug there never stops
         the writer (the chunk it met is counted lost; at close, all of them)."""
         try:
             self._commit([])
         except Exception as e:
-            self._dropped += self._held.clear() if closing else 0
+            self._dropped += self._held.clear() if at_close else 0
             self._last_error = f"writing the held points failed: {type(e).__name__}: {e}"
             log.exception("sqlite store %s: writing the held points failed", self.path)
 
