@@ -76,6 +76,7 @@ class JobSearch:
     fps_count: int = 0  # the agreements received then (JobView.pace_count)
     fps_seen: int = 0  # and at the last look
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
+    _index_memo: tuple[tuple[Setting, ...], Setting, int | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def looking(self) -> bool:
@@ -96,7 +97,15 @@ class JobSearch:
     def _index(self, setting: Setting | None) -> int | None:
         if setting is None:
             return None
-        return next((i for i, s in enumerate(self.grid) if same_setting(s, setting)), None)
+        # A policy period asks this a dozen times of a grid of up to a hundred settings;
+        # the grid is a tuple (a change replaces it), so the last answer holds while both
+        # the grid and the setting are the same objects.
+        memo = self._index_memo
+        if memo is not None and memo[0] is self.grid and memo[1] is setting:
+            return memo[2]
+        at = next((i for i, s in enumerate(self.grid) if same_setting(s, setting)), None)
+        self._index_memo = (self.grid, setting, at)
+        return at
 
 
 @dataclass

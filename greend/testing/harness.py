@@ -27,6 +27,7 @@ directory (on ``/dev/shm`` when there is one: each step writes the device file).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import tempfile
@@ -75,12 +76,17 @@ class FakeClock:
 def make_sim_gpus(
     n: int, clock: FakeClock | None = None, *, spec: SimSpec = H100, state_dir: Path | str | None = None
 ) -> tuple[list[SimGpu], FakeClock]:
-    """``n`` fresh simulated GPUs at default settings on a fake clock."""
+    """``n`` fresh simulated GPUs at default settings on a fake clock. Without
+    ``state_dir`` their files go to a directory of their own that no other object
+    writes, so they never look at the files again for another writer's changes (their
+    own are seen at once) where they would stat the file at every reading."""
     clock = clock or FakeClock()
+    refresh_s = 0.0
     if state_dir is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         state_dir = tempfile.mkdtemp(prefix="greend-harness-", dir=base)
-    return [SimGpu(state_dir, i, spec, clock) for i in range(n)], clock
+        refresh_s = math.inf
+    return [SimGpu(state_dir, i, spec, clock, refresh_s=refresh_s) for i in range(n)], clock
 
 
 @dataclass(frozen=True)
@@ -377,7 +383,7 @@ def run_policy(
                 speed = sj.speed_of(i, job_steps[sj.job])
                 if sj.straggles and abs(g.speed_factor() - speed) > 1e-12:
                     g.set_speed_factor(speed)
-                c = g.run_step(flops * sj.work.get(i, 1.0), m, sj.precision)
+                c = g.run_steps([(flops * sj.work.get(i, 1.0), m, sj.precision)], defer=True)[0]
                 dur = max(dur, c.duration_s)
                 en += c.energy_j
                 period_energy[i] += c.energy_j
@@ -459,6 +465,8 @@ def run_policy(
             r = results[sj.job]
             if ph == "settled" and r.search_steps is None:
                 r.search_steps = job_steps[sj.job]
+    for g in gpus:
+        g.commit()  # (the steps are booked in memory as they run: the files get them now)
     for sj in jobs:
         results[sj.job].final_setting = job_setting(sj)
     return HarnessResult(
@@ -645,7 +653,7 @@ def run_nodes(
                 speed = sj.speed_of(i, it)
                 if abs(g.speed_factor() - speed) > 1e-12:
                     g.set_speed_factor(speed)
-                c = g.run_step(flops * sj.work.get(i, 1.0), m, sj.precision)
+                c = g.run_steps([(flops * sj.work.get(i, 1.0), m, sj.precision)], defer=True)[0]
                 dur, en = max(dur, c.duration_s), en + c.energy_j
                 p.energy[i] += c.energy_j
                 p.busy[i] += c.duration_s
@@ -686,4 +694,7 @@ def run_nodes(
             _apply_decision(decision, [sj], p.by)
             if tuple(_in_force(p.by[i]) for i in sj.gpus) != before:
                 p.acc = _Acc(_in_force(p.by[sj.gpus[0]]), skip=settle_steps, since_s=sim_t)
+    for n in nodes:
+        for g in n.gpus:
+            g.commit()
     return NodesResult(step_s, energy, [_in_force(n.gpus[0]) for n in nodes], paces)
