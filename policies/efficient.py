@@ -65,7 +65,8 @@ under the top limit), and on top "uncapped".
 6. **Settled.** We hold the best setting and keep watching: once after settling,
    and every ``recheck_s`` seconds, the baseline is measured again (warm-up
    makes first steps slow, and the budget depends on it; a job over several nodes at the
-   same job steps on every node instead, ``RECHECK_SHARE``); while settled, a
+   same job steps on every node instead, ``RECHECK_SHARE``, and at two shared ones
+   after its step or its agreed pace fell, ``_recheck.py``); while settled, a
    window of recent steps is compared with what the setting showed when we
    settled: a FLOP/s or power drift beyond ``retune_drift`` and beyond the
    job's own noise (a new phase of the job, not a checkpoint step; ``_drift.py``)
@@ -88,7 +89,9 @@ from ._drift import phase_change
 from ._efficient_view import bound_text, job_details, settled_line
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open_boundary
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
+from ._knobs import knob_for, tunable
 from ._pacing import Pacer, as_job
+from ._recheck import judge_recheck, judge_slot, pace_fell, slot_due, slot_steps, slots, sped_up
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import (
     EfficientState,
@@ -118,7 +121,6 @@ TIGHTER = 0.01  # a bound tighter than this share since we settled: the setting 
 COARSE_POINTS = 4  # the coarse pass measures about this many settings below the top
 MIN_ENERGY_TOL = 0.003  # relative energy differences below this are ties
 _SAMPLES_KEEP = 64
-_KNOB_NAMES = {"clock": "clock_cap_mhz", "power": "power_limit_w"}
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ class EfficientPolicy:
             job = state.jobs[j.job]
             views = [gpus[i] for i in j.gpus if i in gpus]
             j = as_job(j, job.pace, job.grid, job.current)
-            knob, why = self._knob_for(job, views)
+            knob, why = knob_for(self.knob, views)
             if knob is None:
                 reasons[j.job] = f"job {j.job}: cannot act: {why}"
                 continue
@@ -232,29 +234,7 @@ class EfficientPolicy:
 
     def _tunable(self, g: GpuView, knob: str | None = None) -> bool:
         """Whether ``knob`` (default: the policy's) has settings to search on ``g``."""
-        if (knob or self.knob) == "clock":
-            return len(g.supported_sm_clocks_mhz) > 1
-        return g.power_limit_min_w is not None and g.power_limit_max_w is not None
-
-    def _knob_for(self, job: _Job, views: list[GpuView]) -> tuple[str | None, str]:
-        """The knob to tune this job's GPUs with, and why not the policy's own: a knob a
-        GPU refused (NOT_SUPPORTED on a consumer card, MIG mode, NO_PERMISSION) is never
-        asked for; the other knob (clock <-> power limit) does the job where it works.
-        (None, why) when neither can act."""
-        if not views:
-            return None, "its GPUs are not read (yet)"
-        why: list[str] = []
-        for knob in (self.knob, "power" if self.knob == "clock" else "clock"):
-            name = _KNOB_NAMES[knob]
-            refusing = {g.index: g.refused_knobs[name] for g in views if name in g.refused_knobs}
-            if refusing:
-                by = ", ".join(f"gpu{i} ({r})" for i, r in sorted(refusing.items()))
-                why.append(f"{name} refused by {by}")
-            elif not all(self._tunable(g, knob) for g in views):
-                why.append(f"{name} not tunable on its GPUs")
-            else:
-                return knob, "; ".join(why) + (f": tuning {name} instead" if why else "")
-        return None, "; ".join(why)
+        return tunable(g, knob or self.knob)
 
     def _held_instead(self, j: JobView, job: _Job, views: list[GpuView]) -> str:
         """After a setting was asked for: a GPU that holds another one (a driver that
@@ -384,6 +364,14 @@ class EfficientPolicy:
 
     def _step_job(self, snap: Snapshot, j: JobView, job: _Job, g: GpuView) -> str:
         self._sync_live(j, job)
+        at = slot_due(job, j.run_steps or j.steps, slot_steps(self.baseline_steps)) if job.slots else None
+        if at is not None and job.phase not in ("recheck", "baseline"):  # (with the job's other nodes)
+            self._switch(job, UNCAPPED)
+            job.phase, job.recheck, job.live, job.slot_recheck = "recheck", Evidence(), None, True
+            return f"job {j.job}: re-checking the uncapped baseline at its step {at}, as its other nodes do"
+        fell = pace_fell(job, j) if job.spans_nodes else None
+        if fell is not None:
+            self._slots(job, j, f"the job's agreed pace fell {fell:+.0%}")
         # ---- the baseline re-check
         if job.phase == "recheck":
             recheck_ev = job.recheck or Evidence()
@@ -422,6 +410,9 @@ class EfficientPolicy:
             if drift is not None:
                 self._retune(job, drift)
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
+            fell = sped_up(job, self.min_steps, self.noise) if job.spans_nodes else None
+            if fell is not None:
+                self._slots(job, j, f"the job's step fell {fell:+.0%} at the setting held")
         if job.phase == "search" and (not job.current.uncapped or job.looking):
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
@@ -470,6 +461,12 @@ class EfficientPolicy:
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
         return settled_line(j.job, job, ev, target, bound_text(self.objective, self.eta, self.max_slowdown, job))
 
+    def _slots(self, job: _Job, j: JobView, why: str) -> None:
+        """Re-check the baseline at the job's next two slots, as its other nodes do (_recheck.py)."""
+        if not job.slots:
+            job.slots = slots(j.run_steps or j.steps, slot_steps(self.baseline_steps))
+            job.last_event = f"{why}: re-checks with its other nodes at steps {job.slots[0]} and {job.slots[1]}"
+
     def _baseline_need(self, base: Evidence | None) -> int:
         """Steps the uncapped baseline needs: every comparison leans on it, so a
         noisy job measures it twice as long (``4 * min_steps``) as a quiet one."""
@@ -480,32 +477,19 @@ class EfficientPolicy:
 
     def _finish_recheck(self, snap: Snapshot, job: _Job, recheck_ev: Evidence, steps: int) -> None:
         base = job.cache.get(UNCAPPED, Evidence())
+        slot, job.slot_recheck = job.slot_recheck, False
         job.recheck, job.live = None, None
         job.rechecked_once = True
         job.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
-        job.rechecked_steps = steps
+        if not slot:  # (a slot never moves the power-of-two re-checks: _recheck.py)
+            job.rechecked_steps = steps
         job.phase = "search"
         if min(recheck_ev.flops, recheck_ev.time_s, recheck_ev.energy_j) <= 0:
             job.last_event = "baseline re-check read no FLOPs, time or energy: not taken"
         elif base.steps == 0 or min(base.time_s, base.energy_j) <= 0:
             job.cache[UNCAPPED] = recheck_ev
-        else:
-            self._judge_recheck(job, base, recheck_ev)
-
-    def _judge_recheck(self, job: _Job, base: Evidence, recheck_ev: Evidence) -> None:
-        dt = recheck_ev.time_per_flop_s / base.time_per_flop_s - 1.0
-        dp = recheck_ev.power_w / base.power_w - 1.0 if base.power_w > 0 else 0.0
-        if abs(dt) > self.retune_drift or abs(dp) > self.retune_drift:
-            self._retune(job, f"baseline moved ({dt:+.0%} time, {dp:+.0%} power)", baseline=recheck_ev)
-            job.rechecked_once = True
-            return
-        se = math.hypot(recheck_ev.se_time(self.noise), base.se_time(self.noise))
-        if abs(dt) > max(0.02, 3.0 * se):  # clearly off (warm-up), not just noise
-            job.cache[UNCAPPED] = recheck_ev  # the first baseline was off (warm-up): trust the new one
-            job.last_event = f"baseline corrected by {dt:+.1%}"
-        else:
-            job.cache[UNCAPPED] = base.plus(recheck_ev)
-            job.last_event = "baseline confirmed"
+        elif not (slot and judge_slot(job, base, recheck_ev, self.noise, self._retune)):
+            judge_recheck(job, base, recheck_ev, self.noise, self.retune_drift, self._retune)
 
     # ------------------------------------------------------------------ the search
 

@@ -76,6 +76,9 @@ class JobSearch:
     fps_count: int = 0  # the agreements received then (JobView.pace_count)
     fps_seen: int = 0  # and at the last look
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
+    slots: tuple[int, ...] = ()  # job steps to re-check the baseline at with the other nodes (_recheck.py)
+    slot_recheck: bool = False  # the re-check under way is one of those
+    pace_seen: tuple[int, float] | None = None  # (JobView.pace_count, the pace per FLOP) at the last agreement read
     _index_memo: tuple[tuple[Setting, ...], Setting, int | None] | None = field(default=None, repr=False, compare=False)
 
     @property

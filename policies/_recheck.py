@@ -1,0 +1,134 @@
+"""Re-checks of the uncapped baseline: judging one, and the re-checks a job over several
+nodes runs together when its step falls at the setting each node holds.
+
+Every node of a synchronous job times the job's step (a rank's step waits for the slowest
+node in the collective), and each holds its GPUs to the pace the nodes agreed from their
+uncapped steps. When a slow node heals, the others stay capped to its old step and the
+healed node's uncapped step reads theirs: no node measures the job uncapped while every
+node is uncapped, so the agreed pace never falls by itself (sim: a job 20 % over `none`
+until the next re-check every node runs at the same power of two of its steps).
+
+What every node does see is the job's step falling at the setting it holds, or the
+agreed pace falling once a node measured its step again. A node that sees either fall
+by more than :data:`FASTER` (the step also by ``DRIFT_Z`` standard errors: :func:`sped_up`,
+:func:`pace_fell`) re-checks its baseline at two job steps (:func:`slots`): the first
+multiple of :func:`slot_steps` at least :data:`LEAD` steps ahead, and the next one,
+whatever it is doing then (a search included). The nodes see the same steps, each within
+a policy period or two; nodes that see the fall less than one slot apart share a slot,
+where all of them run uncapped at once. A slot's re-check that reads the job faster than
+the baseline re-tunes from it (what the other settings measured was the old pace); one
+that reads it slower measured another node's capped steps and is not taken; one within
+the noise is judged as any re-check is (:func:`judge_recheck`). A job's slots never move
+its power-of-two re-checks, so those stay at the same steps on every node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ._drift import DRIFT_Z, WINDOWS, _window
+from ._evidence import Evidence
+from .base import UNCAPPED, JobView
+from .efficient_state import JobSearch, step_flops
+
+__all__ = ["FASTER", "LEAD", "judge_recheck", "judge_slot", "pace_fell", "slot_due", "slot_steps", "slots", "sped_up"]
+
+FASTER = 0.03  # the job's step at the setting held fell by more than this share: re-check together
+LEAD = 8  # a slot comes at least this many job steps after the fall is seen
+
+
+def slot_steps(baseline_steps: int) -> int:
+    """The spacing of the slots, in job steps: the power of two at or above two
+    baselines' worth (64 at the defaults), the same on every node of the job."""
+    return 1 << (2 * baseline_steps - 1).bit_length()
+
+
+def slots(run_steps: int, every: int) -> tuple[int, int]:
+    """The two job steps a node that saw the job speed up at ``run_steps`` re-checks at."""
+    first = -(-(run_steps + LEAD) // every) * every
+    return first, first + every
+
+
+def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
+    """By how much the settled ``job``'s time per FLOP fell against what its setting
+    showed when it settled (a negative share), where it fell by more than
+    :data:`FASTER` and ``DRIFT_Z`` standard errors; else None."""
+    ref, now = job.ref, job.live
+    if ref is None or now is None or not job.samples or min(ref.flops, ref.time_s) <= 0:
+        return None
+    for k in WINDOWS:
+        window = _window(job, now, k * min_steps)
+        if window is None or window.flops <= 0 or window.time_s <= 0:
+            continue
+        dt = window.time_per_flop_s / ref.time_per_flop_s - 1.0
+        n = math.sqrt(window.steps)
+        sd = max(window.se_time(noise), ref.se_time(noise) * math.sqrt(ref.steps) / n)
+        if dt < -FASTER and -dt > DRIFT_Z * math.hypot(sd, ref.se_time(noise)):
+            return dt
+    return None
+
+
+def pace_fell(job: JobSearch, j: JobView) -> float | None:
+    """By how much the job's agreed pace, per FLOP, fell at the agreement just received
+    against the one before it (a negative share), where by more than :data:`FASTER`;
+    else None. The pace is the MAX of the nodes' uncapped steps, so it falls when the
+    slowest node's baseline fell: a straggler healed, or that node measured its step
+    again. Every node reads the same agreements, at the same job steps."""
+    if not j.pace_s or j.pace_s <= 0 or not job.fps:
+        return None
+    seen = job.pace_seen
+    if seen is not None and j.pace_count <= seen[0]:
+        return None
+    tpf = j.pace_s / step_flops(job, Evidence())  # (job.fps known: the evidence is not read)
+    job.pace_seen = (j.pace_count, tpf)
+    if seen is None:
+        return None
+    fell = tpf / seen[1] - 1.0
+    return fell if fell < -FASTER else None
+
+
+def slot_due(job: JobSearch, run_steps: int, every: int) -> int | None:
+    """The slot due at ``run_steps`` (it is taken off the job's list), or None. A slot
+    more than one spacing past is dropped: the other nodes have run theirs."""
+    while job.slots and run_steps >= job.slots[0] + every:
+        job.slots = job.slots[1:]
+    if job.slots and run_steps >= job.slots[0]:
+        at, job.slots = job.slots[0], job.slots[1:]
+        return at
+    return None
+
+
+def judge_slot(job: JobSearch, base: Evidence, ev: Evidence, noise: float, retune: Callable[..., None]) -> bool:
+    """A slot's re-check against the baseline: faster re-tunes from it, slower is not
+    taken; True where that settled it, False where it is judged as any re-check."""
+    dt = ev.time_per_flop_s / base.time_per_flop_s - 1.0
+    margin = max(0.01, 3.0 * math.hypot(ev.se_time(noise), base.se_time(noise)))
+    if dt < -margin:
+        retune(job, f"the job ran {dt:+.0%} faster uncapped with its other nodes", baseline=ev)
+        return True
+    if dt > margin:
+        job.last_event = f"re-check with the job's other nodes read {dt:+.0%} (a node was capped): not taken"
+        return True
+    return False
+
+
+def judge_recheck(
+    job: JobSearch, base: Evidence, ev: Evidence, noise: float, retune_drift: float, retune: Callable[..., None]
+) -> None:
+    """A baseline re-check against the baseline: a move beyond ``retune_drift`` re-tunes
+    the job from it; a clear one within it (warm-up) corrects the baseline; else the
+    two are one measure."""
+    dt = ev.time_per_flop_s / base.time_per_flop_s - 1.0
+    dp = ev.power_w / base.power_w - 1.0 if base.power_w > 0 else 0.0
+    if abs(dt) > retune_drift or abs(dp) > retune_drift:
+        retune(job, f"baseline moved ({dt:+.0%} time, {dp:+.0%} power)", baseline=ev)
+        job.rechecked_once = True
+        return
+    se = math.hypot(ev.se_time(noise), base.se_time(noise))
+    if abs(dt) > max(0.02, 3.0 * se):  # clearly off (warm-up), not just noise
+        job.cache[UNCAPPED] = ev  # the first baseline was off (warm-up): trust the new one
+        job.last_event = f"baseline corrected by {dt:+.1%}"
+    else:
+        job.cache[UNCAPPED] = base.plus(ev)
+        job.last_event = "baseline confirmed"

@@ -1,0 +1,105 @@
+"""The re-checks a job over several nodes runs with its other nodes when its step falls
+at the setting each node holds (policies/_recheck.py), on plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from greend.policies._evidence import Evidence
+from greend.policies._recheck import FASTER, judge_slot, pace_fell, slot_due, slot_steps, slots, sped_up
+from greend.policies.base import UNCAPPED
+from greend.policies.efficient_state import JobSearch
+
+FLOPS = 1e12  # per step
+
+
+def _steps(n: int, step_s: float, noise: float = 0.0, seed: int = 0) -> Evidence:
+    """``n`` steps of ``step_s`` each (relative noise ``noise``), 300 W."""
+    import random
+
+    rng = random.Random(seed)
+    ts = [step_s * (1.0 + rng.gauss(0.0, noise)) for _ in range(n)]
+    return Evidence(
+        steps=n,
+        flops=n * FLOPS,
+        time_s=sum(ts),
+        energy_j=300.0 * sum(ts),
+        time_sq_s2=sum(t * t for t in ts),
+        energy_sq_j2=sum((300.0 * t) ** 2 for t in ts),
+    )
+
+
+def _settled(ref_step_s: float, now_step_s: float, noise: float = 0.0) -> JobSearch:
+    """A job settled with 32 steps of ``ref_step_s`` as its reference, then 32 steps of
+    ``now_step_s``, a sample every 8."""
+    job = JobSearch(gpus=(0,), start_steps=0)
+    job.ref = _steps(32, ref_step_s, noise, seed=1)
+    live = Evidence()
+    for k in range(4):
+        job.samples.append(live)
+        live = live.plus(_steps(8, now_step_s, noise, seed=10 + k))
+    job.live = live
+    return job
+
+
+def test_nodes_that_see_the_fall_less_than_a_slot_apart_share_a_slot() -> None:
+    every = slot_steps(32)
+    assert every == 64
+    for d in range(900, 1200):
+        for e in range(d, d + every):
+            assert set(slots(d, every)) & set(slots(e, every)), (d, e)
+    first, second = slots(1100, every)
+    assert first % every == 0 and first >= 1100 + 8 and second == first + every
+
+
+def test_a_slot_is_taken_once_and_one_long_past_is_dropped() -> None:
+    job = JobSearch(gpus=(0,), start_steps=0, slots=(1152, 1216))
+    assert slot_due(job, 1151, 64) is None and job.slots == (1152, 1216)
+    assert slot_due(job, 1153, 64) == 1152 and job.slots == (1216,)
+    assert slot_due(job, 1160, 64) is None
+    job.slots = (1152, 1216)
+    assert slot_due(job, 1230, 64) == 1216 and job.slots == ()  # (1152 is a spacing past: dropped)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_a_step_that_fell_at_the_setting_held_is_seen_and_noise_is_not(noise: float) -> None:
+    fell = sped_up(_settled(0.068, 0.060, noise), 8, 0.02)
+    assert fell is not None and fell == pytest.approx(0.060 / 0.068 - 1.0, abs=0.02)
+    assert sped_up(_settled(0.068, 0.068 * (1 - FASTER / 2), noise), 8, 0.02) is None
+    assert sped_up(_settled(0.060, 0.068, noise), 8, 0.02) is None  # (slower: the pace's business)
+
+
+def test_a_slot_that_reads_faster_re_tunes_from_it_and_one_that_reads_slower_is_not_taken() -> None:
+    base = _steps(32, 0.065, 0.01, seed=3)
+    calls: list[tuple[str, Evidence | None]] = []
+
+    def retune(job: JobSearch, why: str, baseline: Evidence | None = None) -> None:
+        calls.append((why, baseline))
+
+    job = JobSearch(gpus=(0,), start_steps=0, cache={UNCAPPED: base})
+    faster = _steps(32, 0.050, 0.01, seed=4)
+    assert judge_slot(job, base, faster, 0.02, retune)
+    assert len(calls) == 1 and calls[0][1] is faster and "faster" in calls[0][0]
+    slower = _steps(32, 0.060 * 1.2, 0.01, seed=5)  # (another node capped then)
+    assert judge_slot(job, base, slower, 0.02, retune)
+    assert len(calls) == 1 and job.cache[UNCAPPED] is base and "not taken" in job.last_event
+    same = _steps(32, 0.065, 0.01, seed=6)
+    assert not judge_slot(job, base, same, 0.02, retune)  # (judged as any re-check is)
+
+
+def test_a_fall_of_the_agreed_pace_is_read_once_per_agreement_and_per_flop() -> None:
+    from greend.policies.base import JobView
+
+    job = JobSearch(gpus=(0,), start_steps=0, fps=2e12)
+
+    def view(count: int, pace_s: float) -> JobView:
+        return JobView("j", (0,), "running", 100 * count, "bf16", ("bf16",), None, UNCAPPED, pace_s, count)
+
+    assert pace_fell(job, view(1, 0.070)) is None  # (the first: nothing to fall from)
+    assert pace_fell(job, view(2, 0.069)) is None  # (-1.4 %: within FASTER)
+    fell = pace_fell(job, view(3, 0.060))
+    assert fell == pytest.approx(0.060 / 0.069 - 1.0)
+    assert pace_fell(job, view(3, 0.050)) is None  # (the same agreement: read once)
+    job.fps = 1e12  # (half the FLOPs a step: the same pace per FLOP is half the step)
+    assert pace_fell(job, view(4, 0.030)) is None
+    assert pace_fell(job, view(5, 0.025)) is not None
