@@ -15,11 +15,12 @@ FLOP rate, with a standard error of about as much.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from ._evidence import Evidence
 from .efficient_state import JobSearch
 
-__all__ = ["DRIFT_Z", "WINDOWS", "phase_change"]
+__all__ = ["DRIFT_Z", "WINDOWS", "phase_change", "windows"]
 
 DRIFT_Z = 4.0  # standard errors a drift must also be (the check runs every period: rare false alarms)
 WINDOWS = (1, 4)  # the windows looked at, in ``min_steps``
@@ -30,10 +31,7 @@ def phase_change(job: JobSearch, min_steps: int, threshold: float, noise: float)
     ref, now = job.ref, job.live
     if ref is None or now is None or not job.samples or min(ref.flops, ref.time_s, ref.energy_j) <= 0:
         return None
-    for k in WINDOWS:
-        window = _window(job, now, k * min_steps)
-        if window is None or window.flops <= 0 or window.time_s <= 0:
-            continue
+    for window in windows(job, now, min_steps):
         dfps = ref.time_per_flop_s / window.time_per_flop_s - 1.0
         dp = window.power_w / ref.power_w - 1.0
         # The window's spread is read from few steps: never below the reference's (more steps).
@@ -45,6 +43,15 @@ def phase_change(job: JobSearch, min_steps: int, threshold: float, noise: float)
         if (abs(dfps) > threshold and abs(dfps) > DRIFT_Z * se_t) or (abs(dp) > threshold and abs(dp) > DRIFT_Z * se_p):
             return f"phase change ({dfps:+.0%} FLOP/s, {dp:+.0%} power)"
     return None
+
+
+def windows(job: JobSearch, now: Evidence, min_steps: int) -> Iterator[Evidence]:
+    """The evidence of each window of the latest steps (:data:`WINDOWS`) that ran and
+    counted FLOPs, shortest first."""
+    for k in WINDOWS:
+        window = _window(job, now, k * min_steps)
+        if window is not None and window.flops > 0 and window.time_s > 0:
+            yield window
 
 
 def _window(job: JobSearch, now: Evidence, steps: int) -> Evidence | None:

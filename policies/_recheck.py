@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ._drift import DRIFT_Z, WINDOWS, _window
+from ._drift import DRIFT_Z, windows
 from ._evidence import Evidence
 from .base import UNCAPPED, JobView
 from .efficient_state import JobSearch, step_flops
@@ -57,10 +57,7 @@ def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
     ref, now = job.ref, job.live
     if ref is None or now is None or not job.samples or min(ref.flops, ref.time_s) <= 0:
         return None
-    for k in WINDOWS:
-        window = _window(job, now, k * min_steps)
-        if window is None or window.flops <= 0 or window.time_s <= 0:
-            continue
+    for window in windows(job, now, min_steps):
         dt = window.time_per_flop_s / ref.time_per_flop_s - 1.0
         n = math.sqrt(window.steps)
         sd = max(window.se_time(noise), ref.se_time(noise) * math.sqrt(ref.steps) / n)
