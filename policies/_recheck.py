@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ._drift import DRIFT_Z, windows
+from ._drift import DRIFT_Z, WINDOWS
 from ._evidence import Evidence
 from .base import UNCAPPED, JobView
 from .efficient_state import JobSearch, step_flops
@@ -51,18 +51,31 @@ def slots(run_steps: int, every: int) -> tuple[int, int]:
 
 
 def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
-    """By how much the settled ``job``'s time per FLOP fell against what its setting
-    showed when it settled (a negative share), where it fell by more than
-    :data:`FASTER` and ``DRIFT_Z`` standard errors; else None."""
-    ref, now = job.ref, job.live
-    if ref is None or now is None or not job.samples or min(ref.flops, ref.time_s) <= 0:
+    """By how much the settled ``job``'s time per FLOP fell in its latest steps (the
+    windows of ``_drift.py``), where it fell by more than :data:`FASTER` and ``DRIFT_Z``
+    standard errors, a negative share; else None. Against its steps at the same setting
+    before them since it settled, and against what the setting showed when it settled
+    (``job.ref``: what the search banked there too, so a fall during a search or a
+    re-check is seen), unless slots booked on such a fall found nothing
+    (``job.step_quiet``): a node settled again on evidence from before the fall would
+    see the same fall again and again."""
+    now = job.live
+    if now is None or len(job.samples) < 2:
         return None
-    for window in windows(job, now, min_steps):
-        dt = window.time_per_flop_s / ref.time_per_flop_s - 1.0
-        n = math.sqrt(window.steps)
-        sd = max(window.se_time(noise), ref.se_time(noise) * math.sqrt(ref.steps) / n)
-        if dt < -FASTER and -dt > DRIFT_Z * math.hypot(sd, ref.se_time(noise)):
-            return dt
+    first, ref = job.samples[0], None if job.step_quiet else job.ref
+    for k in WINDOWS:
+        start = next((s for s in reversed(job.samples) if now.steps - s.steps >= k * min_steps), None)
+        if start is None:
+            continue
+        window = now.minus(start)
+        for before in (start.minus(first), ref):
+            if before is None or before.steps < min_steps:
+                continue
+            if min(window.flops, window.time_s, before.flops, before.time_s) <= 0:
+                continue
+            dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
+            if dt < -FASTER and -dt > DRIFT_Z * math.hypot(window.se_time(noise), before.se_time(noise)):
+                return dt
     return None
 
 

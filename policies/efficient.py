@@ -300,7 +300,7 @@ class EfficientPolicy:
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
         job.rebase, job.fine, job.fine_w, job.again_w, job.look_from, job.looked = False, 0, (), (), None, False
-        job.rechecked_once = False
+        job.rechecked_once = job.step_quiet = False
         job.next_recheck_s = math.inf
         job.retunes += 1
         job.last_event = f"re-tune: {why}"
@@ -370,8 +370,9 @@ class EfficientPolicy:
             job.phase, job.recheck, job.live, job.slot_recheck = "recheck", Evidence(), None, True
             return f"job {j.job}: re-checking the uncapped baseline at its step {at}, as its other nodes do"
         fell = pace_fell(job, j) if job.spans_nodes else None
-        if fell is not None:
+        if fell is not None and not job.slots:
             self._slots(job, j, f"the job's agreed pace fell {fell:+.0%}")
+            job.slots_by_step = False
         # ---- the baseline re-check
         if job.phase == "recheck":
             recheck_ev = job.recheck or Evidence()
@@ -410,9 +411,10 @@ class EfficientPolicy:
             if drift is not None:
                 self._retune(job, drift)
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
-            fell = sped_up(job, self.min_steps, self.noise) if job.spans_nodes else None
+            fell = sped_up(job, self.min_steps, self.noise) if job.spans_nodes and not job.slots else None
             if fell is not None:
                 self._slots(job, j, f"the job's step fell {fell:+.0%} at the setting held")
+                job.slots_by_step = True
         if job.phase == "search" and (not job.current.uncapped or job.looking):
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
@@ -477,7 +479,7 @@ class EfficientPolicy:
 
     def _finish_recheck(self, snap: Snapshot, job: _Job, recheck_ev: Evidence, steps: int) -> None:
         base = job.cache.get(UNCAPPED, Evidence())
-        slot, job.slot_recheck = job.slot_recheck, False
+        slot, job.slot_recheck, retunes = job.slot_recheck, False, job.retunes
         job.recheck, job.live = None, None
         job.rechecked_once = True
         job.next_recheck_s = snap.t_s + self.recheck_s if self.recheck_s > 0 else math.inf
@@ -490,6 +492,8 @@ class EfficientPolicy:
             job.cache[UNCAPPED] = recheck_ev
         elif not (slot and judge_slot(job, base, recheck_ev, self.noise, self._retune)):
             judge_recheck(job, base, recheck_ev, self.noise, self.retune_drift, self._retune)
+        if slot and not job.slots and job.retunes == retunes:  # (the pair found nothing)
+            job.step_quiet = job.step_quiet or job.slots_by_step
 
     # ------------------------------------------------------------------ the search
 

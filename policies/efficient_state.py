@@ -78,6 +78,8 @@ class JobSearch:
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
     slots: tuple[int, ...] = ()  # job steps to re-check the baseline at with the other nodes (_recheck.py)
     slot_recheck: bool = False  # the re-check under way is one of those
+    slots_by_step: bool = False  # those were booked on the job's step falling here (sped_up)
+    step_quiet: bool = False  # such slots found nothing: the step's fall is read on live steps only, until a re-tune
     pace_seen: tuple[int, float] | None = None  # (JobView.pace_count, the pace per FLOP) at the last agreement read
     _index_memo: tuple[tuple[Setting, ...], Setting, int | None] | None = field(default=None, repr=False, compare=False)
 
