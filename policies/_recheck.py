@@ -20,6 +20,12 @@ the baseline re-tunes from it (what the other settings measured was the old pace
 that reads it slower measured another node's capped steps and is not taken; one within
 the noise is judged as any re-check is (:func:`judge_recheck`). A job's slots never move
 its power-of-two re-checks, so those stay at the same steps on every node.
+
+Not seen: the heal of a straggler the other nodes were paced to exactly (one 5-15 %
+slower; sim, ``bench/bench_heal.py --slower 1.1``): their capped step is then the job's
+step before and after, and no node's uncapped step moves the pace. Only the healed node
+could tell (its GPUs wait more at the same step time), and the others would have to
+re-check with it: a re-check step carried in the pace agreement.
 """
 
 from __future__ import annotations
