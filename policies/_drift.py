@@ -31,7 +31,7 @@ def phase_change(job: JobSearch, min_steps: int, threshold: float, noise: float)
     ref, now = job.ref, job.live
     if ref is None or now is None or not job.samples or min(ref.flops, ref.time_s, ref.energy_j) <= 0:
         return None
-    for window in windows(job, now, min_steps):
+    for _, window in windows(job, now, min_steps):
         dfps = ref.time_per_flop_s / window.time_per_flop_s - 1.0
         dp = window.power_w / ref.power_w - 1.0
         # The window's spread is read from few steps: never below the reference's (more steps).
@@ -45,18 +45,11 @@ def phase_change(job: JobSearch, min_steps: int, threshold: float, noise: float)
     return None
 
 
-def windows(job: JobSearch, now: Evidence, min_steps: int) -> Iterator[Evidence]:
-    """The evidence of each window of the latest steps (:data:`WINDOWS`) that ran and
-    counted FLOPs, shortest first."""
+def windows(job: JobSearch, now: Evidence, min_steps: int) -> Iterator[tuple[Evidence, Evidence]]:
+    """Each window of the latest steps (:data:`WINDOWS`) that ran and counted FLOPs,
+    shortest first: (the running totals where it starts, its evidence)."""
     for k in WINDOWS:
-        window = _window(job, now, k * min_steps)
-        if window is not None and window.flops > 0 and window.time_s > 0:
-            yield window
-
-
-def _window(job: JobSearch, now: Evidence, steps: int) -> Evidence | None:
-    """The evidence of the latest ``steps`` steps or more (None: not that many yet)."""
-    for s in reversed(job.samples):
-        if now.steps - s.steps >= steps:
-            return now.minus(s)
-    return None
+        start = next((s for s in reversed(job.samples) if now.steps - s.steps >= k * min_steps), None)
+        window = None if start is None else now.minus(start)
+        if start is not None and window is not None and window.flops > 0 and window.time_s > 0:
+            yield start, window

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ._drift import DRIFT_Z, WINDOWS
+from ._drift import DRIFT_Z, windows
 from ._evidence import Evidence
 from .base import UNCAPPED, JobView
 from .efficient_state import JobSearch, step_flops
@@ -69,15 +69,9 @@ def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
     if now is None or len(job.samples) < 2:
         return None
     first, ref = job.samples[0], None if job.step_quiet else job.ref
-    for k in WINDOWS:
-        start = next((s for s in reversed(job.samples) if now.steps - s.steps >= k * min_steps), None)
-        if start is None:
-            continue
-        window = now.minus(start)
+    for start, window in windows(job, now, min_steps):
         for before in (start.minus(first), ref):
-            if before is None or before.steps < min_steps:
-                continue
-            if min(window.flops, window.time_s, before.flops, before.time_s) <= 0:
+            if before is None or before.steps < min_steps or min(before.flops, before.time_s) <= 0:
                 continue
             dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
             if dt < -FASTER and -dt > DRIFT_Z * math.hypot(window.se_time(noise), before.se_time(noise)):

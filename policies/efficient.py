@@ -89,7 +89,7 @@ from ._drift import phase_change
 from ._efficient_view import bound_text, job_details, settled_line
 from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open_boundary
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
-from ._knobs import knob_for, tunable
+from ._knobs import knob_for
 from ._pacing import Pacer, as_job
 from ._recheck import judge_recheck, judge_slot, pace_fell, slot_due, slot_steps, slots, sped_up
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
@@ -232,10 +232,6 @@ class EfficientPolicy:
 
     # ------------------------------------------------------------------ per job
 
-    def _tunable(self, g: GpuView, knob: str | None = None) -> bool:
-        """Whether ``knob`` (default: the policy's) has settings to search on ``g``."""
-        return tunable(g, knob or self.knob)
-
     def _held_instead(self, j: JobView, job: _Job, views: list[GpuView]) -> str:
         """After a setting was asked for: a GPU that holds another one (a driver that
         clamps a clock lock) is measured at what it holds; the settings it cannot reach
@@ -371,8 +367,7 @@ class EfficientPolicy:
             return f"job {j.job}: re-checking the uncapped baseline at its step {at}, as its other nodes do"
         fell = pace_fell(job, j) if job.spans_nodes else None
         if fell is not None and not job.slots:
-            self._slots(job, j, f"the job's agreed pace fell {fell:+.0%}")
-            job.slots_by_step = False
+            self._slots(job, j, f"the job's agreed pace fell {fell:+.0%}", by_step=False)
         # ---- the baseline re-check
         if job.phase == "recheck":
             recheck_ev = job.recheck or Evidence()
@@ -413,8 +408,7 @@ class EfficientPolicy:
                 return f"job {j.job}: {drift}; measuring the uncapped baseline again"
             fell = sped_up(job, self.min_steps, self.noise) if job.spans_nodes and not job.slots else None
             if fell is not None:
-                self._slots(job, j, f"the job's step fell {fell:+.0%} at the setting held")
-                job.slots_by_step = True
+                self._slots(job, j, f"the job's step fell {fell:+.0%} at the setting held", by_step=True)
         if job.phase == "search" and (not job.current.uncapped or job.looking):
             have = ev.get(job.current, Evidence()).steps
             if have < job.need:
@@ -463,11 +457,10 @@ class EfficientPolicy:
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
         return settled_line(j.job, job, ev, target, bound_text(self.objective, self.eta, self.max_slowdown, job))
 
-    def _slots(self, job: _Job, j: JobView, why: str) -> None:
+    def _slots(self, job: _Job, j: JobView, why: str, by_step: bool) -> None:
         """Re-check the baseline at the job's next two slots, as its other nodes do (_recheck.py)."""
-        if not job.slots:
-            job.slots = slots(j.run_steps or j.steps, slot_steps(self.baseline_steps))
-            job.last_event = f"{why}: re-checks with its other nodes at steps {job.slots[0]} and {job.slots[1]}"
+        job.slots, job.slots_by_step = slots(j.run_steps or j.steps, slot_steps(self.baseline_steps)), by_step
+        job.last_event = f"{why}: re-checks with its other nodes at steps {job.slots[0]} and {job.slots[1]}"
 
     def _baseline_need(self, base: Evidence | None) -> int:
         """Steps the uncapped baseline needs: every comparison leans on it, so a

@@ -11,6 +11,7 @@ import pytest
 
 from greend.errors import ConfigError
 from greend.policies import get_policy
+from greend.policies._knobs import tunable
 from greend.probes.sim import SimGpu
 from greend.probes.trace import TRACE_DIR, bundled_trace, load_trace, trace_spec
 from greend.testing.harness import HarnessResult, make_sim_gpus, run_policy
@@ -68,7 +69,7 @@ def test_a_traced_gpu_follows_the_profile(tmp_path: Path) -> None:
     assert capped.energy_j / top.energy_j == pytest.approx(prof.energy_ratio(200))
     with pytest.raises(ValueError):
         g.set_power_limit_w(350)
-    assert not get_policy("efficient")._tunable(_view(g))  # knob=clock: one clock, nothing to tune
+    assert not tunable(_view(g), "clock")  # one clock, nothing to tune
 
 
 def _view(g: SimGpu):
