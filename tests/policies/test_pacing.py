@@ -330,31 +330,24 @@ def test_a_job_paced_on_noisy_shares_stays_paced() -> None:
     assert 1 - sum(e_eff[:7]) / sum(e_none[:7]) > 0.9 * 0.295  # (noise-free: 29.5 %, bench_pacing_noise)
 
 
-def _two_nodes(policy: str, steps: int, slow: Straggle | None, b_starts_at: int = 0, noise: float = 0.0, **params):
+def _nodes(
+    policy: str, steps: int, slow: Straggle | None, starts: tuple[int, ...], noise: float = 0.0, **params
+) -> NodesResult:
+    """Synchronised nodes of 2 simulated GPUs whose daemons start at the job steps
+    ``starts`` (one node each); node B's GPUs straggle as ``slow`` says."""
     from greend.testing.harness import Node, run_nodes
 
     nodes = []
-    for k in range(2):
+    for k, start in enumerate(starts):
         gpus, clk = make_sim_gpus(2)
-        st = (Straggle(0, slow.factor, slow.start_step, slow.stop_step),
-              Straggle(1, slow.factor, slow.start_step, slow.stop_step)) if k and slow else ()  # fmt: skip
+        st = tuple(Straggle(i, slow.factor, slow.start_step, slow.stop_step) for i in (0, 1)) if k == 1 and slow else ()
         job = SimJob("j", (0, 1), FLOPS, 0.4, straggles=st)
-        nodes.append(Node(get_policy(policy, **params), gpus, job, clk, starts_at=b_starts_at if k else 0))
+        nodes.append(Node(get_policy(policy, **params), gpus, job, clk, starts_at=start))
     return run_nodes(nodes, steps=steps, noise=noise)
 
 
-def _nodes(policy: str, steps: int, n: int, heal: int, **params) -> NodesResult:
-    """``n`` synchronised nodes of 2 simulated GPUs; node B 30 % slower until step
-    ``heal``; the daemons start at steps 0, 50 and 120."""
-    from greend.testing.harness import Node, run_nodes
-
-    nodes = []
-    for k in range(n):
-        gpus, clk = make_sim_gpus(2)
-        st = tuple(Straggle(i, 1.3, 0, heal) for i in (0, 1)) if k == 1 else ()
-        job = SimJob("j", (0, 1), FLOPS, 0.4, straggles=st)
-        nodes.append(Node(get_policy(policy, **params), gpus, job, clk, starts_at=(0, 50, 120)[k]))
-    return run_nodes(nodes, steps=steps)
+def _two_nodes(policy: str, steps: int, slow: Straggle | None, b_starts_at: int = 0, noise: float = 0.0, **params):
+    return _nodes(policy, steps, slow, (0, b_starts_at), noise, **params)
 
 
 @pytest.mark.parametrize("n, heal", [(2, 1100), (3, 1050)])
@@ -367,8 +360,9 @@ def test_a_straggler_that_heals_between_aligned_rechecks_leaves_the_job_within_i
     the heal). Each re-checks its baseline at the same two job steps then
     (policies/_recheck.py). Before, the job ran +20 % (2 nodes) and +31 % (3 nodes) over
     ``none`` from the heal to the next re-check, at step 2,048."""
-    none = _nodes("none", 2000, n, heal)
-    eff = _nodes("efficient", 2000, n, heal, max_slowdown=0.05)
+    starts = (0, 50, 120)[:n]
+    none = _nodes("none", 2000, Straggle(0, 1.3, 0, heal), starts)
+    eff = _nodes("efficient", 2000, Straggle(0, 1.3, 0, heal), starts, max_slowdown=0.05)
     after = sum(eff.step_s[heal + 300 :]) / sum(none.step_s[heal + 300 :])
     assert after <= 1.055, after
 
