@@ -640,6 +640,8 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         "step_s": Field((float,), required=True, min=PACE_S_RANGE[0], max=PACE_S_RANGE[1]),
         # The job's floor: the lowest uncapped step time any node measured (absent: none agreed).
         "floor_s": Field((float,), min=PACE_S_RANGE[0], max=PACE_S_RANGE[1]),
+        # The latest job step a node asked every node to re-check its baseline from (a MAX; absent: none).
+        "recheck_at": Field((int,), min=0, max=1 << 53),
     },
     "precision_event": {
         "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),

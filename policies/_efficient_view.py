@@ -65,5 +65,8 @@ def job_details(
         # lowest it measured at the job's level, from which they agree the job's floor.
         "baseline_time_per_flop_s": base.time_per_flop_s if base is not None and base.flops > 0 else None,
         "floor_time_per_flop_s": job.low_tpf,
+        # The job step this node asks every node to re-check their baselines from (0: none; agreed
+        # by the ranks as a MAX with the pace, JobView.recheck_at: policies/_recheck.py).
+        "recheck_at": job.ask,
         "flops_per_step": flops_per_step,  # (now: what the daemon turns those into step times with)
     }

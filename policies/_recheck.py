@@ -21,11 +21,16 @@ that reads it slower measured another node's capped steps and is not taken; one 
 the noise is judged as any re-check is (:func:`judge_recheck`). A job's slots never move
 its power-of-two re-checks, so those stay at the same steps on every node.
 
-Not seen: the heal of a straggler the other nodes were paced to exactly (one 5-15 %
-slower; sim, ``bench/bench_heal.py --slower 1.1``): their capped step is then the job's
-step before and after, and no node's uncapped step moves the pace. Only the healed node
-could tell (its GPUs wait more at the same step time), and the others would have to
-re-check with it: a re-check step carried in the pace agreement.
+A straggler the other nodes were paced to exactly (one 5-15 % slower; sim,
+``bench/bench_heal.py --slower 1.1``) heals without either: their capped step is the
+job's step before and after, and no node's uncapped step moves the pace. Only the healed
+node can tell: its GPUs use less energy per FLOP at the same step (they finish their part
+sooner and wait for the others in the collective, :func:`waits_more`). It asks every node
+to re-check from its step (``recheck_at``, agreed by the ranks with the pace as a MAX,
+docs/protocol.md); every node, reading a larger agreed ask (:func:`asked`), books the
+slots as for a fall of the pace. On a real GPU a rank waiting in a collective still draws
+power (NCCL's kernels poll), so its energy falls by less than its compute time: a heal
+of a few percent may stay under :data:`FASTER` there.
 """
 
 from __future__ import annotations
@@ -38,7 +43,19 @@ from ._evidence import Evidence
 from .base import UNCAPPED, JobView
 from .efficient_state import JobSearch, step_flops
 
-__all__ = ["FASTER", "LEAD", "judge_recheck", "judge_slot", "pace_fell", "slot_due", "slot_steps", "slots", "sped_up"]
+__all__ = [
+    "FASTER",
+    "LEAD",
+    "asked",
+    "judge_recheck",
+    "judge_slot",
+    "pace_fell",
+    "slot_due",
+    "slot_steps",
+    "slots",
+    "sped_up",
+    "waits_more",
+]
 
 FASTER = 0.03  # the job's step at the setting held fell by more than this share: re-check together
 LEAD = 8  # a slot comes at least this many job steps after the fall is seen
@@ -77,6 +94,40 @@ def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
             if dt < -FASTER and -dt > DRIFT_Z * math.hypot(window.se_time(noise), before.se_time(noise)):
                 return dt
     return None
+
+
+def waits_more(job: JobSearch, min_steps: int, noise: float) -> float | None:
+    """By how much the settled ``job``'s energy per FLOP fell in its latest steps (the
+    windows of ``_drift.py``) while its time per FLOP held within :data:`FASTER`: its GPUs
+    finish their part sooner and wait longer for the other nodes in the collective (this
+    node healed, or its work shrank). Against what :func:`sped_up` reads: its steps at
+    the same setting before them since it settled, and, unless ``job.step_quiet``, what
+    the setting showed when it settled. A negative share, where it fell by more than
+    :data:`FASTER` and ``DRIFT_Z`` standard errors; else None."""
+    now = job.live
+    if now is None or len(job.samples) < 2:
+        return None
+    first, ref = job.samples[0], None if job.step_quiet else job.ref
+    for start, window in windows(job, now, min_steps):
+        for before in (start.minus(first), ref):
+            if before is None or before.steps < min_steps or min(before.flops, before.time_s, before.energy_j) <= 0:
+                continue
+            dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
+            de = window.energy_per_flop_j / before.energy_per_flop_j - 1.0
+            se = math.hypot(window.se_energy(noise), before.se_energy(noise))
+            if abs(dt) <= FASTER and de < -FASTER and -de > DRIFT_Z * se:
+                return de
+    return None
+
+
+def asked(job: JobSearch, j: JobView) -> int | None:
+    """The job step a node of the job asked every node to re-check from (the agreed
+    ``JobView.recheck_at``, a MAX over the nodes' asks), where it is new since the last
+    agreement read; else None. The first one read is only noted (a daemon that starts
+    mid-run reads an ask the other nodes have answered)."""
+    at, seen = j.recheck_at, job.ask_seen
+    job.ask_seen = max(at, seen or 0)
+    return at if seen is not None and at > seen else None
 
 
 def pace_fell(job: JobSearch, j: JobView) -> float | None:

@@ -114,6 +114,7 @@ class JobView:
     held_pace_s: float | None = None  # this node's pace as its ranks hold it (the daemon's last push), if any
     run_steps: int | None = None  # the job's step in its run, as its ranks number them (None: as steps)
     floor_s: float | None = None  # spanning nodes: its fastest uncapped step a node measured, agreed like pace_s
+    recheck_at: int = 0  # spanning nodes: the latest job step a node asked all to re-check from (a MAX; 0: none)
     loss_recent: tuple[float, ...] = ()  # recent losses, oldest first (for the precision policy)
     nonfinite_recent: int = 0  # non-finite steps among the recent ones
     # Precision switches and rollbacks so far, oldest first: dicts with kind ("switch",

@@ -78,9 +78,11 @@ class JobSearch:
     low_skip: tuple[int, float] | None = None  # the baseline when the level changed (not taken into low_tpf)
     slots: tuple[int, ...] = ()  # job steps to re-check the baseline at with the other nodes (_recheck.py)
     slot_recheck: bool = False  # the re-check under way is one of those
-    slots_by_step: bool = False  # those were booked on the job's step falling here (sped_up)
-    step_quiet: bool = False  # such slots found nothing: the step's fall is read on live steps only, until a re-tune
+    slots_by_step: bool = False  # those were booked on this node's own reading (sped_up, waits_more)
+    step_quiet: bool = False  # such slots found nothing: those are read on live steps only, until a re-tune
     pace_seen: tuple[int, float] | None = None  # (JobView.pace_count, the pace per FLOP) at the last agreement read
+    ask: int = 0  # the job step this node asked every node to re-check from (its GPUs wait more: _recheck.waits_more)
+    ask_seen: int | None = None  # the latest agreed ask read (JobView.recheck_at; None: none read yet)
     _index_memo: tuple[tuple[Setting, ...], Setting, int | None] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -72,7 +72,7 @@ class ControlLoop:
         self.last_error: str | None = None
         self.disabled: str | None = None  # why control is off (no GPUs, a corrupt state file)
         self._last_s = float("-inf")
-        self._pushed_pace: dict[str, tuple[float, float]] = {}  # job -> (pace, floor) last pushed
+        self._pushed_pace: dict[str, tuple[float, float, int]] = {}  # job -> (pace, floor, re-check asked) last pushed
         self._lock = threading.RLock()  # the policies and their states: the tick and the socket ops
         self.profiler = ProfileRecorder(ctx, self, self._lock)  # greenctl profile record
         self._attach_lock = threading.Lock()
@@ -502,7 +502,8 @@ class ControlLoop:
 
     def _push_paces(self, decision: Decision) -> None:
         """Tell each job's ranks this node's uncapped step time, for the cross-node pace,
-        and the lowest it measured, for the job's floor."""
+        the lowest it measured, for the job's floor, and the job step it asks every node to
+        re-check its baseline from (0: none; policies/_recheck.py)."""
         jobs = self.ctx.jobs
         for job_id, details in (decision.details.get("jobs") or {}).items():
             time_per_flop_s = details.get("baseline_time_per_flop_s")
@@ -519,12 +520,19 @@ class ControlLoop:
                 continue
             if not lo <= floor_s <= hi:
                 floor_s = 0.0  # (none)
+            ask = details.get("recheck_at")
+            ask = ask if isinstance(ask, int) and 0 <= ask < 1 << 53 else 0
             last = self._pushed_pace.get(job_id)
-            if last is not None and all(abs(a - b) <= 0.01 * b for a, b in zip((step_s, floor_s), last, strict=True)):
+            if (
+                last is not None
+                and ask == last[2]
+                and all(abs(a - b) <= 0.01 * b for a, b in zip((step_s, floor_s), last[:2], strict=True))
+            ):
                 continue
             event = {"event": "local_pace", "step_s": step_s, **({"floor_s": floor_s} if floor_s > 0 else {})}
+            event["recheck_at"] = ask  # (always: a rank sends it back only to a daemon that pushes it)
             if jobs.push(job_id, event):
-                self._pushed_pace[job_id] = (step_s, floor_s)
+                self._pushed_pace[job_id] = (step_s, floor_s, ask)
 
     # Restores ------------------------------------------------------------------------
     def job_ended(self, job: Job) -> None:

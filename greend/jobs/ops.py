@@ -186,9 +186,12 @@ class JobOps:
         return {"ok": True}
 
     def pace(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:
-        """The ranks agreed on the job's pace (the slowest node's uncapped step time) and floor."""
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time), floor
+        and latest re-check asked."""
         floor = msg.get("floor_s")
-        self.jobs.pace(conn.id, float(msg["step_s"]), None if floor is None else float(floor))
+        self.jobs.pace(
+            conn.id, float(msg["step_s"]), None if floor is None else float(floor), msg.get("recheck_at") or 0
+        )
         return {"ok": True}
 
     def precision_event(self, msg: dict[str, Any], conn: JobConnection) -> dict[str, Any]:

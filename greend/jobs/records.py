@@ -369,6 +369,7 @@ class Job:
     pace_s: float | None = None  # agreed across nodes by the ranks (op "pace")
     floor_s: float | None = None  # its floor, agreed with it: the lowest uncapped step time a node measured
     pace_count: int = 0  # agreements on it received: the most any one rank sent (each rank sends each)
+    recheck_at: int = 0  # agreed with it: the latest job step a node asked all to re-check from (0: none)
     pace_ops: dict[int, int] = field(default_factory=dict)  # rank -> its ops "pace", over its sessions
     # This node's pace as last pushed to the ranks (event "local_pace", less "event"; None:
     # none yet): a rank that registers (joins late, or comes back to a restarted daemon) gets

@@ -298,6 +298,7 @@ class JobTable:
                         setting=setting,
                         pace_s=job.pace_s,
                         pace_count=job.pace_count,
+                        recheck_at=job.recheck_at,
                         held_pace_s=(job.local_pace or {}).get("step_s"),
                         run_steps=run_step(job),  # (its nodes' daemons count alike: greend.jobs.booking)
                         # A job with ranks on other nodes is held to its floor (policies/efficient_state.floor_share).

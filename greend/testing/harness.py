@@ -132,6 +132,7 @@ class SimJob:
     pace_s: float | None = None
     pace_count: int | None = None  # agreements on pace_s received so far (None: as PACE_EVERY says)
     floor_s: float | None = None  # the fastest uncapped step any node measured, as agreed (run_nodes)
+    recheck_at: int = 0  # the latest job step a node asked every node to re-check from, as agreed (run_nodes)
     straggles: tuple[Straggle, ...] = ()  # slower or throttling GPUs (their speed factor)
     work: dict[int, float] = field(default_factory=dict)  # GPU -> FLOPs multiplier (an uneven stage)
 
@@ -544,6 +545,7 @@ def _snapshot(
                 setting=_in_force(first),
                 pace_s=sj.pace_s if count > 0 else None,
                 floor_s=sj.floor_s,
+                recheck_at=sj.recheck_at,
                 pace_count=count,
             )
         )
@@ -592,6 +594,7 @@ class _NodeRun:
     period: float = 0.0
     local: float | None = None  # its uncapped step time, as the daemon pushes it
     floor: float | None = None  # the lowest uncapped step time it measured at the job's level
+    ask: int = 0  # the job step it asks every node to re-check from (0: none), as the daemon pushes it
 
     @classmethod
     def of(cls, n: Node) -> _NodeRun:
@@ -633,16 +636,18 @@ def run_nodes(
     paces: list[tuple[int, float | None]] = []
     told: list[float | None] = []  # the local paces as the last agreement read them
     floors: list[float | None] = []  # and the nodes' lowest uncapped steps
+    asks: list[int] = []  # and the steps they ask a re-check from
     sim_t = 0.0
     for it in range(steps):
         if it % sync_every == 0:  # an agreement: the paces published before the last one
             agreed = max((p for p in told if p is not None), default=None)
             floor = min((f for f in floors if f is not None), default=None)
+            ask = max(asks, default=0)
             for n in nodes:
-                n.job.pace_s, n.job.floor_s = agreed, floor
+                n.job.pace_s, n.job.floor_s, n.job.recheck_at = agreed, floor, ask
                 n.job.pace_count = (n.job.pace_count or 0) + (agreed is not None)  # (a rank sends only a pace)
             paces.append((it, agreed))
-            told, floors = [p.local for p in parts], [p.floor for p in parts]
+            told, floors, asks = [p.local for p in parts], [p.floor for p in parts], [p.ask for p in parts]
         own = []
         for n, p in zip(nodes, parts, strict=True):
             sj = n.job
@@ -690,6 +695,8 @@ def run_nodes(
             low = details.get("floor_time_per_flop_s") if isinstance(details, dict) else None
             if low:
                 p.floor = float(low) * fl  # (and its floor)
+            if isinstance(details, dict) and details.get("recheck_at"):
+                p.ask = int(details["recheck_at"])  # (and the step it asks a re-check from)
             before = tuple(_in_force(p.by[i]) for i in sj.gpus)
             _apply_decision(decision, [sj], p.by)
             if tuple(_in_force(p.by[i]) for i in sj.gpus) != before:

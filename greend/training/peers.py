@@ -97,24 +97,27 @@ class JobPeers:
         mine = repr(float(value))
         self._merge(self._key(name, epoch), mine, lambda text: text if float(text) >= value else mine)
 
-    def agree_pace(self, epoch: int, pace: float | None, floor: float | None) -> tuple[float | None, float | None]:
+    def agree_pace(
+        self, epoch: int, pace: float | None, floor: float | None, ask: int = 0
+    ) -> tuple[float | None, float | None, int]:
         """Write this rank's figures for ``epoch`` and return those the ranks wrote for the
-        epoch before: the job's pace (the slowest node's uncapped step time: the MAX) and
+        epoch before: the job's pace (the slowest node's uncapped step time: the MAX),
         floor (the lowest uncapped step a node measured: the MIN; None where no rank had
-        one). Both in one key, ``"pace,floor"`` (one compare-and-set loop and one read an
-        epoch, as for one figure: each round trip to the store's master waits on the
-        training thread). A rank without a pace writes nothing."""
+        one) and the latest job step a node asked every node to re-check its baseline from
+        (the MAX; 0: none). All in one key, ``"pace,floor[,ask]"`` (one compare-and-set loop
+        and one read an epoch, as for one figure: each round trip to the store's master
+        waits on the training thread). A rank without a pace writes nothing."""
         if pace is not None and pace > 0:
             low = floor if floor is not None and floor > 0 else None
 
             def merge(text: str) -> str:
                 theirs = _unpair(text)
-                return _pair(max(theirs[0], pace), _least(theirs[1], low))
+                return _pair(max(theirs[0], pace), _least(theirs[1], low), max(theirs[2], ask))
 
-            self._merge(self._key("paces", epoch), _pair(pace, low), merge)
+            self._merge(self._key("paces", epoch), _pair(pace, low, ask), merge)
         text = self._read_text("paces", epoch - 1)
         self._drop_old("paces", epoch)
-        return (None, None) if text is None else _unpair(text)
+        return (None, None, 0) if text is None else _unpair(text)
 
     def read(self, name: str, epoch: int) -> float | None:
         """The epoch's figure, or None if no rank wrote one (never waits)."""
@@ -148,13 +151,15 @@ class JobPeers:
         return agreed
 
 
-def _pair(pace: float, floor: float | None) -> str:
-    return f"{pace!r}," + ("" if floor is None else repr(floor))
+def _pair(pace: float, floor: float | None, ask: int = 0) -> str:
+    # (no ask: the two fields a rank of an earlier release reads)
+    return f"{pace!r}," + ("" if floor is None else repr(floor)) + (f",{ask}" if ask > 0 else "")
 
 
-def _unpair(text: str) -> tuple[float, float | None]:
-    pace, _, floor = text.partition(",")
-    return float(pace), (float(floor) if floor else None)
+def _unpair(text: str) -> tuple[float, float | None, int]:
+    pace, _, rest = text.partition(",")
+    floor, _, ask = rest.partition(",")
+    return float(pace), (float(floor) if floor else None), (int(ask) if ask else 0)
 
 
 def _least(a: float | None, b: float | None) -> float | None:

@@ -85,8 +85,10 @@ class Channel:
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
     agreed_pace_s: float | None = None
     agreed_floor_s: float | None = None  # (sent with the pace)
+    agreed_recheck_at: int = 0  # (and the latest re-check a node asked)
     local_pace_s: float | None = None
     local_floor_s: float | None = None
+    local_recheck_at: int | None = None  # (None: a daemon that pushes none, and takes none in op "pace")
     requested: str | None = None
     on_directive: Callable[[], None] = lambda: None
     # The daemon's precision tolerance from its register reply (None: it sent none).
@@ -229,7 +231,9 @@ class Sender:
         if pace is not None:
             # (the floor only to a daemon that sends its own: one before floors refuses the field)
             self.ch.agreed_pace_s, floor = None, self.ch.agreed_floor_s if self.ch.local_floor_s else None
-            self._queue_request("pace", {"step_s": pace, **({} if floor is None else {"floor_s": floor})})
+            ask = self.ch.agreed_recheck_at if self.ch.local_recheck_at is not None else 0
+            extra = ({} if floor is None else {"floor_s": floor}) | ({"recheck_at": ask} if ask > 0 else {})
+            self._queue_request("pace", {"step_s": pace, **extra})
         if not self._outbox and now - self._last_send_s >= self.heartbeat_s and not self._has_pending("heartbeat"):
             self._queue_request("heartbeat", {})
         for op, sent in self._pending.values():
@@ -332,7 +336,7 @@ class Sender:
             # never a pace an earlier daemon measured, which may be out of date.
             pace = result.get("local_pace", ...)
             if pace is None and not self._pace_heard:
-                ch.local_pace_s = ch.local_floor_s = None
+                ch.local_pace_s = ch.local_floor_s = ch.local_recheck_at = None
             elif isinstance(pace, dict) and not self._pace_heard:
                 self._on_local_pace(pace, "a register reply's local_pace")
             self._form = "intervals" if result.get("report") == "intervals" else "steps"
@@ -619,8 +623,13 @@ class Sender:
         step_s, floor_s = positive(msg.get("step_s"), 1e6), positive(msg.get("floor_s"), 1e6)
         if step_s is None or (floor_s is None and "floor_s" in msg):  # (a daemon before floors sends none)
             self._malformed(f"{what} with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
+        ask = msg.get("recheck_at")
+        if "recheck_at" in msg and not (isinstance(ask, int) and not isinstance(ask, bool) and 0 <= ask < 1 << 53):
+            self._malformed(f"{what} with recheck_at={ask!r}")
+            ask = None
         if step_s is not None:
             self.ch.local_pace_s, self.ch.local_floor_s = step_s, floor_s
+            self.ch.local_recheck_at = ask
 
     def _on_directive(self, level: Any, reason: Any = None) -> None:
         if not isinstance(level, str) or level not in PRECISIONS:

@@ -508,14 +508,18 @@ def test_a_pace_the_ranks_could_not_send_back_is_not_pushed(tmp_path: Path) -> N
         pushed: list[tuple[str, dict]] = []
         d.control.ctx.jobs.push = lambda job, event: pushed.append((job, event)) or 1  # type: ignore[method-assign]  # a recorder in the table's place
 
-        def decide(tpf: float, floor_tpf: float | None = None) -> None:
+        def decide(tpf: float, floor_tpf: float | None = None, ask: object = 0) -> None:
             details = {"baseline_time_per_flop_s": tpf, "flops_per_step": 1e3, "floor_time_per_flop_s": floor_tpf}
-            d.control._push_paces(Decision(details={"jobs": {"j": details}}))
+            d.control._push_paces(Decision(details={"jobs": {"j": details | {"recheck_at": ask}}}))
 
         decide(6.55e-16)  # a 6.55e-13 s step: below op "pace"'s 1e-9
         assert pushed == []
         decide(1e-6, floor_tpf=1e-16)  # a 1 ms step, a floor below the bound
-        assert pushed == [("j", {"event": "local_pace", "step_s": pytest.approx(1e-3)})]
+        assert pushed == [("j", {"event": "local_pace", "step_s": pytest.approx(1e-3), "recheck_at": 0})]
+        decide(1e-6, floor_tpf=1e-16)  # (the same again: not pushed again)
+        decide(1e-6, floor_tpf=1e-16, ask=2106)  # a re-check asked: pushed, the pace the same
+        decide(1e-6, floor_tpf=1e-16, ask=-3)  # (not a job step: none)
+        assert [e.get("recheck_at") for _, e in pushed] == [0, 2106, 0]
     finally:
         d.close()
 

@@ -536,3 +536,23 @@ def test_a_job_with_ranks_on_other_nodes_gets_its_agreed_floor_one_on_this_node_
     assert (views["here"].pace_s, views["here"].floor_s) == (0.30, None)  # (its own rechecks rule)
     h["pace"]({"step_s": 0.31}, _Conn(1, _Peer(pid=0, uid=1000)))  # (ranks that agreed no floor)
     assert {v.job: v for v in ops.jobs.views(lambda gpu: UNCAPPED)}["spans"].floor_s is None
+
+
+def test_a_re_check_a_node_asked_reaches_the_policy_as_the_latest_the_ranks_agreed() -> None:
+    from greend.policies.base import UNCAPPED
+    from greend.protocol import SCHEMAS, ProtocolError, validate
+
+    ops, _ = _ops()
+    h = ops.handlers()
+    conns = [_Conn(k + 1, _Peer(pid=0, uid=1000)) for k in range(2)]
+    for k, conn in enumerate(conns):
+        h["register"]({"job": "spans", "gpus": [k], "rank": k, "world_size": 4}, conn)
+    (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+    assert view.recheck_at == 0  # (none asked)
+    h["pace"]({"step_s": 0.30, "recheck_at": 2106}, conns[0])
+    h["pace"]({"step_s": 0.30}, conns[1])  # (a rank whose agreement came before the ask: never back)
+    (view,) = ops.jobs.views(lambda gpu: UNCAPPED)
+    assert view.recheck_at == 2106
+    for bad in (-1, "2106", 2.5, True):
+        with pytest.raises(ProtocolError, match="recheck_at"):
+            validate({"step_s": 0.3, "recheck_at": bad}, SCHEMAS["pace"])

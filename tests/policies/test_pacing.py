@@ -367,6 +367,23 @@ def test_a_straggler_that_heals_between_aligned_rechecks_leaves_the_job_within_i
     assert after <= 1.055, after
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_mild_straggler_that_heals_asks_every_node_to_re_check(n: int) -> None:
+    """Node B 10 % slower from the start heals at job step 2,100, after the re-check every
+    node runs at step 2,048 (sim, synchronised steps, bound 5 %). The other nodes are
+    capped to its old step exactly: the job's step and its agreed pace stay where they
+    were, and no node's step falls. What B sees is its GPUs using less energy per FLOP at
+    the same step (they finish sooner and wait for the others); it asks every node to
+    re-check from its step, in the pace the ranks agree (``recheck_at``). Before, the job
+    ran +11 % (2 nodes) and +14 % (3 nodes) over ``none`` from 300 steps after the heal
+    to the next re-check every node runs, at step 4,096."""
+    heal, starts = 2100, (0, 50, 120)[:n]
+    none = _nodes("none", 2900, Straggle(0, 1.1, 0, heal), starts)
+    eff = _nodes("efficient", 2900, Straggle(0, 1.1, 0, heal), starts, max_slowdown=0.05)
+    after = sum(eff.step_s[heal + 300 :]) / sum(none.step_s[heal + 300 :])
+    assert after <= 1.055, after
+
+
 def test_synchronised_nodes_all_measure_the_slowest_nodes_step() -> None:
     r = _two_nodes("none", 50, Straggle(0, 1.3))
     slow = H100.step_cost(FLOPS, 0.4, speed_factor=1.3).duration_s

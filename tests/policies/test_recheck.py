@@ -6,39 +6,57 @@ from __future__ import annotations
 import pytest
 
 from greend.policies._evidence import Evidence
-from greend.policies._recheck import FASTER, judge_slot, pace_fell, slot_due, slot_steps, slots, sped_up
-from greend.policies.base import UNCAPPED
+from greend.policies._recheck import (
+    FASTER,
+    asked,
+    judge_slot,
+    pace_fell,
+    slot_due,
+    slot_steps,
+    slots,
+    sped_up,
+    waits_more,
+)
+from greend.policies.base import UNCAPPED, JobView
 from greend.policies.efficient_state import JobSearch
 
 FLOPS = 1e12  # per step
 
 
-def _steps(n: int, step_s: float, noise: float = 0.0, seed: int = 0) -> Evidence:
-    """``n`` steps of ``step_s`` each (relative noise ``noise``), 300 W."""
+def _steps(n: int, step_s: float, noise: float = 0.0, seed: int = 0, step_j: float | None = None) -> Evidence:
+    """``n`` steps of ``step_s`` each (relative noise ``noise``), 300 W (or ``step_j`` a step)."""
     import random
 
     rng = random.Random(seed)
     ts = [step_s * (1.0 + rng.gauss(0.0, noise)) for _ in range(n)]
+    es = [300.0 * t if step_j is None else step_j * (1.0 + rng.gauss(0.0, noise)) for t in ts]
     return Evidence(
         steps=n,
         flops=n * FLOPS,
         time_s=sum(ts),
-        energy_j=300.0 * sum(ts),
+        energy_j=sum(es),
         time_sq_s2=sum(t * t for t in ts),
-        energy_sq_j2=sum((300.0 * t) ** 2 for t in ts),
+        energy_sq_j2=sum(e * e for e in es),
     )
 
 
-def _settled(before_step_s: float, now_step_s: float, noise: float = 0.0) -> JobSearch:
-    """A job settled for 32 steps of ``before_step_s``, then 32 steps of ``now_step_s``,
-    a sample of its live measure every 8; what its search banked at the setting reads
-    ``before_step_s`` too."""
+def _settled(
+    before_step_s: float,
+    now_step_s: float,
+    noise: float = 0.0,
+    before_j: float | None = None,
+    now_j: float | None = None,
+) -> JobSearch:
+    """A job settled for 32 steps of ``before_step_s`` (``before_j`` each), then 32 steps
+    of ``now_step_s`` (``now_j``), a sample of its live measure every 8; what its search
+    banked at the setting reads ``before_step_s`` too."""
     job = JobSearch(gpus=(0,), start_steps=0)
-    job.ref = _steps(32, before_step_s, noise, seed=1)
+    job.ref = _steps(32, before_step_s, noise, seed=1, step_j=before_j)
     live = Evidence()
     for k in range(8):
         job.samples.append(live)
-        live = live.plus(_steps(8, before_step_s if k < 4 else now_step_s, noise, seed=10 + k))
+        then = (before_step_s, before_j) if k < 4 else (now_step_s, now_j)
+        live = live.plus(_steps(8, then[0], noise, seed=10 + k, step_j=then[1]))
     job.live = live
     return job
 
@@ -121,3 +139,45 @@ def test_a_fall_of_the_agreed_pace_is_read_once_per_agreement_and_per_flop() -> 
     job.fps = 1e12  # (half the FLOPs a step: the same pace per FLOP is half the step)
     assert pace_fell(job, view(4, 0.030)) is None
     assert pace_fell(job, view(5, 0.025)) is not None
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_gpus_that_wait_longer_at_the_same_step_are_seen_and_noise_is_not(noise: float) -> None:
+    """A node that healed (or whose share of the work shrank) times the same job step
+    (the collective waits for the others) at less energy per FLOP: its GPUs finish
+    their part sooner and wait. Seen; a fall within the noise, a step that moved (the
+    other checks' business) and more energy are not."""
+    fell = waits_more(_settled(0.068, 0.068, noise, before_j=20.4, now_j=18.4), 8, 0.02)
+    assert fell is not None and 18.4 / 20.4 - 1.0 - 0.01 <= fell < -FASTER
+    assert waits_more(_settled(0.068, 0.068, noise, before_j=20.4, now_j=20.4 * (1 - FASTER / 2)), 8, 0.02) is None
+    assert waits_more(_settled(0.068, 0.060, noise, before_j=20.4, now_j=18.4), 8, 0.02) is None  # (sped_up's)
+    assert waits_more(_settled(0.068, 0.068, noise, before_j=20.4, now_j=22.4), 8, 0.02) is None
+
+
+def test_an_ask_agreed_by_the_ranks_is_read_once_and_the_first_only_noted() -> None:
+    """Every node books slots when the agreed ask grows (``JobView.recheck_at``, a MAX);
+    a daemon that starts mid-run notes the ask it first reads (the other nodes have
+    answered it) and answers only later ones."""
+    job = JobSearch(gpus=(0,), start_steps=0)
+
+    def view(at: int) -> JobView:
+        return JobView("j", (0,), "running", 3000, "bf16", ("bf16",), None, UNCAPPED, recheck_at=at)
+
+    assert asked(job, view(0)) is None and job.ask_seen == 0
+    assert asked(job, view(2106)) == 2106
+    assert asked(job, view(2106)) is None  # (the same agreement read again)
+    assert asked(job, view(2500)) == 2500
+    late = JobSearch(gpus=(0,), start_steps=0)
+    assert asked(late, view(2106)) is None and asked(late, view(2106)) is None and late.ask_seen == 2106
+
+
+def test_gpus_that_wait_longer_since_before_the_node_settled_are_seen_against_the_banked_steps() -> None:
+    """A node that settled again just before it healed has no live steps from before:
+    the fall shows against what its search banked at the setting (``job.ref``), until
+    slots booked on its own reading found nothing (``step_quiet``)."""
+    job = _settled(0.068, 0.068, before_j=18.4, now_j=18.4)
+    job.ref = _steps(32, 0.068, seed=1, step_j=20.4)
+    fell = waits_more(job, 8, 0.02)
+    assert fell is not None and fell == pytest.approx(18.4 / 20.4 - 1.0, abs=0.005)
+    job.step_quiet = True
+    assert waits_more(job, 8, 0.02) is None

@@ -139,16 +139,28 @@ def test_ranks_agree_the_pace_max_and_the_floor_min_of_the_previous_epoch_in_one
     store = dist.HashStore()
     peers = [JobPeers(store, "j", rank) for rank in range(3)]
     figures = ((0.20, 0.18), (0.10, 0.09), (0.30, None))  # (rank 2's daemon has no floor)
-    assert [p.agree_pace(1, *f) for p, f in zip(peers, figures)] == [(None, None)] * 3
-    assert peers[2].agree_pace(2, 0.25, 0.24) == pytest.approx((0.30, 0.09))
-    assert peers[0].agree_pace(2, None, None) == pytest.approx((0.30, 0.09))  # (no figures: reads only)
-    assert peers[1].agree_pace(2, 0.12, None) == pytest.approx((0.30, 0.09))
-    assert peers[1].agree_pace(3, 0.11, None) == (pytest.approx(0.25), pytest.approx(0.24))
+    assert [p.agree_pace(1, *f) for p, f in zip(peers, figures)] == [(None, None, 0)] * 3
+    assert peers[2].agree_pace(2, 0.25, 0.24) == pytest.approx((0.30, 0.09, 0))
+    assert peers[0].agree_pace(2, None, None) == pytest.approx((0.30, 0.09, 0))  # (no figures: reads only)
+    assert peers[1].agree_pace(2, 0.12, None) == pytest.approx((0.30, 0.09, 0))
+    assert peers[1].agree_pace(3, 0.11, None) == (pytest.approx(0.25), pytest.approx(0.24), 0)
     assert store.check(["greend/j/paces/2"]) and not store.check(["greend/j/floor/2"])  # (one key an epoch)
     peers[0].agree_pace(4, 0.1, None)
     assert not store.check(["greend/j/paces/2"]) and store.check(["greend/j/paces/3"])  # (rank 0 cleans up)
     JobPeers(store, "k", 0).agree_pace(1, 0.3, None)
-    assert JobPeers(store, "k", 1).agree_pace(2, None, None) == (pytest.approx(0.3), None)  # (no rank had a floor)
+    assert JobPeers(store, "k", 1).agree_pace(2, None, None) == (pytest.approx(0.3), None, 0)  # (no rank had a floor)
+
+
+def test_a_re_check_a_node_asks_is_agreed_as_the_max_in_the_same_key() -> None:
+    store = dist.HashStore()
+    peers = [JobPeers(store, "j", rank) for rank in range(3)]
+    peers[0].agree_pace(1, 0.20, 0.18)  # (an ask of none: the key as a rank of an earlier release writes it)
+    assert store.get("greend/j/paces/1").decode() == "0.2,0.18"
+    peers[1].agree_pace(1, 0.10, None, 2106)
+    peers[2].agree_pace(1, 0.30, 0.17, 1500)
+    assert peers[0].agree_pace(2, 0.2, 0.18) == (pytest.approx(0.30), pytest.approx(0.17), 2106)
+    JobPeers(store, "k", 0).agree_pace(1, 0.3, None, 7)
+    assert JobPeers(store, "k", 1).agree_pace(2, None, None) == (pytest.approx(0.3), None, 7)
 
 
 def _eight_ranks_on_a_tcp_store(work) -> dist.TCPStore:  # type: ignore[no-untyped-def]
@@ -176,7 +188,7 @@ def test_concurrent_ranks_on_a_tcp_store_agree_the_pace_and_floor() -> None:
             peers.agree_pace(1, paces[i], 0.5 - paces[i])
 
     server = _eight_ranks_on_a_tcp_store(work)
-    assert JobPeers(server, "j", 1).agree_pace(2, None, None) == pytest.approx((max(paces), 0.5 - max(paces)))
+    assert JobPeers(server, "j", 1).agree_pace(2, None, None) == pytest.approx((max(paces), 0.5 - max(paces), 0))
 
 
 def test_concurrent_ranks_on_a_tcp_store_raise_to_the_max() -> None:
@@ -468,6 +480,36 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
             lambda: {"step_s": 0.30, "floor_s": 0.26} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
         )
         assert all(p in ({"step_s": 0.30, "floor_s": 0.26}, {"step_s": 0.30}) for p in daemon.paces), daemon.paces
+    finally:
+        for cb in cbs:
+            cb.close()
+
+
+def test_a_re_check_one_node_asks_reaches_every_rank_s_daemon_that_takes_it(
+    monkeypatch: pytest.MonkeyPatch, daemon, sock_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A node whose GPUs wait longer at the same step (it healed) asks every node to
+    re-check its baseline from a job step (``recheck_at`` in ``local_pace``); the ranks
+    agree the MAX with the pace and send it back in op ``pace``, to a daemon that pushes
+    the field (one from before it refuses it, and gets none)."""
+    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), probe_trial=False)
+    try:
+        with cbs[0].step(samples=1), cbs[1].step(samples=1):
+            pass
+        assert wait_for(lambda: len(daemon.registers) == 2, 20.0)
+        pushes = ({"step_s": 0.30, "recheck_at": 2106}, {"step_s": 0.20})  # (the second: a daemon from before)
+        for c, push in zip(daemon.server.connections(), pushes, strict=True):
+            c.send({"v": 1, "job": "agree", "event": "local_pace", **push})
+        assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
+        for _ in range(20):
+            for cb in cbs:
+                with cb.step(samples=1) as st:
+                    st.loss(torch.tensor(1.0))
+            time.sleep(0.02)
+        assert wait_for(
+            lambda: {"step_s": 0.30, "recheck_at": 2106} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
+        )
+        assert all(p in ({"step_s": 0.30, "recheck_at": 2106}, {"step_s": 0.30}) for p in daemon.paces), daemon.paces
     finally:
         for cb in cbs:
             cb.close()
