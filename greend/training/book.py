@@ -672,15 +672,13 @@ class StepBook:
             peers = self.control.job_peers()
             if peers is None:
                 return
-            ch = self.channel
-            epoch = (index + 1) // self.sync_every
+            ch, epoch = self.channel, (index + 1) // self.sync_every
             agreed, floor, ask = peers.agree_pace(epoch, ch.local_pace_s, ch.local_floor_s, ch.local_recheck_at or 0)
         except Exception as e:
             self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
             return
         if agreed is not None and agreed > 0:
-            self.agreed_pace_s = agreed
-            ch.agreed_floor_s, ch.agreed_recheck_at = floor, max(ch.agreed_recheck_at, ask)
+            self.agreed_pace_s, ch.agreed_floor_s, ch.agreed_recheck_at = agreed, floor, max(ch.agreed_recheck_at, ask)
             ch.agreed_pace_s = agreed  # (last: the sender sends all three as op "pace" once it is set)
 
     def close(self) -> None:
