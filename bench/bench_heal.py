@@ -3,7 +3,7 @@
 Run:  python bench/bench_heal.py [--nodes 2 3] [--heals 700 900 1050 1100 1150 1300 1600]
                                  [--noise 0 0.01 0.02] [--steps 3000] [--bound 0.05] [--slower 1.3]
 
-Synchronous jobs (:func:`greend.testing.harness.run_nodes`: every step takes the slowest
+Synchronous jobs (:func:`greend.testing.nodes.run_nodes`: every step takes the slowest
 node's time and every node times that step, as real ranks do) over 2 or 3 nodes of 2
 simulated H100s, each node under its own daemon's ``efficient`` (clock knob,
 ``max_slowdown`` ``--bound``), the daemons starting at job steps 0, 50 and 120. Node B's
@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from greend.policies import get_policy
-from greend.testing.harness import Node, NodesResult, SimJob, Straggle, make_sim_gpus, run_nodes
+from greend.testing.harness import SimJob, Straggle, make_sim_gpus
+from greend.testing.nodes import Node, NodesResult, run_nodes
 
 FLOPS = 1e12
 GPUS = 2

@@ -2,7 +2,7 @@
 
 Run:  python bench/bench_nodes.py [--cases 24] [--seed 1] [--steps 3000] [--profile NAME]
 
-Random synchronous jobs (:func:`greend.testing.harness.run_nodes`: every step takes the
+Random synchronous jobs (:func:`greend.testing.nodes.run_nodes`: every step takes the
 slowest node's time and every node times that step, as real ranks do, the wait in the
 collective included): 2 to 4 nodes of 2 GPUs, each under its own daemon's ``efficient``
 (default params, ``max_slowdown`` 5 or 10 %), each daemon starting 0-199 steps into the
@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from greend.policies import get_policy
 from greend.probes.sim import H100, SimSpec
-from greend.testing.harness import Node, Phase, SimJob, Straggle, make_sim_gpus, run_nodes
+from greend.testing.harness import Phase, SimJob, Straggle, make_sim_gpus
+from greend.testing.nodes import Node, run_nodes
 
 FLOPS = 1e12
 GPUS = 2

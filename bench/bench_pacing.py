@@ -28,7 +28,7 @@ GPUs' step energy: under ``none`` node A's GPUs would also draw power while they
 wait for node B, which is not counted (the savings shown are the lower bound).
 
 A third table (printed, no target) runs the 2-node job with its steps synchronised
-(:func:`greend.testing.harness.run_nodes`): every node's step takes the slower node's
+(:func:`greend.testing.nodes.run_nodes`): every node's step takes the slower node's
 time and each node measures that, as a real rank does (its step includes the wait in the
 collective), where the table before gives each node its own step and node A the pace. Node
 B is 30 % slower all along, or throttles for the middle third; bounds 0 and 5 %; "last
@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from greend.policies import get_policy
 from greend.probes.sim import H100, SimSpec
-from greend.testing.harness import Node, SimJob, Straggle, make_sim_gpus, run_nodes, run_policy
+from greend.testing.harness import SimJob, Straggle, make_sim_gpus, run_policy
+from greend.testing.nodes import Node, run_nodes
 
 FLOPS = 1e12
 N = 8

@@ -481,14 +481,12 @@ class JobRegistry(JobTable):
             rs.last_seen_s = self.monotonic()
 
     def pace(self, session: int, step_s: float, floor_s: float | None = None, recheck_at: int = 0) -> None:
-        """The ranks agreed on the job's pace (the slowest node's uncapped step time), its
-        floor (the fastest uncapped step a node measured; None: not agreed) and the latest
-        job step a node asked every node to re-check its baseline from (0: none)."""
+        """The ranks agreed on the job's pace (the slowest node's uncapped step time), floor
+        (the fastest uncapped step a node measured; None: none) and re-check asked (op "pace")."""
         with self._lock:
             rs = self._session(session)
             job = self.jobs[rs.job]
-            job.pace_s, job.floor_s = step_s, floor_s
-            job.recheck_at = max(job.recheck_at, recheck_at)  # (the ranks send each agreement: any order)
+            job.pace_s, job.floor_s, job.recheck_at = step_s, floor_s, max(job.recheck_at, recheck_at)
             n = job.pace_ops[rs.rank] = job.pace_ops.get(rs.rank, 0) + 1  # (a rank that reconnects counts on)
             job.pace_count = max(job.pace_count, n)
             rs.last_seen_s = self.monotonic()

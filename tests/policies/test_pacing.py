@@ -10,7 +10,8 @@ from greend.policies._evidence import Evidence
 from greend.policies._pacing import Pacer, PaceState
 from greend.policies.base import UNCAPPED, GpuView, Setting
 from greend.probes.sim import H100
-from greend.testing.harness import HarnessResult, NodesResult, SimJob, Straggle, make_sim_gpus, run_policy
+from greend.testing.harness import HarnessResult, SimJob, Straggle, make_sim_gpus, run_policy
+from greend.testing.nodes import NodesResult
 
 FLOPS = 1e12
 N = 8
@@ -335,7 +336,7 @@ def _nodes(
 ) -> NodesResult:
     """Synchronised nodes of 2 simulated GPUs whose daemons start at the job steps
     ``starts`` (one node each); node B's GPUs straggle as ``slow`` says."""
-    from greend.testing.harness import Node, run_nodes
+    from greend.testing.nodes import Node, run_nodes
 
     nodes = []
     for k, start in enumerate(starts):
@@ -500,7 +501,8 @@ def test_a_job_whose_steps_grow_keeps_its_bound_over_nodes_started_apart(grow: f
     must be read back with the FLOPs per step now: read with the baseline's, node B took
     node A's floor as twice what it is, fell back on its own baseline (measured while A
     probed) and the job ran +9.5 % over ``none`` under a 5 % bound."""
-    from greend.testing.harness import Node, Phase, run_nodes
+    from greend.testing.harness import Phase
+    from greend.testing.nodes import Node, run_nodes
 
     runs = {}
     for policy in ("none", "efficient"):
