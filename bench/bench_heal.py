@@ -19,9 +19,12 @@ The failure this guards: once the straggler heals, the other nodes stay capped t
 old step and its own baseline reads theirs, so no node measures the job uncapped while
 every node is; the re-checks every node runs at the same job steps when the job's step
 or its agreed pace falls (``policies/_recheck.py``) bring the job back within its bound.
-What they do not bring back: a milder straggler (``--slower 1.1``), which the other nodes
-are paced to exactly, heals without moving the job's step or its pace, and the job stays
-over its bound until the next re-check every node runs at a power of two of its steps.
+A milder straggler (``--slower 1.1``), which the other nodes are paced to exactly, heals
+without moving the job's step or its pace; the healed node sees its GPUs use less energy
+per FLOP at the same step (they wait for the others) and asks every node to re-check
+from its step, in the pace the ranks agree (``recheck_at``). In the simulator a waiting
+GPU draws nothing; a real one waiting in a collective still draws some power, so there
+its energy falls by less than its compute time.
 """
 
 from __future__ import annotations

@@ -160,9 +160,14 @@ def slot_due(job: JobSearch, run_steps: int, every: int) -> int | None:
     return None
 
 
-def judge_slot(job: JobSearch, base: Evidence, ev: Evidence, noise: float, retune: Callable[..., None]) -> bool:
+def judge_slot(
+    job: JobSearch, base: Evidence, ev: Evidence, noise: float, retune: Callable[..., None], step: int
+) -> bool:
     """A slot's re-check against the baseline: faster re-tunes from it, slower is not
-    taken; True where that settled it, False where it is judged as any re-check."""
+    taken; True where that settled it, False where it is judged as any re-check. A slot
+    this node booked on its own reading (not on an agreed ask) that reads slower ran
+    uncapped while another node was capped: that node did not see what this one saw,
+    so this one asks every node to re-check from ``step`` (a heal seen only here)."""
     dt = ev.time_per_flop_s / base.time_per_flop_s - 1.0
     margin = max(0.01, 3.0 * math.hypot(ev.se_time(noise), base.se_time(noise)))
     if dt < -margin:
@@ -170,6 +175,9 @@ def judge_slot(job: JobSearch, base: Evidence, ev: Evidence, noise: float, retun
         return True
     if dt > margin:
         job.last_event = f"re-check with the job's other nodes read {dt:+.0%} (a node was capped): not taken"
+        if job.slots_by_step and not job.slots_asked and job.ask <= (job.ask_seen or 0):
+            job.ask = max(step, (job.ask_seen or 0) + 1)
+            job.last_event += f"; asks every node to re-check from step {job.ask}"
         return True
     return False
 

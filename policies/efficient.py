@@ -372,7 +372,7 @@ class EfficientPolicy:
         if ask is not None and not job.slots:
             mine = ask == job.ask  # (its own reading: quiet where its slots find nothing, as for sped_up)
             who = "this node" if mine else "a node of the job"
-            self._slots(job, j, f"{who} asked every node to re-check from step {ask}", by_step=mine)
+            self._slots(job, j, f"{who} asked every node to re-check from step {ask}", by_step=mine, asked=True)
         # ---- the baseline re-check
         if job.phase == "recheck":
             recheck_ev = job.recheck or Evidence()
@@ -470,9 +470,10 @@ class EfficientPolicy:
             return f"job {j.job}: re-checking the uncapped baseline (0/{self.baseline_steps} steps)"
         return settled_line(j.job, job, ev, target, bound_text(self.objective, self.eta, self.max_slowdown, job))
 
-    def _slots(self, job: _Job, j: JobView, why: str, by_step: bool) -> None:
+    def _slots(self, job: _Job, j: JobView, why: str, by_step: bool, asked: bool = False) -> None:
         """Re-check the baseline at the job's next two slots, as its other nodes do (_recheck.py)."""
         job.slots, job.slots_by_step = slots(j.run_steps or j.steps, slot_steps(self.baseline_steps)), by_step
+        job.slots_asked = asked
         job.last_event = f"{why}: re-checks with its other nodes at steps {job.slots[0]} and {job.slots[1]}"
 
     def _baseline_need(self, base: Evidence | None) -> int:
@@ -496,7 +497,7 @@ class EfficientPolicy:
             job.last_event = "baseline re-check read no FLOPs, time or energy: not taken"
         elif base.steps == 0 or min(base.time_s, base.energy_j) <= 0:
             job.cache[UNCAPPED] = recheck_ev
-        elif not (slot and judge_slot(job, base, recheck_ev, self.noise, self._retune)):
+        elif not (slot and judge_slot(job, base, recheck_ev, self.noise, self._retune, steps)):
             judge_recheck(job, base, recheck_ev, self.noise, self.retune_drift, self._retune)
         if slot and not job.slots and job.retunes == retunes:  # (the pair found nothing)
             job.step_quiet = job.step_quiet or job.slots_by_step

@@ -114,13 +114,29 @@ def test_a_slot_that_reads_faster_re_tunes_from_it_and_one_that_reads_slower_is_
 
     job = JobSearch(gpus=(0,), start_steps=0, cache={UNCAPPED: base})
     faster = _steps(32, 0.050, 0.01, seed=4)
-    assert judge_slot(job, base, faster, 0.02, retune)
+    assert judge_slot(job, base, faster, 0.02, retune, 1300)
     assert len(calls) == 1 and calls[0][1] is faster and "faster" in calls[0][0]
     slower = _steps(32, 0.060 * 1.2, 0.01, seed=5)  # (another node capped then)
-    assert judge_slot(job, base, slower, 0.02, retune)
+    assert judge_slot(job, base, slower, 0.02, retune, 1300)
     assert len(calls) == 1 and job.cache[UNCAPPED] is base and "not taken" in job.last_event
     same = _steps(32, 0.065, 0.01, seed=6)
-    assert not judge_slot(job, base, same, 0.02, retune)  # (judged as any re-check is)
+    assert not judge_slot(job, base, same, 0.02, retune, 1300)  # (judged as any re-check is)
+    assert job.ask == 0  # (slots no reading of this node's booked: nothing to ask)
+
+
+def test_a_slot_booked_on_its_own_reading_that_reads_slower_asks_every_node_to_re_check() -> None:
+    """This node saw the job's step fall and re-checked alone: the other nodes, capped,
+    did not see it. It asks them all to re-check from its step; not where the slot was
+    booked on an ask already (every node re-checked then), nor twice before its ask
+    comes back."""
+    base = _steps(32, 0.065, 0.01, seed=3)
+    slower = _steps(32, 0.060 * 1.2, 0.01, seed=5)
+    job = JobSearch(gpus=(0,), start_steps=0, cache={UNCAPPED: base}, slots_by_step=True, ask_seen=0)
+    assert judge_slot(job, base, slower, 0.02, lambda *a, **k: None, 1361)
+    assert job.ask == 1361 and "asks every node to re-check from step 1361" in job.last_event
+    assert judge_slot(job, base, slower, 0.02, lambda *a, **k: None, 1430) and job.ask == 1361  # (pending)
+    answered = JobSearch(gpus=(0,), start_steps=0, slots_by_step=True, slots_asked=True, ask_seen=1361)
+    assert judge_slot(answered, base, slower, 0.02, lambda *a, **k: None, 1700) and answered.ask == 0
 
 
 def test_a_fall_of_the_agreed_pace_is_read_once_per_agreement_and_per_flop() -> None:
