@@ -166,7 +166,7 @@ def decode(line: bytes) -> dict[str, Any]:
     """One received line as a message; MalformedMessage if it is not a JSON object."""
     try:
         msg = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # (not UTF-8 or JSON; an integer over Python's 4,300 digits; deep nesting)
         raise MalformedMessage(f"not JSON: {line[:80]!r}") from None
     if not isinstance(msg, dict):
         raise MalformedMessage(f"not a JSON object: {line[:80]!r}")

@@ -304,10 +304,11 @@ class Sender:
             self._fail(msg)
             return False
         if not reply.get("ok"):
-            err = reply.get("error") or {}
+            error = reply.get("error")
+            err: dict[str, Any] = error if isinstance(error, dict) else {"message": repr(error)}
             self._close_sock()
             field = err.get("field")
-            if field in NEWER_REGISTER_FIELDS and "unknown field" in str(err.get("message")):
+            if isinstance(field, str) and field in NEWER_REGISTER_FIELDS and "unknown field" in str(err.get("message")):
                 # An older daemon: register again (at the next attempt) without what it lacks.
                 ch.register_omit.add(field)
                 log.info("greend: the daemon predates register field %r; registering without it", field)

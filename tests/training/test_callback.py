@@ -968,3 +968,99 @@ def test_a_second_callback_for_the_same_job_in_one_process_is_warned_about(
             assert "a second GreenCallback" not in caplog.text
     finally:
         d.stop()
+
+
+def _raw_daemon(path: Path, answer: Callable[[dict[str, Any]], list[bytes]]) -> Callable[[], None]:
+    """A daemon that answers each request line with ``answer(request)``'s raw lines (what no
+    real greend sends: the callback must not trip on it); returns its stop."""
+    import json
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(8)
+    conns: list[socket.socket] = []
+
+    def serve(c: socket.socket) -> None:
+        with c, c.makefile("rb") as f:
+            for line in f:
+                try:
+                    for out in answer(json.loads(line)):
+                        c.sendall(out)
+                except OSError:
+                    return
+
+    def accept() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            conns.append(c)
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def stop() -> None:
+        srv.close()
+        for c in conns:
+            c.close()
+        path.unlink(missing_ok=True)
+
+    return stop
+
+
+def test_lines_python_cannot_parse_are_malformed_messages_not_a_lost_connection(sock_path: Path) -> None:
+    """A pushed line with a 5,000-digit integer (over Python's int-string limit) or nested
+    100,000 deep raised ValueError and RecursionError past the wire's decode: the sender
+    dropped the connection, its queued rows with it, and registered again every second.
+    They are malformed messages now, ignored; the connection stays."""
+    import json
+
+    def answer(req: dict[str, Any]) -> list[bytes]:
+        ok = {"v": 1, "id": req.get("id"), "ok": True, "result": {"job": "raw", "session": 1}}
+        if req.get("op") != "register":
+            return [(json.dumps(ok) + "\n").encode()]
+        return [
+            (json.dumps(ok) + "\n").encode(),
+            b'{"v":1,"event":"x","n":' + b"9" * 5000 + b"}\n",
+            b"[" * 100_000 + b"\n",
+        ]
+
+    stop = _raw_daemon(sock_path, answer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        cb = GreenCallback(initial_precision="fp32", job="raw", socket=sock_path, **FAST)
+        try:
+            for _ in range(3):
+                with cb.step(samples=1):
+                    pass
+            assert wait_for(lambda: cb.stats.malformed >= 2, 5.0), cb.stats
+            time.sleep(0.3)
+            assert cb.stats.connects == 1 and cb.connected, cb.stats
+        finally:
+            cb.close()
+            stop()
+
+
+def test_a_register_refusal_whose_error_is_not_an_object_is_a_refusal(sock_path: Path) -> None:
+    """``"error": "..."`` (or a list for its field) in a register reply raised
+    AttributeError/TypeError in the sender thread; it is a refusal that names what came."""
+    import json
+
+    def answer(req: dict[str, Any]) -> list[bytes]:
+        return [(json.dumps({"v": 1, "id": req.get("id"), "ok": False, "error": "string not dict"}) + "\n").encode()]
+
+    stop = _raw_daemon(sock_path, answer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GreendWarning)
+        cb = GreenCallback(initial_precision="fp32", job="raw", socket=sock_path, **FAST)
+        try:
+            with cb.step(samples=1):
+                pass
+            assert wait_for(lambda: "string not dict" in (cb.stats.last_error or ""), 5.0), cb.stats
+            assert "refused to register" in (cb.stats.last_error or "")
+        finally:
+            cb.close()
+            stop()
