@@ -23,7 +23,17 @@ from greend.units import mj_to_j
 
 from .nvml_device import Outcome
 
-__all__ = ["COUNTER_RETRY_S", "FROZEN_S", "LOG_AGAIN_S", "Look", "Looks", "TrackedGpu", "as_text"]
+__all__ = [
+    "COUNTER_RETRY_S",
+    "FROZEN_S",
+    "GLITCH_READS",
+    "GLITCH_S",
+    "LOG_AGAIN_S",
+    "Look",
+    "Looks",
+    "TrackedGpu",
+    "as_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,10 @@ COUNTER_RETRY_S = 60.0
 # energy is integrated from power instead (an idle GPU draws tens of watts: its counter moves).
 FROZEN_S = 5.0
 FROZEN_MIN_W = 5.0
+# A counter that reads below its last value and comes back to it within this long (this
+# many reads where the time is unknown) had a glitch, not a reset (TrackedGpu.book_counter).
+GLITCH_S = 60.0
+GLITCH_READS = 30
 
 
 @dataclass
@@ -55,7 +69,9 @@ class TrackedGpu:
     energy_j: float = 0.0  # cumulative since open
     last_counter_mj: int | None = None
     last_counter_s: float | None = None  # when last_counter_mj was read
-    counter_dropped: int | None = None  # the counter before a read went back
+    counter_dropped: int | None = None  # the counter before a read went back (held for GLITCH_S / GLITCH_READS)
+    dropped_at: tuple[float | None, int] = (None, 0)  # (when it went back, reads below it since)
+    low_booked_mj: int = 0  # booked from the reads below it: taken back if the counter comes back
     counter_moved_s: float | None = None  # when a read last found the counter moved (or its baseline)
     frozen_mj: int | None = None  # the value a frozen counter held: it works again once it leaves it
     _before_mj: int | None = None  # the counter's read before the last
@@ -79,10 +95,12 @@ class TrackedGpu:
         The counter only goes forward. One bad read loses at most the interval around it,
         never the whole count since the driver loaded:
 
-        - a read below the last starts a new baseline and books nothing; if the next read
-          is back at or above the value before it, the low read was a glitch and the
-          interval across it is booked (after a reset or a driver reload the counter
-          starts from 0 and stays below: it goes on from its new baseline);
+        - a read below the last starts a new baseline and books nothing; if a read within
+          :data:`GLITCH_S` (:data:`GLITCH_READS` reads where the time is unknown) is back at
+          or above the value before it, the low reads were a glitch: the interval across
+          them is booked and what the reads between booked is taken back (after a reset or
+          a driver reload the counter starts from 0 and stays below: it goes on from its
+          new baseline);
         - a read ahead that the next read contradicts (it lands between the two before)
           was a glitch: what it booked is taken back;
         - with ``now_s`` (real NVML; simulated GPUs run faster than the clock), a jump
@@ -90,23 +108,32 @@ class TrackedGpu:
         """
         last, was_s, before, booked = self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj
         moved_s = self.counter_moved_s if self.counter_moved_s is not None else was_s
-        dropped, self.counter_dropped = self.counter_dropped, None
+        dropped, (drop_s, low_reads) = self.counter_dropped, self.dropped_at
+        if dropped is not None and (
+            low_reads >= GLITCH_READS or (drop_s is not None and now_s is not None and now_s - drop_s > GLITCH_S)
+        ):
+            dropped = self.counter_dropped = None  # (a reset, not a glitch: the new baseline stands)
         self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj = raw_mj, now_s, last, 0
         if last is None or raw_mj != last:
             self.counter_moved_s = now_s
         if last is None:
             return  # first good read: the baseline
         if raw_mj < last:
-            if before is not None and before <= raw_mj:
+            if before is not None and before <= raw_mj and dropped is None:
                 log.warning("%s: energy counter read %d mJ ahead of the reads around it: taken back", what, last)
                 self.energy_j -= mj_to_j(booked)
                 self._book(raw_mj - before)
                 return
             log.warning("%s: energy counter went back (%d -> %d mJ): a new baseline", what, last, raw_mj)
-            self.counter_dropped = last
+            if dropped is None:  # (lower again within a glitch: the value before it still stands)
+                self.counter_dropped, self.dropped_at, self.low_booked_mj = last, (now_s, 1), 0
+            else:
+                self.dropped_at = (drop_s, low_reads + 1)
             return
         if dropped is not None and dropped <= raw_mj:
-            self._book(raw_mj - dropped)  # the low read was a glitch
+            self.energy_j -= mj_to_j(self.low_booked_mj)  # the low reads were a glitch
+            self._book(raw_mj - dropped)
+            self.counter_dropped, self.low_booked_mj = None, 0
             return
         # (from when the counter last moved: a counter that stalled, then caught up, drew
         # its energy over the whole stall, not since the read before)
@@ -114,6 +141,8 @@ class TrackedGpu:
             log.warning("%s: energy counter jumped %d mJ in one read, more than the GPU can draw", what, raw_mj - last)
             return
         self._book(raw_mj - last)
+        if dropped is not None:
+            self.dropped_at, self.low_booked_mj = (drop_s, low_reads + 1), self.low_booked_mj + raw_mj - last
 
     def plausible_w(self, power_w: float) -> float | None:
         """A power read the GPU can draw, else None (left out, logged): 0 W, or over twice its

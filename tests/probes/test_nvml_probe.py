@@ -562,6 +562,48 @@ def test_one_bad_read_of_the_energy_counter_loses_an_interval_at_most(
     assert truth - 2.5 * per_interval <= booked <= truth * 1.001, (booked, truth)
 
 
+@pytest.mark.parametrize("low_reads", [2, 5, 20])
+def test_a_counter_that_reads_low_for_several_reads_books_the_truth(
+    fake: FakeNvml, clock: ManualClock, low_reads: int
+) -> None:
+    """The counter of an idle GPU (tens of watts) reads 1 kJ low for several reads, then
+    right again. The reads after the first low one were booked from it, and the read back
+    up booked the 1 kJ as energy (1,133 J where the GPU drew 140 J, in a red-team's run of
+    5 low reads). Those reads are taken back once the counter is back above the read
+    before the glitch."""
+    nvml = GlitchingCounter(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    truth0 = fake.sim_gpu(0).energy_j()
+    now = 0.0
+    probe.sample(now)
+    for k in range(40):
+        clock.advance(0.5)
+        now += 0.5
+        nvml.armed = (lambda mj: mj - 1_000_000) if 8 <= k < 8 + low_reads else None
+        probe.sample(now)
+    truth = fake.sim_gpu(0).energy_j() - truth0
+    booked = by_index(probe, now)[0].energy_j
+    assert truth - 2.5 * truth / 40 <= booked <= truth * 1.001, (booked, truth)
+
+
+def test_a_reset_stays_a_new_baseline_after_its_counter_passes_the_value_before_it() -> None:
+    """A reset (the counter from 0, staying below): after GLITCH_S its reads are never
+    taken back, though the counter passes the value before the reset later on."""
+    from greend.probes._nvml_state import GLITCH_S, TrackedGpu
+
+    gpu = TrackedGpu(index=0, handle=None, name="H100", uuid="GPU-x", energy_method="counter")
+    gpu.power_limit_max_w = 700.0
+    gpu.book_counter(50_000_000, "gpu0", 0.0)
+    gpu.book_counter(50_300_000, "gpu0", 1.0)  # 300 J
+    gpu.book_counter(0, "gpu0", 2.0)  # a reset
+    t, mj = 2.0, 0
+    while mj <= 50_300_000:  # 300 J a second until past the value before it
+        t, mj = t + 1.0, mj + 300_000
+        gpu.book_counter(mj, "gpu0", t)
+    assert t - 2.0 > GLITCH_S and gpu.energy_j == pytest.approx(300.0 + mj / 1000.0)
+
+
 def test_on_a_real_node_a_jump_beyond_what_the_gpu_can_draw_is_not_booked() -> None:
     """With read times (real NVML), a step forward of more than twice the highest power
     limit over the interval is not energy: not booked; the reads after it go on."""
