@@ -73,6 +73,9 @@ STOP_DRAIN_S = 2.0
 THROTTLE_BYTES = 1024  # a message's cost in the per-uid rate: 1, and 1 more per KiB after the first
 PUSH_SEND_S = 0.05  # a push to a writable connection (Connection.send_bytes with timeout_s 0)
 PUSH_LOCK_WAIT_S = 0.005  # ... to one busy sending a reply: waited for this long, then skipped
+# A socket full of connections makes room for a new one by closing the longest idle that is no
+# job's rank and has sent nothing for this long (Server._make_room).
+EVICT_IDLE_S = 5.0
 
 # Peers and connections -----------------------------------------------------------
 
@@ -100,6 +103,7 @@ class Connection:
     state: dict[str, Any] = field(default_factory=dict)  # per-connection data for handlers
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    last_heard_s: float = field(default_factory=time.monotonic)  # when it connected or last sent something
 
     def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send one message; False (and the connection marked closed) if the peer is gone or stuck.
@@ -251,6 +255,7 @@ class IpcServer:
         self.errors_sent = 0
         self.requests = 0
         self.refused_full = 0  # connections turned away at a connection limit
+        self.evicted = 0  # idle connections closed to make room for a new one (_make_room)
         self.idle_closed = 0  # connections closed for never registering
         self.throttled_s = 0.0  # time spent holding back a uid's messages over its rate
 
@@ -390,6 +395,26 @@ class IpcServer:
             )
         return None
 
+    def _make_room(self, peer: Peer) -> Connection | None:
+        """Under ``_lock``, for a connection of ``peer`` the socket is too full for: the
+        connection that is no job's rank and has been idle longest, over
+        :data:`EVICT_IDLE_S`, taken off the table (the caller closes it), or None. Idle
+        connections left open (by root too, whom no per-uid limit holds) otherwise kept
+        every new client out until the idle timeout closed them: ranks could not register."""
+        now = time.monotonic()
+        idle = [c for c in self._conns.values() if now - c.last_heard_s > EVICT_IDLE_S and not self._is_rank(c)]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda c: c.last_heard_s)
+        del self._conns[victim.id]
+        return victim
+
+    def _is_rank(self, conn: Connection) -> bool:
+        try:
+            return bool(self.registered(conn))
+        except Exception:
+            return True  # (not known: kept)
+
     def _throttle(self, conn: Connection, n: int = 1) -> None:
         """Hold back a non-admin uid's messages beyond its rate (the client's sends
         then block: backpressure, not refusals; the uid's other connections share it);
@@ -424,10 +449,25 @@ class IpcServer:
             admin = self._is_admin(peer)
             with self._lock:
                 full = self._full(peer, admin)
+                evicted = self._make_room(peer) if full is not None and not full.startswith("uid ") else None
+                if evicted is not None:
+                    full = self._full(peer, admin)
                 if full is None:
                     self._next_id += 1
                     conn = Connection(s, peer, self._next_id)
                     self._conns[conn.id] = conn
+            if evicted is not None:
+                self.evicted += 1
+                log.info("socket full: closed connection %d of uid %d, idle, for one of uid %d",
+                         evicted.id, evicted.peer.uid, peer.uid)  # fmt: skip
+                try:  # (no wait on a peer that reads nothing: the accept loop goes on)
+                    evicted.send(_error(None, "unavailable", "closed: the socket was full and this connection idle"), 0)
+                except ValueError:
+                    pass
+                try:
+                    evicted.sock.shutdown(socket.SHUT_RDWR)  # (its thread ends and forgets it)
+                except OSError:
+                    pass
             if full is not None:
                 self.refused_full += 1
                 try:
@@ -481,6 +521,7 @@ class IpcServer:
                     break
                 if not chunk:
                     break
+                conn.last_heard_s = time.monotonic()
                 buf += chunk
                 start = 0  # lines are read off the buffer by offset: no copy of its rest per line
                 while True:

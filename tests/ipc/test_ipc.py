@@ -301,6 +301,7 @@ def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> No
     """The daemon answers a connection past max_connections with one line and closes it;
     a request whose send found it closed still reads that line (it said "broken pipe")."""
     srv = _adder(tmp_path / "g.sock", Limits(max_connections=4, reserved_admin=0), users_only=False)
+    srv.registered = lambda conn: True  # (jobs' ranks: never closed to make room)
     held = [raw(srv.path) for _ in range(4)]
     try:
         assert wait_for(lambda: len(srv._conns) == 4)
@@ -311,6 +312,45 @@ def test_a_client_refused_for_too_many_clients_is_told_why(tmp_path: Path) -> No
             assert e.value.code == "unavailable" and "too many clients" in str(e.value)
             c.close()
     finally:
+        for s in held:
+            s.close()
+        srv.stop()
+
+
+def test_a_full_socket_closes_its_longest_idle_connection_that_is_no_rank_for_a_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root (whom no per-uid limit holds) left 300 connections idle: every new client,
+    a rank registering and greenctl included, was refused for a minute, until the idle
+    timeout closed them. A new connection now takes the place of the longest idle one
+    that is no job's rank (idle over EVICT_IDLE_S), which is told why; ranks stay."""
+    import greend.ipc.server as server_mod
+
+    monkeypatch.setattr(server_mod, "EVICT_IDLE_S", 0.2)
+    srv = _adder(tmp_path / "g.sock", Limits(max_connections=4, reserved_admin=0), users_only=False)
+    ranks: set[int] = set()
+    srv.registered = lambda conn: conn.id in ranks
+    held = []
+    for _ in range(4):
+        held.append(raw(srv.path))
+        assert wait_for(lambda n=len(held): len(srv._conns) == n)
+    ranks.update(sorted(srv._conns)[:2])  # (the first two registered jobs)
+    time.sleep(0.3)
+    c = Client(srv.path, timeout_s=5.0)
+    try:
+        assert c.request("add", a=1) == {"sum": 1}
+        reply = read_reply(held[2])  # (the longest idle of the two that are no rank)
+        assert reply["error"]["code"] == "unavailable" and "socket was full" in reply["error"]["message"]
+        for s in held[:2]:
+            s.sendall(b'{"v":1,"id":1,"op":"add","a":2}\n')
+            assert read_reply(s)["result"] == {"sum": 2}
+        assert srv.evicted == 1
+        ranks.update(srv._conns)  # every connection a rank now: a new one is refused
+        time.sleep(0.3)
+        with pytest.raises(RequestRefused, match="too many clients"):
+            Client(srv.path, timeout_s=5.0).request("add", a=1)
+    finally:
+        c.close()
         for s in held:
             s.close()
         srv.stop()
