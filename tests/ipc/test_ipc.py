@@ -331,9 +331,9 @@ def test_a_full_socket_closes_its_longest_idle_connection_that_is_no_rank_for_a_
     ranks: set[int] = set()
     srv.registered = lambda conn: conn.id in ranks
     held = []
-    for _ in range(4):
+    for n in range(1, 5):  # (one at a time: their ids in that order)
         held.append(raw(srv.path))
-        assert wait_for(lambda n=len(held): len(srv._conns) == n)
+        assert wait_for(lambda n=n: len(srv._conns) == n)
     ranks.update(sorted(srv._conns)[:2])  # (the first two registered jobs)
     time.sleep(0.3)
     c = Client(srv.path, timeout_s=5.0)
