@@ -101,13 +101,14 @@ def waits_more(job: JobSearch, min_steps: int, noise: float) -> float | None:
     windows of ``_drift.py``) while its time per FLOP held within :data:`FASTER`: its GPUs
     finish their part sooner and wait longer for the other nodes in the collective (this
     node healed, or its work shrank). Against what :func:`sped_up` reads: its steps at
-    the same setting before them since it settled, and, unless ``job.step_quiet``, what
-    the setting showed when it settled. A negative share, where it fell by more than
-    :data:`FASTER` and ``DRIFT_Z`` standard errors; else None."""
+    the same setting before them since it settled, and, unless slots on its own ask
+    found nothing (``job.ask_quiet``), what the setting showed when it settled. A
+    negative share, where it fell by more than :data:`FASTER` and ``DRIFT_Z`` standard
+    errors; else None."""
     now = job.live
     if now is None or len(job.samples) < 2:
         return None
-    first, ref = job.samples[0], None if job.step_quiet else job.ref
+    first, ref = job.samples[0], None if job.ask_quiet else job.ref
     for start, window in windows(job, now, min_steps):
         for before in (start.minus(first), ref):
             if before is None or before.steps < min_steps or min(before.flops, before.time_s, before.energy_j) <= 0:

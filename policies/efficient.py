@@ -296,7 +296,7 @@ class EfficientPolicy:
         job.current, job.live, job.recheck = UNCAPPED, None, None
         job.settled, job.ref, job.samples = None, None, []
         job.rebase, job.fine, job.fine_w, job.again_w, job.look_from, job.looked = False, 0, (), (), None, False
-        job.rechecked_once = job.step_quiet = False
+        job.rechecked_once = job.step_quiet = job.ask_quiet = False
         job.next_recheck_s = math.inf
         job.retunes += 1
         job.last_event = f"re-tune: {why}"
@@ -499,8 +499,8 @@ class EfficientPolicy:
             job.cache[UNCAPPED] = recheck_ev
         elif not (slot and judge_slot(job, base, recheck_ev, self.noise, self._retune, steps)):
             judge_recheck(job, base, recheck_ev, self.noise, self.retune_drift, self._retune)
-        if slot and not job.slots and job.retunes == retunes:  # (the pair found nothing)
-            job.step_quiet = job.step_quiet or job.slots_by_step
+        if slot and not job.slots and job.retunes == retunes and job.slots_by_step:  # (its own pair found nothing)
+            job.ask_quiet, job.step_quiet = job.ask_quiet or job.slots_asked, job.step_quiet or not job.slots_asked
 
     # ------------------------------------------------------------------ the search
 

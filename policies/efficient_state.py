@@ -80,7 +80,8 @@ class JobSearch:
     slot_recheck: bool = False  # the re-check under way is one of those
     slots_by_step: bool = False  # those were booked on this node's own reading (sped_up, waits_more)
     slots_asked: bool = False  # those were booked on an agreed ask (JobView.recheck_at)
-    step_quiet: bool = False  # such slots found nothing: those are read on live steps only, until a re-tune
+    step_quiet: bool = False  # such slots (sped_up's) found nothing: it reads live steps only, until a re-tune
+    ask_quiet: bool = False  # the same for slots on its own ask (waits_more)
     pace_seen: tuple[int, float] | None = None  # (JobView.pace_count, the pace per FLOP) at the last agreement read
     ask: int = 0  # the job step this node asked every node to re-check from (its GPUs wait more: _recheck.waits_more)
     ask_seen: int | None = None  # the latest agreed ask read (JobView.recheck_at; None: none read yet)

@@ -190,10 +190,12 @@ def test_an_ask_agreed_by_the_ranks_is_read_once_and_the_first_only_noted() -> N
 def test_gpus_that_wait_longer_since_before_the_node_settled_are_seen_against_the_banked_steps() -> None:
     """A node that settled again just before it healed has no live steps from before:
     the fall shows against what its search banked at the setting (``job.ref``), until
-    slots booked on its own reading found nothing (``step_quiet``)."""
+    slots booked on its own ask found nothing (``ask_quiet``; sped_up's ``step_quiet`` aside)."""
     job = _settled(0.068, 0.068, before_j=18.4, now_j=18.4)
     job.ref = _steps(32, 0.068, seed=1, step_j=20.4)
     fell = waits_more(job, 8, 0.02)
     assert fell is not None and fell == pytest.approx(18.4 / 20.4 - 1.0, abs=0.005)
     job.step_quiet = True
+    assert waits_more(job, 8, 0.02) is not None
+    job.ask_quiet = True
     assert waits_more(job, 8, 0.02) is None
