@@ -103,7 +103,8 @@ class Connection:
     state: dict[str, Any] = field(default_factory=dict)  # per-connection data for handlers
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
-    last_heard_s: float = field(default_factory=time.monotonic)  # when it connected or last sent something
+    last_heard_s: float = field(default_factory=time.monotonic)  # when it connected, last sent or was answered
+    busy: bool = False  # a request of it is being handled
 
     def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send one message; False (and the connection marked closed) if the peer is gone or stuck.
@@ -402,7 +403,11 @@ class IpcServer:
         connections left open (by root too, whom no per-uid limit holds) otherwise kept
         every new client out until the idle timeout closed them: ranks could not register."""
         now = time.monotonic()
-        idle = [c for c in self._conns.values() if now - c.last_heard_s > EVICT_IDLE_S and not self._is_rank(c)]
+        idle = [
+            c
+            for c in self._conns.values()
+            if now - c.last_heard_s > EVICT_IDLE_S and not c.busy and not self._is_rank(c)
+        ]
         if not idle:
             return None
         victim = min(idle, key=lambda c: c.last_heard_s)
@@ -555,7 +560,11 @@ class IpcServer:
                     # ticks nearly stopped; a job's usual message (a few rows) costs 1-2.
                     self._throttle(conn, 1 + max(0, len(line) - 1) // THROTTLE_BYTES)
                     if line.strip():
-                        self._reply(conn, self.dispatch(line, conn))
+                        conn.busy = True  # (a request under way: never closed to make room)
+                        try:
+                            self._reply(conn, self.dispatch(line, conn))
+                        finally:
+                            conn.busy, conn.last_heard_s = False, time.monotonic()
         finally:
             with self._lock:
                 self._conns.pop(conn.id, None)
