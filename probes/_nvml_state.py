@@ -109,9 +109,8 @@ class TrackedGpu:
         last, was_s, before, booked = self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj
         moved_s = self.counter_moved_s if self.counter_moved_s is not None else was_s
         dropped, (drop_s, low_reads) = self.counter_dropped, self.dropped_at
-        if dropped is not None and (
-            low_reads >= GLITCH_READS or (drop_s is not None and now_s is not None and now_s - drop_s > GLITCH_S)
-        ):
+        expired = now_s - drop_s > GLITCH_S if drop_s is not None and now_s is not None else low_reads >= GLITCH_READS
+        if dropped is not None and expired:
             dropped = self.counter_dropped = None  # (a reset, not a glitch: the new baseline stands)
         self.last_counter_mj, self.last_counter_s, self._before_mj, self._booked_mj = raw_mj, now_s, last, 0
         if last is None or raw_mj != last:
@@ -131,10 +130,12 @@ class TrackedGpu:
                 self.dropped_at = (drop_s, low_reads + 1)
             return
         if dropped is not None and dropped <= raw_mj:
-            self.energy_j -= mj_to_j(self.low_booked_mj)  # the low reads were a glitch
-            self._book(raw_mj - dropped)
-            self.counter_dropped, self.low_booked_mj = None, 0
-            return
+            self.counter_dropped, low, self.low_booked_mj = None, self.low_booked_mj, 0
+            if raw_mj - dropped <= self._most_mj(drop_s, now_s):  # (else: read on as any read)
+                self.energy_j -= mj_to_j(low)  # the low reads were a glitch
+                self._book(raw_mj - dropped)
+                return
+            dropped = None
         # (from when the counter last moved: a counter that stalled, then caught up, drew
         # its energy over the whole stall, not since the read before)
         if raw_mj - last > self._most_mj(moved_s, now_s):

@@ -103,8 +103,8 @@ class Connection:
     state: dict[str, Any] = field(default_factory=dict)  # per-connection data for handlers
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
-    last_heard_s: float = field(default_factory=time.monotonic)  # when it connected, last sent or was answered
-    busy: bool = False  # a request of it is being handled
+    last_heard_s: float = field(default_factory=time.monotonic)  # when it connected, or its last lines were answered
+    busy: bool = False  # what it sent is being read and answered
 
     def send(self, obj: dict[str, Any], timeout_s: float = 1.0) -> bool:
         """Send one message; False (and the connection marked closed) if the peer is gone or stuck.
@@ -396,17 +396,21 @@ class IpcServer:
             )
         return None
 
-    def _make_room(self, peer: Peer) -> Connection | None:
-        """Under ``_lock``, for a connection of ``peer`` the socket is too full for: the
-        connection that is no job's rank and has been idle longest, over
-        :data:`EVICT_IDLE_S`, taken off the table (the caller closes it), or None. Idle
+    def _make_room(self, admin: bool) -> Connection | None:
+        """Under ``_lock``, for a connection the socket is too full for: the connection that
+        is no job's rank, idle longest (over :data:`EVICT_IDLE_S`, nothing of it being
+        handled) and no admin's unless the new one is an admin's, taken off the table (the
+        caller closes it, or puts it back where that made no room), or None. Idle
         connections left open (by root too, whom no per-uid limit holds) otherwise kept
         every new client out until the idle timeout closed them: ranks could not register."""
         now = time.monotonic()
         idle = [
             c
             for c in self._conns.values()
-            if now - c.last_heard_s > EVICT_IDLE_S and not c.busy and not self._is_rank(c)
+            if now - c.last_heard_s > EVICT_IDLE_S
+            and not c.busy
+            and (admin or not c.state.get("_admin"))
+            and not self._is_rank(c)
         ]
         if not idle:
             return None
@@ -454,9 +458,11 @@ class IpcServer:
             admin = self._is_admin(peer)
             with self._lock:
                 full = self._full(peer, admin)
-                evicted = self._make_room(peer) if full is not None and not full.startswith("uid ") else None
+                evicted = self._make_room(admin) if full is not None and not full.startswith("uid ") else None
                 if evicted is not None:
                     full = self._full(peer, admin)
+                    if full is not None:  # (no room for this one all the same: it stays)
+                        self._conns[evicted.id], evicted = evicted, None
                 if full is None:
                     self._next_id += 1
                     conn = Connection(s, peer, self._next_id)
@@ -526,7 +532,7 @@ class IpcServer:
                     break
                 if not chunk:
                     break
-                conn.last_heard_s = time.monotonic()
+                conn.busy = True  # (what it sent is being read and answered: never closed to make room)
                 buf += chunk
                 start = 0  # lines are read off the buffer by offset: no copy of its rest per line
                 while True:
@@ -560,11 +566,8 @@ class IpcServer:
                     # ticks nearly stopped; a job's usual message (a few rows) costs 1-2.
                     self._throttle(conn, 1 + max(0, len(line) - 1) // THROTTLE_BYTES)
                     if line.strip():
-                        conn.busy = True  # (a request under way: never closed to make room)
-                        try:
-                            self._reply(conn, self.dispatch(line, conn))
-                        finally:
-                            conn.busy, conn.last_heard_s = False, time.monotonic()
+                        self._reply(conn, self.dispatch(line, conn))
+                conn.busy, conn.last_heard_s = False, time.monotonic()
         finally:
             with self._lock:
                 self._conns.pop(conn.id, None)

@@ -356,6 +356,32 @@ def test_a_full_socket_closes_its_longest_idle_connection_that_is_no_rank_for_a_
         srv.stop()
 
 
+def test_a_user_never_closes_an_admins_idle_connection_nor_one_that_would_not_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's connection to a socket full of an admin's idle ones: refused, and none of
+    them closed (it closed one of root's, then was refused all the same, at each try)."""
+    import greend.ipc.server as server_mod
+
+    monkeypatch.setattr(server_mod, "EVICT_IDLE_S", 0.2)
+    srv = _adder(tmp_path / "g.sock", Limits(max_connections=4, reserved_admin=2), users_only=False)
+    held = []
+    try:
+        for n in range(1, 5):
+            held.append(raw(srv.path))
+            assert wait_for(lambda n=n: len(srv._conns) == n and all("_admin" in c.state for c in srv._conns.values()))
+        time.sleep(0.3)
+        srv.is_admin = lambda p: False  # (the next client: a user)
+        for _ in range(3):
+            with pytest.raises(RequestRefused, match="too many clients"):
+                Client(srv.path, timeout_s=5.0).request("add", a=1)
+        assert srv.evicted == 0 and len(srv._conns) == 4
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
+
+
 @pytest.mark.parametrize("v", ["true", "1.0", '"1"'])
 def test_a_version_that_only_python_calls_1_is_refused(server: IpcServer, v: str) -> None:
     s = raw(server.path)

@@ -587,6 +587,22 @@ def test_a_counter_that_reads_low_for_several_reads_books_the_truth(
     assert truth - 2.5 * truth / 40 <= booked <= truth * 1.001, (booked, truth)
 
 
+def test_on_a_real_node_a_glitch_is_known_by_its_time_not_its_reads() -> None:
+    """With read times (real NVML, 10 reads a second), a counter 1 kJ low for 4 s (40
+    reads) was a glitch: the 30-read limit is for reads without times. Its way back
+    up is booked only as far as the GPU can draw since the glitch began."""
+    from greend.probes._nvml_state import TrackedGpu
+
+    gpu = TrackedGpu(index=0, handle=None, name="H100", uuid="GPU-x", energy_method="counter")
+    gpu.power_limit_max_w = 700.0
+    t, mj = 100.0, 50_000_000
+    gpu.book_counter(mj, "gpu0", t)
+    for k in range(1, 51):  # 100 W: 10 J a read
+        t, mj = t + 0.1, mj + 10_000
+        gpu.book_counter(mj - (1_000_000 if 5 <= k < 45 else 0), "gpu0", t)
+    assert gpu.energy_j == pytest.approx(500.0)
+
+
 def test_a_reset_stays_a_new_baseline_after_its_counter_passes_the_value_before_it() -> None:
     """A reset (the counter from 0, staying below): after GLITCH_S its reads are never
     taken back, though the counter passes the value before the reset later on."""
