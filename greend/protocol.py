@@ -83,6 +83,7 @@ MAX_ROWS_PER_MESSAGE = 64  # "intervals" rows; a row carries at most MAX_STEPS_P
 # bounded: one integer of 310 digits or a FLOP count of 5e-324 is enough otherwise to
 # put inf into every later reply about the job (or to stop the daemon).
 MAX_INT = 1 << 53  # any integer field (and list item), unless its schema says less: exact in a double
+MAX_STEP = MAX_INT - 1  # a job step carried in the pace agreement (recheck_at): ranks and daemon alike
 MAX_TIME_S = 1e10  # a monotonic time or a duration, s (317 years)
 # A pace's step time (s), as op "pace" takes it (and the daemon's "local_pace" pushes it).
 PACE_S_RANGE = (1e-9, 1e6)
@@ -641,7 +642,7 @@ SCHEMAS: dict[str, dict[str, Field]] = {
         # The job's floor: the lowest uncapped step time any node measured (absent: none agreed).
         "floor_s": Field((float,), min=PACE_S_RANGE[0], max=PACE_S_RANGE[1]),
         # The latest job step a node asked every node to re-check its baseline from (a MAX; absent: none).
-        "recheck_at": Field((int,), min=0, max=1 << 53),
+        "recheck_at": Field((int,), min=0, max=MAX_STEP),
     },
     "precision_event": {
         "kind": Field((str,), required=True, choices=("rollback", "refused", "switch")),

@@ -368,8 +368,8 @@ class EfficientPolicy:
         fell = pace_fell(job, j) if job.spans_nodes else None
         if fell is not None and not job.slots:
             self._slots(job, j, f"the job's agreed pace fell {fell:+.0%}", by_step=False)
-        ask = asked(job, j) if job.spans_nodes else None
-        if ask is not None and not job.slots:
+        ask = asked(job, j) if job.spans_nodes and not job.slots else None  # (one read meanwhile waits for them)
+        if ask is not None:
             mine = ask == job.ask  # (its own reading: quiet where its slots find nothing, as for sped_up)
             who = "this node" if mine else "a node of the job"
             self._slots(job, j, f"{who} asked every node to re-check from step {ask}", by_step=mine, asked=True)

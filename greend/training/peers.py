@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from greend.protocol import MAX_STEP
+
 __all__ = ["JobPeers", "default_store"]
 
 _MAX_CAS_TRIES = 8
@@ -159,7 +161,7 @@ def _pair(pace: float, floor: float | None, ask: int = 0) -> str:
 def _unpair(text: str) -> tuple[float, float | None, int]:
     pace, _, rest = text.partition(",")
     floor, _, ask = rest.partition(",")
-    return float(pace), (float(floor) if floor else None), (int(ask) if ask else 0)
+    return float(pace), (float(floor) if floor else None), (min(max(int(ask), 0), MAX_STEP) if ask else 0)
 
 
 def _least(a: float | None, b: float | None) -> float | None:
