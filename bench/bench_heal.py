@@ -2,11 +2,13 @@
 
 Run:  python bench/bench_heal.py [--nodes 2 3] [--heals 700 900 1050 1100 1150 1300 1600]
                                  [--noise 0 0.01 0.02] [--steps 3000] [--bound 0.05] [--slower 1.3]
+                                 [--knob clock|power] [--profile NAME]
 
 Synchronous jobs (:func:`greend.testing.nodes.run_nodes`: every step takes the slowest
 node's time and every node times that step, as real ranks do) over 2 or 3 nodes of 2
-simulated H100s, each node under its own daemon's ``efficient`` (clock knob,
-``max_slowdown`` ``--bound``), the daemons starting at job steps 0, 50 and 120. Node B's
+simulated H100s (or, with ``--profile``, GPUs replaying a bundled measured power-limit
+profile, power knob), each node under its own daemon's ``efficient`` (clock knob unless
+``--knob power``, ``max_slowdown`` ``--bound``), the daemons starting at job steps 0, 50 and 120. Node B's
 GPUs run 30 % slower (``--slower``) from the job's start until each step of ``--heals``, and, for each
 noise level 0 and the largest, for 600 steps from step 600 and from step 1,300 (a
 straggler that comes and goes). Beside each, the same job under ``none``. Printed per
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,14 +48,23 @@ STARTS = (0, 50, 120)  # the job step each node's daemon starts deciding at
 
 
 def run(
-    policy: str, n: int, span: tuple[int, int], steps: int, noise: float, seed: int, bound: float, slower: float = 1.3
+    policy: str,
+    n: int,
+    span: tuple[int, int],
+    steps: int,
+    noise: float,
+    seed: int,
+    bound: float,
+    slower: float = 1.3,
+    knob: str = "clock",
+    spec: Any = None,
 ) -> NodesResult:
     nodes = []
     for k in range(n):
-        gpus, clk = make_sim_gpus(GPUS)
+        gpus, clk = make_sim_gpus(GPUS, **({"spec": spec} if spec is not None else {}))
         st = tuple(Straggle(i, slower, *span) for i in range(GPUS)) if k == 1 else ()
         job = SimJob("j", tuple(range(GPUS)), FLOPS, 0.4, straggles=st)
-        pol = get_policy("none") if policy == "none" else get_policy(policy, max_slowdown=bound)
+        pol = get_policy("none") if policy == "none" else get_policy(policy, max_slowdown=bound, knob=knob)
         nodes.append(Node(pol, gpus, job, clk, starts_at=STARTS[k] if policy != "none" else 0))
     return run_nodes(nodes, steps=steps, noise=noise, seed=seed)
 
@@ -74,13 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--bound", type=float, default=0.05)
     ap.add_argument("--slower", type=float, default=1.3, help="node B's step time over the others' while it straggles")
+    ap.add_argument("--knob", choices=["clock", "power"], help="clock (default) or power (with --profile)")
+    ap.add_argument("--profile", help="a bundled measured profile (power knob), e.g. A40+resnet50+gpu0")
     a = ap.parse_args(argv)
+    spec = None
+    if a.profile:
+        from greend.probes.trace import bundled_trace, trace_spec
+
+        spec = trace_spec(bundled_trace(a.profile))
+    knob = a.knob or ("power" if a.profile else "clock")
     rows = []
     head = ("nodes", "B slower", "noise", "from heal+300", "last third", "run", "saved")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (5, 11, 5, 13, 10, 8, 6), strict=True)))
     for seed, (n, first, last, noise) in enumerate(cases(a.nodes, a.heals, sorted(a.noise), a.steps)):
-        none = run("none", n, (first, last), a.steps, noise, seed, a.bound, a.slower)
-        eff = run("efficient", n, (first, last), a.steps, noise, seed, a.bound, a.slower)
+        none = run("none", n, (first, last), a.steps, noise, seed, a.bound, a.slower, knob, spec)
+        eff = run("efficient", n, (first, last), a.steps, noise, seed, a.bound, a.slower, knob, spec)
 
         def ratio(lo: int, e: NodesResult = eff, z: NodesResult = none) -> float:
             return sum(e.step_s[lo:]) / sum(z.step_s[lo:]) - 1.0

@@ -27,3 +27,11 @@ def test_a_heal_too_near_the_end_is_no_case(capsys: pytest.CaptureFixture[str]) 
     bench = load_bench("bench_heal")
     assert bench.main(["--nodes", "2", "--heals", "900", "--noise", "0", "--steps", "1100"]) == 1
     assert "no case" in capsys.readouterr().out
+
+
+def test_a_measured_profile_runs_on_the_power_knob(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("bench_heal")
+    argv = ["--nodes", "2", "--heals", "700", "--noise", "0", "--steps", "1100", "--profile", "A40+resnet50+gpu0"]
+    assert bench.main(argv) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if re.match(r"\s+2\s+0-700\s+0\.00\s", ln)]
+    assert len(rows) == 1, rows
