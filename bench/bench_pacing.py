@@ -4,7 +4,7 @@ Run:  python bench/bench_pacing.py [--steps 1500] [--mem-share 0.4] [--no-traces
 
 An 8-GPU node runs one synchronous job (every step waits for its slowest GPU).
 One GPU is 10 %, 20 % or 30 % slower (its speed factor: a GPU that runs hot and
-throttles), or throttles by 30 % for the middle of the run only (it appears at a
+throttles), or throttles by 30 % or 10 % for the middle of the run only (it appears at a
 third of the run and heals at two thirds). ``efficient`` runs with
 ``max_slowdown = 0`` (nothing may slow the job), through
 :mod:`greend.testing.harness`, and is compared with:
@@ -83,6 +83,7 @@ CASES = (
     Case("1 GPU 20 % slower", 1.2),
     Case("1 GPU 30 % slower", 1.3),
     Case("30 % throttle, comes and goes", 1.3, 1 / 3, 2 / 3),
+    Case("10 % throttle, comes and goes", 1.1, 1 / 3, 2 / 3),
 )
 
 
