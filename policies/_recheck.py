@@ -36,7 +36,7 @@ of a few percent may stay under :data:`FASTER` there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ._drift import DRIFT_Z, windows
 from ._evidence import Evidence
@@ -82,17 +82,10 @@ def sped_up(job: JobSearch, min_steps: int, noise: float) -> float | None:
     re-check is seen), unless slots booked on such a fall found nothing
     (``job.step_quiet``): a node settled again on evidence from before the fall would
     see the same fall again and again."""
-    now = job.live
-    if now is None or len(job.samples) < 2:
-        return None
-    first, ref = job.samples[0], None if job.step_quiet else job.ref
-    for start, window in windows(job, now, min_steps):
-        for before in (start.minus(first), ref):
-            if before is None or before.steps < min_steps or min(before.flops, before.time_s) <= 0:
-                continue
-            dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
-            if dt < -FASTER and -dt > DRIFT_Z * math.hypot(window.se_time(noise), before.se_time(noise)):
-                return dt
+    for window, before in _against(job, min_steps, job.step_quiet):
+        dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
+        if dt < -FASTER and -dt > DRIFT_Z * math.hypot(window.se_time(noise), before.se_time(noise)):
+            return dt
     return None
 
 
@@ -105,20 +98,30 @@ def waits_more(job: JobSearch, min_steps: int, noise: float) -> float | None:
     found nothing (``job.ask_quiet``), what the setting showed when it settled. A
     negative share, where it fell by more than :data:`FASTER` and ``DRIFT_Z`` standard
     errors; else None."""
+    for window, before in _against(job, min_steps, job.ask_quiet):
+        if before.energy_j <= 0:
+            continue
+        dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
+        de = window.energy_per_flop_j / before.energy_per_flop_j - 1.0
+        se = math.hypot(window.se_energy(noise), before.se_energy(noise))
+        if abs(dt) <= FASTER and de < -FASTER and -de > DRIFT_Z * se:
+            return de
+    return None
+
+
+def _against(job: JobSearch, min_steps: int, quiet: bool) -> Iterator[tuple[Evidence, Evidence]]:
+    """(a window of the settled job's latest steps, what it is read against) for each
+    window of ``_drift.windows``, shortest first: its steps at the same setting before it
+    since the job settled, then (unless ``quiet``) what the setting showed when it
+    settled (``job.ref``); each with ``min_steps`` steps, FLOPs and time at least."""
     now = job.live
     if now is None or len(job.samples) < 2:
-        return None
-    first, ref = job.samples[0], None if job.ask_quiet else job.ref
+        return
+    first, ref = job.samples[0], None if quiet else job.ref
     for start, window in windows(job, now, min_steps):
         for before in (start.minus(first), ref):
-            if before is None or before.steps < min_steps or min(before.flops, before.time_s, before.energy_j) <= 0:
-                continue
-            dt = window.time_per_flop_s / before.time_per_flop_s - 1.0
-            de = window.energy_per_flop_j / before.energy_per_flop_j - 1.0
-            se = math.hypot(window.se_energy(noise), before.se_energy(noise))
-            if abs(dt) <= FASTER and de < -FASTER and -de > DRIFT_Z * se:
-                return de
-    return None
+            if before is not None and before.steps >= min_steps and min(before.flops, before.time_s) > 0:
+                yield window, before
 
 
 def asked(job: JobSearch, j: JobView) -> int | None:

@@ -534,6 +534,17 @@ class GlitchingCounter:
         return raw
 
 
+def _glitching(fake: FakeNvml) -> tuple[GlitchingCounter, NvmlProbe, float]:
+    """A probe over ``fake`` behind a GlitchingCounter, opened and read once at 0 s, and
+    GPU 0's energy then (the truth's start)."""
+    nvml = GlitchingCounter(fake)
+    probe = NvmlProbe(nvml=nvml, source="sim")
+    probe.open()
+    truth0 = fake.sim_gpu(0).energy_j()
+    probe.sample(0.0)
+    return nvml, probe, truth0
+
+
 @pytest.mark.parametrize(
     "glitch", [lambda mj: 0, lambda mj: mj - 1_000_000, lambda mj: mj + 10**12], ids=["zero", "back", "jump"]
 )
@@ -543,12 +554,8 @@ def test_one_bad_read_of_the_energy_counter_loses_an_interval_at_most(
     """One read of 0, one that went back 1 kJ, or one far ahead of what the GPU can
     draw: the energy booked stays within an interval of the truth; the counter's whole
     count since the driver loaded (123 kJ here) is never booked."""
-    nvml = GlitchingCounter(fake)
-    probe = NvmlProbe(nvml=nvml, source="sim")
-    probe.open()
-    truth0 = fake.sim_gpu(0).energy_j()
+    nvml, probe, truth0 = _glitching(fake)
     now = 0.0
-    probe.sample(now)
     for k in range(20):
         fake.sim_gpu(0).run_step(3e14, 0.2, "bf16")
         clock.advance(0.5)
@@ -571,12 +578,8 @@ def test_a_counter_that_reads_low_for_several_reads_books_the_truth(
     up booked the 1 kJ as energy (1,133 J where the GPU drew 140 J, in a red-team's run of
     5 low reads). Those reads are taken back once the counter is back above the read
     before the glitch."""
-    nvml = GlitchingCounter(fake)
-    probe = NvmlProbe(nvml=nvml, source="sim")
-    probe.open()
-    truth0 = fake.sim_gpu(0).energy_j()
+    nvml, probe, truth0 = _glitching(fake)
     now = 0.0
-    probe.sample(now)
     for k in range(40):
         clock.advance(0.5)
         now += 0.5

@@ -8,6 +8,7 @@ import itertools
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -454,6 +455,16 @@ def test_an_id_from_the_environment_that_is_rewritten_says_so(
     assert "'my job', is booked as 'my-job'" in caplog.text and "GREEND_RUN='bad run!' is booked as run" in caplog.text
 
 
+def _step_ranks(cbs: list[Any], rounds: int = 20) -> None:
+    """Each rank steps ``rounds`` times, 20 ms apart: the senders, every 20 ms, agree each
+    epoch as it comes."""
+    for _ in range(rounds):
+        for cb in cbs:
+            with cb.step(samples=1) as st:
+                st.loss(torch.tensor(1.0))
+        time.sleep(0.02)
+
+
 def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
     monkeypatch: pytest.MonkeyPatch, daemon, sock_path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -471,11 +482,7 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
                 {"v": 1, "job": "agree", "event": "local_pace", "step_s": pace, **({"floor_s": floor} if floor else {})}
             )
         assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
-        for _ in range(20):  # (steps of 20 ms: the senders, every 20 ms, agree each epoch as it comes)
-            for cb in cbs:
-                with cb.step(samples=1) as st:
-                    st.loss(torch.tensor(1.0))
-            time.sleep(0.02)
+        _step_ranks(cbs)
         assert wait_for(
             lambda: {"step_s": 0.30, "floor_s": 0.26} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
         )
@@ -501,11 +508,7 @@ def test_a_re_check_one_node_asks_reaches_every_rank_s_daemon_that_takes_it(
         for c, push in zip(daemon.server.connections(), pushes, strict=True):
             c.send({"v": 1, "job": "agree", "event": "local_pace", **push})
         assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
-        for _ in range(20):
-            for cb in cbs:
-                with cb.step(samples=1) as st:
-                    st.loss(torch.tensor(1.0))
-            time.sleep(0.02)
+        _step_ranks(cbs)
         assert wait_for(
             lambda: {"step_s": 0.30, "recheck_at": 2106} in daemon.paces and {"step_s": 0.30} in daemon.paces, 20.0
         )
