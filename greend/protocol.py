@@ -40,6 +40,7 @@ __all__ = [
     "MAX_FLOPS_PER_ROW",
     "MAX_FLOPS_PER_STEP",
     "MAX_INT",
+    "MAX_STEP",
     "MAX_LOSS",
     "MAX_MESSAGE_BYTES",
     "MAX_STEPS_PER_MESSAGE",
@@ -69,6 +70,7 @@ __all__ = [
     "decode_step",
     "decode_steps",
     "encode",
+    "is_step",
     "validate",
 ]
 
@@ -84,6 +86,13 @@ MAX_ROWS_PER_MESSAGE = 64  # "intervals" rows; a row carries at most MAX_STEPS_P
 # put inf into every later reply about the job (or to stop the daemon).
 MAX_INT = 1 << 53  # any integer field (and list item), unless its schema says less: exact in a double
 MAX_STEP = MAX_INT - 1  # a job step carried in the pace agreement (recheck_at): ranks and daemon alike
+
+
+def is_step(value: Any) -> bool:
+    """Whether ``value`` is a job step the pace agreement carries (an int, 0 .. MAX_STEP; no bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP
+
+
 MAX_TIME_S = 1e10  # a monotonic time or a duration, s (317 years)
 # A pace's step time (s), as op "pace" takes it (and the daemon's "local_pace" pushes it).
 PACE_S_RANGE = (1e-9, 1e6)

@@ -46,10 +46,12 @@ from .efficient_state import JobSearch, step_flops
 __all__ = [
     "FASTER",
     "LEAD",
+    "ask_pending",
     "asked",
     "judge_recheck",
     "judge_slot",
     "pace_fell",
+    "place_ask",
     "slot_due",
     "slot_steps",
     "slots",
@@ -124,6 +126,18 @@ def _against(job: JobSearch, min_steps: int, quiet: bool) -> Iterator[tuple[Evid
                 yield window, before
 
 
+def ask_pending(job: JobSearch) -> bool:
+    """Whether this node's ask has not come back in an agreement yet (it asks no other)."""
+    return job.ask > (job.ask_seen or 0)
+
+
+def place_ask(job: JobSearch, step: int) -> int:
+    """Ask every node to re-check from job step ``step`` (later than any ask read, so the
+    agreed MAX grows): the step asked, which the daemon pushes with its pace."""
+    job.ask = max(step, (job.ask_seen or 0) + 1)
+    return job.ask
+
+
 def asked(job: JobSearch, j: JobView) -> int | None:
     """The job step a node of the job asked every node to re-check from (the agreed
     ``JobView.recheck_at``, a MAX over the nodes' asks), where it is new since the last
@@ -179,9 +193,8 @@ def judge_slot(
         return True
     if dt > margin:
         job.last_event = f"re-check with the job's other nodes read {dt:+.0%} (a node was capped): not taken"
-        if job.slots_by_step and not job.slots_asked and job.ask <= (job.ask_seen or 0):
-            job.ask = max(step, (job.ask_seen or 0) + 1)
-            job.last_event += f"; asks every node to re-check from step {job.ask}"
+        if job.slots_by_step and not job.slots_asked and not ask_pending(job):
+            job.last_event += f"; asks every node to re-check from step {place_ask(job, step)}"
         return True
     return False
 

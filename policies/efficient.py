@@ -91,7 +91,19 @@ from ._evidence import Evidence, antitonic_fit, best_candidate, n_measured, open
 from ._finer import BASE_LONG, GAIN_LONG, LONG, LOOK_STEPS, MAX_FINE, PLATEAU, Z_LINE_END, Z_LONG, Lines, Z, may_look
 from ._knobs import knob_for
 from ._pacing import Pacer, as_job
-from ._recheck import asked, judge_recheck, judge_slot, pace_fell, slot_due, slot_steps, slots, sped_up, waits_more
+from ._recheck import (
+    ask_pending,
+    asked,
+    judge_recheck,
+    judge_slot,
+    pace_fell,
+    place_ask,
+    slot_due,
+    slot_steps,
+    slots,
+    sped_up,
+    waits_more,
+)
 from .base import UNCAPPED, Decision, GpuView, JobView, Setting, Snapshot
 from .efficient_state import (
     EfficientState,
@@ -414,13 +426,12 @@ class EfficientPolicy:
             fell = sped_up(job, self.min_steps, self.noise) if job.spans_nodes and not job.slots else None
             if fell is not None:
                 self._slots(job, j, f"the job's step fell {fell:+.0%} at the setting held", by_step=True)
-            elif job.spans_nodes and not job.slots and job.ask <= (job.ask_seen or 0):
+            elif job.spans_nodes and not job.slots and not ask_pending(job):
                 waits = waits_more(job, self.min_steps, self.noise)
                 if waits is not None:  # (its ask comes back to every node in the agreed pace: asked above)
-                    job.ask = max(j.run_steps or j.steps, (job.ask_seen or 0) + 1)
                     job.last_event = (
                         f"{waits:+.0%} energy per FLOP at the same step: its GPUs wait longer on the other "
-                        f"nodes; asks every node to re-check from step {job.ask}"
+                        f"nodes; asks every node to re-check from step {place_ask(job, j.run_steps or j.steps)}"
                     )
         if job.phase == "search" and (not job.current.uncapped or job.looking):
             have = ev.get(job.current, Evidence()).steps

@@ -38,7 +38,7 @@ from greend.control.profile import ProfileRecorder
 from greend.errors import ActuatorError, ConfigError, ProtocolError, StateError
 from greend.points import Point, cap_fields, decision_point, ts_ns
 from greend.policies.base import Decision, GpuView, Snapshot
-from greend.protocol import MAX_STEP, NODE_OWNER, PACE_S_RANGE, POLICY_OWNER
+from greend.protocol import NODE_OWNER, PACE_S_RANGE, POLICY_OWNER, is_step
 from greend.settings import Setting
 
 if TYPE_CHECKING:
@@ -521,7 +521,7 @@ class ControlLoop:
             if not lo <= floor_s <= hi:
                 floor_s = 0.0  # (none)
             ask = details.get("recheck_at")
-            ask = ask if isinstance(ask, int) and not isinstance(ask, bool) and 0 <= ask <= MAX_STEP else 0
+            ask = ask if is_step(ask) else 0
             last = self._pushed_pace.get(job_id)
             if (
                 last is not None

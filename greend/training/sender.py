@@ -48,7 +48,7 @@ from greend.ipc.wire import (
     positive,
     read_line_blocking,
 )
-from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEP, MAX_STEPS_PER_MESSAGE, PRECISIONS
+from greend.protocol import MAX_MESSAGE_BYTES, MAX_ROWS_PER_MESSAGE, MAX_STEPS_PER_MESSAGE, PRECISIONS, is_step
 from greend.training._sender_options import SenderOptions, SenderStats
 from greend.training.rows import Row, clean, step_fields
 from greend.training.warn import OnceWarnings, log
@@ -625,7 +625,7 @@ class Sender:
         if step_s is None or (floor_s is None and "floor_s" in msg):  # (a daemon before floors sends none)
             self._malformed(f"{what} with step_s={msg.get('step_s')!r}, floor_s={msg.get('floor_s')!r}")
         ask = msg.get("recheck_at")
-        if "recheck_at" in msg and not (isinstance(ask, int) and not isinstance(ask, bool) and 0 <= ask <= MAX_STEP):
+        if "recheck_at" in msg and not is_step(ask):
             self._malformed(f"{what} with recheck_at={ask!r}")
             ask = None
         if step_s is not None:
