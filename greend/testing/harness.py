@@ -52,18 +52,9 @@ __all__ = [
 
 
 # A job given a pace_s of its own (a slower node's, constant): its ranks agree it every this
-# many steps (sync_every). A node's pace goes out after its baseline; the ranks write it at
-# the next agreement and read that first one back early (first_read_at), the rest one
-# agreement later.
+# many steps (sync_every), the first agreement that carries it the second (a node's pace
+# goes out after its baseline, the ranks write it at the next agreement, read it at the one after).
 PACE_EVERY = 100
-HAND_OVER_STEPS = 16  # a rank hands its ended steps over (and reads the store) every this many
-
-
-def first_read_at(written_at: int, every: int) -> int:
-    """The step at which the ranks read back the job's first pace, written at step
-    ``written_at``: a quarter epoch later, at the next hand-over (greend.training.peers)."""
-    lag = max(1, every // 4)
-    return written_at + -(-lag // HAND_OVER_STEPS) * HAND_OVER_STEPS
 
 
 class FakeClock:
@@ -537,11 +528,8 @@ def _snapshot(
         acc = accs.get(sj.job)
         first = next(g for g in gpus if g.index == sj.gpus[0])
         # The agreements received so far: none yet, no pace (a daemon hears the first one
-        # when the ranks read back the first epoch they wrote one in: step 132 at PACE_EVERY)
-        n = job_steps[sj.job]
-        count = sj.pace_count
-        if count is None:
-            count = max(0, n // PACE_EVERY - 1) + (n >= first_read_at(PACE_EVERY, PACE_EVERY))
+        # when the ranks read the first epoch any rank wrote one in: step 200 at PACE_EVERY)
+        count = sj.pace_count if sj.pace_count is not None else max(0, job_steps[sj.job] // PACE_EVERY - 1)
         jvs.append(
             JobView(
                 job=sj.job,

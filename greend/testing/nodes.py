@@ -13,7 +13,7 @@ from typing import Any
 from greend.policies.base import Setting
 from greend.probes.sim import SimGpu
 
-from .harness import FakeClock, SimJob, _Acc, _apply_decision, _find_clock, _in_force, _snapshot, first_read_at
+from .harness import FakeClock, SimJob, _Acc, _apply_decision, _find_clock, _in_force, _snapshot
 
 __all__ = ["Node", "NodesResult", "run_nodes"]
 
@@ -92,10 +92,9 @@ def run_nodes(
     included); each GPU is busy only for its own work. Each node tells the job its
     uncapped step time, as the daemon does (its policy's ``baseline_time_per_flop_s``
     times the node's FLOPs per step); the ranks agree on the slowest every ``sync_every``
-    steps and read the agreement one period later (the job's first pace earlier:
-    ``harness.first_read_at``), and every node's policy gets it as the job's ``pace_s``; its
-    lowest uncapped step (``floor_time_per_flop_s``) the same way, the MIN as ``floor_s``. A
-    node's policy decides every step from ``Node.starts_at``."""
+    steps and read the agreement one period later, and every node's policy gets it as the
+    job's ``pace_s``; its lowest uncapped step (``floor_time_per_flop_s``) the same way, the
+    MIN as ``floor_s``. A node's policy decides every step from ``Node.starts_at``."""
     rng = random.Random(seed)
     parts = [_NodeRun.of(n) for n in nodes]
     step_s: list[float] = []
@@ -107,9 +106,8 @@ def run_nodes(
     floors: list[float | None] = []
     asks: list[int] = []
     sim_t = 0.0
-    first_at = -1  # the step the job's first pace is read back at (written in the last agreement)
     for it in range(steps):
-        if it % sync_every == 0 or it == first_at:  # an agreement: the paces published before the last one
+        if it % sync_every == 0:  # an agreement: the paces published before the last one
             agreed = max((p for p in told if p is not None), default=None)
             floor = min((f for f in floors if f is not None), default=None)
             ask = max(asks, default=0)
@@ -117,11 +115,7 @@ def run_nodes(
                 n.job.pace_s, n.job.floor_s, n.job.recheck_at = agreed, floor, ask
                 n.job.pace_count = (n.job.pace_count or 0) + (agreed is not None)  # (a rank sends only a pace)
             paces.append((it, agreed))
-            if it != first_at:  # (the first pace read back early: the next agreement reads the same)
-                told, floors, asks = [p.local for p in parts], [p.floor for p in parts], [p.ask for p in parts]
-                early = first_read_at(it, sync_every)
-                if agreed is None and any(p is not None for p in told) and early < it + sync_every:
-                    first_at = early
+            told, floors, asks = [p.local for p in parts], [p.floor for p in parts], [p.ask for p in parts]
         own = []
         for n, p in zip(nodes, parts, strict=True):
             sj = n.job

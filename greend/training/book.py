@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from greend.training._autocast_check import AutocastCheck
-from greend.training._pace_agreement import PaceAgreement
 from greend.training._probe_ranks import JointJudge
 from greend.training.flops import FlopCounter, FlopEstimates, batch_signature, model_params
 from greend.training.loss_reader import LossReader
@@ -111,8 +110,10 @@ class StepBook:
         self.scaling_noted = False
         self.guard = control.guard
         self._entered = 0  # steps entered while the ranks agree: the agreement's clock
+        self._world_size = world_size
         self.sync_every = sync_every
-        self.pace = PaceAgreement(channel, control.job_peers, warnings, sync_every, world_size)
+        self.agreed_pace_s: float | None = None  # the last pace all ranks agreed on
+        self._paced_to = -1  # the last step index the pace was agreed at (read_ended's hand-over)
         # Probes (greend.training.probe): the first step index the prober wants to see
         # recorded (one compare per step; NEVER while the run is at its own level).
         self.probe_watch = NEVER
@@ -404,8 +405,10 @@ class StepBook:
         self.next_index = first + n
         self.channel.stats.recorded += n
         self.handed.append((ended, first, self.precision))
-        if self.pace.every:
-            self.pace.through(first, n)
+        if self._world_size > 1:
+            every = self.sync_every
+            for index in range(first + (-(first + 1)) % every, first + n, every):
+                self._sync_pace(index)  # (index + 1) is a multiple of sync_every
         if len(self.handed) > MAX_HANDED:
             self.book_handed(here=True)
 
@@ -457,7 +460,7 @@ class StepBook:
         self.unjudged.extendleft(reversed(moved))
         self.next_index = start
         self.channel.stats.recorded -= len(moved)  # (counted again as drain records them)
-        self.pace.done_to = max(self.pace.done_to, start + len(moved) - 1)  # (agreed when handed)
+        self._paced_to = max(self._paced_to, start + len(moved) - 1)  # (agreed when handed)
 
     def _book(self, steps: list[Step], index: int, level: str) -> int:
         """A handed batch: what drain does with the guard's stack empty (nothing to roll
@@ -529,8 +532,7 @@ class StepBook:
         queue = self.channel.queue
         stats = self.channel.stats
         full = queue.maxlen
-        pace = self.pace
-        pace_every = pace.every
+        pace_every = self.sync_every if self._world_size > 1 else 0
         while q:
             step = q[0]
             value = step._raw  # a number given or read at once, or a read in flight
@@ -583,11 +585,8 @@ class StepBook:
             queue.append((index, step.t0_s, step.t1_s, flops, step.samples, step.tokens, loss, nonfinite,
                           level))  # fmt: skip
             stats.recorded += 1
-            if pace_every:
-                if (index + 1) % pace_every == 0 and index > pace.done_to:
-                    pace.agree(index)
-                elif pace.first_read is not None and index >= pace.first_read[1]:
-                    pace.read_first()
+            if pace_every and (index + 1) % pace_every == 0 and index > self._paced_to:
+                self._sync_pace(index)
             spike = step._spike_reason
             if spike and not nonfinite and control.reference is not None:
                 spike = step._spike_reason = control.confirm_spike(spike)
@@ -664,6 +663,23 @@ class StepBook:
             self._warnings.warn("tokens", "model_flops=True needs step(tokens=...): reporting 0 FLOPs")
             return 0.0
         return 6.0 * self._params * tokens
+
+    def _sync_pace(self, index: int) -> None:
+        """Agree on the job's pace and floor with the other ranks at a decision point, in
+        the job's rendezvous store (greend.training.peers.agree_pace: no collective),
+        from the daemon's ``local_pace``. A failure is logged once, never raised."""
+        try:
+            peers = self.control.job_peers()
+            if peers is None:
+                return
+            ch, epoch = self.channel, (index + 1) // self.sync_every
+            agreed, floor, ask = peers.agree_pace(epoch, ch.local_pace_s, ch.local_floor_s, ch.local_recheck_at or 0)
+        except Exception as e:
+            self._warnings.warn("pace", f"greend could not agree the job's pace across ranks: {e}")
+            return
+        if agreed is not None and agreed > 0:
+            self.agreed_pace_s, ch.agreed_floor_s, ch.agreed_recheck_at = agreed, floor, max(ch.agreed_recheck_at, ask)
+            ch.agreed_pace_s = agreed  # (last: the sender sends all three as op "pace" once it is set)
 
     def close(self) -> None:
         """The last losses (waited for: training is over), the model's hook taken off, and a

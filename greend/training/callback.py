@@ -371,7 +371,7 @@ class GreenCallback:
     @property
     def agreed_pace_s(self) -> float | None:
         """The last pace (the slowest node's uncapped step time) all ranks agreed on."""
-        return self._book.pace.agreed_pace_s
+        return self._book.agreed_pace_s
 
     def supported_precisions(self) -> dict[str, str | None]:
         """Every level -> ``None`` if it can run here, else the reason it cannot."""

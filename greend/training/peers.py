@@ -15,11 +15,6 @@ under keys of greend's own (``greend/<job>/...``), with calls that never wait:
   ago: the MAX over the ranks that have a figure. A rank without a callback, or
   without a daemon, writes nothing and changes nothing; a rank that is behind only
   makes the figure one epoch older. Keys two epochs old are deleted.
-* the job's first pace is read early: a rank that wrote a pace and has read none yet
-  reads the epoch it wrote a quarter epoch later (:meth:`JobPeers.read_pace`), not an
-  epoch later. Ranks in step have all written it by then; one that is behind is left
-  out of that one reading only (a MAX over fewer ranks: a pace no longer, a floor no
-  lower than the whole job's), and the next agreement reads them all.
 
 Any failure (no process group, a store without compare-and-set, a lost master) is
 the caller's to log once; training never sees it.
@@ -124,12 +119,6 @@ class JobPeers:
             self._merge(self._key("paces", epoch), _pair(pace, low, ask), merge)
         text = self._read_text("paces", epoch - 1)
         self._drop_old("paces", epoch)
-        return (None, None, 0) if text is None else _unpair(text)
-
-    def read_pace(self, epoch: int) -> tuple[float | None, float | None, int]:
-        """What the ranks wrote for ``epoch`` so far with :meth:`agree_pace` (writes nothing,
-        never waits): the first pace's early reading (see the module's docstring)."""
-        text = self._read_text("paces", epoch)
         return (None, None, 0) if text is None else _unpair(text)
 
     def read(self, name: str, epoch: int) -> float | None:

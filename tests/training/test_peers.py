@@ -492,52 +492,6 @@ def test_ranks_agree_the_jobs_floor_with_its_pace_and_tell_their_daemon(
             cb.close()
 
 
-def _paces_by_step(cbs: list[Any], steps: int, behind: int) -> list[dict[int, float | None]]:
-    """Step the ranks in lockstep, rank 1 ``behind`` steps late: each rank's agreed pace
-    after each of its steps (the first step, taken before, is step 1)."""
-    seen: list[dict[int, float | None]] = [{} for _ in cbs]
-    for i in range(steps + behind):
-        for r, cb in enumerate(cbs):
-            at = i + 2 - (behind if r == 1 else 0)
-            if 1 < at <= steps:
-                with cb.step(samples=1) as st:
-                    st.loss(torch.tensor(1.0))
-                seen[r][at] = cb.agreed_pace_s
-    return seen
-
-
-@pytest.mark.parametrize("behind", [0, 40], ids=["in-step", "a-rank-behind"])
-def test_the_job_s_first_pace_is_read_a_quarter_epoch_after_the_ranks_wrote_it(
-    monkeypatch: pytest.MonkeyPatch, daemon, sock_path, behind: int
-) -> None:  # type: ignore[no-untyped-def]
-    """The ranks write their first paces at step 100 (``sync_every``) and read them back a
-    quarter epoch later, at their next hand-over (16 steps or 50 ms), not from the next
-    agreement (step 200 or after: the epoch before is read there). A rank that is behind
-    is left out of that one early reading (a pace no longer than the job's) and counted at
-    the next agreement; the rank behind reads both paces in its own early reading."""
-    cbs = _ranked_callbacks(monkeypatch, sock_path, dist.HashStore(), probe_trial=False, sync_every=100)
-    try:
-        with cbs[0].step(samples=1), cbs[1].step(samples=1):
-            pass
-        assert wait_for(lambda: len(daemon.registers) == 2, 20.0)
-        for c, pace in zip(daemon.server.connections(), (0.20, 0.30), strict=True):
-            c.send({"v": 1, "job": "agree", "event": "local_pace", "step_s": pace})
-        assert wait_for(lambda: all(cb._channel.local_pace_s is not None for cb in cbs), 20.0)
-        seen = _paces_by_step(cbs, 230, behind)
-        first = [min(at for at, pace in s.items() if pace is not None) for s in seen]
-        assert all(125 <= f <= 141 for f in first), first
-        assert seen[1][first[1]] == 0.30  # (rank 0 had written, whichever is behind)
-        if behind:
-            assert seen[0][first[0]] == 0.20  # rank 1 had not written: rank 0's own
-            assert seen[0][199] == 0.20 and seen[0][230] == 0.30  # the next agreement: both
-        else:
-            assert seen[0][first[0]] == 0.30
-        assert seen[0][230] == seen[1][230] == 0.30
-    finally:
-        for cb in cbs:
-            cb.close()
-
-
 def test_a_re_check_one_node_asks_reaches_every_rank_s_daemon_that_takes_it(
     monkeypatch: pytest.MonkeyPatch, daemon, sock_path
 ) -> None:  # type: ignore[no-untyped-def]
