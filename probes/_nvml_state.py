@@ -10,6 +10,7 @@ may hang, it applies the last look when there is one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -34,6 +35,8 @@ __all__ = [
     "TrackedGpu",
     "as_text",
 ]
+
+_EPOCHS = itertools.count(1)  # each TrackedGpu (an opening of a GPU) takes the next
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,8 @@ class TrackedGpu:
     power_limit_default_w: float | None = None
     compute_capability: tuple[int, int] | None = None
     mig: bool = False  # MIG mode on: the readings are the whole GPU's, shared by its instances
-    energy_j: float = 0.0  # cumulative since open
+    energy_j: float = 0.0  # cumulative since open (a read taken back lowers it: energy_epoch says so)
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))  # this opening's number (GpuReading.energy_epoch)
     last_counter_mj: int | None = None
     last_counter_s: float | None = None  # when last_counter_mj was read
     counter_dropped: int | None = None  # the counter before a read went back (held for GLITCH_S / GLITCH_READS)

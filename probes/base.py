@@ -57,6 +57,10 @@ class GpuReading:
     sm_clock_max_mhz: float | None = None
     supported_sm_clocks_mhz: tuple[int, ...] = ()
     compute_capability: tuple[int, int] | None = None
+    # Which opening of the GPU energy_j counts from (a new number each time the probe opens
+    # it, so its count restarts from 0; a count that falls within one opening is the probe
+    # taking back what it booked, not a restart). 0: the probe does not say.
+    energy_epoch: int = 0
     # Seconds since this reading was taken, where the GPU's read this tick was still out
     # (its last reading stands in; the ledger books no energy from it); None: read now.
     stale_s: float | None = None

@@ -543,6 +543,7 @@ class NvmlProbe:
             source=self.source,
             energy_j=gpu.energy_j,
             energy_method=gpu.energy_method,
+            energy_epoch=gpu.epoch,
             power_w=power_w,
             sm_clock_mhz=None if sm is None else float(sm),
             mem_clock_mhz=None if mem is None else float(mem),

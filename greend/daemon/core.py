@@ -320,7 +320,7 @@ class Daemon:
         for r in fresh:
             for g in r.gpus:
                 if g.stale_s is None:
-                    self.ledger.record(g.key, now_s, g.energy_j, source=g.uuid)
+                    self.ledger.record(g.key, now_s, g.energy_j, source=g.uuid, epoch=g.energy_epoch)
             for c in r.cpus:
                 self.ledger.record(c.key, now_s, c.energy_j, counted=c.counted)
         with self._snapshot_lock:

@@ -17,7 +17,11 @@ interpolation over one coarse step at the start, a few seconds in a day.
 
 If a probe is reopened (a lost GPU comes back, a probe restarts) its counter
 starts again from zero; the ledger sees the fall and carries the earlier total
-forward, so "since start" never goes backwards.
+forward, so "since start" never goes backwards. A GPU's count that falls within one
+opening (its ``epoch``: the NVML probe took back a counter read it had booked, one that
+the reads after it showed to be a glitch) is owed instead: the series holds, and the
+energy read next pays it off first. A key's series never falls: stores and Prometheus
+read it as a counter, and a fall there is a reset.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class LedgerEntry:
     coarse_times: list[float] = field(default_factory=list)
     coarse_energies: list[float] = field(default_factory=list)
     source: str | None = None  # the device behind the key (a GPU's UUID), where the probe names it
+    owed_j: float = 0.0  # taken back by the probe, not paid off yet (see the module)
 
     @property
     def total_j(self) -> float:
@@ -74,16 +79,19 @@ class Ledger:
         self._maxlen = max(16, int(history_s * hz) + 1)
         self._coarse_step_s = coarse_step_s
         self._entries: dict[str, LedgerEntry] = {}
-        self._last_of: dict[str, float] = {}  # a device -> its last reading (its own cumulative count)
+        self._last_of: dict[str, tuple[float, int]] = {}  # a device -> its last reading and epoch
         self._lock = threading.Lock()
 
-    def record(self, key: str, t_s: float, energy_j: float, *, counted: bool = True, source: str | None = None) -> None:
+    def record(
+        self, key: str, t_s: float, energy_j: float, *, counted: bool = True, source: str | None = None, epoch: int = 0
+    ) -> None:
         """Book a cumulative reading of ``key``. ``source``: the device behind the key (a
         GPU's UUID), whose readings are its own cumulative count; where another device
         reads under the key (NVML renumbered the GPUs after one fell off the bus, or back),
         the key's series goes on from where it was with what that device drew since its
         own last reading, under whichever key (no rise booked in full, no fall read as a
-        restart, nothing booked twice)."""
+        restart, nothing booked twice). ``epoch``: which opening of the device the count is
+        from (0: not said); a fall within one is owed, not a restart (see the module)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None:
@@ -100,20 +108,25 @@ class Ledger:
                 # The device behind the key, whose readings are its own cumulative count: the
                 # key's series goes on with what it drew since its own last reading, under
                 # whichever key that was (NVML renumbered the GPUs, or numbers them as before).
-                prev = self._last_of.get(source)
+                prev, prev_epoch = self._last_of.get(source, (None, 0))
                 if e.energies:
                     if prev is not None and prev <= energy_j:
                         since = prev
+                    elif prev is not None and epoch and epoch == prev_epoch:
+                        e.owed_j += prev - energy_j  # the probe took back what it booked
+                        since = energy_j
                     elif e.source == source:
                         since = 0.0  # its counter restarted: keep what was counted so far
                     else:
                         since = energy_j  # a device not read before (or whose count went back): from now
-                    e.offset_j += e.last_raw_j - since
+                    paid = min(e.owed_j, energy_j - since)
+                    e.owed_j -= paid
+                    e.offset_j += e.last_raw_j - since - paid
                 if e.source is not None and e.source != source:
                     log.warning("%s is another device now (%s, was %s): its energy counts on from here",
                                 key, source, e.source)  # fmt: skip
                 e.source = source
-                self._last_of[source] = energy_j
+                self._last_of[source] = (energy_j, epoch)
             elif e.energies and energy_j < e.last_raw_j:
                 # The probe's counter restarted: keep what was counted so far.
                 e.offset_j += e.last_raw_j

@@ -25,6 +25,27 @@ def test_probe_restart_never_loses_energy(source: str | None) -> None:
     assert led.total_j("gpu0") == pytest.approx(420.0)
 
 
+def test_a_count_the_probe_takes_back_within_one_opening_is_owed_not_a_restart() -> None:
+    """The NVML probe booked a counter read 500 J ahead, then took it back (the reads
+    around it showed a glitch): its count fell within one opening of the GPU (the same
+    epoch). That fall was read as a restart and the whole count so far was booked again
+    (9,300 -> 19,436 J in a second in a red-team's run). Now the 500 J are owed: the series
+    holds, never falls (a store or Prometheus reads a fall as a counter reset), and the next
+    readings pay it off; a fall with a new epoch (the GPU opened again) is a restart."""
+    led = Ledger()
+    for t, e in ((0.0, 0.0), (1.0, 300.0), (2.0, 1100.0), (3.0, 900.0), (4.0, 1200.0), (5.0, 1500.0)):
+        led.record("gpu0", t, e, source="GPU-A", epoch=7)  # 2.0: 500 J ahead; 3.0: taken back
+    series = [led.energy_between("gpu0", 0.0, t) for t in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert series == pytest.approx([300.0, 1100.0, 1100.0, 1200.0, 1500.0])  # (never falls)
+    assert led.total_j("gpu0") == pytest.approx(1500.0)  # the probe's count, once paid off
+    led.record("gpu0", 6.0, 40.0, source="GPU-A", epoch=8)  # opened again: from 0
+    assert led.total_j("gpu0") == pytest.approx(1540.0)
+    old = Ledger()  # a probe that says no epoch: a fall is a restart, as before
+    for t, e in ((0.0, 0.0), (1.0, 300.0), (2.0, 100.0)):
+        old.record("gpu0", t, e, source="GPU-A")
+    assert old.total_j("gpu0") == pytest.approx(400.0)
+
+
 def test_a_key_that_another_gpu_reads_under_books_no_jump() -> None:
     """GPU A (300 W) falls off the bus and NVML renumbers: gpu0 is now GPU B (70 W, its
     own count 700 J), gpu1 GPU C (its count 3000 J). gpu0's fall was read as a counter

@@ -569,6 +569,33 @@ def test_one_bad_read_of_the_energy_counter_loses_an_interval_at_most(
     assert truth - 2.5 * per_interval <= booked <= truth * 1.001, (booked, truth)
 
 
+@pytest.mark.parametrize("glitch", [lambda mj: mj + 500_000, lambda mj: mj - 1_000_000], ids=["ahead", "low"])
+def test_a_counter_read_the_probe_takes_back_is_not_booked_twice_by_the_ledger(
+    fake: FakeNvml, clock: ManualClock, glitch: Any
+) -> None:
+    """The probe takes back what a glitching counter read booked (500 J ahead, or a run of
+    reads 1 kJ low): its count falls within one opening of the GPU. The daemon's ledger
+    read that fall as the probe opened again and booked the whole count once more (a
+    red-team's 9,300 J became 19,436 J in a second). Fed as the daemon feeds it, the
+    ledger now ends within an interval or two of the truth, and its series never falls."""
+    from greend.jobs.ledger import Ledger
+
+    nvml, probe, truth0 = _glitching(fake)
+    ledger = Ledger()
+    now, series = 0.0, []
+    for k in range(40):
+        fake.sim_gpu(0).run_step(3e14, 0.2, "bf16")
+        clock.advance(0.5)
+        now += 0.5
+        nvml.armed = glitch if 8 <= k < (9 if glitch(10**9) > 10**9 else 12) else None
+        for g in probe.sample(now).gpus:
+            ledger.record(f"gpu{g.index}", now, g.energy_j, source=g.uuid, epoch=g.energy_epoch)
+        series.append(ledger.total_j("gpu0"))
+    truth = fake.sim_gpu(0).energy_j() - truth0
+    assert series == sorted(series)
+    assert truth - 2.5 * truth / 40 <= ledger.total_j("gpu0") <= truth * 1.001, (ledger.total_j("gpu0"), truth)
+
+
 @pytest.mark.parametrize("low_reads", [2, 5, 20])
 def test_a_counter_that_reads_low_for_several_reads_books_the_truth(
     fake: FakeNvml, clock: ManualClock, low_reads: int
