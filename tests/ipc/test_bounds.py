@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,29 @@ def test_the_ranks_same_move_at_the_same_step_is_logged_once() -> None:
     assert [(c.kind, c.step, c.rank) for c in job.precision_log] == [("rollback", 640, 0)]
     later = PrecisionEventEntry("rollback", "fp8", "bf16", "probes: +9 %", 1900, None, None)
     assert book_precision_event(job, later, rank=1, **kw) is True and len(job.precision_log) == 2
+
+
+def test_what_a_gone_peer_sent_is_not_run_to_its_end(tmp_path: Path) -> None:
+    """A client writes thousands of requests in one go and closes without reading: they
+    were all run and answered into the dead socket (a red-team's 8 such clients kept the
+    daemon at 94 % CPU for 90 s after they left). Once a reply finds the peer gone, the
+    rest of what it sent is dropped, unless the connection is a job's rank (its last rows
+    and its end are still booked)."""
+    calls: list[int] = []
+    srv = IpcServer(tmp_path / "s.sock", mode=0o600)
+
+    def slow(msg: dict[str, Any], conn: Any) -> dict[str, Any]:
+        calls.append(1)
+        time.sleep(0.002)
+        return {"pad": "x" * 2000}  # (the socket's buffer fills: the send then fails or times out)
+
+    srv.route("slow", slow)
+    srv.start()
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(srv.path))
+            s.sendall(b'{"v":1,"op":"slow"}\n' * 2000)
+        time.sleep(1.5)
+        assert len(calls) < 200, len(calls)  # (2,000 at 2 ms: 4 s of work, were it all run)
+    finally:
+        srv.stop()
