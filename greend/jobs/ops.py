@@ -207,13 +207,8 @@ class JobOps:
             kept = self.archive.report(msg["job"]) if self.archive is not None else None
             if kept is not None:
                 return kept
-            ids = (
-                sorted(self.jobs.jobs) + [r["job"] for r in self.archive.rows()]
-                if self.archive
-                else sorted(self.jobs.jobs)
-            )
-            close = difflib.get_close_matches(msg["job"], ids, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = _did_you_mean(msg["job"], [*self.jobs.jobs, *(r["job"] for r in self.archive.rows())]
+                                 if self.archive else list(self.jobs.jobs))  # fmt: skip
             known = ", ".join(sorted(self.jobs.jobs)) or "none yet"
             raise ProtocolError(f"no job {msg['job']!r} on this node (known: {known}){hint}", field="job")
         report = self.jobs.report_with_series(job)
@@ -273,3 +268,18 @@ class JobOps:
 def _run_key(row: dict[str, Any]) -> tuple[str, str] | None:
     """A row's run (job id, run id); None where it has no run id (a run of its own)."""
     return (row["job"], row["run_id"]) if row.get("run_id") else None
+
+
+# A "did you mean" compares the unknown id with this many known ones, each cut to this many
+# characters: difflib's ratio costs the square of the length, and 400 crafted 128-character
+# ids made one unknown id's report cost 0.8 s of the daemon's CPU (pipelined, the ticks stopped).
+HINT_IDS, HINT_CHARS = 32, 48
+
+
+def _did_you_mean(job: str, ids: list[str]) -> str:
+    """The hint for an unknown job id: the closest of the first :data:`HINT_IDS` known ids
+    (in-memory jobs first, then the archive's; duplicates once), or nothing."""
+    known = list(dict.fromkeys(ids))[:HINT_IDS]
+    cut = {k[:HINT_CHARS]: k for k in known}
+    close = difflib.get_close_matches(job[:HINT_CHARS], list(cut), n=1)
+    return f"; did you mean {cut[close[0]]!r}?" if close else ""
