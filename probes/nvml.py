@@ -507,10 +507,9 @@ class NvmlProbe:
 
     def _sample_gpu(self, gpu: TrackedGpu, now_s: float, since_s: float | None = None) -> GpuReading:
         nvml, h, what = self._devices.nvml, gpu.handle, f"gpu{gpu.index}"
-        # Energy is read every tick (it prices the steps); the rest once a second:
-        # one NVML call per GPU per tick instead of eight, which is most of the
-        # daemon's CPU. Power too, unless it is what the energy is integrated from.
-        # A settings write since the last slow read makes them due at once.
+        # Energy is read every tick (it prices the steps); the rest once a second: one NVML call per
+        # GPU per tick instead of eight, which is most of the daemon's CPU. Power too, unless it is
+        # what the energy is integrated from. A settings write since the last slow read makes them due.
         writes = self._devices.settings_writes(gpu.index)
         slow = now_s - gpu.slow_at_s >= SLOW_FIELDS_EVERY_S or writes != gpu.slow_read_after_writes
         if gpu.energy_method == "counter":

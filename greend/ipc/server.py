@@ -535,9 +535,7 @@ class IpcServer:
                 conn.busy = True  # (what it sent is being read and answered: never closed to make room)
                 buf += chunk
                 start = 0  # lines are read off the buffer by offset: no copy of its rest per line
-                while True:
-                    if conn.closed and not (self._stopping.is_set() or self._is_rank(conn)):
-                        break  # a peer gone that is no job's rank: the rest of what it sent is not run
+                while not conn.closed or self._stopping.is_set() or self._is_rank(conn):  # (a gone peer: rest not run)
                     nl = buf.find(b"\n", start)
                     if nl < 0:
                         buf = buf[start:]
