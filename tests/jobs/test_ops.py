@@ -3,6 +3,7 @@ registry called with typed values; a connection is anything shaped like one."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import threading
 import time
@@ -558,7 +559,7 @@ def test_a_re_check_a_node_asked_reaches_the_policy_as_the_latest_the_ranks_agre
             validate({"step_s": 0.3, "recheck_at": bad}, SCHEMAS["pace"])
 
 
-def test_an_unknown_job_s_hint_reads_a_bounded_set_of_known_ids() -> None:
+def test_an_unknown_job_s_hint_reads_a_bounded_set_of_known_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """A report for an unknown id suggests the closest known one; it compares at most
     HINT_IDS of them (in-memory jobs first), each cut to HINT_CHARS: 400 crafted
     128-character ids made one such report cost 0.8 s of the daemon's CPU."""
@@ -567,8 +568,6 @@ def test_an_unknown_job_s_hint_reads_a_bounded_set_of_known_ids() -> None:
     assert _did_you_mean("resnet-run-8", ["bert-1", "resnet-run-7", "resnet-run-7"]) == "; did you mean 'resnet-run-7'?"
     crafted = ["a" * 120 + f"{i:08d}" for i in range(400)]
     seen: list[str] = []
-    import difflib
-
     real = difflib.get_close_matches
 
     def spy(word: str, possibilities: list[str], n: int = 3) -> list[str]:
@@ -576,9 +575,6 @@ def test_an_unknown_job_s_hint_reads_a_bounded_set_of_known_ids() -> None:
         assert len(word) <= HINT_CHARS
         return real(word, possibilities, n)
 
-    difflib.get_close_matches = spy  # type: ignore[assignment]  # (restored below)
-    try:
-        _did_you_mean("a" * 128, crafted + crafted)
-    finally:
-        difflib.get_close_matches = real
+    monkeypatch.setattr(difflib, "get_close_matches", spy)
+    _did_you_mean("a" * 128, crafted + crafted)
     assert 0 < len(seen) <= HINT_IDS and all(len(p) <= HINT_CHARS for p in seen)
